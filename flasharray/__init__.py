@@ -1,2 +1,40 @@
-"""flasharray: FlashAttention for NumPy and CuPy arrays (API filled in by the foundation work)."""
+"""flasharray: FlashAttention for NumPy and CuPy arrays.
+
+``flash_attention(q, k, v)`` computes exact attention without materialising the Lq×Lk score
+matrix: on CuPy arrays with hand-written CUDA kernels, on NumPy arrays with a tiled,
+multithreaded CPU implementation, and on the CPU emulator of those CUDA kernels
+(``backend="emulator"``). Gradients come from an explicit API (``flash_attention_backward``,
+``flash_attention_vjp``). ``flasharray.reference`` is the plain NumPy ground truth and
+``flasharray.testing`` checks any attention output against it.
+"""
 __version__ = "0.1.0"
+
+from ._private.api import (  # noqa: E402
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_attention_vjp,
+)
+from . import reference, testing  # noqa: E402
+
+
+def show_config(file=None):
+    """Print versions, devices, cache directories and kernel choices (see ``python -m flasharray info``)."""
+    try:
+        from ._private.config import show_config as _show
+    except ImportError as e:  # the CUDA layer is optional at import time
+        print("flasharray %s (CUDA configuration unavailable: %s)" % (__version__, e), file=file)
+        return
+    return _show(file=file)
+
+
+__all__ = [
+    "flash_attention",
+    "flash_attention_forward",
+    "flash_attention_backward",
+    "flash_attention_vjp",
+    "reference",
+    "testing",
+    "show_config",
+    "__version__",
+]

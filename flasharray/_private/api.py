@@ -1,0 +1,204 @@
+"""The public functions: validate once, normalise shapes, dispatch to a backend."""
+import numpy as np
+
+from . import validation as val
+from .dtypes import accumulation_dtype
+
+# Keywords of the DESIGN.md extensions. They are part of the contract but no backend implements
+# them yet, so asking for a non-default value is a NotImplementedError, never silently ignored.
+_EXTENSIONS = {"dropout_p": 0.0, "seed": None, "block_mask": None, "window": None,
+               "alibi_slopes": None, "softcap": None, "seqlens_q": None, "seqlens_k": None}
+# Options of the emulator backend (schedule of fibers between rendezvous, and its random seed).
+_EMULATOR_OPTIONS = ("schedule", "schedule_seed")
+
+
+def _check_options(options, backend):
+    kernel_opts = {}
+    for name, value in options.items():
+        if name in _EXTENSIONS:
+            if value is not None and value != _EXTENSIONS[name]:
+                raise NotImplementedError(
+                    "flasharray: %s=%r is not implemented yet (supported today: causal, scale, "
+                    "return_lse, backend, deterministic)" % (name, value))
+        elif name in _EMULATOR_OPTIONS:
+            if backend != "emulator":
+                raise TypeError("flasharray: option %r only applies to backend='emulator' (got "
+                                "backend=%r)" % (name, backend))
+            kernel_opts["seed" if name == "schedule_seed" else name] = value
+        else:
+            raise TypeError("flasharray: unexpected keyword argument %r" % name)
+    return kernel_opts
+
+
+def _xp(kind):
+    if kind == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def _with_batch_dims(x, n):
+    """View of ``x`` with exactly ``n`` batch dims (size-1 dims prepended: broadcast, no copy)."""
+    return x[(None,) * (n - (x.ndim - 2))]
+
+
+def _cuda_module(name):
+    try:
+        if name == "forward":
+            from . import cuda_forward as mod
+        else:
+            from . import cuda_backward as mod
+    except ImportError as e:
+        raise NotImplementedError(
+            "flasharray: the CUDA %s kernels are not available in this build (%s)" % (name, e)) from None
+    return mod
+
+
+class _Problem:
+    """Validated inputs of one attention call."""
+
+    def __init__(self, q, k, v, causal, scale, backend, extra=()):
+        kind, self.dtype = val.check_arrays([("q", q), ("k", k), ("v", v)] + list(extra))
+        self.batch_shape = val.check_qkv(q, k, v)
+        self.causal = val.check_flag("causal", causal)
+        self.scale = val.check_scale(scale, q.shape[-1])
+        self.backend = val.check_backend(backend, kind)
+        self.kind, self.xp = kind, _xp(kind)
+        n = len(self.batch_shape)
+        self.q, self.k, self.v = (_with_batch_dims(x, n) for x in (q, k, v))
+        self.Lq, self.Lk, self.Dv = q.shape[-2], k.shape[-2], v.shape[-1]
+        self.acc = accumulation_dtype(self.dtype)
+
+    @property
+    def out_shape(self):
+        return self.batch_shape + (self.Lq, self.Dv)
+
+    @property
+    def lse_shape(self):
+        return self.batch_shape + (self.Lq,)
+
+
+def _forward(p, opts):
+    if p.Lq == 0 or p.Lk == 0:
+        # No queries: empty outputs. No keys: every row sees nothing (out = 0, lse = -inf).
+        return (p.xp.zeros(p.out_shape, dtype=p.dtype),
+                p.xp.full(p.lse_shape, -np.inf, dtype=p.acc))
+    if p.backend == "cpu":
+        from . import cpu
+        return cpu.forward(p.q, p.k, p.v, causal=p.causal, scale=p.scale, batch_shape=p.batch_shape)
+    return _cuda_module("forward").forward(p.q, p.k, p.v, causal=p.causal, scale=p.scale,
+                                           batch_shape=p.batch_shape, device=p.backend, **opts)
+
+
+def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, **options):
+    """Exact attention and its row log-sum-exp, without materialising the Lq×Lk matrices.
+
+    Parameters
+    ----------
+    q : numpy.ndarray or cupy.ndarray, shape (..., Lq, D)
+    k : array, shape (..., Lk, D)
+    v : array, shape (..., Lk, Dv)
+        One dtype for all three: float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
+        float64. Leading (batch) dims broadcast by NumPy rules: MQA/GQA is
+        ``q (B, Hk, G, L, D)`` against ``k, v (B, Hk, 1, L, D)``. Any strides.
+    causal : bool, default False
+        Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``.
+    scale : float, optional
+        Softmax scale (finite, > 0); default ``1/sqrt(D)``.
+    backend : {None, "cpu", "cuda", "emulator"}
+        ``None`` picks by array type (NumPy → "cpu", CuPy → "cuda"). "emulator" runs the CUDA
+        kernels on the CPU emulator (NumPy arrays).
+    **options
+        ``schedule`` ("forward", "reverse", "random") and ``schedule_seed`` for the emulator.
+
+    Returns
+    -------
+    out : array, shape (*batch, Lq, Dv), the input dtype
+    lse : array, shape (*batch, Lq), float32 (float64 for float64 inputs); natural-log
+        ``log Σ_j exp(scale·q_i·k_j)`` over visible keys, ``-inf`` for rows that see none.
+
+    Notes
+    -----
+    Accumulation is float32 for float16/bfloat16/float32 inputs and float64 for float64.
+    A row that sees no key has ``out = 0``. Inputs are never modified.
+    """
+    p = _Problem(q, k, v, causal, scale, backend)
+    opts = _check_options(options, p.backend)
+    return _forward(p, opts)
+
+
+def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None, **options):
+    """Exact attention ``softmax(scale·QKᵀ) V`` (FlashAttention).
+
+    Same parameters as :func:`flash_attention_forward`; returns ``out`` of shape
+    ``(*batch, Lq, Dv)``, or ``(out, lse)`` when ``return_lse=True``.
+    """
+    return_lse = val.check_flag("return_lse", return_lse)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, backend=backend, **options)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, backend=None,
+                             deterministic=True, **options):
+    """Gradients of ``Σ dout ∘ attention(q, k, v)`` by FlashAttention's backward.
+
+    P is recomputed tile by tile from the saved ``lse``; nothing of size Lq×Lk is stored.
+
+    Parameters
+    ----------
+    dout : array, shape (*batch, Lq, Dv)
+        Gradient of the loss with respect to ``out``; dtype of q.
+    q, k, v : arrays as for :func:`flash_attention_forward`.
+    out, lse : the outputs of :func:`flash_attention_forward` for the same q, k, v and options.
+    causal, scale, backend : as for :func:`flash_attention_forward`; must match the forward call.
+    deterministic : bool, default True
+        CUDA backend: ``True`` gives bitwise-identical gradients run to run; ``False`` accumulates
+        dQ with float32 atomics (faster, not bitwise reproducible). The cpu backend is always
+        deterministic.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with exactly the shapes and dtype of q, k, v; for broadcast inputs
+        (MQA/GQA) the gradient is summed over the broadcast dims. Rows that see no key
+        contribute nothing.
+    """
+    p = _Problem(q, k, v, causal, scale, backend, extra=[("dout", dout), ("out", out)])
+    val.check_expected_shape("dout", dout, p.out_shape)
+    val.check_expected_shape("out", out, p.out_shape)
+    val.check_lse(lse, p.kind, p.dtype, p.lse_shape)
+    deterministic = val.check_flag("deterministic", deterministic)
+    opts = _check_options(options, p.backend)
+    if p.Lq == 0 or p.Lk == 0:
+        return tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
+    if p.backend == "cpu":
+        from . import cpu
+        dq, dk, dv = cpu.backward(dout, p.q, p.k, p.v, out, lse, causal=p.causal, scale=p.scale,
+                                  batch_shape=p.batch_shape)
+    else:
+        dq, dk, dv = _cuda_module("backward").backward(
+            dout, p.q, p.k, p.v, out, lse, causal=p.causal, scale=p.scale,
+            batch_shape=p.batch_shape, device=p.backend, deterministic=deterministic, **opts)
+    # Backends return gradients with the batch-dim-normalised shapes of p.q, p.k, p.v.
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def flash_attention_vjp(q, k, v, **options):
+    """Forward pass plus a function for its vector-Jacobian product.
+
+    ``out, vjp = flash_attention_vjp(q, k, v, causal=..., scale=..., backend=...)`` then
+    ``dq, dk, dv = vjp(dout)``. Takes the keywords of :func:`flash_attention_forward` and
+    ``deterministic`` (used by the backward). The closure keeps q, k, v, out and lse alive.
+    """
+    deterministic = options.pop("deterministic", True)
+    fwd_keys = ("causal", "scale", "backend")
+    fwd = {k_: options[k_] for k_ in fwd_keys if k_ in options}
+    rest = {k_: val_ for k_, val_ in options.items() if k_ not in fwd_keys}
+    out, lse = flash_attention_forward(q, k, v, **fwd, **rest)
+    val.check_flag("deterministic", deterministic)
+
+    def vjp(dout):
+        """dq, dk, dv for the cotangent ``dout`` (shape and dtype of ``out``)."""
+        return flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                        **fwd, **rest)
+
+    return out, vjp
