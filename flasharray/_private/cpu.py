@@ -65,10 +65,20 @@ def _batch_index(b, shape):
     return tuple(i if n != 1 else 0 for i, n in zip(b, shape))
 
 
-def _chunks(n_blocks, n_batch):
-    """Split ``n_blocks`` blocks per batch entry into contiguous ranges so that the pool has
-    about four items per worker (fewer, larger items when the batch alone provides them)."""
-    per = max(1, min(n_blocks, -(-4 * _workers() // max(n_batch, 1))))
+# Work items aimed for per call. Fixed (not derived from the thread count) so that the split,
+# and with it the order of every floating-point sum, is the same on any machine: results are
+# bitwise independent of FLASHARRAY_CPU_THREADS.
+_TARGET_ITEMS = 16
+
+
+# The backward keeps one dQ partial (Lq×D) per key chunk of a batch entry, so it splits less.
+_TARGET_ITEMS_BWD = 4
+
+
+def _chunks(n_blocks, n_batch, target=_TARGET_ITEMS):
+    """Split ``n_blocks`` blocks per batch entry into contiguous ranges so that there are about
+    ``target`` work items (fewer, larger items when the batch alone provides them)."""
+    per = max(1, min(n_blocks, -(-target // max(n_batch, 1))))
     step = -(-n_blocks // per)
     return [(s, min(s + step, n_blocks)) for s in range(0, n_blocks, step)]
 
@@ -157,7 +167,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape):
     batch_shape = tuple(batch_shape)
     batches = list(np.ndindex(*batch_shape))
     n_kblocks = -(-Lk // BWD_BLOCK_K)
-    chunks = _chunks(n_kblocks, len(batches))
+    chunks = _chunks(n_kblocks, len(batches), _TARGET_ITEMS_BWD)
     # dK, dV per batch entry (summed over broadcast dims at the end); dQ per (entry, key chunk)
     # so that parallel key chunks never write the same memory; summed in a fixed order.
     dk = np.zeros(batch_shape + k.shape[-2:], dtype=acc)

@@ -1,0 +1,35 @@
+"""Shared fixtures: fixed seeds, dtype parameters and input builders used by every test file."""
+import numpy as np
+import pytest
+
+from flasharray._private.dtypes import bfloat16
+
+DTYPES = [np.float16, bfloat16, np.float32, np.float64]
+DTYPE_IDS = ["fp16", "bf16", "fp32", "fp64"]
+
+
+def make_qkv(shape_q, shape_k, shape_v, dtype, seed=0, layout="bhsd"):
+    """Random q, k, v. ``layout="bshd"`` returns BHSD-shaped *views* of BSHD-contiguous arrays
+    (the transposed, non-contiguous case); shapes are always given as (..., L, D)."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for shape in (shape_q, shape_k, shape_v):
+        if layout == "bshd" and len(shape) >= 3:
+            # allocate (..., L, H, D) and view it as (..., H, L, D)
+            perm = list(shape[:-3]) + [shape[-2], shape[-3], shape[-1]]
+            x = rng.standard_normal(perm).astype(dtype)
+            arrays.append(np.swapaxes(x, -2, -3))
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+    return tuple(arrays)
+
+
+def gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
