@@ -1,0 +1,158 @@
+// flash_kernel_traits.cuh — every tile choice of the forward kernels and its invariants.
+//
+// The numbers themselves come from ONE table in Python (flasharray/_private/tiles.py), which
+// also computes the dynamic shared-memory size; here they become compile-time constants with
+// a static_assert (and a message) for every invariant the kernels rely on.
+//
+// Symbols (paper names):
+//   Br = kBlockM   query rows per thread block (tile Q_i, O_i: Br × d)
+//   Bc = kBlockN   key rows per iteration      (tiles K_j: Bc × d, V_j: Bc × dv)
+//   d  = kHeadDim  head dim of Q and K, rounded up to a multiple of 16 (zero-filled past D)
+//   dv = kHeadDimV head dim of V and O, rounded up to a multiple of 16
+#pragma once
+#include "fa_port.cuh"
+
+namespace flash {
+
+// ---- small type utilities (NVRTC has no <type_traits>) -------------------------------------
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+
+// Accumulation type: fp32 for fp16/bf16/fp32, fp64 for fp64.
+template <typename T> struct AccumType { using type = float; };
+template <> struct AccumType<double> { using type = double; };
+
+template <typename T> struct Is16BitFloat {
+  static constexpr bool value = IsSame<T, fa_half>::value || IsSame<T, fa_bf16>::value;
+};
+
+// Element → accumulation type, and back with round-to-nearest.
+template <typename AccT, typename T>
+__device__ __forceinline__ AccT to_acc(T x) {
+  if constexpr (Is16BitFloat<T>::value) return static_cast<AccT>(fa::to_float(x));
+  else return static_cast<AccT>(x);
+}
+template <typename T, typename AccT>
+__device__ __forceinline__ T from_acc(AccT x) {
+  if constexpr (Is16BitFloat<T>::value) return fa::from_float<T>(static_cast<float>(x));
+  else return static_cast<T>(x);
+}
+template <typename T>
+__device__ __forceinline__ T zero_value() {
+  if constexpr (Is16BitFloat<T>::value) return fa::from_float<T>(0.0f);
+  else return T(0);
+}
+
+constexpr int kCopyBytes = 16;  // one cp.async / one vector shared-memory access
+constexpr int kWarpSize = 32;
+
+// Round a byte count up to a multiple of 16 (every shared-memory region starts 16-byte aligned
+// so cp.async and ldmatrix rows are aligned).
+template <int kBytes> struct Align16 { static constexpr int value = (kBytes + 15) / 16 * 16; };
+
+// ---- tensor-core forward (fp16 / bf16, mma.sync m16n8k16) ------------------------------------
+//
+// Work split: kNWarps warps, warp w owns the 16-row slab [16w, 16w+16) of Q_i, S_ij, P_ij and
+// O_i (the mma M dimension), across the full Bc columns of S and the full dv columns of O.
+// Shared memory: sQ (Br × d), sK (Bc × d), sV (Bc × dv), each row padded by kSmemPad elements
+// (16 bytes): a row is then 2·d + 16 bytes, and because d is a multiple of 16 the 8 rows an
+// ldmatrix phase reads start in 8 distinct 16-byte bank groups (row r → group r·(d/8+1) mod 8,
+// d/8 + 1 odd) — no bank conflicts for any d, unlike an XOR swizzle, which needs d ≥ 64.
+template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTensorCoreTraits {
+  using Element = T;
+  using AccT = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * kWarpSize;
+
+  static constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;         // mma.sync m16n8k16
+  static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);    // 8 halves per 16 bytes
+  static constexpr int kSmemPad = kElemsPerCopy;                  // one 16-byte chunk per row
+  static constexpr int kStrideQ = kHeadDim + kSmemPad;            // sQ, sK row stride (elements)
+  static constexpr int kStrideK = kHeadDim + kSmemPad;
+  static constexpr int kStrideV = kHeadDimV + kSmemPad;
+
+  static constexpr int kNTilesS = kBlockN / kMmaN;   // n8 tiles of one S slab (16 × Bc)
+  static constexpr int kNTilesO = kHeadDimV / kMmaN; // n8 tiles of one O slab (16 × dv)
+  static constexpr int kKStepsS = kHeadDim / kMmaK;  // k16 steps of S = Q Kᵀ
+  static constexpr int kKStepsO = kBlockN / kMmaK;   // k16 steps of O += P V
+
+  static constexpr int kSmemQOffset = 0;
+  static constexpr int kSmemKOffset = kSmemQOffset + Align16<kBlockM * kStrideQ * (int)sizeof(T)>::value;
+  static constexpr int kSmemVOffset = kSmemKOffset + Align16<kBlockN * kStrideK * (int)sizeof(T)>::value;
+  static constexpr int kSmemBytes = kSmemVOffset + Align16<kBlockN * kStrideV * (int)sizeof(T)>::value;
+
+  static_assert(Is16BitFloat<T>::value, "the tensor-core forward takes fa_half or fa_bf16");
+  static_assert(kHeadDim % kMmaK == 0 && kHeadDim > 0 && kHeadDim <= 256,
+                "kHeadDim must be a multiple of 16 in [16, 256] (the host rounds D up)");
+  static_assert(kHeadDimV % kMmaK == 0 && kHeadDimV > 0 && kHeadDimV <= 256,
+                "kHeadDimV must be a multiple of 16 in [16, 256] (the host rounds Dv up)");
+  static_assert(kBlockM == kNWarps * kMmaM, "each warp owns exactly one 16-row slab of Q_i");
+  static_assert(kBlockN % (2 * kMmaN) == 0,
+                "Bc must be a multiple of 16: K_j is read two n8 tiles per ldmatrix.x4 and "
+                "P_ij feeds the second mma as k16 steps");
+  static_assert(kHeadDimV % (2 * kMmaN) == 0, "V_j is read two n8 tiles per ldmatrix.x4.trans");
+  static_assert((kStrideQ * (int)sizeof(T)) % kCopyBytes == 0 && (kStrideV * (int)sizeof(T)) % kCopyBytes == 0,
+                "smem rows must stay 16-byte aligned for cp.async and ldmatrix");
+  static_assert(((kStrideQ * (int)sizeof(T) / kCopyBytes) & 1) == 1 &&
+                ((kStrideV * (int)sizeof(T) / kCopyBytes) & 1) == 1,
+                "padded row length in 16-byte units must be odd for conflict-free ldmatrix");
+};
+
+// ---- SIMT forward (fp32 / fp64, and the fallback for 16-bit types without tensor cores) -----
+//
+// Work split: kThreadsM × kThreadsN threads; thread (tm, tn) with tid = tm·kThreadsN + tn owns
+// the rows r = tm·TM + a (a < TM) of S_ij, P_ij, O_i; in S it owns the columns c = b·kThreadsN + tn
+// (b < TN), in O the columns e·kThreadsN + tn. The kThreadsN threads of a row group are
+// consecutive lanes of one warp, so row max/sum are width-kThreadsN shuffles and P_ij travels
+// through shared memory only inside a warp (__syncwarp). Columns interleaved by kThreadsN make
+// a row group's V_j reads consecutive; the Q/K reads are 16-byte vectors along d with rows
+// padded by one 16-byte chunk (odd number of chunks per row: conflict-free).
+template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kThreadsM_, int kThreadsN_>
+struct FwdSimtTraits {
+  using Element = T;
+  using AccT = typename AccumType<T>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kThreadsM = kThreadsM_;
+  static constexpr int kThreadsN = kThreadsN_;
+  static constexpr int kNThreads = kThreadsM * kThreadsN;
+  static constexpr int kRowsPerThread = kBlockM / kThreadsM;    // TM
+  static constexpr int kColsPerThread = kBlockN / kThreadsN;    // TN (columns of S)
+  static constexpr int kColsVPerThread = kHeadDimV / kThreadsN; // columns of O
+
+  static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
+  static constexpr int kSmemPad = kElemsPerCopy;
+  static constexpr int kStrideQ = kHeadDim + kSmemPad;
+  static constexpr int kStrideK = kHeadDim + kSmemPad;
+  static constexpr int kStrideV = kHeadDimV + kSmemPad;
+  static constexpr int kStrideP = kBlockN + 1;  // P_ij row (AccT); +1 spreads row groups over banks
+
+  static constexpr int kSmemQOffset = 0;
+  static constexpr int kSmemKOffset = kSmemQOffset + Align16<kBlockM * kStrideQ * (int)sizeof(T)>::value;
+  static constexpr int kSmemVOffset = kSmemKOffset + Align16<kBlockN * kStrideK * (int)sizeof(T)>::value;
+  static constexpr int kSmemPOffset = kSmemVOffset + Align16<kBlockN * kStrideV * (int)sizeof(T)>::value;
+  static constexpr int kSmemBytes = kSmemPOffset + Align16<kBlockM * kStrideP * (int)sizeof(AccT)>::value;
+
+  static_assert(kHeadDim % 16 == 0 && kHeadDim > 0 && kHeadDim <= 256,
+                "kHeadDim must be a multiple of 16 in [16, 256] (the host rounds D up)");
+  static_assert(kHeadDimV % 16 == 0 && kHeadDimV > 0 && kHeadDimV <= 256,
+                "kHeadDimV must be a multiple of 16 in [16, 256] (the host rounds Dv up)");
+  static_assert(kThreadsN >= 1 && kThreadsN <= kWarpSize && (kThreadsN & (kThreadsN - 1)) == 0,
+                "a row group must be a power-of-two number of lanes inside one warp");
+  static_assert(kNThreads % kWarpSize == 0, "the block must be whole warps");
+  static_assert(kBlockM % kThreadsM == 0, "Br must split evenly over kThreadsM row groups");
+  static_assert(kBlockN % kThreadsN == 0, "Bc must split evenly over the kThreadsN lanes of a row group");
+  static_assert(kHeadDimV % kThreadsN == 0, "dv must split evenly over the lanes of a row group");
+  static_assert(kHeadDim % kElemsPerCopy == 0, "d must be whole 16-byte vectors");
+  static_assert(((kStrideK * (int)sizeof(T) / kCopyBytes) & 1) == 1,
+                "padded K row length in 16-byte units must be odd for conflict-free vector reads");
+};
+
+}  // namespace flash
