@@ -17,6 +17,17 @@ saved lse instead of storing it::
     dS_ij = P_ij ∘ (dP_ij − D_i) with D_i = rowsum(dO_i ∘ O_i),
     dQ_i += scale·dS_ij K_j,    dK_j += scale·dS_ijᵀ Q_i
 
+Two CPU-specific tricks keep the tile loop at two elementwise passes plus two BLAS products:
+
+* **Augmented operands.** A column of ones appended to ``V_j`` makes ``P_ij [V_j | 1]`` return
+  ``rowsum(P_ij)`` for free; a column ``-m_i`` appended to ``Q_i`` (against ones appended to
+  ``K_j``) makes BLAS return ``S_ij − m_i`` directly. In the backward the same trick yields
+  ``S_ij − lse_i`` and ``dP_ij − D_i`` straight from the products.
+* **Lazy rescaling.** ``m_i`` is a reference point, not necessarily the exact running max: it
+  moves only when a row's new maximum exceeds it by more than ``RESCALE_THRESHOLD`` (natural
+  log units), so most tiles need no rescale of ``O_i``. Exact either way — the final division
+  by ``l_i`` cancels the reference — and exponents stay ≤ the threshold, so nothing overflows.
+
 Nothing of size Lq×Lk is ever allocated: the largest temporaries are Br×Bc tiles and per-batch
 Lq×D / Lk×D buffers. float16/bfloat16 inputs compute in float32, float32 in float32, float64 in
 float64. Work items (batch entry × block range) run on a thread pool; BLAS and large NumPy
@@ -28,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .blas import single_threaded_blas
 from .dtypes import accumulation_dtype
 from ..reference import reduce_to_shape
 
@@ -38,6 +50,10 @@ BLOCK_K = 512
 # Backward tiles: each (key block, query block) step does five products on Br×Bc tiles.
 BWD_BLOCK_Q = 256
 BWD_BLOCK_K = 256
+
+# Exponents exp(S - m_i) may reach e^8 ≈ 3e3 before m_i is moved: far from overflow in float32
+# (l_i ≤ Lk·3e3), and relative precision is unchanged by the scaling.
+RESCALE_THRESHOLD = 8.0
 
 _pool = None
 _pool_lock = threading.Lock()
@@ -57,7 +73,16 @@ def _map(fn, items):
         if _pool is None or _pool._max_workers != _workers():
             _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="flasharray-cpu")
         pool = _pool
-    return list(pool.map(fn, items))
+    with single_threaded_blas():  # the pool already uses every core
+        return list(pool.map(fn, items))
+
+
+def _augment(x, col, acc):
+    """``[x | col]`` as a fresh C-contiguous array in the accumulation dtype."""
+    a = np.empty((x.shape[0], x.shape[1] + 1), dtype=acc)
+    a[:, :-1] = x
+    a[:, -1] = col
+    return a
 
 
 def _batch_index(b, shape):
@@ -110,11 +135,11 @@ def forward(q, k, v, *, causal, scale, batch_shape):
     def work(item):
         b, (blk0, blk1) = item
         q_b = q[_batch_index(b, q.shape[:-2])]
-        k_b = np.asarray(k[_batch_index(b, k.shape[:-2])], dtype=acc)
-        v_b = np.asarray(v[_batch_index(b, v.shape[:-2])], dtype=acc)
+        K_aug = _augment(k[_batch_index(b, k.shape[:-2])], 1, acc)   # Lk×(D+1):  [K | 1]
+        V_aug = _augment(v[_batch_index(b, v.shape[:-2])], 1, acc)   # Lk×(Dv+1): [V | 1]
         for i0 in range(blk0 * BLOCK_Q, min(blk1 * BLOCK_Q, Lq), BLOCK_Q):
             i1 = min(i0 + BLOCK_Q, Lq)
-            O_i, lse_i = _forward_block(q_b[i0:i1], k_b, v_b, i0, i1, causal, scale, offset, acc)
+            O_i, lse_i = _forward_block(q_b[i0:i1], K_aug, V_aug, i0, i1, causal, scale, offset, acc)
             out[b + (slice(i0, i1),)] = O_i
             lse[b + (slice(i0, i1),)] = lse_i
 
@@ -122,41 +147,49 @@ def forward(q, k, v, *, causal, scale, batch_shape):
     return out, lse
 
 
-def _forward_block(q_rows, k_b, v_b, i0, i1, causal, scale, offset, acc):
+def _forward_block(q_rows, K_aug, V_aug, i0, i1, causal, scale, offset, acc):
     """One query block Q_i against all the key blocks it sees; returns (O_i, lse_i)."""
-    Br = i1 - i0
-    Q_i = np.asarray(q_rows, dtype=acc) * acc.type(scale)  # fold the scale into Q once
-    m_i = np.full(Br, -np.inf, dtype=acc)
-    l_i = np.zeros(Br, dtype=acc)
-    O_i = np.zeros((Br, v_b.shape[-1]), dtype=acc)
-    for j0 in range(0, _key_end(i1, k_b.shape[0], causal, offset), BLOCK_K):
-        j1 = min(j0 + BLOCK_K, k_b.shape[0])
-        S_ij = Q_i @ k_b[j0:j1].T                                    # Br×Bc
+    Br, Lk, Dv = i1 - i0, K_aug.shape[0], V_aug.shape[1] - 1
+    # [scale·Q_i | -m_i]: the product with [K_j | 1]ᵀ is S_ij − m_i (scale folded in once).
+    Q_aug = _augment(np.asarray(q_rows, dtype=acc) * acc.type(scale), 0, acc)
+    m_i = np.full(Br, -np.inf, dtype=acc)          # reference point; -inf: no key seen yet
+    O_i = np.zeros((Br, Dv + 1), dtype=acc)        # [unnormalised O_i | l_i]
+    threshold = acc.type(RESCALE_THRESHOLD)
+    all_seen = False                               # every row has a finite reference m_i
+    for j0 in range(0, _key_end(i1, Lk, causal, offset), BLOCK_K):
+        j1 = min(j0 + BLOCK_K, Lk)
+        S_ij = Q_aug @ K_aug[j0:j1].T                                  # Br×Bc: S_ij − m_i
         if causal and j1 - 1 > i0 + offset:  # only tiles crossing the diagonal need the mask
             S_ij[_causal_tile_mask(i0, i1, j0, j1, offset)] = -np.inf
-        # -- update m_i; a row with no visible key so far keeps m = -inf, and subtracting 0
-        #    instead of -inf keeps exp() at 0 rather than NaN (-inf - -inf).
-        m_new = np.maximum(m_i, S_ij.max(axis=1))
-        m_safe = np.where(np.isneginf(m_new), acc.type(0), m_new)
-        alpha = np.exp(m_i - m_safe)                                 # rescale of the old state
-        np.subtract(S_ij, m_safe[:, None], out=S_ij)
+        # -- move m_i for rows whose new max exceeds it by more than the threshold (or that saw
+        #    their first key). m_safe is what Q_aug currently subtracts (0 while m_i = -inf,
+        #    which keeps -inf - -inf out of the arithmetic).
+        #    Fast path: once every row has a reference, one whole-tile max (5x cheaper than
+        #    per-row maxima) shows whether any row needs to move; NaN fails it and goes the slow way.
+        if not (all_seen and S_ij.max() <= threshold):
+            m_safe = -Q_aug[:, -1]
+            row_max = S_ij.max(axis=1) + m_safe
+            grow = row_max > m_i + threshold       # NaN rows compare False and stay NaN below
+            if grow.any():
+                rows = np.flatnonzero(grow)
+                S_ij[rows] -= (row_max[rows] - m_safe[rows])[:, None]
+                O_i[rows] *= np.exp(m_i[rows] - row_max[rows])[:, None]   # 0 when m_i was -inf
+                m_i[rows] = row_max[rows]
+                Q_aug[rows, -1] = -row_max[rows]
+                all_seen = not np.isneginf(m_i).any()
         P_ij = np.exp(S_ij, out=S_ij)
-        # -- update l_i and O_i
-        l_i *= alpha
-        l_i += P_ij.sum(axis=1)
-        O_i *= alpha[:, None]
-        O_i += P_ij @ v_b[j0:j1]
-        m_i = m_new
+        O_i += P_ij @ V_aug[j0:j1]                                     # also adds rowsum(P_ij)
+    l_i = O_i[:, -1]
     seen = l_i > 0
-    O_i = np.divide(O_i, l_i[:, None], out=np.zeros_like(O_i), where=seen[:, None])
-    with np.errstate(divide="ignore"):
+    O = np.divide(O_i[:, :-1], l_i[:, None], out=np.zeros((Br, Dv), dtype=acc), where=seen[:, None])
+    with np.errstate(divide="ignore", invalid="ignore"):
         lse_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf).astype(acc)
     # A NaN anywhere in the row's scores makes l_i NaN (not > 0); keep it NaN as the reference does.
     nan_rows = np.isnan(l_i)
     if nan_rows.any():
-        O_i[nan_rows] = np.nan
+        O[nan_rows] = np.nan
         lse_i[nan_rows] = np.nan
-    return O_i, lse_i
+    return O, lse_i
 
 
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape):
@@ -173,54 +206,55 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape):
     dk = np.zeros(batch_shape + k.shape[-2:], dtype=acc)
     dv = np.zeros(batch_shape + v.shape[-2:], dtype=acc)
     dq_parts = np.zeros((len(chunks),) + batch_shape + q.shape[-2:], dtype=acc)
-    delta = {}  # D_i = rowsum(dO_i ∘ O_i), one Lq vector per batch entry
+    prepared = {}
 
     def prep(b):
-        delta[b] = np.einsum("ld,ld->l", np.asarray(dout[b], dtype=acc), np.asarray(out[b], dtype=acc))
+        """Per batch entry: [scale·Q | -lse] and [dO | -D] with D_i = rowsum(dO_i ∘ O_i)."""
+        do_b = np.asarray(dout[b], dtype=acc)
+        delta = np.einsum("ld,ld->l", do_b, np.asarray(out[b], dtype=acc))
+        # Rows with lse = -inf saw no key: +inf makes exp(S - lse) = 0 instead of NaN.
+        lse_b = np.where(np.isneginf(lse[b]), np.inf, lse[b]).astype(acc)
+        q_b = np.asarray(q[_batch_index(b, q.shape[:-2])], dtype=acc)
+        prepared[b] = (_augment(q_b * acc.type(scale), -lse_b, acc), q_b, do_b,
+                       _augment(do_b, -delta, acc))
 
     _map(prep, batches)
 
     def work(item):
         b, c = item
-        blk0, blk1 = chunks[c]
-        q_b = np.asarray(q[_batch_index(b, q.shape[:-2])], dtype=acc)
-        k_b = np.asarray(k[_batch_index(b, k.shape[:-2])], dtype=acc)
-        v_b = np.asarray(v[_batch_index(b, v.shape[:-2])], dtype=acc)
-        do_b = np.asarray(dout[b], dtype=acc)
-        # Rows with lse = -inf saw no key: +inf makes exp(S - lse) = 0 instead of NaN.
-        lse_b = np.where(np.isneginf(lse[b]), np.inf, lse[b]).astype(acc)
-        _backward_chunk(q_b, k_b, v_b, do_b, lse_b, delta[b], dq_parts[(c,) + b], dk[b], dv[b],
-                        blk0, blk1, causal, acc.type(scale), offset)
+        K_aug = _augment(k[_batch_index(b, k.shape[:-2])], 1, acc)   # [K | 1]
+        V_aug = _augment(v[_batch_index(b, v.shape[:-2])], 1, acc)   # [V | 1]
+        _backward_chunk(*prepared[b], K_aug, V_aug, dq_parts[(c,) + b], dk[b], dv[b],
+                        chunks[c], causal, offset)
 
     _map(work, [(b, c) for b in batches for c in range(len(chunks))])
     dq = dq_parts[0] if len(chunks) == 1 else dq_parts.sum(axis=0)
+    # The tile loop accumulates dS K and dSᵀ Q; the softmax scale is applied once here.
+    dq *= acc.type(scale)
+    dk *= acc.type(scale)
     grads = (reduce_to_shape(dq, q.shape), reduce_to_shape(dk, k.shape), reduce_to_shape(dv, v.shape))
     return tuple(np.ascontiguousarray(g).astype(q.dtype, copy=False) for g in grads)
 
 
-def _backward_chunk(q_b, k_b, v_b, do_b, lse_b, delta_b, dq_b, dk_b, dv_b, blk0, blk1, causal,
-                    scale, offset):
+def _backward_chunk(Q_aug, Q, dO, dO_aug, K_aug, V_aug, dq_b, dk_b, dv_b, blocks, causal, offset):
     """Key blocks [blk0, blk1) of one batch entry: accumulates dK_j, dV_j and this chunk's dQ."""
-    Lq, Lk = q_b.shape[0], k_b.shape[0]
+    Lq, Lk = Q.shape[0], K_aug.shape[0]
+    blk0, blk1 = blocks
     for j0 in range(blk0 * BWD_BLOCK_K, min(blk1 * BWD_BLOCK_K, Lk), BWD_BLOCK_K):
         j1 = min(j0 + BWD_BLOCK_K, Lk)
-        K_j, V_j = k_b[j0:j1], v_b[j0:j1]
-        dK_j = dk_b[j0:j1]
-        dV_j = dv_b[j0:j1]
+        K_j, V_j = K_aug[j0:j1], V_aug[j0:j1]
+        K_j_plain = K_j[:, :-1]
+        dK_j, dV_j = dk_b[j0:j1], dv_b[j0:j1]
         # Causal: the first query that sees key j0 is i = j0 - offset; earlier blocks are skipped.
         i_start = max(0, j0 - offset) if causal else 0
         for i0 in range(i_start - i_start % BWD_BLOCK_Q, Lq, BWD_BLOCK_Q):
             i1 = min(i0 + BWD_BLOCK_Q, Lq)
-            Q_i = q_b[i0:i1]
-            dO_i = do_b[i0:i1]
-            S_ij = (Q_i @ K_j.T) * scale                                 # Br×Bc
+            S_ij = Q_aug[i0:i1] @ K_j.T                      # Br×Bc: scale·S_ij − lse_i
             if causal and j1 - 1 > i0 + offset:
                 S_ij[_causal_tile_mask(i0, i1, j0, j1, offset)] = -np.inf
-            np.subtract(S_ij, lse_b[i0:i1, None], out=S_ij)
-            P_ij = np.exp(S_ij, out=S_ij)                               # recomputed, never stored
-            dV_j += P_ij.T @ dO_i
-            dP_ij = dO_i @ V_j.T
-            dP_ij -= delta_b[i0:i1, None]
+            P_ij = np.exp(S_ij, out=S_ij)                    # recomputed, never stored
+            dV_j += P_ij.T @ dO[i0:i1]
+            dP_ij = dO_aug[i0:i1] @ V_j.T                    # dP_ij − D_i
             dS_ij = np.multiply(P_ij, dP_ij, out=dP_ij)
-            dK_j += (dS_ij.T @ Q_i) * scale
-            dq_b[i0:i1] += (dS_ij @ K_j) * scale
+            dK_j += dS_ij.T @ Q[i0:i1]
+            dq_b[i0:i1] += dS_ij @ K_j_plain
