@@ -1,0 +1,248 @@
+// fa_emu.h — host branch of fa_port.cuh: CUDA builtins and fa:: wrappers on the emulator.
+//
+// Each CUDA thread is a fiber (cuda_src/emu/fa_emu_runtime.cpp). Everything here is either
+// plain per-thread C++ (conversions, math) or a call into the runtime, which
+//   * bounds-checks and counts global accesses (fa::gload / fa::gstore / fa::atomic_add),
+//   * turns warp collectives (shuffles, __syncwarp, ldmatrix, mma) into warp rendezvous that
+//     are evaluated once, with the PTX semantics, when every lane of the mask has arrived,
+//   * turns __syncthreads() into a block rendezvous,
+//   * queues cp.async copies and performs them at the cp.async.wait_group that covers them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+
+#include "fa_emu_api.h"
+
+#define FA_EMULATOR 1
+
+// ---- CUDA keywords -----------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// Static __shared__ variables become per-OS-thread storage: one block runs at a time on each
+// emulator worker, so all fibers of a block see the same variable. flasharray kernels use
+// dynamic shared memory only (FA_DYNAMIC_SMEM); the fa:: wrappers check against that region.
+#define __shared__ thread_local
+#define __constant__ const
+
+struct uint3 { unsigned int x, y, z; };
+struct dim3 { unsigned int x, y, z; };
+struct uint2 { unsigned int x, y; };
+struct __align__(16) uint4 { unsigned int x, y, z, w; };
+struct float2 { float x, y; };
+struct __align__(16) float4 { float x, y, z, w; };
+
+static constexpr int warpSize = 32;
+
+// The fiber view: laid out identically to fa_emu_thread_view in fa_emu_api.h.
+#define threadIdx (*reinterpret_cast<const uint3*>(fa_emu_self()->thread_idx))
+#define blockIdx (*reinterpret_cast<const uint3*>(fa_emu_self()->block_idx))
+#define blockDim (*reinterpret_cast<const dim3*>(fa_emu_self()->block_dim))
+#define gridDim (*reinterpret_cast<const dim3*>(fa_emu_self()->grid_dim))
+
+#define __syncthreads() fa_emu_syncthreads()
+inline void __syncwarp(unsigned mask = 0xffffffffu) { fa_emu_syncwarp(mask); }
+inline void __trap() { fa_emu_trap("__trap() called"); }
+
+// ---- 16-bit float types (storage + round-to-nearest-even conversions) --------------------
+namespace fa_emu {
+inline uint16_t f32_to_f16_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u)  // inf or nan (nan keeps a quiet payload)
+        return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u | ((absx >> 13) & 0x3ffu) : 0u));
+    if (absx >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65536: inf
+    if (absx < 0x38800000u) {  // below 2^-14: half subnormal (unit 2^-24) or zero
+        float a;
+        std::memcpy(&a, &absx, 4);
+        const float scaled = a * 16777216.0f;  // exact: power-of-two scaling
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
+    }
+    const uint32_t mant = absx & 0x7fffffu;
+    const uint32_t exp = (absx >> 23) - 127 + 15;
+    uint32_t h = (exp << 10) | (mant >> 13);
+    const uint32_t rem = mant & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // ties to even; carry may give inf
+    return static_cast<uint16_t>(sign | h);
+}
+inline float f16_bits_to_f32(uint16_t h) {
+    const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t x;
+    if (exp == 0x1f) {
+        x = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        float v = std::ldexp(static_cast<float>(mant), -24);
+        return sign ? -v : v;
+    } else {
+        x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+}
+inline uint16_t f32_to_bf16_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return static_cast<uint16_t>(x >> 16);
+}
+inline float bf16_bits_to_f32(uint16_t h) {
+    const uint32_t x = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+}
+}  // namespace fa_emu
+
+struct __half {
+    uint16_t x;
+    __half() = default;
+    __half(float f) : x(fa_emu::f32_to_f16_bits(f)) {}
+    __half(double f) : x(fa_emu::f32_to_f16_bits(static_cast<float>(f))) {}
+    operator float() const { return fa_emu::f16_bits_to_f32(x); }
+};
+struct __nv_bfloat16 {
+    uint16_t x;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) : x(fa_emu::f32_to_bf16_bits(f)) {}
+    __nv_bfloat16(double f) : x(fa_emu::f32_to_bf16_bits(static_cast<float>(f))) {}
+    operator float() const { return fa_emu::bf16_bits_to_f32(x); }
+};
+typedef __half fa_half;
+typedef __nv_bfloat16 fa_bf16;
+
+inline float __half2float(__half h) { return fa_emu::f16_bits_to_f32(h.x); }
+inline __half __float2half_rn(float f) { __half h; h.x = fa_emu::f32_to_f16_bits(f); return h; }
+inline float __bfloat162float(__nv_bfloat16 h) { return fa_emu::bf16_bits_to_f32(h.x); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { __nv_bfloat16 h; h.x = fa_emu::f32_to_bf16_bits(f); return h; }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
+
+// ---- math builtins not in the C library ---------------------------------------------------
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+
+// ---- warp shuffles: 4- and 8-byte values ----------------------------------------------------
+namespace fa_emu {
+template <class T>
+inline T shfl(int kind, unsigned mask, T var, int arg, int width) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "shuffles take 4- or 8-byte values");
+    uint64_t bits = 0;
+    std::memcpy(&bits, &var, sizeof(T));
+    const uint64_t out = fa_emu_shfl(kind, mask, bits, arg, width);
+    T r;
+    std::memcpy(&r, &out, sizeof(T));
+    return r;
+}
+}  // namespace fa_emu
+template <class T>
+inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+    return fa_emu::shfl(FA_EMU_SHFL_IDX, mask, var, src_lane, width);
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+    return fa_emu::shfl(FA_EMU_SHFL_XOR, mask, var, lane_mask, width);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+    return fa_emu::shfl(FA_EMU_SHFL_DOWN, mask, var, static_cast<int>(delta), width);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+    return fa_emu::shfl(FA_EMU_SHFL_UP, mask, var, static_cast<int>(delta), width);
+}
+
+// Declares `unsigned char* ptr` pointing at the block's dynamic shared memory.
+#define FA_DYNAMIC_SMEM(ptr) unsigned char* ptr = fa_emu_dynamic_smem()
+
+namespace fa {
+
+template <class T> struct dependent_false { static constexpr bool value = false; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(fa_half x) { return fa_emu::f16_bits_to_f32(x.x); }
+inline float to_float(fa_bf16 x) { return fa_emu::bf16_bits_to_f32(x.x); }
+
+template <class T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline double from_float<double>(float x) { return x; }
+template <> inline fa_half from_float<fa_half>(float x) { return __float2half_rn(x); }
+template <> inline fa_bf16 from_float<fa_bf16>(float x) { return __float2bfloat16_rn(x); }
+
+template <class T> inline uint32_t pack2(float lo, float hi);
+template <> inline uint32_t pack2<fa_half>(float lo, float hi) {
+    return static_cast<uint32_t>(fa_emu::f32_to_f16_bits(lo)) |
+           (static_cast<uint32_t>(fa_emu::f32_to_f16_bits(hi)) << 16);
+}
+template <> inline uint32_t pack2<fa_bf16>(float lo, float hi) {
+    return static_cast<uint32_t>(fa_emu::f32_to_bf16_bits(lo)) |
+           (static_cast<uint32_t>(fa_emu::f32_to_bf16_bits(hi)) << 16);
+}
+
+template <class T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    static_assert(dependent_false<T>::value, "fa::mma_m16n8k16: T must be fa_half or fa_bf16");
+}
+template <>
+inline void mma_m16n8k16<fa_half>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    fa_emu_mma(FA_EMU_F16, d, a, b, c);
+}
+template <>
+inline void mma_m16n8k16<fa_bf16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    fa_emu_mma(FA_EMU_BF16, d, a, b, c);
+}
+
+template <int N, bool Trans>
+inline void ldmatrix(uint32_t (&r)[N], const void* smem_row_addr) {
+    static_assert(N == 1 || N == 2 || N == 4, "fa::ldmatrix: N must be 1, 2 or 4");
+    fa_emu_ldmatrix(N, Trans ? 1 : 0, r, smem_row_addr);
+}
+
+template <int Bytes>
+inline void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
+    static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");
+    fa_emu_cp_async(smem_dst, gmem_src, Bytes, src_bytes);
+}
+inline void cp_async_commit() { fa_emu_cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::cp_async_wait: N must be in [0, 7]");
+    fa_emu_cp_async_wait(N);
+}
+
+template <class T>
+inline T gload(const T* p) {
+    fa_emu_gcheck(p, sizeof(T), 0);
+    T v;
+    std::memcpy(static_cast<void*>(&v), static_cast<const void*>(p), sizeof(T));
+    return v;
+}
+template <class T>
+inline void gstore(T* p, T v) {
+    fa_emu_gcheck(p, sizeof(T), 1);
+    std::memcpy(static_cast<void*>(p), static_cast<const void*>(&v), sizeof(T));
+}
+inline void atomic_add(float* p, float v) { fa_emu_atomic_add_f32(p, v); }
+inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
+
+}  // namespace fa

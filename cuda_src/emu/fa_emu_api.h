@@ -1,0 +1,85 @@
+// fa_emu_api.h — the C ABI of the emulator runtime (libfa_emu_rt), used by kernel modules
+// (through fa_emu.h) and by the Python driver (flasharray/emulator.py, through ctypes).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// What a fiber knows about itself. threadIdx etc. read these fields.
+typedef struct fa_emu_thread_view {
+    unsigned thread_idx[3];
+    unsigned block_idx[3];
+    unsigned block_dim[3];
+    unsigned grid_dim[3];
+} fa_emu_thread_view;
+
+enum { FA_EMU_SHFL_IDX = 0, FA_EMU_SHFL_XOR = 1, FA_EMU_SHFL_DOWN = 2, FA_EMU_SHFL_UP = 3 };
+enum { FA_EMU_F16 = 0, FA_EMU_BF16 = 1 };
+
+// The view of the calling fiber. Constant for the lifetime of a kernel invocation (a fiber
+// never changes identity), hence `const`: the compiler may reuse the result.
+const fa_emu_thread_view* fa_emu_self(void) __attribute__((const));
+
+void fa_emu_syncthreads(void);
+void fa_emu_syncwarp(unsigned mask);
+uint64_t fa_emu_shfl(int kind, unsigned mask, uint64_t value, int arg, int width);
+void fa_emu_mma(int dtype, float* d, const uint32_t* a, const uint32_t* b, const float* c);
+void fa_emu_ldmatrix(int n, int trans, uint32_t* r, const void* smem_row_addr);
+void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes);
+void fa_emu_cp_async_commit(void);
+void fa_emu_cp_async_wait(int n);
+void fa_emu_gcheck(const void* p, size_t size, int is_write);
+void fa_emu_atomic_add_f32(float* p, float v);
+void fa_emu_atomic_add_f64(double* p, double v);
+unsigned char* fa_emu_dynamic_smem(void);
+void fa_emu_trap(const char* what) __attribute__((noreturn));
+
+// ---- launch interface (Python driver) -----------------------------------------------------
+typedef void (*fa_emu_entry_fn)(void** args);
+
+typedef struct fa_emu_buffer {
+    uint64_t lo, hi;     // byte range [lo, hi) of the array's memory
+    int32_t arg_index;   // kernel argument it was passed as
+    int32_t writable;    // 0: read-only array, stores are errors
+} fa_emu_buffer;
+
+typedef struct fa_emu_counters {
+    uint64_t global_read_bytes, global_write_bytes;
+    uint64_t mma, ldmatrix, cp_async, cp_async_bytes, barriers, shuffles, syncwarps, atomics;
+    uint64_t blocks, fiber_switches;
+} fa_emu_counters;
+
+enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };
+
+typedef struct fa_emu_launch_params {
+    const char* kernel_name;
+    fa_emu_entry_fn entry;
+    void** args;
+    unsigned grid[3], block[3];
+    uint64_t shared_mem;
+    int schedule;
+    uint64_t seed;
+    int num_workers;             // OS threads running blocks in parallel (>= 1)
+    uint64_t stack_bytes;        // per fiber
+    const fa_emu_buffer* buffers;
+    int num_buffers;
+    uint64_t* buffer_read_bytes;   // [num_buffers], filled
+    uint64_t* buffer_write_bytes;  // [num_buffers], filled
+    fa_emu_counters* counters;     // filled
+    char* error;                   // filled with a message on failure
+    size_t error_size;
+} fa_emu_launch_params;
+
+// Returns 0 on success, nonzero with params->error set otherwise.
+int fa_emu_launch(fa_emu_launch_params* params);
+// ns per fiber switch measured with `iterations` ping-pong switches between two fibers.
+double fa_emu_measure_switch_ns(int iterations);
+int fa_emu_abi_version(void);
+
+#ifdef __cplusplus
+}
+#endif

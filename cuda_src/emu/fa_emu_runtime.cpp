@@ -1,0 +1,1107 @@
+// fa_emu_runtime.cpp — the flasharray CUDA emulator runtime (built once into libfa_emu_rt.so).
+//
+// Execution model
+//   * A launch runs its blocks on `num_workers` OS threads; each worker runs one block at a
+//     time, so the block's dynamic shared memory, fibers and barrier state are per worker.
+//   * Every CUDA thread of a block is a fiber with its own stack (guard page below it). A
+//     fiber runs until it reaches a rendezvous (__syncthreads, a warp collective) or exits, and
+//     then switches back to the worker's scheduler with a hand-written context switch
+//     (x86-64: callee-saved registers + MXCSR/x87 control word, ~10 instructions).
+//   * The scheduler always resumes the runnable fiber chosen by the schedule: the lowest
+//     thread id (forward), the highest (reverse) or a seeded random one (random). Forward
+//     therefore runs warp 0 as far as it can go (to the next __syncthreads) before warp 1
+//     starts; a missing barrier shows up as stale data or as a checked error.
+//   * A warp collective is evaluated once, eagerly, when the last lane of its mask arrives,
+//     with the formulas of /work/shared/ptx_semantics.md; mma sums exact products in float64
+//     and rounds once to fp32.
+//   * cp.async copies are queued per thread and performed by the cp.async.wait_group that
+//     covers them; ldmatrix refuses to read bytes that are the destination of a pending copy.
+//   * Faults inside a fiber (raw out-of-bounds shared access into the guard pages, stack
+//     overflow, integer division by zero) abort the block with an error instead of killing
+//     the process: the signal handler redirects the faulting fiber to a rescue stack.
+#include "fa_emu_api.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cxxabi.h>
+#include <dlfcn.h>
+#include <mutex>
+#include <signal.h>
+#include <string>
+#include <sys/mman.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace {
+
+// =========================================================================================
+// Context switch
+// =========================================================================================
+#if defined(__x86_64__)
+extern "C" void fa_emu_ctx_switch(void** save_sp, void* new_sp);
+extern "C" void fa_emu_ctx_start();
+// fa_emu_ctx_switch(save_sp, new_sp): push the callee-saved registers and the SSE/x87 control
+// words on the current stack, store the stack pointer in *save_sp, load new_sp and pop the
+// same frame from it. A new fiber's stack is prepared so that the first switch "returns"
+// into fa_emu_ctx_start with r12 = argument and r13 = function.
+asm(R"(
+    .text
+    .p2align 4
+    .globl fa_emu_ctx_switch
+    .hidden fa_emu_ctx_switch
+    .type fa_emu_ctx_switch, @function
+fa_emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fa_emu_ctx_switch, .-fa_emu_ctx_switch
+
+    .p2align 4
+    .globl fa_emu_ctx_start
+    .hidden fa_emu_ctx_start
+    .type fa_emu_ctx_start, @function
+fa_emu_ctx_start:
+    movq %r12, %rdi
+    andq $-16, %rsp
+    callq *%r13
+    ud2
+    .size fa_emu_ctx_start, .-fa_emu_ctx_start
+)");
+
+struct Context {
+    void* sp = nullptr;
+};
+
+// Prepares `ctx` so that switching to it calls fn(arg) on the stack [lo, lo + size).
+void ctx_make(Context* ctx, char* lo, size_t size, void (*fn)(void*), void* arg) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(lo) + size) & ~uintptr_t(15);
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+    uint32_t csr[2];
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
+    *--sp = 0;                                                   // alignment pad
+    *--sp = reinterpret_cast<uint64_t>(&fa_emu_ctx_start);      // `ret` target
+    *--sp = 0;                                                   // rbp
+    *--sp = 0;                                                   // rbx
+    *--sp = reinterpret_cast<uint64_t>(arg);                     // r12
+    *--sp = reinterpret_cast<uint64_t>(fn);                      // r13
+    *--sp = 0;                                                   // r14
+    *--sp = 0;                                                   // r15
+    uint64_t packed;
+    std::memcpy(&packed, csr, 8);
+    *--sp = packed;                                              // mxcsr | x87 cw
+    ctx->sp = sp;
+}
+inline void ctx_switch(Context* from, Context* to) { fa_emu_ctx_switch(&from->sp, to->sp); }
+#else
+// Portable fallback (slower): ucontext for every switch.
+struct Context {
+    ucontext_t uc;
+};
+void ctx_make(Context* ctx, char* lo, size_t size, void (*fn)(void*), void* arg) {
+    getcontext(&ctx->uc);
+    ctx->uc.uc_stack.ss_sp = lo;
+    ctx->uc.uc_stack.ss_size = size;
+    ctx->uc.uc_link = nullptr;
+    makecontext(&ctx->uc, reinterpret_cast<void (*)()>(fn), 1, arg);
+}
+inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+#endif
+
+// =========================================================================================
+// Data structures
+// =========================================================================================
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, EXITED };
+enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX };
+
+const char* op_name(int op, int kind) {
+    switch (op) {
+        case OP_SHFL:
+            switch (kind) {
+                case FA_EMU_SHFL_IDX: return "__shfl_sync";
+                case FA_EMU_SHFL_XOR: return "__shfl_xor_sync";
+                case FA_EMU_SHFL_DOWN: return "__shfl_down_sync";
+                default: return "__shfl_up_sync";
+            }
+        case OP_SYNCWARP: return "__syncwarp";
+        case OP_MMA: return "fa::mma_m16n8k16";
+        case OP_LDMATRIX: return "fa::ldmatrix";
+        default: return "?";
+    }
+}
+
+struct Copy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int size, src_bytes;
+    int64_t group;  // -1: not yet committed
+};
+
+struct Fiber {
+    fa_emu_thread_view view;  // first member: fa_emu_self() returns its address
+    Context ctx;
+    int state = RUNNABLE;
+    int tid = 0, warp = 0, lane = 0;
+    // the warp collective this fiber waits at
+    int op = OP_NONE, kind = 0, arg = 0, width = 32, n = 0, trans = 0, dtype = 0;
+    unsigned mask = 0;
+    uint64_t value = 0, result = 0;
+    const void* addr = nullptr;
+    uint32_t* regs = nullptr;
+    float* d = nullptr;
+    const uint32_t* a = nullptr;
+    const uint32_t* b = nullptr;
+    const float* c = nullptr;
+    void* bar_site = nullptr;
+    // cp.async queue, in issue order
+    std::vector<Copy> copies;
+    size_t copies_head = 0;
+    int64_t groups_committed = 0;
+    char* stack_lo = nullptr;
+};
+
+struct Launch {
+    const fa_emu_launch_params* p;
+    unsigned nblocks;
+    std::vector<unsigned> order;
+    std::atomic<unsigned> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex mu;
+    std::string error;
+};
+
+constexpr size_t kPage = 4096;
+constexpr size_t kGuard = 16 * kPage;       // below each fiber stack; around shared memory
+constexpr size_t kAltStack = 64 * 1024;     // signal handler stack
+constexpr size_t kRescueStack = 256 * 1024; // where a faulting fiber reports its error
+constexpr int kGranule = 4;                 // pending-cp.async shadow granularity (bytes)
+
+struct Worker {
+    Launch* L = nullptr;
+    const fa_emu_launch_params* p = nullptr;
+    // fibers
+    std::vector<Fiber> fibers;
+    char* stacks = nullptr;
+    size_t stacks_len = 0, stack_stride = 0, stack_size = 0;
+    Context sched;
+    Fiber* cur = nullptr;
+    // shared memory: [smem, smem + smem_size) with guard pages on both sides
+    char* smem_region = nullptr;
+    size_t smem_region_len = 0;
+    unsigned char* smem = nullptr;
+    size_t smem_size = 0;
+    std::vector<uint16_t> pending;  // per granule: cp.async copies not yet performed
+    // block state
+    unsigned bidx[3] = {0, 0, 0};
+    int nthreads = 0, nwarps = 0;
+    std::vector<uint32_t> warp_waiting, warp_exited, warp_exists;
+    std::vector<uint64_t> runnable;
+    int nrunnable = 0;
+    int bar_arrived = 0, exited = 0;
+    void* bar_site = nullptr;
+    int bar_first_tid = -1;
+    bool aborting = false;
+    uint64_t rng = 0;
+    // buffers lookup
+    int last_buf = -1;
+    // counters
+    fa_emu_counters cnt{};
+    std::vector<uint64_t> buf_read, buf_write;
+    // fault handling
+    char* altstack = nullptr;
+    char* rescue = nullptr;
+    char fault_msg[512];
+};
+
+thread_local Worker* tls_worker = nullptr;
+
+// =========================================================================================
+// Helpers
+// =========================================================================================
+std::string strf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string strf(const char* fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return buf;
+}
+
+std::string lanes_str(uint32_t m) {
+    std::string s;
+    int i = 0;
+    while (i < 32) {
+        if (!((m >> i) & 1u)) { ++i; continue; }
+        int j = i;
+        while (j + 1 < 32 && ((m >> (j + 1)) & 1u)) ++j;
+        if (!s.empty()) s += ",";
+        s += j == i ? strf("%d", i) : strf("%d-%d", i, j);
+        i = j + 1;
+    }
+    return s.empty() ? "none" : s;
+}
+
+std::string site_str(void* site) {
+    Dl_info info;
+    if (site && dladdr(site, &info) && info.dli_sname) {
+        int status = 0;
+        char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+        std::string s = strf("%s+0x%lx", status == 0 && dem ? dem : info.dli_sname,
+                             static_cast<unsigned long>(static_cast<char*>(site) - static_cast<char*>(info.dli_saddr)));
+        free(dem);
+        return s;
+    }
+    return strf("%p", site);
+}
+
+uint64_t splitmix(uint64_t& s) {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+inline Worker* W() { return tls_worker; }
+
+void set_runnable(Worker* w, int tid) {
+    uint64_t& word = w->runnable[tid >> 6];
+    const uint64_t bit = uint64_t(1) << (tid & 63);
+    if (!(word & bit)) { word |= bit; ++w->nrunnable; }
+    w->fibers[tid].state = RUNNABLE;
+}
+
+std::string where(Worker* w, const Fiber* f) {
+    const char* name = w->p->kernel_name ? w->p->kernel_name : "?";
+    std::string s = strf("kernel '%s' block (%u,%u,%u)", name, w->bidx[0], w->bidx[1], w->bidx[2]);
+    if (f) {
+        s += strf(" thread (%u,%u,%u) [warp %d lane %d]", f->view.thread_idx[0], f->view.thread_idx[1],
+                  f->view.thread_idx[2], f->warp, f->lane);
+    }
+    return s;
+}
+
+void record_error(Worker* w, const std::string& msg) {
+    Launch* L = w->L;
+    std::lock_guard<std::mutex> lock(L->mu);
+    if (L->error.empty()) L->error = msg;
+    L->failed.store(true);
+}
+
+// Reports an error attributed to the running fiber and abandons the block. Never returns.
+[[noreturn]] void fiber_fail(Worker* w, const std::string& what) {
+    record_error(w, where(w, w->cur) + ": " + what);
+    w->aborting = true;
+    Fiber* f = w->cur;
+    ctx_switch(&f->ctx, &w->sched);
+    __builtin_unreachable();
+}
+
+void yield(Worker* w, Fiber* f) {
+    ctx_switch(&f->ctx, &w->sched);
+}
+
+std::string smem_desc(Worker* w, const void* p) {
+    const long off = static_cast<long>(static_cast<const unsigned char*>(p) - w->smem);
+    return strf("shared offset %ld (dynamic shared memory is %zu bytes)", off, w->smem_size);
+}
+
+bool in_smem(Worker* w, const void* p, size_t n) {
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    return q >= w->smem && q + n <= w->smem + w->smem_size && q + n >= q;
+}
+
+// =========================================================================================
+// Global memory checks
+// =========================================================================================
+int find_buffer(Worker* w, uint64_t a, size_t n) {
+    const fa_emu_buffer* bufs = w->p->buffers;
+    const int nb = w->p->num_buffers;
+    int b = w->last_buf;
+    if (b >= 0 && a >= bufs[b].lo && a + n <= bufs[b].hi) return b;
+    for (int i = 0; i < nb; ++i) {
+        if (a >= bufs[i].lo && a + n <= bufs[i].hi) {
+            w->last_buf = i;
+            return i;
+        }
+    }
+    return -1;
+}
+
+std::string oob_desc(Worker* w, uint64_t a, size_t n) {
+    const fa_emu_buffer* bufs = w->p->buffers;
+    int best = -1;
+    uint64_t best_dist = ~uint64_t(0);
+    for (int i = 0; i < w->p->num_buffers; ++i) {
+        uint64_t dist = a < bufs[i].lo ? bufs[i].lo - a : (a + n > bufs[i].hi ? a + n - bufs[i].hi : 0);
+        if (dist < best_dist) { best_dist = dist; best = i; }
+    }
+    if (best < 0) return strf("address 0x%lx is outside every launch buffer (the launch has no array arguments)",
+                              static_cast<unsigned long>(a));
+    const fa_emu_buffer& B = bufs[best];
+    return strf("address 0x%lx is outside every launch buffer; nearest is argument %d "
+                "(%lu bytes): byte offset %ld",
+                static_cast<unsigned long>(a), B.arg_index, static_cast<unsigned long>(B.hi - B.lo),
+                static_cast<long>(static_cast<int64_t>(a - B.lo)));
+}
+
+void gcheck(Worker* w, const void* p, size_t n, int kind /*0 read,1 write,2 rmw*/, const char* what) {
+    const uint64_t a = reinterpret_cast<uint64_t>(p);
+    if (n && (n & (n - 1)) == 0 && (a & (std::min<size_t>(n, 16) - 1)) != 0)
+        fiber_fail(w, strf("misaligned %s of %zu bytes at address 0x%lx (must be %zu-byte aligned)", what, n,
+                           static_cast<unsigned long>(a), std::min<size_t>(n, 16)));
+    const int b = find_buffer(w, a, n);
+    if (b < 0) fiber_fail(w, strf("out-of-bounds %s of %zu bytes: %s", what, n, oob_desc(w, a, n).c_str()));
+    if (kind != 0 && !w->p->buffers[b].writable)
+        fiber_fail(w, strf("%s to argument %d, a read-only array (byte offset %lu)", what,
+                           w->p->buffers[b].arg_index, static_cast<unsigned long>(a - w->p->buffers[b].lo)));
+    if (kind != 1) { w->buf_read[b] += n; w->cnt.global_read_bytes += n; }
+    if (kind != 0) { w->buf_write[b] += n; w->cnt.global_write_bytes += n; }
+}
+
+// =========================================================================================
+// Warp collectives
+// =========================================================================================
+void eval_shfl(Worker* w, Fiber* lanes, unsigned mask) {
+    for (int l = 0; l < 32; ++l) {
+        if (!((mask >> l) & 1u)) continue;
+        Fiber& f = lanes[l];
+        const int wd = f.width;
+        if (wd < 1 || wd > 32 || (wd & (wd - 1)))
+            { w->cur = &f; fiber_fail(w, strf("%s: width %d is not a power of two in [1, 32]", op_name(f.op, f.kind), wd)); }
+        const int seg = l & ~(wd - 1);
+        int src = l;
+        switch (f.kind) {
+            case FA_EMU_SHFL_IDX: src = seg + (f.arg & (wd - 1)); break;
+            case FA_EMU_SHFL_XOR: { int j = l ^ f.arg; src = (j >= 0 && j <= seg + wd - 1) ? j : l; break; }
+            case FA_EMU_SHFL_DOWN: { int j = l + f.arg; src = (j <= seg + wd - 1) ? j : l; break; }
+            case FA_EMU_SHFL_UP: { int j = l - f.arg; src = (j >= seg) ? j : l; break; }
+        }
+        if (src < 0 || src > 31 || !((mask >> src) & 1u)) {
+            w->cur = &f;
+            fiber_fail(w, strf("%s (mask 0x%08x) reads lane %d, which is not in the mask "
+                               "(its value is undefined on the GPU)", op_name(f.op, f.kind), mask, src));
+        }
+        f.result = lanes[src].value;
+    }
+    ++w->cnt.shuffles;
+}
+
+void eval_ldmatrix(Worker* w, Fiber* lanes) {
+    const int n = lanes[0].n;
+    const int trans = lanes[0].trans;
+    const uint16_t* rows[4][8];
+    for (int j = 0; j < n; ++j) {
+        for (int r = 0; r < 8; ++r) {
+            Fiber& f = lanes[8 * j + r];
+            const uintptr_t a = reinterpret_cast<uintptr_t>(f.addr);
+            if (!in_smem(w, f.addr, 16)) {
+                w->cur = &f;
+                fiber_fail(w, strf("fa::ldmatrix: row address %p (matrix %d row %d) is outside shared memory: %s",
+                                   f.addr, j, r, smem_desc(w, f.addr).c_str()));
+            }
+            if (a & 15u) {
+                w->cur = &f;
+                fiber_fail(w, strf("fa::ldmatrix: row address is not 16-byte aligned: %s",
+                                   smem_desc(w, f.addr).c_str()));
+            }
+            const size_t g0 = (static_cast<const unsigned char*>(f.addr) - w->smem) / kGranule;
+            for (size_t g = g0; g < g0 + 16 / kGranule; ++g) {
+                if (w->pending[g]) {
+                    const unsigned char* byte = w->smem + g * kGranule;
+                    int issuer = -1;
+                    for (Fiber& o : w->fibers)
+                        for (size_t k = o.copies_head; k < o.copies.size(); ++k)
+                            if (byte >= o.copies[k].dst && byte < o.copies[k].dst + o.copies[k].size) issuer = o.tid;
+                    w->cur = &f;
+                    fiber_fail(w, strf("fa::ldmatrix reads %s, the destination of a cp.async issued by thread %d "
+                                       "that no fa::cp_async_wait has completed yet (missing cp_async_wait "
+                                       "or __syncthreads?)",
+                                       smem_desc(w, byte).c_str(), issuer));
+                }
+            }
+            rows[j][r] = static_cast<const uint16_t*>(f.addr);
+        }
+    }
+    for (int l = 0; l < 32; ++l) {
+        for (int j = 0; j < n; ++j) {
+            uint32_t lo, hi;
+            if (!trans) {
+                lo = rows[j][l / 4][2 * (l % 4)];
+                hi = rows[j][l / 4][2 * (l % 4) + 1];
+            } else {
+                lo = rows[j][2 * (l % 4)][l / 4];
+                hi = rows[j][2 * (l % 4) + 1][l / 4];
+            }
+            lanes[l].regs[j] = lo | (hi << 16);
+        }
+    }
+    ++w->cnt.ldmatrix;
+}
+
+// Exact value of a 16-bit float (f16 or bf16) as float64.
+double half_val(uint16_t x, int dtype) {
+    if (dtype == FA_EMU_BF16) {
+        const uint32_t u = static_cast<uint32_t>(x) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    const uint32_t e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+    double v;
+    if (e == 0x1f) v = m ? NAN : INFINITY;
+    else if (e == 0) v = std::ldexp(static_cast<double>(m), -24);
+    else v = std::ldexp(static_cast<double>(m | 0x400u), static_cast<int>(e) - 25);
+    return (x & 0x8000u) ? -v : v;
+}
+
+void eval_mma(Worker* w, Fiber* lanes) {
+    const int dtype = lanes[0].dtype;
+    double A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        Fiber& f = lanes[l];
+        if (f.dtype != dtype) {
+            w->cur = &f;
+            fiber_fail(w, "fa::mma_m16n8k16: lanes of one warp use different element types");
+        }
+        const int g = l >> 2, t = l & 3;
+        auto lo = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r & 0xffffu), dtype); };
+        auto hi = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r >> 16), dtype); };
+        A[g][2 * t] = lo(f.a[0]);         A[g][2 * t + 1] = hi(f.a[0]);
+        A[g + 8][2 * t] = lo(f.a[1]);     A[g + 8][2 * t + 1] = hi(f.a[1]);
+        A[g][2 * t + 8] = lo(f.a[2]);     A[g][2 * t + 9] = hi(f.a[2]);
+        A[g + 8][2 * t + 8] = lo(f.a[3]); A[g + 8][2 * t + 9] = hi(f.a[3]);
+        B[2 * t][g] = lo(f.b[0]);         B[2 * t + 1][g] = hi(f.b[0]);
+        B[2 * t + 8][g] = lo(f.b[1]);     B[2 * t + 9][g] = hi(f.b[1]);
+        C[g][2 * t] = f.c[0];             C[g][2 * t + 1] = f.c[1];
+        C[g + 8][2 * t] = f.c[2];         C[g + 8][2 * t + 1] = f.c[3];
+    }
+    float D[16][8];
+    for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 8; ++j) {
+            double s = C[i][j];
+            for (int k = 0; k < 16; ++k) s += A[i][k] * B[k][j];  // products exact in float64
+            D[i][j] = static_cast<float>(s);                     // one rounding to fp32
+        }
+    }
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        float* d = lanes[l].d;
+        d[0] = D[g][2 * t];
+        d[1] = D[g][2 * t + 1];
+        d[2] = D[g + 8][2 * t];
+        d[3] = D[g + 8][2 * t + 1];
+    }
+    ++w->cnt.mma;
+}
+
+// The calling fiber has filled its op fields; wait until the collective is evaluated.
+void warp_arrive(Worker* w, Fiber* f) {
+    const unsigned mask = f->mask;
+    const int warp = f->warp;
+    const char* name = op_name(f->op, f->kind);
+    if (!((mask >> f->lane) & 1u))
+        fiber_fail(w, strf("%s: the calling lane %d is not in the mask 0x%08x", name, f->lane, mask));
+    if (mask & ~w->warp_exists[warp])
+        fiber_fail(w, strf("%s: mask 0x%08x names lanes %s, which do not exist (blockDim has %d threads)", name, mask,
+                           lanes_str(mask & ~w->warp_exists[warp]).c_str(), w->nthreads));
+    if (mask & w->warp_exited[warp])
+        fiber_fail(w, strf("%s (mask 0x%08x): lanes %s have exited and can never arrive (incomplete warp "
+                           "collective)", name, mask, lanes_str(mask & w->warp_exited[warp]).c_str()));
+    w->warp_waiting[warp] |= 1u << f->lane;
+    f->state = WAIT_WARP;
+    if ((w->warp_waiting[warp] & mask) == mask) {
+        Fiber* lanes = &w->fibers[warp * 32];
+        for (int l = 0; l < 32; ++l) {
+            if (!((mask >> l) & 1u)) continue;
+            const Fiber& g = lanes[l];
+            if (g.op != f->op || g.mask != mask || (f->op == OP_SHFL && g.kind != f->kind) ||
+                (f->op == OP_LDMATRIX && (g.n != f->n || g.trans != f->trans))) {
+                fiber_fail(w, strf("%s (mask 0x%08x) met lane %d waiting at a different warp collective "
+                                   "(%s, mask 0x%08x): divergent warp collectives",
+                                   name, mask, l, op_name(g.op, g.kind), g.mask));
+            }
+        }
+        switch (f->op) {
+            case OP_SHFL: eval_shfl(w, lanes, mask); break;
+            case OP_SYNCWARP: ++w->cnt.syncwarps; break;
+            case OP_MMA: eval_mma(w, lanes); break;
+            case OP_LDMATRIX: eval_ldmatrix(w, lanes); break;
+        }
+        w->warp_waiting[warp] &= ~mask;
+        for (int l = 0; l < 32; ++l)
+            if ((mask >> l) & 1u) set_runnable(w, warp * 32 + l);
+        w->cur = f;
+    }
+    yield(w, f);
+}
+
+// =========================================================================================
+// Fiber lifecycle and the scheduler
+// =========================================================================================
+void thread_exit(Worker* w, Fiber* f) {
+    // Pending cp.async copies of an exiting thread land in shared memory no one reads again.
+    for (size_t k = f->copies_head; k < f->copies.size(); ++k) {
+        const Copy& cp = f->copies[k];
+        const size_t g0 = (cp.dst - w->smem) / kGranule;
+        for (size_t g = g0; g < g0 + cp.size / kGranule; ++g) --w->pending[g];
+    }
+    f->copies.clear();
+    f->copies_head = 0;
+    if (w->bar_arrived > 0)
+        fiber_fail(w, strf("thread exits while %d thread(s) wait at __syncthreads() (%s): it never reaches "
+                           "that barrier (divergent or early-exit barrier)",
+                           w->bar_arrived, site_str(w->bar_site).c_str()));
+    const uint32_t waiting = w->warp_waiting[f->warp];
+    for (int l = 0; l < 32; ++l) {
+        if (!((waiting >> l) & 1u)) continue;
+        const Fiber& g = w->fibers[f->warp * 32 + l];
+        if ((g.mask >> f->lane) & 1u)
+            fiber_fail(w, strf("thread exits while lane %d waits for it at %s (mask 0x%08x): incomplete warp "
+                               "collective", l, op_name(g.op, g.kind), g.mask));
+    }
+    f->state = EXITED;
+    ++w->exited;
+    w->warp_exited[f->warp] |= 1u << f->lane;
+    ctx_switch(&f->ctx, &w->sched);
+    __builtin_unreachable();
+}
+
+void fiber_main(void* arg) {
+    Worker* w = static_cast<Worker*>(arg);
+    Fiber* f = w->cur;
+    w->p->entry(w->p->args);
+    thread_exit(w, f);
+}
+
+int pick(Worker* w) {
+    const int nw = static_cast<int>(w->runnable.size());
+    switch (w->p->schedule) {
+        case FA_EMU_SCHED_REVERSE:
+            for (int i = nw - 1; i >= 0; --i)
+                if (w->runnable[i]) return i * 64 + 63 - __builtin_clzll(w->runnable[i]);
+            break;
+        case FA_EMU_SCHED_RANDOM: {
+            int k = static_cast<int>(splitmix(w->rng) % static_cast<uint64_t>(w->nrunnable));
+            for (int i = 0; i < nw; ++i) {
+                uint64_t word = w->runnable[i];
+                const int c = __builtin_popcountll(word);
+                if (k >= c) { k -= c; continue; }
+                for (; k > 0; --k) word &= word - 1;
+                return i * 64 + __builtin_ctzll(word);
+            }
+            break;
+        }
+        default:
+            for (int i = 0; i < nw; ++i)
+                if (w->runnable[i]) return i * 64 + __builtin_ctzll(w->runnable[i]);
+    }
+    return -1;
+}
+
+std::string deadlock_desc(Worker* w) {
+    for (int wp = 0; wp < w->nwarps; ++wp) {
+        const uint32_t waiting = w->warp_waiting[wp];
+        if (!waiting) continue;
+        const int l = __builtin_ctz(waiting);
+        const Fiber& f = w->fibers[wp * 32 + l];
+        const uint32_t missing = f.mask & ~waiting;
+        uint32_t at_bar = 0, at_other = 0;
+        for (int m = 0; m < 32; ++m) {
+            if (!((missing >> m) & 1u)) continue;
+            const Fiber& g = w->fibers[wp * 32 + m];
+            if (g.state == WAIT_BAR) at_bar |= 1u << m;
+            else at_other |= 1u << m;
+        }
+        std::string s = strf("warp %d: %s (mask 0x%08x) never completes: lanes %s wait at it, lanes %s never arrive",
+                             wp, op_name(f.op, f.kind), f.mask, lanes_str(waiting & f.mask).c_str(),
+                             lanes_str(missing).c_str());
+        if (at_bar) s += strf(" (lanes %s wait at __syncthreads())", lanes_str(at_bar).c_str());
+        if (at_other) s += strf(" (lanes %s wait at another warp collective with a different mask)", lanes_str(at_other).c_str());
+        return s + ": incomplete warp collective";
+    }
+    return strf("deadlock: %d thread(s) wait at __syncthreads(), %d exited", w->bar_arrived, w->exited);
+}
+
+void alloc_block_resources(Worker* w) {
+    const fa_emu_launch_params* p = w->p;
+    const int nthreads = static_cast<int>(p->block[0] * p->block[1] * p->block[2]);
+    w->nthreads = nthreads;
+    w->nwarps = (nthreads + 31) / 32;
+    w->stack_size = (p->stack_bytes + kPage - 1) & ~(kPage - 1);
+    w->stack_stride = w->stack_size + kGuard;
+    w->stacks_len = w->stack_stride * static_cast<size_t>(nthreads);
+    w->stacks = static_cast<char*>(mmap(nullptr, w->stacks_len, PROT_READ | PROT_WRITE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (w->stacks == MAP_FAILED) { w->stacks = nullptr; return; }
+    w->fibers.assign(nthreads, Fiber());
+    for (int t = 0; t < nthreads; ++t) {
+        char* base = w->stacks + w->stack_stride * t;
+        mprotect(base, kGuard, PROT_NONE);  // stack overflow faults here
+        w->fibers[t].stack_lo = base + kGuard;
+    }
+    // Shared memory placed so that its end touches the upper guard region.
+    w->smem_size = p->shared_mem;
+    const size_t body = (w->smem_size + kPage - 1) & ~(kPage - 1);
+    w->smem_region_len = kGuard + body + kGuard;
+    w->smem_region = static_cast<char*>(mmap(nullptr, w->smem_region_len, PROT_NONE,
+                                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (w->smem_region == MAP_FAILED) { w->smem_region = nullptr; return; }
+    if (body) mprotect(w->smem_region + kGuard, body, PROT_READ | PROT_WRITE);
+    uintptr_t base = reinterpret_cast<uintptr_t>(w->smem_region + kGuard + body - w->smem_size) & ~uintptr_t(15);
+    w->smem = reinterpret_cast<unsigned char*>(base);
+    w->pending.assign((w->smem_size + kGranule - 1) / kGranule + 1, 0);
+    w->warp_waiting.assign(w->nwarps, 0);
+    w->warp_exited.assign(w->nwarps, 0);
+    w->warp_exists.assign(w->nwarps, 0);
+    for (int t = 0; t < nthreads; ++t) w->warp_exists[t / 32] |= 1u << (t % 32);
+    w->runnable.assign((nthreads + 63) / 64, 0);
+    w->buf_read.assign(p->num_buffers, 0);
+    w->buf_write.assign(p->num_buffers, 0);
+}
+
+void free_block_resources(Worker* w) {
+    if (w->stacks) munmap(w->stacks, w->stacks_len);
+    if (w->smem_region) munmap(w->smem_region, w->smem_region_len);
+    w->stacks = nullptr;
+    w->smem_region = nullptr;
+}
+
+bool run_block(Worker* w, unsigned linear) {
+    const fa_emu_launch_params* p = w->p;
+    w->bidx[0] = linear % p->grid[0];
+    w->bidx[1] = (linear / p->grid[0]) % p->grid[1];
+    w->bidx[2] = linear / (p->grid[0] * p->grid[1]);
+    w->rng = p->seed * 0x9e3779b97f4a7c15ull + linear + 1;
+    splitmix(w->rng);
+    // Shared memory starts as NaN/-1 bytes each block: reading what nobody wrote shows.
+    if (w->smem_size) std::memset(w->smem, 0xff, w->smem_size);
+    std::fill(w->pending.begin(), w->pending.end(), 0);
+    std::fill(w->warp_waiting.begin(), w->warp_waiting.end(), 0);
+    std::fill(w->warp_exited.begin(), w->warp_exited.end(), 0);
+    std::fill(w->runnable.begin(), w->runnable.end(), 0);
+    w->nrunnable = 0;
+    w->bar_arrived = 0;
+    w->exited = 0;
+    w->bar_site = nullptr;
+    w->aborting = false;
+    for (int t = 0; t < w->nthreads; ++t) {
+        Fiber& f = w->fibers[t];
+        f.tid = t;
+        f.warp = t / 32;
+        f.lane = t % 32;
+        f.view.thread_idx[0] = t % p->block[0];
+        f.view.thread_idx[1] = (t / p->block[0]) % p->block[1];
+        f.view.thread_idx[2] = t / (p->block[0] * p->block[1]);
+        for (int k = 0; k < 3; ++k) {
+            f.view.block_idx[k] = w->bidx[k];
+            f.view.block_dim[k] = p->block[k];
+            f.view.grid_dim[k] = p->grid[k];
+        }
+        f.op = OP_NONE;
+        f.copies.clear();
+        f.copies_head = 0;
+        f.groups_committed = 0;
+        ctx_make(&f.ctx, f.stack_lo, w->stack_size, &fiber_main, w);
+        set_runnable(w, t);
+    }
+    while (w->nrunnable > 0) {
+        const int t = pick(w);
+        w->runnable[t >> 6] &= ~(uint64_t(1) << (t & 63));
+        --w->nrunnable;
+        Fiber* f = &w->fibers[t];
+        f->state = RUNNING;
+        w->cur = f;
+        ctx_switch(&w->sched, &f->ctx);
+        w->cur = nullptr;
+        w->cnt.fiber_switches += 2;
+        if (w->aborting) return false;
+    }
+    if (w->exited != w->nthreads) {
+        record_error(w, where(w, nullptr) + ": " + deadlock_desc(w));
+        return false;
+    }
+    ++w->cnt.blocks;
+    return true;
+}
+
+// =========================================================================================
+// Fault handling
+// =========================================================================================
+std::mutex g_sig_mu;
+int g_sig_users = 0;
+const int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE};
+struct sigaction g_old[3];
+
+extern "C" void fa_emu_fault_trampoline(Worker* w) {
+    fiber_fail(w, w->fault_msg);
+}
+
+void fault_handler(int sig, siginfo_t* si, void* ucv) {
+    Worker* w = tls_worker;
+    if (!w || !w->cur) {
+        // Not ours: put the previous handler back and let the fault happen again under it.
+        for (int i = 0; i < 3; ++i)
+            if (kSignals[i] == sig) sigaction(sig, &g_old[i], nullptr);
+        return;
+    }
+    char* a = static_cast<char*>(si->si_addr);
+    Fiber* f = w->cur;
+    if (sig == SIGFPE) {
+        snprintf(w->fault_msg, sizeof w->fault_msg, "arithmetic fault (SIGFPE: integer division by zero or overflow)");
+    } else if (w->smem_region && a >= w->smem_region && a < w->smem_region + w->smem_region_len) {
+        snprintf(w->fault_msg, sizeof w->fault_msg,
+                 "out-of-bounds shared memory access (raw pointer): shared offset %ld (dynamic shared memory is "
+                 "%zu bytes)", static_cast<long>(reinterpret_cast<unsigned char*>(a) - w->smem), w->smem_size);
+    } else if (a >= f->stack_lo - kGuard && a < f->stack_lo) {
+        snprintf(w->fault_msg, sizeof w->fault_msg,
+                 "fiber stack overflow (%zu KiB per thread; raise FLASHARRAY_EMULATOR_STACK_KB)",
+                 w->stack_size / 1024);
+    } else {
+        snprintf(w->fault_msg, sizeof w->fault_msg,
+                 "invalid memory access at address %p (raw pointer dereference; global memory must go through "
+                 "fa::gload/fa::gstore/fa::cp_async, shared memory through FA_DYNAMIC_SMEM)", si->si_addr);
+    }
+#if defined(__x86_64__)
+    ucontext_t* uc = static_cast<ucontext_t*>(ucv);
+    uintptr_t top = (reinterpret_cast<uintptr_t>(w->rescue) + kRescueStack) & ~uintptr_t(15);
+    uc->uc_mcontext.gregs[REG_RSP] = static_cast<greg_t>(top - 8);  // as if just called
+    uc->uc_mcontext.gregs[REG_RIP] = reinterpret_cast<greg_t>(&fa_emu_fault_trampoline);
+    uc->uc_mcontext.gregs[REG_RDI] = reinterpret_cast<greg_t>(w);
+#else
+    (void)ucv;
+    for (int i = 0; i < 3; ++i)
+        if (kSignals[i] == sig) sigaction(sig, &g_old[i], nullptr);
+#endif
+}
+
+void install_handlers() {
+    std::lock_guard<std::mutex> lock(g_sig_mu);
+    if (g_sig_users++ > 0) return;
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = &fault_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &sa, &g_old[i]);
+}
+
+void remove_handlers() {
+    std::lock_guard<std::mutex> lock(g_sig_mu);
+    if (--g_sig_users > 0) return;
+    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &g_old[i], nullptr);
+}
+
+void worker_main(Launch* L, Worker* w) {
+    tls_worker = w;
+    stack_t ss, old_ss;
+    w->altstack = static_cast<char*>(malloc(kAltStack));
+    w->rescue = static_cast<char*>(malloc(kRescueStack));
+    ss.ss_sp = w->altstack;
+    ss.ss_size = kAltStack;
+    ss.ss_flags = 0;
+    sigaltstack(&ss, &old_ss);
+    alloc_block_resources(w);
+    if (!w->stacks || !w->smem_region) {
+        record_error(w, "emulator: cannot allocate fiber stacks or shared memory (mmap failed)");
+    } else {
+        while (!L->failed.load(std::memory_order_relaxed)) {
+            const unsigned i = L->next.fetch_add(1);
+            if (i >= L->nblocks) break;
+            if (!run_block(w, L->order[i])) break;
+        }
+    }
+    free_block_resources(w);
+    ss.ss_flags = SS_DISABLE;
+    sigaltstack(&ss, nullptr);
+    free(w->altstack);
+    free(w->rescue);
+    tls_worker = nullptr;
+}
+
+}  // namespace
+
+// =========================================================================================
+// C ABI: called from kernels
+// =========================================================================================
+extern "C" {
+
+const fa_emu_thread_view* fa_emu_self(void) { return &tls_worker->cur->view; }
+
+unsigned char* fa_emu_dynamic_smem(void) { return tls_worker->smem; }
+
+__attribute__((noinline)) void fa_emu_syncthreads(void) {
+    void* site = __builtin_return_address(0);
+    Worker* w = W();
+    Fiber* f = w->cur;
+    if (w->exited > 0) {
+        int t = 0;
+        while (w->fibers[t].state != EXITED) ++t;
+        fiber_fail(w, strf("__syncthreads() (%s) is reached after %d thread(s) exited (first: thread %d): they never "
+                           "reach this barrier (divergent or early-exit barrier)",
+                           site_str(site).c_str(), w->exited, t));
+    }
+    if (w->bar_arrived == 0) {
+        w->bar_site = site;
+        w->bar_first_tid = f->tid;
+    } else if (site != w->bar_site) {
+        fiber_fail(w, strf("divergent __syncthreads(): this thread waits at %s while thread %d waits at %s",
+                           site_str(site).c_str(), w->bar_first_tid, site_str(w->bar_site).c_str()));
+    }
+    f->state = WAIT_BAR;
+    f->bar_site = site;
+    if (++w->bar_arrived == w->nthreads) {
+        w->bar_arrived = 0;
+        ++w->cnt.barriers;
+        for (int t = 0; t < w->nthreads; ++t) set_runnable(w, t);
+    }
+    yield(w, f);
+}
+
+void fa_emu_syncwarp(unsigned mask) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_SYNCWARP;
+    f->mask = mask;
+    warp_arrive(w, f);
+}
+
+uint64_t fa_emu_shfl(int kind, unsigned mask, uint64_t value, int arg, int width) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_SHFL;
+    f->kind = kind;
+    f->mask = mask;
+    f->value = value;
+    f->arg = arg;
+    f->width = width;
+    warp_arrive(w, f);
+    return f->result;
+}
+
+void fa_emu_mma(int dtype, float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_MMA;
+    f->mask = 0xffffffffu;
+    f->dtype = dtype;
+    f->d = d;
+    f->a = a;
+    f->b = b;
+    f->c = c;
+    warp_arrive(w, f);
+}
+
+void fa_emu_ldmatrix(int n, int trans, uint32_t* r, const void* smem_row_addr) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_LDMATRIX;
+    f->mask = 0xffffffffu;
+    f->n = n;
+    f->trans = trans;
+    f->regs = r;
+    f->addr = smem_row_addr;
+    warp_arrive(w, f);
+}
+
+void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    unsigned char* dst = static_cast<unsigned char*>(smem_dst);
+    if (src_bytes < 0 || src_bytes > cp_size)
+        fiber_fail(w, strf("fa::cp_async<%d>: src_bytes %d is outside [0, %d]", cp_size, src_bytes, cp_size));
+    if (!in_smem(w, dst, cp_size))
+        fiber_fail(w, strf("fa::cp_async<%d>: destination %p is outside shared memory: %s", cp_size, smem_dst,
+                           smem_desc(w, dst).c_str()));
+    if (reinterpret_cast<uintptr_t>(dst) % cp_size)
+        fiber_fail(w, strf("fa::cp_async<%d>: destination is not %d-byte aligned: %s", cp_size, cp_size,
+                           smem_desc(w, dst).c_str()));
+    if (src_bytes > 0) {
+        if (reinterpret_cast<uintptr_t>(gmem_src) % cp_size)
+            fiber_fail(w, strf("fa::cp_async<%d>: global source %p is not %d-byte aligned", cp_size, gmem_src,
+                               cp_size));
+        gcheck(w, gmem_src, static_cast<size_t>(src_bytes), 0, "fa::cp_async global read");
+    }
+    const size_t g0 = (dst - w->smem) / kGranule;
+    for (size_t g = g0; g < g0 + cp_size / kGranule; ++g) ++w->pending[g];
+    f->copies.push_back(Copy{dst, static_cast<const unsigned char*>(gmem_src), cp_size, src_bytes, -1});
+    ++w->cnt.cp_async;
+    w->cnt.cp_async_bytes += cp_size;
+}
+
+void fa_emu_cp_async_commit(void) {
+    Fiber* f = W()->cur;
+    for (size_t k = f->copies_head; k < f->copies.size(); ++k)
+        if (f->copies[k].group < 0) f->copies[k].group = f->groups_committed;
+    ++f->groups_committed;
+}
+
+void fa_emu_cp_async_wait(int n) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    // Every committed group except the newest n completes now, in issue order.
+    const int64_t limit = f->groups_committed - n;
+    size_t k = f->copies_head;
+    for (; k < f->copies.size(); ++k) {
+        Copy& cp = f->copies[k];
+        if (cp.group < 0 || cp.group >= limit) break;
+        if (cp.src_bytes > 0) std::memcpy(cp.dst, cp.src, cp.src_bytes);
+        if (cp.src_bytes < cp.size) std::memset(cp.dst + cp.src_bytes, 0, cp.size - cp.src_bytes);
+        const size_t g0 = (cp.dst - w->smem) / kGranule;
+        for (size_t g = g0; g < g0 + cp.size / kGranule; ++g) --w->pending[g];
+    }
+    f->copies_head = k;
+    if (f->copies_head == f->copies.size()) {
+        f->copies.clear();
+        f->copies_head = 0;
+    }
+}
+
+void fa_emu_gcheck(const void* p, size_t size, int is_write) {
+    gcheck(W(), p, size, is_write ? 1 : 0, is_write ? "fa::gstore" : "fa::gload");
+}
+
+void fa_emu_atomic_add_f32(float* p, float v) {
+    Worker* w = W();
+    gcheck(w, p, sizeof(float), 2, "fa::atomic_add");
+    ++w->cnt.atomics;
+    uint32_t old = __atomic_load_n(reinterpret_cast<uint32_t*>(p), __ATOMIC_RELAXED), nw;
+    do {
+        float f;
+        std::memcpy(&f, &old, 4);
+        f += v;
+        std::memcpy(&nw, &f, 4);
+    } while (!__atomic_compare_exchange_n(reinterpret_cast<uint32_t*>(p), &old, nw, true, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
+}
+
+void fa_emu_atomic_add_f64(double* p, double v) {
+    Worker* w = W();
+    gcheck(w, p, sizeof(double), 2, "fa::atomic_add");
+    ++w->cnt.atomics;
+    uint64_t old = __atomic_load_n(reinterpret_cast<uint64_t*>(p), __ATOMIC_RELAXED), nw;
+    do {
+        double f;
+        std::memcpy(&f, &old, 8);
+        f += v;
+        std::memcpy(&nw, &f, 8);
+    } while (!__atomic_compare_exchange_n(reinterpret_cast<uint64_t*>(p), &old, nw, true, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
+}
+
+void fa_emu_trap(const char* what) { fiber_fail(W(), what); }
+
+// =========================================================================================
+// C ABI: launch (Python driver)
+// =========================================================================================
+int fa_emu_abi_version(void) { return 1; }
+
+int fa_emu_launch(fa_emu_launch_params* p) {
+    auto fail = [&](const std::string& msg) {
+        if (p->error && p->error_size) snprintf(p->error, p->error_size, "%s", msg.c_str());
+        return 1;
+    };
+    const uint64_t nthreads = uint64_t(p->block[0]) * p->block[1] * p->block[2];
+    const uint64_t nblocks = uint64_t(p->grid[0]) * p->grid[1] * p->grid[2];
+    if (nthreads == 0 || nthreads > 1024) return fail(strf("block of %lu threads (must be 1..1024)", (unsigned long)nthreads));
+    if (p->block[2] > 64) return fail("blockDim.z must be <= 64");
+    if (nblocks == 0) return fail("empty grid");
+    if (p->grid[1] > 65535 || p->grid[2] > 65535) return fail("gridDim.y and gridDim.z must be <= 65535");
+    if (nblocks > 0xffffffffull) return fail("grid too large");
+    Launch L;
+    L.p = p;
+    L.nblocks = static_cast<unsigned>(nblocks);
+    L.order.resize(L.nblocks);
+    for (unsigned i = 0; i < L.nblocks; ++i) L.order[i] = i;
+    if (p->schedule == FA_EMU_SCHED_REVERSE) std::reverse(L.order.begin(), L.order.end());
+    if (p->schedule == FA_EMU_SCHED_RANDOM) {
+        uint64_t s = p->seed ^ 0x5851f42d4c957f2dull;
+        for (unsigned i = L.nblocks; i > 1; --i) std::swap(L.order[i - 1], L.order[splitmix(s) % i]);
+    }
+    const int nworkers = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(p->num_workers, nblocks)));
+    std::vector<Worker> workers(nworkers);
+    install_handlers();
+    {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < nworkers; ++i) {
+            workers[i].L = &L;
+            workers[i].p = p;
+            threads.emplace_back(worker_main, &L, &workers[i]);
+        }
+        for (auto& t : threads) t.join();
+    }
+    remove_handlers();
+    fa_emu_counters total{};
+    for (int b = 0; b < p->num_buffers; ++b) p->buffer_read_bytes[b] = p->buffer_write_bytes[b] = 0;
+    for (Worker& w : workers) {
+        total.global_read_bytes += w.cnt.global_read_bytes;
+        total.global_write_bytes += w.cnt.global_write_bytes;
+        total.mma += w.cnt.mma;
+        total.ldmatrix += w.cnt.ldmatrix;
+        total.cp_async += w.cnt.cp_async;
+        total.cp_async_bytes += w.cnt.cp_async_bytes;
+        total.barriers += w.cnt.barriers;
+        total.shuffles += w.cnt.shuffles;
+        total.syncwarps += w.cnt.syncwarps;
+        total.atomics += w.cnt.atomics;
+        total.blocks += w.cnt.blocks;
+        total.fiber_switches += w.cnt.fiber_switches;
+        for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
+            p->buffer_read_bytes[b] += w.buf_read[b];
+            p->buffer_write_bytes[b] += w.buf_write[b];
+        }
+    }
+    if (p->counters) *p->counters = total;
+    if (L.failed.load()) return fail(L.error);
+    return 0;
+}
+
+double fa_emu_measure_switch_ns(int iterations) {
+    struct PingPong {
+        Context main, fib;
+        int left;
+    };
+    static thread_local PingPong* pp;
+    PingPong st;
+    st.left = iterations;
+    pp = &st;
+    const size_t size = 64 * 1024;
+    char* stack = static_cast<char*>(malloc(size));
+    ctx_make(&st.fib, stack, size, [](void*) {
+        for (;;) ctx_switch(&pp->fib, &pp->main);
+    }, nullptr);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iterations; ++i) ctx_switch(&st.main, &st.fib);
+    const auto t1 = std::chrono::steady_clock::now();
+    free(stack);
+    return std::chrono::duration<double, std::nano>(t1 - t0).count() / (2.0 * iterations);
+}
+
+}  // extern "C"
