@@ -6,7 +6,9 @@ An output computed in precision ``p`` passes when, elementwise max over the arra
 
 where ``ref64`` is :func:`flasharray.reference.attention` in float64 and ``naive_p`` the same
 formulas computed naively in ``p`` (FlashAttention's own rule: ``factor = 2`` for the output,
-3 for gradients). Non-finite reference entries (``-inf`` lse of fully masked rows, NaN from NaN
+3 for gradients). ``atol_p`` is a few units in the last place of ``p`` times
+``max(1, max|ref64|)``, so that it means the same for gradients of magnitude 1000 as for
+outputs of magnitude 1 (for float64, ``naive_p`` *is* the reference and only atol remains). Non-finite reference entries (``-inf`` lse of fully masked rows, NaN from NaN
 inputs) must be reproduced exactly.
 
 Use it for your own kernels too::
@@ -93,7 +95,8 @@ def _compare(name, actual, ref, naive, factor, atol):
     if err.size and not np.all(np.isfinite(err)):
         max_err = np.inf
     nerr = float(np.nanmax(naive_err)) if naive_err.size else 0.0
-    bound = factor * nerr + atol
+    magnitude = max(1.0, float(np.abs(ref[finite]).max())) if finite.any() else 1.0
+    bound = factor * nerr + atol * magnitude
     note = "" if same_special else "non-finite entries differ from the reference"
     return Check(name, max_err, nerr, bound, bool(same_special and max_err <= bound), note)
 
@@ -117,8 +120,8 @@ def check_attention(out, q, k, v, *, causal=False, scale=None, lse=None, dout=No
     factor, grad_factor : float
         Multipliers of the naive error (DESIGN.md: 2 and 3).
     atol : float, optional
-        Absolute slack; default per dtype (float16 1e-4, bfloat16 1e-3, float32 1e-6,
-        float64 1e-12).
+        Slack per unit of magnitude (multiplied by ``max(1, max|ref|)``); default per dtype
+        (float16 1e-4, bfloat16 1e-3, float32 1e-6, float64 1e-12).
 
     Returns
     -------

@@ -78,3 +78,22 @@ def test_thread_count_does_not_change_results(monkeypatch):
     for r in results[1:]:
         for a, b in zip(results[0], r):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("order", ["growing", "shrinking"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["fp32", "fp64"])
+def test_large_scores_exercise_rescaling_without_overflow(order, dtype):
+    """Scores that grow (or shrink) by hundreds across key tiles force the lazy-rescale path;
+    exp() must never overflow and the result must stay within the rule."""
+    Lq, Lk, D = 40, 1800, 16
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, Lq, D)).astype(dtype)
+    ramp = np.linspace(0.1, 12.0, Lk)[:, None]  # |scores| up to ~200
+    k = (rng.standard_normal((2, Lk, D)) * (ramp if order == "growing" else ramp[::-1])).astype(dtype)
+    v = rng.standard_normal((2, Lk, 8)).astype(dtype)
+    with np.errstate(over="raise"):
+        out, lse = fa.flash_attention_forward(q, k, v, scale=1.0)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    dout = np.ones_like(out)
+    grads = fa.flash_attention_backward(dout, q, k, v, out, lse, scale=1.0)
+    assert_attention_close(out, q, k, v, scale=1.0, lse=lse, dout=dout, grads=grads)
