@@ -1,0 +1,67 @@
+// flash_bwd_common.cuh — helpers shared by every backward kernel (preprocess, dK/dV, dQ, convert).
+//
+// Symbols (paper names, FlashAttention-2 backward):
+//   Q_i   Br x D    query block i          dO_i  Br x Dv   output-gradient block i
+//   K_j   Bc x D    key block j            V_j   Bc x Dv   value block j
+//   L_i   Br        saved log-sum-exp (natural log, AccT; -inf for a row that sees no key)
+//   D_i   Br        rowsum(dO_i o O_i)  (flash_bwd_preprocess.cu)
+//   P_ij  Br x Bc   exp(S_ij * scale - L_i), recomputed, never stored in global memory
+//   dS_ij Br x Bc   P_ij o (dP_ij - D_i)
+// Batch convention (shared with the forward): grid = (blocks, nb1 * nb2, nb0),
+// b0 = blockIdx.z, b1 = blockIdx.y / nb2, b2 = blockIdx.y % nb2; every tensor carries element
+// strides for b0, b1, b2 and its rows; the last axis is contiguous; stride 0 = broadcast.
+#pragma once
+#include "fa_port.cuh"
+#include "flash_block_info.cuh"  // flash::TensorStrides, flash::BatchIndex (shared with the forward)
+#include "flash_mask.cuh"        // flash::Mask: causal / sequence-end visibility and tile skipping
+#include "flash_softmax.cuh"     // flash::exp2_acc, flash::log2e_acc, flash::neg_inf
+
+namespace fa_bwd {
+
+using flash::BatchIndex;
+using flash::Mask;
+using flash::TensorStrides;
+
+// Element type -> accumulation type (identity for float and double; fa::to_float narrows double).
+__device__ __forceinline__ float to_acc(fa_half x) { return fa::to_float(x); }
+__device__ __forceinline__ float to_acc(fa_bf16 x) { return fa::to_float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+// Accumulation type -> element type, round to nearest (identity for float and double).
+template <typename T> struct FromAcc {
+    static __device__ __forceinline__ T convert(float x) { return fa::from_float<T>(x); }
+};
+template <> struct FromAcc<double> {
+    static __device__ __forceinline__ double convert(double x) { return x; }
+};
+
+// Saved LSE in base 2: L_i * log2(e). A row that saw no key has L_i = -inf; keep it -inf so that
+// recompute_p can test for it instead of evaluating exp2(-inf - (-inf)) = exp2(nan).
+template <typename AccT>
+__device__ __forceinline__ AccT lse_log2(AccT lse) {
+    return lse == flash::neg_inf<AccT>() ? lse : lse * flash::log2e_acc(AccT(0));
+}
+
+// P_ij = exp2(S_ij * scale * log2(e) - L_i * log2(e)); zero when masked or when the row saw no key.
+template <typename AccT>
+__device__ __forceinline__ AccT recompute_p(AccT s, AccT scale_log2, AccT lse2, bool visible) {
+    return (visible && lse2 != flash::neg_inf<AccT>()) ? flash::exp2_acc(s * scale_log2 - lse2)
+                                                        : AccT(0);
+}
+
+// Load L_i (as L_i * log2 e, -inf kept) and D_i for rows r0 .. r0 + Br - 1.
+template <typename AccT, int kBlockM, int kNThreads>
+__device__ __forceinline__ void load_row_stats(AccT* lse2_s, AccT* delta_s, const AccT* lse,
+                                               const AccT* delta, int r0, int Lq) {
+    for (int r = (int)threadIdx.x; r < kBlockM; r += kNThreads) {
+        const bool in = r0 + r < Lq;
+        lse2_s[r] = in ? lse_log2(fa::gload(lse + r0 + r)) : flash::neg_inf<AccT>();
+        delta_s[r] = in ? fa::gload(delta + r0 + r) : AccT(0);
+    }
+}
+
+// Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
+__host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
+
+}  // namespace fa_bwd

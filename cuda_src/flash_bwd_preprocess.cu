@@ -1,0 +1,53 @@
+// flash_bwd_preprocess.cu — the backward's first pass: D_i = rowsum(dO_i o O_i).
+//
+//   dO   Lq x Dv  (element type T, strided)      O  Lq x Dv  (T, strided)
+//   D    Lq       (AccT, strided by batch, contiguous rows)
+// dS = P o (dP - D) needs D_i = sum_j P_ij dP_ij = rowsum(dO_i o O_i) (the identity of the
+// FlashAttention backward), computed here in one pass over dO and O. In the atomic dQ mode the
+// same pass clears the AccT dQ accumulator the dK/dV kernel adds into, so that no separate memset
+// is needed.
+//
+// One warp per row: lanes stride over the row, a butterfly shuffle sums the 32 partial sums
+// (a fixed order, so D is bitwise reproducible).
+#include "flash_bwd_common.cuh"
+
+namespace fa_bwd {
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+}  // namespace fa_bwd
+using namespace fa_bwd;
+
+template <typename T, typename AccT, int kNThreads, bool kZeroDQAccum>
+__global__ void __launch_bounds__(kNThreads) flash_bwd_preprocess_kernel(
+    const T* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_row,
+    const T* __restrict__ out, long long o_b0, long long o_b1, long long o_b2, long long o_row,
+    AccT* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2,
+    AccT* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2,
+    long long dqa_row, int Lq, int Dv, int D, int nb2) {
+    static_assert(kNThreads % kWarpSize == 0, "preprocess: block must be whole warps");
+    constexpr int kRowsPerBlock = kNThreads / kWarpSize;  // one warp per row
+
+    const BatchIndex b = BatchIndex::from_grid(nb2);
+    const int warp = (int)threadIdx.x / kWarpSize;
+    const int lane = (int)threadIdx.x % kWarpSize;
+    const int row = (int)blockIdx.x * kRowsPerBlock + warp;
+    if (row >= Lq) return;  // whole warp leaves together: no shuffle is left waiting
+
+    const T* dO_i = dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)row * do_row;
+    const T* O_i = out + b.offset({o_b0, o_b1, o_b2, o_row}) + (long long)row * o_row;
+
+    // -- D_i = sum_d dO_i[d] * O_i[d], each lane a strided slice, then a fixed butterfly.
+    AccT partial = AccT(0);
+    for (int d = lane; d < Dv; d += kWarpSize)
+        partial += to_acc(fa::gload(dO_i + d)) * to_acc(fa::gload(O_i + d));
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+        partial += __shfl_xor_sync(kFullMask, partial, offset);
+    if (lane == 0)
+        fa::gstore(delta + b.offset({d_b0, d_b1, d_b2, 0}) + row, partial);
+
+    // -- atomic dQ mode: clear this row of the AccT dQ accumulator.
+    if (kZeroDQAccum) {
+        AccT* dQ_i = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, dqa_row}) + (long long)row * dqa_row;
+        for (int d = lane; d < D; d += kWarpSize) fa::gstore(dQ_i + d, AccT(0));
+    }
+}

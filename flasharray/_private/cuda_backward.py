@@ -1,0 +1,374 @@
+"""FlashAttention backward on the CUDA kernels of ``cuda_src/`` (GPU through CuPy, or the emulator).
+
+Passes (see docs/cuda_backward.md):
+
+1. ``flash_bwd_preprocess_kernel``: ``D_i = rowsum(dO_i ∘ O_i)`` (AccT); in the atomic mode it
+   also clears the AccT dQ accumulator.
+2. ``flash_bwd_dkv[_simt]_kernel``: one block per (key block j, K/V batch entry); walks the query
+   blocks (and the query heads sharing K_j, V_j) recomputing P from the saved LSE; dK_j, dV_j in
+   registers. ``deterministic=False``: also ``dQ += dS K_j · scale`` with float atomics.
+3. ``deterministic=True``: ``flash_bwd_dq[_simt]_kernel``, one block per query block, recomputing
+   P and dS over the key blocks, dQ_i in registers (no atomics, bitwise reproducible).
+   ``deterministic=False``: ``flash_bwd_convert_dq_kernel`` converts the accumulator to the dtype.
+
+Batch handling: the leading dims are split into *grid* dims (at most 3 after merging, the
+blockIdx.y/z convention) and, for the dK/dV kernel, one *group* dim walked inside the block:
+the dims along which both K and V are broadcast (MQA/GQA), so dK/dV are summed over the group
+in registers without copies of K or V. Anything left (a dim along which only one of K, V is
+broadcast, or q itself broadcast) goes through an AccT buffer reduced over those dims on the
+device, in a fixed order.
+"""
+import numpy as np
+
+from . import tiles_bwd as tiles
+from .dtypes import accumulation_dtype, bfloat16, canonical_dtype
+from .sources import cuda_src_dir
+
+_CTYPE = {np.dtype(np.float16): "fa_half", bfloat16: "fa_bf16",
+          np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+_SOURCES = ("flash_bwd_preprocess.cu", "flash_bwd_simt.cu", "flash_bwd.cu", "flash_bwd_convert.cu")
+_MAX_GRID_DIMS = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch planning
+def _batch_strides(a, nb):
+    """Element strides of the first ``nb`` (batch) dims of ``a``; 0 along size-1 dims (broadcast)."""
+    return [0 if a.shape[i] == 1 else a.strides[i] // a.itemsize for i in range(nb)]
+
+
+def _merge(sizes, tensor_strides):
+    """Merge adjacent dims whose strides allow it for every tensor.
+
+    ``sizes``: list of dim sizes; ``tensor_strides``: {name: [stride per dim]}. Returns the merged
+    sizes and strides. Dims i, i+1 merge iff ``stride[i] == stride[i+1] * size[i+1]`` for all.
+    """
+    if not sizes:
+        return [], {n: [] for n in tensor_strides}
+    out_sizes = [sizes[0]]
+    out = {n: [s[0]] for n, s in tensor_strides.items()}
+    for i in range(1, len(sizes)):
+        if all(out[n][-1] == s[i] * sizes[i] for n, s in tensor_strides.items()):
+            out_sizes[-1] *= sizes[i]
+            for n, s in tensor_strides.items():
+                out[n][-1] = s[i]
+        else:
+            out_sizes.append(sizes[i])
+            for n, s in tensor_strides.items():
+                out[n].append(s[i])
+    return out_sizes, out
+
+
+def _grid3(sizes, strides):
+    """Pad merged grid dims to exactly (nb0, nb1, nb2), leading size-1 dims with stride 0."""
+    if len(sizes) > _MAX_GRID_DIMS:
+        return None
+    pad = _MAX_GRID_DIMS - len(sizes)
+    return [1] * pad + list(sizes), {n: [0] * pad + list(s) for n, s in strides.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation and launch
+_MODULE_CACHE = {}
+
+
+def _source(files):
+    return "".join('#include "%s"\n' % f for f in files)
+
+
+class _Runner:
+    """Compiles the backward's kernels once per configuration and launches them on one device."""
+
+    def __init__(self, device, schedule="forward", seed=0):
+        self.device = device
+        self.schedule = schedule
+        self.seed = seed
+        self.counters = []
+
+    def module(self, files, names):
+        key = (self.device, files, tuple(names))
+        mod = _MODULE_CACHE.get(key)
+        if mod is None:
+            src = _source(files)
+            inc = str(cuda_src_dir())
+            if self.device == "emulator":
+                from .. import emulator
+                mod = emulator.Module(src, name_expressions=list(names), include_dirs=[inc])
+            else:
+                import cupy
+                mod = cupy.RawModule(code=src, options=("--std=c++17", "-I" + inc, "-use_fast_math"),
+                                     name_expressions=list(names))
+            _MODULE_CACHE[key] = mod
+        return mod
+
+    def launch(self, mod, name, grid, block, args, smem=0):
+        grid = tuple(int(g) for g in grid)
+        if 0 in grid:
+            return
+        if self.device == "emulator":
+            c = mod.launch(name, grid, (int(block), 1, 1), tuple(args), shared_mem=int(smem),
+                           schedule=self.schedule, seed=self.seed)
+            self.counters.append((name, c))
+        else:
+            kern = mod.get_function(name)
+            if smem > tiles.DEFAULT_SMEM:
+                kern.max_dynamic_shared_size_bytes = int(smem)
+            kern(grid, (int(block), 1, 1), tuple(args), shared_mem=int(smem))
+
+
+def _device_arch(device, opts):
+    if "arch" in opts:
+        return tiles.arch_number(opts["arch"])
+    if device == "emulator":
+        return tiles.EMULATOR_ARCH
+    import cupy
+    return tiles.arch_number(cupy.cuda.Device().compute_capability)
+
+
+def _xp(device):
+    if device == "emulator":
+        return np
+    import cupy
+    return cupy
+
+
+def _aligned16(a):
+    ptr = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+    return ptr % 16 == 0
+
+
+def _last_contiguous(xp, a):
+    """``a`` itself when its last axis is contiguous, else a C-contiguous copy (the kernels'
+    only layout requirement)."""
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return xp.ascontiguousarray(a)
+    return a
+
+
+def _lse_ok(xp, lse, acc):
+    lse = lse.astype(acc, copy=False)
+    if lse.shape[-1] > 1 and lse.strides[-1] != lse.itemsize:
+        lse = xp.ascontiguousarray(lse)
+    return lse
+
+
+# ---------------------------------------------------------------------------------------------
+def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True,
+             **opts):
+    """Gradients of FlashAttention by the CUDA backward kernels.
+
+    Parameters
+    ----------
+    dout : array, shape (*batch_shape, Lq, Dv), dtype of q
+    q : array, shape (*bq, Lq, D); k : (*bk, Lk, D); v : (*bv, Lk, Dv)
+        Each batch dim of q, k, v is ``batch_shape[i]`` or 1 (broadcast). float16, bfloat16,
+        float32 or float64 (one dtype). Any strides; a non-contiguous last axis is copied.
+    out : array, shape (*batch_shape, Lq, Dv), dtype of q; lse : (*batch_shape, Lq), AccT
+        The forward's outputs (lse natural log, -inf for a row that sees no key).
+    causal : bool
+        Bottom-right aligned causal mask.
+    scale : float
+    batch_shape : tuple
+    device : {"cuda", "emulator"}
+        CuPy arrays on the current device, or NumPy arrays run by ``flasharray.emulator``.
+    deterministic : bool
+        True: separate dQ kernel, no atomics, bitwise reproducible. False: float atomics into an
+        AccT dQ accumulator plus a conversion pass.
+    **opts
+        ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
+        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc" or "simt"; default
+        tensor cores for fp16/bf16), ``return_counters`` (emulator: also return the list of
+        ``(kernel name, counters)`` of every launch).
+
+    Returns
+    -------
+    dq, dk, dv : arrays with exactly the shapes and dtype of q, k, v (summed over broadcast
+        batch dims); ``(dq, dk, dv, counters)`` with ``return_counters=True``.
+    """
+    unknown = set(opts) - {"schedule", "seed", "arch", "kernel", "return_counters"}
+    if unknown:
+        raise TypeError("flasharray.cuda_backward: unexpected option(s) %s" % sorted(unknown))
+    if device not in ("cuda", "emulator"):
+        raise ValueError("flasharray.cuda_backward: device must be 'cuda' or 'emulator', got %r" % (device,))
+    xp = _xp(device)
+    dtype = canonical_dtype(q.dtype)
+    acc = accumulation_dtype(dtype)
+    arch = _device_arch(device, opts)
+    kernel = opts.get("kernel") or ("tc" if dtype.itemsize == 2 else "simt")
+    if kernel == "tc" and dtype.itemsize != 2:
+        raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
+                                  "got %s (the SIMT kernel covers float32/float64)" % dtype)
+    if kernel == "tc" and dtype == bfloat16 and arch < 80:
+        raise NotImplementedError("flasharray: bfloat16 needs tensor cores of sm_80 or newer, got sm_%d" % arch)
+    if kernel == "tc" and arch < 75:
+        raise NotImplementedError("flasharray: float16 tensor-core kernels need sm_75 or newer, got sm_%d" % arch)
+    runner = _Runner(device, opts.get("schedule", "forward"), opts.get("seed", 0))
+
+    batch_shape = tuple(int(b) for b in batch_shape)
+    nb = len(batch_shape)
+    Lq, D = q.shape[-2], q.shape[-1]
+    Lk, Dv = v.shape[-2], v.shape[-1]
+    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    q, k, v, dout, out = (_last_contiguous(xp, a) for a in (q, k, v, dout, out))
+    lse = _lse_ok(xp, lse, acc)
+    T, A = _CTYPE[dtype], _CTYPE[acc]
+    causal_s = "true" if causal else "false"
+    scale_arg = acc.type(scale)
+
+    full = tuple(batch_shape)
+    delta = xp.empty(full + (Lq,), dtype=acc)
+    dqacc = xp.empty(full + (Lq, D), dtype=acc) if not deterministic else xp.empty((1,), dtype=acc)
+
+    # ---- plan A: full batch in the grid (preprocess, dQ, convert)
+    dims = [i for i in range(nb) if batch_shape[i] > 1]
+    q_bcast = any(q.shape[i] == 1 for i in dims)
+    # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
+    dq_buf = xp.empty(full + (Lq, D), dtype=acc) if q_bcast else xp.empty(q.shape, dtype=dtype)
+    tensors_a = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta,
+                 "dq": dq_buf}
+    if not deterministic:
+        tensors_a["dqacc"] = dqacc
+    sizes_a, strides_a = _merge([batch_shape[i] for i in dims],
+                                {n: [_batch_strides(a, nb)[i] for i in dims] for n, a in tensors_a.items()})
+    plan_a = _grid3(sizes_a, strides_a)
+    if plan_a is None:
+        raise NotImplementedError(
+            "flasharray: the CUDA backward supports at most 3 batch dims that cannot be merged; "
+            "got batch_shape %s with these strides" % (batch_shape,))
+    (nb0, nb1, nb2), sa = plan_a
+
+    # ---- plan B: dK/dV kernel, group dim = dims where K and V are both broadcast
+    shared = [i for i in dims if k.shape[i] == 1 and v.shape[i] == 1]
+    qside = {"q": q, "dout": dout, "lse": lse, "delta": delta, "dqacc": dqacc}
+    qside_strides = {n: _batch_strides(a, nb) if a.ndim > 1 else [0] * nb for n, a in qside.items()}
+    # The group is the longest run of trailing shared dims that merges into one dim for every
+    # query-side tensor; shared dims before it are walked by the grid instead (their dK/dV
+    # partial sums are reduced afterwards).
+    for start in range(len(shared) + 1):
+        run = shared[start:]
+        g_sizes, g_strides = _merge([batch_shape[i] for i in run],
+                                    {n: [s[i] for i in run] for n, s in qside_strides.items()})
+        if len(g_sizes) <= 1:
+            shared = run
+            break
+    grid_b = [i for i in dims if i not in shared]
+    partial = any(k.shape[i] == 1 or v.shape[i] == 1 for i in grid_b)
+    if partial:
+        kshape = tuple(batch_shape[i] if i in grid_b else 1 for i in range(nb))
+        dk_buf = xp.empty(kshape + (Lk, D), dtype=acc)
+        dv_buf = xp.empty(kshape + (Lk, Dv), dtype=acc)
+    else:
+        dk_buf = xp.empty(k.shape, dtype=dtype)
+        dv_buf = xp.empty(v.shape, dtype=dtype)
+    tensors_b = dict(qside, k=k, v=v, dk=dk_buf, dv=dv_buf)
+    sizes_b, strides_b = _merge([batch_shape[i] for i in grid_b],
+                                {n: [_batch_strides(a, nb)[i] if a.ndim > 1 else 0 for i in grid_b]
+                                 for n, a in tensors_b.items()})
+    plan_b = _grid3(sizes_b, strides_b)
+    if plan_b is None:
+        raise NotImplementedError(
+            "flasharray: the CUDA backward supports at most 3 batch dims that cannot be merged; "
+            "got batch_shape %s" % (batch_shape,))
+    (mb0, mb1, mb2), sb = plan_b
+    n_group = g_sizes[0] if g_sizes else 1
+    gs = {n: (s[0] if s else 0) for n, s in g_strides.items()}
+
+    def rs(a):  # row stride in elements
+        return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
+
+    def st(plan_strides, name, a, group=None, row=True):
+        s = [np.int64(x) for x in plan_strides[name]]
+        if group is not None:
+            s.append(np.int64(group))
+        if row:
+            s.append(np.int64(rs(a)))
+        return s
+
+    i32, i64 = np.int32, np.int64
+
+    # ---- tiles and kernel names
+    out_kv = A if partial else T
+    out_q = A if q_bcast else T
+    if kernel == "tc":
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch)
+        t_q = tiles.tc_tiles("dq", D, Dv, arch)
+        vec = int(D % 8 == 0 and Dv % 8 == 0
+                  and all(rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
+                  and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+        vec_s = "true" if vec else "false"
+        name_kv = "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+            T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, causal_s,
+            "false" if deterministic else "true", vec_s)
+        name_q = "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+            T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, causal_s, vec_s)
+        files = ("flash_bwd_preprocess.cu", "flash_bwd.cu", "flash_bwd_convert.cu")
+    else:
+        t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
+        t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
+        name_kv = "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+            T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, causal_s,
+            "false" if deterministic else "true")
+        name_q = "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
+            T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, causal_s)
+        files = ("flash_bwd_preprocess.cu", "flash_bwd_simt.cu", "flash_bwd_convert.cu")
+    name_pre = "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
+        T, A, tiles.ROW_THREADS, "false" if deterministic else "true")
+    name_cvt = "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK)
+    names = [name_pre, name_kv] + ([name_q] if deterministic else [name_cvt])
+    mod = runner.module(files, names)
+
+    # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
+    rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
+    dqa_args = (st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4)
+    runner.launch(mod, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+                  [dout, *st(sa, "dout", dout), out, *st(sa, "out", out),
+                   delta, *st(sa, "delta", delta, row=False), dqacc, *dqa_args,
+                   i32(Lq), i32(Dv), i32(D), i32(nb2)])
+
+    # ---- 2. dK, dV (+ atomic dQ)
+    dqa_b = (st(sb, "dqacc", dqacc, group=gs["dqacc"]) if not deterministic else [i64(0)] * 5)
+    Tc = -(-Lk // t_kv.block_n)
+    runner.launch(mod, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
+                  [q, *st(sb, "q", q, group=gs["q"]),
+                   k, *st(sb, "k", k), v, *st(sb, "v", v),
+                   dout, *st(sb, "dout", dout, group=gs["dout"]),
+                   lse, *st(sb, "lse", lse, group=gs["lse"], row=False),
+                   delta, *st(sb, "delta", delta, group=gs["delta"], row=False),
+                   dqacc, *dqa_b,
+                   dk_buf, *st(sb, "dk", dk_buf), dv_buf, *st(sb, "dv", dv_buf),
+                   i32(Lq), i32(Lk), i32(D), i32(Dv), i32(mb2), i32(n_group), scale_arg],
+                  t_kv.smem)
+
+    # ---- 3. dQ: deterministic kernel, or conversion of the atomic accumulator
+    if deterministic:
+        Tr = -(-Lq // t_q.block_m)
+        runner.launch(mod, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
+                      [q, *st(sa, "q", q), k, *st(sa, "k", k), v, *st(sa, "v", v),
+                       dout, *st(sa, "dout", dout),
+                       lse, *st(sa, "lse", lse, row=False), delta, *st(sa, "delta", delta, row=False),
+                       dq_buf, *st(sa, "dq", dq_buf),
+                       i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
+                      t_q.smem)
+    elif not q_bcast:
+        runner.launch(mod, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+                      [dqacc, *st(sa, "dqacc", dqacc), dq_buf, *st(sa, "dq", dq_buf),
+                       i32(Lq), i32(D), i32(nb2)])
+    else:
+        dq_buf = dqacc
+
+    # ---- broadcast dims not summed inside the kernels: fixed-order reductions on the device
+    dq = _reduce_to(xp, dq_buf, q.shape, dtype)
+    dk = _reduce_to(xp, dk_buf, k.shape, dtype)
+    dv = _reduce_to(xp, dv_buf, v.shape, dtype)
+    if opts.get("return_counters"):
+        return dq, dk, dv, runner.counters
+    return dq, dk, dv
+
+
+def _reduce_to(xp, buf, shape, dtype):
+    if buf.shape == tuple(shape) and buf.dtype == dtype:
+        return buf
+    axes = tuple(i for i in range(len(shape) - 2) if shape[i] == 1 and buf.shape[i] != 1)
+    if axes:
+        buf = buf.sum(axis=axes, keepdims=True)
+    return buf.astype(dtype).reshape(shape)

@@ -1,0 +1,186 @@
+"""Tile table of the CUDA backward kernels: every tile choice, its reason, and its shared memory.
+
+The kernels take these numbers as template parameters and ``static_assert`` every invariant;
+the shared-memory sizes computed here mirror the layouts in ``cuda_src/flash_bwd_simt.cu``
+(``SimtSmem``) and ``cuda_src/flash_bwd.cu`` (``TcSmem``) byte for byte.
+
+Architecture limits (``/work/shared/ptx_semantics.md``): dynamic shared memory per block is
+48 KB without opt-in and at most 64 KB (sm_75), 163 KB (sm_80), 99 KB (sm_86, sm_89) and
+227 KB (sm_90) with ``max_dynamic_shared_size_bytes``; at most 255 registers per thread.
+
+Symbols: Br = kBlockM (query rows per tile), Bc = kBlockN (key rows per tile), D / Dv padded
+head dims of q·k and of v.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+KB = 1024
+DEFAULT_SMEM = 48 * KB
+#: Largest dynamic shared memory per block, with opt-in, per compute capability.
+MAX_SMEM = {75: 64 * KB, 80: 163 * KB, 86: 99 * KB, 89: 99 * KB, 90: 227 * KB}
+#: Architectures the static checks cover.
+ARCHS = (75, 80, 86, 89, 90)
+#: Architecture the emulator pretends to be (tile choice only; it has no smem limit of its own).
+EMULATOR_ARCH = 80
+
+
+def pad_head_dim(d):
+    """Head dims are padded to a multiple of 16 (the mma k-step) inside the kernels."""
+    return max(16, (int(d) + 15) // 16 * 16)
+
+
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+def arch_number(arch):
+    """75 from ``75``, ``"sm_75"`` or ``(7, 5)``."""
+    if isinstance(arch, tuple):
+        return arch[0] * 10 + arch[1]
+    if isinstance(arch, str):
+        return int(arch.replace("sm_", "").replace("compute_", ""))
+    return int(arch)
+
+
+def smem_limit(arch):
+    a = arch_number(arch)
+    if a in MAX_SMEM:
+        return MAX_SMEM[a]
+    # Newer than the table: assume at least the sm_90 opt-in, older: the sm_75 one.
+    return MAX_SMEM[90] if a > 90 else MAX_SMEM[75]
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """One kernel's tile shape, its dynamic shared memory in bytes, and why it was chosen."""
+    block_m: int      # Br: query rows per tile
+    block_n: int      # Bc: key rows per tile
+    n_threads: int
+    smem: int
+    reason: str
+
+    @property
+    def needs_opt_in(self):
+        return self.smem > DEFAULT_SMEM
+
+
+# ---------------------------------------------------------------------------------------------
+# SIMT kernels (fp32, fp64): scalar FMAs on shared-memory tiles, 256 threads.
+SIMT_THREADS = 256
+# A thread keeps ceil(Bc * (D + Dv) / 256) accumulators of dK_j, dV_j (dQ kernel: Br * D / 256)
+# in registers; this many 32-bit registers of them leave room for addressing and the loops
+# under the 255-register cap without spills (checked by tests/test_static_backward.py).
+SIMT_ACC_REGS = 64
+# Preferred first: large tiles reuse each loaded K_j/V_j (or Q_i/dO_i) over more rows.
+SIMT_CANDIDATES = ((64, 64), (32, 64), (32, 32), (16, 32), (16, 16), (8, 16), (8, 8), (4, 8))
+
+
+def _simt_pitch(itemsize, cols):
+    return cols + (1 if itemsize >= 4 else 4 // itemsize)
+
+
+def simt_smem(itemsize, acc_itemsize, D, Dv, Br, Bc):
+    """Bytes of ``SimtSmem``: Q_i, dO_i, K_j, V_j (padded pitch), P_ij, dS_ij, L_i, D_i."""
+    pd, pdv = _simt_pitch(itemsize, D), _simt_pitch(itemsize, Dv)
+    return (_align16(Br * pd * itemsize) + _align16(Br * pdv * itemsize)
+            + _align16(Bc * pd * itemsize) + _align16(Bc * pdv * itemsize)
+            + 2 * _align16(Br * Bc * acc_itemsize) + 2 * _align16(Br * acc_itemsize))
+
+
+def simt_tiles(kernel, dtype, D, Dv, arch):
+    """Tiles of ``flash_bwd_dkv_simt_kernel`` (kernel="dkv") or ``flash_bwd_dq_simt_kernel`` ("dq").
+
+    The first candidate (largest tiles) whose register accumulators fit ``SIMT_ACC_REGS`` and
+    whose shared memory fits the architecture's opt-in limit.
+    """
+    dtype = np.dtype(dtype)
+    D, Dv = pad_head_dim(D), pad_head_dim(Dv)
+    acc = 8 if dtype == np.float64 else 4
+    limit = smem_limit(arch)
+    for Br, Bc in SIMT_CANDIDATES:
+        kept = Bc * (D + Dv) if kernel == "dkv" else Br * D
+        regs = -(-kept // SIMT_THREADS) * acc // 4
+        smem = simt_smem(dtype.itemsize, acc, D, Dv, Br, Bc)
+        if regs <= SIMT_ACC_REGS and smem <= limit:
+            why = ("largest (Br, Bc) with <= %d accumulator registers per thread and %d B of "
+                   "shared memory <= the sm_%d limit %d B" % (SIMT_ACC_REGS, smem, arch_number(arch), limit))
+            return BwdTiles(Br, Bc, SIMT_THREADS, smem, why)
+    raise NotImplementedError(
+        "flasharray: no SIMT backward tile fits D=%d, Dv=%d, %s on sm_%d" % (D, Dv, dtype, arch_number(arch)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-core kernels (fp16, bf16): mma.sync m16n8k16, tiles padded by 8 elements per row.
+TC_PAD = 8  # 16 bytes: rows stay 16-byte aligned for ldmatrix / cp.async and rotate banks
+# dK_j and dV_j (dQ kernel: dQ_i) stay in registers, split over the warps as (Bc / 16) row tiles
+# x kSplit column slices: (D + Dv) / (2 * kSplit) floats per lane. This many keep the kernel
+# under 255 registers with the 16x16 score tiles and addressing alive.
+TC_ACC_REGS = 64
+# Preferred first (Bc, Br, warps): FlashAttention-2's 64 x 64 / 128 x 64 tiles for small head
+# dims; smaller tiles when D grows (registers) or shared memory is scarce (sm_75, sm_86/89).
+TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4), (32, 64, 8),
+                 (32, 32, 8), (32, 32, 4), (32, 16, 8), (32, 16, 4), (16, 16, 4), (16, 16, 2))
+
+
+def tc_smem(kernel, D, Dv, Br, Bc, itemsize=2):
+    """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j, then P^T and dS^T (dkv) or dS (dq), L_i, D_i."""
+    q = _align16(Br * (D + TC_PAD) * itemsize) + _align16(Br * (Dv + TC_PAD) * itemsize)
+    kv = _align16(Bc * (D + TC_PAD) * itemsize) + _align16(Bc * (Dv + TC_PAD) * itemsize)
+    if kernel == "dkv":
+        scores = 2 * _align16(Bc * (Br + TC_PAD) * itemsize)   # P^T, dS^T: Bc x Br
+    else:
+        scores = _align16(Br * (Bc + TC_PAD) * itemsize)       # dS: Br x Bc
+    return q + kv + scores + 2 * _align16(Br * 4)
+
+
+def tc_split(kernel, D, Dv, Br, Bc, warps):
+    """Column slices per row tile of the register accumulators, or None if the shape is illegal."""
+    rows = (Bc if kernel == "dkv" else Br) // 16
+    if rows == 0 or warps % rows or warps < rows:
+        return None
+    split = warps // rows
+    cols = (D, Dv) if kernel == "dkv" else (D,)
+    if any(c % (16 * split) for c in cols):
+        return None
+    return split
+
+
+def tc_tiles(kernel, D, Dv, arch):
+    """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq")."""
+    D, Dv = pad_head_dim(D), pad_head_dim(Dv)
+    limit = smem_limit(arch)
+    for Bc, Br, warps in TC_CANDIDATES:
+        split = tc_split(kernel, D, Dv, Br, Bc, warps)
+        if split is None:
+            continue
+        floats = (D + Dv) // (2 * split) if kernel == "dkv" else D // (2 * split)
+        smem = tc_smem(kernel, D, Dv, Br, Bc)
+        if floats <= TC_ACC_REGS and smem <= limit:
+            why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d and %d B of shared "
+                   "memory fit the sm_%d limit %d B" % (floats, TC_ACC_REGS, smem, arch_number(arch), limit))
+            return BwdTiles(Br, Bc, 32 * warps, smem, why)
+    raise NotImplementedError(
+        "flasharray: no tensor-core backward tile fits D=%d, Dv=%d on sm_%d" % (D, Dv, arch_number(arch)))
+
+
+# Row-wise passes (preprocess D_i, dQ conversion): one warp per row, 4 rows per 128-thread block.
+ROW_THREADS = 128
+ROWS_PER_BLOCK = ROW_THREADS // 32
+
+
+def describe(dtypes=("float16", "float32", "float64"), dims=(16, 32, 64, 128, 256), archs=ARCHS):
+    """Rows ``(arch, dtype, D, kernel, Br, Bc, threads, smem)`` of the table, for documentation."""
+    from .dtypes import canonical_dtype
+    rows = []
+    for a in archs:
+        for dt in dtypes:
+            dt = canonical_dtype(dt)
+            for d in dims:
+                for kern in ("dkv", "dq"):
+                    if dt.itemsize == 2:
+                        t = tc_tiles(kern, d, d, a)
+                    else:
+                        t = simt_tiles(kern, dt, d, d, a)
+                    rows.append((a, str(dt), d, kern, t.block_m, t.block_n, t.n_threads, t.smem))
+    return rows
