@@ -46,6 +46,12 @@ __device__ __forceinline__ T zero_value() {
 constexpr int kCopyBytes = 16;  // one cp.async / one vector shared-memory access
 constexpr int kWarpSize = 32;
 
+// 16 bytes of elements, read from shared memory as one vector access (ld.shared.v4).
+template <typename T>
+struct alignas(kCopyBytes) Vec16 {
+  T v[kCopyBytes / sizeof(T)];
+};
+
 // Round a byte count up to a multiple of 16 (every shared-memory region starts 16-byte aligned
 // so cp.async and ldmatrix rows are aligned).
 template <int kBytes> struct Align16 { static constexpr int value = (kBytes + 15) / 16 * 16; };

@@ -1,0 +1,226 @@
+// flash_fwd.cu — FlashAttention-2 forward on tensor cores (fp16 / bf16 in, fp32 accumulate).
+//
+// One thread block per (query tile Q_i, batch entry); kNWarps = 4 warps, warp w owns the 16-row
+// slab [16w, 16w + 16) of Q_i, S_ij, P_ij and O_i, so the softmax statistics of a row never
+// leave the 4 lanes (a quad) that hold it. Per key tile j:
+//   1. V_j is requested with cp.async while S_ij = Q_i K_jᵀ runs (ldmatrix + mma.m16n8k16);
+//   2. K_{j+1} is requested while the softmax and O_i += P_ij V_j run;
+//   3. P_ij never touches shared memory: the S accumulator registers of an m16n8 pair are
+//      exactly the A-operand registers of the next m16n8k16 (FlashAttention-2's register reuse).
+// Online softmax in fp32 registers with exp2 and log2(e) folded into the scale; O_i is divided
+// by l_i once at the end; LSE = (m_i + log2 l_i)·ln 2 (natural log, fp32).
+//
+// Symbols and shapes (d, dv = head dims rounded up to multiples of 16, zero-filled past D, Dv):
+//   Q_i  Br × d   shared sQ, read per k16 step with ldmatrix.x4   (A operand, row-major)
+//   K_j  Bc × d   shared sK, ldmatrix.x4 non-trans                (B operand stored N×K)
+//   V_j  Bc × dv  shared sV, ldmatrix.x4.trans                    (B operand stored K×N)
+//   S_ij, P_ij 16 × Bc per warp: acc_s[Bc/8][4] fp32 per lane
+//   O_i  16 × dv per warp: acc_o[dv/8][4] fp32 per lane
+//   m_i, l_i  rows g and g+8 of the warp's slab (g = lane / 4): two per lane
+// Register layouts of the mma fragments: ptx_semantics.md (g = lane >> 2, t = lane & 3).
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+#include "flash_fwd_copy.cuh"
+
+namespace flash {
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal,
+          bool Is_aligned>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 T* __restrict__ o, float* __restrict__ lse,
+                 int Lq, int Lk, int D, int Dv, int nb2,
+                 long long q_b0, long long q_b1, long long q_b2, long long q_row,
+                 long long k_b0, long long k_b1, long long k_b2, long long k_row,
+                 long long v_b0, long long v_b1, long long v_b2, long long v_row,
+                 long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                 long long lse_b0, long long lse_b1, long long lse_b2,
+                 float scale_log2) {
+  using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>;
+  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
+  constexpr int kNTilesO = Traits::kNTilesO;  // n8 tiles across dv
+  constexpr int kRowsPerLane = 2;             // rows g and g + 8 of the slab
+  constexpr int kQuad = 4;                    // lanes sharing one row of an mma fragment
+
+  FA_DYNAMIC_SMEM(smem);
+  T* sQ = reinterpret_cast<T*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d
+  T* sK = reinterpret_cast<T*>(smem + Traits::kSmemKOffset);  // K_j  Bc × d
+  T* sV = reinterpret_cast<T*>(smem + Traits::kSmemVOffset);  // V_j  Bc × dv
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane >> 2;  // fragment row group
+  const int t = lane & 3;   // thread in group: fragment columns 2t, 2t + 1
+  const int slab = warp * Traits::kMmaM;                 // first row of this warp's slab in Q_i
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;  // first query row of Q_i
+
+  // ---- where this block's tensors live --------------------------------------------------------
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
+  const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
+  const T* q_i = q + bidx.offset(q_s) + m0 * q_row;
+  const T* k_base = k + bidx.offset(k_s);
+  const T* v_base = v + bidx.offset(v_s);
+  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  float* lse_i = lse + bidx.offset(lse_s) + m0;
+
+  const Mask<Is_causal> mask(Lq, Lk);
+  // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+
+  float acc_o[kNTilesO][4];  // O_i slab, unnormalised (C/D fragment layout)
+#pragma unroll
+  for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
+  OnlineSoftmaxRow<float> stat[kRowsPerLane];
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; ++r) stat[r].init();
+
+  // ldmatrix row addresses (ptx_semantics.md): lane l supplies one 16-byte row.
+  //   Q (A, x4):        rows slab + l%16,                 k offset 8·(l/16)
+  //   K (B, x4, 2 n8):  rows 8·(l/16) + l%8 of the n16 pair, k offset 8·((l/8)%2)
+  //   V (B, x4.trans):  rows (l%8) + 8·((l/8)%2) of the k16 step, dv offset 8·(l/16)
+  const T* sQ_lane = sQ + (slab + lane % 16) * Traits::kStrideQ + (lane / 16) * 8;
+  const T* sK_lane = sK + ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 8;
+  const T* sV_lane = sV + (lane % 8 + ((lane / 8) % 2) * 8) * Traits::kStrideV + (lane / 16) * 8;
+
+  // ---- prologue: Q_i and K_0 in flight ----------------------------------------------------------
+  if (n_block_max > 0) {
+    load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+    load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+        sK, k_base, k_row, rows_in_tile(0, kBlockN, Lk), D, tid);
+    fa::cp_async_commit();
+  }
+
+  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
+
+    fa::cp_async_wait<0>();
+    // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
+    // reading V_{j−1} (previous iteration), so sV may be overwritten.
+    __syncthreads();
+    load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
+        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+    fa::cp_async_commit();
+
+    // -- S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q, then the Bc/8 n8 tiles of K_j --
+    float acc_s[kNTilesS][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < Traits::kKStepsS; ++ks) {
+      uint32_t a_q[4];
+      fa::ldmatrix<4, false>(a_q, sQ_lane + ks * Traits::kMmaK);
+#pragma unroll
+      for (int np = 0; np < kNTilesS / 2; ++np) {
+        uint32_t b_k[4];  // B fragments of n8 tiles 2np (b_k[0..1]) and 2np+1 (b_k[2..3])
+        fa::ldmatrix<4, false>(b_k, sK_lane + np * 16 * Traits::kStrideK + ks * Traits::kMmaK);
+        const uint32_t b_lo[2] = {b_k[0], b_k[1]}, b_hi[2] = {b_k[2], b_k[3]};
+        const float c_lo[4] = {acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2], acc_s[2 * np][3]};
+        const float c_hi[4] = {acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
+                               acc_s[2 * np + 1][3]};
+        fa::mma_m16n8k16<T>(acc_s[2 * np], a_q, b_lo, c_lo);
+        fa::mma_m16n8k16<T>(acc_s[2 * np + 1], a_q, b_hi, c_hi);
+      }
+    }
+
+    fa::cp_async_wait<0>();
+    // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
+    // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
+    __syncthreads();
+    if (n_block + 1 < n_block_max) {
+      const int n1 = n0 + kBlockN;
+      load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+          sK, k_base + n1 * k_row, k_row, rows_in_tile(n1, kBlockN, Lk), D, tid);
+    }
+    fa::cp_async_commit();
+
+    // -- scale by scale·log2(e); mask only tiles that cross the diagonal or the sequence end --
+    // acc_s[nt][i] holds S[g + 8·(i/2)][8·nt + 2t + i%2].
+    const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
+#pragma unroll
+    for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = acc_s[nt][i] * scale_log2;
+        if (tile_masked) s = mask.apply(s, m0 + slab + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+        acc_s[nt][i] = s;
+      }
+
+    // -- online softmax on rows g, g+8: update m_i, rescale O_i and l_i, P = exp2(S − m_i) --
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; ++r) {
+      float tile_max = acc_s[0][2 * r];
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+        tile_max = fmaxf(tile_max, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+      tile_max = group_allreduce_max<kQuad>(tile_max);  // the quad holding the row
+      const float correction = stat[r].update_max(tile_max);
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        acc_o[dt][2 * r] *= correction;
+        acc_o[dt][2 * r + 1] *= correction;
+      }
+      const float m_sub = stat[r].max_for_exp();
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int i = 2 * r; i < 2 * r + 2; ++i) {
+          const float p = OnlineSoftmaxRow<float>::prob(acc_s[nt][i], m_sub);
+          stat[r].l += p;  // partial over this lane's columns; the quad is summed at the end
+          acc_s[nt][i] = p;
+        }
+    }
+
+    // -- O_i += P_ij V_j: P (16 × Bc) as A fragments straight from the S registers --
+#pragma unroll
+    for (int ks = 0; ks < Traits::kKStepsO; ++ks) {
+      // A rows g / g+8, k columns 2t.. of n8 tiles 2ks (A0, A1) and 2ks+1 (A2, A3).
+      const uint32_t a_p[4] = {fa::pack2<T>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
+                               fa::pack2<T>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
+                               fa::pack2<T>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
+                               fa::pack2<T>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < kNTilesO / 2; ++dp) {
+        uint32_t b_v[4];  // B fragments of dv n8 tiles 2dp (b_v[0..1]) and 2dp+1 (b_v[2..3])
+        fa::ldmatrix<4, true>(b_v, sV_lane + ks * Traits::kMmaK * Traits::kStrideV + dp * 16);
+        const uint32_t b_lo[2] = {b_v[0], b_v[1]}, b_hi[2] = {b_v[2], b_v[3]};
+        const float c_lo[4] = {acc_o[2 * dp][0], acc_o[2 * dp][1], acc_o[2 * dp][2], acc_o[2 * dp][3]};
+        const float c_hi[4] = {acc_o[2 * dp + 1][0], acc_o[2 * dp + 1][1], acc_o[2 * dp + 1][2],
+                               acc_o[2 * dp + 1][3]};
+        fa::mma_m16n8k16<T>(acc_o[2 * dp], a_p, b_lo, c_lo);
+        fa::mma_m16n8k16<T>(acc_o[2 * dp + 1], a_p, b_hi, c_hi);
+      }
+    }
+  }
+
+  // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; ++r) {
+    const float l_total = group_allreduce_sum<kQuad>(stat[r].l);
+    const float inv_l = stat[r].inv_sum(l_total);
+    const int row_in_tile = slab + g + 8 * r;
+    if (m0 + row_in_tile < Lq) {
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int col = 8 * dt + 2 * t + i;
+          if (col < Dv) fa::gstore(o_i + row_in_tile * o_row + col, from_acc<T>(acc_o[dt][2 * r + i] * inv_l));
+        }
+      if (t == 0) fa::gstore(lse_i + row_in_tile, stat[r].lse(l_total));
+    }
+  }
+}
+
+}  // namespace flash

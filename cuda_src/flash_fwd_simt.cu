@@ -1,0 +1,204 @@
+// flash_fwd_simt.cu — FlashAttention forward with CUDA-core (FMA) math.
+//
+// Used for fp32 and fp64 (accumulating in fp32 / fp64), and as the fallback for fp16/bf16 on
+// GPUs without the needed tensor-core instructions (bf16 before sm_80). Same algorithm and
+// tiling idea as the tensor-core kernel (flash_fwd.cu): one thread block per (query tile, batch
+// entry); K_j and V_j stream through shared memory with cp.async, the load of V_j overlapping
+// S_ij = Q_i K_jᵀ and the load of K_{j+1} overlapping the softmax and O_i += P_ij V_j; online
+// softmax in registers with exp2 and log2(e) folded into the scale; O_i normalised once.
+//
+// Symbols and shapes (d, dv rounded up to multiples of 16, zero-filled past D, Dv):
+//   Q_i  Br × d   shared (sQ)            K_j  Bc × d   shared (sK)
+//   V_j  Bc × dv  shared (sV)            P_ij Br × Bc  shared (sP, AccT; exchanged inside a warp)
+//   S_ij Br × Bc  registers: TM × TN per thread
+//   O_i  Br × dv  registers: TM × dv/kThreadsN per thread (AccT)
+//   m_i, l_i      registers: TM per thread (l_i partial over the thread's columns)
+// Output: O (Lq × Dv, element type) and LSE (Lq, AccT, natural log).
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+#include "flash_fwd_copy.cuh"
+
+namespace flash {
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
+          bool Is_causal, bool Is_aligned>
+__global__ void __launch_bounds__(kThreadsM * kThreadsN)
+flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      T* __restrict__ o, typename AccumType<T>::type* __restrict__ lse,
+                      int Lq, int Lk, int D, int Dv, int nb2,
+                      long long q_b0, long long q_b1, long long q_b2, long long q_row,
+                      long long k_b0, long long k_b1, long long k_b2, long long k_row,
+                      long long v_b0, long long v_b1, long long v_b2, long long v_row,
+                      long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                      long long lse_b0, long long lse_b1, long long lse_b2,
+                      typename AccumType<T>::type scale_log2) {
+  using Traits = FwdSimtTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kThreadsM, kThreadsN>;
+  using AccT = typename Traits::AccT;
+  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int TM = Traits::kRowsPerThread;   // rows of S_ij / O_i per thread
+  constexpr int TN = Traits::kColsPerThread;   // columns of S_ij per thread
+  constexpr int TE = Traits::kColsVPerThread;  // columns of O_i per thread
+  constexpr int kVec = Traits::kElemsPerCopy;  // elements per 16-byte shared-memory vector
+
+  FA_DYNAMIC_SMEM(smem);
+  T* sQ = reinterpret_cast<T*>(smem + Traits::kSmemQOffset);        // Q_i  Br × d
+  T* sK = reinterpret_cast<T*>(smem + Traits::kSmemKOffset);        // K_j  Bc × d
+  T* sV = reinterpret_cast<T*>(smem + Traits::kSmemVOffset);        // V_j  Bc × dv
+  AccT* sP = reinterpret_cast<AccT*>(smem + Traits::kSmemPOffset);  // P_ij Br × Bc
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tm = tid / kThreadsN;  // row group: rows tm·TM .. tm·TM + TM − 1
+  const int tn = tid % kThreadsN;  // lane in the row group: columns tn, tn + kThreadsN, ...
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;  // first query row of Q_i
+
+  // ---- where this block's tensors live --------------------------------------------------------
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
+  const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
+  const T* q_i = q + bidx.offset(q_s) + m0 * q_row;
+  const T* k_base = k + bidx.offset(k_s);
+  const T* v_base = v + bidx.offset(v_s);
+  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  AccT* lse_i = lse + bidx.offset(lse_s) + m0;
+
+  const Mask<Is_causal> mask(Lq, Lk);
+  // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+
+  AccT acc_o[TM][TE];  // O_i, unnormalised
+  OnlineSoftmaxRow<AccT> stat[TM];
+#pragma unroll
+  for (int a = 0; a < TM; ++a) {
+    stat[a].init();
+#pragma unroll
+    for (int e = 0; e < TE; ++e) acc_o[a][e] = AccT(0);
+  }
+
+  // ---- prologue: Q_i and K_0 in flight ----------------------------------------------------------
+  if (n_block_max > 0) {
+    load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+    load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+        sK, k_base, k_row, rows_in_tile(0, kBlockN, Lk), D, tid);
+    fa::cp_async_commit();
+  }
+
+  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
+
+    fa::cp_async_wait<0>();
+    // Barrier: Q_i and K_j have landed for every thread's copies, and every thread has finished
+    // reading V_{j−1} (previous iteration), so sV may be overwritten.
+    __syncthreads();
+    load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
+        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+    fa::cp_async_commit();
+
+    // -- S_ij = Q_i K_jᵀ (raw dot products) --
+    AccT acc_s[TM][TN];
+#pragma unroll
+    for (int a = 0; a < TM; ++a)
+#pragma unroll
+      for (int b = 0; b < TN; ++b) acc_s[a][b] = AccT(0);
+#pragma unroll 2
+    for (int dk = 0; dk < kHeadDim; dk += kVec) {
+      Vec16<T> qv[TM], kv[TN];
+#pragma unroll
+      for (int a = 0; a < TM; ++a)
+        qv[a] = *reinterpret_cast<const Vec16<T>*>(sQ + (tm * TM + a) * Traits::kStrideQ + dk);
+#pragma unroll
+      for (int b = 0; b < TN; ++b)
+        kv[b] = *reinterpret_cast<const Vec16<T>*>(sK + (b * kThreadsN + tn) * Traits::kStrideK + dk);
+#pragma unroll
+      for (int x = 0; x < kVec; ++x)
+#pragma unroll
+        for (int a = 0; a < TM; ++a)
+#pragma unroll
+          for (int b = 0; b < TN; ++b)
+            acc_s[a][b] += to_acc<AccT>(qv[a].v[x]) * to_acc<AccT>(kv[b].v[x]);
+    }
+
+    fa::cp_async_wait<0>();
+    // Barrier: V_j has landed for every thread's copies, and every thread has finished reading
+    // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
+    __syncthreads();
+    if (n_block + 1 < n_block_max) {
+      const int n1 = n0 + kBlockN;
+      load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+          sK, k_base + n1 * k_row, k_row, rows_in_tile(n1, kBlockN, Lk), D, tid);
+    }
+    fa::cp_async_commit();
+
+    // -- scale by scale·log2(e), mask only tiles that cross the diagonal or the sequence end --
+    const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
+#pragma unroll
+    for (int a = 0; a < TM; ++a)
+#pragma unroll
+      for (int b = 0; b < TN; ++b) {
+        AccT s = acc_s[a][b] * scale_log2;
+        if (tile_masked) s = mask.apply(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
+        acc_s[a][b] = s;
+      }
+
+    // -- online softmax: update m_i, rescale O_i and l_i, P_ij = exp2(S_ij − m_i) --
+#pragma unroll
+    for (int a = 0; a < TM; ++a) {
+      AccT tile_max = acc_s[a][0];
+#pragma unroll
+      for (int b = 1; b < TN; ++b) tile_max = max_acc(tile_max, acc_s[a][b]);
+      tile_max = group_allreduce_max<kThreadsN>(tile_max);
+      const AccT correction = stat[a].update_max(tile_max);
+#pragma unroll
+      for (int e = 0; e < TE; ++e) acc_o[a][e] *= correction;
+      const AccT m_sub = stat[a].max_for_exp();
+#pragma unroll
+      for (int b = 0; b < TN; ++b) {
+        const AccT p = OnlineSoftmaxRow<AccT>::prob(acc_s[a][b], m_sub);
+        stat[a].l += p;
+        sP[(tm * TM + a) * Traits::kStrideP + b * kThreadsN + tn] = p;
+      }
+    }
+    // Warp barrier: a row of P_ij is written by the kThreadsN lanes of its row group (one warp)
+    // and read by all of them below.
+    __syncwarp(0xffffffffu);
+
+    // -- O_i += P_ij V_j --
+#pragma unroll 4
+    for (int c = 0; c < kBlockN; ++c) {
+      AccT p[TM];
+#pragma unroll
+      for (int a = 0; a < TM; ++a) p[a] = sP[(tm * TM + a) * Traits::kStrideP + c];
+#pragma unroll
+      for (int e = 0; e < TE; ++e) {
+        const AccT ve = to_acc<AccT>(sV[c * Traits::kStrideV + e * kThreadsN + tn]);
+#pragma unroll
+        for (int a = 0; a < TM; ++a) acc_o[a][e] += p[a] * ve;
+      }
+    }
+    // Warp barrier: every lane has read this row group's P_ij before the next iteration
+    // overwrites it.
+    __syncwarp(0xffffffffu);
+  }
+
+  // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
+#pragma unroll
+  for (int a = 0; a < TM; ++a) {
+    const AccT l_total = group_allreduce_sum<kThreadsN>(stat[a].l);
+    const AccT inv_l = stat[a].inv_sum(l_total);
+    const int row = m0 + tm * TM + a;
+    if (row < Lq) {
+#pragma unroll
+      for (int e = 0; e < TE; ++e) {
+        const int col = e * kThreadsN + tn;
+        if (col < Dv) fa::gstore(o_i + (tm * TM + a) * o_row + col, from_acc<T>(acc_o[a][e] * inv_l));
+      }
+      if (tn == 0) fa::gstore(lse_i + tm * TM + a, stat[a].lse(l_total));
+    }
+  }
+}
+
+}  // namespace flash

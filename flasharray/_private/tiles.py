@@ -1,0 +1,224 @@
+"""Tile table of the CUDA forward kernels: every choice, its reason, and its shared memory.
+
+The kernels (``cuda_src/flash_fwd.cu``, ``cuda_src/flash_fwd_simt.cu``) take these numbers as
+template parameters and ``static_assert`` every invariant (``cuda_src/flash_kernel_traits.cuh``);
+the shared-memory sizes computed here mirror ``FwdTensorCoreTraits::kSmemBytes`` and
+``FwdSimtTraits::kSmemBytes`` byte for byte (a test compares them on the emulator).
+
+Architecture limits (``/work/shared/ptx_semantics.md``): dynamic shared memory per block is
+48 KB without opt-in and at most 64 KB (sm_75), 163 KB (sm_80), 99 KB (sm_86, sm_89) and
+227 KB (sm_90) with ``max_dynamic_shared_size_bytes``; at most 255 registers per thread.
+
+Symbols: Br = ``block_m`` (query rows per thread block), Bc = ``block_n`` (key rows per
+iteration), d / dv = head dims of q·k and of v rounded up to a multiple of 16.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+KB = 1024
+DEFAULT_SMEM = 48 * KB
+#: Largest dynamic shared memory per block, with opt-in, per compute capability.
+MAX_SMEM = {75: 64 * KB, 80: 163 * KB, 86: 99 * KB, 87: 163 * KB, 89: 99 * KB, 90: 227 * KB}
+#: Architectures the static checks cover.
+ARCHS = (75, 80, 86, 89, 90)
+#: Architecture the emulator pretends to be when the caller does not name one (tile choice only).
+EMULATOR_ARCH = 80
+#: Head dims the kernels are specialised for (multiples of 16; D is rounded up and zero-filled).
+MAX_HEAD_DIM = 256
+
+_CTYPE = {"float16": "fa_half", "bfloat16": "fa_bf16", "float32": "float", "float64": "double"}
+
+
+def pad_head_dim(d):
+    """Head dims are padded to a multiple of 16 (the mma k-step) inside the kernels."""
+    return max(16, (int(d) + 15) // 16 * 16)
+
+
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+def arch_number(arch):
+    """75 from ``75``, ``"sm_75"``, ``"75"`` or ``(7, 5)``."""
+    if isinstance(arch, tuple):
+        return arch[0] * 10 + arch[1]
+    if isinstance(arch, str):
+        return int(arch.replace("sm_", "").replace("compute_", ""))
+    return int(arch)
+
+
+def smem_limit(arch):
+    """Largest dynamic shared memory one block may use on ``arch`` (with the opt-in)."""
+    a = arch_number(arch)
+    if a in MAX_SMEM:
+        return MAX_SMEM[a]
+    if a > 90:
+        return MAX_SMEM[90]
+    if a >= 80:
+        return MAX_SMEM[86]  # unknown Ampere/Ada part: the smaller of the two known limits
+    return MAX_SMEM[75]
+
+
+def dtype_name(dtype):
+    """'float16', 'bfloat16', 'float32' or 'float64' for a NumPy/ml_dtypes dtype or its name."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _CTYPE:
+        raise NotImplementedError("flasharray: the CUDA forward supports float16, bfloat16, float32 "
+                                  "and float64, got %s" % name)
+    return name
+
+
+def itemsize(dtype):
+    return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype_name(dtype)]
+
+
+def tensor_cores_available(dtype, arch):
+    """mma.sync m16n8k16 (or 2× m16n8k8) exists for fp16 from sm_75 and for bf16 from sm_80."""
+    name, a = dtype_name(dtype), arch_number(arch)
+    return (name == "float16" and a >= 75) or (name == "bfloat16" and a >= 80)
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """One forward kernel instantiation's tile shape, shared memory, and the reason for it."""
+    kernel: str        # "tensor_core" (flash_fwd.cu) or "simt" (flash_fwd_simt.cu)
+    dtype: str         # element dtype name
+    head_dim: int      # d: padded head dim of q and k
+    head_dim_v: int    # dv: padded head dim of v and out
+    block_m: int       # Br
+    block_n: int       # Bc
+    threads_m: int     # SIMT: row groups; tensor core: warps (each one 16-row slab)
+    threads_n: int     # SIMT: lanes per row group; tensor core: 32
+    smem: int          # dynamic shared memory in bytes
+    reason: str
+
+    @property
+    def n_threads(self):
+        return self.threads_m * self.threads_n
+
+    @property
+    def source(self):
+        return "flash_fwd.cu" if self.kernel == "tensor_core" else "flash_fwd_simt.cu"
+
+    @property
+    def needs_opt_in(self):
+        """More than 48 KB of dynamic shared memory: needs ``max_dynamic_shared_size_bytes``."""
+        return self.smem > DEFAULT_SMEM
+
+    def name_expression(self, causal, aligned):
+        """The C++ template instantiation, as passed to NVRTC / the emulator."""
+        flags = "%s, %s" % ("true" if causal else "false", "true" if aligned else "false")
+        if self.kernel == "tensor_core":
+            return "flash::flash_fwd_kernel<%s, %d, %d, %d, %d, %d, %s>" % (
+                _CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
+                self.threads_m, flags)
+        return "flash::flash_fwd_simt_kernel<%s, %d, %d, %d, %d, %d, %d, %s>" % (
+            _CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
+            self.threads_m, self.threads_n, flags)
+
+    def describe(self):
+        return ("%s kernel, Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
+            self.kernel, self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
+            self.smem / KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
+
+
+# ---- shared-memory formulas (mirror flash_kernel_traits.cuh) -----------------------------------
+
+def tc_smem(d, dv, block_m, block_n, elem=2):
+    """sQ (Br × d), sK (Bc × d), sV (Bc × dv), every row padded by one 16-byte chunk."""
+    pad = 16 // elem
+    return (_align16(block_m * (d + pad) * elem) + _align16(block_n * (d + pad) * elem)
+            + _align16(block_n * (dv + pad) * elem))
+
+
+def simt_smem(d, dv, block_m, block_n, elem, acc):
+    """sQ, sK, sV as above (element type) plus sP (Br × (Bc + 1), accumulation type)."""
+    pad = 16 // elem
+    return (_align16(block_m * (d + pad) * elem) + _align16(block_n * (d + pad) * elem)
+            + _align16(block_n * (dv + pad) * elem) + _align16(block_m * (block_n + 1) * acc))
+
+
+# ---- the table -----------------------------------------------------------------------------------
+# Tensor core: always Br = 64 = 4 warps × one 16-row mma slab each (FlashAttention-2's split: a
+# row's softmax statistics stay inside one quad of lanes, no cross-warp reduction). Bc is the
+# free knob; candidates in order of preference, the first that fits the arch is taken.
+_TC_CANDIDATES = [
+    # (max padded head dim, Bc, reason)
+    (64, 128, "d <= 64: Bc=128 halves the barriers and softmax rescales per key; S (64 fp32/lane) "
+              "+ O (<= 32/lane) fit in registers; 45 KB smem, no opt-in needed"),
+    (64, 64, "d <= 64, small-smem fallback: Bc=64"),
+    (128, 64, "64 < d <= 128: Bc=64 as FlashAttention-2; O (64 fp32/lane) + S (32/lane) fit "
+              "registers; ~52 KB smem with the opt-in"),
+    (128, 32, "64 < d <= 128, small-smem fallback: Bc=32"),
+    (256, 32, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
+              "registers below 255 without spills; ~66 KB smem with the opt-in"),
+    (256, 16, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16, ~50 KB"),
+]
+
+# SIMT: 8 row groups × 16 lanes = 128 threads unless noted; TM = Br/8 rows and TN = Bc/16
+# columns of S per thread. Candidates by (accumulator bytes, max padded head dim).
+_SIMT_CANDIDATES = {
+    4: [  # fp32 (and fp16/bf16 fallback), fp32 accumulation
+        (32, 32, 64, 8, 16, "d <= 32: Br=32, Bc=64 (4×4 S per thread), 31 KB fp32 smem"),
+        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32 (4×2 S, 4×4 O per thread), 31 KB fp32 smem"),
+        (128, 32, 32, 8, 16, "d <= 128: Br=32 halves K/V re-reads vs Br=16; 55 KB fp32 smem "
+                             "with the opt-in; O is 4×8 per thread"),
+        (128, 16, 32, 8, 16, "d <= 128, small-smem fallback: Br=16"),
+        (256, 16, 16, 8, 16, "d <= 256: Br=16, Bc=16 keeps O at 2×16 per thread; 51 KB fp32 "
+                             "smem with the opt-in"),
+        (256, 8, 16, 8, 16, "d <= 256, small-smem fallback: Br=8"),
+    ],
+    8: [  # fp64, fp64 accumulation
+        (32, 32, 32, 8, 16, "d <= 32: Br=32, Bc=32, 35 KB fp64 smem"),
+        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32, 59 KB fp64 smem with the opt-in"),
+        (64, 16, 32, 8, 16, "d <= 64, small-smem fallback: Br=16"),
+        (128, 16, 16, 8, 16, "d <= 128: Br=16, Bc=16, 52 KB fp64 smem with the opt-in"),
+        (128, 8, 16, 8, 16, "d <= 128, small-smem fallback: Br=8"),
+        (256, 8, 16, 8, 16, "d <= 256: Br=8, Bc=16 (O is 1×16 fp64 per thread), 83 KB fp64 "
+                            "smem with the opt-in"),
+        (256, 8, 8, 8, 8, "d <= 256 on sm_75 (64 KB smem): 64 threads, Br=8, Bc=8, 50 KB"),
+    ],
+}
+
+
+def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None):
+    """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
+
+    ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
+    where the arch has them (fp16: sm_75+, bf16: sm_80+), SIMT otherwise.
+    Raises NotImplementedError for head dims above 256.
+    """
+    name = dtype_name(dtype)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if not (1 <= head_dim <= MAX_HEAD_DIM and 1 <= head_dim_v <= MAX_HEAD_DIM):
+        raise NotImplementedError(
+            "flasharray: the CUDA kernels support head dims 1..%d, got D=%d, Dv=%d"
+            % (MAX_HEAD_DIM, head_dim, head_dim_v))
+    d, dv = pad_head_dim(head_dim), pad_head_dim(head_dim_v)
+    hd = max(d, dv)
+    limit = smem_limit(arch)
+    if kernel is None:
+        kernel = "tensor_core" if tensor_cores_available(name, arch) else "simt"
+    if kernel == "tensor_core":
+        if name not in ("float16", "bfloat16"):
+            raise NotImplementedError("flasharray: the tensor-core forward takes float16/bfloat16")
+        for max_hd, bc, reason in _TC_CANDIDATES:
+            smem = tc_smem(d, dv, 64, bc)
+            if hd <= max_hd and smem <= limit:
+                return FwdTile("tensor_core", name, d, dv, 64, bc, 4, 32, smem, reason)
+    else:
+        elem, acc = itemsize(name), (8 if name == "float64" else 4)
+        for max_hd, br, bc, tm, tn, reason in _SIMT_CANDIDATES[acc]:
+            smem = simt_smem(d, dv, br, bc, elem, acc)
+            if hd <= max_hd and smem <= limit:
+                return FwdTile("simt", name, d, dv, br, bc, tm, tn, smem, reason)
+    raise NotImplementedError(  # pragma: no cover - every (dtype, d <= 256, arch) has a tile
+        "flasharray: no forward tile fits %s d=%d dv=%d in %d bytes of shared memory on sm_%d"
+        % (name, d, dv, limit, arch_number(arch)))
+
+
+def table(archs=ARCHS, head_dims=(16, 32, 64, 96, 128, 256),
+          dtypes=("float16", "bfloat16", "float32", "float64")):
+    """Rows (arch, dtype, head_dim, FwdTile) of the whole table, for show_config and docs."""
+    return [(a, dt, hd, forward_tile(dt, hd, hd, a)) for a in archs for dt in dtypes for hd in head_dims]

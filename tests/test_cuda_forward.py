@@ -1,0 +1,253 @@
+"""CUDA forward kernels (flash_fwd.cu tensor cores, flash_fwd_simt.cu FMA) on the emulator and GPU.
+
+Every case runs the real kernel source: on the CPU emulator (always), and on a GPU through CuPy
+(tests marked ``gpu``, skipped without a device) with the same test bodies. Correctness uses the
+DESIGN.md rule via ``flasharray.testing.assert_attention_close`` (out and lse).
+
+Default run: a representative subset (awkward sizes, every dtype, causal, GQA broadcasting,
+transposed views, > 3 batch dims, unaligned rows, the sm_75 tile table, schedules, counters).
+``-m slow``: the full product dtype × D × (Lq, Lk) × causal × layout.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_forward, tiles
+from flasharray._private.dtypes import bfloat16
+from flasharray.testing import assert_attention_close
+
+from conftest import gpu_available
+
+DTYPES = {"fp16": np.float16, "bf16": bfloat16, "fp32": np.float32, "fp64": np.float64}
+HEAD_DIMS = [16, 32, 59, 64, 96, 128, 256]
+LENGTHS = [(1, 1), (17, 63), (64, 64), (65, 127), (128, 257), (257, 128), (113, 203)]
+
+
+# ---- shared bodies ---------------------------------------------------------------------------------
+
+def make_inputs(dtype, D, Lq, Lk, *, Dv=None, layout="bhsd", gqa=False, seed=0, batch=(1, 2)):
+    """q (*batch, Lq, D), k (*batch_k, Lk, D), v (*batch_k, Lk, Dv) as NumPy arrays.
+
+    layout="bshd": views of (B, L, H, D)-contiguous arrays (row stride H·D, not contiguous).
+    gqa=True: k and v have 1 head against q's heads (broadcast, stride 0 in the kernel).
+    """
+    rng = np.random.default_rng(seed)
+    Dv = D if Dv is None else Dv
+    B, H = batch
+    Hk = 1 if gqa else H
+
+    def one(h, L, d):
+        if layout == "bshd":
+            x = rng.standard_normal((B, L, h, d)).astype(dtype)
+            return np.swapaxes(x, 1, 2)
+        return rng.standard_normal((B, h, L, d)).astype(dtype)
+
+    return one(H, Lq, D), one(Hk, Lk, D), one(Hk, Lk, Dv)
+
+
+def run_forward(device, q, k, v, *, causal, scale=None, **opts):
+    """Call cuda_forward.forward the way the public API does (batch dims already aligned)."""
+    batch_shape = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    if device == "cuda":
+        import cupy
+        q, k, v = (cupy.asarray(x) for x in (q, k, v))
+    return cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
+                                device=device, **opts)
+
+
+def check_case(device, dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, **opts):
+    q, k, v = make_inputs(dtype, D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    out, lse = run_forward(device, q, k, v, causal=causal, **opts)
+    if device == "cuda":
+        out, lse = out.get(), lse.get()
+    assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype
+    assert lse.shape == q.shape[:-1]
+    assert lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
+    assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    # inputs never modified
+    for a, b in ((q, q0), (k, k0), (v, v0)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    return out, lse
+
+
+# ---- the default (representative) subset -------------------------------------------------------------
+# (dtype, D, Lq, Lk, causal, layout, gqa): each dtype sees small/odd/large head dims, unaligned
+# D=59, causal with Lq > Lk (fully masked rows) and Lq < Lk, transposed views and GQA.
+SUBSET = [
+    ("fp16", 64, 65, 127, True, "bhsd", False),
+    ("fp16", 59, 17, 63, False, "bshd", True),
+    ("fp16", 128, 257, 128, True, "bhsd", False),
+    ("fp16", 16, 1, 1, False, "bhsd", False),
+    ("fp16", 256, 64, 64, False, "bhsd", True),
+    ("bf16", 96, 113, 203, True, "bshd", False),
+    ("bf16", 32, 64, 64, False, "bhsd", True),
+    ("fp32", 64, 65, 127, True, "bhsd", True),
+    ("fp32", 59, 113, 203, False, "bshd", False),
+    ("fp32", 128, 17, 63, True, "bhsd", False),
+    ("fp64", 32, 257, 128, True, "bhsd", False),
+    ("fp64", 96, 17, 63, False, "bshd", True),
+]
+
+
+def _id(case):
+    dt, D, Lq, Lk, causal, layout, gqa = case
+    return "%s-d%d-%dx%d%s-%s%s" % (dt, D, Lq, Lk, "-causal" if causal else "", layout, "-gqa" if gqa else "")
+
+
+@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+def test_forward_emulator(case):
+    dt, D, Lq, Lk, causal, layout, gqa = case
+    check_case("emulator", DTYPES[dt], D, Lq, Lk, causal, layout=layout, gqa=gqa)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "bf16", "fp32"])
+def test_forward_dv_differs(dt):
+    """Dv != D (both awkward): separate padded head dims for q·k and for v."""
+    check_case("emulator", DTYPES[dt], 40, 33, 70, True, Dv=24)
+
+
+def test_forward_simt_fallback_16bit():
+    """fp16/bf16 on the SIMT kernel (what GPUs without the tensor-core instruction run)."""
+    check_case("emulator", np.float16, 64, 65, 127, True, kernel="simt")
+    check_case("emulator", bfloat16, 59, 17, 63, False, kernel="simt")
+
+
+def test_forward_sm75_tiles():
+    """The sm_75 table: fp16 D=256 on tensor cores with Bc=16; bf16 falls back to SIMT."""
+    t = cuda_forward.kernel_for(np.float16, 256, arch=75)
+    assert (t.kernel, t.block_n) == ("tensor_core", 16) and t.smem <= tiles.MAX_SMEM[75]
+    assert cuda_forward.kernel_for(bfloat16, 64, arch=75).kernel == "simt"
+    check_case("emulator", np.float16, 256, 33, 40, True, arch=75)
+    check_case("emulator", bfloat16, 64, 33, 40, False, arch=75)
+
+
+def test_forward_many_batch_dims():
+    """Five batch dims that cannot all merge: the host loops over the outer ones."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 2, 2, 2, 9, 32)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 2, 1, 2, 11, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 3, 2, 1, 2, 11, 32)).astype(np.float32)
+    out, lse = run_forward("emulator", q, k, v, causal=False)
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)
+
+
+def test_forward_unaligned_and_sliced_rows():
+    """D=59 packed (rows not 16-byte aligned: element loads) and D=59 sliced from D=64 rows
+    (aligned rows: cp.async with a partial last chunk) give the same, correct result."""
+    rng = np.random.default_rng(5)
+    base = [rng.standard_normal((1, 2, L, 64)).astype(np.float16) for L in (40, 50, 50)]
+    sliced = [x[..., :59] for x in base]
+    packed = [np.ascontiguousarray(x) for x in sliced]
+    assert cuda_forward._is_aligned(sliced) and not cuda_forward._is_aligned(packed)
+    o1, l1 = run_forward("emulator", *sliced, causal=True)
+    o2, l2 = run_forward("emulator", *packed, causal=True)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+    assert_attention_close(o1, *packed, causal=True, lse=l1)
+
+
+def test_forward_fully_masked_rows():
+    """Causal with Lq > Lk: the first Lq − Lk rows see no key: out = 0, lse = -inf."""
+    for dt in (np.float16, np.float32):
+        out, lse = check_case("emulator", dt, 32, 40, 7, True)
+        assert np.all(out[..., :33, :] == 0) and np.all(np.isneginf(lse[..., :33]))
+        assert np.all(np.isfinite(lse[..., 33:]))
+
+
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
+def test_forward_schedules_identical(dt):
+    """Reverse and random fiber schedules give bit-identical results (no missing barrier)."""
+    q, k, v = make_inputs(DTYPES[dt], 64, 70, 90, gqa=True)
+    ref = run_forward("emulator", q, k, v, causal=True)
+    for schedule, seed in (("reverse", 0), ("random", 1), ("random", 7)):
+        got = run_forward("emulator", q, k, v, causal=True, schedule=schedule, seed=seed)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("dt,D,Lq,Lk", [("fp16", 64, 130, 200), ("bf16", 128, 64, 65),
+                                       ("fp32", 59, 70, 33), ("fp64", 32, 33, 100)])
+def test_forward_counters_match_analytic(dt, D, Lq, Lk):
+    """Emulator byte counters of a non-causal forward equal the tiling's analytic count:
+    Q once, K and V once per query block, O and LSE written once."""
+    dtype = DTYPES[dt]
+    q, k, v = make_inputs(dtype, D, Lq, Lk)
+    counters = []
+    run_forward("emulator", q, k, v, causal=False, counters=counters)
+    tile = cuda_forward.kernel_for(dtype, D, D, tiles.EMULATOR_ARCH)
+    reads, writes = cuda_forward.analytic_global_bytes(2, Lq, Lk, D, D, dtype, tile)
+    assert sum(c["global_read_bytes"] for c in counters) == reads
+    assert sum(c["global_write_bytes"] for c in counters) == writes
+
+
+def test_forward_causal_skips_blocks():
+    """Causal reads fewer K/V bytes (tiles above the diagonal are never loaded), as predicted."""
+    q, k, v = make_inputs(np.float16, 64, 256, 256)
+    full, causal = [], []
+    run_forward("emulator", q, k, v, causal=False, counters=full)
+    run_forward("emulator", q, k, v, causal=True, counters=causal)
+    tile = cuda_forward.kernel_for(np.float16, 64, 64, tiles.EMULATOR_ARCH)
+    reads, _ = cuda_forward.analytic_global_bytes(2, 256, 256, 64, 64, np.float16, tile, causal=True)
+    assert causal[0]["global_read_bytes"] == reads < full[0]["global_read_bytes"]
+
+
+def test_forward_tensor_cores_used():
+    """fp16 runs the mma kernel (mma and ldmatrix counted), fp32 the SIMT one (none)."""
+    for dt, expect_mma in ((np.float16, True), (np.float32, False)):
+        q, k, v = make_inputs(dt, 32, 20, 20)
+        c = []
+        run_forward("emulator", q, k, v, causal=False, counters=c)
+        assert (c[0]["mma"] > 0) == expect_mma and (c[0]["ldmatrix"] > 0) == expect_mma
+
+
+# ---- the full product (slow) -----------------------------------------------------------------------
+
+FULL = list(itertools.product(list(DTYPES), HEAD_DIMS, LENGTHS, [False, True]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dt,D,lengths,causal", FULL,
+                         ids=["%s-d%d-%dx%d%s" % (dt, D, a, b, "-causal" if c else "")
+                              for dt, D, (a, b), c in FULL])
+def test_forward_emulator_full(dt, D, lengths, causal):
+    Lq, Lk = lengths
+    # layout and GQA alternate over the product so both appear with every size
+    i = FULL.index((dt, D, lengths, causal))
+    check_case("emulator", DTYPES[dt], D, Lq, Lk, causal, layout=("bhsd", "bshd")[i % 2], gqa=bool(i // 2 % 2))
+
+
+# ---- GPU (same bodies) -----------------------------------------------------------------------------
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+def test_forward_gpu(case):
+    dt, D, Lq, Lk, causal, layout, gqa = case
+    check_case("cuda", DTYPES[dt], D, Lq, Lk, causal, layout=layout, gqa=gqa)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dt,D,lengths,causal", FULL)
+def test_forward_gpu_full(dt, D, lengths, causal):
+    Lq, Lk = lengths
+    i = FULL.index((dt, D, lengths, causal))
+    check_case("cuda", DTYPES[dt], D, Lq, Lk, causal, layout=("bhsd", "bshd")[i % 2], gqa=bool(i // 2 % 2))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_forward_gpu_matches_emulator():
+    """GPU vs emulator on the same kernel: equal up to a few fp32 ulps (mma order unspecified)."""
+    q, k, v = make_inputs(np.float16, 64, 100, 150, gqa=True)
+    emu = run_forward("emulator", q, k, v, causal=True)
+    gpu = run_forward("cuda", q, k, v, causal=True)
+    np.testing.assert_allclose(gpu[0].get().astype(np.float32), emu[0].astype(np.float32), rtol=0, atol=2e-3)
+    np.testing.assert_allclose(gpu[1].get(), emu[1], rtol=1e-5, atol=1e-5)
