@@ -146,22 +146,22 @@ def simt_smem(d, dv, block_m, block_n, elem, acc):
 _TC_CANDIDATES = [
     # (max padded head dim, Bc, reason)
     (64, 128, "d <= 64: Bc=128 halves the barriers and softmax rescales per key; S (64 fp32/lane) "
-              "+ O (<= 32/lane) fit in registers; 45 KB smem, no opt-in needed"),
+              "+ O (<= 32/lane) fit in registers; fits in 48 KB without the opt-in"),
     (64, 64, "d <= 64, small-smem fallback: Bc=64"),
     (128, 64, "64 < d <= 128: Bc=64 as FlashAttention-2; O (64 fp32/lane) + S (32/lane) fit "
-              "registers; ~52 KB smem with the opt-in"),
+              "registers"),
     (128, 32, "64 < d <= 128, small-smem fallback: Bc=32"),
     (256, 32, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
-              "registers below 255 without spills; ~66 KB smem with the opt-in"),
-    (256, 16, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16, ~50 KB"),
+              "registers below 255 without spills"),
+    (256, 16, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16"),
 ]
 
 # SIMT: 8 row groups × 16 lanes = 128 threads unless noted; TM = Br/8 rows and TN = Bc/16
 # columns of S per thread. Candidates by (accumulator bytes, max padded head dim).
 _SIMT_CANDIDATES = {
     4: [  # fp32 (and fp16/bf16 fallback), fp32 accumulation
-        (32, 32, 64, 8, 16, "d <= 32: Br=32, Bc=64 (4×4 S per thread), 31 KB fp32 smem"),
-        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32 (4×2 S, 4×4 O per thread), 31 KB fp32 smem"),
+        (32, 32, 64, 8, 16, "d <= 32: Br=32, Bc=64 (4×4 S per thread)"),
+        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32 (4×2 S, 4×4 O per thread)"),
         (128, 32, 32, 8, 16, "d <= 128: Br=32 halves K/V re-reads vs Br=16; 55 KB fp32 smem "
                              "with the opt-in; O is 4×8 per thread"),
         (128, 16, 32, 8, 16, "d <= 128, small-smem fallback: Br=16"),
@@ -170,14 +170,14 @@ _SIMT_CANDIDATES = {
         (256, 8, 16, 8, 16, "d <= 256, small-smem fallback: Br=8"),
     ],
     8: [  # fp64, fp64 accumulation
-        (32, 32, 32, 8, 16, "d <= 32: Br=32, Bc=32, 35 KB fp64 smem"),
-        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32, 59 KB fp64 smem with the opt-in"),
+        (32, 32, 32, 8, 16, "d <= 32: Br=32, Bc=32"),
+        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32"),
         (64, 16, 32, 8, 16, "d <= 64, small-smem fallback: Br=16"),
-        (128, 16, 16, 8, 16, "d <= 128: Br=16, Bc=16, 52 KB fp64 smem with the opt-in"),
+        (128, 16, 16, 8, 16, "d <= 128: Br=16, Bc=16"),
         (128, 8, 16, 8, 16, "d <= 128, small-smem fallback: Br=8"),
         (256, 8, 16, 8, 16, "d <= 256: Br=8, Bc=16 (O is 1×16 fp64 per thread), 83 KB fp64 "
                             "smem with the opt-in"),
-        (256, 8, 8, 8, 8, "d <= 256 on sm_75 (64 KB smem): 64 threads, Br=8, Bc=8, 50 KB"),
+        (256, 8, 8, 8, 8, "d <= 256 on sm_75 (64 KB smem): 64 threads, Br=8, Bc=8"),
     ],
 }
 

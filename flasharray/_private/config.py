@@ -1,0 +1,129 @@
+"""``show_config()`` / ``python -m flasharray info``: versions, devices, caches, kernel choices."""
+import ctypes
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import tiles
+from .sources import cuda_src_dir
+
+
+def _version(modname):
+    try:
+        mod = __import__(modname)
+        return getattr(mod, "__version__", "installed")
+    except Exception:
+        return None
+
+
+def _nvrtc_version():
+    """NVRTC version as 'major.minor' (CuPy's binding, else libnvrtc via ctypes), or None."""
+    try:
+        from cupy.cuda import nvrtc
+        major, minor = nvrtc.getVersion()
+        return "%d.%d (via CuPy)" % (major, minor)
+    except Exception:
+        pass
+    candidates = []
+    try:
+        import nvidia.cuda_nvrtc as pkg  # nvidia-cuda-nvrtc-cu12 wheel
+        for base in pkg.__path__:
+            candidates += sorted(Path(base, "lib").glob("libnvrtc.so*"))
+    except Exception:
+        pass
+    candidates += ["libnvrtc.so", "libnvrtc.so.12", "libnvrtc.so.13"]
+    for c in candidates:
+        try:
+            lib = ctypes.CDLL(str(c))
+        except OSError:
+            continue
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
+            return "%d.%d (%s)" % (major.value, minor.value, c)
+    return None
+
+
+def _cuda_info():
+    """(cupy version or None, runtime version, driver version, [(id, name, arch)], error)."""
+    try:
+        import cupy
+    except Exception as e:
+        return None, None, None, [], "CuPy not importable (%s)" % type(e).__name__
+    try:
+        rt = cupy.cuda.runtime.runtimeGetVersion()
+        drv = cupy.cuda.runtime.driverGetVersion()
+        devices = []
+        for i in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            devices.append((i, name, props["major"] * 10 + props["minor"]))
+        fmt = lambda v: "%d.%d" % (v // 1000, v % 1000 // 10)  # noqa: E731
+        return cupy.__version__, fmt(rt), fmt(drv) if drv else None, devices, None
+    except Exception as e:
+        return cupy.__version__, None, None, [], "no usable CUDA device (%s)" % e
+
+
+def _cupy_cache_dir():
+    return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+
+
+def kernel_choice(dtype, head_dim, arch, head_dim_v=None):
+    """One line: which forward kernel and tile (dtype, head dim, arch) gets, and why."""
+    try:
+        return tiles.forward_tile(dtype, head_dim, head_dim_v, arch).describe()
+    except NotImplementedError as e:
+        return str(e)
+
+
+def show_config(file=None, dtype=None, head_dim=None, arch=None):
+    """Print versions, devices and compute capabilities, cache dirs and the kernel choices.
+
+    Parameters
+    ----------
+    file : file-like, optional
+        Where to print (default ``sys.stdout``).
+    dtype, head_dim, arch : optional
+        Print only the kernel/tile choice for this (dtype, head dim, compute capability);
+        by default the choices for every visible device (or the static-check archs without a
+        device) × {float16, bfloat16, float32, float64} × head dims {64, 128, 256}.
+    """
+    out = file or sys.stdout
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    from .. import __version__
+    p("flasharray %s" % __version__)
+    p("  python        %s (%s)" % (platform.python_version(), sys.executable))
+    p("  numpy         %s" % np.__version__)
+    p("  ml_dtypes     %s" % (_version("ml_dtypes") or "not installed"))
+    cupy_v, rt, drv, devices, err = _cuda_info()
+    p("  cupy          %s" % (cupy_v or "not installed"))
+    p("  CUDA runtime  %s" % (rt or "unavailable"))
+    p("  CUDA driver   %s" % (drv or "unavailable"))
+    p("  NVRTC         %s" % (_nvrtc_version() or "not found"))
+    if devices:
+        for i, name, cc in devices:
+            p("  device %d      %s, compute capability %d.%d" % (i, name, cc // 10, cc % 10))
+    else:
+        p("  devices       none visible%s" % (" (%s)" % err if err else ""))
+    p("cuda sources    %s" % cuda_src_dir())
+    p("caches")
+    p("  CuPy kernels  %s" % _cupy_cache_dir())
+    try:
+        from ..emulator import cache_dir
+        p("  emulator      %s" % cache_dir())
+    except Exception as e:  # pragma: no cover - emulator is part of the package
+        p("  emulator      unavailable (%s)" % e)
+    p("forward kernel choices")
+    if dtype is not None or head_dim is not None or arch is not None:
+        dt = dtype if dtype is not None else "float16"
+        hd = head_dim if head_dim is not None else 64
+        a = arch if arch is not None else (devices[0][2] if devices else tiles.EMULATOR_ARCH)
+        p("  sm_%d %s d=%d: %s" % (tiles.arch_number(a), tiles.dtype_name(dt), hd, kernel_choice(dt, hd, a)))
+        return
+    archs = sorted({cc for _, _, cc in devices}) or list(tiles.ARCHS)
+    for a in archs:
+        for dt in ("float16", "bfloat16", "float32", "float64"):
+            for hd in (64, 128, 256):
+                p("  sm_%d %-8s d=%-3d %s" % (a, dt, hd, kernel_choice(dt, hd, a)))
