@@ -20,13 +20,12 @@ device, in a fixed order.
 """
 import numpy as np
 
+from . import launch
 from . import tiles_bwd as tiles
 from .dtypes import accumulation_dtype, bfloat16, canonical_dtype
-from .sources import cuda_src_dir
 
 _CTYPE = {np.dtype(np.float16): "fa_half", bfloat16: "fa_bf16",
           np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-_SOURCES = ("flash_bwd_preprocess.cu", "flash_bwd_simt.cu", "flash_bwd.cu", "flash_bwd_convert.cu")
 _MAX_GRID_DIMS = 3
 
 
@@ -38,25 +37,10 @@ def _batch_strides(a, nb):
 
 
 def _merge(sizes, tensor_strides):
-    """Merge adjacent dims whose strides allow it for every tensor.
-
-    ``sizes``: list of dim sizes; ``tensor_strides``: {name: [stride per dim]}. Returns the merged
-    sizes and strides. Dims i, i+1 merge iff ``stride[i] == stride[i+1] * size[i+1]`` for all.
-    """
-    if not sizes:
-        return [], {n: [] for n in tensor_strides}
-    out_sizes = [sizes[0]]
-    out = {n: [s[0]] for n, s in tensor_strides.items()}
-    for i in range(1, len(sizes)):
-        if all(out[n][-1] == s[i] * sizes[i] for n, s in tensor_strides.items()):
-            out_sizes[-1] *= sizes[i]
-            for n, s in tensor_strides.items():
-                out[n][-1] = s[i]
-        else:
-            out_sizes.append(sizes[i])
-            for n, s in tensor_strides.items():
-                out[n].append(s[i])
-    return out_sizes, out
+    """Merge adjacent dims (``launch.merge_batch_dims``) for every tensor of ``{name: strides}``."""
+    names = list(tensor_strides)
+    shape, strides = launch.merge_batch_dims(sizes, [tensor_strides[n] for n in names])
+    return list(shape), {n: list(s) for n, s in zip(names, strides)}
 
 
 def _grid3(sizes, strides):
@@ -68,88 +52,32 @@ def _grid3(sizes, strides):
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation and launch
-_MODULE_CACHE = {}
-
-
-def _source(files):
-    return "".join('#include "%s"\n' % f for f in files)
-
-
+# Launching
 class _Runner:
-    """Compiles the backward's kernels once per configuration and launches them on one device."""
+    """``launch.Launcher`` plus the list of ``(kernel, counters)`` of this backward's launches."""
 
-    def __init__(self, device, schedule="forward", seed=0):
-        self.device = device
-        self.schedule = schedule
-        self.seed = seed
+    def __init__(self, launcher):
+        self.launcher = launcher
         self.counters = []
 
-    def module(self, files, names):
-        key = (self.device, files, tuple(names))
-        mod = _MODULE_CACHE.get(key)
-        if mod is None:
-            src = _source(files)
-            inc = str(cuda_src_dir())
-            if self.device == "emulator":
-                from .. import emulator
-                mod = emulator.Module(src, name_expressions=list(names), include_dirs=[inc])
-            else:
-                import cupy
-                mod = cupy.RawModule(code=src, options=("--std=c++17", "-I" + inc, "-use_fast_math"),
-                                     name_expressions=list(names))
-            _MODULE_CACHE[key] = mod
-        return mod
-
-    def launch(self, mod, name, grid, block, args, smem=0):
-        grid = tuple(int(g) for g in grid)
+    def launch(self, source, name, grid, block, args, smem=0):
         if 0 in grid:
             return
-        if self.device == "emulator":
-            c = mod.launch(name, grid, (int(block), 1, 1), tuple(args), shared_mem=int(smem),
-                           schedule=self.schedule, seed=self.seed)
-            self.counters.append((name, c))
-        else:
-            kern = mod.get_function(name)
-            if smem > tiles.DEFAULT_SMEM:
-                kern.max_dynamic_shared_size_bytes = int(smem)
-            kern(grid, (int(block), 1, 1), tuple(args), shared_mem=int(smem))
+        c = self.launcher.launch(source, name, tuple(int(x) for x in grid), (int(block), 1, 1),
+                                 tuple(args), shared_mem=int(smem))
+        self.counters.append((name, c))
 
 
-def _device_arch(device, opts):
-    if "arch" in opts:
-        return tiles.arch_number(opts["arch"])
-    if device == "emulator":
-        return tiles.EMULATOR_ARCH
-    import cupy
-    return tiles.arch_number(cupy.cuda.Device().compute_capability)
-
-
-def _xp(device):
-    if device == "emulator":
-        return np
-    import cupy
-    return cupy
-
-
+# ---------------------------------------------------------------------------------------------
+# Arrays
 def _aligned16(a):
     ptr = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
     return ptr % 16 == 0
 
 
-def _last_contiguous(xp, a):
-    """``a`` itself when its last axis is contiguous, else a C-contiguous copy (the kernels'
-    only layout requirement)."""
-    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
-        return xp.ascontiguousarray(a)
-    return a
-
-
-def _lse_ok(xp, lse, acc):
+def _lse_ok(lse, acc):
     lse = lse.astype(acc, copy=False)
-    if lse.shape[-1] > 1 and lse.strides[-1] != lse.itemsize:
-        lse = xp.ascontiguousarray(lse)
-    return lse
+    return launch.kernel_ready(lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,10 +118,12 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         raise TypeError("flasharray.cuda_backward: unexpected option(s) %s" % sorted(unknown))
     if device not in ("cuda", "emulator"):
         raise ValueError("flasharray.cuda_backward: device must be 'cuda' or 'emulator', got %r" % (device,))
-    xp = _xp(device)
+    runner = _Runner(launch.make_launcher(device, schedule=opts.get("schedule", "forward"),
+                                          seed=opts.get("seed", 0), arch=opts.get("arch")))
+    xp = runner.launcher.xp()
     dtype = canonical_dtype(q.dtype)
     acc = accumulation_dtype(dtype)
-    arch = _device_arch(device, opts)
+    arch = tiles.arch_number(opts["arch"]) if "arch" in opts else runner.launcher.arch
     kernel = opts.get("kernel") or ("tc" if dtype.itemsize == 2 else "simt")
     if kernel == "tc" and dtype.itemsize != 2:
         raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
@@ -202,18 +132,17 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         raise NotImplementedError("flasharray: bfloat16 needs tensor cores of sm_80 or newer, got sm_%d" % arch)
     if kernel == "tc" and arch < 75:
         raise NotImplementedError("flasharray: float16 tensor-core kernels need sm_75 or newer, got sm_%d" % arch)
-    runner = _Runner(device, opts.get("schedule", "forward"), opts.get("seed", 0))
 
     batch_shape = tuple(int(b) for b in batch_shape)
     nb = len(batch_shape)
     Lq, D = q.shape[-2], q.shape[-1]
     Lk, Dv = v.shape[-2], v.shape[-1]
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
-    q, k, v, dout, out = (_last_contiguous(xp, a) for a in (q, k, v, dout, out))
-    lse = _lse_ok(xp, lse, acc)
+    q, k, v, dout, out = (launch.kernel_ready(a) for a in (q, k, v, dout, out))
+    lse = _lse_ok(lse, acc)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     causal_s = "true" if causal else "false"
-    scale_arg = acc.type(scale)
+    scale_arg = launch.c_scalar(scale, acc)
 
     full = tuple(batch_shape)
     delta = xp.empty(full + (Lq,), dtype=acc)
@@ -301,7 +230,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
             "false" if deterministic else "true", vec_s)
         name_q = "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
             T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, causal_s, vec_s)
-        files = ("flash_bwd_preprocess.cu", "flash_bwd.cu", "flash_bwd_convert.cu")
+        src_main = "flash_bwd.cu"
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
@@ -310,17 +239,15 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
             "false" if deterministic else "true")
         name_q = "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
             T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, causal_s)
-        files = ("flash_bwd_preprocess.cu", "flash_bwd_simt.cu", "flash_bwd_convert.cu")
+        src_main = "flash_bwd_simt.cu"
     name_pre = "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, "false" if deterministic else "true")
     name_cvt = "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK)
-    names = [name_pre, name_kv] + ([name_q] if deterministic else [name_cvt])
-    mod = runner.module(files, names)
 
     # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
     rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
     dqa_args = (st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4)
-    runner.launch(mod, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+    runner.launch("flash_bwd_preprocess.cu", name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                   [dout, *st(sa, "dout", dout), out, *st(sa, "out", out),
                    delta, *st(sa, "delta", delta, row=False), dqacc, *dqa_args,
                    i32(Lq), i32(Dv), i32(D), i32(nb2)])
@@ -328,7 +255,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     # ---- 2. dK, dV (+ atomic dQ)
     dqa_b = (st(sb, "dqacc", dqacc, group=gs["dqacc"]) if not deterministic else [i64(0)] * 5)
     Tc = -(-Lk // t_kv.block_n)
-    runner.launch(mod, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
+    runner.launch(src_main, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
                   [q, *st(sb, "q", q, group=gs["q"]),
                    k, *st(sb, "k", k), v, *st(sb, "v", v),
                    dout, *st(sb, "dout", dout, group=gs["dout"]),
@@ -342,7 +269,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     # ---- 3. dQ: deterministic kernel, or conversion of the atomic accumulator
     if deterministic:
         Tr = -(-Lq // t_q.block_m)
-        runner.launch(mod, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
+        runner.launch(src_main, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
                       [q, *st(sa, "q", q), k, *st(sa, "k", k), v, *st(sa, "v", v),
                        dout, *st(sa, "dout", dout),
                        lse, *st(sa, "lse", lse, row=False), delta, *st(sa, "delta", delta, row=False),
@@ -350,7 +277,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
                        i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
                       t_q.smem)
     elif not q_bcast:
-        runner.launch(mod, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+        runner.launch("flash_bwd_convert.cu", name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                       [dqacc, *st(sa, "dqacc", dqacc), dq_buf, *st(sa, "dq", dq_buf),
                        i32(Lq), i32(D), i32(nb2)])
     else:

@@ -15,40 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KB = 1024
-DEFAULT_SMEM = 48 * KB
-#: Largest dynamic shared memory per block, with opt-in, per compute capability.
-MAX_SMEM = {75: 64 * KB, 80: 163 * KB, 86: 99 * KB, 89: 99 * KB, 90: 227 * KB}
-#: Architectures the static checks cover.
-ARCHS = (75, 80, 86, 89, 90)
-#: Architecture the emulator pretends to be (tile choice only; it has no smem limit of its own).
-EMULATOR_ARCH = 80
-
-
-def pad_head_dim(d):
-    """Head dims are padded to a multiple of 16 (the mma k-step) inside the kernels."""
-    return max(16, (int(d) + 15) // 16 * 16)
-
-
-def _align16(n):
-    return (n + 15) // 16 * 16
-
-
-def arch_number(arch):
-    """75 from ``75``, ``"sm_75"`` or ``(7, 5)``."""
-    if isinstance(arch, tuple):
-        return arch[0] * 10 + arch[1]
-    if isinstance(arch, str):
-        return int(arch.replace("sm_", "").replace("compute_", ""))
-    return int(arch)
-
-
-def smem_limit(arch):
-    a = arch_number(arch)
-    if a in MAX_SMEM:
-        return MAX_SMEM[a]
-    # Newer than the table: assume at least the sm_90 opt-in, older: the sm_75 one.
-    return MAX_SMEM[90] if a > 90 else MAX_SMEM[75]
+# Architecture limits, head-dim padding and the emulator's pretend arch are the forward's.
+from .tiles import (ARCHS, DEFAULT_SMEM, EMULATOR_ARCH, MAX_SMEM, _align16,  # noqa: F401
+                    arch_number, pad_head_dim, smem_limit)
 
 
 @dataclass(frozen=True)
