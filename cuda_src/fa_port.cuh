@@ -29,13 +29,13 @@
 // GPU branch
 // =====================================================================================
 #if defined(__CUDACC_RTC__)
-// NVRTC has no C library headers; these are the exact types <cstdint> gives on LP64.
+// NVRTC has no C library headers; these are the types <cstdint> gives on LP64 Linux.
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
+typedef unsigned long uint64_t;
 typedef int int32_t;
-typedef long long int64_t;
+typedef long int64_t;
 #else
 #include <cstdint>
 #endif
