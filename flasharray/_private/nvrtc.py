@@ -52,13 +52,14 @@ class KernelInfo:
 
 @dataclasses.dataclass
 class CompileResult:
-    """The cubin, the full log, and per-kernel resource usage.
+    """The cubin, its PTX, the full log, and per-kernel resource usage.
 
     ``lowered_names`` maps each name expression to its mangled name; ``kernels`` maps mangled
     names to :class:`KernelInfo`. ``kernel(name_expression)`` looks one up by name expression.
     """
     arch: str
     cubin: bytes
+    ptx: str
     log: str
     lowered_names: dict
     kernels: dict
@@ -146,6 +147,8 @@ def _load():
     lib.nvrtcGetProgramLog.argtypes = [P, ctypes.c_char_p]
     lib.nvrtcGetCUBINSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
     lib.nvrtcGetCUBIN.argtypes = [P, ctypes.c_char_p]
+    lib.nvrtcGetPTXSize.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+    lib.nvrtcGetPTX.argtypes = [P, ctypes.c_char_p]
     lib.nvrtcGetLoweredName.argtypes = [P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
     _lib = lib
     return lib
@@ -262,6 +265,9 @@ def compile_cubin(source, arch, name_expressions=(), options=(), include_dirs=()
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
         _check(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
         lowered = {}
         for n in name_expressions:
             p = ctypes.c_char_p()
@@ -269,4 +275,4 @@ def compile_cubin(source, arch, name_expressions=(), options=(), include_dirs=()
             lowered[n] = p.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return CompileResult(arch=arch, cubin=cubin.raw, log=log, lowered_names=lowered, kernels=_parse_ptxas(log))
+    return CompileResult(arch=arch, cubin=cubin.raw, ptx=ptx.value.decode(errors="replace"), log=log, lowered_names=lowered, kernels=_parse_ptxas(log))
