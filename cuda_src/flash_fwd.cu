@@ -29,7 +29,7 @@ namespace flash {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal,
           bool Is_aligned>
-__global__ void __launch_bounds__(kNWarps * 32)
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  T* __restrict__ o, float* __restrict__ lse,
                  int Lq, int Lk, int D, int Dv, int nb2,

@@ -25,7 +25,7 @@ namespace flash {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
           bool Is_causal, bool Is_aligned>
-__global__ void __launch_bounds__(kThreadsM * kThreadsN)
+__global__ void __launch_bounds__(kThreadsM * kThreadsN, kMinBlocksPerSm)
 flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       T* __restrict__ o, typename AccumType<T>::type* __restrict__ lse,
                       int Lq, int Lk, int D, int Dv, int nb2,

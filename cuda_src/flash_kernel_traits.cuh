@@ -45,6 +45,10 @@ __device__ __forceinline__ T zero_value() {
 
 constexpr int kCopyBytes = 16;  // one cp.async / one vector shared-memory access
 constexpr int kWarpSize = 32;
+// __launch_bounds__ minimum blocks per SM. 1 lets ptxas use up to 255 registers per thread:
+// without it ptxas's occupancy heuristic capped some SIMT instantiations at 80-128 registers
+// and spilled (seen with -Xptxas=-v); the static checks require zero spills.
+constexpr int kMinBlocksPerSm = 1;
 
 // 16 bytes of elements, read from shared memory as one vector access (ld.shared.v4).
 template <typename T>

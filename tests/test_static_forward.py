@@ -1,0 +1,132 @@
+"""Static checks of the CUDA forward kernels with NVRTC (no GPU needed).
+
+Every forward instantiation the tests use compiles for sm_75 (fp16 tensor cores + SIMT), sm_80,
+sm_86, sm_89 and sm_90 with ``-Xptxas=-v``: zero spill stores/loads, no local stack, no static
+shared memory (dynamic only), registers x threads within one SM's register file, dynamic shared
+memory within the arch's opt-in maximum. The register / shared-memory table is printed (run with
+``-s`` or ``-rP`` to see it). The Python smem formula is checked against the C++ traits on the
+emulator.
+
+Default run: every dtype x head dims {64, 256} (+ Dv != D) x causal x aligned, all five
+archs. ``-m slow``: every padded head dim {16, 32, 64, 96, 128, 256}.
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import launch, tiles
+from flasharray._private import nvrtc
+
+REGISTER_FILE = 64 * 1024
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _nvrtc_ok():
+    try:
+        ok = nvrtc.available()
+        return ok[0] if isinstance(ok, tuple) else bool(ok)
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _nvrtc_ok(), reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)")
+
+
+def instantiations(arch, head_dims):
+    """{source: [(FwdTile, name_expression)]} of the forward kernels the tests launch on ``arch``."""
+    shapes = [(d, d) for d in head_dims] + [(40, 24)]  # Dv != D (tests: D=40, Dv=24)
+    found = {}
+    for dt in DTYPES:
+        for d, dv in shapes:
+            kernels = [None]
+            if arch == tiles.EMULATOR_ARCH and dt in ("float16", "bfloat16"):
+                kernels.append("simt")  # the forced SIMT fallback of the 16-bit types
+            for kernel in kernels:
+                t = tiles.forward_tile(dt, d, dv, arch, kernel=kernel)
+                for causal in (False, True):
+                    for aligned in (False, True):
+                        found.setdefault(t.source, {})[t.name_expression(causal, aligned)] = t
+    return {src: sorted(v.items()) for src, v in found.items()}
+
+
+def _check_arch(arch, head_dims):
+    rows, problems = [], []
+    limit = tiles.smem_limit(arch)
+    for source, items in instantiations(arch, head_dims).items():
+        names = [n for n, _ in items]
+        res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, names,
+                                  options=["--use_fast_math"])
+        for name, t in items:
+            k = res.kernel(name)
+            rows.append("sm_%d %-72s regs %3d  spill %d/%d  stack %d  static smem %d  dyn smem %6d%s" % (
+                arch, name, k.registers, k.spill_stores, k.spill_loads, k.stack_frame, k.static_smem,
+                t.smem, " (opt-in)" if t.needs_opt_in else ""))
+            if k.spill_stores or k.spill_loads or k.stack_frame:
+                problems.append("%s: spills %d/%d, stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
+            if k.static_smem:
+                problems.append("%s: %d bytes of static shared memory" % (name, k.static_smem))
+            if k.registers * t.n_threads > REGISTER_FILE or k.registers > 255:
+                problems.append("%s: %d registers x %d threads" % (name, k.registers, t.n_threads))
+            if t.smem > limit:
+                problems.append("%s: %d bytes smem > %d on sm_%d" % (name, t.smem, limit, arch))
+    print("\n".join(rows))
+    assert not problems, "\n".join(problems)
+    return rows
+
+
+@pytest.mark.parametrize("arch", tiles.ARCHS)
+def test_forward_compiles_without_spills(arch):
+    _check_arch(arch, (64, 256))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", tiles.ARCHS)
+def test_forward_compiles_without_spills_all_head_dims(arch):
+    _check_arch(arch, (16, 32, 64, 96, 128, 256))
+
+
+def test_bf16_tensor_cores_not_on_sm75():
+    """sm_75 has no bf16 mma: the table must never pick the tensor-core kernel for it there."""
+    for d in (16, 64, 128, 256):
+        assert tiles.forward_tile("bfloat16", d, d, 75).kernel == "simt"
+        assert tiles.forward_tile("float16", d, d, 75).kernel == "tensor_core"
+        assert tiles.forward_tile("bfloat16", d, d, 80).kernel == "tensor_core"
+
+
+def test_tile_table_fits_every_arch():
+    for arch, dt, hd, t in tiles.table(head_dims=(16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)):
+        assert t.smem <= tiles.smem_limit(arch), (arch, dt, hd, t)
+        assert t.reason
+
+
+_PROBE = r"""
+#include "flash_kernel_traits.cuh"
+template <typename T, int D, int DV, int BM, int BN, int NW>
+__global__ void probe_tc(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTensorCoreTraits<T, D, DV, BM, BN, NW>::kSmemBytes);
+}
+template <typename T, int D, int DV, int BM, int BN, int TM, int TN>
+__global__ void probe_simt(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdSimtTraits<T, D, DV, BM, BN, TM, TN>::kSmemBytes);
+}
+"""
+
+
+def test_python_smem_matches_traits():
+    """tiles.py's smem formula equals the C++ traits' kSmemBytes for every table entry (emulator)."""
+    from flasharray import emulator
+    ctype = {"float16": "fa_half", "bfloat16": "fa_bf16", "float32": "float", "float64": "double"}
+    entries = {}
+    for arch, dt, hd, t in tiles.table(head_dims=(16, 48, 64, 128, 256)):
+        if t.kernel == "tensor_core":
+            expr = "probe_tc<%s, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
+                                                        t.block_n, t.threads_m)
+        else:
+            expr = "probe_simt<%s, %d, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
+                                                              t.block_n, t.threads_m, t.threads_n)
+        entries[expr] = t.smem
+    mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    for expr, smem in entries.items():
+        out = np.zeros(1, np.int32)
+        mod.launch(expr, (1,), (32,), (out,))
+        assert int(out[0]) == smem, expr
