@@ -144,6 +144,17 @@ def test_nan_propagates_like_the_reference(causal):
     assert np.isnan(out[0, 4]).all() and not np.isnan(out[1]).any()
 
 
+def test_nan_in_a_key_hidden_by_causality_does_not_leak():
+    q, k, v = make_qkv((600, 8), (600, 8), (600, 8), np.float32, seed=13)
+    k = k.copy()
+    k[550] = np.nan  # queries 0..549 cannot see key 550
+    out, lse = fa.flash_attention_forward(q, k, v, causal=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    assert not np.isnan(out[:550]).any() and np.isnan(out[550:]).all()
+
+
 def test_nan_in_values_propagates():
     q, k, v = make_qkv((12, 8), (12, 8), (12, 8), np.float32, seed=8)
     v = v.copy()

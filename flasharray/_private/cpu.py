@@ -33,6 +33,7 @@ Lq×D / Lk×D buffers. float16/bfloat16 inputs compute in float32, float32 in fl
 float64. Work items (batch entry × block range) run on a thread pool; BLAS and large NumPy
 ufuncs release the GIL, so both cores work.
 """
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -108,9 +109,26 @@ def _chunks(n_blocks, n_batch, target=_TARGET_ITEMS):
     return [(s, min(s + step, n_blocks)) for s in range(0, n_blocks, step)]
 
 
-def _causal_tile_mask(i0, i1, j0, j1, offset):
-    """Br×Bc boolean tile, True where key j is *hidden* from query i (j > i + offset)."""
-    return np.arange(j0, j1)[None, :] > (np.arange(i0, i1)[:, None] + offset)
+@functools.lru_cache(maxsize=16)
+def _causal_hidden(Br, Bc):
+    """Read-only boolean matrix from which every diagonal tile's causal mask is a slice.
+
+    Key ``j0+c`` is hidden from query ``i0+r`` iff ``c - r > d`` with ``d = i0 + offset - j0``.
+    ``H[r, x] = (x > r + Bc)``, so ``H[r, c + Bc - d]`` is the tile's mask; every tile that needs
+    a mask has ``-(Br-1) <= d <= Bc-2``, hence the width ``2·Bc + Br``. Slicing it avoids
+    building a mask per tile; ``copyto(where=)`` writes -inf in one pass (and, unlike adding a
+    -inf bias, leaves no NaN from a NaN/inf score the query cannot see).
+    """
+    H = np.arange(2 * Bc + Br)[None, :] > np.arange(Br)[:, None] + Bc
+    H.flags.writeable = False
+    return H
+
+
+def _apply_causal(S_ij, i0, j0, offset, Br, Bc):
+    """Set the entries of tile S_ij (rows from i0, cols from j0) hidden by causality to -inf."""
+    d = i0 + offset - j0
+    rows, cols = S_ij.shape
+    np.copyto(S_ij, -np.inf, where=_causal_hidden(Br, Bc)[:rows, Bc - d:Bc - d + cols])
 
 
 def _key_end(i1, Lk, causal, offset):
@@ -160,7 +178,7 @@ def _forward_block(q_rows, K_aug, V_aug, i0, i1, causal, scale, offset, acc):
         j1 = min(j0 + BLOCK_K, Lk)
         S_ij = Q_aug @ K_aug[j0:j1].T                                  # Br×Bc: S_ij − m_i
         if causal and j1 - 1 > i0 + offset:  # only tiles crossing the diagonal need the mask
-            S_ij[_causal_tile_mask(i0, i1, j0, j1, offset)] = -np.inf
+            _apply_causal(S_ij, i0, j0, offset, BLOCK_Q, BLOCK_K)
         # -- move m_i for rows whose new max exceeds it by more than the threshold (or that saw
         #    their first key). m_safe is what Q_aug currently subtracts (0 while m_i = -inf,
         #    which keeps -inf - -inf out of the arithmetic).
@@ -251,7 +269,7 @@ def _backward_chunk(Q_aug, Q, dO, dO_aug, K_aug, V_aug, dq_b, dk_b, dv_b, blocks
             i1 = min(i0 + BWD_BLOCK_Q, Lq)
             S_ij = Q_aug[i0:i1] @ K_j.T                      # Br×Bc: scale·S_ij − lse_i
             if causal and j1 - 1 > i0 + offset:
-                S_ij[_causal_tile_mask(i0, i1, j0, j1, offset)] = -np.inf
+                _apply_causal(S_ij, i0, j0, offset, BWD_BLOCK_Q, BWD_BLOCK_K)
             P_ij = np.exp(S_ij, out=S_ij)                    # recomputed, never stored
             dV_j += P_ij.T @ dO[i0:i1]
             dP_ij = dO_aug[i0:i1] @ V_j.T                    # dP_ij − D_i
