@@ -106,20 +106,29 @@ inline float bf16_bits_to_f32(uint16_t h) {
 }
 }  // namespace fa_emu
 
+// Constructors and the conversion to float mirror cuda_fp16.h / cuda_bf16.h (without
+// __CUDA_NO_HALF_CONVERSIONS__); every conversion rounds to nearest even.
+#define FA_EMU_16BIT_CTORS(T, TO_BITS)                                                   \
+    T() = default;                                                                      \
+    T(float f) : x(TO_BITS(f)) {}                                                       \
+    T(double f) : x(TO_BITS(static_cast<float>(f))) {}                                  \
+    T(short v) : x(TO_BITS(static_cast<float>(v))) {}                                   \
+    T(unsigned short v) : x(TO_BITS(static_cast<float>(v))) {}                          \
+    T(int v) : x(TO_BITS(static_cast<float>(v))) {}                                     \
+    T(unsigned int v) : x(TO_BITS(static_cast<float>(v))) {}                            \
+    T(long long v) : x(TO_BITS(static_cast<float>(v))) {}                               \
+    T(unsigned long long v) : x(TO_BITS(static_cast<float>(v))) {}
 struct __half {
     uint16_t x;
-    __half() = default;
-    __half(float f) : x(fa_emu::f32_to_f16_bits(f)) {}
-    __half(double f) : x(fa_emu::f32_to_f16_bits(static_cast<float>(f))) {}
+    FA_EMU_16BIT_CTORS(__half, fa_emu::f32_to_f16_bits)
     operator float() const { return fa_emu::f16_bits_to_f32(x); }
 };
 struct __nv_bfloat16 {
     uint16_t x;
-    __nv_bfloat16() = default;
-    __nv_bfloat16(float f) : x(fa_emu::f32_to_bf16_bits(f)) {}
-    __nv_bfloat16(double f) : x(fa_emu::f32_to_bf16_bits(static_cast<float>(f))) {}
+    FA_EMU_16BIT_CTORS(__nv_bfloat16, fa_emu::f32_to_bf16_bits)
     operator float() const { return fa_emu::bf16_bits_to_f32(x); }
 };
+#undef FA_EMU_16BIT_CTORS
 typedef __half fa_half;
 typedef __nv_bfloat16 fa_bf16;
 
@@ -140,6 +149,21 @@ inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// CUDA's device-side min/max overloads (same-type forms).
+#define FA_EMU_MINMAX(T)                                  \
+    inline T min(T a, T b) { return b < a ? b : a; }      \
+    inline T max(T a, T b) { return a < b ? b : a; }
+FA_EMU_MINMAX(int)
+FA_EMU_MINMAX(unsigned int)
+FA_EMU_MINMAX(long)
+FA_EMU_MINMAX(unsigned long)
+FA_EMU_MINMAX(long long)
+FA_EMU_MINMAX(unsigned long long)
+#undef FA_EMU_MINMAX
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
 
 // ---- warp shuffles: 4- and 8-byte values ----------------------------------------------------
 namespace fa_emu {

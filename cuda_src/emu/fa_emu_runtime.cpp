@@ -31,6 +31,7 @@
 #include <cstring>
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <exception>
 #include <mutex>
 #include <signal.h>
 #include <string>
@@ -597,7 +598,13 @@ void thread_exit(Worker* w, Fiber* f) {
 void fiber_main(void* arg) {
     Worker* w = static_cast<Worker*>(arg);
     Fiber* f = w->cur;
-    w->p->entry(w->p->args);
+    try {
+        w->p->entry(w->p->args);
+    } catch (const std::exception& e) {
+        fiber_fail(w, strf("C++ exception escaped the kernel: %s", e.what()));
+    } catch (...) {
+        fiber_fail(w, "C++ exception escaped the kernel");
+    }
     thread_exit(w, f);
 }
 
