@@ -68,7 +68,7 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
         for (int e = (int)threadIdx.x; e < kRows * kCols; e += kNThreads) {
             const int r = e / kCols, c = e % kCols;
             smem[r * kPitch + c] =
-                (r < n_rows && c < n_cols) ? fa::gload(gmem + (long long)r * row_stride + c) : T(0.0f);
+                (r < n_rows && c < n_cols) ? fa::gload(gmem + (long long)r * row_stride + c) : FromAcc<T>::convert(0.0f);
         }
     }
 }

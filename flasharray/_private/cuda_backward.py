@@ -63,8 +63,10 @@ class _Runner:
     def launch(self, source, name, grid, block, args, smem=0):
         if 0 in grid:
             return
+        # Arrays travel as flat views of the span they reach (the kernels index with strides).
+        args = tuple(launch.flat_view(a) if hasattr(a, "strides") and a.ndim > 0 else a for a in args)
         c = self.launcher.launch(source, name, tuple(int(x) for x in grid), (int(block), 1, 1),
-                                 tuple(args), shared_mem=int(smem))
+                                 args, shared_mem=int(smem))
         self.counters.append((name, c))
 
 
@@ -75,12 +77,53 @@ def _aligned16(a):
     return ptr % 16 == 0
 
 
-def _lse_ok(lse, acc):
-    lse = lse.astype(acc, copy=False)
-    return launch.kernel_ready(lse)
-
-
 # ---------------------------------------------------------------------------------------------
+def _b(flag):
+    return "true" if flag else "false"
+
+
+def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
+                acc_dq=False, vec=True):
+    """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
+
+    Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic) or ``convert`` (atomic mode).
+    ``kernel``: "tc" (default for fp16/bf16) or "simt"; ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
+    written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
+    loads (16-byte aligned rows). Also used by the static checks to enumerate instantiations.
+    """
+    dtype = canonical_dtype(dtype)
+    acc = accumulation_dtype(dtype)
+    T, A = _CTYPE[dtype], _CTYPE[acc]
+    kernel = kernel or ("tc" if dtype.itemsize == 2 else "simt")
+    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    out_kv = A if acc_dkv else T
+    out_q = A if acc_dq else T
+    plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
+        T, A, tiles.ROW_THREADS, _b(not deterministic)), None)}
+    if kernel == "tc":
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch)
+        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+            T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
+            _b(not deterministic), _b(vec)), t_kv)
+        if deterministic:
+            t_q = tiles.tc_tiles("dq", D, Dv, arch)
+            plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+                T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec)), t_q)
+    else:
+        t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
+        plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+            T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, _b(causal),
+            _b(not deterministic)), t_kv)
+        if deterministic:
+            t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
+            plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
+                T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal)), t_q)
+    if not deterministic and not acc_dq:
+        plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (
+            T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK), None)
+    return plan
+
+
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True,
              **opts):
     """Gradients of FlashAttention by the CUDA backward kernels.
@@ -139,9 +182,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     Lk, Dv = v.shape[-2], v.shape[-1]
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     q, k, v, dout, out = (launch.kernel_ready(a) for a in (q, k, v, dout, out))
-    lse = _lse_ok(lse, acc)
-    T, A = _CTYPE[dtype], _CTYPE[acc]
-    causal_s = "true" if causal else "false"
+    lse = launch.kernel_ready(lse.astype(acc, copy=False))
     scale_arg = launch.c_scalar(scale, acc)
 
     full = tuple(batch_shape)
@@ -215,39 +256,18 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
 
     i32, i64 = np.int32, np.int64
 
-    # ---- tiles and kernel names
-    out_kv = A if partial else T
-    out_q = A if q_bcast else T
-    if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch)
-        t_q = tiles.tc_tiles("dq", D, Dv, arch)
-        vec = int(D % 8 == 0 and Dv % 8 == 0
-                  and all(rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
-                  and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
-        vec_s = "true" if vec else "false"
-        name_kv = "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
-            T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, causal_s,
-            "false" if deterministic else "true", vec_s)
-        name_q = "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
-            T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, causal_s, vec_s)
-        src_main = "flash_bwd.cu"
-    else:
-        t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
-        t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
-        name_kv = "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
-            T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, causal_s,
-            "false" if deterministic else "true")
-        name_q = "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
-            T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, causal_s)
-        src_main = "flash_bwd_simt.cu"
-    name_pre = "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
-        T, A, tiles.ROW_THREADS, "false" if deterministic else "true")
-    name_cvt = "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK)
-
+    # ---- kernels
+    vec = kernel == "tc" and (
+        D % 8 == 0 and Dv % 8 == 0
+        and all(rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
+        and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+    ks = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel,
+                     acc_dkv=partial, acc_dq=q_bcast, vec=vec)
+    (src_pre, name_pre, _), (src_main, name_kv, t_kv) = ks["preprocess"], ks["dkv"]
     # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
     rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
     dqa_args = (st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4)
-    runner.launch("flash_bwd_preprocess.cu", name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+    runner.launch(src_pre, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                   [dout, *st(sa, "dout", dout), out, *st(sa, "out", out),
                    delta, *st(sa, "delta", delta, row=False), dqacc, *dqa_args,
                    i32(Lq), i32(Dv), i32(D), i32(nb2)])
@@ -268,6 +288,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
 
     # ---- 3. dQ: deterministic kernel, or conversion of the atomic accumulator
     if deterministic:
+        _, name_q, t_q = ks["dq"]
         Tr = -(-Lq // t_q.block_m)
         runner.launch(src_main, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
                       [q, *st(sa, "q", q), k, *st(sa, "k", k), v, *st(sa, "v", v),
@@ -277,7 +298,8 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
                        i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
                       t_q.smem)
     elif not q_bcast:
-        runner.launch("flash_bwd_convert.cu", name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+        src_cvt, name_cvt, _ = ks["convert"]
+        runner.launch(src_cvt, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                       [dqacc, *st(sa, "dqacc", dqacc), dq_buf, *st(sa, "dq", dq_buf),
                        i32(Lq), i32(D), i32(nb2)])
     else:

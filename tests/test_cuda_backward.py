@@ -1,0 +1,348 @@
+"""CUDA backward kernels (cuda_src/flash_bwd*.cu) on the emulator, and on a GPU when CuPy sees one.
+
+Every case feeds the float64 reference's ``out`` (rounded to the dtype) and ``lse`` to
+``flasharray._private.cuda_backward.backward`` and checks dq, dk, dv against the float64
+reference backward with the DESIGN.md rule (3x the naive-precision error for gradients,
+``flasharray.testing``). The inputs are read-only, so a kernel writing into one fails.
+The same bodies run with ``device="cuda"`` under the ``gpu`` marker.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from flasharray import reference, testing
+from flasharray._private import cuda_backward as cb
+from flasharray._private import tiles_bwd
+from flasharray._private.dtypes import accumulation_dtype, bfloat16, canonical_dtype
+
+from conftest import make_qkv, requires_gpu
+
+DIMS = (16, 32, 59, 64, 96, 128, 256)
+LENGTHS = ((1, 1), (17, 63), (64, 64), (65, 127), (128, 257), (257, 128), (113, 203))
+# Batch dims of q and of k, v: plain, GQA (3 query heads per K/V head), MQA (one K/V head).
+BCASTS = {"none": ((2, 2), (2, 2)), "gqa": ((2, 2, 3), (2, 2, 1)), "mqa": ((2, 4), (2, 1))}
+DTYPE_NAMES = {"fp16": np.float16, "bf16": bfloat16, "fp32": np.float32, "fp64": np.float64}
+
+
+class Problem:
+    """Inputs of one backward call, with the reference forward's out and lse."""
+
+    def __init__(self, dtype, D, Lq, Lk, *, causal, bcast="none", layout="bhsd", Dv=None, seed=0,
+                 batch_q=None, batch_k=None, batch_v=None):
+        self.dtype = canonical_dtype(dtype)
+        Dv = D if Dv is None else Dv
+        bq, bk = BCASTS[bcast]
+        bq = batch_q or bq
+        bk = batch_k or bk
+        bv = batch_v or bk
+        self.q, self.k, self.v = make_qkv(bq + (Lq, D), bk + (Lk, D), bv + (Lk, Dv), self.dtype,
+                                          seed=seed, layout=layout)
+        self.batch_shape = tuple(np.broadcast_shapes(bq, bk, bv))
+        rng = np.random.default_rng(seed + 1)
+        if layout == "bshd":  # the same transposed view as q
+            self.dout = np.swapaxes(rng.standard_normal(self.batch_shape[:-1] + (Lq, self.batch_shape[-1], Dv))
+                                    .astype(self.dtype), -2, -3)
+        else:
+            self.dout = rng.standard_normal(self.batch_shape + (Lq, Dv)).astype(self.dtype)
+        self.causal = causal
+        self.scale = 1.0 / np.sqrt(D)
+        out64, lse64 = reference.attention(self.q, self.k, self.v, causal=causal, scale=self.scale,
+                                           return_lse=True)
+        self.out = out64.astype(self.dtype)
+        self.lse = lse64.astype(accumulation_dtype(self.dtype))
+        for a in (self.q, self.k, self.v, self.dout, self.out, self.lse):
+            a.flags.writeable = False  # the emulator rejects any store into an input
+
+    def args(self, device):
+        arrays = (self.dout, self.q, self.k, self.v, self.out, self.lse)
+        if device == "cuda":
+            import cupy
+            arrays = tuple(cupy.asarray(a) for a in arrays)
+        return arrays
+
+
+def run_backward(device, p, *, deterministic=True, **opts):
+    res = cb.backward(*p.args(device), causal=p.causal, scale=p.scale, batch_shape=p.batch_shape,
+                      device=device, deterministic=deterministic, **opts)
+    if device == "cuda":
+        res = tuple(x.get() for x in res[:3]) + tuple(res[3:])
+    return res
+
+
+def check(p, grads):
+    for g, x in zip(grads, (p.q, p.k, p.v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, (g.shape, g.dtype, x.shape, x.dtype)
+    testing.assert_attention_close(p.out, p.q, p.k, p.v, causal=p.causal, scale=p.scale,
+                                   dout=p.dout, grads=grads[:3])
+
+
+def check_case(device, dtype, D, lengths, causal, bcast="none", layout="bhsd", deterministic=True,
+               **kw):
+    opts = {k_: kw.pop(k_) for k_ in ("kernel", "arch", "schedule", "seed") if k_ in kw}
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, **kw)
+    check(p, run_backward(device, p, deterministic=deterministic, **opts))
+
+
+# A representative subset: every dtype, head dim, length pair, both causal settings, every
+# broadcast pattern, both layouts and both dQ modes appear at least once.
+CASES = [
+    ("fp16", 64, (65, 127), True, "none", "bhsd", True),
+    ("fp16", 59, (113, 203), False, "gqa", "bshd", True),
+    ("fp16", 128, (128, 257), True, "mqa", "bhsd", False),
+    ("fp16", 256, (17, 63), True, "none", "bshd", True),
+    ("fp16", 16, (1, 1), False, "none", "bhsd", True),
+    ("fp16", 96, (257, 128), True, "gqa", "bhsd", False),
+    ("bf16", 32, (257, 128), True, "gqa", "bhsd", True),
+    ("bf16", 96, (64, 64), False, "none", "bshd", False),
+    ("bf16", 256, (65, 127), True, "mqa", "bhsd", True),
+    ("fp32", 16, (17, 63), True, "none", "bhsd", True),
+    ("fp32", 59, (257, 128), True, "gqa", "bshd", False),
+    ("fp32", 64, (1, 1), True, "none", "bhsd", True),
+    ("fp32", 128, (113, 203), False, "mqa", "bhsd", True),
+    ("fp32", 256, (64, 64), True, "none", "bhsd", False),
+    ("fp64", 32, (65, 127), True, "mqa", "bshd", True),
+    ("fp64", 96, (128, 257), False, "none", "bhsd", False),
+    ("fp64", 256, (17, 63), True, "gqa", "bhsd", True),
+    ("fp64", 64, (257, 128), True, "none", "bhsd", True),
+]
+
+
+def _id(c):
+    dt, D, (lq, lk), causal, bcast, layout, det = c
+    return "%s-d%d-%dx%d-%s-%s-%s-%s" % (dt, D, lq, lk, "causal" if causal else "full", bcast, layout,
+                                          "det" if det else "atomic")
+
+
+def _run_case(device, c):
+    dt, D, lengths, causal, bcast, layout, det = c
+    check_case(device, DTYPE_NAMES[dt], D, lengths, causal, bcast, layout, det)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_backward_emulator(case):
+    _run_case("emulator", case)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
+@pytest.mark.parametrize("D,Dv", [(64, 32), (32, 96)])
+def test_backward_dv_differs(dt, D, Dv):
+    check_case("emulator", DTYPE_NAMES[dt], D, (65, 127), True, "gqa", Dv=Dv)
+
+
+def test_backward_k_and_v_broadcast_differently():
+    """K shared across heads but V not (and vice versa): AccT partial sums, reduced afterwards."""
+    for bk, bv in (((2, 1), (2, 3)), ((2, 3), (1, 1))):
+        for det in (True, False):
+            p = Problem(np.float32, 32, 33, 47, causal=True, batch_q=(2, 3), batch_k=bk, batch_v=bv)
+            check(p, run_backward("emulator", p, deterministic=det))
+
+
+def test_backward_query_broadcast():
+    """q broadcast over a batch dim that k, v have: dq is summed over it."""
+    for dt, det in ((np.float16, True), (np.float64, False)):
+        p = Problem(dt, 64, 40, 70, causal=False, batch_q=(1, 3), batch_k=(2, 3))
+        check(p, run_backward("emulator", p, deterministic=det))
+
+
+def test_backward_many_batch_dims_gqa():
+    """Four batch dims, GQA in the last: merged to the grid + an in-kernel group loop."""
+    p = Problem(np.float16, 32, 30, 50, causal=True, batch_q=(2, 1, 2, 3), batch_k=(2, 1, 2, 1))
+    check(p, run_backward("emulator", p))
+
+
+def test_backward_fully_masked_rows_are_zero():
+    """Causal with Lq > Lk: the first Lq - Lk rows see no key (lse = -inf): exactly zero dq,
+    and keys nobody sees get zero dk, dv."""
+    for dt in (np.float16, np.float32):
+        p = Problem(dt, 64, 100, 30, causal=True)
+        dq, dk, dv = run_backward("emulator", p)
+        assert np.all(np.isneginf(p.lse[..., :70]))
+        assert np.all(dq[..., :70, :] == 0)
+        check(p, (dq, dk, dv))
+        p = Problem(dt, 64, 30, 100, causal=True)  # Lk > Lq: every key is seen by the last row
+        check(p, run_backward("emulator", p))
+
+
+def test_backward_simt_fallback_16bit():
+    """The SIMT kernels also run fp16/bf16 (GPUs without the needed tensor-core instructions)."""
+    for dt in (np.float16, bfloat16):
+        check_case("emulator", dt, 64, (65, 127), True, "gqa", kernel="simt")
+
+
+def test_backward_sm75_tiles():
+    """sm_75 tiles (64 KB of shared memory) run; bf16 needs sm_80 tensor cores."""
+    check_case("emulator", np.float16, 128, (65, 127), True, arch="sm_75")
+    check_case("emulator", np.float64, 128, (33, 40), False, arch="sm_75")
+    p = Problem(bfloat16, 64, 16, 16, causal=False)
+    with pytest.raises(NotImplementedError, match="sm_80"):
+        run_backward("emulator", p, arch="sm_75")
+
+
+def test_backward_bad_options():
+    p = Problem(np.float32, 16, 4, 4, causal=False)
+    with pytest.raises(TypeError, match="unexpected"):
+        run_backward("emulator", p, bogus=1)
+    with pytest.raises(ValueError, match="device"):
+        cb.backward(*p.args("emulator"), causal=False, scale=0.25, batch_shape=p.batch_shape, device="tpu")
+    with pytest.raises(NotImplementedError, match="tensor-core"):
+        run_backward("emulator", p, kernel="tc")
+
+
+# ---- determinism ------------------------------------------------------------------------------
+SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]
+
+
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
+def test_deterministic_bitwise_under_schedules(dt):
+    """deterministic=True: bitwise identical dq, dk, dv under every fiber schedule and run."""
+    p = Problem(DTYPE_NAMES[dt], 64, 97, 130, causal=True, bcast="gqa")
+    ref = run_backward("emulator", p)
+    check(p, ref)
+    for schedule, seed in SCHEDULES + [("forward", 0)]:
+        got = run_backward("emulator", p, schedule=schedule, seed=seed)
+        for a, b in zip(ref, got):
+            assert a.tobytes() == b.tobytes(), (schedule, seed)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "fp64"])
+def test_atomic_mode_correct_under_schedules(dt):
+    """deterministic=False: float atomics in any order stay within the test rule."""
+    p = Problem(DTYPE_NAMES[dt], 32, 97, 130, causal=True, bcast="mqa")
+    for schedule, seed in SCHEDULES:
+        check(p, run_backward("emulator", p, deterministic=False, schedule=schedule, seed=seed))
+
+
+# ---- global memory traffic --------------------------------------------------------------------
+def visited_rows(Lq, Lk, causal, kv_tiles, q_tiles):
+    """Rows the causal block skipping leaves: (query rows the dK/dV kernel loads, summed over its
+    key blocks; key rows the dQ kernel loads, summed over its query blocks)."""
+    Br, Bc = kv_tiles.block_m, kv_tiles.block_n
+    q_rows = 0
+    for c0 in range(0, Lk, Bc):
+        first = c0 - (Lk - Lq) if causal else 0        # first query row that sees key c0
+        i_begin = max(0, first) // Br
+        q_rows += max(0, Lq - i_begin * Br)
+    k_rows = 0
+    if q_tiles is not None:
+        Br, Bc = q_tiles.block_m, q_tiles.block_n
+        for r0 in range(0, Lq, Br):
+            last_row = min(r0 + Br, Lq) - 1
+            n = min(last_row + Lk - Lq + 1, Lk) if causal else Lk   # keys the last row sees
+            k_rows += min(-(-n // Bc) * Bc, Lk) if n > 0 else 0
+    return q_rows, k_rows
+
+
+def analytic_traffic(B, Lq, Lk, D, Dv, s, a, q_rows, k_rows, deterministic):
+    """Bytes read and written by the backward (no broadcast). s: element size, a: AccT size;
+    q_rows / k_rows from :func:`visited_rows`."""
+    row_q = (D + Dv) * s  # one row of Q and of dO
+    row_k = (D + Dv) * s  # one row of K and of V
+    read = 2 * B * Lq * Dv * s                                   # preprocess: dO, O
+    write = B * Lq * a                                           # D
+    read += B * Lk * row_k + B * q_rows * (row_q + 2 * a)        # dK/dV: K_j, V_j once; Q_i, dO_i, L_i, D_i per visit
+    write += B * Lk * row_k                                      # dK, dV
+    if deterministic:
+        read += B * Lq * (row_q + 2 * a) + B * k_rows * row_k    # dQ: Q_i, dO_i, L_i, D_i once; K_j, V_j per visit
+        write += B * Lq * D * s                                  # dQ
+    else:
+        write += B * Lq * D * a                                  # preprocess clears the accumulator
+        read += B * q_rows * D * a                               # atomics: read-modify-write per visit
+        write += B * q_rows * D * a
+        read += B * Lq * D * a                                   # convert: accumulator -> dQ
+        write += B * Lq * D * s
+    return read, write
+
+
+def measured_traffic(dtype, D, Lq, Lk, causal, deterministic):
+    dtype = canonical_dtype(dtype)
+    p = Problem(dtype, D, Lq, Lk, causal=causal)
+    *grads, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    check(p, grads)
+    plan = cb.kernel_plan(dtype, D, D, causal=causal, deterministic=deterministic,
+                          arch=tiles_bwd.EMULATOR_ARCH)
+    q_rows, k_rows = visited_rows(Lq, Lk, causal, plan["dkv"][2], plan["dq"][2] if deterministic else None)
+    B = int(np.prod(p.batch_shape))
+    want = analytic_traffic(B, Lq, Lk, D, D, dtype.itemsize, accumulation_dtype(dtype).itemsize,
+                            q_rows, k_rows, deterministic)
+    got = (sum(c.global_read_bytes for _, c in counters), sum(c.global_write_bytes for _, c in counters))
+    return got, want
+
+
+@pytest.mark.parametrize("dt,D,deterministic", [("fp16", 64, True), ("fp16", 64, False),
+                                                ("fp32", 32, True), ("fp64", 16, False)])
+def test_counters_match_analytic(dt, D, deterministic):
+    """Non-causal: every (query block, key block) pair is visited."""
+    got, want = measured_traffic(DTYPE_NAMES[dt], D, 100, 150, False, deterministic)
+    assert got == want
+
+
+@pytest.mark.parametrize("dt,deterministic", [("fp16", True), ("fp32", False)])
+def test_counters_causal_skips_blocks(dt, deterministic):
+    """Causal: the dK/dV kernel skips query blocks above the diagonal, the dQ kernel key blocks
+    right of it; the counted traffic is exactly that of the visited pairs."""
+    got, want = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, True, deterministic)
+    assert got == want
+    full, _ = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, False, deterministic)
+    assert sum(got) < sum(full)
+
+
+def test_tensor_cores_and_cp_async_used():
+    p = Problem(np.float16, 64, 64, 64, causal=False)
+    *_, counters = run_backward("emulator", p, return_counters=True)
+    by_kernel = {name.split("<")[0]: c for name, c in counters}
+    for name in ("flash_bwd_dkv_kernel", "flash_bwd_dq_kernel"):
+        assert by_kernel[name].mma > 0 and by_kernel[name].ldmatrix > 0 and by_kernel[name].cp_async > 0
+    # D = 59: rows are not 16-byte aligned, element loads instead of cp.async
+    p = Problem(np.float16, 59, 64, 64, causal=False)
+    *_, counters = run_backward("emulator", p, return_counters=True)
+    assert all(c.cp_async == 0 for _, c in counters)
+
+
+# ---- the full matrix ----------------------------------------------------------------------------
+FULL = list(itertools.product(DTYPE_NAMES, DIMS, LENGTHS, (False, True), BCASTS, ("bhsd", "bshd"),
+                              (True, False)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL, ids=_id)
+def test_backward_emulator_full(case):
+    _run_case("emulator", case)
+
+
+# ---- GPU: the same bodies on a CUDA device ------------------------------------------------------
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_backward_gpu(case):
+    _run_case("cuda", case)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpu
+@pytest.mark.parametrize("case", FULL, ids=_id)
+def test_backward_gpu_full(case):
+    _run_case("cuda", case)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_backward_gpu_deterministic_bitwise():
+    p = Problem(np.float16, 64, 300, 500, causal=True, bcast="gqa")
+    ref = run_backward("cuda", p)
+    check(p, ref)
+    for _ in range(3):
+        got = run_backward("cuda", p)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, got))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_backward_gpu_matches_emulator():
+    """GPU vs emulator: same kernels; differences only from mma accumulation order and exp2."""
+    p = Problem(np.float16, 64, 65, 127, causal=True, bcast="gqa")
+    gpu = run_backward("cuda", p)
+    emu = run_backward("emulator", p)
+    for a, b in zip(gpu, emu):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=0, atol=2e-3)
