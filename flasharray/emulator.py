@@ -93,9 +93,10 @@ class Counters:
     ``global_read_bytes`` / ``global_write_bytes`` count every byte moved by ``fa::gload``,
     ``fa::gstore``, ``fa::atomic_add`` (read and write) and ``fa::cp_async`` (the ``src_bytes``
     actually read): the kernel's HBM traffic. ``buffers`` maps each array argument's index to its
-    share. ``mma``, ``ldmatrix``, ``shuffles`` and ``syncwarps`` count warp-level instructions
-    (one per warp), ``cp_async`` counts per-thread copies, ``barriers`` counts completed
-    ``__syncthreads()`` (one per block and barrier), ``atomics`` per-thread atomic adds.
+    share. ``mma``, ``ldmatrix``, ``shuffles``, ``votes`` (``__ballot_sync``/``__any_sync``/
+    ``__all_sync``) and ``syncwarps`` count warp-level instructions (one per warp), ``cp_async``
+    counts per-thread copies, ``barriers`` counts completed ``__syncthreads()`` (one per block and
+    barrier), ``atomics`` per-thread atomic adds, ``fiber_switches`` context switches.
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -110,6 +111,7 @@ class Counters:
     atomics: int = 0
     blocks: int = 0
     fiber_switches: int = 0
+    votes: int = 0
     seconds: float = 0.0
 
     @property
@@ -131,7 +133,7 @@ class _Buffer(ctypes.Structure):
 
 _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix", "cp_async",
                    "cp_async_bytes", "barriers", "shuffles", "syncwarps", "atomics", "blocks",
-                   "fiber_switches")
+                   "fiber_switches", "votes")
 
 
 class _Counters(ctypes.Structure):

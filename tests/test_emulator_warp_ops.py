@@ -28,7 +28,7 @@ def mod():
     names = ["shfl_test<%d, %s>" % (k, t) for k in range(4) for t in SHFL_TYPES]
     names += [_ldm_name(n, tr) for n, tr in LDM_VARIANTS]
     names += ["mma_test<fa_half>", "mma_test<fa_bf16>", "cp_async_test<4>", "cp_async_test<8>",
-              "cp_async_test<16>", "wait_group_test"]
+              "cp_async_test<16>", "wait_group_test", "vote_test"]
     return emulator.Module((KERNELS / "warp_ops.cu").read_text(), name_expressions=names)
 
 
@@ -262,6 +262,33 @@ def test_cp_async_wait_group_completes_oldest_groups_only(mod):
         np.testing.assert_array_equal(out[t, 1], [v[t, 0], -1, -1])           # wait<2>
         np.testing.assert_array_equal(out[t, 2], [v[t, 0], v[t, 1], -1])      # wait<1>
         np.testing.assert_array_equal(out[t, 3], v[t])                        # wait<0>
+
+
+# ---------------------------------------------------------------------------------------------
+# votes and barrier reductions
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_votes_and_barrier_reductions(mod, density):
+    rng = np.random.default_rng(int(density * 10))
+    n = 96
+    pred = (rng.random(n) < density).astype(np.int32) * rng.integers(1, 100, n).astype(np.int32)
+    masks = np.array([0xFFFFFFFF, 0x0000FFFF, 0xF0F0F0F0], np.uint32)
+    out = np.zeros(4 * n, np.uint32)
+    c = mod.launch("vote_test", 1, n, (out, pred, masks))
+    out = out.reshape(n, 4)
+    for tid in range(n):
+        w, l = divmod(tid, 32)
+        m = int(masks[w])
+        if not (m >> l) & 1:
+            assert tuple(out[tid, :3]) == (0, 0, 0)
+            continue
+        ballot = sum(1 << k for k in range(32) if (m >> k) & 1 and pred[32 * w + k] != 0)
+        assert out[tid, 0] == ballot
+        assert out[tid, 1] == int(ballot != 0)
+        assert out[tid, 2] == int(ballot == m)
+    count = int(np.count_nonzero(pred))
+    assert np.all(out[:, 3] == (count | (int(count == n) << 16) | (int(count > 0) << 17)))
+    assert c.votes == 3 * 3 and c.barriers == 3
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <math.h>
 
@@ -49,6 +50,12 @@ static constexpr int warpSize = 32;
 
 #define __syncthreads() fa_emu_syncthreads()
 inline void __syncwarp(unsigned mask = 0xffffffffu) { fa_emu_syncwarp(mask); }
+#define __syncthreads_count(pred) fa_emu_syncthreads_reduce(FA_EMU_BAR_COUNT, (pred) ? 1 : 0)
+#define __syncthreads_and(pred) fa_emu_syncthreads_reduce(FA_EMU_BAR_AND, (pred) ? 1 : 0)
+#define __syncthreads_or(pred) fa_emu_syncthreads_reduce(FA_EMU_BAR_OR, (pred) ? 1 : 0)
+inline unsigned __ballot_sync(unsigned mask, int pred) { return fa_emu_vote(FA_EMU_VOTE_BALLOT, mask, pred); }
+inline int __any_sync(unsigned mask, int pred) { return static_cast<int>(fa_emu_vote(FA_EMU_VOTE_ANY, mask, pred)); }
+inline int __all_sync(unsigned mask, int pred) { return static_cast<int>(fa_emu_vote(FA_EMU_VOTE_ALL, mask, pred)); }
 inline void __trap() { fa_emu_trap("__trap() called"); }
 
 // ---- 16-bit float types (storage + round-to-nearest-even conversions) --------------------

@@ -19,12 +19,16 @@ typedef struct fa_emu_thread_view {
 
 enum { FA_EMU_SHFL_IDX = 0, FA_EMU_SHFL_XOR = 1, FA_EMU_SHFL_DOWN = 2, FA_EMU_SHFL_UP = 3 };
 enum { FA_EMU_F16 = 0, FA_EMU_BF16 = 1 };
+enum { FA_EMU_VOTE_BALLOT = 0, FA_EMU_VOTE_ANY = 1, FA_EMU_VOTE_ALL = 2 };
+enum { FA_EMU_BAR_PLAIN = 0, FA_EMU_BAR_COUNT = 1, FA_EMU_BAR_AND = 2, FA_EMU_BAR_OR = 3 };
 
 // The view of the calling fiber. Constant for the lifetime of a kernel invocation (a fiber
 // never changes identity), hence `const`: the compiler may reuse the result.
 const fa_emu_thread_view* fa_emu_self(void) __attribute__((const));
 
 void fa_emu_syncthreads(void);
+int fa_emu_syncthreads_reduce(int kind, int predicate);
+unsigned fa_emu_vote(int kind, unsigned mask, int predicate);
 void fa_emu_syncwarp(unsigned mask);
 uint64_t fa_emu_shfl(int kind, unsigned mask, uint64_t value, int arg, int width);
 void fa_emu_mma(int dtype, float* d, const uint32_t* a, const uint32_t* b, const float* c);
@@ -50,7 +54,7 @@ typedef struct fa_emu_buffer {
 typedef struct fa_emu_counters {
     uint64_t global_read_bytes, global_write_bytes;
     uint64_t mma, ldmatrix, cp_async, cp_async_bytes, barriers, shuffles, syncwarps, atomics;
-    uint64_t blocks, fiber_switches;
+    uint64_t blocks, fiber_switches, votes;
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -140,7 +140,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // Data structures
 // =========================================================================================
 enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, EXITED };
-enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX };
+enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
 
 const char* op_name(int op, int kind) {
     switch (op) {
@@ -152,6 +152,8 @@ const char* op_name(int op, int kind) {
                 default: return "__shfl_up_sync";
             }
         case OP_SYNCWARP: return "__syncwarp";
+        case OP_VOTE:
+            return kind == FA_EMU_VOTE_BALLOT ? "__ballot_sync" : kind == FA_EMU_VOTE_ANY ? "__any_sync" : "__all_sync";
         case OP_MMA: return "fa::mma_m16n8k16";
         case OP_LDMATRIX: return "fa::ldmatrix";
         default: return "?";
@@ -228,6 +230,7 @@ struct Worker {
     int bar_arrived = 0, exited = 0;
     void* bar_site = nullptr;
     int bar_first_tid = -1;
+    int bar_kind = 0, bar_acc = 0, bar_result = 0;
     bool aborting = false;
     uint64_t rng = 0;
     // buffers lookup
@@ -543,7 +546,7 @@ void warp_arrive(Worker* w, Fiber* f) {
         for (int l = 0; l < 32; ++l) {
             if (!((mask >> l) & 1u)) continue;
             const Fiber& g = lanes[l];
-            if (g.op != f->op || g.mask != mask || (f->op == OP_SHFL && g.kind != f->kind) ||
+            if (g.op != f->op || g.mask != mask || ((f->op == OP_SHFL || f->op == OP_VOTE) && g.kind != f->kind) ||
                 (f->op == OP_LDMATRIX && (g.n != f->n || g.trans != f->trans))) {
                 fiber_fail(w, strf("%s (mask 0x%08x) met lane %d waiting at a different warp collective "
                                    "(%s, mask 0x%08x): divergent warp collectives",
@@ -553,6 +556,18 @@ void warp_arrive(Worker* w, Fiber* f) {
         switch (f->op) {
             case OP_SHFL: eval_shfl(w, lanes, mask); break;
             case OP_SYNCWARP: ++w->cnt.syncwarps; break;
+            case OP_VOTE: {
+                uint32_t ballot = 0;
+                for (int l = 0; l < 32; ++l)
+                    if (((mask >> l) & 1u) && lanes[l].value) ballot |= 1u << l;
+                const uint64_t r = f->kind == FA_EMU_VOTE_BALLOT ? ballot
+                                   : f->kind == FA_EMU_VOTE_ANY  ? (ballot != 0)
+                                                                 : (ballot == mask);
+                for (int l = 0; l < 32; ++l)
+                    if ((mask >> l) & 1u) lanes[l].result = r;
+                ++w->cnt.votes;
+                break;
+            }
             case OP_MMA: eval_mma(w, lanes); break;
             case OP_LDMATRIX: eval_ldmatrix(w, lanes); break;
         }
@@ -864,8 +879,9 @@ const fa_emu_thread_view* fa_emu_self(void) { return &tls_worker->cur->view; }
 
 unsigned char* fa_emu_dynamic_smem(void) { return tls_worker->smem; }
 
-__attribute__((noinline)) void fa_emu_syncthreads(void) {
-    void* site = __builtin_return_address(0);
+namespace {
+// Block rendezvous at `site`; kind/predicate implement __syncthreads_count/_and/_or.
+int barrier(void* site, int kind, int predicate) {
     Worker* w = W();
     Fiber* f = w->cur;
     if (w->exited > 0) {
@@ -878,18 +894,44 @@ __attribute__((noinline)) void fa_emu_syncthreads(void) {
     if (w->bar_arrived == 0) {
         w->bar_site = site;
         w->bar_first_tid = f->tid;
-    } else if (site != w->bar_site) {
+        w->bar_kind = kind;
+        w->bar_acc = 0;
+    } else if (site != w->bar_site || kind != w->bar_kind) {
         fiber_fail(w, strf("divergent __syncthreads(): this thread waits at %s while thread %d waits at %s",
                            site_str(site).c_str(), w->bar_first_tid, site_str(w->bar_site).c_str()));
     }
+    w->bar_acc += predicate ? 1 : 0;
     f->state = WAIT_BAR;
     f->bar_site = site;
     if (++w->bar_arrived == w->nthreads) {
+        // Every thread reads the result before any thread can complete another barrier.
+        w->bar_result = kind == FA_EMU_BAR_COUNT ? w->bar_acc
+                        : kind == FA_EMU_BAR_AND ? (w->bar_acc == w->nthreads)
+                                                 : (w->bar_acc > 0);
         w->bar_arrived = 0;
         ++w->cnt.barriers;
         for (int t = 0; t < w->nthreads; ++t) set_runnable(w, t);
     }
     yield(w, f);
+    return w->bar_result;
+}
+}  // namespace
+
+__attribute__((noinline)) void fa_emu_syncthreads(void) { barrier(__builtin_return_address(0), FA_EMU_BAR_PLAIN, 0); }
+
+__attribute__((noinline)) int fa_emu_syncthreads_reduce(int kind, int predicate) {
+    return barrier(__builtin_return_address(0), kind, predicate);
+}
+
+unsigned fa_emu_vote(int kind, unsigned mask, int predicate) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_VOTE;
+    f->kind = kind;
+    f->mask = mask;
+    f->value = predicate ? 1 : 0;
+    warp_arrive(w, f);
+    return static_cast<unsigned>(f->result);
 }
 
 void fa_emu_syncwarp(unsigned mask) {
@@ -1078,6 +1120,7 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.shuffles += w.cnt.shuffles;
         total.syncwarps += w.cnt.syncwarps;
         total.atomics += w.cnt.atomics;
+        total.votes += w.cnt.votes;
         total.blocks += w.cnt.blocks;
         total.fiber_switches += w.cnt.fiber_switches;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {

@@ -78,3 +78,25 @@ __global__ void wait_group_test(float* out, const float* src) {
     fa::cp_async_wait<0>();
     for (int g = 0; g < 3; ++g) fa::gstore(o + 9 + g, s[3 * t + g]);
 }
+
+// Votes over each thread's predicate pred[tid] with mask masks[warp]; lanes outside the mask skip.
+// out[4 tid .. 4 tid + 3] = ballot, any, all, __syncthreads_count/and/or packed (count | and<<16 | or<<17).
+__global__ void vote_test(unsigned* out, const int* pred, const unsigned* masks) {
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int p = fa::gload(pred + tid);
+    const unsigned mask = fa::gload(masks + tid / 32);
+    unsigned ballot = 0, any = 0, all = 0;
+    if ((mask >> lane) & 1u) {
+        ballot = __ballot_sync(mask, p);
+        any = static_cast<unsigned>(__any_sync(mask, p));
+        all = static_cast<unsigned>(__all_sync(mask, p));
+    }
+    const int count = __syncthreads_count(p);
+    const int all_block = __syncthreads_and(p);
+    const int any_block = __syncthreads_or(p);
+    fa::gstore(out + 4 * tid, ballot);
+    fa::gstore(out + 4 * tid + 1, any);
+    fa::gstore(out + 4 * tid + 2, all);
+    fa::gstore(out + 4 * tid + 3, static_cast<unsigned>(count) | (static_cast<unsigned>(all_block) << 16) |
+                                      (static_cast<unsigned>(any_block) << 17));
+}
