@@ -1,8 +1,9 @@
 // flash_fwd.cu — FlashAttention-2 forward on tensor cores (fp16 / bf16 in, fp32 accumulate).
 //
-// One thread block per (query tile Q_i, batch entry); kNWarps = 4 warps, warp w owns the 16-row
-// slab [16w, 16w + 16) of Q_i, S_ij, P_ij and O_i, so the softmax statistics of a row never
-// leave the 4 lanes (a quad) that hold it. Per key tile j:
+// One thread block per (query tile Q_i, batch entry); kNWarps warps, warp w owns kSlabs
+// consecutive 16-row slabs of Q_i, S_ij, P_ij and O_i (rows [w·16·kSlabs, (w+1)·16·kSlabs)),
+// so the softmax statistics of a row never leave the 4 lanes (a quad) that hold it, and each
+// K_j / V_j fragment loaded by ldmatrix feeds kSlabs mma instructions. Per key tile j:
 //   1. V_j is requested with cp.async while S_ij = Q_i K_jᵀ runs (ldmatrix + mma.m16n8k16);
 //   2. K_{j+1} is requested while the softmax and O_i += P_ij V_j run;
 //   3. P_ij never touches shared memory: the S accumulator registers of an m16n8 pair are
@@ -14,9 +15,9 @@
 //   Q_i  Br × d   shared sQ, read per k16 step with ldmatrix.x4   (A operand, row-major)
 //   K_j  Bc × d   shared sK, ldmatrix.x4 non-trans                (B operand stored N×K)
 //   V_j  Bc × dv  shared sV, ldmatrix.x4.trans                    (B operand stored K×N)
-//   S_ij, P_ij 16 × Bc per warp: acc_s[Bc/8][4] fp32 per lane
-//   O_i  16 × dv per warp: acc_o[dv/8][4] fp32 per lane
-//   m_i, l_i  rows g and g+8 of the warp's slab (g = lane / 4): two per lane
+//   S_ij, P_ij 16 × Bc per slab: acc_s[kSlabs][Bc/8][4] fp32 per lane
+//   O_i  16 × dv per slab: acc_o[kSlabs][dv/8][4] fp32 per lane
+//   m_i, l_i  rows g and g+8 of each slab (g = lane / 4): 2·kSlabs per lane
 // Register layouts of the mma fragments: ptx_semantics.md (g = lane >> 2, t = lane & 3).
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
@@ -43,6 +44,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
   constexpr int kNTilesO = Traits::kNTilesO;  // n8 tiles across dv
+  constexpr int kSlabs = Traits::kSlabsPerWarp;
   constexpr int kRowsPerLane = 2;             // rows g and g + 8 of the slab
   constexpr int kQuad = 4;                    // lanes sharing one row of an mma fragment
 
@@ -56,7 +58,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int lane = tid % 32;
   const int g = lane >> 2;  // fragment row group
   const int t = lane & 3;   // thread in group: fragment columns 2t, 2t + 1
-  const int slab = warp * Traits::kMmaM;                 // first row of this warp's slab in Q_i
+  const int warp_row0 = warp * Traits::kRowsPerWarp;    // first row of this warp's slabs in Q_i
   const int m0 = static_cast<int>(blockIdx.x) * kBlockM;  // first query row of Q_i
 
   // ---- where this block's tensors live --------------------------------------------------------
@@ -74,20 +76,23 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
   const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
 
-  float acc_o[kNTilesO][4];  // O_i slab, unnormalised (C/D fragment layout)
+  float acc_o[kSlabs][kNTilesO][4];  // O_i slabs, unnormalised (C/D fragment layout)
+  OnlineSoftmaxRow<float> stat[kSlabs][kRowsPerLane];
 #pragma unroll
-  for (int dt = 0; dt < kNTilesO; ++dt)
+  for (int sl = 0; sl < kSlabs; ++sl) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
-  OnlineSoftmaxRow<float> stat[kRowsPerLane];
+    for (int dt = 0; dt < kNTilesO; ++dt)
 #pragma unroll
-  for (int r = 0; r < kRowsPerLane; ++r) stat[r].init();
+      for (int i = 0; i < 4; ++i) acc_o[sl][dt][i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; ++r) stat[sl][r].init();
+  }
 
   // ldmatrix row addresses (ptx_semantics.md): lane l supplies one 16-byte row.
-  //   Q (A, x4):        rows slab + l%16,                 k offset 8·(l/16)
+  //   Q (A, x4):        rows 16·slab + l%16,              k offset 8·(l/16)
   //   K (B, x4, 2 n8):  rows 8·(l/16) + l%8 of the n16 pair, k offset 8·((l/8)%2)
   //   V (B, x4.trans):  rows (l%8) + 8·((l/8)%2) of the k16 step, dv offset 8·(l/16)
-  const T* sQ_lane = sQ + (slab + lane % 16) * Traits::kStrideQ + (lane / 16) * 8;
+  const T* sQ_lane = sQ + (warp_row0 + lane % 16) * Traits::kStrideQ + (lane / 16) * 8;
   const T* sK_lane = sK + ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 8;
   const T* sV_lane = sV + (lane % 8 + ((lane / 8) % 2) * 8) * Traits::kStrideV + (lane / 16) * 8;
 
@@ -111,26 +116,35 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
     fa::cp_async_commit();
 
-    // -- S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q, then the Bc/8 n8 tiles of K_j --
-    float acc_s[kNTilesS][4];
+    // -- S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q per slab, then the Bc/8 n8 tiles of K_j,
+    //    each B fragment shared by the warp's kSlabs slabs --
+    float acc_s[kSlabs][kNTilesS][4];
 #pragma unroll
-    for (int nt = 0; nt < kNTilesS; ++nt)
+    for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[sl][nt][i] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < Traits::kKStepsS; ++ks) {
-      uint32_t a_q[4];
-      fa::ldmatrix<4, false>(a_q, sQ_lane + ks * Traits::kMmaK);
+      uint32_t a_q[kSlabs][4];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+        fa::ldmatrix<4, false>(a_q[sl], sQ_lane + sl * Traits::kMmaM * Traits::kStrideQ + ks * Traits::kMmaK);
 #pragma unroll
       for (int np = 0; np < kNTilesS / 2; ++np) {
         uint32_t b_k[4];  // B fragments of n8 tiles 2np (b_k[0..1]) and 2np+1 (b_k[2..3])
         fa::ldmatrix<4, false>(b_k, sK_lane + np * 16 * Traits::kStrideK + ks * Traits::kMmaK);
         const uint32_t b_lo[2] = {b_k[0], b_k[1]}, b_hi[2] = {b_k[2], b_k[3]};
-        const float c_lo[4] = {acc_s[2 * np][0], acc_s[2 * np][1], acc_s[2 * np][2], acc_s[2 * np][3]};
-        const float c_hi[4] = {acc_s[2 * np + 1][0], acc_s[2 * np + 1][1], acc_s[2 * np + 1][2],
-                               acc_s[2 * np + 1][3]};
-        fa::mma_m16n8k16<T>(acc_s[2 * np], a_q, b_lo, c_lo);
-        fa::mma_m16n8k16<T>(acc_s[2 * np + 1], a_q, b_hi, c_hi);
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+          float(&s_lo)[4] = acc_s[sl][2 * np];
+          float(&s_hi)[4] = acc_s[sl][2 * np + 1];
+          const float c_lo[4] = {s_lo[0], s_lo[1], s_lo[2], s_lo[3]};
+          const float c_hi[4] = {s_hi[0], s_hi[1], s_hi[2], s_hi[3]};
+          fa::mma_m16n8k16<T>(s_lo, a_q[sl], b_lo, c_lo);
+          fa::mma_m16n8k16<T>(s_hi, a_q[sl], b_hi, c_hi);
+        }
       }
     }
 
@@ -146,81 +160,101 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     fa::cp_async_commit();
 
     // -- scale by scale·log2(e); mask only tiles that cross the diagonal or the sequence end --
-    // acc_s[nt][i] holds S[g + 8·(i/2)][8·nt + 2t + i%2].
+    // acc_s[sl][nt][i] holds S[16·sl + g + 8·(i/2)][8·nt + 2t + i%2] of the warp's rows.
     const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
 #pragma unroll
-    for (int nt = 0; nt < kNTilesS; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float s = acc_s[nt][i] * scale_log2;
-        if (tile_masked) s = mask.apply(s, m0 + slab + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
-        acc_s[nt][i] = s;
-      }
-
-    // -- online softmax on rows g, g+8: update m_i, rescale O_i and l_i, P = exp2(S − m_i) --
-#pragma unroll
-    for (int r = 0; r < kRowsPerLane; ++r) {
-      float tile_max = acc_s[0][2 * r];
-#pragma unroll
-      for (int nt = 0; nt < kNTilesS; ++nt)
-        tile_max = fmaxf(tile_max, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-      tile_max = group_allreduce_max<kQuad>(tile_max);  // the quad holding the row
-      const float correction = stat[r].update_max(tile_max);
-#pragma unroll
-      for (int dt = 0; dt < kNTilesO; ++dt) {
-        acc_o[dt][2 * r] *= correction;
-        acc_o[dt][2 * r + 1] *= correction;
-      }
-      const float m_sub = stat[r].max_for_exp();
+    for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
-        for (int i = 2 * r; i < 2 * r + 2; ++i) {
-          const float p = OnlineSoftmaxRow<float>::prob(acc_s[nt][i], m_sub);
-          stat[r].l += p;  // partial over this lane's columns; the quad is summed at the end
-          acc_s[nt][i] = p;
+        for (int i = 0; i < 4; ++i) {
+          float s = acc_s[sl][nt][i] * scale_log2;
+          if (tile_masked)
+            s = mask.apply(s, m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+          acc_s[sl][nt][i] = s;
         }
-    }
 
-    // -- O_i += P_ij V_j: P (16 × Bc) as A fragments straight from the S registers --
+    // -- online softmax on rows g, g+8 of each slab: update m_i, rescale O_i and l_i,
+    //    P = exp2(S − m_i) --
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+      for (int r = 0; r < kRowsPerLane; ++r) {
+        float tile_max = acc_s[sl][0][2 * r];
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(acc_s[sl][nt][2 * r], acc_s[sl][nt][2 * r + 1]));
+        tile_max = group_allreduce_max<kQuad>(tile_max);  // the quad holding the row
+        const float correction = stat[sl][r].update_max(tile_max);
+#pragma unroll
+        for (int dt = 0; dt < kNTilesO; ++dt) {
+          acc_o[sl][dt][2 * r] *= correction;
+          acc_o[sl][dt][2 * r + 1] *= correction;
+        }
+        const float m_sub = stat[sl][r].max_for_exp();
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int i = 2 * r; i < 2 * r + 2; ++i) {
+            const float p = OnlineSoftmaxRow<float>::prob(acc_s[sl][nt][i], m_sub);
+            stat[sl][r].l += p;  // partial over this lane's columns; the quad is summed at the end
+            acc_s[sl][nt][i] = p;
+          }
+      }
+
+    // -- O_i += P_ij V_j: P (16 × Bc per slab) as A fragments straight from the S registers;
+    //    each V_j fragment is shared by the warp's slabs --
 #pragma unroll
     for (int ks = 0; ks < Traits::kKStepsO; ++ks) {
       // A rows g / g+8, k columns 2t.. of n8 tiles 2ks (A0, A1) and 2ks+1 (A2, A3).
-      const uint32_t a_p[4] = {fa::pack2<T>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
-                               fa::pack2<T>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
-                               fa::pack2<T>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
-                               fa::pack2<T>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3])};
+      uint32_t a_p[kSlabs][4];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl) {
+        const float(&p_lo)[4] = acc_s[sl][2 * ks];
+        const float(&p_hi)[4] = acc_s[sl][2 * ks + 1];
+        a_p[sl][0] = fa::pack2<T>(p_lo[0], p_lo[1]);
+        a_p[sl][1] = fa::pack2<T>(p_lo[2], p_lo[3]);
+        a_p[sl][2] = fa::pack2<T>(p_hi[0], p_hi[1]);
+        a_p[sl][3] = fa::pack2<T>(p_hi[2], p_hi[3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kNTilesO / 2; ++dp) {
         uint32_t b_v[4];  // B fragments of dv n8 tiles 2dp (b_v[0..1]) and 2dp+1 (b_v[2..3])
         fa::ldmatrix<4, true>(b_v, sV_lane + ks * Traits::kMmaK * Traits::kStrideV + dp * 16);
         const uint32_t b_lo[2] = {b_v[0], b_v[1]}, b_hi[2] = {b_v[2], b_v[3]};
-        const float c_lo[4] = {acc_o[2 * dp][0], acc_o[2 * dp][1], acc_o[2 * dp][2], acc_o[2 * dp][3]};
-        const float c_hi[4] = {acc_o[2 * dp + 1][0], acc_o[2 * dp + 1][1], acc_o[2 * dp + 1][2],
-                               acc_o[2 * dp + 1][3]};
-        fa::mma_m16n8k16<T>(acc_o[2 * dp], a_p, b_lo, c_lo);
-        fa::mma_m16n8k16<T>(acc_o[2 * dp + 1], a_p, b_hi, c_hi);
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+          float(&o_lo)[4] = acc_o[sl][2 * dp];
+          float(&o_hi)[4] = acc_o[sl][2 * dp + 1];
+          const float c_lo[4] = {o_lo[0], o_lo[1], o_lo[2], o_lo[3]};
+          const float c_hi[4] = {o_hi[0], o_hi[1], o_hi[2], o_hi[3]};
+          fa::mma_m16n8k16<T>(o_lo, a_p[sl], b_lo, c_lo);
+          fa::mma_m16n8k16<T>(o_hi, a_p[sl], b_hi, c_hi);
+        }
       }
     }
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
 #pragma unroll
-  for (int r = 0; r < kRowsPerLane; ++r) {
-    const float l_total = group_allreduce_sum<kQuad>(stat[r].l);
-    const float inv_l = stat[r].inv_sum(l_total);
-    const int row_in_tile = slab + g + 8 * r;
-    if (m0 + row_in_tile < Lq) {
+  for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-      for (int dt = 0; dt < kNTilesO; ++dt)
+    for (int r = 0; r < kRowsPerLane; ++r) {
+      const float l_total = group_allreduce_sum<kQuad>(stat[sl][r].l);
+      const float inv_l = stat[sl][r].inv_sum(l_total);
+      const int row_in_tile = warp_row0 + sl * Traits::kMmaM + g + 8 * r;
+      if (m0 + row_in_tile < Lq) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int col = 8 * dt + 2 * t + i;
-          if (col < Dv) fa::gstore(o_i + row_in_tile * o_row + col, from_acc<T>(acc_o[dt][2 * r + i] * inv_l));
-        }
-      if (t == 0) fa::gstore(lse_i + row_in_tile, stat[r].lse(l_total));
+        for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int col = 8 * dt + 2 * t + i;
+            if (col < Dv)
+              fa::gstore(o_i + row_in_tile * o_row + col, from_acc<T>(acc_o[sl][dt][2 * r + i] * inv_l));
+          }
+        if (t == 0) fa::gstore(lse_i + row_in_tile, stat[sl][r].lse(l_total));
+      }
     }
-  }
 }
 
 }  // namespace flash

@@ -62,8 +62,8 @@ template <int kBytes> struct Align16 { static constexpr int value = (kBytes + 15
 
 // ---- tensor-core forward (fp16 / bf16, mma.sync m16n8k16) ------------------------------------
 //
-// Work split: kNWarps warps, warp w owns the 16-row slab [16w, 16w+16) of Q_i, S_ij, P_ij and
-// O_i (the mma M dimension), across the full Bc columns of S and the full dv columns of O.
+// Work split: kNWarps warps, warp w owns kSlabsPerWarp consecutive 16-row slabs (the mma M
+// dimension) of Q_i, S_ij, P_ij and O_i, across the full Bc columns of S and dv columns of O.
 // Shared memory: sQ (Br × d), sK (Bc × d), sV (Bc × dv), each row padded by kSmemPad elements
 // (16 bytes): a row is then 2·d + 16 bytes, and because d is a multiple of 16 the 8 rows an
 // ldmatrix phase reads start in 8 distinct 16-byte bank groups (row r → group r·(d/8+1) mod 8,
@@ -80,6 +80,8 @@ struct FwdTensorCoreTraits {
   static constexpr int kNThreads = kNWarps * kWarpSize;
 
   static constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;         // mma.sync m16n8k16
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;          // rows of Q_i per warp
+  static constexpr int kSlabsPerWarp = kRowsPerWarp / kMmaM;      // 16-row mma slabs per warp
   static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);    // 8 halves per 16 bytes
   static constexpr int kSmemPad = kElemsPerCopy;                  // one 16-byte chunk per row
   static constexpr int kStrideQ = kHeadDim + kSmemPad;            // sQ, sK row stride (elements)
@@ -101,7 +103,8 @@ struct FwdTensorCoreTraits {
                 "kHeadDim must be a multiple of 16 in [16, 256] (the host rounds D up)");
   static_assert(kHeadDimV % kMmaK == 0 && kHeadDimV > 0 && kHeadDimV <= 256,
                 "kHeadDimV must be a multiple of 16 in [16, 256] (the host rounds Dv up)");
-  static_assert(kBlockM == kNWarps * kMmaM, "each warp owns exactly one 16-row slab of Q_i");
+  static_assert(kBlockM % (kNWarps * kMmaM) == 0 && kSlabsPerWarp >= 1 && kSlabsPerWarp <= 4,
+                "Br must be 1 to 4 16-row slabs per warp");
   static_assert(kBlockN % (2 * kMmaN) == 0,
                 "Bc must be a multiple of 16: K_j is read two n8 tiles per ldmatrix.x4 and "
                 "P_ij feeds the second mma as k16 steps");

@@ -124,6 +124,15 @@ def test_forward_sm75_tiles():
     check_case("emulator", bfloat16, 64, 33, 40, False, arch=75)
 
 
+@pytest.mark.parametrize("block_m", [384, 512])
+def test_forward_io_tiles(block_m):
+    """The IO-oriented tensor-core tiles (8 warps x 3 or 4 slabs): correct, partial last block."""
+    t = cuda_forward.kernel_for(np.float16, 64, block_m=block_m)
+    assert (t.block_m, t.n_threads) == (block_m, 256)
+    check_case("emulator", np.float16, 64, block_m + 77, 150, True, block_m=block_m)
+    check_case("emulator", bfloat16, 48, 100, 90, False, block_m=block_m)
+
+
 def test_forward_many_batch_dims():
     """Five batch dims that cannot all merge: the host loops over the outer ones."""
     rng = np.random.default_rng(3)

@@ -45,6 +45,12 @@ def instantiations(arch, head_dims):
                 for causal in (False, True):
                     for aligned in (False, True):
                         found.setdefault(t.source, {})[t.name_expression(causal, aligned)] = t
+    for block_m in tiles.IO_TILES:  # benchmarks/io.py's tiles, where they fit
+        for dt in ("float16", "bfloat16"):
+            t = tiles.forward_tile(dt, 64, 64, arch, block_m=block_m)
+            if t.smem <= tiles.smem_limit(arch) and tiles.tensor_cores_available(dt, arch):
+                for causal in (False, True):
+                    found.setdefault(t.source, {})[t.name_expression(causal, True)] = t
     return {src: sorted(v.items()) for src, v in found.items()}
 
 

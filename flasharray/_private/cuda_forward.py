@@ -16,7 +16,7 @@ def _acc_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None):
+def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None):
     """The :class:`~flasharray._private.tiles.FwdTile` a forward call would use.
 
     Parameters
@@ -28,8 +28,10 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
         Compute capability (``80``, ``"sm_80"``, ``(8, 0)``).
     kernel : {None, "tensor_core", "simt"}
         Force a kernel family (tests); None picks tensor cores when the arch has them.
+    block_m : {None, 384, 512}
+        An IO-oriented tensor-core tile (``tiles.IO_TILES``) instead of the table's choice.
     """
-    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel)
+    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m)
 
 
 def _is_aligned(arrays):
@@ -46,7 +48,7 @@ def _is_aligned(arrays):
 
 
 def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kernel=None, arch=None,
-            schedule="forward", seed=0, **opts):
+            block_m=None, schedule="forward", seed=0, **opts):
     """FlashAttention forward on the CUDA kernels.
 
     Parameters
@@ -67,6 +69,8 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         Force a kernel family (None: tensor cores for fp16/bf16 where the arch has them).
     arch : optional
         Emulator only: the compute capability whose tile table to use (default sm_80).
+    block_m : {None, 384, 512}
+        Use an IO-oriented tensor-core tile (benchmarks/io.py), fp16/bf16 only.
     schedule, seed
         Emulator only: fiber schedule ("forward", "reverse", "random") and its seed.
 
@@ -85,7 +89,7 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
     acc = _acc_dtype(dtype)
     Lq, D = q.shape[-2], q.shape[-1]
     Lk, Dv = k.shape[-2], v.shape[-1]
-    tile = kernel_for(dtype, D, Dv, launcher.arch, kernel=kernel)
+    tile = kernel_for(dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m)
 
     q, k, v = (L.kernel_ready(a) for a in (q, k, v))
     out = xp.empty(batch_shape + (Lq, Dv), dtype=dtype)

@@ -88,7 +88,7 @@ class FwdTile:
     head_dim_v: int    # dv: padded head dim of v and out
     block_m: int       # Br
     block_n: int       # Bc
-    threads_m: int     # SIMT: row groups; tensor core: warps (each one 16-row slab)
+    threads_m: int     # SIMT: row groups; tensor core: warps (each Br/(16·warps) 16-row slabs)
     threads_n: int     # SIMT: lanes per row group; tensor core: 32
     smem: int          # dynamic shared memory in bytes
     reason: str
@@ -140,21 +140,28 @@ def simt_smem(d, dv, block_m, block_n, elem, acc):
 
 
 # ---- the table -----------------------------------------------------------------------------------
-# Tensor core: always Br = 64 = 4 warps × one 16-row mma slab each (FlashAttention-2's split: a
-# row's softmax statistics stay inside one quad of lanes, no cross-warp reduction). Bc is the
-# free knob; candidates in order of preference, the first that fits the arch is taken.
+# Tensor core: kNWarps warps, each owning Br/(16·kNWarps) 16-row mma slabs (FlashAttention-2's
+# split: a row's softmax statistics stay inside one quad of lanes, no cross-warp reduction; the
+# K_j / V_j fragments a warp loads feed all its slabs). Candidates in order of preference, the
+# first that fits the arch's shared memory is taken. Register counts are from -Xptxas=-v (sm_80).
 _TC_CANDIDATES = [
-    # (max padded head dim, Bc, reason)
-    (64, 128, "d <= 64: Bc=128 halves the barriers and softmax rescales per key; S (64 fp32/lane) "
-              "+ O (<= 32/lane) fit in registers; fits in 48 KB without the opt-in"),
-    (64, 64, "d <= 64, small-smem fallback: Bc=64"),
-    (128, 64, "64 < d <= 128: Bc=64 as FlashAttention-2; O (64 fp32/lane) + S (32/lane) fit "
-              "registers"),
-    (128, 32, "64 < d <= 128, small-smem fallback: Bc=32"),
-    (256, 32, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
-              "registers below 255 without spills"),
-    (256, 16, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16"),
+    # (max padded head dim, Br, Bc, warps, reason)
+    (64, 128, 64, 4, "d <= 64: Br=128, Bc=64, 4 warps x 2 slabs as FlashAttention-2 (K/V re-read "
+                     "half as often as with Br=64, each K/V fragment feeds 2 mma); ~223 regs"),
+    (128, 64, 64, 4, "64 < d <= 128: Br=64, Bc=64, 4 warps x 1 slab; O (64 fp32/lane) + S (32/lane) "
+                     "~182 regs (Br=128 would need Bc=32 and 242 regs)"),
+    (128, 64, 32, 4, "64 < d <= 128, small-smem fallback: Bc=32"),
+    (256, 64, 32, 4, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
+                     "~240 regs without spills"),
+    (256, 64, 16, 4, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16"),
 ]
+
+#: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
+#: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
+IO_TILES = {
+    384: (384, 32, 8, "IO tile: Br=384 = 8 warps x 3 slabs, Bc=32; ~232 regs x 256 threads"),
+    512: (512, 16, 8, "IO tile: Br=512 = 8 warps x 4 slabs, Bc=16; sm_80+ (78 KB smem)"),
+}
 
 # SIMT: 8 row groups × 16 lanes = 128 threads unless noted; TM = Br/8 rows and TN = Bc/16
 # columns of S per thread. Candidates by (accumulator bytes, max padded head dim).
@@ -182,11 +189,12 @@ _SIMT_CANDIDATES = {
 }
 
 
-def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None):
+def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
-    where the arch has them (fp16: sm_75+, bf16: sm_80+), SIMT otherwise.
+    where the arch has them (fp16: sm_75+, bf16: sm_80+), SIMT otherwise. ``block_m`` (384 or
+    512, tensor cores only) picks one of the :data:`IO_TILES` instead of the table.
     Raises NotImplementedError for head dims above 256.
     """
     name = dtype_name(dtype)
@@ -203,10 +211,13 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
     if kernel == "tensor_core":
         if name not in ("float16", "bfloat16"):
             raise NotImplementedError("flasharray: the tensor-core forward takes float16/bfloat16")
-        for max_hd, bc, reason in _TC_CANDIDATES:
-            smem = tc_smem(d, dv, 64, bc)
+        if block_m is not None:
+            br, bc, warps, reason = IO_TILES[block_m]
+            return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc), reason)
+        for max_hd, br, bc, warps, reason in _TC_CANDIDATES:
+            smem = tc_smem(d, dv, br, bc)
             if hd <= max_hd and smem <= limit:
-                return FwdTile("tensor_core", name, d, dv, 64, bc, 4, 32, smem, reason)
+                return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason)
     else:
         elem, acc = itemsize(name), (8 if name == "float64" else 4)
         for max_hd, br, bc, tm, tn, reason in _SIMT_CANDIDATES[acc]:
