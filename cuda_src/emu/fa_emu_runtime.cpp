@@ -470,20 +470,26 @@ void eval_ldmatrix(Worker* w, Fiber* lanes) {
     ++w->cnt.ldmatrix;
 }
 
-// Exact value of a 16-bit float (f16 or bf16) as float64.
+// Exact value of a 16-bit float (f16 or bf16) as float64 (bit manipulation, no libm).
 double half_val(uint16_t x, int dtype) {
+    uint32_t u;
     if (dtype == FA_EMU_BF16) {
-        const uint32_t u = static_cast<uint32_t>(x) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        return f;
+        u = static_cast<uint32_t>(x) << 16;
+    } else {
+        const uint32_t sign = (static_cast<uint32_t>(x) & 0x8000u) << 16;
+        const uint32_t e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+        if (e == 0x1f) {
+            u = sign | 0x7f800000u | (m << 13);
+        } else if (e == 0) {
+            const double v = static_cast<double>(m) * 0x1p-24;   // subnormal: exact
+            return sign ? -v : v;
+        } else {
+            u = sign | ((e + 112u) << 23) | (m << 13);           // rebias 15 -> 127
+        }
     }
-    const uint32_t e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
-    double v;
-    if (e == 0x1f) v = m ? NAN : INFINITY;
-    else if (e == 0) v = std::ldexp(static_cast<double>(m), -24);
-    else v = std::ldexp(static_cast<double>(m | 0x400u), static_cast<int>(e) - 25);
-    return (x & 0x8000u) ? -v : v;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
 }
 
 void eval_mma(Worker* w, Fiber* lanes) {
