@@ -155,7 +155,7 @@ class _LaunchParams(ctypes.Structure):
 # ---------------------------------------------------------------------------------------------
 _lock = threading.RLock()
 _runtime_lib = None
-_loaded = {}          # module key -> (CDLL, path)
+_loaded = {}          # module key -> (CDLL, {included header: sha256})
 _compiler_ids = {}
 
 
@@ -359,10 +359,14 @@ class Module:
         cmd_flags = [std, *_HOST_FLAGS, *flags, *host_options, *("-I" + d for d in inc)]
         key = _sha("module", _ABI_VERSION, _compiler_id(cxx), cmd_flags, rt_path.name, source, main)[:32]
         with _lock:
-            if key in _loaded:
-                self._lib = _loaded[key]
+            hit = _loaded.get(key)
+            # Reuse the loaded library unless a header it includes changed since (e.g. while
+            # editing a kernel in a notebook): then build (and load) a new one.
+            if hit is not None and all(_file_sha(p) == h for p, h in hit[1].items()):
+                self._lib = hit[0]
             else:
-                self._lib = _loaded[key] = self._build(key, cxx, cmd_flags, source, main, rt_path)
+                self._lib, deps = self._build(key, cxx, cmd_flags, source, main, rt_path)
+                _loaded[key] = (self._lib, deps)
         self._entries, self._sigs = {}, {}
         for i, expr in enumerate(self.name_expressions):
             entry = getattr(self._lib, "fa_emu_entry_%d" % i)
@@ -383,7 +387,7 @@ class Module:
                 if all(_file_sha(p) == h for p, h in info["deps"].items()):
                     lib_path = mod_dir / info["lib"]
                     if lib_path.exists():
-                        return ctypes.CDLL(str(lib_path))
+                        return ctypes.CDLL(str(lib_path)), info["deps"]
             except (ValueError, KeyError, OSError):
                 pass
         mod_dir.mkdir(parents=True, exist_ok=True)
@@ -406,7 +410,7 @@ class Module:
             _atomic_write(meta, json.dumps({"lib": lib_name, "deps": deps}, indent=1))
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
-        return ctypes.CDLL(str(mod_dir / lib_name))
+        return ctypes.CDLL(str(mod_dir / lib_name)), deps
 
     def get_function(self, name_expression):
         """The kernel registered as ``name_expression`` (CuPy ``RawModule.get_function`` parity)."""

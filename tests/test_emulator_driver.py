@@ -121,6 +121,10 @@ def test_cache_reuses_and_invalidates_on_header_change(tmp_path, monkeypatch):
     emulator.Module(src, ["k"], include_dirs=[inc]).launch("k", 1, 1, (out,))
     assert out[0] == 2.0
     assert len(list((tmp_path / "cache").glob("mod-*/module-*.so"))) == 2
+    # ... also within one process, without clearing anything (editing a header in a notebook).
+    (inc / "value.cuh").write_text("constexpr float kValue = 3.0f;\n")
+    emulator.Module(src, ["k"], include_dirs=[inc]).launch("k", 1, 1, (out,))
+    assert out[0] == 3.0
 
 
 def test_default_cache_dir(monkeypatch):

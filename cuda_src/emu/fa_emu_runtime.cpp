@@ -405,8 +405,9 @@ void eval_shfl(Worker* w, Fiber* lanes, unsigned mask) {
         switch (f.kind) {
             case FA_EMU_SHFL_IDX: src = seg + (f.arg & (wd - 1)); break;
             case FA_EMU_SHFL_XOR: { int j = l ^ f.arg; src = (j >= 0 && j <= seg + wd - 1) ? j : l; break; }
-            case FA_EMU_SHFL_DOWN: { int j = l + f.arg; src = (j <= seg + wd - 1) ? j : l; break; }
-            case FA_EMU_SHFL_UP: { int j = l - f.arg; src = (j >= seg) ? j : l; break; }
+            // delta is unsigned: a huge delta leaves the segment (own value), it never wraps around
+            case FA_EMU_SHFL_DOWN: { int64_t j = l + int64_t(uint32_t(f.arg)); src = (j <= seg + wd - 1) ? int(j) : l; break; }
+            case FA_EMU_SHFL_UP: { int64_t j = l - int64_t(uint32_t(f.arg)); src = (j >= seg) ? int(j) : l; break; }
         }
         if (src < 0 || src > 31 || !((mask >> src) & 1u)) {
             w->cur = &f;
