@@ -85,7 +85,8 @@ template <> __device__ __forceinline__ uint32_t pack2<fa_bf16>(float lo, float h
 template <class T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2], const float (&c)[4]) {
-    static_assert(dependent_false<T>::value, "fa::mma_m16n8k16: T must be fa_half or fa_bf16");
+    static_assert(dependent_false<T>::value,
+                  "fa::mma_m16n8k16: T must be fa_half (sm_75+) or fa_bf16 (sm_80+)");
 }
 
 template <>
@@ -114,24 +115,20 @@ __device__ __forceinline__ void mma_m16n8k16<fa_half>(float (&d)[4], const uint3
 #endif
 }
 
+// No bf16 tensor-core instruction before sm_80: there the specialization does not exist, so a
+// kernel instantiating mma_m16n8k16<fa_bf16> fails to compile (the primary template's message).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 template <>
 __device__ __forceinline__ void mma_m16n8k16<fa_bf16>(float (&d)[4], const uint32_t (&a)[4],
                                                       const uint32_t (&b)[2], const float (&c)[4]) {
-#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
           "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#else
-    // No bf16 tensor-core instruction before sm_80: a kernel instantiating this must not be
-    // compiled for sm_75 (the host picks the SIMT kernel there). Traps if it ever runs.
-    (void)a; (void)b;
-    d[0] = c[0]; d[1] = c[1]; d[2] = c[2]; d[3] = c[3];
-    __trap();
-#endif
 }
+#endif
 
 // ---- ldmatrix: lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j -------------
 template <int N, bool Trans>

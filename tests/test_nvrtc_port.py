@@ -25,6 +25,12 @@ def test_every_wrapper_compiles(arch):
         assert info.spill_stores == 0 and info.spill_loads == 0
 
 
+def test_bf16_mma_on_sm75_is_a_compile_error():
+    with pytest.raises(nvrtc.NvrtcError, match=r"fa_bf16 \(sm_80\+\)"):
+        nvrtc.compile_cubin((KERNELS / "port_wrappers.cu").read_text(), "sm_75",
+                            name_expressions=["port_wrappers<fa_bf16>"])
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_gemm_test_kernel_compiles_without_spills(arch):
     names = ["gemm_fp16<0>"]
