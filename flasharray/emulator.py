@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -256,7 +255,7 @@ def switch_cost_ns(iterations=1_000_000):
 def _parse_depfile(text):
     text = text.replace("\\\n", " ")
     _, _, deps = text.partition(":")
-    out, cur = [], ""
+    out = []
     for tok in re.split(r"(?<!\\) ", deps.strip()):
         tok = tok.strip()
         if tok:

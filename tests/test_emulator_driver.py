@@ -1,6 +1,4 @@
 """flasharray.emulator as a driver: compile + cache, launch geometry, schedules, counters, options."""
-import os
-import time
 from pathlib import Path
 
 import ml_dtypes
