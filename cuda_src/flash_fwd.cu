@@ -3,18 +3,22 @@
 // One thread block per (query tile Q_i, batch entry); kNWarps warps, warp w owns kSlabs
 // consecutive 16-row slabs of Q_i, S_ij, P_ij and O_i (rows [w·16·kSlabs, (w+1)·16·kSlabs)),
 // so the softmax statistics of a row never leave the 4 lanes (a quad) that hold it, and each
-// K_j / V_j fragment loaded by ldmatrix feeds kSlabs mma instructions. Per key tile j:
-//   1. V_j is requested with cp.async while S_ij = Q_i K_jᵀ runs (ldmatrix + mma.m16n8k16);
-//   2. K_{j+1} is requested while the softmax and O_i += P_ij V_j run;
-//   3. P_ij never touches shared memory: the S accumulator registers of an m16n8 pair are
-//      exactly the A-operand registers of the next m16n8k16 (FlashAttention-2's register reuse).
+// K_j / V_j fragment loaded by ldmatrix feeds kSlabs mma instructions. K_j and V_j arrive by
+// cp.async, software-pipelined in one of two ways (kStages, chosen by the tile table from the
+// shared memory the arch has):
+//   kStages = 2: double-buffered ring — tile j+1 is fetched into the other stage while all of
+//                tile j is computed; one barrier per key tile;
+//   kStages = 1: one buffer each (FlashAttention-2) — V_j is fetched while S_ij = Q_i K_jᵀ runs,
+//                K_{j+1} while the softmax and O_i += P_ij V_j run; two barriers per key tile.
+// P_ij never touches shared memory: the S accumulator registers of an m16n8 pair are exactly the
+// A-operand registers of the next m16n8k16 (FlashAttention-2's register reuse).
 // Online softmax in fp32 registers with exp2 and log2(e) folded into the scale; O_i is divided
 // by l_i once at the end; LSE = (m_i + log2 l_i)·ln 2 (natural log, fp32).
 //
 // Symbols and shapes (d, dv = head dims rounded up to multiples of 16, zero-filled past D, Dv):
 //   Q_i  Br × d   shared sQ, read per k16 step with ldmatrix.x4   (A operand, row-major)
-//   K_j  Bc × d   shared sK, ldmatrix.x4 non-trans                (B operand stored N×K)
-//   V_j  Bc × dv  shared sV, ldmatrix.x4.trans                    (B operand stored K×N)
+//   K_j  Bc × d   shared sK (per stage), ldmatrix.x4 non-trans    (B operand stored N×K)
+//   V_j  Bc × dv  shared sV (per stage), ldmatrix.x4.trans        (B operand stored K×N)
 //   S_ij, P_ij 16 × Bc per slab: acc_s[kSlabs][Bc/8][4] fp32 per lane
 //   O_i  16 × dv per slab: acc_o[kSlabs][dv/8][4] fp32 per lane
 //   m_i, l_i  rows g and g+8 of each slab (g = lane / 4): 2·kSlabs per lane
@@ -28,8 +32,8 @@
 
 namespace flash {
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal,
-          bool Is_aligned>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
+          bool Is_causal, bool Is_aligned>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  T* __restrict__ o, float* __restrict__ lse,
@@ -40,7 +44,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long o_b0, long long o_b1, long long o_b2, long long o_row,
                  long long lse_b0, long long lse_b1, long long lse_b2,
                  float scale_log2) {
-  using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>;
+  using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
   constexpr int kNTilesO = Traits::kNTilesO;  // n8 tiles across dv
@@ -50,8 +54,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
   FA_DYNAMIC_SMEM(smem);
   T* sQ = reinterpret_cast<T*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d
-  T* sK = reinterpret_cast<T*>(smem + Traits::kSmemKOffset);  // K_j  Bc × d
-  T* sV = reinterpret_cast<T*>(smem + Traits::kSmemVOffset);  // V_j  Bc × dv
+  T* sK = reinterpret_cast<T*>(smem + Traits::kSmemKOffset);  // K_j  kStages × Bc × d
+  T* sV = reinterpret_cast<T*>(smem + Traits::kSmemVOffset);  // V_j  kStages × Bc × dv
+  constexpr int kKStage = Traits::kSmemKStageElems;            // elements between K stages
+  constexpr int kVStage = Traits::kSmemVStageElems;            // elements between V stages
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32;
@@ -93,32 +99,25 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   //   K (B, x4, 2 n8):  rows 8·(l/16) + l%8 of the n16 pair, k offset 8·((l/8)%2)
   //   V (B, x4.trans):  rows (l%8) + 8·((l/8)%2) of the k16 step, dv offset 8·(l/16)
   const T* sQ_lane = sQ + (warp_row0 + lane % 16) * Traits::kStrideQ + (lane / 16) * 8;
-  const T* sK_lane = sK + ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 8;
-  const T* sV_lane = sV + (lane % 8 + ((lane / 8) % 2) * 8) * Traits::kStrideV + (lane / 16) * 8;
+  const int k_lane = ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 8;
+  const int v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * Traits::kStrideV + (lane / 16) * 8;
 
-  // ---- prologue: Q_i and K_0 in flight ----------------------------------------------------------
-  if (n_block_max > 0) {
-    load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
-        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+  // ---- the steps of one key tile j ----------------------------------------------------------------
+  using TileS = float[kSlabs][kNTilesS][4];  // S_ij, then P_ij, of the warp's slabs
+
+  // K_j / V_j (rows n0 .. n0+Bc of this batch entry) → one shared-memory stage.
+  auto load_k = [&](T* sK_dst, int n0) {
     load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-        sK, k_base, k_row, rows_in_tile(0, kBlockN, Lk), D, tid);
-    fa::cp_async_commit();
-  }
-
-  for (int n_block = 0; n_block < n_block_max; ++n_block) {
-    const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
-
-    fa::cp_async_wait<0>();
-    // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
-    // reading V_{j−1} (previous iteration), so sV may be overwritten.
-    __syncthreads();
+        sK_dst, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
+  };
+  auto load_v = [&](T* sV_dst, int n0) {
     load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
-        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
-    fa::cp_async_commit();
+        sV_dst, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+  };
 
-    // -- S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q per slab, then the Bc/8 n8 tiles of K_j,
-    //    each B fragment shared by the warp's kSlabs slabs --
-    float acc_s[kSlabs][kNTilesS][4];
+  // S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q per slab, then the Bc/8 n8 tiles of K_j,
+  // each B fragment shared by the warp's kSlabs slabs.
+  auto gemm_qk = [&](TileS& acc_s, const T* sK_j) {
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -134,7 +133,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
       for (int np = 0; np < kNTilesS / 2; ++np) {
         uint32_t b_k[4];  // B fragments of n8 tiles 2np (b_k[0..1]) and 2np+1 (b_k[2..3])
-        fa::ldmatrix<4, false>(b_k, sK_lane + np * 16 * Traits::kStrideK + ks * Traits::kMmaK);
+        fa::ldmatrix<4, false>(b_k, sK_j + k_lane + np * 16 * Traits::kStrideK + ks * Traits::kMmaK);
         const uint32_t b_lo[2] = {b_k[0], b_k[1]}, b_hi[2] = {b_k[2], b_k[3]};
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl) {
@@ -147,20 +146,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
       }
     }
+  };
 
-    fa::cp_async_wait<0>();
-    // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
-    // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
-    __syncthreads();
-    if (n_block + 1 < n_block_max) {
-      const int n1 = n0 + kBlockN;
-      load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-          sK, k_base + n1 * k_row, k_row, rows_in_tile(n1, kBlockN, Lk), D, tid);
-    }
-    fa::cp_async_commit();
-
-    // -- scale by scale·log2(e); mask only tiles that cross the diagonal or the sequence end --
-    // acc_s[sl][nt][i] holds S[16·sl + g + 8·(i/2)][8·nt + 2t + i%2] of the warp's rows.
+  // Scale by scale·log2(e), mask (only tiles that cross the diagonal or the sequence end), online
+  // softmax on rows g, g+8 of each slab: update m_i, rescale O_i and l_i, P_ij = exp2(S_ij − m_i).
+  // acc_s[sl][nt][i] holds S[16·sl + g + 8·(i/2)][8·nt + 2t + i%2] of the warp's rows.
+  auto softmax_step = [&](TileS& acc_s, int n0) {
     const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
@@ -173,9 +164,6 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             s = mask.apply(s, m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
           acc_s[sl][nt][i] = s;
         }
-
-    // -- online softmax on rows g, g+8 of each slab: update m_i, rescale O_i and l_i,
-    //    P = exp2(S − m_i) --
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -201,9 +189,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             acc_s[sl][nt][i] = p;
           }
       }
+  };
 
-    // -- O_i += P_ij V_j: P (16 × Bc per slab) as A fragments straight from the S registers;
-    //    each V_j fragment is shared by the warp's slabs --
+  // O_i += P_ij V_j: P (16 × Bc per slab) as A fragments straight from the S registers; each
+  // V_j fragment is shared by the warp's slabs.
+  auto gemm_pv = [&](const TileS& acc_s, const T* sV_j) {
 #pragma unroll
     for (int ks = 0; ks < Traits::kKStepsO; ++ks) {
       // A rows g / g+8, k columns 2t.. of n8 tiles 2ks (A0, A1) and 2ks+1 (A2, A3).
@@ -220,7 +210,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
       for (int dp = 0; dp < kNTilesO / 2; ++dp) {
         uint32_t b_v[4];  // B fragments of dv n8 tiles 2dp (b_v[0..1]) and 2dp+1 (b_v[2..3])
-        fa::ldmatrix<4, true>(b_v, sV_lane + ks * Traits::kMmaK * Traits::kStrideV + dp * 16);
+        fa::ldmatrix<4, true>(b_v, sV_j + v_lane + ks * Traits::kMmaK * Traits::kStrideV + dp * 16);
         const uint32_t b_lo[2] = {b_v[0], b_v[1]}, b_hi[2] = {b_v[2], b_v[3]};
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl) {
@@ -232,6 +222,69 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
           fa::mma_m16n8k16<T>(o_hi, a_p[sl], b_hi, c_hi);
         }
       }
+    }
+  };
+
+  // ---- main loop over the visible key tiles -------------------------------------------------------
+  if constexpr (kStages == 1) {
+    // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while
+    // S_ij = Q_i K_jᵀ runs, K_{j+1} while the softmax and P_ij V_j run. Two barriers per tile.
+    if (n_block_max > 0) {
+      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+      load_k(sK, 0);
+      fa::cp_async_commit();
+    }
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+      const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
+      fa::cp_async_wait<0>();
+      // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
+      // reading V_{j−1} (previous iteration), so sV may be overwritten.
+      __syncthreads();
+      load_v(sV, n0);
+      fa::cp_async_commit();
+
+      TileS acc_s;
+      gemm_qk(acc_s, sK);
+
+      fa::cp_async_wait<0>();
+      // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
+      // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
+      __syncthreads();
+      if (n_block + 1 < n_block_max) load_k(sK, n0 + kBlockN);
+      fa::cp_async_commit();
+
+      softmax_step(acc_s, n0);
+      gemm_pv(acc_s, sV);
+    }
+  } else {
+    // Two-stage ring: tile j lives in stage j % 2; K_{j+1} and V_{j+1} are fetched into the other
+    // stage while all of tile j is computed. One barrier per tile.
+    static_assert(kStages == 2, "kStages must be 1 or 2");
+    if (n_block_max > 0) {
+      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+      load_k(sK, 0);
+      load_v(sV, 0);
+      fa::cp_async_commit();
+    }
+    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+      const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
+      const int stage = n_block & 1;
+      fa::cp_async_wait<0>();
+      // Barrier: Q_i, K_j and V_j have landed for every thread's copies, and every warp has
+      // finished tile j−1, so its stage (the other one) may receive tile j+1.
+      __syncthreads();
+      if (n_block + 1 < n_block_max) {
+        load_k(sK + (stage ^ 1) * kKStage, n0 + kBlockN);
+        load_v(sV + (stage ^ 1) * kVStage, n0 + kBlockN);
+      }
+      fa::cp_async_commit();
+
+      TileS acc_s;
+      gemm_qk(acc_s, sK + stage * kKStage);
+      softmax_step(acc_s, n0);
+      gemm_pv(acc_s, sV + stage * kVStage);
     }
   }
 

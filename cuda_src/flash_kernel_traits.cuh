@@ -68,7 +68,7 @@ template <int kBytes> struct Align16 { static constexpr int value = (kBytes + 15
 // (16 bytes): a row is then 2·d + 16 bytes, and because d is a multiple of 16 the 8 rows an
 // ldmatrix phase reads start in 8 distinct 16-byte bank groups (row r → group r·(d/8+1) mod 8,
 // d/8 + 1 odd) — no bank conflicts for any d, unlike an XOR swizzle, which needs d ≥ 64.
-template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 1>
 struct FwdTensorCoreTraits {
   using Element = T;
   using AccT = float;
@@ -77,6 +77,7 @@ struct FwdTensorCoreTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
+  static constexpr int kStages = kStages_;  // shared-memory buffers per K_j / V_j tile
   static constexpr int kNThreads = kNWarps * kWarpSize;
 
   static constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;         // mma.sync m16n8k16
@@ -93,12 +94,18 @@ struct FwdTensorCoreTraits {
   static constexpr int kKStepsS = kHeadDim / kMmaK;  // k16 steps of S = Q Kᵀ
   static constexpr int kKStepsO = kBlockN / kMmaK;   // k16 steps of O += P V
 
+  // Layout: sQ | sK stage 0 .. kStages−1 | sV stage 0 .. kStages−1 (each region 16-byte aligned).
+  static constexpr int kSmemKStageBytes = Align16<kBlockN * kStrideK * (int)sizeof(T)>::value;
+  static constexpr int kSmemVStageBytes = Align16<kBlockN * kStrideV * (int)sizeof(T)>::value;
+  static constexpr int kSmemKStageElems = kSmemKStageBytes / (int)sizeof(T);
+  static constexpr int kSmemVStageElems = kSmemVStageBytes / (int)sizeof(T);
   static constexpr int kSmemQOffset = 0;
   static constexpr int kSmemKOffset = kSmemQOffset + Align16<kBlockM * kStrideQ * (int)sizeof(T)>::value;
-  static constexpr int kSmemVOffset = kSmemKOffset + Align16<kBlockN * kStrideK * (int)sizeof(T)>::value;
-  static constexpr int kSmemBytes = kSmemVOffset + Align16<kBlockN * kStrideV * (int)sizeof(T)>::value;
+  static constexpr int kSmemVOffset = kSmemKOffset + kStages * kSmemKStageBytes;
+  static constexpr int kSmemBytes = kSmemVOffset + kStages * kSmemVStageBytes;
 
   static_assert(Is16BitFloat<T>::value, "the tensor-core forward takes fa_half or fa_bf16");
+  static_assert(kStages == 1 || kStages == 2, "K_j / V_j are single- or double-buffered");
   static_assert(kHeadDim % kMmaK == 0 && kHeadDim > 0 && kHeadDim <= 256,
                 "kHeadDim must be a multiple of 16 in [16, 256] (the host rounds D up)");
   static_assert(kHeadDimV % kMmaK == 0 && kHeadDimV > 0 && kHeadDimV <= 256,

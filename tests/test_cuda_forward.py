@@ -166,13 +166,17 @@ def test_forward_fully_masked_rows():
         assert np.all(np.isfinite(lse[..., 33:]))
 
 
-@pytest.mark.parametrize("dt", ["fp16", "fp32"])
-def test_forward_schedules_identical(dt):
-    """Reverse and random fiber schedules give bit-identical results (no missing barrier)."""
-    q, k, v = make_inputs(DTYPES[dt], 64, 70, 90, gqa=True)
-    ref = run_forward("emulator", q, k, v, causal=True)
+@pytest.mark.parametrize("dt,D,arch", [("fp16", 64, 80), ("fp16", 128, 75), ("fp32", 64, 80)],
+                         ids=["tc-2stage", "tc-1stage-sm75", "simt"])
+def test_forward_schedules_identical(dt, D, arch):
+    """Reverse and random fiber schedules give bit-identical results (no missing barrier), for the
+    double-buffered and the single-buffered tensor-core pipelines and the SIMT kernel."""
+    q, k, v = make_inputs(DTYPES[dt], D, 70, 90, gqa=True)
+    stages = cuda_forward.kernel_for(DTYPES[dt], D, D, arch).stages
+    assert stages == (2 if (dt, arch) == ("fp16", 80) else 1)
+    ref = run_forward("emulator", q, k, v, causal=True, arch=arch)
     for schedule, seed in (("reverse", 0), ("random", 1), ("random", 7)):
-        got = run_forward("emulator", q, k, v, causal=True, schedule=schedule, seed=seed)
+        got = run_forward("emulator", q, k, v, causal=True, arch=arch, schedule=schedule, seed=seed)
         np.testing.assert_array_equal(got[0], ref[0])
         np.testing.assert_array_equal(got[1], ref[1])
 

@@ -106,9 +106,9 @@ def test_tile_table_fits_every_arch():
 
 _PROBE = r"""
 #include "flash_kernel_traits.cuh"
-template <typename T, int D, int DV, int BM, int BN, int NW>
+template <typename T, int D, int DV, int BM, int BN, int NW, int ST>
 __global__ void probe_tc(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTensorCoreTraits<T, D, DV, BM, BN, NW>::kSmemBytes);
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTensorCoreTraits<T, D, DV, BM, BN, NW, ST>::kSmemBytes);
 }
 template <typename T, int D, int DV, int BM, int BN, int TM, int TN>
 __global__ void probe_simt(int* out) {
@@ -124,8 +124,8 @@ def test_python_smem_matches_traits():
     entries = {}
     for arch, dt, hd, t in tiles.table(head_dims=(16, 48, 64, 128, 256)):
         if t.kernel == "tensor_core":
-            expr = "probe_tc<%s, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
-                                                        t.block_n, t.threads_m)
+            expr = "probe_tc<%s, %d, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
+                                                            t.block_n, t.threads_m, t.stages)
         else:
             expr = "probe_simt<%s, %d, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
                                                               t.block_n, t.threads_m, t.threads_n)

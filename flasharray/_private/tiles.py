@@ -92,6 +92,7 @@ class FwdTile:
     threads_n: int     # SIMT: lanes per row group; tensor core: 32
     smem: int          # dynamic shared memory in bytes
     reason: str
+    stages: int = 1    # tensor core: shared-memory buffers per K_j / V_j tile (2 = double-buffered)
 
     @property
     def n_threads(self):
@@ -110,26 +111,27 @@ class FwdTile:
         """The C++ template instantiation, as passed to NVRTC / the emulator."""
         flags = "%s, %s" % ("true" if causal else "false", "true" if aligned else "false")
         if self.kernel == "tensor_core":
-            return "flash::flash_fwd_kernel<%s, %d, %d, %d, %d, %d, %s>" % (
+            return "flash::flash_fwd_kernel<%s, %d, %d, %d, %d, %d, %d, %s>" % (
                 _CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
-                self.threads_m, flags)
+                self.threads_m, self.stages, flags)
         return "flash::flash_fwd_simt_kernel<%s, %d, %d, %d, %d, %d, %d, %s>" % (
             _CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
             self.threads_m, self.threads_n, flags)
 
     def describe(self):
-        return ("%s kernel, Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
-            self.kernel, self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
+        stages = ", %d-stage K/V" % self.stages if self.kernel == "tensor_core" else ""
+        return ("%s kernel, Br=%d Bc=%d, %d threads%s, d=%d dv=%d, %.1f KB smem%s: %s" % (
+            self.kernel, self.block_m, self.block_n, self.n_threads, stages, self.head_dim, self.head_dim_v,
             self.smem / KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
 
 
 # ---- shared-memory formulas (mirror flash_kernel_traits.cuh) -----------------------------------
 
-def tc_smem(d, dv, block_m, block_n, elem=2):
-    """sQ (Br × d), sK (Bc × d), sV (Bc × dv), every row padded by one 16-byte chunk."""
+def tc_smem(d, dv, block_m, block_n, stages=1, elem=2):
+    """sQ (Br × d), ``stages`` × sK (Bc × d) and sV (Bc × dv), rows padded by one 16-byte chunk."""
     pad = 16 // elem
-    return (_align16(block_m * (d + pad) * elem) + _align16(block_n * (d + pad) * elem)
-            + _align16(block_n * (dv + pad) * elem))
+    return (_align16(block_m * (d + pad) * elem) + stages * _align16(block_n * (d + pad) * elem)
+            + stages * _align16(block_n * (dv + pad) * elem))
 
 
 def simt_smem(d, dv, block_m, block_n, elem, acc):
@@ -145,22 +147,24 @@ def simt_smem(d, dv, block_m, block_n, elem, acc):
 # K_j / V_j fragments a warp loads feed all its slabs). Candidates in order of preference, the
 # first that fits the arch's shared memory is taken. Register counts are from -Xptxas=-v (sm_80).
 _TC_CANDIDATES = [
-    # (max padded head dim, Br, Bc, warps, reason)
-    (64, 128, 64, 4, "d <= 64: Br=128, Bc=64, 4 warps x 2 slabs as FlashAttention-2 (K/V re-read "
-                     "half as often as with Br=64, each K/V fragment feeds 2 mma); ~223 regs"),
-    (128, 64, 64, 4, "64 < d <= 128: Br=64, Bc=64, 4 warps x 1 slab; O (64 fp32/lane) + S (32/lane) "
-                     "~182 regs (Br=128 would need Bc=32 and 242 regs)"),
-    (128, 64, 32, 4, "64 < d <= 128, small-smem fallback: Bc=32"),
-    (256, 64, 32, 4, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
-                     "~240 regs without spills"),
-    (256, 64, 16, 4, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16"),
+    # (max padded head dim, Br, Bc, warps, stages, reason)
+    (64, 128, 64, 4, 2, "d <= 64: Br=128, Bc=64, 4 warps x 2 slabs as FlashAttention-2 (K/V re-read "
+                        "half as often as with Br=64, each K/V fragment feeds 2 mma; ~223 regs); "
+                        "K/V double-buffered"),
+    (64, 128, 64, 4, 1, "d <= 64, small-smem fallback: single-buffered K/V"),
+    (128, 64, 64, 4, 2, "64 < d <= 128: Br=64, Bc=64, 4 warps x 1 slab; O (64 fp32/lane) + S (32/lane) "
+                        "~182 regs (Br=128 would need Bc=32 and 242 regs); K/V double-buffered"),
+    (128, 64, 64, 4, 1, "64 < d <= 128 on sm_75 (64 KB smem): single-buffered K/V"),
+    (256, 64, 32, 4, 2, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
+                        "~240 regs without spills; K/V double-buffered (99 KB: fits sm_86/89 exactly)"),
+    (256, 64, 16, 4, 1, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16, single-buffered K/V"),
 ]
 
 #: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
 #: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
 IO_TILES = {
-    384: (384, 32, 8, "IO tile: Br=384 = 8 warps x 3 slabs, Bc=32; ~232 regs x 256 threads"),
-    512: (512, 16, 8, "IO tile: Br=512 = 8 warps x 4 slabs, Bc=16; sm_80+ (78 KB smem)"),
+    384: (384, 32, 8, 1, "IO tile: Br=384 = 8 warps x 3 slabs, Bc=32; ~232 regs x 256 threads"),
+    512: (512, 16, 8, 1, "IO tile: Br=512 = 8 warps x 4 slabs, Bc=16; sm_80+ (78 KB smem)"),
 }
 
 # SIMT: 8 row groups × 16 lanes = 128 threads unless noted; TM = Br/8 rows and TN = Bc/16
@@ -212,12 +216,13 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
         if name not in ("float16", "bfloat16"):
             raise NotImplementedError("flasharray: the tensor-core forward takes float16/bfloat16")
         if block_m is not None:
-            br, bc, warps, reason = IO_TILES[block_m]
-            return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc), reason)
-        for max_hd, br, bc, warps, reason in _TC_CANDIDATES:
-            smem = tc_smem(d, dv, br, bc)
+            br, bc, warps, stages, reason = IO_TILES[block_m]
+            return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
+                           reason, stages)
+        for max_hd, br, bc, warps, stages, reason in _TC_CANDIDATES:
+            smem = tc_smem(d, dv, br, bc, stages)
             if hd <= max_hd and smem <= limit:
-                return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason)
+                return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason, stages)
     else:
         elem, acc = itemsize(name), (8 if name == "float64" else 4)
         for max_hd, br, bc, tm, tn, reason in _SIMT_CANDIDATES[acc]:
