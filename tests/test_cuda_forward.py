@@ -196,15 +196,24 @@ def test_forward_counters_match_analytic(dt, D, Lq, Lk):
     assert sum(c["global_write_bytes"] for c in counters) == writes
 
 
-def test_forward_causal_skips_blocks():
-    """Causal reads fewer K/V bytes (tiles above the diagonal are never loaded), as predicted."""
-    q, k, v = make_inputs(np.float16, 64, 256, 256)
+@pytest.mark.parametrize("dt,Lq,Lk", [("fp16", 256, 256), ("fp16", 300, 40), ("fp32", 40, 300),
+                                       ("bf16", 333, 129)])
+def test_forward_causal_skips_blocks(dt, Lq, Lk):
+    """Causal reads fewer bytes: key tiles above the diagonal and query tiles that see no key
+    (Lq > Lk) are never loaded; the count equals the analytic one."""
+    dtype = DTYPES[dt]
+    q, k, v = make_inputs(dtype, 64, Lq, Lk)
     full, causal = [], []
     run_forward("emulator", q, k, v, causal=False, counters=full)
     run_forward("emulator", q, k, v, causal=True, counters=causal)
-    tile = cuda_forward.kernel_for(np.float16, 64, 64, tiles.EMULATOR_ARCH)
-    reads, _ = cuda_forward.analytic_global_bytes(2, 256, 256, 64, 64, np.float16, tile, causal=True)
-    assert causal[0]["global_read_bytes"] == reads < full[0]["global_read_bytes"]
+    tile = cuda_forward.kernel_for(dtype, 64, 64, tiles.EMULATOR_ARCH)
+    reads, writes = cuda_forward.analytic_global_bytes(2, Lq, Lk, 64, 64, dtype, tile, causal=True)
+    full_reads, _ = cuda_forward.analytic_global_bytes(2, Lq, Lk, 64, 64, dtype, tile, causal=False)
+    assert causal[0]["global_read_bytes"] == reads
+    assert causal[0]["global_write_bytes"] == writes
+    assert full[0]["global_read_bytes"] == full_reads
+    if Lk <= Lq:  # some key tile is above the diagonal for the first query tile
+        assert reads < full_reads
 
 
 def test_forward_tensor_cores_used():

@@ -120,30 +120,24 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
 
 
 def analytic_global_bytes(batch, Lq, Lk, D, Dv, dtype, tile, causal=False):
-    """Global-memory bytes one forward moves with ``tile`` (non-causal: exact).
+    """Global-memory bytes one forward moves with ``tile``: (read_bytes, write_bytes).
 
-    Q once; K and V once per query block (Tr = ceil(Lq / Br) blocks); O and LSE written once.
-    Returns (read_bytes, write_bytes). Causal counts only the key tiles a query block loads.
+    Per batch entry and query tile i (Tr = ceil(Lq / Br) tiles): Q_i is read once and K_j, V_j
+    once for every key tile j the block visits (all of them without a mask; with the causal mask
+    only those not entirely above the diagonal — a query tile that sees no key reads nothing);
+    O and LSE are written once. Rows past Lq / Lk and head-dim padding are never read. This is
+    what the emulator counts, exactly (tests/test_cuda_forward.py).
     """
     e = np.dtype(dtype).itemsize
     acc = _acc_dtype(dtype).itemsize
-    tr = -(-Lq // tile.block_m)
-    if not causal:
-        keys = tr * Lk
-    else:
-        keys = 0
-        for m in range(tr):
-            last = min((m + 1) * tile.block_m, Lq) - 1
-            n = min(Lk, last + Lk - Lq + 1)
-            keys += min(Lk, -(-max(n, 0) // tile.block_n) * tile.block_n) if n > 0 else 0
-    reads = batch * (Lq * D + keys * (D + Dv)) * e
-    if causal:
-        # rows of Q are only read for query blocks that see some key
-        rows_q = 0
-        for m in range(tr):
-            last = min((m + 1) * tile.block_m, Lq) - 1
-            if min(Lk, last + Lk - Lq + 1) > 0:
-                rows_q += min(tile.block_m, Lq - m * tile.block_m)
-        reads = batch * (rows_q * D + keys * (D + Dv)) * e
+    q_rows = key_rows = 0
+    for m0 in range(0, Lq, tile.block_m):
+        rows = min(tile.block_m, Lq - m0)
+        visible = Lk if not causal else min(Lk, m0 + rows - 1 + Lk - Lq + 1)
+        if visible <= 0:
+            continue
+        q_rows += rows
+        key_rows += min(Lk, -(-visible // tile.block_n) * tile.block_n)
+    reads = batch * (q_rows * D + key_rows * (D + Dv)) * e
     writes = batch * Lq * (Dv * e + acc)
     return reads, writes
