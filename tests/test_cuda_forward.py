@@ -143,6 +143,25 @@ def test_forward_many_batch_dims():
     assert_attention_close(out, q, k, v, causal=False, lse=lse)
 
 
+@pytest.mark.parametrize("limit", [5, 3, 2])
+def test_forward_grid_limit_splits_launches(monkeypatch, limit):
+    """grid.y / grid.z are capped (65535 on a GPU): batches beyond it become host loops or chunks.
+    The cap is shrunk here so small batches exercise every path (outer loop, chunked lone dim)."""
+    from flasharray._private import launch
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((3, 4, 5, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 1, 7, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 1, 7, 16)).astype(np.float32)
+    counters = []
+    out, lse = run_forward("emulator", q, k, v, causal=True, counters=counters)
+    assert len(counters) > 1
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    q2 = rng.standard_normal((13, 5, 16)).astype(np.float32)  # one merged dim of 13 > limit
+    out2, lse2 = run_forward("emulator", q2, q2, q2, causal=False)
+    assert_attention_close(out2, q2, q2, q2, causal=False, lse=lse2)
+
+
 def test_forward_unaligned_and_sliced_rows():
     """D=59 packed (rows not 16-byte aligned: element loads) and D=59 sliced from D=64 rows
     (aligned rows: cp.async with a partial last chunk) give the same, correct result."""

@@ -284,13 +284,25 @@ def merge_batch_dims(batch_shape, strides):
     return tuple(shape), [tuple(s) for s in st]
 
 
+#: CUDA's limit on gridDim.y and gridDim.z (a module constant so tests can shrink it).
+MAX_GRID_YZ = 65535
+
+
+def _grid_fits(inner):
+    """Whether inner dims (≤ 3, leading padded with 1) fit grid.z = nb0 and grid.y = nb1·nb2."""
+    dims = (1,) * (3 - len(inner)) + tuple(n for n, _ in inner)
+    return dims[0] <= MAX_GRID_YZ and dims[1] * dims[2] <= MAX_GRID_YZ
+
+
 def batch_plan(batch_shape, arrays, max_dims=3):
     """Split a batched launch into launches with at most ``max_dims`` merged batch dims.
 
     ``arrays``: tensors whose leading ``len(batch_shape)`` dims are the batch dims (size
     ``batch_shape[i]`` or 1 = broadcast). Returns a list of :class:`BatchLaunch`; each holds the
     padded (nb0, nb1, nb2) and, per tensor, a flat view starting at that launch's first element
-    and the three batch strides (elements).
+    and the three batch strides (elements). Dims that do not fit (more than ``max_dims`` after
+    merging, or grid.y / grid.z above ``MAX_GRID_YZ``) become host loops, the outermost first;
+    a single dim that alone exceeds the limit is launched in chunks.
     """
     nbatch = len(batch_shape)
     strides = []
@@ -298,16 +310,28 @@ def batch_plan(batch_shape, arrays, max_dims=3):
         st = element_strides(a)
         strides.append([0 if a.shape[i] == 1 else st[i] for i in range(nbatch)])
     shape, mstrides = merge_batch_dims(batch_shape, strides)
-    n_outer = max(0, len(shape) - max_dims)
-    outer_shape, inner_shape = shape[:n_outer], shape[n_outer:]
-    dims = (1,) * (max_dims - len(inner_shape)) + tuple(inner_shape)
+    dims = [(n, tuple(s[i] for s in mstrides)) for i, n in enumerate(shape)]
+    outer, inner = [], dims
+    while len(inner) > max_dims or (len(inner) > 1 and not _grid_fits(inner)):
+        outer.append(inner[0])
+        inner = inner[1:]
+    # Host loops: every outer index, and chunks of a lone inner dim above the grid limit.
+    if inner and not _grid_fits(inner):
+        n, st = inner[0]
+        chunks = [(tuple(c * x for x in st), min(MAX_GRID_YZ, n - c)) for c in range(0, n, MAX_GRID_YZ)]
+    else:
+        chunks = [(tuple(0 for _ in arrays), None)]
     launches = []
-    for idx in itertools.product(*[range(n) for n in outer_shape]):
-        tensors = []
-        for a, s in zip(arrays, mstrides):
-            offset = sum(i * si for i, si in zip(idx, s[:n_outer]))
-            inner = s[n_outer:]
-            inner = (0,) * (max_dims - len(inner)) + tuple(inner)
-            tensors.append((flat_view(a, offset), inner))
-        launches.append(BatchLaunch(dims, tensors))
+    outer_ranges = [range(n) for n, _ in outer]
+    for idx in itertools.product(*outer_ranges):
+        base = [sum(i * st[t] for i, (_, st) in zip(idx, outer)) for t in range(len(arrays))]
+        for chunk_off, chunk_n in chunks:
+            cur = list(inner)
+            if chunk_n is not None:
+                cur[0] = (chunk_n, cur[0][1])
+            padded = [(1, (0,) * len(arrays))] * (max_dims - len(cur)) + cur
+            tensors = []
+            for t, a in enumerate(arrays):
+                tensors.append((flat_view(a, base[t] + chunk_off[t]), tuple(st[t] for _, st in padded)))
+            launches.append(BatchLaunch(tuple(n for n, _ in padded), tensors))
     return launches
