@@ -244,6 +244,69 @@ def test_forward_tensor_cores_used():
         assert (c[0]["mma"] > 0) == expect_mma and (c[0]["ldmatrix"] > 0) == expect_mma
 
 
+def _fake_cupy(log):
+    """A stand-in for the parts of CuPy the CUDA launch path touches, backed by the emulator.
+
+    RawModule / get_function / RawKernel.max_dynamic_shared_size_bytes / kernel(grid, block, args,
+    shared_mem=...) follow CuPy's documented API; a launch asking for more than 48 KB of dynamic
+    shared memory without the opt-in fails, as cuLaunchKernel would. Arrays stay NumPy.
+    """
+    import types
+    from flasharray import emulator
+
+    class RawKernel:
+        def __init__(self, module, name):
+            self._module, self._name = module, name
+            self.max_dynamic_shared_size_bytes = 48 * 1024
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            assert isinstance(grid, tuple) and isinstance(block, tuple) and isinstance(args, tuple)
+            if shared_mem > self.max_dynamic_shared_size_bytes:
+                raise RuntimeError("CUDA_ERROR_INVALID_VALUE: %d bytes of dynamic shared memory without "
+                                   "the opt-in" % shared_mem)
+            log.append((self._name, shared_mem, self.max_dynamic_shared_size_bytes))
+            self._module.launch(self._name, grid, block, args, shared_mem=shared_mem)
+
+    class RawModule:
+        def __init__(self, code=None, options=(), name_expressions=None):
+            assert "-std=c++17" in options and any(o.startswith("-DFLASHARRAY_SOURCE_DIGEST=") for o in options)
+            incs = [o[2:] for o in options if o.startswith("-I")]
+            self._mod = emulator.Module(code, name_expressions=list(name_expressions), include_dirs=incs,
+                                        options=["-std=c++17"])
+
+        def get_function(self, name):
+            return RawKernel(self._mod, name)
+
+    class Device:
+        id = 0
+        compute_capability = "80"
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule = RawModule
+    cupy.cuda = types.SimpleNamespace(Device=Device)
+    cupy.empty, cupy.ascontiguousarray, cupy.lib = np.empty, np.ascontiguousarray, np.lib
+    return cupy
+
+
+@pytest.mark.parametrize("dt,D", [("fp16", 128), ("fp32", 64)])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
+    """The device="cuda" code path (CupyLauncher: RawModule options, name expressions, the
+    >48 KB opt-in, launch arguments) run end to end against a CuPy stand-in backed by the emulator."""
+    import sys
+    from flasharray._private import launch
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    q, k, v = make_inputs(DTYPES[dt], D, 70, 90, gqa=True)
+    batch_shape = q.shape[:-2]
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda")
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80)
+    assert log and all(name == tile.name_expression(True, True) and smem == tile.smem for name, smem, _ in log)
+    if tile.needs_opt_in:
+        assert all(optin >= tile.smem for _, _, optin in log)
+
+
 # ---- the full product (slow) -----------------------------------------------------------------------
 
 FULL = list(itertools.product(list(DTYPES), HEAD_DIMS, LENGTHS, [False, True]))
