@@ -27,6 +27,15 @@ namespace fa_bwd {
 
 constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned, banks rotate
 
+// Column slices of a kCols-wide register accumulator shared by kSplit warps: the largest divisor
+// s of kSplit such that every slice is whole n16 steps (kCols % (16 s) == 0). Warps wn >= s own
+// no columns of it. tiles_bwd.tc_split mirrors this.
+__host__ __device__ constexpr int column_slices(int kCols, int kSplit) {
+    int s = kSplit;
+    while (s > 1 && (kSplit % s != 0 || kCols % (16 * s) != 0)) --s;
+    return s;
+}
+
 // Shared-memory layout in bytes; flasharray/_private/tiles_bwd.py (tc_smem) mirrors it.
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool kDKV>
 struct TcSmem {
@@ -87,12 +96,15 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, 
     static_assert(kN % 16 == 0, "warp_mma: n must be a multiple of 16 (pairs of n8 tiles per ldmatrix.x4)");
     const int lane = (int)threadIdx.x % 32;
     const int mat = lane / 8, mrow = lane % 8;  // which 8x8 matrix this lane addresses, and its row
+    // k steps stay a loop: unrolled, ptxas hoists every step's fragments and runs out of registers.
+#pragma unroll 1
     for (int kk = 0; kk < kK; kk += 16) {
         uint32_t a[4];
         if (!kATrans)  // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
             fa::ldmatrix<4, false>(a, A_s + (lane % 16) * a_pitch + kk + (lane / 16) * 8);
         else  // stored rows are k: (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
             fa::ldmatrix<4, true>(a, A_s + (kk + mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8);
+#pragma unroll
         for (int n0 = 0; n0 < kN; n0 += 16) {
             uint32_t b[4];
             if (!kBTrans)  // stored rows are n: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
@@ -109,6 +121,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, 
 
 template <int kN>
 __device__ __forceinline__ void zero_acc(float (&acc)[kN][4]) {
+#pragma unroll
     for (int n = 0; n < kN; ++n)
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 }
@@ -120,6 +133,7 @@ __device__ __forceinline__ void store_acc(OutT* gmem, long long row_stride, cons
                                           float mult, int n_rows, int n_cols) {
     const int lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+#pragma unroll
     for (int n = 0; n < kN; ++n)
         for (int e = 0; e < 4; ++e) {
             const int r = g + (e / 2) * 8, c = n * 8 + 2 * t + (e % 2);
@@ -136,7 +150,7 @@ using namespace fa_bwd;
 // entries share K_j, V_j (group strides on the query-side tensors).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad>
-__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -149,9 +163,13 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale) {
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kRowTiles = kBlockN / 16;         // 16-key row tiles of dK_j, dV_j
-    constexpr int kSplit = kNWarps / kRowTiles;     // column slices of each row tile
-    constexpr int kColsK = kHeadDim / kSplit;       // dK_j columns per warp
-    constexpr int kColsV = kHeadDimV / kSplit;      // dV_j columns per warp
+    constexpr int kSplit = kNWarps / kRowTiles;     // warps per row tile
+    // Column slices of dK_j / dV_j per row tile: one per warp where the head dim divides evenly,
+    // fewer otherwise (the remaining warps then own no dK_j / dV_j columns).
+    constexpr int kSplitK = column_slices(kHeadDim, kSplit);
+    constexpr int kSplitV = column_slices(kHeadDimV, kSplit);
+    constexpr int kColsK = kHeadDim / kSplitK;      // dK_j columns per warp
+    constexpr int kColsV = kHeadDimV / kSplitV;     // dV_j columns per warp
     constexpr int kScoreTiles = (kBlockN / 16) * (kBlockM / 16);  // 16x16 tiles of S^T
     constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;         // atomic dQ tile width
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
@@ -159,8 +177,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
     static_assert(kNWarps >= kRowTiles && kNWarps % kRowTiles == 0,
                   "warps must cover the Bc/16 row tiles of dK_j, dV_j an integer number of times");
-    static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplit == kHeadDim &&
-                  kColsV * kSplit == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
+    static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
+                  kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -177,6 +195,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma C layout: rows g, g + 8; columns 2t, 2t + 1
     const int wm = warp / kSplit, wn = warp % kSplit;  // this warp's dK/dV row tile and slice
+    const bool own_dK = wn < kSplitK, own_dV = wn < kSplitV;  // warp-uniform
     const int c0 = (int)blockIdx.x * kBlockN;          // first key of K_j
     const float scale_log2 = scale * flash::kLog2e;
     const Mask<kIsCausal> mask(Lq, Lk);
@@ -242,10 +261,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
             __syncthreads();
 
             // -- dV_j += P^T dO_i,  dK_j += dS^T Q_i  (scale applied once, at the end)
-            warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                       dO_s + wn * kColsV, L::kPitchDv);
-            warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                       Q_s + wn * kColsK, L::kPitchD);
+            if (own_dV)
+                warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                           dO_s + wn * kColsV, L::kPitchDv);
+            if (own_dK)
+                warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                           Q_s + wn * kColsK, L::kPitchD);
 
             // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
             if (kAtomicDQ) {
@@ -259,6 +280,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
                     // A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
                     warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS,
                                                               K_s + tn * kDQCols, L::kPitchD);
+#pragma unroll
                     for (int n = 0; n < kDQCols / 8; ++n)
                         for (int e = 0; e < 4; ++e) {
                             const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
@@ -274,10 +296,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
 
     // -- epilogue: dK_j * scale and dV_j (rows < Lk, columns < D / Dv).
     const int c_w = c0 + wm * 16;  // first key of this warp's row tile
-    store_acc<OutT>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row + wn * kColsK,
-                    dk_row, dK_acc, scale, Lk - c_w, D - wn * kColsK);
-    store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row + wn * kColsV,
-                    dv_row, dV_acc, 1.0f, Lk - c_w, Dv - wn * kColsV);
+    if (own_dK)
+        store_acc<OutT>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row + wn * kColsK,
+                        dk_row, dK_acc, scale, Lk - c_w, D - wn * kColsK);
+    if (own_dV)
+        store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row + wn * kColsV,
+                        dv_row, dV_acc, 1.0f, Lk - c_w, Dv - wn * kColsV);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -285,7 +309,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkv_kernel(
 // backward products again), dQ_i in registers split as (Br / 16 row tiles) x kSplit slices.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           int kNWarps, bool kIsCausal, bool kVecLoad>
-__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq_kernel(
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -296,15 +320,17 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq_kernel(
     int Lq, int Lk, int D, int Dv, int nb2, float scale) {
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kRowTiles = kBlockM / 16;       // 16-row tiles of dQ_i
-    constexpr int kSplit = kNWarps / kRowTiles;   // column slices of each row tile
-    constexpr int kColsQ = kHeadDim / kSplit;     // dQ_i columns per warp
+    constexpr int kSplit = kNWarps / kRowTiles;   // warps per row tile
+    // Column slices of dQ_i per row tile (fewer than kSplit when D does not divide evenly).
+    constexpr int kSplitQ = column_slices(kHeadDim, kSplit);
+    constexpr int kColsQ = kHeadDim / kSplitQ;    // dQ_i columns per warp
     constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // 16x16 tiles of S
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
     static_assert(kNWarps >= kRowTiles && kNWarps % kRowTiles == 0,
                   "warps must cover the Br/16 row tiles of dQ_i an integer number of times");
-    static_assert(kColsQ % 16 == 0 && kColsQ * kSplit == kHeadDim,
+    static_assert(kColsQ % 16 == 0 && kColsQ * kSplitQ == kHeadDim,
                   "each warp's dQ column slice must be whole n16 steps");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, false>;
 
@@ -321,6 +347,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq_kernel(
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma C layout: rows g, g + 8; columns 2t, 2t + 1
     const int wm = warp / kSplit, wn = warp % kSplit;  // this warp's dQ row tile and slice
+    const bool own_dQ = wn < kSplitQ;                  // warp-uniform
     const int r0 = (int)blockIdx.x * kBlockM;          // first row of Q_i
     const float scale_log2 = scale * flash::kLog2e;
     const Mask<kIsCausal> mask(Lq, Lk);
@@ -376,14 +403,16 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq_kernel(
         __syncthreads();
 
         // -- dQ_i += dS K_j  (scale applied once, at the end)
-        warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                   K_s + wn * kColsQ, L::kPitchD);
+        if (own_dQ)
+            warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                       K_s + wn * kColsQ, L::kPitchD);
     }
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no key block was visited
 
     // -- epilogue: dQ_i * scale (rows < Lq, columns < D); a row that sees no key writes zeros.
     const int r_w = r0 + wm * 16;
-    store_acc<OutT>(dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r_w * dq_row + wn * kColsQ,
-                    dq_row, dQ_acc, scale, Lq - r_w, D - wn * kColsQ);
+    if (own_dQ)
+        store_acc<OutT>(dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r_w * dq_row + wn * kColsQ,
+                        dq_row, dQ_acc, scale, Lq - r_w, D - wn * kColsQ);
 }

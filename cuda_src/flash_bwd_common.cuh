@@ -22,6 +22,11 @@ using flash::BatchIndex;
 using flash::Mask;
 using flash::TensorStrides;
 
+// __launch_bounds__ minimum resident blocks per SM. 1 lets ptxas use up to 255 registers per
+// thread: the backward keeps dK_j, dV_j (or dQ_i) in registers, and without it ptxas caps the
+// count from the SM's thread limit (64 on sm_75 for 256 threads) and spills.
+constexpr int kMinBlocksPerSm = 1;
+
 // Element type -> accumulation type (identity for float and double; fa::to_float narrows double).
 __device__ __forceinline__ float to_acc(fa_half x) { return fa::to_float(x); }
 __device__ __forceinline__ float to_acc(fa_bf16 x) { return fa::to_float(x); }

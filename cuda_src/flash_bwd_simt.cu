@@ -85,7 +85,7 @@ using namespace fa_bwd;
 // dV_j are summed over them in registers, in a fixed order.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
           int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ>
-__global__ void __launch_bounds__(kNThreads) flash_bwd_dkv_simt_kernel(
+__global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dkv_simt_kernel(
 
     AccT dK_acc[kDKPerThread];  // dK_j (Bc x D), this thread's elements
     AccT dV_acc[kDVPerThread];  // dV_j (Bc x Dv), this thread's elements
+#pragma unroll
     for (int n = 0; n < kDKPerThread; ++n) dK_acc[n] = AccT(0);
+#pragma unroll
     for (int n = 0; n < kDVPerThread; ++n) dV_acc[n] = AccT(0);
 
     const Mask<kIsCausal> mask(Lq, Lk);
@@ -156,18 +158,20 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dkv_simt_kernel(
             __syncthreads();
 
             // -- dV_j += P_ij^T dO_i
+#pragma unroll
             for (int n = 0; n < kDVPerThread; ++n) {
                 const int e = (int)threadIdx.x + n * kNThreads;
-                if (e >= kBlockN * kHeadDimV) break;
+                if (e >= kBlockN * kHeadDimV) continue;  // last partial round
                 const int c = e / kHeadDimV, d = e % kHeadDimV;
                 AccT acc = AccT(0);
                 for (int r = 0; r < kBlockM; ++r) acc += P_s[r * kBlockN + c] * to_acc(dO_s[r * L::kPitchDv + d]);
                 dV_acc[n] += acc;
             }
             // -- dK_j += dS_ij^T Q_i   (times scale at the end)
+#pragma unroll
             for (int n = 0; n < kDKPerThread; ++n) {
                 const int e = (int)threadIdx.x + n * kNThreads;
-                if (e >= kBlockN * kHeadDim) break;
+                if (e >= kBlockN * kHeadDim) continue;  // last partial round
                 const int c = e / kHeadDim, d = e % kHeadDim;
                 AccT acc = AccT(0);
                 for (int r = 0; r < kBlockM; ++r) acc += dS_s[r * kBlockN + c] * to_acc(Q_s[r * L::kPitchD + d]);
@@ -190,12 +194,14 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dkv_simt_kernel(
     // -- epilogue: dK_j * scale and dV_j to global memory (rows < Lk, columns < D / Dv).
     OutT* dK_j = dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c0 * dk_row;
     OutT* dV_j = dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c0 * dv_row;
+#pragma unroll
     for (int n = 0; n < kDKPerThread; ++n) {
         const int e = (int)threadIdx.x + n * kNThreads;
         const int c = e / kHeadDim, d = e % kHeadDim;
         if (e < kBlockN * kHeadDim && c0 + c < Lk && d < D)
             fa::gstore(dK_j + (long long)c * dk_row + d, FromAcc<OutT>::convert(dK_acc[n] * scale));
     }
+#pragma unroll
     for (int n = 0; n < kDVPerThread; ++n) {
         const int e = (int)threadIdx.x + n * kNThreads;
         const int c = e / kHeadDimV, d = e % kHeadDimV;
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dkv_simt_kernel(
 // or AccT when q is broadcast and dQ is summed over its broadcast dims afterwards.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
           int kBlockN, int kNThreads, bool kIsCausal>
-__global__ void __launch_bounds__(kNThreads) flash_bwd_dq_simt_kernel(
+__global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dq_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -247,6 +253,7 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dq_simt_kernel(
                                              delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
 
     AccT dQ_acc[kDQPerThread];  // dQ_i (Br x D), this thread's elements
+#pragma unroll
     for (int n = 0; n < kDQPerThread; ++n) dQ_acc[n] = AccT(0);
 
     const T* k_b = k + b.offset({k_b0, k_b1, k_b2, k_row});
@@ -269,9 +276,10 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dq_simt_kernel(
         __syncthreads();
 
         // -- dQ_i += dS_ij K_j   (times scale at the end)
+#pragma unroll
         for (int n = 0; n < kDQPerThread; ++n) {
             const int e = (int)threadIdx.x + n * kNThreads;
-            if (e >= kBlockM * kHeadDim) break;
+            if (e >= kBlockM * kHeadDim) continue;  // last partial round
             const int r = e / kHeadDim, d = e % kHeadDim;
             AccT acc = AccT(0);
             for (int c = 0; c < kBlockN; ++c) acc += dS_s[r * kBlockN + c] * to_acc(K_s[c * L::kPitchD + d]);
@@ -281,6 +289,7 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_dq_simt_kernel(
 
     // -- epilogue: dQ_i * scale (rows < Lq, columns < D). A row that sees no key writes zeros.
     OutT* dQ_i = dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row;
+#pragma unroll
     for (int n = 0; n < kDQPerThread; ++n) {
         const int e = (int)threadIdx.x + n * kNThreads;
         const int r = e / kHeadDim, d = e % kHeadDim;

@@ -125,7 +125,7 @@ def test_backward_emulator(case):
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
-@pytest.mark.parametrize("D,Dv", [(64, 32), (32, 96)])
+@pytest.mark.parametrize("D,Dv", [(64, 32), (32, 96), (16, 192)])
 def test_backward_dv_differs(dt, D, Dv):
     check_case("emulator", DTYPE_NAMES[dt], D, (65, 127), True, "gqa", Dv=Dv)
 

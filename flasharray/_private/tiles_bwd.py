@@ -83,9 +83,10 @@ def simt_tiles(kernel, dtype, D, Dv, arch):
 # Tensor-core kernels (fp16, bf16): mma.sync m16n8k16, tiles padded by 8 elements per row.
 TC_PAD = 8  # 16 bytes: rows stay 16-byte aligned for ldmatrix / cp.async and rotate banks
 # dK_j and dV_j (dQ kernel: dQ_i) stay in registers, split over the warps as (Bc / 16) row tiles
-# x kSplit column slices: (D + Dv) / (2 * kSplit) floats per lane. This many keep the kernel
-# under 255 registers with the 16x16 score tiles and addressing alive.
+# x column slices: D / (2 * slices) + Dv / (2 * slices) floats per lane. This many keep the
+# kernel well under 255 registers with the 16x16 score tiles and addressing alive.
 TC_ACC_REGS = 64
+TC_ACC_REGS_FALLBACK = (96, 128)
 # Preferred first (Bc, Br, warps): FlashAttention-2's 64 x 64 / 128 x 64 tiles for small head
 # dims; smaller tiles when D grows (registers) or shared memory is scarce (sm_75, sm_86/89).
 TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4), (32, 64, 8),
@@ -104,31 +105,43 @@ def tc_smem(kernel, D, Dv, Br, Bc, itemsize=2):
 
 
 def tc_split(kernel, D, Dv, Br, Bc, warps):
-    """Column slices per row tile of the register accumulators, or None if the shape is illegal."""
+    """Column slices per row tile of each register accumulator, or None if the shape is illegal.
+
+    ``warps / (row tiles)`` warps share a row tile; a head dim that does not divide into that
+    many n16-step slices is split into fewer (the largest divisor that does; the remaining warps
+    own none of it), mirroring ``column_slices`` in ``flash_bwd.cu``.
+    Returns a tuple of slice counts: (dK, dV) for "dkv", (dQ,) for "dq".
+    """
     rows = (Bc if kernel == "dkv" else Br) // 16
     if rows == 0 or warps % rows or warps < rows:
         return None
     split = warps // rows
-    cols = (D, Dv) if kernel == "dkv" else (D,)
-    if any(c % (16 * split) for c in cols):
-        return None
-    return split
+    splits = []
+    for c in ((D, Dv) if kernel == "dkv" else (D,)):
+        s = split  # column_slices() of flash_bwd.cu
+        while s > 1 and (split % s or c % (16 * s)):
+            s -= 1
+        splits.append(s)
+    return tuple(splits)
 
 
 def tc_tiles(kernel, D, Dv, arch):
     """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq")."""
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    for Bc, Br, warps in TC_CANDIDATES:
-        split = tc_split(kernel, D, Dv, Br, Bc, warps)
-        if split is None:
-            continue
-        floats = (D + Dv) // (2 * split) if kernel == "dkv" else D // (2 * split)
-        smem = tc_smem(kernel, D, Dv, Br, Bc)
-        if floats <= TC_ACC_REGS and smem <= limit:
-            why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d and %d B of shared "
-                   "memory fit the sm_%d limit %d B" % (floats, TC_ACC_REGS, smem, arch_number(arch), limit))
-            return BwdTiles(Br, Bc, 32 * warps, smem, why)
+    # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
+    # 160) get more accumulator registers (the static checks confirm there are no spills).
+    for budget in (TC_ACC_REGS,) + TC_ACC_REGS_FALLBACK:
+        for Bc, Br, warps in TC_CANDIDATES:
+            splits = tc_split(kernel, D, Dv, Br, Bc, warps)
+            if splits is None:
+                continue
+            floats = sum(c // (2 * s) for c, s in zip((D, Dv), splits))
+            smem = tc_smem(kernel, D, Dv, Br, Bc)
+            if floats <= budget and smem <= limit:
+                why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d and %d B of shared "
+                       "memory fit the sm_%d limit %d B" % (floats, budget, smem, arch_number(arch), limit))
+                return BwdTiles(Br, Bc, 32 * warps, smem, why)
     raise NotImplementedError(
         "flasharray: no tensor-core backward tile fits D=%d, Dv=%d on sm_%d" % (D, Dv, arch_number(arch)))
 
