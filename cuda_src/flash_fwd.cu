@@ -289,6 +289,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
+  // A lane holds columns 2t, 2t+1 of each n8 tile: stored as one 32-bit word when every row of O
+  // starts 4-byte aligned (even row stride; O is allocated by the host, so its batch strides are
+  // multiples of it), element by element otherwise (odd Dv).
+  const bool o_pairs = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % 4 == 0);
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -298,13 +302,17 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       const int row_in_tile = warp_row0 + sl * Traits::kMmaM + g + 8 * r;
       if (m0 + row_in_tile < Lq) {
 #pragma unroll
-        for (int dt = 0; dt < kNTilesO; ++dt)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int col = 8 * dt + 2 * t + i;
-            if (col < Dv)
-              fa::gstore(o_i + row_in_tile * o_row + col, from_acc<T>(acc_o[sl][dt][2 * r + i] * inv_l));
+        for (int dt = 0; dt < kNTilesO; ++dt) {
+          const int col = 8 * dt + 2 * t;
+          T* dst = o_i + row_in_tile * o_row + col;
+          const float lo = acc_o[sl][dt][2 * r] * inv_l, hi = acc_o[sl][dt][2 * r + 1] * inv_l;
+          if (o_pairs && col + 1 < Dv) {
+            fa::gstore(reinterpret_cast<uint32_t*>(dst), fa::pack2<T>(lo, hi));
+          } else {
+            if (col < Dv) fa::gstore(dst, from_acc<T>(lo));
+            if (col + 1 < Dv) fa::gstore(dst + 1, from_acc<T>(hi));
           }
+        }
         if (t == 0) fa::gstore(lse_i + row_in_tile, stat[sl][r].lse(l_total));
       }
     }
