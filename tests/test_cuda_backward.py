@@ -214,59 +214,26 @@ def test_atomic_mode_correct_under_schedules(dt):
 
 
 # ---- global memory traffic --------------------------------------------------------------------
-def visited_rows(Lq, Lk, causal, kv_tiles, q_tiles):
-    """Rows the causal block skipping leaves: (query rows the dK/dV kernel loads, summed over its
-    key blocks; key rows the dQ kernel loads, summed over its query blocks)."""
-    Br, Bc = kv_tiles.block_m, kv_tiles.block_n
-    q_rows = 0
-    for c0 in range(0, Lk, Bc):
-        first = c0 - (Lk - Lq) if causal else 0        # first query row that sees key c0
-        i_begin = max(0, first) // Br
-        q_rows += max(0, Lq - i_begin * Br)
-    k_rows = 0
-    if q_tiles is not None:
-        Br, Bc = q_tiles.block_m, q_tiles.block_n
-        for r0 in range(0, Lq, Br):
-            last_row = min(r0 + Br, Lq) - 1
-            n = min(last_row + Lk - Lq + 1, Lk) if causal else Lk   # keys the last row sees
-            k_rows += min(-(-n // Bc) * Bc, Lk) if n > 0 else 0
-    return q_rows, k_rows
-
-
-def analytic_traffic(B, Lq, Lk, D, Dv, s, a, q_rows, k_rows, deterministic):
-    """Bytes read and written by the backward (no broadcast). s: element size, a: AccT size;
-    q_rows / k_rows from :func:`visited_rows`."""
-    row_q = (D + Dv) * s  # one row of Q and of dO
-    row_k = (D + Dv) * s  # one row of K and of V
-    read = 2 * B * Lq * Dv * s                                   # preprocess: dO, O
-    write = B * Lq * a                                           # D
-    read += B * Lk * row_k + B * q_rows * (row_q + 2 * a)        # dK/dV: K_j, V_j once; Q_i, dO_i, L_i, D_i per visit
-    write += B * Lk * row_k                                      # dK, dV
-    if deterministic:
-        read += B * Lq * (row_q + 2 * a) + B * k_rows * row_k    # dQ: Q_i, dO_i, L_i, D_i once; K_j, V_j per visit
-        write += B * Lq * D * s                                  # dQ
-    else:
-        write += B * Lq * D * a                                  # preprocess clears the accumulator
-        read += B * q_rows * D * a                               # atomics: read-modify-write per visit
-        write += B * q_rows * D * a
-        read += B * Lq * D * a                                   # convert: accumulator -> dQ
-        write += B * Lq * D * s
-    return read, write
-
-
 def measured_traffic(dtype, D, Lq, Lk, causal, deterministic):
-    dtype = canonical_dtype(dtype)
+    """(emulator counters, cuda_backward.analytic_global_bytes) as (read, written) bytes."""
     p = Problem(dtype, D, Lq, Lk, causal=causal)
     *grads, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
     check(p, grads)
-    plan = cb.kernel_plan(dtype, D, D, causal=causal, deterministic=deterministic,
-                          arch=tiles_bwd.EMULATOR_ARCH)
-    q_rows, k_rows = visited_rows(Lq, Lk, causal, plan["dkv"][2], plan["dq"][2] if deterministic else None)
     B = int(np.prod(p.batch_shape))
-    want = analytic_traffic(B, Lq, Lk, D, D, dtype.itemsize, accumulation_dtype(dtype).itemsize,
-                            q_rows, k_rows, deterministic)
+    want = cb.analytic_global_bytes(B, Lq, Lk, D, D, dtype, causal=causal, deterministic=deterministic)
     got = (sum(c.global_read_bytes for _, c in counters), sum(c.global_write_bytes for _, c in counters))
     return got, want
+
+
+def test_analytic_traffic_by_hand():
+    """The model on a case small enough to count by hand: fp32, B=1, Lq=Lk=D=Dv=16, one block
+    each way (SIMT tiles are 64 x 64 on sm_80), deterministic."""
+    s, a, L, D = 4, 4, 16, 16
+    read = 2 * L * D * s                       # preprocess: dO, O
+    read += 2 * L * D * s + (2 * L * D * s + 2 * L * a)   # dK/dV: K, V; Q, dO, L, D (one visit)
+    read += (2 * L * D * s + 2 * L * a) + 2 * L * D * s   # dQ: Q, dO, L, D; K, V (one visit)
+    write = L * a + 2 * L * D * s + L * D * s  # D; dK, dV; dQ
+    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32) == (read, write)
 
 
 @pytest.mark.parametrize("dt,D,deterministic", [("fp16", 64, True), ("fp16", 64, False),
@@ -346,3 +313,26 @@ def test_backward_gpu_matches_emulator():
     emu = run_backward("emulator", p)
     for a, b in zip(gpu, emu):
         np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=0, atol=2e-3)
+
+
+# ---- the device="cuda" launch path without a GPU ---------------------------------------------------
+@pytest.mark.parametrize("dt,D,deterministic", [("fp16", 128, True), ("fp32", 64, False)])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
+    """device="cuda" end to end (CupyLauncher: RawModule options, name expressions, the >48 KB
+    opt-in, argument types) against the CuPy stand-in of test_cuda_forward, backed by the emulator."""
+    import sys
+    from flasharray._private import launch
+    from test_cuda_forward import _fake_cupy
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    p = Problem(DTYPE_NAMES[dt], D, 70, 90, causal=True, bcast="gqa")
+    grads = cb.backward(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape,
+                        device="cuda", deterministic=deterministic)
+    check(p, grads)
+    plan = cb.kernel_plan(p.dtype, D, D, causal=True, deterministic=deterministic, arch=80)
+    launched = {name: (smem, optin) for name, smem, optin in log}
+    assert set(launched) == {name for _, name, _ in plan.values()}
+    for _, name, t in plan.values():
+        smem, optin = launched[name]
+        assert smem == (t.smem if t else 0) and optin >= smem

@@ -321,3 +321,62 @@ def _reduce_to(xp, buf, shape, dtype):
     if axes:
         buf = buf.sum(axis=axes, keepdims=True)
     return buf.astype(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Global-memory traffic model
+def visited_rows(Lq, Lk, causal, kv_tiles, q_tiles=None):
+    """Rows that the causal block skipping leaves to load, per batch entry.
+
+    Returns ``(q_rows, k_rows)``: query rows the dK/dV kernel loads summed over its key blocks
+    (a key block starting at c0 skips the query blocks wholly above the diagonal), and key rows
+    the deterministic dQ kernel loads summed over its query blocks (0 without ``q_tiles``).
+    """
+    Br, Bc = kv_tiles.block_m, kv_tiles.block_n
+    q_rows = 0
+    for c0 in range(0, Lk, Bc):
+        first = c0 - (Lk - Lq) if causal else 0        # first query row that sees key c0
+        i_begin = max(0, first) // Br
+        q_rows += max(0, Lq - i_begin * Br)
+    k_rows = 0
+    if q_tiles is not None:
+        Br, Bc = q_tiles.block_m, q_tiles.block_n
+        for r0 in range(0, Lq, Br):
+            last_row = min(r0 + Br, Lq) - 1
+            n = min(last_row + Lk - Lq + 1, Lk) if causal else Lk   # keys the last row sees
+            k_rows += min(-(-n // Bc) * Bc, Lk) if n > 0 else 0
+    return q_rows, k_rows
+
+
+def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministic=True, arch=None,
+                          kernel=None):
+    """(bytes read, bytes written) in global memory by one backward without broadcasting.
+
+    What the kernels move: the preprocess reads dO and O once and writes D; the dK/dV kernel
+    reads K_j, V_j once and, per visited (key block, query block) pair, Q_i, dO_i, L_i, D_i, and
+    writes dK, dV once; the deterministic dQ kernel reads Q_i, dO_i, L_i, D_i once and K_j, V_j
+    per visited pair, and writes dQ; the atomic mode instead clears the AccT dQ accumulator,
+    read-modify-writes it once per visited pair (atomics) and converts it once. The emulator's
+    counters equal this exactly (tests/test_cuda_backward.py).
+    """
+    dtype = canonical_dtype(dtype)
+    s, a = dtype.itemsize, accumulation_dtype(dtype).itemsize
+    arch = tiles.EMULATOR_ARCH if arch is None else tiles.arch_number(arch)
+    plan = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel)
+    q_rows, k_rows = visited_rows(Lq, Lk, causal, plan["dkv"][2], plan["dq"][2] if deterministic else None)
+    row_q = (D + Dv) * s  # one row of Q and of dO
+    row_k = (D + Dv) * s  # one row of K and of V
+    read = 2 * Lq * Dv * s                                       # preprocess: dO, O
+    write = Lq * a                                               # D
+    read += Lk * row_k + q_rows * (row_q + 2 * a)                # dK/dV kernel
+    write += Lk * row_k
+    if deterministic:
+        read += Lq * (row_q + 2 * a) + k_rows * row_k            # dQ kernel
+        write += Lq * D * s
+    else:
+        write += Lq * D * a                                      # clear the accumulator
+        read += q_rows * D * a                                   # atomics (read-modify-write)
+        write += q_rows * D * a
+        read += Lq * D * a                                       # convert
+        write += Lq * D * s
+    return B * read, B * write

@@ -87,8 +87,9 @@ TC_PAD = 8  # 16 bytes: rows stay 16-byte aligned for ldmatrix / cp.async and ro
 # kernel well under 255 registers with the 16x16 score tiles and addressing alive.
 TC_ACC_REGS = 64
 TC_ACC_REGS_FALLBACK = (96, 128)
-# Preferred first (Bc, Br, warps): FlashAttention-2's 64 x 64 / 128 x 64 tiles for small head
-# dims; smaller tiles when D grows (registers) or shared memory is scarce (sm_75, sm_86/89).
+# Preferred first (rows kept on chip, rows streamed, warps): FlashAttention-2's 128 x 64 / 64 x 64
+# tiles for small head dims; smaller tiles when D grows (registers) or shared memory is scarce
+# (sm_75, sm_86/89). dK/dV kernel: (Bc, Br, warps); dQ kernel: (Br, Bc, warps).
 TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4), (32, 64, 8),
                  (32, 32, 8), (32, 32, 4), (32, 16, 8), (32, 16, 4), (16, 16, 4), (16, 16, 2))
 
@@ -132,7 +133,10 @@ def tc_tiles(kernel, D, Dv, arch):
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
     # 160) get more accumulator registers (the static checks confirm there are no spills).
     for budget in (TC_ACC_REGS,) + TC_ACC_REGS_FALLBACK:
-        for Bc, Br, warps in TC_CANDIDATES:
+        for big, small, warps in TC_CANDIDATES:
+            # The block's own rows are the tile it keeps on chip (K_j, V_j for dK/dV; Q_i, dO_i
+            # for dQ); the larger side goes there: each extra row saves a re-read of the other.
+            Bc, Br = (big, small) if kernel == "dkv" else (small, big)
             splits = tc_split(kernel, D, Dv, Br, Bc, warps)
             if splits is None:
                 continue
