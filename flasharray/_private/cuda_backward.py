@@ -11,13 +11,16 @@ Passes (see docs/cuda_backward.md):
    P and dS over the key blocks, dQ_i in registers (no atomics, bitwise reproducible).
    ``deterministic=False``: ``flash_bwd_convert_dq_kernel`` converts the accumulator to the dtype.
 
-Batch handling: the leading dims are split into *grid* dims (at most 3 after merging, the
-blockIdx.y/z convention) and, for the dK/dV kernel, one *group* dim walked inside the block:
+Batch handling: the leading dims are split into *grid* dims (merged; at most 3 per launch, the
+blockIdx.y/z convention, more are looped over on the host) and, for the dK/dV kernel, one
+*group* dim walked inside the block:
 the dims along which both K and V are broadcast (MQA/GQA), so dK/dV are summed over the group
 in registers without copies of K or V. Anything left (a dim along which only one of K, V is
 broadcast, or q itself broadcast) goes through an AccT buffer reduced over those dims on the
 device, in a fixed order.
 """
+import itertools
+
 import numpy as np
 
 from . import launch
@@ -43,12 +46,23 @@ def _merge(sizes, tensor_strides):
     return list(shape), {n: list(s) for n, s in zip(names, strides)}
 
 
-def _grid3(sizes, strides):
-    """Pad merged grid dims to exactly (nb0, nb1, nb2), leading size-1 dims with stride 0."""
-    if len(sizes) > _MAX_GRID_DIMS:
-        return None
-    pad = _MAX_GRID_DIMS - len(sizes)
-    return [1] * pad + list(sizes), {n: [0] * pad + list(s) for n, s in strides.items()}
+def _launch_plans(sizes, strides):
+    """Split merged batch dims into launches of exactly (nb0, nb1, nb2) grid dims.
+
+    Dims beyond three (those that did not merge) are looped over on the host, outermost first.
+    Returns a list of ``(dims, strides3, offsets)``: the padded grid dims, each tensor's three
+    batch strides, and each tensor's element offset for that launch.
+    """
+    n_outer = max(0, len(sizes) - _MAX_GRID_DIMS)
+    inner = list(sizes[n_outer:])
+    pad = _MAX_GRID_DIMS - len(inner)
+    dims = [1] * pad + inner
+    strides3 = {n: [0] * pad + list(st[n_outer:]) for n, st in strides.items()}
+    plans = []
+    for idx in itertools.product(*[range(n) for n in sizes[:n_outer]]):
+        offsets = {n: sum(i * si for i, si in zip(idx, st[:n_outer])) for n, st in strides.items()}
+        plans.append((dims, strides3, offsets))
+    return plans
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,10 +77,10 @@ class _Runner:
     def launch(self, source, name, grid, block, args, smem=0):
         if 0 in grid:
             return
-        # Arrays travel as flat views of the span they reach (the kernels index with strides).
-        args = tuple(launch.flat_view(a) if hasattr(a, "strides") and a.ndim > 0 else a for a in args)
+        # Arrays travel as flat views (launch.flat_view) of the span they reach from this launch's
+        # first element: the kernels index with strides.
         c = self.launcher.launch(source, name, tuple(int(x) for x in grid), (int(block), 1, 1),
-                                 args, shared_mem=int(smem))
+                                 tuple(args), shared_mem=int(smem))
         self.counters.append((name, c))
 
 
@@ -200,12 +214,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         tensors_a["dqacc"] = dqacc
     sizes_a, strides_a = _merge([batch_shape[i] for i in dims],
                                 {n: [_batch_strides(a, nb)[i] for i in dims] for n, a in tensors_a.items()})
-    plan_a = _grid3(sizes_a, strides_a)
-    if plan_a is None:
-        raise NotImplementedError(
-            "flasharray: the CUDA backward supports at most 3 batch dims that cannot be merged; "
-            "got batch_shape %s with these strides" % (batch_shape,))
-    (nb0, nb1, nb2), sa = plan_a
+    plans_a = _launch_plans(sizes_a, strides_a)
 
     # ---- plan B: dK/dV kernel, group dim = dims where K and V are both broadcast
     shared = [i for i in dims if k.shape[i] == 1 and v.shape[i] == 1]
@@ -234,12 +243,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     sizes_b, strides_b = _merge([batch_shape[i] for i in grid_b],
                                 {n: [_batch_strides(a, nb)[i] if a.ndim > 1 else 0 for i in grid_b]
                                  for n, a in tensors_b.items()})
-    plan_b = _grid3(sizes_b, strides_b)
-    if plan_b is None:
-        raise NotImplementedError(
-            "flasharray: the CUDA backward supports at most 3 batch dims that cannot be merged; "
-            "got batch_shape %s" % (batch_shape,))
-    (mb0, mb1, mb2), sb = plan_b
+    plans_b = _launch_plans(sizes_b, strides_b)
     n_group = g_sizes[0] if g_sizes else 1
     gs = {n: (s[0] if s else 0) for n, s in g_strides.items()}
 
@@ -266,44 +270,51 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     (src_pre, name_pre, _), (src_main, name_kv, t_kv) = ks["preprocess"], ks["dkv"]
     # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
     rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
-    dqa_args = (st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4)
-    runner.launch(src_pre, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
-                  [dout, *st(sa, "dout", dout), out, *st(sa, "out", out),
-                   delta, *st(sa, "delta", delta, row=False), dqacc, *dqa_args,
-                   i32(Lq), i32(Dv), i32(D), i32(nb2)])
+    for (nb0, nb1, nb2), sa, off in plans_a:
+        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
+        dqa_args = st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4
+        runner.launch(src_pre, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+                      [at("dout", dout), *st(sa, "dout", dout), at("out", out), *st(sa, "out", out),
+                       at("delta", delta), *st(sa, "delta", delta, row=False),
+                       at("dqacc", dqacc), *dqa_args, i32(Lq), i32(Dv), i32(D), i32(nb2)])
 
     # ---- 2. dK, dV (+ atomic dQ)
-    dqa_b = (st(sb, "dqacc", dqacc, group=gs["dqacc"]) if not deterministic else [i64(0)] * 5)
     Tc = -(-Lk // t_kv.block_n)
-    runner.launch(src_main, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
-                  [q, *st(sb, "q", q, group=gs["q"]),
-                   k, *st(sb, "k", k), v, *st(sb, "v", v),
-                   dout, *st(sb, "dout", dout, group=gs["dout"]),
-                   lse, *st(sb, "lse", lse, group=gs["lse"], row=False),
-                   delta, *st(sb, "delta", delta, group=gs["delta"], row=False),
-                   dqacc, *dqa_b,
-                   dk_buf, *st(sb, "dk", dk_buf), dv_buf, *st(sb, "dv", dv_buf),
-                   i32(Lq), i32(Lk), i32(D), i32(Dv), i32(mb2), i32(n_group), scale_arg],
-                  t_kv.smem)
+    for (mb0, mb1, mb2), sb, off in plans_b:
+        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
+        dqa_b = st(sb, "dqacc", dqacc, group=gs["dqacc"]) if not deterministic else [i64(0)] * 5
+        runner.launch(src_main, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
+                      [at("q", q), *st(sb, "q", q, group=gs["q"]),
+                       at("k", k), *st(sb, "k", k), at("v", v), *st(sb, "v", v),
+                       at("dout", dout), *st(sb, "dout", dout, group=gs["dout"]),
+                       at("lse", lse), *st(sb, "lse", lse, group=gs["lse"], row=False),
+                       at("delta", delta), *st(sb, "delta", delta, group=gs["delta"], row=False),
+                       at("dqacc", dqacc), *dqa_b,
+                       at("dk", dk_buf), *st(sb, "dk", dk_buf), at("dv", dv_buf), *st(sb, "dv", dv_buf),
+                       i32(Lq), i32(Lk), i32(D), i32(Dv), i32(mb2), i32(n_group), scale_arg],
+                      t_kv.smem)
 
     # ---- 3. dQ: deterministic kernel, or conversion of the atomic accumulator
-    if deterministic:
-        _, name_q, t_q = ks["dq"]
-        Tr = -(-Lq // t_q.block_m)
-        runner.launch(src_main, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
-                      [q, *st(sa, "q", q), k, *st(sa, "k", k), v, *st(sa, "v", v),
-                       dout, *st(sa, "dout", dout),
-                       lse, *st(sa, "lse", lse, row=False), delta, *st(sa, "delta", delta, row=False),
-                       dq_buf, *st(sa, "dq", dq_buf),
-                       i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
-                      t_q.smem)
-    elif not q_bcast:
-        src_cvt, name_cvt, _ = ks["convert"]
-        runner.launch(src_cvt, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
-                      [dqacc, *st(sa, "dqacc", dqacc), dq_buf, *st(sa, "dq", dq_buf),
-                       i32(Lq), i32(D), i32(nb2)])
-    else:
-        dq_buf = dqacc
+    for (nb0, nb1, nb2), sa, off in plans_a:
+        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
+        if deterministic:
+            _, name_q, t_q = ks["dq"]
+            Tr = -(-Lq // t_q.block_m)
+            runner.launch(src_main, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
+                          [at("q", q), *st(sa, "q", q), at("k", k), *st(sa, "k", k),
+                           at("v", v), *st(sa, "v", v), at("dout", dout), *st(sa, "dout", dout),
+                           at("lse", lse), *st(sa, "lse", lse, row=False),
+                           at("delta", delta), *st(sa, "delta", delta, row=False),
+                           at("dq", dq_buf), *st(sa, "dq", dq_buf),
+                           i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
+                          t_q.smem)
+        elif not q_bcast:
+            src_cvt, name_cvt, _ = ks["convert"]
+            runner.launch(src_cvt, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
+                          [at("dqacc", dqacc), *st(sa, "dqacc", dqacc), at("dq", dq_buf), *st(sa, "dq", dq_buf),
+                           i32(Lq), i32(D), i32(nb2)])
+    if not deterministic and q_bcast:
+        dq_buf = dqacc  # summed over q's broadcast dims below
 
     # ---- broadcast dims not summed inside the kernels: fixed-order reductions on the device
     dq = _reduce_to(xp, dq_buf, q.shape, dtype)
