@@ -37,19 +37,28 @@ __host__ __device__ constexpr int column_slices(int kCols, int kSplit) {
 }
 
 // Shared-memory layout in bytes; flasharray/_private/tiles_bwd.py (tc_smem) mirrors it.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool kDKV>
+// kStages = 2 double-buffers the streamed tiles (Q_i, dO_i in the dK/dV kernel; K_j, V_j in the
+// dQ kernel) so the next block's cp.async copies overlap this block's math.
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool kDKV, int kStages>
 struct TcSmem {
+    static_assert(kStages == 1 || kStages == 2, "one or two buffers for the streamed tiles");
     static constexpr int kElem = 2;  // fp16 / bf16
     static constexpr int kPitchD = kHeadDim + kTcPad;
     static constexpr int kPitchDv = kHeadDimV + kTcPad;
+    static constexpr int kStagesQ = kDKV ? kStages : 1;  // buffers of Q_i, dO_i
+    static constexpr int kStagesK = kDKV ? 1 : kStages;  // buffers of K_j, V_j
+    static constexpr int kQStage = kBlockM * kPitchD;    // elements of one Q_i buffer (and K_j, dO_i, V_j below)
+    static constexpr int kdOStage = kBlockM * kPitchDv;
+    static constexpr int kKStage = kBlockN * kPitchD;
+    static constexpr int kVStage = kBlockN * kPitchDv;
     // dK/dV kernel: P^T and dS^T are Bc x Br; dQ kernel: dS is Br x Bc.
     static constexpr int kScoreRows = kDKV ? kBlockN : kBlockM;
     static constexpr int kPitchS = (kDKV ? kBlockM : kBlockN) + kTcPad;
-    static constexpr int kQ = 0;                                                  // Q_i  Br x D
-    static constexpr int kdO = kQ + align16(kBlockM * kPitchD * kElem);          // dO_i Br x Dv
-    static constexpr int kK = kdO + align16(kBlockM * kPitchDv * kElem);         // K_j  Bc x D
-    static constexpr int kV = kK + align16(kBlockN * kPitchD * kElem);           // V_j  Bc x Dv
-    static constexpr int kP = kV + align16(kBlockN * kPitchDv * kElem);          // P^T  (dkv only)
+    static constexpr int kQ = 0;                                                  // Q_i  Br x D (x kStagesQ)
+    static constexpr int kdO = kQ + align16(kStagesQ * kQStage * kElem);         // dO_i Br x Dv
+    static constexpr int kK = kdO + align16(kStagesQ * kdOStage * kElem);        // K_j  Bc x D (x kStagesK)
+    static constexpr int kV = kK + align16(kStagesK * kKStage * kElem);          // V_j  Bc x Dv
+    static constexpr int kP = kV + align16(kStagesK * kVStage * kElem);          // P^T  (dkv only)
     static constexpr int kdS = kP + (kDKV ? align16(kScoreRows * kPitchS * kElem) : 0);  // dS^T / dS
     static constexpr int kL = kdS + align16(kScoreRows * kPitchS * kElem);       // L_i*log2e  Br
     static constexpr int kDelta = kL + align16(kBlockM * 4);                      // D_i  Br
@@ -149,7 +158,7 @@ using namespace fa_bwd;
 // dK_j, dV_j (and, with kAtomicDQ, atomic dQ): grid = (Tc, nb1 * nb2, nb0); n_group query batch
 // entries share K_j, V_j (group strides on the query-side tensors).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad>
+          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -179,11 +188,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                   "warps must cover the Bc/16 row tiles of dK_j, dV_j an integer number of times");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
-    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true>;
+    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages>;
 
     FA_DYNAMIC_SMEM(smem);
-    T* Q_s = reinterpret_cast<T*>(smem + L::kQ);             // Br x D
-    T* dO_s = reinterpret_cast<T*>(smem + L::kdO);           // Br x Dv
+    T* Q_buf = reinterpret_cast<T*>(smem + L::kQ);           // kStages x (Br x D)
+    T* dO_buf = reinterpret_cast<T*>(smem + L::kdO);         // kStages x (Br x Dv)
     T* K_s = reinterpret_cast<T*>(smem + L::kK);             // Bc x D
     T* V_s = reinterpret_cast<T*>(smem + L::kV);             // Bc x Dv
     T* Pt_s = reinterpret_cast<T*>(smem + L::kP);            // P_ij^T  Bc x Br
@@ -200,11 +209,30 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const float scale_log2 = scale * flash::kLog2e;
     const Mask<kIsCausal> mask(Lq, Lk);
 
-    // -- prologue: K_j, V_j into shared memory (their copies complete with Q_i's below).
+    // The block visits (query batch entry grp of the group, query block i) pairs, i from i_begin
+    // (causal: blocks above the diagonal are skipped) to Tr - 1, grp outer.
+    const int i_begin = mask.m_block_min(c0, kBlockM);
+    const int Tr = (Lq + kBlockM - 1) / kBlockM;
+    const int blocks_per_entry = Tr > i_begin ? Tr - i_begin : 0;
+    const int n_visits = blocks_per_entry * n_group;
+    // Start the copies of visit `visit`'s Q_i, dO_i into buffer `buf` (cp.async, or loads).
+    auto load_query_block = [&](int visit, int buf) {
+        const int grp = visit / blocks_per_entry, r0 = (i_begin + visit % blocks_per_entry) * kBlockM;
+        load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+            Q_buf + buf * L::kQStage,
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+        load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+            dO_buf + buf * L::kdOStage,
+            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
+            do_row, Lq - r0, Dv);
+    };
+
+    // -- prologue: K_j, V_j (and, double-buffered, the first Q_i, dO_i) into shared memory.
     load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
         K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    if (kStages == 2 && n_visits > 0) load_query_block(0, 0);
     fa::cp_async_commit();
 
     float dK_acc[kColsK / 8][4];  // dK_j rows 16 wm.., columns kColsK wn..
@@ -212,82 +240,87 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     zero_acc(dK_acc);
     zero_acc(dV_acc);
 
-    const int i_begin = mask.m_block_min(c0, kBlockM);  // causal: blocks above the diagonal skipped
-    const int Tr = (Lq + kBlockM - 1) / kBlockM;
-    for (int grp = 0; grp < n_group; ++grp) {
-        const T* q_g0 = q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g;
-        const T* do_g0 = dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g;
-        const float* l_g0 = lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g;
-        const float* d_g0 = delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g;
-        for (int i = i_begin; i < Tr; ++i) {
-            const int r0 = i * kBlockM;
-            // Barrier: every warp is done reading Q_s, dO_s, P^T_s, dS^T_s of the previous step.
-            __syncthreads();
-            load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-                Q_s, q_g0 + (long long)r0 * q_row, q_row, Lq - r0, D);
-            load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-                dO_s, do_g0 + (long long)r0 * do_row, do_row, Lq - r0, Dv);
-            fa::cp_async_commit();
-            load_row_stats<float, kBlockM, kNThreads>(lse2_s, delta_s, l_g0, d_g0, r0, Lq);
-            fa::cp_async_wait<0>();  // this thread's copies (Q_i, dO_i, first time K_j, V_j) landed
-            // Barrier: every thread's copies are visible to every warp.
-            __syncthreads();
+    for (int visit = 0; visit < n_visits; ++visit) {
+        const int grp = visit / blocks_per_entry, r0 = (i_begin + visit % blocks_per_entry) * kBlockM;
+        const int buf = kStages == 2 ? visit % 2 : 0;
+        const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
+        const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
+        // Barrier: every warp is done with the previous visit: its Q_i/dO_i buffer (about to be
+        // refilled), P^T_s, dS^T_s, L_i and D_i.
+        __syncthreads();
+        const bool prefetch = kStages == 2 && visit + 1 < n_visits;
+        if (kStages == 1) load_query_block(visit, 0);
+        if (prefetch) load_query_block(visit + 1, buf ^ 1);  // overlaps this visit's math
+        fa::cp_async_commit();
+        load_row_stats<float, kBlockM, kNThreads>(
+            lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
+            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+        // This thread's copies of this visit's Q_i, dO_i (first time also K_j, V_j) landed; the
+        // newest group (the prefetch) may still be in flight.
+        if (prefetch)
+            fa::cp_async_wait<1>();
+        else
+            fa::cp_async_wait<0>();
+        // Barrier: every thread's copies and L_i, D_i are visible to every warp.
+        __syncthreads();
 
-            // -- S^T = K_j Q_i^T and dP^T = V_j dO_i^T in 16x16 tiles; P^T, dS^T to shared memory.
-            for (int tile = warp; tile < kScoreTiles; tile += kNWarps) {
-                const int tm = tile / (kBlockM / 16), tn = tile % (kBlockM / 16);  // key tile, query tile
-                float s[2][4], dp[2][4];
-                zero_acc(s);
-                zero_acc(dp);
-                warp_mma<T, kHeadDim, 16, false, false>(s, K_s + tm * 16 * L::kPitchD, L::kPitchD,
-                                                         Q_s + tn * 16 * L::kPitchD, L::kPitchD);
-                warp_mma<T, kHeadDimV, 16, false, false>(dp, V_s + tm * 16 * L::kPitchDv, L::kPitchDv,
-                                                          dO_s + tn * 16 * L::kPitchDv, L::kPitchDv);
-                for (int nt = 0; nt < 2; ++nt)
-                    for (int h = 0; h < 2; ++h) {
-                        const int c = tm * 16 + g + 8 * h;       // key within K_j
-                        const int r = tn * 16 + nt * 8 + 2 * t;  // query within Q_i (and r + 1)
-                        const float p0 = recompute_p(s[nt][2 * h], scale_log2, lse2_s[r],
-                                                     mask.is_visible(r0 + r, c0 + c));
-                        const float p1 = recompute_p(s[nt][2 * h + 1], scale_log2, lse2_s[r + 1],
-                                                     mask.is_visible(r0 + r + 1, c0 + c));
-                        const float ds0 = p0 * (dp[nt][2 * h] - delta_s[r]);
-                        const float ds1 = p1 * (dp[nt][2 * h + 1] - delta_s[r + 1]);
-                        *reinterpret_cast<uint32_t*>(Pt_s + c * L::kPitchS + r) = fa::pack2<T>(p0, p1);
-                        *reinterpret_cast<uint32_t*>(dSt_s + c * L::kPitchS + r) = fa::pack2<T>(ds0, ds1);
-                    }
-            }
-            // Barrier: P^T and dS^T complete before warps read them across tiles.
-            __syncthreads();
-
-            // -- dV_j += P^T dO_i,  dK_j += dS^T Q_i  (scale applied once, at the end)
-            if (own_dV)
-                warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                           dO_s + wn * kColsV, L::kPitchDv);
-            if (own_dK)
-                warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                           Q_s + wn * kColsK, L::kPitchD);
-
-            // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
-            if (kAtomicDQ) {
-                float* dqa_i = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g +
-                               (long long)r0 * dqa_row;
-                constexpr int kDQTiles = (kBlockM / 16) * (kHeadDim / kDQCols);
-                for (int tile = warp; tile < kDQTiles; tile += kNWarps) {
-                    const int tm = tile / (kHeadDim / kDQCols), tn = tile % (kHeadDim / kDQCols);
-                    float dq[kDQCols / 8][4];
-                    zero_acc(dq);
-                    // A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
-                    warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS,
-                                                              K_s + tn * kDQCols, L::kPitchD);
+        // -- S^T = K_j Q_i^T and dP^T = V_j dO_i^T in 16x16 tiles; P^T, dS^T to shared memory.
+        for (int tile = warp; tile < kScoreTiles; tile += kNWarps) {
+            const int tm = tile / (kBlockM / 16), tn = tile % (kBlockM / 16);  // key tile, query tile
+            float s[2][4], dp[2][4];
+            zero_acc(s);
+            zero_acc(dp);
+            warp_mma<T, kHeadDim, 16, false, false>(s, K_s + tm * 16 * L::kPitchD, L::kPitchD,
+                                                     Q_s + tn * 16 * L::kPitchD, L::kPitchD);
+            warp_mma<T, kHeadDimV, 16, false, false>(dp, V_s + tm * 16 * L::kPitchDv, L::kPitchDv,
+                                                      dO_s + tn * 16 * L::kPitchDv, L::kPitchDv);
 #pragma unroll
-                    for (int n = 0; n < kDQCols / 8; ++n)
-                        for (int e = 0; e < 4; ++e) {
-                            const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
-                            if (r0 + r < Lq && d < D)
-                                fa::atomic_add(dqa_i + (long long)r * dqa_row + d, dq[n][e] * scale);
-                        }
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int c = tm * 16 + g + 8 * h;       // key within K_j
+                    const int r = tn * 16 + nt * 8 + 2 * t;  // query within Q_i (and r + 1)
+                    const float p0 = recompute_p(s[nt][2 * h], scale_log2, lse2_s[r],
+                                                 mask.is_visible(r0 + r, c0 + c));
+                    const float p1 = recompute_p(s[nt][2 * h + 1], scale_log2, lse2_s[r + 1],
+                                                 mask.is_visible(r0 + r + 1, c0 + c));
+                    const float ds0 = p0 * (dp[nt][2 * h] - delta_s[r]);
+                    const float ds1 = p1 * (dp[nt][2 * h + 1] - delta_s[r + 1]);
+                    *reinterpret_cast<uint32_t*>(Pt_s + c * L::kPitchS + r) = fa::pack2<T>(p0, p1);
+                    *reinterpret_cast<uint32_t*>(dSt_s + c * L::kPitchS + r) = fa::pack2<T>(ds0, ds1);
                 }
+        }
+        // Barrier: P^T and dS^T complete before warps read them across tiles.
+        __syncthreads();
+
+        // -- dV_j += P^T dO_i,  dK_j += dS^T Q_i  (scale applied once, at the end)
+        if (own_dV)
+            warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                       dO_s + wn * kColsV, L::kPitchDv);
+        if (own_dK)
+            warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                       Q_s + wn * kColsK, L::kPitchD);
+
+        // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
+        if (kAtomicDQ) {
+            float* dqa_i = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g +
+                           (long long)r0 * dqa_row;
+            constexpr int kDQTiles = (kBlockM / 16) * (kHeadDim / kDQCols);
+            for (int tile = warp; tile < kDQTiles; tile += kNWarps) {
+                const int tm = tile / (kHeadDim / kDQCols), tn = tile % (kHeadDim / kDQCols);
+                float dq[kDQCols / 8][4];
+                zero_acc(dq);
+                // A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
+                warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS,
+                                                          K_s + tn * kDQCols, L::kPitchD);
+#pragma unroll
+                for (int n = 0; n < kDQCols / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
+                        if (r0 + r < Lq && d < D)
+                            fa::atomic_add(dqa_i + (long long)r * dqa_row + d, dq[n][e] * scale);
+                    }
             }
         }
     }
@@ -308,7 +341,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 // Deterministic dQ: grid = (Tr, nb1 * nb2, nb0). Recomputes S and dP per key block (2 of the 5
 // backward products again), dQ_i in registers split as (Br / 16 row tiles) x kSplit slices.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNWarps, bool kIsCausal, bool kVecLoad>
+          int kNWarps, bool kIsCausal, bool kVecLoad, int kStages>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -332,13 +365,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                   "warps must cover the Br/16 row tiles of dQ_i an integer number of times");
     static_assert(kColsQ % 16 == 0 && kColsQ * kSplitQ == kHeadDim,
                   "each warp's dQ column slice must be whole n16 steps");
-    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, false>;
+    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, false, kStages>;
 
     FA_DYNAMIC_SMEM(smem);
     T* Q_s = reinterpret_cast<T*>(smem + L::kQ);             // Br x D
     T* dO_s = reinterpret_cast<T*>(smem + L::kdO);           // Br x Dv
-    T* K_s = reinterpret_cast<T*>(smem + L::kK);             // Bc x D
-    T* V_s = reinterpret_cast<T*>(smem + L::kV);             // Bc x Dv
+    T* K_buf = reinterpret_cast<T*>(smem + L::kK);           // kStages x (Bc x D)
+    T* V_buf = reinterpret_cast<T*>(smem + L::kV);           // kStages x (Bc x Dv)
     T* dS_s = reinterpret_cast<T*>(smem + L::kdS);           // dS_ij Br x Bc
     float* lse2_s = reinterpret_cast<float*>(smem + L::kL);  // L_i * log2 e   Br
     float* delta_s = reinterpret_cast<float*>(smem + L::kDelta);  // D_i       Br
@@ -357,7 +390,6 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq - r0, D);
     load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq - r0, Dv);
-    fa::cp_async_commit();
     load_row_stats<float, kBlockM, kNThreads>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}),
                                               delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
 
@@ -367,14 +399,35 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     const T* k_b = k + b.offset({k_b0, k_b1, k_b2, k_row});
     const T* v_b = v + b.offset({v_b0, v_b1, v_b2, v_row});
     const int Tc = mask.n_block_max(r0, kBlockM, kBlockN);  // causal: blocks right of the diagonal skipped
+    // Start the copies of key block j's K_j, V_j into buffer `buf` (cp.async, or loads).
+    auto load_key_block = [&](int j, int buf) {
+        const int c0 = j * kBlockN;
+        load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+            K_buf + buf * L::kKStage, k_b + (long long)c0 * k_row, k_row, Lk - c0, D);
+        load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+            V_buf + buf * L::kVStage, v_b + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    };
+    if (kStages == 2 && Tc > 0) load_key_block(0, 0);
+    fa::cp_async_commit();  // one group: Q_i, dO_i (and, double-buffered, K_0, V_0)
+
     for (int j = 0; j < Tc; ++j) {
         const int c0 = j * kBlockN;
-        // Barrier: every warp is done reading K_s, V_s and dS_s of the previous key block.
+        const int buf = kStages == 2 ? j % 2 : 0;
+        const T* K_s = K_buf + buf * L::kKStage;  // K_j Bc x D
+        const T* V_s = V_buf + buf * L::kVStage;  // V_j Bc x Dv
+        // Barrier: every warp is done with the previous key block: its K/V buffer (about to be
+        // refilled) and dS_s.
         __syncthreads();
-        load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(K_s, k_b + (long long)c0 * k_row, k_row, Lk - c0, D);
-        load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(V_s, v_b + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        const bool prefetch = kStages == 2 && j + 1 < Tc;
+        if (kStages == 1) load_key_block(j, 0);
+        if (prefetch) load_key_block(j + 1, buf ^ 1);  // overlaps this block's math
         fa::cp_async_commit();
-        fa::cp_async_wait<0>();  // this thread's copies (K_j, V_j; first time Q_i, dO_i) landed
+        // This thread's copies of K_j, V_j (first time also Q_i, dO_i) landed; the newest group
+        // (the prefetch) may still be in flight.
+        if (prefetch)
+            fa::cp_async_wait<1>();
+        else
+            fa::cp_async_wait<0>();
         // Barrier: every thread's copies are visible to every warp.
         __syncthreads();
 
@@ -388,7 +441,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                                                      K_s + tn * 16 * L::kPitchD, L::kPitchD);
             warp_mma<T, kHeadDimV, 16, false, false>(dp, dO_s + tm * 16 * L::kPitchDv, L::kPitchDv,
                                                       V_s + tn * 16 * L::kPitchDv, L::kPitchDv);
+#pragma unroll
             for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = tm * 16 + g + 8 * h;       // query within Q_i
                     const int c = tn * 16 + nt * 8 + 2 * t;  // key within K_j (and c + 1)

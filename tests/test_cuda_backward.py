@@ -79,7 +79,7 @@ def check(p, grads):
 
 def check_case(device, dtype, D, lengths, causal, bcast="none", layout="bhsd", deterministic=True,
                **kw):
-    opts = {k_: kw.pop(k_) for k_ in ("kernel", "arch", "schedule", "seed") if k_ in kw}
+    opts = {k_: kw.pop(k_) for k_ in ("kernel", "arch", "schedule", "seed", "stages") if k_ in kw}
     p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, **kw)
     check(p, run_backward(device, p, deterministic=deterministic, **opts))
 
@@ -178,6 +178,15 @@ def test_backward_fully_masked_rows_are_zero():
         check(p, (dq, dk, dv))
         p = Problem(dt, 64, 30, 100, causal=True)  # Lk > Lq: every key is seen by the last row
         check(p, run_backward("emulator", p))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_backward_tensor_core_stages(stages):
+    """Single- and double-buffered (cp.async prefetch of the next block) tensor-core kernels,
+    under a random schedule (a missing wait or barrier around the prefetch shows up here)."""
+    for det in (True, False):
+        check_case("emulator", np.float16, 64, (200, 300), True, "gqa", deterministic=det,
+                   stages=stages, schedule="random", seed=3)
 
 
 def test_backward_simt_fallback_16bit():

@@ -53,9 +53,12 @@ EXTRA = (
     + [(dt, D, D, c, det, None, False, False) for dt, D in (("float16", 64), ("float32", 32), ("float64", 16))
        for c in (False, True) for det in (True, False)]
     + [("float16", 59, 59, False, True, None, False, False)]
+    + [("float16", 64, 64, True, det, None, False, False) for det in (True, False)]     # stages
 )
 
 
+# test_backward_tensor_core_stages also forces single-buffered tiles for these (dtype, D, causal).
+FORCED_ONE_STAGE = {("float16", 64, True)}
 # test_backward_sm75_tiles runs these with the sm_75 tiles.
 SM75 = [("float16", 128, 128, True, True, None, False, False), ("float64", 128, 128, False, True, None, False, False)]
 
@@ -80,10 +83,11 @@ def instantiations(arch, full=False):
     for dt, D, Dv, causal, det, kernel, acc_dkv, acc_dq in _configs(arch, full):
         if (kernel or ("tc" if canonical_dtype(dt).itemsize == 2 else "simt")) == "tc" and dt == "bfloat16" and arch < 80:
             continue  # bf16 has no tensor cores before sm_80 (the driver raises NotImplementedError)
-        plan = cb.kernel_plan(dt, D, Dv, causal=causal, deterministic=det, arch=arch, kernel=kernel,
-                              acc_dkv=acc_dkv, acc_dq=acc_dq, vec=_vec(D, Dv))
-        for source, name, t in plan.values():
-            found.setdefault(source, {})[name] = t
+        for stages in [None] + ([1] if (dt, D, causal) in FORCED_ONE_STAGE and arch == tiles_bwd.EMULATOR_ARCH else []):
+            plan = cb.kernel_plan(dt, D, Dv, causal=causal, deterministic=det, arch=arch, kernel=kernel,
+                                  acc_dkv=acc_dkv, acc_dq=acc_dq, vec=_vec(D, Dv), stages=stages)
+            for source, name, t in plan.values():
+                found.setdefault(source, {})[name] = t
     return found
 
 
@@ -148,9 +152,9 @@ template <typename T, typename AccT, int D, int DV, int BM, int BN>
 __global__ void probe_simt(int* out) {
   if (threadIdx.x == 0) fa::gstore(out, fa_bwd::SimtSmem<T, AccT, D, DV, BM, BN>::kBytes);
 }
-template <int D, int DV, int BM, int BN, bool DKV>
+template <int D, int DV, int BM, int BN, bool DKV, int ST>
 __global__ void probe_tc(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::TcSmem<D, DV, BM, BN, DKV>::kBytes);
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::TcSmem<D, DV, BM, BN, DKV, ST>::kBytes);
 }
 """
 
@@ -165,10 +169,11 @@ def test_python_smem_matches_layouts():
             for d, dv in ((16, 16), (64, 32), (96, 96), (256, 256)):
                 for kern in ("dkv", "dq"):
                     if dt == "float16":
-                        t = tiles_bwd.tc_tiles(kern, d, dv, arch)
-                        expr = "probe_tc<%d, %d, %d, %d, %s>" % (d, dv, t.block_m, t.block_n,
-                                                                 "true" if kern == "dkv" else "false")
-                        entries[expr] = t.smem
+                        for stages in (1, 2):
+                            t = tiles_bwd.tc_tiles(kern, d, dv, arch, stages)
+                            expr = "probe_tc<%d, %d, %d, %d, %s, %d>" % (
+                                d, dv, t.block_m, t.block_n, "true" if kern == "dkv" else "false", stages)
+                            entries[expr] = t.smem
                     t = tiles_bwd.simt_tiles(kern, dt, d, dv, arch)
                     expr = "probe_simt<%s, %s, %d, %d, %d, %d>" % (*ctype[dt], d, dv, t.block_m, t.block_n)
                     entries[expr] = t.smem

@@ -97,13 +97,14 @@ def _b(flag):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True):
+                acc_dq=False, vec=True, stages=None):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic) or ``convert`` (atomic mode).
     ``kernel``: "tc" (default for fp16/bf16) or "simt"; ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
-    loads (16-byte aligned rows). Also used by the static checks to enumerate instantiations.
+    loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
+    streamed tiles (default: the tile table's choice). Also used by the static checks.
     """
     dtype = canonical_dtype(dtype)
     acc = accumulation_dtype(dtype)
@@ -115,14 +116,15 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, _b(not deterministic)), None)}
     if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch)
-        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages)
+        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d>" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
-            _b(not deterministic), _b(vec)), t_kv)
+            _b(not deterministic), _b(vec), t_kv.stages), t_kv)
         if deterministic:
-            t_q = tiles.tc_tiles("dq", D, Dv, arch)
-            plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
-                T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec)), t_q)
+            t_q = tiles.tc_tiles("dq", D, Dv, arch, stages)
+            plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d>" % (
+                T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec),
+                t_q.stages), t_q)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
@@ -162,7 +164,8 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     **opts
         ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
         default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc" or "simt"; default
-        tensor cores for fp16/bf16), ``return_counters`` (emulator: also return the list of
+        tensor cores for fp16/bf16), ``stages`` (1 or 2: force single- or double-buffered
+        streamed tiles in the tensor-core kernels), ``return_counters`` (emulator: also return the list of
         ``(kernel name, counters)`` of every launch).
 
     Returns
@@ -170,7 +173,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     dq, dk, dv : arrays with exactly the shapes and dtype of q, k, v (summed over broadcast
         batch dims); ``(dq, dk, dv, counters)`` with ``return_counters=True``.
     """
-    unknown = set(opts) - {"schedule", "seed", "arch", "kernel", "return_counters"}
+    unknown = set(opts) - {"schedule", "seed", "arch", "kernel", "stages", "return_counters"}
     if unknown:
         raise TypeError("flasharray.cuda_backward: unexpected option(s) %s" % sorted(unknown))
     if device not in ("cuda", "emulator"):
@@ -266,7 +269,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         and all(rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
         and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
     ks = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel,
-                     acc_dkv=partial, acc_dq=q_bcast, vec=vec)
+                     acc_dkv=partial, acc_dq=q_bcast, vec=vec, stages=opts.get("stages"))
     (src_pre, name_pre, _), (src_main, name_kv, t_kv) = ks["preprocess"], ks["dkv"]
     # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
     rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)

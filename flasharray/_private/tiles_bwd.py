@@ -28,6 +28,7 @@ class BwdTiles:
     n_threads: int
     smem: int
     reason: str
+    stages: int = 1   # buffers of the streamed tiles (tensor-core kernels: 2 = cp.async prefetch)
 
     @property
     def needs_opt_in(self):
@@ -94,10 +95,12 @@ TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4
                  (32, 32, 8), (32, 32, 4), (32, 16, 8), (32, 16, 4), (16, 16, 4), (16, 16, 2))
 
 
-def tc_smem(kernel, D, Dv, Br, Bc, itemsize=2):
-    """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j, then P^T and dS^T (dkv) or dS (dq), L_i, D_i."""
-    q = _align16(Br * (D + TC_PAD) * itemsize) + _align16(Br * (Dv + TC_PAD) * itemsize)
-    kv = _align16(Bc * (D + TC_PAD) * itemsize) + _align16(Bc * (Dv + TC_PAD) * itemsize)
+def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2):
+    """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j (the streamed pair ``stages`` times: Q_i, dO_i
+    for "dkv", K_j, V_j for "dq"), then P^T and dS^T (dkv) or dS (dq), L_i, D_i."""
+    sq, sk = (stages, 1) if kernel == "dkv" else (1, stages)
+    q = _align16(sq * Br * (D + TC_PAD) * itemsize) + _align16(sq * Br * (Dv + TC_PAD) * itemsize)
+    kv = _align16(sk * Bc * (D + TC_PAD) * itemsize) + _align16(sk * Bc * (Dv + TC_PAD) * itemsize)
     if kernel == "dkv":
         scores = 2 * _align16(Bc * (Br + TC_PAD) * itemsize)   # P^T, dS^T: Bc x Br
     else:
@@ -126,8 +129,13 @@ def tc_split(kernel, D, Dv, Br, Bc, warps):
     return tuple(splits)
 
 
-def tc_tiles(kernel, D, Dv, arch):
-    """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq")."""
+def tc_tiles(kernel, D, Dv, arch, stages=None):
+    """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq").
+
+    Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
+    copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
+    forces one of them.
+    """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
@@ -141,11 +149,15 @@ def tc_tiles(kernel, D, Dv, arch):
             if splits is None:
                 continue
             floats = sum(c // (2 * s) for c, s in zip((D, Dv), splits))
-            smem = tc_smem(kernel, D, Dv, Br, Bc)
-            if floats <= budget and smem <= limit:
-                why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d and %d B of shared "
-                       "memory fit the sm_%d limit %d B" % (floats, budget, smem, arch_number(arch), limit))
-                return BwdTiles(Br, Bc, 32 * warps, smem, why)
+            if floats > budget:
+                continue
+            for st in ((2, 1) if stages is None else (stages,)):
+                smem = tc_smem(kernel, D, Dv, Br, Bc, st)
+                if smem <= limit:
+                    why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d; %d buffer(s) of "
+                           "the streamed tiles: %d B of shared memory fit the sm_%d limit %d B"
+                           % (floats, budget, st, smem, arch_number(arch), limit))
+                    return BwdTiles(Br, Bc, 32 * warps, smem, why, st)
     raise NotImplementedError(
         "flasharray: no tensor-core backward tile fits D=%d, Dv=%d on sm_%d" % (D, Dv, arch_number(arch)))
 
@@ -156,7 +168,7 @@ ROWS_PER_BLOCK = ROW_THREADS // 32
 
 
 def describe(dtypes=("float16", "float32", "float64"), dims=(16, 32, 64, 128, 256), archs=ARCHS):
-    """Rows ``(arch, dtype, D, kernel, Br, Bc, threads, smem)`` of the table, for documentation."""
+    """Rows ``(arch, dtype, D, kernel, Br, Bc, threads, stages, smem)`` of the table."""
     from .dtypes import canonical_dtype
     rows = []
     for a in archs:
@@ -168,5 +180,5 @@ def describe(dtypes=("float16", "float32", "float64"), dims=(16, 32, 64, 128, 25
                         t = tc_tiles(kern, d, d, a)
                     else:
                         t = simt_tiles(kern, dt, d, d, a)
-                    rows.append((a, str(dt), d, kern, t.block_m, t.block_n, t.n_threads, t.smem))
+                    rows.append((a, str(dt), d, kern, t.block_m, t.block_n, t.n_threads, t.stages, t.smem))
     return rows
