@@ -197,7 +197,6 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     nb = len(batch_shape)
     Lq, D = q.shape[-2], q.shape[-1]
     Lk, Dv = v.shape[-2], v.shape[-1]
-    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     q, k, v, dout, out = (launch.kernel_ready(a) for a in (q, k, v, dout, out))
     lse = launch.kernel_ready(lse.astype(acc, copy=False))
     scale_arg = launch.c_scalar(scale, acc)
