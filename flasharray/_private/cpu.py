@@ -45,8 +45,8 @@ from .dtypes import accumulation_dtype
 from ..reference import reduce_to_shape
 
 # Tile sizes. Larger tiles amortise the Python overhead per tile and feed BLAS bigger products;
-# a Br×Bc float32 tile of 128×512 is 256 KB, which stays in L2 together with K_j and V_j.
-BLOCK_Q = 128
+# a Br×Bc float32 tile of 256×512 is 512 KB, which stays in L2 together with K_j and V_j.
+BLOCK_Q = 256
 BLOCK_K = 512
 # Backward tiles: each (key block, query block) step does five products on Br×Bc tiles.
 BWD_BLOCK_Q = 256
@@ -189,7 +189,8 @@ def _forward_block(q_rows, K_aug, V_aug, i0, i1, causal, scale, offset, acc):
             row_max = S_ij.max(axis=1) + m_safe
             grow = row_max > m_i + threshold       # NaN rows compare False and stay NaN below
             if grow.any():
-                rows = np.flatnonzero(grow)
+                # Usually all rows move at once (the first tile): slices keep that in place.
+                rows = slice(None) if grow.all() else np.flatnonzero(grow)
                 S_ij[rows] -= (row_max[rows] - m_safe[rows])[:, None]
                 O_i[rows] *= np.exp(m_i[rows] - row_max[rows])[:, None]   # 0 when m_i was -inf
                 m_i[rows] = row_max[rows]
