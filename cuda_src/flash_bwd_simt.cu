@@ -17,14 +17,15 @@
 
 namespace fa_bwd {
 
-// Shared-memory tile pitch: one extra 4-byte word per row, so the threads of a warp that read
-// the same column of consecutive rows hit different banks.
+// Shared-memory tile pitch: one extra element (at least one 4-byte word) per row, so the
+// threads of a warp that read the same column of consecutive rows hit different banks.
 template <typename T, int kCols>
 struct SimtPitch {
     static constexpr int value = kCols + (sizeof(T) >= 4 ? 1 : 4 / (int)sizeof(T));
 };
 
 // Shared-memory layout of the SIMT backward, in bytes; flasharray/_private/tiles_bwd.py mirrors it.
+// (The dQ kernel does not use P_ij; both kernels share one layout and one smem formula.)
 template <typename T, typename AccT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 struct SimtSmem {
     static constexpr int kPitchD = SimtPitch<T, kHeadDim>::value;
