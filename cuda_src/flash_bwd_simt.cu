@@ -53,6 +53,27 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_
     }
 }
 
+// Dot product of two kN-element rows in AccT with kDotLanes independent partial sums combined
+// pairwise: S and dP are sums over the whole head dim (up to 256 terms), where one running sum
+// loses ~kN/kDotLanes times more to rounding than the recomputed P can afford (P = exp(S - L)
+// turns an absolute error of S into a relative error of P). Also kDotLanes-way ILP.
+constexpr int kDotLanes = 8;
+template <typename AccT, int kN, typename T>
+__device__ __forceinline__ AccT dot(const T* a, const T* b) {
+    static_assert(kN % kDotLanes == 0, "head dims are padded to multiples of 16");
+    AccT part[kDotLanes];
+#pragma unroll
+    for (int l = 0; l < kDotLanes; ++l) part[l] = AccT(0);
+    for (int d = 0; d < kN; d += kDotLanes)
+#pragma unroll
+        for (int l = 0; l < kDotLanes; ++l) part[l] += to_acc(a[d + l]) * to_acc(b[d + l]);
+#pragma unroll
+    for (int w = kDotLanes / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int l = 0; l < w; ++l) part[l] += part[l + w];
+    return part[0];
+}
+
 // P_ij and dS_ij for one (query block, key block) pair, into shared memory.
 //   S = Q_i K_j^T, P = exp2(S scale log2e - L_i log2e), dP = dO_i V_j^T, dS = P o (dP - D_i).
 template <typename T, typename AccT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
@@ -64,11 +85,8 @@ __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const 
     using L = SimtSmem<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
     for (int e = (int)threadIdx.x; e < kBlockM * kBlockN; e += kNThreads) {
         const int r = e / kBlockN, c = e % kBlockN;
-        AccT s = AccT(0), dp = AccT(0);
-        for (int d = 0; d < kHeadDim; ++d)
-            s += to_acc(Q_s[r * L::kPitchD + d]) * to_acc(K_s[c * L::kPitchD + d]);
-        for (int d = 0; d < kHeadDimV; ++d)
-            dp += to_acc(dO_s[r * L::kPitchDv + d]) * to_acc(V_s[c * L::kPitchDv + d]);
+        const AccT s = dot<AccT, kHeadDim>(Q_s + r * L::kPitchD, K_s + c * L::kPitchD);
+        const AccT dp = dot<AccT, kHeadDimV>(dO_s + r * L::kPitchDv, V_s + c * L::kPitchDv);
         const AccT p = recompute_p(s, scale_log2, lse2_s[r],
                                    mask.is_visible(r0 + r, c0 + c));
         if (kStoreP) P_s[e] = p;
