@@ -68,13 +68,16 @@ def _map(fn, items):
     """Run ``fn`` over ``items`` on the shared thread pool (inline when there is one worker)."""
     global _pool
     items = list(items)
-    if _workers() == 1 or len(items) <= 1:
-        return [fn(it) for it in items]
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != _workers():
-            _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="flasharray-cpu")
-        pool = _pool
-    with single_threaded_blas():  # the pool already uses every core
+    # BLAS stays single-threaded even inline: the pool is how we use the cores, and OpenBLAS's
+    # own threads on these small tile products are slower, catastrophically so (measured 15x)
+    # when another process keeps a core busy.
+    with single_threaded_blas():
+        if _workers() == 1 or len(items) <= 1:
+            return [fn(it) for it in items]
+        with _pool_lock:
+            if _pool is None or _pool._max_workers != _workers():
+                _pool = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="flasharray-cpu")
+            pool = _pool
         return list(pool.map(fn, items))
 
 
