@@ -167,6 +167,30 @@ def test_backward_unmergeable_batch_dims():
         assert len(counters) > 3  # more than one launch per kernel
 
 
+@pytest.mark.parametrize("limit", [2, 5])
+def test_backward_grid_limit(monkeypatch, limit):
+    """grid.y / grid.z above CUDA's 65535 (shrunk here): host loops over the outer dims and
+    chunks of a lone dim that alone is too large (limit 2: batch (6,) -> chunks; (2, 3, 4)
+    -> outer loops)."""
+    from flasharray._private import launch
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    grids = []
+    real_launch = cb._Runner.launch
+
+    def recording_launch(self, source, name, grid, block, args, smem=0):
+        grids.append(tuple(grid))
+        return real_launch(self, source, name, grid, block, args, smem)
+
+    monkeypatch.setattr(cb._Runner, "launch", recording_launch)
+    for bq, bk in (((6,), (6,)), ((2, 3, 4), (2, 3, 1))):
+        for det in (True, False):
+            grids.clear()
+            p = Problem(np.float16, 32, 20, 33, causal=True, batch_q=bq, batch_k=bk)
+            check(p, run_backward("emulator", p, deterministic=det))
+            assert len(grids) > 3  # several launches per kernel
+            assert all(g[1] <= limit and g[2] <= limit for g in grids), grids
+
+
 def test_backward_fully_masked_rows_are_zero():
     """Causal with Lq > Lk: the first Lq - Lk rows see no key (lse = -inf): exactly zero dq,
     and keys nobody sees get zero dk, dv."""

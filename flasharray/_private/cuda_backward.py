@@ -46,22 +46,39 @@ def _merge(sizes, tensor_strides):
     return list(shape), {n: list(s) for n, s in zip(names, strides)}
 
 
+def _grid_fits(sizes):
+    """Whether ≤ 3 merged dims fit grid.z = nb0 and grid.y = nb1·nb2 (CUDA's 65535 limit)."""
+    dims = [1] * (_MAX_GRID_DIMS - len(sizes)) + list(sizes)
+    return dims[0] <= launch.MAX_GRID_YZ and dims[1] * dims[2] <= launch.MAX_GRID_YZ
+
+
 def _launch_plans(sizes, strides):
     """Split merged batch dims into launches of exactly (nb0, nb1, nb2) grid dims.
 
-    Dims beyond three (those that did not merge) are looped over on the host, outermost first.
-    Returns a list of ``(dims, strides3, offsets)``: the padded grid dims, each tensor's three
-    batch strides, and each tensor's element offset for that launch.
+    As ``launch.batch_plan``: dims that do not fit (more than three, or grid.y / grid.z above
+    ``launch.MAX_GRID_YZ``) are looped over on the host, outermost first; a lone dim above the
+    limit is launched in chunks. Returns a list of ``(dims, strides3, offsets)``: the padded grid
+    dims, each tensor's three batch strides, and each tensor's element offset for that launch.
     """
-    n_outer = max(0, len(sizes) - _MAX_GRID_DIMS)
-    inner = list(sizes[n_outer:])
-    pad = _MAX_GRID_DIMS - len(inner)
-    dims = [1] * pad + inner
-    strides3 = {n: [0] * pad + list(st[n_outer:]) for n, st in strides.items()}
+    sizes = list(sizes)
+    n_outer = 0
+    while len(sizes) - n_outer > _MAX_GRID_DIMS or (len(sizes) - n_outer > 1 and not _grid_fits(sizes[n_outer:])):
+        n_outer += 1
+    inner = sizes[n_outer:]
+    chunks = [(0, None)]
+    if inner and not _grid_fits(inner):  # one dim alone above the limit
+        chunks = [(c, min(launch.MAX_GRID_YZ, inner[0] - c)) for c in range(0, inner[0], launch.MAX_GRID_YZ)]
     plans = []
     for idx in itertools.product(*[range(n) for n in sizes[:n_outer]]):
-        offsets = {n: sum(i * si for i, si in zip(idx, st[:n_outer])) for n, st in strides.items()}
-        plans.append((dims, strides3, offsets))
+        for start, count in chunks:
+            cur = list(inner)
+            if count is not None:
+                cur[0] = count
+            pad = _MAX_GRID_DIMS - len(cur)
+            strides3 = {n: [0] * pad + list(st[n_outer:]) for n, st in strides.items()}
+            offsets = {n: sum(i * si for i, si in zip(idx, st[:n_outer])) + start * (st[n_outer] if inner else 0)
+                       for n, st in strides.items()}
+            plans.append(([1] * pad + cur, strides3, offsets))
     return plans
 
 
