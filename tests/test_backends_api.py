@@ -99,3 +99,18 @@ def test_emulator_rejects_cupy_style_misuse():
         fa.flash_attention(q, k, v, backend="cpu", schedule="random")
     with pytest.raises(TypeError, match="unexpected keyword"):
         fa.flash_attention(q, k, v, backend="emulator", workers=3)
+
+
+def test_bfloat16_on_turing_falls_back_to_simt_forward_and_backward():
+    """sm_75 has no bf16 tensor cores: both passes must choose the SIMT kernels by themselves."""
+    from flasharray._private import cuda_backward, cuda_forward
+    q, k, v = make_qkv((1, 21, 32), (1, 37, 32), (1, 37, 32), bfloat16, seed=8)
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=32 ** -0.5, batch_shape=(1,),
+                                    device="emulator", arch="sm_75")
+    dout = np.random.default_rng(9).standard_normal(out.shape).astype(bfloat16)
+    grads = cuda_backward.backward(dout, q, k, v, out, lse, causal=True, scale=32 ** -0.5,
+                                   batch_shape=(1,), device="emulator", arch="sm_75")
+    assert cuda_backward.default_kernel(bfloat16, 75) == "simt"
+    assert cuda_backward.default_kernel(bfloat16, 80) == "tc"
+    assert cuda_backward.default_kernel(np.float16, 75) == "tc"
+    assert_attention_close(out, q, k, v, causal=True, lse=lse, dout=dout, grads=grads)

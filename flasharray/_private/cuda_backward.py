@@ -113,12 +113,21 @@ def _b(flag):
     return "true" if flag else "false"
 
 
+def default_kernel(dtype, arch):
+    """"tc" where tensor cores serve the dtype (fp16 on sm_75+, bf16 on sm_80+), else "simt" —
+    the same fallback as the forward, so bf16 on Turing trains end to end."""
+    dtype = canonical_dtype(dtype)
+    if dtype.itemsize == 2 and (arch >= 80 or (dtype != bfloat16 and arch >= 75)):
+        return "tc"
+    return "simt"
+
+
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
                 acc_dq=False, vec=True, stages=None):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic) or ``convert`` (atomic mode).
-    ``kernel``: "tc" (default for fp16/bf16) or "simt"; ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
+    ``kernel``: "tc" or "simt" (default: :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
     streamed tiles (default: the tile table's choice). Also used by the static checks.
@@ -126,7 +135,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     dtype = canonical_dtype(dtype)
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
-    kernel = kernel or ("tc" if dtype.itemsize == 2 else "simt")
+    kernel = kernel or default_kernel(dtype, arch)
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     out_kv = A if acc_dkv else T
     out_q = A if acc_dq else T
@@ -201,7 +210,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     dtype = canonical_dtype(q.dtype)
     acc = accumulation_dtype(dtype)
     arch = tiles.arch_number(opts["arch"]) if "arch" in opts else runner.launcher.arch
-    kernel = opts.get("kernel") or ("tc" if dtype.itemsize == 2 else "simt")
+    kernel = opts.get("kernel") or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:
         raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
                                   "got %s (the SIMT kernel covers float32/float64)" % dtype)
