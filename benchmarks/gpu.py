@@ -17,7 +17,9 @@ e.g. the backward kernels with ``kind="bwd"`` and ``flops_factor=2.5``):
 
 Without a GPU the script says so and exits 0. ``--emulator`` runs one tiny shape through the
 CUDA emulator instead (exercises this script and the kernels in CI; the time is CPU time).
-Usage: python benchmarks/gpu.py [--quick] [--emulator] [--plot gpu.png]
+``--backward`` continues with ``benchmarks/gpu_backward.py`` (backward and forward+backward
+TFLOP/s, backward counted as 2.5× the forward FLOPs) with the same options.
+Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--plot gpu.png]
 """
 import argparse
 import math
@@ -229,7 +231,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="N up to 2048 only")
     ap.add_argument("--emulator", action="store_true", help="run a tiny shape on the CPU emulator")
     ap.add_argument("--plot", default=None, help="save a TFLOP/s plot to this file")
+    ap.add_argument("--backward", action="store_true",
+                    help="also run benchmarks/gpu_backward.py (backward, forward+backward)")
     args = ap.parse_args(argv)
+    if args.backward:
+        status = main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--backward"])
+        import gpu_backward  # benchmarks/ is on sys.path when this file runs as a script
+        bwd_argv = ["--quick"] * args.quick + ["--emulator"] * args.emulator
+        if args.plot:
+            root, ext = os.path.splitext(args.plot)
+            bwd_argv += ["--plot", root + "_backward" + (ext or ".png")]
+        return status or gpu_backward.main(bwd_argv)
     if args.emulator:
         return 0 if run_emulator() else 1
     try:
