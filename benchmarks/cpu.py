@@ -154,9 +154,13 @@ def _plot(rows, path):
             if key in r["res"]:
                 label = "%s D=%d%s" % (r["impl"], r["D"], " causal" if r["causal"] else "")
                 series.setdefault(label, []).append((r["N"], r["res"][key] * 1e3))
+        colors = {"flasharray": "tab:blue", "naive-fp32": "tab:gray", "torch-sdpa": "tab:orange"}
         for label, pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            impl, rest = label.split(" ", 1)
+            style = {"D=64": "-", "D=64 causal": "--", "D=128": "-.", "D=128 causal": ":"}.get(rest, "-")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                    color=colors.get(impl), linestyle=style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N (8 heads, fp32)")
