@@ -33,3 +33,13 @@ def gpu_available():
 
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
+
+
+def _nvrtc_status():
+    from flasharray._private import nvrtc
+    ok, why = nvrtc.available()
+    return bool(ok), why
+
+
+NVRTC_OK, NVRTC_WHY = _nvrtc_status()
+requires_nvrtc = pytest.mark.skipif(not NVRTC_OK, reason="NVRTC unavailable: %s" % NVRTC_WHY)

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from flasharray._private import nvrtc
+from conftest import requires_nvrtc
 
 KERNELS = Path(__file__).parent / "kernels"
-OK, WHY = nvrtc.available()
-pytestmark = pytest.mark.skipif(not OK, reason="NVRTC unavailable: %s" % WHY)
+pytestmark = requires_nvrtc
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])

@@ -21,19 +21,11 @@ from flasharray._private import launch, nvrtc, tiles_bwd
 from flasharray._private.dtypes import canonical_dtype
 
 import test_cuda_backward as tb
+from conftest import requires_nvrtc
 
 REGISTER_FILE = 64 * 1024
 
 
-def _nvrtc_ok():
-    try:
-        ok = nvrtc.available()
-        return ok[0] if isinstance(ok, tuple) else bool(ok)
-    except Exception:
-        return False
-
-
-requires_nvrtc = pytest.mark.skipif(not _nvrtc_ok(), reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)")
 
 
 def _vec(D, Dv):

@@ -15,20 +15,13 @@ import pytest
 
 from flasharray._private import launch, tiles
 from flasharray._private import nvrtc
+from conftest import requires_nvrtc
 
 REGISTER_FILE = 64 * 1024
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def _nvrtc_ok():
-    try:
-        ok = nvrtc.available()
-        return ok[0] if isinstance(ok, tuple) else bool(ok)
-    except Exception:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _nvrtc_ok(), reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)")
+pytestmark = requires_nvrtc
 
 
 def instantiations(arch, head_dims):
