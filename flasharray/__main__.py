@@ -15,7 +15,11 @@ def main(argv=None):
         parser.print_help()
         return 0 if args.command is None else 2
     from ._private.config import show_config
-    show_config(dtype=args.dtype, head_dim=args.head_dim, arch=args.arch)
+    try:
+        show_config(dtype=args.dtype, head_dim=args.head_dim, arch=args.arch)
+    except BrokenPipeError:  # `python -m flasharray info | head`: the reader left, not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -1,0 +1,37 @@
+"""``flasharray.show_config()`` and ``python -m flasharray info`` report versions and kernel choices."""
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flasharray as fa
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def test_show_config_names_versions_sources_and_kernels():
+    buf = io.StringIO()
+    fa.show_config(file=buf)
+    text = buf.getvalue()
+    for word in ("flasharray", "numpy", "cupy", "NVRTC", "cuda sources", "emulator", "sm_80", "sm_75"):
+        assert word in text, word
+    assert "tensor_core" in text and "simt" in text
+
+
+def test_cli_info_for_one_configuration():
+    res = subprocess.run([sys.executable, "-m", "flasharray", "info", "--dtype", "bfloat16",
+                          "--head-dim", "128", "--arch", "75"], env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    # bf16 has no tensor cores on sm_75: the SIMT kernel is chosen
+    line = [ln for ln in res.stdout.splitlines() if "bfloat16" in ln and "d=128" in ln]
+    assert line and "simt" in line[0], res.stdout
+
+
+def test_cli_without_command_prints_help_and_survives_a_closed_pipe():
+    res = subprocess.run([sys.executable, "-m", "flasharray"], env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0 and "info" in res.stdout
+    res = subprocess.run("%s -m flasharray info | head -1" % sys.executable, shell=True, env=ENV,
+                         capture_output=True, text=True)
+    assert res.stdout.startswith("flasharray") and "Traceback" not in res.stderr
