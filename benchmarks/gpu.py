@@ -226,6 +226,46 @@ def run_emulator():
     return ok
 
 
+def have_gpu():
+    """True when CuPy sees a CUDA device; otherwise say why there is nothing to measure."""
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        print("no GPU: CuPy unavailable (%s: %s); nothing to measure. Use --emulator to exercise the "
+              "kernels on the CPU." % (type(e).__name__, e))
+        return False
+    if n == 0:
+        print("no GPU: CuPy sees no CUDA device; nothing to measure.")
+        return False
+    return True
+
+
+def plot_tflops(rows, impl_names, path):
+    """TFLOP/s against N, one panel per (dtype, D, causal); rows as printed by the tables
+    ``(dtype, D, causal, N, impl, ms, tflops, ...)``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    for ax, (dt, D, causal) in zip(axes.flat, [(a, b, c) for a in DTYPES for b in HEAD_DIMS for c in (False, True)]):
+        for name in impl_names:
+            pts = [(r[3], r[6]) for r in rows if r[:3] == (dt, D, causal) and r[4] == name]
+            if pts:
+                ax.semilogx(*zip(*pts), "-o", label=name)
+        ax.set_title("%s d=%d%s" % (dt, D, " causal" if causal else ""))
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    print("plot saved to %s" % path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N up to 2048 only")
@@ -244,38 +284,11 @@ def main(argv=None):
         return status or gpu_backward.main(bwd_argv)
     if args.emulator:
         return 0 if run_emulator() else 1
-    try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        print("no GPU: CuPy unavailable (%s: %s); nothing to measure. Use --emulator to exercise the "
-              "kernels on the CPU." % (type(e).__name__, e))
-        return 0
-    if n == 0:
-        print("no GPU: CuPy sees no CUDA device; nothing to measure.")
+    if not have_gpu():
         return 0
     rows = run_gpu(args)
     if args.plot and rows:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib not installed: no plot")
-            return 0
-        fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
-        for ax, (dt, D, causal) in zip(axes.flat, [(a, b, c) for a in DTYPES for b in HEAD_DIMS for c in (False, True)]):
-            for name in IMPLS:
-                pts = [(r[3], r[6]) for r in rows if r[:3] == (dt, D, causal) and r[4] == name]
-                if pts:
-                    ax.semilogx(*zip(*pts), "-o", label=name)
-            ax.set_title("%s d=%d%s" % (dt, D, " causal" if causal else ""))
-            ax.set_xlabel("N")
-            ax.set_ylabel("TFLOP/s")
-        axes.flat[0].legend()
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        print("plot saved to %s" % args.plot)
+        plot_tflops(rows, IMPLS, args.plot)
     return 0
 
 

@@ -231,39 +231,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.emulator:
         return 0 if run_emulator() else 1
-    try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        print("no GPU: CuPy unavailable (%s: %s); nothing to measure. Use --emulator to exercise the "
-              "kernels on the CPU." % (type(e).__name__, e))
-        return 0
-    if n == 0:
-        print("no GPU: CuPy sees no CUDA device; nothing to measure.")
+    if not fwd_bench.have_gpu():
         return 0
     rows = run_gpu(args)
     if args.plot and rows:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib not installed: no plot")
-            return 0
-        combos = [(a, b, c) for a in fwd_bench.DTYPES for b in fwd_bench.HEAD_DIMS for c in (False, True)]
-        fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
-        for ax, (dt, D, causal) in zip(axes.flat, combos):
-            for name in IMPLS:
-                pts = [(r[3], r[6]) for r in rows if r[:3] == (dt, D, causal) and r[4] == name]
-                if pts:
-                    ax.semilogx(*zip(*pts), "-o", label=name)
-            ax.set_title("%s d=%d%s" % (dt, D, " causal" if causal else ""))
-            ax.set_xlabel("N")
-            ax.set_ylabel("TFLOP/s")
-        axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        print("plot saved to %s" % args.plot)
+        fwd_bench.plot_tflops(rows, IMPLS, args.plot)
     return 0
 
 
