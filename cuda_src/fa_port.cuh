@@ -13,7 +13,8 @@
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
 //                      logf, log2f, fmaxf, fminf, INFINITY, __global__ __device__ __forceinline__
-//                      __launch_bounds__ __restrict__
+//                      __launch_bounds__ __restrict__, FA_NOINLINE (CUDA's __noinline__, which the
+//                      emulator cannot define: it collides with the C++ standard library's spelling)
 //
 // Two implementations of one interface:
 //   * GPU (nvcc / NVRTC): the wrappers are inline PTX. This is the ONLY place in the project
@@ -48,6 +49,9 @@ typedef long int64_t;
 
 typedef __half fa_half;
 typedef __nv_bfloat16 fa_bf16;
+
+// CUDA's __noinline__, spelled so that the emulator's host compilers accept it too.
+#define FA_NOINLINE __noinline__
 
 // Declares `unsigned char* ptr` pointing at the block's dynamic shared memory.
 #define FA_DYNAMIC_SMEM(ptr)                                                  \

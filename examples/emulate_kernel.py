@@ -76,7 +76,7 @@ counters = mod.launch("row_softmax<true>", grid, (32 * WARPS_PER_BLOCK,),
 e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
 reference = e / e.sum(axis=1, keepdims=True)
 err = np.abs(out - reference).max()
-print("backend: flasharray emulator (CPU)")
+print("backend: flasharray emulator (CPU), host compiler %s (CXX= picks another)" % emulator.host_compiler())
 print("max |emulator - numpy| = %.2e" % err)
 assert err < 1e-6
 

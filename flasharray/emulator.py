@@ -45,19 +45,16 @@ from pathlib import Path
 
 import numpy as np
 
+from flasharray._private import host_compiler as _hc
 from flasharray._private.sources import cuda_src_dir
 
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
-           "cache_dir", "switch_cost_ns"]
+           "cache_dir", "host_compiler", "switch_cost_ns"]
 
 _ABI_VERSION = 1
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h")
-_HOST_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing",
-               # Jump threading can duplicate a __syncthreads() call into two branches taken by
-               # different threads, which the divergent-barrier check would then report.
-               "-fno-thread-jumps")
 
 
 class EmulatorError(RuntimeError):
@@ -71,7 +68,11 @@ class EmulatorError(RuntimeError):
 
 
 class CompileError(RuntimeError):
-    """The host compiler rejected the source; ``log`` holds its full output."""
+    """The host compiler rejected the source (or is missing); ``log`` holds its full output.
+
+    The message names the compiler and its version, the first error, the command, and says that
+    ``CXX=`` chooses another compiler.
+    """
 
     def __init__(self, message, log=""):
         super().__init__(message)
@@ -155,7 +156,6 @@ class _LaunchParams(ctypes.Structure):
 _lock = threading.RLock()
 _runtime_lib = None
 _loaded = {}          # module key -> (CDLL, {included header: sha256})
-_compiler_ids = {}
 
 
 def cache_dir():
@@ -171,19 +171,25 @@ def cache_dir():
     return Path(base) / "flasharray" / "emulator"
 
 
-def _cxx():
-    return os.environ.get("CXX", "g++")
+def _compiler():
+    """The host compiler ($CXX, else c++, else g++), identified once per command."""
+    try:
+        return _hc.current()
+    except _hc.CompilerNotFound as e:
+        raise CompileError(str(e)) from None
 
 
-def _compiler_id(cxx):
-    if cxx not in _compiler_ids:
-        try:
-            out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError) as e:
-            raise CompileError("flasharray.emulator needs a C++17 compiler; %r is not usable (%s). "
-                               "Install g++ or set $CXX." % (cxx, e)) from None
-        _compiler_ids[cxx] = out.splitlines()[0] if out else cxx
-    return _compiler_ids[cxx]
+def host_compiler():
+    """The host compiler kernels are built with, e.g. ``'clang++ (clang 14.0.6, libstdc++)'``.
+
+    ``$CXX`` (split into words, so it may carry arguments), else ``c++``, else ``g++``; read at each
+    call. Supported: g++ 12-14 and clang++ >= 14. Raises :class:`CompileError` when it is unusable.
+    """
+    return _compiler().describe()
+
+
+def _compiler_key(cc):
+    return (cc.argv, cc.family, cc.version, cc.stdlib)
 
 
 def _sha(*parts):
@@ -194,12 +200,13 @@ def _sha(*parts):
     return h.hexdigest()
 
 
-def _run_compiler(cmd, what):
+def _run_compiler(cc, args, what):
+    cmd = [*cc.argv, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
                           env=dict(os.environ, LC_ALL="C"))
     if proc.returncode != 0:
         log = (proc.stdout + proc.stderr).strip()
-        raise CompileError("%s failed to compile:\n%s\n(command: %s)" % (what, log, " ".join(cmd)), log)
+        raise CompileError(_hc.failure_message(what, cc, cmd, log), log)
     return proc
 
 
@@ -217,9 +224,9 @@ def _runtime():
         if _runtime_lib is not None:
             return _runtime_lib
         src = cuda_src_dir()
-        cxx = _cxx()
+        cc = _compiler()
         texts = [(src / name).read_bytes() for name in _RUNTIME_SOURCES]
-        key = _sha("runtime", _ABI_VERSION, _compiler_id(cxx), _HOST_FLAGS, *texts)[:24]
+        key = _sha("runtime", _ABI_VERSION, _compiler_key(cc), cc.flags, *texts)[:24]
         root = cache_dir()
         root.mkdir(parents=True, exist_ok=True)
         path = root / ("libfa_emu_rt-%s.so" % key)
@@ -227,8 +234,8 @@ def _runtime():
             tmpdir = tempfile.mkdtemp(dir=root, prefix="build-rt-")
             try:
                 out = os.path.join(tmpdir, "libfa_emu_rt.so")
-                _run_compiler([cxx, "-std=c++17", *_HOST_FLAGS, "-shared", "-pthread",
-                               str(src / "emu" / "fa_emu_runtime.cpp"), "-o", out],
+                _run_compiler(cc, ["-std=c++17", *cc.flags, "-shared", "-pthread",
+                                   str(src / "emu" / "fa_emu_runtime.cpp"), "-o", out],
                               "the emulator runtime (cuda_src/emu/fa_emu_runtime.cpp)")
                 os.replace(out, path)
             finally:
@@ -344,7 +351,7 @@ class Module:
         src_dir = cuda_src_dir()
         std, flags = _translate_options(list(options))
         inc = [str(src_dir)] + [str(Path(d).resolve()) for d in include_dirs]
-        cxx = _cxx()
+        cc = _compiler()
         gen = ["// generated by flasharray.emulator",
                '#include "fa_port.cuh"',
                '#include "kernel.cu"',
@@ -355,8 +362,8 @@ class Module:
             gen.append('extern "C" const char* fa_emu_sig_%d(void) { auto fn = &%s; return ::fa_emu::signature(fn); }'
                        % (i, expr))
         main = "\n".join(gen) + "\n"
-        cmd_flags = [std, *_HOST_FLAGS, *flags, *host_options, *("-I" + d for d in inc)]
-        key = _sha("module", _ABI_VERSION, _compiler_id(cxx), cmd_flags, rt_path.name, source, main)[:32]
+        cmd_flags = [std, *cc.flags, *flags, *host_options, *("-I" + d for d in inc)]
+        key = _sha("module", _ABI_VERSION, _compiler_key(cc), cmd_flags, rt_path.name, source, main)[:32]
         with _lock:
             hit = _loaded.get(key)
             # Reuse the loaded library unless a header it includes changed since (e.g. while
@@ -364,7 +371,7 @@ class Module:
             if hit is not None and all(_file_sha(p) == h for p, h in hit[1].items()):
                 self._lib = hit[0]
             else:
-                self._lib, deps = self._build(key, cxx, cmd_flags, source, main, rt_path)
+                self._lib, deps = self._build(key, cc, cmd_flags, source, main, rt_path)
                 _loaded[key] = (self._lib, deps)
         self._entries, self._sigs = {}, {}
         for i, expr in enumerate(self.name_expressions):
@@ -376,7 +383,7 @@ class Module:
             self._sigs[expr] = sig.split(",") if sig else []
 
     @staticmethod
-    def _build(key, cxx, cmd_flags, source, main, rt_path):
+    def _build(key, cc, cmd_flags, source, main, rt_path):
         root = cache_dir()
         mod_dir = root / ("mod-" + key)
         meta = mod_dir / "deps.json"
@@ -395,10 +402,10 @@ class Module:
             Path(tmpdir, "kernel.cu").write_text(source)
             Path(tmpdir, "main.cpp").write_text(main)
             out = os.path.join(tmpdir, "module.so")
-            cmd = [cxx, *cmd_flags, "-I" + tmpdir, "-shared", "-pthread", "-MMD", "-MF",
-                   os.path.join(tmpdir, "deps.d"), "-x", "c++", os.path.join(tmpdir, "main.cpp"), "-x", "none", "-o", out,
-                   str(rt_path), "-Wl,-rpath," + str(rt_path.parent), "-Wl,--no-undefined"]
-            _run_compiler(cmd, "the kernel source")
+            args = [*cmd_flags, "-I" + tmpdir, "-shared", "-pthread", "-MMD", "-MF",
+                    os.path.join(tmpdir, "deps.d"), "-x", "c++", os.path.join(tmpdir, "main.cpp"), "-x", "none",
+                    "-o", out, str(rt_path), "-Wl,-rpath," + str(rt_path.parent), "-Wl,--no-undefined"]
+            _run_compiler(cc, args, "the kernel source")
             deps = {}
             for d in _parse_depfile(Path(tmpdir, "deps.d").read_text()):
                 p = os.path.abspath(d)

@@ -1,5 +1,6 @@
 """The GPU branch of fa_port.cuh compiles with NVRTC (no GPU needed) for every target architecture,
 and the reusable NVRTC driver reports ptxas resource usage per kernel."""
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,8 @@ def test_instruction_selection_per_arch(arch, k8, k16, cp_async):
     assert r.ptx.count("cp.async.cg.shared.global") + r.ptx.count("cp.async.ca.shared.global") == cp_async
     for x in ("x4.shared.b16", "x2.shared.b16", "x1.trans.shared.b16", "x2.trans.shared.b16"):
         assert "ldmatrix.sync.aligned.m8n8." + x in r.ptx
+    # FA_NOINLINE keeps its function out of line: a .func called from the kernel.
+    assert re.search(r"\.func .*noinline_half", r.ptx) and re.search(r"call\.uni.*\n?.*noinline_half", r.ptx)
 
 
 def test_static_shared_memory_and_registers_are_parsed():

@@ -9,22 +9,32 @@
 //   * queues cp.async copies and performs them at the cp.async.wait_group that covers them.
 #pragma once
 
+// Every standard header the emulator needs comes first, before any macro below exists.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <math.h>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "fa_emu_api.h"
 
 #define FA_EMULATOR 1
 
 // ---- CUDA keywords -----------------------------------------------------------------------
+// Only names no C or C++ standard library uses: a header included after this one (by a kernel,
+// or by a header the kernel includes) must see its own spelling unchanged. CUDA's __noinline__
+// is deliberately absent: libstdc++ (GCC >= 12) and libc++ write __attribute__((__noinline__)),
+// which a macro `__noinline__ -> __attribute__((noinline))` turns into a syntax error. Kernels
+// write FA_NOINLINE instead (below; __noinline__ on the GPU). tests/test_host_compiler.py checks
+// these names against the installed standard library headers.
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
+#define FA_NOINLINE __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // Static __shared__ variables become per-OS-thread storage: one block runs at a time on each

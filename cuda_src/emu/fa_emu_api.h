@@ -22,12 +22,21 @@ enum { FA_EMU_F16 = 0, FA_EMU_BF16 = 1 };
 enum { FA_EMU_VOTE_BALLOT = 0, FA_EMU_VOTE_ANY = 1, FA_EMU_VOTE_ALL = 2 };
 enum { FA_EMU_BAR_PLAIN = 0, FA_EMU_BAR_COUNT = 1, FA_EMU_BAR_AND = 2, FA_EMU_BAR_OR = 3 };
 
+// Barriers are identified by their call site (a divergent __syncthreads() is an error), so the
+// compiler must not duplicate a call into branches: Clang's `convergent` forbids exactly that (GCC
+// has no such attribute; the driver passes it -fno-thread-jumps instead).
+#if defined(__clang__)
+#define FA_EMU_CONVERGENT __attribute__((convergent))
+#else
+#define FA_EMU_CONVERGENT
+#endif
+
 // The view of the calling fiber. Constant for the lifetime of a kernel invocation (a fiber
 // never changes identity), hence `const`: the compiler may reuse the result.
 const fa_emu_thread_view* fa_emu_self(void) __attribute__((const));
 
-void fa_emu_syncthreads(void);
-int fa_emu_syncthreads_reduce(int kind, int predicate);
+FA_EMU_CONVERGENT void fa_emu_syncthreads(void);
+FA_EMU_CONVERGENT int fa_emu_syncthreads_reduce(int kind, int predicate);
 unsigned fa_emu_vote(int kind, unsigned mask, int predicate);
 void fa_emu_syncwarp(unsigned mask);
 uint64_t fa_emu_shfl(int kind, unsigned mask, uint64_t value, int arg, int width);

@@ -46,7 +46,10 @@ template <class T> struct type_code<T*> {
 
 template <class... A, std::size_t... I>
 void invoke_impl(void (*fn)(A...), void** args, std::index_sequence<I...>) {
-    fn(*static_cast<std::remove_cv_t<A>*>(args[I])...);
+    // Called through a volatile pointer so that no compiler inlines the kernel into its entry
+    // point: error messages name barrier sites as `kernel(args)+offset`.
+    void (*volatile kernel)(A...) = fn;
+    kernel(*static_cast<std::remove_cv_t<A>*>(args[I])...);
 }
 template <class... A>
 void invoke(void (*fn)(A...), void** args) {

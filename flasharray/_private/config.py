@@ -78,6 +78,14 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None):
         return str(e)
 
 
+def _emulator_compiler():
+    from .. import emulator
+    try:
+        return emulator.host_compiler()
+    except emulator.CompileError as e:
+        return "unusable: %s" % e
+
+
 def show_config(file=None, dtype=None, head_dim=None, arch=None):
     """Print versions, devices and compute capabilities, cache dirs and the kernel choices.
 
@@ -115,6 +123,7 @@ def show_config(file=None, dtype=None, head_dim=None, arch=None):
         p("  emulator      %s" % cache_dir())
     except Exception as e:  # pragma: no cover - emulator is part of the package
         p("  emulator      unavailable (%s)" % e)
+    p("emulator CXX    %s" % _emulator_compiler())
     p("forward kernel choices")
     if dtype is not None or head_dim is not None or arch is not None:
         dt = dtype if dtype is not None else "float16"

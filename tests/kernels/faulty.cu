@@ -111,12 +111,18 @@ __global__ void mma_partial_warp(float* out) {
     fa::gstore(out + threadIdx.x, d[0]);
 }
 
-__device__ int deep(int n) {
+// Each level's 8 KiB frame is visible to the level below (its address escapes into the call), so
+// no compiler can turn the recursion into a loop (Clang does, for the plain accumulator form).
+__device__ int deep(int n, volatile char* parent) {
     volatile char pad[8192];
     pad[0] = static_cast<char>(n);
-    return n == 0 ? 0 : deep(n - 1) + pad[0];
+    if (n == 0) return parent[0] & 0;
+    return deep(n - 1, pad) + pad[0];
 }
-__global__ void stack_overflow(int* out, int depth) { fa::gstore(out + threadIdx.x, deep(depth)); }
+__global__ void stack_overflow(int* out, int depth) {
+    volatile char root = 0;
+    fa::gstore(out + threadIdx.x, deep(depth, &root));
+}
 
 __global__ void int_div_zero(int* out, int d) { fa::gstore(out + threadIdx.x, 100 / d); }
 

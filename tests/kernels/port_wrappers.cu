@@ -2,6 +2,9 @@
 // GPU branch, g++ for the emulator branch) checks the whole portability surface.
 #include "fa_port.cuh"
 
+// FA_NOINLINE (CUDA's __noinline__): a real call on the GPU, a .func of its own in the PTX.
+__device__ FA_NOINLINE float noinline_half(float x) { return 0.5f * x; }
+
 template <class T>   // T: fa_half or fa_bf16 (bf16 tensor cores need sm_80+)
 __global__ void __launch_bounds__(32)
 port_wrappers(float* __restrict__ out, double* __restrict__ out64, const T* __restrict__ in, int n) {
@@ -37,6 +40,7 @@ port_wrappers(float* __restrict__ out, double* __restrict__ out64, const T* __re
     __syncwarp();
     v = fmaxf(v, fminf(exp2f(v), expf(v))) + logf(fabsf(v) + 1.f) + log2f(2.f) + static_cast<float>(k + u);
     if (v == INFINITY) v = 0.f;
+    v = noinline_half(v);
     const uint32_t packed = fa::pack2<T>(v, -v);
     const T h = fa::from_float<T>(v);
     fa::gstore(out + lane, fa::to_float(h) + static_cast<float>(packed & 1u) + fa::to_float(tile[lane]));

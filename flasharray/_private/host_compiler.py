@@ -1,0 +1,128 @@
+"""The host C++ compiler behind :mod:`flasharray.emulator`: which one, its flags, its errors.
+
+The compiler is ``$CXX``, split into words like a shell does (so ``CXX="clang++ -stdlib=libc++"``
+and ``CXX="ccache g++"`` work), else ``c++``, else ``g++``. Supported: g++ 12, 13, 14 and
+clang++ ≥ 14, with libstdc++ or (clang) libc++. What the compiler is — family, version, standard
+library — is read once per command from its predefined macros, not from ``--version`` text.
+"""
+import dataclasses
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+
+SUPPORTED = "g++ 12-14 and clang++ >= 14 (libstdc++ or libc++)"
+
+# Flags every emulator build uses.
+COMMON_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing")
+# GCC: jump threading can duplicate a __syncthreads() call into two branches taken by different
+# threads, which the divergent-barrier check (barriers are identified by call site) would then
+# report. Clang needs no flag: fa_emu_api.h declares the barriers `convergent`, which forbids
+# exactly that transformation.
+FAMILY_FLAGS = {"gcc": ("-fno-thread-jumps",), "clang": ()}
+
+_PROBE = "#include <cstddef>\n"   # pulls in the standard library's configuration macros
+
+
+class CompilerNotFound(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """One host compiler command and what it is."""
+    argv: tuple        # the command and its own arguments, e.g. ("clang++", "-stdlib=libc++")
+    family: str        # "gcc" or "clang"
+    version: str       # e.g. "13.3.0"
+    stdlib: str        # "libstdc++", "libc++" or "unknown"
+
+    @property
+    def flags(self):
+        return COMMON_FLAGS + FAMILY_FLAGS[self.family]
+
+    def describe(self):
+        """``'clang++ (clang 14.0.6, libstdc++)'``: the command, the compiler and its library."""
+        return "%s (%s %s, %s)" % (" ".join(self.argv), self.family, self.version, self.stdlib)
+
+
+def command():
+    """The compiler command as a word list: ``$CXX``, else ``c++``, else ``g++``."""
+    env = os.environ.get("CXX", "").strip()
+    if env:
+        return tuple(shlex.split(env))
+    return ("c++",) if shutil.which("c++") else ("g++",)
+
+
+@functools.lru_cache(maxsize=None)
+def identify(argv):
+    """The :class:`Compiler` behind ``argv`` (a tuple); raises :class:`CompilerNotFound`."""
+    try:
+        proc = subprocess.run([*argv, "-x", "c++", "-std=c++17", "-E", "-dM", "-"], input=_PROBE,
+                              capture_output=True, text=True, errors="replace", env=dict(os.environ, LC_ALL="C"))
+    except OSError as e:
+        raise CompilerNotFound(_not_usable(argv, e.strerror or str(e))) from None
+    if proc.returncode != 0:
+        raise CompilerNotFound(_not_usable(argv, first_error(proc.stderr) or "exit status %d" % proc.returncode))
+    macros = dict(re.findall(r"^#define (\w+) ?(.*)$", proc.stdout, re.M))
+    if "__clang__" in macros:
+        family, parts = "clang", ("__clang_major__", "__clang_minor__", "__clang_patchlevel__")
+    elif "__GNUC__" in macros:
+        family, parts = "gcc", ("__GNUC__", "__GNUC_MINOR__", "__GNUC_PATCHLEVEL__")
+    else:
+        raise CompilerNotFound(_not_usable(argv, "neither GCC nor Clang (no __GNUC__ / __clang__ macro)"))
+    version = ".".join(macros.get(p, "?") for p in parts)
+    stdlib = "libc++" if "_LIBCPP_VERSION" in macros else "libstdc++" if "__GLIBCXX__" in macros else "unknown"
+    return Compiler(tuple(argv), family, version, stdlib)
+
+
+def current():
+    """The :class:`Compiler` the emulator uses now (``$CXX`` is read on every call)."""
+    return identify(command())
+
+
+def _not_usable(argv, why):
+    return ("flasharray.emulator needs a C++17 compiler; %r is not usable: %s. Install g++ or clang++, "
+            "or choose another compiler with CXX= (supported: %s)." % (" ".join(argv), why, SUPPORTED))
+
+
+_DIAGNOSTIC = re.compile(r"(: (fatal )?error: |^error: |undefined reference to )")
+_CONTEXT = re.compile(r"^(In file included from |\s+from |.*: (In |required from |In instantiation))")
+
+
+def first_error(log, max_lines=12):
+    """The first error of a compiler log with its context: the include chain before it and the
+    notes after it (up to the next error), at most ``max_lines`` lines. '' when there is none."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if _DIAGNOSTIC.search(line):
+            start = i
+            while start > 0 and _CONTEXT.match(lines[start - 1]):
+                start -= 1
+            end = i + 1
+            while end < len(lines) and not _DIAGNOSTIC.search(lines[end]) and end - start < max_lines:
+                end += 1
+            return "\n".join(lines[start:end])
+    return ""
+
+
+# Hints for errors whose cause is the emulator's CUDA dialect rather than the user's code.
+_HINTS = (
+    (re.compile(r"__noinline__"),
+     "the emulator does not define the CUDA keyword __noinline__: libstdc++ and libc++ spell their own "
+     "attribute __attribute__((__noinline__)), which such a macro would break. Write FA_NOINLINE "
+     "(fa_port.cuh) instead; it is __noinline__ on the GPU."),
+)
+
+
+def failure_message(what, compiler, cmd, log):
+    """The message of a failed compile: compiler and version, the first error, the command, and how
+    to choose another compiler."""
+    err = first_error(log) or log.strip()[-2000:]
+    msg = ["%s failed to compile with %s:" % (what, compiler.describe()), err]
+    msg += ["hint: " + hint for rx, hint in _HINTS if rx.search(err)]
+    msg.append("command: %s" % " ".join(shlex.quote(c) for c in cmd))
+    msg.append("The full compiler output is in CompileError.log. CXX= chooses another compiler "
+               "(supported: %s)." % SUPPORTED)
+    return "\n".join(msg)
