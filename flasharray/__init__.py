@@ -15,6 +15,7 @@ from ._private.api import (  # noqa: E402
     flash_attention_forward,
     flash_attention_vjp,
 )
+from ._private.merge import merge_attention  # noqa: E402
 from . import reference, testing  # noqa: E402
 
 
@@ -33,6 +34,7 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_backward",
     "flash_attention_vjp",
+    "merge_attention",
     "reference",
     "testing",
     "show_config",
