@@ -51,7 +51,7 @@ from flasharray._private.sources import cuda_src_dir
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
            "cache_dir", "host_compiler", "switch_cost_ns"]
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h")
@@ -97,6 +97,12 @@ class Counters:
     ``__all_sync``) and ``syncwarps`` count warp-level instructions (one per warp), ``cp_async``
     counts per-thread copies, ``barriers`` counts completed ``__syncthreads()`` (one per block and
     barrier), ``atomics`` per-thread atomic adds, ``fiber_switches`` context switches.
+
+    ``ldmatrix_wavefronts`` counts the shared-memory wavefronts the ``fa::ldmatrix`` calls need on
+    the hardware (32 banks of 4 bytes; each 8×8 matrix's 8 row addresses form one phase, which
+    takes as many wavefronts as its most-used bank has distinct words), and
+    ``ldmatrix_wavefronts_ideal`` the conflict-free count (one per matrix); their ratio is the
+    average bank-conflict degree (:attr:`ldmatrix_conflict_factor`).
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -112,7 +118,14 @@ class Counters:
     blocks: int = 0
     fiber_switches: int = 0
     votes: int = 0
+    ldmatrix_wavefronts: int = 0
+    ldmatrix_wavefronts_ideal: int = 0
     seconds: float = 0.0
+
+    @property
+    def ldmatrix_conflict_factor(self):
+        """Shared-memory wavefronts of the ldmatrix calls over the conflict-free count (1.0 = none)."""
+        return self.ldmatrix_wavefronts / self.ldmatrix_wavefronts_ideal if self.ldmatrix_wavefronts_ideal else 1.0
 
     @property
     def global_bytes(self):
@@ -133,7 +146,7 @@ class _Buffer(ctypes.Structure):
 
 _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix", "cp_async",
                    "cp_async_bytes", "barriers", "shuffles", "syncwarps", "atomics", "blocks",
-                   "fiber_switches", "votes")
+                   "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal")
 
 
 class _Counters(ctypes.Structure):

@@ -13,6 +13,7 @@ import pytest
 
 from flasharray import reference, testing
 from flasharray._private import cuda_backward as cb
+from flasharray._private import cuda_forward
 from flasharray._private import tiles_bwd
 from flasharray._private.dtypes import accumulation_dtype, bfloat16, canonical_dtype
 
@@ -390,3 +391,21 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
     for _, name, t in plan.values():
         smem, optin = launched[name]
         assert smem == (t.smem if t else 0) and optin >= smem
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_ldmatrix_reads_are_bank_conflict_free(D):
+    """Every fa::ldmatrix of the tensor-core forward and backward kernels is served in the ideal
+    number of shared-memory wavefronts (emulator counter; the shared tiles are laid out so that
+    each 8x8 matrix's rows hit distinct banks). A layout change that causes conflicts fails here."""
+    rng = np.random.default_rng(D)
+    q, k, v = (rng.standard_normal((1, 1, 128, D)).astype(np.float16) for _ in range(3))
+    fwd = []
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=(1, 1),
+                                    device="emulator", counters=fwd)
+    *_, bwd = cb.backward(np.ones_like(out), q, k, v, out, lse, causal=True, scale=D ** -0.5,
+                          batch_shape=(1, 1), device="emulator", return_counters=True)
+    launches = [("forward", c) for c in fwd] + list(bwd)
+    assert sum(c.ldmatrix_wavefronts_ideal for _, c in launches) > 0
+    for name, c in launches:
+        assert c.ldmatrix_wavefronts == c.ldmatrix_wavefronts_ideal, (name, c.ldmatrix_conflict_factor)

@@ -122,6 +122,28 @@ def test_ldmatrix_matches_model(mod, n, trans):
         assert c.ldmatrix == 1
 
 
+@pytest.mark.parametrize("row_of_lane,degree", [
+    (lambda l: l, 1),                    # 8 consecutive 16-byte rows per matrix: 128 bytes, all banks
+    (lambda l: 8 * l, 8),                # 128-byte pitch: every row starts in bank 0 -> 8-way
+    (lambda l: 4 * l, 4),                # 64-byte pitch -> 4-way
+    (lambda l: 2 * l, 2),                # 32-byte pitch -> 2-way
+    (lambda l: 8 * l + l % 8, 1),        # 128-byte pitch, XOR-swizzled 16-byte chunks: conflict-free
+    (lambda l: 0 * l, 1),                # every lane the same row: a broadcast
+])
+def test_ldmatrix_bank_conflict_wavefronts(mod, row_of_lane, degree):
+    """Shared-memory wavefronts of one ldmatrix.x4 on hand-made row patterns of known conflict degree."""
+    nrows = 8 * 32
+    rows = np.arange(nrows * 8, dtype=np.uint16).reshape(nrows, 8)
+    lanes = np.array([row_of_lane(l) for l in range(32)], np.int32)
+    out = np.zeros(32 * 4, np.uint32)
+    c = mod.launch(_ldm_name(4, False), 1, 32, (out, rows.reshape(-1), lanes, np.int32(nrows)),
+                   shared_mem=nrows * 16)
+    np.testing.assert_array_equal(out.reshape(32, 4), ldmatrix_model(4, False, rows, lanes))
+    assert c.ldmatrix_wavefronts_ideal == 4
+    assert c.ldmatrix_wavefronts == 4 * degree
+    assert c.ldmatrix_conflict_factor == degree
+
+
 def test_ldmatrix_ignores_addresses_of_unused_lanes(mod):
     """x1 reads lanes 0-7 only and x2 lanes 0-15: the other lanes may pass anything in smem."""
     rng = np.random.default_rng(3)

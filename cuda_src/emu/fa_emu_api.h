@@ -64,6 +64,7 @@ typedef struct fa_emu_counters {
     uint64_t global_read_bytes, global_write_bytes;
     uint64_t mma, ldmatrix, cp_async, cp_async_bytes, barriers, shuffles, syncwarps, atomics;
     uint64_t blocks, fiber_switches, votes;
+    uint64_t ldmatrix_wavefronts, ldmatrix_wavefronts_ideal;  // shared-memory bank conflicts
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -419,6 +419,27 @@ void eval_shfl(Worker* w, Fiber* lanes, unsigned mask) {
     ++w->cnt.shuffles;
 }
 
+// Shared-memory wavefronts one 8x8 matrix of an ldmatrix needs: its 8 row addresses (16 bytes,
+// i.e. 4 consecutive 4-byte banks, each) are served in one phase; the phase takes as many
+// wavefronts as the most-used of the 32 banks has distinct words (the same word read twice is a
+// broadcast). 1 when conflict-free; 8 when all rows start in the same bank (e.g. a 128-byte pitch).
+int ldmatrix_wavefronts(const uint16_t* const* rows) {
+    uintptr_t words[32][8];
+    int used[32] = {0};
+    int worst = 1;
+    for (int r = 0; r < 8; ++r) {
+        for (int k = 0; k < 4; ++k) {
+            const uintptr_t word = reinterpret_cast<uintptr_t>(rows[r]) / 4 + k;
+            const int bank = static_cast<int>(word % 32);
+            bool seen = false;
+            for (int i = 0; i < used[bank]; ++i) seen |= words[bank][i] == word;
+            if (!seen) words[bank][used[bank]++] = word;
+            if (used[bank] > worst) worst = used[bank];
+        }
+    }
+    return worst;
+}
+
 void eval_ldmatrix(Worker* w, Fiber* lanes) {
     const int n = lanes[0].n;
     const int trans = lanes[0].trans;
@@ -454,7 +475,9 @@ void eval_ldmatrix(Worker* w, Fiber* lanes) {
             }
             rows[j][r] = static_cast<const uint16_t*>(f.addr);
         }
+        w->cnt.ldmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);
     }
+    w->cnt.ldmatrix_wavefronts_ideal += n;
     for (int l = 0; l < 32; ++l) {
         for (int j = 0; j < n; ++j) {
             uint32_t lo, hi;
@@ -1077,7 +1100,7 @@ void fa_emu_trap(const char* what) { fiber_fail(W(), what); }
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 1; }
+int fa_emu_abi_version(void) { return 2; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -1121,6 +1144,8 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.global_write_bytes += w.cnt.global_write_bytes;
         total.mma += w.cnt.mma;
         total.ldmatrix += w.cnt.ldmatrix;
+        total.ldmatrix_wavefronts += w.cnt.ldmatrix_wavefronts;
+        total.ldmatrix_wavefronts_ideal += w.cnt.ldmatrix_wavefronts_ideal;
         total.cp_async += w.cnt.cp_async;
         total.cp_async_bytes += w.cnt.cp_async_bytes;
         total.barriers += w.cnt.barriers;
