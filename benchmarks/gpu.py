@@ -1,19 +1,26 @@
-"""GPU forward throughput: flasharray's CUDA kernels vs materialized CuPy attention (and PyTorch).
+"""GPU forward throughput: flasharray's CUDA kernels vs materialized attention, PyTorch and FlashAttention-2.
 
 FLOPs counted as FlashAttention does: 4·B·H·Lq·Lk·D per forward (two matmuls), ×0.5 when causal.
 Shapes follow FlashAttention-2's benchmark: batch·seqlen = 16k tokens, hidden 2048 (H = 2048/D),
 N ∈ {512, 1k, 2k, 4k, 8k, 16k}, D ∈ {64, 128}, fp16 and bf16, causal and not.
 
-Every implementation is validated against the float64 reference on a slice before it is timed;
-timings use CUDA events after warm-up; peak memory is the growth of CuPy's memory pool during one
-call (torch: ``torch.cuda.max_memory_allocated``).
+Every row is validated against the float64 reference on a slice before it is timed. Timing
+(benchmarks/gpu_timing.py): one untimed call first (JIT compilation, first allocations), a warm-up,
+then CUDA events around each repetition and the median; inputs are cycled through several copies
+when L2 could hold them. Peak memory is the growth of CuPy's pool plus PyTorch's peak allocation
+during one call. Per row: the ratio to FlashAttention-2 (the ``flash_attn`` package when installed,
+else PyTorch's flash backend) and to the fastest PyTorch backend, time_ref / time (>1: faster).
 
-Implementations (registry ``IMPLS``; other scripts/helpers add rows with :func:`register_impl`,
-e.g. the backward kernels with ``kind="bwd"`` and ``flops_factor=2.5``):
-  flasharray   flasharray._private.cuda_forward.forward (this project's kernels)
-  cupy-naive   S = q kᵀ, softmax, P v with CuPy (S and P materialized)
-  torch-sdpa   torch.nn.functional.scaled_dot_product_attention, if PyTorch is installed
-  flash-attn   flash_attn.flash_attn_func, if installed
+Implementations (``IMPLS``: name -> Impl(make, kind, flops factor, role)):
+  flasharray     flasharray._private.cuda_forward.forward (this project's kernels)
+  cupy-naive     S = q kᵀ, softmax, P v with CuPy (S and P materialized); CuPy 14 computes batched
+                 fp16 matmuls in fp32 and rejects batched bf16 ones, so torch-math is the fairer
+                 materialized baseline
+  torch-flash    PyTorch SDPA, flash backend (FlashAttention-2 kernels)   } if PyTorch with CUDA
+  torch-cudnn    PyTorch SDPA, cuDNN backend                              } is installed; inputs
+  torch-mem-eff  PyTorch SDPA, memory-efficient backend                   } reach PyTorch through
+  torch-math     PyTorch SDPA, math backend (S and P materialized)        } DLPack, no copy
+  flash-attn     flash_attn.flash_attn_func, if installed
 
 Without a GPU the script says so and exits 0. ``--emulator`` runs one tiny shape through the
 CUDA emulator instead (exercises this script and the kernels in CI; the time is CPU time).
@@ -22,33 +29,48 @@ TFLOP/s, backward counted as 2.5× the forward FLOPs) with the same options.
 Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--plot gpu.png]
 """
 import argparse
+import collections
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
+import gpu_timing  # noqa: E402
 from flasharray._private import cuda_forward  # noqa: E402
 from flasharray._private.dtypes import bfloat16  # noqa: E402
+from flasharray.testing import check_attention  # noqa: E402
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": np.float16, "bf16": bfloat16}
 TOKENS = 16384
 HIDDEN = 2048
+KINDS = ("fwd", "bwd", "fwdbwd")
 
-#: name -> (make(q, k, v, causal, device) -> callable or None, kind, flops_factor)
-IMPLS = {}
+#: make(tensors, causal, device) -> zero-argument callable to time, or None when unavailable;
+#: kind: what it computes (rows are compared within a kind); factor: × the forward FLOPs;
+#: role: "torch" (a PyTorch backend), "torch-fa2" (PyTorch's FlashAttention-2), "fa2" (flash_attn)
+Impl = collections.namedtuple("Impl", "make kind factor role", defaults=("fwd", 1.0, ""))
+#: one table row; vs_fa2 / vs_torch: reference time / this row's time
+Row = collections.namedtuple("Row", "dtype B H N D causal impl kind role ms flop mb vs_fa2 vs_torch",
+                             defaults=(None, None))
+#: PyTorch rows: name -> (torch.nn.attention.SDPBackend member, or None for flash_attn; role)
+TORCH_ROWS = {
+    "torch-flash": ("FLASH_ATTENTION", "torch-fa2"),
+    "torch-cudnn": ("CUDNN_ATTENTION", "torch"),
+    "torch-mem-eff": ("EFFICIENT_ATTENTION", "torch"),
+    "torch-math": ("MATH", "torch"),
+    "flash-attn": (None, "fa2"),
+}
 
 
-def register_impl(name, make, kind="fwd", flops_factor=1.0):
-    """Add an implementation row. ``make(q, k, v, causal, device)`` returns a zero-argument
-    callable to time (or None when unavailable for these inputs); ``flops_factor`` multiplies
-    the forward FLOP count (2.5 for a backward, as FlashAttention counts it)."""
-    IMPLS[name] = (make, kind, flops_factor)
+class NotMeasured(Exception):
+    """A row that is not timed, with the reason printed in its place."""
 
 
 def flops(B, H, Lq, Lk, D, causal, factor=1.0):
@@ -56,36 +78,10 @@ def flops(B, H, Lq, Lk, D, causal, factor=1.0):
     return f * 0.5 if causal else f
 
 
-# ---- implementations -------------------------------------------------------------------------------
-
-def _make_flasharray(q, k, v, causal, device):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return lambda: cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=q.shape[:-2],
-                                        device=device)
-
-
-def _make_cupy_naive(q, k, v, causal, device):
-    if device != "cuda":
-        return None
-    import cupy as cp
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    mask = None
-    if causal:
-        mask = cp.arange(Lk)[None, :] > (cp.arange(Lq)[:, None] + Lk - Lq)
-
-    def run():
-        s = cp.matmul(q, cp.swapaxes(k, -1, -2)).astype(cp.float32) * scale
-        if mask is not None:
-            s = cp.where(mask, -cp.inf, s)
-        s -= s.max(axis=-1, keepdims=True)
-        p = cp.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        return cp.matmul(p.astype(q.dtype), v)
-    return run
-
+# ---- CuPy <-> PyTorch through DLPack ------------------------------------------------------------
 
 def _torch():
+    """The torch module when PyTorch with CUDA is installed, else None."""
     try:
         import torch
         return torch if torch.cuda.is_available() else None
@@ -93,136 +89,280 @@ def _torch():
         return None
 
 
-def _make_torch_sdpa(q, k, v, causal, device):
-    torch = _torch()
-    if torch is None or device != "cuda":
-        return None
-    tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
-    if causal and q.shape[-2] != k.shape[-2]:
-        return None  # SDPA's is_causal is top-left aligned
-    return lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-
-
-def _make_flash_attn(q, k, v, causal, device):
-    torch = _torch()
-    if torch is None or device != "cuda":
-        return None
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return None
-    tq, tk, tv = (torch.as_tensor(x, device="cuda").transpose(1, 2).contiguous() for x in (q, k, v))
-    return lambda: flash_attn_func(tq, tk, tv, causal=causal)
-
-
-register_impl("flasharray", _make_flasharray)
-register_impl("cupy-naive", _make_cupy_naive)
-register_impl("torch-sdpa", _make_torch_sdpa)
-register_impl("flash-attn", _make_flash_attn)
-
-
-# ---- measurement -----------------------------------------------------------------------------------
-
-def _validate(fn_out, q, k, v, causal):
-    """Check the first batch entry / head against the float64 reference (DESIGN.md rule)."""
-    from flasharray.testing import check_attention
-    out = fn_out[0] if isinstance(fn_out, tuple) else fn_out
-    if hasattr(out, "detach"):  # torch
-        out = out.detach().float().cpu().numpy()
-        if out.shape[-2] != q.shape[-2]:  # flash-attn layout (B, L, H, D)
-            out = np.swapaxes(out, 1, 2)
-    host = lambda x: x[:1, :1] if isinstance(x, np.ndarray) else x[:1, :1].get()  # noqa: E731
-    o = host(out)
-    qs, ks, vs = (host(x) for x in (q, k, v))
-    return check_attention(np.asarray(o).astype(qs.dtype), qs, ks, vs, causal=causal)
-
-
-def time_gpu(fn, repeats=10):
+def to_torch(x):
+    """PyTorch view of the CuPy array ``x`` (no copy). bfloat16 travels as its int16 bits: PyTorch
+    cannot read ml_dtypes' bfloat16 from ``__cuda_array_interface__`` (a TypeError)."""
     import cupy as cp
-    fn()  # warm-up (and JIT compile)
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / repeats
+    torch = _torch()
+    if x.dtype == bfloat16:
+        return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
 
+
+def from_torch(t):
+    """CuPy view of the PyTorch tensor ``t`` (detached, made contiguous); bfloat16 as in to_torch."""
+    import cupy as cp
+    torch = _torch()
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return cp.from_dlpack(t.view(torch.int16)).view(bfloat16)
+    return cp.from_dlpack(t)
+
+
+# ---- implementations -----------------------------------------------------------------------------
+
+def _make_flasharray(tensors, causal, device):
+    q, k, v = tensors
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=q.shape[:-2],
+                                        device=device)
+
+
+def require_batched_matmul(dtype):
+    """Raise NotMeasured when CuPy cannot multiply batched matrices of ``dtype`` (CuPy 14 and
+    bfloat16: TypeError, cupy/cupy#10317)."""
+    import cupy as cp
+    try:
+        cp.matmul(cp.zeros((2, 2, 2), dtype), cp.zeros((2, 2, 2), dtype))
+    except TypeError as e:
+        raise NotMeasured("CuPy's batched %s matmul fails (%s); torch-math is the materialized "
+                          "baseline" % (np.dtype(dtype).name, e)) from e
+
+
+def naive_forward(q, k, v, causal):
+    """Materialized attention with CuPy: (out, P), S and P of shape (..., Lq, Lk)."""
+    import cupy as cp
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    s = cp.matmul(q, cp.swapaxes(k, -1, -2)).astype(cp.float32) * scale
+    if causal:  # bottom-right aligned, as flasharray's causal mask
+        s = cp.where(cp.arange(Lk)[None, :] > (cp.arange(Lq)[:, None] + Lk - Lq), -cp.inf, s)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    p = p.astype(q.dtype)
+    return cp.matmul(p, v), p
+
+
+def _make_cupy_naive(tensors, causal, device):
+    if device != "cuda":
+        return None
+    require_batched_matmul(tensors[0].dtype)
+    return lambda: naive_forward(*tensors, causal)[0]
+
+
+def torch_attention(name, tensors, causal, device):
+    """``(attend(q, k, v), torch tensors)`` for the PyTorch row ``name`` (TORCH_ROWS), the tensors
+    in that row's layout (flash_attn: (B, L, H, D)); None when unavailable."""
+    torch = _torch()
+    if torch is None or device != "cuda":
+        return None
+    if causal and tensors[0].shape[-2] != tensors[1].shape[-2]:
+        return None  # PyTorch's causal masks are top-left aligned, flasharray's bottom-right
+    backend, _ = TORCH_ROWS[name]
+    if backend is None:
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            return None
+        return ((lambda q, k, v: flash_attn_func(q, k, v, causal=causal)),
+                [to_torch(x).transpose(1, 2).contiguous() for x in tensors])
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    only = getattr(SDPBackend, backend)
+
+    def attend(q, k, v):
+        with sdpa_kernel(only):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attend, [to_torch(x) for x in tensors]
+
+
+def _make_torch(name):
+    def make(tensors, causal, device):
+        made = torch_attention(name, tensors, causal, device)
+        if made is None:
+            return None
+        attend, (q, k, v) = made
+        return lambda: attend(q, k, v)
+    return make
+
+
+IMPLS = {"flasharray": Impl(_make_flasharray), "cupy-naive": Impl(_make_cupy_naive)}
+IMPLS.update((name, Impl(_make_torch(name), role=role)) for name, (_, role) in TORCH_ROWS.items())
+
+
+def as_cupy(x, name):
+    """A result of row ``name`` as a NumPy/CuPy array in (B, H, L, D) layout."""
+    if not hasattr(x, "detach"):
+        return x
+    x = from_torch(x)
+    return x.swapaxes(1, 2) if TORCH_ROWS[name][0] is None else x
+
+
+def check(name, result, tensors, causal, device):
+    """The forward output's first batch entry / head vs the float64 reference (DESIGN.md rule)."""
+    out = as_cupy(result[0] if isinstance(result, tuple) else result, name)
+    q, k, v = (x[:1, :1] for x in tensors)
+    return check_attention(out[:1, :1], q, k, v, causal=causal)
+
+
+def inputs(xp, B, H, N, D, dtype, seed=0, count=3):
+    """``count`` arrays of shape (B, H, N, D), standard normal, on ``xp``'s device."""
+    rng = np.random.default_rng(seed)
+    arrs = [rng.standard_normal((B, H, N, D)).astype(dtype) for _ in range(count)]
+    return [xp.asarray(a) for a in arrs] if xp is not np else arrs
+
+
+def _make_tensors(xp, B, H, N, D, dtype, copy=0):
+    return inputs(xp, B, H, N, D, dtype, seed=copy)
+
+
+# ---- measurement ---------------------------------------------------------------------------------
 
 def peak_bytes(fn):
+    """Device memory one call of ``fn`` adds: growth of CuPy's pool plus PyTorch's peak allocation."""
     import cupy as cp
+    torch = _torch()
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch_before = torch.cuda.memory_allocated()
     out = fn()
     cp.cuda.Device().synchronize()
     used = pool.total_bytes() - before
+    if torch is not None:
+        used += torch.cuda.max_memory_allocated() - torch_before
     del out
     return used
 
 
-def _inputs(xp, B, H, N, D, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    arrs = [rng.standard_normal((B, H, N, D)).astype(dtype) for _ in range(3)]
-    return [xp.asarray(a) for a in arrs] if xp is not np else arrs
+def with_ratios(rows):
+    """Rows of one shape with ``vs_fa2`` (FlashAttention-2: the flash_attn package if measured,
+    else PyTorch's flash backend) and ``vs_torch`` (the fastest PyTorch backend): reference time /
+    the row's time among rows of the same kind, so 0.5 means half FlashAttention-2's speed."""
+    def best(kind, roles):
+        times = [r.ms for r in rows if r.kind == kind and r.role in roles]
+        return min(times) if times else None
+
+    out = []
+    for r in sorted(rows, key=lambda r: KINDS.index(r.kind)):
+        fa2 = best(r.kind, ("fa2",)) or best(r.kind, ("torch-fa2",))
+        fastest_torch = best(r.kind, ("torch", "torch-fa2"))
+        out.append(r._replace(vs_fa2=fa2 and fa2 / r.ms, vs_torch=fastest_torch and fastest_torch / r.ms))
+    return out
 
 
-def run_gpu(args):
-    import cupy as cp
-    rows = []
-    seqlens = SEQLENS[:3] if args.quick else SEQLENS
-    print("device: %s (sm_%s)" % (cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                                 cp.cuda.Device().compute_capability))
-    print("%-32s | %-11s | %9s | %9s | %9s" % ("shape (B,H,N,D) dtype causal", "impl", "ms", "TFLOP/s", "peak MB"))
-    print("-" * 84)
-    for dt_name, dtype in DTYPES.items():
+def shape_label(B, H, N, D, dt_name, causal):
+    return "(%d,%d,%d,%d) %s%s" % (B, H, N, D, dt_name, " causal" if causal else "")
+
+
+def print_header(unit):
+    print("%-30s | %-22s | %9s | %9s | %6s | %8s | %9s"
+          % ("shape (B,H,N,D) dtype causal", "impl", "ms", unit, "xFA2", "xtorch", "peak MB"))
+    print("-" * 114)
+
+
+def print_row(r, flop_unit=1e12, note=""):
+    ratio = lambda x: "-" if x is None else "%.2fx" % x  # noqa: E731
+    print("%-30s | %-22s | %9.3f | %9.3f | %6s | %8s | %9.1f%s"
+          % (shape_label(r.B, r.H, r.N, r.D, r.dtype, r.causal), r.impl, r.ms,
+             r.flop / (r.ms * 1e-3) / flop_unit, ratio(r.vs_fa2), ratio(r.vs_torch), r.mb, note))
+
+
+def _why(e):
+    """One line for a row that raised: NotMeasured says why; anything else its type and message."""
+    if isinstance(e, NotMeasured):
+        return str(e)
+    return "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:120])
+
+
+def measure(name, impl, copies, causal, check, clock):
+    """Validate then time one implementation on one shape; ``copies``: input sets to cycle through.
+    Returns ``(ms, peak bytes)``, None when unavailable; raises NotMeasured when validation fails."""
+    fns = [impl.make(tensors, causal, "cuda") for tensors in copies]
+    if fns[0] is None:
+        return None
+    report = check(name, fns[0](), copies[0], causal, "cuda")
+    if report is not None and not report.passed:
+        raise NotMeasured("validation FAILED\n%s" % report)
+    return gpu_timing.time_ms(fns, clock).ms, peak_bytes(fns[0])
+
+
+def shapes(quick):
+    """(dtype name, D, causal, N) of FlashAttention-2's benchmark; N up to 2048 when quick."""
+    for dt_name in DTYPES:
         for D in HEAD_DIMS:
             for causal in (False, True):
-                for N in seqlens:
-                    B, H = max(1, TOKENS // N), HIDDEN // D
-                    q, k, v = _inputs(cp, B, H, N, D, dtype)
-                    shape = "(%d,%d,%d,%d) %s %s" % (B, H, N, D, dt_name, "causal" if causal else "")
-                    for name, (make, kind, factor) in IMPLS.items():
-                        try:
-                            fn = make(q, k, v, causal, "cuda")
-                            if fn is None:
-                                continue
-                            report = _validate(fn(), q, k, v, causal) if kind == "fwd" else None
-                            if report is not None and not report.passed:
-                                print("%-32s | %-11s | validation FAILED\n%s" % (shape, name, report))
-                                continue
-                            ms = time_gpu(fn)
-                            mb = peak_bytes(fn) / 1e6
-                        except Exception as e:  # out of memory for naive attention at large N, ...
-                            print("%-32s | %-11s | %s" % (shape, name, type(e).__name__))
-                            continue
-                        tf = flops(B, H, N, N, D, causal, factor) / (ms * 1e-3) / 1e12
-                        rows.append((dt_name, D, causal, N, name, ms, tf, mb))
-                        print("%-32s | %-11s | %9.3f | %9.1f | %9.1f" % (shape, name, ms, tf, mb))
-                    del q, k, v
-                    cp.get_default_memory_pool().free_all_blocks()
+                for N in (SEQLENS[:3] if quick else SEQLENS):
+                    yield dt_name, D, causal, N
+
+
+def run_gpu(quick, impls, make_tensors, check):
+    """Validate, time and print every shape × implementation; returns the rows.
+    ``make_tensors(xp, B, H, N, D, dtype, copy)`` makes one set of inputs."""
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print("device: %s (sm_%s), L2 %.0f MB" % (props["name"].decode(), cp.cuda.Device().compute_capability,
+                                               props["l2CacheSize"] / 1e6))
+    clock = gpu_timing.CudaClock()
+    print_header("TFLOP/s")
+    rows = []
+    for dt_name, D, causal, N in shapes(quick):
+        B, H, dtype = max(1, TOKENS // N), HIDDEN // D, DTYPES[dt_name]
+        copies = [make_tensors(cp, B, H, N, D, dtype)]
+        n = gpu_timing.copies_for_l2(sum(x.nbytes for x in copies[0]), props["l2CacheSize"])
+        copies += [make_tensors(cp, B, H, N, D, dtype, copy=i) for i in range(1, n)]
+        shape_rows = []
+        for name, impl in impls.items():
+            try:
+                measured = measure(name, impl, copies, causal, check, clock)
+            except Exception as e:  # out of memory for materialized attention at large N, no kernel, ...
+                print("%-30s | %-22s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
+                continue
+            if measured is not None:
+                ms, nbytes = measured
+                shape_rows.append(Row(dt_name, B, H, N, D, causal, name, impl.kind, impl.role, ms,
+                                      flops(B, H, N, N, D, causal, impl.factor), nbytes / 1e6))
+        shape_rows = with_ratios(shape_rows)
+        for row in shape_rows:
+            print_row(row)
+        rows += shape_rows
+        del copies
+        _free_cached_memory()
     return rows
 
 
-def run_emulator():
-    """One tiny shape through the emulator: validates the kernel and this script's code path."""
+def _free_cached_memory():
+    """Give CuPy's and PyTorch's cached blocks back, so that one shape's leftovers (or a failed
+    materialized attention) do not starve the next."""
+    import cupy as cp
+    cp.get_default_memory_pool().free_all_blocks()
+    torch = _torch()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def run_emulator(impls, names, make_tensors, check):
+    """One tiny shape through the CUDA emulator: validates the kernels and this script's code path
+    (host time, not GPU performance). Returns True when every validation passed."""
     B, H, N, D = 1, 2, 128, 64
     print("emulator run (CPU time, not GPU performance): B=%d H=%d N=%d D=%d" % (B, H, N, D))
-    print("%-32s | %-11s | %9s | %9s" % ("shape (B,H,N,D) dtype causal", "impl", "ms", "GFLOP/s"))
+    print_header("GFLOP/s")
     ok = True
     for dt_name, dtype in DTYPES.items():
         for causal in (False, True):
-            q, k, v = _inputs(np, B, H, N, D, dtype)
-            fn = IMPLS["flasharray"][0](q, k, v, causal, "emulator")
-            report = _validate(fn(), q, k, v, causal)
-            ok &= report.passed
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-            gf = flops(B, H, N, N, D, causal) / (ms * 1e-3) / 1e9
-            print("%-32s | %-11s | %9.1f | %9.3f%s" % ("(%d,%d,%d,%d) %s %s" % (B, H, N, D, dt_name, "causal" if causal else ""),
-                                                   "flasharray", ms, gf, "" if report.passed else "  FAILED"))
+            tensors = make_tensors(np, B, H, N, D, dtype)
+            for name in names:
+                impl = impls[name]
+                fn = impl.make(tensors, causal, "emulator")
+                report = check(name, fn(), tensors, causal, "emulator")
+                passed = report is None or report.passed
+                ok &= passed
+                ms = gpu_timing.time_ms([fn], gpu_timing.PerfClock(), warmup_ms=0, rep_ms=0, min_repeats=1).ms
+                print_row(Row(dt_name, B, H, N, D, causal, name, impl.kind, impl.role, ms,
+                              flops(B, H, N, N, D, causal, impl.factor), 0.0), 1e9, "" if passed else "  FAILED")
     return ok
 
 
@@ -242,8 +382,7 @@ def have_gpu():
 
 
 def plot_tflops(rows, impl_names, path):
-    """TFLOP/s against N, one panel per (dtype, D, causal); rows as printed by the tables
-    ``(dtype, D, causal, N, impl, ms, tflops, ...)``."""
+    """TFLOP/s against N, one panel per (dtype, D, causal), one line per implementation."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -254,7 +393,8 @@ def plot_tflops(rows, impl_names, path):
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
     for ax, (dt, D, causal) in zip(axes.flat, [(a, b, c) for a in DTYPES for b in HEAD_DIMS for c in (False, True)]):
         for name in impl_names:
-            pts = [(r[3], r[6]) for r in rows if r[:3] == (dt, D, causal) and r[4] == name]
+            pts = [(r.N, r.flop / (r.ms * 1e-3) / 1e12) for r in rows
+                   if (r.dtype, r.D, r.causal, r.impl) == (dt, D, causal, name)]
             if pts:
                 ax.semilogx(*zip(*pts), "-o", label=name)
         ax.set_title("%s d=%d%s" % (dt, D, " causal" if causal else ""))
@@ -276,17 +416,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.backward:
         status = main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--backward"])
-        import gpu_backward  # benchmarks/ is on sys.path when this file runs as a script
+        import gpu_backward
         bwd_argv = ["--quick"] * args.quick + ["--emulator"] * args.emulator
         if args.plot:
             root, ext = os.path.splitext(args.plot)
             bwd_argv += ["--plot", root + "_backward" + (ext or ".png")]
         return status or gpu_backward.main(bwd_argv)
     if args.emulator:
-        return 0 if run_emulator() else 1
+        return 0 if run_emulator(IMPLS, ["flasharray"], _make_tensors, check) else 1
     if not have_gpu():
         return 0
-    rows = run_gpu(args)
+    rows = run_gpu(args.quick, IMPLS, _make_tensors, check)
     if args.plot and rows:
         plot_tflops(rows, IMPLS, args.plot)
     return 0

@@ -1,10 +1,17 @@
 """The benchmark scripts run (tiny sizes, emulator where they need a GPU) and print their tables.
 
 They measure nothing here; this keeps them working so that a GPU machine can run them as-is.
+The GPU timing helper runs against stand-ins (a fake clock for CUDA events, fake kernels whose
+first call "compiles"), proving that compilation stays out of the timed region and that the median
+of the repetitions is what is reported.
 """
+import importlib
+import itertools
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +58,119 @@ def test_io_benchmarks(tmp_path):
 def test_emulator_benchmark(tmp_path):
     out = run("emulator.py", "--repeats", "1", tmp_path=tmp_path)
     assert "switch" in out.lower() and "gemm" in out.lower()
+
+
+# ---- the GPU timing helper against stand-ins ---------------------------------------------------
+
+COMPILE_MS = 1000.0
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/gpu.py and benchmarks/gpu_timing.py as modules."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("gpu"), importlib.import_module("gpu_timing")
+
+
+class FakeClock:
+    """Stands in for CUDA events: "device" time advances only while a fake kernel runs, a mark is
+    that time, and (as with events) elapsed times may be read only after synchronize."""
+
+    def __init__(self):
+        self.now, self.marks, self.synced = 0.0, 0, True
+
+    def mark(self):
+        self.marks += 1
+        self.synced = False
+        return self.now
+
+    def elapsed_ms(self, start, stop):
+        assert self.synced, "elapsed time read before synchronize"
+        return stop - start
+
+    def synchronize(self):
+        self.synced = True
+
+
+class FakeKernel:
+    """First call "compiles" (COMPILE_MS of clock time); every call then takes the next duration.
+    ``log`` gets ("compile", tag, marks so far) and ("run", tag, ms)."""
+
+    def __init__(self, clock, durations, log, tag):
+        self.clock, self.durations, self.log, self.tag = clock, durations, log, tag
+        self.compiled = False
+
+    def __call__(self):
+        if not self.compiled:
+            self.compiled = True
+            self.clock.now += COMPILE_MS
+            self.log.append(("compile", self.tag, self.clock.marks))
+        ms = next(self.durations)
+        self.clock.now += ms
+        self.log.append(("run", self.tag, ms))
+
+
+def test_timed_region_excludes_compilation_and_reports_the_median(bench):
+    _, gpu_timing = bench
+    clock, log = FakeClock(), []
+    durations = itertools.cycle([1.0, 1.0, 1.0, 7.0])  # an outlier every 4th call: mean 2.5, median 1
+    fns = [FakeKernel(clock, durations, log, tag) for tag in range(3)]  # 3 copies of the inputs
+    t = gpu_timing.time_ms(fns, clock, warmup_ms=10.0, rep_ms=30.0, min_repeats=8)
+    assert [entry[2] for entry in log if entry[0] == "compile"] == [0, 0, 0]  # before the first mark
+    assert max(t.samples) < COMPILE_MS and len(t.samples) >= 8
+    runs = [entry for entry in log if entry[0] == "run"]
+    timed = runs[-len(t.samples):]
+    assert t.samples == [ms for _, _, ms in timed]  # one sample per repetition, nothing else inside
+    assert [tag for _, tag, _ in timed] == [i % 3 for i in range(len(t.samples))]  # copies in turn
+    assert len(runs) - len(timed) > 2 * len(fns)  # first calls, sizing pass and a warm-up before
+    assert t.ms == statistics.median(t.samples) == 1.0 < statistics.mean(t.samples)
+
+
+def test_host_clock_excludes_a_slow_first_call(bench):
+    _, gpu_timing = bench
+    calls = []
+
+    def fn():
+        time.sleep(0.3 if not calls else 0.001)
+        calls.append(None)
+    t = gpu_timing.time_ms([fn], gpu_timing.PerfClock(), warmup_ms=5.0, rep_ms=20.0, min_repeats=5)
+    assert t.ms < 100.0 and len(t.samples) >= 5
+
+
+def test_measure_converts_validates_and_compiles_outside_the_timed_region(bench, monkeypatch):
+    gpu, _ = bench
+    clock, log, made = FakeClock(), [], []
+    durations = itertools.cycle([2.0, 2.0, 5.0])
+
+    def make(tensors, causal, device):
+        made.append(clock.marks)  # conversion (DLPack, layout) happens here
+        return FakeKernel(clock, durations, log, tensors)
+
+    monkeypatch.setattr(gpu, "peak_bytes", lambda fn: 3e6)
+    check = lambda name, out, tensors, causal, device: None  # noqa: E731
+    ms, nbytes = gpu.measure("fake", gpu.Impl(make), ["copy0", "copy1"], False, check, clock)
+    assert made == [0, 0] and ms == 2.0 and nbytes == 3e6
+
+
+def test_ratios_to_flashattention2_and_the_fastest_torch_backend(bench):
+    gpu, _ = bench
+
+    def row(impl, kind, role, ms):
+        return gpu.Row("fp16", 8, 16, 2048, 128, False, impl, kind, role, ms, 1e12, 0.0)
+    rows = [row("flasharray", "fwd", "", 2.0), row("torch-flash", "fwd", "torch-fa2", 1.0),
+            row("torch-cudnn", "fwd", "torch", 0.5), row("torch-math", "fwd", "torch", 8.0),
+            row("flasharray-det", "bwd", "", 6.0), row("torch-flash", "bwd", "torch-fa2", 3.0)]
+    got = {(r.impl, r.kind): (r.vs_fa2, r.vs_torch) for r in gpu.with_ratios(rows)}
+    assert got[("flasharray", "fwd")] == (0.5, 0.25)
+    assert got[("torch-math", "fwd")] == (0.125, 0.0625)
+    assert got[("flasharray-det", "bwd")] == (0.5, 0.5)
+    with_fa = gpu.with_ratios(rows + [row("flash-attn", "fwd", "fa2", 0.8)])
+    assert [r.vs_fa2 for r in with_fa if r.impl == "flasharray"] == [0.4]
+    assert gpu.with_ratios([row("flasharray", "fwd", "", 2.0)])[0][-2:] == (None, None)
+
+
+def test_input_copies_cover_twice_the_l2(bench):
+    _, gpu_timing = bench
+    assert gpu_timing.copies_for_l2(201e6, 50e6) == 1  # FlashAttention-2's shapes: q, k, v > 2 × L2
+    assert gpu_timing.copies_for_l2(30e6, 50e6) == 4
+    assert gpu_timing.copies_for_l2(1e3, 50e6) == 8
