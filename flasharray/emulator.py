@@ -54,7 +54,7 @@ __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "Co
 _ABI_VERSION = 2
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
-_RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h")
+_RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h", "emu/fa_emu_memstats.h")
 
 
 class EmulatorError(RuntimeError):
@@ -81,9 +81,28 @@ class CompileError(RuntimeError):
 
 @dataclasses.dataclass
 class BufferTraffic:
-    """Global-memory traffic of one array argument (bytes)."""
+    """Global-memory traffic of one array argument: bytes, and the 32-byte sectors its warp-wide
+    loads and stores touched against the minimum for the bytes they moved (see :class:`Counters`)."""
     read_bytes: int
     write_bytes: int
+    read_sectors: int = 0
+    read_sectors_ideal: int = 0
+    write_sectors: int = 0
+    write_sectors_ideal: int = 0
+
+    @property
+    def read_sector_efficiency(self):
+        """Ideal over touched sectors of the loads (1.0: perfectly coalesced)."""
+        return _ratio(self.read_sectors_ideal, self.read_sectors)
+
+    @property
+    def write_sector_efficiency(self):
+        """Ideal over touched sectors of the stores and atomics (1.0: perfectly coalesced)."""
+        return _ratio(self.write_sectors_ideal, self.write_sectors)
+
+
+def _ratio(num, den):
+    return num / den if den else 1.0
 
 
 @dataclasses.dataclass
@@ -103,6 +122,15 @@ class Counters:
     takes as many wavefronts as its most-used bank has distinct words), and
     ``ldmatrix_wavefronts_ideal`` the conflict-free count (one per matrix); their ratio is the
     average bank-conflict degree (:attr:`ldmatrix_conflict_factor`).
+
+    The per-thread ``fa::`` memory calls are regrouped into warp instructions (a thread's k-th call
+    from one call site since the block's last barrier) to measure what the hardware would do:
+    ``gld_sectors`` / ``gst_sectors`` count the 32-byte global sectors each warp-wide load
+    (including ``cp.async`` sources) / store (including atomics) touches, ``*_ideal`` the minimum
+    for the bytes moved (``ceil(unique bytes / 32)``); :attr:`load_sector_efficiency` and
+    :attr:`store_sector_efficiency` are their ratios, and ``buffers`` has them per array.
+    ``cp_async_smem_wavefronts`` counts the shared-memory wavefronts of the ``cp.async``
+    destinations (phases of 8 lanes for 16-byte copies) against one per 128 bytes.
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -121,6 +149,28 @@ class Counters:
     ldmatrix_wavefronts: int = 0
     ldmatrix_wavefronts_ideal: int = 0
     seconds: float = 0.0
+
+    gld_sectors: int = 0
+    gld_sectors_ideal: int = 0
+    gst_sectors: int = 0
+    gst_sectors_ideal: int = 0
+    cp_async_smem_wavefronts: int = 0
+    cp_async_smem_wavefronts_ideal: int = 0
+
+    @property
+    def load_sector_efficiency(self):
+        """Ideal over touched 32-byte sectors of the global loads (1.0: perfectly coalesced)."""
+        return _ratio(self.gld_sectors_ideal, self.gld_sectors)
+
+    @property
+    def store_sector_efficiency(self):
+        """Ideal over touched 32-byte sectors of the global stores and atomics."""
+        return _ratio(self.gst_sectors_ideal, self.gst_sectors)
+
+    @property
+    def cp_async_conflict_factor(self):
+        """Shared wavefronts of the cp.async destinations over the conflict-free count."""
+        return _ratio(self.cp_async_smem_wavefronts, self.cp_async_smem_wavefronts_ideal)
 
     @property
     def ldmatrix_conflict_factor(self):
@@ -146,7 +196,9 @@ class _Buffer(ctypes.Structure):
 
 _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix", "cp_async",
                    "cp_async_bytes", "barriers", "shuffles", "syncwarps", "atomics", "blocks",
-                   "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal")
+                   "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal",
+                   "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
+                   "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal")
 
 
 class _Counters(ctypes.Structure):
@@ -160,7 +212,8 @@ class _LaunchParams(ctypes.Structure):
                 ("num_workers", ctypes.c_int), ("stack_bytes", ctypes.c_uint64),
                 ("buffers", ctypes.c_void_p), ("num_buffers", ctypes.c_int),
                 ("buffer_read_bytes", ctypes.c_void_p), ("buffer_write_bytes", ctypes.c_void_p),
-                ("counters", ctypes.c_void_p), ("error", ctypes.c_void_p), ("error_size", ctypes.c_size_t)]
+                ("counters", ctypes.c_void_p), ("error", ctypes.c_void_p), ("error_size", ctypes.c_size_t),
+                ("buffer_sectors", ctypes.c_void_p)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,6 +556,7 @@ class Module:
         buf_arr = (_Buffer * max(1, nb))(*buffers)
         reads = (ctypes.c_uint64 * max(1, nb))()
         writes = (ctypes.c_uint64 * max(1, nb))()
+        sectors = (ctypes.c_uint64 * max(1, 4 * nb))()
         counters = _Counters()
         err = ctypes.create_string_buffer(4096)
         if workers is None:
@@ -528,6 +582,7 @@ class Module:
         p.counters = ctypes.addressof(counters)
         p.error = ctypes.addressof(err)
         p.error_size = len(err)
+        p.buffer_sectors = ctypes.addressof(sectors)
         lib, _ = _runtime()
         t0 = time.perf_counter()
         rc = lib.fa_emu_launch(ctypes.byref(p))
@@ -538,7 +593,8 @@ class Module:
                 msg += "\nlaunch buffers:\n  " + "\n  ".join(buffer_desc)
             raise EmulatorError(msg)
         out = Counters(**{f: getattr(counters, f) for f in _COUNTER_FIELDS}, seconds=seconds)
-        out.buffers = {b.arg_index: BufferTraffic(int(reads[k]), int(writes[k])) for k, b in enumerate(buffers)}
+        out.buffers = {b.arg_index: BufferTraffic(int(reads[k]), int(writes[k]), *(int(x) for x in sectors[4 * k:4 * k + 4]))
+                       for k, b in enumerate(buffers)}
         return out
 
 

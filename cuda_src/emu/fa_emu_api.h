@@ -65,6 +65,11 @@ typedef struct fa_emu_counters {
     uint64_t mma, ldmatrix, cp_async, cp_async_bytes, barriers, shuffles, syncwarps, atomics;
     uint64_t blocks, fiber_switches, votes;
     uint64_t ldmatrix_wavefronts, ldmatrix_wavefronts_ideal;  // shared-memory bank conflicts
+    // warp-instruction memory efficiency (fa_emu_memstats.h): global 32-byte sectors touched by
+    // loads (incl. cp.async sources) and stores (incl. atomics), shared wavefronts of cp.async
+    // destinations; each with the ideal count
+    uint64_t gld_sectors, gld_sectors_ideal, gst_sectors, gst_sectors_ideal;
+    uint64_t cp_async_smem_wavefronts, cp_async_smem_wavefronts_ideal;
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };
@@ -86,6 +91,7 @@ typedef struct fa_emu_launch_params {
     fa_emu_counters* counters;     // filled
     char* error;                   // filled with a message on failure
     size_t error_size;
+    uint64_t* buffer_sectors;      // [4 * num_buffers], filled: read sectors, ideal, write sectors, ideal
 } fa_emu_launch_params;
 
 // Returns 0 on success, nonzero with params->error set otherwise.

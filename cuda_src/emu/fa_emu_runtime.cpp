@@ -20,6 +20,7 @@
 //     overflow, integer division by zero) abort the block with an error instead of killing
 //     the process: the signal handler redirects the faulting fiber to a rescue stack.
 #include "fa_emu_api.h"
+#include "fa_emu_memstats.h"
 
 #include <algorithm>
 #include <atomic>
@@ -187,6 +188,8 @@ struct Fiber {
     std::vector<Copy> copies;
     size_t copies_head = 0;
     int64_t groups_committed = 0;
+    // memory statistics: how often this thread reached each (call site, kind) since the last barrier
+    std::unordered_map<uint64_t, uint32_t> site_count;
     char* stack_lo = nullptr;
 };
 
@@ -238,6 +241,8 @@ struct Worker {
     // counters
     fa_emu_counters cnt{};
     std::vector<uint64_t> buf_read, buf_write;
+    std::vector<uint64_t> buf_sectors;      // per buffer: read sectors, ideal, write sectors, ideal
+    fa_emu_stats::Recorder stats;           // this block's accesses since its last barrier
     // fault handling
     char* altstack = nullptr;
     char* rescue = nullptr;
@@ -388,6 +393,34 @@ void gcheck(Worker* w, const void* p, size_t n, int kind /*0 read,1 write,2 rmw*
                            w->p->buffers[b].arg_index, static_cast<unsigned long>(a - w->p->buffers[b].lo)));
     if (kind != 1) { w->buf_read[b] += n; w->cnt.global_read_bytes += n; }
     if (kind != 0) { w->buf_write[b] += n; w->cnt.global_write_bytes += n; }
+}
+
+// One thread's access, filed under its warp instruction (see fa_emu_memstats.h).
+void mem_record(Worker* w, void* site, fa_emu_stats::Kind kind, const void* p, size_t n) {
+    Fiber* f = w->cur;
+    const uint64_t s = reinterpret_cast<uint64_t>(site);
+    const uint32_t k = f->site_count[s << 2 | kind]++;
+    w->stats.record(s, k, f->warp, f->lane, kind, reinterpret_cast<uint64_t>(p), static_cast<uint32_t>(n));
+}
+
+// Evaluates every warp instruction recorded since the last barrier (all lanes have issued theirs).
+void mem_flush(Worker* w) {
+    w->stats.flush([w](fa_emu_stats::Kind kind, uint64_t first, fa_emu_stats::Cost c) {
+        if (kind == fa_emu_stats::kSharedWrite) {
+            w->cnt.cp_async_smem_wavefronts += c.actual;
+            w->cnt.cp_async_smem_wavefronts_ideal += c.ideal;
+            return;
+        }
+        const bool write = kind == fa_emu_stats::kGlobalWrite;
+        (write ? w->cnt.gst_sectors : w->cnt.gld_sectors) += c.actual;
+        (write ? w->cnt.gst_sectors_ideal : w->cnt.gld_sectors_ideal) += c.ideal;
+        const int b = find_buffer(w, first, 1);
+        if (b >= 0) {
+            w->buf_sectors[4 * b + 2 * write] += c.actual;
+            w->buf_sectors[4 * b + 2 * write + 1] += c.ideal;
+        }
+    });
+    for (Fiber& f : w->fibers) f.site_count.clear();
 }
 
 // =========================================================================================
@@ -737,6 +770,7 @@ void alloc_block_resources(Worker* w) {
     w->runnable.assign((nthreads + 63) / 64, 0);
     w->buf_read.assign(p->num_buffers, 0);
     w->buf_write.assign(p->num_buffers, 0);
+    w->buf_sectors.assign(4 * static_cast<size_t>(p->num_buffers), 0);
 }
 
 void free_block_resources(Worker* w) {
@@ -778,6 +812,7 @@ bool run_block(Worker* w, unsigned linear) {
             f.view.grid_dim[k] = p->grid[k];
         }
         f.op = OP_NONE;
+        f.site_count.clear();
         f.copies.clear();
         f.copies_head = 0;
         f.groups_committed = 0;
@@ -800,6 +835,7 @@ bool run_block(Worker* w, unsigned linear) {
         record_error(w, where(w, nullptr) + ": " + deadlock_desc(w));
         return false;
     }
+    mem_flush(w);
     ++w->cnt.blocks;
     return true;
 }
@@ -934,6 +970,7 @@ int barrier(void* site, int kind, int predicate) {
     f->state = WAIT_BAR;
     f->bar_site = site;
     if (++w->bar_arrived == w->nthreads) {
+        mem_flush(w);
         // Every thread reads the result before any thread can complete another barrier.
         w->bar_result = kind == FA_EMU_BAR_COUNT ? w->bar_acc
                         : kind == FA_EMU_BAR_AND ? (w->bar_acc == w->nthreads)
@@ -1027,7 +1064,9 @@ void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_
             fiber_fail(w, strf("fa::cp_async<%d>: global source %p is not %d-byte aligned", cp_size, gmem_src,
                                cp_size));
         gcheck(w, gmem_src, static_cast<size_t>(src_bytes), 0, "fa::cp_async global read");
+        mem_record(w, __builtin_return_address(0), fa_emu_stats::kGlobalRead, gmem_src, src_bytes);
     }
+    mem_record(w, __builtin_return_address(0), fa_emu_stats::kSharedWrite, dst, cp_size);
     const size_t g0 = (dst - w->smem) / kGranule;
     for (size_t g = g0; g < g0 + cp_size / kGranule; ++g) ++w->pending[g];
     f->copies.push_back(Copy{dst, static_cast<const unsigned char*>(gmem_src), cp_size, src_bytes, -1});
@@ -1064,12 +1103,16 @@ void fa_emu_cp_async_wait(int n) {
 }
 
 void fa_emu_gcheck(const void* p, size_t size, int is_write) {
-    gcheck(W(), p, size, is_write ? 1 : 0, is_write ? "fa::gstore" : "fa::gload");
+    Worker* w = W();
+    gcheck(w, p, size, is_write ? 1 : 0, is_write ? "fa::gstore" : "fa::gload");
+    mem_record(w, __builtin_return_address(0), is_write ? fa_emu_stats::kGlobalWrite : fa_emu_stats::kGlobalRead,
+               p, size);
 }
 
 void fa_emu_atomic_add_f32(float* p, float v) {
     Worker* w = W();
     gcheck(w, p, sizeof(float), 2, "fa::atomic_add");
+    mem_record(w, __builtin_return_address(0), fa_emu_stats::kGlobalWrite, p, sizeof(float));
     ++w->cnt.atomics;
     uint32_t old = __atomic_load_n(reinterpret_cast<uint32_t*>(p), __ATOMIC_RELAXED), nw;
     do {
@@ -1084,6 +1127,7 @@ void fa_emu_atomic_add_f32(float* p, float v) {
 void fa_emu_atomic_add_f64(double* p, double v) {
     Worker* w = W();
     gcheck(w, p, sizeof(double), 2, "fa::atomic_add");
+    mem_record(w, __builtin_return_address(0), fa_emu_stats::kGlobalWrite, p, sizeof(double));
     ++w->cnt.atomics;
     uint64_t old = __atomic_load_n(reinterpret_cast<uint64_t*>(p), __ATOMIC_RELAXED), nw;
     do {
@@ -1139,6 +1183,7 @@ int fa_emu_launch(fa_emu_launch_params* p) {
     remove_handlers();
     fa_emu_counters total{};
     for (int b = 0; b < p->num_buffers; ++b) p->buffer_read_bytes[b] = p->buffer_write_bytes[b] = 0;
+    for (int b = 0; p->buffer_sectors && b < 4 * p->num_buffers; ++b) p->buffer_sectors[b] = 0;
     for (Worker& w : workers) {
         total.global_read_bytes += w.cnt.global_read_bytes;
         total.global_write_bytes += w.cnt.global_write_bytes;
@@ -1155,9 +1200,16 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.votes += w.cnt.votes;
         total.blocks += w.cnt.blocks;
         total.fiber_switches += w.cnt.fiber_switches;
+        total.gld_sectors += w.cnt.gld_sectors;
+        total.gld_sectors_ideal += w.cnt.gld_sectors_ideal;
+        total.gst_sectors += w.cnt.gst_sectors;
+        total.gst_sectors_ideal += w.cnt.gst_sectors_ideal;
+        total.cp_async_smem_wavefronts += w.cnt.cp_async_smem_wavefronts;
+        total.cp_async_smem_wavefronts_ideal += w.cnt.cp_async_smem_wavefronts_ideal;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
+            for (int k = 0; k < 4 && p->buffer_sectors; ++k) p->buffer_sectors[4 * b + k] += w.buf_sectors[4 * b + k];
         }
     }
     if (p->counters) *p->counters = total;
