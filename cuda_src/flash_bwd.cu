@@ -21,11 +21,9 @@
 //     float atomics into the AccT accumulator.
 //   flash_bwd_dq_kernel (deterministic dQ): one block per (query block i, batch), walking the key
 //     blocks and recomputing S, P, dP, dS; dQ_i in registers; no atomics.
-#include "flash_bwd_common.cuh"
+#include "flash_bwd_mma.cuh"  // tile copies, warp_mma, fragment layouts
 
 namespace fa_bwd {
-
-constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned, banks rotate
 
 // Column slices of a kCols-wide register accumulator shared by kSplit warps: the largest divisor
 // s of kSplit such that every slice is whole n16 steps (kCols % (16 s) == 0). Warps wn >= s own
@@ -65,92 +63,97 @@ struct TcSmem {
     static constexpr int kBytes = kDelta + align16(kBlockM * 4);
 };
 
-// Copy a kRows x kCols tile (row stride row_stride elements) into shared memory with pitch kPitch,
-// zero-filling rows >= n_rows and columns >= n_cols. kVec: 16-byte cp.async chunks (caller
-// guarantees 16-byte aligned rows and n_cols % 8 == 0); else element loads.
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
-__device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long row_stride,
-                                             int n_rows, int n_cols) {
-    if (kVec) {
-        constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
-        static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
-        constexpr int kChunksPerRow = kCols / kChunk;
-        for (int e = (int)threadIdx.x; e < kRows * kChunksPerRow; e += kNThreads) {
-            const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * kChunk;
-            const bool in = r < n_rows && c < n_cols;
-            // Out-of-range chunks copy 0 bytes (zero fill) from the tile origin, never read.
-            fa::cp_async<16>(smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem,
-                             in ? 16 : 0);
-        }
-    } else {
-        for (int e = (int)threadIdx.x; e < kRows * kCols; e += kNThreads) {
-            const int r = e / kCols, c = e % kCols;
-            smem[r * kPitch + c] =
-                (r < n_rows && c < n_cols) ? fa::gload(gmem + (long long)r * row_stride + c) : FromAcc<T>::convert(0.0f);
-        }
-    }
-}
+// -- score strips -------------------------------------------------------------------------------
+// Every warp computes whole 16 x kW strips of the scores (kW a multiple of 16): each k16 step loads
+// one A fragment for kW / 8 MMAs, and the strip's P and dS come back as A fragments (kW / 16 k16
+// steps), ready for the next product from registers or for one store to shared memory.
 
-// acc (16 x kN, mma C layout per n8 tile) += A (16 x kK) * B (kK x kN) for the calling warp.
-//   A: kATrans = false: A[m][k] = A_s[m * a_pitch + k]   (stored row-major, ldmatrix)
-//      kATrans = true:  A[m][k] = A_s[k * a_pitch + m]   (stored transposed, ldmatrix.trans)
-//   B: kBTrans = false: B[k][n] = B_s[n * b_pitch + k]   (stored N x K, ldmatrix)
-//      kBTrans = true:  B[k][n] = B_s[k * b_pitch + n]   (stored K x N, ldmatrix.trans)
-// Register layouts as /work/shared/ptx_semantics.md: an x4 ldmatrix gives A0..A3 of one k16
-// step, or the (b0, b1) pairs of two adjacent n8 tiles.
-template <typename T, int kK, int kN, bool kATrans, bool kBTrans>
-__device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, int a_pitch,
-                                         const T* B_s, int b_pitch) {
-    static_assert(kK % 16 == 0, "warp_mma: k must be a multiple of 16 (one mma k-step)");
-    static_assert(kN % 16 == 0, "warp_mma: n must be a multiple of 16 (pairs of n8 tiles per ldmatrix.x4)");
-    const int lane = (int)threadIdx.x % 32;
-    const int mat = lane / 8, mrow = lane % 8;  // which 8x8 matrix this lane addresses, and its row
-    // k steps stay a loop: unrolled, ptxas hoists every step's fragments and runs out of registers.
-#pragma unroll 1
-    for (int kk = 0; kk < kK; kk += 16) {
-        uint32_t a[4];
-        if (!kATrans)  // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
-            fa::ldmatrix<4, false>(a, A_s + (lane % 16) * a_pitch + kk + (lane / 16) * 8);
-        else  // stored rows are k: (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
-            fa::ldmatrix<4, true>(a, A_s + (kk + mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8);
+// dK/dV kernel: keys kt*16 .. +15 (rows) by queries q0 .. q0 + kW - 1 (columns) of
+// S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2e - L_i log2e) and
+// dS^T = P^T o (dP^T - D_i) (L_i, D_i per column).
+template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, bool kIsCausal>
+__device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t (&dS_a)[kW / 16][4],
+                                           const T* K_s, const T* V_s, const T* Q_s, const T* dO_s,
+                                           const float* lse2_s, const float* delta_s, int kt, int q0,
+                                           float scale_log2, const Mask<kIsCausal>& mask, int r0, int c0) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float s[kW / 8][4], dp[kW / 8][4];  // S^T, dP^T strips (C layout)
+    zero_acc(s);
+    zero_acc(dp);
+    warp_mma<T, kHeadDim, kW, false, false>(s, K_s + kt * 16 * L::kPitchD, L::kPitchD,
+                                             Q_s + q0 * L::kPitchD, L::kPitchD);
+    warp_mma<T, kHeadDimV, kW, false, false>(dp, V_s + kt * 16 * L::kPitchDv, L::kPitchDv,
+                                              dO_s + q0 * L::kPitchDv, L::kPitchDv);
 #pragma unroll
-        for (int n0 = 0; n0 < kN; n0 += 16) {
-            uint32_t b[4];
-            if (!kBTrans)  // stored rows are n: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-                fa::ldmatrix<4, false>(b, B_s + (n0 + mrow + (mat / 2) * 8) * b_pitch + kk + (mat % 2) * 8);
-            else  // stored rows are k: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
-                fa::ldmatrix<4, true>(b, B_s + (kk + mrow + (mat % 2) * 8) * b_pitch + n0 + (mat / 2) * 8);
-            const uint32_t b_lo[2] = {b[0], b[1]};  // n tile n0
-            const uint32_t b_hi[2] = {b[2], b[3]};  // n tile n0 + 8
-            fa::mma_m16n8k16<T>(acc[n0 / 8], a, b_lo, acc[n0 / 8]);
-            fa::mma_m16n8k16<T>(acc[n0 / 8 + 1], a, b_hi, acc[n0 / 8 + 1]);
-        }
-    }
-}
-
-template <int kN>
-__device__ __forceinline__ void zero_acc(float (&acc)[kN][4]) {
+    for (int nt = 0; nt < kW / 8; ++nt)
 #pragma unroll
-    for (int n = 0; n < kN; ++n)
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-}
-
-// Store a warp's 16 x (8 * kN) accumulator tile times `mult` to global memory (rows < n_rows,
-// columns < n_cols), C layout: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1 per n8 tile.
-template <typename OutT, int kN>
-__device__ __forceinline__ void store_acc(OutT* gmem, long long row_stride, const float (&acc)[kN][4],
-                                          float mult, int n_rows, int n_cols) {
-    const int lane = (int)threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int n = 0; n < kN; ++n)
         for (int e = 0; e < 4; ++e) {
-            const int r = g + (e / 2) * 8, c = n * 8 + 2 * t + (e % 2);
-            if (r < n_rows && c < n_cols)
-                fa::gstore(gmem + (long long)r * row_stride + c, FromAcc<OutT>::convert(acc[n][e] * mult));
+            const int c = kt * 16 + g + (e / 2) * 8;      // key within K_j (row of S^T)
+            const int r = q0 + nt * 8 + 2 * t + (e % 2);  // query within Q_i (column)
+            const float p = p_from_score(s[nt][e], scale_log2, lse2_s[r], mask.is_visible(r0 + r, c0 + c));
+            dp[nt][e] = p * (dp[nt][e] - delta_s[r]);  // dS^T, from the unrounded P^T
+            s[nt][e] = p;
         }
+    c_to_a<T, kW / 16>(P_a, s);
+    c_to_a<T, kW / 16>(dS_a, dp);
 }
 
+// dQ kernel: queries qt*16 .. +15 (rows) by keys k0 .. k0 + kW - 1 (columns) of S = Q_i K_j^T and
+// dP = dO_i V_j^T, then dS = P o (dP - D_i) (L_i, D_i per row).
+template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, bool kIsCausal>
+__device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T* Q_s, const T* dO_s,
+                                          const T* K_s, const T* V_s, const float* lse2_s,
+                                          const float* delta_s, int qt, int k0, float scale_log2,
+                                          const Mask<kIsCausal>& mask, int r0, int c0) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float s[kW / 8][4], dp[kW / 8][4];  // S, dP strips (C layout)
+    zero_acc(s);
+    zero_acc(dp);
+    warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
+                                             K_s + k0 * L::kPitchD, L::kPitchD);
+    warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
+                                              V_s + k0 * L::kPitchDv, L::kPitchDv);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
+        const float lse2 = lse2_s[r], delta_r = delta_s[r];
+#pragma unroll
+        for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                const int c = k0 + nt * 8 + 2 * t + (e % 2);  // key within K_j
+                const float p = p_from_score(s[nt][e], scale_log2, lse2, mask.is_visible(r0 + r, c0 + c));
+                dp[nt][e] = p * (dp[nt][e] - delta_r);
+            }
+    }
+    c_to_a<T, kW / 16>(dS_a, dp);
+}
+
+// Atomic mode: dQ_i += dS K_j * scale into the float accumulator dqa_i (rows r0 ..), 16 x kDQCols
+// tiles spread over the warps; A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
+template <typename T, class L, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+__device__ __forceinline__ void atomic_dq(float* dqa_i, long long dqa_row, const T* dSt_s, const T* K_s,
+                                          float scale, int n_rows, int D) {
+    constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;  // tile width
+    constexpr int kDQTiles = (kBlockM / 16) * (kHeadDim / kDQCols);
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int it = 0; it < ceil_div_c(kDQTiles, kNWarps); ++it) {
+        const int tile = warp + it * kNWarps;
+        if (kDQTiles % kNWarps != 0 && tile >= kDQTiles) break;
+        const int tm = tile / (kHeadDim / kDQCols), tn = tile % (kHeadDim / kDQCols);
+        float dq[kDQCols / 8][4];
+        zero_acc(dq);
+        warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS, K_s + tn * kDQCols, L::kPitchD);
+#pragma unroll
+        for (int n = 0; n < kDQCols / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
+                if (r < n_rows && d < D) fa::atomic_add(dqa_i + (long long)r * dqa_row + d, dq[n][e] * scale);
+            }
+    }
+}
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
@@ -179,8 +182,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     constexpr int kSplitV = column_slices(kHeadDimV, kSplit);
     constexpr int kColsK = kHeadDim / kSplitK;      // dK_j columns per warp
     constexpr int kColsV = kHeadDimV / kSplitV;     // dV_j columns per warp
-    constexpr int kScoreTiles = (kBlockN / 16) * (kBlockM / 16);  // 16x16 tiles of S^T
-    constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;         // atomic dQ tile width
+    // Score strips (dkv_scores): 16 keys x kW queries; one per warp where Br splits into kSplit
+    // whole n16 steps, else 16 x 16 tiles spread over the warps.
+    constexpr int kW = kBlockM % (16 * kSplit) == 0 ? kBlockM / kSplit : 16;
+    constexpr int kStrips = kRowTiles * (kBlockM / kW);
+    // One warp per 16-key row tile (kSplit = 1): its strip is every query of its dK_j, dV_j rows.
+    constexpr bool kScoresInRegs = false;
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
@@ -252,7 +259,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         if (kStages == 1) load_query_block(visit, 0);
         if (prefetch) load_query_block(visit + 1, buf ^ 1);  // overlaps this visit's math
         fa::cp_async_commit();
-        load_row_stats<float, kBlockM, kNThreads>(
+        load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
             delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
         // This thread's copies of this visit's Q_i, dO_i (first time also K_j, V_j) landed; the
@@ -264,65 +271,47 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         // Barrier: every thread's copies and L_i, D_i are visible to every warp.
         __syncthreads();
 
-        // -- S^T = K_j Q_i^T and dP^T = V_j dO_i^T in 16x16 tiles; P^T, dS^T to shared memory.
-        for (int tile = warp; tile < kScoreTiles; tile += kNWarps) {
-            const int tm = tile / (kBlockM / 16), tn = tile % (kBlockM / 16);  // key tile, query tile
-            float s[2][4], dp[2][4];
-            zero_acc(s);
-            zero_acc(dp);
-            warp_mma<T, kHeadDim, 16, false, false>(s, K_s + tm * 16 * L::kPitchD, L::kPitchD,
-                                                     Q_s + tn * 16 * L::kPitchD, L::kPitchD);
-            warp_mma<T, kHeadDimV, 16, false, false>(dp, V_s + tm * 16 * L::kPitchDv, L::kPitchDv,
-                                                      dO_s + tn * 16 * L::kPitchDv, L::kPitchDv);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int c = tm * 16 + g + 8 * h;       // key within K_j
-                    const int r = tn * 16 + nt * 8 + 2 * t;  // query within Q_i (and r + 1)
-                    const float p0 = recompute_p(s[nt][2 * h], scale_log2, lse2_s[r],
-                                                 mask.is_visible(r0 + r, c0 + c));
-                    const float p1 = recompute_p(s[nt][2 * h + 1], scale_log2, lse2_s[r + 1],
-                                                 mask.is_visible(r0 + r + 1, c0 + c));
-                    const float ds0 = p0 * (dp[nt][2 * h] - delta_s[r]);
-                    const float ds1 = p1 * (dp[nt][2 * h + 1] - delta_s[r + 1]);
-                    *reinterpret_cast<uint32_t*>(Pt_s + c * L::kPitchS + r) = fa::pack2<T>(p0, p1);
-                    *reinterpret_cast<uint32_t*>(dSt_s + c * L::kPitchS + r) = fa::pack2<T>(ds0, ds1);
-                }
-        }
-        // Barrier: P^T and dS^T complete before warps read them across tiles.
-        __syncthreads();
-
-        // -- dV_j += P^T dO_i,  dK_j += dS^T Q_i  (scale applied once, at the end)
-        if (own_dV)
-            warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                       dO_s + wn * kColsV, L::kPitchDv);
-        if (own_dK)
-            warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                       Q_s + wn * kColsK, L::kPitchD);
-
-        // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
-        if (kAtomicDQ) {
-            float* dqa_i = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g +
-                           (long long)r0 * dqa_row;
-            constexpr int kDQTiles = (kBlockM / 16) * (kHeadDim / kDQCols);
-            for (int tile = warp; tile < kDQTiles; tile += kNWarps) {
-                const int tm = tile / (kHeadDim / kDQCols), tn = tile % (kHeadDim / kDQCols);
-                float dq[kDQCols / 8][4];
-                zero_acc(dq);
-                // A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
-                warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS,
-                                                          K_s + tn * kDQCols, L::kPitchD);
-#pragma unroll
-                for (int n = 0; n < kDQCols / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
-                        if (r0 + r < Lq && d < D)
-                            fa::atomic_add(dqa_i + (long long)r * dqa_row + d, dq[n][e] * scale);
-                    }
+        if constexpr (kScoresInRegs) {
+            // -- the warp's strip covers every query of its 16 keys: P^T, dS^T stay in registers as
+            //    the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i (scale applied at the end).
+            uint32_t P_a[kBlockM / 16][4], dS_a[kBlockM / 16][4];
+            dkv_scores<T, L, kBlockM, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
+                                                          wm, 0, scale_log2, mask, r0, c0);
+            warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
+            warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
+            if (kAtomicDQ) {
+                store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
+                // Barrier: dS^T complete before warps read its columns for dQ.
+                __syncthreads();
             }
+        } else {
+            // -- S^T, dP^T in 16 x kW strips spread over the warps; P^T, dS^T to shared memory.
+#pragma unroll
+            for (int it = 0; it < ceil_div_c(kStrips, kNWarps); ++it) {
+                const int strip = warp + it * kNWarps;
+                if (kStrips % kNWarps != 0 && strip >= kStrips) break;
+                const int kt = strip / (kBlockM / kW), q0 = strip % (kBlockM / kW) * kW;
+                uint32_t P_a[kW / 16][4], dS_a[kW / 16][4];
+                dkv_scores<T, L, kW, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
+                                                         kt, q0, scale_log2, mask, r0, c0);
+                store_a<T, kW / 16>(Pt_s + kt * 16 * L::kPitchS + q0, L::kPitchS, P_a);
+                store_a<T, kW / 16>(dSt_s + kt * 16 * L::kPitchS + q0, L::kPitchS, dS_a);
+            }
+            // Barrier: P^T and dS^T complete before warps read them across strips.
+            __syncthreads();
+            // -- dV_j += P^T dO_i,  dK_j += dS^T Q_i  (scale applied once, at the end)
+            if (own_dV)
+                warp_mma<T, kBlockM, kColsV, false, true>(dV_acc, Pt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                           dO_s + wn * kColsV, L::kPitchDv);
+            if (own_dK)
+                warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                           Q_s + wn * kColsK, L::kPitchD);
         }
+        // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
+        if (kAtomicDQ)
+            atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
+                dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * dqa_row,
+                dqa_row, dSt_s, K_s, scale, Lq - r0, D);
     }
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
@@ -357,7 +346,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     // Column slices of dQ_i per row tile (fewer than kSplit when D does not divide evenly).
     constexpr int kSplitQ = column_slices(kHeadDim, kSplit);
     constexpr int kColsQ = kHeadDim / kSplitQ;    // dQ_i columns per warp
-    constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // 16x16 tiles of S
+    // Score strips (dq_scores): 16 queries x kW keys; one per warp where Bc splits into kSplit
+    // whole n16 steps, else 16 x 16 tiles spread over the warps.
+    constexpr int kW = kBlockN % (16 * kSplit) == 0 ? kBlockN / kSplit : 16;
+    constexpr int kStrips = kRowTiles * (kBlockN / kW);
+    // One warp per 16-query row tile (kSplit = 1): its strip is every key of its dQ_i rows.
+    constexpr bool kScoresInRegs = false;
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
@@ -390,8 +384,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq - r0, D);
     load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq - r0, Dv);
-    load_row_stats<float, kBlockM, kNThreads>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}),
-                                              delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
+    load_row_stats_exp<kBlockM, kNThreads>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}),
+                                           delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
 
     float dQ_acc[kColsQ / 8][4];  // dQ_i rows 16 wm.., columns kColsQ wn..
     zero_acc(dQ_acc);
@@ -431,36 +425,32 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         // Barrier: every thread's copies are visible to every warp.
         __syncthreads();
 
-        // -- S = Q_i K_j^T, dP = dO_i V_j^T in 16x16 tiles; dS = P o (dP - D_i) to shared memory.
-        for (int tile = warp; tile < kScoreTiles; tile += kNWarps) {
-            const int tm = tile / (kBlockN / 16), tn = tile % (kBlockN / 16);  // query tile, key tile
-            float s[2][4], dp[2][4];
-            zero_acc(s);
-            zero_acc(dp);
-            warp_mma<T, kHeadDim, 16, false, false>(s, Q_s + tm * 16 * L::kPitchD, L::kPitchD,
-                                                     K_s + tn * 16 * L::kPitchD, L::kPitchD);
-            warp_mma<T, kHeadDimV, 16, false, false>(dp, dO_s + tm * 16 * L::kPitchDv, L::kPitchDv,
-                                                      V_s + tn * 16 * L::kPitchDv, L::kPitchDv);
+        if constexpr (kScoresInRegs) {
+            // -- the warp's strip covers every key of its 16 queries: dS stays in registers as the
+            //    A operand of dQ_i += dS K_j (scale applied once, at the end).
+            uint32_t dS_a[kBlockN / 16][4];
+            dq_scores<T, L, kBlockN, kHeadDim, kHeadDimV>(dS_a, Q_s, dO_s, K_s, V_s, lse2_s, delta_s, wm, 0,
+                                                         scale_log2, mask, r0, c0);
+            warp_mma_rA<T, kBlockN, kColsQ, true>(dQ_acc, dS_a, K_s, L::kPitchD);
+        } else {
+            // -- S, dP in 16 x kW strips spread over the warps; dS to shared memory.
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = tm * 16 + g + 8 * h;       // query within Q_i
-                    const int c = tn * 16 + nt * 8 + 2 * t;  // key within K_j (and c + 1)
-                    const float p0 = recompute_p(s[nt][2 * h], scale_log2, lse2_s[r], mask.is_visible(r0 + r, c0 + c));
-                    const float p1 = recompute_p(s[nt][2 * h + 1], scale_log2, lse2_s[r], mask.is_visible(r0 + r, c0 + c + 1));
-                    const float ds0 = p0 * (dp[nt][2 * h] - delta_s[r]);
-                    const float ds1 = p1 * (dp[nt][2 * h + 1] - delta_s[r]);
-                    *reinterpret_cast<uint32_t*>(dS_s + r * L::kPitchS + c) = fa::pack2<T>(ds0, ds1);
-                }
+            for (int it = 0; it < ceil_div_c(kStrips, kNWarps); ++it) {
+                const int strip = warp + it * kNWarps;
+                if (kStrips % kNWarps != 0 && strip >= kStrips) break;
+                const int qt = strip / (kBlockN / kW), k0 = strip % (kBlockN / kW) * kW;
+                uint32_t dS_a[kW / 16][4];
+                dq_scores<T, L, kW, kHeadDim, kHeadDimV>(dS_a, Q_s, dO_s, K_s, V_s, lse2_s, delta_s, qt, k0,
+                                                        scale_log2, mask, r0, c0);
+                store_a<T, kW / 16>(dS_s + qt * 16 * L::kPitchS + k0, L::kPitchS, dS_a);
+            }
+            // Barrier: dS complete before warps read whole rows of it.
+            __syncthreads();
+            // -- dQ_i += dS K_j  (scale applied once, at the end)
+            if (own_dQ)
+                warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
+                                                           K_s + wn * kColsQ, L::kPitchD);
         }
-        // Barrier: dS complete before warps read whole rows of it.
-        __syncthreads();
-
-        // -- dQ_i += dS K_j  (scale applied once, at the end)
-        if (own_dQ)
-            warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
-                                                       K_s + wn * kColsQ, L::kPitchD);
     }
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no key block was visited

@@ -66,6 +66,25 @@ __device__ __forceinline__ void load_row_stats(AccT* lse2_s, AccT* delta_s, cons
     }
 }
 
+// Tensor-core kernels: L_i * log2 e with +inf (not -inf) for a row that saw no key and for rows past
+// Lq, so that P_ij = exp2(S_ij * scale * log2 e - L_i * log2 e) is exp2(-inf) = 0 there with no test
+// per element (S_ij is finite: Q, K are finite and zero-filled past D and the sequence ends).
+template <int kBlockM, int kNThreads>
+__device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s, const float* lse,
+                                                   const float* delta, int r0, int Lq) {
+    for (int r = (int)threadIdx.x; r < kBlockM; r += kNThreads) {
+        const bool in = r0 + r < Lq;
+        const float l = in ? fa::gload(lse + r0 + r) : flash::neg_inf<float>();
+        lse2_s[r] = l == flash::neg_inf<float>() ? INFINITY : l * flash::kLog2e;
+        delta_s[r] = in ? fa::gload(delta + r0 + r) : 0.0f;
+    }
+}
+
+// P_ij from a score and the row's lse2 as load_row_stats_exp stores it; 0 where not visible.
+__device__ __forceinline__ float p_from_score(float s, float scale_log2, float lse2, bool visible) {
+    return visible ? flash::exp2_acc(s * scale_log2 - lse2) : 0.0f;
+}
+
 // Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
 __host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 

@@ -1,0 +1,181 @@
+// flash_bwd_mma.cuh — warp-level building blocks of the tensor-core backward (flash_bwd.cu):
+// tile copies global -> shared, warp matrix products on mma.sync m16n8k16, and the register
+// layouts that connect them.
+//
+// Everything here is written so that, after inlining into a kernel, every loop has a compile-time
+// trip count and is fully unrolled: fragment arrays are indexed by constants only (a run-time
+// index into a register array forces it to local memory), and each ldmatrix / cp.async address is
+// a per-lane base computed once plus an immediate offset. That is what keeps the instructions per
+// HMMA of the backward's query/key-tile loop low (docs/performance.md).
+//
+// Fragment layouts (/work/shared/ptx_semantics.md), lane = 4 g + t:
+//   C (m16n8, fp32):  c[0], c[1] = (row g, cols 2t, 2t+1); c[2], c[3] = (row g+8, same cols)
+//   A (m16k16, 2 x 16-bit per register): a[0] = (row g, k 2t..2t+1), a[1] = (row g+8, k 2t..),
+//                                        a[2] = (row g, k 2t+8..),   a[3] = (row g+8, k 2t+8..)
+// so the C tiles of two adjacent n8 columns, rounded to 16 bits, are one k16 step of an A operand
+// (how P and dS feed the next product without a trip through shared memory).
+#pragma once
+#include "flash_bwd_common.cuh"
+
+namespace fa_bwd {
+
+constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned, banks rotate
+
+__host__ __device__ constexpr int ceil_div_c(int a, int b) { return (a + b - 1) / b; }
+
+// Copy a kRows x kCols tile (row stride row_stride elements) into shared memory with pitch kPitch,
+// zero-filling rows >= n_rows and columns >= n_cols. kVec: 16-byte cp.async chunks (caller
+// guarantees 16-byte aligned rows and n_cols % 8 == 0); else element loads.
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
+__device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long row_stride,
+                                             int n_rows, int n_cols) {
+    const int tid = (int)threadIdx.x;
+    if (kVec) {
+        constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
+        static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
+        constexpr int kChunksPerRow = kCols / kChunk;
+        constexpr int kChunks = kRows * kChunksPerRow;
+        constexpr int kIters = ceil_div_c(kChunks, kNThreads);
+        if constexpr (kNThreads % kChunksPerRow == 0) {
+            // A thread always copies the same column chunk, of rows r_t, r_t + kRowStep, ...: one
+            // address computation, then constant offsets per chunk.
+            constexpr int kRowStep = kNThreads / kChunksPerRow;
+            const int r_t = tid / kChunksPerRow, c = (tid % kChunksPerRow) * kChunk;
+            const bool col_in = c < n_cols;
+            const T* src = gmem + (long long)r_t * row_stride + c;
+            T* dst = smem + r_t * kPitch + c;
+#pragma unroll
+            for (int it = 0; it < kIters; ++it) {
+                const int r = r_t + it * kRowStep;
+                if (kChunks % kNThreads == 0 || r < kRows) {
+                    const bool in = col_in && r < n_rows;
+                    // Out-of-range chunks copy 0 bytes (zero fill) from the tile origin, never read.
+                    fa::cp_async<16>(dst + it * kRowStep * kPitch,
+                                     in ? src + (long long)(it * kRowStep) * row_stride : gmem, in ? 16 : 0);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < kIters; ++it) {
+                const int e = tid + it * kNThreads;
+                const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * kChunk;
+                if (kChunks % kNThreads == 0 || e < kChunks) {
+                    const bool in = r < n_rows && c < n_cols;
+                    fa::cp_async<16>(smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem,
+                                     in ? 16 : 0);
+                }
+            }
+        }
+    } else {
+        for (int e = tid; e < kRows * kCols; e += kNThreads) {
+            const int r = e / kCols, c = e % kCols;
+            smem[r * kPitch + c] =
+                (r < n_rows && c < n_cols) ? fa::gload(gmem + (long long)r * row_stride + c) : FromAcc<T>::convert(0.0f);
+        }
+    }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero_acc(float (&acc)[kN][4]) {
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+}
+
+// This lane's row address for an x4 ldmatrix of a B operand (two adjacent n8 tiles of one k16
+// step), relative to the operand's origin; add kk (N x K) or kk * pitch (K x N) and n0 offsets.
+//   kBTrans = false: B[k][n] = B_s[n * pitch + k] (stored N x K, ldmatrix):
+//                    matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+//   kBTrans = true:  B[k][n] = B_s[k * pitch + n] (stored K x N, ldmatrix.trans):
+//                    matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
+template <bool kBTrans>
+__device__ __forceinline__ int b_lane_offset(int pitch) {
+    const int lane = (int)threadIdx.x % 32, mat = lane / 8, mrow = lane % 8;
+    return kBTrans ? (mrow + (mat % 2) * 8) * pitch + (mat / 2) * 8 : (mrow + (mat / 2) * 8) * pitch + (mat % 2) * 8;
+}
+
+// acc (16 x kN, C layout per n8 tile) += A (16 x kK, k16 steps of A fragments in registers) * B.
+template <typename T, int kK, int kN, bool kBTrans>
+__device__ __forceinline__ void warp_mma_rA(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4],
+                                            const T* B_s, int b_pitch) {
+    static_assert(kK % 16 == 0, "warp_mma: k must be a multiple of 16 (one mma k-step)");
+    static_assert(kN % 16 == 0, "warp_mma: n must be a multiple of 16 (pairs of n8 tiles per ldmatrix.x4)");
+    const T* B_l = B_s + b_lane_offset<kBTrans>(b_pitch);
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks)
+#pragma unroll
+        for (int n0 = 0; n0 < kN; n0 += 16) {
+            uint32_t b[4];
+            fa::ldmatrix<4, kBTrans>(b, B_l + (kBTrans ? ks * 16 * b_pitch + n0 : n0 * b_pitch + ks * 16));
+            const uint32_t b_lo[2] = {b[0], b[1]};  // n tile n0
+            const uint32_t b_hi[2] = {b[2], b[3]};  // n tile n0 + 8
+            fa::mma_m16n8k16<T>(acc[n0 / 8], a[ks], b_lo, acc[n0 / 8]);
+            fa::mma_m16n8k16<T>(acc[n0 / 8 + 1], a[ks], b_hi, acc[n0 / 8 + 1]);
+        }
+}
+
+// acc (16 x kN) += A (16 x kK) * B (kK x kN) for the calling warp, both operands in shared memory.
+//   A: kATrans = false: A[m][k] = A_s[m * a_pitch + k]   (stored row-major, ldmatrix)
+//      kATrans = true:  A[m][k] = A_s[k * a_pitch + m]   (stored transposed, ldmatrix.trans)
+//   B: as b_lane_offset.
+// One k16 step at a time: its A fragment is loaded, then used by every n16 pair of the step.
+template <typename T, int kK, int kN, bool kATrans, bool kBTrans>
+__device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, int a_pitch,
+                                         const T* B_s, int b_pitch) {
+    const int lane = (int)threadIdx.x % 32;
+    const int mat = lane / 8, mrow = lane % 8;  // which 8x8 matrix this lane addresses, and its row
+    // !kATrans matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
+    // kATrans (stored rows are k): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
+    const T* A_l = kATrans ? A_s + (mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8
+                           : A_s + (lane % 16) * a_pitch + (lane / 16) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks) {
+        uint32_t a[1][4];
+        fa::ldmatrix<4, kATrans>(a[0], A_l + (kATrans ? ks * 16 * a_pitch : ks * 16));
+        warp_mma_rA<T, 16, kN, kBTrans>(acc, a, kBTrans ? B_s + ks * 16 * b_pitch : B_s + ks * 16, b_pitch);
+    }
+}
+
+// Round a 16 x (16 kK) C-layout accumulator (kK k16 steps = 2 kK n8 tiles) to A fragments.
+template <typename T, int kK>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[kK][4], const float (&c)[2 * kK][4]) {
+#pragma unroll
+    for (int ks = 0; ks < kK; ++ks) {
+        a[ks][0] = fa::pack2<T>(c[2 * ks][0], c[2 * ks][1]);          // row g,   k 2t, 2t+1
+        a[ks][1] = fa::pack2<T>(c[2 * ks][2], c[2 * ks][3]);          // row g+8
+        a[ks][2] = fa::pack2<T>(c[2 * ks + 1][0], c[2 * ks + 1][1]);  // row g,   k 2t+8, 2t+9
+        a[ks][3] = fa::pack2<T>(c[2 * ks + 1][2], c[2 * ks + 1][3]);  // row g+8
+    }
+}
+
+// Store A fragments (a 16 x 16 kK tile) row-major to shared memory with pitch `pitch` (elements).
+template <typename T, int kK>
+__device__ __forceinline__ void store_a(T* s, int pitch, const uint32_t (&a)[kK][4]) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    T* s_l = s + g * pitch + 2 * t;
+#pragma unroll
+    for (int ks = 0; ks < kK; ++ks)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            *reinterpret_cast<uint32_t*>(s_l + (j % 2) * 8 * pitch + ks * 16 + (j / 2) * 8) = a[ks][j];
+}
+
+// Store a warp's 16 x (8 * kN) accumulator tile times `mult` to global memory (rows < n_rows,
+// columns < n_cols), C layout: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1 per n8 tile.
+template <typename OutT, int kN>
+__device__ __forceinline__ void store_acc(OutT* gmem, long long row_stride, const float (&acc)[kN][4],
+                                          float mult, int n_rows, int n_cols) {
+    const int lane = (int)threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = g + (e / 2) * 8, c = n * 8 + 2 * t + (e % 2);
+            if (r < n_rows && c < n_cols)
+                fa::gstore(gmem + (long long)r * row_stride + c, FromAcc<OutT>::convert(acc[n][e] * mult));
+        }
+}
+
+}  // namespace fa_bwd
