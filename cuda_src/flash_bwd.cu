@@ -2,8 +2,9 @@
 //
 //   Q_i   Br x D    dO_i  Br x Dv    L_i, D_i  Br     (query side, block i; smem)
 //   K_j   Bc x D    V_j   Bc x Dv                     (key side, block j; smem)
-//   P_ij^T, dS_ij^T  Bc x Br   (dK/dV kernel; smem, element type, recomputed per block pair)
-//   dS_ij            Br x Bc   (dQ kernel)
+//   P_ij^T, dS_ij^T  Bc x Br   (dK/dV kernel; recomputed per block pair, in registers as mma A
+//                               fragments, through smem when several warps share a 16-key row tile)
+//   dS_ij            Br x Bc   (dQ kernel; the same rule per 16-query row tile)
 // Every matrix product is mma.sync m16n8k16 with operands loaded by ldmatrix from shared memory:
 //   S^T  = K_j Q_i^T        A = K_j      (row-major)       B = Q_i  stored N x K  (ldmatrix)
 //   dP^T = V_j dO_i^T       A = V_j                        B = dO_i stored N x K
@@ -85,15 +86,20 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     warp_mma<T, kHeadDimV, kW, false, false>(dp, V_s + kt * 16 * L::kPitchDv, L::kPitchDv,
                                               dO_s + q0 * L::kPitchDv, L::kPitchDv);
 #pragma unroll
-    for (int nt = 0; nt < kW / 8; ++nt)
+    for (int nt = 0; nt < kW / 8; ++nt) {
+        // This lane's two query columns r, r + 1: L_i and D_i of both in one 8-byte load each (r is even).
+        const int r = q0 + nt * 8 + 2 * t;
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
+        const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int c = kt * 16 + g + (e / 2) * 8;      // key within K_j (row of S^T)
-            const int r = q0 + nt * 8 + 2 * t + (e % 2);  // query within Q_i (column)
-            const float p = p_from_score(s[nt][e], scale_log2, lse2_s[r], mask.is_visible(r0 + r, c0 + c));
-            dp[nt][e] = p * (dp[nt][e] - delta_s[r]);  // dS^T, from the unrounded P^T
+            const int c = kt * 16 + g + (e / 2) * 8;  // key within K_j (row of S^T)
+            const float p = p_from_score(s[nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
+                                         mask.is_visible(r0 + r + e % 2, c0 + c));
+            dp[nt][e] = p * (dp[nt][e] - (e % 2 ? delta_r.y : delta_r.x));  // dS^T, from the unrounded P^T
             s[nt][e] = p;
         }
+    }
     c_to_a<T, kW / 16>(P_a, s);
     c_to_a<T, kW / 16>(dS_a, dp);
 }
@@ -129,31 +135,49 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
     c_to_a<T, kW / 16>(dS_a, dp);
 }
 
+// Tile `it` of the calling warp when tiles (tm, tn), tn < kCols, are dealt round-robin to kNWarps
+// warps (tile = warp + it * kNWarps): split so that the part that depends on `it` is a constant.
+template <int kNWarps, int kCols>
+__device__ __forceinline__ void warp_tile(int warp, int it, int& tm, int& tn) {
+    if constexpr (kNWarps % kCols == 0) {
+        tm = warp / kCols + it * (kNWarps / kCols), tn = warp % kCols;
+    } else if constexpr (kCols % kNWarps == 0) {
+        tm = it / (kCols / kNWarps), tn = it % (kCols / kNWarps) * kNWarps + warp;
+    } else {
+        tm = (warp + it * kNWarps) / kCols, tn = (warp + it * kNWarps) % kCols;
+    }
+}
+
 // Atomic mode: dQ_i += dS K_j * scale into the float accumulator dqa_i (rows r0 ..), 16 x kDQCols
 // tiles spread over the warps; A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
 template <typename T, class L, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 __device__ __forceinline__ void atomic_dq(float* dqa_i, long long dqa_row, const T* dSt_s, const T* K_s,
                                           float scale, int n_rows, int D) {
     constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;  // tile width
-    constexpr int kDQTiles = (kBlockM / 16) * (kHeadDim / kDQCols);
+    constexpr int kColTiles = kHeadDim / kDQCols;
+    constexpr int kDQTiles = (kBlockM / 16) * kColTiles;
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int it = 0; it < ceil_div_c(kDQTiles, kNWarps); ++it) {
-        const int tile = warp + it * kNWarps;
-        if (kDQTiles % kNWarps != 0 && tile >= kDQTiles) break;
-        const int tm = tile / (kHeadDim / kDQCols), tn = tile % (kHeadDim / kDQCols);
+        if (kDQTiles % kNWarps != 0 && warp + it * kNWarps >= kDQTiles) break;
+        int tm, tn;
+        warp_tile<kNWarps, kColTiles>(warp, it, tm, tn);
         float dq[kDQCols / 8][4];
         zero_acc(dq);
         warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS, K_s + tn * kDQCols, L::kPitchD);
+        // This lane's rows r, r + 8 and columns d + n * 8 + {0, 1}: one address, then constant offsets.
+        const int r = tm * 16 + g, d = tn * kDQCols + 2 * t;
+        float* dst = dqa_i + (long long)r * dqa_row + d;
+        const long long down8 = 8 * dqa_row;
 #pragma unroll
         for (int n = 0; n < kDQCols / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = tm * 16 + g + (e / 2) * 8, d = tn * kDQCols + n * 8 + 2 * t + (e % 2);
-                if (r < n_rows && d < D) fa::atomic_add(dqa_i + (long long)r * dqa_row + d, dq[n][e] * scale);
-            }
+            for (int e = 0; e < 4; ++e)
+                if (r + (e / 2) * 8 < n_rows && d + n * 8 + e % 2 < D)
+                    fa::atomic_add(dst + (e / 2) * down8 + n * 8 + e % 2, dq[n][e] * scale);
     }
 }
+
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
@@ -187,12 +211,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     constexpr int kW = kBlockM % (16 * kSplit) == 0 ? kBlockM / kSplit : 16;
     constexpr int kStrips = kRowTiles * (kBlockM / kW);
     // One warp per 16-key row tile (kSplit = 1): its strip is every query of its dK_j, dV_j rows.
-    constexpr bool kScoresInRegs = false;
+    constexpr bool kScoresInRegs = kSplit == 1;
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
     static_assert(kNWarps >= kRowTiles && kNWarps % kRowTiles == 0,
                   "warps must cover the Bc/16 row tiles of dK_j, dV_j an integer number of times");
+    static_assert(!kScoresInRegs || (kW == kBlockM && kColsK == kHeadDim && kColsV == kHeadDimV),
+                  "P^T, dS^T in registers need the warp's strip to span all of Br and its dK_j, dV_j rows");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages>;
@@ -288,9 +314,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             // -- S^T, dP^T in 16 x kW strips spread over the warps; P^T, dS^T to shared memory.
 #pragma unroll
             for (int it = 0; it < ceil_div_c(kStrips, kNWarps); ++it) {
-                const int strip = warp + it * kNWarps;
-                if (kStrips % kNWarps != 0 && strip >= kStrips) break;
-                const int kt = strip / (kBlockM / kW), q0 = strip % (kBlockM / kW) * kW;
+                if (kStrips % kNWarps != 0 && warp + it * kNWarps >= kStrips) break;
+                int kt, q0;  // key row tile, first query of the strip
+                warp_tile<kNWarps, kBlockM / kW>(warp, it, kt, q0);
+                q0 *= kW;
                 uint32_t P_a[kW / 16][4], dS_a[kW / 16][4];
                 dkv_scores<T, L, kW, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
                                                          kt, q0, scale_log2, mask, r0, c0);
@@ -351,7 +378,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     constexpr int kW = kBlockN % (16 * kSplit) == 0 ? kBlockN / kSplit : 16;
     constexpr int kStrips = kRowTiles * (kBlockN / kW);
     // One warp per 16-query row tile (kSplit = 1): its strip is every key of its dQ_i rows.
-    constexpr bool kScoresInRegs = false;
+    constexpr bool kScoresInRegs = kSplit == 1;
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "Br and Bc must be multiples of 16 (mma tiles)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
@@ -359,6 +386,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                   "warps must cover the Br/16 row tiles of dQ_i an integer number of times");
     static_assert(kColsQ % 16 == 0 && kColsQ * kSplitQ == kHeadDim,
                   "each warp's dQ column slice must be whole n16 steps");
+    static_assert(!kScoresInRegs || (kW == kBlockN && kColsQ == kHeadDim),
+                  "dS in registers needs the warp's strip to span all of Bc and its dQ_i rows");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, false, kStages>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -436,9 +465,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             // -- S, dP in 16 x kW strips spread over the warps; dS to shared memory.
 #pragma unroll
             for (int it = 0; it < ceil_div_c(kStrips, kNWarps); ++it) {
-                const int strip = warp + it * kNWarps;
-                if (kStrips % kNWarps != 0 && strip >= kStrips) break;
-                const int qt = strip / (kBlockN / kW), k0 = strip % (kBlockN / kW) * kW;
+                if (kStrips % kNWarps != 0 && warp + it * kNWarps >= kStrips) break;
+                int qt, k0;  // query row tile, first key of the strip
+                warp_tile<kNWarps, kBlockN / kW>(warp, it, qt, k0);
+                k0 *= kW;
                 uint32_t dS_a[kW / 16][4];
                 dq_scores<T, L, kW, kHeadDim, kHeadDimV>(dS_a, Q_s, dO_s, K_s, V_s, lse2_s, delta_s, qt, k0,
                                                         scale_log2, mask, r0, c0);
