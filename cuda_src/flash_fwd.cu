@@ -29,6 +29,7 @@
 #include "flash_mask.cuh"
 #include "flash_softmax.cuh"
 #include "flash_fwd_copy.cuh"
+#include "flash_fwd_tiles.cuh"
 
 namespace flash {
 
@@ -105,14 +106,26 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // ---- the steps of one key tile j ----------------------------------------------------------------
   using TileS = float[kSlabs][kNTilesS][4];  // S_ij, then P_ij, of the warp's slabs
 
-  // K_j / V_j (rows n0 .. n0+Bc of this batch entry) → one shared-memory stage.
-  auto load_k = [&](T* sK_dst, int n0) {
-    load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-        sK_dst, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
+  // K_j / V_j (rows n0 .. n0+Bc of this batch entry) → one shared-memory stage. Aligned rows:
+  // per-thread copy plans (TileCopy), made once here, outside the key loop.
+  using CopyK = TileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>;
+  using CopyV = TileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>;
+  const CopyK copy_k(k_row, D, tid);
+  const CopyV copy_v(v_row, Dv, tid);
+  // kFull: every row of the tile exists (every tile but the last one, n0 + Bc <= Lk).
+  auto load_k = [&](bool full, T* sK_dst, int n0) {
+    if constexpr (Is_aligned)
+      copy_k.load(full, sK_dst, k_base + n0 * k_row, rows_in_tile(n0, kBlockN, Lk));
+    else
+      load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(
+          sK_dst, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
   };
-  auto load_v = [&](T* sV_dst, int n0) {
-    load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
-        sV_dst, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+  auto load_v = [&](bool full, T* sV_dst, int n0) {
+    if constexpr (Is_aligned)
+      copy_v.load(full, sV_dst, v_base + n0 * v_row, rows_in_tile(n0, kBlockN, Lk));
+    else
+      load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(
+          sV_dst, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
   };
 
   // S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q per slab, then the Bc/8 n8 tiles of K_j,
@@ -148,22 +161,22 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
   };
 
-  // Scale by scale·log2(e), mask (only tiles that cross the diagonal or the sequence end), online
-  // softmax on rows g, g+8 of each slab: update m_i, rescale O_i and l_i, P_ij = exp2(S_ij − m_i).
+  // Mask (only tiles that cross the diagonal or the sequence end), online softmax on rows g, g+8
+  // of each slab: update m_i, rescale O_i and l_i, P_ij = exp2(S_ij·scale·log2(e) − m_i). S stays
+  // unscaled until the exp2 (one fma per score; the row max of unscaled scores times the scale
+  // is the max of the scaled ones, the scale being > 0). m_i is kept in scaled units.
   // acc_s[sl][nt][i] holds S[16·sl + g + 8·(i/2)][8·nt + 2t + i%2] of the warp's rows.
-  auto softmax_step = [&](TileS& acc_s, int n0) {
-    const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
+  auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
+    if (tile_masked) {
 #pragma unroll
-    for (int sl = 0; sl < kSlabs; ++sl)
+      for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-      for (int nt = 0; nt < kNTilesS; ++nt)
+        for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float s = acc_s[sl][nt][i] * scale_log2;
-          if (tile_masked)
-            s = mask.apply(s, m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
-          acc_s[sl][nt][i] = s;
-        }
+          for (int i = 0; i < 4; ++i)
+            acc_s[sl][nt][i] = mask.apply(acc_s[sl][nt][i], m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2),
+                                          n0 + 8 * nt + 2 * t + (i % 2));
+    }
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -173,7 +186,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int nt = 0; nt < kNTilesS; ++nt)
           tile_max = fmaxf(tile_max, fmaxf(acc_s[sl][nt][2 * r], acc_s[sl][nt][2 * r + 1]));
         tile_max = group_allreduce_max<kQuad>(tile_max);  // the quad holding the row
-        const float correction = stat[sl][r].update_max(tile_max);
+        const float correction = stat[sl][r].update_max(tile_max * scale_log2);
 #pragma unroll
         for (int dt = 0; dt < kNTilesO; ++dt) {
           acc_o[sl][dt][2 * r] *= correction;
@@ -184,7 +197,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
           for (int i = 2 * r; i < 2 * r + 2; ++i) {
-            const float p = OnlineSoftmaxRow<float>::prob(acc_s[sl][nt][i], m_sub);
+            const float p = OnlineSoftmaxRow<float>::prob_unscaled(acc_s[sl][nt][i], scale_log2, m_sub);
             stat[sl][r].l += p;  // partial over this lane's columns; the quad is summed at the end
             acc_s[sl][nt][i] = p;
           }
@@ -225,23 +238,32 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
   };
 
-  // ---- main loop over the visible key tiles -------------------------------------------------------
+  // ---- main loop over the visible key tiles, last tile first -------------------------------------
+  // FlashAttention-2's order: the tiles that need the element mask (crossing the causal diagonal
+  // or the sequence end) are the last ones, so they run first; every tile after them is a full
+  // tile without masking (j < n_block_unmasked: a block-uniform branch skips the mask). Only
+  // the first tile loaded (the prologue's) can be partial, so the prefetches inside the loop
+  // copy whole rows with no bounds checks. One loop, not a masked and an unmasked copy as in
+  // FlashAttention-2: the two copies cost up to 30 more registers and spilled the 8-warp and
+  // sm_75 tiles (docs/performance.md).
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  int n_block = n_block_max - 1;  // -1 when no key is visible: the loop is skipped
   if constexpr (kStages == 1) {
     // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while
-    // S_ij = Q_i K_jᵀ runs, K_{j+1} while the softmax and P_ij V_j run. Two barriers per tile.
-    if (n_block_max > 0) {
+    // S_ij = Q_i K_jᵀ runs, K_{j−1} while the softmax and P_ij V_j run. Two barriers per tile.
+    if (n_block >= 0) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
-      load_k(sK, 0);
+      load_k(false, sK, n_block * kBlockN);
       fa::cp_async_commit();
     }
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    auto iteration = [&](bool masked, int n_block) {
       const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
       fa::cp_async_wait<0>();
       // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
-      // reading V_{j−1} (previous iteration), so sV may be overwritten.
+      // reading V_{j+1} (previous iteration), so sV may be overwritten.
       __syncthreads();
-      load_v(sV, n0);
+      load_v(!masked, sV, n0);  // full rows unless masked: the partial last tile is a masked one
       fa::cp_async_commit();
 
       TileS acc_s;
@@ -249,43 +271,46 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
       fa::cp_async_wait<0>();
       // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
-      // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
+      // K_j, so sK may receive K_{j−1} while we do the softmax and P_ij V_j.
       __syncthreads();
-      if (n_block + 1 < n_block_max) load_k(sK, n0 + kBlockN);
+      if (n_block > 0) load_k(true, sK, n0 - kBlockN);
       fa::cp_async_commit();
 
-      softmax_step(acc_s, n0);
+      softmax_step(masked, acc_s, n0);
       gemm_pv(acc_s, sV);
-    }
+    };
+    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block);
   } else {
-    // Two-stage ring: tile j lives in stage j % 2; K_{j+1} and V_{j+1} are fetched into the other
-    // stage while all of tile j is computed. One barrier per tile.
+    // Two-stage ring: K_{j−1} and V_{j−1} are fetched into the other stage while all of tile j
+    // is computed. One barrier per tile.
     static_assert(kStages == 2, "kStages must be 1 or 2");
-    if (n_block_max > 0) {
+    if (n_block >= 0) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
-      load_k(sK, 0);
-      load_v(sV, 0);
+      load_k(false, sK, n_block * kBlockN);
+      load_v(false, sV, n_block * kBlockN);
       fa::cp_async_commit();
     }
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    int stage = 0;  // shared-memory stage holding tile j
+    auto iteration = [&](bool masked, int n_block) {
       const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
-      const int stage = n_block & 1;
       fa::cp_async_wait<0>();
       // Barrier: Q_i, K_j and V_j have landed for every thread's copies, and every warp has
-      // finished tile j−1, so its stage (the other one) may receive tile j+1.
+      // finished tile j+1, so its stage (the other one) may receive tile j−1.
       __syncthreads();
-      if (n_block + 1 < n_block_max) {
-        load_k(sK + (stage ^ 1) * kKStage, n0 + kBlockN);
-        load_v(sV + (stage ^ 1) * kVStage, n0 + kBlockN);
+      if (n_block > 0) {
+        load_k(true, sK + (stage ^ 1) * kKStage, n0 - kBlockN);
+        load_v(true, sV + (stage ^ 1) * kVStage, n0 - kBlockN);
       }
       fa::cp_async_commit();
 
       TileS acc_s;
       gemm_qk(acc_s, sK + stage * kKStage);
-      softmax_step(acc_s, n0);
+      softmax_step(masked, acc_s, n0);
       gemm_pv(acc_s, sV + stage * kVStage);
-    }
+      stage ^= 1;
+    };
+    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block);
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------

@@ -20,6 +20,9 @@
 
 namespace flash {
 
+// Smallest power of two >= n (n >= 1).
+__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
+
 template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_stride,
                                           int rows_valid, int cols_valid, int tid) {
@@ -49,5 +52,75 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_
     }
   }
 }
+
+}  // namespace flash
+
+namespace flash {
+
+// K_j / V_j tiles of the tensor-core forward: the same copy as load_tile's aligned path, planned
+// once per thread so that the key-tile loop holds only the cp.async instructions themselves.
+//
+// The threads form rows of kThreadsPerRow lanes (the chunks per row rounded up to a power of two,
+// which divides kNThreads), so thread tid copies the SAME column chunk c = tid % kThreadsPerRow of
+// rows r0 + p·kRowsPerPass (r0 = tid / kThreadsPerRow) in every pass p: the chunk's byte count
+// (cut at the true head dim) is one loop-invariant register, the shared-memory destinations are
+// compile-time offsets from one per-thread base, and the global sources are one per-thread
+// pointer plus p·(kRowsPerPass rows). The passes are fully unrolled (compile-time trip count),
+// so no loop with a run-time start appears in the key loop. When the chunks per row are not a
+// power of two (d = 48, 80, 96, ...) the lanes past the row's last chunk copy nothing.
+template <typename T, int kRows, int kCols, int kStride, int kNThreads>
+struct TileCopy {
+  static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
+  static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
+  static constexpr int kChunksPerRow = kCols / kElemsPerCopy;
+  static constexpr int kThreadsPerRow = next_pow2(kChunksPerRow);
+  static_assert(kNThreads % kThreadsPerRow == 0,
+                "each thread must own one fixed column chunk: threads a multiple of the row's lanes");
+  static constexpr int kRowsPerPass = kNThreads / kThreadsPerRow;
+  static constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+  // Small tiles (e.g. Bc = 16 at d = 16 with 256 threads) have fewer rows than a pass: then the
+  // last (only) pass is predicated on the thread's row existing in the tile.
+  static constexpr bool kEvenPasses = kRows % kRowsPerPass == 0;
+
+  bool active;        // this lane has a chunk of the row (false past kChunksPerRow)
+  int r0;             // first tile row this thread copies
+  int smem_offset;    // element offset of (r0, c) in a shared-memory tile
+  int bytes;          // bytes of the chunk that exist (head dim cut), 0..16
+  long long src_offset;  // element offset of (r0, c) from a tile's row 0 in global memory (c = 0
+                         // when nothing of the chunk exists, so the address stays valid)
+  long long row_stride;  // global elements between rows
+
+  __device__ __forceinline__ TileCopy(long long row_stride_, int cols_valid, int tid) : row_stride(row_stride_) {
+    r0 = tid / kThreadsPerRow;
+    active = tid % kThreadsPerRow < kChunksPerRow;
+    const int c = (tid % kThreadsPerRow) * kElemsPerCopy;
+    int elems = cols_valid - c;
+    elems = elems < 0 ? 0 : (elems > kElemsPerCopy ? kElemsPerCopy : elems);
+    bytes = elems * static_cast<int>(sizeof(T));
+    smem_offset = r0 * kStride + c;
+    src_offset = r0 * row_stride + (elems > 0 ? c : 0);
+  }
+
+  // Copies the tile whose row 0 is gmem_tile into smem_tile. full: every row exists (rows_valid
+  // is ignored; a literal at every call, so the row test folds away); else rows at or past
+  // rows_valid are zero-filled (src_bytes = 0, the source then being row 0 of the tile, which
+  // always exists).
+  __device__ __forceinline__ void load(bool full, T* smem_tile, const T* gmem_tile, int rows_valid) const {
+    if (kChunksPerRow != kThreadsPerRow && !active) return;
+    const T* src = gmem_tile + src_offset;
+    const long long pass_stride = kRowsPerPass * row_stride;
+    T* dst = smem_tile + smem_offset;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int r = r0 + p * kRowsPerPass;
+      if (!kEvenPasses && r >= kRows) break;
+      const bool row_ok = full || r < rows_valid;
+      fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, row_ok ? src : gmem_tile, row_ok ? bytes : 0);
+      // A running pointer (one 64-bit add per pass) rather than src + p·pass_stride: the products
+      // would be hoisted out of the key loop into kPasses 64-bit registers per tile.
+      src += pass_stride;
+    }
+  }
+};
 
 }  // namespace flash

@@ -33,6 +33,8 @@ __device__ __forceinline__ float exp2_acc(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+__device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_acc(double a, double b, double c) { return fma(a, b, c); }
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a : b; }
 __device__ __forceinline__ float ln2_acc(float) { return kLn2; }
@@ -91,6 +93,13 @@ struct OnlineSoftmaxRow {
 
   // p = exp2(s − m_i) for a scaled score s; m_sub is max_for_exp().
   __device__ __forceinline__ static AccT prob(AccT s, AccT m_sub) { return exp2_acc(s - m_sub); }
+
+  // p = exp2(s·scale − m_i) for an UNSCALED score s (scale = softmax scale · log2(e) > 0): the
+  // scale folds into one fused multiply-add per score (FlashAttention-2's trick). The row max
+  // may be taken on unscaled scores: scale > 0 keeps the order, so max(s)·scale = max(s·scale).
+  __device__ __forceinline__ static AccT prob_unscaled(AccT s, AccT scale, AccT m_sub) {
+    return exp2_acc(fma_acc(s, scale, -m_sub));
+  }
 
   // After l has been summed over the row's threads: 1/l_i (0 for a row that saw no key).
   __device__ __forceinline__ AccT inv_sum(AccT l_total) const {
