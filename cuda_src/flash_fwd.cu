@@ -112,7 +112,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   using CopyV = TileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>;
   const CopyK copy_k(k_row, D, tid);
   const CopyV copy_v(v_row, Dv, tid);
-  // kFull: every row of the tile exists (every tile but the last one, n0 + Bc <= Lk).
+  // full: every row of the tile exists (every tile but the last one, n0 + Bc <= Lk); a literal or
+  // a block-uniform flag, so the row test folds away or is one branch-free select per copy.
   auto load_k = [&](bool full, T* sK_dst, int n0) {
     if constexpr (Is_aligned)
       copy_k.load(full, sK_dst, k_base + n0 * k_row, rows_in_tile(n0, kBlockN, Lk));
