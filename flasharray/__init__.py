@@ -4,8 +4,9 @@
 matrix: on CuPy arrays with hand-written CUDA kernels, on NumPy arrays with a tiled,
 multithreaded CPU implementation, and on the CPU emulator of those CUDA kernels
 (``backend="emulator"``). Gradients come from an explicit API (``flash_attention_backward``,
-``flash_attention_vjp``). ``flasharray.reference`` is the plain NumPy ground truth and
-``flasharray.testing`` checks any attention output against it.
+``flash_attention_vjp``). ``flash_attention_with_kvcache`` attends over a (paged) KV cache for
+incremental decoding, appending the new keys in place. ``flasharray.reference`` is the plain
+NumPy ground truth and ``flasharray.testing`` checks any attention output against it.
 """
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ from ._private.api import (  # noqa: E402
     flash_attention_vjp,
 )
 from ._private.merge import merge_attention  # noqa: E402
+from ._private.kvcache import flash_attention_with_kvcache  # noqa: E402
 from . import reference, testing  # noqa: E402
 
 
@@ -35,6 +37,7 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_vjp",
     "merge_attention",
+    "flash_attention_with_kvcache",
     "reference",
     "testing",
     "show_config",

@@ -19,7 +19,8 @@ import numpy as np
 
 from ._private.dtypes import accumulation_dtype, canonical_dtype
 
-__all__ = ["attention", "attention_backward", "causal_mask", "reduce_to_shape"]
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "gather_kvcache", "causal_mask",
+           "reduce_to_shape"]
 
 
 def _xp(a):
@@ -149,3 +150,65 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, dtype=None):
     dk = rnd(rnd(xp.swapaxes(dS, -1, -2) @ q) * scale)
     grads = [reduce_to_shape(g, s) for g, s in zip((dq, dk, dv), shapes)]
     return tuple(xp.ascontiguousarray(g).astype(rnd.p) for g in grads)
+
+
+def gather_kvcache(k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None):
+    """The keys and values entry ``b`` of a KV cache exposes, as fresh contiguous arrays.
+
+    Returns a list with one ``(k_b, v_b)`` per entry: ``k_b (H_kv, n_b, D)``, ``v_b (H_kv, n_b,
+    Dv)`` with ``n_b = cache_seqlens[b] + L_new`` — the cache's first ``cache_seqlens[b]`` logical
+    rows (contiguous ``(B, H_kv, L_cache, D)``, or paged ``(num_blocks, H_kv, page_size, D)``
+    through ``block_table``: row ``r`` at page ``block_table[b, r // page_size]``, row
+    ``r % page_size``) followed by ``k_new[b]``, ``v_new[b]``. Nothing is written; no checking.
+    """
+    xp = _xp(k_cache)
+    seqlens = [int(s) for s in (cache_seqlens.tolist() if hasattr(cache_seqlens, "tolist") else cache_seqlens)]
+    result = []
+    for b, s in enumerate(seqlens):
+        if block_table is None:
+            k_b, v_b = k_cache[b, :, :s], v_cache[b, :, :s]
+        else:
+            page = k_cache.shape[2]
+            rows = xp.arange(s)
+            pages = xp.asarray(block_table[b])[rows // page]
+            k_b, v_b = k_cache[pages, :, rows % page], v_cache[pages, :, rows % page]   # (s, H_kv, ·)
+            k_b, v_b = xp.swapaxes(k_b, 0, 1), xp.swapaxes(v_b, 0, 1)
+        if k_new is not None:
+            k_b, v_b = xp.concatenate([k_b, k_new[b]], axis=1), xp.concatenate([v_b, v_new[b]], axis=1)
+        result.append((xp.ascontiguousarray(k_b), xp.ascontiguousarray(v_b)))
+    return result
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+                           causal=True, scale=None, return_lse=False, dtype=None):
+    """The plain formula for :func:`flasharray.flash_attention_with_kvcache`, **without writing the cache**.
+
+    For each entry ``b``: :func:`attention` of ``q[b]`` over the keys/values of
+    :func:`gather_kvcache` (the cache's first ``cache_seqlens[b]`` rows followed by ``k_new[b]``),
+    causal bottom-right within them. The cache, ``k_new`` and every other input are left as they
+    are — the result equals what ``flash_attention_with_kvcache`` returns for the same arguments,
+    whose cache then holds the new rows.
+
+    Parameters are those of ``flash_attention_with_kvcache`` (q ``(B, H, Lq, D)`` or GQA
+    ``(B, H_kv, G, Lq, D)``), plus ``dtype`` as for :func:`attention` (default: float64).
+
+    Returns
+    -------
+    out : array (B, *heads, Lq, Dv);  lse : array (B, *heads, Lq), only if ``return_lse``.
+    """
+    xp = _xp(q)
+    gqa = q.ndim == 5
+    parts = []
+    for b, (k_b, v_b) in enumerate(gather_kvcache(k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new,
+                                                  block_table=block_table)):
+        if gqa:
+            k_b, v_b = k_b[:, None], v_b[:, None]
+        parts.append(attention(q[b], k_b, v_b, causal=causal, scale=scale, return_lse=True, dtype=dtype))
+    if not parts:
+        heads = np.broadcast_shapes(q.shape[1:-2], (k_cache.shape[1],) + ((1,) if gqa else ()))
+        p = _Precision(np.float64 if dtype is None else dtype, xp)
+        out = xp.zeros((0,) + heads + (q.shape[-2], v_cache.shape[-1]), dtype=p.p)
+        lse = xp.zeros((0,) + heads + (q.shape[-2],), dtype=p.acc)
+    else:
+        out, lse = xp.stack([o for o, _ in parts]), xp.stack([s for _, s in parts])
+    return (out, lse) if return_lse else out

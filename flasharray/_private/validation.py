@@ -130,3 +130,28 @@ def check_backend(backend, kind):
                         % (backend, "CuPy" if needs == "cupy" else "NumPy",
                            "CuPy" if kind == "cupy" else "NumPy"))
     return backend
+
+
+def check_int32_array(name, x, kind, ndim):
+    """An int32 index array (``cache_seqlens``, ``block_table``) of ``ndim`` dims from the array
+    library ``kind`` of q. Shapes beyond the rank are checked by the caller."""
+    if array_kind(x) is None:
+        raise TypeError("flasharray: argument %r must be a numpy.ndarray or cupy.ndarray of int32, "
+                        "got %s" % (name, _describe(x)))
+    if array_kind(x) != kind:
+        raise TypeError("flasharray: cannot mix NumPy and CuPy arrays (q is %s, %s is %s)"
+                        % (kind, name, array_kind(x)))
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError("flasharray: argument %r must have dtype int32, got %s (cast it with "
+                        ".astype(numpy.int32))" % (name, np.dtype(x.dtype).name))
+    if x.ndim != ndim:
+        raise ValueError("flasharray: argument %r must have %d dim(s), got shape %s"
+                         % (name, ndim, tuple(x.shape)))
+
+
+def check_writeable(name, x):
+    """A NumPy array the call writes into must not be read-only (CuPy arrays always are writable)."""
+    flags = getattr(x, "flags", None)
+    if isinstance(x, np.ndarray) and not flags.writeable:
+        raise ValueError("flasharray: argument %r is read-only but k_new/v_new must be written into "
+                         "it (pass a writable array, or no k_new/v_new)" % name)

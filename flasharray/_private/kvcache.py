@@ -1,0 +1,352 @@
+"""flash_attention_with_kvcache: attention over a KV cache, appending new keys in place.
+
+One call of incremental decoding (issue 10 §3). For every entry ``b`` of the first batch dim:
+
+1. the new keys/values ``k_new[b], v_new[b]`` (``L_new`` rows) are written into the cache at the
+   logical rows ``cache_seqlens[b] … cache_seqlens[b] + L_new - 1``;
+2. the ``Lq`` queries ``q[b]`` attend to the ``n_b = cache_seqlens[b] + L_new`` visible keys,
+   causal bottom-right within them (the queries are the last ``Lq`` positions).
+
+Order of work: validate every argument (types and shapes, then the values of ``cache_seqlens`` and
+``block_table``, brought to the host in one small copy for CuPy), then write, then attend — so a
+refused call writes nothing.
+
+Attention per backend:
+
+* contiguous cache, every backend: the public forward on views ``k_cache[b0:b1, :, :n]`` (no copy),
+  one call per run of consecutive entries with equal ``n_b``;
+* paged cache, ``cpu``: page by page — each page is a view ``k_cache[block_table[b, p]]``, its
+  attention (with the causal mask aligned to the entry's full key range) is merged into the
+  running result by the log-sum-exp rule (:func:`merge_attention`); pages are never gathered;
+* paged cache, ``cuda``/``emulator``: needs the page-table indirection inside the forward kernel
+  (split-KV work, not here yet): :func:`_paged_kernel_forward` is that hook and raises
+  ``NotImplementedError`` (``docs/kvcache.md`` says what the kernel needs).
+"""
+import numpy as np
+
+from . import validation as val
+from .api import flash_attention_forward
+from .dtypes import accumulation_dtype
+from .merge import merge_attention
+
+# A page holds a whole number of the kernels' 16-row key sub-tiles (mma k-dimension).
+PAGE_MULTIPLE = 16
+
+
+def _shape(x):
+    return tuple(int(n) for n in x.shape)
+
+
+class _KVCall:
+    """Validated arguments of one ``flash_attention_with_kvcache`` call (types and shapes)."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
+                 backend):
+        if (k_new is None) != (v_new is None):
+            raise ValueError("flasharray: k_new and v_new go together, got k_new %s and v_new %s"
+                             % ("None" if k_new is None else _shape(k_new),
+                                "None" if v_new is None else _shape(v_new)))
+        named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+        if k_new is not None:
+            named += [("k_new", k_new), ("v_new", v_new)]
+        self.kind, self.dtype = val.check_arrays(named)
+        self.q, self.k_cache, self.v_cache, self.k_new, self.v_new = q, k_cache, v_cache, k_new, v_new
+        self.seqlens, self.block_table = cache_seqlens, block_table
+        self.causal = val.check_flag("causal", causal)
+        self.backend = val.check_backend(backend, self.kind)
+        self.paged = block_table is not None
+        self._check_cache_shapes()
+        self.scale = val.check_scale(scale, self.D)
+        self._check_q()
+        self._check_index_arrays()
+        self._check_new()
+
+    def _check_cache_shapes(self):
+        k, v = self.k_cache, self.v_cache
+        layout = "(num_blocks, H_kv, page_size, D)" if self.paged else "(B, H_kv, L_cache, D)"
+        for name, x in (("k_cache", k), ("v_cache", v)):
+            if x.ndim != 4:
+                raise ValueError("flasharray: argument %r must have 4 dims %s, got shape %s"
+                                 % (name, layout, _shape(x)))
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError("flasharray: k_cache and v_cache must agree on their first three dims %s,"
+                             " got k_cache.shape=%s and v_cache.shape=%s" % (layout[:-4] + ")", _shape(k),
+                                                                             _shape(v)))
+        self.H_kv, self.L_cache, self.D = int(k.shape[1]), int(k.shape[2]), int(k.shape[3])
+        self.Dv = int(v.shape[3])
+        if self.paged and (self.L_cache == 0 or self.L_cache % PAGE_MULTIPLE):
+            raise ValueError("flasharray: the page size (axis 2 of the paged k_cache) must be a positive "
+                             "multiple of %d, got k_cache.shape=%s" % (PAGE_MULTIPLE, _shape(k)))
+
+    def _check_q(self):
+        q = self.q
+        if q.ndim not in (4, 5):
+            raise ValueError("flasharray: argument 'q' must be (B, H, Lq, D) or, for GQA, "
+                             "(B, H_kv, G, Lq, D), got shape %s" % (_shape(q),))
+        if q.shape[-1] != self.D:
+            raise ValueError("flasharray: q and k_cache must have the same head dim D (last axis), got "
+                             "q.shape=%s and k_cache.shape=%s" % (_shape(q), _shape(self.k_cache)))
+        self.B, self.Lq = int(q.shape[0]), int(q.shape[-2])
+        if not self.paged and self.k_cache.shape[0] != self.B:
+            raise ValueError("flasharray: k_cache must hold one entry per batch entry of q (axis 0), got "
+                             "q.shape=%s and k_cache.shape=%s" % (_shape(q), _shape(self.k_cache)))
+        # Per entry the cache is (H_kv, L, D), seen as (H_kv, 1, L, D) against a GQA q.
+        self.gqa = q.ndim == 5
+        heads = (self.H_kv, 1) if self.gqa else (self.H_kv,)
+        try:
+            self.batch_shape = (self.B,) + tuple(np.broadcast_shapes(tuple(q.shape[1:-2]), heads))
+        except ValueError:
+            raise ValueError("flasharray: the head dims of q %s do not broadcast with the cache's %s "
+                             "(q.shape=%s, k_cache.shape=%s; for GQA use q (B, H_kv, G, Lq, D))"
+                             % (_shape(q)[1:-2], heads, _shape(q), _shape(self.k_cache))) from None
+
+    def _check_index_arrays(self):
+        val.check_int32_array("cache_seqlens", self.seqlens, self.kind, 1)
+        if _shape(self.seqlens) != (self.B,):
+            raise ValueError("flasharray: argument 'cache_seqlens' must have shape (B,) = (%d,) (one "
+                             "length per entry of q's first dim), got %s" % (self.B, _shape(self.seqlens)))
+        self.capacity = self.L_cache
+        if self.paged:
+            val.check_int32_array("block_table", self.block_table, self.kind, 2)
+            if self.block_table.shape[0] != self.B:
+                raise ValueError("flasharray: argument 'block_table' must have shape (B, max_blocks) "
+                                 "with B = %d, got %s" % (self.B, _shape(self.block_table)))
+            self.capacity = int(self.block_table.shape[1]) * self.L_cache
+
+    def _check_new(self):
+        self.L_new = 0
+        if self.k_new is None:
+            return
+        L_new = int(self.k_new.shape[-2]) if self.k_new.ndim >= 2 else 0
+        for name, x, d in (("k_new", self.k_new, self.D), ("v_new", self.v_new, self.Dv)):
+            want = (self.B, self.H_kv, L_new, d)
+            if x.ndim != 4 or _shape(x) != want:
+                raise ValueError("flasharray: argument %r must have shape (B, H_kv, L_new, %s) = %s (B from "
+                                 "q, H_kv and the head dims from the cache, L_new from k_new), got %s"
+                                 % (name, "D" if name == "k_new" else "Dv", want, _shape(x)))
+        self.L_new = L_new
+        val.check_writeable("k_cache", self.k_cache)
+        val.check_writeable("v_cache", self.v_cache)
+
+    @property
+    def page_size(self):
+        return self.L_cache
+
+
+def _host_values(c):
+    """cache_seqlens (and block_table) as host int64 arrays: one device→host copy for CuPy."""
+    if c.kind == "numpy":
+        table = None if not c.paged else np.asarray(c.block_table, dtype=np.int64)
+        return np.asarray(c.seqlens, dtype=np.int64), table
+    import cupy
+    parts = [c.seqlens] + ([c.block_table.ravel()] if c.paged else [])
+    flat = cupy.concatenate(parts).get().astype(np.int64)
+    table = flat[c.B:].reshape(c.block_table.shape) if c.paged else None
+    return flat[:c.B], table
+
+
+def _check_values(c, seqlens, table):
+    """Lengths within the cache and block-table entries within the pool, for the rows touched."""
+    bad = np.flatnonzero(seqlens < 0)
+    if bad.size:
+        raise ValueError("flasharray: cache_seqlens must be >= 0, got cache_seqlens[%d] = %d"
+                         % (bad[0], seqlens[bad[0]]))
+    lengths = seqlens + c.L_new
+    over = np.flatnonzero(lengths > c.capacity)
+    if over.size:
+        b = over[0]
+        where = ("max_blocks·page_size = %d·%d" % (table.shape[1], c.page_size) if c.paged
+                 else "L_cache")
+        raise ValueError("flasharray: cache_seqlens[%d] + L_new = %d + %d = %d exceeds the cache capacity "
+                         "%s = %d; nothing was written" % (b, seqlens[b], c.L_new, lengths[b], where,
+                                                           c.capacity))
+    if c.paged:
+        num_blocks = int(c.k_cache.shape[0])
+        for b, n in enumerate(lengths):
+            pages = table[b, :-(-int(n) // c.page_size)]
+            wrong = np.flatnonzero((pages < 0) | (pages >= num_blocks))
+            if wrong.size:
+                raise ValueError("flasharray: block_table[%d, %d] = %d is outside [0, num_blocks = %d) "
+                                 "and entry %d uses it (%d visible keys)"
+                                 % (b, wrong[0], pages[wrong[0]], num_blocks, b, n))
+    return lengths
+
+
+def _write_new(c):
+    """k_new/v_new into the cache at logical rows cache_seqlens[b] + t, by array indexing."""
+    if c.L_new == 0 or c.B == 0:
+        return
+    xp = np if c.kind == "numpy" else __import__("cupy")
+    rows = c.seqlens.astype(xp.int64)[:, None] + xp.arange(c.L_new)       # (B, L_new) logical rows
+    if c.paged:
+        pages = xp.take_along_axis(c.block_table, rows // c.page_size, axis=1)
+        index = (pages, slice(None), rows % c.page_size)
+    else:
+        index = (xp.arange(c.B)[:, None], slice(None), rows)
+    # Advanced indices around a slice put their (B, L_new) dims first: values are (B, L_new, H_kv, D).
+    c.k_cache[index] = xp.swapaxes(c.k_new, 1, 2)
+    c.v_cache[index] = xp.swapaxes(c.v_new, 1, 2)
+
+
+def _runs(lengths):
+    """(b0, b1, n): maximal runs of consecutive entries with the same number of visible keys."""
+    b0 = 0
+    for b in range(1, len(lengths) + 1):
+        if b == len(lengths) or lengths[b] != lengths[b0]:
+            yield b0, b, int(lengths[b0])
+            b0 = b
+
+
+def _outputs(c, xp, dtype):
+    out = xp.empty(c.batch_shape + (c.Lq, c.Dv), dtype=dtype)
+    lse = xp.empty(c.batch_shape + (c.Lq,), dtype=accumulation_dtype(c.dtype))
+    return out, lse
+
+
+def _as_keys(c, x):
+    """A per-entry cache view (…, H_kv, L, D) with the size-1 group axis GQA broadcasting needs."""
+    return x[..., None, :, :] if c.gqa else x
+
+
+def _attend_contiguous(c, lengths):
+    """The public forward on views of the cache, one call per run of entries with equal lengths
+    (a single call when every entry sees as many keys: prefill, lock-step decoding)."""
+    runs = list(_runs(lengths))
+    if len(runs) == 1:
+        return _forward_on_view(c, slice(None), runs[0][2])
+    xp = np if c.kind == "numpy" else __import__("cupy")
+    out, lse = _outputs(c, xp, c.dtype)
+    for b0, b1, n in runs:
+        out[b0:b1], lse[b0:b1] = _forward_on_view(c, slice(b0, b1), n)
+    return out, lse
+
+
+def _forward_on_view(c, entries, n):
+    """Attention of q[entries] over the first n keys of cache entries ``entries`` (views)."""
+    k = _as_keys(c, c.k_cache[entries, :, :n])
+    v = _as_keys(c, c.v_cache[entries, :, :n])
+    return flash_attention_forward(c.q[entries], k, v, causal=c.causal, scale=c.scale,
+                                   backend=c.backend)
+
+
+def _chunk_attention(q, k, v, a, e, n, causal, scale):
+    """Attention of all Lq queries to the keys [a, e) of an entry with n visible keys.
+
+    With the causal mask, query i sees key j iff j <= i + n - Lq. On the chunk (local key
+    j' = j - a) that is the bottom-right mask of the query prefix [0, i1) with i1 = Lq - (n - e);
+    queries from i1 on see the whole chunk.
+    """
+    Lq = q.shape[-2]
+    i1 = min(max(Lq - (n - e), 0), Lq) if causal else 0
+    if i1 in (0, Lq):
+        return flash_attention_forward(q, k, v, causal=i1 == Lq, scale=scale, backend="cpu")
+    top = flash_attention_forward(q[..., :i1, :], k, v, causal=True, scale=scale, backend="cpu")
+    rest = flash_attention_forward(q[..., i1:, :], k, v, causal=False, scale=scale, backend="cpu")
+    return np.concatenate([top[0], rest[0]], axis=-2), np.concatenate([top[1], rest[1]], axis=-1)
+
+
+def _attend_paged_cpu(c, lengths, table):
+    """Page by page on views of the pages, merged by log-sum-exp; computed in the accumulation
+    dtype (as the cpu backend computes float16/bfloat16) and rounded once at the end."""
+    acc = accumulation_dtype(c.dtype)
+    out, lse = _outputs(c, np, acc)
+    ps = c.page_size
+    for b, n in enumerate(int(x) for x in lengths):
+        q = c.q[b].astype(acc, copy=False)
+        out[b], lse[b] = 0, -np.inf                    # no visible key: out = 0, lse = -inf
+        for a in range(0, n, ps):
+            e = min(a + ps, n)
+            page = table[b, a // ps]
+            k = _as_keys(c, c.k_cache[page, :, :e - a]).astype(acc, copy=False)
+            v = _as_keys(c, c.v_cache[page, :, :e - a]).astype(acc, copy=False)
+            o, s = _chunk_attention(q, k, v, a, e, n, c.causal, c.scale)
+            out[b], lse[b] = (o, s) if a == 0 else merge_attention([out[b], o], [lse[b], s])
+    return out.astype(c.dtype), lse
+
+
+def _paged_kernel_forward(c, lengths, table):
+    """Paged attention on the CUDA kernels (backends ``cuda`` and ``emulator``).
+
+    The hook for the forward kernel's paged mode: it needs, per batch entry, its own key count
+    ``lengths[b]`` and the page-table indirection in the K/V tile copy (logical key row r at page
+    ``block_table[b, r // page_size]``, row ``r % page_size``); see ``docs/kvcache.md``. Until the
+    kernel has them, :func:`_paged_kernel_support` refuses the call before anything is written.
+    """
+    raise NotImplementedError(_paged_kernel_support(c.backend))
+
+
+def _paged_kernel_support(backend):
+    """None when the kernels of ``backend`` read paged caches, else the reason they do not."""
+    return ("flasharray: a paged KV cache (block_table) is not supported on backend=%r yet: the CUDA "
+            "forward kernel has no page-table indirection (supported today: block_table with "
+            "backend='cpu', or a contiguous cache on every backend)" % backend)
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
+                                 block_table=None, causal=True, scale=None, return_lse=False,
+                                 backend=None):
+    """Attention over a KV cache for incremental decoding; appends ``k_new``/``v_new`` in place.
+
+    For each entry ``b`` of the first batch dim: writes ``k_new[b]``, ``v_new[b]`` into the cache
+    at the logical rows ``cache_seqlens[b] … cache_seqlens[b] + L_new - 1``, then computes the
+    attention of ``q[b]`` over the first ``n_b = cache_seqlens[b] + L_new`` keys of the cache.
+
+    Parameters
+    ----------
+    q : array, shape (B, H, Lq, D), or (B, H_kv, G, Lq, D) for GQA
+        Queries. The head dims broadcast against the cache's ``(H_kv,)`` — or ``(H_kv, 1)`` for a
+        5-dim q — by NumPy rules (``H == H_kv``, or MQA with ``H_kv == 1``). ``Lq`` may differ
+        from ``L_new``: the queries are the last ``Lq`` positions of the entry's keys.
+    k_cache : array, shape (B, H_kv, L_cache, D), or (num_blocks, H_kv, page_size, D) when paged
+    v_cache : array, shape (B, H_kv, L_cache, Dv), or (num_blocks, H_kv, page_size, Dv) when paged
+        The cache; any strides. Rows at and past ``n_b`` are never read. Written in place when
+        ``k_new`` is given (it must then be writable).
+    cache_seqlens : int32 array, shape (B,)
+        Keys already in the cache per entry; NumPy for NumPy q, CuPy for CuPy q. **Not advanced by
+        this function**: after the call the caller adds ``L_new``.
+    k_new, v_new : arrays (B, H_kv, L_new, D) and (B, H_kv, L_new, Dv), optional (both or neither)
+        Keys/values of the new tokens; dtype of q.
+    block_table : int32 array, shape (B, max_blocks), optional
+        Selects a paged cache: logical key row ``r`` of entry ``b`` lives in page
+        ``block_table[b, r // page_size]`` at row ``r % page_size``; ``page_size`` (axis 2 of the
+        caches) must be a multiple of 16. Only the pages an entry touches (``ceil(n_b /
+        page_size)``) must be valid indices into ``[0, num_blocks)``; the rest are ignored.
+        Entries must not share the pages they write.
+    causal : bool, default True
+        Bottom-right aligned within the visible keys: query ``i`` sees key ``j`` iff
+        ``j <= i + n_b - Lq``.
+    scale : float, optional
+        Softmax scale; default ``1/sqrt(D)``.
+    return_lse : bool, default False
+        Also return the row log-sum-exp.
+    backend : {None, "cpu", "cuda", "emulator"}
+        As for :func:`flash_attention`. A paged cache needs ``"cpu"`` today (``cuda`` and
+        ``emulator`` raise ``NotImplementedError`` until the forward kernel reads pages).
+
+    Returns
+    -------
+    out : array (B, *heads, Lq, Dv), dtype of q
+    lse : array (B, *heads, Lq), float32 (float64 for float64), only with ``return_lse``.
+        A row that sees no key (``n_b = 0``, or causal with ``Lq > n_b``) has out 0, lse -inf.
+
+    Notes
+    -----
+    Everything is validated before anything is written: a refused call leaves the cache as it was.
+    For CuPy arrays the values of ``cache_seqlens`` (and ``block_table``) are checked on the host,
+    which costs one small device→host copy (a synchronisation) per call. Inputs other than the
+    cache are never modified. See ``docs/kvcache.md`` for what each backend does.
+    """
+    return_lse = val.check_flag("return_lse", return_lse)
+    c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
+    if c.paged and c.backend != "cpu" and _paged_kernel_support(c.backend):
+        raise NotImplementedError(_paged_kernel_support(c.backend))
+    seqlens, table = _host_values(c)
+    lengths = _check_values(c, seqlens, table)
+    _write_new(c)
+    if not c.paged:
+        out, lse = _attend_contiguous(c, lengths)
+    elif c.backend == "cpu":
+        out, lse = _attend_paged_cpu(c, lengths, table)
+    else:
+        out, lse = _paged_kernel_forward(c, lengths, table)
+    return (out, lse) if return_lse else out
