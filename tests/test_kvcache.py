@@ -1,0 +1,375 @@
+"""flash_attention_with_kvcache: in-place append, attention over the visible keys, validation.
+
+Every output is checked by the DESIGN.md rule (flasharray.testing) against the float64 reference
+over the entry's keys gathered from the pre-call cache plus k_new, and against plain
+flash_attention on those contiguous keys; every cache is compared byte for byte with the cache
+the element-by-element write predicts. Rows the call must not read hold NaN, so reading one
+shows up in the result.
+"""
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray import reference
+from flasharray.testing import assert_attention_close
+from flasharray._private.dtypes import bfloat16
+from conftest import DTYPES, DTYPE_IDS, requires_gpu
+
+# (Lq, L_new, cache_seqlens): decode without / with a new token, a chunk of new tokens, Lq < L_new,
+# Lq > L_new (causal rows that see no key), and Lq spanning several 16-row pages. Capacity is 48.
+SCENARIOS = [(1, 0, (5, 0, 33)), (1, 1, (5, 0, 33)), (4, 4, (0, 17, 28)), (3, 6, (2, 0, 30)),
+             (6, 2, (9, 1, 0)), (20, 20, (0, 8, 28))]
+SCENARIO_IDS = ["decode0", "decode1", "chunk4", "lq<lnew", "lq>lnew", "lq20"]
+# q layouts: (B, H_kv, Lq, D); GQA (B, H_kv, G, Lq, D); MQA (B, H, Lq, D) against H_kv = 1.
+HEADS = {"mha": (2, None, 2), "gqa": (2, 3, 2), "mqa": (1, None, 4)}
+# Closeness to plain flash_attention on the gathered keys: the same arithmetic on a contiguous
+# cache; a paged cache is merged page by page in the accumulation dtype, rounded once.
+CLOSE = {np.dtype(np.float16): 2e-3, bfloat16: 1.6e-2, np.dtype(np.float32): 2e-6,
+         np.dtype(np.float64): 1e-13}
+
+
+class Case:
+    """Random arguments of one call; rows (and pages) the call must not read hold NaN."""
+
+    def __init__(self, dtype, Lq, L_new, seqlens, *, heads="mha", paged=False, L_cache=48, page=16,
+                 D=32, Dv=24, seed=0, layout="bhsd", reserve=0):
+        rng = np.random.default_rng(seed)
+        H_kv, G, H = HEADS[heads]
+        self.B, self.page, self.paged, self.L_new = len(seqlens), page, paged, L_new
+        self.cache_seqlens = np.array(seqlens, dtype=np.int32)
+        q_shape = (self.B, H_kv, G, Lq, D) if G else (self.B, H, Lq, D)
+        self.q = rng.standard_normal(q_shape).astype(dtype)
+        self.k_new = rng.standard_normal((self.B, H_kv, L_new, D)).astype(dtype)
+        self.v_new = rng.standard_normal((self.B, H_kv, L_new, Dv)).astype(dtype)
+        self.block_table = self._table(rng, L_cache, reserve) if paged else None
+        n_slots = self.block_table.max() + 3 if paged else self.B
+        rows = page if paged else L_cache
+        self.k_cache = self._cache(rng, (n_slots, H_kv, rows, D), dtype, layout)
+        self.v_cache = self._cache(rng, (n_slots, H_kv, rows, Dv), dtype, layout)
+        self._poison_unread()
+
+    def _table(self, rng, L_cache, reserve):
+        """Distinct pages in random order for the pages each entry touches (or the first
+        ``reserve`` rows need); -1 elsewhere."""
+        max_blocks = L_cache // self.page
+        table = np.full((self.B, max_blocks), -1, dtype=np.int32)
+        used = [-(-max(s + self.L_new, reserve) // self.page) for s in self.cache_seqlens]
+        pool = rng.permutation(sum(used) + 2)
+        for b, n in enumerate(used):
+            table[b, :n], pool = pool[:n], pool[n:]
+        return table
+
+    @staticmethod
+    def _cache(rng, shape, dtype, layout):
+        if layout == "bshd":  # (slots, rows, H, D) memory viewed as (slots, H, rows, D)
+            x = rng.standard_normal((shape[0], shape[2], shape[1], shape[3])).astype(dtype)
+            return np.swapaxes(x, 1, 2)
+        return rng.standard_normal(shape).astype(dtype)
+
+    def _poison_unread(self):
+        for cache in (self.k_cache, self.v_cache):
+            if self.paged:
+                cache[np.setdiff1d(np.arange(cache.shape[0]), self.block_table)] = np.nan
+            for b, s in enumerate(self.cache_seqlens):
+                for r in range(s, self.capacity):
+                    slot, row = self.slot(b, r)
+                    if slot >= 0:
+                        cache[slot, :, row] = np.nan
+
+    @property
+    def capacity(self):
+        return self.block_table.shape[1] * self.page if self.paged else self.k_cache.shape[2]
+
+    def slot(self, b, r):
+        """(cache slot, row) of logical key row r of entry b."""
+        if self.paged:
+            return self.block_table[b, r // self.page], r % self.page
+        return b, r
+
+    def kwargs(self, with_new=True):
+        kw = dict(block_table=self.block_table)
+        if with_new:
+            kw.update(k_new=self.k_new, v_new=self.v_new)
+        return kw
+
+    def args(self):
+        return self.q, self.k_cache, self.v_cache, self.cache_seqlens
+
+    def snapshot(self):
+        """Copies of every argument, keyed by name."""
+        names = ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table")
+        return {n: getattr(self, n).copy() for n in names if getattr(self, n) is not None}
+
+    def expected_caches(self, before):
+        """The caches after the call, written element by element."""
+        k, v = before["k_cache"].copy(), before["v_cache"].copy()
+        for b, s in enumerate(self.cache_seqlens):
+            for t in range(self.L_new):
+                slot, row = self.slot(b, s + t)
+                k[slot, :, row] = self.k_new[b, :, t]
+                v[slot, :, row] = self.v_new[b, :, t]
+        return k, v
+
+
+def _same_bytes(a, b):
+    if not isinstance(a, np.ndarray):
+        return a == b
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _assert_untouched(case, before, names=("q", "cache_seqlens", "k_new", "v_new", "block_table")):
+    for name in names:
+        if name in before:
+            assert _same_bytes(getattr(case, name), before[name]), "%s was modified" % name
+
+
+def run_and_check(case, causal, backend):
+    """Call, then check the cache writes, the untouched inputs and the output of every entry."""
+    before = case.snapshot()
+    out, lse = fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), causal=causal,
+                                               return_lse=True, backend=backend)
+    k_want, v_want = case.expected_caches(before)
+    assert _same_bytes(case.k_cache, k_want) and _same_bytes(case.v_cache, v_want)
+    _assert_untouched(case, before)
+    gathered = reference.gather_kvcache(before["k_cache"], before["v_cache"], case.cache_seqlens,
+                                        k_new=case.k_new, v_new=case.v_new, block_table=case.block_table)
+    assert out.dtype == case.q.dtype and out.shape[0] == case.B
+    tol = CLOSE[np.dtype(case.q.dtype)] * (4 if case.paged else 1)
+    for b, (k_b, v_b) in enumerate(gathered):
+        if case.q.ndim == 5:
+            k_b, v_b = k_b[:, None], v_b[:, None]
+        assert_attention_close(out[b], case.q[b], k_b, v_b, causal=causal, lse=lse[b])
+        plain_out, plain_lse = fa.flash_attention_forward(case.q[b], k_b, v_b, causal=causal, backend=backend)
+        np.testing.assert_allclose(out[b].astype(np.float64), plain_out.astype(np.float64), rtol=tol, atol=tol)
+        np.testing.assert_allclose(lse[b], plain_lse, rtol=tol, atol=tol)
+    return out, lse
+
+
+# -- cpu: every dtype, contiguous and paged, MHA/GQA/MQA, causal and not -------------------------
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_IDS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cpu_matches_reference_and_writes_in_place(dtype, paged, heads, causal, scenario):
+    Lq, L_new, seqlens = scenario
+    case = Case(dtype, Lq, L_new, seqlens, heads=heads, paged=paged, seed=len(seqlens) + Lq)
+    run_and_check(case, causal, "cpu")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_strided_cache_is_written_through_the_view(paged):
+    case = Case(np.float32, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd")
+    assert not case.k_cache.flags.c_contiguous
+    run_and_check(case, True, "cpu")
+
+
+def test_reference_does_not_write_and_is_the_plain_formula():
+    case = Case(np.float64, 3, 2, (5, 0, 12), heads="gqa")
+    before = case.snapshot()
+    out, lse = reference.attention_with_kvcache(*case.args(), **case.kwargs(), return_lse=True)
+    for name, x in before.items():
+        assert _same_bytes(getattr(case, name), x), "%s was modified by the reference" % name
+    for b, s in enumerate(case.cache_seqlens):
+        k_b = np.concatenate([case.k_cache[b, :, :s], case.k_new[b]], axis=1)[:, None]
+        v_b = np.concatenate([case.v_cache[b, :, :s], case.v_new[b]], axis=1)[:, None]
+        want_out, want_lse = reference.attention(case.q[b], k_b, v_b, causal=True, return_lse=True)
+        np.testing.assert_array_equal(out[b], want_out)
+        np.testing.assert_array_equal(lse[b], want_lse)
+
+
+def test_paged_and_contiguous_caches_with_the_same_keys_agree():
+    paged = Case(np.float32, 4, 2, (7, 0, 30), paged=True, seed=5)
+    contiguous = Case(np.float32, 4, 2, (7, 0, 30), seed=5)
+    for b, (k_b, v_b) in enumerate(reference.gather_kvcache(paged.k_cache, paged.v_cache, paged.cache_seqlens,
+                                                            block_table=paged.block_table)):
+        contiguous.k_cache[b, :, :k_b.shape[1]], contiguous.v_cache[b, :, :v_b.shape[1]] = k_b, v_b
+    contiguous.q, contiguous.k_new, contiguous.v_new = paged.q, paged.k_new, paged.v_new
+    out_p = fa.flash_attention_with_kvcache(*paged.args(), **paged.kwargs())
+    out_c = fa.flash_attention_with_kvcache(*contiguous.args(), **contiguous.kwargs())
+    np.testing.assert_allclose(out_p, out_c, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decoding_step_by_step_equals_one_causal_attention(paged):
+    """Prefill 5 tokens, then decode 4 one at a time (the caller advances cache_seqlens): each
+    step's output is the matching row of causal attention over all 9 tokens."""
+    rng = np.random.default_rng(7)
+    B, H_kv, G, T, D = 2, 2, 2, 9, 16
+    q, k, v = (rng.standard_normal((B, H_kv, G if i == 0 else 1, T, D)).astype(np.float32) for i in range(3))
+    full = fa.flash_attention(q, k, v, causal=True)
+    case = Case(np.float32, 1, 0, (0, 0), heads="gqa", paged=paged, D=D, Dv=D, reserve=T)
+    seqlens = np.zeros(B, np.int32)
+    steps = [(0, 5)] + [(t, t + 1) for t in range(5, T)]
+    for t0, t1 in steps:
+        out = fa.flash_attention_with_kvcache(q[..., t0:t1, :], case.k_cache, case.v_cache, seqlens,
+                                              k_new=k[:, :, 0, t0:t1], v_new=v[:, :, 0, t0:t1],
+                                              block_table=case.block_table)
+        np.testing.assert_allclose(out, full[..., t0:t1, :], rtol=1e-5, atol=1e-5)
+        seqlens += t1 - t0
+
+
+def test_empty_batch_and_no_queries():
+    case = Case(np.float32, 0, 2, (3, 0))
+    before = case.snapshot()
+    out, lse = fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), return_lse=True)
+    assert out.shape == (2, 2, 0, 24) and lse.shape == (2, 2, 0)
+    assert _same_bytes(case.k_cache, case.expected_caches(before)[0])     # the write still happens
+    q = np.zeros((0, 2, 1, 32), np.float32)
+    k = np.zeros((0, 2, 16, 32), np.float32)
+    out = fa.flash_attention_with_kvcache(q, k, k, np.zeros(0, np.int32))
+    assert out.shape == (0, 2, 1, 32)
+
+
+def test_untouched_block_table_entries_are_ignored():
+    """Pages past an entry's last visible key may hold anything, even -1 or huge indices."""
+    case = Case(np.float32, 1, 1, (3, 17, 0), paged=True)
+    case.block_table[case.block_table < 0] = np.iinfo(np.int32).max
+    run_and_check(case, True, "cpu")
+
+
+# -- refused calls: a clear error and nothing written --------------------------------------------
+
+def _set(name, value):
+    return lambda c: setattr(c, name, value(c))
+
+
+BAD = [
+    ("seqlens int64", False, _set("cache_seqlens", lambda c: c.cache_seqlens.astype(np.int64)), TypeError,
+     "'cache_seqlens' must have dtype int32, got int64"),
+    ("seqlens list", False, _set("cache_seqlens", lambda c: list(c.cache_seqlens)), TypeError,
+     "'cache_seqlens' must be a numpy.ndarray"),
+    ("seqlens shape", False, _set("cache_seqlens", lambda c: np.zeros(4, np.int32)), ValueError,
+     r"'cache_seqlens' must have shape \(B,\) = \(3,\).*got \(4,\)"),
+    ("seqlens 2-d", False, _set("cache_seqlens", lambda c: c.cache_seqlens[:, None]), ValueError,
+     "'cache_seqlens' must have 1 dim"),
+    ("seqlens negative", False, _set("cache_seqlens", lambda c: np.array([1, -2, 0], np.int32)), ValueError,
+     r"cache_seqlens must be >= 0, got cache_seqlens\[1\] = -2"),
+    ("overflow", False, _set("cache_seqlens", lambda c: np.array([0, 1, 46], np.int32)), ValueError,
+     r"cache_seqlens\[2\] \+ L_new = 46 \+ 3 = 49 exceeds the cache capacity L_cache = 48"),
+    ("overflow paged", True, _set("cache_seqlens", lambda c: np.array([0, 46, 1], np.int32)), ValueError,
+     r"cache_seqlens\[1\] \+ L_new = 46 \+ 3 = 49 exceeds .* max_blocks·page_size = 3·16 = 48"),
+    ("table too large", True, lambda c: c.block_table.__setitem__((2, 0), c.k_cache.shape[0]), ValueError,
+     r"block_table\[2, 0\] = \d+ is outside \[0, num_blocks = \d+\)"),
+    ("table negative", True, lambda c: c.block_table.__setitem__((2, 1), -1), ValueError,
+     r"block_table\[2, 1\] = -1 is outside"),
+    ("table int64", True, _set("block_table", lambda c: c.block_table.astype(np.int64)), TypeError,
+     "'block_table' must have dtype int32"),
+    ("table rows", True, _set("block_table", lambda c: c.block_table[:2]), ValueError,
+     r"'block_table' must have shape \(B, max_blocks\) with B = 3"),
+    ("table 1-d", True, _set("block_table", lambda c: c.block_table[0]), ValueError,
+     "'block_table' must have 2 dim"),
+    ("page size", True, lambda c: [setattr(c, n, getattr(c, n)[:, :, :8]) for n in ("k_cache", "v_cache")],
+     ValueError, r"page size .* multiple of 16, got k_cache.shape=\(\d+, 2, 8, 32\)"),
+    ("k_new dtype", False, _set("k_new", lambda c: c.k_new.astype(np.float64)), TypeError,
+     "q and k_new must share one dtype, got float32 and float64"),
+    ("cache dtype", False, _set("v_cache", lambda c: c.v_cache.astype(np.float16)), TypeError,
+     "q and v_cache must share one dtype"),
+    ("k_new alone", False, _set("v_new", lambda c: None), ValueError, "k_new and v_new go together"),
+    ("k_new shape", False, _set("k_new", lambda c: c.k_new[:, :, :, :16]), ValueError,
+     r"'k_new' must have shape \(B, H_kv, L_new, D\) = \(3, 2, 3, 32\)"),
+    ("v_new shape", False, _set("v_new", lambda c: c.v_new[:, :, :2]), ValueError,
+     r"'v_new' must have shape \(B, H_kv, L_new, Dv\) = \(3, 2, 3, 24\)"),
+    ("read-only", False, lambda c: setattr(c.v_cache.flags, "writeable", False), ValueError,
+     "'v_cache' is read-only"),
+    ("q head dim", False, _set("q", lambda c: c.q[..., :16]), ValueError, "same head dim D"),
+    ("q rank", False, _set("q", lambda c: c.q[0]), ValueError, r"'q' must be \(B, H, Lq, D\) or"),
+    ("q heads", False, _set("q", lambda c: np.zeros((3, 3, 2, 32), np.float32)), ValueError,
+     r"head dims of q \(3,\) do not broadcast with the cache's \(2,\)"),
+    ("cache batch", False, lambda c: [setattr(c, n, getattr(c, n)[:2]) for n in ("k_cache", "v_cache")],
+     ValueError, "k_cache must hold one entry per batch entry of q"),
+    ("v_cache rows", False, _set("v_cache", lambda c: c.v_cache[:, :, :40]), ValueError,
+     "k_cache and v_cache must agree on their first three dims"),
+    ("backend", False, lambda c: None, TypeError, "backend='cuda' needs CuPy arrays"),
+    ("paged kernel", True, lambda c: None, NotImplementedError,
+     "paged KV cache .* not supported on backend='emulator' yet"),
+]
+
+
+@pytest.mark.parametrize("name,paged,mutate,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_refused_call_names_the_argument_and_writes_nothing(name, paged, mutate, exc, match):
+    case = Case(np.float32, 2, 3, (4, 0, 20), paged=paged)
+    mutate(case)
+    before = case.snapshot()
+    backend = {"backend": "cuda", "paged kernel": "emulator"}.get(name)
+    kwargs = case.kwargs()
+    with pytest.raises(exc, match=match):
+        fa.flash_attention_with_kvcache(*case.args(), **kwargs, backend=backend)
+    _assert_untouched(case, before, names=("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new",
+                                           "block_table"))
+
+
+def test_flags_are_checked():
+    case = Case(np.float32, 1, 1, (2, 0, 5))
+    with pytest.raises(TypeError, match="'causal' must be a bool"):
+        fa.flash_attention_with_kvcache(*case.args(), causal=1)
+    with pytest.raises(TypeError, match="'return_lse' must be a bool"):
+        fa.flash_attention_with_kvcache(*case.args(), return_lse="yes")
+    with pytest.raises(ValueError, match="'scale' must be finite and positive"):
+        fa.flash_attention_with_kvcache(*case.args(), scale=-1.0)
+
+
+# -- emulator: the CUDA forward kernels on views of a contiguous cache ---------------------------
+
+EMU_SCENARIOS = [(1, 1, (5, 0, 33)), (3, 2, (0, 17, 2)), (2, 0, (1, 9, 0))]
+
+
+@pytest.mark.parametrize("scenario", EMU_SCENARIOS, ids=["decode1", "chunk", "no-new"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("dtype", DTYPES[:3], ids=DTYPE_IDS[:3])
+def test_emulator_contiguous_cache(dtype, heads, causal, scenario):
+    Lq, L_new, seqlens = scenario
+    case = Case(dtype, Lq, L_new, seqlens, heads=heads, seed=11)
+    run_and_check(case, causal, "emulator")
+
+
+# -- bigger problems ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("Lq,L_new", [(1, 1), (129, 129), (65, 0)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cpu_large_cache(dtype, Lq, L_new, page):
+    seqlens = (700, 0, 1023 - L_new, 257)
+    for paged in (False, True):
+        case = Case(dtype, Lq, L_new, seqlens, heads="gqa", paged=paged, L_cache=1024, page=page,
+                    D=128, Dv=128, seed=page)
+        run_and_check(case, True, "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES[:3], ids=DTYPE_IDS[:3])
+def test_emulator_larger_cache(dtype):
+    case = Case(dtype, 65, 64, (130, 0, 257), heads="gqa", L_cache=512, D=64, Dv=64, seed=3)
+    run_and_check(case, True, "emulator")
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cuda_contiguous_cache_matches_cpu(dtype):
+    import cupy
+    case = Case(dtype, 3, 2, (5, 0, 33), heads="gqa", seed=13)
+    dev = {n: cupy.asarray(x) for n, x in case.snapshot().items()}
+    out = fa.flash_attention_with_kvcache(dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"],
+                                          k_new=dev["k_new"], v_new=dev["v_new"])
+    out_cpu = run_and_check(case, True, "cpu")[0]
+    np.testing.assert_allclose(cupy.asnumpy(out).astype(np.float64), out_cpu.astype(np.float64),
+                               rtol=4 * CLOSE[np.dtype(dtype)], atol=4 * CLOSE[np.dtype(dtype)])
+    assert _same_bytes(cupy.asnumpy(dev["k_cache"]), case.k_cache)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_cuda_paged_cache_is_refused_before_writing():
+    import cupy
+    case = Case(np.float16, 1, 1, (5, 0, 33), paged=True)
+    dev = {n: cupy.asarray(x) for n, x in case.snapshot().items()}
+    with pytest.raises(NotImplementedError, match="backend='cuda'"):
+        fa.flash_attention_with_kvcache(dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"],
+                                        k_new=dev["k_new"], v_new=dev["v_new"], block_table=dev["block_table"])
+    assert _same_bytes(cupy.asnumpy(dev["k_cache"]), case.k_cache)
