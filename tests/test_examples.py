@@ -24,3 +24,12 @@ def test_quickstart_reports_backend_and_validation():
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert "backend" in res.stdout and "within bound : True" in res.stdout
+
+
+@pytest.mark.parametrize("flags", [[], ["--paged"]], ids=["contiguous", "paged"])
+def test_decode_matches_full_recompute_every_step(flags):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "decode.py")] + flags, cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "backend" in res.stdout and "matches full recompute : True" in res.stdout
