@@ -244,15 +244,32 @@ def test_forward_tensor_cores_used():
         assert (c[0]["mma"] > 0) == expect_mma and (c[0]["ldmatrix"] > 0) == expect_mma
 
 
-def _fake_cupy(log):
+def _fake_cupy(log, arrays):
     """A stand-in for the parts of CuPy the CUDA launch path touches, backed by the emulator.
 
     RawModule / get_function / RawKernel.max_dynamic_shared_size_bytes / kernel(grid, block, args,
     shared_mem=...) follow CuPy's documented API; a launch asking for more than 48 KB of dynamic
-    shared memory without the opt-in fails, as cuLaunchKernel would. Arrays stay NumPy.
+    shared memory without the opt-in fails, as cuLaunchKernel would. Arrays stay NumPy. Array
+    arguments arrive as device addresses (``numpy.uint64``, what the launcher passes for a
+    ``T*``); the stand-in maps each back to the memory of the array that holds it (``arrays``:
+    the inputs, plus everything ``cupy.empty`` allocates) so the emulator can check the accesses.
     """
     import types
     from flasharray import emulator
+    from flasharray._private.launch import flat_view
+
+    def buffer_at(addr):
+        for a in arrays:
+            span = flat_view(a)
+            base = span.ctypes.data
+            if base <= addr < base + span.nbytes:
+                assert (addr - base) % a.itemsize == 0
+                return span[(addr - base) // a.itemsize:]
+        raise AssertionError("pointer argument 0x%x is in no array the caller owns" % addr)
+
+    def empty(*a, **kw):
+        arrays.append(np.empty(*a, **kw))
+        return arrays[-1]
 
     class RawKernel:
         def __init__(self, module, name):
@@ -265,6 +282,7 @@ def _fake_cupy(log):
                 raise RuntimeError("CUDA_ERROR_INVALID_VALUE: %d bytes of dynamic shared memory without "
                                    "the opt-in" % shared_mem)
             log.append((self._name, shared_mem, self.max_dynamic_shared_size_bytes))
+            args = tuple(buffer_at(int(x)) if isinstance(x, np.uint64) else x for x in args)
             self._module.launch(self._name, grid, block, args, shared_mem=shared_mem)
 
     class RawModule:
@@ -280,11 +298,16 @@ def _fake_cupy(log):
     class Device:
         id = 0
         compute_capability = "80"
+        attributes = {"MultiProcessorCount": 108}
+
+        def __init__(self, device_id=None):
+            assert device_id in (None, 0)
 
     cupy = types.ModuleType("cupy")
     cupy.RawModule = RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device)
-    cupy.empty, cupy.ascontiguousarray, cupy.lib = np.empty, np.ascontiguousarray, np.lib
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    cupy.empty, cupy.lib = empty, np.lib
+    cupy.ascontiguousarray = lambda a: empty(a.shape, a.dtype).__setitem__(Ellipsis, a) or arrays[-1]
     return cupy
 
 
@@ -294,10 +317,12 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
     >48 KB opt-in, launch arguments) run end to end against a CuPy stand-in backed by the emulator."""
     import sys
     from flasharray._private import launch
-    log = []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    log, arrays = [], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
     monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
     q, k, v = make_inputs(DTYPES[dt], D, 70, 90, gqa=True)
+    arrays += [q, k, v]
     batch_shape = q.shape[:-2]
     out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda")
     assert_attention_close(out, q, k, v, causal=True, lse=lse)

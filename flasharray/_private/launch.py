@@ -17,11 +17,19 @@ after merging, the outer ones are looped over on the host (one launch each).
 
 Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
 
-``make_launcher(device, **opts) -> Launcher``
+``make_launcher(device, **opts) -> Launcher`` (one per device / emulator settings, per process)
     ``launcher.launch(source_name, name_expr, grid, block, args, shared_mem=0)`` → counters
     (a dict, emulator) or None (CUDA). ``launcher.arch`` is the compute capability as an int.
-``batch_plan(batch_shape, arrays) -> list[BatchLaunch]``
-    merged (nb0, nb1, nb2), and per array a flat view + its three batch strides.
+``Recorded(launcher, source, name_expr, grid, block, args, shared_mem)``, ``Ptr(key, offset)``
+    a launch prepared once (plans): array arguments are ``Ptr`` slots bound per call.
+``batch_layout(batch_shape, arrays)`` / ``batch_plan`` -> list[BatchLaunch]
+    merged (nb0, nb1, nb2), and per array its element offset (``batch_plan``: a flat view) +
+    its three batch strides.
+``source_digest()``, ``reload_sources()``
+    the ``cuda_src`` hash, computed once per process; ``reload_sources`` drops it, the compiled
+    modules and every cached plan.
+``null_launches()``
+    context manager: emulator launches do nothing (``benchmarks/overhead.py``).
 ``kernel_ready(a)``, ``element_strides(a)``
     copy only when the last axis is not contiguous; strides in elements.
 ``c_int(x)``, ``c_longlong(x)``, ``c_float(x)``, ``c_double(x)``, ``c_scalar(x, acc_dtype)``
@@ -57,9 +65,40 @@ def _source_tree_digest(src_dir):
     return h.hexdigest()[:16]
 
 
+_digest = None
+
+
 def source_digest():
-    """Content hash of ``cuda_src`` (all .cu/.cuh/.h/.cpp files), 16 hex digits."""
-    return _source_tree_digest(cuda_src_dir())
+    """Content hash of ``cuda_src`` (all .cu/.cuh/.h/.cpp files), 16 hex digits.
+
+    Computed once per process: launches never touch the file system. :func:`reload_sources`
+    recomputes it (after editing a kernel in a running process).
+    """
+    global _digest
+    if _digest is None:
+        _digest = _source_tree_digest(cuda_src_dir())
+    return _digest
+
+
+#: Called by :func:`reload_sources` (plan caches register their ``clear`` here).
+_on_reload = []
+
+
+def reload_sources():
+    """Re-read ``cuda_src``: new digest, compiled modules and prepared launch plans dropped.
+
+    Kernels are compiled once per (source digest, instantiation) and plans are cached per call
+    signature; a process that edits ``cuda_src`` calls this to see the edit.
+    """
+    global _digest
+    with _lock:
+        _source_tree_digest.cache_clear()
+        _digest = None
+        CupyLauncher._modules.clear()
+        EmulatorLauncher._modules.clear()
+        _launchers.clear()
+    for clear in _on_reload:
+        clear()
 
 
 def kernel_source(source_name):
@@ -115,30 +154,43 @@ def c_scalar(x, acc_dtype):
 # ---- launchers -------------------------------------------------------------------------------------
 
 class Launcher:
-    """Compile-once, launch-many access to the kernels of ``cuda_src`` on one device."""
+    """Compile-once, launch-many access to the kernels of ``cuda_src`` on one device.
+
+    ``function(source, name_expr, shared_mem)`` resolves a kernel once (compiling it on first
+    use) and returns ``call(grid, block, args)``; ``pointer(a, offset)`` is the kernel argument
+    for array ``a`` starting ``offset`` elements in. Plans (:class:`Recorded`) keep the first and
+    call the second per launch; :meth:`launch` does both (one-off launches, tests).
+    """
 
     device = None
     arch = None
 
-    def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
+    def function(self, source_name, name_expr, shared_mem=0):
         raise NotImplementedError
+
+    def pointer(self, a, offset=0):
+        raise NotImplementedError
+
+    def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
+        return self.function(source_name, name_expr, shared_mem)(tuple(grid), tuple(block), tuple(args))
 
     def xp(self):
         raise NotImplementedError
 
 
 class CupyLauncher(Launcher):
-    """CuPy + NVRTC; launches on CuPy's current stream."""
+    """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached)."""
 
     device = "cuda"
     _modules = {}
 
-    def __init__(self):
+    def __init__(self, device_id=None):
         import cupy  # lazy: importing flasharray never needs a GPU
         self._cupy = cupy
-        dev = cupy.cuda.Device()
+        dev = cupy.cuda.Device(device_id)
         self.device_id = dev.id
         self.arch = int(dev.compute_capability)
+        self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
     def xp(self):
         return self._cupy
@@ -154,12 +206,19 @@ class CupyLauncher(Launcher):
                 self._modules[key] = fn
         return fn
 
-    def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
+    def function(self, source_name, name_expr, shared_mem=0):
         fn = self._function(source_name, name_expr)
         if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
             fn.max_dynamic_shared_size_bytes = shared_mem  # opt-in beyond 48 KB
-        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
-        return None
+
+        def call(grid, block, args):
+            fn(grid, block, args, shared_mem=shared_mem)
+
+        return call
+
+    def pointer(self, a, offset=0):
+        # A device pointer passed by value: 8 bytes, what a ``T*`` kernel parameter holds.
+        return np.uint64(device_address(a) + offset * a.itemsize)
 
 
 class EmulatorLauncher(Launcher):
@@ -188,19 +247,127 @@ class EmulatorLauncher(Launcher):
                 self._modules[key] = mod
         return mod
 
-    def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
+    def function(self, source_name, name_expr, shared_mem=0):
         mod = self._module(source_name, name_expr)
-        return mod.launch(name_expr, tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem,
-                          schedule=self.schedule, seed=self.seed)
+        schedule, seed = self.schedule, self.seed
+
+        def call(grid, block, args):
+            return mod.launch(name_expr, grid, block, args, shared_mem=shared_mem,
+                              schedule=schedule, seed=seed)
+
+        return call
+
+    def pointer(self, a, offset=0):
+        # The emulator checks every access: it gets the exact span the kernel may reach.
+        return flat_view(a, offset)
+
+
+class NullLauncher(EmulatorLauncher):
+    """The emulator's planning with launches that do nothing (``benchmarks/overhead.py``).
+
+    Kernels are neither compiled nor run. Pointers are bound as :class:`CupyLauncher` binds them
+    (an address per array argument; NumPy's address lookup costs more than CuPy's), so the host
+    work measured is the CUDA path's, minus the driver's launch.
+    """
+
+    device = "emulator"
+
+    def function(self, source_name, name_expr, shared_mem=0):
+        def call(grid, block, args):
+            return None
+
+        return call
+
+    pointer = CupyLauncher.pointer
+
+
+_launchers = {}
+_null = [False]
+_serial = itertools.count()
 
 
 def make_launcher(device, schedule="forward", seed=0, arch=None, **_ignored):
-    """A launcher for ``device`` ("cuda" or "emulator"); ``arch`` picks tiles on the emulator."""
+    """The launcher for ``device`` ("cuda": CuPy's current device; "emulator"), shared per process.
+
+    ``schedule``/``seed`` are the emulator's fiber schedule; ``arch`` picks its tile table.
+    """
     if device == "cuda":
-        return CupyLauncher()
-    if device == "emulator":
-        return EmulatorLauncher(schedule=schedule or "forward", seed=0 if seed is None else seed, arch=arch)
-    raise ValueError("flasharray: device must be 'cuda' or 'emulator', got %r" % (device,))
+        import cupy
+        key = ("cuda", cupy.cuda.runtime.getDevice())
+        make = lambda: CupyLauncher(key[1])  # noqa: E731
+    elif device == "emulator":
+        schedule = schedule or "forward"
+        seed = 0 if seed is None else seed
+        key = ("emulator", schedule, seed, arch, _null[0])
+        cls = NullLauncher if _null[0] else EmulatorLauncher
+        make = lambda: cls(schedule=schedule, seed=seed, arch=arch)  # noqa: E731
+    else:
+        raise ValueError("flasharray: device must be 'cuda' or 'emulator', got %r" % (device,))
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = make()
+        launcher.plan_key = (key, next(_serial))  # unique for the process: plans key on it
+        _launchers[key] = launcher
+    return launcher
+
+
+class null_launches:
+    """Context manager: emulator launches become no-ops (host overhead measurements).
+
+    Entering and leaving drops the cached plans, so no plan made inside outlives it.
+    """
+
+    def __enter__(self):
+        _null[0] = True
+        _clear_plans()
+        return self
+
+    def __exit__(self, *exc):
+        _null[0] = False
+        _clear_plans()
+        return False
+
+
+def _clear_plans():
+    for clear in _on_reload:
+        clear()
+
+
+# ---- prepared launches -------------------------------------------------------------------------------
+
+class Ptr:
+    """Placeholder for an array argument of a :class:`Recorded` launch: ``arrays[key]``, ``offset``
+    elements past its element 0."""
+
+    __slots__ = ("key", "offset")
+
+    def __init__(self, key, offset=0):
+        self.key = key
+        self.offset = int(offset)
+
+    def __repr__(self):
+        return "Ptr(%r, %d)" % (self.key, self.offset)
+
+
+class Recorded:
+    """One kernel launch prepared once: the function resolved, grid/block fixed, every scalar
+    argument built; only the :class:`Ptr` slots are bound per call (``pointer(a, offset)``)."""
+
+    __slots__ = ("name", "call", "grid", "block", "template", "slots")
+
+    def __init__(self, launcher, source_name, name_expr, grid, block, args, shared_mem=0):
+        self.name = name_expr
+        self.call = launcher.function(source_name, name_expr, shared_mem)
+        self.grid = tuple(int(x) for x in grid)
+        self.block = tuple(int(x) for x in block) if isinstance(block, tuple) else (int(block), 1, 1)
+        self.template = list(args)
+        self.slots = tuple((i, a.key, a.offset) for i, a in enumerate(args) if isinstance(a, Ptr))
+
+    def __call__(self, pointer, arrays):
+        args = self.template[:]
+        for i, key, offset in self.slots:
+            args[i] = pointer(arrays[key], offset)
+        return self.call(self.grid, self.block, tuple(args))
 
 
 # ---- arrays as kernel arguments ----------------------------------------------------------------------
@@ -211,6 +378,13 @@ def xp_of(a):
         return np
     import cupy
     return cupy
+
+
+def device_address(a):
+    """Address of element 0 of a CuPy array (``a.data.ptr``; a NumPy array's own address, for
+    the CuPy stand-in of the tests)."""
+    data = a.data
+    return data.ptr if hasattr(data, "ptr") else a.ctypes.data
 
 
 def element_strides(a):
@@ -253,7 +427,7 @@ class BatchLaunch:
 
     def __init__(self, dims, tensors):
         self.dims = dims          # (nb0, nb1, nb2)
-        self.tensors = tensors    # list of (flat_view, (s_b0, s_b1, s_b2))
+        self.tensors = tensors    # list of (offset or flat view, (s_b0, s_b1, s_b2))
 
     @property
     def grid_yz(self):
@@ -295,14 +469,21 @@ def _grid_fits(inner):
 
 
 def batch_plan(batch_shape, arrays, max_dims=3):
+    """:func:`batch_layout` with each tensor's element offset turned into a flat view."""
+    return [BatchLaunch(part.dims, [(flat_view(a, off), st) for a, (off, st) in zip(arrays, part.tensors)])
+            for part in batch_layout(batch_shape, arrays, max_dims)]
+
+
+def batch_layout(batch_shape, arrays, max_dims=3):
     """Split a batched launch into launches with at most ``max_dims`` merged batch dims.
 
     ``arrays``: tensors whose leading ``len(batch_shape)`` dims are the batch dims (size
     ``batch_shape[i]`` or 1 = broadcast). Returns a list of :class:`BatchLaunch`; each holds the
-    padded (nb0, nb1, nb2) and, per tensor, a flat view starting at that launch's first element
+    padded (nb0, nb1, nb2) and, per tensor, the element offset of that launch's first element
     and the three batch strides (elements). Dims that do not fit (more than ``max_dims`` after
     merging, or grid.y / grid.z above ``MAX_GRID_YZ``) become host loops, the outermost first;
-    a single dim that alone exceeds the limit is launched in chunks.
+    a single dim that alone exceeds the limit is launched in chunks. Depends only on shapes and
+    strides, so plans compute it once.
     """
     nbatch = len(batch_shape)
     strides = []
@@ -332,6 +513,6 @@ def batch_plan(batch_shape, arrays, max_dims=3):
             padded = [(1, (0,) * len(arrays))] * (max_dims - len(cur)) + cur
             tensors = []
             for t, a in enumerate(arrays):
-                tensors.append((flat_view(a, base[t] + chunk_off[t]), tuple(st[t] for _, st in padded)))
+                tensors.append((base[t] + chunk_off[t], tuple(st[t] for _, st in padded)))
             launches.append(BatchLaunch(tuple(n for n, _ in padded), tensors))
     return launches
