@@ -1,0 +1,135 @@
+"""The per-signature call cache (issue 10 §1): a repeated call does no validation, tile choice,
+dim merging or source lookup — and never returns a result planned for another signature."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray._private import api, cuda_forward, launch, tiles, validation
+from flasharray.testing import assert_attention_close
+from conftest import make_qkv
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    launch.reload_sources()
+    yield
+    launch.reload_sources()
+
+
+def _forbid(monkeypatch, module, name):
+    def boom(*a, **k):
+        raise AssertionError("%s.%s called on a cached call" % (module.__name__, name))
+    monkeypatch.setattr(module, name, boom)
+
+
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_repeated_call_skips_validation_and_planning(monkeypatch, backend):
+    q, k, v = make_qkv((2, 3, 40, 32), (2, 1, 56, 32), (2, 1, 56, 32), np.float16, seed=1)
+    first = fa.flash_attention(q, k, v, causal=True, backend=backend)
+    for module, name in ((validation, "check_qkv"), (validation, "check_arrays"), (tiles, "forward_tile"),
+                         (launch, "batch_layout"), (launch, "source_digest"), (launch, "make_launcher")):
+        _forbid(monkeypatch, module, name)
+    q2, k2, v2 = (x.copy() for x in (q, k, v))    # new arrays, same signature
+    q2[0, 0, 0] *= -1
+    again = fa.flash_attention(q2, k2, v2, causal=True, backend=backend)
+    assert_attention_close(again, q2, k2, v2, causal=True)
+    assert not np.array_equal(again[0, 0, 0], first[0, 0, 0])  # computed from the new q, not replayed
+
+
+def _variants(q, k, v):
+    """(description, call) pairs that share shapes but differ in something a plan depends on."""
+    buf = np.empty(q.size + 8, q.dtype)
+    q_misaligned = buf[1:q.size + 1].reshape(q.shape)        # 2 bytes off a 16-byte boundary
+    q_misaligned[...] = q
+    q_strided = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, -2, -3)), -2, -3)  # other strides
+    k_last = np.asfortranarray(k)                            # head dim not contiguous (copied)
+    return [("base", dict(q=q, k=k, v=v)),
+            ("causal", dict(q=q, k=k, v=v, causal=True)),
+            ("scale", dict(q=q, k=k, v=v, scale=0.3)),
+            ("misaligned q", dict(q=q_misaligned, k=k, v=v)),
+            ("strides", dict(q=q_strided, k=k, v=v)),
+            ("fortran k", dict(q=q, k=k_last, v=v)),
+            ("float32", dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32)))]
+
+
+def test_every_signature_change_gets_its_own_plan():
+    q, k, v = make_qkv((2, 2, 33, 16), (2, 2, 47, 16), (2, 2, 47, 16), np.float16, seed=2)
+    variants = _variants(q, k, v)
+    for _ in range(2):  # the second round replays every cached entry, in another order
+        for name, kw in variants[::-1] if _ else variants:
+            out = fa.flash_attention(backend="emulator", **kw)
+            causal, scale = kw.get("causal", False), kw.get("scale")
+            assert_attention_close(out, kw["q"], kw["k"], kw["v"], causal=causal, scale=scale)
+    assert len(api._CACHE) == len(variants)
+    assert len(cuda_forward._PLANS) == len(variants)
+
+
+def test_alignment_picks_the_kernel_variant():
+    q, k, v = make_qkv((1, 1, 32, 16), (1, 1, 32, 16), (1, 1, 32, 16), np.float16, seed=4)
+    buf = np.empty(q.size + 8, q.dtype)
+    qm = buf[1:q.size + 1].reshape(q.shape)
+    qm[...] = q
+    plans = [cuda_forward.plan(x, k, v, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator")
+             for x in (q, qm)]
+    assert plans[0] is not plans[1]
+    assert plans[0].launches[0].name != plans[1].launches[0].name
+    tile = plans[0].tile
+    assert plans[0].launches[0].name == tile.name_expression(causal=False, aligned=True)
+    assert plans[1].launches[0].name == tile.name_expression(causal=False, aligned=False)
+
+
+def test_cached_flags_are_still_type_checked():
+    q, k, v = make_qkv((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), np.float32, seed=5)
+    fa.flash_attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        fa.flash_attention(q, k, v, causal=1)          # == True, but not a bool
+    fa.flash_attention(q, k, v, scale=1.0)
+    with pytest.raises(TypeError, match="scale"):
+        fa.flash_attention(q, k, v, scale=True)        # == 1.0, but a bool
+    with pytest.raises(ValueError, match="scale"):
+        fa.flash_attention(q, k, v, scale=float("nan"))
+
+
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_cache_does_not_keep_arrays_alive(backend):
+    q, k, v = make_qkv((1, 2, 24, 16), (1, 2, 24, 16), (1, 2, 24, 16), np.float16, seed=6)
+    out = fa.flash_attention(q, k, v, backend=backend)
+    refs = [weakref.ref(x) for x in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_reload_sources_drops_plans_and_digest(monkeypatch):
+    q, k, v = make_qkv((1, 1, 16, 16), (1, 1, 16, 16), (1, 1, 16, 16), np.float16, seed=7)
+    fa.flash_attention(q, k, v, backend="emulator")
+    digest = launch.source_digest()
+    assert api._CACHE and cuda_forward._PLANS
+    launch.reload_sources()
+    assert not api._CACHE and not cuda_forward._PLANS and launch._digest is None
+    assert launch.source_digest() == digest
+    out = fa.flash_attention(q, k, v, backend="emulator")
+    assert_attention_close(out, q, k, v)
+
+
+def test_null_launches_run_nothing_and_do_not_leak_plans():
+    q, k, v = make_qkv((1, 1, 16, 16), (1, 1, 16, 16), (1, 1, 16, 16), np.float16, seed=8)
+    with launch.null_launches():
+        out = fa.flash_attention(q, k, v, backend="emulator")
+        assert isinstance(cuda_forward._PLANS and next(iter(cuda_forward._PLANS.values())).launcher,
+                          launch.NullLauncher)
+    assert not api._CACHE and not cuda_forward._PLANS
+    real = fa.flash_attention(q, k, v, backend="emulator")
+    assert_attention_close(real, q, k, v)
+    assert out.shape == real.shape
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(api, "_MAX_ENTRIES", 3)
+    q, k, v = make_qkv((1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), np.float32, seed=9)
+    for s in (0.1, 0.2, 0.3, 0.4, 0.5):
+        fa.flash_attention(q, k, v, scale=s)
+    assert len(api._CACHE) == 3
