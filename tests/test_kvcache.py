@@ -12,6 +12,7 @@ import pytest
 import flasharray as fa
 from flasharray import reference
 from flasharray.testing import assert_attention_close
+from flasharray._private import kvcache
 from flasharray._private.dtypes import bfloat16
 from conftest import DTYPES, DTYPE_IDS, requires_gpu
 
@@ -150,11 +151,15 @@ def run_and_check(case, causal, backend):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_IDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("cache", [None, 16, 32], ids=["contiguous", "paged-1", "paged-2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_cpu_matches_reference_and_writes_in_place(dtype, paged, heads, causal, scenario):
+def test_cpu_matches_reference_and_writes_in_place(dtype, cache, heads, causal, scenario, monkeypatch):
+    """``cache``: contiguous, or paged with the cpu path attending one or two 16-row pages per
+    call (STAGE_ROWS), so that the causal diagonal crosses calls."""
+    if cache:
+        monkeypatch.setattr(kvcache, "STAGE_ROWS", cache)
     Lq, L_new, seqlens = scenario
-    case = Case(dtype, Lq, L_new, seqlens, heads=heads, paged=paged, seed=len(seqlens) + Lq)
+    case = Case(dtype, Lq, L_new, seqlens, heads=heads, paged=bool(cache), seed=len(seqlens) + Lq)
     run_and_check(case, causal, "cpu")
 
 

@@ -15,9 +15,11 @@ Attention per backend:
 
 * contiguous cache, every backend: the public forward on views ``k_cache[b0:b1, :, :n]`` (no copy),
   one call per run of consecutive entries with equal ``n_b``;
-* paged cache, ``cpu``: page by page — each page is a view ``k_cache[block_table[b, p]]``, its
-  attention (with the causal mask aligned to the entry's full key range) is merged into the
-  running result by the log-sum-exp rule (:func:`merge_attention`); pages are never gathered;
+* paged cache, ``cpu``: chunk by chunk of whole pages (``STAGE_ROWS`` keys; a page of that size
+  or larger is a view ``k_cache[block_table[b, p]]``, smaller pages are staged into one bounded
+  buffer), each chunk's attention (causal mask aligned to the entry's full key range) merged into
+  the running result by the log-sum-exp rule (:func:`merge_attention`); the cache is never
+  gathered whole;
 * paged cache, ``cuda``/``emulator``: needs the page-table indirection inside the forward kernel
   (split-KV work, not here yet): :func:`_paged_kernel_forward` is that hook and raises
   ``NotImplementedError`` (``docs/kvcache.md`` says what the kernel needs).
@@ -31,6 +33,10 @@ from .merge import merge_attention
 
 # A page holds a whole number of the kernels' 16-row key sub-tiles (mma k-dimension).
 PAGE_MULTIPLE = 16
+# cpu, paged: keys per attention call. Smaller pages are staged, this many rows at a time, into one
+# buffer (the cpu forward copies every key tile into an augmented buffer anyway); larger pages are
+# used as views. Never the whole cache: memory stays O(STAGE_ROWS·D) per entry.
+STAGE_ROWS = 512
 
 
 def _shape(x):
@@ -246,22 +252,33 @@ def _chunk_attention(q, k, v, a, e, n, causal, scale):
 
 
 def _attend_paged_cpu(c, lengths, table):
-    """Page by page on views of the pages, merged by log-sum-exp; computed in the accumulation
-    dtype (as the cpu backend computes float16/bfloat16) and rounded once at the end."""
+    """Chunk by chunk of at most ``STAGE_ROWS`` keys (whole pages), merged by log-sum-exp; computed
+    in the accumulation dtype (as the cpu backend computes float16/bfloat16), rounded once."""
     acc = accumulation_dtype(c.dtype)
     out, lse = _outputs(c, np, acc)
     ps = c.page_size
+    chunk = ps * max(1, STAGE_ROWS // ps)
     for b, n in enumerate(int(x) for x in lengths):
         q = c.q[b].astype(acc, copy=False)
         out[b], lse[b] = 0, -np.inf                    # no visible key: out = 0, lse = -inf
-        for a in range(0, n, ps):
-            e = min(a + ps, n)
-            page = table[b, a // ps]
-            k = _as_keys(c, c.k_cache[page, :, :e - a]).astype(acc, copy=False)
-            v = _as_keys(c, c.v_cache[page, :, :e - a]).astype(acc, copy=False)
+        for a in range(0, n, chunk):
+            e = min(a + chunk, n)
+            pages = table[b, a // ps:-(-e // ps)]
+            k = _as_keys(c, _stage(c.k_cache, pages, e - a, acc))
+            v = _as_keys(c, _stage(c.v_cache, pages, e - a, acc))
             o, s = _chunk_attention(q, k, v, a, e, n, c.causal, c.scale)
             out[b], lse[b] = (o, s) if a == 0 else merge_attention([out[b], o], [lse[b], s])
     return out.astype(c.dtype), lse
+
+
+def _stage(cache, pages, rows, acc):
+    """The first ``rows`` keys of the given pages as (H_kv, rows, ·) in ``acc``: a view of the page
+    when there is one (float32/float64), else one pass over the page views into a staging buffer."""
+    views = [cache[p] for p in pages]
+    views[-1] = views[-1][:, :rows - (len(views) - 1) * cache.shape[2]]
+    if len(views) == 1:
+        return views[0].astype(acc, copy=False)
+    return np.concatenate(views, axis=1, dtype=acc)
 
 
 def _paged_kernel_forward(c, lengths, table):
