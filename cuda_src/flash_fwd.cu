@@ -33,11 +33,21 @@
 
 namespace flash {
 
+// Is_split (split-KV, "flash-decoding"; off by default, so the dense instantiations and their
+// name expressions are unchanged): the grid's x dimension is (query tiles) × (splits), block x
+// takes query tile x % Tr and split s = x / Tr of the key tiles (Tr = ceil(Lq / Br)), and the
+// output arguments are an fp32 workspace instead of out / lse:
+//   o   → O_s  (*batch, splits, Lq, Dv) float: O of the split's keys, normalised by its own l
+//   lse → L_s  (*batch, splits, Lq)     float: natural-log LSE of the split's keys (−inf: none)
+// (batch strides as passed, o_row = Dv; a split's slab is Lq rows further). The key tiles
+// [0, ceil(Lk / Bc)) are cut into equal runs of ceil(tiles / splits) (the same cut for every
+// query tile); a split with no visible tile writes O_s = 0, L_s = −inf. flash_fwd_combine.cu
+// merges the splits by log-sum-exp into out / lse.
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
-          bool Is_causal, bool Is_aligned>
+          bool Is_causal, bool Is_aligned, bool Is_split = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 T* __restrict__ o, float* __restrict__ lse,
+                 typename SplitOutput<T, Is_split>::type* __restrict__ o, float* __restrict__ lse,
                  int Lq, int Lk, int D, int Dv, int nb2,
                  long long q_b0, long long q_b1, long long q_b2, long long q_row,
                  long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -66,7 +76,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int g = lane >> 2;  // fragment row group
   const int t = lane & 3;   // thread in group: fragment columns 2t, 2t + 1
   const int warp_row0 = warp * Traits::kRowsPerWarp;    // first row of this warp's slabs in Q_i
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;  // first query row of Q_i
+  // Split-KV: block x is query tile x % Tr of split x / Tr (dense: query tile x, one split).
+  const int n_m_blocks = Is_split ? ceil_div(Lq, kBlockM) : 1;
+  const int m_block = Is_split ? static_cast<int>(blockIdx.x) % n_m_blocks : static_cast<int>(blockIdx.x);
+  const int m0 = m_block * kBlockM;  // first query row of Q_i
 
   // ---- where this block's tensors live --------------------------------------------------------
   const BatchIndex bidx = BatchIndex::from_grid(nb2);
@@ -76,12 +89,19 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const T* q_i = q + bidx.offset(q_s) + m0 * q_row;
   const T* k_base = k + bidx.offset(k_s);
   const T* v_base = v + bidx.offset(v_s);
-  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  auto* o_i = o + bidx.offset(o_s) + m0 * o_row;  // split-KV: + the split's slab (epilogue)
   float* lse_i = lse + bidx.offset(lse_s) + m0;
 
   const Mask<Is_causal> mask(Lq, Lk);
   // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
-  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  // Split-KV: only this split's run of key tiles [split_block_min, n_block_max) (maybe empty). The
+  // dense kernel's first tile is the literal 0: every use below reads (Is_split ? split_block_min
+  // : 0), since even a variable that is always 0 changed the dense loop's SASS (+9 instructions).
+  int split_block_min = 0;
+  if constexpr (Is_split)
+    split_key_tiles(split_block_min, n_block_max, ceil_div(Lk, kBlockN), static_cast<int>(blockIdx.x) / n_m_blocks,
+                    static_cast<int>(gridDim.x) / n_m_blocks);
 
   float acc_o[kSlabs][kNTilesO][4];  // O_i slabs, unnormalised (C/D fragment layout)
   OnlineSoftmaxRow<float> stat[kSlabs][kRowsPerLane];
@@ -248,11 +268,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // FlashAttention-2: the two copies cost up to 30 more registers and spilled the 8-warp and
   // sm_75 tiles (docs/performance.md).
   const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
-  int n_block = n_block_max - 1;  // -1 when no key is visible: the loop is skipped
+  int n_block = n_block_max - 1;  // below the first tile when no key is visible: no loop
   if constexpr (kStages == 1) {
     // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while
     // S_ij = Q_i K_jᵀ runs, K_{j−1} while the softmax and P_ij V_j run. Two barriers per tile.
-    if (n_block >= 0) {
+    if (n_block >= (Is_split ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
       load_k(false, sK, n_block * kBlockN);
@@ -274,18 +294,18 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
       // K_j, so sK may receive K_{j−1} while we do the softmax and P_ij V_j.
       __syncthreads();
-      if (n_block > 0) load_k(true, sK, n0 - kBlockN);
+      if (n_block > (Is_split ? split_block_min : 0)) load_k(true, sK, n0 - kBlockN);
       fa::cp_async_commit();
 
       softmax_step(masked, acc_s, n0);
       gemm_pv(acc_s, sV);
     };
-    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block);
+    for (; n_block >= (Is_split ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block);
   } else {
     // Two-stage ring: K_{j−1} and V_{j−1} are fetched into the other stage while all of tile j
     // is computed. One barrier per tile.
     static_assert(kStages == 2, "kStages must be 1 or 2");
-    if (n_block >= 0) {
+    if (n_block >= (Is_split ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
       load_k(false, sK, n_block * kBlockN);
@@ -299,7 +319,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Barrier: Q_i, K_j and V_j have landed for every thread's copies, and every warp has
       // finished tile j+1, so its stage (the other one) may receive tile j−1.
       __syncthreads();
-      if (n_block > 0) {
+      if (n_block > (Is_split ? split_block_min : 0)) {
         load_k(true, sK + (stage ^ 1) * kKStage, n0 - kBlockN);
         load_v(true, sV + (stage ^ 1) * kVStage, n0 - kBlockN);
       }
@@ -311,14 +331,22 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       gemm_pv(acc_s, sV + stage * kVStage);
       stage ^= 1;
     };
-    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block);
+    for (; n_block >= (Is_split ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block);
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
   // A lane holds columns 2t, 2t+1 of each n8 tile: stored as one 32-bit word when every row of O
   // starts 4-byte aligned (even row stride; O is allocated by the host, so its batch strides are
   // multiples of it), element by element otherwise (odd Dv).
-  const bool o_pairs = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % 4 == 0);
+  // Split-KV: split s's slab of the workspace is s·Lq rows further (o_row = Dv, lse row = 1); the
+  // split index is re-derived here rather than kept live through the key loop (registers). fp32
+  // O_s, two floats per 8-byte store under the same conditions as the pairs of T.
+  if constexpr (Is_split) {
+    const long long slab = static_cast<long long>(static_cast<int>(blockIdx.x) / ceil_div(Lq, kBlockM)) * Lq;
+    o_i += slab * o_row;
+    lse_i += slab;
+  }
+  const bool o_pairs = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % (2 * sizeof(*o_i)) == 0);
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -330,9 +358,16 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
         for (int dt = 0; dt < kNTilesO; ++dt) {
           const int col = 8 * dt + 2 * t;
-          T* dst = o_i + row_in_tile * o_row + col;
+          auto* dst = o_i + row_in_tile * o_row + col;
           const float lo = acc_o[sl][dt][2 * r] * inv_l, hi = acc_o[sl][dt][2 * r + 1] * inv_l;
-          if (o_pairs && col + 1 < Dv) {
+          if constexpr (Is_split) {
+            if (o_pairs && col + 1 < Dv) {
+              fa::gstore(reinterpret_cast<float2*>(dst), float2{lo, hi});
+            } else {
+              if (col < Dv) fa::gstore(dst, lo);
+              if (col + 1 < Dv) fa::gstore(dst + 1, hi);
+            }
+          } else if (o_pairs && col + 1 < Dv) {
             fa::gstore(reinterpret_cast<uint32_t*>(dst), fa::pack2<T>(lo, hi));
           } else {
             if (col < Dv) fa::gstore(dst, from_acc<T>(lo));

@@ -5,6 +5,9 @@
 // j < n_block_unmasked: tiles that end at or before the sequence end and (causal) whose last
 // column is visible to the tile's first row. The kernel runs the masked suffix first (last tile
 // first, as FlashAttention-2) and then the unmasked prefix without any per-element mask work.
+//
+// Split-KV (flash_fwd_kernel's Is_split): split_key_tiles is the run of key tiles one split
+// visits, and SplitOutput the element type of the kernel's output argument (the fp32 workspace).
 #pragma once
 #include "fa_port.cuh"
 #include "flash_mask.cuh"
@@ -23,5 +26,22 @@ __device__ __forceinline__ int unmasked_key_tiles(const Mask<Is_causal>& mask, i
   }
   return n < n_block_max ? n : n_block_max;
 }
+
+// Split-KV: the run of key tiles [n_min, n_max) split `split` of `splits` visits. The key tiles
+// [0, n_key_tiles) are cut into runs of ceil(n_key_tiles / splits) tiles — one cut for every
+// query tile, so the combine merges the same partition in every row; n_max comes in as the tiles
+// the query tile sees at all (Mask::n_block_max) and is clipped to the run. Empty (n_max <= n_min)
+// when the run starts past the tiles the query tile sees, or past the last tile (more splits
+// than tiles).
+__device__ __forceinline__ void split_key_tiles(int& n_min, int& n_max, int n_key_tiles, int split, int splits) {
+  const int per_split = ceil_div(n_key_tiles, splits);
+  n_min = split * per_split;
+  n_max = n_min + per_split < n_max ? n_min + per_split : n_max;
+}
+
+// Element type of the forward kernel's output argument: T (out), or float for the split-KV
+// workspace O_s.
+template <typename T, bool Is_split> struct SplitOutput { using type = T; };
+template <typename T> struct SplitOutput<T, true> { using type = float; };
 
 }  // namespace flash

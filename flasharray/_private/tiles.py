@@ -238,3 +238,62 @@ def table(archs=ARCHS, head_dims=(16, 32, 64, 96, 128, 256),
           dtypes=("float16", "bfloat16", "float32", "float64")):
     """Rows (arch, dtype, head_dim, FwdTile) of the whole table, for show_config and docs."""
     return [(a, dt, hd, forward_tile(dt, hd, hd, a)) for a in archs for dt in dtypes for hd in head_dims]
+
+
+# ---- split-KV ("flash-decoding") -----------------------------------------------------------------
+# When the batch entries × query tiles of a forward leave most SMs idle (decoding: Lq = 1, one
+# query tile per head), the tensor-core kernel splits the key tiles of each query tile into
+# runs processed by separate blocks (flash_fwd_kernel<..., Is_split = true>) and a second kernel
+# (flash_fwd_combine.cu) merges the partial results by log-sum-exp.
+
+#: SMs of the GPU the emulator pretends to be, per compute capability (the split heuristic's input;
+#: on a real GPU CuPy reports the count): T4 40, A100 108, A10 72 (sm_86), Orin 16 (sm_87),
+#: L4 58 (sm_89), H100 SXM 132.
+EMULATOR_SM_COUNT = {75: 40, 80: 108, 86: 72, 87: 16, 89: 58, 90: 132}
+#: Most splits the heuristic picks, and the most a caller may force (``num_splits``): the combine
+#: kernel keeps splits × 4 weights in shared memory (4 KB at 256).
+MAX_SPLITS = 128
+MAX_FORCED_SPLITS = 256
+#: Below this fraction of the SMs busy, splitting is considered.
+SPLIT_OCCUPANCY = 0.8
+#: The smallest split count whose wave efficiency is within this fraction of the best one wins.
+SPLIT_EFFICIENCY = 0.85
+
+
+def emulator_sm_count(arch):
+    """The SM count the emulator pretends ``arch`` has (unknown archs: the nearest known one below)."""
+    a = arch_number(arch)
+    known = [x for x in sorted(EMULATOR_SM_COUNT) if x <= a]
+    return EMULATOR_SM_COUNT[known[-1] if known else min(EMULATOR_SM_COUNT)]
+
+
+def wave_efficiency(blocks, sm_count):
+    """Busy fraction of the SM-slots over the waves ``blocks`` blocks take (one block per SM and
+    wave): ``w / ceil(w)`` with ``w = blocks / sm_count``."""
+    waves = blocks / sm_count
+    return waves / -(-blocks // sm_count)
+
+
+def num_splits_heuristic(blocks, sm_count, n_key_tiles, max_splits=MAX_SPLITS):
+    """How many key splits a forward with ``blocks`` (batch entries × query tiles) blocks and
+    ``n_key_tiles`` key tiles per query tile should use on ``sm_count`` SMs.
+
+    1 when the blocks already fill ``SPLIT_OCCUPANCY`` (80%) of the SMs. Otherwise every count s
+    from 1 to min(max_splits, sm_count, n_key_tiles) is rated by the wave efficiency of the
+    ``blocks · s`` blocks it launches; a count that gives every split as many tiles as s − 1 does
+    (ceil(n / s) = ceil(n / (s−1)): only an empty split more) is skipped; the smallest count within
+    ``SPLIT_EFFICIENCY`` (85%) of the best efficiency wins — more splits mean more partial results
+    to write and merge for no better SM use. (FlashAttention-2's rule, ``num_splits_heuristic``.)
+    E.g. 32 heads decoding on 132 SMs: 4 splits (128 blocks, 97%); 48 on 108: 2 (89%), not 3 (67%).
+    """
+    blocks, sm_count, n_key_tiles = int(blocks), int(sm_count), int(n_key_tiles)
+    if blocks <= 0 or n_key_tiles <= 1 or blocks >= SPLIT_OCCUPANCY * sm_count:
+        return 1
+    most = max(1, min(int(max_splits), sm_count, n_key_tiles))
+    rated = []
+    for s in range(1, most + 1):
+        if s > 1 and -(-n_key_tiles // s) == -(-n_key_tiles // (s - 1)):
+            continue
+        rated.append((s, wave_efficiency(blocks * s, sm_count)))
+    best = max(e for _, e in rated)
+    return next(s for s, e in rated if e >= SPLIT_EFFICIENCY * best)
