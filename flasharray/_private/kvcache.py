@@ -168,13 +168,13 @@ def _check_values(c, seqlens, table):
                                                            c.capacity))
     if c.paged:
         num_blocks = int(c.k_cache.shape[0])
-        for b, n in enumerate(lengths):
-            pages = table[b, :-(-int(n) // c.page_size)]
-            wrong = np.flatnonzero((pages < 0) | (pages >= num_blocks))
-            if wrong.size:
-                raise ValueError("flasharray: block_table[%d, %d] = %d is outside [0, num_blocks = %d) "
-                                 "and entry %d uses it (%d visible keys)"
-                                 % (b, wrong[0], pages[wrong[0]], num_blocks, b, n))
+        touched = np.arange(table.shape[1]) < -(-lengths[:, None] // c.page_size)   # pages in use
+        wrong = np.argwhere(touched & ((table < 0) | (table >= num_blocks)))
+        if wrong.size:
+            b, p = wrong[0]
+            raise ValueError("flasharray: block_table[%d, %d] = %d is outside [0, num_blocks = %d) and "
+                             "entry %d uses it (%d visible keys)" % (b, p, table[b, p], num_blocks, b,
+                                                                     lengths[b]))
     return lengths
 
 
