@@ -102,8 +102,7 @@ def _array_key(a, backend):
     t = type(a)
     if t is np.ndarray:
         # 16-byte alignment picks the emulator's cp.async path; the cpu backend ignores it.
-        align = a.ctypes.data % 16 if backend == "emulator" else None
-        return (t, a.dtype, a.shape, a.strides, align)
+        return (a.dtype, a.shape, a.strides, a.ctypes.data % 16 if backend == "emulator" else None)
     if val.array_kind(a) == "cupy":
         data = a.data
         return (t, a.dtype, a.shape, a.strides, data.ptr % 16, data.device_id)
@@ -111,15 +110,17 @@ def _array_key(a, backend):
 
 
 def _call_key(kind, arrays, flags, backend, options):
-    """Hashable signature of one call, or None when it cannot be cached (then validate fully)."""
+    """Hashable signature of one call, or None when it cannot be cached (then validate fully).
+
+    Flags enter with their types (``causal=1`` must still fail validation after a cached
+    ``causal=True``); CuPy calls add the current device.
+    """
     try:
-        key = [kind, backend, tuple(sorted(options.items())) if options else ()]
-        key += [(type(f), f) for f in flags]
-        key += [_array_key(a, backend) for a in arrays]
-        if key[-1][0] is not np.ndarray:
+        key = (kind, backend, tuple(sorted(options.items())) if options else (),
+               *[(type(f), f) for f in flags], *[_array_key(a, backend) for a in arrays])
+        if type(arrays[0]) is not np.ndarray:
             import cupy
-            key.append(cupy.cuda.runtime.getDevice())
-        key = tuple(key)
+            key += (cupy.cuda.runtime.getDevice(),)
         hash(key)
         return key
     except TypeError:
@@ -249,24 +250,40 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         (MQA/GQA) the gradient is summed over the broadcast dims. Rows that see no key
         contribute nothing.
     """
+    kind = val.array_kind(q)
+    arrays = (dout, q, k, v, out, lse)
+    key = _call_key("bwd", arrays, (causal, scale, deterministic), backend, options) if kind else None
+    return _cached_entry(key, lambda: _backward_entry(arrays, causal, scale, backend, deterministic,
+                                                      options))(*arrays)
+
+
+def _backward_entry(arrays, causal, scale, backend, deterministic, options):
+    """Validate one backward call; return ``run(dout, q, k, v, out, lse) -> (dq, dk, dv)``."""
+    dout, q, k, v, out, lse = arrays
     p = _Problem(q, k, v, causal, scale, backend, extra=[("dout", dout), ("out", out)])
     val.check_expected_shape("dout", dout, p.out_shape)
     val.check_expected_shape("out", out, p.out_shape)
     val.check_lse(lse, p.kind, p.dtype, p.lse_shape)
     deterministic = val.check_flag("deterministic", deterministic)
     opts = _check_options(options, p.backend)
+    p.forget_arrays()
     if p.Lq == 0 or p.Lk == 0:
-        return tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
-    if p.backend == "cpu":
-        from . import cpu
-        dq, dk, dv = cpu.backward(dout, p.q, p.k, p.v, out, lse, causal=p.causal, scale=p.scale,
-                                  batch_shape=p.batch_shape)
-    else:
-        dq, dk, dv = _cuda_module("backward").backward(
-            dout, p.q, p.k, p.v, out, lse, causal=p.causal, scale=p.scale,
-            batch_shape=p.batch_shape, device=p.backend, deterministic=deterministic, **opts)
-    # Backends return gradients with the batch-dim-normalised shapes of p.q, p.k, p.v.
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+        return lambda dout, q, k, v, out, lse: tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
+
+    def run(dout, q, k, v, out, lse):
+        b = p.rebind(q, k, v)
+        if p.backend == "cpu":
+            from . import cpu
+            dq, dk, dv = cpu.backward(dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
+                                      batch_shape=p.batch_shape)
+        else:
+            dq, dk, dv = _cuda_module("backward").backward(
+                dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
+                batch_shape=p.batch_shape, device=p.backend, deterministic=deterministic, **opts)
+        # Backends return gradients with the batch-dim-normalised shapes of p.q, p.k, p.v.
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+    return run
 
 
 def flash_attention_vjp(q, k, v, **options):

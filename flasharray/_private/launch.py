@@ -278,7 +278,8 @@ class NullLauncher(EmulatorLauncher):
 
         return call
 
-    pointer = CupyLauncher.pointer
+    def pointer(self, a, offset=0):
+        return np.uint64(a.ctypes.data + offset * a.itemsize)  # as CupyLauncher.pointer, for NumPy
 
 
 _launchers = {}
@@ -364,7 +365,7 @@ class Recorded:
         self.slots = tuple((i, a.key, a.offset) for i, a in enumerate(args) if isinstance(a, Ptr))
 
     def __call__(self, pointer, arrays):
-        args = self.template[:]
+        args = self.template.copy()
         for i, key, offset in self.slots:
             args[i] = pointer(arrays[key], offset)
         return self.call(self.grid, self.block, tuple(args))
@@ -383,8 +384,10 @@ def xp_of(a):
 def device_address(a):
     """Address of element 0 of a CuPy array (``a.data.ptr``; a NumPy array's own address, for
     the CuPy stand-in of the tests)."""
-    data = a.data
-    return data.ptr if hasattr(data, "ptr") else a.ctypes.data
+    try:
+        return a.data.ptr
+    except AttributeError:
+        return a.ctypes.data
 
 
 def element_strides(a):

@@ -1,0 +1,171 @@
+"""Host microseconds per call: what our Python costs around the kernels (issue 10 §1).
+
+Two modes:
+
+* ``--device null`` (default; runs anywhere, CI included): the emulator path on NumPy arrays with
+  every kernel launch replaced by a no-op (``launch.null_launches``). Pointers are bound as for
+  CuPy, so what is measured is the host work of a CUDA call minus the driver's launch
+  (NumPy's address lookup, ~2 µs per array, is slower than CuPy's). Targets: ≤ 15 µs per cached
+  forward call, ≤ 25 µs per backward.
+* ``--device cuda`` (a GPU): the same calls end to end on CuPy arrays: host time to issue a call
+  (no synchronisation inside the loop) and wall time per call including the kernel
+  (synchronised at the end); PyTorch SDPA's figures beside ours when torch with CUDA is
+  importable. Target: ≤ 30 µs per forward call.
+
+Each figure is the fastest of ``--repeat`` runs of ``--number`` calls (mean per call). The breakdown of the
+cached forward call times its parts alone: building the signature key, the cache lookup, the
+two output allocations, and binding pointers + the launches; "rest" is the difference to the
+whole call (function calls, argument passing).
+
+    python benchmarks/overhead.py            # no-op launcher
+    python benchmarks/overhead.py --device cuda
+"""
+import argparse
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flasharray as fa  # noqa: E402
+from flasharray._private import api, launch  # noqa: E402
+
+SHAPE = (1, 1, 128, 64)   # (B, H, L, D): the issue's small problem
+TARGETS_US = {"forward": 15.0, "backward": 25.0}
+
+
+def per_call_us(stmt, number, repeat):
+    """Fastest of ``repeat`` runs: mean µs of ``number`` calls of ``stmt()`` (the minimum is the
+    least disturbed by other work on the machine, as timeit recommends)."""
+    stmt()  # first call: planning, compilation
+    runs = timeit.repeat(stmt, number=number, repeat=repeat)
+    return min(runs) / number * 1e6
+
+
+def make_inputs(xp, dtype=np.float16, shape=SHAPE, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
+    return q, k, v, do
+
+
+def calls(backend, q, k, v, do):
+    """name -> zero-argument callable, for the forward, backward and (if present) KV-cache call."""
+    out, lse = fa.flash_attention_forward(q, k, v, backend=backend)
+    fns = {"forward": lambda: fa.flash_attention(q, k, v, backend=backend),
+           "backward": lambda: fa.flash_attention_backward(do, q, k, v, out, lse, backend=backend)}
+    kv = getattr(fa, "flash_attention_with_kvcache", None)
+    if kv is not None:
+        xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+        B, H, L, D = q.shape
+        k_cache = xp.zeros((B, H, 2 * L, D), dtype=q.dtype)
+        v_cache = xp.zeros((B, H, 2 * L, D), dtype=q.dtype)
+        k_cache[:, :, :L], v_cache[:, :, :L] = k, v
+        seqlens = xp.full((B,), L - 1, dtype=np.int32)
+        q1, k1, v1 = q[..., :1, :], k[..., :1, :], v[..., :1, :]
+        fns["kvcache (Lq=1, 1 new)"] = lambda: kv(q1, k_cache, v_cache, seqlens, k_new=k1, v_new=v1,
+                                                  backend=backend)
+    return fns
+
+
+def forward_breakdown(q, k, v, backend, number, repeat):
+    """µs of each part of a cached forward call (see the module docstring)."""
+    fa.flash_attention(q, k, v, backend=backend)
+    key = api._call_key("fwd", (q, k, v), (False, None), backend, {})
+    run = api._CACHE[key]
+    plan = run.__self__ if hasattr(run, "__self__") else None
+    parts = {"signature key": lambda: api._call_key("fwd", (q, k, v), (False, None), backend, {}),
+             "cache lookup": lambda: api._CACHE.get(key)}
+    if plan is not None:
+        xp, pointer = plan.xp, plan.launcher.pointer
+        arrays = (q, k, v) + (xp.empty(plan.out_shape, plan.dtype), xp.empty(plan.lse_shape, plan.acc))
+        parts["allocate out, lse"] = lambda: (xp.empty(plan.out_shape, dtype=plan.dtype),
+                                              xp.empty(plan.lse_shape, dtype=plan.acc))
+        parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: [
+            rec(pointer, arrays) for rec in plan.launches]
+    times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
+    if isinstance(q, np.ndarray) and plan is not None:
+        # NumPy-only cost inside the parts above: each address is a ctypes lookup (CuPy: a field).
+        n = 3 + sum(len(rec.slots) for rec in plan.launches)
+        times["  of which NumPy address lookups (%d)" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
+    return times
+
+
+def uncached_us(fn, number, repeat):
+    """µs per call when every call plans afresh (the cache cleared before each)."""
+    def cold():
+        launch._clear_plans()
+        fn()
+    return per_call_us(cold, max(number // 10, 1), repeat)
+
+
+def report(title, rows, targets=None):
+    print("\n" + title)
+    for name, us in rows.items():
+        target = (targets or {}).get(name)
+        note = "" if target is None else ("  target <= %.0f: %s" % (target, "met" if us <= target else "NOT met"))
+        print("  %-34s %9.2f us%s" % (name, us, note))
+
+
+def run_null(number, repeat):
+    q, k, v, do = make_inputs(np)
+    with launch.null_launches():
+        fns = calls("emulator", q, k, v, do)
+        cached = {name: per_call_us(fn, number, repeat) for name, fn in fns.items()}
+        cold = {name: uncached_us(fn, number, repeat) for name, fn in fns.items()}
+        parts = forward_breakdown(q, k, v, "emulator", number, repeat)
+    print("flasharray %s, host overhead with a no-op launcher, fp16 %s (B, H, L, D)" % (fa.__version__, SHAPE))
+    report("cached call (same signature as the previous call)", cached, TARGETS_US)
+    report("uncached call (validation + planning every time)", cold)
+    parts["rest (call layers)"] = cached["forward"] - sum(us for name, us in parts.items() if name[0] != " ")
+    report("forward, cached: breakdown", parts)
+    return cached
+
+
+def run_cuda(number, repeat):
+    import cupy
+    q, k, v, do = make_inputs(cupy)
+    fns = calls("cuda", q, k, v, do)
+    sync = cupy.cuda.Device().synchronize
+    rows = {}
+    for name, fn in fns.items():
+        rows[name + ": host"] = per_call_us(fn, number, repeat)
+        rows[name + ": end to end"] = per_call_us(lambda: (fn(), sync()), number, repeat)
+    torch_rows = _torch_rows(q, k, v, number, repeat)
+    print("flasharray %s on %s, fp16 %s (B, H, L, D)" % (fa.__version__, cupy.cuda.runtime.getDeviceProperties(
+        cupy.cuda.Device().id)["name"].decode(), SHAPE))
+    report("per call", rows, {"forward: end to end": 30.0})
+    if torch_rows:
+        report("PyTorch SDPA, same inputs", torch_rows)
+    return rows
+
+
+def _torch_rows(q, k, v, number, repeat):
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return {}
+    except ImportError:
+        return {}
+    qt, kt, vt = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+    f = torch.nn.functional.scaled_dot_product_attention
+    return {"forward: host": per_call_us(lambda: f(qt, kt, vt), number, repeat),
+            "forward: end to end": per_call_us(lambda: (f(qt, kt, vt), torch.cuda.synchronize()), number, repeat)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("null", "cuda"), default="null")
+    ap.add_argument("--number", type=int, default=2000, help="calls per timing run")
+    ap.add_argument("--repeat", type=int, default=5, help="timing runs (the fastest is reported)")
+    args = ap.parse_args(argv)
+    if args.number < 1 or args.repeat < 1:
+        ap.error("--number and --repeat must be >= 1")
+    if args.device == "cuda":
+        return run_cuda(args.number, args.repeat)
+    return run_null(args.number, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
