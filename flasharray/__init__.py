@@ -21,6 +21,17 @@ from ._private.kvcache import flash_attention_with_kvcache  # noqa: E402
 from . import reference, testing  # noqa: E402
 
 
+def reload_kernels():
+    """Re-read the CUDA sources: drop compiled kernel modules and every cached call plan.
+
+    Calls are planned once per signature and kernels compiled once per source content; the
+    sources are hashed once per process. Call this after editing ``cuda_src`` in a running
+    process (kernel development); users never need it.
+    """
+    from ._private.launch import reload_sources
+    reload_sources()
+
+
 def show_config(file=None):
     """Print versions, devices, cache directories and kernel choices (see ``python -m flasharray info``)."""
     try:
@@ -41,5 +52,6 @@ __all__ = [
     "reference",
     "testing",
     "show_config",
+    "reload_kernels",
     "__version__",
 ]

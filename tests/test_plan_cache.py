@@ -103,12 +103,12 @@ def test_cache_does_not_keep_arrays_alive(backend):
     assert all(r() is None for r in refs)
 
 
-def test_reload_sources_drops_plans_and_digest(monkeypatch):
+def test_reload_kernels_drops_plans_and_digest(monkeypatch):
     q, k, v = make_qkv((1, 1, 16, 16), (1, 1, 16, 16), (1, 1, 16, 16), np.float16, seed=7)
     fa.flash_attention(q, k, v, backend="emulator")
     digest = launch.source_digest()
     assert api._CACHE and cuda_forward._PLANS
-    launch.reload_sources()
+    fa.reload_kernels()
     assert not api._CACHE and not cuda_forward._PLANS and launch._digest is None
     assert launch.source_digest() == digest
     out = fa.flash_attention(q, k, v, backend="emulator")
@@ -133,3 +133,17 @@ def test_cache_is_bounded(monkeypatch):
     for s in (0.1, 0.2, 0.3, 0.4, 0.5):
         fa.flash_attention(q, k, v, scale=s)
     assert len(api._CACHE) == 3
+
+
+def test_cached_backward_skips_validation(monkeypatch):
+    q, k, v = make_qkv((1, 2, 24, 16), (1, 1, 24, 16), (1, 1, 24, 16), np.float32, seed=10)
+    out, lse = fa.flash_attention_forward(q, k, v, causal=True)
+    do = np.ones_like(out)
+    first = fa.flash_attention_backward(do, q, k, v, out, lse, causal=True)
+    _forbid(monkeypatch, validation, "check_lse")
+    again = fa.flash_attention_backward(do, q, k, v, out, lse, causal=True)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="deterministic"):
+        fa.flash_attention_backward(do, q, k, v, out, lse, causal=True, deterministic=1)
