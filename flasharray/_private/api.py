@@ -117,7 +117,7 @@ def _call_key(kind, arrays, flags, backend, options):
     """
     try:
         key = (kind, backend, tuple(sorted(options.items())) if options else (),
-               *[(type(f), f) for f in flags], *[_array_key(a, backend) for a in arrays])
+               tuple(map(type, flags)), flags, *[_array_key(a, backend) for a in arrays])
         if type(arrays[0]) is not np.ndarray:
             import cupy
             key += (cupy.cuda.runtime.getDevice(),)
@@ -127,12 +127,9 @@ def _call_key(kind, arrays, flags, backend, options):
         return None
 
 
-def _cached_entry(key, make):
-    if key is None:
-        return make()
-    entry = _CACHE.get(key)
-    if entry is None:
-        entry = make()
+def _store(key, entry):
+    """Keep ``entry`` for ``key`` (not when ``key`` is None); at most ``_MAX_ENTRIES`` kept."""
+    if key is not None:
         if len(_CACHE) >= _MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
@@ -210,9 +207,15 @@ def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, 
     Accumulation is float32 for float16/bfloat16/float32 inputs and float64 for float64.
     A row that sees no key has ``out = 0``. Inputs are never modified.
     """
-    kind = val.array_kind(q)
-    key = _call_key("fwd", (q, k, v), (causal, scale), backend, options) if kind else None
-    return _cached_entry(key, lambda: _forward_entry(q, k, v, causal, scale, backend, options))(q, k, v)
+    return _forward_call(q, k, v, causal, scale, backend, options)
+
+
+def _forward_call(q, k, v, causal, scale, backend, options):
+    key = _call_key("fwd", (q, k, v), (causal, scale), backend, options)
+    run = _CACHE.get(key)
+    if run is None:
+        run = _store(key, _forward_entry(q, k, v, causal, scale, backend, options))
+    return run(q, k, v)
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None, **options):
@@ -221,8 +224,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, back
     Same parameters as :func:`flash_attention_forward`; returns ``out`` of shape
     ``(*batch, Lq, Dv)``, or ``(out, lse)`` when ``return_lse=True``.
     """
-    return_lse = val.check_flag("return_lse", return_lse)
-    out, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, backend=backend, **options)
+    if return_lse is not False and return_lse is not True:
+        val.check_flag("return_lse", return_lse)
+    out, lse = _forward_call(q, k, v, causal, scale, backend, options)
     return (out, lse) if return_lse else out
 
 
@@ -250,11 +254,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         (MQA/GQA) the gradient is summed over the broadcast dims. Rows that see no key
         contribute nothing.
     """
-    kind = val.array_kind(q)
     arrays = (dout, q, k, v, out, lse)
-    key = _call_key("bwd", arrays, (causal, scale, deterministic), backend, options) if kind else None
-    return _cached_entry(key, lambda: _backward_entry(arrays, causal, scale, backend, deterministic,
-                                                      options))(*arrays)
+    key = _call_key("bwd", arrays, (causal, scale, deterministic), backend, options)
+    run = _CACHE.get(key)
+    if run is None:
+        run = _store(key, _backward_entry(arrays, causal, scale, backend, deterministic, options))
+    return run(*arrays)
 
 
 def _backward_entry(arrays, causal, scale, backend, deterministic, options):
