@@ -26,7 +26,15 @@ Without a GPU the script says so and exits 0. ``--emulator`` runs one tiny shape
 CUDA emulator instead (exercises this script and the kernels in CI; the time is CPU time).
 ``--backward`` continues with ``benchmarks/gpu_backward.py`` (backward and forward+backward
 TFLOP/s, backward counted as 2.5× the forward FLOPs) with the same options.
-Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--plot gpu.png]
+
+``--decode`` times the inference shapes of ``../shared/gpu/README.md`` instead (fp16, D = 128:
+decoding one token against long caches, GQA with 4 query heads per KV head, causal prefill)
+against PyTorch's flash backend (FlashAttention-2; GQA through SDPA's ``enable_gqa``): per shape
+the milliseconds of each, ``ratio`` = flasharray / FlashAttention-2 (issue 10's target: <= 1.1),
+and flasharray's launch (key splits, GQA packing, blocks vs the SM count). Each row is validated
+on the first batch entry, KV head and last 256 query rows. With ``--emulator``, scaled-down
+shapes run through the emulator (CPU time; no PyTorch).
+Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--decode] [--plot gpu.png]
 """
 import argparse
 import collections
@@ -366,6 +374,172 @@ def run_emulator(impls, names, make_tensors, check):
     return ok
 
 
+# ---- decoding and GQA (--decode) -------------------------------------------------------------------
+
+#: (B, H_q, H_kv, Lq, Lk, causal): the inference table of ../shared/gpu/README.md (fp16, D = 128).
+DECODE_SHAPES = (
+    (1, 32, 32, 1, 32768, False),
+    (16, 32, 32, 1, 4096, False),
+    (64, 32, 8, 1, 2048, False),
+    (4, 32, 8, 4096, 4096, True),
+    (1, 8, 8, 65536, 65536, True),
+)
+#: The same kinds of shape, small enough for the emulator (--decode --emulator).
+DECODE_SHAPES_EMULATOR = (
+    (1, 4, 4, 1, 1024, False),
+    (2, 4, 4, 1, 256, False),
+    (2, 4, 2, 1, 512, False),
+    (1, 4, 2, 64, 64, True),
+    (1, 2, 2, 128, 128, True),
+)
+DECODE_D = 128
+DECODE_D_EMULATOR = 64
+DECODE_DTYPE = "fp16"
+#: Query rows validated per shape (the last ones: causal bottom-right alignment keeps them exact).
+DECODE_CHECK_ROWS = 256
+#: one decode table row; ratio = flasharray's time / FlashAttention-2's (None until both ran)
+DecodeRow = collections.namedtuple("DecodeRow", "B Hq Hkv Lq Lk causal impl ms launch ratio", defaults=(None,))
+
+
+def decode_tensors(xp, B, Hq, Hkv, Lq, Lk, D, dtype, copy=0):
+    """q (B, H_q, Lq, D), k and v (B, H_kv, Lk, D): PyTorch's layout; query head h uses KV head
+    h // (H_q / H_kv), as SDPA's ``enable_gqa`` and flasharray's (B, H_kv, G, Lq, D) view agree."""
+    rng = np.random.default_rng(copy)
+    arrs = [rng.standard_normal(shape).astype(dtype) for shape in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))]
+    return [xp.asarray(a) for a in arrs] if xp is not np else arrs
+
+
+def gqa_views(q, k, v):
+    """flasharray's GQA convention: q (B, H_kv, G, Lq, D) against k, v (B, H_kv, 1, Lk, D) (views)."""
+    B, Hq, Lq, D = q.shape
+    Hkv = k.shape[1]
+    return (q.reshape(B, Hkv, Hq // Hkv, Lq, D), k.reshape(B, Hkv, 1, k.shape[2], D),
+            v.reshape(B, Hkv, 1, v.shape[2], v.shape[3]))
+
+
+def decode_launch(tensors, causal, device, arch=None):
+    """What flasharray launches for a decode shape: 'splits S, G g, blocks N / M SMs'."""
+    q, k, v = gqa_views(*tensors)
+    p = cuda_forward.plan(q, k, v, causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), batch_shape=q.shape[:-2],
+                          device=device, arch=arch)
+    return "splits %d, G %d, %d blocks / %d SMs" % (p.num_splits, p.gqa_group, p.blocks, p.sm_count)
+
+
+def _make_flasharray_decode(tensors, causal, device):
+    q, k, v = gqa_views(*tensors)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=q.shape[:-2],
+                                        device=device)
+
+
+def _make_torch_flash_decode(tensors, causal, device):
+    """PyTorch SDPA's flash backend with ``enable_gqa`` (no K/V copies), or None without PyTorch."""
+    torch = _torch()
+    if torch is None or device != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (to_torch(x) for x in tensors)
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if gqa:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attend
+
+
+#: name -> make(tensors in PyTorch's layout, causal, device) -> callable or None
+DECODE_IMPLS = {"flasharray": _make_flasharray_decode, "torch-flash": _make_torch_flash_decode}
+
+
+def check_decode(name, result, tensors, causal, device):
+    """First batch entry, first KV head's query heads, last DECODE_CHECK_ROWS query rows, against
+    the float64 reference (the DESIGN.md rule); every key is used."""
+    out = result[0] if isinstance(result, tuple) else result
+    out = from_torch(out) if hasattr(out, "detach") else out
+    q, k, v = tensors
+    out = out.reshape(q.shape[:3] + (v.shape[-1],))  # flasharray's (B, H_kv, G, Lq, Dv) view
+    G = q.shape[1] // k.shape[1]
+    rows = min(DECODE_CHECK_ROWS, q.shape[2])
+    return check_attention(out[:1, :G, -rows:], q[:1, :G, -rows:], k[:1, :1], v[:1, :1], causal=causal)
+
+
+def with_decode_ratios(rows):
+    """``ratio`` = flasharray's time / FlashAttention-2's for each shape (rows of one shape)."""
+    ref = {(r.B, r.Hq, r.Hkv, r.Lq, r.Lk, r.causal): r.ms for r in rows if r.impl == "torch-flash"}
+    out = []
+    for r in rows:
+        fa2 = ref.get((r.B, r.Hq, r.Hkv, r.Lq, r.Lk, r.causal))
+        out.append(r._replace(ratio=r.ms / fa2 if fa2 and r.impl == "flasharray" else None))
+    return out
+
+
+def print_decode_header():
+    print("%-40s | %-12s | %9s | %7s | %s" % ("B  H_q H_kv   Lq     Lk  causal", "impl", "ms", "ratio", "launch"))
+    print("-" * 110)
+
+
+def print_decode_row(r):
+    label = "%-3d %-4d %-4d %-6d %-6d %s" % (r.B, r.Hq, r.Hkv, r.Lq, r.Lk, "causal" if r.causal else "-")
+    ratio = "-" if r.ratio is None else "%.2fx" % r.ratio
+    print("%-40s | %-12s | %9.3f | %7s | %s" % (label, r.impl, r.ms, ratio, r.launch or ""))
+
+
+def run_decode(impls, make_tensors, check, clock, xp, shapes=DECODE_SHAPES, D=DECODE_D, device="cuda",
+               launch=decode_launch, copies_for=lambda tensors: 1):
+    """Validate and time every decode shape × implementation; print and return the rows.
+    ``make_tensors(xp, B, H_q, H_kv, Lq, Lk, D, dtype, copy)``; ``copies_for(tensors)``: how many
+    input sets to cycle through (L2)."""
+    dtype = DTYPES[DECODE_DTYPE]
+    print("decode / GQA shapes, %s, D = %d: ratio = flasharray time / FlashAttention-2 time (target <= 1.1)"
+          % (DECODE_DTYPE, D))
+    print_decode_header()
+    rows = []
+    for B, Hq, Hkv, Lq, Lk, causal in shapes:
+        copies = [make_tensors(xp, B, Hq, Hkv, Lq, Lk, D, dtype)]
+        copies += [make_tensors(xp, B, Hq, Hkv, Lq, Lk, D, dtype, copy=i) for i in range(1, copies_for(copies[0]))]
+        shape_rows = []
+        for name, make in impls.items():
+            label = "%d %d %d %d %d%s" % (B, Hq, Hkv, Lq, Lk, " causal" if causal else "")
+            try:
+                fns = [make(tensors, causal, device) for tensors in copies]
+                if fns[0] is None:
+                    continue
+                report = check(name, fns[0](), copies[0], causal, device)
+                if report is not None and not report.passed:
+                    raise NotMeasured("validation FAILED\n%s" % report)
+                ms = gpu_timing.time_ms(fns, clock).ms
+            except Exception as e:  # out of memory, no kernel, no GQA in this PyTorch, ...
+                print("%-40s | %-12s | %s" % (label, name, _why(e)))
+                continue
+            info = launch(copies[0], causal, device) if name == "flasharray" else ""
+            shape_rows.append(DecodeRow(B, Hq, Hkv, Lq, Lk, causal, name, ms, info))
+        for r in with_decode_ratios(shape_rows):
+            print_decode_row(r)
+            rows.append(r)
+        del copies
+    return rows
+
+
+def main_decode(emulator):
+    """``--decode``: the inference table on the GPU, or its scaled-down shapes on the emulator."""
+    if emulator:
+        rows = run_decode({"flasharray": DECODE_IMPLS["flasharray"]}, decode_tensors, check_decode,
+                          gpu_timing.PerfClock(), np, shapes=DECODE_SHAPES_EMULATOR, D=DECODE_D_EMULATOR,
+                          device="emulator")
+        return 0 if len(rows) == len(DECODE_SHAPES_EMULATOR) else 1
+    if not have_gpu():
+        return 0
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print("device: %s (sm_%s), %d SMs, L2 %.0f MB" % (props["name"].decode(), cp.cuda.Device().compute_capability,
+                                                     props["multiProcessorCount"], props["l2CacheSize"] / 1e6))
+    copies_for = lambda tensors: gpu_timing.copies_for_l2(sum(x.nbytes for x in tensors), props["l2CacheSize"])  # noqa: E731
+    run_decode(DECODE_IMPLS, decode_tensors, check_decode, gpu_timing.CudaClock(), cp, copies_for=copies_for)
+    return 0
+
+
 def have_gpu():
     """True when CuPy sees a CUDA device; otherwise say why there is nothing to measure."""
     try:
@@ -413,7 +587,13 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="save a TFLOP/s plot to this file")
     ap.add_argument("--backward", action="store_true",
                     help="also run benchmarks/gpu_backward.py (backward, forward+backward)")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decoding / GQA inference shapes against PyTorch's flash backend instead")
     args = ap.parse_args(argv)
+    if args.decode:
+        if args.backward or args.quick or args.plot:
+            ap.error("--decode takes only --emulator")
+        return main_decode(args.emulator)
     if args.backward:
         status = main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--backward"])
         import gpu_backward

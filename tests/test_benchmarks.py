@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,3 +175,78 @@ def test_input_copies_cover_twice_the_l2(bench):
     assert gpu_timing.copies_for_l2(201e6, 50e6) == 1  # FlashAttention-2's shapes: q, k, v > 2 × L2
     assert gpu_timing.copies_for_l2(30e6, 50e6) == 4
     assert gpu_timing.copies_for_l2(1e3, 50e6) == 8
+
+
+# ---- gpu.py --decode: the inference shapes against FlashAttention-2 ------------------------------
+
+def test_gpu_decode_on_the_emulator(tmp_path):
+    out = run("gpu.py", "--decode", "--emulator", tmp_path=tmp_path)
+    lines = [line for line in out.splitlines() if "| flasharray" in line]
+    assert len(lines) == 5 and all("splits" in line and "SMs" in line for line in lines)
+    assert "FAILED" not in out and "splits 1, G 2" not in out   # the GQA decode row packs (G 2)
+
+
+def test_gpu_decode_without_gpu_says_so(tmp_path):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed: the no-GPU message is not what runs")
+    except ImportError:
+        pass
+    assert "no GPU" in run("gpu.py", "--decode", tmp_path=tmp_path)
+
+
+def test_decode_refuses_other_table_options(bench):
+    gpu, _ = bench
+    for extra in (["--backward"], ["--quick"], ["--plot", "x.png"]):
+        with pytest.raises(SystemExit) as e:
+            gpu.main(["--decode"] + extra)
+        assert e.value.code == 2
+
+
+def test_decode_rows_time_every_shape_and_report_the_ratio(bench, capsys):
+    """run_decode against stand-ins: the five shapes of gpu/README.md, both implementations,
+    validated before timing, compiled outside the timed region, ratio = flasharray / FA2."""
+    gpu, gpu_timing = bench
+    clock, log, checked = FakeClock(), [], []
+    speed = {"flasharray": 3.0, "torch-flash": 2.0}
+
+    def impl(name):
+        def make(tensors, causal, device):
+            assert device == "cuda"
+            return FakeKernel(clock, itertools.repeat(speed[name] * tensors[0]), log, (name, tensors))
+        return make
+
+    def make_tensors(xp, B, Hq, Hkv, Lq, Lk, D, dtype, copy=0):
+        assert (D, dtype) == (128, np.float16) and xp == "xp"
+        return (Lq, copy)  # per shape: its Lq scales the fake time; the copy index tags the set
+
+    def check(name, result, tensors, causal, device):
+        checked.append((name, tensors, clock.marks))
+        return None
+
+    impls = {"flasharray": impl("flasharray"), "torch-flash": impl("torch-flash")}
+    rows = gpu.run_decode(impls, make_tensors, check, clock, "xp", launch=lambda t, c, d: "splits ?",
+                          copies_for=lambda tensors: 2)
+    assert len(rows) == 2 * len(gpu.DECODE_SHAPES) == 10
+    assert [(r.B, r.Hq, r.Hkv, r.Lq, r.Lk, r.causal) for r in rows[::2]] == list(gpu.DECODE_SHAPES)
+    for fa_row, fa2_row in zip(rows[::2], rows[1::2]):
+        assert (fa_row.impl, fa2_row.impl) == ("flasharray", "torch-flash")
+        assert fa_row.ms == 3.0 * fa_row.Lq and fa2_row.ms == 2.0 * fa2_row.Lq
+        assert fa_row.ratio == 1.5 and fa2_row.ratio is None
+        assert fa_row.launch == "splits ?" and fa2_row.launch == ""
+    # every implementation validated once per shape on the first copy, before its first timing mark
+    assert len(checked) == 10 and all(tensors[1] == 0 for _, tensors, _ in checked)
+    compiles = [e for e in log if e[0] == "compile"]
+    assert len(compiles) == 20                     # 2 copies x 2 implementations x 5 shapes
+    printed = capsys.readouterr().out
+    assert "1.50x" in printed and "target <= 1.1" in printed
+
+
+def test_decode_tensors_share_pytorch_and_flasharray_gqa(bench):
+    """Query head h uses KV head h // G in both layouts: the (B, H_kv, G, Lq, D) view of q."""
+    gpu, _ = bench
+    q, k, v = gpu.decode_tensors(np, 2, 8, 2, 3, 5, 16, np.float32)
+    qv, kv, vv = gpu.gqa_views(q, k, v)
+    assert qv.shape == (2, 2, 4, 3, 16) and kv.shape == vv.shape == (2, 2, 1, 5, 16)
+    assert np.shares_memory(qv, q)
+    np.testing.assert_array_equal(qv[1, 1, 2], q[1, 1 * 4 + 2])

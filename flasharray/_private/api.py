@@ -12,9 +12,19 @@ _EXTENSIONS = {"dropout_p": 0.0, "seed": None, "block_mask": None, "window": Non
 _EMULATOR_OPTIONS = ("schedule", "schedule_seed")
 
 
-def _check_options(options, backend):
+def _check_options(options, backend, forward=True):
     kernel_opts = {}
     for name, value in options.items():
+        if name == "num_splits":  # split-KV of the CUDA forward (validated by cuda_forward.plan)
+            if not forward:
+                raise TypeError("flasharray: num_splits applies to the forward only (the backward has "
+                                "no split-KV)")
+            if value is not None:
+                if backend == "cpu":
+                    raise TypeError("flasharray: option 'num_splits' only applies to backend='cuda' or "
+                                    "'emulator' (got backend='cpu'; use num_splits=None)")
+                kernel_opts[name] = value
+            continue
         if name in _EXTENSIONS:
             if value is not None and value != _EXTENSIONS[name]:
                 raise NotImplementedError(
@@ -195,6 +205,12 @@ def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, 
         kernels on the CPU emulator (NumPy arrays).
     **options
         ``schedule`` ("forward", "reverse", "random") and ``schedule_seed`` for the emulator.
+        ``num_splits`` (cuda and emulator backends; forward only): split-KV, the key range of every
+        query tile cut into this many runs processed by separate thread blocks and merged by
+        log-sum-exp (decoding, where batch × heads leave most SMs idle). ``None`` (default):
+        chosen from the GPU's SM count and the problem size; ``1``: no split; at most 256.
+        Splitting runs on the float16/bfloat16 tensor-core kernel; on float32/float64 a count
+        above 1 is a ``NotImplementedError``. The cpu backend accepts only ``None``.
 
     Returns
     -------
@@ -270,7 +286,7 @@ def _backward_entry(arrays, causal, scale, backend, deterministic, options):
     val.check_expected_shape("out", out, p.out_shape)
     val.check_lse(lse, p.kind, p.dtype, p.lse_shape)
     deterministic = val.check_flag("deterministic", deterministic)
-    opts = _check_options(options, p.backend)
+    opts = _check_options(options, p.backend, forward=False)
     p.forget_arrays()
     if p.Lq == 0 or p.Lk == 0:
         return lambda dout, q, k, v, out, lse: tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
@@ -308,6 +324,6 @@ def flash_attention_vjp(q, k, v, **options):
     def vjp(dout):
         """dq, dk, dv for the cotangent ``dout`` (shape and dtype of ``out``)."""
         return flash_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
-                                        **fwd, **rest)
+                                        **fwd, **{k_: v_ for k_, v_ in rest.items() if k_ != "num_splits"})
 
     return out, vjp

@@ -64,7 +64,8 @@ class ForwardPlan:
     pointers into prepared argument tuples — no tile choice, dim merging or source lookup.
     """
 
-    def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None):
+    def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None,
+                 num_splits=None, pack_gqa=None):
         self.launcher = launcher
         self.xp = launcher.xp()
         self.batch_shape = tuple(int(n) for n in batch_shape)
@@ -79,21 +80,66 @@ class ForwardPlan:
         self.lse_shape = self.batch_shape + (Lq,)
         self.acc = acc
         self.launches = []
+        # Decoding figures (docs, tests): query heads per block row group (GQA packing), key
+        # splits, forward-kernel blocks launched, and the SM count the split count was chosen for.
+        self.gqa_group, self.num_splits, self.blocks = 1, 1, 0
+        self.sm_count = getattr(launcher, "sm_count", None) or tiles.emulator_sm_count(launcher.arch)
+        self.workspace = None  # split-KV: shapes of the fp32 partial O and LSE
         if Lq * Dv == 0 or 0 in self.batch_shape:
             return
-        out = np.lib.stride_tricks.as_strided(np.empty(0, self.dtype), self.out_shape,
-                                              _contiguous_strides(self.out_shape, self.dtype))
-        lse = np.lib.stride_tricks.as_strided(np.empty(0, acc), self.lse_shape,
-                                              _contiguous_strides(self.lse_shape, acc))
+        out = _stand_in(self.out_shape, _contiguous_strides(self.out_shape, self.dtype), self.dtype)
+        lse = _stand_in(self.lse_shape, _contiguous_strides(self.lse_shape, acc), acc)
         tile = self.tile
-        name_expr = tile.name_expression(causal=bool(causal), aligned=_is_aligned((q, k, v)))
-        row = [L.element_strides(a)[-2] for a in (q, k, v, out)]
+        aligned = _is_aligned((q, k, v))
+        # GQA packing: the query heads sharing a K/V head become rows of one block (a re-view of
+        # q, out and lse: same memory, same pointers; only shapes and strides change).
+        batch, q_k, out_k, lse_k, rows = self.batch_shape, q, out, lse, Lq
+        packed = None if pack_gqa is False else gqa_packing(q, k, v, out, lse, self.batch_shape, causal, tile)
+        if packed is not None:
+            batch, (q_k, out_k, lse_k), self.gqa_group = packed
+            rows = q_k.shape[-2]
+            causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
+        n_blocks = -(-rows // tile.block_m)
+        self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk)
+        self.blocks = int(np.prod(batch)) * n_blocks * splits
+        name_expr = tile.name_expression(causal=bool(causal), aligned=aligned)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
-        n_blocks = -(-Lq // tile.block_m)
-        for part in L.batch_layout(self.batch_shape, [q, k, v, out, lse]):
+        if splits > 1:
+            # Partial results (*batch, splits, rows, Dv) and (*batch, splits, rows), fp32: the
+            # kernel's o / lse arguments (arrays 5 and 6 of run), merged into out / lse by
+            # flash_fwd_combine.cu.
+            self.workspace = (batch + (splits, rows, Dv), batch + (splits, rows))
+            o_ws = _stand_in(self.workspace[0], _contiguous_strides(self.workspace[0], np.float32), np.float32)
+            l_ws = _stand_in(self.workspace[1], _contiguous_strides(self.workspace[1], np.float32), np.float32)
+            self._add_forward(launcher, name_expr[:-1] + ", true>", batch, (q_k, k, v, o_ws, l_ws), (0, 1, 2, 5, 6),
+                              rows, Lk, D, Dv, scale_log2, n_blocks * splits)
+            self._add_combine(launcher, batch, (o_ws, l_ws, out_k, lse_k), rows, Dv, splits)
+        else:
+            self._add_forward(launcher, name_expr, batch, (q_k, k, v, out_k, lse_k), (0, 1, 2, 3, 4),
+                              rows, Lk, D, Dv, scale_log2, n_blocks)
+
+    def _split_count(self, num_splits, blocks, Lk):
+        """Key splits: ``num_splits`` when given, else :func:`tiles.auto_num_splits` for ``blocks``
+        (batch entries × query tiles) on this device's SMs. The SIMT kernels do not split."""
+        if self.tile.kernel != "tensor_core":
+            if num_splits not in (None, 1):
+                raise NotImplementedError(
+                    "flasharray: num_splits=%d: split-KV runs on the tensor-core forward (float16 on sm_75+, "
+                    "bfloat16 on sm_80+); this call uses the SIMT kernel (%s): use num_splits=None or 1"
+                    % (num_splits, np.dtype(self.dtype).name))
+            return 1
+        if num_splits is not None:
+            return num_splits
+        return tiles.auto_num_splits(blocks, self.sm_count, Lk, self.tile.block_n)
+
+    def _add_forward(self, launcher, name_expr, batch, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
+        tile = self.tile
+        row = [L.element_strides(a)[-2] for a in tensors[:4]]
+        for part in L.batch_layout(batch, list(tensors)):
             (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors
             gy, gz = part.grid_yz
-            args = (L.Ptr(0, qo), L.Ptr(1, ko), L.Ptr(2, vo), L.Ptr(3, oo), L.Ptr(4, lo),
+            args = (L.Ptr(keys[0], qo), L.Ptr(keys[1], ko), L.Ptr(keys[2], vo), L.Ptr(keys[3], oo),
+                    L.Ptr(keys[4], lo),
                     L.c_int(Lq), L.c_int(Lk), L.c_int(D), L.c_int(Dv), L.c_int(part.dims[2]),
                     *(L.c_longlong(s) for s in qs), L.c_longlong(row[0]),
                     *(L.c_longlong(s) for s in ks), L.c_longlong(row[1]),
@@ -101,8 +147,24 @@ class ForwardPlan:
                     *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]),
                     *(L.c_longlong(s) for s in ls),
                     scale_log2)
-            self.launches.append(L.Recorded(launcher, tile.source, name_expr, (n_blocks, gy, gz),
+            self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
                                             (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
+
+    def _add_combine(self, launcher, batch, tensors, Lq, Dv, splits):
+        name_expr = combine_name_expression(self.dtype)
+        row = [L.element_strides(a)[-2] for a in tensors[:3]]
+        for part in L.batch_layout(batch, list(tensors)):
+            (wo, ws), (wlo, wls), (oo, os_), (lo, ls) = part.tensors
+            gy, gz = part.grid_yz
+            args = (L.Ptr(5, wo), L.Ptr(6, wlo), L.Ptr(3, oo), L.Ptr(4, lo),
+                    L.c_int(Lq), L.c_int(Dv), L.c_int(splits), L.c_int(part.dims[2]),
+                    *(L.c_longlong(s) for s in ws), L.c_longlong(row[0]),
+                    *(L.c_longlong(s) for s in wls),
+                    *(L.c_longlong(s) for s in os_), L.c_longlong(row[2]),
+                    *(L.c_longlong(s) for s in ls))
+            self.launches.append(L.Recorded(launcher, COMBINE_SOURCE, name_expr,
+                                            (-(-Lq // COMBINE_ROWS), gy, gz), (COMBINE_ROWS * 32, 1, 1), args,
+                                            shared_mem=splits * COMBINE_ROWS * 4))
 
     def run(self, q, k, v, counters=None):
         """``(out, lse)`` for arrays of the planned signature."""
@@ -112,12 +174,76 @@ class ForwardPlan:
         out = xp.empty(self.out_shape, dtype=self.dtype)
         lse = xp.empty(self.lse_shape, dtype=self.acc)
         arrays = (q, k, v, out, lse)
+        if self.workspace is not None:
+            arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
         pointer = self.launcher.pointer
         for launch in self.launches:
             c = launch(pointer, arrays)
             if counters is not None and c is not None:
                 counters.append(c)
         return out, lse
+
+
+#: The split-KV combine kernel: source, and query rows per block (one warp each).
+COMBINE_SOURCE = "flash_fwd_combine.cu"
+COMBINE_ROWS = 4
+
+
+def combine_name_expression(dtype):
+    """The combine kernel's instantiation for the output dtype (float16 or bfloat16)."""
+    return "flash::flash_fwd_combine_kernel<%s, %d>" % (tiles._CTYPE[tiles.dtype_name(dtype)], COMBINE_ROWS)
+
+
+def _stand_in(shape, strides, dtype):
+    """An array with ``shape`` and byte ``strides`` and no memory: what planning needs of a tensor."""
+    return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(strides))
+
+
+def _merged_row_stride(dims):
+    """The element stride of dims [(size, stride), ...] (outer first) walked as one, or None when
+    they do not nest (stride_i = size_{i+1} · stride_{i+1})."""
+    for (_, s_outer), (n_inner, s_inner) in zip(dims, dims[1:]):
+        if s_outer != n_inner * s_inner:
+            return None
+    return dims[-1][1]
+
+
+def gqa_packing(q, k, v, out, lse, batch_shape, causal, tile):
+    """GQA packing: ``(batch, (q, out, lse), G)`` with the query heads that share a K/V head
+    stacked as rows, or None where packing does not apply.
+
+    The group dims are the batch dims along which k and v broadcast (size 1) and q does not; they
+    must be the trailing batch dims (q ``(B, Hkv, G, Lq, D)`` against k, v ``(B, Hkv, 1, Lk, D)``,
+    MQA ``(B, H, Lq, D)`` against ``(B, 1, Lk, D)``), so that out and lse (contiguous) walk them
+    as rows; q's group dims and its rows must nest into one row stride (any strides otherwise:
+    BSHD views pack when Lq = 1). The packed problem has ``G·Lq`` rows, row ``g·Lq + i`` being
+    query ``i`` of head ``g``. Applies to Lq = 1 (causal or not: the one query sees every key) and
+    to Lq > 1 without the causal mask and with Lq < Br (a causal row would need its mask at
+    position ``row mod Lq``, which the kernel does not do; with Lq >= Br the query tiles of a
+    head are full and packing saves little).
+    """
+    n = len(batch_shape)
+    Lq = q.shape[-2]
+    group = [i for i in range(n) if batch_shape[i] > 1 and k.shape[i] == 1 and v.shape[i] == 1]
+    if not group or (Lq > 1 and (causal or Lq >= tile.block_m)):
+        return None
+    if any(batch_shape[i] > 1 for i in range(group[0], n) if i not in group):
+        return None  # a non-group dim inside the group: out / lse rows would not nest
+    packed = []
+    for a, nrow in ((q, 2), (out, 2), (lse, 1)):
+        st = L.element_strides(a)
+        dims = [(a.shape[i], st[i]) for i in group] + ([(Lq, st[-nrow])] if Lq > 1 else [])
+        row = _merged_row_stride(dims)
+        if row is None:
+            return None
+        shape = [1 if i in group else a.shape[i] for i in range(n)] + [int(np.prod([d for d, _ in dims]))]
+        strides = [0 if i in group else a.strides[i] for i in range(n)] + [row * a.itemsize]
+        if nrow == 2:
+            shape.append(a.shape[-1])
+            strides.append(a.strides[-1])
+        packed.append(_stand_in(shape, strides, a.dtype))
+    batch = tuple(1 if i in group else batch_shape[i] for i in range(n))
+    return batch, tuple(packed), int(np.prod([batch_shape[i] for i in group]))
 
 
 def _contiguous_strides(shape, dtype):
@@ -158,16 +284,33 @@ def cached(cache, key, make):
 
 
 def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None, block_m=None,
-         schedule="forward", seed=0):
+         schedule="forward", seed=0, num_splits=None, pack_gqa=None):
     """The cached :class:`ForwardPlan` for this signature (made on first use)."""
+    if num_splits is not None:
+        num_splits = check_num_splits(num_splits)
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
-    key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m))
+    key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
+                                num_splits, pack_gqa))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
-                                                   launcher=launcher, kernel=kernel, block_m=block_m))
+                                                   launcher=launcher, kernel=kernel, block_m=block_m,
+                                                   num_splits=num_splits, pack_gqa=pack_gqa))
+
+
+def check_num_splits(num_splits):
+    """``num_splits``: None (automatic) or an int in [1, ``tiles.MAX_FORCED_SPLITS``]."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError("flasharray: num_splits must be None or an int >= 1, got %r (%s)"
+                        % (num_splits, type(num_splits).__name__))
+    if not 1 <= num_splits <= tiles.MAX_FORCED_SPLITS:
+        raise ValueError("flasharray: num_splits must be None or in [1, %d], got %d"
+                         % (tiles.MAX_FORCED_SPLITS, num_splits))
+    return int(num_splits)
 
 
 def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kernel=None, arch=None,
-            block_m=None, schedule="forward", seed=0, **opts):
+            block_m=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, **opts):
     """FlashAttention forward on the CUDA kernels.
 
     Parameters
@@ -192,6 +335,15 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         Use an IO-oriented tensor-core tile (benchmarks/io.py), fp16/bf16 only.
     schedule, seed
         Emulator only: fiber schedule ("forward", "reverse", "random") and its seed.
+    num_splits : None or int >= 1
+        Split-KV (tensor-core kernel): the key range of every query tile is cut into this many
+        runs, each run by its own block writing fp32 partial results that a second kernel
+        merges. None: ``tiles.auto_num_splits`` from the device's SM count (CuPy's
+        ``MultiProcessorCount``; the emulator pretends ``tiles.EMULATOR_SM_COUNT``) and the
+        problem size; 1: the dense kernel alone. The SIMT kernels (fp32, fp64, bf16 on sm_75)
+        do not split: a count > 1 there raises NotImplementedError.
+    pack_gqa : None or False
+        GQA packing (:func:`gqa_packing`) where it applies (None), or never (False: tests).
 
     Returns
     -------
@@ -204,7 +356,7 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
     if opts:
         raise TypeError("flasharray: unexpected option(s) for the CUDA forward: %s" % ", ".join(sorted(opts)))
     p = plan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape, device=device, kernel=kernel,
-             arch=arch, block_m=block_m, schedule=schedule, seed=seed)
+             arch=arch, block_m=block_m, schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa)
     return p.run(q, k, v, counters)
 
 

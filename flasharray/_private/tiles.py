@@ -256,6 +256,9 @@ MAX_SPLITS = 128
 MAX_FORCED_SPLITS = 256
 #: Below this fraction of the SMs busy, splitting is considered.
 SPLIT_OCCUPANCY = 0.8
+#: Fewest keys per split the automatic count allows: a shorter run saves less time than its fp32
+#: partial results and the combine launch cost (FlashAttention-2 counts 128-256-key blocks).
+MIN_KEYS_PER_SPLIT = 256
 #: The smallest split count whose wave efficiency is within this fraction of the best one wins.
 SPLIT_EFFICIENCY = 0.85
 
@@ -297,3 +300,11 @@ def num_splits_heuristic(blocks, sm_count, n_key_tiles, max_splits=MAX_SPLITS):
         rated.append((s, wave_efficiency(blocks * s, sm_count)))
     best = max(e for _, e in rated)
     return next(s for s, e in rated if e >= SPLIT_EFFICIENCY * best)
+
+
+def auto_num_splits(blocks, sm_count, Lk, block_n):
+    """The automatic split count of a forward: :func:`num_splits_heuristic` over the ceil(Lk / Bc)
+    key tiles, at most ceil(Lk / ``MIN_KEYS_PER_SPLIT``) splits (so no split runs fewer than
+    256 keys; Lk <= 256 never splits) and at most ``MAX_SPLITS``."""
+    cap = min(MAX_SPLITS, -(-int(Lk) // MIN_KEYS_PER_SPLIT))
+    return num_splits_heuristic(blocks, sm_count, -(-int(Lk) // int(block_n)), max_splits=cap)
