@@ -522,9 +522,30 @@ def run_decode(impls, make_tensors, check, clock, xp, shapes=DECODE_SHAPES, D=DE
     return rows
 
 
+def stand_ins(B, Hq, Hkv, Lq, Lk, D, dtype):
+    """Arrays of the decode shapes without memory (planning needs shapes, strides and alignment)."""
+    def one(shape):
+        st = np.cumprod((1,) + tuple(reversed(shape[1:])))[::-1] * np.dtype(dtype).itemsize
+        return np.lib.stride_tricks.as_strided(np.empty(0, dtype), shape, tuple(int(x) for x in st))
+    return one((B, Hq, Lq, D)), one((B, Hkv, Lk, D)), one((B, Hkv, Lk, D))
+
+
+def print_decode_plans(arch=90):
+    """flasharray's launch for the GPU decode shapes on ``arch`` with the emulator's SM count for it
+    (planning only: nothing is allocated, compiled or run)."""
+    from flasharray._private import tiles
+    print("flasharray's launches for the decode shapes on sm_%d (%d SMs), planning only:"
+          % (arch, tiles.emulator_sm_count(arch)))
+    for B, Hq, Hkv, Lq, Lk, causal in DECODE_SHAPES:
+        tensors = stand_ins(B, Hq, Hkv, Lq, Lk, DECODE_D, DTYPES[DECODE_DTYPE])
+        print("  B %-3d H_q %-3d H_kv %-3d Lq %-6d Lk %-6d %-7s %s" % (
+            B, Hq, Hkv, Lq, Lk, "causal" if causal else "", decode_launch(tensors, causal, "emulator", arch=arch)))
+
+
 def main_decode(emulator):
     """``--decode``: the inference table on the GPU, or its scaled-down shapes on the emulator."""
     if emulator:
+        print_decode_plans()
         rows = run_decode({"flasharray": DECODE_IMPLS["flasharray"]}, decode_tensors, check_decode,
                           gpu_timing.PerfClock(), np, shapes=DECODE_SHAPES_EMULATOR, D=DECODE_D_EMULATOR,
                           device="emulator")
