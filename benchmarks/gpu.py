@@ -533,13 +533,15 @@ def stand_ins(B, Hq, Hkv, Lq, Lk, D, dtype):
 def print_decode_plans(arch=90):
     """flasharray's launch for the GPU decode shapes on ``arch`` with the emulator's SM count for it
     (planning only: nothing is allocated, compiled or run)."""
-    from flasharray._private import tiles
+    from flasharray._private import launch, tiles
     print("flasharray's launches for the decode shapes on sm_%d (%d SMs), planning only:"
           % (arch, tiles.emulator_sm_count(arch)))
-    for B, Hq, Hkv, Lq, Lk, causal in DECODE_SHAPES:
-        tensors = stand_ins(B, Hq, Hkv, Lq, Lk, DECODE_D, DTYPES[DECODE_DTYPE])
-        print("  B %-3d H_q %-3d H_kv %-3d Lq %-6d Lk %-6d %-7s %s" % (
-            B, Hq, Hkv, Lq, Lk, "causal" if causal else "", decode_launch(tensors, causal, "emulator", arch=arch)))
+    with launch.null_launches():  # plans without compiling anything
+        for B, Hq, Hkv, Lq, Lk, causal in DECODE_SHAPES:
+            tensors = stand_ins(B, Hq, Hkv, Lq, Lk, DECODE_D, DTYPES[DECODE_DTYPE])
+            print("  B %-3d H_q %-3d H_kv %-3d Lq %-6d Lk %-6d %-7s %s" % (
+                B, Hq, Hkv, Lq, Lk, "causal" if causal else "",
+                decode_launch(tensors, causal, "emulator", arch=arch)))
 
 
 def main_decode(emulator):
