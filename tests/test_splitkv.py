@@ -87,6 +87,29 @@ def test_split_awkward_sizes_dv_and_layout():
         check(q, k, v, False, num_splits=n)
 
 
+@pytest.mark.parametrize("limit", [None, 3])
+def test_split_many_batch_dims_and_host_loops(monkeypatch, limit):
+    """Five batch dims that do not all merge (host loops over the outer ones), broadcasting, and
+    with the grid cap shrunk (chunked launches): every launch finds its slab of the workspace."""
+    from flasharray._private import launch
+    if limit is not None:
+        monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, 3, 2, 2, 2, 1, 32)).astype(np.float16)
+    k = rng.standard_normal((2, 1, 2, 1, 2, 300, 32)).astype(np.float16)
+    v = rng.standard_normal((1, 3, 2, 1, 2, 300, 32)).astype(np.float16)
+    c = []
+    check(q, k, v, False, counters=c, num_splits=3)
+    assert len(c) > 2
+
+
+def test_io_tiles_split_only_when_forced():
+    q, k, v = qkv(np.float16, (1, 1, 1, 64), (1, 1, 2000, 64))
+    assert the_plan(q, k, v, False, block_m=384).num_splits == 1
+    assert the_plan(q, k, v, False).num_splits > 1
+    check(q, k, v, True, block_m=384, num_splits=2)
+
+
 def test_rows_without_keys_stay_nan_free():
     """Causal Lq > Lk: the first Lq − Lk rows see no key in any split (out 0, lse −inf); the other
     rows see no key in the later splits (weight 0 in the combine)."""

@@ -100,7 +100,7 @@ class ForwardPlan:
             rows = q_k.shape[-2]
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
         n_blocks = -(-rows // tile.block_m)
-        self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk)
+        self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
         name_expr = tile.name_expression(causal=bool(causal), aligned=aligned)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
@@ -118,9 +118,10 @@ class ForwardPlan:
             self._add_forward(launcher, name_expr, batch, (q_k, k, v, out_k, lse_k), (0, 1, 2, 3, 4),
                               rows, Lk, D, Dv, scale_log2, n_blocks)
 
-    def _split_count(self, num_splits, blocks, Lk):
+    def _split_count(self, num_splits, blocks, Lk, block_m=None):
         """Key splits: ``num_splits`` when given, else :func:`tiles.auto_num_splits` for ``blocks``
-        (batch entries × query tiles) on this device's SMs. The SIMT kernels do not split."""
+        (batch entries × query tiles) on this device's SMs (the IO tiles, ``block_m``, are for the
+        dense algorithm's traffic: one split unless forced). The SIMT kernels do not split."""
         if self.tile.kernel != "tensor_core":
             if num_splits not in (None, 1):
                 raise NotImplementedError(
@@ -130,6 +131,8 @@ class ForwardPlan:
             return 1
         if num_splits is not None:
             return num_splits
+        if block_m is not None:
+            return 1
         return tiles.auto_num_splits(blocks, self.sm_count, Lk, self.tile.block_n)
 
     def _add_forward(self, launcher, name_expr, batch, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
