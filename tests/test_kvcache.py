@@ -12,7 +12,7 @@ import pytest
 import flasharray as fa
 from flasharray import reference
 from flasharray.testing import assert_attention_close
-from flasharray._private import kvcache
+from flasharray._private import kvcache, validation
 from flasharray._private.dtypes import bfloat16
 from conftest import DTYPES, DTYPE_IDS, requires_gpu
 
@@ -357,6 +357,64 @@ def test_kernel_backends_contiguous_cache(backend, dtype, heads, causal, scenari
     Lq, L_new, seqlens = scenario
     case = Case(dtype, Lq, L_new, seqlens, heads=heads, seed=11)
     run_and_check(case, causal, backend)
+
+
+def _numpy_backed_cupy(monkeypatch, copies):
+    """A CuPy stand-in whose arrays are NumPy arrays of a subclass named ``cupy.ndarray`` (which the
+    array-kind check is told to take for CuPy), with the few functions the kvcache glue calls;
+    ``copies`` records each device→host transfer."""
+    import sys
+    import types
+    nd = type("ndarray", (np.ndarray,), {"__module__": "cupy",
+                                         "get": lambda self: copies.append(self.shape) or np.array(self)})
+    dev = lambda x: np.asarray(x).view(nd)        # noqa: E731
+    fake = types.ModuleType("cupy")
+    fake.ndarray, fake.int64 = nd, np.int64
+    for name in ("arange", "empty", "concatenate", "take_along_axis", "swapaxes"):
+        setattr(fake, name, lambda *a, _f=getattr(np, name), **kw: dev(_f(*a, **kw)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    numpy_or_cupy = validation.array_kind    # a NumPy subclass would count as NumPy: tell it apart
+    monkeypatch.setattr(validation, "array_kind", lambda x: "cupy" if type(x) is nd else numpy_or_cupy(x))
+
+    def forward(q, k, v, *, backend, **kw):          # the cpu backend stands in for the kernels
+        assert backend == "cuda" and all(type(x) is nd for x in (q, k, v))
+        return tuple(map(dev, fa.flash_attention_forward(*map(np.asarray, (q, k, v)), backend="cpu", **kw)))
+
+    monkeypatch.setattr(kvcache, "flash_attention_forward", forward)
+    return dev
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cupy_glue_without_a_gpu(monkeypatch, paged):
+    """The CuPy-only steps — one device→host copy of cache_seqlens (and block_table), the write by
+    device-side indexing, the output assembly, the paged refusal before any copy or write — against a
+    NumPy-backed CuPy stand-in; the forward itself is the cpu backend's."""
+    copies = []
+    dev = _numpy_backed_cupy(monkeypatch, copies)
+    case = Case(np.float32, 2, 3, (4, 0, 20), heads="gqa", paged=paged)
+    before = case.snapshot()
+    args = [dev(x) for x in case.args()] + [{n: dev(x) for n, x in case.kwargs().items() if x is not None}]
+    if paged:
+        with pytest.raises(NotImplementedError, match="backend='cuda'"):
+            fa.flash_attention_with_kvcache(*args[:4], **args[4])
+        assert copies == [] and _same_bytes(case.k_cache, before["k_cache"])
+        # Once the kernel reads pages, replacing the two hook functions is all it takes.
+        seen = []
+        monkeypatch.setattr(kvcache, "_paged_kernel_support", lambda backend: None)
+        monkeypatch.setattr(kvcache, "_paged_kernel_forward",
+                            lambda c, lengths, table: seen.append((list(lengths), table.tolist())) or (None, None))
+        fa.flash_attention_with_kvcache(*args[:4], **args[4])
+        assert copies == [(3 + case.block_table.size,)]       # seqlens and table in one transfer
+        assert seen == [([7, 3, 23], case.block_table.tolist())]
+        assert _same_bytes(case.k_cache, case.expected_caches(before)[0])
+        return
+    out = fa.flash_attention_with_kvcache(*args[:4], **args[4])
+    assert type(out).__module__ == "cupy" and copies == [(3,)]
+    k_want, _ = case.expected_caches(before)
+    assert _same_bytes(case.k_cache, k_want)                 # written in place through the views
+    case.k_cache[...], case.v_cache[...] = before["k_cache"], before["v_cache"]
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.asarray(out), _call(case, True, "cpu")[0])
 
 
 # -- bigger problems ------------------------------------------------------------------------------
