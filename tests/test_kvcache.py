@@ -355,7 +355,7 @@ EMU_SCENARIOS = [(1, 1, (5, 0, 33)), (3, 2, (0, 17, 2)), (2, 0, (1, 9, 0))]
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_kernel_backends_contiguous_cache(backend, dtype, heads, causal, scenario):
     Lq, L_new, seqlens = scenario
-    case = Case(dtype, Lq, L_new, seqlens, heads=heads, seed=11)
+    case = Case(dtype, Lq, L_new, seqlens, heads=heads, D=40, seed=11)   # D, Dv as test_backends_api
     run_and_check(case, causal, backend)
 
 
