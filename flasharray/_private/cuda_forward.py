@@ -237,7 +237,7 @@ def gqa_packing(q, k, v, out, lse, batch_shape, causal, tile):
         st = L.element_strides(a)
         dims = [(a.shape[i], st[i]) for i in group] + ([(Lq, st[-nrow])] if Lq > 1 else [])
         row = _merged_row_stride(dims)
-        if row is None:
+        if row is None or (nrow == 1 and row != 1):  # the kernels read lse rows at stride 1
             return None
         shape = [1 if i in group else a.shape[i] for i in range(n)] + [int(np.prod([d for d, _ in dims]))]
         strides = [0 if i in group else a.strides[i] for i in range(n)] + [row * a.itemsize]
