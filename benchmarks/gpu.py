@@ -433,19 +433,27 @@ def _make_flasharray_decode(tensors, causal, device):
 
 
 def _make_torch_flash_decode(tensors, causal, device):
-    """PyTorch SDPA's flash backend with ``enable_gqa`` (no K/V copies), or None without PyTorch."""
+    """PyTorch SDPA's flash backend with ``enable_gqa`` (no K/V copies), or None without PyTorch.
+    A PyTorch whose flash backend refuses ``enable_gqa`` gets K/V repeated per query head once, in
+    the untimed first call (then every query head reads its own copy, as unpacked GQA does)."""
     torch = _torch()
     if torch is None or device != "cuda":
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k, v = (to_torch(x) for x in tensors)
-    gqa = q.shape[1] != k.shape[1]
+    G = q.shape[1] // k.shape[1]
+    state = {"gqa": G > 1, "kv": (k, v)}
 
     def attend():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            if gqa:
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if state["gqa"]:
+                try:
+                    return sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+                except (RuntimeError, TypeError):
+                    state["gqa"] = False
+                    state["kv"] = (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
+            return sdpa(q, *state["kv"], is_causal=causal)
     return attend
 
 
