@@ -259,6 +259,28 @@ def test_untouched_block_table_entries_are_ignored():
     run_and_check(case, True, "cpu")
 
 
+@pytest.mark.parametrize("heads,Lq,causal,packed", [
+    ("gqa", 1, True, True), ("gqa", 3, False, True), ("mqa", 1, True, True), ("gqa", 3, True, False),
+    ("mha", 1, True, False)])
+def test_query_heads_sharing_a_kv_head_are_packed_as_rows(monkeypatch, heads, Lq, causal, packed):
+    """GQA packing: for decoding (Lq = 1) or without a mask, the G query heads of a KV head go to the
+    forward as G·Lq rows of one problem against the unexpanded cache (K/V read once per KV head)."""
+    shapes = []
+
+    def spy(q, k, v, **kw):
+        shapes.append((q.shape, k.shape, kw["causal"]))
+        return fa.flash_attention_forward(q, k, v, **kw)
+
+    monkeypatch.setattr(kvcache, "flash_attention_forward", spy)
+    case = Case(np.float32, Lq, 1, (4, 4, 4), heads=heads)
+    run_and_check(case, causal, "cpu")
+    (q_shape, k_shape, masked), = shapes
+    H_kv, G, H = HEADS[heads]
+    group = G or (H if H_kv == 1 else 1)
+    assert q_shape[-2] == (group * Lq if packed else Lq) and k_shape[-2] == 5
+    assert masked == (causal and not packed)
+
+
 # -- refused calls: a clear error and nothing written --------------------------------------------
 
 def _set(name, value):

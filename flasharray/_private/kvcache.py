@@ -20,6 +20,8 @@ Attention per backend:
   buffer), each chunk's attention (causal mask aligned to the entry's full key range) merged into
   the running result by the log-sum-exp rule (:func:`merge_attention`); the cache is never
   gathered whole;
+* GQA packing, every path: for decoding (Lq = 1) or without a mask, the query heads sharing a KV
+  head are stacked as rows of one problem (:func:`_packable`), so K/V are read once per KV head;
 * paged cache, ``cuda``/``emulator``: needs the page-table indirection inside the forward kernel
   (split-KV work, not here yet): :func:`_paged_kernel_forward` is that hook and raises
   ``NotImplementedError`` (``docs/kvcache.md`` says what the kernel needs).
@@ -229,10 +231,27 @@ def _attend_contiguous(c, lengths):
 
 def _forward_on_view(c, entries, n):
     """Attention of q[entries] over the first n keys of cache entries ``entries`` (views)."""
-    k = _as_keys(c, c.k_cache[entries, :, :n])
-    v = _as_keys(c, c.v_cache[entries, :, :n])
-    return flash_attention_forward(c.q[entries], k, v, causal=c.causal, scale=c.scale,
-                                   backend=c.backend)
+    q, k, v = c.q[entries], c.k_cache[entries, :, :n], c.v_cache[entries, :, :n]
+    packed = _packable(c)
+    out, lse = flash_attention_forward(_pack(q) if packed else q, _as_keys(c, k), _as_keys(c, v),
+                                       causal=c.causal and not packed, scale=c.scale, backend=c.backend)
+    batch = (out.shape[0],) + c.batch_shape[1:]
+    return out.reshape(batch + (c.Lq, c.Dv)), lse.reshape(batch + (c.Lq,))
+
+
+def _packable(c):
+    """GQA packing applies: the query heads that share a KV head (G of a 5-dim q; H of a 4-dim q
+    against H_kv = 1) can be stacked as the rows of one problem, so that K and V are read once per
+    KV head instead of once per query head. Every row of a head must see the same keys: no causal
+    mask, or Lq = 1 (where it hides nothing); the packed problem is computed without a mask."""
+    if c.causal and c.Lq > 1:
+        return False
+    return c.q.shape[-3] > 1 and (c.gqa or c.H_kv == 1)
+
+
+def _pack(q):
+    """(…, G, Lq, D) → (…, 1, G·Lq, D): the group's queries as rows (a view when q allows it)."""
+    return q.reshape(q.shape[:-3] + (1, q.shape[-3] * q.shape[-2], q.shape[-1]))
 
 
 def _chunk_attention(q, k, v, a, e, n, causal, scale):
@@ -256,19 +275,28 @@ def _attend_paged_cpu(c, lengths, table):
     in the accumulation dtype (as the cpu backend computes float16/bfloat16), rounded once."""
     acc = accumulation_dtype(c.dtype)
     out, lse = _outputs(c, np, acc)
-    ps = c.page_size
-    chunk = ps * max(1, STAGE_ROWS // ps)
+    packed = _packable(c)
     for b, n in enumerate(int(x) for x in lengths):
         q = c.q[b].astype(acc, copy=False)
-        out[b], lse[b] = 0, -np.inf                    # no visible key: out = 0, lse = -inf
-        for a in range(0, n, chunk):
-            e = min(a + chunk, n)
-            pages = table[b, a // ps:-(-e // ps)]
-            k = _as_keys(c, _stage(c.k_cache, pages, e - a, acc))
-            v = _as_keys(c, _stage(c.v_cache, pages, e - a, acc))
-            o, s = _chunk_attention(q, k, v, a, e, n, c.causal, c.scale)
-            out[b], lse[b] = (o, s) if a == 0 else merge_attention([out[b], o], [lse[b], s])
+        o, s = _paged_entry(c, _pack(q) if packed else q, table[b], n, c.causal and not packed, acc)
+        out[b], lse[b] = (0, -np.inf) if o is None else (o.reshape(out.shape[1:]), s.reshape(lse.shape[1:]))
     return out.astype(c.dtype), lse
+
+
+def _paged_entry(c, q, pages_b, n, causal, acc):
+    """(out, lse) of one entry's queries over its n keys, read through its row of the block table;
+    (None, None) when n = 0 (no visible key: the caller writes out = 0, lse = -inf)."""
+    ps = c.page_size
+    chunk = ps * max(1, STAGE_ROWS // ps)
+    out = lse = None
+    for a in range(0, n, chunk):
+        e = min(a + chunk, n)
+        pages = pages_b[a // ps:-(-e // ps)]
+        k = _as_keys(c, _stage(c.k_cache, pages, e - a, acc))
+        v = _as_keys(c, _stage(c.v_cache, pages, e - a, acc))
+        o, s = _chunk_attention(q, k, v, a, e, n, causal, c.scale)
+        out, lse = (o, s) if lse is None else merge_attention([out, o], [lse, s])
+    return out, lse
 
 
 def _stage(cache, pages, rows, acc):
