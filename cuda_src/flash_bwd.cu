@@ -18,8 +18,10 @@
 //   flash_bwd_dkv_kernel: one block per (key block j, K/V batch entry); K_j, V_j stay in shared
 //     memory while the block walks the query blocks (and the query batch entries of the
 //     MQA/GQA group). dK_j, dV_j accumulate in registers, split over the warps as
-//     (Bc / 16 row tiles) x kSplit column slices. kAtomicDQ: dQ_i += dS K_j * scale with
-//     float atomics into the AccT accumulator.
+//     (Bc / 16 row tiles) x kSplit column slices. kAtomicDQ: dQ_i += dS K_j with float atomics
+//     into the padded, fragment-ordered accumulator (DQAccumLayout, flash_bwd_common.cuh; the
+//     conversion pass applies the scale). Epilogues (both kernels) go through shared memory:
+//     16-byte row stores of dK, dV (dQ) when rows are aligned.
 //   flash_bwd_dq_kernel (deterministic dQ): one block per (query block i, batch), walking the key
 //     blocks and recomputing S, P, dP, dS; dQ_i in registers; no atomics.
 #include "flash_bwd_mma.cuh"  // tile copies, warp_mma, fragment layouts
@@ -148,33 +150,31 @@ __device__ __forceinline__ void warp_tile(int warp, int it, int& tm, int& tn) {
     }
 }
 
-// Atomic mode: dQ_i += dS K_j * scale into the float accumulator dqa_i (rows r0 ..), 16 x kDQCols
-// tiles spread over the warps; A = dS (Br x Bc) read from dS^T (stored Bc x Br) with ldmatrix.trans.
+// Atomic mode: dQ_i += dS K_j into the float accumulator of query block i (DQAccumLayout,
+// flash_bwd_common.cuh: no bounds test per atomic, each warp-wide RED 128 contiguous bytes), 16 x
+// kDQCols tiles dealt round-robin to the warps; A = dS (Br x Bc) read from dS^T (stored Bc x Br)
+// with ldmatrix.trans. Unscaled: the conversion pass applies the scale once.
 template <typename T, class L, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
-__device__ __forceinline__ void atomic_dq(float* dqa_i, long long dqa_row, const T* dSt_s, const T* K_s,
-                                          float scale, int n_rows, int D) {
-    constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;  // tile width
-    constexpr int kColTiles = kHeadDim / kDQCols;
-    constexpr int kDQTiles = (kBlockM / 16) * kColTiles;
-    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+__device__ __forceinline__ void atomic_dq(float* dqa_i, const T* dSt_s, const T* K_s) {
+    using A = DQAccumLayout<kHeadDim>;
+    constexpr int kDQCols = A::kDQCols;
+    constexpr int kDQTiles = (kBlockM / 16) * A::kColTiles;
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    // Tile warp + it * kNWarps of the block: one per-lane address, then constant offsets.
+    float* dst = dqa_i + warp * A::kTileFloats + lane;
 #pragma unroll
     for (int it = 0; it < ceil_div_c(kDQTiles, kNWarps); ++it) {
         if (kDQTiles % kNWarps != 0 && warp + it * kNWarps >= kDQTiles) break;
         int tm, tn;
-        warp_tile<kNWarps, kColTiles>(warp, it, tm, tn);
+        warp_tile<kNWarps, A::kColTiles>(warp, it, tm, tn);
         float dq[kDQCols / 8][4];
         zero_acc(dq);
         warp_mma<T, kBlockN, kDQCols, true, true>(dq, dSt_s + tm * 16, L::kPitchS, K_s + tn * kDQCols, L::kPitchD);
-        // This lane's rows r, r + 8 and columns d + n * 8 + {0, 1}: one address, then constant offsets.
-        const int r = tm * 16 + g, d = tn * kDQCols + 2 * t;
-        float* dst = dqa_i + (long long)r * dqa_row + d;
-        const long long down8 = 8 * dqa_row;
 #pragma unroll
         for (int n = 0; n < kDQCols / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (r + (e / 2) * 8 < n_rows && d + n * 8 + e % 2 < D)
-                    fa::atomic_add(dst + (e / 2) * down8 + n * 8 + e % 2, dq[n][e] * scale);
+                fa::atomic_add(dst + it * kNWarps * A::kTileFloats + (n * 4 + e) * 32, dq[n][e]);
     }
 }
 
@@ -193,7 +193,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const T* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_g, long long do_row,
     const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
     const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
-    float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g, long long dqa_row,
+    float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
+    long long dqa_row /* = kHeadDim (DQAccumLayout); unused */,
     OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale) {
@@ -248,9 +249,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const int Tr = (Lq + kBlockM - 1) / kBlockM;
     const int blocks_per_entry = Tr > i_begin ? Tr - i_begin : 0;
     const int n_visits = blocks_per_entry * n_group;
-    // Start the copies of visit `visit`'s Q_i, dO_i into buffer `buf` (cp.async, or loads).
-    auto load_query_block = [&](int visit, int buf) {
-        const int grp = visit / blocks_per_entry, r0 = (i_begin + visit % blocks_per_entry) * kBlockM;
+    // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads).
+    auto load_query_block = [&](int grp, int i, int buf) {
+        const int r0 = i * kBlockM;
         load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
             Q_buf + buf * L::kQStage,
             q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
-    if (kStages == 2 && n_visits > 0) load_query_block(0, 0);
+    if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);
     fa::cp_async_commit();
 
     float dK_acc[kColsK / 8][4];  // dK_j rows 16 wm.., columns kColsK wn..
@@ -273,8 +274,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     zero_acc(dK_acc);
     zero_acc(dV_acc);
 
+    // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
+    int grp = 0, i = i_begin;
     for (int visit = 0; visit < n_visits; ++visit) {
-        const int grp = visit / blocks_per_entry, r0 = (i_begin + visit % blocks_per_entry) * kBlockM;
+        const int r0 = i * kBlockM;
+        const bool wrap = i + 1 == Tr;
+        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
         const int buf = kStages == 2 ? visit % 2 : 0;
         const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
         const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
@@ -282,8 +287,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         // refilled), P^T_s, dS^T_s, L_i and D_i.
         __syncthreads();
         const bool prefetch = kStages == 2 && visit + 1 < n_visits;
-        if (kStages == 1) load_query_block(visit, 0);
-        if (prefetch) load_query_block(visit + 1, buf ^ 1);  // overlaps this visit's math
+        if (kStages == 1) load_query_block(grp, i, 0);
+        if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's math
         fa::cp_async_commit();
         load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
@@ -303,13 +308,19 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             uint32_t P_a[kBlockM / 16][4], dS_a[kBlockM / 16][4];
             dkv_scores<T, L, kBlockM, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
                                                           wm, 0, scale_log2, mask, r0, c0);
-            warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
-            warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
                 // Barrier: dS^T complete before warps read its columns for dQ.
                 __syncthreads();
+                // dQ first: dV's and dK's dO_i / Q_i fragments are then loaded after the barrier,
+                // not held across the dQ product (ptxas overlaps products across the barrier,
+                // past the 255-register cap at D = 64).
+                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
+                    dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * kHeadDim,
+                    dSt_s, K_s);
             }
+            warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
+            warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
         } else {
             // -- S^T, dP^T in 16 x kW strips spread over the warps; P^T, dS^T to shared memory.
 #pragma unroll
@@ -333,24 +344,44 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             if (own_dK)
                 warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            Q_s + wn * kColsK, L::kPitchD);
+            // -- atomic mode: dQ_i += dS K_j into the float accumulator.
+            if (kAtomicDQ)
+                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
+                    dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * kHeadDim,
+                    dSt_s, K_s);
         }
-        // -- atomic mode: dQ_i += dS K_j * scale into the float accumulator.
-        if (kAtomicDQ)
-            atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
-                dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * dqa_row,
-                dqa_row, dSt_s, K_s, scale, Lq - r0, D);
+        i = i_n, grp = grp_n;
     }
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
     // -- epilogue: dK_j * scale and dV_j (rows < Lk, columns < D / Dv).
-    const int c_w = c0 + wm * 16;  // first key of this warp's row tile
-    if (own_dK)
-        store_acc<OutT>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row + wn * kColsK,
-                        dk_row, dK_acc, scale, Lk - c_w, D - wn * kColsK);
-    if (own_dV)
-        store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row + wn * kColsV,
-                        dv_row, dV_acc, 1.0f, Lk - c_w, Dv - wn * kColsV);
+    if constexpr (kVecLoad && sizeof(OutT) == 2) {
+        // Through shared memory: K_s and V_s (Bc x D, Bc x Dv at the same pitches) take the rounded
+        // tiles, then every thread stores 16-byte chunks of whole rows (coalesced). dK, dV are
+        // the driver's contiguous, aligned buffers; kVecLoad implies D, Dv % 8 == 0.
+        OutT* dK_s = reinterpret_cast<OutT*>(K_s);
+        OutT* dV_s = reinterpret_cast<OutT*>(V_s);
+        // Barrier: every warp is done reading K_j, V_j (the last visit's products).
+        __syncthreads();
+        if (own_dK) stage_acc<OutT>(dK_s + wm * 16 * L::kPitchD + wn * kColsK, L::kPitchD, dK_acc, scale);
+        if (own_dV) stage_acc<OutT>(dV_s + wm * 16 * L::kPitchDv + wn * kColsV, L::kPitchDv, dV_acc, 1.0f);
+        // Barrier: the staged tiles are complete before threads read whole rows of them.
+        __syncthreads();
+        store_tile_vec<OutT, kBlockN, kHeadDim, L::kPitchD, kNThreads>(
+            dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c0 * dk_row, dk_row, dK_s, Lk - c0, D);
+        store_tile_vec<OutT, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(
+            dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c0 * dv_row, dv_row, dV_s, Lk - c0, Dv);
+    } else {
+        // Element stores in the C layout (unaligned rows, or AccT partial sums).
+        const int c_w = c0 + wm * 16;  // first key of this warp's row tile
+        if (own_dK)
+            store_acc<OutT>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row + wn * kColsK,
+                            dk_row, dK_acc, scale, Lk - c_w, D - wn * kColsK);
+        if (own_dV)
+            store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row + wn * kColsV,
+                            dv_row, dV_acc, 1.0f, Lk - c_w, Dv - wn * kColsV);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -486,8 +517,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no key block was visited
 
     // -- epilogue: dQ_i * scale (rows < Lq, columns < D); a row that sees no key writes zeros.
-    const int r_w = r0 + wm * 16;
-    if (own_dQ)
-        store_acc<OutT>(dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r_w * dq_row + wn * kColsQ,
-                        dq_row, dQ_acc, scale, Lq - r_w, D - wn * kColsQ);
+    if constexpr (kVecLoad && sizeof(OutT) == 2) {
+        // Through shared memory (Q_s: Br x D at the same pitch), then 16-byte chunks of whole rows.
+        OutT* dQ_s = reinterpret_cast<OutT*>(Q_s);
+        // Barrier: every warp is done reading Q_i (the last key block's products).
+        __syncthreads();
+        if (own_dQ) stage_acc<OutT>(dQ_s + wm * 16 * L::kPitchD + wn * kColsQ, L::kPitchD, dQ_acc, scale);
+        // Barrier: the staged tile is complete before threads read whole rows of it.
+        __syncthreads();
+        store_tile_vec<OutT, kBlockM, kHeadDim, L::kPitchD, kNThreads>(
+            dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row, dq_row, dQ_s, Lq - r0, D);
+    } else {
+        const int r_w = r0 + wm * 16;
+        if (own_dQ)
+            store_acc<OutT>(dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r_w * dq_row + wn * kColsQ,
+                            dq_row, dQ_acc, scale, Lq - r_w, D - wn * kColsQ);
+    }
 }

@@ -85,6 +85,27 @@ __device__ __forceinline__ float p_from_score(float s, float scale_log2, float l
     return visible ? flash::exp2_acc(s * scale_log2 - lse2) : 0.0f;
 }
 
+// Atomic dQ mode of the tensor-core kernels: layout of the float dQ accumulator. Every query block
+// of kBlockM rows owns kBlockM x kHeadDim floats (rows padded to a multiple of Br, columns to the
+// padded head dim: the host allocates ceil(Lq / Br) * Br x kHeadDim per batch entry), split into
+// 16 x kDQCols tiles; tile tt = tm * kColTiles + tn (rows 16 tm.., columns kDQCols tn..) starts at
+// tt * kTileFloats, and inside it the mma C fragment element e (0..3) of n8 tile n held by lane
+// l = 4 g + t (row g + 8 (e / 2), column 8 n + 2 t + e % 2) is at (n * 4 + e) * 32 + l. The dK/dV
+// kernel's warp-wide atomics thus each cover 32 consecutive floats (four whole 32-byte sectors)
+// and need no bounds test (padding receives exact zeros); flash_bwd_convert.cu reads it back.
+template <int kHeadDim>
+struct DQAccumLayout {
+    static_assert(kHeadDim % 16 == 0, "the accumulator's columns are the padded head dim");
+    static constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;  // tile width
+    static constexpr int kColTiles = kHeadDim / kDQCols;
+    static constexpr int kTileFloats = 16 * kDQCols;
+    // Offset of (row r, column c) inside a query block's kBlockM x kHeadDim floats.
+    static __host__ __device__ constexpr int offset(int r, int c) {
+        return ((r / 16) * kColTiles + c / kDQCols) * kTileFloats +
+               (((c % kDQCols) / 8) * 4 + ((r % 16) / 8) * 2 + c % 2) * 32 + (r % 8) * 4 + (c % 8) / 2;
+    }
+};
+
 // Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
 __host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 

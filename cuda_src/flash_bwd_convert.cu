@@ -1,6 +1,11 @@
-// flash_bwd_convert.cu — the atomic dQ mode's last pass: dQ (AccT accumulator, Lq x D, summed
-// with atomics by the dK/dV kernel, already times scale) -> dQ in the element type T, strided.
-// grid = (ceil(Lq / kRowsPerBlock), nb1 * nb2, nb0).
+// flash_bwd_convert.cu — the atomic dQ mode's last pass: the AccT dQ accumulator the dK/dV kernel
+// summed with atomics -> dQ in the output type, strided.
+//
+//   flash_bwd_convert_dq_kernel     (SIMT dK/dV kernel) row-major Lq x D accumulator, already
+//                                   times scale; grid = (ceil(Lq / kRowsPerBlock), nb1 * nb2, nb0).
+//   flash_bwd_convert_dq_tc_kernel  (tensor-core dK/dV kernel) the padded, fragment-ordered
+//                                   accumulator of flash_bwd_common.cuh's DQAccumLayout, unscaled;
+//                                   grid = (ceil(Lq / kBlockM), nb1 * nb2, nb0), one query block each.
 #include "flash_bwd_common.cuh"
 
 using namespace fa_bwd;
@@ -21,5 +26,57 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_kernel(
         if (r < Lq)
             fa::gstore(dst + (long long)r * dq_row + d,
                        FromAcc<T>::convert(fa::gload(src + (long long)r * a_row + d)));
+    }
+}
+
+// One query block: each thread converts 16-byte-of-fp16 chunks, 8 consecutive columns of one row
+// (8 n + 0..7 of row g + 8 h of a 16 x kDQCols tile). In DQAccumLayout those 8 floats are two
+// float4 of 4 consecutive lanes' elements (n, 2 h + 0) and (n, 2 h + 1): columns 0, 2, 4, 6 and
+// 1, 3, 5, 7. Chunks are dealt so that a warp's 32 threads take rows g = 0..7 (lane % 8) of 4
+// consecutive column chunks (lane / 8): each float4 load of 8 threads covers 128 contiguous bytes,
+// and each row's 4 chunks are 64 contiguous bytes of dQ (fp16). kVec: one 16-byte store per
+// chunk (OutT = T: 8 x 2 bytes; OutT = float: two) — the caller guarantees 16-byte aligned rows,
+// D % 8 == 0; otherwise element stores.
+template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec>
+__global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_tc_kernel(
+    const float* __restrict__ dq_accum, long long a_b0, long long a_b1, long long a_b2,
+    OutT* __restrict__ dq, long long dq_b0, long long dq_b1, long long dq_b2, long long dq_row,
+    int Lq, int D, int nb2, float scale) {
+    using A = DQAccumLayout<kHeadDim>;
+    static_assert(kNThreads % 32 == 0, "convert: block must be whole warps");
+    static_assert(kBlockM % 16 == 0, "convert: query blocks are whole 16-row tiles");
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = kBlockM * kChunksPerRow;  // 8-column chunks of the query block
+    const BatchIndex b = BatchIndex::from_grid(nb2);
+    const int r0 = (int)blockIdx.x * kBlockM;
+    const float* src = dq_accum + b.offset({a_b0, a_b1, a_b2, 0}) + (long long)r0 * kHeadDim;
+    OutT* dst = dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row;
+#pragma unroll 1
+    for (int j = (int)threadIdx.x; j < kChunks; j += kNThreads) {
+        // j = ((tm * 2 + h) * kChunksPerRow + chunk) * 8 + g
+        const int g = j % 8, chunk = (j / 8) % kChunksPerRow, h = (j / (8 * kChunksPerRow)) % 2;
+        const int tm = j / (16 * kChunksPerRow);
+        const int r = tm * 16 + 8 * h + g, c = chunk * 8;
+        if (r0 + r >= Lq || c >= D) continue;
+        const float* s = src + A::offset(r, c);  // column c (even: e % 2 = 0) of row r, lane 4 g
+        const float4 even = fa::gload(reinterpret_cast<const float4*>(s));       // columns c, c+2, c+4, c+6
+        const float4 odd = fa::gload(reinterpret_cast<const float4*>(s + 32));   // columns c+1, c+3, ...
+        const float v[8] = {even.x, odd.x, even.y, odd.y, even.z, odd.z, even.w, odd.w};
+        OutT* d = dst + (long long)r * dq_row + c;
+        if (kVec) {
+            if constexpr (sizeof(OutT) == 2) {
+                const uint4 w = {fa::pack2<OutT>(v[0] * scale, v[1] * scale), fa::pack2<OutT>(v[2] * scale, v[3] * scale),
+                                 fa::pack2<OutT>(v[4] * scale, v[5] * scale), fa::pack2<OutT>(v[6] * scale, v[7] * scale)};
+                fa::gstore(reinterpret_cast<uint4*>(d), w);
+            } else {
+                static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
+                fa::gstore(reinterpret_cast<float4*>(d), float4{v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale});
+                fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale});
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i] * scale));
+        }
     }
 }

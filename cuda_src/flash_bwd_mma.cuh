@@ -161,6 +161,63 @@ __device__ __forceinline__ void store_a(T* s, int pitch, const uint32_t (&a)[kK]
             *reinterpret_cast<uint32_t*>(s_l + (j % 2) * 8 * pitch + ks * 16 + (j / 2) * 8) = a[ks][j];
 }
 
+// Epilogue through shared memory, step 1: a warp's 16 x (8 * kN) accumulator tile times `mult`,
+// rounded to the 16-bit OutT, into shared memory at `s` (pitch in elements), C layout: lane (g, t)
+// writes rows g, g + 8, columns 2t, 2t + 1 of each n8 tile as one 4-byte word. With the kernels'
+// pitches (head dim + kTcPad: pitch / 2 words = 4 mod 8) the 8 rows g of one store start in 8
+// different 4-bank groups and t picks the bank inside: conflict-free.
+template <typename OutT, int kN>
+__device__ __forceinline__ void stage_acc(OutT* s, int pitch, const float (&acc)[kN][4], float mult) {
+    static_assert(sizeof(OutT) == 2, "stage_acc: 16-bit output (pairs packed into one word)");
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    OutT* s_l = s + g * pitch + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t*>(s_l + h * 8 * pitch + n * 8) =
+                fa::pack2<OutT>(acc[n][2 * h] * mult, acc[n][2 * h + 1] * mult);
+}
+
+// Epilogue step 2: a kRows x kCols tile from shared memory (pitch kPitch) to global memory in
+// 16-byte chunks, rows < n_rows and columns < n_cols (caller guarantees n_cols % 8 == 0 and
+// 16-byte aligned global rows). Consecutive threads take consecutive chunks of a row, so a warp
+// writes whole rows (full 32-byte sectors); as load_tile_tc, a thread keeps one column chunk
+// (one address, constant row steps) when the block's threads divide into whole rows.
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
+__device__ __forceinline__ void store_tile_vec(T* gmem, long long row_stride, const T* smem, int n_rows,
+                                               int n_cols) {
+    constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte store
+    static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
+    constexpr int kChunksPerRow = kCols / kChunk;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    constexpr int kIters = ceil_div_c(kChunks, kNThreads);
+    const int tid = (int)threadIdx.x;
+    if constexpr (kNThreads % kChunksPerRow == 0) {
+        constexpr int kRowStep = kNThreads / kChunksPerRow;
+        const int r_t = tid / kChunksPerRow, c = (tid % kChunksPerRow) * kChunk;
+        if (c >= n_cols) return;
+        T* dst = gmem + (long long)r_t * row_stride + c;
+        const T* src = smem + r_t * kPitch + c;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int r = r_t + it * kRowStep;
+            if ((kChunks % kNThreads == 0 || r < kRows) && r < n_rows)
+                fa::gstore(reinterpret_cast<uint4*>(dst + (long long)(it * kRowStep) * row_stride),
+                           *reinterpret_cast<const uint4*>(src + it * kRowStep * kPitch));
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int e = tid + it * kNThreads;
+            const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * kChunk;
+            if ((kChunks % kNThreads == 0 || e < kChunks) && r < n_rows && c < n_cols)
+                fa::gstore(reinterpret_cast<uint4*>(gmem + (long long)r * row_stride + c),
+                           *reinterpret_cast<const uint4*>(smem + r * kPitch + c));
+        }
+    }
+}
+
 // Store a warp's 16 x (8 * kN) accumulator tile times `mult` to global memory (rows < n_rows,
 // columns < n_cols), C layout: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1 per n8 tile.
 template <typename OutT, int kN>

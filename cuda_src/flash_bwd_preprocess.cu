@@ -5,7 +5,9 @@
 // dS = P o (dP - D) needs D_i = sum_j P_ij dP_ij = rowsum(dO_i o O_i) (the identity of the
 // FlashAttention backward), computed here in one pass over dO and O. In the atomic dQ mode the
 // same pass clears the AccT dQ accumulator the dK/dV kernel adds into, so that no separate memset
-// is needed.
+// is needed: n_accum contiguous elements per batch entry (Lq x D row-major for the SIMT kernel;
+// the padded ceil(Lq / Br) * Br x padded-D DQAccumLayout for the tensor-core kernel), each block a
+// contiguous slice, consecutive threads consecutive elements (coalesced whatever the layout).
 //
 // One warp per row: lanes stride over the row, a butterfly shuffle sums the 32 partial sums
 // (a fixed order, so D is bitwise reproducible).
@@ -23,11 +25,22 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_preprocess_kernel(
     const T* __restrict__ out, long long o_b0, long long o_b1, long long o_b2, long long o_row,
     AccT* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2,
     AccT* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2,
-    long long dqa_row, int Lq, int Dv, int D, int nb2) {
+    long long n_accum, int Lq, int Dv, int nb2) {
     static_assert(kNThreads % kWarpSize == 0, "preprocess: block must be whole warps");
     constexpr int kRowsPerBlock = kNThreads / kWarpSize;  // one warp per row
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
+
+    // -- atomic dQ mode: clear this block's slice of the batch entry's accumulator (the last block
+    //    takes whatever the padding adds beyond the rows' share). Before any warp leaves.
+    if (kZeroDQAccum) {
+        const long long per_block = (n_accum + gridDim.x - 1) / gridDim.x;
+        const long long lo = (long long)blockIdx.x * per_block;
+        const long long hi = blockIdx.x + 1 == gridDim.x ? n_accum : lo + per_block;
+        AccT* acc = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0});
+        for (long long e = lo + (int)threadIdx.x; e < hi; e += kNThreads) fa::gstore(acc + e, AccT(0));
+    }
+
     const int warp = (int)threadIdx.x / kWarpSize;
     const int lane = (int)threadIdx.x % kWarpSize;
     const int row = (int)blockIdx.x * kRowsPerBlock + warp;
@@ -44,10 +57,4 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_preprocess_kernel(
         partial += __shfl_xor_sync(kFullMask, partial, offset);
     if (lane == 0)
         fa::gstore(delta + b.offset({d_b0, d_b1, d_b2, 0}) + row, partial);
-
-    // -- atomic dQ mode: clear this row of the AccT dQ accumulator.
-    if (kZeroDQAccum) {
-        AccT* dQ_i = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, dqa_row}) + (long long)row * dqa_row;
-        for (int d = lane; d < D; d += kWarpSize) fa::gstore(dQ_i + d, AccT(0));
-    }
 }

@@ -141,9 +141,18 @@ def test_backward_k_and_v_broadcast_differently():
 
 def test_backward_query_broadcast():
     """q broadcast over a batch dim that k, v have: dq is summed over it."""
-    for dt, det in ((np.float16, True), (np.float64, False)):
+    for dt, det in ((np.float16, True), (np.float16, False), (np.float64, False)):
         p = Problem(dt, 64, 40, 70, causal=False, batch_q=(1, 3), batch_k=(2, 3))
         check(p, run_backward("emulator", p, deterministic=det))
+
+
+@pytest.mark.parametrize("D,lengths", [(59, (70, 45)), (80, (129, 33)), (40, (17, 200))])
+def test_atomic_dq_padded_accumulator(D, lengths):
+    """Tensor-core atomic mode: the dQ accumulator is padded (rows to the dK/dV kernel's query
+    block, columns to the padded head dim) and fragment-ordered; Lq not a multiple of Br, D not a
+    multiple of 8 (element stores in the conversion) or of 32 (16-column accumulator tiles)."""
+    p = Problem(np.float16, D, *lengths, causal=True, bcast="gqa")
+    check(p, run_backward("emulator", p, deterministic=False))
 
 
 def test_backward_many_batch_dims_gqa():
@@ -155,7 +164,7 @@ def test_backward_many_batch_dims_gqa():
 def test_backward_unmergeable_batch_dims():
     """Five batch dims whose strides do not merge: the outer ones are looped over on the host
     (each launch gets offset views), the GQA dim is still walked inside the dK/dV kernel."""
-    for dt, det in ((np.float16, True), (np.float32, False)):
+    for dt, det in ((np.float16, True), (np.float16, False), (np.float32, False)):
         p = Problem(dt, 32, 21, 37, causal=True, batch_q=(2, 2, 3, 2, 3), batch_k=(2, 2, 3, 2, 1))
         rng = np.random.default_rng(5)
         # q and dout as permuted views: batch dims 1 and 2 swapped in memory
@@ -378,10 +387,12 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
     import sys
     from flasharray._private import launch
     from test_cuda_forward import _fake_cupy
-    log = []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    log, arrays = [], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
     monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
     p = Problem(DTYPE_NAMES[dt], D, 70, 90, causal=True, bcast="gqa")
+    arrays += list(p.args("emulator"))  # the stand-in maps device addresses back to these
     grads = cb.backward(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape,
                         device="cuda", deterministic=deterministic)
     check(p, grads)

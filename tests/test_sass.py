@@ -27,19 +27,22 @@ requires_sass = pytest.mark.skipif(not SASS_OK, reason="SASS report unavailable:
 
 #: Measured with NVRTC 12.9 / cuobjdump 13.5 (non-causal, aligned rows), identical for fp16 and
 #: bf16: (role, D, arch) -> (instructions per HMMA in the key-tile loop, registers per thread).
+#: Backward rows: after the padded dQ accumulator and the staged epilogues (docs/performance.md,
+#: "Backward: coalesced epilogues and the padded dQ accumulator"); the few register entries that
+#: rose (+2 to +4, the epilogue's staging outside the loop) are justified there.
 BASELINE = {
-    ("fwd", 64, 80): (5.80, 218), ("bwd_dkv", 64, 80): (5.39, 210),
-    ("bwd_dq", 64, 80): (5.17, 161), ("bwd_dkv_atomic", 64, 80): (6.56, 241),
-    ("fwd", 128, 80): (4.80, 168), ("bwd_dkv", 128, 80): (5.34, 188),
-    ("bwd_dq", 128, 80): (3.85, 200), ("bwd_dkv_atomic", 128, 80): (7.86, 243),
-    ("fwd", 256, 80): (4.53, 235), ("bwd_dkv", 256, 80): (5.56, 174),
-    ("bwd_dq", 256, 80): (3.44, 228), ("bwd_dkv_atomic", 256, 80): (11.24, 240),
-    ("fwd", 64, 90): (5.81, 217), ("bwd_dkv", 64, 90): (5.49, 226),
-    ("bwd_dq", 64, 90): (4.66, 182), ("bwd_dkv_atomic", 64, 90): (6.76, 248),
-    ("fwd", 128, 90): (4.81, 170), ("bwd_dkv", 128, 90): (5.47, 206),
-    ("bwd_dq", 128, 90): (3.35, 220), ("bwd_dkv_atomic", 128, 90): (8.42, 241),
-    ("fwd", 256, 90): (4.55, 243), ("bwd_dkv", 256, 90): (6.16, 180),
-    ("bwd_dq", 256, 90): (3.49, 192), ("bwd_dkv_atomic", 256, 90): (12.52, 241),
+    ("fwd", 64, 80): (5.80, 218), ("bwd_dkv", 64, 80): (5.10, 214),
+    ("bwd_dq", 64, 80): (5.17, 160), ("bwd_dkv_atomic", 64, 80): (4.85, 222),
+    ("fwd", 128, 80): (4.80, 168), ("bwd_dkv", 128, 80): (4.99, 192),
+    ("bwd_dq", 128, 80): (3.85, 202), ("bwd_dkv_atomic", 128, 80): (4.68, 200),
+    ("fwd", 256, 80): (4.53, 235), ("bwd_dkv", 256, 80): (5.31, 176),
+    ("bwd_dq", 256, 80): (3.43, 226), ("bwd_dkv_atomic", 256, 80): (5.11, 224),
+    ("fwd", 64, 90): (5.81, 217), ("bwd_dkv", 64, 90): (5.23, 226),
+    ("bwd_dq", 64, 90): (4.66, 182), ("bwd_dkv_atomic", 64, 90): (4.82, 235),
+    ("fwd", 128, 90): (4.81, 170), ("bwd_dkv", 128, 90): (5.13, 202),
+    ("bwd_dq", 128, 90): (3.35, 220), ("bwd_dkv_atomic", 128, 90): (4.72, 211),
+    ("fwd", 256, 90): (4.55, 243), ("bwd_dkv", 256, 90): (5.64, 177),
+    ("bwd_dq", 256, 90): (3.49, 192), ("bwd_dkv_atomic", 256, 90): (5.31, 208),
 }
 MARGIN = 1.02
 

@@ -160,10 +160,34 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
             plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
                 T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal)), t_q)
-    if not deterministic and not acc_dq:
+    if not deterministic and kernel == "tc":
+        # The padded, fragment-ordered accumulator (DQAccumLayout) -> dQ (or AccT partial sums when
+        # q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
+        plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s>" % (
+            out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0)), None)
+    elif not deterministic and not acc_dq:
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (
             T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK), None)
     return plan
+
+
+def _empty(xp, shape, dtype):
+    """``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are): the kernels'
+    16-byte stores need 16-byte aligned rows, and the emulator's sector counts assume CuPy's
+    alignment."""
+    if xp is not np:
+        return xp.empty(shape, dtype=dtype)
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + 256, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 256
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def dq_accum_rows(Lq, kernel, t_kv):
+    """Rows of the atomic mode's dQ accumulator per batch entry: Lq (SIMT, row-major) or Lq rounded
+    up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests)."""
+    return Lq if kernel != "tc" else -(-Lq // t_kv.block_m) * t_kv.block_m
 
 
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True,
@@ -229,13 +253,19 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
 
     full = tuple(batch_shape)
     delta = xp.empty(full + (Lq,), dtype=acc)
-    dqacc = xp.empty(full + (Lq, D), dtype=acc) if not deterministic else xp.empty((1,), dtype=acc)
+    if deterministic:
+        dqacc = xp.empty((1,), dtype=acc)
+    elif kernel == "tc":  # padded rows and head dim (DQAccumLayout)
+        dqacc = _empty(xp, full + (dq_accum_rows(Lq, kernel, tiles.tc_tiles("dkv", D, Dv, arch, opts.get("stages"))),
+                                   tiles.pad_head_dim(D)), acc)
+    else:
+        dqacc = _empty(xp, full + (Lq, D), acc)
 
     # ---- plan A: full batch in the grid (preprocess, dQ, convert)
     dims = [i for i in range(nb) if batch_shape[i] > 1]
     q_bcast = any(q.shape[i] == 1 for i in dims)
     # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
-    dq_buf = xp.empty(full + (Lq, D), dtype=acc) if q_bcast else xp.empty(q.shape, dtype=dtype)
+    dq_buf = _empty(xp, full + (Lq, D), acc) if q_bcast else _empty(xp, q.shape, dtype)
     tensors_a = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta,
                  "dq": dq_buf}
     if not deterministic:
@@ -262,11 +292,11 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     partial = any(k.shape[i] == 1 or v.shape[i] == 1 for i in grid_b)
     if partial:
         kshape = tuple(batch_shape[i] if i in grid_b else 1 for i in range(nb))
-        dk_buf = xp.empty(kshape + (Lk, D), dtype=acc)
-        dv_buf = xp.empty(kshape + (Lk, Dv), dtype=acc)
+        dk_buf = _empty(xp, kshape + (Lk, D), acc)
+        dv_buf = _empty(xp, kshape + (Lk, Dv), acc)
     else:
-        dk_buf = xp.empty(k.shape, dtype=dtype)
-        dv_buf = xp.empty(v.shape, dtype=dtype)
+        dk_buf = _empty(xp, k.shape, dtype)
+        dv_buf = _empty(xp, v.shape, dtype)
     tensors_b = dict(qside, k=k, v=v, dk=dk_buf, dv=dv_buf)
     sizes_b, strides_b = _merge([batch_shape[i] for i in grid_b],
                                 {n: [_batch_strides(a, nb)[i] if a.ndim > 1 else 0 for i in grid_b]
@@ -300,11 +330,13 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
     for (nb0, nb1, nb2), sa, off in plans_a:
         at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
-        dqa_args = st(sa, "dqacc", dqacc) if not deterministic else [i64(0)] * 4
+        # the accumulator is cleared as n_accum contiguous elements per batch entry
+        dqa_args = (st(sa, "dqacc", dqacc, row=False) + [i64(dqacc.shape[-2] * dqacc.shape[-1])]
+                    if not deterministic else [i64(0)] * 4)
         runner.launch(src_pre, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                       [at("dout", dout), *st(sa, "dout", dout), at("out", out), *st(sa, "out", out),
                        at("delta", delta), *st(sa, "delta", delta, row=False),
-                       at("dqacc", dqacc), *dqa_args, i32(Lq), i32(Dv), i32(D), i32(nb2)])
+                       at("dqacc", dqacc), *dqa_args, i32(Lq), i32(Dv), i32(nb2)])
 
     # ---- 2. dK, dV (+ atomic dQ)
     Tc = -(-Lk // t_kv.block_n)
@@ -336,12 +368,17 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
                            at("dq", dq_buf), *st(sa, "dq", dq_buf),
                            i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
                           t_q.smem)
+        elif kernel == "tc":  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
+            src_cvt, name_cvt, _ = ks["convert"]
+            runner.launch(src_cvt, name_cvt, (-(-Lq // t_kv.block_m), nb1 * nb2, nb0), tiles.ROW_THREADS,
+                          [at("dqacc", dqacc), *st(sa, "dqacc", dqacc, row=False),
+                           at("dq", dq_buf), *st(sa, "dq", dq_buf), i32(Lq), i32(D), i32(nb2), scale_arg])
         elif not q_bcast:
             src_cvt, name_cvt, _ = ks["convert"]
             runner.launch(src_cvt, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
                           [at("dqacc", dqacc), *st(sa, "dqacc", dqacc), at("dq", dq_buf), *st(sa, "dq", dq_buf),
                            i32(Lq), i32(D), i32(nb2)])
-    if not deterministic and q_bcast:
+    if not deterministic and q_bcast and kernel != "tc":
         dq_buf = dqacc  # summed over q's broadcast dims below
 
     # ---- broadcast dims not summed inside the kernels: fixed-order reductions on the device
@@ -412,6 +449,18 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
     if deterministic:
         read += Lq * (row_q + 2 * a) + k_rows * row_k            # dQ kernel
         write += Lq * D * s
+    elif plan["convert"][1].startswith("flash_bwd_convert_dq_tc_kernel"):
+        # DQAccumLayout: rows padded to Br, columns to the padded D; every atomic of a visited
+        # (key block, query block) pair runs (no bounds tests); the conversion reads whole 8-column
+        # chunks of the rows < Lq.
+        t_kv = plan["dkv"][2]
+        Br, pD = t_kv.block_m, tiles.pad_head_dim(D)
+        q_blocks = visited_query_blocks(Lq, Lk, causal, t_kv)
+        write += dq_accum_rows(Lq, "tc", t_kv) * pD * a           # clear the accumulator
+        read += q_blocks * Br * pD * a                             # atomics (read-modify-write)
+        write += q_blocks * Br * pD * a
+        read += Lq * -(-D // 8) * 8 * a                            # convert
+        write += Lq * D * s
     else:
         write += Lq * D * a                                      # clear the accumulator
         read += q_rows * D * a                                   # atomics (read-modify-write)
@@ -419,3 +468,14 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
         read += Lq * D * a                                       # convert
         write += Lq * D * s
     return B * read, B * write
+
+
+def visited_query_blocks(Lq, Lk, causal, kv_tiles):
+    """(key block, query block) pairs the dK/dV kernel visits per batch entry."""
+    Br, Bc = kv_tiles.block_m, kv_tiles.block_n
+    Tr = -(-Lq // Br)
+    n = 0
+    for c0 in range(0, Lk, Bc):
+        first = c0 - (Lk - Lq) if causal else 0        # first query row that sees key c0
+        n += max(0, Tr - max(0, first) // Br)
+    return n
