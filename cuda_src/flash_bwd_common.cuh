@@ -69,10 +69,16 @@ __device__ __forceinline__ void load_row_stats(AccT* lse2_s, AccT* delta_s, cons
 // Tensor-core kernels: L_i * log2 e with +inf (not -inf) for a row that saw no key and for rows past
 // Lq, so that P_ij = exp2(S_ij * scale * log2 e - L_i * log2 e) is exp2(-inf) = 0 there with no test
 // per element (S_ij is finite: Q, K are finite and zero-filled past D and the sequence ends).
+// Compile-time trip count (rows tid, tid + kNThreads, ...: usually one, for threads < kBlockM), so
+// no run-time loop (which the compiler unrolls 4x plus a remainder) sits in the dK/dV kernel's
+// query-block loop.
 template <int kBlockM, int kNThreads>
 __device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s, const float* lse,
                                                    const float* delta, int r0, int Lq) {
-    for (int r = (int)threadIdx.x; r < kBlockM; r += kNThreads) {
+#pragma unroll
+    for (int it = 0; it < (kBlockM + kNThreads - 1) / kNThreads; ++it) {
+        const int r = (int)threadIdx.x + it * kNThreads;
+        if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
         const bool in = r0 + r < Lq;
         const float l = in ? fa::gload(lse + r0 + r) : flash::neg_inf<float>();
         lse2_s[r] = l == flash::neg_inf<float>() ? INFINITY : l * flash::kLog2e;
