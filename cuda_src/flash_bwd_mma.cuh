@@ -43,6 +43,7 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
             const int r_t = tid / kChunksPerRow, c = (tid % kChunksPerRow) * kChunk;
             const bool col_in = c < n_cols;
             const T* src = gmem + (long long)r_t * row_stride + c;
+            const long long pass_stride = kRowStep * row_stride;
             T* dst = smem + r_t * kPitch + c;
 #pragma unroll
             for (int it = 0; it < kIters; ++it) {
@@ -50,9 +51,11 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
                 if (kChunks % kNThreads == 0 || r < kRows) {
                     const bool in = col_in && r < n_rows;
                     // Out-of-range chunks copy 0 bytes (zero fill) from the tile origin, never read.
-                    fa::cp_async<16>(dst + it * kRowStep * kPitch,
-                                     in ? src + (long long)(it * kRowStep) * row_stride : gmem, in ? 16 : 0);
+                    fa::cp_async<16>(dst + it * kRowStep * kPitch, in ? src : gmem, in ? 16 : 0);
                 }
+                // A running pointer (one 64-bit add per pass), not src + it * pass_stride: that
+                // costs a 64-bit multiply-add and a byte scaling per chunk.
+                src += pass_stride;
             }
         } else {
 #pragma unroll
