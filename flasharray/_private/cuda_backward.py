@@ -85,20 +85,18 @@ def _launch_plans(sizes, strides):
 # ---------------------------------------------------------------------------------------------
 # Launching
 class _Runner:
-    """``launch.Launcher`` plus the list of ``(kernel, counters)`` of this backward's launches."""
+    """Records the launches of one :class:`BackwardPlan` (``launch.Recorded``, array arguments
+    as ``launch.Ptr(buffer name, offset)``); launches with an empty grid are dropped."""
 
     def __init__(self, launcher):
         self.launcher = launcher
-        self.counters = []
+        self.launches = []
 
     def launch(self, source, name, grid, block, args, smem=0):
         if 0 in grid:
             return
-        # Arrays travel as flat views (launch.flat_view) of the span they reach from this launch's
-        # first element: the kernels index with strides.
-        c = self.launcher.launch(source, name, tuple(int(x) for x in grid), (int(block), 1, 1),
-                                 tuple(args), shared_mem=int(smem))
-        self.counters.append((name, c))
+        self.launches.append(launch.Recorded(self.launcher, source, name, grid, (int(block), 1, 1), args,
+                                             shared_mem=int(smem)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +188,263 @@ def dq_accum_rows(Lq, kernel, t_kv):
     return Lq if kernel != "tc" else -(-Lq // t_kv.block_m) * t_kv.block_m
 
 
+_OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "return_counters"}
+_INPUTS = ("dout", "q", "k", "v", "out", "lse")
+
+
+def _kernel_choice(dtype, arch, kernel):
+    kernel = kernel or default_kernel(dtype, arch)
+    if kernel == "tc" and dtype.itemsize != 2:
+        raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
+                                  "got %s (the SIMT kernel covers float32/float64)" % dtype)
+    if kernel == "tc" and dtype == bfloat16 and arch < 80:
+        raise NotImplementedError("flasharray: bfloat16 needs tensor cores of sm_80 or newer, got sm_%d" % arch)
+    if kernel == "tc" and arch < 75:
+        raise NotImplementedError("flasharray: float16 tensor-core kernels need sm_75 or newer, got sm_%d" % arch)
+    return kernel
+
+
+def _contiguous(shape, dtype):
+    """A memory-less array of ``shape`` with C-contiguous strides: what planning needs of a buffer
+    allocated per call (or of an input copied per call)."""
+    dtype = np.dtype(dtype)
+    st, acc = [], dtype.itemsize
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(int(n), 1)
+    return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(reversed(st)))
+
+
+class BackwardPlan:
+    """The launches of one backward signature, prepared once (see ``cuda_forward.ForwardPlan``).
+
+    Planning chooses kernels and tiles, the buffers (delta, the dQ accumulator, dQ/dK/dV or their
+    AccT partial sums), the batch split into launches and every scalar argument; :meth:`run`
+    copies the inputs planned as copied, allocates the buffers, binds pointers, launches, and
+    reduces the broadcast dims.
+    """
+
+    def __init__(self, dout, q, k, v, out, lse, *, causal, scale, batch_shape, launcher, deterministic,
+                 arch=None, kernel=None, stages=None):
+        self.launcher, self.xp = launcher, launcher.xp()
+        self.dtype = dtype = canonical_dtype(q.dtype)
+        self.acc = acc = accumulation_dtype(dtype)
+        arch = tiles.arch_number(arch) if arch is not None else launcher.arch
+        self.kernel = _kernel_choice(dtype, arch, kernel)
+        self.batch_shape = tuple(int(b) for b in batch_shape)
+        self.shapes = {n: tuple(a.shape) for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
+        # inputs: copied per call when the last axis is not contiguous (lse also cast to AccT)
+        self.copy = {n: launch.kernel_ready(a) is not a for n, a in zip(_INPUTS[:5], (dout, q, k, v, out))}
+        self.copy["lse"] = lse.dtype != acc or launch.kernel_ready(lse) is not lse
+        ready = {n: (_contiguous(a.shape, acc if n == "lse" else a.dtype) if self.copy[n] else a)
+                 for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
+        self.buffers = self._buffers(ready, deterministic, arch, stages)
+        arrays = dict(ready, **{n: _contiguous(shape, dt) for n, (shape, dt) in self.buffers.items()})
+        runner = _Runner(launcher)
+        self._record(runner, arrays, causal=causal, scale=scale, deterministic=deterministic, arch=arch,
+                     stages=stages)
+        self.launches = runner.launches
+
+    def _buffers(self, t, deterministic, arch, stages):
+        """{name: (shape, dtype)} of the buffers each call allocates."""
+        full, acc, dtype = self.batch_shape, self.acc, self.dtype
+        nb = len(full)
+        Lq, D, Lk, Dv = t["q"].shape[-2], t["q"].shape[-1], t["v"].shape[-2], t["v"].shape[-1]
+        bufs = {"delta": (full + (Lq,), acc)}
+        if deterministic:
+            bufs["dqacc"] = ((1,), acc)
+        elif self.kernel == "tc":  # padded rows and head dim (DQAccumLayout)
+            t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages)
+            bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv), tiles.pad_head_dim(D)), acc)
+        else:
+            bufs["dqacc"] = (full + (Lq, D), acc)
+        dims = [i for i in range(nb) if full[i] > 1]
+        self.q_bcast = any(t["q"].shape[i] == 1 for i in dims)
+        # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
+        bufs["dq"] = (full + (Lq, D), acc) if self.q_bcast else (t["q"].shape, dtype)
+        qside = dict(t, **{n: _contiguous(*bufs[n]) for n in ("delta", "dqacc")})
+        self.group, self.grid_b = _group_dims(qside, full, dims)
+        self.partial = any(t["k"].shape[i] == 1 or t["v"].shape[i] == 1 for i in self.grid_b)
+        if self.partial:
+            kshape = tuple(full[i] if i in self.grid_b else 1 for i in range(nb))
+            bufs["dk"], bufs["dv"] = (kshape + (Lk, D), acc), (kshape + (Lk, Dv), acc)
+        else:
+            bufs["dk"], bufs["dv"] = (t["k"].shape, dtype), (t["v"].shape, dtype)
+        return bufs
+
+    def _record(self, runner, t, *, causal, scale, deterministic, arch, stages):
+        """Plan the batch splits and record the three passes' launches."""
+        full, nb = self.batch_shape, len(self.batch_shape)
+        q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
+        D, Dv = q.shape[-1], v.shape[-1]
+        dims = [i for i in range(nb) if full[i] > 1]
+        names_a = ["q", "k", "v", "dout", "out", "lse", "delta", "dq"] + ([] if deterministic else ["dqacc"])
+        sizes_a, strides_a = _merge([full[i] for i in dims],
+                                    {n: [_batch_strides(t[n], nb)[i] for i in dims] for n in names_a})
+        qside = ("q", "dout", "lse", "delta", "dqacc")
+        names_b = qside + ("k", "v", "dk", "dv")
+        sizes_b, strides_b = _merge([full[i] for i in self.grid_b],
+                                    {n: [_batch_strides(t[n], nb)[i] if t[n].ndim > 1 else 0 for i in self.grid_b]
+                                     for n in names_b})
+        vec = self.kernel == "tc" and (
+            D % 8 == 0 and Dv % 8 == 0
+            and all(_rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
+            and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+        ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
+                         kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages)
+        ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast)
+        plans_a = _launch_plans(sizes_a, strides_a)
+        ctx.preprocess(plans_a)
+        ctx.dkv(_launch_plans(sizes_b, strides_b), self.group)
+        ctx.dq(plans_a)
+        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel != "tc" else "dq"
+
+    def run(self, dout, q, k, v, out, lse, counters=None):
+        """``(dq, dk, dv)`` for arrays of the planned signature (``counters``: the emulator's
+        ``(kernel name, counters)`` per launch are appended)."""
+        xp = self.xp
+        arrays = dict(zip(_INPUTS, (dout, q, k, v, out, lse)))
+        for name, copy in self.copy.items():
+            if copy:
+                a = arrays[name]
+                c = _empty(xp, a.shape, self.acc if name == "lse" else a.dtype)
+                c[...] = a
+                arrays[name] = c
+        for name, (shape, dt) in self.buffers.items():
+            arrays[name] = _empty(xp, shape, dt)
+        pointer = self.launcher.pointer
+        for rec in self.launches:
+            c = rec(pointer, arrays)
+            if counters is not None:
+                counters.append((rec.name, c))
+        return tuple(_reduce_to(xp, arrays[name], self.shapes[src], self.dtype)
+                     for name, src in ((self.dq_name, "q"), ("dk", "k"), ("dv", "v")))
+
+
+def _rs(a):
+    """Row stride in elements."""
+    return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
+
+
+def _group_dims(t, full, dims):
+    """The dK/dV kernel's group (dims where K and V are both broadcast, walked inside the block)
+    and the grid dims: ``({name: group stride}, n_group), grid dims``.
+
+    The group is the longest run of trailing shared dims that merges into one dim for every
+    query-side tensor; shared dims before it are walked by the grid instead (their dK/dV
+    partial sums are reduced afterwards).
+    """
+    nb = len(full)
+    shared = [i for i in dims if t["k"].shape[i] == 1 and t["v"].shape[i] == 1]
+    qside = ("q", "dout", "lse", "delta", "dqacc")
+    qside_strides = {n: _batch_strides(t[n], nb) if t[n].ndim > 1 else [0] * nb for n in qside}
+    for start in range(len(shared) + 1):
+        run = shared[start:]
+        g_sizes, g_strides = _merge([full[i] for i in run], {n: [s[i] for i in run] for n, s in qside_strides.items()})
+        if len(g_sizes) <= 1:
+            shared = run
+            break
+    group = ({n: (st[0] if st else 0) for n, st in g_strides.items()}, g_sizes[0] if g_sizes else 1)
+    return group, [i for i in dims if i not in shared]
+
+
+class _Passes:
+    """Records the launches of the three backward passes for each batch split of a plan."""
+
+    def __init__(self, runner, t, ks, scale_arg, deterministic, kernel, q_bcast):
+        self.runner, self.t, self.ks, self.scale_arg = runner, t, ks, scale_arg
+        self.deterministic, self.kernel, self.q_bcast = deterministic, kernel, q_bcast
+        self.Lq, self.D = t["q"].shape[-2], t["q"].shape[-1]
+        self.Lk, self.Dv = t["v"].shape[-2], t["v"].shape[-1]
+
+    def _st(self, plan_strides, name, group=None, row=True):
+        s = [np.int64(x) for x in plan_strides[name]]
+        if group is not None:
+            s.append(np.int64(group))
+        if row:
+            s.append(np.int64(_rs(self.t[name])))
+        return s
+
+    def _arg(self, name, off, plan_strides, **kw):
+        """The pointer slot of ``name`` followed by its stride arguments."""
+        return [launch.Ptr(name, off.get(name, 0)), *self._st(plan_strides, name, **kw)]
+
+    def preprocess(self, plans_a):
+        """1. D_i = rowsum(dO_i ∘ O_i) (and clear the dQ accumulator in the atomic mode)."""
+        src, name, _ = self.ks["preprocess"]
+        dqacc = self.t["dqacc"]
+        for (nb0, nb1, nb2), sa, off in plans_a:
+            # the accumulator is cleared as n_accum contiguous elements per batch entry
+            dqa = (self._arg("dqacc", off, sa, row=False) + [np.int64(dqacc.shape[-2] * dqacc.shape[-1])]
+                   if not self.deterministic else [launch.Ptr("dqacc"), *[np.int64(0)] * 4])
+            self.runner.launch(src, name, (-(-self.Lq // tiles.ROWS_PER_BLOCK), nb1 * nb2, nb0), tiles.ROW_THREADS,
+                               [*self._arg("dout", off, sa), *self._arg("out", off, sa),
+                                *self._arg("delta", off, sa, row=False), *dqa,
+                                np.int32(self.Lq), np.int32(self.Dv), np.int32(nb2)])
+
+    def dkv(self, plans_b, group):
+        """2. dK, dV (+ atomic dQ): one block per key block and K/V batch entry."""
+        gs, n_group = group
+        src, name, t_kv = self.ks["dkv"]
+        i32 = np.int32
+        for (mb0, mb1, mb2), sb, off in plans_b:
+            dqa = (self._arg("dqacc", off, sb, group=gs["dqacc"]) if not self.deterministic
+                   else [launch.Ptr("dqacc"), *[np.int64(0)] * 5])
+            self.runner.launch(
+                src, name, (-(-self.Lk // t_kv.block_n), mb1 * mb2, mb0), t_kv.n_threads,
+                [*self._arg("q", off, sb, group=gs["q"]), *self._arg("k", off, sb), *self._arg("v", off, sb),
+                 *self._arg("dout", off, sb, group=gs["dout"]),
+                 *self._arg("lse", off, sb, group=gs["lse"], row=False),
+                 *self._arg("delta", off, sb, group=gs["delta"], row=False), *dqa,
+                 *self._arg("dk", off, sb), *self._arg("dv", off, sb),
+                 i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(mb2), i32(n_group), self.scale_arg],
+                t_kv.smem)
+
+    def dq(self, plans_a):
+        """3. dQ: the deterministic kernel, or the conversion of the atomic accumulator."""
+        i32 = np.int32
+        for (nb0, nb1, nb2), sa, off in plans_a:
+            if self.deterministic:
+                src, name, t_q = self.ks["dq"]
+                self.runner.launch(
+                    src, name, (-(-self.Lq // t_q.block_m), nb1 * nb2, nb0), t_q.n_threads,
+                    [*self._arg("q", off, sa), *self._arg("k", off, sa), *self._arg("v", off, sa),
+                     *self._arg("dout", off, sa), *self._arg("lse", off, sa, row=False),
+                     *self._arg("delta", off, sa, row=False), *self._arg("dq", off, sa),
+                     i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(nb2), self.scale_arg],
+                    t_q.smem)
+            elif self.kernel == "tc":  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
+                src, name, _ = self.ks["convert"]
+                t_kv = self.ks["dkv"][2]
+                self.runner.launch(src, name, (-(-self.Lq // t_kv.block_m), nb1 * nb2, nb0), tiles.ROW_THREADS,
+                                   [*self._arg("dqacc", off, sa, row=False), *self._arg("dq", off, sa),
+                                    i32(self.Lq), i32(self.D), i32(nb2), self.scale_arg])
+            elif not self.q_bcast:
+                src, name, _ = self.ks["convert"]
+                self.runner.launch(src, name, (-(-self.Lq // tiles.ROWS_PER_BLOCK), nb1 * nb2, nb0),
+                                   tiles.ROW_THREADS,
+                                   [*self._arg("dqacc", off, sa), *self._arg("dq", off, sa),
+                                    i32(self.Lq), i32(self.D), i32(nb2)])
+
+
+_PLANS = {}
+launch._on_reload.append(_PLANS.clear)
+
+
+def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, arch=None,
+         kernel=None, stages=None, schedule="forward", seed=0):
+    """The cached :class:`BackwardPlan` for this signature (made on first use)."""
+    from .cuda_forward import cached, signature
+    launcher = launch.make_launcher(device, schedule=schedule, seed=seed,
+                                    arch=arch if device == "emulator" else None)
+    key = signature((dout, q, k, v, out, lse),
+                    (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
+                     arch, kernel, stages, launch.MAX_GRID_YZ))
+    return cached(_PLANS, key, lambda: BackwardPlan(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, launcher=launcher,
+        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages))
+
+
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True,
              **opts):
     """Gradients of FlashAttention by the CUDA backward kernels.
@@ -222,172 +477,20 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     -------
     dq, dk, dv : arrays with exactly the shapes and dtype of q, k, v (summed over broadcast
         batch dims); ``(dq, dk, dv, counters)`` with ``return_counters=True``.
+
+    The launches are prepared once per signature (:func:`plan`) and replayed.
     """
-    unknown = set(opts) - {"schedule", "seed", "arch", "kernel", "stages", "return_counters"}
+    unknown = set(opts) - _OPTIONS
     if unknown:
         raise TypeError("flasharray.cuda_backward: unexpected option(s) %s" % sorted(unknown))
     if device not in ("cuda", "emulator"):
         raise ValueError("flasharray.cuda_backward: device must be 'cuda' or 'emulator', got %r" % (device,))
-    runner = _Runner(launch.make_launcher(device, schedule=opts.get("schedule", "forward"),
-                                          seed=opts.get("seed", 0), arch=opts.get("arch")))
-    xp = runner.launcher.xp()
-    dtype = canonical_dtype(q.dtype)
-    acc = accumulation_dtype(dtype)
-    arch = tiles.arch_number(opts["arch"]) if "arch" in opts else runner.launcher.arch
-    kernel = opts.get("kernel") or default_kernel(dtype, arch)
-    if kernel == "tc" and dtype.itemsize != 2:
-        raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
-                                  "got %s (the SIMT kernel covers float32/float64)" % dtype)
-    if kernel == "tc" and dtype == bfloat16 and arch < 80:
-        raise NotImplementedError("flasharray: bfloat16 needs tensor cores of sm_80 or newer, got sm_%d" % arch)
-    if kernel == "tc" and arch < 75:
-        raise NotImplementedError("flasharray: float16 tensor-core kernels need sm_75 or newer, got sm_%d" % arch)
-
-    batch_shape = tuple(int(b) for b in batch_shape)
-    nb = len(batch_shape)
-    Lq, D = q.shape[-2], q.shape[-1]
-    Lk, Dv = v.shape[-2], v.shape[-1]
-    q, k, v, dout, out = (launch.kernel_ready(a) for a in (q, k, v, dout, out))
-    lse = launch.kernel_ready(lse.astype(acc, copy=False))
-    scale_arg = launch.c_scalar(scale, acc)
-
-    full = tuple(batch_shape)
-    delta = xp.empty(full + (Lq,), dtype=acc)
-    if deterministic:
-        dqacc = xp.empty((1,), dtype=acc)
-    elif kernel == "tc":  # padded rows and head dim (DQAccumLayout)
-        dqacc = _empty(xp, full + (dq_accum_rows(Lq, kernel, tiles.tc_tiles("dkv", D, Dv, arch, opts.get("stages"))),
-                                   tiles.pad_head_dim(D)), acc)
-    else:
-        dqacc = _empty(xp, full + (Lq, D), acc)
-
-    # ---- plan A: full batch in the grid (preprocess, dQ, convert)
-    dims = [i for i in range(nb) if batch_shape[i] > 1]
-    q_bcast = any(q.shape[i] == 1 for i in dims)
-    # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
-    dq_buf = _empty(xp, full + (Lq, D), acc) if q_bcast else _empty(xp, q.shape, dtype)
-    tensors_a = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta,
-                 "dq": dq_buf}
-    if not deterministic:
-        tensors_a["dqacc"] = dqacc
-    sizes_a, strides_a = _merge([batch_shape[i] for i in dims],
-                                {n: [_batch_strides(a, nb)[i] for i in dims] for n, a in tensors_a.items()})
-    plans_a = _launch_plans(sizes_a, strides_a)
-
-    # ---- plan B: dK/dV kernel, group dim = dims where K and V are both broadcast
-    shared = [i for i in dims if k.shape[i] == 1 and v.shape[i] == 1]
-    qside = {"q": q, "dout": dout, "lse": lse, "delta": delta, "dqacc": dqacc}
-    qside_strides = {n: _batch_strides(a, nb) if a.ndim > 1 else [0] * nb for n, a in qside.items()}
-    # The group is the longest run of trailing shared dims that merges into one dim for every
-    # query-side tensor; shared dims before it are walked by the grid instead (their dK/dV
-    # partial sums are reduced afterwards).
-    for start in range(len(shared) + 1):
-        run = shared[start:]
-        g_sizes, g_strides = _merge([batch_shape[i] for i in run],
-                                    {n: [s[i] for i in run] for n, s in qside_strides.items()})
-        if len(g_sizes) <= 1:
-            shared = run
-            break
-    grid_b = [i for i in dims if i not in shared]
-    partial = any(k.shape[i] == 1 or v.shape[i] == 1 for i in grid_b)
-    if partial:
-        kshape = tuple(batch_shape[i] if i in grid_b else 1 for i in range(nb))
-        dk_buf = _empty(xp, kshape + (Lk, D), acc)
-        dv_buf = _empty(xp, kshape + (Lk, Dv), acc)
-    else:
-        dk_buf = _empty(xp, k.shape, dtype)
-        dv_buf = _empty(xp, v.shape, dtype)
-    tensors_b = dict(qside, k=k, v=v, dk=dk_buf, dv=dv_buf)
-    sizes_b, strides_b = _merge([batch_shape[i] for i in grid_b],
-                                {n: [_batch_strides(a, nb)[i] if a.ndim > 1 else 0 for i in grid_b]
-                                 for n, a in tensors_b.items()})
-    plans_b = _launch_plans(sizes_b, strides_b)
-    n_group = g_sizes[0] if g_sizes else 1
-    gs = {n: (s[0] if s else 0) for n, s in g_strides.items()}
-
-    def rs(a):  # row stride in elements
-        return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
-
-    def st(plan_strides, name, a, group=None, row=True):
-        s = [np.int64(x) for x in plan_strides[name]]
-        if group is not None:
-            s.append(np.int64(group))
-        if row:
-            s.append(np.int64(rs(a)))
-        return s
-
-    i32, i64 = np.int32, np.int64
-
-    # ---- kernels
-    vec = kernel == "tc" and (
-        D % 8 == 0 and Dv % 8 == 0
-        and all(rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
-        and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
-    ks = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel,
-                     acc_dkv=partial, acc_dq=q_bcast, vec=vec, stages=opts.get("stages"))
-    (src_pre, name_pre, _), (src_main, name_kv, t_kv) = ks["preprocess"], ks["dkv"]
-    # ---- 1. D_i = rowsum(dO_i ∘ O_i)  (and clear the dQ accumulator in the atomic mode)
-    rows_grid = -(-Lq // tiles.ROWS_PER_BLOCK)
-    for (nb0, nb1, nb2), sa, off in plans_a:
-        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
-        # the accumulator is cleared as n_accum contiguous elements per batch entry
-        dqa_args = (st(sa, "dqacc", dqacc, row=False) + [i64(dqacc.shape[-2] * dqacc.shape[-1])]
-                    if not deterministic else [i64(0)] * 4)
-        runner.launch(src_pre, name_pre, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
-                      [at("dout", dout), *st(sa, "dout", dout), at("out", out), *st(sa, "out", out),
-                       at("delta", delta), *st(sa, "delta", delta, row=False),
-                       at("dqacc", dqacc), *dqa_args, i32(Lq), i32(Dv), i32(nb2)])
-
-    # ---- 2. dK, dV (+ atomic dQ)
-    Tc = -(-Lk // t_kv.block_n)
-    for (mb0, mb1, mb2), sb, off in plans_b:
-        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
-        dqa_b = st(sb, "dqacc", dqacc, group=gs["dqacc"]) if not deterministic else [i64(0)] * 5
-        runner.launch(src_main, name_kv, (Tc, mb1 * mb2, mb0), t_kv.n_threads,
-                      [at("q", q), *st(sb, "q", q, group=gs["q"]),
-                       at("k", k), *st(sb, "k", k), at("v", v), *st(sb, "v", v),
-                       at("dout", dout), *st(sb, "dout", dout, group=gs["dout"]),
-                       at("lse", lse), *st(sb, "lse", lse, group=gs["lse"], row=False),
-                       at("delta", delta), *st(sb, "delta", delta, group=gs["delta"], row=False),
-                       at("dqacc", dqacc), *dqa_b,
-                       at("dk", dk_buf), *st(sb, "dk", dk_buf), at("dv", dv_buf), *st(sb, "dv", dv_buf),
-                       i32(Lq), i32(Lk), i32(D), i32(Dv), i32(mb2), i32(n_group), scale_arg],
-                      t_kv.smem)
-
-    # ---- 3. dQ: deterministic kernel, or conversion of the atomic accumulator
-    for (nb0, nb1, nb2), sa, off in plans_a:
-        at = lambda name, a: launch.flat_view(a, off.get(name, 0))  # noqa: E731
-        if deterministic:
-            _, name_q, t_q = ks["dq"]
-            Tr = -(-Lq // t_q.block_m)
-            runner.launch(src_main, name_q, (Tr, nb1 * nb2, nb0), t_q.n_threads,
-                          [at("q", q), *st(sa, "q", q), at("k", k), *st(sa, "k", k),
-                           at("v", v), *st(sa, "v", v), at("dout", dout), *st(sa, "dout", dout),
-                           at("lse", lse), *st(sa, "lse", lse, row=False),
-                           at("delta", delta), *st(sa, "delta", delta, row=False),
-                           at("dq", dq_buf), *st(sa, "dq", dq_buf),
-                           i32(Lq), i32(Lk), i32(D), i32(Dv), i32(nb2), scale_arg],
-                          t_q.smem)
-        elif kernel == "tc":  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
-            src_cvt, name_cvt, _ = ks["convert"]
-            runner.launch(src_cvt, name_cvt, (-(-Lq // t_kv.block_m), nb1 * nb2, nb0), tiles.ROW_THREADS,
-                          [at("dqacc", dqacc), *st(sa, "dqacc", dqacc, row=False),
-                           at("dq", dq_buf), *st(sa, "dq", dq_buf), i32(Lq), i32(D), i32(nb2), scale_arg])
-        elif not q_bcast:
-            src_cvt, name_cvt, _ = ks["convert"]
-            runner.launch(src_cvt, name_cvt, (rows_grid, nb1 * nb2, nb0), tiles.ROW_THREADS,
-                          [at("dqacc", dqacc), *st(sa, "dqacc", dqacc), at("dq", dq_buf), *st(sa, "dq", dq_buf),
-                           i32(Lq), i32(D), i32(nb2)])
-    if not deterministic and q_bcast and kernel != "tc":
-        dq_buf = dqacc  # summed over q's broadcast dims below
-
-    # ---- broadcast dims not summed inside the kernels: fixed-order reductions on the device
-    dq = _reduce_to(xp, dq_buf, q.shape, dtype)
-    dk = _reduce_to(xp, dk_buf, k.shape, dtype)
-    dv = _reduce_to(xp, dv_buf, v.shape, dtype)
-    if opts.get("return_counters"):
-        return dq, dk, dv, runner.counters
-    return dq, dk, dv
+    return_counters = opts.pop("return_counters", False)
+    p = plan(dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, device=device,
+             deterministic=deterministic, **opts)
+    counters = [] if return_counters else None
+    grads = p.run(dout, q, k, v, out, lse, counters)
+    return grads + (counters,) if return_counters else grads
 
 
 def _reduce_to(xp, buf, shape, dtype):
