@@ -82,12 +82,13 @@ def forward_breakdown(q, k, v, backend, number, repeat):
         arrays = (q, k, v) + (xp.empty(plan.out_shape, plan.dtype), xp.empty(plan.lse_shape, plan.acc))
         parts["allocate out, lse"] = lambda: (xp.empty(plan.out_shape, dtype=plan.dtype),
                                               xp.empty(plan.lse_shape, dtype=plan.acc))
+        handle = plan.launcher.handle
         parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: [
-            rec(pointer, arrays) for rec in plan.launches]
+            rec(pointer, handles) for handles in [tuple(map(handle, arrays))] for rec in plan.launches]
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     if isinstance(q, np.ndarray) and plan is not None:
         # NumPy-only cost inside the parts above: each address is a ctypes lookup (CuPy: a field).
-        n = 3 + sum(len(rec.slots) for rec in plan.launches)
+        n = 3 + len(arrays)  # the key's alignment checks of q, k, v; one handle per array
         times["  of which NumPy address lookups (%d)" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
     return times
 

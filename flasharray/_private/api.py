@@ -291,6 +291,15 @@ def _backward_entry(arrays, causal, scale, backend, deterministic, options):
     if p.Lq == 0 or p.Lk == 0:
         return lambda dout, q, k, v, out, lse: tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
 
+    if p.backend != "cpu":
+        b = p.rebind(q, k, v)
+        plan = _cuda_module("backward").plan(dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
+                                             batch_shape=p.batch_shape, device=p.backend,
+                                             deterministic=deterministic, **opts)
+        n = len(p.batch_shape)
+        if q.ndim == k.ndim == v.ndim == n + 2:
+            return plan.run  # gradients come back with exactly the shapes of q, k, v
+
     def run(dout, q, k, v, out, lse):
         b = p.rebind(q, k, v)
         if p.backend == "cpu":
@@ -298,9 +307,7 @@ def _backward_entry(arrays, causal, scale, backend, deterministic, options):
             dq, dk, dv = cpu.backward(dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
                                       batch_shape=p.batch_shape)
         else:
-            dq, dk, dv = _cuda_module("backward").backward(
-                dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
-                batch_shape=p.batch_shape, device=p.backend, deterministic=deterministic, **opts)
+            dq, dk, dv = plan.run(dout, b.q, b.k, b.v, out, lse)
         # Backends return gradients with the batch-dim-normalised shapes of p.q, p.k, p.v.
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 

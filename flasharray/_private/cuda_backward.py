@@ -20,6 +20,7 @@ broadcast, or q itself broadcast) goes through an AccT buffer reduced over those
 device, in a fixed order.
 """
 import itertools
+import math
 
 import numpy as np
 
@@ -176,7 +177,7 @@ def _empty(xp, shape, dtype):
     if xp is not np:
         return xp.empty(shape, dtype=dtype)
     dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize
     raw = np.empty(n + 256, dtype=np.uint8)
     off = (-raw.ctypes.data) % 256
     return raw[off:off + n].view(dtype).reshape(shape)
@@ -312,9 +313,10 @@ class BackwardPlan:
                 arrays[name] = c
         for name, (shape, dt) in self.buffers.items():
             arrays[name] = _empty(xp, shape, dt)
-        pointer = self.launcher.pointer
+        handle = self.launcher.handle
+        pointer, handles = self.launcher.pointer, {n: handle(a) for n, a in arrays.items()}
         for rec in self.launches:
-            c = rec(pointer, arrays)
+            c = rec(pointer, handles)
             if counters is not None:
                 counters.append((rec.name, c))
         return tuple(_reduce_to(xp, arrays[name], self.shapes[src], self.dtype)

@@ -179,9 +179,9 @@ class ForwardPlan:
         arrays = (q, k, v, out, lse)
         if self.workspace is not None:
             arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
-        pointer = self.launcher.pointer
+        pointer, handles = self.launcher.pointer, tuple(map(self.launcher.handle, arrays))
         for launch in self.launches:
-            c = launch(pointer, arrays)
+            c = launch(pointer, handles)
             if counters is not None and c is not None:
                 counters.append(c)
         return out, lse

@@ -171,6 +171,10 @@ class Launcher:
     def pointer(self, a, offset=0):
         raise NotImplementedError
 
+    def handle(self, a):
+        """What :meth:`pointer` needs of array ``a``, looked up once per call (plans)."""
+        return a
+
     def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
         return self.function(source_name, name_expr, shared_mem)(tuple(grid), tuple(block), tuple(args))
 
@@ -216,9 +220,13 @@ class CupyLauncher(Launcher):
 
         return call
 
-    def pointer(self, a, offset=0):
+    def handle(self, a):
+        return device_address(a), a.itemsize
+
+    def pointer(self, h, offset=0):
         # A device pointer passed by value: 8 bytes, what a ``T*`` kernel parameter holds.
-        return np.uint64(device_address(a) + offset * a.itemsize)
+        # ``h``: the handle of an array (address of element 0, itemsize).
+        return np.uint64(h[0] + offset * h[1])
 
 
 class EmulatorLauncher(Launcher):
@@ -278,8 +286,10 @@ class NullLauncher(EmulatorLauncher):
 
         return call
 
-    def pointer(self, a, offset=0):
-        return np.uint64(a.ctypes.data + offset * a.itemsize)  # as CupyLauncher.pointer, for NumPy
+    def handle(self, a):
+        return a.ctypes.data, a.itemsize  # as CupyLauncher.handle, for NumPy
+
+    pointer = CupyLauncher.pointer
 
 
 _launchers = {}
@@ -352,7 +362,8 @@ class Ptr:
 
 class Recorded:
     """One kernel launch prepared once: the function resolved, grid/block fixed, every scalar
-    argument built; only the :class:`Ptr` slots are bound per call (``pointer(a, offset)``)."""
+    argument built; only the :class:`Ptr` slots are bound per call (``pointer(handles[key],
+    offset)``, the handles from ``launcher.handle`` once per array and call)."""
 
     __slots__ = ("name", "call", "grid", "block", "template", "slots")
 
