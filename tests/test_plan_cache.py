@@ -96,9 +96,10 @@ def test_cached_flags_are_still_type_checked():
 @pytest.mark.parametrize("backend", ["emulator", "cpu"])
 def test_cache_does_not_keep_arrays_alive(backend):
     q, k, v = make_qkv((1, 2, 24, 16), (1, 2, 24, 16), (1, 2, 24, 16), np.float16, seed=6)
-    out = fa.flash_attention(q, k, v, backend=backend)
-    refs = [weakref.ref(x) for x in (q, k, v, out)]
-    del q, k, v, out
+    out, lse = fa.flash_attention_forward(q, k, v, backend=backend)
+    grads = fa.flash_attention_backward(out, q, k, v, out, lse, backend=backend)
+    refs = [weakref.ref(x) for x in (q, k, v, out, lse, *grads)]
+    del q, k, v, out, lse, grads
     gc.collect()
     assert all(r() is None for r in refs)
 
