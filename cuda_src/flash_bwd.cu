@@ -453,16 +453,21 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     const T* k_b = k + b.offset({k_b0, k_b1, k_b2, k_row});
     const T* v_b = v + b.offset({v_b0, v_b1, v_b2, v_row});
     const int Tc = mask.n_block_max(r0, kBlockM, kBlockN);  // causal: blocks right of the diagonal skipped
-    // Start the copies of key block j's K_j, V_j into buffer `buf` (cp.async, or loads).
-    auto load_key_block = [&](int j, int buf) {
+    // Start the copies of key block j's K_j, V_j (rows k_j, v_j) into buffer `buf` (cp.async, or loads).
+    auto load_key_block = [&](int j, const T* k_j, const T* v_j, int buf) {
         const int c0 = j * kBlockN;
         load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-            K_buf + buf * L::kKStage, k_b + (long long)c0 * k_row, k_row, Lk - c0, D);
+            K_buf + buf * L::kKStage, k_j, k_row, Lk - c0, D);
         load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-            V_buf + buf * L::kVStage, v_b + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+            V_buf + buf * L::kVStage, v_j, v_row, Lk - c0, Dv);
     };
-    if (kStages == 2 && Tc > 0) load_key_block(0, 0);
+    if (kStages == 2 && Tc > 0) load_key_block(0, k_b, v_b, 0);
     fa::cp_async_commit();  // one group: Q_i, dO_i (and, double-buffered, K_0, V_0)
+    // The next key block to load (j + 1 double-buffered, else j): running pointers, one 64-bit add
+    // per block instead of a 64-bit multiply.
+    const long long k_step = kBlockN * k_row, v_step = kBlockN * v_row;
+    const T* k_load = kStages == 2 ? k_b + k_step : k_b;
+    const T* v_load = kStages == 2 ? v_b + v_step : v_b;
 
     for (int j = 0; j < Tc; ++j) {
         const int c0 = j * kBlockN;
@@ -473,8 +478,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         // refilled) and dS_s.
         __syncthreads();
         const bool prefetch = kStages == 2 && j + 1 < Tc;
-        if (kStages == 1) load_key_block(j, 0);
-        if (prefetch) load_key_block(j + 1, buf ^ 1);  // overlaps this block's math
+        if (kStages == 1) load_key_block(j, k_load, v_load, 0);
+        if (prefetch) load_key_block(j + 1, k_load, v_load, buf ^ 1);  // overlaps this block's math
+        k_load += k_step;
+        v_load += v_step;
         fa::cp_async_commit();
         // This thread's copies of K_j, V_j (first time also Q_i, dO_i) landed; the newest group
         // (the prefetch) may still be in flight.
