@@ -43,8 +43,15 @@ namespace flash {
 // [0, ceil(Lk / Bc)) are cut into equal runs of ceil(tiles / splits) (the same cut for every
 // query tile); a split with no visible tile writes O_s = 0, L_s = −inf. flash_fwd_combine.cu
 // merges the splits by log-sum-exp into out / lse.
+//
+// Is_packed (GQA packing with the causal mask; off by default): the rows are the G query heads of
+// a KV head stacked, row r being query position r mod Lg of head r div Lg (Lg = rows_per_group,
+// the original Lq; Lq is then G·Lg). The mask sees each row's position: causal_offset = Lk − Lg,
+// a query tile's key range is that of its largest position (Lg − 1 when it spans two heads) and
+// its unmasked tiles those of its smallest (0 when it spans two heads). rows_per_group is unused
+// otherwise (the host passes Lq).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
-          bool Is_causal, bool Is_aligned, bool Is_split = false>
+          bool Is_causal, bool Is_aligned, bool Is_split = false, bool Is_packed = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  typename SplitOutput<T, Is_split>::type* __restrict__ o, float* __restrict__ lse,
@@ -54,7 +61,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long v_b0, long long v_b1, long long v_b2, long long v_row,
                  long long o_b0, long long o_b1, long long o_b2, long long o_row,
                  long long lse_b0, long long lse_b1, long long lse_b2,
-                 float scale_log2) {
+                 float scale_log2, int rows_per_group) {
   using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
@@ -92,9 +99,13 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   auto* o_i = o + bidx.offset(o_s) + m0 * o_row;  // split-KV: + the split's slab (epilogue)
   float* lse_i = lse + bidx.offset(lse_s) + m0;
 
-  const Mask<Is_causal> mask(Lq, Lk);
+  // GQA packing (causal): the mask works on query positions, row mod rows_per_group.
+  static_assert(!Is_packed || Is_causal, "Is_packed is the causal packed variant");
+  const Mask<Is_causal> mask(Is_packed ? rows_per_group : Lq, Lk);
+  // The positions of Q_i's first / last rows (packed: 0 / Lg − 1 when Q_i spans two heads).
+  const PackedRows packed_rows = PackedRows::of<Is_packed>(m0, kBlockM, Lq, rows_per_group);
   // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
-  int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  int n_block_max = Is_packed ? packed_rows.n_block_max(mask, kBlockN) : mask.n_block_max(m0, kBlockM, kBlockN);
   // Split-KV: only this split's run of key tiles [split_block_min, n_block_max) (maybe empty). The
   // dense kernel's first tile is the literal 0: every use below reads (Is_split ? split_block_min
   // : 0), since even a variable that is always 0 changed the dense loop's SASS (+9 instructions).
@@ -187,6 +198,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // unscaled until the exp2 (one fma per score; the row max of unscaled scores times the scale
   // is the max of the scaled ones, the scale being > 0). m_i is kept in scaled units.
   // acc_s[sl][nt][i] holds S[16·sl + g + 8·(i/2)][8·nt + 2t + i%2] of the warp's rows.
+  // The query position of row `row` of the problem (packed: its position within its head).
+  auto query_position = [&](int row) { return Is_packed ? row % rows_per_group : row; };
   auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
     if (tile_masked) {
 #pragma unroll
@@ -195,7 +208,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            acc_s[sl][nt][i] = mask.apply(acc_s[sl][nt][i], m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2),
+            acc_s[sl][nt][i] = mask.apply(acc_s[sl][nt][i], query_position(m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2)),
                                           n0 + 8 * nt + 2 * t + (i % 2));
     }
 #pragma unroll
@@ -267,7 +280,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // copy whole rows with no bounds checks. One loop, not a masked and an unmasked copy as in
   // FlashAttention-2: the two copies cost up to 30 more registers and spilled the 8-warp and
   // sm_75 tiles (docs/performance.md).
-  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  const int n_block_unmasked =
+      unmasked_key_tiles<Is_causal>(mask, Is_packed ? packed_rows.first : m0, kBlockN, n_block_max);
   int n_block = n_block_max - 1;  // below the first tile when no key is visible: no loop
   if constexpr (kStages == 1) {
     // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while

@@ -8,6 +8,7 @@
 //
 // Split-KV (flash_fwd_kernel's Is_split): split_key_tiles is the run of key tiles one split
 // visits, and SplitOutput the element type of the kernel's output argument (the fp32 workspace).
+// GQA packing with the causal mask (Is_packed): PackedRows, the query positions of a tile.
 #pragma once
 #include "fa_port.cuh"
 #include "flash_mask.cuh"
@@ -38,6 +39,40 @@ __device__ __forceinline__ void split_key_tiles(int& n_min, int& n_max, int n_ke
   n_min = split * per_split;
   n_max = n_min + per_split < n_max ? n_min + per_split : n_max;
 }
+
+// GQA packing with the causal mask: the query positions of a tile's rows [m0, m0 + Br) when row r
+// is position r mod Lg of head r div Lg (Lg = rows per head, total rows Lq = G·Lg). Within one
+// head the positions run with the rows; a tile that crosses into the next head holds position
+// Lg − 1 and position 0, so its key range is the whole of the last position's and its unmasked
+// tiles those of position 0.
+struct PackedRows {
+  int first, last;  // smallest and largest query position among the tile's rows
+
+  template <bool Is_packed>
+  __device__ __forceinline__ static PackedRows of(int m0, int Br, int Lq, int Lg) {
+    PackedRows p{m0, m0};
+    if constexpr (Is_packed) {
+      const int end = (m0 + Br < Lq ? m0 + Br : Lq) - 1;  // last existing row of the tile
+      if (m0 / Lg == end / Lg) {
+        p.first = m0 % Lg;
+        p.last = end % Lg;
+      } else {
+        p.first = 0;
+        p.last = Lg - 1;
+      }
+    } else {
+      (void)Br; (void)Lq; (void)Lg;
+    }
+    return p;
+  }
+
+  // One past the last key tile (width Bc) the tile's largest position sees (0: none).
+  template <bool Is_causal>
+  __device__ __forceinline__ int n_block_max(const Mask<Is_causal>& mask, int Bc) const {
+    const int n = mask.visible_keys(last);
+    return n <= 0 ? 0 : ceil_div(n, Bc);
+  }
+};
 
 // Element type of the forward kernel's output argument: T (out), or float for the split-KV
 // workspace O_s.

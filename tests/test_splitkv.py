@@ -10,7 +10,9 @@ emulator pretends ``tiles.EMULATOR_SM_COUNT``). The SIMT kernels (fp32, fp64) do
 
 GQA packing: the G query heads sharing a K/V head (broadcast batch dim) become the rows of one
 block, so K and V are read once per KV head: the emulator's per-array byte counters show exactly
-one pass over K and V per KV head for Lq = 1, against G passes unpacked.
+one pass over K and V per KV head for Lq = 1, against G passes unpacked. Causal packing with
+Lq > 1 (``Is_packed``: each row masked at its query position) is exact across query tiles that
+span two heads.
 """
 import numpy as np
 import pytest
@@ -255,16 +257,38 @@ def test_gqa_packing_decode_causal_and_layouts():
 
 
 def test_gqa_packing_prefill_rules():
-    """Lq > 1: packed only without the causal mask (rows g·Lq + i of one block would need the mask
-    at position i = row mod Lq) and where the G and Lq dims of q merge into one row stride."""
+    """1 < Lq < Br: packed where the G and Lq dims of q merge into one row stride; causal on the
+    tensor-core kernel (Is_packed: row g·Lq + i masked at position i), not on the SIMT ones."""
     q, k, v = qkv(np.float16, (1, 2, 4, 5, 64), (1, 2, 1, 80, 64))
     assert the_plan(q, k, v, False).gqa_group == 4
-    assert the_plan(q, k, v, True).gqa_group == 1
+    assert the_plan(q, k, v, True).gqa_group == 4
     check(q, k, v, False)
     check(q, k, v, True)
     qt = np.ascontiguousarray(np.swapaxes(q, 2, 3)).swapaxes(2, 3)   # (G, Lq) strides do not merge
     assert the_plan(qt, k, v, False).gqa_group == 1
     check(qt, k, v, False)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    assert the_plan(q32, k32, v32, True).gqa_group == 1 and the_plan(q32, k32, v32, False).gqa_group == 4
+    check(q32, k32, v32, True)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("G,Lq,Lk", [(4, 7, 300), (3, 50, 40), (8, 20, 20), (5, 63, 130)])
+def test_gqa_packing_causal_rows_span_heads(dt, G, Lq, Lk):
+    """Causal packing with query tiles that hold the end of one head and the start of the next
+    (Br = 128 at d = 64: 7·4, 50·3, 20·8, 63·5 rows), Lq > Lk (rows with no key), Lk < Bc; split
+    or not; K and V read once per KV head and query tile."""
+    q, k, v = qkv(DTYPES[dt], (2, 2, G, Lq, 64), (2, 2, 1, Lk, 64))
+    assert the_plan(q, k, v, True).gqa_group == G
+    out_u, lse_u = check(q, k, v, True, pack_gqa=False, num_splits=1)
+    for n in (1, 3):
+        c = []
+        out_p, lse_p = check(q, k, v, True, num_splits=n, counters=c)
+        # every packed query tile holds some head's last position, which sees all Lk keys
+        assert kv_read_bytes(c) == -(-G * Lq // 128) * 2 * 2 * Lk * 64 * 2 * 2
+        if n == 1:   # same rows, same key order per row: the same arithmetic as unpacked
+            np.testing.assert_array_equal(out_p, out_u)
+            np.testing.assert_array_equal(lse_p, lse_u)
 
 
 # ---- public API ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Static checks of the split-KV kernels with NVRTC (no GPU needed).
 
-The split variant of the tensor-core forward (``flash_fwd_kernel<..., Is_split = true>``) and the
-combine kernel (``flash_fwd_combine.cu``) compile for sm_75, sm_80, sm_86, sm_89 and sm_90 with
+The split variant of the tensor-core forward (``flash_fwd_kernel<..., Is_split = true>``), the
+causal GQA-packed variants (``Is_packed = true``, whole and split) and the combine kernel (``flash_fwd_combine.cu``) compile for sm_75, sm_80, sm_86, sm_89 and sm_90 with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers × threads within
 the register file — for the head dims the dense static test covers (64, 256, and D = 40 / Dv = 24),
 fp16 and bf16 where the arch has their tensor-core instruction, causal or not, aligned or not.
@@ -16,11 +16,6 @@ from conftest import requires_nvrtc
 pytestmark = requires_nvrtc
 
 REGISTER_FILE = 64 * 1024
-
-
-def split_name(tile, causal, aligned):
-    dense = tile.name_expression(causal, aligned)
-    return dense[:-1] + ", true>"
 
 
 def combine_name(dtype):
@@ -55,7 +50,11 @@ def test_split_kernels_compile_without_spills(arch):
             t = tiles.forward_tile(dt, d, dv, arch)
             for causal in (False, True):
                 for aligned in (False, True):
-                    threads[split_name(t, causal, aligned)] = t.n_threads
+                    threads[cuda_forward.forward_name_expression(t, causal, aligned, split=True)] = t.n_threads
+                    if causal:  # GQA packing with the causal mask, whole and split
+                        for split in (False, True):
+                            name = cuda_forward.forward_name_expression(t, causal, aligned, split, packed=True)
+                            threads[name] = t.n_threads
     _check(arch, "flash_fwd.cu", sorted(threads), threads)
     combine = {combine_name(dt): 32 * cuda_forward.COMBINE_ROWS for dt in ("float16", "bfloat16")}
     _check(arch, cuda_forward.COMBINE_SOURCE, sorted(combine), combine)

@@ -95,15 +95,18 @@ class ForwardPlan:
         # q, out and lse: same memory, same pointers; only shapes and strides change).
         batch, q_k, out_k, lse_k, rows = self.batch_shape, q, out, lse, Lq
         packed = None if pack_gqa is False else gqa_packing(q, k, v, out, lse, self.batch_shape, causal, tile)
+        packed_causal = False  # the kernel's Is_packed: the mask at each row's query position
         if packed is not None:
             batch, (q_k, out_k, lse_k), self.gqa_group = packed
             rows = q_k.shape[-2]
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
+            packed_causal = bool(causal)
         n_blocks = -(-rows // tile.block_m)
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
-        name_expr = tile.name_expression(causal=bool(causal), aligned=aligned)
+        name_expr = forward_name_expression(tile, bool(causal), aligned, split=splits > 1, packed=packed_causal)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
+        self.rows_per_group = Lq  # the kernel's query positions: row mod Lq (only Is_packed reads it)
         if splits > 1:
             # Partial results (*batch, splits, rows, Dv) and (*batch, splits, rows), fp32: the
             # kernel's o / lse arguments (arrays 5 and 6 of run), merged into out / lse by
@@ -111,7 +114,7 @@ class ForwardPlan:
             self.workspace = (batch + (splits, rows, Dv), batch + (splits, rows))
             o_ws = _stand_in(self.workspace[0], _contiguous_strides(self.workspace[0], np.float32), np.float32)
             l_ws = _stand_in(self.workspace[1], _contiguous_strides(self.workspace[1], np.float32), np.float32)
-            self._add_forward(launcher, name_expr[:-1] + ", true>", batch, (q_k, k, v, o_ws, l_ws), (0, 1, 2, 5, 6),
+            self._add_forward(launcher, name_expr, batch, (q_k, k, v, o_ws, l_ws), (0, 1, 2, 5, 6),
                               rows, Lk, D, Dv, scale_log2, n_blocks * splits)
             self._add_combine(launcher, batch, (o_ws, l_ws, out_k, lse_k), rows, Dv, splits)
         else:
@@ -149,7 +152,7 @@ class ForwardPlan:
                     *(L.c_longlong(s) for s in vs), L.c_longlong(row[2]),
                     *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]),
                     *(L.c_longlong(s) for s in ls),
-                    scale_log2)
+                    scale_log2) + ((L.c_int(self.rows_per_group),) if tile.kernel == "tensor_core" else ())
             self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
                                             (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
 
@@ -197,6 +200,15 @@ def combine_name_expression(dtype):
     return "flash::flash_fwd_combine_kernel<%s, %d>" % (tiles._CTYPE[tiles.dtype_name(dtype)], COMBINE_ROWS)
 
 
+def forward_name_expression(tile, causal, aligned, split=False, packed=False):
+    """The tensor-core forward's instantiation with its defaulted flags ``Is_split`` (split-KV) and
+    ``Is_packed`` (causal GQA packing) appended where set (the dense name is the tile table's)."""
+    name = tile.name_expression(causal=causal, aligned=aligned)
+    if packed:
+        return name[:-1] + ", %s, true>" % ("true" if split else "false")
+    return name[:-1] + ", true>" if split else name
+
+
 def _stand_in(shape, strides, dtype):
     """An array with ``shape`` and byte ``strides`` and no memory: what planning needs of a tensor."""
     return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(strides))
@@ -221,14 +233,14 @@ def gqa_packing(q, k, v, out, lse, batch_shape, causal, tile):
     as rows; q's group dims and its rows must nest into one row stride (any strides otherwise:
     BSHD views pack when Lq = 1). The packed problem has ``G·Lq`` rows, row ``g·Lq + i`` being
     query ``i`` of head ``g``. Applies to Lq = 1 (causal or not: the one query sees every key) and
-    to Lq > 1 without the causal mask and with Lq < Br (a causal row would need its mask at
-    position ``row mod Lq``, which the kernel does not do; with Lq >= Br the query tiles of a
-    head are full and packing saves little).
+    to 1 < Lq < Br (with Lq >= Br the query tiles of a head are full and packing saves little);
+    causal with Lq > 1 on the tensor-core kernel only, whose ``Is_packed`` variant masks each row
+    at its query position ``row mod Lq`` (the SIMT kernels do not).
     """
     n = len(batch_shape)
     Lq = q.shape[-2]
     group = [i for i in range(n) if batch_shape[i] > 1 and k.shape[i] == 1 and v.shape[i] == 1]
-    if not group or (Lq > 1 and (causal or Lq >= tile.block_m)):
+    if not group or (Lq > 1 and (Lq >= tile.block_m or (causal and tile.kernel != "tensor_core"))):
         return None
     if any(batch_shape[i] > 1 for i in range(group[0], n) if i not in group):
         return None  # a non-group dim inside the group: out / lse rows would not nest
