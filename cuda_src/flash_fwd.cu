@@ -51,7 +51,8 @@ namespace flash {
 // its unmasked tiles those of its smallest (0 when it spans two heads). rows_per_group is unused
 // otherwise (the host passes Lq).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
-          bool Is_causal, bool Is_aligned, bool Is_split = false, bool Is_packed = false>
+          bool Is_causal, bool Is_aligned, bool Is_split = false, bool Is_packed = false,
+          bool Has_seqlens_k = false, bool Is_paged = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  typename SplitOutput<T, Is_split>::type* __restrict__ o, float* __restrict__ lse,
@@ -61,7 +62,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long v_b0, long long v_b1, long long v_b2, long long v_row,
                  long long o_b0, long long o_b1, long long o_b2, long long o_row,
                  long long lse_b0, long long lse_b1, long long lse_b2,
-                 float scale_log2, int rows_per_group) {
+                 float scale_log2, int rows_per_group,
+                 const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
+                 long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
+                 long long k_page, long long v_page) {
   using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
@@ -90,6 +94,20 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
   // ---- where this block's tensors live --------------------------------------------------------
   const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  // Per-entry key lengths (KV cache): this block's entry e = b0·e_b0 + b1·e_b1 + b2·e_b2 sees
+  // seqlens_k[e] keys; from here on Lk is that count (mask, tail tile, split ranges). Paged K/V:
+  // the entry's row of the block table (k, v are then the page pools: batch strides = head
+  // strides, the entry's stride 0).
+  const int* table = nullptr;
+  if constexpr (Has_seqlens_k) {
+    const long long entry = bidx.offset(TensorStrides{e_b0, e_b1, e_b2, 0});
+    Lk = fa::gload(seqlens_k + entry);
+    if constexpr (Is_paged) table = block_table + entry * table_row;
+  } else {
+    (void)seqlens_k; (void)e_b0; (void)e_b1; (void)e_b2;
+  }
+  static_assert(!Is_paged || Has_seqlens_k, "Is_paged needs Has_seqlens_k");
+  if constexpr (!Is_paged) { (void)block_table; (void)table_row; (void)page_size; (void)k_page; (void)v_page; (void)table; }
   const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
   const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
   const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
@@ -146,14 +164,20 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // full: every row of the tile exists (every tile but the last one, n0 + Bc <= Lk); a literal or
   // a block-uniform flag, so the row test folds away or is one branch-free select per copy.
   auto load_k = [&](bool full, T* sK_dst, int n0) {
-    if constexpr (Is_aligned)
+    if constexpr (Is_paged)
+      load_tile_paged<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+          sK_dst, k_base, k_row, k_page, table, page_size, n0, rows_in_tile(n0, kBlockN, Lk), D, tid);
+    else if constexpr (Is_aligned)
       copy_k.load(full, sK_dst, k_base + n0 * k_row, rows_in_tile(n0, kBlockN, Lk));
     else
       load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(
           sK_dst, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
   };
   auto load_v = [&](bool full, T* sV_dst, int n0) {
-    if constexpr (Is_aligned)
+    if constexpr (Is_paged)
+      load_tile_paged<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
+          sV_dst, v_base, v_row, v_page, table, page_size, n0, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+    else if constexpr (Is_aligned)
       copy_v.load(full, sV_dst, v_base + n0 * v_row, rows_in_tile(n0, kBlockN, Lk));
     else
       load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(

@@ -124,3 +124,49 @@ struct TileCopy {
 };
 
 }  // namespace flash
+
+namespace flash {
+
+// Paged K/V (KV cache): the tile of key rows [n0, n0 + kRows) of one entry whose logical row r
+// lives in page table[r / page_size] at row r % page_size; base is the pool's (page 0, row 0) of
+// this head, page_stride the elements between pages. The page is looked up per copied row (any
+// page size, down to one row; the library asks for multiples of 16), so a key tile may span
+// several pages and pages are read in place, never gathered. Rows at or past rows_valid are
+// zero-filled and their page is not looked up (the table is read only for existing rows); the
+// copies are those of load_tile (cp.async 16-byte chunks when aligned, element-wise otherwise).
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+__device__ __forceinline__ void load_tile_paged(T* smem, const T* base, long long row_stride, long long page_stride,
+                                                const int* table, int page_size, int n0, int rows_valid,
+                                                int cols_valid, int tid) {
+  auto row_ptr = [&](int r) {  // global address of tile row r (r < rows_valid)
+    const int key = n0 + r;
+    const int page = fa::gload(table + key / page_size);
+    return base + page * page_stride + (key % page_size) * row_stride;
+  };
+  if constexpr (Is_aligned) {
+    constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
+    static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
+    constexpr int kChunksPerRow = kCols / kElemsPerCopy;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    for (int idx = tid; idx < kChunks; idx += kNThreads) {
+      const int r = idx / kChunksPerRow;
+      const int c = (idx % kChunksPerRow) * kElemsPerCopy;
+      int elems = cols_valid - c;
+      elems = elems < 0 ? 0 : (elems > kElemsPerCopy ? kElemsPerCopy : elems);
+      if (r >= rows_valid) elems = 0;
+      // Nothing to read: a valid source address all the same (the pool's first row, which exists
+      // whenever a tile is loaded), not read with src_bytes = 0.
+      const T* src = elems > 0 ? row_ptr(r) + c : base;
+      fa::cp_async<kCopyBytes>(smem + r * kStride + c, src, elems * static_cast<int>(sizeof(T)));
+    }
+  } else {
+    constexpr int kElems = kRows * kCols;
+    for (int idx = tid; idx < kElems; idx += kNThreads) {
+      const int r = idx / kCols;
+      const int c = idx % kCols;
+      smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(row_ptr(r) + c) : zero_value<T>();
+    }
+  }
+}
+
+}  // namespace flash

@@ -12,7 +12,7 @@ import pytest
 import flasharray as fa
 from flasharray import reference
 from flasharray.testing import assert_attention_close
-from flasharray._private import kvcache, validation
+from flasharray._private import cuda_forward, kvcache, validation
 from flasharray._private.dtypes import bfloat16
 from conftest import DTYPES, DTYPE_IDS, requires_gpu
 
@@ -136,22 +136,22 @@ def _host(x):
     return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x
 
 
-def _call(case, causal, backend):
+def _call(case, causal, backend, **opts):
     """flash_attention_with_kvcache on the backend's arrays; the caches (and results) come back
     into ``case`` on the host."""
     args = [_dev(x, backend) for x in case.args()]
     kwargs = {n: _dev(x, backend) for n, x in case.kwargs().items()}
     out, lse = fa.flash_attention_with_kvcache(*args, **kwargs, causal=causal, return_lse=True,
-                                               backend=backend)
+                                               backend=backend, **opts)
     if backend == "cuda":
         case.k_cache[...], case.v_cache[...] = _host(args[1]), _host(args[2])
     return _host(out), _host(lse)
 
 
-def run_and_check(case, causal, backend):
+def run_and_check(case, causal, backend, **opts):
     """Call, then check the cache writes, the untouched inputs and the output of every entry."""
     before = case.snapshot()
-    out, lse = _call(case, causal, backend)
+    out, lse = _call(case, causal, backend, **opts)
     k_want, v_want = case.expected_caches(before)
     assert _same_bytes(case.k_cache, k_want) and _same_bytes(case.v_cache, v_want)
     _assert_untouched(case, before)
@@ -335,7 +335,8 @@ BAD = [
      "k_cache and v_cache must agree on their first three dims"),
     ("backend", False, lambda c: None, TypeError, "backend='cuda' needs CuPy arrays"),
     ("paged kernel", True, lambda c: None, NotImplementedError,
-     "paged KV cache .* not supported on backend='emulator' yet"),
+     "paged KV cache .* on backend='emulator' needs the tensor-core forward .*float32 runs on the SIMT kernel.*"
+     "use backend='cpu'"),
 ]
 
 
@@ -381,6 +382,86 @@ def test_kernel_backends_contiguous_cache(backend, dtype, heads, causal, scenari
     run_and_check(case, causal, backend)
 
 
+# -- kernel backends: one tensor-core forward over the whole cache (per-entry key counts, pages) ---
+# float16 / bfloat16; D = 40, Dv = 24 (as above). Rows and pages a call must not read hold NaN.
+
+PAGED_SCENARIOS = [(1, 1, (5, 0, 33)), (3, 2, (0, 17, 70)), (2, 0, (1, 40, 0))]
+
+
+@pytest.mark.parametrize("scenario", PAGED_SCENARIOS, ids=["decode1", "chunk", "no-new"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
+def test_emulator_paged_cache(dtype, page, causal, scenario):
+    """Pages smaller than, equal to and larger than the key tile; a key tile may span pages."""
+    Lq, L_new, seqlens = scenario
+    heads = "gqa" if (page // 16 + causal) % 2 else "mha"
+    case = Case(dtype, Lq, L_new, seqlens, heads=heads, paged=True, L_cache=128 if page < 128 else 256,
+                page=page, D=40, seed=page + Lq)
+    run_and_check(case, causal, "emulator")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
+def test_emulator_kvcache_forced_splits(dtype, paged, num_splits):
+    """Split-KV over per-entry key counts: splits past an entry's keys are empty (lse -inf in the
+    workspace) and the combine merges the rest; an entry with no key gets out 0, lse -inf."""
+    case = Case(dtype, 3, 2, (0, 17, 95), heads="gqa" if paged else "mqa", paged=paged, L_cache=128,
+                page=32, D=40, seed=num_splits)
+    out, lse = run_and_check(case, True, "emulator", num_splits=num_splits)
+    case0 = Case(dtype, 1, 0, (0, 9), paged=paged, L_cache=128, page=32, D=40, seed=5)
+    out, lse = _call(case0, False, "emulator", num_splits=num_splits)
+    assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0])) and np.all(np.isfinite(lse[1]))
+
+
+def _counted_kvcache_launches(monkeypatch):
+    """Patches forward_kvcache to collect the emulator's per-launch counters."""
+    counters, original = [], cuda_forward.forward_kvcache
+    monkeypatch.setattr(cuda_forward, "forward_kvcache",
+                        lambda *a, **kw: original(*a, counters=counters, **kw))
+    return counters
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_one_forward_launch_for_differing_lengths(monkeypatch, num_splits):
+    """A contiguous cache whose entries all see different numbers of keys: one forward launch
+    (+ the split-KV combine), not one per run of equal lengths."""
+    counters = _counted_kvcache_launches(monkeypatch)
+    case = Case(np.float16, 1, 1, (5, 0, 33, 12, 40), heads="gqa", D=40, seed=2)
+    run_and_check(case, True, "emulator", num_splits=num_splits)
+    assert len(counters) == num_splits          # forward (+ combine)
+
+
+def test_paged_reads_only_the_touched_pages(monkeypatch):
+    """The emulator's byte counters: K and V bytes read are exactly the entries' visible rows (each
+    read once per KV head: GQA-packed decoding), out of a pool several times larger."""
+    counters = _counted_kvcache_launches(monkeypatch)
+    seqlens = (5, 0, 33)
+    case = Case(np.float16, 1, 1, seqlens, heads="gqa", paged=True, L_cache=128, page=16, D=64, Dv=64,
+                seed=4)
+    run_and_check(case, True, "emulator", num_splits=1)
+    (c,) = counters
+    H_kv, rows = case.k_cache.shape[1], sum(s + 1 for s in seqlens)
+    assert c.buffers[1].read_bytes == rows * H_kv * 64 * 2      # K: visible rows only
+    assert c.buffers[2].read_bytes == rows * H_kv * 64 * 2      # V
+    assert case.k_cache.nbytes >= 3 * c.buffers[1].read_bytes   # the pool is far larger
+
+
+def test_emulator_paged_float32_is_refused():
+    case = Case(np.float32, 1, 1, (5, 0, 33), paged=True)
+    before = case.snapshot()
+    with pytest.raises(NotImplementedError, match="float32 runs on the SIMT kernel.*backend='cpu'"):
+        fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator")
+    assert _same_bytes(case.k_cache, before["k_cache"])
+
+
+def test_num_splits_is_refused_on_cpu():
+    case = Case(np.float32, 1, 1, (5, 0, 33))
+    with pytest.raises(TypeError, match="num_splits"):
+        fa.flash_attention_with_kvcache(*case.args(), backend="cpu", num_splits=2)
+
+
 def _numpy_backed_cupy(monkeypatch, copies):
     """A CuPy stand-in whose arrays are NumPy arrays of a subclass named ``cupy.ndarray`` (which the
     array-kind check is told to take for CuPy), with the few functions the kvcache glue calls;
@@ -420,11 +501,13 @@ def test_cupy_glue_without_a_gpu(monkeypatch, paged):
         with pytest.raises(NotImplementedError, match="backend='cuda'"):
             fa.flash_attention_with_kvcache(*args[:4], **args[4])
         assert copies == [] and _same_bytes(case.k_cache, before["k_cache"])
-        # Once the kernel reads pages, replacing the two hook functions is all it takes.
+        # The tensor-core path (float16/bfloat16) hands the device arrays to one kernel call.
         seen = []
-        monkeypatch.setattr(kvcache, "_paged_kernel_support", lambda backend: None)
-        monkeypatch.setattr(kvcache, "_paged_kernel_forward",
-                            lambda c, lengths, table: seen.append((list(lengths), table.tolist())) or (None, None))
+        monkeypatch.setattr(kvcache, "_uses_kernel", lambda c: True)
+        monkeypatch.setattr(cuda_forward, "forward_kvcache",
+                            lambda q, k, v, lengths, table, **kw: seen.append((np.asarray(lengths).tolist(),
+                                                                                np.asarray(table).tolist()))
+                            or (None, None))
         fa.flash_attention_with_kvcache(*args[:4], **args[4])
         assert copies == [(3 + case.block_table.size,)]       # seqlens and table in one transfer
         assert seen == [([7, 3, 23], case.block_table.tolist())]
@@ -470,9 +553,9 @@ def test_cuda_float64_contiguous_cache():
 
 @pytest.mark.gpu
 @requires_gpu
-def test_cuda_paged_cache_is_refused_before_writing():
+def test_cuda_paged_float32_cache_is_refused_before_writing():
     import cupy
-    case = Case(np.float16, 1, 1, (5, 0, 33), paged=True)
+    case = Case(np.float32, 1, 1, (5, 0, 33), paged=True)
     dev = {n: cupy.asarray(x) for n, x in case.snapshot().items()}
     with pytest.raises(NotImplementedError, match="backend='cuda'"):
         fa.flash_attention_with_kvcache(dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"],

@@ -65,14 +65,15 @@ class ForwardPlan:
     """
 
     def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None,
-                 num_splits=None, pack_gqa=None):
+                 num_splits=None, pack_gqa=None, kv=None):
         self.launcher = launcher
+        self.kv = kv  # KVLayout: per-entry key lengths (and pages) of a KV cache, or None
         self.xp = launcher.xp()
         self.batch_shape = tuple(int(n) for n in batch_shape)
         self.dtype = q.dtype
         acc = _acc_dtype(self.dtype)
         Lq, D = q.shape[-2], q.shape[-1]
-        Lk, Dv = k.shape[-2], v.shape[-1]
+        Lk, Dv = (k.shape[-2] if kv is None else kv.Lk), v.shape[-1]
         self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m)
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))
@@ -104,7 +105,8 @@ class ForwardPlan:
         n_blocks = -(-rows // tile.block_m)
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
-        name_expr = forward_name_expression(tile, bool(causal), aligned, split=splits > 1, packed=packed_causal)
+        name_expr = forward_name_expression(tile, bool(causal), aligned, split=splits > 1, packed=packed_causal,
+                                            seqlens_k=kv is not None, paged=kv is not None and kv.paged)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
         self.rows_per_group = Lq  # the kernel's query positions: row mod Lq (only Is_packed reads it)
         if splits > 1:
@@ -141,8 +143,11 @@ class ForwardPlan:
     def _add_forward(self, launcher, name_expr, batch, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
         tile = self.tile
         row = [L.element_strides(a)[-2] for a in tensors[:4]]
-        for part in L.batch_layout(batch, list(tensors)):
-            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors
+        # The entry (first batch dim) of each block: a stand-in int tensor (B, 1, …) walked like the
+        # others, its offset and strides the kernel's entry index (KV cache only).
+        entries = _stand_in((batch[0],) + (1,) * (len(batch) - 1), (4,) + (0,) * (len(batch) - 1), np.int32)
+        for part in L.batch_layout(batch, list(tensors) + [entries]):
+            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors
             gy, gz = part.grid_yz
             args = (L.Ptr(keys[0], qo), L.Ptr(keys[1], ko), L.Ptr(keys[2], vo), L.Ptr(keys[3], oo),
                     L.Ptr(keys[4], lo),
@@ -152,9 +157,27 @@ class ForwardPlan:
                     *(L.c_longlong(s) for s in vs), L.c_longlong(row[2]),
                     *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]),
                     *(L.c_longlong(s) for s in ls),
-                    scale_log2) + ((L.c_int(self.rows_per_group),) if tile.kernel == "tensor_core" else ())
+                    scale_log2)
+            if tile.kernel == "tensor_core":
+                args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
             self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
                                             (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
+
+    def _kv_args(self, launcher, entry0, entry_strides):
+        """The tensor-core kernel's trailing KV-cache arguments: seqlens_k, block_table (array slots
+        7 and 8 of :meth:`run`), the entry strides, table row stride, page size and page strides
+        of k and v (zeros for a dense call, whose two pointers are never read: a one-int array the
+        plan keeps, since the emulator and checked launch paths take only arrays' addresses)."""
+        kv = self.kv
+        if kv is None:
+            if getattr(self, "_no_ints", None) is None:
+                self._no_ints = self.xp.empty(1, dtype=np.int32)
+            null = launcher.pointer(launcher.handle(self._no_ints))
+            return (null, null) + tuple(L.c_longlong(0) for _ in range(4)) + (L.c_int(0),) + (L.c_longlong(0),) * 2
+        table = L.Ptr(8, entry0 * kv.table_row) if kv.paged else L.Ptr(7, entry0)
+        return ((L.Ptr(7, entry0), table) + tuple(L.c_longlong(s) for s in entry_strides)
+                + (L.c_longlong(kv.table_row), L.c_int(kv.page_size), L.c_longlong(kv.k_page),
+                   L.c_longlong(kv.v_page)))
 
     def _add_combine(self, launcher, batch, tensors, Lq, Dv, splits):
         name_expr = combine_name_expression(self.dtype)
@@ -172,8 +195,9 @@ class ForwardPlan:
                                             (-(-Lq // COMBINE_ROWS), gy, gz), (COMBINE_ROWS * 32, 1, 1), args,
                                             shared_mem=splits * COMBINE_ROWS * 4))
 
-    def run(self, q, k, v, counters=None):
-        """``(out, lse)`` for arrays of the planned signature."""
+    def run(self, q, k, v, counters=None, seqlens_k=None, block_table=None):
+        """``(out, lse)`` for arrays of the planned signature (KV-cache plans: + the entries' key
+        counts, int32 (B,), and for paged caches the block table; k, v are then the caches)."""
         xp = self.xp
         if True in self.copy:
             q, k, v = (xp.ascontiguousarray(a) if c else a for a, c in zip((q, k, v), self.copy))
@@ -182,7 +206,10 @@ class ForwardPlan:
         arrays = (q, k, v, out, lse)
         if self.workspace is not None:
             arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
-        pointer, handles = self.launcher.pointer, tuple(map(self.launcher.handle, arrays))
+        if self.kv is not None:
+            arrays += (None,) * (7 - len(arrays)) + (seqlens_k, block_table)
+        handle = self.launcher.handle
+        pointer, handles = self.launcher.pointer, tuple(None if a is None else handle(a) for a in arrays)
         for launch in self.launches:
             c = launch(pointer, handles)
             if counters is not None and c is not None:
@@ -200,13 +227,18 @@ def combine_name_expression(dtype):
     return "flash::flash_fwd_combine_kernel<%s, %d>" % (tiles._CTYPE[tiles.dtype_name(dtype)], COMBINE_ROWS)
 
 
-def forward_name_expression(tile, causal, aligned, split=False, packed=False):
-    """The tensor-core forward's instantiation with its defaulted flags ``Is_split`` (split-KV) and
-    ``Is_packed`` (causal GQA packing) appended where set (the dense name is the tile table's)."""
+def forward_name_expression(tile, causal, aligned, split=False, packed=False, seqlens_k=False, paged=False):
+    """The tensor-core forward's instantiation with its defaulted flags ``Is_split`` (split-KV),
+    ``Is_packed`` (causal GQA packing), ``Has_seqlens_k`` (per-entry key lengths) and ``Is_paged``
+    (K/V read through a block table) appended up to the last one set (the dense name is the tile
+    table's)."""
     name = tile.name_expression(causal=causal, aligned=aligned)
-    if packed:
-        return name[:-1] + ", %s, true>" % ("true" if split else "false")
-    return name[:-1] + ", true>" if split else name
+    flags = [split, packed, seqlens_k or paged, paged]
+    while flags and not flags[-1]:
+        flags.pop()
+    if not flags:
+        return name
+    return name[:-1] + ", " + ", ".join("true" if f else "false" for f in flags) + ">"
 
 
 def _stand_in(shape, strides, dtype):
@@ -299,16 +331,80 @@ def cached(cache, key, make):
 
 
 def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None, block_m=None,
-         schedule="forward", seed=0, num_splits=None, pack_gqa=None):
+         schedule="forward", seed=0, num_splits=None, pack_gqa=None, kv=None):
     """The cached :class:`ForwardPlan` for this signature (made on first use)."""
     if num_splits is not None:
         num_splits = check_num_splits(num_splits)
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
-                                num_splits, pack_gqa))
+                                num_splits, pack_gqa, kv))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
                                                    launcher=launcher, kernel=kernel, block_m=block_m,
-                                                   num_splits=num_splits, pack_gqa=pack_gqa))
+                                                   num_splits=num_splits, pack_gqa=pack_gqa, kv=kv))
+
+
+class KVLayout(tuple):
+    """How a KV-cache forward reads its keys (part of the plan's key; no array values): ``paged``,
+    ``Lk`` (the key rows an entry may have: the cache length, or max_blocks·page_size), and for
+    paged caches the block table's row stride, the page size and the page strides of k and v
+    (elements)."""
+
+    __slots__ = ()
+
+    def __new__(cls, paged, Lk, table_row=0, page_size=0, k_page=0, v_page=0):
+        return tuple.__new__(cls, (bool(paged), int(Lk), int(table_row), int(page_size), int(k_page), int(v_page)))
+
+    paged = property(lambda self: self[0])
+    Lk = property(lambda self: self[1])
+    table_row = property(lambda self: self[2])
+    page_size = property(lambda self: self[3])
+    k_page = property(lambda self: self[4])
+    v_page = property(lambda self: self[5])
+
+
+def kvcache_kernel(dtype, head_dim, head_dim_v, device, arch=None):
+    """Whether :func:`forward_kvcache` runs for this dtype and head dims on ``device``: it needs the
+    tensor-core forward (float16 from sm_75, bfloat16 from sm_80; not the SIMT kernels)."""
+    if np.dtype(dtype).itemsize != 2:  # float32 / float64: SIMT, whatever the device
+        return False
+    launcher = L.make_launcher(device, arch=arch if device == "emulator" else None)
+    return kernel_for(dtype, head_dim, head_dim_v, launcher.arch).kernel == "tensor_core"
+
+
+def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal, scale, device, counters=None,
+                    arch=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None):
+    """One tensor-core forward over every entry of a KV cache, each with its own key count.
+
+    q : (B, H, Lq, D) or, GQA, (B, H_kv, G, Lq, D); k_cache, v_cache: (B, H_kv, L_cache, D|Dv)
+    contiguous, or (num_blocks, H_kv, page_size, D|Dv) page pools with ``block_table`` (B,
+    max_blocks) int32; seqlens_k: int32 (B,), the keys entry b sees (the kernel reads it: values
+    are not part of the plan). Entry b attends to its first seqlens_k[b] keys (causal: bottom-right
+    within them; none: out 0, lse -inf); paged, logical key r of entry b is row r % page_size of
+    page block_table[b, r // page_size], read in place. Split-KV and GQA packing as
+    :func:`forward`. Values are not checked here (flash_attention_with_kvcache does).
+    """
+    xp = L.xp_of(q)
+    k, v = k_cache, v_cache
+    if block_table is not None:  # the pools seen as (B, H_kv, page_size, ·): entry stride 0
+        ps = int(k_cache.shape[2])
+        k, v = (xp.lib.stride_tricks.as_strided(c, (q.shape[0],) + c.shape[1:], (0,) + c.strides[1:])
+                for c in (k_cache, v_cache))
+        block_table = xp.ascontiguousarray(block_table)
+        kv = KVLayout(True, block_table.shape[1] * ps, block_table.strides[0] // 4, ps,
+                      k_cache.strides[0] // k_cache.itemsize, v_cache.strides[0] // v_cache.itemsize)
+    else:
+        kv = KVLayout(False, k_cache.shape[2])
+    if q.ndim == 5:  # GQA: (B, H_kv, 1, L, ·) against q (B, H_kv, G, Lq, D)
+        k, v = k[:, :, None], v[:, :, None]
+    batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    p = plan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape, device=device, arch=arch,
+             schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa, kv=kv)
+    if p.tile.kernel != "tensor_core":
+        raise NotImplementedError("flasharray: forward_kvcache needs the tensor-core forward (float16 on sm_75+, "
+                                  "bfloat16 on sm_80+), got %s" % np.dtype(q.dtype).name)
+    if block_table is not None:
+        k, v = k_cache, v_cache  # bound as the pools: the kernel reaches pages through the table
+    return p.run(q, k, v, counters, xp.ascontiguousarray(seqlens_k), block_table)
 
 
 def check_num_splits(num_splits):

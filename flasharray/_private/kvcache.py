@@ -229,12 +229,23 @@ def _attend_contiguous(c, lengths):
     return out, lse
 
 
+def _check_num_splits(num_splits, backend):
+    if num_splits is None:
+        return None
+    if backend == "cpu":
+        raise TypeError("flasharray: option 'num_splits' only applies to backend='cuda' or 'emulator' "
+                        "(got backend='cpu'; use num_splits=None)")
+    from . import cuda_forward
+    return cuda_forward.check_num_splits(num_splits)
+
+
 def _forward_on_view(c, entries, n):
     """Attention of q[entries] over the first n keys of cache entries ``entries`` (views)."""
     q, k, v = c.q[entries], c.k_cache[entries, :, :n], c.v_cache[entries, :, :n]
     packed = _packable(c)
+    opts = {} if getattr(c, "num_splits", None) is None else {"num_splits": c.num_splits}
     out, lse = flash_attention_forward(_pack(q) if packed else q, _as_keys(c, k), _as_keys(c, v),
-                                       causal=c.causal and not packed, scale=c.scale, backend=c.backend)
+                                       causal=c.causal and not packed, scale=c.scale, backend=c.backend, **opts)
     batch = (out.shape[0],) + c.batch_shape[1:]
     return out.reshape(batch + (c.Lq, c.Dv)), lse.reshape(batch + (c.Lq,))
 
@@ -309,27 +320,39 @@ def _stage(cache, pages, rows, acc):
     return np.concatenate(views, axis=1, dtype=acc)
 
 
-def _paged_kernel_forward(c, lengths, table):
-    """Paged attention on the CUDA kernels (backends ``cuda`` and ``emulator``).
-
-    The hook for the forward kernel's paged mode: it needs, per batch entry, its own key count
-    ``lengths[b]`` and the page-table indirection in the K/V tile copy (logical key row r at page
-    ``block_table[b, r // page_size]``, row ``r % page_size``); see ``docs/kvcache.md``. Until the
-    kernel has them, :func:`_paged_kernel_support` refuses the call before anything is written.
-    """
-    raise NotImplementedError(_paged_kernel_support(c.backend))
+def _uses_kernel(c):
+    """cuda / emulator with the tensor-core forward (float16 from sm_75, bfloat16 from sm_80): one
+    forward launch over every entry, reading each entry's key count (and pages) on the device."""
+    if c.backend == "cpu":
+        return False
+    from . import cuda_forward
+    return cuda_forward.kvcache_kernel(c.dtype, c.D, c.Dv, c.backend)
 
 
-def _paged_kernel_support(backend):
-    """None when the kernels of ``backend`` read paged caches, else the reason they do not."""
-    return ("flasharray: a paged KV cache (block_table) is not supported on backend=%r yet: the CUDA "
-            "forward kernel has no page-table indirection (supported today: block_table with "
-            "backend='cpu', or a contiguous cache on every backend)" % backend)
+def _attend_kernel(c):
+    """:func:`cuda_forward.forward_kvcache` over the whole cache: entry b sees its first
+    ``cache_seqlens[b] + L_new`` keys, contiguous or through its row of the block table (pages read
+    in place); one forward launch (+ the split-KV combine) whatever the lengths."""
+    from . import cuda_forward
+    lengths = (c.seqlens + np.int32(c.L_new)).astype(np.int32)
+    return cuda_forward.forward_kvcache(c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal,
+                                        scale=c.scale, device=c.backend, num_splits=c.num_splits)
+
+
+def _paged_kernel_support(c):
+    """None when backend ``c.backend`` reads this paged cache, else why not (checked before anything
+    is written)."""
+    if c.backend == "cpu" or _uses_kernel(c):
+        return None
+    return ("flasharray: a paged KV cache (block_table) on backend=%r needs the tensor-core forward "
+            "(float16 on sm_75+, bfloat16 on sm_80+); %s runs on the SIMT kernel, which has no page-table "
+            "indirection: use backend='cpu' for a paged %s cache, or a contiguous cache"
+            % (c.backend, np.dtype(c.dtype).name, np.dtype(c.dtype).name))
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
                                  block_table=None, causal=True, scale=None, return_lse=False,
-                                 backend=None):
+                                 backend=None, num_splits=None):
     """Attention over a KV cache for incremental decoding; appends ``k_new``/``v_new`` in place.
 
     For each entry ``b`` of the first batch dim: writes ``k_new[b]``, ``v_new[b]`` into the cache
@@ -383,15 +406,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     """
     return_lse = val.check_flag("return_lse", return_lse)
     c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
-    if c.paged and c.backend != "cpu" and _paged_kernel_support(c.backend):
-        raise NotImplementedError(_paged_kernel_support(c.backend))
+    c.num_splits = _check_num_splits(num_splits, c.backend)
+    if c.paged and _paged_kernel_support(c):
+        raise NotImplementedError(_paged_kernel_support(c))
     seqlens, table = _host_values(c)
     lengths = _check_values(c, seqlens, table)
     _write_new(c)
-    if not c.paged:
+    if _uses_kernel(c):
+        out, lse = _attend_kernel(c)
+    elif not c.paged:
         out, lse = _attend_contiguous(c, lengths)
-    elif c.backend == "cpu":
-        out, lse = _attend_paged_cpu(c, lengths, table)
     else:
-        out, lse = _paged_kernel_forward(c, lengths, table)
+        out, lse = _attend_paged_cpu(c, lengths, table)
     return (out, lse) if return_lse else out
