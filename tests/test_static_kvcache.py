@@ -1,0 +1,40 @@
+"""Static checks of the KV-cache variants of the tensor-core forward with NVRTC (no GPU needed).
+
+``flash_fwd_kernel<..., Has_seqlens_k = true>`` (per-entry key counts) and ``<..., true, true>``
+(paged K/V through a block table), whole and split-KV, causal or not, causal GQA-packed, compile for
+sm_75, sm_80, sm_86, sm_89 and sm_90 with zero spills, no local stack, no static shared memory and
+registers × threads within the register file — fp16 and bf16 where the arch has their tensor-core
+instruction, for the head dims the dense static test covers (64, 256, and D = 40 / Dv = 24; the last
+also with unaligned rows, the element-wise copy). That the dense instantiations' SASS is untouched
+is what ``tests/test_sass.py`` and ``benchmarks/sass.py`` show (docs/performance.md).
+"""
+import pytest
+
+from flasharray._private import cuda_forward, tiles
+from conftest import requires_nvrtc
+from test_static_splitkv import _check
+
+pytestmark = requires_nvrtc
+
+
+def kvcache_names(arch):
+    threads = {}
+    for dt in ("float16", "bfloat16"):
+        if not tiles.tensor_cores_available(dt, arch):
+            continue
+        for d, dv in ((64, 64), (256, 256), (40, 24)):
+            t = tiles.forward_tile(dt, d, dv, arch)
+            for aligned in ((True, False) if d == 40 else (True,)):
+                for paged in (False, True):
+                    for split in (False, True):
+                        for causal, packed in ((False, False), (True, False), (True, True)):
+                            name = cuda_forward.forward_name_expression(t, causal, aligned, split, packed,
+                                                                        seqlens_k=True, paged=paged)
+                            threads[name] = t.n_threads
+    return threads
+
+
+@pytest.mark.parametrize("arch", tiles.ARCHS)
+def test_kvcache_kernels_compile_without_spills(arch):
+    threads = kvcache_names(arch)
+    _check(arch, "flash_fwd.cu", sorted(threads), threads)
