@@ -13,8 +13,11 @@ refused call writes nothing.
 
 Attention per backend:
 
-* contiguous cache, every backend: the public forward on views ``k_cache[b0:b1, :, :n]`` (no copy),
-  one call per run of consecutive entries with equal ``n_b``;
+* ``cuda``/``emulator`` with the tensor-core forward (float16, bfloat16), contiguous or paged: one
+  forward launch over every entry (:func:`cuda_forward.forward_kvcache`), the kernel reading each
+  entry's ``n_b`` (and its block-table row) on the device; pages are read in place;
+* contiguous cache otherwise (cpu; float32/float64 on the kernels): the public forward on views
+  ``k_cache[b0:b1, :, :n]`` (no copy), one call per run of consecutive entries with equal ``n_b``;
 * paged cache, ``cpu``: chunk by chunk of whole pages (``STAGE_ROWS`` keys; a page of that size
   or larger is a view ``k_cache[block_table[b, p]]``, smaller pages are staged into one bounded
   buffer), each chunk's attention (causal mask aligned to the entry's full key range) merged into
@@ -22,9 +25,9 @@ Attention per backend:
   gathered whole;
 * GQA packing, every path: for decoding (Lq = 1) or without a mask, the query heads sharing a KV
   head are stacked as rows of one problem (:func:`_packable`), so K/V are read once per KV head;
-* paged cache, ``cuda``/``emulator``: needs the page-table indirection inside the forward kernel
-  (split-KV work, not here yet): :func:`_paged_kernel_forward` is that hook and raises
-  ``NotImplementedError`` (``docs/kvcache.md`` says what the kernel needs).
+* paged float32/float64 cache on ``cuda``/``emulator``: the SIMT kernel has no page table, so
+  :func:`_paged_kernel_support` refuses it (``NotImplementedError`` naming ``backend='cpu'``)
+  before anything is written.
 """
 import numpy as np
 
@@ -388,8 +391,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     return_lse : bool, default False
         Also return the row log-sum-exp.
     backend : {None, "cpu", "cuda", "emulator"}
-        As for :func:`flash_attention`. A paged cache needs ``"cpu"`` today (``cuda`` and
-        ``emulator`` raise ``NotImplementedError`` until the forward kernel reads pages).
+        As for :func:`flash_attention`. On ``cuda``/``emulator`` float16/bfloat16 caches take one
+        forward launch for every entry (paged: pages read in place); a paged float32/float64 cache
+        needs ``"cpu"`` (``NotImplementedError`` otherwise).
+    num_splits : None or int, optional
+        ``cuda``/``emulator`` only: force the split-KV count of the forward (as
+        :func:`flash_attention_forward`); None picks it.
 
     Returns
     -------
