@@ -448,6 +448,26 @@ def test_paged_reads_only_the_touched_pages(monkeypatch):
     assert case.k_cache.nbytes >= 3 * c.buffers[1].read_bytes   # the pool is far larger
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_emulator_strided_cache(paged):
+    """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied."""
+    case = Case(np.float16, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd", D=40)
+    assert not case.k_cache.flags.c_contiguous
+    run_and_check(case, True, "emulator")
+
+
+def test_kvcache_plan_does_not_depend_on_the_lengths():
+    """One cached plan serves every call of a signature, whatever the lengths' and table's values."""
+    case = Case(np.float16, 1, 0, (5, 0, 33), paged=True, L_cache=64, D=40)
+    fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator")
+    plans = len(cuda_forward._PLANS)
+    case.cache_seqlens[:] = (20, 7, 1)
+    case.block_table[:] = case.block_table[::-1]
+    case.block_table[case.block_table < 0] = 0
+    fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator")
+    assert len(cuda_forward._PLANS) == plans
+
+
 def test_emulator_paged_float32_is_refused():
     case = Case(np.float32, 1, 1, (5, 0, 33), paged=True)
     before = case.snapshot()
