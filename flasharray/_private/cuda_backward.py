@@ -103,8 +103,7 @@ class _Runner:
 # ---------------------------------------------------------------------------------------------
 # Arrays
 def _aligned16(a):
-    ptr = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
-    return ptr % 16 == 0
+    return launch.device_address(a) % 16 == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,17 +204,6 @@ def _kernel_choice(dtype, arch, kernel):
     return kernel
 
 
-def _contiguous(shape, dtype):
-    """A memory-less array of ``shape`` with C-contiguous strides: what planning needs of a buffer
-    allocated per call (or of an input copied per call)."""
-    dtype = np.dtype(dtype)
-    st, acc = [], dtype.itemsize
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(int(n), 1)
-    return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(reversed(st)))
-
-
 class BackwardPlan:
     """The launches of one backward signature, prepared once (see ``cuda_forward.ForwardPlan``).
 
@@ -237,10 +225,10 @@ class BackwardPlan:
         # inputs: copied per call when the last axis is not contiguous (lse also cast to AccT)
         self.copy = {n: launch.kernel_ready(a) is not a for n, a in zip(_INPUTS[:5], (dout, q, k, v, out))}
         self.copy["lse"] = lse.dtype != acc or launch.kernel_ready(lse) is not lse
-        ready = {n: (_contiguous(a.shape, acc if n == "lse" else a.dtype) if self.copy[n] else a)
+        ready = {n: (launch.stand_in(a.shape, acc if n == "lse" else a.dtype) if self.copy[n] else a)
                  for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
         self.buffers = self._buffers(ready, deterministic, arch, stages)
-        arrays = dict(ready, **{n: _contiguous(shape, dt) for n, (shape, dt) in self.buffers.items()})
+        arrays = dict(ready, **{n: launch.stand_in(shape, dt) for n, (shape, dt) in self.buffers.items()})
         runner = _Runner(launcher)
         self._record(runner, arrays, causal=causal, scale=scale, deterministic=deterministic, arch=arch,
                      stages=stages)
@@ -263,7 +251,7 @@ class BackwardPlan:
         self.q_bcast = any(t["q"].shape[i] == 1 for i in dims)
         # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
         bufs["dq"] = (full + (Lq, D), acc) if self.q_bcast else (t["q"].shape, dtype)
-        qside = dict(t, **{n: _contiguous(*bufs[n]) for n in ("delta", "dqacc")})
+        qside = dict(t, **{n: launch.stand_in(*bufs[n]) for n in ("delta", "dqacc")})
         self.group, self.grid_b = _group_dims(qside, full, dims)
         self.partial = any(t["k"].shape[i] == 1 or t["v"].shape[i] == 1 for i in self.grid_b)
         if self.partial:

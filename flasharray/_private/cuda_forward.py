@@ -38,16 +38,12 @@ def _is_aligned(arrays):
     """cp.async path: every row of q, k, v starts on a 16-byte boundary."""
     for a in arrays:
         vec = 16 // a.itemsize
-        if _data_ptr(a) % 16:
+        if L.device_address(a) % 16:
             return False
         st = L.element_strides(a)
         if any(s % vec for n, s in zip(a.shape[:-1], st[:-1]) if n > 1):
             return False
     return True
-
-
-def _data_ptr(a):
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
 def _needs_copy(a):
@@ -88,8 +84,8 @@ class ForwardPlan:
         self.workspace = None  # split-KV: shapes of the fp32 partial O and LSE
         if Lq * Dv == 0 or 0 in self.batch_shape:
             return
-        out = _stand_in(self.out_shape, _contiguous_strides(self.out_shape, self.dtype), self.dtype)
-        lse = _stand_in(self.lse_shape, _contiguous_strides(self.lse_shape, acc), acc)
+        out = L.stand_in(self.out_shape, self.dtype)
+        lse = L.stand_in(self.lse_shape, acc)
         tile = self.tile
         aligned = _is_aligned((q, k, v))
         # GQA packing: the query heads sharing a K/V head become rows of one block (a re-view of
@@ -114,8 +110,8 @@ class ForwardPlan:
             # kernel's o / lse arguments (arrays 5 and 6 of run), merged into out / lse by
             # flash_fwd_combine.cu.
             self.workspace = (batch + (splits, rows, Dv), batch + (splits, rows))
-            o_ws = _stand_in(self.workspace[0], _contiguous_strides(self.workspace[0], np.float32), np.float32)
-            l_ws = _stand_in(self.workspace[1], _contiguous_strides(self.workspace[1], np.float32), np.float32)
+            o_ws = L.stand_in(self.workspace[0], np.float32)
+            l_ws = L.stand_in(self.workspace[1], np.float32)
             self._add_forward(launcher, name_expr, batch, (q_k, k, v, o_ws, l_ws), (0, 1, 2, 5, 6),
                               rows, Lk, D, Dv, scale_log2, n_blocks * splits)
             self._add_combine(launcher, batch, (o_ws, l_ws, out_k, lse_k), rows, Dv, splits)
@@ -145,7 +141,7 @@ class ForwardPlan:
         row = [L.element_strides(a)[-2] for a in tensors[:4]]
         # The entry (first batch dim) of each block: a stand-in int tensor (B, 1, …) walked like the
         # others, its offset and strides the kernel's entry index (KV cache only).
-        entries = _stand_in((batch[0],) + (1,) * (len(batch) - 1), (4,) + (0,) * (len(batch) - 1), np.int32)
+        entries = L.stand_in((batch[0],) + (1,) * (len(batch) - 1), np.int32, (4,) + (0,) * (len(batch) - 1))
         for part in L.batch_layout(batch, list(tensors) + [entries]):
             (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors
             gy, gz = part.grid_yz
@@ -241,11 +237,6 @@ def forward_name_expression(tile, causal, aligned, split=False, packed=False, se
     return name[:-1] + ", " + ", ".join("true" if f else "false" for f in flags) + ">"
 
 
-def _stand_in(shape, strides, dtype):
-    """An array with ``shape`` and byte ``strides`` and no memory: what planning needs of a tensor."""
-    return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(strides))
-
-
 def _merged_row_stride(dims):
     """The element stride of dims [(size, stride), ...] (outer first) walked as one, or None when
     they do not nest (stride_i = size_{i+1} · stride_{i+1})."""
@@ -288,17 +279,9 @@ def gqa_packing(q, k, v, out, lse, batch_shape, causal, tile):
         if nrow == 2:
             shape.append(a.shape[-1])
             strides.append(a.strides[-1])
-        packed.append(_stand_in(shape, strides, a.dtype))
+        packed.append(L.stand_in(shape, a.dtype, strides))
     batch = tuple(1 if i in group else batch_shape[i] for i in range(n))
     return batch, tuple(packed), int(np.prod([batch_shape[i] for i in group]))
-
-
-def _contiguous_strides(shape, dtype):
-    st, acc = [], np.dtype(dtype).itemsize
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(st))
 
 
 def signature(arrays, extra=()):

@@ -393,12 +393,22 @@ def xp_of(a):
 
 
 def device_address(a):
-    """Address of element 0 of a CuPy array (``a.data.ptr``; a NumPy array's own address, for
-    the CuPy stand-in of the tests)."""
-    try:
-        return a.data.ptr
-    except AttributeError:
-        return a.ctypes.data
+    """Address of element 0: ``a.data.ptr`` for a CuPy array, ``a.ctypes.data`` for a NumPy one
+    (the emulator's alignment checks; the CuPy stand-in of the tests)."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def stand_in(shape, dtype, strides=None):
+    """An array of ``shape`` with byte ``strides`` (default C-contiguous) and no memory: what
+    planning needs of a tensor that is allocated, copied or re-viewed per call."""
+    dtype = np.dtype(dtype)
+    if strides is None:
+        st, acc = [], dtype.itemsize
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= max(int(n), 1)
+        strides = reversed(st)
+    return np.lib.stride_tricks.as_strided(np.empty(0, dtype), tuple(shape), tuple(strides))
 
 
 def element_strides(a):
