@@ -23,9 +23,14 @@ namespace flash {
 // Smallest power of two >= n (n >= 1).
 __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
 
-template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_stride,
-                                          int rows_valid, int cols_valid, int tid) {
+// A kRows x kCols tile into shared memory (row pitch kStride), global row r at row_ptr(r) (called
+// only for r < rows_valid); fallback is an address that always exists. Rows at or past rows_valid
+// and columns at or past cols_valid are zero-filled. Aligned: cp.async 16-byte chunks (a chunk with
+// nothing to read still gets the valid fallback address and src_bytes = 0, so it is not read);
+// otherwise element-wise.
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned, typename RowPtr>
+__device__ __forceinline__ void load_tile_rows(T* smem, RowPtr row_ptr, const T* fallback, int rows_valid,
+                                               int cols_valid, int tid) {
   if constexpr (Is_aligned) {
     constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
     static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
@@ -37,9 +42,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_
       int elems = cols_valid - c;
       elems = elems < 0 ? 0 : (elems > kElemsPerCopy ? kElemsPerCopy : elems);
       if (r >= rows_valid) elems = 0;
-      // A chunk with nothing to read still gets a valid source address (row 0 of the tile,
-      // which always exists); with src_bytes = 0 it is not read.
-      const T* src = elems > 0 ? gmem + r * row_stride + c : gmem;
+      const T* src = elems > 0 ? row_ptr(r) + c : fallback;
       fa::cp_async<kCopyBytes>(smem + r * kStride + c, src, elems * static_cast<int>(sizeof(T)));
     }
   } else {
@@ -47,10 +50,17 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_
     for (int idx = tid; idx < kElems; idx += kNThreads) {
       const int r = idx / kCols;
       const int c = idx % kCols;
-      smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(gmem + r * row_stride + c)
-                                                                 : zero_value<T>();
+      smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(row_ptr(r) + c) : zero_value<T>();
     }
   }
+}
+
+// A tile of rows at a fixed row stride from gmem (row 0 of the tile always exists).
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_stride,
+                                          int rows_valid, int cols_valid, int tid) {
+  load_tile_rows<T, kRows, kCols, kStride, kNThreads, Is_aligned>(
+      smem, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 
 }  // namespace flash
@@ -143,30 +153,8 @@ __device__ __forceinline__ void load_tile_paged(T* smem, const T* base, long lon
     const int page = fa::gload(table + key / page_size);
     return base + page * page_stride + (key % page_size) * row_stride;
   };
-  if constexpr (Is_aligned) {
-    constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
-    static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
-    constexpr int kChunksPerRow = kCols / kElemsPerCopy;
-    constexpr int kChunks = kRows * kChunksPerRow;
-    for (int idx = tid; idx < kChunks; idx += kNThreads) {
-      const int r = idx / kChunksPerRow;
-      const int c = (idx % kChunksPerRow) * kElemsPerCopy;
-      int elems = cols_valid - c;
-      elems = elems < 0 ? 0 : (elems > kElemsPerCopy ? kElemsPerCopy : elems);
-      if (r >= rows_valid) elems = 0;
-      // Nothing to read: a valid source address all the same (the pool's first row, which exists
-      // whenever a tile is loaded), not read with src_bytes = 0.
-      const T* src = elems > 0 ? row_ptr(r) + c : base;
-      fa::cp_async<kCopyBytes>(smem + r * kStride + c, src, elems * static_cast<int>(sizeof(T)));
-    }
-  } else {
-    constexpr int kElems = kRows * kCols;
-    for (int idx = tid; idx < kElems; idx += kNThreads) {
-      const int r = idx / kCols;
-      const int c = idx % kCols;
-      smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(row_ptr(r) + c) : zero_value<T>();
-    }
-  }
+  // the fallback: the pool's first row, which exists whenever a tile is loaded
+  load_tile_rows<T, kRows, kCols, kStride, kNThreads, Is_aligned>(smem, row_ptr, base, rows_valid, cols_valid, tid);
 }
 
 }  // namespace flash
