@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import philox
 from .blas import single_threaded_blas
 from .dtypes import accumulation_dtype
 from ..reference import reduce_to_shape
@@ -139,12 +140,15 @@ def _key_end(i1, Lk, causal, offset):
     return min(Lk, i1 + offset) if causal else Lk
 
 
-def forward(q, k, v, *, causal, scale, batch_shape):
+def forward(q, k, v, *, causal, scale, batch_shape, ext=None):
     """Tiled forward. q, k, v carry ``len(batch_shape)`` batch dims (size n or 1 each).
 
-    Returns ``out (*batch_shape, Lq, Dv)`` in q's dtype and ``lse (*batch_shape, Lq)`` in the
-    accumulation dtype.
+    ``ext``: None for a plain call, or an :class:`~.extensions.Extensions` (docs/extensions.md),
+    which takes the extension path below. Returns ``out (*batch_shape, Lq, Dv)`` in q's dtype and
+    ``lse (*batch_shape, Lq)`` in the accumulation dtype.
     """
+    if ext is not None and ext.features():
+        return _forward_ext(q, k, v, causal, scale, tuple(batch_shape), ext)
     acc = accumulation_dtype(q.dtype)
     Lq, Lk, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     offset = Lk - Lq  # bottom-right causal alignment: query i sees key j iff j <= i + offset
@@ -214,8 +218,13 @@ def _forward_block(q_rows, K_aug, V_aug, i0, i1, causal, scale, offset, acc):
     return O, lse_i
 
 
-def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape):
-    """Tiled backward recomputing P from lse. Returns (dq, dk, dv) with the shapes of q, k, v."""
+def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, ext=None):
+    """Tiled backward recomputing P from lse. Returns (dq, dk, dv) with the shapes of q, k, v.
+
+    ``ext`` as for :func:`forward` (the same values as the forward that produced out and lse).
+    """
+    if ext is not None and ext.features():
+        return _backward_ext(dout, q, k, v, out, lse, causal, scale, tuple(batch_shape), ext)
     acc = accumulation_dtype(q.dtype)
     Lq, Lk = q.shape[-2], k.shape[-2]
     offset = Lk - Lq
@@ -280,3 +289,234 @@ def _backward_chunk(Q_aug, Q, dO, dO_aug, K_aug, V_aug, dq_b, dk_b, dv_b, blocks
             dS_ij = np.multiply(P_ij, dP_ij, out=dP_ij)
             dK_j += dS_ij.T @ Q[i0:i1]
             dq_b[i0:i1] += dS_ij @ K_j_plain
+
+
+# -- Extensions (docs/extensions.md): dropout, block_mask, window, ALiBi, softcap, seqlens -------
+#
+# A separate tiled path, used only when a call has extensions. The augmented operands above fold
+# -m_i into the product, which no longer holds once softcap (nonlinear in S) or ALiBi (a bias per
+# entry) change the scores, so here each tile goes through the textbook steps:
+#
+#     S_ij = scale·Q_i K_jᵀ                              # BLAS
+#     S_ij = softcap·tanh(S_ij/softcap) − slope·|i + off − j|,  -inf where key j is hidden
+#     online softmax (exact running max m_i, sum l_i);  P̃_ij = P_ij ∘ keep_ij   (dropout)
+#     O_i  = exp(m_old − m_new)·O_i + P̃_ij V_j           # BLAS; O_i /= (1 − p)·l_i at the end
+#
+# Tiles nobody sees are never formed and their K_j, V_j never read: key ranges outside the
+# causal/window band or beyond Lk_b, and key blocks whose block-mask entries are all False for
+# the query tile (spans follow the runs of visible blocks). Rows ≥ Lq_b are never computed
+# (out 0, lse −inf, zero gradients).
+
+# Tile sizes of the extension path: the dense path's, except that with a block mask the tile
+# that walks the mask's rows (forward: query tile; backward: key tile) is a multiple of the
+# block, about EXT_MASKED_TILE long, so that skipping follows the blocks closely.
+EXT_BLOCK_Q, EXT_BLOCK_K = BLOCK_Q, BLOCK_K
+EXT_BWD_BLOCK_Q, EXT_BWD_BLOCK_K = BWD_BLOCK_Q, BWD_BLOCK_K
+EXT_MASKED_TILE = 128
+
+
+def _aligned(width, block):
+    """The multiple of ``block`` nearest below ``width`` (at least ``block``)."""
+    return block * max(1, width // block)
+
+
+def _spans(lo, hi, visible, B, width):
+    """``[lo, hi)`` cut into pieces of at most ``width``, leaving out the blocks of size ``B``
+    whose entry of ``visible`` (one bool per block; None: all visible) is False."""
+    runs = [(lo, hi)]
+    if visible is not None:
+        flags = np.concatenate(([0], visible.astype(np.int8), [0]))
+        edges = np.flatnonzero(np.diff(flags))            # starts and ends of runs of True
+        runs = [(max(lo, int(a) * B), min(hi, int(z) * B)) for a, z in zip(edges[::2], edges[1::2])]
+    return [(s, min(s + width, end)) for start, end in runs for s in range(start, end, width)]
+
+
+def _dropout_keep(seed, offset, bh, i0, i1, j0, j1, thresh):
+    """Boolean tile ``(i1-i0, j1-j0)``: True where dropout keeps P (bit-identical to
+    :func:`philox.keep_mask`). One Philox call per 8 columns, not per column as uniform16."""
+    g0, g1 = j0 >> 3, (j1 + 7) >> 3
+    groups = np.arange(g0, g1, dtype=np.uint64)[None, :]
+    rows = np.arange(i0, i1, dtype=np.uint64)[:, None]
+    words = philox.philox4x32((groups, rows, bh, offset), (seed & 0xFFFFFFFF, seed >> 32))
+    w = np.stack(np.broadcast_arrays(*words), axis=-1)            # (rows, groups, 4) uint32
+    # Column 8g + c takes bits 16·(c & 1) of word c >> 1: the little-endian uint16 halves in order.
+    u16 = w.astype("<u4", copy=False).view("<u2").reshape(i1 - i0, 8 * (g1 - g0))
+    return u16[:, j0 - 8 * g0:j1 - 8 * g0] >= thresh
+
+
+class _Entry:
+    """One batch entry ``b`` of an extension call: its lengths and alignment, band, ALiBi slope,
+    block-mask slice and dropout stream (docs/extensions.md, "The score of one entry")."""
+
+    def __init__(self, b, ext, batch_shape, Lq, Lk, causal, acc):
+        e = b[0] if b else 0                     # seqlens index the first batch dim
+        self.Lq = Lq if ext.seqlens_q is None else int(ext.seqlens_q[e])
+        self.Lk = Lk if ext.seqlens_k is None else int(ext.seqlens_k[e])
+        self.off = self.Lk - self.Lq             # bottom-right alignment of this entry
+        self.causal = causal
+        self.left, self.right = ext.window if ext.window is not None else (-1, -1)
+        self.softcap = ext.softcap
+        self.slope = (None if ext.alibi_slopes is None
+                      else acc.type(ext.alibi_slopes[_batch_index(b, ext.alibi_slopes.shape)]))
+        self.blocks = (None if ext.block_mask is None
+                       else ext.block_mask[_batch_index(b, ext.block_mask.shape[:-2])])
+        self.Bq, self.Bk = ext.block_size
+        self.dropout = ext.dropout
+        if self.dropout:
+            self.bh = int(np.ravel_multi_index(b, batch_shape)) if b else 0
+            self.seed, self.offset = ext.seed, ext.offset
+            self.thresh = philox.threshold(ext.dropout_p)
+            self.inv_keep = acc.type(1.0 / (1.0 - ext.dropout_p))
+
+    def key_band(self, i0, i1):
+        """Keys ``[lo, hi)`` that some row of ``[i0, i1)`` may see (causal, window, Lk_b)."""
+        lo, hi = 0, self.Lk
+        if self.causal:
+            hi = min(hi, i1 + self.off)                  # j <= i + off
+        if self.right >= 0:
+            hi = min(hi, i1 + self.off + self.right)     # j <= i + off + r
+        if self.left >= 0:
+            lo = max(lo, i0 + self.off - self.left)      # j >= i + off - l
+        return lo, max(lo, hi)
+
+    def query_band(self, j0, j1):
+        """Rows ``[lo, hi)`` that may see some key of ``[j0, j1)`` (the same three conditions)."""
+        lo, hi = 0, self.Lq
+        if self.causal:
+            lo = max(lo, j0 - self.off)
+        if self.right >= 0:
+            lo = max(lo, j0 - self.off - self.right)
+        if self.left >= 0:
+            hi = min(hi, j1 + self.left - self.off)
+        return lo, max(lo, hi)
+
+    def key_spans(self, i0, i1, width):
+        """Key tiles for query rows ``[i0, i1)``: the band less the all-False mask blocks."""
+        lo, hi = self.key_band(i0, i1)
+        visible = None
+        if self.blocks is not None:
+            visible = self.blocks[i0 // self.Bq:-(-i1 // self.Bq)].any(axis=0)
+        return _spans(lo, hi, visible, self.Bk, width)
+
+    def query_spans(self, j0, j1, width):
+        """Query tiles for keys ``[j0, j1)`` (the backward's inner loop)."""
+        lo, hi = self.query_band(j0, j1)
+        visible = None
+        if self.blocks is not None:
+            visible = self.blocks[:, j0 // self.Bk:-(-j1 // self.Bk)].any(axis=1)
+        return _spans(lo, hi, visible, self.Bq, width)
+
+    def hidden(self, i0, i1, j0, j1):
+        """Boolean tile, True where row i cannot see key j; None when the whole tile is visible."""
+        hide = None
+        if ((self.causal and j1 - 1 > i0 + self.off)
+                or (self.right >= 0 and j1 - 1 > i0 + self.off + self.right)
+                or (self.left >= 0 and j0 < i1 - 1 + self.off - self.left)):
+            d = np.arange(j0, j1)[None, :] - np.arange(i0 + self.off, i1 + self.off)[:, None]
+            hide = np.zeros(d.shape, dtype=bool)     # d = j − (i + off)
+            if self.causal:
+                hide |= d > 0
+            if self.right >= 0:
+                hide |= d > self.right
+            if self.left >= 0:
+                hide |= d < -self.left
+        if self.blocks is not None:
+            b0, c0 = i0 // self.Bq, j0 // self.Bk
+            sub = self.blocks[b0:-(-i1 // self.Bq), c0:-(-j1 // self.Bk)]
+            if not sub.all():
+                rows = np.arange(i0, i1) // self.Bq - b0
+                cols = np.arange(j0, j1) // self.Bk - c0
+                blocked = ~sub[np.ix_(rows, cols)]
+                hide = blocked if hide is None else hide | blocked
+        return hide
+
+    def scores(self, S, i0, j0, want_tanh=False):
+        """Softcap, ALiBi and the mask applied to the tile ``S = scale·Q_i K_jᵀ`` (in place).
+
+        Returns ``(S, T)`` with ``T = tanh(S_raw / softcap)`` (the backward's 1 − T² factor) when
+        ``want_tanh`` and softcap is set, else ``T = None``."""
+        i1, j1 = i0 + S.shape[0], j0 + S.shape[1]
+        T = None
+        if self.softcap is not None:
+            cap = S.dtype.type(self.softcap)
+            S *= 1 / cap
+            np.tanh(S, out=S)
+            if want_tanh:
+                T = S.copy()
+            S *= cap
+        if self.slope is not None:
+            dist = np.abs(np.arange(i0 + self.off, i1 + self.off)[:, None] - np.arange(j0, j1)[None, :])
+            S -= self.slope * dist.astype(S.dtype)       # FlashAttention-2's ALiBi: −slope·|i + off − j|
+        hide = self.hidden(i0, i1, j0, j1)
+        if hide is not None:
+            np.copyto(S, -np.inf, where=hide)
+        return S, T
+
+    def keep(self, i0, i1, j0, j1):
+        """Dropout's keep tile for rows ``[i0, i1)``, keys ``[j0, j1)``."""
+        return _dropout_keep(self.seed, self.offset, self.bh, i0, i1, j0, j1, self.thresh)
+
+
+def _entry_arrays(b, *arrays):
+    """The 2-D slices of entry ``b`` of arrays with batch dims (size 1 where broadcast)."""
+    return tuple(x[_batch_index(b, x.shape[:-2])] for x in arrays)
+
+
+def _forward_ext(q, k, v, causal, scale, batch_shape, ext):
+    """Forward of an extension call (same results layout as :func:`forward`)."""
+    acc = accumulation_dtype(q.dtype)
+    Lq, Lk, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    # Rows that are never computed (≥ Lq_b, or seeing no key) keep out = 0 and lse = -inf.
+    out = np.zeros(batch_shape + (Lq, Dv), dtype=q.dtype)
+    lse = np.full(batch_shape + (Lq,), -np.inf, dtype=acc)
+    batches = list(np.ndindex(*batch_shape))
+    Br = EXT_BLOCK_Q if ext.block_mask is None else _aligned(EXT_MASKED_TILE, ext.block_size[0])
+    n_qblocks = -(-Lq // Br)
+
+    def work(item):
+        b, (blk0, blk1) = item
+        ent = _Entry(b, ext, batch_shape, Lq, Lk, causal, acc)
+        q_b, k_b, v_b = _entry_arrays(b, q, k, v)
+        for i0 in range(blk0 * Br, min(blk1 * Br, ent.Lq), Br):
+            i1 = min(i0 + Br, ent.Lq)
+            O_i, lse_i = _forward_block_ext(ent, q_b[i0:i1], k_b, v_b, i0, scale, acc)
+            out[b + (slice(i0, i1),)] = O_i
+            lse[b + (slice(i0, i1),)] = lse_i
+
+    _map(work, [(b, c) for b in batches for c in _chunks(n_qblocks, len(batches))])
+    return out, lse
+
+
+def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
+    """Query rows ``[i0, i0 + Br)`` against the key tiles they see; returns (O_i, lse_i)."""
+    Br, Dv = q_rows.shape[0], v_b.shape[-1]
+    Q_i = np.asarray(q_rows, dtype=acc) * acc.type(scale)          # Br×D: scale·Q_i
+    m_i = np.full(Br, -np.inf, dtype=acc)                          # running row max
+    l_i = np.zeros(Br, dtype=acc)                                  # running sum of undropped P
+    O_i = np.zeros((Br, Dv), dtype=acc)                            # unnormalised output
+    for j0, j1 in ent.key_spans(i0, i0 + Br, EXT_BLOCK_K):
+        K_j = np.asarray(k_b[j0:j1], dtype=acc)                    # Bc×D
+        S_ij, _ = ent.scores(Q_i @ K_j.T, i0, j0)                  # Br×Bc
+        # -- update m_i; rows that have seen no key yet keep m = -inf and subtract 0 instead
+        #    (exp(-inf - -inf) would be NaN).
+        m_new = np.maximum(m_i, S_ij.max(axis=1))
+        m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(acc, copy=False)
+        alpha = np.exp(m_i - m_safe)                               # 0 where m_i was -inf
+        S_ij -= m_safe[:, None]
+        P_ij = np.exp(S_ij, out=S_ij)
+        # -- update l_i (undropped: lse is of the undropped scores) and O_i (dropped P)
+        l_i = alpha * l_i + P_ij.sum(axis=1)
+        if ent.dropout:
+            np.multiply(P_ij, ent.keep(i0, i0 + Br, j0, j1), out=P_ij)
+        O_i *= alpha[:, None]
+        O_i += P_ij @ np.asarray(v_b[j0:j1], dtype=acc)
+        m_i = m_new
+    seen = l_i > 0
+    O = np.divide(O_i, l_i[:, None], out=np.zeros_like(O_i), where=seen[:, None])
+    if ent.dropout:
+        O *= ent.inv_keep                                          # kept P scaled by 1/(1 − p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf).astype(acc)
+    nan_rows = np.isnan(l_i)        # a NaN score makes the row NaN, as in the reference
+    O[nan_rows], lse_i[nan_rows] = np.nan, np.nan
+    return O, lse_i

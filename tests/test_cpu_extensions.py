@@ -1,0 +1,233 @@
+"""cpu backend extensions (docs/extensions.md): dropout, block_mask, window, ALiBi, softcap and
+per-entry lengths, alone and composed, forward and backward, under the DESIGN.md rule (2x the
+naive error for out/lse, 3x for gradients).
+
+``brute`` below is a materialised NumPy statement of the specification (float64, or naive in a
+precision p for the rule's naive error); its backward is checked against finite differences, and
+dropout masks against ``philox.keep_mask``.
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import cpu, philox
+from flasharray._private.dtypes import ATOL, accumulation_dtype, canonical_dtype
+from flasharray._private.extensions import Extensions
+from flasharray.reference import reduce_to_shape
+from flasharray.testing import _compare
+
+from conftest import DTYPES, DTYPE_IDS, make_qkv
+
+
+# -- the specification, materialised -------------------------------------------------------------
+
+def _rounder(dtype):
+    """Round-after-every-step in ``dtype`` (float64 when None), values kept in its accumulation dtype."""
+    p = canonical_dtype(np.float64 if dtype is None else dtype)
+    acc = accumulation_dtype(p)
+    return (lambda x: np.asarray(x).astype(p).astype(acc)), acc
+
+
+def _visible(batch, Lq, Lk, causal, kw):
+    """Boolean (*batch, Lq, Lk) visibility and the per-entry offset (*batch, 1, 1)."""
+    n = len(batch)
+    B = batch[0] if n else 1
+    lq = np.full(B, Lq) if kw.get("seqlens_q") is None else np.asarray(kw["seqlens_q"], np.int64)
+    lk = np.full(B, Lk) if kw.get("seqlens_k") is None else np.asarray(kw["seqlens_k"], np.int64)
+    per = (-1,) + (1,) * (n + 1) if n else (1, 1)
+    lq, lk = lq.reshape(per), lk.reshape(per)
+    off = lk - lq
+    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    vis = (i < lq) & (j < lk)
+    if causal:
+        vis = vis & (j <= i + off)
+    left, right = kw.get("window") or (-1, -1)
+    if left >= 0:
+        vis = vis & (j >= i + off - left)
+    if right >= 0:
+        vis = vis & (j <= i + off + right)
+    if kw.get("block_mask") is not None:
+        Bq, Bk = kw.get("block_size", (128, 128))
+        bm = np.asarray(kw["block_mask"])
+        vis = vis & bm[..., np.arange(Lq)[:, None] // Bq, np.arange(Lk)[None, :] // Bk]
+    return np.broadcast_to(vis, batch + (Lq, Lk)), np.broadcast_to(off, batch[:1] + (1,) * (n + 1))
+
+
+def brute(q, k, v, *, causal=False, scale=None, dtype=None, dout=None, **kw):
+    """out, lse (and dq, dk, dv when ``dout`` is given) of the specification, on full matrices."""
+    rnd, acc = _rounder(dtype)
+    shapes = (q.shape, k.shape, v.shape)
+    q, k, v = (rnd(x) for x in (q, k, v))
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    S = rnd(rnd(q @ np.swapaxes(k, -1, -2)) * scale)
+    T = None
+    if kw.get("softcap") is not None:
+        T = rnd(np.tanh(S / kw["softcap"]))
+        S = rnd(T * kw["softcap"])
+    vis, off = _visible(batch, Lq, Lk, causal, kw)
+    if kw.get("alibi_slopes") is not None:
+        slopes = np.asarray(kw["alibi_slopes"], np.float64)
+        slopes = slopes.reshape(slopes.shape + (1, 1))
+        dist = np.abs(np.arange(Lq)[:, None] + off - np.arange(Lk)[None, :])
+        S = rnd(S - slopes * dist)
+    S = np.where(vis, S, -np.inf)
+    m = S.max(axis=-1, keepdims=True) if Lk else np.full(S.shape[:-1] + (1,), -np.inf)
+    m = np.where(np.isneginf(m), 0, m)
+    E = np.exp(S - m)
+    l = E.sum(axis=-1, keepdims=True)
+    P = rnd(E / np.where(l == 0, 1, l))
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(l))[..., 0].astype(acc)
+    keep, p = 1.0, kw.get("dropout_p", 0.0)
+    if p > 0:
+        keep = philox.keep_mask(p, kw["seed"], kw.get("offset", 0), batch, Lq, Lk) / (1 - p)
+    Pd = rnd(P * keep)
+    out = rnd(Pd @ v)
+    if dout is None:
+        return out, lse
+    dout = rnd(dout)
+    dv = rnd(np.swapaxes(Pd, -1, -2) @ dout)
+    dP = rnd(dout @ np.swapaxes(v, -1, -2)) * keep
+    dS = rnd(P * (dP - (dout * out).sum(axis=-1, keepdims=True)))
+    if T is not None:
+        dS = rnd(dS * (1 - T * T))
+    dq = rnd(rnd(dS @ k) * scale)
+    dk = rnd(rnd(np.swapaxes(dS, -1, -2) @ q) * scale)
+    return out, lse, tuple(reduce_to_shape(g, s) for g, s in zip((dq, dk, dv), shapes))
+
+
+# -- calling the backend directly with an Extensions in normal form -------------------------------
+
+def make_ext(batch, dtype, **kw):
+    """``Extensions`` in the normal form of extensions.py for a call with batch shape ``batch``."""
+    n, acc = len(batch), accumulation_dtype(dtype)
+    kw = dict(kw)
+    if kw.get("block_mask") is not None:
+        bm = np.asarray(kw["block_mask"], dtype=bool)
+        kw["block_mask"] = bm.reshape((1,) * (n + 2 - bm.ndim) + bm.shape)
+    if kw.get("alibi_slopes") is not None:
+        a = np.asarray(kw["alibi_slopes"]).astype(acc)
+        kw["alibi_slopes"] = a.reshape((1,) * (n - a.ndim) + a.shape)
+    for name in ("seqlens_q", "seqlens_k"):
+        if kw.get(name) is not None:
+            kw[name] = np.asarray(kw[name], dtype=np.int32)
+    if kw.get("softcap") is not None:
+        kw["softcap"] = float(kw["softcap"])
+    return Extensions(**kw)
+
+
+def _batch_dims(q, k, v):
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n = len(batch)
+    return batch, tuple(x.reshape((1,) * (n + 2 - x.ndim) + x.shape) for x in (q, k, v))
+
+
+def cpu_forward(q, k, v, causal=False, scale=None, **kw):
+    batch, (q, k, v) = _batch_dims(q, k, v)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return cpu.forward(q, k, v, causal=causal, scale=scale, batch_shape=batch,
+                       ext=make_ext(batch, q.dtype, **kw))
+
+
+def cpu_backward(dout, q, k, v, out, lse, causal=False, scale=None, **kw):
+    shapes = (q.shape, k.shape, v.shape)
+    batch, (q, k, v) = _batch_dims(q, k, v)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    grads = cpu.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch,
+                         ext=make_ext(batch, q.dtype, **kw))
+    return tuple(g.reshape(s) for g, s in zip(grads, shapes))
+
+
+def check(q, k, v, *, causal=False, scale=None, grads=True, data_seed=0, **kw):
+    """cpu forward (and backward) against ``brute`` under the DESIGN.md rule."""
+    inputs = [x.copy() for x in (q, k, v)]
+    p = canonical_dtype(q.dtype)
+    out, lse = cpu_forward(q, k, v, causal, scale, **kw)
+    assert out.dtype == p and lse.dtype == accumulation_dtype(p)
+    dout = np.random.default_rng(data_seed + 1).standard_normal(out.shape).astype(p) if grads else None
+    ref = brute(q, k, v, causal=causal, scale=scale, dout=dout, **kw)
+    naive = brute(q, k, v, causal=causal, scale=scale, dtype=p, dout=dout, **kw)
+    lse_acc = brute(*(x.astype(accumulation_dtype(p)) for x in (q, k, v)), causal=causal, scale=scale,
+                    dtype=accumulation_dtype(p), **kw)[1]
+    checks = [_compare("out", out, ref[0], naive[0], 2.0, ATOL[p]),
+              _compare("lse", lse, ref[1], lse_acc, 2.0, ATOL[accumulation_dtype(p)])]
+    if grads:
+        g = cpu_backward(dout, q, k, v, out, lse, causal, scale, **kw)
+        assert [x.shape for x in g] == [q.shape, k.shape, v.shape] and all(x.dtype == p for x in g)
+        checks += [_compare(n, a, r, nv, 3.0, ATOL[p]) for n, a, r, nv in zip(("dq", "dk", "dv"), g, ref[2], naive[2])]
+    failed = [str(c) for c in checks if not c.passed]
+    assert not failed, "\n".join(failed)
+    for x, x0 in zip((q, k, v), inputs):
+        np.testing.assert_array_equal(x, x0)
+    return out, lse
+
+
+# -- configurations -------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles far smaller than the defaults, so that small problems span many tiles (and tile edges
+    fall inside blocks, bands and lengths)."""
+    monkeypatch.setattr(cpu, "EXT_BLOCK_Q", 24)
+    monkeypatch.setattr(cpu, "EXT_BLOCK_K", 40)
+    monkeypatch.setattr(cpu, "EXT_BWD_BLOCK_Q", 40)
+    monkeypatch.setattr(cpu, "EXT_BWD_BLOCK_K", 24)
+    monkeypatch.setattr(cpu, "EXT_MASKED_TILE", 32)
+
+
+def feature(name, batch, Lq, Lk, rng):
+    """Keywords of one feature for a call with batch shape ``batch`` (first dim = B)."""
+    B = batch[0]
+    if name == "dropout":
+        return dict(dropout_p=0.3, seed=0x1234_5678_9ABC_DEF0 + B, offset=7)
+    if name == "block_mask":
+        Bq, Bk = 16, 32
+        grid = (-(-Lq // Bq), -(-Lk // Bk))
+        return dict(block_size=(Bq, Bk), block_mask=rng.random(batch[-1:] + grid) < 0.6)
+    if name == "window":
+        return dict(window=(13, 5))
+    if name == "window_left":
+        return dict(window=(20, -1))
+    if name == "window_right":
+        return dict(window=(-1, 3))
+    if name == "alibi":
+        return dict(alibi_slopes=rng.uniform(0.05, 0.5, batch[1:]))
+    if name == "softcap":
+        return dict(softcap=1.5)
+    if name == "seqlens":  # one full entry, one shorter in both
+        lq, lk = [Lq, Lq // 2 + 1][:B], [Lk - Lk // 5, Lk // 3 + 1][:B]
+        return dict(seqlens_q=lq + [Lq] * (B - 2), seqlens_k=lk + [Lk] * (B - 2))
+    if name == "seqlens_k":
+        return dict(seqlens_k=[Lk // 2 + 1] * B)
+    raise KeyError(name)
+
+
+def shapes(layout, Lq, Lk, D=32, Dv=24):
+    if layout == "gqa":  # 2 entries, 2 kv heads, 3 query heads per kv head
+        return (2, 2, 3, Lq, D), (2, 2, 1, Lk, D), (2, 2, 1, Lk, Dv)
+    return (2, 3, Lq, D), (2, 3, Lk, D), (2, 3, Lk, Dv)
+
+
+def run(names, dtype, Lq, Lk, causal=False, layout="bhsd", seed=0, grads=True, scale=None):
+    q, k, v = make_qkv(*shapes(layout, Lq, Lk), dtype, seed=seed)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    rng = np.random.default_rng(seed + 100)
+    kw = {}
+    for name in names:
+        kw.update(feature(name, batch, Lq, Lk, rng))
+    return check(q, k, v, causal=causal, scale=scale, grads=grads, data_seed=seed, **kw)
+
+
+SIZES = [(65, 127), (127, 65), (1, 33), (100, 100), (17, 200), (200, 17)]
+SINGLE = ["dropout", "block_mask", "window", "window_left", "window_right", "alibi", "softcap",
+          "seqlens", "seqlens_k"]
+
+
+# -- each feature alone -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", SINGLE)
+def test_forward_single_feature(small_tiles, name, dtype):
+    for i, (Lq, Lk) in enumerate(SIZES[:3]):
+        run([name], dtype, Lq, Lk, causal=bool(i % 2), seed=i, grads=False)
