@@ -40,7 +40,7 @@ BAD = [
     (F, (Q, K, V), {"causal": "yes"}, TypeError, ["causal", "str"]),
     (F, (Q, K, V), {"backend": "tpu"}, ValueError, ["backend", "'tpu'", "'cpu'"]),
     (F, (Q, K, V), {"backend": "cuda"}, TypeError, ["backend='cuda'", "CuPy", "NumPy"]),
-    (F, (Q, K, V), {"dropout_p": 0.1}, NotImplementedError, ["dropout_p", "not implemented"]),
+    (F, (Q, K, V), {"dropout_p": 0.1}, ValueError, ["dropout_p=0.1", "needs a seed"]),
     (F, (Q, K, V), {"bogus": 1}, TypeError, ["bogus"]),
     (F, (Q, K, V), {"schedule": "reverse"}, TypeError, ["schedule", "emulator"]),
     (B, (DOUT[..., :3], Q, K, V, OUT, LSE), {}, ValueError, ["'dout'", "(2, 3, 5, 4)", "(2, 3, 5, 3)"]),

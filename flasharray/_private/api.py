@@ -1,18 +1,30 @@
 """The public functions: validate once, normalise shapes, dispatch to a backend."""
+import functools
+import inspect
+
 import numpy as np
 
+from . import extensions
 from . import validation as val
 from .dtypes import accumulation_dtype
 
-# Keywords of the DESIGN.md extensions. They are part of the contract but no backend implements
-# them yet, so asking for a non-default value is a NotImplementedError, never silently ignored.
-_EXTENSIONS = {"dropout_p": 0.0, "seed": None, "block_mask": None, "window": None,
-               "alibi_slopes": None, "softcap": None, "seqlens_q": None, "seqlens_k": None}
+# Keywords of the extensions (docs/extensions.md): validated by extensions.from_options and handed
+# to the backends as one ``ext`` object (None for a dense call, which reaches them exactly as before).
+_EXTENSIONS = frozenset(extensions.KEYWORDS)
 # Options of the emulator backend (schedule of fibers between rendezvous, and its random seed).
 _EMULATOR_OPTIONS = ("schedule", "schedule_seed")
 
 
+def _split_options(options):
+    """``(extension keywords, other options)`` of one call."""
+    if not options or _EXTENSIONS.isdisjoint(options):
+        return {}, options
+    return ({n: x for n, x in options.items() if n in _EXTENSIONS},
+            {n: x for n, x in options.items() if n not in _EXTENSIONS})
+
+
 def _check_options(options, backend, forward=True):
+    """The kernel options of the non-extension ``options`` (extension keywords are split off first)."""
     kernel_opts = {}
     for name, value in options.items():
         if name == "num_splits":  # split-KV of the CUDA forward (validated by cuda_forward.plan)
@@ -25,12 +37,7 @@ def _check_options(options, backend, forward=True):
                                     "'emulator' (got backend='cpu'; use num_splits=None)")
                 kernel_opts[name] = value
             continue
-        if name in _EXTENSIONS:
-            if value is not None and value != _EXTENSIONS[name]:
-                raise NotImplementedError(
-                    "flasharray: %s=%r is not implemented yet (supported today: causal, scale, "
-                    "return_lse, backend, deterministic)" % (name, value))
-        elif name in _EMULATOR_OPTIONS:
+        if name in _EMULATOR_OPTIONS:
             if backend != "emulator":
                 raise TypeError("flasharray: option %r only applies to backend='emulator' (got "
                                 "backend=%r)" % (name, backend))
@@ -38,6 +45,34 @@ def _check_options(options, backend, forward=True):
         else:
             raise TypeError("flasharray: unexpected keyword argument %r" % name)
     return kernel_opts
+
+
+# Backend functions known to take ``ext=`` (by function object; the signature is read once).
+_TAKES_EXT = {}
+
+
+def _with_ext(fn, ext, backend):
+    """``fn`` itself when ``ext`` is None (a dense call reaches the backend exactly as before the
+    extensions existed); else ``fn`` with ``ext=ext`` bound, or NotImplementedError naming the
+    features when that backend function does not take ``ext`` (yet)."""
+    if ext is None:
+        return fn
+    f = getattr(fn, "__func__", fn)
+    takes = _TAKES_EXT.get(f)
+    if takes is None:
+        takes = _TAKES_EXT[f] = "ext" in inspect.signature(f).parameters
+    if not takes:
+        raise NotImplementedError("flasharray: %s not implemented yet on backend=%r"
+                                  % (", ".join(ext.features()), backend))
+    return functools.partial(fn, ext=ext)
+
+
+def _per_call(run, spec):
+    """``run(*arrays, ext=)`` as ``run(*arrays, ext_options)``: a cached entry validates the extension
+    keywords at every call (seed, offset and array contents change without re-planning)."""
+    def run_with_options(*args):
+        return run(*args[:-1], ext=extensions.from_options(args[-1], **spec))
+    return run_with_options
 
 
 def _xp(kind):
@@ -91,6 +126,10 @@ class _Problem:
         p.q, p.k, p.v = (_with_batch_dims(x, n) for x in (q, k, v))
         return p
 
+    def ext_spec(self):
+        """The problem facts :func:`extensions.from_options` validates against."""
+        return dict(kind=self.kind, batch_shape=self.batch_shape, Lq=self.Lq, Lk=self.Lk, acc=self.acc)
+
     @property
     def out_shape(self):
         return self.batch_shape + (self.Lq, self.Dv)
@@ -119,14 +158,24 @@ def _array_key(a, backend):
     raise TypeError  # not an array: the uncached path reports it
 
 
+def _options_key(options):
+    if not options:
+        return ()
+    ext, rest = _split_options(options)
+    rest = tuple(sorted(rest.items()))
+    return (rest, extensions.options_key(ext)) if ext else rest
+
+
 def _call_key(kind, arrays, flags, backend, options):
     """Hashable signature of one call, or None when it cannot be cached (then validate fully).
 
     Flags enter with their types (``causal=1`` must still fail validation after a cached
-    ``causal=True``); CuPy calls add the current device.
+    ``causal=True``); CuPy calls add the current device. Extension keywords enter by
+    :func:`extensions.options_key` (what ``Extensions.static_key()`` depends on): seed, offset and
+    array contents are not part of the key and reach the backend at every call.
     """
     try:
-        key = (kind, backend, tuple(sorted(options.items())) if options else (),
+        key = (kind, backend, _options_key(options),
                tuple(map(type, flags)), flags, *[_array_key(a, backend) for a in arrays])
         if type(arrays[0]) is not np.ndarray:
             import cupy
@@ -159,30 +208,44 @@ _register_clear()
 
 
 def _forward_entry(q, k, v, causal, scale, backend, options):
-    """Validate one forward call and return ``run(q, k, v) -> (out, lse)`` for its signature."""
+    """Validate one forward call and return ``run(q, k, v) -> (out, lse)`` for its signature
+    (``run(q, k, v, ext_options)`` when extension keywords were given)."""
     p = _Problem(q, k, v, causal, scale, backend)
+    ext_opts, options = _split_options(options)
     opts = _check_options(options, p.backend)
+    spec = p.ext_spec()
+    ext = extensions.from_options(ext_opts, **spec) if ext_opts else None
+    direct = not ext_opts and q.ndim == k.ndim == v.ndim == len(p.batch_shape) + 2
+    run = _forward_runner(p, opts, ext, direct)
+    return _per_call(run, spec) if ext_opts else run
+
+
+def _forward_runner(p, opts, ext, direct):
+    """``run(q, k, v, ext=None)`` for problem ``p``, planned with ``ext`` (or plan.run itself when
+    ``direct``: a dense call whose arrays already have every batch dim)."""
     if p.Lq == 0 or p.Lk == 0 or p.backend == "cpu":
         p.forget_arrays()
-        return lambda q, k, v: _forward(p.rebind(q, k, v), opts)
-    plan = _cuda_module("forward").plan(p.q, p.k, p.v, causal=p.causal, scale=p.scale,
-                                        batch_shape=p.batch_shape, device=p.backend, **opts)
-    n = len(p.batch_shape)
-    if q.ndim == k.ndim == v.ndim == n + 2:
+        return lambda q, k, v, ext=None: _forward(p.rebind(q, k, v), opts, ext)
+    plan = _with_ext(_cuda_module("forward").plan, ext, p.backend)(
+        p.q, p.k, p.v, causal=p.causal, scale=p.scale, batch_shape=p.batch_shape, device=p.backend, **opts)
+    if direct:
         return plan.run
-    return lambda q, k, v: plan.run(*(_with_batch_dims(x, n) for x in (q, k, v)))
+    n = len(p.batch_shape)
+    return lambda q, k, v, ext=None: _with_ext(plan.run, ext, p.backend)(*(_with_batch_dims(x, n)
+                                                                           for x in (q, k, v)))
 
 
-def _forward(p, opts):
+def _forward(p, opts, ext=None):
     if p.Lq == 0 or p.Lk == 0:
         # No queries: empty outputs. No keys: every row sees nothing (out = 0, lse = -inf).
         return (p.xp.zeros(p.out_shape, dtype=p.dtype),
                 p.xp.full(p.lse_shape, -np.inf, dtype=p.acc))
     if p.backend == "cpu":
         from . import cpu
-        return cpu.forward(p.q, p.k, p.v, causal=p.causal, scale=p.scale, batch_shape=p.batch_shape)
-    return _cuda_module("forward").forward(p.q, p.k, p.v, causal=p.causal, scale=p.scale,
-                                           batch_shape=p.batch_shape, device=p.backend, **opts)
+        return _with_ext(cpu.forward, ext, "cpu")(p.q, p.k, p.v, causal=p.causal, scale=p.scale,
+                                                  batch_shape=p.batch_shape)
+    return _with_ext(_cuda_module("forward").forward, ext, p.backend)(
+        p.q, p.k, p.v, causal=p.causal, scale=p.scale, batch_shape=p.batch_shape, device=p.backend, **opts)
 
 
 def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, **options):
@@ -231,7 +294,8 @@ def _forward_call(q, k, v, causal, scale, backend, options):
     run = _CACHE.get(key)
     if run is None:
         run = _store(key, _forward_entry(q, k, v, causal, scale, backend, options))
-    return run(q, k, v)
+    ext_opts = _split_options(options)[0]
+    return run(q, k, v, ext_opts) if ext_opts else run(q, k, v)
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, backend=None, **options):
@@ -275,39 +339,50 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     run = _CACHE.get(key)
     if run is None:
         run = _store(key, _backward_entry(arrays, causal, scale, backend, deterministic, options))
-    return run(*arrays)
+    ext_opts = _split_options(options)[0]
+    return run(*arrays, ext_opts) if ext_opts else run(*arrays)
 
 
 def _backward_entry(arrays, causal, scale, backend, deterministic, options):
-    """Validate one backward call; return ``run(dout, q, k, v, out, lse) -> (dq, dk, dv)``."""
+    """Validate one backward call; return ``run(dout, q, k, v, out, lse) -> (dq, dk, dv)``
+    (``run(..., lse, ext_options)`` when extension keywords were given)."""
     dout, q, k, v, out, lse = arrays
     p = _Problem(q, k, v, causal, scale, backend, extra=[("dout", dout), ("out", out)])
     val.check_expected_shape("dout", dout, p.out_shape)
     val.check_expected_shape("out", out, p.out_shape)
     val.check_lse(lse, p.kind, p.dtype, p.lse_shape)
     deterministic = val.check_flag("deterministic", deterministic)
+    ext_opts, options = _split_options(options)
     opts = _check_options(options, p.backend, forward=False)
+    spec = p.ext_spec()
+    ext = extensions.from_options(ext_opts, **spec) if ext_opts else None
     p.forget_arrays()
     if p.Lq == 0 or p.Lk == 0:
-        return lambda dout, q, k, v, out, lse: tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
+        def run(dout, q, k, v, out, lse, ext=None):
+            return tuple(p.xp.zeros(x.shape, dtype=p.dtype) for x in (q, k, v))
+    else:
+        plan = None
+        if p.backend != "cpu":
+            b = p.rebind(q, k, v)
+            plan = _with_ext(_cuda_module("backward").plan, ext, p.backend)(
+                dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale, batch_shape=p.batch_shape,
+                device=p.backend, deterministic=deterministic, **opts)
+            if not ext_opts and q.ndim == k.ndim == v.ndim == len(p.batch_shape) + 2:
+                return plan.run  # gradients come back with exactly the shapes of q, k, v
+        run = _backward_runner(p, plan)
+    return _per_call(run, spec) if ext_opts else run
 
-    if p.backend != "cpu":
-        b = p.rebind(q, k, v)
-        plan = _cuda_module("backward").plan(dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
-                                             batch_shape=p.batch_shape, device=p.backend,
-                                             deterministic=deterministic, **opts)
-        n = len(p.batch_shape)
-        if q.ndim == k.ndim == v.ndim == n + 2:
-            return plan.run  # gradients come back with exactly the shapes of q, k, v
 
-    def run(dout, q, k, v, out, lse):
+def _backward_runner(p, plan):
+    """``run(dout, q, k, v, out, lse, ext=None)`` on the cpu backend or through ``plan``."""
+    def run(dout, q, k, v, out, lse, ext=None):
         b = p.rebind(q, k, v)
         if p.backend == "cpu":
             from . import cpu
-            dq, dk, dv = cpu.backward(dout, b.q, b.k, b.v, out, lse, causal=p.causal, scale=p.scale,
-                                      batch_shape=p.batch_shape)
+            dq, dk, dv = _with_ext(cpu.backward, ext, "cpu")(dout, b.q, b.k, b.v, out, lse, causal=p.causal,
+                                                             scale=p.scale, batch_shape=p.batch_shape)
         else:
-            dq, dk, dv = plan.run(dout, b.q, b.k, b.v, out, lse)
+            dq, dk, dv = _with_ext(plan.run, ext, p.backend)(dout, b.q, b.k, b.v, out, lse)
         # Backends return gradients with the batch-dim-normalised shapes of p.q, p.k, p.v.
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
