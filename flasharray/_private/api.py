@@ -266,6 +266,25 @@ def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, 
     backend : {None, "cpu", "cuda", "emulator"}
         ``None`` picks by array type (NumPy → "cpu", CuPy → "cuda"). "emulator" runs the CUDA
         kernels on the CPU emulator (NumPy arrays).
+    dropout_p, seed, offset : float, int, int
+        Dropout on P with probability ``dropout_p`` in [0, 1); the keep mask is Philox4x32-10 of
+        ``(seed, offset, batch entry, row, column)`` (``reference.dropout_mask`` reproduces it);
+        ``seed`` in [0, 2**64) is required when ``dropout_p > 0``, ``offset`` in [0, 2**32).
+    block_mask, block_size : bool array ``(..., ceil(Lq/Bq), ceil(Lk/Bk))``, ``(Bq, Bk)``
+        Block-sparse attention: tile ``(i // Bq, j // Bk)`` is seen only where True; batch dims
+        broadcast to the batch shape; ``block_size`` positive multiples of 16, default (128, 128).
+    window : (left, right) ints >= -1, optional
+        Sliding window: key ``j`` visible to row ``i`` iff ``i+off-left <= j <= i+off+right``
+        (``off = Lk - Lq``; -1 = unbounded on that side).
+    alibi_slopes : float array broadcastable to the batch shape, optional
+        ALiBi: ``s -= slope · |i + off - j|``.
+    softcap : float > 0, optional
+        ``s = softcap · tanh(s / softcap)`` (before ALiBi and masks).
+    seqlens_q, seqlens_k : int32 arrays ``(B,)``, optional
+        Valid lengths per entry of the first batch dim (padded batches); rows beyond get
+        ``out = 0``, ``lse = -inf``; keys beyond are never read.
+        All extension keywords follow ``docs/extensions.md`` exactly; a backend that does not
+        implement one raises ``NotImplementedError``.
     **options
         ``schedule`` ("forward", "reverse", "random") and ``schedule_seed`` for the emulator.
         ``num_splits`` (cuda and emulator backends; forward only): split-KV, the key range of every
@@ -323,6 +342,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     q, k, v : arrays as for :func:`flash_attention_forward`.
     out, lse : the outputs of :func:`flash_attention_forward` for the same q, k, v and options.
     causal, scale, backend : as for :func:`flash_attention_forward`; must match the forward call.
+    dropout_p, seed, offset, block_mask, block_size, window, alibi_slopes, softcap, seqlens_q, seqlens_k
+        The extension keywords of :func:`flash_attention_forward` (``docs/extensions.md``); they
+        **must match the forward call** (the same seed and offset reproduce the dropout mask).
+        Padded rows/keys and rows that see no key get zero gradients.
     deterministic : bool, default True
         CUDA backend: ``True`` gives bitwise-identical gradients run to run; ``False`` accumulates
         dQ with float32 atomics (faster, not bitwise reproducible). The cpu backend is always
@@ -393,8 +416,8 @@ def flash_attention_vjp(q, k, v, **options):
     """Forward pass plus a function for its vector-Jacobian product.
 
     ``out, vjp = flash_attention_vjp(q, k, v, causal=..., scale=..., backend=...)`` then
-    ``dq, dk, dv = vjp(dout)``. Takes the keywords of :func:`flash_attention_forward` and
-    ``deterministic`` (used by the backward). The closure keeps q, k, v, out and lse alive.
+    ``dq, dk, dv = vjp(dout)``. Takes the keywords of :func:`flash_attention_forward` (extension
+    keywords included: the backward gets the same ones) and ``deterministic`` (used by the backward). The closure keeps q, k, v, out and lse alive.
     """
     deterministic = options.pop("deterministic", True)
     fwd_keys = ("causal", "scale", "backend")
