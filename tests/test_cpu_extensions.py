@@ -231,3 +231,98 @@ SINGLE = ["dropout", "block_mask", "window", "window_left", "window_right", "ali
 def test_forward_single_feature(small_tiles, name, dtype):
     for i, (Lq, Lk) in enumerate(SIZES[:3]):
         run([name], dtype, Lq, Lk, causal=bool(i % 2), seed=i, grads=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", SINGLE)
+def test_single_feature(small_tiles, name, dtype):
+    """Forward and backward, one feature, sizes rotating (Lq ≠ Lk both ways, non-multiples of
+    every tile), causal on and off."""
+    i = SINGLE.index(name) + DTYPES.index(dtype)
+    for causal in (False, True):
+        Lq, Lk = SIZES[i % len(SIZES)]
+        run([name], dtype, Lq, Lk, causal=causal, seed=i)
+
+
+# -- features composed ----------------------------------------------------------------------------
+
+PAIRS = [
+    (("dropout",), True, "bhsd"),
+    (("window", "alibi"), False, "bhsd"),
+    (("softcap", "seqlens"), False, "bhsd"),
+    (("block_mask",), True, "gqa"),
+    (("dropout", "block_mask"), False, "bhsd"),
+    (("window", "softcap"), False, "gqa"),
+    (("alibi",), True, "gqa"),
+    (("seqlens",), True, "bhsd"),
+    (("dropout", "seqlens"), True, "gqa"),
+    (("block_mask", "window"), False, "bhsd"),
+    (("alibi", "softcap"), True, "bhsd"),
+    (("dropout", "softcap"), False, "gqa"),
+    (("window_left", "seqlens"), True, "gqa"),
+    (("block_mask", "seqlens", "alibi"), False, "gqa"),
+    (("dropout", "window_right", "alibi"), True, "bhsd"),
+    (("dropout", "block_mask", "window", "alibi", "softcap", "seqlens"), True, "gqa"),
+    (("dropout", "block_mask", "window", "alibi", "softcap", "seqlens"), False, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("names,causal,layout", PAIRS,
+                         ids=["+".join(n) + ("+causal" if c else "") + "-" + lay for n, c, lay in PAIRS])
+def test_composed(small_tiles, names, causal, layout):
+    i = PAIRS.index((names, causal, layout))
+    Lq, Lk = SIZES[i % len(SIZES)]
+    run(names, DTYPES[i % 4], Lq, Lk, causal=causal, layout=layout, seed=i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_everything_default_tiles(dtype):
+    """The shipped tile sizes, several tiles each way (Lk > 2·EXT_BLOCK_K, Lq > 2·EXT_BLOCK_Q)."""
+    run(("dropout", "block_mask", "window_left", "alibi", "softcap", "seqlens"), dtype, 600, 1100,
+        causal=True, seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", [("dropout",), ("block_mask",), ("window",), ("alibi", "softcap"),
+                                   ("seqlens", "window_right")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("Lq,Lk", [(1300, 700), (700, 1300)])
+def test_large(names, dtype, Lq, Lk):
+    run(names, dtype, Lq, Lk, causal=bool(Lq < Lk), layout="gqa", seed=Lq)
+
+
+# -- dropout: the exact Philox mask ----------------------------------------------------------------
+
+def test_dropout_tile_bits_equal_keep_mask():
+    """Every tile of _dropout_keep (any alignment to the 8-column Philox groups) is the slice of
+    philox.keep_mask (the same function the reference uses)."""
+    p, seed, offset, batch = 0.37, 2**64 - 12345, 2**32 - 3, (2, 3)
+    full = philox.keep_mask(p, seed, offset, batch, 50, 77)
+    assert 0.55 < full.mean() < 0.71
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        bh = int(rng.integers(6))
+        i0, j0 = int(rng.integers(50)), int(rng.integers(77))
+        i1, j1 = int(rng.integers(i0 + 1, 51)), int(rng.integers(j0 + 1, 78))
+        tile = cpu._dropout_keep(seed, offset, bh, i0, i1, j0, j1, philox.threshold(p))
+        np.testing.assert_array_equal(tile, full[np.unravel_index(bh, batch)][i0:i1, j0:j1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_output_is_exact_mask(small_tiles, causal):
+    """With V = I the output is P̃ itself: its zeros are exactly the dropped entries of
+    philox.keep_mask, and kept entries are P/(1 − p)."""
+    p, Lq, Lk, batch = 0.25, 37, 70, (2, 3)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal(batch + (Lq, 16))
+    k = rng.standard_normal(batch + (Lk, 16))
+    v = np.broadcast_to(np.eye(Lk), batch + (Lk, Lk))
+    kw = dict(dropout_p=p, seed=99, offset=5)
+    out, lse = cpu_forward(q, k, v, causal=causal, **kw)
+    keep = philox.keep_mask(p, 99, 5, batch, Lq, Lk)
+    P = brute(q, k, v, causal=causal)[0]                      # undropped P (V = I)
+    np.testing.assert_array_equal(out == 0, ~keep | (P == 0))
+    np.testing.assert_allclose(out, P * keep / (1 - p), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(lse, brute(q, k, v, causal=causal)[1], rtol=1e-13)   # undropped lse
+    out2, _ = cpu_forward(q, k, v, causal=causal, **dict(kw, offset=6))
+    assert np.mean((out2 == 0) != (out == 0)) > 0.1             # another offset, another mask

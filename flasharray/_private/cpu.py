@@ -520,3 +520,74 @@ def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
     nan_rows = np.isnan(l_i)        # a NaN score makes the row NaN, as in the reference
     O[nan_rows], lse_i[nan_rows] = np.nan, np.nan
     return O, lse_i
+
+
+def _backward_ext(dout, q, k, v, out, lse, causal, scale, batch_shape, ext):
+    """Backward of an extension call (same layout of work and results as :func:`backward`)."""
+    acc = accumulation_dtype(q.dtype)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    batches = list(np.ndindex(*batch_shape))
+    Bc = EXT_BWD_BLOCK_K if ext.block_mask is None else _aligned(EXT_MASKED_TILE, ext.block_size[1])
+    chunks = _chunks(-(-Lk // Bc), len(batches), _TARGET_ITEMS_BWD)
+    dk = np.zeros(batch_shape + k.shape[-2:], dtype=acc)
+    dv = np.zeros(batch_shape + v.shape[-2:], dtype=acc)
+    dq_parts = np.zeros((len(chunks),) + batch_shape + q.shape[-2:], dtype=acc)
+    entries, prepared = {}, {}
+
+    def prep(b):
+        """Per entry, rows < Lq_b only: scale·Q, Q, dO, D_i = rowsum(dO_i ∘ O_i) and lse."""
+        ent = entries[b] = _Entry(b, ext, batch_shape, Lq, Lk, causal, acc)
+        rows = slice(0, ent.Lq)
+        Q = np.asarray(q[_batch_index(b, q.shape[:-2])][rows], dtype=acc)
+        dO = np.asarray(dout[b][rows], dtype=acc)
+        delta = np.einsum("ld,ld->l", dO, np.asarray(out[b][rows], dtype=acc))
+        # Rows with lse = -inf saw no key: +inf makes exp(S - lse) = 0 instead of NaN.
+        lse_b = np.where(np.isneginf(lse[b][rows]), np.inf, lse[b][rows]).astype(acc)
+        prepared[b] = (Q * acc.type(scale), Q, dO, delta, lse_b)
+
+    _map(prep, batches)
+
+    def work(item):
+        b, c = item
+        k_b, v_b = _entry_arrays(b, k, v)
+        _backward_chunk_ext(entries[b], *prepared[b], k_b, v_b, dq_parts[(c,) + b], dk[b], dv[b],
+                            chunks[c], Bc, acc)
+
+    _map(work, [(b, c) for b in batches for c in range(len(chunks))])
+    dq = dq_parts[0] if len(chunks) == 1 else dq_parts.sum(axis=0)
+    dq *= acc.type(scale)                # dS is the gradient of scale·QKᵀ: scale applied once
+    dk *= acc.type(scale)
+    grads = (reduce_to_shape(dq, q.shape), reduce_to_shape(dk, k.shape), reduce_to_shape(dv, v.shape))
+    return tuple(np.ascontiguousarray(g).astype(q.dtype, copy=False) for g in grads)
+
+
+def _backward_chunk_ext(ent, Qs, Q, dO, delta, lse, k_b, v_b, dq_b, dk_b, dv_b, blocks, Bc, acc):
+    """Key tiles of blocks [blk0, blk1) of one entry against the query tiles that see them:
+    accumulates dK_j, dV_j and this chunk's (unscaled) dQ."""
+    blk0, blk1 = blocks
+    for j0 in range(blk0 * Bc, min(blk1 * Bc, ent.Lk), Bc):
+        j1 = min(j0 + Bc, ent.Lk)
+        spans = ent.query_spans(j0, j1, EXT_BWD_BLOCK_Q)
+        if not spans:
+            continue                     # no row sees these keys: K_j, V_j are never read
+        K_j = np.asarray(k_b[j0:j1], dtype=acc)                       # Bc×D
+        V_j = np.asarray(v_b[j0:j1], dtype=acc)                       # Bc×Dv
+        dK_j, dV_j = dk_b[j0:j1], dv_b[j0:j1]
+        for i0, i1 in spans:
+            S_ij, T_ij = ent.scores(Qs[i0:i1] @ K_j.T, i0, j0, want_tanh=True)
+            S_ij -= lse[i0:i1, None]
+            P_ij = np.exp(S_ij, out=S_ij)                             # recomputed, never stored
+            dP_ij = dO[i0:i1] @ V_j.T                                 # dP̃_ij
+            if ent.dropout:
+                keep = ent.keep(i0, i1, j0, j1)
+                dV_j += (P_ij * keep).T @ dO[i0:i1] * ent.inv_keep    # P̃ᵀ dO
+                np.multiply(dP_ij, keep, out=dP_ij)
+                dP_ij *= ent.inv_keep                                 # dP = dP̃ ∘ keep / (1 − p)
+            else:
+                dV_j += P_ij.T @ dO[i0:i1]
+            dP_ij -= delta[i0:i1, None]
+            dS_ij = np.multiply(P_ij, dP_ij, out=dP_ij)               # P ∘ (dP − D)
+            if T_ij is not None:
+                dS_ij *= 1 - T_ij * T_ij                              # softcap' = 1 − tanh²
+            dK_j += dS_ij.T @ Q[i0:i1]
+            dq_b[i0:i1] += dS_ij @ K_j
