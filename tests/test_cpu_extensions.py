@@ -6,6 +6,8 @@ naive error for out/lse, 3x for gradients).
 precision p for the rule's naive error); its backward is checked against finite differences, and
 dropout masks against ``philox.keep_mask``.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,14 @@ def _visible(batch, Lq, Lk, causal, kw):
     return np.broadcast_to(vis, batch + (Lq, Lk)), np.broadcast_to(off, batch[:1] + (1,) * (n + 1))
 
 
+@functools.lru_cache(maxsize=4)
+def _keep_mask(p, seed, offset, batch, Lq, Lk):
+    """philox.keep_mask, remembered: ``check`` asks for the same mask three times."""
+    mask = philox.keep_mask(p, seed, offset, batch, Lq, Lk)
+    mask.flags.writeable = False
+    return mask
+
+
 def brute(q, k, v, *, causal=False, scale=None, dtype=None, dout=None, **kw):
     """out, lse (and dq, dk, dv when ``dout`` is given) of the specification, on full matrices."""
     rnd, acc = _rounder(dtype)
@@ -81,7 +91,7 @@ def brute(q, k, v, *, causal=False, scale=None, dtype=None, dout=None, **kw):
         lse = (m + np.log(l))[..., 0].astype(acc)
     keep, p = 1.0, kw.get("dropout_p", 0.0)
     if p > 0:
-        keep = philox.keep_mask(p, kw["seed"], kw.get("offset", 0), batch, Lq, Lk) / (1 - p)
+        keep = _keep_mask(p, kw["seed"], kw.get("offset", 0), batch, Lq, Lk) / (1 - p)
     Pd = rnd(P * keep)
     out = rnd(Pd @ v)
     if dout is None:
@@ -181,8 +191,8 @@ def feature(name, batch, Lq, Lk, rng):
     B = batch[0]
     if name == "dropout":
         return dict(dropout_p=0.3, seed=0x1234_5678_9ABC_DEF0 + B, offset=7)
-    if name == "block_mask":
-        Bq, Bk = 16, 32
+    if name in ("block_mask", "block_mask_48x64"):
+        Bq, Bk = (16, 32) if name == "block_mask" else (48, 64)
         grid = (-(-Lq // Bq), -(-Lk // Bk))
         return dict(block_size=(Bq, Bk), block_mask=rng.random(batch[-1:] + grid) < 0.6)
     if name == "window":
@@ -220,7 +230,7 @@ def run(names, dtype, Lq, Lk, causal=False, layout="bhsd", seed=0, grads=True, s
 
 
 SIZES = [(65, 127), (127, 65), (1, 33), (100, 100), (17, 200), (200, 17)]
-SINGLE = ["dropout", "block_mask", "window", "window_left", "window_right", "alibi", "softcap",
+SINGLE = ["dropout", "block_mask", "block_mask_48x64", "window", "window_left", "window_right", "alibi", "softcap",
           "seqlens", "seqlens_k"]
 
 
@@ -326,3 +336,114 @@ def test_dropout_output_is_exact_mask(small_tiles, causal):
     np.testing.assert_allclose(lse, brute(q, k, v, causal=causal)[1], rtol=1e-13)   # undropped lse
     out2, _ = cpu_forward(q, k, v, causal=causal, **dict(kw, offset=6))
     assert np.mean((out2 == 0) != (out == 0)) > 0.1             # another offset, another mask
+
+
+# -- rows that see nothing, empty entries, what is never read --------------------------------------
+
+def test_fully_masked_rows_and_empty_entries(small_tiles):
+    """Entry 0 has no queries, entry 1 no keys, entry 2 a block-mask row of False blocks and a
+    window that leaves the first rows (Lq > Lk, causal) without keys: out 0, lse -inf, zero grads."""
+    Lq, Lk, batch = 70, 45, (3, 2)
+    q, k, v = make_qkv(batch + (Lq, 16), batch + (Lk, 16), batch + (Lk, 8), np.float32, seed=8)
+    mask = np.ones(batch + (-(-Lq // 16), -(-Lk // 16)), dtype=bool)
+    mask[2, :, 1] = False                                          # rows 16..31 of entry 2
+    kw = dict(seqlens_q=[0, Lq, Lq], seqlens_k=[Lk, 0, Lk], block_mask=mask, block_size=(16, 16),
+              window=(4, 2))
+    out, lse = check(q, k, v, causal=True, **kw)
+    assert np.all(out[:2] == 0) and np.all(np.isneginf(lse[:2]))
+    assert np.all(out[2, :, 16:32] == 0) and np.all(np.isneginf(lse[2, :, 16:32]))
+    assert np.all(np.isneginf(lse[2, :, :Lq - Lk - 4])) and np.all(np.isfinite(lse[2, :, 32:]))
+    dq, dk, dv = cpu_backward(np.ones_like(out), q, k, v, out, lse, causal=True, **kw)
+    assert not dq[:2].any() and not dk[:2].any() and not dv[:2].any()
+    assert not dq[2, :, 16:32].any() and dq[2, :, 32:].all(axis=-1).any()
+
+
+def _poison(x, region):
+    y = x.copy()
+    y[region] = np.nan
+    return y
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_invisible_tiles_are_never_read(small_tiles, causal):
+    """NaN wherever nothing may be read — rows ≥ Lq_b (q, dout, out, lse), keys ≥ Lk_b, a key-block
+    column the block mask hides from every row, key tiles wholly outside the window band — and
+    every result is bitwise the same as with clean inputs (a read would spread the NaN)."""
+    Lq, Lk, batch = 50, 130, (2, 3)
+    q, k, v = make_qkv(batch + (Lq, 16), batch + (Lk, 16), batch + (Lk, 8), np.float64, seed=9)
+    mask = np.ones(batch[1:] + (-(-Lq // 16), -(-Lk // 32)), dtype=bool)
+    mask[:, :, 2] = False                                          # keys 64..95, every row
+    mask[1, 0, 3] = False
+    # entry 0: off = 120 - 50, window rows see keys >= i + off - 10 >= 60: keys < 32 (whole tiles)
+    kw = dict(seqlens_q=[50, 30], seqlens_k=[120, 100], block_mask=mask, block_size=(16, 32),
+              window=(10, 20))
+    unread_k = [(0, slice(None), slice(120, None)), (1, slice(None), slice(100, None)),
+                (slice(None), slice(None), slice(64, 96)), (0, slice(None), slice(0, 32))]
+    unread_q = [(1, slice(None), slice(30, None))]
+    kp, vp, qp = k, v, q
+    for r in unread_k:
+        kp, vp = _poison(kp, r), _poison(vp, r)
+    for r in unread_q:
+        qp = _poison(qp, r)
+    out, lse = cpu_forward(q, k, v, causal, **kw)
+    out_p, lse_p = cpu_forward(qp, kp, vp, causal, **kw)
+    np.testing.assert_array_equal(out_p, out)
+    np.testing.assert_array_equal(lse_p, lse)
+    dout = np.random.default_rng(1).standard_normal(out.shape)
+    grads = cpu_backward(dout, q, k, v, out, lse, causal, **kw)
+    dout_p, outp, lsep = dout, out, lse
+    for r in unread_q:
+        dout_p, outp, lsep = _poison(dout_p, r), _poison(outp, r), _poison(lsep, r)
+    grads_p = cpu_backward(dout_p, qp, kp, vp, outp, lsep, causal, **kw)
+    for g, gp in zip(grads, grads_p):
+        np.testing.assert_array_equal(gp, g)
+    for r in unread_k:
+        assert not grads[1][r].any() and not grads[2][r].any()
+    check(q, k, v, causal=causal, **kw)                            # and the clean call is right
+
+
+def test_thread_count_does_not_change_results(monkeypatch):
+    q, k, v = make_qkv((3, 2, 300, 32), (3, 1, 700, 32), (3, 1, 700, 16), np.float32, seed=5)
+    kw = dict(dropout_p=0.1, seed=3, window=(200, 50), alibi_slopes=np.array([0.1, 0.2]),
+              softcap=3.0, seqlens_q=[300, 250, 10], seqlens_k=[700, 400, 699])
+    results = []
+    for n in ("1", "2", "3"):
+        monkeypatch.setenv("FLASHARRAY_CPU_THREADS", n)
+        out, lse = cpu_forward(q, k, v, True, **kw)
+        results.append((out, lse) + cpu_backward(np.ones_like(out), q, k, v, out, lse, True, **kw))
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_brute_backward_matches_finite_differences():
+    """The test's own statement of the backward (every feature at once) is the derivative of its
+    forward: central differences in float64."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 1, 9, 3)), rng.standard_normal((2, 1, 9, 2))
+    mask = np.array([[True, True, False], [False, True, True]])
+    kw = dict(dropout_p=0.3, seed=11, window=(3, 1), alibi_slopes=np.array([0.3, 0.7]), softcap=0.8,
+              seqlens_q=[6, 4], seqlens_k=[8, 9], block_mask=mask, block_size=(4, 3))
+    dout = rng.standard_normal((2, 2, 6, 2))
+    _, _, grads = brute(q, k, v, causal=True, dout=dout, **kw)
+    assert all(np.abs(g).max() > 0.05 for g in grads)
+    for x, g in zip((q, k, v), grads):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + 1e-6
+            fp = np.sum(dout * brute(q, k, v, causal=True, **kw)[0])
+            x[idx] = old - 1e-6
+            fm = np.sum(dout * brute(q, k, v, causal=True, **kw)[0])
+            x[idx] = old
+            num[idx] = (fp - fm) / 2e-6
+        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+def test_no_feature_takes_the_dense_path():
+    """An Extensions with every keyword at its default is a dense call: bitwise the dense result."""
+    q, k, v = make_qkv((2, 70, 16), (2, 90, 16), (2, 90, 8), np.float32, seed=6)
+    dense = cpu.forward(q, k, v, causal=True, scale=0.25, batch_shape=(2,))
+    ext = cpu.forward(q, k, v, causal=True, scale=0.25, batch_shape=(2,), ext=Extensions())
+    for a, b in zip(dense, ext):
+        np.testing.assert_array_equal(a, b)
