@@ -103,7 +103,7 @@ def _error(cls, name, what, value):
 def _show(x):
     if val.array_kind(x) is not None:
         return val._describe(x)
-    return "%r (%s)" % (x, type(x).__name__) if not isinstance(x, (int, float, str, tuple, list)) else repr(x)
+    return repr(x) if isinstance(x, (int, float, str, tuple)) else "%r (%s)" % (x, type(x).__name__)
 
 
 def _real(name, x, ok, what):
@@ -251,9 +251,7 @@ def from_options(options, *, kind, batch_shape, Lq, Lk, acc):
 def _value_key(name, x):
     if val.array_kind(x) is not None:
         return (type(x), x.dtype, x.shape, x.strides)
-    if isinstance(x, list):
-        x = tuple(x)
-    return (type(x), x)
+    return (type(x), tuple(x) if isinstance(x, list) else x)
 
 
 def options_key(options):
