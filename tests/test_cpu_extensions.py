@@ -2,9 +2,10 @@
 per-entry lengths, alone and composed, forward and backward, under the DESIGN.md rule (2x the
 naive error for out/lse, 3x for gradients).
 
-``brute`` below is a materialised NumPy statement of the specification (float64, or naive in a
-precision p for the rule's naive error); its backward is checked against finite differences, and
-dropout masks against ``philox.keep_mask``.
+The ground truth is ``flasharray.reference`` (float64; naive in q's dtype for the rule's naive
+error). ``brute`` below is a second, independent statement of the specification written for these
+tests: it must agree with the reference, its backward with finite differences, and the cpu
+backend's dropout tiles with ``philox.keep_mask`` bit for bit.
 """
 import functools
 
@@ -14,6 +15,8 @@ import pytest
 from flasharray._private import cpu, philox
 from flasharray._private.dtypes import ATOL, accumulation_dtype, canonical_dtype
 from flasharray._private.extensions import Extensions
+import flasharray as fa
+from flasharray import reference
 from flasharray.reference import reduce_to_shape
 from flasharray.testing import _compare
 
@@ -150,22 +153,27 @@ def cpu_backward(dout, q, k, v, out, lse, causal=False, scale=None, **kw):
 
 
 def check(q, k, v, *, causal=False, scale=None, grads=True, data_seed=0, **kw):
-    """cpu forward (and backward) against ``brute`` under the DESIGN.md rule."""
+    """cpu forward (and backward) against the reference under the DESIGN.md rule: float64
+    reference as ground truth, the reference computed naively in q's dtype for the naive error."""
     inputs = [x.copy() for x in (q, k, v)]
     p = canonical_dtype(q.dtype)
+    acc = accumulation_dtype(p)
     out, lse = cpu_forward(q, k, v, causal, scale, **kw)
-    assert out.dtype == p and lse.dtype == accumulation_dtype(p)
-    dout = np.random.default_rng(data_seed + 1).standard_normal(out.shape).astype(p) if grads else None
-    ref = brute(q, k, v, causal=causal, scale=scale, dout=dout, **kw)
-    naive = brute(q, k, v, causal=causal, scale=scale, dtype=p, dout=dout, **kw)
-    lse_acc = brute(*(x.astype(accumulation_dtype(p)) for x in (q, k, v)), causal=causal, scale=scale,
-                    dtype=accumulation_dtype(p), **kw)[1]
-    checks = [_compare("out", out, ref[0], naive[0], 2.0, ATOL[p]),
-              _compare("lse", lse, ref[1], lse_acc, 2.0, ATOL[accumulation_dtype(p)])]
+    assert out.dtype == p and lse.dtype == acc
+    opts = dict(causal=causal, scale=scale, **kw)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    naive_out = reference.attention(q, k, v, dtype=p, **opts)
+    lse_acc = reference.attention(*(x.astype(acc) for x in (q, k, v)), return_lse=True, dtype=acc, **opts)[1]
+    checks = [_compare("out", out, ref_out, naive_out, 2.0, ATOL[p]),
+              _compare("lse", lse, ref_lse, lse_acc, 2.0, ATOL[acc])]
     if grads:
+        dout = np.random.default_rng(data_seed + 1).standard_normal(out.shape).astype(p)
         g = cpu_backward(dout, q, k, v, out, lse, causal, scale, **kw)
         assert [x.shape for x in g] == [q.shape, k.shape, v.shape] and all(x.dtype == p for x in g)
-        checks += [_compare(n, a, r, nv, 3.0, ATOL[p]) for n, a, r, nv in zip(("dq", "dk", "dv"), g, ref[2], naive[2])]
+        ref_g = reference.attention_backward(dout, q, k, v, **opts)
+        naive_g = reference.attention_backward(dout, q, k, v, dtype=p, **opts)
+        checks += [_compare(n, a, r, nv, 3.0, ATOL[p])
+                   for n, a, r, nv in zip(("dq", "dk", "dv"), g, ref_g, naive_g)]
     failed = [str(c) for c in checks if not c.passed]
     assert not failed, "\n".join(failed)
     for x, x0 in zip((q, k, v), inputs):
@@ -285,7 +293,9 @@ def test_composed(small_tiles, names, causal, layout):
     run(names, DTYPES[i % 4], Lq, Lk, causal=causal, layout=layout, seed=i)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", [np.float16, pytest.param(DTYPES[1], marks=pytest.mark.slow),
+                                   pytest.param(np.float32, marks=pytest.mark.slow), np.float64],
+                         ids=DTYPE_IDS)
 def test_everything_default_tiles(dtype):
     """The shipped tile sizes, several tiles each way (Lk > 2·EXT_BLOCK_K, Lq > 2·EXT_BLOCK_Q)."""
     run(("dropout", "block_mask", "window_left", "alibi", "softcap", "seqlens"), dtype, 600, 1100,
@@ -447,3 +457,54 @@ def test_no_feature_takes_the_dense_path():
     ext = cpu.forward(q, k, v, causal=True, scale=0.25, batch_shape=(2,), ext=Extensions())
     for a, b in zip(dense, ext):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_brute_agrees_with_reference(causal):
+    """Two independent statements of docs/extensions.md (every feature at once) give one function."""
+    q, k, v = make_qkv(*shapes("gqa", 45, 70), np.float64, seed=12)
+    rng = np.random.default_rng(13)
+    kw = {}
+    for name in ("dropout", "block_mask", "window", "alibi", "softcap", "seqlens"):
+        kw.update(feature(name, (2, 2, 3), 45, 70, rng))
+    dout = rng.standard_normal((2, 2, 3, 45, 24))
+    out, lse, grads = brute(q, k, v, causal=causal, dout=dout, **kw)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    for g, r in zip(grads, reference.attention_backward(dout, q, k, v, causal=causal, **kw)):
+        np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-13)
+
+
+# -- through the public api ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("names,causal", [(("window", "alibi", "dropout"), True),
+                                          (("softcap", "seqlens", "block_mask"), False)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["fp16", "fp32"])
+def test_public_api(names, causal, dtype):
+    """flash_attention_forward / _backward / _vjp with backend="cpu" and the keywords as a user
+    writes them (alibi (H,), lists for window, block mask without batch dims)."""
+    q, k, v = make_qkv(*shapes("gqa", 300, 650), dtype, seed=21)
+    rng = np.random.default_rng(22)
+    kw = {}
+    for name in names:
+        kw.update(feature(name, (2, 2, 3), 300, 650, rng))
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"][0].astype(np.float32)      # (3,): per query head
+    if "seqlens_q" in kw:
+        kw = dict(kw, seqlens_q=np.array(kw["seqlens_q"], np.int32), seqlens_k=np.array(kw["seqlens_k"], np.int32))
+    if "block_mask" in kw:
+        kw["block_mask"] = kw["block_mask"][0]
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="cpu", **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = fa.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cpu", **kw)
+    out2, vjp = fa.flash_attention_vjp(q, k, v, causal=causal, backend="cpu", **kw)
+    np.testing.assert_array_equal(out2, out)
+    for a, b in zip(vjp(dout), grads):
+        np.testing.assert_array_equal(a, b)
+    direct = cpu_forward(q, k, v, causal, **kw)
+    np.testing.assert_array_equal(direct[0], out)
+    np.testing.assert_array_equal(direct[1], lse)
+    for a, b in zip(cpu_backward(dout, q, k, v, out, lse, causal, **kw), grads):
+        np.testing.assert_array_equal(a, b)
+    check(q, k, v, causal=causal, data_seed=0, **kw)
