@@ -102,7 +102,7 @@ def _compare(name, actual, ref, naive, factor, atol):
 
 
 def check_attention(out, q, k, v, *, causal=False, scale=None, lse=None, dout=None, grads=None,
-                    factor=2.0, grad_factor=3.0, atol=None):
+                    factor=2.0, grad_factor=3.0, atol=None, **extensions):
     """Compare an attention output (and optionally lse and gradients) with the reference.
 
     Parameters
@@ -122,29 +122,35 @@ def check_attention(out, q, k, v, *, causal=False, scale=None, lse=None, dout=No
     atol : float, optional
         Slack per unit of magnitude (multiplied by ``max(1, max|ref|)``); default per dtype
         (float16 1e-4, bfloat16 1e-3, float32 1e-6, float64 1e-12).
+    **extensions
+        The extension keywords of the call under test (``dropout_p``, ``seed``, ``offset``,
+        ``window``, ``alibi_slopes``, ``softcap``, ``block_mask``, ``block_size``, ``seqlens_q``,
+        ``seqlens_k``; docs/extensions.md), passed to the reference: with dropout the reference
+        applies the same mask, so the rule is unchanged.
 
     Returns
     -------
     AttentionReport
     """
     q, k, v, out, lse, dout = (_host(x) for x in (q, k, v, out, lse, dout))
+    ext = {name: (_host(x) if hasattr(x, "shape") else x) for name, x in extensions.items()}
+    kw = dict(causal=causal, scale=scale, **ext)
     p = canonical_dtype(q.dtype)
     atol = ATOL[p] if atol is None else float(atol)
     report = AttentionReport(dtype=str(p))
-    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    naive_out, naive_lse = reference.attention(q, k, v, causal=causal, scale=scale,
-                                               return_lse=True, dtype=p)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    naive_out, naive_lse = reference.attention(q, k, v, return_lse=True, dtype=p, **kw)
     report.checks.append(_compare("out", out, ref_out, naive_out, factor, atol))
     if lse is not None:
         acc = accumulation_dtype(p)
-        _, lse_acc = reference.attention(q.astype(acc), k.astype(acc), v.astype(acc), causal=causal,
-                                         scale=scale, return_lse=True, dtype=acc)
+        _, lse_acc = reference.attention(q.astype(acc), k.astype(acc), v.astype(acc), return_lse=True,
+                                         dtype=acc, **kw)
         report.checks.append(_compare("lse", lse, ref_lse, lse_acc, factor, ATOL[acc]))
     if grads is not None:
         if dout is None:
             raise ValueError("flasharray.testing: grads given without dout")
-        ref_g = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
-        naive_g = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=p)
+        ref_g = reference.attention_backward(dout, q, k, v, **kw)
+        naive_g = reference.attention_backward(dout, q, k, v, dtype=p, **kw)
         for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref_g, naive_g):
             report.checks.append(_compare(name, _host(g), r, n, grad_factor, atol))
     return report
