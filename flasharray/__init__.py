@@ -4,9 +4,12 @@
 matrix: on CuPy arrays with hand-written CUDA kernels, on NumPy arrays with a tiled,
 multithreaded CPU implementation, and on the CPU emulator of those CUDA kernels
 (``backend="emulator"``). Gradients come from an explicit API (``flash_attention_backward``,
-``flash_attention_vjp``). ``flash_attention_with_kvcache`` attends over a (paged) KV cache for
-incremental decoding, appending the new keys in place. ``flasharray.reference`` is the plain
-NumPy ground truth and ``flasharray.testing`` checks any attention output against it.
+``flash_attention_vjp``). Extension keywords (dropout, block-sparse, sliding window, ALiBi,
+softcap, per-entry lengths; docs/extensions.md) apply to every function;
+``flash_attention_varlen`` takes packed variable-length batches. ``flash_attention_with_kvcache``
+attends over a (paged) KV cache for incremental decoding, appending the new keys in place.
+``flasharray.reference`` is the plain NumPy ground truth and ``flasharray.testing`` checks any
+attention output against it.
 """
 __version__ = "0.1.0"
 
@@ -17,6 +20,7 @@ from ._private.api import (  # noqa: E402
     flash_attention_vjp,
 )
 from ._private.merge import merge_attention  # noqa: E402
+from ._private.varlen import flash_attention_varlen, flash_attention_varlen_backward  # noqa: E402
 from ._private.kvcache import flash_attention_with_kvcache  # noqa: E402
 from . import reference, testing  # noqa: E402
 
@@ -47,6 +51,8 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_backward",
     "flash_attention_vjp",
+    "flash_attention_varlen",
+    "flash_attention_varlen_backward",
     "merge_attention",
     "flash_attention_with_kvcache",
     "reference",
