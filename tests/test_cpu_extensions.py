@@ -222,13 +222,16 @@ def feature(name, batch, Lq, Lk, rng):
 
 
 def shapes(layout, Lq, Lk, D=32, Dv=24):
+    """GQA broadcasting, or plain (B, H, L, D) (``bshd``: views of (B, L, H, D) arrays)."""
     if layout == "gqa":  # 2 entries, 2 kv heads, 3 query heads per kv head
         return (2, 2, 3, Lq, D), (2, 2, 1, Lk, D), (2, 2, 1, Lk, Dv)
+    if layout == "b1":  # one entry of the first dim (large problems)
+        return (1, 3, Lq, D), (1, 3, Lk, D), (1, 3, Lk, Dv)
     return (2, 3, Lq, D), (2, 3, Lk, D), (2, 3, Lk, Dv)
 
 
 def run(names, dtype, Lq, Lk, causal=False, layout="bhsd", seed=0, grads=True, scale=None):
-    q, k, v = make_qkv(*shapes(layout, Lq, Lk), dtype, seed=seed)
+    q, k, v = make_qkv(*shapes(layout, Lq, Lk), dtype, seed=seed, layout="bshd" if layout == "bshd" else "bhsd")
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     rng = np.random.default_rng(seed + 100)
     kw = {}
@@ -282,6 +285,8 @@ PAIRS = [
     (("dropout", "window_right", "alibi"), True, "bhsd"),
     (("dropout", "block_mask", "window", "alibi", "softcap", "seqlens"), True, "gqa"),
     (("dropout", "block_mask", "window", "alibi", "softcap", "seqlens"), False, "bhsd"),
+    (("dropout", "window", "alibi", "softcap"), True, "bshd"),       # non-contiguous q, k, v
+    (("block_mask_48x64", "seqlens_k"), False, "bshd"),
 ]
 
 
@@ -299,7 +304,7 @@ def test_composed(small_tiles, names, causal, layout):
 def test_everything_default_tiles(dtype):
     """The shipped tile sizes, several tiles each way (Lk > 2·EXT_BLOCK_K, Lq > 2·EXT_BLOCK_Q)."""
     run(("dropout", "block_mask", "window_left", "alibi", "softcap", "seqlens"), dtype, 600, 1100,
-        causal=True, seed=3)
+        causal=True, layout="b1", seed=3)
 
 
 @pytest.mark.slow
@@ -484,11 +489,11 @@ def test_brute_agrees_with_reference(causal):
 def test_public_api(names, causal, dtype):
     """flash_attention_forward / _backward / _vjp with backend="cpu" and the keywords as a user
     writes them (alibi (H,), lists for window, block mask without batch dims)."""
-    q, k, v = make_qkv(*shapes("gqa", 300, 650), dtype, seed=21)
+    q, k, v = make_qkv(*shapes("gqa", 90, 150), dtype, seed=21)
     rng = np.random.default_rng(22)
     kw = {}
     for name in names:
-        kw.update(feature(name, (2, 2, 3), 300, 650, rng))
+        kw.update(feature(name, (2, 2, 3), 90, 150, rng))
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"][0].astype(np.float32)      # (3,): per query head
     if "seqlens_q" in kw:
@@ -508,3 +513,12 @@ def test_public_api(names, causal, dtype):
     for a, b in zip(cpu_backward(dout, q, k, v, out, lse, causal, **kw), grads):
         np.testing.assert_array_equal(a, b)
     check(q, k, v, causal=causal, data_seed=0, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_batch_dims(causal):
+    """q (Lq, D), k, v (Lk, ·): one entry, bh = 0."""
+    q, k, v = make_qkv((300, 40), (530, 40), (530, 24), np.float32, seed=30)
+    mask = np.random.default_rng(31).random((3, 5)) < 0.7
+    check(q, k, v, causal=causal, dropout_p=0.15, seed=77, window=(100, 40), softcap=4.0,
+          alibi_slopes=np.float32(0.05), block_mask=mask)
