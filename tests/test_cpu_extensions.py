@@ -522,3 +522,23 @@ def test_no_batch_dims(causal):
     mask = np.random.default_rng(31).random((3, 5)) < 0.7
     check(q, k, v, causal=causal, dropout_p=0.15, seed=77, window=(100, 40), softcap=4.0,
           alibi_slopes=np.float32(0.05), block_mask=mask)
+
+
+@pytest.mark.parametrize("order", ["growing", "shrinking"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["fp32", "fp64"])
+def test_large_scores_exercise_rescaling_without_overflow(order, dtype):
+    """Scores that grow (or shrink) by hundreds across key tiles force the lazy reference m_i to
+    move (see test_cpu.py's twin for why float32 is checked at scale 1/4)."""
+    Lq, Lk, D = 40, 1800, 16
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, Lq, D)).astype(dtype)
+    ramp = np.linspace(0.1, 12.0, Lk)[:, None]
+    k = (rng.standard_normal((2, Lk, D)) * (ramp if order == "growing" else ramp[::-1])).astype(dtype)
+    v = rng.standard_normal((2, Lk, 8)).astype(dtype)
+    kw = dict(window=(1500, -1), alibi_slopes=np.array([0.001, 0.01]), seqlens_k=[1790, 1500],
+              dropout_p=0.1, seed=5)
+    with np.errstate(over="raise"):
+        out, lse = cpu_forward(q, k, v, False, 1.0, **kw)
+        grads = cpu_backward(np.ones_like(out), q, k, v, out, lse, False, 1.0, **kw)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse)) and all(np.isfinite(g).all() for g in grads)
+    check(q, k, v, scale=0.25 if dtype == np.float32 else 1.0, **kw)

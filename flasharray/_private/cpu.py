@@ -299,7 +299,7 @@ def _backward_chunk(Q_aug, Q, dO, dO_aug, K_aug, V_aug, dq_b, dk_b, dv_b, blocks
 #
 #     S_ij = scale·Q_i K_jᵀ                              # BLAS
 #     S_ij = softcap·tanh(S_ij/softcap) − slope·|i + off − j|,  -inf where key j is hidden
-#     online softmax (exact running max m_i, sum l_i);  P̃_ij = P_ij ∘ keep_ij   (dropout)
+#     online softmax (lazy reference m_i as above, sum l_i);  P̃_ij = P_ij ∘ keep_ij  (dropout)
 #     O_i  = exp(m_old − m_new)·O_i + P̃_ij V_j           # BLAS; O_i /= (1 − p)·l_i at the end
 #
 # Tiles nobody sees are never formed and their K_j, V_j never read: key ranges outside the
@@ -445,8 +445,13 @@ class _Entry:
                 T = S.copy()
             S *= cap
         if self.slope is not None:
-            dist = np.abs(np.arange(i0 + self.off, i1 + self.off)[:, None] - np.arange(j0, j1)[None, :])
-            S -= self.slope * dist.astype(S.dtype)       # FlashAttention-2's ALiBi: −slope·|i + off − j|
+            # FlashAttention-2's ALiBi: −slope·|i + off − j|. Positions are exact in the float
+            # dtype (< 2**24), so the distance tile is built in it directly (no integer tile).
+            rows = np.arange(i0 + self.off, i1 + self.off, dtype=S.dtype)
+            dist = np.subtract.outer(rows, np.arange(j0, j1, dtype=S.dtype))
+            np.abs(dist, out=dist)
+            dist *= self.slope
+            S -= dist
         hide = self.hidden(i0, i1, j0, j1)
         if hide is not None:
             np.copyto(S, -np.inf, where=hide)
@@ -491,28 +496,26 @@ def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
     """Query rows ``[i0, i0 + Br)`` against the key tiles they see; returns (O_i, lse_i)."""
     Br, Dv = q_rows.shape[0], v_b.shape[-1]
     Q_i = np.asarray(q_rows, dtype=acc) * acc.type(scale)          # Br×D: scale·Q_i
-    m_i = np.full(Br, -np.inf, dtype=acc)                          # running row max
-    l_i = np.zeros(Br, dtype=acc)                                  # running sum of undropped P
-    O_i = np.zeros((Br, Dv), dtype=acc)                            # unnormalised output
+    m_i = np.full(Br, -np.inf, dtype=acc)     # reference point (lazy, as in the dense path)
+    m_safe = np.zeros(Br, dtype=acc)          # what is subtracted: m_i, or 0 while m_i = -inf
+    O_i = np.zeros((Br, Dv + 1), dtype=acc)   # [unnormalised O_i | l_i (undropped row sums)]
+    all_seen = False                          # every row has a finite reference m_i
     for j0, j1 in ent.key_spans(i0, i0 + Br, EXT_BLOCK_K):
-        K_j = np.asarray(k_b[j0:j1], dtype=acc)                    # Bc×D
-        S_ij, _ = ent.scores(Q_i @ K_j.T, i0, j0)                  # Br×Bc
-        # -- update m_i; rows that have seen no key yet keep m = -inf and subtract 0 instead
-        #    (exp(-inf - -inf) would be NaN).
-        m_new = np.maximum(m_i, S_ij.max(axis=1))
-        m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(acc, copy=False)
-        alpha = np.exp(m_i - m_safe)                               # 0 where m_i was -inf
+        S_ij, _ = ent.scores(Q_i @ np.asarray(k_b[j0:j1], dtype=acc).T, i0, j0)   # Br×Bc
         S_ij -= m_safe[:, None]
+        # One whole-tile max shows whether any row must move its reference (NaN goes the slow way).
+        if not (all_seen and S_ij.max() <= acc.type(RESCALE_THRESHOLD)):
+            all_seen = _move_reference(S_ij, m_i, m_safe, O_i)
         P_ij = np.exp(S_ij, out=S_ij)
-        # -- update l_i (undropped: lse is of the undropped scores) and O_i (dropped P)
-        l_i = alpha * l_i + P_ij.sum(axis=1)
         if ent.dropout:
+            O_i[:, -1] += P_ij.sum(axis=1)                         # lse is of the undropped P
             np.multiply(P_ij, ent.keep(i0, i0 + Br, j0, j1), out=P_ij)
-        O_i *= alpha[:, None]
-        O_i += P_ij @ np.asarray(v_b[j0:j1], dtype=acc)
-        m_i = m_new
+            O_i[:, :-1] += P_ij @ np.asarray(v_b[j0:j1], dtype=acc)
+        else:
+            O_i += P_ij @ _augment(v_b[j0:j1], 1, acc)              # [V_j | 1]: adds rowsum(P_ij)
+    l_i = O_i[:, -1]
     seen = l_i > 0
-    O = np.divide(O_i, l_i[:, None], out=np.zeros_like(O_i), where=seen[:, None])
+    O = np.divide(O_i[:, :-1], l_i[:, None], out=np.zeros((Br, Dv), dtype=acc), where=seen[:, None])
     if ent.dropout:
         O *= ent.inv_keep                                          # kept P scaled by 1/(1 − p)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -520,6 +523,22 @@ def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
     nan_rows = np.isnan(l_i)        # a NaN score makes the row NaN, as in the reference
     O[nan_rows], lse_i[nan_rows] = np.nan, np.nan
     return O, lse_i
+
+
+def _move_reference(S_ij, m_i, m_safe, O_i):
+    """Rows of ``S_ij`` (already minus ``m_safe``) whose max exceeds ``m_i`` by more than
+    RESCALE_THRESHOLD, or that see their first key, move their reference to that max: S_ij,
+    O_i (and l_i, its last column) are rescaled in place. Returns whether every row has a finite
+    reference now."""
+    row_max = S_ij.max(axis=1) + m_safe
+    grow = row_max > m_i + S_ij.dtype.type(RESCALE_THRESHOLD)   # NaN rows compare False
+    if grow.any():
+        rows = slice(None) if grow.all() else np.flatnonzero(grow)
+        S_ij[rows] -= (row_max[rows] - m_safe[rows])[:, None]
+        O_i[rows] *= np.exp(m_i[rows] - row_max[rows])[:, None]   # 0 when m_i was -inf
+        m_i[rows] = row_max[rows]
+        m_safe[rows] = row_max[rows]
+    return not np.isneginf(m_i).any()
 
 
 def _backward_ext(dout, q, k, v, out, lse, causal, scale, batch_shape, ext):
