@@ -169,19 +169,6 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     return plan
 
 
-def _empty(xp, shape, dtype):
-    """``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are): the kernels'
-    16-byte stores need 16-byte aligned rows, and the emulator's sector counts assume CuPy's
-    alignment."""
-    if xp is not np:
-        return xp.empty(shape, dtype=dtype)
-    dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    raw = np.empty(n + 256, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 256
-    return raw[off:off + n].view(dtype).reshape(shape)
-
-
 def dq_accum_rows(Lq, kernel, t_kv):
     """Rows of the atomic mode's dQ accumulator per batch entry: Lq (SIMT, row-major) or Lq rounded
     up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests)."""
@@ -229,10 +216,44 @@ class BackwardPlan:
                  for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
         self.buffers = self._buffers(ready, deterministic, arch, stages)
         arrays = dict(ready, **{n: launch.stand_in(shape, dt) for n, (shape, dt) in self.buffers.items()})
+        # Deterministic mode: the kernels take a dQ accumulator they never touch; one plan-owned
+        # element stands for it (bound once, here).
+        self._unused = self.xp.empty(1, dtype=acc)
+        unused = launcher.pointer(launcher.handle(self._unused))
         runner = _Runner(launcher)
-        self._record(runner, arrays, causal=causal, scale=scale, deterministic=deterministic, arch=arch,
+        self._record(runner, arrays, unused, causal=causal, scale=scale, deterministic=deterministic, arch=arch,
                      stages=stages)
         self.launches = runner.launches
+        self._prepare_call((dout, q, k, v, out, lse))
+
+    def _prepare_call(self, inputs):
+        """What :meth:`run` does per call, decided once: which inputs to copy, the allocations
+        (each returned gradient buffer alone; every other buffer the launches use carved from one
+        AccT scratch allocation, parts 256-byte aligned), the order of the arrays' handles, and
+        the reductions of broadcast dims."""
+        acc = self.acc
+        self.copies = tuple((i, acc if n == "lse" else a.dtype) for i, (n, a) in enumerate(zip(_INPUTS, inputs))
+                            if self.copy[n])
+        returned = (self.dq_name, "dk", "dv")
+        self.outputs = tuple(self.buffers[n] for n in returned)
+        used = {a.key for rec in self.launches for a in rec.template if isinstance(a, launch.Ptr)}
+        scratch = [n for n in self.buffers if n in used and n not in returned]
+        assert all(self.buffers[n][1] == acc for n in scratch), "scratch buffers are AccT"
+        align = 256 // acc.itemsize
+        parts, size = [], 0
+        for n in scratch:
+            shape = self.buffers[n][0]
+            parts.append((size, shape))
+            size += -(-math.prod(shape) // align) * align
+        # One scratch buffer: allocated with its shape; several: parts of one 1-D allocation.
+        self.scratch = ((parts[0][1], None) if len(parts) == 1 else ((size,), tuple(parts)) if parts else None)
+        self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + returned + tuple(scratch))
+        self.reductions = tuple(
+            None if shape == self.shapes[src] and dt == self.dtype
+            else (tuple(i for i in range(len(shape) - 2) if self.shapes[src][i] == 1 and shape[i] != 1),
+                  self.shapes[src])
+            for (shape, dt), src in zip(self.outputs, ("q", "k", "v")))
+        self.reduce = any(r is not None for r in self.reductions)
 
     def _buffers(self, t, deterministic, arch, stages):
         """{name: (shape, dtype)} of the buffers each call allocates."""
@@ -261,7 +282,7 @@ class BackwardPlan:
             bufs["dk"], bufs["dv"] = (t["k"].shape, dtype), (t["v"].shape, dtype)
         return bufs
 
-    def _record(self, runner, t, *, causal, scale, deterministic, arch, stages):
+    def _record(self, runner, t, unused, *, causal, scale, deterministic, arch, stages):
         """Plan the batch splits and record the three passes' launches."""
         full, nb = self.batch_shape, len(self.batch_shape)
         q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
@@ -281,7 +302,8 @@ class BackwardPlan:
             and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages)
-        ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast)
+        ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
+                      unused)
         plans_a = _launch_plans(sizes_a, strides_a)
         ctx.preprocess(plans_a)
         ctx.dkv(_launch_plans(sizes_b, strides_b), self.group)
@@ -291,24 +313,31 @@ class BackwardPlan:
     def run(self, dout, q, k, v, out, lse, counters=None):
         """``(dq, dk, dv)`` for arrays of the planned signature (``counters``: the emulator's
         ``(kernel name, counters)`` per launch are appended)."""
-        xp = self.xp
-        arrays = dict(zip(_INPUTS, (dout, q, k, v, out, lse)))
-        for name, copy in self.copy.items():
-            if copy:
-                a = arrays[name]
-                c = _empty(xp, a.shape, self.acc if name == "lse" else a.dtype)
-                c[...] = a
-                arrays[name] = c
-        for name, (shape, dt) in self.buffers.items():
-            arrays[name] = _empty(xp, shape, dt)
-        handle = self.launcher.handle
-        pointer, handles = self.launcher.pointer, {n: handle(a) for n, a in arrays.items()}
-        for rec in self.launches:
-            c = rec(pointer, handles)
-            if counters is not None:
-                counters.append((rec.name, c))
-        return tuple(_reduce_to(xp, arrays[name], self.shapes[src], self.dtype)
-                     for name, src in ((self.dq_name, "q"), ("dk", "k"), ("dv", "v")))
+        launcher = self.launcher
+        arrays = [dout, q, k, v, out, lse]
+        for i, dt in self.copies:
+            a = arrays[i]
+            arrays[i] = c = launch.empty(self.xp, a.shape, dt)
+            c[...] = a
+        handle, alloc = launcher.handle, launcher.alloc
+        handles = [handle(a) for a in arrays]
+        grads = []
+        for shape, dt in self.outputs:
+            g, h = alloc(shape, dt)
+            grads.append(g)
+            handles.append(h)
+        if self.scratch is not None:
+            shape, parts = self.scratch
+            s, h = alloc(shape, self.acc)
+            if parts is None:
+                handles.append(h)
+            else:
+                part = launcher.part
+                handles += [part(s, h, offset, shape) for offset, shape in parts]
+        self.replay(handles, counters)
+        if self.reduce:
+            return tuple(g if r is None else _reduce(g, *r, self.dtype) for g, r in zip(grads, self.reductions))
+        return tuple(grads)
 
 
 def _rs(a):
@@ -341,8 +370,8 @@ def _group_dims(t, full, dims):
 class _Passes:
     """Records the launches of the three backward passes for each batch split of a plan."""
 
-    def __init__(self, runner, t, ks, scale_arg, deterministic, kernel, q_bcast):
-        self.runner, self.t, self.ks, self.scale_arg = runner, t, ks, scale_arg
+    def __init__(self, runner, t, ks, scale_arg, deterministic, kernel, q_bcast, unused):
+        self.runner, self.t, self.ks, self.scale_arg, self.unused = runner, t, ks, scale_arg, unused
         self.deterministic, self.kernel, self.q_bcast = deterministic, kernel, q_bcast
         self.Lq, self.D = t["q"].shape[-2], t["q"].shape[-1]
         self.Lk, self.Dv = t["v"].shape[-2], t["v"].shape[-1]
@@ -366,7 +395,7 @@ class _Passes:
         for (nb0, nb1, nb2), sa, off in plans_a:
             # the accumulator is cleared as n_accum contiguous elements per batch entry
             dqa = (self._arg("dqacc", off, sa, row=False) + [np.int64(dqacc.shape[-2] * dqacc.shape[-1])]
-                   if not self.deterministic else [launch.Ptr("dqacc"), *[np.int64(0)] * 4])
+                   if not self.deterministic else [self.unused, *[np.int64(0)] * 4])
             self.runner.launch(src, name, (-(-self.Lq // tiles.ROWS_PER_BLOCK), nb1 * nb2, nb0), tiles.ROW_THREADS,
                                [*self._arg("dout", off, sa), *self._arg("out", off, sa),
                                 *self._arg("delta", off, sa, row=False), *dqa,
@@ -379,7 +408,7 @@ class _Passes:
         i32 = np.int32
         for (mb0, mb1, mb2), sb, off in plans_b:
             dqa = (self._arg("dqacc", off, sb, group=gs["dqacc"]) if not self.deterministic
-                   else [launch.Ptr("dqacc"), *[np.int64(0)] * 5])
+                   else [self.unused, *[np.int64(0)] * 5])
             self.runner.launch(
                 src, name, (-(-self.Lk // t_kv.block_n), mb1 * mb2, mb0), t_kv.n_threads,
                 [*self._arg("q", off, sb, group=gs["q"]), *self._arg("k", off, sb), *self._arg("v", off, sb),
@@ -483,10 +512,8 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     return grads + (counters,) if return_counters else grads
 
 
-def _reduce_to(xp, buf, shape, dtype):
-    if buf.shape == tuple(shape) and buf.dtype == dtype:
-        return buf
-    axes = tuple(i for i in range(len(shape) - 2) if shape[i] == 1 and buf.shape[i] != 1)
+def _reduce(buf, axes, shape, dtype):
+    """A gradient buffer summed over the broadcast dims ``axes`` of its input, as ``shape`` and ``dtype``."""
     if axes:
         buf = buf.sum(axis=axes, keepdims=True)
     return buf.astype(dtype).reshape(shape)

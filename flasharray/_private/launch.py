@@ -22,6 +22,14 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
     (a dict, emulator) or None (CUDA). ``launcher.arch`` is the compute capability as an int.
 ``Recorded(launcher, source, name_expr, grid, block, args, shared_mem)``, ``Ptr(key, offset)``
     a launch prepared once (plans): array arguments are ``Ptr`` slots bound per call.
+``Replay(launcher, recorded, keys)``
+    several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
+    call (``launcher.pointers``) and every argument tuple gathered in one step.
+``launcher.alloc(shape, dtype)``, ``launcher.part(whole, handle, offset, shape)``
+    a new array with its handle (no second address lookup); the handle of a part of an
+    allocation (an address on CUDA; an exact view on the emulator, which checks every access).
+``empty(xp, shape, dtype)``
+    ``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are).
 ``batch_layout(batch_shape, arrays)`` / ``batch_plan`` -> list[BatchLaunch]
     merged (nb0, nb1, nb2), and per array its element offset (``batch_plan``: a flat view) +
     its three batch strides.
@@ -35,9 +43,12 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
 ``c_int(x)``, ``c_longlong(x)``, ``c_float(x)``, ``c_double(x)``, ``c_scalar(x, acc_dtype)``
     exact-C-type NumPy scalars (kernel arguments by value, as CuPy's RawKernel takes them).
 """
+import ctypes
 import functools
 import hashlib
 import itertools
+import math
+import operator
 import threading
 from pathlib import Path
 
@@ -175,6 +186,23 @@ class Launcher:
         """What :meth:`pointer` needs of array ``a``, looked up once per call (plans)."""
         return a
 
+    def pointers(self, handles, slots):
+        """``[pointer(handles[i], offset) for i, offset in slots]``: every array argument of a
+        :class:`Replay`, bound at once."""
+        pointer = self.pointer
+        return [pointer(handles[i], offset) for i, offset in slots]
+
+    def alloc(self, shape, dtype):
+        """``(a, handle(a))`` for a new uninitialised array (256-byte aligned, :func:`empty`)."""
+        a = empty(self.xp(), shape, dtype)
+        return a, self.handle(a)
+
+    def part(self, whole, h, offset, shape):
+        """The handle of ``shape`` elements of the 1-D allocation ``whole`` (handle ``h``) from
+        element ``offset`` on: the contiguous array there (the emulator checks every access
+        against the exact span of each argument)."""
+        return whole[offset:offset + math.prod(shape)].reshape(shape)
+
     def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
         return self.function(source_name, name_expr, shared_mem)(tuple(grid), tuple(block), tuple(args))
 
@@ -227,6 +255,13 @@ class CupyLauncher(Launcher):
         # A device pointer passed by value: 8 bytes, what a ``T*`` kernel parameter holds.
         # ``h``: the handle of an array (address of element 0, itemsize).
         return np.uint64(h[0] + offset * h[1])
+
+    def pointers(self, handles, slots):
+        u64 = np.uint64
+        return [u64(handles[i][0] + offset * handles[i][1]) for i, offset in slots]
+
+    def part(self, whole, h, offset, shape):
+        return h[0] + offset * h[1], h[1]  # an address is all a kernel argument needs
 
 
 class EmulatorLauncher(Launcher):
@@ -289,7 +324,13 @@ class NullLauncher(EmulatorLauncher):
     def handle(self, a):
         return a.ctypes.data, a.itemsize  # as CupyLauncher.handle, for NumPy
 
+    def alloc(self, shape, dtype):
+        a, address = _host_empty(shape, dtype)
+        return a, (address, a.itemsize)
+
     pointer = CupyLauncher.pointer
+    pointers = CupyLauncher.pointers
+    part = CupyLauncher.part
 
 
 _launchers = {}
@@ -382,6 +423,52 @@ class Recorded:
         return self.call(self.grid, self.block, tuple(args))
 
 
+class Replay:
+    """Recorded launches that share their arrays, replayed together.
+
+    ``keys`` orders the arrays: a call passes their handles in that order. Each distinct
+    ``Ptr(key, offset)`` of all the launches is bound once per call (``launcher.pointers``: on
+    CUDA one ``numpy.uint64`` per slot, however many launches use it) and each launch's argument
+    tuple is gathered from the bound pointers and the constants by one ``operator.itemgetter``.
+    """
+
+    def __init__(self, launcher, recorded, keys):
+        index = {key: i for i, key in enumerate(keys)}
+        slots, consts, gathers = {}, [], []
+        for rec in recorded:
+            where = []
+            for a in rec.template:
+                if isinstance(a, Ptr):
+                    where.append(slots.setdefault((index[a.key], a.offset), len(slots)))
+                else:
+                    where.append(~len(consts))  # constants follow the pointers: fixed up below
+                    consts.append(a)
+            gathers.append(where)
+        n = len(slots)
+        self.launcher = launcher
+        self.slots = tuple(slots)
+        self.consts = consts
+        self.launches = [(rec.name, rec.call, rec.grid, rec.block, _gather([w if w >= 0 else n + ~w for w in where]))
+                         for rec, where in zip(recorded, gathers)]
+
+    def __call__(self, handles, counters=None):
+        """Launch every recorded launch with the arrays of ``handles`` (``launcher.handle`` of each
+        array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch."""
+        args = self.launcher.pointers(handles, self.slots) + self.consts
+        for name, call, grid, block, gather in self.launches:
+            c = call(grid, block, gather(args))
+            if counters is not None:
+                counters.append((name, c))
+
+
+def _gather(indices):
+    """``f(values) -> tuple(values[i] for i in indices)`` (an itemgetter, whose result is a tuple
+    only for two indices or more)."""
+    if len(indices) >= 2:
+        return operator.itemgetter(*indices)
+    return lambda values: tuple(values[i] for i in indices)
+
+
 # ---- arrays as kernel arguments ----------------------------------------------------------------------
 
 def xp_of(a):
@@ -396,6 +483,24 @@ def device_address(a):
     """Address of element 0: ``a.data.ptr`` for a CuPy array, ``a.ctypes.data`` for a NumPy one
     (the emulator's alignment checks; the CuPy stand-in of the tests)."""
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _host_empty(shape, dtype):
+    """A 256-byte aligned uninitialised NumPy array and the address of its element 0."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + 256, dtype=np.uint8)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))  # raw is ours: writable, contiguous
+    offset = -address % 256
+    return np.ndarray(shape, dtype, raw, offset), address + offset
+
+
+def empty(xp, shape, dtype):
+    """``xp.empty(shape, dtype)``, 256-byte aligned on the host too, as CuPy's allocations are:
+    the kernels' 16-byte stores need 16-byte aligned rows, and the emulator's sector counts
+    assume CuPy's alignment."""
+    if xp is not np:
+        return xp.empty(shape, dtype=dtype)
+    return _host_empty(shape, dtype)[0]
 
 
 def stand_in(shape, dtype, strides=None):
