@@ -542,3 +542,21 @@ def test_large_scores_exercise_rescaling_without_overflow(order, dtype):
         grads = cpu_backward(np.ones_like(out), q, k, v, out, lse, False, 1.0, **kw)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse)) and all(np.isfinite(g).all() for g in grads)
     check(q, k, v, scale=0.25 if dtype == np.float32 else 1.0, **kw)
+
+
+def test_peak_memory_is_far_below_lq_lk():
+    """The extension path allocates tiles, never anything Lq×Lk (tracemalloc sees NumPy buffers)."""
+    import tracemalloc
+    L, D = 8192, 32
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, L, D), dtype=np.float32) for _ in range(3))
+    kw = dict(dropout_p=0.1, seed=1, window=(700, 300), alibi_slopes=np.array([0.01, 0.02]),
+              softcap=5.0, seqlens_k=[L - 5])
+    tracemalloc.start()
+    try:
+        out, lse = cpu_forward(q, k, v, True, **kw)
+        cpu_backward(out, q, k, v, out, lse, True, **kw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < L * L * 4 / 8, "peak %.1f MiB" % (peak / 2**20)   # one float32 Lq×Lk: 256 MiB

@@ -32,6 +32,9 @@ Nothing of size Lq×Lk is ever allocated: the largest temporaries are Br×Bc til
 Lq×D / Lk×D buffers. float16/bfloat16 inputs compute in float32, float32 in float32, float64 in
 float64. Work items (batch entry × block range) run on a thread pool; BLAS and large NumPy
 ufuncs release the GIL, so both cores work.
+
+Calls with extensions (docs/extensions.md: dropout, block_mask, window, ALiBi, softcap, per-entry
+lengths) take a separate tiled path at the end of this module (``ext=``); see its header comment.
 """
 import functools
 import os
@@ -293,9 +296,10 @@ def _backward_chunk(Q_aug, Q, dO, dO_aug, K_aug, V_aug, dq_b, dk_b, dv_b, blocks
 
 # -- Extensions (docs/extensions.md): dropout, block_mask, window, ALiBi, softcap, seqlens -------
 #
-# A separate tiled path, used only when a call has extensions. The augmented operands above fold
-# -m_i into the product, which no longer holds once softcap (nonlinear in S) or ALiBi (a bias per
-# entry) change the scores, so here each tile goes through the textbook steps:
+# A separate tiled path, used only when a call has extensions (a dense call never comes here).
+# The augmented operands above fold -m_i (forward) and -lse_i, -D_i (backward) into the products,
+# which no longer holds once softcap (nonlinear in S) or ALiBi (a bias per entry) change the
+# scores, so here each tile's scores are formed first and the rest follows the textbook steps:
 #
 #     S_ij = scale·Q_i K_jᵀ                              # BLAS
 #     S_ij = softcap·tanh(S_ij/softcap) − slope·|i + off − j|,  -inf where key j is hidden
