@@ -231,7 +231,8 @@ def shapes(layout, Lq, Lk, D=32, Dv=24):
 
 
 def run(names, dtype, Lq, Lk, causal=False, layout="bhsd", seed=0, grads=True, scale=None):
-    q, k, v = make_qkv(*shapes(layout, Lq, Lk), dtype, seed=seed, layout="bshd" if layout == "bshd" else "bhsd")
+    storage = "bshd" if layout == "bshd" else "bhsd"
+    q, k, v = make_qkv(*shapes(layout, Lq, Lk), dtype, seed=seed, layout=storage)
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     rng = np.random.default_rng(seed + 100)
     kw = {}
@@ -241,8 +242,8 @@ def run(names, dtype, Lq, Lk, causal=False, layout="bhsd", seed=0, grads=True, s
 
 
 SIZES = [(65, 127), (127, 65), (1, 33), (100, 100), (17, 200), (200, 17)]
-SINGLE = ["dropout", "block_mask", "block_mask_48x64", "window", "window_left", "window_right", "alibi", "softcap",
-          "seqlens", "seqlens_k"]
+SINGLE = ["dropout", "block_mask", "block_mask_48x64", "window", "window_left", "window_right", "alibi",
+          "softcap", "seqlens", "seqlens_k"]
 
 
 # -- each feature alone -----------------------------------------------------------------------------
@@ -435,7 +436,7 @@ def test_brute_backward_matches_finite_differences():
     """The test's own statement of the backward (every feature at once) is the derivative of its
     forward: central differences in float64."""
     rng = np.random.default_rng(2)
-    q, k, v = rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 1, 9, 3)), rng.standard_normal((2, 1, 9, 2))
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 6, 3), (2, 1, 9, 3), (2, 1, 9, 2)))
     mask = np.array([[True, True, False], [False, True, True]])
     kw = dict(dropout_p=0.3, seed=11, window=(3, 1), alibi_slopes=np.array([0.3, 0.7]), softcap=0.8,
               seqlens_q=[6, 4], seqlens_k=[8, 9], block_mask=mask, block_size=(4, 3))
@@ -497,7 +498,7 @@ def test_public_api(names, causal, dtype):
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"][0].astype(np.float32)      # (3,): per query head
     if "seqlens_q" in kw:
-        kw = dict(kw, seqlens_q=np.array(kw["seqlens_q"], np.int32), seqlens_k=np.array(kw["seqlens_k"], np.int32))
+        kw.update({n: np.array(kw[n], np.int32) for n in ("seqlens_q", "seqlens_k")})
     if "block_mask" in kw:
         kw["block_mask"] = kw["block_mask"][0]
     out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="cpu", **kw)
