@@ -12,16 +12,21 @@ Two modes:
   (synchronised at the end); PyTorch SDPA's figures beside ours when torch with CUDA is
   importable. Target: ≤ 30 µs per forward call.
 
-Each figure is the fastest of ``--repeat`` runs of ``--number`` calls (mean per call). The breakdown of the
-cached forward call times its parts alone: building the signature key, the cache lookup, the
-two output allocations, and binding pointers + the launches; "rest" is the difference to the
-whole call (function calls, argument passing).
+Each figure is the fastest of ``--repeat`` runs of ``--number`` calls (mean per call), timed
+by the wall clock (``--timer wall``, default) or by the process's CPU time (``--timer cpu``:
+``time.process_time``, the same figure on an idle machine, and far steadier on a machine
+other jobs load, since time spent waiting for a core is not counted; no-op launcher only).
+The breakdowns of the cached forward and backward calls time their parts alone: building the
+signature key, the cache lookup, the allocations, the address lookups, binding pointers + the
+launches; "rest" is the difference to the whole call (function calls, argument passing).
 
-    python benchmarks/overhead.py            # no-op launcher
+    python benchmarks/overhead.py                # no-op launcher
+    python benchmarks/overhead.py --timer cpu    # the same, CPU time (a loaded machine)
     python benchmarks/overhead.py --device cuda
 """
 import argparse
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -36,11 +41,15 @@ SHAPE = (1, 1, 128, 64)   # (B, H, L, D): the issue's small problem
 TARGETS_US = {"forward": 15.0, "backward": 25.0}
 
 
+TIMERS = {"wall": time.perf_counter, "cpu": time.process_time}
+_timer = [time.perf_counter]
+
+
 def per_call_us(stmt, number, repeat):
     """Fastest of ``repeat`` runs: mean µs of ``number`` calls of ``stmt()`` (the minimum is the
     least disturbed by other work on the machine, as timeit recommends)."""
     stmt()  # first call: planning, compilation
-    runs = timeit.repeat(stmt, number=number, repeat=repeat)
+    runs = timeit.Timer(stmt, timer=_timer[0]).repeat(number=number, repeat=repeat)
     return min(runs) / number * 1e6
 
 
@@ -101,6 +110,37 @@ def uncached_us(fn, number, repeat):
     return per_call_us(cold, max(number // 10, 1), repeat)
 
 
+def backward_breakdown(q, k, v, do, backend, number, repeat):
+    """µs of each part of a cached backward call (``cuda_backward.BackwardPlan.run``)."""
+    out, lse = fa.flash_attention_forward(q, k, v, backend=backend)
+    arrays = (do, q, k, v, out, lse)
+    fa.flash_attention_backward(*arrays, backend=backend)
+    flags = (False, None, True)  # causal, scale, deterministic
+    key = api._call_key("bwd", arrays, flags, backend, {})
+    run = api._CACHE[key]
+    plan = run.__self__ if hasattr(run, "__self__") else None
+    parts = {"signature key": lambda: api._call_key("bwd", arrays, flags, backend, {}),
+             "cache lookup": lambda: api._CACHE.get(key)}
+    if plan is None or not hasattr(plan, "replay"):
+        return {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
+    launcher = plan.launcher
+    handle, carve, allocations = launcher.handle, launcher.carve, plan.allocations
+    handles = [handle(a) for a in arrays] + [h for alloc in allocations for h in carve(*alloc)[1]]
+    n_parts = sum(len(alloc[2]) for alloc in allocations)
+    parts["handles of the %d inputs" % len(arrays)] = lambda: [handle(a) for a in arrays]
+    parts["allocate %d buffers (%d allocation%s)" % (n_parts, len(allocations), "s" * (len(allocations) > 1))] = \
+        lambda: [carve(*alloc) for alloc in allocations]
+    parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: plan.replay(handles)
+    times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
+    slots = plan.replay.slots
+    times["  of which binding %d pointers" % len(slots)] = per_call_us(lambda: launcher.pointers(handles, slots),
+                                                                      number, repeat)
+    if isinstance(q, np.ndarray):
+        n = 2 * len(arrays)  # the key's alignment checks and the handles, one each per input
+        times["NumPy address lookups (%d) in the above" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
+    return times
+
+
 def report(title, rows, targets=None):
     print("\n" + title)
     for name, us in rows.items():
@@ -116,11 +156,15 @@ def run_null(number, repeat):
         cached = {name: per_call_us(fn, number, repeat) for name, fn in fns.items()}
         cold = {name: uncached_us(fn, number, repeat) for name, fn in fns.items()}
         parts = forward_breakdown(q, k, v, "emulator", number, repeat)
-    print("flasharray %s, host overhead with a no-op launcher, fp16 %s (B, H, L, D)" % (fa.__version__, SHAPE))
+        bparts = backward_breakdown(q, k, v, do, "emulator", number, repeat)
+    timer = [name for name, t in TIMERS.items() if t is _timer[0]][0]
+    print("flasharray %s, host overhead with a no-op launcher, fp16 %s (B, H, L, D); %s time, fastest of %d x %d calls"
+          % (fa.__version__, SHAPE, timer, repeat, number))
     report("cached call (same signature as the previous call)", cached, TARGETS_US)
     report("uncached call (validation + planning every time)", cold)
-    parts["rest (call layers)"] = cached["forward"] - sum(us for name, us in parts.items() if name[0] != " ")
-    report("forward, cached: breakdown", parts)
+    for name, p in (("forward", parts), ("backward", bparts)):
+        p["rest (call layers)"] = cached[name] - sum(us for part, us in p.items() if part[0] not in " N")
+        report("%s, cached: breakdown" % name, p)
     return cached
 
 
@@ -160,12 +204,20 @@ def main(argv=None):
     ap.add_argument("--device", choices=("null", "cuda"), default="null")
     ap.add_argument("--number", type=int, default=2000, help="calls per timing run")
     ap.add_argument("--repeat", type=int, default=5, help="timing runs (the fastest is reported)")
+    ap.add_argument("--timer", choices=tuple(TIMERS), default="wall",
+                    help="wall clock, or the process's CPU time (steadier on a loaded machine; no-op launcher only)")
     args = ap.parse_args(argv)
     if args.number < 1 or args.repeat < 1:
         ap.error("--number and --repeat must be >= 1")
     if args.device == "cuda":
+        if args.timer != "wall":
+            ap.error("--timer cpu: the GPU's work is not the process's CPU time; use the wall clock")
         return run_cuda(args.number, args.repeat)
-    return run_null(args.number, args.repeat)
+    _timer[0] = TIMERS[args.timer]
+    try:
+        return run_null(args.number, args.repeat)
+    finally:
+        _timer[0] = time.perf_counter
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ device, in a fixed order.
 """
 import itertools
 import math
+import operator
 
 import numpy as np
 
@@ -227,33 +228,33 @@ class BackwardPlan:
         self._prepare_call((dout, q, k, v, out, lse))
 
     def _prepare_call(self, inputs):
-        """What :meth:`run` does per call, decided once: which inputs to copy, the allocations
-        (each returned gradient buffer alone; every other buffer the launches use carved from one
-        AccT scratch allocation, parts 256-byte aligned), the order of the arrays' handles, and
-        the reductions of broadcast dims."""
+        """What :meth:`run` does per call, decided once: the inputs to copy, the allocations, the
+        order of the arrays' handles, and the reductions of broadcast dims.
+
+        Two allocations at most, each of one dtype and cut into 256-byte aligned parts
+        (``launcher.carve``): the gradients returned as they are (views of one allocation), and
+        the AccT scratch freed when the call returns (delta, the atomic mode's dQ accumulator,
+        the partial sums reduced over broadcast dims).
+        """
         acc = self.acc
         self.copies = tuple((i, acc if n == "lse" else a.dtype) for i, (n, a) in enumerate(zip(_INPUTS, inputs))
                             if self.copy[n])
         returned = (self.dq_name, "dk", "dv")
-        self.outputs = tuple(self.buffers[n] for n in returned)
         used = {a.key for rec in self.launches for a in rec.template if isinstance(a, launch.Ptr)}
-        scratch = [n for n in self.buffers if n in used and n not in returned]
-        assert all(self.buffers[n][1] == acc for n in scratch), "scratch buffers are AccT"
-        align = 256 // acc.itemsize
-        parts, size = [], 0
-        for n in scratch:
-            shape = self.buffers[n][0]
-            parts.append((size, shape))
-            size += -(-math.prod(shape) // align) * align
-        # One scratch buffer: allocated with its shape; several: parts of one 1-D allocation.
-        self.scratch = ((parts[0][1], None) if len(parts) == 1 else ((size,), tuple(parts)) if parts else None)
-        self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + returned + tuple(scratch))
-        self.reductions = tuple(
-            None if shape == self.shapes[src] and dt == self.dtype
-            else (tuple(i for i in range(len(shape) - 2) if self.shapes[src][i] == 1 and shape[i] != 1),
-                  self.shapes[src])
-            for (shape, dt), src in zip(self.outputs, ("q", "k", "v")))
-        self.reduce = any(r is not None for r in self.reductions)
+        reductions = {}
+        for name, src in zip(returned, ("q", "k", "v")):
+            shape, dt = self.buffers[name]
+            if shape != self.shapes[src] or dt != self.dtype:
+                reductions[name] = (tuple(i for i in range(len(shape) - 2)
+                                          if self.shapes[src][i] == 1 and shape[i] != 1), self.shapes[src])
+        kept = [n for n in returned if n not in reductions]
+        scratch = [n for n in self.buffers if n not in kept and (n in used or n in returned)]
+        self.allocations = tuple(_carving(self.buffers, group, returned) for group in (kept, scratch) if group)
+        order = kept + scratch
+        self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + tuple(order))
+        self.grads = operator.itemgetter(*[order.index(n) for n in returned])  # -> (dq, dk, dv)
+        self.reductions = tuple(reductions.get(n) for n in returned)
+        self.reduce = bool(reductions)
 
     def _buffers(self, t, deterministic, arch, stages):
         """{name: (shape, dtype)} of the buffers each call allocates."""
@@ -284,7 +285,10 @@ class BackwardPlan:
 
     def _record(self, runner, t, unused, *, causal, scale, deterministic, arch, stages):
         """Plan the batch splits and record the three passes' launches."""
+        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel != "tc" else "dq"
         full, nb = self.batch_shape, len(self.batch_shape)
+        if 0 in full:
+            return  # no batch entry: nothing to launch (empty gradients)
         q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
         D, Dv = q.shape[-1], v.shape[-1]
         dims = [i for i in range(nb) if full[i] > 1]
@@ -308,36 +312,48 @@ class BackwardPlan:
         ctx.preprocess(plans_a)
         ctx.dkv(_launch_plans(sizes_b, strides_b), self.group)
         ctx.dq(plans_a)
-        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel != "tc" else "dq"
 
     def run(self, dout, q, k, v, out, lse, counters=None):
         """``(dq, dk, dv)`` for arrays of the planned signature (``counters``: the emulator's
         ``(kernel name, counters)`` per launch are appended)."""
         launcher = self.launcher
-        arrays = [dout, q, k, v, out, lse]
+        if self.copies:
+            dout, q, k, v, out, lse = self._copy_inputs([dout, q, k, v, out, lse])
+        handle, carve = launcher.handle, launcher.carve
+        handles = [handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)]
+        arrays = []
+        for allocation in self.allocations:
+            a, h = carve(*allocation)
+            arrays += a
+            handles += h
+        self.replay(handles, counters)
+        if self.reduce:
+            return tuple(g if r is None else _reduce(g, *r, self.dtype)
+                         for g, r in zip(self.grads(arrays), self.reductions))
+        return self.grads(arrays)
+
+    def _copy_inputs(self, arrays):
+        """The inputs planned as copied (last axis not contiguous; lse not AccT), copied."""
         for i, dt in self.copies:
             a = arrays[i]
             arrays[i] = c = launch.empty(self.xp, a.shape, dt)
             c[...] = a
-        handle, alloc = launcher.handle, launcher.alloc
-        handles = [handle(a) for a in arrays]
-        grads = []
-        for shape, dt in self.outputs:
-            g, h = alloc(shape, dt)
-            grads.append(g)
-            handles.append(h)
-        if self.scratch is not None:
-            shape, parts = self.scratch
-            s, h = alloc(shape, self.acc)
-            if parts is None:
-                handles.append(h)
-            else:
-                part = launcher.part
-                handles += [part(s, h, offset, shape) for offset, shape in parts]
-        self.replay(handles, counters)
-        if self.reduce:
-            return tuple(g if r is None else _reduce(g, *r, self.dtype) for g, r in zip(grads, self.reductions))
-        return tuple(grads)
+        return arrays
+
+
+def _carving(buffers, names, returned):
+    """``(dtype, nbytes, parts)`` for ``launcher.carve``: the buffers ``names`` (of one dtype) one
+    after the other, each at a 256-byte boundary (as separate CuPy allocations would be); arrays
+    for those in ``returned``."""
+    dtypes = {np.dtype(buffers[n][1]) for n in names}
+    assert len(dtypes) == 1, "one dtype per allocation"
+    dt = dtypes.pop()
+    parts, nbytes = [], 0
+    for n in names:
+        shape = tuple(buffers[n][0])
+        parts.append((nbytes, shape, n in returned))
+        nbytes += -(-math.prod(shape) * dt.itemsize // 256) * 256
+    return dt, nbytes, tuple(parts)
 
 
 def _rs(a):

@@ -25,11 +25,12 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
 ``Replay(launcher, recorded, keys)``
     several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
     call (``launcher.pointers``) and every argument tuple gathered in one step.
-``launcher.alloc(shape, dtype)``, ``launcher.part(whole, handle, offset, shape)``
-    a new array with its handle (no second address lookup); the handle of a part of an
-    allocation (an address on CUDA; an exact view on the emulator, which checks every access).
-``empty(xp, shape, dtype)``
-    ``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are).
+``launcher.carve(dtype, nbytes, parts)``
+    one allocation cut into several arrays, with their handles (on CUDA addresses computed from
+    the allocation's; on the emulator exact views, as it checks every access).
+``empty(xp, shape, dtype)``, ``view_at(raw, offset, shape)``
+    ``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are); a C-contiguous
+    array at a byte offset of a 1-D allocation.
 ``batch_layout(batch_shape, arrays)`` / ``batch_plan`` -> list[BatchLaunch]
     merged (nb0, nb1, nb2), and per array its element offset (``batch_plan``: a flat view) +
     its three batch strides.
@@ -192,16 +193,15 @@ class Launcher:
         pointer = self.pointer
         return [pointer(handles[i], offset) for i, offset in slots]
 
-    def alloc(self, shape, dtype):
-        """``(a, handle(a))`` for a new uninitialised array (256-byte aligned, :func:`empty`)."""
-        a = empty(self.xp(), shape, dtype)
-        return a, self.handle(a)
-
-    def part(self, whole, h, offset, shape):
-        """The handle of ``shape`` elements of the 1-D allocation ``whole`` (handle ``h``) from
-        element ``offset`` on: the contiguous array there (the emulator checks every access
-        against the exact span of each argument)."""
-        return whole[offset:offset + math.prod(shape)].reshape(shape)
+    def carve(self, dtype, nbytes, parts):
+        """One new allocation of ``nbytes`` of ``dtype`` (256-byte aligned, :func:`empty`) cut into
+        ``parts`` ``((byte offset, shape, array), ...)``: ``(arrays, handles)``, one of each per
+        part. A part's array is None unless asked for (``array`` true) or the launcher needs it:
+        the emulator takes an exact view of every part (it checks each access against the span
+        of its argument); on CUDA a handle is an address, computed from the allocation's."""
+        raw = empty(self.xp(), (nbytes // dtype.itemsize,), dtype)
+        arrays = [view_at(raw, offset, shape) for offset, shape, _ in parts]
+        return arrays, [self.handle(a) for a in arrays]
 
     def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
         return self.function(source_name, name_expr, shared_mem)(tuple(grid), tuple(block), tuple(args))
@@ -257,11 +257,14 @@ class CupyLauncher(Launcher):
         return np.uint64(h[0] + offset * h[1])
 
     def pointers(self, handles, slots):
-        u64 = np.uint64
-        return [u64(handles[i][0] + offset * handles[i][1]) for i, offset in slots]
+        # one array conversion: cheaper than a numpy.uint64 per slot; its items are numpy.uint64
+        return list(np.array([handles[i][0] + offset * handles[i][1] for i, offset in slots], dtype=np.uint64))
 
-    def part(self, whole, h, offset, shape):
-        return h[0] + offset * h[1], h[1]  # an address is all a kernel argument needs
+    def carve(self, dtype, nbytes, parts):
+        raw = self._cupy.empty(nbytes // dtype.itemsize, dtype=dtype)
+        base, size = device_address(raw), dtype.itemsize
+        return ([view_at(raw, offset, shape) if array else None for offset, shape, array in parts],
+                [(base + offset, size) for offset, _, _ in parts])
 
 
 class EmulatorLauncher(Launcher):
@@ -324,13 +327,15 @@ class NullLauncher(EmulatorLauncher):
     def handle(self, a):
         return a.ctypes.data, a.itemsize  # as CupyLauncher.handle, for NumPy
 
-    def alloc(self, shape, dtype):
-        a, address = _host_empty(shape, dtype)
-        return a, (address, a.itemsize)
+    def carve(self, dtype, nbytes, parts):
+        # as CupyLauncher.carve; the address comes with the (host-aligned) allocation
+        raw, start, base = _host_bytes(nbytes)
+        size = dtype.itemsize
+        return ([np.ndarray(shape, dtype, raw, start + offset) if array else None for offset, shape, array in parts],
+                [(base + offset, size) for offset, _, _ in parts])
 
     pointer = CupyLauncher.pointer
     pointers = CupyLauncher.pointers
-    part = CupyLauncher.part
 
 
 _launchers = {}
@@ -448,17 +453,20 @@ class Replay:
         self.launcher = launcher
         self.slots = tuple(slots)
         self.consts = consts
-        self.launches = [(rec.name, rec.call, rec.grid, rec.block, _gather([w if w >= 0 else n + ~w for w in where]))
+        self.names = [rec.name for rec in recorded]
+        self.launches = [(rec.call, rec.grid, rec.block, _gather([w if w >= 0 else n + ~w for w in where]))
                          for rec, where in zip(recorded, gathers)]
 
     def __call__(self, handles, counters=None):
         """Launch every recorded launch with the arrays of ``handles`` (``launcher.handle`` of each
         array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch."""
         args = self.launcher.pointers(handles, self.slots) + self.consts
-        for name, call, grid, block, gather in self.launches:
-            c = call(grid, block, gather(args))
-            if counters is not None:
-                counters.append((name, c))
+        if counters is None:
+            for call, grid, block, gather in self.launches:
+                call(grid, block, gather(args))
+            return
+        for name, (call, grid, block, gather) in zip(self.names, self.launches):
+            counters.append((name, call(grid, block, gather(args))))
 
 
 def _gather(indices):
@@ -485,13 +493,13 @@ def device_address(a):
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
-def _host_empty(shape, dtype):
-    """A 256-byte aligned uninitialised NumPy array and the address of its element 0."""
-    dtype = np.dtype(dtype)
-    raw = np.empty(math.prod(shape) * dtype.itemsize + 256, dtype=np.uint8)
+def _host_bytes(nbytes):
+    """``(raw, start, address)``: new host memory, ``nbytes`` of it from byte ``start`` of the uint8
+    array ``raw`` on, at ``address``, a multiple of 256."""
+    raw = np.empty(nbytes + 256, dtype=np.uint8)
     address = ctypes.addressof(ctypes.c_char.from_buffer(raw))  # raw is ours: writable, contiguous
-    offset = -address % 256
-    return np.ndarray(shape, dtype, raw, offset), address + offset
+    start = -address % 256
+    return raw, start, address + start
 
 
 def empty(xp, shape, dtype):
@@ -500,7 +508,16 @@ def empty(xp, shape, dtype):
     assume CuPy's alignment."""
     if xp is not np:
         return xp.empty(shape, dtype=dtype)
-    return _host_empty(shape, dtype)[0]
+    dtype = np.dtype(dtype)
+    raw, start, _ = _host_bytes(math.prod(shape) * dtype.itemsize)
+    return np.ndarray(shape, dtype, raw, start)
+
+
+def view_at(raw, offset, shape):
+    """The C-contiguous array of ``shape`` at byte ``offset`` of the 1-D array ``raw`` (its dtype)."""
+    if isinstance(raw, np.ndarray):
+        return np.ndarray(shape, raw.dtype, raw, offset)
+    return type(raw)(shape, raw.dtype, memptr=raw.data + offset)  # cupy.ndarray
 
 
 def stand_in(shape, dtype, strides=None):
