@@ -125,11 +125,11 @@ def backward_breakdown(q, k, v, do, backend, number, repeat):
         return {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     launcher = plan.launcher
     handle, carve, allocations = launcher.handle, launcher.carve, plan.allocations
-    handles = [handle(a) for a in arrays] + [h for alloc in allocations for h in carve(*alloc)[1]]
+    handles = [handle(a) for a in arrays] + carve(allocations)[1]
     n_parts = sum(len(alloc[2]) for alloc in allocations)
     parts["handles of the %d inputs" % len(arrays)] = lambda: [handle(a) for a in arrays]
     parts["allocate %d buffers (%d allocation%s)" % (n_parts, len(allocations), "s" * (len(allocations) > 1))] = \
-        lambda: [carve(*alloc) for alloc in allocations]
+        lambda: carve(allocations)
     parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: plan.replay(handles)
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     slots = plan.replay.slots

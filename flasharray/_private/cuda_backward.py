@@ -319,14 +319,9 @@ class BackwardPlan:
         launcher = self.launcher
         if self.copies:
             dout, q, k, v, out, lse = self._copy_inputs([dout, q, k, v, out, lse])
-        handle, carve = launcher.handle, launcher.carve
-        handles = [handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)]
-        arrays = []
-        for allocation in self.allocations:
-            a, h = carve(*allocation)
-            arrays += a
-            handles += h
-        self.replay(handles, counters)
+        handle = launcher.handle
+        arrays, handles = launcher.carve(self.allocations)
+        self.replay([handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)] + handles, counters)
         if self.reduce:
             return tuple(g if r is None else _reduce(g, *r, self.dtype)
                          for g, r in zip(self.grads(arrays), self.reductions))

@@ -25,8 +25,8 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
 ``Replay(launcher, recorded, keys)``
     several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
     call (``launcher.pointers``) and every argument tuple gathered in one step.
-``launcher.carve(dtype, nbytes, parts)``
-    one allocation cut into several arrays, with their handles (on CUDA addresses computed from
+``launcher.carve(allocations)``
+    new allocations cut into several arrays, with their handles (on CUDA addresses computed from
     the allocation's; on the emulator exact views, as it checks every access).
 ``empty(xp, shape, dtype)``, ``view_at(raw, offset, shape)``
     ``xp.empty``, 256-byte aligned on the host too (as CuPy's allocations are); a C-contiguous
@@ -193,14 +193,17 @@ class Launcher:
         pointer = self.pointer
         return [pointer(handles[i], offset) for i, offset in slots]
 
-    def carve(self, dtype, nbytes, parts):
-        """One new allocation of ``nbytes`` of ``dtype`` (256-byte aligned, :func:`empty`) cut into
-        ``parts`` ``((byte offset, shape, array), ...)``: ``(arrays, handles)``, one of each per
-        part. A part's array is None unless asked for (``array`` true) or the launcher needs it:
-        the emulator takes an exact view of every part (it checks each access against the span
+    def carve(self, allocations):
+        """New memory cut into arrays: ``allocations`` ``((dtype, nbytes, parts), ...)``, each one
+        allocation of ``nbytes`` of ``dtype`` (256-byte aligned, :func:`empty`) holding ``parts``
+        ``((byte offset, shape, array), ...)``. Returns ``(arrays, handles)``, one of each per part,
+        in order. A part's array is None unless asked for (``array`` true) or the launcher needs
+        it: the emulator takes an exact view of every part (it checks each access against the span
         of its argument); on CUDA a handle is an address, computed from the allocation's."""
-        raw = empty(self.xp(), (nbytes // dtype.itemsize,), dtype)
-        arrays = [view_at(raw, offset, shape) for offset, shape, _ in parts]
+        xp, arrays = self.xp(), []
+        for dtype, nbytes, parts in allocations:
+            raw = empty(xp, (nbytes // dtype.itemsize,), dtype)
+            arrays += [view_at(raw, offset, shape) for offset, shape, _ in parts]
         return arrays, [self.handle(a) for a in arrays]
 
     def launch(self, source_name, name_expr, grid, block, args, shared_mem=0):
@@ -258,13 +261,18 @@ class CupyLauncher(Launcher):
 
     def pointers(self, handles, slots):
         # one array conversion: cheaper than a numpy.uint64 per slot; its items are numpy.uint64
-        return list(np.array([handles[i][0] + offset * handles[i][1] for i, offset in slots], dtype=np.uint64))
+        return list(np.array([handles[i][0] + offset * handles[i][1] if offset else handles[i][0]
+                              for i, offset in slots], dtype=np.uint64))
 
-    def carve(self, dtype, nbytes, parts):
-        raw = self._cupy.empty(nbytes // dtype.itemsize, dtype=dtype)
-        base, size = device_address(raw), dtype.itemsize
-        return ([view_at(raw, offset, shape) if array else None for offset, shape, array in parts],
-                [(base + offset, size) for offset, _, _ in parts])
+    def carve(self, allocations):
+        arrays, handles = [], []
+        for dtype, nbytes, parts in allocations:
+            raw = self._cupy.empty(nbytes // dtype.itemsize, dtype=dtype)
+            base, size = device_address(raw), dtype.itemsize
+            for offset, shape, array in parts:
+                arrays.append(view_at(raw, offset, shape) if array else None)
+                handles.append((base + offset, size))
+        return arrays, handles
 
 
 class EmulatorLauncher(Launcher):
@@ -327,12 +335,18 @@ class NullLauncher(EmulatorLauncher):
     def handle(self, a):
         return a.ctypes.data, a.itemsize  # as CupyLauncher.handle, for NumPy
 
-    def carve(self, dtype, nbytes, parts):
+    def carve(self, allocations):
         # as CupyLauncher.carve; the address comes with the (host-aligned) allocation
-        raw, start, base = _host_bytes(nbytes)
-        size = dtype.itemsize
-        return ([np.ndarray(shape, dtype, raw, start + offset) if array else None for offset, shape, array in parts],
-                [(base + offset, size) for offset, _, _ in parts])
+        arrays, handles = [], []
+        for dtype, nbytes, parts in allocations:
+            raw = np.empty(nbytes + 256, dtype=np.uint8)  # _host_bytes, inlined: this is the hot path
+            address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+            start = -address % 256
+            base, size = address + start, dtype.itemsize
+            for offset, shape, array in parts:
+                arrays.append(np.ndarray(shape, dtype, raw, start + offset) if array else None)
+                handles.append((base + offset, size))
+        return arrays, handles
 
     pointer = CupyLauncher.pointer
     pointers = CupyLauncher.pointers
@@ -451,6 +465,7 @@ class Replay:
             gathers.append(where)
         n = len(slots)
         self.launcher = launcher
+        self._pointers = launcher.pointers
         self.slots = tuple(slots)
         self.consts = consts
         self.names = [rec.name for rec in recorded]
@@ -460,7 +475,7 @@ class Replay:
     def __call__(self, handles, counters=None):
         """Launch every recorded launch with the arrays of ``handles`` (``launcher.handle`` of each
         array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch."""
-        args = self.launcher.pointers(handles, self.slots) + self.consts
+        args = self._pointers(handles, self.slots) + self.consts
         if counters is None:
             for call, grid, block, gather in self.launches:
                 call(grid, block, gather(args))
