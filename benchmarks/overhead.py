@@ -137,7 +137,7 @@ def backward_breakdown(q, k, v, do, backend, number, repeat):
                                                                       number, repeat)
     if isinstance(q, np.ndarray):
         n = 2 * len(arrays)  # the key's alignment checks and the handles, one each per input
-        times["NumPy address lookups (%d) in the above" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
+        times["NumPy address lookups (%d), within the above" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
     return times
 
 
@@ -146,7 +146,7 @@ def report(title, rows, targets=None):
     for name, us in rows.items():
         target = (targets or {}).get(name)
         note = "" if target is None else ("  target <= %.0f: %s" % (target, "met" if us <= target else "NOT met"))
-        print("  %-34s %9.2f us%s" % (name, us, note))
+        print("  %-42s %9.2f us%s" % (name, us, note))
 
 
 def run_null(number, repeat):

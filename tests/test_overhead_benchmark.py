@@ -30,10 +30,18 @@ def test_null_mode_prints_every_row_without_running_a_kernel(overhead, monkeypat
     out = capsys.readouterr().out
     for row in ("cached call", "uncached call", "forward", "backward", "breakdown", "signature key",
                 "cache lookup", "allocate out, lse", "bind pointers + launch", "NumPy address lookups",
-                "rest (call layers)", "target <= 15", "target <= 25"):
+                "rest (call layers)", "target <= 15", "target <= 25", "backward, cached: breakdown",
+                "handles of the 6 inputs", "allocate 4 buffers (2 allocations)", "bind pointers + launch (3)",
+                "of which binding 10 pointers", "wall time"):
         assert row in out, row
     # Plans made under the no-op launcher do not survive it.
     assert not cuda_forward._PLANS and not api._CACHE
+
+
+def test_cpu_timer(overhead, capsys):
+    overhead.main(["--number", "5", "--repeat", "1", "--timer", "cpu"])
+    assert "cpu time" in capsys.readouterr().out
+    assert overhead._timer[0] is overhead.time.perf_counter  # restored
 
 
 def test_arguments_are_checked(overhead):
@@ -41,6 +49,8 @@ def test_arguments_are_checked(overhead):
         overhead.main(["--number", "0"])
     with pytest.raises(SystemExit):
         overhead.main(["--device", "tpu"])
+    with pytest.raises(SystemExit):
+        overhead.main(["--device", "cuda", "--timer", "cpu"])
 
 
 def test_cuda_mode_needs_cupy(overhead):

@@ -148,3 +148,54 @@ def test_cached_backward_skips_validation(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(TypeError, match="deterministic"):
         fa.flash_attention_backward(do, q, k, v, out, lse, causal=True, deterministic=1)
+
+
+def test_cached_backward_returns_fresh_gradients_each_call():
+    """The returned gradients are views of one allocation per call: never memory of an earlier
+    call's results, never overlapping each other, writable, C-contiguous, the inputs' shapes."""
+    q, k, v = make_qkv((2, 2, 24, 16), (2, 1, 24, 16), (2, 1, 24, 16), np.float16, seed=11)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
+    do = np.ones_like(out)
+    first = fa.flash_attention_backward(do, q, k, v, out, lse, backend="emulator")
+    second = fa.flash_attention_backward(do, q, k, v, out, lse, backend="emulator")
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    for i, a in enumerate(first):
+        assert a.flags.writeable and a.flags.c_contiguous
+        assert not any(np.shares_memory(a, b) for b in second)
+        assert not any(np.shares_memory(a, b) for b in first[i + 1:])
+    assert [g.shape for g in first] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_plan_binds_each_array_once(deterministic):
+    """One pointer per distinct (array, offset) however many launches use it; the deterministic
+    mode's unused dQ accumulator is bound once at planning (no per-call allocation)."""
+    from flasharray._private import cuda_backward
+    q, k, v = make_qkv((1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16), np.float16, seed=12)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
+    p = cuda_backward.plan(out, q, k, v, out, lse, causal=False, scale=0.25, batch_shape=(1, 2),
+                           device="emulator", deterministic=deterministic)
+    assert len(p.launches) == 3
+    keys = [key for key, _ in p.replay.slots]
+    assert len(keys) == len(set(p.replay.slots)) == len(set(keys))  # one batch split: offsets 0
+    names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta"] + ([] if deterministic else ["dqacc"])
+    assert len(keys) == len(names)
+    assert len(p.allocations) == 2  # the returned gradients; the AccT scratch
+    scratch = p.allocations[1][2]
+    assert len(scratch) == (1 if deterministic else 2) and all(offset % 256 == 0 for offset, _, _ in scratch)
+
+
+def test_null_launcher_backward_shapes_for_every_layout():
+    """Under the no-op launcher (CUDA's binding, nothing run) every backward layout returns its
+    gradients' shapes and dtypes: GQA partial sums, atomic accumulator, copied inputs, empty batch."""
+    q, k, v = make_qkv((2, 3, 20, 16), (2, 1, 20, 16), (2, 1, 20, 16), np.float16, seed=13)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
+    cases = [(q, k, v), (q, np.asfortranarray(k), v), (q[:1, :1], k[:1], v[:1]),
+             (q[:0], k[:0], v[:0]), (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))]
+    with launch.null_launches():
+        for qq, kk, vv in cases:
+            o, l_ = out[:qq.shape[0], :qq.shape[1]].astype(qq.dtype), lse[:qq.shape[0], :qq.shape[1]]
+            for det in (True, False):
+                grads = fa.flash_attention_backward(o, qq, kk, vv, o, l_, backend="emulator", deterministic=det)
+                assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (qq, kk, vv)]
