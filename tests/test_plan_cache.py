@@ -199,3 +199,30 @@ def test_null_launcher_backward_shapes_for_every_layout():
             for det in (True, False):
                 grads = fa.flash_attention_backward(o, qq, kk, vv, o, l_, backend="emulator", deterministic=det)
                 assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (qq, kk, vv)]
+
+
+@pytest.mark.parametrize("B", [1, 2, 3])
+def test_kvcache_write_by_slices_equals_write_by_indexing(monkeypatch, B):
+    """A few entries of a contiguous cache are written by slices (cheaper per call than index
+    arrays): the same caches and outputs as the indexing path."""
+    from flasharray._private import kvcache
+    rng = np.random.default_rng(B)
+    q = rng.standard_normal((B, 2, 1, 16)).astype(np.float16)
+    k_new, v_new = (rng.standard_normal((B, 2, 3, 16)).astype(np.float16) for _ in range(2))
+    seqlens = np.array([5, 0, 29][:B], dtype=np.int32)
+    results = []
+    for entries in (kvcache.SLICE_WRITE_ENTRIES, 0):
+        monkeypatch.setattr(kvcache, "SLICE_WRITE_ENTRIES", entries)
+        k_cache, v_cache = (rng.standard_normal((B, 2, 32, 16)).astype(np.float16) for _ in range(2))
+        if results:
+            k_cache[...], v_cache[...] = results[0][1], results[0][2]  # the same starting caches
+        start = (k_cache.copy(), v_cache.copy())
+        out = fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new=k_new, v_new=v_new,
+                                              backend="emulator")
+        results.append((out, start[0], start[1], k_cache, v_cache))
+    (o1, *_, k1, v1), (o2, *_, k2, v2) = results
+    np.testing.assert_array_equal(k1, k2)
+    np.testing.assert_array_equal(v1, v2)
+    np.testing.assert_array_equal(o1, o2)
+    for b, s in enumerate(seqlens):
+        np.testing.assert_array_equal(k1[b, :, s:s + 3], k_new[b])

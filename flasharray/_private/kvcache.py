@@ -158,11 +158,13 @@ def _host_values(c):
 
 def _check_values(c, seqlens, table):
     """Lengths within the cache and block-table entries within the pool, for the rows touched."""
+    lengths = seqlens + c.L_new
+    if not c.paged and seqlens.size and seqlens.min() >= 0 and lengths.max() <= c.capacity:
+        return lengths  # the common case, in two reductions; the loop below names the culprit
     bad = np.flatnonzero(seqlens < 0)
     if bad.size:
         raise ValueError("flasharray: cache_seqlens must be >= 0, got cache_seqlens[%d] = %d"
                          % (bad[0], seqlens[bad[0]]))
-    lengths = seqlens + c.L_new
     over = np.flatnonzero(lengths > c.capacity)
     if over.size:
         b = over[0]
@@ -183,9 +185,20 @@ def _check_values(c, seqlens, table):
     return lengths
 
 
-def _write_new(c):
-    """k_new/v_new into the cache at logical rows cache_seqlens[b] + t, by array indexing."""
+#: Contiguous caches of at most this many entries are written entry by entry (a slice each: for
+#: one or two entries cheaper than building the index arrays, on the host and on a GPU alike).
+SLICE_WRITE_ENTRIES = 2
+
+
+def _write_new(c, seqlens):
+    """k_new/v_new into the cache at logical rows cache_seqlens[b] + t (``seqlens``: their host
+    values), by slices for a few entries of a contiguous cache, else by array indexing."""
     if c.L_new == 0 or c.B == 0:
+        return
+    if not c.paged and c.B <= SLICE_WRITE_ENTRIES:
+        for b, start in enumerate(seqlens.tolist()):
+            c.k_cache[b, :, start:start + c.L_new] = c.k_new[b]
+            c.v_cache[b, :, start:start + c.L_new] = c.v_new[b]
         return
     xp = np if c.kind == "numpy" else __import__("cupy")
     rows = c.seqlens.astype(xp.int64)[:, None] + xp.arange(c.L_new)       # (B, L_new) logical rows
@@ -323,13 +336,29 @@ def _stage(cache, pages, rows, acc):
     return np.concatenate(views, axis=1, dtype=acc)
 
 
+_USES_KERNEL = {}
+
+
 def _uses_kernel(c):
     """cuda / emulator with the tensor-core forward (float16 from sm_75, bfloat16 from sm_80): one
-    forward launch over every entry, reading each entry's key count (and pages) on the device."""
-    if c.backend == "cpu":
-        return False
-    from . import cuda_forward
-    return cuda_forward.kvcache_kernel(c.dtype, c.D, c.Dv, c.backend)
+    forward launch over every entry, reading each entry's key count (and pages) on the device.
+    Remembered per (dtype, head dims, backend, CuPy's current device)."""
+    if c.backend == "cpu" or np.dtype(c.dtype).itemsize != 2:
+        return False  # float32/float64: the SIMT kernels, whatever the device
+    key = (c.dtype, c.D, c.Dv, c.backend, __import__("cupy").cuda.runtime.getDevice() if c.backend == "cuda" else None)
+    uses = _USES_KERNEL.get(key)
+    if uses is None:
+        from . import cuda_forward
+        uses = _USES_KERNEL[key] = cuda_forward.kvcache_kernel(c.dtype, c.D, c.Dv, c.backend)
+    return uses
+
+
+def _register_clear():
+    from . import launch
+    launch._on_reload.append(_USES_KERNEL.clear)
+
+
+_register_clear()
 
 
 def _attend_kernel(c):
@@ -418,7 +447,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
         raise NotImplementedError(_paged_kernel_support(c))
     seqlens, table = _host_values(c)
     lengths = _check_values(c, seqlens, table)
-    _write_new(c)
+    _write_new(c, seqlens)
     if _uses_kernel(c):
         out, lse = _attend_kernel(c)
     elif not c.paged:
