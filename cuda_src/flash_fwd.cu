@@ -30,6 +30,7 @@
 #include "flash_softmax.cuh"
 #include "flash_fwd_copy.cuh"
 #include "flash_fwd_tiles.cuh"
+#include "flash_ext.cuh"
 
 namespace flash {
 
@@ -50,9 +51,15 @@ namespace flash {
 // a query tile's key range is that of its largest position (Lg − 1 when it spans two heads) and
 // its unmasked tiles those of its smallest (0 when it spans two heads). rows_per_group is unused
 // otherwise (the host passes Lq).
+//
+// kExt (the extensions of docs/extensions.md; 0 by default, so the dense instantiations and their
+// code are unchanged): a bit set of flash_ext.cuh, its arguments the trailing FLASH_EXT_PARAMS.
+// Lengths, window, block mask, softcap and ALiBi live in the Mask; key tiles outside the window
+// band, past the entry's keys or with an all-False block mask are never loaded (KeyTileWalk);
+// dropout drops P in registers (dropout_mma). Not combined with Is_packed or Has_seqlens_k.
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kStages,
           bool Is_causal, bool Is_aligned, bool Is_split = false, bool Is_packed = false,
-          bool Has_seqlens_k = false, bool Is_paged = false>
+          bool Has_seqlens_k = false, bool Is_paged = false, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  typename SplitOutput<T, Is_split>::type* __restrict__ o, float* __restrict__ lse,
@@ -65,7 +72,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  float scale_log2, int rows_per_group,
                  const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
                  long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
-                 long long k_page, long long v_page) {
+                 long long k_page, long long v_page, FLASH_EXT_PARAMS(float)) {
   using Traits = FwdTensorCoreTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;  // n8 tiles across Bc
@@ -108,6 +115,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   }
   static_assert(!Is_paged || Has_seqlens_k, "Is_paged needs Has_seqlens_k");
   if constexpr (!Is_paged) { (void)block_table; (void)table_row; (void)page_size; (void)k_page; (void)v_page; (void)table; }
+  // Extensions: the entry's lengths (seqlens; Lq stays the launch's for the stores: rows at or past
+  // Lq_b write out 0, lse −inf), the per-entry state in the Mask.
+  static_assert(kExt == 0 || (!Is_packed && !Has_seqlens_k), "kExt is not combined with GQA packing or the KV cache");
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  Lk = ext.seqlen_k<kExt>(bidx, Lk);
+  const int Lq_b = ext.seqlen_q<kExt>(bidx, Lq);
   const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
   const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
   const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
@@ -119,7 +132,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
   // GQA packing (causal): the mask works on query positions, row mod rows_per_group.
   static_assert(!Is_packed || Is_causal, "Is_packed is the causal packed variant");
-  const Mask<Is_causal> mask(Is_packed ? rows_per_group : Lq, Lk);
+  const Mask<Is_causal, kExt> mask = make_mask<Is_causal, kExt>(Is_packed ? rows_per_group : Lq_b, Lk, ext, bidx);
   // The positions of Q_i's first / last rows (packed: 0 / Lg − 1 when Q_i spans two heads).
   const PackedRows packed_rows = PackedRows::of<Is_packed>(m0, kBlockM, Lq, rows_per_group);
   // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
@@ -127,10 +140,13 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // Split-KV: only this split's run of key tiles [split_block_min, n_block_max) (maybe empty). The
   // dense kernel's first tile is the literal 0: every use below reads (Is_split ? split_block_min
   // : 0), since even a variable that is always 0 changed the dense loop's SASS (+9 instructions).
+  // A window's first tile moves it too (kMinVaries).
+  constexpr bool kMinVaries = Is_split || HasExt<kExt, kExtWindow>::value;
   int split_block_min = 0;
   if constexpr (Is_split)
     split_key_tiles(split_block_min, n_block_max, ceil_div(Lk, kBlockN), static_cast<int>(blockIdx.x) / n_m_blocks,
                     static_cast<int>(gridDim.x) / n_m_blocks);
+  if constexpr (HasExt<kExt, kExtWindow>::value) split_block_min = imax(split_block_min, mask.n_block_min(m0, kBlockN));
 
   float acc_o[kSlabs][kNTilesO][4];  // O_i slabs, unnormalised (C/D fragment layout)
   OnlineSoftmaxRow<float> stat[kSlabs][kRowsPerLane];
@@ -225,6 +241,16 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // The query position of row `row` of the problem (packed: its position within its head).
   auto query_position = [&](int row) { return Is_packed ? row % rows_per_group : row; };
   auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
+    if constexpr (Mask<Is_causal, kExt>::kScoreMod) {  // softcap / ALiBi: every score of every tile
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            acc_s[sl][nt][i] = mask.score(acc_s[sl][nt][i], m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2),
+                                          n0 + 8 * nt + 2 * t + (i % 2));
+    }
     if (tile_masked) {
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
@@ -306,17 +332,25 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // sm_75 tiles (docs/performance.md).
   const int n_block_unmasked =
       unmasked_key_tiles<Is_causal>(mask, Is_packed ? packed_rows.first : m0, kBlockN, n_block_max);
-  int n_block = n_block_max - 1;  // below the first tile when no key is visible: no loop
+  // Extensions: the tiles to visit and which need the mask (block-mask tiles all False skipped).
+  const KeyTileWalk<Is_causal, kExt, float> walk{mask, m0, kBlockM, kBlockN, (kMinVaries ? split_block_min : 0)};
+  // Dropout: the entry's generator; P is dropped after the softmax has summed it into l_i.
+  const DropoutRng rng = ext.dropout(bidx);
+  auto drop = [&](TileS& acc_s, int n0) {
+    if constexpr (HasExt<kExt, kExtDropout>::value) dropout_mma<kSlabs, kNTilesS>(acc_s, rng, m0 + warp_row0, n0, lane);
+  };
+  // The first tile: below the first tile when no key is visible (no loop).
+  int n_block = kExt == 0 ? n_block_max - 1 : walk.prev(n_block_max);
   if constexpr (kStages == 1) {
     // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while
     // S_ij = Q_i K_jᵀ runs, K_{j−1} while the softmax and P_ij V_j run. Two barriers per tile.
-    if (n_block >= (Is_split ? split_block_min : 0)) {
+    if (n_block >= (kMinVaries ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
-          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
       load_k(false, sK, n_block * kBlockN);
       fa::cp_async_commit();
     }
-    auto iteration = [&](bool masked, int n_block) {
+    auto iteration = [&](bool masked, int n_block, int next) {
       const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
       fa::cp_async_wait<0>();
       // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
@@ -332,44 +366,65 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
       // K_j, so sK may receive K_{j−1} while we do the softmax and P_ij V_j.
       __syncthreads();
-      if (n_block > (Is_split ? split_block_min : 0)) load_k(true, sK, n0 - kBlockN);
+      // The next tile (the one below, or the walk's next): always a full tile.
+      if (kExt == 0 ? n_block > (kMinVaries ? split_block_min : 0) : next >= walk.lo)
+        load_k(true, sK, kExt == 0 ? n0 - kBlockN : next * kBlockN);
       fa::cp_async_commit();
 
       softmax_step(masked, acc_s, n0);
+      drop(acc_s, n0);
       gemm_pv(acc_s, sV);
     };
-    for (; n_block >= (Is_split ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block);
+    if constexpr (kExt == 0) {
+      for (; n_block >= (kMinVaries ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block, 0);
+    } else {
+      while (n_block >= walk.lo) {
+        const int next = walk.prev(n_block);
+        iteration(walk.masked(n_block), n_block, next);
+        n_block = next;
+      }
+    }
   } else {
     // Two-stage ring: K_{j−1} and V_{j−1} are fetched into the other stage while all of tile j
     // is computed. One barrier per tile.
     static_assert(kStages == 2, "kStages must be 1 or 2");
-    if (n_block >= (Is_split ? split_block_min : 0)) {
+    if (n_block >= (kMinVaries ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
-          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+          sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
       load_k(false, sK, n_block * kBlockN);
       load_v(false, sV, n_block * kBlockN);
       fa::cp_async_commit();
     }
     int stage = 0;  // shared-memory stage holding tile j
-    auto iteration = [&](bool masked, int n_block) {
+    auto iteration = [&](bool masked, int n_block, int next) {
       const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
       fa::cp_async_wait<0>();
       // Barrier: Q_i, K_j and V_j have landed for every thread's copies, and every warp has
       // finished tile j+1, so its stage (the other one) may receive tile j−1.
       __syncthreads();
-      if (n_block > (Is_split ? split_block_min : 0)) {
-        load_k(true, sK + (stage ^ 1) * kKStage, n0 - kBlockN);
-        load_v(true, sV + (stage ^ 1) * kVStage, n0 - kBlockN);
+      if (kExt == 0 ? n_block > (kMinVaries ? split_block_min : 0) : next >= walk.lo) {
+        const int n_next = kExt == 0 ? n0 - kBlockN : next * kBlockN;  // a full tile
+        load_k(true, sK + (stage ^ 1) * kKStage, n_next);
+        load_v(true, sV + (stage ^ 1) * kVStage, n_next);
       }
       fa::cp_async_commit();
 
       TileS acc_s;
       gemm_qk(acc_s, sK + stage * kKStage);
       softmax_step(masked, acc_s, n0);
+      drop(acc_s, n0);
       gemm_pv(acc_s, sV + stage * kVStage);
       stage ^= 1;
     };
-    for (; n_block >= (Is_split ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block);
+    if constexpr (kExt == 0) {
+      for (; n_block >= (kMinVaries ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block, 0);
+    } else {
+      while (n_block >= walk.lo) {
+        const int next = walk.prev(n_block);
+        iteration(walk.masked(n_block), n_block, next);
+        n_block = next;
+      }
+    }
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
@@ -390,8 +445,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
     for (int r = 0; r < kRowsPerLane; ++r) {
       const float l_total = group_allreduce_sum<kQuad>(stat[sl][r].l);
-      const float inv_l = stat[sl][r].inv_sum(l_total);
       const int row_in_tile = warp_row0 + sl * Traits::kMmaM + g + 8 * r;
+      // Extensions: rows at or past the entry's Lq_b are out 0, lse −inf; dropout scales O_i.
+      const bool live = kExt == 0 || m0 + row_in_tile < Lq_b;
+      const float inv_l = ext_inv_sum<kExt>(stat[sl][r], l_total, live, ext);
       if (m0 + row_in_tile < Lq) {
 #pragma unroll
         for (int dt = 0; dt < kNTilesO; ++dt) {
@@ -412,7 +469,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             if (col + 1 < Dv) fa::gstore(dst + 1, from_acc<T>(hi));
           }
         }
-        if (t == 0) fa::gstore(lse_i + row_in_tile, stat[sl][r].lse(l_total));
+        if (t == 0) fa::gstore(lse_i + row_in_tile, live ? stat[sl][r].lse(l_total) : -INFINITY);
       }
     }
 }

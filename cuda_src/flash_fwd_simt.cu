@@ -14,17 +14,24 @@
 //   O_i  Br × dv  registers: TM × dv/kThreadsN per thread (AccT)
 //   m_i, l_i      registers: TM per thread (l_i partial over the thread's columns)
 // Output: O (Lq × Dv, element type) and LSE (Lq, AccT, natural log).
+//
+// kExt (docs/extensions.md; default 0, the dense kernel unchanged): the extension bits of
+// flash_ext.cuh with their trailing FLASH_EXT_PARAMS, as in flash_fwd.cu — lengths, window, block
+// mask, softcap and ALiBi in the Mask, key tiles outside the band or all-False in the block mask
+// never loaded (KeyTileWalk, ascending here), dropout on P before it goes to shared memory.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
 #include "flash_mask.cuh"
 #include "flash_softmax.cuh"
 #include "flash_fwd_copy.cuh"
+#include "flash_fwd_tiles.cuh"
+#include "flash_ext.cuh"
 
 namespace flash {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
-          bool Is_causal, bool Is_aligned>
+          bool Is_causal, bool Is_aligned, int kExt = 0>
 __global__ void __launch_bounds__(kThreadsM * kThreadsN, kMinBlocksPerSm)
 flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       T* __restrict__ o, typename AccumType<T>::type* __restrict__ lse,
@@ -34,7 +41,7 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long v_b0, long long v_b1, long long v_b2, long long v_row,
                       long long o_b0, long long o_b1, long long o_b2, long long o_row,
                       long long lse_b0, long long lse_b1, long long lse_b2,
-                      typename AccumType<T>::type scale_log2) {
+                      typename AccumType<T>::type scale_log2, FLASH_EXT_PARAMS(typename AccumType<T>::type)) {
   using Traits = FwdSimtTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kThreadsM, kThreadsN>;
   using AccT = typename Traits::AccT;
   constexpr int kNThreads = Traits::kNThreads;
@@ -65,9 +72,18 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   T* o_i = o + bidx.offset(o_s) + m0 * o_row;
   AccT* lse_i = lse + bidx.offset(lse_s) + m0;
 
-  const Mask<Is_causal> mask(Lq, Lk);
+  // Extensions: the entry's lengths (rows at or past Lq_b write out 0, lse −inf) and state.
+  const ExtArgs<AccT> ext = FLASH_EXT_ARGS(AccT);
+  Lk = ext.template seqlen_k<kExt>(bidx, Lk);
+  const int Lq_b = ext.template seqlen_q<kExt>(bidx, Lq);
+  const Mask<Is_causal, kExt, AccT> mask = make_mask<Is_causal, kExt>(Lq_b, Lk, ext, bidx);
   // Causal: key tiles entirely above the diagonal (for every row of Q_i) are never loaded.
   const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  // Extensions: tiles visited upwards from the window's first one, all-False block-mask tiles
+  // skipped (dense: every tile from 0).
+  const KeyTileWalk<Is_causal, kExt, AccT> walk{mask, m0, kBlockM, kBlockN, mask.n_block_min(m0, kBlockN)};
+  const int n_block_first = kExt == 0 ? 0 : walk.next(walk.lo - 1, n_block_max);
+  const DropoutRng rng = ext.dropout(bidx);
 
   AccT acc_o[TM][TE];  // O_i, unnormalised
   OnlineSoftmaxRow<AccT> stat[TM];
@@ -79,15 +95,18 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   }
 
   // ---- prologue: Q_i and K_0 in flight ----------------------------------------------------------
-  if (n_block_max > 0) {
+  if (kExt == 0 ? n_block_max > 0 : n_block_first < n_block_max) {
     load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
-        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
     load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-        sK, k_base, k_row, rows_in_tile(0, kBlockN, Lk), D, tid);
+        sK, k_base + n_block_first * kBlockN * k_row, k_row, rows_in_tile(n_block_first * kBlockN, kBlockN, Lk),
+        D, tid);
     fa::cp_async_commit();
   }
 
-  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+  int next = 0;  // extensions: the tile after K_j (dense: n_block + 1)
+  for (int n_block = n_block_first; n_block < n_block_max; n_block = (kExt == 0 ? n_block + 1 : next)) {
+    if constexpr (kExt != 0) next = walk.next(n_block, n_block_max);
     const int n0 = n_block * kBlockN;  // first key row of K_j, V_j
 
     fa::cp_async_wait<0>();
@@ -126,20 +145,23 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // Barrier: V_j has landed for every thread's copies, and every thread has finished reading
     // K_j, so sK may receive K_{j+1} while we do the softmax and P_ij V_j.
     __syncthreads();
-    if (n_block + 1 < n_block_max) {
-      const int n1 = n0 + kBlockN;
+    if (kExt == 0 ? n_block + 1 < n_block_max : next < n_block_max) {
+      const int n1 = kExt == 0 ? n0 + kBlockN : next * kBlockN;
       load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
           sK, k_base + n1 * k_row, k_row, rows_in_tile(n1, kBlockN, Lk), D, tid);
     }
     fa::cp_async_commit();
 
     // -- scale by scale·log2(e), mask only tiles that cross the diagonal or the sequence end --
-    const bool tile_masked = mask.needs_mask(m0, n0, kBlockM, kBlockN);
+    // (extensions: softcap / ALiBi on every score, the walk says which tiles need the mask)
+    const bool tile_masked = kExt == 0 ? mask.needs_mask(m0, n0, kBlockM, kBlockN) : walk.masked(n_block);
 #pragma unroll
     for (int a = 0; a < TM; ++a)
 #pragma unroll
       for (int b = 0; b < TN; ++b) {
-        AccT s = acc_s[a][b] * scale_log2;
+        AccT s = acc_s[a][b];
+        if constexpr (Mask<Is_causal, kExt, AccT>::kScoreMod) s = mask.score(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
+        s *= scale_log2;
         if (tile_masked) s = mask.apply(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
         acc_s[a][b] = s;
       }
@@ -157,8 +179,10 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       const AccT m_sub = stat[a].max_for_exp();
 #pragma unroll
       for (int b = 0; b < TN; ++b) {
-        const AccT p = OnlineSoftmaxRow<AccT>::prob(acc_s[a][b], m_sub);
-        stat[a].l += p;
+        AccT p = OnlineSoftmaxRow<AccT>::prob(acc_s[a][b], m_sub);
+        stat[a].l += p;  // undropped: the LSE is that of the undropped scores
+        if constexpr (HasExt<kExt, kExtDropout>::value)  // one Philox call per element (simple)
+          p = dropout_keep(rng, m0 + tm * TM + a, n0 + b * kThreadsN + tn) ? p : AccT(0);
         sP[(tm * TM + a) * Traits::kStrideP + b * kThreadsN + tn] = p;
       }
     }
@@ -188,7 +212,9 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
   for (int a = 0; a < TM; ++a) {
     const AccT l_total = group_allreduce_sum<kThreadsN>(stat[a].l);
-    const AccT inv_l = stat[a].inv_sum(l_total);
+    // Extensions: rows past the entry's length are not live (out 0, lse −inf).
+    const bool live = kExt == 0 || m0 + tm * TM + a < Lq_b;
+    const AccT inv_l = ext_inv_sum<kExt>(stat[a], l_total, live, ext);
     const int row = m0 + tm * TM + a;
     if (row < Lq) {
 #pragma unroll
@@ -196,7 +222,7 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         const int col = e * kThreadsN + tn;
         if (col < Dv) fa::gstore(o_i + (tm * TM + a) * o_row + col, from_acc<T>(acc_o[a][e] * inv_l));
       }
-      if (tn == 0) fa::gstore(lse_i + tm * TM + a, stat[a].lse(l_total));
+      if (tn == 0) fa::gstore(lse_i + tm * TM + a, live ? stat[a].lse(l_total) : neg_inf<AccT>());
     }
   }
 }

@@ -9,72 +9,218 @@
 // key tile of Bc columns starting at n0:
 //   n_block_max   — key tiles at or past it are entirely invisible to every row of the
 //                   query tile: they are never loaded (causal skip, and the sequence end);
-//   m_block_min   — the first query tile that sees any column of a key tile (backward);
-//   needs_mask    — whether any score of the (query tile, key tile) pair is invisible; only
-//                   those tiles pay for the per-element test below.
-// Element-level: `apply(s, row, col)` returns s or -inf.
+//   n_block_min   — (window) key tiles before it are invisible to every row: never loaded;
+//   m_block_min / m_block_max — the query tiles that see any column of a key tile (backward);
+//   needs_mask    — whether any score of the (query tile, key tile) pair is invisible by the
+//                   causal / window / length geometry; only those tiles pay for the
+//                   per-element test below;
+//   block_cover   — (block mask) whether the tile's blocks are all False (never loaded), all
+//                   True, or mixed (element mask).
+// Element-level: `score(s, row, col)` (softcap, ALiBi) and `apply(s, row, col)` (s or -inf).
 //
-// Extension point: the score step of every kernel is  s = scale·log2(e)·(q·k)  followed by
-// Mask::apply. Windows (left/right), block-sparse masks, ALiBi biases and softcap belong in
-// this struct (new members and a richer apply/needs_mask), so kernels keep calling the same
-// three functions.
+// The extensions (docs/extensions.md, flash_ext.cuh) are template bits of the struct
+// (Mask<Is_causal, kExt, AccT>): the lengths Lq, Lk are the entry's (seqlens), windows narrow the
+// band, the block mask and ALiBi / softcap are per-entry members read once per block. With
+// kExt = 0 (every dense kernel) none of it exists. Scores are UNSCALED (q·k): softcap and slope
+// arrive divided by the softmax scale, so kernels keep folding the scale into their exp2.
 #pragma once
 #include "fa_port.cuh"
 #include "flash_block_info.cuh"
+#include "flash_ext.cuh"
 
 namespace flash {
 
-template <bool Is_causal>
+// Tile classes of the block mask.
+enum BlockCover : int { kCoverNone = 0, kCoverSome = 1, kCoverAll = 2 };
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+template <bool Is_causal, int kExt = 0, typename AccT = float>
 struct Mask {
-  int Lq;             // number of query rows
-  int Lk;             // number of key columns
+  static constexpr bool kWindow = HasExt<kExt, kExtWindow>::value;
+  static constexpr bool kAlibi = HasExt<kExt, kExtAlibi>::value;
+  static constexpr bool kSoftcap = HasExt<kExt, kExtSoftcap>::value;
+  static constexpr bool kBlockMask = HasExt<kExt, kExtBlockMask>::value;
+  static constexpr bool kSeqlens = HasExt<kExt, kExtSeqlens>::value;
+  // Scores change before the mask (softcap, ALiBi): every tile pays for score().
+  static constexpr bool kScoreMod = kAlibi || kSoftcap;
+
+  int Lq;             // number of query rows (the entry's, with seqlens)
+  int Lk;             // number of key columns (the entry's, with seqlens)
   int causal_offset;  // Lk - Lq: row i sees columns j <= i + causal_offset
+  // Extensions (unused members cost nothing: the kernels hold a Mask in registers).
+  int window_left, window_right;  // −1: unbounded
+  AccT softcap, inv_softcap;      // unscaled units
+  AccT slope;                     // ALiBi slope, unscaled units
+  const bool* bm;                 // the entry's block mask
+  long long bm_row, bm_col;
+  int block_q, block_k;
 
   __device__ __forceinline__ Mask(int Lq_, int Lk_) : Lq(Lq_), Lk(Lk_), causal_offset(Lk_ - Lq_) {}
+
+  // With the extensions of kExt: Lq_, Lk_ are the entry's lengths (ExtArgs::seqlen_q/_k).
+  __device__ __forceinline__ Mask(int Lq_, int Lk_, const ExtArgs<AccT>& a, const BatchIndex& b)
+      : Lq(Lq_), Lk(Lk_), causal_offset(Lk_ - Lq_) {
+    if constexpr (kWindow) {
+      window_left = a.window_left;
+      window_right = a.window_right;
+    }
+    if constexpr (kSoftcap) {
+      softcap = a.softcap;
+      inv_softcap = AccT(1) / a.softcap;
+    }
+    if constexpr (kAlibi) slope = a.alibi_slope(b);
+    if constexpr (kBlockMask) {
+      bm = a.block_mask_of(b);
+      bm_row = a.bm_s.row;
+      bm_col = a.bm_col;
+      block_q = a.block_q;
+      block_k = a.block_k;
+    }
+  }
 
   // Number of key columns [0, n) visible to query row `row` (may be <= 0 for causal rows
   // above the diagonal when Lq > Lk).
   __device__ __forceinline__ int visible_keys(int row) const {
-    if (!Is_causal) return Lk;
-    const int n = row + causal_offset + 1;
-    return n < Lk ? n : Lk;
+    if (!Is_causal && !kWindow) return Lk;
+    if constexpr (!kWindow) {
+      const int n = row + causal_offset + 1;
+      return n < Lk ? n : Lk;
+    } else {
+      int n = Lk;
+      if (Is_causal) n = imin(n, row + causal_offset + 1);
+      if (window_right >= 0) n = imin(n, row + causal_offset + window_right + 1);
+      return n;
+    }
+  }
+
+  // First key column visible to query row `row` (window left edge), else 0.
+  __device__ __forceinline__ int first_key(int row) const {
+    if constexpr (kWindow)
+      if (window_left >= 0) return imax(0, row + causal_offset - window_left);
+    (void)row;
+    return 0;
   }
 
   // One past the last key tile (of width Bc) that any of the query rows [m0, m0 + Br) sees.
   // Returns 0 when no row of the tile sees any key.
   __device__ __forceinline__ int n_block_max(int m0, int Br, int Bc) const {
+    if constexpr (kSeqlens)
+      if (m0 >= Lq) return 0;  // every row of the tile is past the entry's length
     const int last_row = (m0 + Br < Lq ? m0 + Br : Lq) - 1;
     const int n = visible_keys(last_row);
     return n <= 0 ? 0 : ceil_div(n, Bc);
   }
 
+  // The first key tile any row of [m0, ...) sees (window left edge of row m0), else 0.
+  __device__ __forceinline__ int n_block_min(int m0, int Bc) const { return first_key(m0) / Bc; }
+
   // First query tile (of height Br) in which some row sees a column of the key tile [n0, n0+Bc):
-  // row i sees column n0 iff i >= n0 - causal_offset.
+  // row i sees column n0 iff i >= n0 - causal_offset (causal), i >= n0 - causal_offset - right
+  // (window).
   __device__ __forceinline__ int m_block_min(int n0, int Br) const {
-    if (!Is_causal) return 0;
-    const int first_row = n0 - causal_offset;
+    if (!Is_causal && !kWindow) return 0;
+    int first_row = Is_causal ? n0 - causal_offset : 0;
+    if constexpr (kWindow)
+      if (window_right >= 0) first_row = imax(first_row, n0 - causal_offset - window_right);
     return first_row <= 0 ? 0 : first_row / Br;
   }
 
-  // Whether some score of query rows [m0, m0+Br) × key columns [n0, n0+Bc) is invisible.
-  // Rows past Lq are not checked: they are never stored.
+  // One past the last query tile in which some row sees a column of the key tile [n0, n_end):
+  // row i sees column n_end − 1 only if i <= n_end − 1 − causal_offset + left (window).
+  __device__ __forceinline__ int m_block_max(int n_end, int Br) const {
+    int rows = Lq;
+    if constexpr (kWindow)
+      if (window_left >= 0) rows = imin(rows, n_end - causal_offset + window_left);
+    return rows <= 0 ? 0 : ceil_div(rows, Br);
+  }
+
+  // Whether some score of query rows [m0, m0+Br) × key columns [n0, n0+Bc) is invisible by the
+  // geometry (sequence end, causal, window). Rows past Lq are not checked: they are never stored.
   __device__ __forceinline__ bool needs_mask(int m0, int n0, int Br, int Bc) const {
     const int n_end = n0 + Bc;  // one past the last column of the tile
     if (n_end > Lk) return true;                                 // sequence end
     if (Is_causal && n_end - 1 > m0 + causal_offset) return true;  // crosses the diagonal
+    if constexpr (kWindow) {
+      const int last_row = (m0 + Br < Lq ? m0 + Br : Lq) - 1;
+      if (window_right >= 0 && n_end - 1 > m0 + causal_offset + window_right) return true;
+      if (window_left >= 0 && n0 < last_row + causal_offset - window_left) return true;
+    }
     (void)Br;
     return false;
   }
 
+  // Block mask: whether the blocks under rows [m0, m0+Br) ∩ [0, Lq) × columns [n0, n0+Bc) ∩
+  // [0, Lk) are all False (the tile is never loaded), mixed, or all True. Every thread reads the
+  // same few bytes (a broadcast, cached).
+  __device__ __forceinline__ BlockCover block_cover(int m0, int n0, int Br, int Bc) const {
+    if constexpr (kBlockMask) {
+      const int r_last = imin(m0 + Br, Lq) - 1, c_last = imin(n0 + Bc, Lk) - 1;
+      if (r_last < m0 || c_last < n0) return kCoverNone;
+      bool any = false, all = true;
+      for (int qb = m0 / block_q; qb <= r_last / block_q; ++qb)
+        for (int kb = n0 / block_k; kb <= c_last / block_k; ++kb) {
+          const bool x = fa::gload(bm + qb * bm_row + kb * bm_col);
+          any = any || x;
+          all = all && x;
+        }
+      return !any ? kCoverNone : (all ? kCoverAll : kCoverSome);
+    }
+    (void)m0; (void)n0; (void)Br; (void)Bc;
+    return kCoverAll;
+  }
+
   __device__ __forceinline__ bool is_visible(int row, int col) const {
-    return col < Lk && (!Is_causal || col <= row + causal_offset);
+    bool ok = col < Lk && (!Is_causal || col <= row + causal_offset);
+    if constexpr (kWindow) {
+      if (window_left >= 0) ok = ok && col >= row + causal_offset - window_left;
+      if (window_right >= 0) ok = ok && col <= row + causal_offset + window_right;
+    }
+    if constexpr (kBlockMask)  // rows past Lq (never stored) are not looked up: out of the mask
+      ok = ok && row < Lq && fa::gload(bm + (row / block_q) * bm_row + (col / block_k) * bm_col);
+    return ok;
   }
 
   // The score if (row, col) is visible, else -inf (exp2(-inf) = 0 removes it from the softmax).
-  template <typename AccT>
-  __device__ __forceinline__ AccT apply(AccT s, int row, int col) const {
-    return is_visible(row, col) ? s : -static_cast<AccT>(INFINITY);
+  template <typename T>
+  __device__ __forceinline__ T apply(T s, int row, int col) const {
+    return is_visible(row, col) ? s : -static_cast<T>(INFINITY);
   }
+
+  // softcap·tanh(s / softcap) on an unscaled score (identity without kExtSoftcap).
+  __device__ __forceinline__ AccT cap(AccT s) const {
+    if constexpr (kSoftcap) return softcap * tanh_acc(s * inv_softcap);
+    return s;
+  }
+  // s − slope·|row + off − col| (identity without kExtAlibi).
+  __device__ __forceinline__ AccT alibi(AccT s, int row, int col) const {
+    if constexpr (kAlibi) {
+      const int dist = row + causal_offset - col;
+      return s - slope * static_cast<AccT>(dist < 0 ? -dist : dist);
+    }
+    (void)row; (void)col;
+    return s;
+  }
+  // The score of docs/extensions.md in unscaled units: softcap first, then ALiBi.
+  __device__ __forceinline__ AccT score(AccT s, int row, int col) const { return alibi(cap(s), row, col); }
+
+ private:
+  __device__ __forceinline__ static float tanh_acc(float x) { return tanhf(x); }
+  __device__ __forceinline__ static double tanh_acc(double x) { return tanh(x); }
 };
+
+// The Mask of a kernel with extensions kExt: the dense Mask(Lq, Lk) for kExt = 0, else with the
+// block's per-entry state from the extension arguments.
+template <bool Is_causal, int kExt, typename AccT>
+__device__ __forceinline__ Mask<Is_causal, kExt, AccT> make_mask(int Lq, int Lk, const ExtArgs<AccT>& a,
+                                                                 const BatchIndex& b) {
+  if constexpr (kExt == 0) {
+    (void)a; (void)b;
+    return Mask<Is_causal, kExt, AccT>(Lq, Lk);
+  } else {
+    return Mask<Is_causal, kExt, AccT>(Lq, Lk, a, b);
+  }
+}
 
 }  // namespace flash

@@ -18,6 +18,7 @@
 //   * a row that never sees a key ends with l_i = 0: out = 0, lse = -inf.
 #pragma once
 #include "fa_port.cuh"
+#include "flash_ext.cuh"
 
 namespace flash {
 
@@ -112,5 +113,18 @@ struct OnlineSoftmaxRow {
     return (m + log2_acc(l_total)) * ln2_acc(AccT(0));
   }
 };
+
+// 1/l_i of a row at the end, with the extensions of kExt: times 1 / (1 − p) with dropout (the
+// kept entries of P are scaled once, on O_i), and 0 for a row that is not `live` (at or past the
+// entry's seqlens_q: out = 0). Plain inv_sum for kExt = 0.
+template <int kExt, typename AccT>
+__device__ __forceinline__ AccT ext_inv_sum(const OnlineSoftmaxRow<AccT>& stat, AccT l_total, bool live,
+                                            const ExtArgs<AccT>& ext) {
+  AccT inv = stat.inv_sum(l_total);
+  if constexpr (HasExt<kExt, kExtDropout>::value) inv *= ext.dropout_scale;
+  if constexpr (HasExt<kExt, kExtSeqlens>::value) inv = live ? inv : AccT(0);
+  (void)live; (void)ext;
+  return inv;
+}
 
 }  // namespace flash

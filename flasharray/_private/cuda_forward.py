@@ -9,14 +9,26 @@ import math
 import numpy as np
 
 from . import launch as L
+from . import philox
 from . import tiles
+
+#: The kExt bits of cuda_src/flash_ext.cuh, by Extensions.features() name.
+EXT_BITS = {"window": 1, "alibi": 2, "softcap": 4, "block_mask": 8, "dropout": 16, "seqlens": 32}
+#: Array slots of :meth:`ForwardPlan.run` after q, k, v, out, lse, the split workspace (5, 6) and
+#: the KV cache's (7, 8): the extensions' arrays.
+EXT_SLOTS = {"seqlens_q": 9, "seqlens_k": 10, "alibi_slopes": 11, "block_mask": 12}
+
+
+def ext_bits(ext):
+    """The kernels' ``kExt`` template argument for an :class:`Extensions` (0 for None)."""
+    return 0 if ext is None else sum(EXT_BITS[f] for f in ext.features())
 
 
 def _acc_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None):
+def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None, ext=False):
     """The :class:`~flasharray._private.tiles.FwdTile` a forward call would use.
 
     Parameters
@@ -30,8 +42,10 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
         Force a kernel family (tests); None picks tensor cores when the arch has them.
     block_m : {None, 384, 512}
         An IO-oriented tensor-core tile (``tiles.IO_TILES``) instead of the table's choice.
+    ext : bool
+        The call has extensions (the kernels' kExt != 0; d <= 64 then runs a one-slab tile).
     """
-    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m)
+    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext)
 
 
 def _is_aligned(arrays):
@@ -61,16 +75,22 @@ class ForwardPlan:
     """
 
     def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None,
-                 num_splits=None, pack_gqa=None, kv=None):
+                 num_splits=None, pack_gqa=None, kv=None, ext=None):
         self.launcher = launcher
         self.kv = kv  # KVLayout: per-entry key lengths (and pages) of a KV cache, or None
+        # Extensions (docs/extensions.md): the kernels' kExt bits; None for a dense plan.
+        self.ext = _ExtPlan(ext, q, k, batch_shape, scale, launcher) if ext_bits(ext) else None
         self.xp = launcher.xp()
         self.batch_shape = tuple(int(n) for n in batch_shape)
         self.dtype = q.dtype
         acc = _acc_dtype(self.dtype)
         Lq, D = q.shape[-2], q.shape[-1]
         Lk, Dv = (k.shape[-2] if kv is None else kv.Lk), v.shape[-1]
-        self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m)
+        if self.ext is not None and block_m is not None:
+            raise NotImplementedError("flasharray: the IO tiles (block_m=%d) take no extensions (%s): use block_m=None"
+                                      % (block_m, ", ".join(self.ext.features)))
+        self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
+                               ext=self.ext is not None)
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))
         self.out_shape = self.batch_shape + (Lq, Dv)
@@ -91,7 +111,8 @@ class ForwardPlan:
         # GQA packing: the query heads sharing a K/V head become rows of one block (a re-view of
         # q, out and lse: same memory, same pointers; only shapes and strides change).
         batch, q_k, out_k, lse_k, rows = self.batch_shape, q, out, lse, Lq
-        packed = None if pack_gqa is False else gqa_packing(q, k, v, out, lse, self.batch_shape, causal, tile)
+        packed = None if pack_gqa is False or self.ext is not None else gqa_packing(
+            q, k, v, out, lse, self.batch_shape, causal, tile)
         packed_causal = False  # the kernel's Is_packed: the mask at each row's query position
         if packed is not None:
             batch, (q_k, out_k, lse_k), self.gqa_group = packed
@@ -102,7 +123,8 @@ class ForwardPlan:
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
         name_expr = forward_name_expression(tile, bool(causal), aligned, split=splits > 1, packed=packed_causal,
-                                            seqlens_k=kv is not None, paged=kv is not None and kv.paged)
+                                            seqlens_k=kv is not None, paged=kv is not None and kv.paged,
+                                            ext=0 if self.ext is None else self.ext.bits)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
         self.rows_per_group = Lq  # the kernel's query positions: row mod Lq (only Is_packed reads it)
         if splits > 1:
@@ -142,8 +164,9 @@ class ForwardPlan:
         # The entry (first batch dim) of each block: a stand-in int tensor (B, 1, …) walked like the
         # others, its offset and strides the kernel's entry index (KV cache only).
         entries = L.stand_in((batch[0],) + (1,) * (len(batch) - 1), np.int32, (4,) + (0,) * (len(batch) - 1))
-        for part in L.batch_layout(batch, list(tensors) + [entries]):
-            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors
+        ext_tensors = [] if self.ext is None else self.ext.stand_ins
+        for part in L.batch_layout(batch, list(tensors) + [entries] + ext_tensors):
+            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors[:6]
             gy, gz = part.grid_yz
             args = (L.Ptr(keys[0], qo), L.Ptr(keys[1], ko), L.Ptr(keys[2], vo), L.Ptr(keys[3], oo),
                     L.Ptr(keys[4], lo),
@@ -156,8 +179,14 @@ class ForwardPlan:
                     scale_log2)
             if tile.kernel == "tensor_core":
                 args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
-            self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
-                                            (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
+            if self.ext is None:
+                args += _dense_ext_args(self, launcher)
+                self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
+                                                (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
+            else:
+                args += self.ext.args(eo, es, part.tensors[6:])
+                self.launches.append(ExtRecorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
+                                                 (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
 
     def _kv_args(self, launcher, entry0, entry_strides):
         """The tensor-core kernel's trailing KV-cache arguments: seqlens_k, block_table (array slots
@@ -191,9 +220,13 @@ class ForwardPlan:
                                             (-(-Lq // COMBINE_ROWS), gy, gz), (COMBINE_ROWS * 32, 1, 1), args,
                                             shared_mem=splits * COMBINE_ROWS * 4))
 
-    def run(self, q, k, v, counters=None, seqlens_k=None, block_table=None):
+    def run(self, q, k, v, counters=None, seqlens_k=None, block_table=None, ext=None):
         """``(out, lse)`` for arrays of the planned signature (KV-cache plans: + the entries' key
-        counts, int32 (B,), and for paged caches the block table; k, v are then the caches)."""
+        counts, int32 (B,), and for paged caches the block table; k, v are then the caches;
+        extension plans: + the call's :class:`Extensions`, whose seed, offset and arrays are
+        taken here)."""
+        if self.ext is not None or ext_bits(ext):
+            return self._run_ext(q, k, v, counters, ext)
         xp = self.xp
         if True in self.copy:
             q, k, v = (xp.ascontiguousarray(a) if c else a for a, c in zip((q, k, v), self.copy))
@@ -204,13 +237,162 @@ class ForwardPlan:
             arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
         if self.kv is not None:
             arrays += (None,) * (7 - len(arrays)) + (seqlens_k, block_table)
+        return self._launch(arrays, counters)
+
+    def _launch(self, arrays, counters, values=None):
+        """Every launch with ``arrays`` bound (and, extension plans, the per-call ``values`` as the
+        last slot: :class:`ExtRecorded`); returns arrays 3 and 4 (out, lse)."""
         handle = self.launcher.handle
         pointer, handles = self.launcher.pointer, tuple(None if a is None else handle(a) for a in arrays)
+        if values is not None:
+            handles += (values,)
         for launch in self.launches:
             c = launch(pointer, handles)
             if counters is not None and c is not None:
                 counters.append(c)
-        return out, lse
+        return arrays[3], arrays[4]
+
+    def _run_ext(self, q, k, v, counters, ext):
+        """:meth:`run` of a plan with extensions: per-call scalars (seed, offset) and arrays bound."""
+        if self.ext is None or ext is None or ext.static_key() != self.ext.key:
+            raise ValueError("flasharray: this forward plan was made for other extensions (%r), got %r"
+                             % (self.ext and self.ext.features, ext))
+        xp = self.xp
+        if True in self.copy:
+            q, k, v = (xp.ascontiguousarray(a) if c else a for a, c in zip((q, k, v), self.copy))
+        arrays = (q, k, v, xp.empty(self.out_shape, dtype=self.dtype), xp.empty(self.lse_shape, dtype=self.acc))
+        if self.workspace is not None:
+            arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
+        arrays += (None,) * (9 - len(arrays)) + self.ext.arrays(ext)
+        return self._launch(arrays, counters, self.ext.values(ext))
+
+
+def _dense_ext_args(plan, launcher):
+    """The extension argument tail of a dense launch: zeros and never-read one-element arrays of the
+    parameter types (kept by the plan: the emulator and CuPy take arrays' addresses)."""
+    if getattr(plan, "_no_ext", None) is None:
+        xp = plan.xp
+        dummies = [xp.empty(1, dtype=dt) for dt in (np.int32, plan.acc, np.bool_)]
+        plan._no_ext_arrays = dummies
+        ints, accs, bools = (launcher.pointer(launcher.handle(a)) for a in dummies)
+        zero_acc, ll0, u0 = L.c_scalar(0.0, plan.acc), L.c_longlong(0), np.uint32(0)
+        plan._no_ext = ((ints, ints) + (ll0,) * 3 + (L.c_int(0), L.c_int(0), zero_acc)
+                        + (accs,) + (ll0,) * 3 + (zero_acc,)
+                        + (bools,) + (ll0,) * 5 + (L.c_int(0), L.c_int(0))
+                        + (u0,) * 4 + (zero_acc,) + (ll0,) * 4)
+    return plan._no_ext
+
+
+class Val:
+    """Placeholder for a per-call scalar argument of an :class:`ExtRecorded` launch (seed, offset)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+
+class ExtRecorded(L.Recorded):
+    """A :class:`launch.Recorded` whose :class:`Val` slots take per-call scalars too: the last entry
+    of the handles tuple is a dict of them (:meth:`ForwardPlan._launch`)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, launcher, source_name, name_expr, grid, block, args, shared_mem=0):
+        super().__init__(launcher, source_name, name_expr, grid, block, args, shared_mem)
+        self.values = tuple((i, a.name) for i, a in enumerate(args) if isinstance(a, Val))
+
+    def __call__(self, pointer, arrays):
+        args = self.template.copy()
+        for i, key, offset in self.slots:
+            args[i] = pointer(arrays[key], offset)
+        values = arrays[-1]
+        for i, name in self.values:
+            args[i] = values[name]
+        return self.call(self.grid, self.block, tuple(args))
+
+
+def _non_negative(a):
+    """A stand-in with ``a``'s shape and strides, or C-contiguous ones when a stride is negative
+    (then :meth:`_ExtPlan.arrays` copies): planning keeps no user array alive."""
+    if any(st < 0 for st in a.strides):
+        return L.stand_in(a.shape, a.dtype), True
+    return L.stand_in(a.shape, a.dtype, a.strides), False
+
+
+class _ExtPlan:
+    """The extension part of a :class:`ForwardPlan`: kExt bits, the stand-ins walked with the
+    batch (ALiBi slopes, block mask, the flat batch index for dropout), the scalar tail, and per
+    call the arrays (slots :data:`EXT_SLOTS`) and the values (seed, offset)."""
+
+    def __init__(self, ext, q, k, batch_shape, scale, launcher):
+        self.bits, self.key, self.features = ext_bits(ext), ext.static_key(), ext.features()
+        batch = tuple(int(n) for n in batch_shape)
+        if ext.seqlens_q is not None or ext.seqlens_k is not None:
+            if not batch:
+                raise ValueError("flasharray: seqlens_q / seqlens_k need a batch dim (B = first batch dim)")
+            xp = launcher.xp()
+            # A missing length array: every entry has the full length (plan-owned, never changes).
+            self.full_q = xp.full(batch[0], q.shape[-2], dtype=np.int32)
+            self.full_k = xp.full(batch[0], k.shape[-2], dtype=np.int32)
+        self.acc, self.xp = _acc_dtype(q.dtype), launcher.xp()
+        self.stand_ins, self.copy = [], {}
+        for name in ("alibi_slopes", "block_mask"):
+            a = getattr(ext, name)
+            if a is not None:
+                st, self.copy[name] = _non_negative(a)
+                self.stand_ins.append(st)
+        self.stand_ins.append(L.stand_in(batch, np.int32))  # element offset = flat C-order index
+        self.ext, self.scale, self.launcher = ext, float(scale), launcher
+
+    def args(self, entry0, entry_strides, parts):
+        """The extension argument tail of one launch part (``parts``: offsets and strides of the
+        stand-ins, in order)."""
+        ext, acc, ll = self.ext, self.acc, L.c_longlong
+        dense = _dense_ext_args(self, self.launcher)
+        parts = list(parts)
+        tail = list(dense)
+        if "seqlens" in self.features:
+            tail[0:5] = [L.Ptr(EXT_SLOTS["seqlens_q"], entry0), L.Ptr(EXT_SLOTS["seqlens_k"], entry0)] + \
+                [ll(s) for s in entry_strides]
+        if ext.window is not None:
+            tail[5:7] = [L.c_int(ext.window[0]), L.c_int(ext.window[1])]
+        if ext.softcap is not None:
+            tail[7] = L.c_scalar(ext.softcap / self.scale, acc)
+        if ext.alibi_slopes is not None:
+            off, st = parts.pop(0)
+            tail[8:13] = [L.Ptr(EXT_SLOTS["alibi_slopes"], off)] + [ll(s) for s in st] + [L.c_scalar(1.0 / self.scale, acc)]
+        if ext.block_mask is not None:
+            off, st = parts.pop(0)
+            row, col = L.element_strides(self.stand_ins[len(self.stand_ins) - 2])[-2:]
+            tail[13:21] = ([L.Ptr(EXT_SLOTS["block_mask"], off)] + [ll(s) for s in st] + [ll(row), ll(col)]
+                           + [L.c_int(b) for b in ext.block_size])
+        if ext.dropout:
+            off, st = parts.pop(0)
+            tail[21:30] = ([Val("seed_lo"), Val("seed_hi"), Val("offset"), np.uint32(philox.threshold(ext.dropout_p)),
+                            L.c_scalar(1.0 / (1.0 - ext.dropout_p), acc), ll(off)] + [ll(s) for s in st])
+        return tuple(tail)
+
+    def arrays(self, ext):
+        """The call's arrays for slots 9-12 (seqlens_q, seqlens_k, alibi slopes, block mask)."""
+        xp = self.launcher.xp()
+        out = [None] * 4
+        if "seqlens" in self.features:
+            out[0] = self.full_q if ext.seqlens_q is None else xp.ascontiguousarray(ext.seqlens_q)
+            out[1] = self.full_k if ext.seqlens_k is None else xp.ascontiguousarray(ext.seqlens_k)
+        for i, name in ((2, "alibi_slopes"), (3, "block_mask")):
+            a = getattr(ext, name)
+            if a is not None:
+                out[i] = xp.ascontiguousarray(a) if self.copy[name] else a
+        return tuple(out)
+
+    def values(self, ext):
+        """The per-call scalars: dropout's seed (two words) and offset."""
+        if not ext.dropout:
+            return {}
+        seed = int(ext.seed)
+        return {"seed_lo": np.uint32(seed & 0xFFFFFFFF), "seed_hi": np.uint32(seed >> 32),
+                "offset": np.uint32(int(ext.offset))}
 
 
 #: The split-KV combine kernel: source, and query rows per block (one warp each).
@@ -223,13 +405,17 @@ def combine_name_expression(dtype):
     return "flash::flash_fwd_combine_kernel<%s, %d>" % (tiles._CTYPE[tiles.dtype_name(dtype)], COMBINE_ROWS)
 
 
-def forward_name_expression(tile, causal, aligned, split=False, packed=False, seqlens_k=False, paged=False):
-    """The tensor-core forward's instantiation with its defaulted flags ``Is_split`` (split-KV),
-    ``Is_packed`` (causal GQA packing), ``Has_seqlens_k`` (per-entry key lengths) and ``Is_paged``
-    (K/V read through a block table) appended up to the last one set (the dense name is the tile
-    table's)."""
+def forward_name_expression(tile, causal, aligned, split=False, packed=False, seqlens_k=False, paged=False, ext=0):
+    """The forward's instantiation with its defaulted flags appended up to the last one set (the
+    dense name is the tile table's): tensor cores ``Is_split`` (split-KV), ``Is_packed`` (causal GQA
+    packing), ``Has_seqlens_k`` (per-entry key lengths), ``Is_paged`` (K/V read through a block
+    table), then ``kExt`` (the extension bits, :data:`EXT_BITS`); SIMT ``kExt`` only."""
     name = tile.name_expression(causal=causal, aligned=aligned)
+    if tile.kernel != "tensor_core":
+        return name if not ext else name[:-1] + ", %d>" % ext
     flags = [split, packed, seqlens_k or paged, paged]
+    if ext:
+        return name[:-1] + ", " + ", ".join("true" if f else "false" for f in flags) + ", %d>" % ext
     while flags and not flags[-1]:
         flags.pop()
     if not flags:
@@ -314,16 +500,22 @@ def cached(cache, key, make):
 
 
 def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None, block_m=None,
-         schedule="forward", seed=0, num_splits=None, pack_gqa=None, kv=None):
-    """The cached :class:`ForwardPlan` for this signature (made on first use)."""
+         schedule="forward", seed=0, num_splits=None, pack_gqa=None, kv=None, ext=None):
+    """The cached :class:`ForwardPlan` for this signature (made on first use). ``ext``: an
+    :class:`~flasharray._private.extensions.Extensions` or None; the plan keys on its
+    ``static_key()`` only (seed, offset and the arrays' contents are taken by :meth:`ForwardPlan.run`)."""
     if num_splits is not None:
         num_splits = check_num_splits(num_splits)
+    if not ext_bits(ext):
+        ext = None
+    elif kv is not None:
+        raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
-                                num_splits, pack_gqa, kv))
+                                num_splits, pack_gqa, kv, None if ext is None else ext.static_key()))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
                                                    launcher=launcher, kernel=kernel, block_m=block_m,
-                                                   num_splits=num_splits, pack_gqa=pack_gqa, kv=kv))
+                                                   num_splits=num_splits, pack_gqa=pack_gqa, kv=kv, ext=ext))
 
 
 class KVLayout(tuple):
@@ -404,7 +596,7 @@ def check_num_splits(num_splits):
 
 
 def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kernel=None, arch=None,
-            block_m=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, **opts):
+            block_m=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, ext=None, **opts):
     """FlashAttention forward on the CUDA kernels.
 
     Parameters
@@ -437,7 +629,13 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         problem size; 1: the dense kernel alone. The SIMT kernels (fp32, fp64, bf16 on sm_75)
         do not split: a count > 1 there raises NotImplementedError.
     pack_gqa : None or False
-        GQA packing (:func:`gqa_packing`) where it applies (None), or never (False: tests).
+        GQA packing (:func:`gqa_packing`) where it applies (None), or never (False: tests; never
+        with extensions either).
+    ext : Extensions or None
+        The extension keywords of the call (docs/extensions.md), validated and in their normal
+        forms (:mod:`flasharray._private.extensions`); None: the dense kernels. Every feature runs
+        on both kernels (compile-time ``kExt`` bits), composable with causal, split-KV, any dtype,
+        strides and broadcasting.
 
     Returns
     -------
@@ -450,8 +648,9 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
     if opts:
         raise TypeError("flasharray: unexpected option(s) for the CUDA forward: %s" % ", ".join(sorted(opts)))
     p = plan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape, device=device, kernel=kernel,
-             arch=arch, block_m=block_m, schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa)
-    return p.run(q, k, v, counters)
+             arch=arch, block_m=block_m, schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa,
+             ext=ext)
+    return p.run(q, k, v, counters, ext=ext)
 
 
 def analytic_global_bytes(batch, Lq, Lk, D, Dv, dtype, tile, causal=False):

@@ -160,6 +160,15 @@ _TC_CANDIDATES = [
     (256, 64, 16, 4, 1, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16, single-buffered K/V"),
 ]
 
+#: Tensor-core tiles for d <= 64 with extensions (kExt != 0): the 2-slab tile above runs at ~223
+#: registers densely, and the extensions' state (masks, ALiBi, Philox) made it spill (60-116 spill
+#: stores on sm_80); one slab per warp leaves room. Larger head dims keep the table's tiles.
+_TC_EXT_CANDIDATES = [
+    (64, 64, 64, 4, 2, "d <= 64 with extensions: Br=64, Bc=64, 4 warps x 1 slab (the 2-slab tile spills "
+                       "with the extensions' registers); K/V double-buffered"),
+    (64, 64, 64, 4, 1, "d <= 64 with extensions, small-smem fallback: single-buffered K/V"),
+]
+
 #: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
 #: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
 IO_TILES = {
@@ -193,12 +202,13 @@ _SIMT_CANDIDATES = {
 }
 
 
-def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None):
+def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
     where the arch has them (fp16: sm_75+, bf16: sm_80+), SIMT otherwise. ``block_m`` (384 or
-    512, tensor cores only) picks one of the :data:`IO_TILES` instead of the table.
+    512, tensor cores only) picks one of the :data:`IO_TILES` instead of the table. ``ext``: the
+    kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
     Raises NotImplementedError for head dims above 256.
     """
     name = dtype_name(dtype)
@@ -219,7 +229,7 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
             br, bc, warps, stages, reason = IO_TILES[block_m]
             return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
                            reason, stages)
-        for max_hd, br, bc, warps, stages, reason in _TC_CANDIDATES:
+        for max_hd, br, bc, warps, stages, reason in (_TC_EXT_CANDIDATES if ext else []) + _TC_CANDIDATES:
             smem = tc_smem(d, dv, br, bc, stages)
             if hd <= max_hd and smem <= limit:
                 return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason, stages)
