@@ -504,12 +504,16 @@ def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
     m_safe = np.zeros(Br, dtype=acc)          # what is subtracted: m_i, or 0 while m_i = -inf
     O_i = np.zeros((Br, Dv + 1), dtype=acc)   # [unnormalised O_i | l_i (undropped row sums)]
     all_seen = False                          # every row has a finite reference m_i
+    bound = -np.inf                           # min(m_i) + RESCALE_THRESHOLD once all_seen
     for j0, j1 in ent.key_spans(i0, i0 + Br, EXT_BLOCK_K):
         S_ij, _ = ent.scores(Q_i @ np.asarray(k_b[j0:j1], dtype=acc).T, i0, j0)   # Br×Bc
-        S_ij -= m_safe[:, None]
-        # One whole-tile max shows whether any row must move its reference (NaN goes the slow way).
-        if not (all_seen and S_ij.max() <= acc.type(RESCALE_THRESHOLD)):
+        # One whole-tile max against the smallest reference usually shows that no row must move
+        # (NaN fails the test and goes the slow way, which checks row by row).
+        if not (all_seen and S_ij.max() <= bound):
             all_seen = _move_reference(S_ij, m_i, m_safe, O_i)
+            bound = m_i.min() + acc.type(RESCALE_THRESHOLD)
+        # Subtracted from the scores once (not reference after reference): exact to an ulp of S.
+        S_ij -= m_safe[:, None]
         P_ij = np.exp(S_ij, out=S_ij)
         if ent.dropout:
             O_i[:, -1] += P_ij.sum(axis=1)                         # lse is of the undropped P
@@ -530,15 +534,13 @@ def _forward_block_ext(ent, q_rows, k_b, v_b, i0, scale, acc):
 
 
 def _move_reference(S_ij, m_i, m_safe, O_i):
-    """Rows of ``S_ij`` (already minus ``m_safe``) whose max exceeds ``m_i`` by more than
-    RESCALE_THRESHOLD, or that see their first key, move their reference to that max: S_ij,
-    O_i (and l_i, its last column) are rescaled in place. Returns whether every row has a finite
-    reference now."""
-    row_max = S_ij.max(axis=1) + m_safe
+    """Rows of the scores ``S_ij`` whose max exceeds ``m_i`` by more than RESCALE_THRESHOLD, or
+    that see their first key, move their reference (m_i, m_safe) to that max; O_i (and l_i, its
+    last column) is rescaled in place. Returns whether every row has a finite reference now."""
+    row_max = S_ij.max(axis=1)
     grow = row_max > m_i + S_ij.dtype.type(RESCALE_THRESHOLD)   # NaN rows compare False
     if grow.any():
         rows = slice(None) if grow.all() else np.flatnonzero(grow)
-        S_ij[rows] -= (row_max[rows] - m_safe[rows])[:, None]
         O_i[rows] *= np.exp(m_i[rows] - row_max[rows])[:, None]   # 0 when m_i was -inf
         m_i[rows] = row_max[rows]
         m_safe[rows] = row_max[rows]
