@@ -56,6 +56,14 @@ def test_io_benchmarks(tmp_path):
     assert "256" in out
 
 
+def test_io_block_sparse_traffic_falls_with_density(tmp_path):
+    out = run("io.py", "--max-n", "256", "--block-sparse", tmp_path=tmp_path)
+    assert "measured == expected for every block-sparse row: yes" in out
+    rows = [line.split("|") for line in out.splitlines() if line[:5] in ("1.000", "0.500", "0.250", "0.125")]
+    mb = [float(r[2]) for r in rows]
+    assert len(mb) == 4 and mb[0] > mb[1] > mb[2] > mb[3]
+
+
 def test_emulator_benchmark(tmp_path):
     out = run("emulator.py", "--repeats", "1", tmp_path=tmp_path)
     assert "switch" in out.lower() and "gemm" in out.lower()
