@@ -252,14 +252,30 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                                           n0 + 8 * nt + 2 * t + (i % 2));
     }
     if (tile_masked) {
+      if constexpr (Mask<Is_causal, kExt>::kBlockMask) {
+        // Block mask: a slab's 16 rows × an n8 tile's 8 columns lie in one block: one lookup each.
 #pragma unroll
-      for (int sl = 0; sl < kSlabs; ++sl)
+        for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-        for (int nt = 0; nt < kNTilesS; ++nt)
+          for (int nt = 0; nt < kNTilesS; ++nt) {
+            const int row0 = m0 + warp_row0 + sl * Traits::kMmaM;
+            const bool block = mask.block_visible(row0, n0 + 8 * nt);
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            acc_s[sl][nt][i] = mask.apply(acc_s[sl][nt][i], query_position(m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2)),
-                                          n0 + 8 * nt + 2 * t + (i % 2));
+            for (int i = 0; i < 4; ++i) {
+              const bool ok = block && mask.is_visible_geometry(row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+              acc_s[sl][nt][i] = ok ? acc_s[sl][nt][i] : -INFINITY;
+            }
+          }
+      } else {
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+          for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              acc_s[sl][nt][i] = mask.apply(acc_s[sl][nt][i], query_position(m0 + warp_row0 + sl * Traits::kMmaM + g + 8 * (i / 2)),
+                                            n0 + 8 * nt + 2 * t + (i % 2));
+      }
     }
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)

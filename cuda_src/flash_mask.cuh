@@ -172,14 +172,29 @@ struct Mask {
   }
 
   __device__ __forceinline__ bool is_visible(int row, int col) const {
+    bool ok = is_visible_geometry(row, col);
+    if constexpr (kBlockMask) ok = ok && block_visible(row, col);
+    return ok;
+  }
+
+  // Visibility by the sequence end, causal diagonal and window (everything but the block mask).
+  __device__ __forceinline__ bool is_visible_geometry(int row, int col) const {
     bool ok = col < Lk && (!Is_causal || col <= row + causal_offset);
     if constexpr (kWindow) {
       if (window_left >= 0) ok = ok && col >= row + causal_offset - window_left;
       if (window_right >= 0) ok = ok && col <= row + causal_offset + window_right;
     }
-    if constexpr (kBlockMask)  // rows past Lq (never stored) are not looked up: out of the mask
-      ok = ok && row < Lq && fa::gload(bm + (row / block_q) * bm_row + (col / block_k) * bm_col);
     return ok;
+  }
+
+  // The block-mask entry of (row, col) (true without kExtBlockMask). Kernels whose fragments lie
+  // inside one block (16 rows from a multiple of 16, 8 columns from a multiple of 8: block sizes
+  // are multiples of 16) look it up once per fragment. Rows past Lq (never stored) and columns
+  // past Lk are not looked up: outside the mask.
+  __device__ __forceinline__ bool block_visible(int row, int col) const {
+    if constexpr (kBlockMask) return row < Lq && col < Lk && fa::gload(bm + (row / block_q) * bm_row + (col / block_k) * bm_col);
+    (void)row; (void)col;
+    return true;
   }
 
   // The score if (row, col) is visible, else -inf (exp2(-inf) = 0 removes it from the softmax).
