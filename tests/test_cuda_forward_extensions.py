@@ -368,3 +368,37 @@ def test_extension_pairs_full(dt, pair, causal):
 def test_extensions_gpu(case):
     dt, D, Lq, Lk, causal, features, opts = case
     check_case("cuda", dt, D, Lq, Lk, causal, features, **opts)
+
+
+# ---- the device="cuda" host path, against a CuPy stand-in ---------------------------------------------
+
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt):
+    """The CUDA code path with extensions (device addresses for the extension arrays and the dense
+    dummies, per-call seed/offset scalars, the kExt name expression) end to end against the CuPy
+    stand-in of tests/test_cuda_forward.py, backed by the emulator."""
+    import sys
+    from flasharray._private import launch
+    from test_cuda_forward import _fake_cupy
+    log, arrays = [], []
+    cupy = _fake_cupy(log, arrays)
+
+    def full(shape, fill, dtype):
+        arrays.append(np.full(shape, fill, dtype))
+        return arrays[-1]
+
+    cupy.full = full
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    dtype = DTYPES[dt]
+    batch, Lq, Lk = (2, 3), 70, 133
+    q, k, v = make_inputs(dtype, 64, Lq, Lk, batch=batch)
+    kw = ext_kw(("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), batch, Lq, Lk, dtype)
+    kw["seqlens_k"] = None  # the plan's own array of Lk stands in
+    arrays += [q, k, v] + [a for a in kw.values() if isinstance(a, np.ndarray)]
+    scale = 0.125
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=scale, batch_shape=batch, device="cuda",
+                                    ext=Extensions(**kw))
+    check_close(out, lse, q, k, v, True, scale, kw)
+    assert log and all(name.endswith(", 63>") for name, _, _ in log)
