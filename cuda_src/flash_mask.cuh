@@ -203,9 +203,13 @@ struct Mask {
     return is_visible(row, col) ? s : -static_cast<T>(INFINITY);
   }
 
-  // softcap·tanh(s / softcap) on an unscaled score (identity without kExtSoftcap).
+  // softcap·tanh(s / softcap) on an unscaled score (identity without kExtSoftcap). kPrecise: a
+  // tanh accurate to a few ulp for fp32 kernels (--use_fast_math turns tanhf into MUFU.TANH, whose
+  // ~2^-11 relative error is an fp16 rounding but far above fp32's); the tensor-core kernels take
+  // the fast one (their scores are rounded to fp16/bf16 for P V anyway).
+  template <bool kPrecise = false>
   __device__ __forceinline__ AccT cap(AccT s) const {
-    if constexpr (kSoftcap) return softcap * tanh_acc(s * inv_softcap);
+    if constexpr (kSoftcap) return softcap * tanh_acc<kPrecise>(s * inv_softcap);
     return s;
   }
   // s − slope·|row + off − col| (identity without kExtAlibi).
@@ -218,10 +222,23 @@ struct Mask {
     return s;
   }
   // The score of docs/extensions.md in unscaled units: softcap first, then ALiBi.
-  __device__ __forceinline__ AccT score(AccT s, int row, int col) const { return alibi(cap(s), row, col); }
+  template <bool kPrecise = false>
+  __device__ __forceinline__ AccT score(AccT s, int row, int col) const {
+    return alibi(cap<kPrecise>(s), row, col);
+  }
 
  private:
-  __device__ __forceinline__ static float tanh_acc(float x) { return tanhf(x); }
+  template <bool kPrecise>
+  __device__ __forceinline__ static float tanh_acc(float x) {
+    if constexpr (kPrecise) {
+      // tanh x = expm1(2x) / (expm1(2x) + 2): no cancellation near 0; |x| <= 10 keeps expm1 finite
+      // (tanhf(10) rounds to 1).
+      const float e = expm1f(2.0f * fminf(fmaxf(x, -10.0f), 10.0f));
+      return e / (e + 2.0f);
+    }
+    return tanhf(x);
+  }
+  template <bool kPrecise>
   __device__ __forceinline__ static double tanh_acc(double x) { return tanh(x); }
 };
 
