@@ -402,3 +402,22 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt):
                                     ext=Extensions(**kw))
     check_close(out, lse, q, k, v, True, scale, kw)
     assert log and all(name.endswith(", 63>") for name, _, _ in log)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
+def test_host_loops_over_batch_dims(dt):
+    """Slopes varying along batch dims 1 and 3 keep the 4 batch dims from merging into 3: the outer
+    dim becomes a host loop, so each launch's entry (seqlens), slope and dropout bh start at its
+    own base (bh_base)."""
+    dtype = DTYPES[dt]
+    batch, Lq, Lk = (2, 2, 2, 2), 33, 47
+    q, k, v = make_inputs(dtype, 32, Lq, Lk, batch=batch)
+    kw = ext_kw(("dropout", "seqlens"), batch, Lq, Lk, dtype)
+    kw["alibi_slopes"] = (np.arange(4).reshape(1, 2, 1, 2) * 0.1 + 0.05).astype(accumulation_dtype(canonical_dtype(dtype)))
+    from flasharray._private import launch
+    stand = [launch.stand_in(batch, np.int8)] + [launch.stand_in(kw["alibi_slopes"].shape, np.float32,
+                                                                  kw["alibi_slopes"].strides)]
+    stand.append(launch.stand_in((2, 1, 1, 1), np.int32, (4, 0, 0, 0)))
+    assert len(launch.batch_layout(batch, stand)) > 1  # the case really loops on the host
+    out, lse, scale = run("emulator", q, k, v, True, kw)
+    check_close(out, lse, q, k, v, True, scale, kw)
