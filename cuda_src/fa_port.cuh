@@ -5,6 +5,10 @@
 //   conversions        fa::to_float(x), fa::from_float<T>(f) (round to nearest even),
 //                      fa::pack2<T>(lo, hi) -> uint32_t (lo in bits 0-15)
 //   tensor cores       fa::mma_m16n8k16<T>(d, a, b, c), T in {fa_half, fa_bf16}
+//                      fa::mma_m16n8k8_tf32(d, a, b, c) (fp32 bit patterns, low 13 bits ignored),
+//                      fa::mma_m8n8k4_f64(d, a, b, c) (DMMA); both sm_80+
+//   tf32               fa::cvt_tf32(x) (cvt.rna: ties away from zero), fa::split_tf32(x, hi, lo)
+//                      (x ~ hi + lo, both tf32: the 3xTF32 operands); sm_80+
 //   shared -> regs     fa::ldmatrix<N, Trans>(r, smem_row_addr), N in {1, 2, 4}
 //   global -> shared   fa::cp_async<Bytes>(smem_dst, gmem_src, src_bytes), Bytes in {4, 8, 16},
 //                      fa::cp_async_commit(), fa::cp_async_wait<N>()
@@ -133,6 +137,58 @@ __device__ __forceinline__ void mma_m16n8k16<fa_bf16>(float (&d)[4], const uint3
           "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 #endif
+
+// ---- tf32 and fp64 tensor cores (sm_80+) --------------------------------------------
+// Templates only so that using one on sm_75 is a compile error at the use (the static_assert of
+// an instantiated body) while merely including this header stays legal there (nvcc's host pass,
+// without __CUDA_ARCH__, sees the sm_80 bodies, as for mma_m16n8k16<fa_bf16>).
+template <class Sm80 = void>
+__device__ __forceinline__ float cvt_tf32(float x) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+#else
+    static_assert(dependent_false<Sm80>::value, "fa::cvt_tf32 needs sm_80+");
+    return x;
+#endif
+}
+
+// x = hi + lo + O(2^-22 |x|), hi and lo tf32 (the operands of the 3xTF32 product).
+template <class Sm80 = void>
+__device__ __forceinline__ void split_tf32(float x, float& hi, float& lo) {
+    hi = cvt_tf32<Sm80>(x);
+    lo = cvt_tf32<Sm80>(x - hi);
+}
+
+// D = A * B + C, m16n8k8, A row-major, B column-major, fp32 accumulate; one tf32 per register.
+template <class Sm80 = void>
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2], const float (&c)[4]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    static_assert(dependent_false<Sm80>::value, "fa::mma_m16n8k8_tf32 needs sm_80+");
+#endif
+}
+
+// D = A * B + C, m8n8k4, fp64 throughout (DMMA).
+template <class Sm80 = void>
+__device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], const double (&a)[1],
+                                               const double (&b)[1], const double (&c)[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
+        : "=d"(d[0]), "=d"(d[1]) : "d"(a[0]), "d"(b[0]), "d"(c[0]), "d"(c[1]));
+#else
+    static_assert(dependent_false<Sm80>::value, "fa::mma_m8n8k4_f64 needs sm_80+");
+#endif
+}
 
 // ---- ldmatrix: lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j -------------
 template <int N, bool Trans>

@@ -253,6 +253,30 @@ inline void mma_m16n8k16<fa_bf16>(float (&d)[4], const uint32_t (&a)[4], const u
     fa_emu_mma(FA_EMU_BF16, d, a, b, c);
 }
 
+// ---- tf32 and fp64 tensor cores (sm_80+ on the GPU) --------------------------------------
+// cvt.rna.tf32.f32 exactly as ptxas lowers it for sm_80, sm_86 and sm_90 (no tf32 convert
+// instruction exists; tests/test_static_tf32_f64.py pins the sequence):
+//     FSETP.GEU P0, |x|, +INF;  @!P0 x += 0x1000;  x &= 0xffffe000
+// i.e. finite values round the magnitude to 10 mantissa bits, ties away from zero, the carry
+// possibly entering the exponent (max finite -> inf; subnormals alike); inf and NaN are only
+// masked, so a NaN whose payload lies only in the low 13 bits becomes an infinity.
+inline uint32_t tf32_round_bits(uint32_t x) {
+    if ((x & 0x7fffffffu) < 0x7f800000u) x += 0x1000u;
+    return x & 0xffffe000u;
+}
+inline float cvt_tf32(float x) { return __uint_as_float(tf32_round_bits(__float_as_uint(x))); }
+inline void split_tf32(float x, float& hi, float& lo) {
+    hi = cvt_tf32(x);
+    lo = cvt_tf32(x - hi);
+}
+inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    fa_emu_mma(FA_EMU_TF32, d, a, b, c);
+}
+inline void mma_m8n8k4_f64(double (&d)[2], const double (&a)[1], const double (&b)[1], const double (&c)[2]) {
+    fa_emu_mma(FA_EMU_F64, reinterpret_cast<float*>(d), reinterpret_cast<const uint32_t*>(a),
+               reinterpret_cast<const uint32_t*>(b), reinterpret_cast<const float*>(c));
+}
+
 template <int N, bool Trans>
 inline void ldmatrix(uint32_t (&r)[N], const void* smem_row_addr) {
     static_assert(N == 1 || N == 2 || N == 4, "fa::ldmatrix: N must be 1, 2 or 4");

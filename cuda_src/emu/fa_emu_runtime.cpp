@@ -12,8 +12,8 @@
 //     therefore runs warp 0 as far as it can go (to the next __syncthreads) before warp 1
 //     starts; a missing barrier shows up as stale data or as a checked error.
 //   * A warp collective is evaluated once, eagerly, when the last lane of its mask arrives,
-//     with the formulas of /work/shared/ptx_semantics.md; mma sums exact products in float64
-//     and rounds once to fp32.
+//     with the formulas of /work/shared/ptx_semantics.md; fp32-accumulating mma (f16, bf16,
+//     tf32) sums exact products in float64 and rounds once to fp32; f64 mma chains fp64 FMAs.
 //   * cp.async copies are queued per thread and performed by the cp.async.wait_group that
 //     covers them; ldmatrix refuses to read bytes that are the destination of a pending copy.
 //   * Faults inside a fiber (raw out-of-bounds shared access into the guard pages, stack
@@ -155,7 +155,8 @@ const char* op_name(int op, int kind) {
         case OP_SYNCWARP: return "__syncwarp";
         case OP_VOTE:
             return kind == FA_EMU_VOTE_BALLOT ? "__ballot_sync" : kind == FA_EMU_VOTE_ANY ? "__any_sync" : "__all_sync";
-        case OP_MMA: return "fa::mma_m16n8k16";
+        case OP_MMA:
+            return kind == FA_EMU_TF32 ? "fa::mma_m16n8k8_tf32" : kind == FA_EMU_F64 ? "fa::mma_m8n8k4_f64" : "fa::mma_m16n8k16";
         case OP_LDMATRIX: return "fa::ldmatrix";
         default: return "?";
     }
@@ -549,24 +550,51 @@ double half_val(uint16_t x, int dtype) {
     return f;
 }
 
-void eval_mma(Worker* w, Fiber* lanes) {
-    const int dtype = lanes[0].dtype;
+// Exact value of a tf32 operand: the fp32 bit pattern with its low 13 mantissa bits ignored, i.e.
+// truncated (ptx_semantics.md, tf32 notes); a NaN whose payload lies only there reads as an infinity.
+double tf32_val(uint32_t x) {
+    x &= 0xffffe000u;
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+}
+
+// m16n8k16 (f16, bf16): operands per the mma.m16n8k16 table; k runs over 0..15.
+void gather_mma_16bit(const Fiber& f, int l, int dtype, double (&A)[16][16], double (&B)[16][8]) {
+    const int g = l >> 2, t = l & 3;
+    auto lo = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r & 0xffffu), dtype); };
+    auto hi = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r >> 16), dtype); };
+    A[g][2 * t] = lo(f.a[0]);         A[g][2 * t + 1] = hi(f.a[0]);
+    A[g + 8][2 * t] = lo(f.a[1]);     A[g + 8][2 * t + 1] = hi(f.a[1]);
+    A[g][2 * t + 8] = lo(f.a[2]);     A[g][2 * t + 9] = hi(f.a[2]);
+    A[g + 8][2 * t + 8] = lo(f.a[3]); A[g + 8][2 * t + 9] = hi(f.a[3]);
+    B[2 * t][g] = lo(f.b[0]);         B[2 * t + 1][g] = hi(f.b[0]);
+    B[2 * t + 8][g] = lo(f.b[1]);     B[2 * t + 9][g] = hi(f.b[1]);
+}
+
+// m16n8k8 tf32: one element per register (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
+// a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]); k runs over 0..7.
+void gather_mma_tf32(const Fiber& f, int l, double (&A)[16][16], double (&B)[16][8]) {
+    const int g = l >> 2, t = l & 3;
+    A[g][t] = tf32_val(f.a[0]);
+    A[g + 8][t] = tf32_val(f.a[1]);
+    A[g][t + 4] = tf32_val(f.a[2]);
+    A[g + 8][t + 4] = tf32_val(f.a[3]);
+    B[t][g] = tf32_val(f.b[0]);
+    B[t + 4][g] = tf32_val(f.b[1]);
+}
+
+// m16n8k16 (f16, bf16) and m16n8k8 (tf32), fp32 accumulators c0..c3 = C[g][2t], C[g][2t+1],
+// C[g+8][2t], C[g+8][2t+1]. Products of f16/bf16/tf32 values (<= 11-bit significands) are exact in
+// float64; they and c are summed in float64 in k order and rounded once to fp32.
+void eval_mma_f32(Worker* w, Fiber* lanes, int dtype) {
     double A[16][16], B[16][8], C[16][8];
+    const int K = dtype == FA_EMU_TF32 ? 8 : 16;
     for (int l = 0; l < 32; ++l) {
-        Fiber& f = lanes[l];
-        if (f.dtype != dtype) {
-            w->cur = &f;
-            fiber_fail(w, "fa::mma_m16n8k16: lanes of one warp use different element types");
-        }
+        const Fiber& f = lanes[l];
+        if (dtype == FA_EMU_TF32) gather_mma_tf32(f, l, A, B);
+        else gather_mma_16bit(f, l, dtype, A, B);
         const int g = l >> 2, t = l & 3;
-        auto lo = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r & 0xffffu), dtype); };
-        auto hi = [&](uint32_t r) { return half_val(static_cast<uint16_t>(r >> 16), dtype); };
-        A[g][2 * t] = lo(f.a[0]);         A[g][2 * t + 1] = hi(f.a[0]);
-        A[g + 8][2 * t] = lo(f.a[1]);     A[g + 8][2 * t + 1] = hi(f.a[1]);
-        A[g][2 * t + 8] = lo(f.a[2]);     A[g][2 * t + 9] = hi(f.a[2]);
-        A[g + 8][2 * t + 8] = lo(f.a[3]); A[g + 8][2 * t + 9] = hi(f.a[3]);
-        B[2 * t][g] = lo(f.b[0]);         B[2 * t + 1][g] = hi(f.b[0]);
-        B[2 * t + 8][g] = lo(f.b[1]);     B[2 * t + 9][g] = hi(f.b[1]);
         C[g][2 * t] = f.c[0];             C[g][2 * t + 1] = f.c[1];
         C[g + 8][2 * t] = f.c[2];         C[g + 8][2 * t + 1] = f.c[3];
     }
@@ -574,8 +602,8 @@ void eval_mma(Worker* w, Fiber* lanes) {
     for (int i = 0; i < 16; ++i) {
         for (int j = 0; j < 8; ++j) {
             double s = C[i][j];
-            for (int k = 0; k < 16; ++k) s += A[i][k] * B[k][j];  // products exact in float64
-            D[i][j] = static_cast<float>(s);                     // one rounding to fp32
+            for (int k = 0; k < K; ++k) s += A[i][k] * B[k][j];  // products exact in float64
+            D[i][j] = static_cast<float>(s);                    // one rounding to fp32
         }
     }
     for (int l = 0; l < 32; ++l) {
@@ -586,6 +614,43 @@ void eval_mma(Worker* w, Fiber* lanes) {
         d[2] = D[g + 8][2 * t];
         d[3] = D[g + 8][2 * t + 1];
     }
+}
+
+// m8n8k4 f64 (DMMA): a0 = A[g][t], b0 = B[t][g], c0/c1 = C[g][2t], C[g][2t+1]; the pointers the
+// lanes passed are double[1], double[1], double[2] (see fa_emu_api.h). Each D element is a chain
+// of fp64 fused multiply-adds in k order, s = fma(A[i][k], B[k][j], s) from s = C[i][j].
+void eval_mma_f64(Fiber* lanes) {
+    double A[8][4], B[4][8], C[8][8];
+    for (int l = 0; l < 32; ++l) {
+        const Fiber& f = lanes[l];
+        const int g = l >> 2, t = l & 3;
+        const double* c = reinterpret_cast<const double*>(f.c);
+        A[g][t] = *reinterpret_cast<const double*>(f.a);
+        B[t][g] = *reinterpret_cast<const double*>(f.b);
+        C[g][2 * t] = c[0];
+        C[g][2 * t + 1] = c[1];
+    }
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        double* d = reinterpret_cast<double*>(lanes[l].d);
+        for (int v = 0; v < 2; ++v) {
+            double s = C[g][2 * t + v];
+            for (int k = 0; k < 4; ++k) s = std::fma(A[g][k], B[k][2 * t + v], s);
+            d[v] = s;
+        }
+    }
+}
+
+void eval_mma(Worker* w, Fiber* lanes) {
+    const int dtype = lanes[0].dtype;
+    for (int l = 0; l < 32; ++l) {
+        if (lanes[l].dtype != dtype) {
+            w->cur = &lanes[l];
+            fiber_fail(w, "fa::mma: lanes of one warp use different element types or shapes");
+        }
+    }
+    if (dtype == FA_EMU_F64) eval_mma_f64(lanes);
+    else eval_mma_f32(w, lanes, dtype);
     ++w->cnt.mma;
 }
 
@@ -1026,6 +1091,7 @@ void fa_emu_mma(int dtype, float* d, const uint32_t* a, const uint32_t* b, const
     Worker* w = W();
     Fiber* f = w->cur;
     f->op = OP_MMA;
+    f->kind = dtype;  // names the instruction in error messages
     f->mask = 0xffffffffu;
     f->dtype = dtype;
     f->d = d;
