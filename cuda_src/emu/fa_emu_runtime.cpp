@@ -587,7 +587,7 @@ void gather_mma_tf32(const Fiber& f, int l, double (&A)[16][16], double (&B)[16]
 // m16n8k16 (f16, bf16) and m16n8k8 (tf32), fp32 accumulators c0..c3 = C[g][2t], C[g][2t+1],
 // C[g+8][2t], C[g+8][2t+1]. Products of f16/bf16/tf32 values (<= 11-bit significands) are exact in
 // float64; they and c are summed in float64 in k order and rounded once to fp32.
-void eval_mma_f32(Worker* w, Fiber* lanes, int dtype) {
+void eval_mma_f32(Fiber* lanes, int dtype) {
     double A[16][16], B[16][8], C[16][8];
     const int K = dtype == FA_EMU_TF32 ? 8 : 16;
     for (int l = 0; l < 32; ++l) {
@@ -650,7 +650,7 @@ void eval_mma(Worker* w, Fiber* lanes) {
         }
     }
     if (dtype == FA_EMU_F64) eval_mma_f64(lanes);
-    else eval_mma_f32(w, lanes, dtype);
+    else eval_mma_f32(lanes, dtype);
     ++w->cnt.mma;
 }
 
