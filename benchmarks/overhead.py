@@ -73,8 +73,10 @@ def calls(backend, q, k, v, do):
         k_cache[:, :, :L], v_cache[:, :, :L] = k, v
         seqlens = xp.full((B,), L - 1, dtype=np.int32)
         q1, k1, v1 = q[..., :1, :], k[..., :1, :], v[..., :1, :]
-        fns["kvcache (Lq=1, 1 new)"] = lambda: kv(q1, k_cache, v_cache, seqlens, k_new=k1, v_new=v1,
-                                                  backend=backend)
+        def kvcache_call():
+            return kv(q1, k_cache, v_cache, seqlens, k_new=k1, v_new=v1, backend=backend)
+        kvcache_call.arrays = (q1, k_cache, v_cache, seqlens, k1, v1, None)  # kvcache_breakdown
+        fns["kvcache (Lq=1, 1 new)"] = kvcache_call
     return fns
 
 
@@ -96,10 +98,18 @@ def forward_breakdown(q, k, v, backend, number, repeat):
             rec(pointer, handles) for handles in [tuple(map(handle, arrays))] for rec in plan.launches]
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     if isinstance(q, np.ndarray) and plan is not None:
-        # NumPy-only cost inside the parts above: each address is a ctypes lookup (CuPy: a field).
-        n = 3 + len(arrays)  # the key's alignment checks of q, k, v; one handle per array
-        times["  of which NumPy address lookups (%d)" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
+        # NumPy-only cost inside the parts above (CuPy: a field read each): the key's alignment
+        # checks of q, k, v (launch.host_address) and one handle per array (a.ctypes.data).
+        times["  of which NumPy address lookups (%d)" % (3 + len(arrays))] = _numpy_lookups_us(
+            q, 3, len(arrays), number, repeat)
     return times
+
+
+def _numpy_lookups_us(a, in_key, handles, number, repeat):
+    """µs of ``in_key`` alignment lookups (``launch.host_address``) and ``handles`` handle lookups
+    (``a.ctypes.data``, as the no-op launcher's ``handle``) on NumPy array ``a``."""
+    return (in_key * per_call_us(lambda: launch.host_address(a), number, repeat)
+            + handles * per_call_us(lambda: a.ctypes.data, number, repeat))
 
 
 def uncached_us(fn, number, repeat):
@@ -137,7 +147,39 @@ def backward_breakdown(q, k, v, do, backend, number, repeat):
                                                                       number, repeat)
     if isinstance(q, np.ndarray):
         n = 2 * len(arrays)  # the key's alignment checks and the handles, one each per input
-        times["NumPy address lookups (%d), within the above" % n] = n * per_call_us(lambda: q.ctypes.data, number, repeat)
+        times["NumPy address lookups (%d), within the above" % n] = _numpy_lookups_us(q, len(arrays), len(arrays),
+                                                                                     number, repeat)
+    return times
+
+
+def kvcache_breakdown(q, k, v, backend, number, repeat):
+    """µs of each part of a cached ``flash_attention_with_kvcache`` call (Lq = 1, one new token;
+    ``kvcache.flash_attention_with_kvcache``), or {} when that call takes no kernel path."""
+    from flasharray._private import cuda_forward, kvcache
+    fn = calls(backend, q, k, v, None)["kvcache (Lq=1, 1 new)"]
+    fn()
+    arrays, flags = fn.arrays, (True, None, False, None)  # causal, scale, return_lse, num_splits
+    key = kvcache._call_key(arrays, flags, backend)
+    entry = kvcache._CALLS[key]
+    c = entry.rebind(*arrays)
+    if not c.kernel:
+        return {}
+    seqlens = kvcache._host_values(c)[0]
+    lengths = (c.seqlens + np.int32(c.L_new)).astype(np.int32)
+    parts = {"signature key": lambda: kvcache._call_key(arrays, flags, backend),
+             "cache lookup": lambda: kvcache._CALLS.get(key),
+             "bind the arrays to the validated call": lambda: entry.rebind(*arrays),
+             "cache_seqlens to the host, check values": lambda: kvcache._check_values(c, *kvcache._host_values(c)),
+             "append k_new, v_new": lambda: kvcache._write_new(c, seqlens),
+             "key counts for the kernel": lambda: (c.seqlens + np.int32(c.L_new)).astype(np.int32),
+             "forward_kvcache (plan kept)": lambda: cuda_forward.forward_kvcache(
+                 c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal, scale=c.scale,
+                 device=c.backend, num_splits=c.num_splits, memo=c.memo)}
+    times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
+    if isinstance(q, np.ndarray):
+        # the key's alignment checks of q and the caches; handles of q, k_cache, v_cache, out, lse
+        # and the key counts
+        times["  of which NumPy address lookups (9)"] = _numpy_lookups_us(q, 3, 6, number, repeat)
     return times
 
 
@@ -157,12 +199,15 @@ def run_null(number, repeat):
         cold = {name: uncached_us(fn, number, repeat) for name, fn in fns.items()}
         parts = forward_breakdown(q, k, v, "emulator", number, repeat)
         bparts = backward_breakdown(q, k, v, do, "emulator", number, repeat)
+        kparts = kvcache_breakdown(q, k, v, "emulator", number, repeat)
     timer = [name for name, t in TIMERS.items() if t is _timer[0]][0]
     print("flasharray %s, host overhead with a no-op launcher, fp16 %s (B, H, L, D); %s time, fastest of %d x %d calls"
           % (fa.__version__, SHAPE, timer, repeat, number))
     report("cached call (same signature as the previous call)", cached, TARGETS_US)
     report("uncached call (validation + planning every time)", cold)
-    for name, p in (("forward", parts), ("backward", bparts)):
+    for name, p in (("forward", parts), ("backward", bparts), ("kvcache (Lq=1, 1 new)", kparts)):
+        if not p:
+            continue
         p["rest (call layers)"] = cached[name] - sum(us for part, us in p.items() if part[0] not in " N")
         report("%s, cached: breakdown" % name, p)
     return cached

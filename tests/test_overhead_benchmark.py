@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flasharray import emulator
-from flasharray._private import api, cuda_forward, launch
+from flasharray._private import api, cuda_forward, kvcache, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +32,12 @@ def test_null_mode_prints_every_row_without_running_a_kernel(overhead, monkeypat
                 "cache lookup", "allocate out, lse", "bind pointers + launch", "NumPy address lookups",
                 "rest (call layers)", "target <= 15", "target <= 25", "backward, cached: breakdown",
                 "handles of the 6 inputs", "allocate 4 buffers (2 allocations)", "bind pointers + launch (3)",
-                "of which binding 10 pointers", "wall time"):
+                "of which binding 10 pointers", "kvcache (Lq=1, 1 new), cached: breakdown",
+                "cache_seqlens to the host, check values", "append k_new, v_new", "forward_kvcache (plan kept)",
+                "NumPy address lookups (9)", "wall time"):
         assert row in out, row
     # Plans made under the no-op launcher do not survive it.
-    assert not cuda_forward._PLANS and not api._CACHE
+    assert not cuda_forward._PLANS and not api._CACHE and not kvcache._CALLS
 
 
 def test_cpu_timer(overhead, capsys):

@@ -226,3 +226,93 @@ def test_kvcache_write_by_slices_equals_write_by_indexing(monkeypatch, B):
     np.testing.assert_array_equal(o1, o2)
     for b, s in enumerate(seqlens):
         np.testing.assert_array_equal(k1[b, :, s:s + 3], k_new[b])
+
+
+def _decoding_step(rng, paged=False, B=2, dtype=np.float16):
+    """Arguments of one KV-cache call: q (B, 2, 1, 16), one new token, caches of 64 rows (paged:
+    4 pages of 16 per entry)."""
+    q = rng.standard_normal((B, 2, 1, 16)).astype(dtype)
+    k_new, v_new = (rng.standard_normal((B, 2, 1, 16)).astype(dtype) for _ in range(2))
+    seqlens = np.array([5, 40, 17][:B], dtype=np.int32)
+    if paged:
+        k_cache, v_cache = (rng.standard_normal((4 * B, 2, 16, 16)).astype(dtype) for _ in range(2))
+        table = np.arange(4 * B, dtype=np.int32)[::-1].reshape(B, 4).copy()
+    else:
+        k_cache, v_cache = (rng.standard_normal((B, 2, 64, 16)).astype(dtype) for _ in range(2))
+        table = None
+    return q, k_cache, v_cache, seqlens, dict(k_new=k_new, v_new=v_new, block_table=table)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_repeated_kvcache_call_skips_validation_and_planning(monkeypatch, paged, backend):
+    """A KV-cache call of a known signature skips the checks of types and shapes and the plan's
+    signature; it still appends in place and attends over the new lengths."""
+    from flasharray._private import kvcache
+    rng = np.random.default_rng(7)
+    q, k_cache, v_cache, seqlens, kw = _decoding_step(rng, paged)
+    fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend=backend, **kw)
+    forbidden = [(validation, "check_int32_array"), (validation, "check_writeable"), (kvcache, "_KVCall"),
+                 (kvcache, "_uses_kernel")]
+    if backend == "emulator":  # (the cpu path calls the public forward per length: its own cache)
+        forbidden += [(validation, "check_arrays"), (cuda_forward, "signature"), (launch, "make_launcher")]
+    for module, name in forbidden:
+        _forbid(monkeypatch, module, name)
+    q2, k2, v2, s2, kw2 = _decoding_step(np.random.default_rng(8), paged)
+    s2 += 1
+    start = (k2.copy(), v2.copy())
+    out = fa.flash_attention_with_kvcache(q2, k2, v2, s2, backend=backend, **kw2)
+    monkeypatch.undo()
+    k3, v3 = start
+    want = fa.flash_attention_with_kvcache(q2, k3, v3, s2, backend="cpu", **kw2)
+    np.testing.assert_array_equal(k2, k3)   # the same rows appended in place
+    np.testing.assert_array_equal(v2, v3)
+    np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cached_kvcache_call_still_checks_values(paged):
+    """The values of cache_seqlens and block_table are not part of the signature: a cached call
+    with an out-of-range length or page still raises and writes nothing."""
+    rng = np.random.default_rng(9)
+    q, k_cache, v_cache, seqlens, kw = _decoding_step(rng, paged)
+    fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend="emulator", **kw)
+    before = (k_cache.copy(), v_cache.copy())
+    for bad, match in ((np.array([5, 64], np.int32), "exceeds the cache capacity"),
+                       (np.array([-1, 3], np.int32), "must be >= 0")):
+        with pytest.raises(ValueError, match=match):
+            fa.flash_attention_with_kvcache(q, k_cache, v_cache, bad, backend="emulator", **kw)
+    if paged:
+        table = kw["block_table"].copy()
+        table[1, 2] = 99   # entry 1 (41 keys) uses its pages 0..2
+        with pytest.raises(ValueError, match=r"block_table\[1, 2\] = 99"):
+            fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend="emulator",
+                                            **dict(kw, block_table=table))
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
+
+
+def test_cached_kvcache_call_refuses_a_read_only_cache():
+    """Writability is part of the signature: a read-only cache after a writable one of the same
+    shape is still refused, before anything is written."""
+    rng = np.random.default_rng(10)
+    q, k_cache, v_cache, seqlens, kw = _decoding_step(rng)
+    fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend="emulator", **kw)
+    before = k_cache.copy()
+    v_cache.flags.writeable = False
+    with pytest.raises(ValueError, match="'v_cache' is read-only"):
+        fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend="emulator", **kw)
+    np.testing.assert_array_equal(k_cache, before)
+    with pytest.raises(TypeError, match="causal"):   # flags keep their types in the signature
+        fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=1, backend="emulator")
+
+
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_kvcache_cache_does_not_keep_arrays_alive(backend):
+    rng = np.random.default_rng(11)
+    q, k_cache, v_cache, seqlens, kw = _decoding_step(rng, paged=backend == "emulator")
+    out = fa.flash_attention_with_kvcache(q, k_cache, v_cache, seqlens, backend=backend, **kw)
+    refs = [weakref.ref(x) for x in (q, k_cache, v_cache, seqlens, out, *(x for x in kw.values() if x is not None))]
+    del q, k_cache, v_cache, seqlens, out, kw
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -7,6 +7,7 @@ import numpy as np
 from . import extensions
 from . import validation as val
 from .dtypes import accumulation_dtype
+from .launch import host_address
 
 # Keywords of the extensions (docs/extensions.md): validated by extensions.from_options and handed
 # to the backends as one ``ext`` object (None for a dense call, which reaches them exactly as before).
@@ -151,7 +152,7 @@ def _array_key(a, backend):
     t = type(a)
     if t is np.ndarray:
         # 16-byte alignment picks the emulator's cp.async path; the cpu backend ignores it.
-        return (a.dtype, a.shape, a.strides, a.ctypes.data % 16 if backend == "emulator" else None)
+        return (a.dtype, a.shape, a.strides, host_address(a) % 16 if backend == "emulator" else None)
     if val.array_kind(a) == "cupy":
         data = a.data
         return (t, a.dtype, a.shape, a.strides, data.ptr % 16, data.device_id)

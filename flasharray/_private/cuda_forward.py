@@ -547,7 +547,7 @@ def kvcache_kernel(dtype, head_dim, head_dim_v, device, arch=None):
 
 
 def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal, scale, device, counters=None,
-                    arch=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None):
+                    arch=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, memo=None):
     """One tensor-core forward over every entry of a KV cache, each with its own key count.
 
     q : (B, H, Lq, D) or, GQA, (B, H_kv, G, Lq, D); k_cache, v_cache: (B, H_kv, L_cache, D|Dv)
@@ -557,7 +557,31 @@ def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal,
     within them; none: out 0, lse -inf); paged, logical key r of entry b is row r % page_size of
     page block_table[b, r // page_size], read in place. Split-KV and GQA packing as
     :func:`forward`. Values are not checked here (flash_attention_with_kvcache does).
+
+    memo : dict, optional
+        Kept by the caller for one call signature (types, dtypes, shapes, strides, alignment and
+        device of q, the caches and block_table, and the keywords): the plan found by the first
+        call is kept in it (``"plan"``) and reused by the next, which skip computing the plan's
+        signature (``flash_attention_with_kvcache``'s call-signature cache). It holds no arrays.
     """
+    p = None if memo is None else memo.get("plan")
+    if p is None:
+        p = _kvcache_plan(q, k_cache, v_cache, block_table, causal=causal, scale=scale, device=device, arch=arch,
+                          schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa)
+        if memo is not None:
+            memo["plan"] = p
+    xp = p.xp
+    k, v = k_cache, v_cache
+    if block_table is not None:  # bound as the pools: the kernel reaches pages through the table
+        block_table = xp.ascontiguousarray(block_table)
+    elif q.ndim == 5:  # GQA: (B, H_kv, 1, L, ·) against q (B, H_kv, G, Lq, D)
+        k, v = k[:, :, None], v[:, :, None]
+    return p.run(q, k, v, counters, xp.ascontiguousarray(seqlens_k), block_table)
+
+
+def _kvcache_plan(q, k_cache, v_cache, block_table, *, causal, scale, device, arch, schedule, seed, num_splits,
+                  pack_gqa):
+    """The :class:`ForwardPlan` of :func:`forward_kvcache` for this signature."""
     xp = L.xp_of(q)
     k, v = k_cache, v_cache
     if block_table is not None:  # the pools seen as (B, H_kv, page_size, ·): entry stride 0
@@ -577,9 +601,7 @@ def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal,
     if p.tile.kernel != "tensor_core":
         raise NotImplementedError("flasharray: forward_kvcache needs the tensor-core forward (float16 on sm_75+, "
                                   "bfloat16 on sm_80+), got %s" % np.dtype(q.dtype).name)
-    if block_table is not None:
-        k, v = k_cache, v_cache  # bound as the pools: the kernel reaches pages through the table
-    return p.run(q, k, v, counters, xp.ascontiguousarray(seqlens_k), block_table)
+    return p
 
 
 def check_num_splits(num_splits):

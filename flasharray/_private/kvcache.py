@@ -31,6 +31,7 @@ Attention per backend:
 """
 import numpy as np
 
+from . import api
 from . import validation as val
 from .api import flash_attention_forward
 from .dtypes import accumulation_dtype
@@ -142,6 +143,18 @@ class _KVCall:
     @property
     def page_size(self):
         return self.L_cache
+
+    def forget_arrays(self):
+        """Drop the arrays (a cached call must not keep the caller's memory alive)."""
+        self.q = self.k_cache = self.v_cache = self.k_new = self.v_new = self.seqlens = self.block_table = None
+
+    def rebind(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table):
+        """This validated call for other arrays of the same signature."""
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
+        c.q, c.k_cache, c.v_cache, c.k_new, c.v_new = q, k_cache, v_cache, k_new, v_new
+        c.seqlens, c.block_table = cache_seqlens, block_table
+        return c
 
 
 def _host_values(c):
@@ -368,7 +381,7 @@ def _attend_kernel(c):
     from . import cuda_forward
     lengths = (c.seqlens + np.int32(c.L_new)).astype(np.int32)
     return cuda_forward.forward_kvcache(c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal,
-                                        scale=c.scale, device=c.backend, num_splits=c.num_splits)
+                                        scale=c.scale, device=c.backend, num_splits=c.num_splits, memo=c.memo)
 
 
 def _paged_kernel_support(c):
@@ -440,18 +453,86 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     which costs one small device→host copy (a synchronisation) per call. Inputs other than the
     cache are never modified. See ``docs/kvcache.md`` for what each backend does.
     """
-    return_lse = val.check_flag("return_lse", return_lse)
-    c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
-    c.num_splits = _check_num_splits(num_splits, c.backend)
-    if c.paged and _paged_kernel_support(c):
-        raise NotImplementedError(_paged_kernel_support(c))
+    arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    flags = (causal, scale, return_lse, num_splits)
+    key = _call_key(arrays, flags, backend)
+    entry = _CALLS.get(key)
+    if entry is None:
+        entry = _validate(arrays, flags, backend)
+        if key is not None:
+            if len(_CALLS) >= api._MAX_ENTRIES:
+                _CALLS.pop(next(iter(_CALLS)))
+            _CALLS[key] = entry
+    c = entry.rebind(*arrays)
+    # The values of cache_seqlens and block_table change from call to call: checked every time.
     seqlens, table = _host_values(c)
     lengths = _check_values(c, seqlens, table)
     _write_new(c, seqlens)
-    if _uses_kernel(c):
+    if c.kernel:
         out, lse = _attend_kernel(c)
     elif not c.paged:
         out, lse = _attend_contiguous(c, lengths)
     else:
         out, lse = _attend_paged_cpu(c, lengths, table)
-    return (out, lse) if return_lse else out
+    return (out, lse) if c.return_lse else out
+
+
+# ---- call-signature cache ------------------------------------------------------------------------
+# As the api's (api._call_key): a repeated call with the same array types, dtypes, shapes, strides,
+# alignment, device, writability of the caches and flags skips the validation of types and shapes,
+# the kernel-path decision and the forward plan's signature. What depends on the values of
+# cache_seqlens and block_table (_check_values) is done at every call.
+
+_CALLS = {}
+
+
+def _index_key(a, backend):
+    """Signature of an index array (cache_seqlens, block_table) or of k_new/v_new: their alignment
+    plays no part (the kernel reads the index arrays by int32 loads; k_new/v_new are copied)."""
+    if type(a) is np.ndarray:
+        return a.dtype, a.shape, a.strides
+    return None if a is None else api._array_key(a, backend)
+
+
+def _call_key(arrays, flags, backend):
+    """Hashable signature of one call, or None (then it is validated fully and not kept)."""
+    q, k_cache, v_cache = arrays[:3]
+    try:
+        key = (backend, tuple(map(type, flags)), flags, api._array_key(q, backend),
+               api._array_key(k_cache, backend), api._array_key(v_cache, backend),
+               *[_index_key(a, backend) for a in arrays[3:]])
+        if type(q) is np.ndarray:
+            if arrays[4] is not None:  # a read-only cache is refused (check_writeable)
+                key += (k_cache.flags.writeable, v_cache.flags.writeable)
+        else:
+            import cupy
+            key += (cupy.cuda.runtime.getDevice(),)
+        hash(key)
+        return key
+    except (TypeError, AttributeError):
+        return None
+
+
+def _validate(arrays, flags, backend):
+    """The validated call (:class:`_KVCall`, arrays dropped) for this signature; raises for a
+    refused one before anything is written."""
+    causal, scale, return_lse, num_splits = flags
+    return_lse = val.check_flag("return_lse", return_lse)
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table = arrays
+    c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
+    c.num_splits = _check_num_splits(num_splits, c.backend)
+    if c.paged and _paged_kernel_support(c):
+        raise NotImplementedError(_paged_kernel_support(c))
+    c.return_lse = return_lse
+    c.kernel = _uses_kernel(c)
+    c.memo = {}  # forward_kvcache keeps its plan here
+    c.forget_arrays()
+    return c
+
+
+def _register_clear_calls():
+    from . import launch
+    launch._on_reload.append(_CALLS.clear)
+
+
+_register_clear_calls()

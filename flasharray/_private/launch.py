@@ -508,6 +508,17 @@ def device_address(a):
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
+def host_address(a):
+    """Address of element 0 of the NumPy array ``a``, as ``a.ctypes.data`` but, for a writable
+    C-contiguous array (the common case), through a ctypes view of its buffer: ~0.5 µs instead of
+    ~1.5 (``a.ctypes`` builds an object per call). Other arrays (read-only, strided, empty) take
+    ``a.ctypes.data``."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
+
+
 def _host_bytes(nbytes):
     """``(raw, start, address)``: new host memory, ``nbytes`` of it from byte ``start`` of the uint8
     array ``raw`` on, at ``address``, a multiple of 256."""
