@@ -16,9 +16,12 @@ Each figure is the fastest of ``--repeat`` runs of ``--number`` calls (mean per 
 by the wall clock (``--timer wall``, default) or by the process's CPU time (``--timer cpu``:
 ``time.process_time``, the same figure on an idle machine, and far steadier on a machine
 other jobs load, since time spent waiting for a core is not counted; no-op launcher only).
-The breakdowns of the cached forward and backward calls time their parts alone: building the
-signature key, the cache lookup, the allocations, the address lookups, binding pointers + the
-launches; "rest" is the difference to the whole call (function calls, argument passing).
+The breakdowns of the cached forward, backward and KV-cache calls time their parts alone:
+building the signature key, the cache lookup, the allocations, the address lookups, binding
+pointers + the launches (KV-cache: the per-call value check and the append too); "rest" is the
+difference to the whole call (function calls, argument passing). The NumPy address lookups are
+timed as the code does them: ``launch.host_address`` for the alignment in a signature key,
+``a.ctypes.data`` for each handle the no-op launcher binds.
 
     python benchmarks/overhead.py                # no-op launcher
     python benchmarks/overhead.py --timer cpu    # the same, CPU time (a loaded machine)
@@ -165,13 +168,13 @@ def kvcache_breakdown(q, k, v, backend, number, repeat):
     if not c.kernel:
         return {}
     seqlens = kvcache._host_values(c)[0]
-    lengths = (c.seqlens + np.int32(c.L_new)).astype(np.int32)
+    lengths = c.seqlens + np.int32(c.L_new)
     parts = {"signature key": lambda: kvcache._call_key(arrays, flags, backend),
              "cache lookup": lambda: kvcache._CALLS.get(key),
              "bind the arrays to the validated call": lambda: entry.rebind(*arrays),
              "cache_seqlens to the host, check values": lambda: kvcache._check_values(c, *kvcache._host_values(c)),
              "append k_new, v_new": lambda: kvcache._write_new(c, seqlens),
-             "key counts for the kernel": lambda: (c.seqlens + np.int32(c.L_new)).astype(np.int32),
+             "key counts for the kernel": lambda: c.seqlens + np.int32(c.L_new),
              "forward_kvcache (plan kept)": lambda: cuda_forward.forward_kvcache(
                  c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal, scale=c.scale,
                  device=c.backend, num_splits=c.num_splits, memo=c.memo)}

@@ -169,11 +169,21 @@ def _host_values(c):
     return flat[:c.B], table
 
 
+#: cache_seqlens of at most this many entries are range-checked as Python ints (for a few entries
+#: cheaper than the two NumPy reductions).
+FEW_ENTRIES = 8
+
+
 def _check_values(c, seqlens, table):
     """Lengths within the cache and block-table entries within the pool, for the rows touched."""
     lengths = seqlens + c.L_new
-    if not c.paged and seqlens.size and seqlens.min() >= 0 and lengths.max() <= c.capacity:
-        return lengths  # the common case, in two reductions; the loop below names the culprit
+    if not c.paged and seqlens.size:
+        # the common case: for a few entries as Python ints (cheaper than two reductions); the
+        # loop below names the culprit
+        few = seqlens.tolist() if seqlens.size <= FEW_ENTRIES else None
+        if (min(few) >= 0 and max(few) + c.L_new <= c.capacity if few is not None
+                else seqlens.min() >= 0 and lengths.max() <= c.capacity):
+            return lengths
     bad = np.flatnonzero(seqlens < 0)
     if bad.size:
         raise ValueError("flasharray: cache_seqlens must be >= 0, got cache_seqlens[%d] = %d"
@@ -379,7 +389,7 @@ def _attend_kernel(c):
     ``cache_seqlens[b] + L_new`` keys, contiguous or through its row of the block table (pages read
     in place); one forward launch (+ the split-KV combine) whatever the lengths."""
     from . import cuda_forward
-    lengths = (c.seqlens + np.int32(c.L_new)).astype(np.int32)
+    lengths = c.seqlens + np.int32(c.L_new)  # int32 (B,): the values were checked in range
     return cuda_forward.forward_kvcache(c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal,
                                         scale=c.scale, device=c.backend, num_splits=c.num_splits, memo=c.memo)
 
