@@ -25,6 +25,7 @@
 //   flash_bwd_dq_kernel (deterministic dQ): one block per (query block i, batch), walking the key
 //     blocks and recomputing S, P, dP, dS; dQ_i in registers; no atomics.
 #include "flash_bwd_mma.cuh"  // tile copies, warp_mma, fragment layouts
+#include "flash_bwd_ext.cuh"  // the extensions (kExt != 0): ext_p_ds, dropout bits, QueryTileWalk
 
 namespace fa_bwd {
 
@@ -74,11 +75,11 @@ struct TcSmem {
 // dK/dV kernel: keys kt*16 .. +15 (rows) by queries q0 .. q0 + kW - 1 (columns) of
 // S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2e - L_i log2e) and
 // dS^T = P^T o (dP^T - D_i) (L_i, D_i per column).
-template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, bool kIsCausal>
+template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, class M, class Drop>
 __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t (&dS_a)[kW / 16][4],
                                            const T* K_s, const T* V_s, const T* Q_s, const T* dO_s,
                                            const float* lse2_s, const float* delta_s, int kt, int q0,
-                                           float scale_log2, const Mask<kIsCausal>& mask, int r0, int c0) {
+                                           float scale_log2, const M& mask, const Drop& drop, int r0, int c0) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float s[kW / 8][4], dp[kW / 8][4];  // S^T, dP^T strips (C layout)
     zero_acc(s);
@@ -87,6 +88,10 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
                                              Q_s + q0 * L::kPitchD, L::kPitchD);
     warp_mma<T, kHeadDimV, kW, false, false>(dp, V_s + kt * 16 * L::kPitchDv, L::kPitchDv,
                                               dO_s + q0 * L::kPitchDv, L::kPitchDv);
+    constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+    uint32_t keep[kW / 8];  // dropout's keep bits per n8 tile (dropout_bits_t)
+    if constexpr (kDropout) dropout_bits_t<kW>(keep, drop.rng, r0 + q0, c0 + kt * 16, lane);
+    (void)drop; (void)keep;
 #pragma unroll
     for (int nt = 0; nt < kW / 8; ++nt) {
         // This lane's two query columns r, r + 1: L_i and D_i of both in one 8-byte load each (r is even).
@@ -96,10 +101,17 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = kt * 16 + g + (e / 2) * 8;  // key within K_j (row of S^T)
-            const float p = p_from_score(s[nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
-                                         mask.is_visible(r0 + r + e % 2, c0 + c));
-            dp[nt][e] = p * (dp[nt][e] - (e % 2 ? delta_r.y : delta_r.x));  // dS^T, from the unrounded P^T
-            s[nt][e] = p;
+            if constexpr (MaskExt<M>::value == 0) {
+                const float p = p_from_score(s[nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
+                                             mask.is_visible(r0 + r + e % 2, c0 + c));
+                dp[nt][e] = p * (dp[nt][e] - (e % 2 ? delta_r.y : delta_r.x));  // dS^T, from the unrounded P^T
+                s[nt][e] = p;
+            } else {
+                float z = 1.0f;  // dropout's Z = keep / (1 − p)
+                if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
+                ext_p_ds(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
+                         scale_log2, mask, r0 + r + e % 2, c0 + c);
+            }
         }
     }
     c_to_a<T, kW / 16>(P_a, s);
@@ -108,11 +120,11 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
 
 // dQ kernel: queries qt*16 .. +15 (rows) by keys k0 .. k0 + kW - 1 (columns) of S = Q_i K_j^T and
 // dP = dO_i V_j^T, then dS = P o (dP - D_i) (L_i, D_i per row).
-template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, bool kIsCausal>
+template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, class M, class Drop>
 __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T* Q_s, const T* dO_s,
                                           const T* K_s, const T* V_s, const float* lse2_s,
                                           const float* delta_s, int qt, int k0, float scale_log2,
-                                          const Mask<kIsCausal>& mask, int r0, int c0) {
+                                          const M& mask, const Drop& drop, int r0, int c0) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float s[kW / 8][4], dp[kW / 8][4];  // S, dP strips (C layout)
     zero_acc(s);
@@ -121,6 +133,17 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
                                              K_s + k0 * L::kPitchD, L::kPitchD);
     warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
                                               V_s + k0 * L::kPitchDv, L::kPitchDv);
+    constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+    // Dropout's Z = keep / (1 − p) in the C layout (rows are queries: the forward's dropout_mma).
+    float z[1][kDropout ? kW / 8 : 1][4];
+    if constexpr (kDropout) {
+#pragma unroll
+        for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) z[0][nt][e] = drop.scale;
+        flash::dropout_mma<1, kW / 8>(z, drop.rng, r0 + qt * 16, c0 + k0, lane);
+    }
+    (void)drop; (void)z;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
@@ -130,8 +153,13 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
 #pragma unroll
             for (int e = 2 * h; e < 2 * h + 2; ++e) {
                 const int c = k0 + nt * 8 + 2 * t + (e % 2);  // key within K_j
-                const float p = p_from_score(s[nt][e], scale_log2, lse2, mask.is_visible(r0 + r, c0 + c));
-                dp[nt][e] = p * (dp[nt][e] - delta_r);
+                if constexpr (MaskExt<M>::value == 0) {
+                    const float p = p_from_score(s[nt][e], scale_log2, lse2, mask.is_visible(r0 + r, c0 + c));
+                    dp[nt][e] = p * (dp[nt][e] - delta_r);
+                } else {
+                    ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
+                             scale_log2, mask, r0 + r, c0 + c);
+                }
             }
     }
     c_to_a<T, kW / 16>(dS_a, dp);
@@ -185,7 +213,7 @@ using namespace fa_bwd;
 // dK_j, dV_j (and, with kAtomicDQ, atomic dQ): grid = (Tc, nb1 * nb2, nb0); n_group query batch
 // entries share K_j, V_j (group strides on the query-side tensors).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages>
+          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -197,7 +225,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     long long dqa_row /* = kHeadDim (DQAccumLayout); unused */,
     OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
-    int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale) {
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float)) {
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kRowTiles = kBlockN / 16;         // 16-key row tiles of dK_j, dV_j
     constexpr int kSplit = kNWarps / kRowTiles;     // warps per row tile
@@ -241,31 +269,43 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const bool own_dK = wn < kSplitK, own_dV = wn < kSplitV;  // warp-uniform
     const int c0 = (int)blockIdx.x * kBlockN;          // first key of K_j
     const float scale_log2 = scale * flash::kLog2e;
-    const Mask<kIsCausal> mask(Lq, Lk);
+    // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never
+    // read; their gradients are written as zeros), window, block mask, softcap, ALiBi, dropout.
+    // Without them (kExt = 0) Lq_b = Lq, Lk_b = Lk and the mask is the dense one.
+    const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
     // The block visits (query batch entry grp of the group, query block i) pairs, i from i_begin
-    // (causal: blocks above the diagonal are skipped) to Tr - 1, grp outer.
-    const int i_begin = mask.m_block_min(c0, kBlockM);
-    const int Tr = (Lq + kBlockM - 1) / kBlockM;
-    const int blocks_per_entry = Tr > i_begin ? Tr - i_begin : 0;
+    // (causal: blocks above the diagonal are skipped) to Tr - 1, grp outer. With extensions (the
+    // host launches them with n_group = 1): the tiles of QueryTileWalk.
+    int i_begin = mask.m_block_min(c0, kBlockM);
+    int Tr = (Lq + kBlockM - 1) / kBlockM;
+    if constexpr (kExt != 0) {
+        Tr = walk.end();
+        i_begin = walk.next(i_begin - 1, Tr);
+    }
+    const int blocks_per_entry = kExt != 0 ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0);
     const int n_visits = blocks_per_entry * n_group;
     // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads).
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
         load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
             Q_buf + buf * L::kQStage,
-            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
         load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
             dO_buf + buf * L::kdOStage,
             dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
-            do_row, Lq - r0, Dv);
+            do_row, Lq_b - r0, Dv);
     };
 
     // -- prologue: K_j, V_j (and, double-buffered, the first Q_i, dO_i) into shared memory.
     load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);
     fa::cp_async_commit();
 
@@ -279,7 +319,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
-        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr), grp_n = grp;
         const int buf = kStages == 2 ? visit % 2 : 0;
         const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
         const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
@@ -292,7 +333,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         fa::cp_async_commit();
         load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq_b);
         // This thread's copies of this visit's Q_i, dO_i (first time also K_j, V_j) landed; the
         // newest group (the prefetch) may still be in flight.
         if (prefetch)
@@ -307,7 +348,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             //    the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i (scale applied at the end).
             uint32_t P_a[kBlockM / 16][4], dS_a[kBlockM / 16][4];
             dkv_scores<T, L, kBlockM, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
-                                                          wm, 0, scale_log2, mask, r0, c0);
+                                                          wm, 0, scale_log2, mask, drop, r0, c0);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
                 // Barrier: dS^T complete before warps read its columns for dQ.
@@ -331,7 +372,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                 q0 *= kW;
                 uint32_t P_a[kW / 16][4], dS_a[kW / 16][4];
                 dkv_scores<T, L, kW, kHeadDim, kHeadDimV>(P_a, dS_a, K_s, V_s, Q_s, dO_s, lse2_s, delta_s,
-                                                         kt, q0, scale_log2, mask, r0, c0);
+                                                         kt, q0, scale_log2, mask, drop, r0, c0);
                 store_a<T, kW / 16>(Pt_s + kt * 16 * L::kPitchS + q0, L::kPitchS, P_a);
                 store_a<T, kW / 16>(dSt_s + kt * 16 * L::kPitchS + q0, L::kPitchS, dS_a);
             }
@@ -388,7 +429,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 // Deterministic dQ: grid = (Tr, nb1 * nb2, nb0). Recomputes S and dP per key block (2 of the 5
 // backward products again), dQ_i in registers split as (Br / 16 row tiles) x kSplit slices.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNWarps, bool kIsCausal, bool kVecLoad, int kStages>
+          int kNWarps, bool kIsCausal, bool kVecLoad, int kStages, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -397,7 +438,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2,
     const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2,
     OutT* __restrict__ dq, long long dq_b0, long long dq_b1, long long dq_b2, long long dq_row,
-    int Lq, int Lk, int D, int Dv, int nb2, float scale) {
+    int Lq, int Lk, int D, int Dv, int nb2, float scale, FLASH_EXT_PARAMS(float)) {
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kRowTiles = kBlockM / 16;       // 16-row tiles of dQ_i
     constexpr int kSplit = kNWarps / kRowTiles;   // warps per row tile
@@ -437,15 +478,19 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     const bool own_dQ = wn < kSplitQ;                  // warp-uniform
     const int r0 = (int)blockIdx.x * kBlockM;          // first row of Q_i
     const float scale_log2 = scale * flash::kLog2e;
-    const Mask<kIsCausal> mask(Lq, Lk);
+    // Extensions: as in the dK/dV kernel (Lq_b = Lq, Lk_b = Lk and the dense mask without them).
+    const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
 
     // -- prologue: Q_i, dO_i, L_i, D_i into shared memory, once.
     load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-        Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq - r0, D);
+        Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq_b - r0, D);
     load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-        dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq - r0, Dv);
+        dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq_b - r0, Dv);
     load_row_stats_exp<kBlockM, kNThreads>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}),
-                                           delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
+                                           delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq_b);
 
     float dQ_acc[kColsQ / 8][4];  // dQ_i rows 16 wm.., columns kColsQ wn..
     zero_acc(dQ_acc);
@@ -453,33 +498,44 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     const T* k_b = k + b.offset({k_b0, k_b1, k_b2, k_row});
     const T* v_b = v + b.offset({v_b0, v_b1, v_b2, v_row});
     const int Tc = mask.n_block_max(r0, kBlockM, kBlockN);  // causal: blocks right of the diagonal skipped
+    // Extensions: key tiles from the window's left edge, all-False block-mask tiles skipped.
+    const flash::KeyTileWalk<kIsCausal, kExt, float> walk{mask, r0, kBlockM, kBlockN, 0};
+    int j_first = 0;
+    if constexpr (kExt != 0) j_first = walk.next(mask.n_block_min(r0, kBlockN) - 1, Tc);
     // Start the copies of key block j's K_j, V_j (rows k_j, v_j) into buffer `buf` (cp.async, or loads).
     auto load_key_block = [&](int j, const T* k_j, const T* v_j, int buf) {
         const int c0 = j * kBlockN;
         load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-            K_buf + buf * L::kKStage, k_j, k_row, Lk - c0, D);
+            K_buf + buf * L::kKStage, k_j, k_row, Lk_b - c0, D);
         load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-            V_buf + buf * L::kVStage, v_j, v_row, Lk - c0, Dv);
+            V_buf + buf * L::kVStage, v_j, v_row, Lk_b - c0, Dv);
     };
-    if (kStages == 2 && Tc > 0) load_key_block(0, k_b, v_b, 0);
+    const long long k_step = kBlockN * k_row, v_step = kBlockN * v_row;
+    if (kStages == 2 && Tc > j_first)
+        load_key_block(j_first, k_b + (long long)j_first * k_step, v_b + (long long)j_first * v_step, 0);
     fa::cp_async_commit();  // one group: Q_i, dO_i (and, double-buffered, K_0, V_0)
     // The next key block to load (j + 1 double-buffered, else j): running pointers, one 64-bit add
-    // per block instead of a 64-bit multiply.
-    const long long k_step = kBlockN * k_row, v_step = kBlockN * v_row;
+    // per block instead of a 64-bit multiply (extensions: from the visited tile's index).
     const T* k_load = kStages == 2 ? k_b + k_step : k_b;
     const T* v_load = kStages == 2 ? v_b + v_step : v_b;
 
-    for (int j = 0; j < Tc; ++j) {
+    int visit = 0;  // visits so far (= j without extensions): the double buffer's parity
+    for (int j = j_first; j < Tc; ++visit) {
+        const int j_next = walk.next(j, Tc);  // j + 1 without a block mask
         const int c0 = j * kBlockN;
-        const int buf = kStages == 2 ? j % 2 : 0;
+        const int buf = kStages == 2 ? (kExt == 0 ? j : visit) % 2 : 0;
         const T* K_s = K_buf + buf * L::kKStage;  // K_j Bc x D
         const T* V_s = V_buf + buf * L::kVStage;  // V_j Bc x Dv
         // Barrier: every warp is done with the previous key block: its K/V buffer (about to be
         // refilled) and dS_s.
         __syncthreads();
-        const bool prefetch = kStages == 2 && j + 1 < Tc;
+        const bool prefetch = kStages == 2 && j_next < Tc;
+        if constexpr (kExt != 0) {
+            k_load = k_b + (long long)(kStages == 2 ? j_next : j) * k_step;
+            v_load = v_b + (long long)(kStages == 2 ? j_next : j) * v_step;
+        }
         if (kStages == 1) load_key_block(j, k_load, v_load, 0);
-        if (prefetch) load_key_block(j + 1, k_load, v_load, buf ^ 1);  // overlaps this block's math
+        if (prefetch) load_key_block(j_next, k_load, v_load, buf ^ 1);  // overlaps this block's math
         k_load += k_step;
         v_load += v_step;
         fa::cp_async_commit();
@@ -497,7 +553,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             //    A operand of dQ_i += dS K_j (scale applied once, at the end).
             uint32_t dS_a[kBlockN / 16][4];
             dq_scores<T, L, kBlockN, kHeadDim, kHeadDimV>(dS_a, Q_s, dO_s, K_s, V_s, lse2_s, delta_s, wm, 0,
-                                                         scale_log2, mask, r0, c0);
+                                                         scale_log2, mask, drop, r0, c0);
             warp_mma_rA<T, kBlockN, kColsQ, true>(dQ_acc, dS_a, K_s, L::kPitchD);
         } else {
             // -- S, dP in 16 x kW strips spread over the warps; dS to shared memory.
@@ -509,7 +565,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                 k0 *= kW;
                 uint32_t dS_a[kW / 16][4];
                 dq_scores<T, L, kW, kHeadDim, kHeadDimV>(dS_a, Q_s, dO_s, K_s, V_s, lse2_s, delta_s, qt, k0,
-                                                        scale_log2, mask, r0, c0);
+                                                        scale_log2, mask, drop, r0, c0);
                 store_a<T, kW / 16>(dS_s + qt * 16 * L::kPitchS + k0, L::kPitchS, dS_a);
             }
             // Barrier: dS complete before warps read whole rows of it.
@@ -519,6 +575,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                 warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            K_s + wn * kColsQ, L::kPitchD);
         }
+        j = j_next;
     }
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no key block was visited

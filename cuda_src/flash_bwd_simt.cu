@@ -14,6 +14,7 @@
 //     stay in shared memory while the block walks the key blocks j, recomputing P_ij and dS_ij:
 //     dQ_i += dS_ij K_j * scale in registers, written once. No atomics: bitwise reproducible.
 #include "flash_bwd_common.cuh"
+#include "flash_bwd_ext.cuh"  // the extensions (kExt != 0): ext_p_ds, BwdDropout, QueryTileWalk
 
 namespace fa_bwd {
 
@@ -77,20 +78,29 @@ __device__ __forceinline__ AccT dot(const T* a, const T* b) {
 // P_ij and dS_ij for one (query block, key block) pair, into shared memory.
 //   S = Q_i K_j^T, P = exp2(S scale log2e - L_i log2e), dP = dO_i V_j^T, dS = P o (dP - D_i).
 template <typename T, typename AccT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNThreads, bool kIsCausal, bool kStoreP>
+          int kNThreads, bool kStoreP, class M, class Drop>
 __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const T* K_s, const T* V_s,
                                              const AccT* lse2_s, const AccT* delta_s, AccT* P_s,
                                              AccT* dS_s, int r0, int c0,
-                                             const Mask<kIsCausal>& mask, AccT scale_log2) {
+                                             const M& mask, const Drop& drop, AccT scale_log2) {
     using L = SimtSmem<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
     for (int e = (int)threadIdx.x; e < kBlockM * kBlockN; e += kNThreads) {
         const int r = e / kBlockN, c = e % kBlockN;
-        const AccT s = dot<AccT, kHeadDim>(Q_s + r * L::kPitchD, K_s + c * L::kPitchD);
-        const AccT dp = dot<AccT, kHeadDimV>(dO_s + r * L::kPitchDv, V_s + c * L::kPitchDv);
-        const AccT p = recompute_p(s, scale_log2, lse2_s[r],
-                                   mask.is_visible(r0 + r, c0 + c));
-        if (kStoreP) P_s[e] = p;
-        dS_s[e] = p * (dp - delta_s[r]);
+        AccT s = dot<AccT, kHeadDim>(Q_s + r * L::kPitchD, K_s + c * L::kPitchD);
+        AccT dp = dot<AccT, kHeadDimV>(dO_s + r * L::kPitchDv, V_s + c * L::kPitchDv);
+        if constexpr (MaskExt<M>::value == 0) {
+            const AccT p = recompute_p(s, scale_log2, lse2_s[r],
+                                       mask.is_visible(r0 + r, c0 + c));
+            if (kStoreP) P_s[e] = p;
+            dS_s[e] = p * (dp - delta_s[r]);
+        } else {
+            AccT z = AccT(1);  // dropout's Z = keep / (1 − p)
+            if constexpr (flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value) z = drop.z(r0 + r, c0 + c);
+            ext_p_ds(s, dp, lse2_s[r], delta_s[r], z, scale_log2, mask, r0 + r, c0 + c);
+            if (kStoreP) P_s[e] = s;  // P ∘ Z
+            dS_s[e] = dp;
+        }
+        (void)drop;
     }
 }
 
@@ -103,7 +113,7 @@ using namespace fa_bwd;
 // query batch entries that share this K_j, V_j (MQA/GQA) are walked inside the block, so dK_j and
 // dV_j are summed over them in registers, in a fixed order.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
-          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ>
+          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ, int kExt = 0>
 __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -114,7 +124,7 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
     AccT* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g, long long dqa_row,
     OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
-    int Lq, int Lk, int D, int Dv, int nb2, int n_group, AccT scale) {
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, AccT scale, FLASH_EXT_PARAMS(AccT)) {
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
     static_assert(kNThreads % 32 == 0, "block must be whole warps");
@@ -136,12 +146,19 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
     const AccT scale_log2 = scale * flash::log2e_acc(AccT(0));
+    // Extensions (as in flash_bwd.cu): the entry's lengths Lq_b, Lk_b, the mask, dropout; without
+    // them Lq_b = Lq, Lk_b = Lk and the dense mask.
+    const flash::ExtArgs<AccT> ext = FLASH_EXT_ARGS(AccT);
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, AccT>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, AccT>::make(ext, b);
+    const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
     // -- prologue: K_j, V_j into shared memory, once.
     load_tile<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(
-        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
     load_tile<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(
-        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
 
     AccT dK_acc[kDKPerThread];  // dK_j (Bc x D), this thread's elements
     AccT dV_acc[kDVPerThread];  // dV_j (Bc x Dv), this thread's elements
@@ -150,29 +167,32 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
 #pragma unroll
     for (int n = 0; n < kDVPerThread; ++n) dV_acc[n] = AccT(0);
 
-    const Mask<kIsCausal> mask(Lq, Lk);
-    const int i_begin = mask.m_block_min(c0, kBlockM);  // causal: blocks above the diagonal skipped
-    const int Tr = (Lq + kBlockM - 1) / kBlockM;
+    int i_begin = mask.m_block_min(c0, kBlockM);  // causal: blocks above the diagonal skipped
+    int Tr = (Lq + kBlockM - 1) / kBlockM;
+    if constexpr (kExt != 0) {  // the query tiles that see K_j (window, lengths, block mask)
+        Tr = walk.end();
+        i_begin = walk.next(i_begin - 1, Tr);
+    }
     for (int g = 0; g < n_group; ++g) {
         const T* q_g0 = q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)g * q_g;
         const T* do_g0 = dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)g * do_g;
         const AccT* l_g0 = lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)g * l_g;
         const AccT* d_g0 = delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)g * d_g;
-        for (int i = i_begin; i < Tr; ++i) {
+        for (int i = i_begin; i < Tr; i = walk.next(i, Tr)) {  // i + 1 without a block mask
             const int r0 = i * kBlockM;
             // Barrier: every thread is done reading Q_s, dO_s, P_s, dS_s of the previous step.
             __syncthreads();
             load_tile<T, kBlockM, kHeadDim, L::kPitchD, kNThreads>(
-                Q_s, q_g0 + (long long)r0 * q_row, q_row, Lq - r0, D);
+                Q_s, q_g0 + (long long)r0 * q_row, q_row, Lq_b - r0, D);
             load_tile<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads>(
-                dO_s, do_g0 + (long long)r0 * do_row, do_row, Lq - r0, Dv);
-            load_row_stats<AccT, kBlockM, kNThreads>(lse2_s, delta_s, l_g0, d_g0, r0, Lq);
+                dO_s, do_g0 + (long long)r0 * do_row, do_row, Lq_b - r0, Dv);
+            load_row_stats<AccT, kBlockM, kNThreads>(lse2_s, delta_s, l_g0, d_g0, r0, Lq_b);
             // Barrier: Q_i, dO_i, L_i, D_i (and, first time, K_j, V_j) are in shared memory.
             __syncthreads();
 
             // -- P_ij and dS_ij = P_ij o (dO_i V_j^T - D_i)
-            compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, kIsCausal, true>(
-                Q_s, dO_s, K_s, V_s, lse2_s, delta_s, P_s, dS_s, r0, c0, mask, scale_log2);
+            compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, true>(
+                Q_s, dO_s, K_s, V_s, lse2_s, delta_s, P_s, dS_s, r0, c0, mask, drop, scale_log2);
             // Barrier: P_ij, dS_ij complete before they are read down their columns.
             __syncthreads();
 
@@ -234,7 +254,7 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
 // 2 of the backward's 5 matrix products a second time) and keeps dQ_i in registers. OutT is T,
 // or AccT when q is broadcast and dQ is summed over its broadcast dims afterwards.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
-          int kBlockN, int kNThreads, bool kIsCausal>
+          int kBlockN, int kNThreads, bool kIsCausal, int kExt = 0>
 __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dq_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -243,7 +263,7 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dq_simt_
     const AccT* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2,
     const AccT* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2,
     OutT* __restrict__ dq, long long dq_b0, long long dq_b1, long long dq_b2, long long dq_row,
-    int Lq, int Lk, int D, int Dv, int nb2, AccT scale) {
+    int Lq, int Lk, int D, int Dv, int nb2, AccT scale, FLASH_EXT_PARAMS(AccT)) {
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head dims are padded to multiples of 16");
     static_assert(kHeadDim <= 256 && kHeadDimV <= 256, "head dims up to 256");
     static_assert(kNThreads % 32 == 0, "block must be whole warps");
@@ -262,14 +282,20 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dq_simt_
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int r0 = (int)blockIdx.x * kBlockM;  // first row of Q_i
     const AccT scale_log2 = scale * flash::log2e_acc(AccT(0));
+    // Extensions (as in flash_bwd.cu): the entry's lengths Lq_b, Lk_b, the mask, dropout; without
+    // them Lq_b = Lq, Lk_b = Lk and the dense mask.
+    const flash::ExtArgs<AccT> ext = FLASH_EXT_ARGS(AccT);
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, AccT>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, AccT>::make(ext, b);
 
     // -- prologue: Q_i, dO_i, L_i, D_i into shared memory, once.
     load_tile<T, kBlockM, kHeadDim, L::kPitchD, kNThreads>(
-        Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq - r0, D);
+        Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)r0 * q_row, q_row, Lq_b - r0, D);
     load_tile<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads>(
-        dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq - r0, Dv);
+        dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)r0 * do_row, do_row, Lq_b - r0, Dv);
     load_row_stats<AccT, kBlockM, kNThreads>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}),
-                                             delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq);
+                                             delta + b.offset({d_b0, d_b1, d_b2, 0}), r0, Lq_b);
 
     AccT dQ_acc[kDQPerThread];  // dQ_i (Br x D), this thread's elements
 #pragma unroll
@@ -277,20 +303,23 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dq_simt_
 
     const T* k_b = k + b.offset({k_b0, k_b1, k_b2, k_row});
     const T* v_b = v + b.offset({v_b0, v_b1, v_b2, v_row});
-    const Mask<kIsCausal> mask(Lq, Lk);
     const int Tc = mask.n_block_max(r0, kBlockM, kBlockN);  // causal: blocks right of the diagonal skipped
-    for (int j = 0; j < Tc; ++j) {
+    // Extensions: key tiles from the window's left edge, all-False block-mask tiles skipped.
+    const flash::KeyTileWalk<kIsCausal, kExt, AccT> walk{mask, r0, kBlockM, kBlockN, 0};
+    int j_first = 0;
+    if constexpr (kExt != 0) j_first = walk.next(mask.n_block_min(r0, kBlockN) - 1, Tc);
+    for (int j = j_first; j < Tc; j = walk.next(j, Tc)) {  // j + 1 without a block mask
         const int c0 = j * kBlockN;
         // Barrier: every thread is done reading K_s and dS_s of the previous key block.
         __syncthreads();
-        load_tile<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(K_s, k_b + (long long)c0 * k_row, k_row, Lk - c0, D);
-        load_tile<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(V_s, v_b + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        load_tile<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(K_s, k_b + (long long)c0 * k_row, k_row, Lk_b - c0, D);
+        load_tile<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(V_s, v_b + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
         // Barrier: K_j, V_j (and, first time, Q_i, dO_i, L_i, D_i) are in shared memory.
         __syncthreads();
 
         // -- dS_ij = P_ij o (dO_i V_j^T - D_i)
-        compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, kIsCausal, false>(
-            Q_s, dO_s, K_s, V_s, lse2_s, delta_s, nullptr, dS_s, r0, c0, mask, scale_log2);
+        compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, false>(
+            Q_s, dO_s, K_s, V_s, lse2_s, delta_s, nullptr, dS_s, r0, c0, mask, drop, scale_log2);
         // Barrier: dS_ij complete before it is read along its rows by other threads.
         __syncthreads();
 

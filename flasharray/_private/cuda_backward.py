@@ -29,6 +29,12 @@ from . import launch
 from . import tiles_bwd as tiles
 from .dtypes import accumulation_dtype, bfloat16, canonical_dtype
 
+def _fwd():
+    """cuda_forward (imported late: it imports this module's neighbours)."""
+    from . import cuda_forward
+    return cuda_forward
+
+
 _CTYPE = {np.dtype(np.float16): "fa_half", bfloat16: "fa_bf16",
           np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _MAX_GRID_DIMS = 3
@@ -122,43 +128,46 @@ def default_kernel(dtype, arch):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True, stages=None):
+                acc_dq=False, vec=True, stages=None, ext=0):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic) or ``convert`` (atomic mode).
     ``kernel``: "tc" or "simt" (default: :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
-    streamed tiles (default: the tile table's choice). Also used by the static checks.
+    streamed tiles (default: the tile table's choice); ``ext``: the kernels' ``kExt`` bits
+    (``cuda_forward.EXT_BITS``; 0: the dense instantiations, whose names carry no kExt). Also used
+    by the static checks.
     """
     dtype = canonical_dtype(dtype)
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
+    x = ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     out_kv = A if acc_dkv else T
     out_q = A if acc_dq else T
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, _b(not deterministic)), None)}
     if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages)
-        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d>" % (
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=bool(ext))
+        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
-            _b(not deterministic), _b(vec), t_kv.stages), t_kv)
+            _b(not deterministic), _b(vec), t_kv.stages, x), t_kv)
         if deterministic:
             t_q = tiles.tc_tiles("dq", D, Dv, arch, stages)
-            plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d>" % (
+            plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d%s" % (
                 T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec),
-                t_q.stages), t_q)
+                t_q.stages, x), t_q)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
-        plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+        plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
             T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, _b(causal),
-            _b(not deterministic)), t_kv)
+            _b(not deterministic), x), t_kv)
         if deterministic:
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
-            plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s>" % (
-                T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal)), t_q)
+            plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s%s" % (
+                T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal), x), t_q)
     if not deterministic and kernel == "tc":
         # The padded, fragment-ordered accumulator (DQAccumLayout) -> dQ (or AccT partial sums when
         # q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
@@ -202,13 +211,18 @@ class BackwardPlan:
     """
 
     def __init__(self, dout, q, k, v, out, lse, *, causal, scale, batch_shape, launcher, deterministic,
-                 arch=None, kernel=None, stages=None):
+                 arch=None, kernel=None, stages=None, ext=None):
         self.launcher, self.xp = launcher, launcher.xp()
         self.dtype = dtype = canonical_dtype(q.dtype)
         self.acc = acc = accumulation_dtype(dtype)
         arch = tiles.arch_number(arch) if arch is not None else launcher.arch
         self.kernel = _kernel_choice(dtype, arch, kernel)
         self.batch_shape = tuple(int(b) for b in batch_shape)
+        # Extensions (docs/extensions.md): the forward's _ExtPlan (kExt bits, stand-ins walked with
+        # the batch, the argument tail, per-call arrays and seed/offset); None for a dense plan.
+        self.ext = None
+        if _fwd().ext_bits(ext):
+            self.ext = _fwd()._ExtPlan(ext, q, k, self.batch_shape, scale, launcher)
         self.shapes = {n: tuple(a.shape) for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
         # inputs: copied per call when the last axis is not contiguous (lse also cast to AccT)
         self.copy = {n: launch.kernel_ready(a) is not a for n, a in zip(_INPUTS[:5], (dout, q, k, v, out))}
@@ -251,7 +265,10 @@ class BackwardPlan:
         scratch = [n for n in self.buffers if n not in kept and (n in used or n in returned)]
         self.allocations = tuple(_carving(self.buffers, group, returned) for group in (kept, scratch) if group)
         order = kept + scratch
-        self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + tuple(order))
+        slots = () if self.ext is None else tuple(sorted(_fwd().EXT_SLOTS.values()))
+        self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + tuple(order) + slots)
+        # Per-call scalars of an extension plan (dropout's seed, offset): constants set before a replay.
+        self.values = tuple((i, c.name) for i, c in enumerate(self.replay.consts) if isinstance(c, _fwd().Val))
         self.grads = operator.itemgetter(*[order.index(n) for n in returned])  # -> (dq, dk, dv)
         self.reductions = tuple(reductions.get(n) for n in returned)
         self.reduce = bool(reductions)
@@ -265,7 +282,7 @@ class BackwardPlan:
         if deterministic:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel == "tc":  # padded rows and head dim (DQAccumLayout)
-            t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages)
+            t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv), tiles.pad_head_dim(D)), acc)
         else:
             bufs["dqacc"] = (full + (Lq, D), acc)
@@ -275,6 +292,10 @@ class BackwardPlan:
         bufs["dq"] = (full + (Lq, D), acc) if self.q_bcast else (t["q"].shape, dtype)
         qside = dict(t, **{n: launch.stand_in(*bufs[n]) for n in ("delta", "dqacc")})
         self.group, self.grid_b = _group_dims(qside, full, dims)
+        if self.ext is not None:
+            # Extensions are per query batch entry (slopes, block mask, dropout's bh): no group walked
+            # inside the dK/dV block; broadcast K/V get AccT partial sums reduced afterwards.
+            self.group, self.grid_b = ({n: 0 for n in ("q", "dout", "lse", "delta", "dqacc")}, 1), dims
         self.partial = any(t["k"].shape[i] == 1 or t["v"].shape[i] == 1 for i in self.grid_b)
         if self.partial:
             kshape = tuple(full[i] if i in self.grid_b else 1 for i in range(nb))
@@ -292,11 +313,12 @@ class BackwardPlan:
         q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
         D, Dv = q.shape[-1], v.shape[-1]
         dims = [i for i in range(nb) if full[i] > 1]
-        names_a = ["q", "k", "v", "dout", "out", "lse", "delta", "dq"] + ([] if deterministic else ["dqacc"])
+        t, ext_names = self._ext_stand_ins(t)
+        names_a = ["q", "k", "v", "dout", "out", "lse", "delta", "dq"] + ([] if deterministic else ["dqacc"]) + ext_names
         sizes_a, strides_a = _merge([full[i] for i in dims],
                                     {n: [_batch_strides(t[n], nb)[i] for i in dims] for n in names_a})
         qside = ("q", "dout", "lse", "delta", "dqacc")
-        names_b = qside + ("k", "v", "dk", "dv")
+        names_b = qside + ("k", "v", "dk", "dv") + tuple(ext_names)
         sizes_b, strides_b = _merge([full[i] for i in self.grid_b],
                                     {n: [_batch_strides(t[n], nb)[i] if t[n].ndim > 1 else 0 for i in self.grid_b]
                                      for n in names_b})
@@ -305,23 +327,78 @@ class BackwardPlan:
             and all(_rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
             and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
-                         kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages)
+                         kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
+                         ext=0 if self.ext is None else self.ext.bits)
         ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
                       unused)
+        ctx.tail = self._ext_tail(ext_names)
         plans_a = _launch_plans(sizes_a, strides_a)
         ctx.preprocess(plans_a)
         ctx.dkv(_launch_plans(sizes_b, strides_b), self.group)
         ctx.dq(plans_a)
 
-    def run(self, dout, q, k, v, out, lse, counters=None):
+    def _ext_stand_ins(self, t):
+        """``t`` with the extensions' stand-ins walked with the batch (the entry index of seqlens,
+        then cuda_forward._ExtPlan's: ALiBi slopes, block mask, dropout's flat batch index), and
+        their names."""
+        if self.ext is None:
+            return t, []
+        nb = len(self.batch_shape)
+        names = ["ext_entry"] + ["ext_%d" % i for i in range(len(self.ext.stand_ins))]
+        entry = (launch.stand_in((self.batch_shape[0],) + (1,) * (nb - 1), np.int32, (4,) + (0,) * (nb - 1))
+                 if nb else launch.stand_in((), np.int32))
+        return dict(t, **dict(zip(names, [entry] + list(self.ext.stand_ins)))), names
+
+    def _ext_tail(self, ext_names):
+        """``tail(offsets, strides3)``: the FLASH_EXT_PARAMS(AccT) arguments of one dK/dV or dQ launch
+        (tensor cores: float; SIMT: the dtype's AccT): zeros and never-read arrays for a dense plan."""
+        if self.ext is None:
+            dense = _fwd()._dense_ext_args(self, self.launcher)
+            return lambda off, st: dense
+        ext = self.ext
+
+        def tail(off, st):
+            parts = [(off.get(n, 0), st[n]) for n in ext_names[1:]]
+            return ext.args(off.get("ext_entry", 0), st["ext_entry"], parts)
+        return tail
+
+    def run(self, dout, q, k, v, out, lse, counters=None, ext=None):
         """``(dq, dk, dv)`` for arrays of the planned signature (``counters``: the emulator's
-        ``(kernel name, counters)`` per launch are appended)."""
+        ``(kernel name, counters)`` per launch are appended; ``ext``: the call's
+        :class:`~flasharray._private.extensions.Extensions`, required by a plan made with them:
+        its seed, offset and arrays are taken here)."""
+        if ext is not None or self.ext is not None:
+            return self._run_ext(dout, q, k, v, out, lse, counters, ext)
         launcher = self.launcher
         if self.copies:
             dout, q, k, v, out, lse = self._copy_inputs([dout, q, k, v, out, lse])
         handle = launcher.handle
         arrays, handles = launcher.carve(self.allocations)
         self.replay([handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)] + handles, counters)
+        if self.reduce:
+            return tuple(g if r is None else _reduce(g, *r, self.dtype)
+                         for g, r in zip(self.grads(arrays), self.reductions))
+        return self.grads(arrays)
+
+    def _run_ext(self, dout, q, k, v, out, lse, counters, ext):
+        """:meth:`run` of a plan with extensions: the call's arrays (slots 9-12 of
+        cuda_forward.EXT_SLOTS) and dropout's seed and offset bound."""
+        if not _fwd().ext_bits(ext):
+            ext = None
+        if self.ext is None or ext is None or ext.static_key() != self.ext.key:
+            raise ValueError("flasharray: this backward plan was made for other extensions (%r), got %r"
+                             % (self.ext and self.ext.features, ext))
+        launcher = self.launcher
+        if self.copies:
+            dout, q, k, v, out, lse = self._copy_inputs([dout, q, k, v, out, lse])
+        handle = launcher.handle
+        values = self.ext.values(ext)
+        for i, name in self.values:
+            self.replay.consts[i] = values[name]
+        arrays, handles = launcher.carve(self.allocations)
+        extra = [handle(a) if a is not None else None for a in self.ext.arrays(ext)]
+        self.replay([handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)] + handles + extra,
+                    counters)
         if self.reduce:
             return tuple(g if r is None else _reduce(g, *r, self.dtype)
                          for g, r in zip(self.grads(arrays), self.reductions))
@@ -427,7 +504,8 @@ class _Passes:
                  *self._arg("lse", off, sb, group=gs["lse"], row=False),
                  *self._arg("delta", off, sb, group=gs["delta"], row=False), *dqa,
                  *self._arg("dk", off, sb), *self._arg("dv", off, sb),
-                 i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(mb2), i32(n_group), self.scale_arg],
+                 i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(mb2), i32(n_group), self.scale_arg,
+                 *self.tail(off, sb)],
                 t_kv.smem)
 
     def dq(self, plans_a):
@@ -441,7 +519,8 @@ class _Passes:
                     [*self._arg("q", off, sa), *self._arg("k", off, sa), *self._arg("v", off, sa),
                      *self._arg("dout", off, sa), *self._arg("lse", off, sa, row=False),
                      *self._arg("delta", off, sa, row=False), *self._arg("dq", off, sa),
-                     i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(nb2), self.scale_arg],
+                     i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(nb2), self.scale_arg,
+                     *self.tail(off, sa)],
                     t_q.smem)
             elif self.kernel == "tc":  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
                 src, name, _ = self.ks["convert"]
@@ -462,20 +541,24 @@ launch._on_reload.append(_PLANS.clear)
 
 
 def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, arch=None,
-         kernel=None, stages=None, schedule="forward", seed=0):
-    """The cached :class:`BackwardPlan` for this signature (made on first use)."""
-    from .cuda_forward import cached, signature
+         kernel=None, stages=None, schedule="forward", seed=0, ext=None):
+    """The cached :class:`BackwardPlan` for this signature (made on first use). ``ext``: an
+    :class:`~flasharray._private.extensions.Extensions` or None; the plan keys on its
+    ``static_key()`` only (seed, offset and the arrays are taken by :meth:`BackwardPlan.run`)."""
+    from .cuda_forward import cached, ext_bits, signature
+    if not ext_bits(ext):
+        ext = None
     launcher = launch.make_launcher(device, schedule=schedule, seed=seed,
                                     arch=arch if device == "emulator" else None)
     key = signature((dout, q, k, v, out, lse),
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
-                     arch, kernel, stages, launch.MAX_GRID_YZ))
+                     arch, kernel, stages, launch.MAX_GRID_YZ, None if ext is None else ext.static_key()))
     return cached(_PLANS, key, lambda: BackwardPlan(
         dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, launcher=launcher,
-        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages))
+        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext))
 
 
-def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True,
+def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, ext=None,
              **opts):
     """Gradients of FlashAttention by the CUDA backward kernels.
 
@@ -502,6 +585,9 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         tensor cores for fp16/bf16), ``stages`` (1 or 2: force single- or double-buffered
         streamed tiles in the tensor-core kernels), ``return_counters`` (emulator: also return the list of
         ``(kernel name, counters)`` of every launch).
+    ext : Extensions or None
+        The extension keywords of the call (docs/extensions.md), the forward's values; None: the
+        dense kernels. Every feature on the tensor-core and the SIMT kernels.
 
     Returns
     -------
@@ -517,9 +603,9 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         raise ValueError("flasharray.cuda_backward: device must be 'cuda' or 'emulator', got %r" % (device,))
     return_counters = opts.pop("return_counters", False)
     p = plan(dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, device=device,
-             deterministic=deterministic, **opts)
+             deterministic=deterministic, ext=ext, **opts)
     counters = [] if return_counters else None
-    grads = p.run(dout, q, k, v, out, lse, counters)
+    grads = p.run(dout, q, k, v, out, lse, counters, ext=ext)
     return grads + (counters,) if return_counters else grads
 
 

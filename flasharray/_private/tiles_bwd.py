@@ -129,12 +129,14 @@ def tc_split(kernel, D, Dv, Br, Bc, warps):
     return tuple(splits)
 
 
-def tc_tiles(kernel, D, Dv, arch, stages=None):
+def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
     """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq").
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
     copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
-    forces one of them.
+    forces one of them. ``ext``: the kernels carry extensions (kExt != 0); the dK/dV kernel then
+    takes no Bc = 128 tile (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys holding
+    its whole score strip in registers, spilled 4-16 bytes on sm_80).
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
@@ -145,6 +147,8 @@ def tc_tiles(kernel, D, Dv, arch, stages=None):
             # The block's own rows are the tile it keeps on chip (K_j, V_j for dK/dV; Q_i, dO_i
             # for dQ); the larger side goes there: each extra row saves a re-read of the other.
             Bc, Br = (big, small) if kernel == "dkv" else (small, big)
+            if ext and kernel == "dkv" and Bc > 64:
+                continue
             splits = tc_split(kernel, D, Dv, Br, Bc, warps)
             if splits is None:
                 continue

@@ -1,0 +1,134 @@
+// flash_bwd_ext.cuh — the extensions of docs/extensions.md in the backward's tensor-core kernels.
+//
+// The forward's pieces are reused as they are: ExtArgs (the FLASH_EXT_PARAMS argument tail),
+// Mask<Is_causal, kExt, float> (lengths, window, block mask, softcap, ALiBi: score(), is_visible(),
+// the tile ranges) and DropoutRng. What is backward-only lives here:
+//   ext_p_ds        one element's P and dS with the score transform, the softcap's 1 − tanh² and
+//                   the dropout factor Z = keep / (1 − p);
+//   BwdDropout      the entry's generator (an empty struct without kExtDropout);
+//   dropout_bits_t  the keep bits of a 16-key x kW-query strip of the dK/dV kernel (S^T layout:
+//                   rows are keys, so the forward's dropout_mma, whose rows are queries, does not
+//                   apply): one Philox call per lane per pair of n8 tiles, like the forward;
+//   QueryTileWalk   the query tiles the dK/dV kernel visits for one key tile (the key tile is the
+//                   outer loop there): window / causal band, seqlens, block-mask skips.
+// With kExt = 0 none of it is instantiated: the dense kernels keep their code.
+#pragma once
+#include "fa_port.cuh"
+#include "flash_bwd_common.cuh"
+#include "flash_ext.cuh"
+#include "flash_fwd_tiles.cuh"  // dropout_mma (the dQ kernel's layout is the forward's), KeyTileWalk
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+
+namespace fa_bwd {
+
+using flash::ExtArgs;  // FLASH_EXT_ARGS names it unqualified
+
+// The kExt of a Mask type.
+template <class M> struct MaskExt;
+template <bool C, int E, typename A> struct MaskExt<flash::Mask<C, E, A>> { static constexpr int value = E; };
+
+// One element (query row, key col) of the backward with extensions: s is the unscaled score q·k and
+// dp = dO_i · v_j on entry; on return s = P·Z (the factor of dV_j += (P∘Z)^T dO_i) and dp = dS =
+// P ∘ (dP ∘ Z − D_i) ∘ (1 − tanh²). P = exp(score − L_i) with the forward's score (softcap, then
+// ALiBi): lse2 = L_i·log2 e (tensor cores: +inf for rows that see no key or lie past Lq_b, so P = 0;
+// SIMT: −inf there, tested). z = Z (1 without dropout: folded away).
+template <class M, typename AccT>
+__device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delta, AccT z, AccT scale_log2,
+                                         const M& mask, int row, int col) {
+    const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
+    const AccT p = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
+    AccT ds = p * (dp * z - delta);
+    if constexpr (M::kSoftcap) {
+        // d(softcap·tanh(s / softcap)) / ds = 1 − tanh², tanh recomputed from the raw score.
+        const AccT th = mask.cap(s) * mask.inv_softcap;
+        ds *= AccT(1) - th * th;
+    }
+    dp = ds;
+    s = p * z;
+}
+
+// Dropout's state of one block: nothing without kExtDropout.
+template <bool kOn, typename AccT = float>
+struct BwdDropout {
+    __device__ __forceinline__ static BwdDropout make(const flash::ExtArgs<AccT>& a, const BatchIndex& b) {
+        (void)a; (void)b;
+        return {};
+    }
+};
+template <typename AccT>
+struct BwdDropout<true, AccT> {
+    flash::DropoutRng rng;
+    AccT scale;  // 1 / (1 − p)
+    __device__ __forceinline__ static BwdDropout make(const flash::ExtArgs<AccT>& a, const BatchIndex& b) {
+        return {a.dropout(b), a.dropout_scale};
+    }
+    // Z of one element (one Philox call: the SIMT kernels).
+    __device__ __forceinline__ AccT z(int row, int col) const {
+        return flash::dropout_keep(rng, row, col) ? scale : AccT(0);
+    }
+};
+
+// Keep bits of the dK/dV kernel's strip: keys k_first .. + 15 (rows of S^T, k_first a multiple of
+// 16) by queries q_first .. + kW − 1 (columns). keep[nt] bit e: element e of n8 tile nt in the C
+// layout (key k_first + g + 8 (e / 2), query q_first + 8 nt + 2t + e % 2). One Philox call covers
+// one query and 8 keys; per pair of n8 tiles (16 queries x 2 key octets = 32 calls) lane L makes
+// the call of query 16 np + L / 2 and octet L % 2, the even lanes gather both octets' bytes (one
+// shuffle), and each lane fetches the four words of its two queries x two tiles (four shuffles).
+template <int kW>
+__device__ __forceinline__ void dropout_bits_t(uint32_t (&keep)[kW / 8], const flash::DropoutRng& rng, int q_first,
+                                               int k_first, int lane) {
+    static_assert(kW % 16 == 0, "dropout_bits_t pairs the n8 tiles of the strip");
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int np = 0; np < kW / 16; ++np) {
+        const flash::Philox4 r = rng.row8(q_first + 16 * np + (lane >> 1), (k_first >> 3) + (lane & 1));
+        uint32_t byte = 0;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) byte |= static_cast<uint32_t>(rng.keep(r, c)) << c;
+        // Even lanes: keys 0-7 of the strip in bits 0-7, keys 8-15 in bits 8-15.
+        const uint32_t both = byte | (__shfl_xor_sync(0xffffffffu, byte, 1) << 8);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            uint32_t k = 0;
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {  // query 2t + a of tile 2 np + s: lane 16 s + 2 (2t + a)
+                const uint32_t w = __shfl_sync(0xffffffffu, both, 16 * s + 4 * t + 2 * a);
+                k |= ((w >> g) & 1u) << a | ((w >> (g + 8)) & 1u) << (2 + a);
+            }
+            keep[2 * np + s] = k;
+        }
+    }
+}
+
+// The query tiles (height Br) the dK/dV kernel visits for the key tile [n0, n0 + Bc): from the first
+// whose rows reach the tile (causal / window right edge) to one past the last (window left edge,
+// the entry's Lq), none when the tile starts at or past the entry's Lk; next() skips tiles whose
+// block-mask blocks are all False (never loaded).
+template <class M>
+struct QueryTileWalk {
+    const M& mask;
+    int n0, Br, Bc;
+
+    __device__ __forceinline__ int end() const {
+        if (n0 >= mask.Lk) return 0;
+        return mask.m_block_max(flash::imin(n0 + Bc, mask.Lk), Br);
+    }
+    __device__ __forceinline__ int next(int i, int hi) const {
+        ++i;
+        if constexpr (M::kBlockMask)
+            while (i < hi && mask.block_cover(i * Br, n0, Br, Bc) == flash::kCoverNone) ++i;
+        return i;
+    }
+    // Tiles next() visits in [lo, hi) (lo itself visited).
+    __device__ __forceinline__ int count(int lo, int hi) const {
+        if constexpr (M::kBlockMask) {
+            int n = 0;
+            for (int i = lo; i < hi; i = next(i, hi)) ++n;
+            return n;
+        }
+        return hi > lo ? hi - lo : 0;
+    }
+};
+
+}  // namespace fa_bwd

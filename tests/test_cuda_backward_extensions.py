@@ -1,0 +1,215 @@
+"""The extensions of docs/extensions.md in the CUDA backward kernels (flash_bwd.cu).
+
+Every case runs the forward and the backward kernels on the CPU emulator through the public API
+(``flash_attention_vjp(..., backend="emulator", <keywords>)``; marked ``gpu``, the same bodies on a
+GPU through CuPy) and checks out, dq, dk, dv with the DESIGN.md rule against
+``flasharray.reference.attention_backward`` given the same keywords (``testing.check_attention``:
+with dropout the reference applies the same Philox mask).
+
+Default run: every feature alone and in pairs on the tensor-core kernels (fp16 / bf16),
+deterministic and atomic dQ, awkward sizes (Lq != Lk both ways, not multiples of the tiles), fully
+masked rows and empty entries (seqlens 0), GQA broadcasting, one plan for many seeds / offsets /
+arrays, block-mask tiles never loaded (emulator byte counters); the SIMT kernels (fp32 / fp64, bf16
+on sm_75) with pairs of features. ``-m slow``: every pair of features x causal x mode.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray import testing as fa_testing
+from flasharray._private import cuda_backward, extensions
+from flasharray._private.dtypes import bfloat16
+from flasharray._private.extensions import Extensions
+
+from conftest import gpu_available
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
+DTYPES = {"fp16": np.float16, "bf16": bfloat16, "fp32": np.float32, "fp64": np.float64}
+
+
+def features(B, H, Lq, Lk, rng, block_size=(16, 32)):
+    """One value of each extension keyword for a (B, H) batch (seqlens leave entries short,
+    the block mask is random with one all-False query-tile row)."""
+    bq, bk = block_size
+    bm = rng.random((B, H, -(-Lq // bq), -(-Lk // bk))) < 0.6
+    bm[0, 0, 0, :] = False  # rows of the first block see nothing
+    return {
+        "window": dict(window=(9, 4)),
+        "alibi": dict(alibi_slopes=rng.uniform(0.1, 0.9, H).astype(np.float32)),
+        "softcap": dict(softcap=2.5),
+        "seqlens": dict(seqlens_q=np.array([Lq, max(Lq - 13, 1)][:B], np.int32),
+                        seqlens_k=np.array([max(Lk - 20, 1), Lk][:B], np.int32)),
+        "block_mask": dict(block_mask=bm, block_size=block_size),
+        "dropout": dict(dropout_p=0.25, seed=1234567890123, offset=5),
+    }
+
+
+def run_case(xp, dtype, kw, *, causal=False, deterministic=True, B=2, H=2, Hk=2, Lq=37, Lk=53, D=16, seed=0):
+    """Forward + backward through the public API on ``xp`` arrays; checked against the reference."""
+    rng = np.random.default_rng(seed)
+    backend = "emulator" if xp is np else "cuda"
+    q = rng.standard_normal((B, H, Lq, D)).astype(dtype)
+    k = rng.standard_normal((B, Hk, Lk, D)).astype(dtype)
+    v = rng.standard_normal((B, Hk, Lk, D)).astype(dtype)
+    dout = rng.standard_normal((B, H, Lq, D)).astype(dtype)
+    dev = {n: (xp.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+    out, vjp = fa.flash_attention_vjp(*(xp.asarray(a) for a in (q, k, v)), causal=causal, backend=backend,
+                                      deterministic=deterministic, **dev)
+    grads = vjp(xp.asarray(dout))
+    report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
+    assert report.passed, str(report)
+    return grads
+
+
+def kw_of(names, B=2, H=2, Lq=37, Lk=53, seed=1):
+    all_kw = features(B, H, Lq, Lk, np.random.default_rng(seed))
+    out = {}
+    for n in names:
+        out.update(all_kw[n])
+    return out
+
+
+SINGLE = [(f, "fp16", False, True) for f in ("window", "alibi", "softcap", "seqlens", "block_mask", "dropout")]
+PAIRS = [
+    (("dropout",), "fp16", True, False),                 # dropout + causal, atomic
+    (("window", "alibi"), "bf16", False, True),
+    (("softcap", "seqlens"), "fp16", False, False),
+    (("block_mask",), "bf16", True, False),               # block mask + causal, atomic
+    (("dropout", "block_mask"), "fp16", False, True),
+    (("window", "seqlens"), "bf16", True, True),
+    (("alibi", "softcap", "dropout"), "fp16", True, True),
+]
+
+
+def _id(case):
+    names, dt, causal, det = case
+    names = (names,) if isinstance(names, str) else names
+    return "%s-%s%s-%s" % ("+".join(names), dt, "-causal" if causal else "", "det" if det else "atomic")
+
+
+@pytest.mark.parametrize("case", SINGLE + PAIRS, ids=_id)
+def test_backward_extension(case):
+    names, dt, causal, det = case
+    names = (names,) if isinstance(names, str) else names
+    run_case(np, DTYPES[dt], kw_of(names), causal=causal, deterministic=det)
+
+
+@pytest.mark.parametrize("det", [True, False], ids=["det", "atomic"])
+def test_gqa_and_lq_above_lk(det):
+    """K/V broadcast over the query heads (partial sums reduced), Lq > Lk, window + ALiBi + dropout."""
+    kw = kw_of(("window", "alibi", "dropout"), H=4, Lq=70, Lk=29)
+    run_case(np, np.float16, kw, causal=True, deterministic=det, H=4, Hk=1, Lq=70, Lk=29)
+
+
+def test_fully_masked_rows_and_empty_entries():
+    """seqlens 0 for one entry's queries and another's keys; a window that leaves rows with no key:
+    their gradients are exactly zero."""
+    kw = dict(seqlens_q=np.array([0, 21], np.int32), seqlens_k=np.array([40, 0], np.int32), window=(0, 0))
+    dq, dk, dv = run_case(np, np.float16, kw, causal=True, Lq=37, Lk=53)
+    assert not dq[0].any() and not dk[0, :, 40:].any() and not dv[0, :, 40:].any()
+    assert not dq[1].any() and not dk[1].any() and not dv[1].any()
+
+
+def test_one_plan_many_calls():
+    """One plan (keyed on the static part) serves new seeds, offsets and array contents."""
+    rng = np.random.default_rng(3)
+    B, H, Lq, Lk, D = 1, 2, 24, 40, 16
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float16) for s in
+                     [(B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D), (B, H, Lq, D)])
+    for seed, offset, slopes in ((1, 0, [0.2, 0.5]), (2**40 + 5, 9, [0.7, 0.1])):
+        kw = dict(dropout_p=0.5, seed=seed, offset=offset, alibi_slopes=np.array(slopes, np.float32))
+        out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **kw)
+        n = len(cuda_backward._PLANS)
+        grads = fa.flash_attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
+        report = fa_testing.check_attention(out, q, k, v, dout=dout, grads=grads, **kw)
+        assert report.passed, str(report)
+    assert len(cuda_backward._PLANS) == n  # the second call planned nothing new
+
+
+def test_block_mask_tiles_never_loaded():
+    """The dK/dV kernel reads Q_i, dO_i only for the query tiles whose blocks are not all False, and
+    the dQ kernel K_j, V_j only for such key tiles (emulator byte counters)."""
+    rng = np.random.default_rng(4)
+    B, H, L, D = 1, 1, 256, 64
+    q, k, v, dout = (rng.standard_normal((B, H, L, D)).astype(np.float16) for _ in range(4))
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
+    tiles = {n: t for n, (_, _, t) in cuda_backward.kernel_plan(np.float16, D, D, causal=False, deterministic=True,
+                                                                 arch=80, ext=8).items() if t is not None}
+    reads = {}
+    for name, mask in (("full", np.ones((1, 1, 2, 2), bool)), ("diag", np.eye(2, dtype=bool)[None, None])):
+        ext = Extensions(block_mask=mask, block_size=(128, 128))
+        *_, counters = cuda_backward.backward(dout, q, k, v, out, lse, causal=False, scale=D ** -0.5,
+                                              batch_shape=(B, H), device="emulator", ext=ext,
+                                              return_counters=True)
+        c = {n.split("<")[0]: c for n, c in counters}
+        # Q (argument 0) in the dK/dV kernel, K (argument 5) in the dQ kernel: the streamed tiles
+        reads[name] = (c["flash_bwd_dkv_kernel"].buffers[0].read_bytes, c["flash_bwd_dq_kernel"].buffers[5].read_bytes)
+    full_q = (L // tiles["dkv"].block_n) * L * D * 2  # every key tile reads all of Q
+    full_k = (L // tiles["dq"].block_m) * L * D * 2   # every query tile reads all of K
+    assert reads["full"] == (full_q, full_k)
+    assert reads["diag"] == (full_q // 2, full_k // 2)  # half of the tile pairs: never loaded
+
+
+SIMT = [(("window", "alibi"), "fp32", True, True), (("softcap", "dropout"), "fp64", False, False),
+        (("seqlens", "block_mask"), "fp32", False, False), (("dropout", "seqlens"), "fp64", True, True)]
+
+
+@pytest.mark.parametrize("case", SIMT, ids=_id)
+def test_backward_extension_simt(case):
+    """The SIMT kernels (fp32 / fp64): pairs of features, both dQ modes."""
+    names, dt, causal, det = case
+    run_case(np, DTYPES[dt], kw_of(names, Lq=21, Lk=30), causal=causal, deterministic=det, Lq=21, Lk=30, D=16)
+
+
+def test_backward_extension_simt_bf16_sm75():
+    """bf16 on sm_75 runs the SIMT kernels (no bf16 tensor cores there)."""
+    kw = kw_of(("alibi", "dropout", "window"), Lq=21, Lk=30)
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (rng.standard_normal((2, 2, L, 16)).astype(bfloat16) for L in (21, 30, 30, 21))
+    opts = dict(causal=True, scale=0.25)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **opts, **kw)
+    ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, 2), Lq=21, Lk=30, acc=np.dtype(np.float32))
+    grads = cuda_backward.backward(dout, q, k, v, out, lse, **opts, batch_shape=(2, 2), device="emulator",
+                                   arch="sm_75", ext=ext)
+    p = cuda_backward.plan(dout, q, k, v, out, lse, **opts, batch_shape=(2, 2), device="emulator", arch="sm_75",
+                           ext=ext)
+    assert all("simt" in n for n in p.replay.names if "dkv" in n or "_dq_" in n)
+    report = fa_testing.check_attention(out, q, k, v, dout=dout, grads=grads, **opts, **kw)
+    assert report.passed, str(report)
+
+
+def test_dense_plan_has_no_ext():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 1, 16, 16)).astype(np.float16)
+    out, lse = fa.flash_attention_forward(q, q, q, backend="emulator")
+    p = cuda_backward.plan(out, q, q, q, out, lse, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator")
+    dense = {cuda_backward.kernel_plan(np.float16, 16, 16, causal=False, deterministic=True, arch=80, vec=vec)[r][1]
+             for vec in (True, False) for r in ("dkv", "dq")}
+    assert p.ext is None and len(dense & set(p.replay.names)) == 2  # the dense names, no kExt
+    p2 = cuda_backward.plan(out, q, q, q, out, lse, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator",
+                            ext=Extensions())
+    assert p2 is p  # an Extensions with no feature is the dense plan
+
+
+ALL_PAIRS = [(pair, dt, causal, det) for pair in itertools.combinations(
+    ("window", "alibi", "softcap", "seqlens", "block_mask", "dropout"), 2)
+    for dt in ("fp16", "bf16") for causal in (False, True) for det in (True, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ALL_PAIRS, ids=_id)
+def test_backward_extension_pairs_slow(case):
+    names, dt, causal, det = case
+    run_case(np, DTYPES[dt], kw_of(names, Lq=70, Lk=45), causal=causal, deterministic=det, Lq=70, Lk=45, D=40)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", SINGLE + PAIRS, ids=_id)
+def test_backward_extension_gpu(case):
+    import cupy
+    names, dt, causal, det = case
+    names = (names,) if isinstance(names, str) else names
+    run_case(cupy, DTYPES[dt], kw_of(names), causal=causal, deterministic=det)

@@ -1,0 +1,65 @@
+"""Static checks of the backward kernels with extensions (kExt != 0) with NVRTC (no GPU).
+
+Tensor cores and SIMT (fp16, bf16, fp32, fp64 with each arch's kernel choice) x head dim {64, 128, 256} x causal, deterministic (dK/dV + dQ kernels) and
+atomic (dK/dV with atomic dQ), with all six extension bits (the heaviest variant) compiles with
+``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
+register file. Default: sm_75 and sm_80, all bits; ``-m slow``: sm_86, sm_89, sm_90 too, and dropout
+alone / the score-only bits (window | ALiBi | softcap).
+"""
+import pytest
+
+from flasharray._private import cuda_backward, cuda_forward, launch, nvrtc
+from conftest import requires_nvrtc
+
+REGISTER_FILE = 64 * 1024
+ALL = sum(cuda_forward.EXT_BITS.values())
+SCORE_ONLY = cuda_forward.EXT_BITS["window"] | cuda_forward.EXT_BITS["alibi"] | cuda_forward.EXT_BITS["softcap"]
+
+pytestmark = requires_nvrtc
+
+
+def instantiations(arch, variants):
+    """{source: {name_expression: BwdTiles}} of the backward's extension variants."""
+    found = {}
+    for dt in ("float16", "bfloat16", "float32", "float64"):  # bf16 on sm_75: the SIMT kernels
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                for det in (True, False):
+                    for bits in variants:
+                        plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=det, arch=arch,
+                                                         ext=bits)
+                        for role in ("dkv", "dq"):
+                            if role in plan:
+                                source, name, t = plan[role]
+                                found.setdefault(source, {})[name] = t
+    return found
+
+
+def _check_arch(arch, variants):
+    rows, problems = [], []
+    for source, items in instantiations(arch, variants).items():
+        res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
+                                  options=["--use_fast_math"])
+        for name, t in sorted(items.items()):
+            k = res.kernel(name)
+            rows.append("sm_%d %-100s regs %3d  spill %d/%d  stack %d" % (
+                arch, name, k.registers, k.spill_stores, k.spill_loads, k.stack_frame))
+            if k.spill_stores or k.spill_loads or k.stack_frame:
+                problems.append("%s: spills %d/%d, stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
+            if k.static_smem:
+                problems.append("%s: %d bytes of static shared memory" % (name, k.static_smem))
+            if k.registers * t.n_threads > REGISTER_FILE or k.registers > 255:
+                problems.append("%s: %d registers x %d threads" % (name, k.registers, t.n_threads))
+    print("\n".join(rows))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", [75, 80])
+def test_backward_extension_variants_compile_without_spills(arch):
+    _check_arch(arch, (ALL,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
+def test_backward_extension_variants_compile_without_spills_slow(arch):
+    _check_arch(arch, (ALL, cuda_forward.EXT_BITS["dropout"], SCORE_ONLY))
