@@ -34,6 +34,41 @@
 
 namespace flash {
 
+// Epilogue rows. Lane (g, t) holds row g + 8r of a 16-row slab of O_i (r = 0, 1), columns 2t and
+// 2t + 1 of each n8 tile: acc[dt][2r], acc[dt][2r + 1]; inv_l normalises the row.
+
+// The row into the staged O_i tile (sO_row: its row in shared memory), rounded to T: one 4-byte
+// word per n8 tile; the 8 rows g of an instruction start 4 mod 8 words apart (kStrideO), the 4
+// lanes t take consecutive words: 32 distinct banks.
+template <typename T, int kNTilesO>
+__device__ __forceinline__ void stage_o_row(T* sO_row, const float (&acc)[kNTilesO][4], int r, float inv_l, int t) {
+#pragma unroll
+  for (int dt = 0; dt < kNTilesO; ++dt)
+    *reinterpret_cast<uint32_t*>(sO_row + 8 * dt + 2 * t) =
+        fa::pack2<T>(acc[dt][2 * r] * inv_l, acc[dt][2 * r + 1] * inv_l);
+}
+
+// The row straight to global memory (dst_row: its row of O; columns < Dv): the split-KV fp32
+// workspace, and O_i when the staged tile does not fit. pairs: a column pair as one store (two
+// elements of T in a word, or a float2), else element by element (odd Dv, odd row stride).
+template <typename OutT, int kNTilesO>
+__device__ __forceinline__ void store_o_row(OutT* dst_row, const float (&acc)[kNTilesO][4], int r, float inv_l,
+                                            int t, int Dv, bool pairs) {
+#pragma unroll
+  for (int dt = 0; dt < kNTilesO; ++dt) {
+    const int col = 8 * dt + 2 * t;
+    OutT* dst = dst_row + col;
+    const float lo = acc[dt][2 * r] * inv_l, hi = acc[dt][2 * r + 1] * inv_l;
+    if (pairs && col + 1 < Dv) {
+      if constexpr (IsSame<OutT, float>::value) fa::gstore(reinterpret_cast<float2*>(dst), float2{lo, hi});
+      else fa::gstore(reinterpret_cast<uint32_t*>(dst), fa::pack2<OutT>(lo, hi));
+    } else {
+      if (col < Dv) fa::gstore(dst, from_acc<OutT>(lo));
+      if (col + 1 < Dv) fa::gstore(dst + 1, from_acc<OutT>(hi));
+    }
+  }
+}
+
 // Is_split (split-KV, "flash-decoding"; off by default, so the dense instantiations and their
 // name expressions are unchanged): the grid's x dimension is (query tiles) × (splits), block x
 // takes query tile x % Tr and split s = x / Tr of the key tiles (Tr = ceil(Lq / Br)), and the
@@ -444,18 +479,28 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   }
 
   // ---- epilogue: O_i / l_i once, LSE = (m_i + log2 l_i)·ln 2 ------------------------------------
-  // A lane holds columns 2t, 2t+1 of each n8 tile: stored as one 32-bit word when every row of O
-  // starts 4-byte aligned (even row stride; O is allocated by the host, so its batch strides are
-  // multiples of it), element by element otherwise (odd Dv).
+  // FlashAttention-2's: once every warp has left the key loop all of shared memory is free; the
+  // warps write O_i (normalised, rounded to T) and the tile's Br LSE values there, and the block
+  // copies them out in 16-byte row chunks and one float per thread: whole 32-byte sectors, where
+  // the fragments' own stores (4 bytes per lane, 8 rows per instruction) filled half of each.
   // Split-KV: split s's slab of the workspace is s·Lq rows further (o_row = Dv, lse row = 1); the
-  // split index is re-derived here rather than kept live through the key loop (registers). fp32
-  // O_s, two floats per 8-byte store under the same conditions as the pairs of T.
+  // split index is re-derived here rather than kept live through the key loop (registers). Its
+  // fp32 O_s keeps the fragment stores: a quad's four 8-byte pairs fill a 32-byte sector.
   if constexpr (Is_split) {
     const long long slab = static_cast<long long>(static_cast<int>(blockIdx.x) / ceil_div(Lq, kBlockM)) * Lq;
     o_i += slab * o_row;
     lse_i += slab;
   }
+  constexpr bool kStageO = !Is_split && Traits::kStageO;
+  T* sO = reinterpret_cast<T*>(smem);                                       // O_i  Br × dv (kStageO)
+  float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemLseOffset);   // LSE  Br
+  // Fragment stores: a pair as one word (8 bytes for fp32) when every row of O starts aligned to
+  // it (even row stride; O is allocated by the host, so its batch strides are multiples of it).
   const bool o_pairs = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % (2 * sizeof(*o_i)) == 0);
+  fa::cp_async_wait<0>();
+  // Barrier: every warp has finished its last reads of sQ, sK and sV (no copy is in flight: the
+  // last key tile prefetches nothing), so the staged O_i and LSE may overwrite them.
+  __syncthreads();
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -465,29 +510,22 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Extensions: rows at or past the entry's Lq_b are out 0, lse −inf; dropout scales O_i.
       const bool live = kExt == 0 || m0 + row_in_tile < Lq_b;
       const float inv_l = ext_inv_sum<kExt>(stat[sl][r], l_total, live, ext);
-      if (m0 + row_in_tile < Lq) {
-#pragma unroll
-        for (int dt = 0; dt < kNTilesO; ++dt) {
-          const int col = 8 * dt + 2 * t;
-          auto* dst = o_i + row_in_tile * o_row + col;
-          const float lo = acc_o[sl][dt][2 * r] * inv_l, hi = acc_o[sl][dt][2 * r + 1] * inv_l;
-          if constexpr (Is_split) {
-            if (o_pairs && col + 1 < Dv) {
-              fa::gstore(reinterpret_cast<float2*>(dst), float2{lo, hi});
-            } else {
-              if (col < Dv) fa::gstore(dst, lo);
-              if (col + 1 < Dv) fa::gstore(dst + 1, hi);
-            }
-          } else if (o_pairs && col + 1 < Dv) {
-            fa::gstore(reinterpret_cast<uint32_t*>(dst), fa::pack2<T>(lo, hi));
-          } else {
-            if (col < Dv) fa::gstore(dst, from_acc<T>(lo));
-            if (col + 1 < Dv) fa::gstore(dst + 1, from_acc<T>(hi));
-          }
-        }
-        if (t == 0) fa::gstore(lse_i + row_in_tile, live ? stat[sl][r].lse(l_total) : -INFINITY);
-      }
+      if constexpr (kStageO)
+        stage_o_row<T>(sO + row_in_tile * Traits::kStrideO, acc_o[sl], r, inv_l, t);
+      else if (m0 + row_in_tile < Lq)
+        store_o_row(o_i + row_in_tile * o_row, acc_o[sl], r, inv_l, t, Dv, o_pairs);
+      if (t == 0) sLse[row_in_tile] = live ? stat[sl][r].lse(l_total) : -INFINITY;
     }
+  // Barrier: the staged O_i and LSE of every warp are complete.
+  __syncthreads();
+  const int rows = rows_in_tile(m0, kBlockM, Lq);  // rows of O_i that exist
+  if constexpr (kStageO) {
+    // 16-byte chunks when Dv is whole chunks and every row of O starts 16-byte aligned.
+    const bool vec = Dv % Traits::kElemsPerCopy == 0 && o_row % Traits::kElemsPerCopy == 0 &&
+                     reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
+    store_tile<T, kBlockM, kHeadDimV, Traits::kStrideO, kNThreads>(o_i, o_row, sO, rows, Dv, vec, tid);
+  }
+  for (int row = tid; row < rows; row += kNThreads) fa::gstore(lse_i + row, sLse[row]);
 }
 
 }  // namespace flash

@@ -63,6 +63,38 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_
       smem, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 
+// The epilogue's copy back: a kRows × kCols tile in shared memory (pitch kStride) to global rows
+// [0, rows_valid) × columns [0, cols_valid) at row_stride. vec (block-uniform: cols_valid a whole
+// number of 16-byte chunks and every row 16-byte aligned): consecutive threads store consecutive
+// 16-byte chunks of a row, so a warp writes whole rows — full 32-byte sectors — and an 8-lane
+// phase reads one row's consecutive chunks (conflict-free for rows of >= 8 chunks). Otherwise
+// (odd head dims, unaligned strides) element by element, consecutive threads consecutive
+// elements. The caller puts a barrier between staging the tile and this copy.
+template <typename T, int kRows, int kCols, int kStride, int kNThreads>
+__device__ __forceinline__ void store_tile(T* gmem, long long row_stride, const T* smem, int rows_valid,
+                                           int cols_valid, bool vec, int tid) {
+  if (vec) {
+    constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
+    static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
+    constexpr int kChunksPerRow = kCols / kElemsPerCopy;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    constexpr int kIters = (kChunks + kNThreads - 1) / kNThreads;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = tid + it * kNThreads;
+      const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kElemsPerCopy;
+      if ((kChunks % kNThreads == 0 || idx < kChunks) && r < rows_valid && c < cols_valid)
+        fa::gstore(reinterpret_cast<uint4*>(gmem + r * row_stride + c),
+                   *reinterpret_cast<const uint4*>(smem + r * kStride + c));
+    }
+  } else {
+    for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
+      const int r = idx / kCols, c = idx % kCols;
+      if (r < rows_valid && c < cols_valid) fa::gstore(gmem + r * row_stride + c, smem[r * kStride + c]);
+    }
+  }
+}
+
 }  // namespace flash
 
 namespace flash {

@@ -104,6 +104,16 @@ struct FwdTensorCoreTraits {
   static constexpr int kSmemVOffset = kSmemKOffset + kStages * kSmemKStageBytes;
   static constexpr int kSmemBytes = kSmemVOffset + kStages * kSmemVStageBytes;
 
+  // Epilogue (after the key loop every buffer above is free): O_i (Br × dv, as T) staged from the
+  // mma fragments at the start of shared memory with sV's pitch — 4-byte fragment words land in
+  // distinct banks because the pitch is 4 mod 8 words (dv + 8 elements, dv a multiple of 16) —
+  // then the tile's Br LSE values (fp32). kStageO: the staged O_i fits in the kernel's shared
+  // memory (always when dv <= d; a large dv with a small d may not fit: fragment stores then).
+  static constexpr int kStrideO = kStrideV;
+  static constexpr int kSmemOBytes = Align16<kBlockM * kStrideO * (int)sizeof(T)>::value;
+  static constexpr bool kStageO = kSmemOBytes + kBlockM * (int)sizeof(float) <= kSmemBytes;
+  static constexpr int kSmemLseOffset = kStageO ? kSmemOBytes : 0;
+
   static_assert(Is16BitFloat<T>::value, "the tensor-core forward takes fa_half or fa_bf16");
   static_assert(kStages == 1 || kStages == 2, "K_j / V_j are single- or double-buffered");
   static_assert(kHeadDim % kMmaK == 0 && kHeadDim > 0 && kHeadDim <= 256,

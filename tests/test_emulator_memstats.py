@@ -99,8 +99,9 @@ def test_cp_async_destination_bank_conflicts(mod, pitch_words, degree):
 
 def test_flash_kernels_coalescing_does_not_regress():
     """Today's figures of the tensor-core kernels (docs/performance.md) as floors: loads ≥ 0.9 of
-    ideal sectors, cp.async destinations conflict-free, O stores ≥ 0.5 (the issue's target for
-    stores is ≥ 0.9: an epilogue through shared memory). The backward, both dQ modes: every array
+    ideal sectors, cp.async destinations conflict-free, O stores ≥ 0.9 (16-byte rows through
+    shared memory; not 1.0 here: the host's NumPy outputs are only 16-byte aligned, see
+    test_forward_epilogue_stores_whole_sectors for CuPy's alignment). The backward, both dQ modes: every array
     any of its launches writes — dK, dV, dQ (16-byte rows through shared memory), the atomic
     mode's dQ accumulator (padded, fragment-ordered: each warp-wide RED 128 contiguous bytes) and
     its clear, D — at ≥ 0.95 (measured 1.00)."""
@@ -112,7 +113,7 @@ def test_flash_kernels_coalescing_does_not_regress():
                                     device="emulator", counters=fwd)
     (c,) = fwd
     assert c.load_sector_efficiency >= 0.9 and c.cp_async_conflict_factor == 1
-    assert c.buffers[3].write_sector_efficiency >= 0.5          # O
+    assert c.buffers[3].write_sector_efficiency >= 0.9          # O
     for deterministic in (True, False):
         *_, bwd = cuda_backward.backward(np.ones_like(out), q, k, v, out, lse, causal=False, scale=0.125,
                                          batch_shape=(1, 1), device="emulator", return_counters=True,
@@ -128,3 +129,33 @@ def test_flash_kernels_coalescing_does_not_regress():
             assert written, name
             for b in written:
                 assert b.write_sector_efficiency >= 0.95, name
+
+
+@pytest.mark.parametrize("dtype,D,Lq,splits", [("float16", 64, 256, 1), ("float16", 128, 200, 1),
+                                               ("bfloat16", 256, 72, 1), ("float16", 64, 200, 3)])
+def test_forward_epilogue_stores_whole_sectors(monkeypatch, dtype, D, Lq, splits):
+    """The tensor-core forward's epilogue (docs/performance.md, "Forward: coalesced epilogue"): O
+    leaves through shared memory in 16-byte row chunks and LSE one float per thread, so with
+    CuPy's 256-byte aligned outputs every store fills its 32-byte sectors (was 0.50 for O: the
+    fragments' 4-byte stores), Lq not a multiple of Br included. Split-KV: the fp32 workspace O_s
+    keeps the fragment stores (a quad's four 8-byte pairs fill a sector) and L_s is staged."""
+    import types
+    from flasharray._private import cuda_forward, launch
+    import ml_dtypes
+    dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, Lq, D)).astype(dt)
+    k, v = (rng.standard_normal((1, 2, 128 * splits, D)).astype(dt) for _ in range(2))
+    p = cuda_forward.plan(q, k, v, causal=False, scale=D ** -0.5, batch_shape=(1, 2), device="emulator",
+                          num_splits=splits)
+    assert p.num_splits == splits
+    # The plan allocates with xp.empty; on the host that is NumPy's 16-byte alignment, on a GPU
+    # CuPy's 256 bytes: measure with the GPU's (Lq·4 bytes per LSE row of heads: whole sectors).
+    monkeypatch.setattr(p, "xp", types.SimpleNamespace(empty=lambda shape, dtype: launch.empty(np, shape, dtype),
+                                                       ascontiguousarray=np.ascontiguousarray))
+    counters = []
+    out, lse = p.run(q, k, v, counters)
+    o, l = counters[0].buffers[3], counters[0].buffers[4]   # O (or O_s), LSE (or L_s)
+    assert o.write_sectors_ideal > 0 and l.write_sectors_ideal > 0
+    assert o.write_sector_efficiency == 1.0
+    assert l.write_sector_efficiency == 1.0
