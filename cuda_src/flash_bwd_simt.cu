@@ -96,7 +96,9 @@ __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const 
         } else {
             AccT z = AccT(1);  // dropout's Z = keep / (1 − p)
             if constexpr (flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value) z = drop.z(r0 + r, c0 + c);
-            ext_p_ds(s, dp, lse2_s[r], delta_s[r], z, scale_log2, mask, r0 + r, c0 + c);
+            // The fp32 forward's precise softcap tanh (flash_fwd_simt.cu: score<T is float>; float is
+            // the only 4-byte T).
+            ext_p_ds<sizeof(T) == 4>(s, dp, lse2_s[r], delta_s[r], z, scale_log2, mask, r0 + r, c0 + c);
             if (kStoreP) P_s[e] = s;  // P ∘ Z
             dS_s[e] = dp;
         }
