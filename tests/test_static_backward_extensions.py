@@ -3,8 +3,8 @@
 Tensor cores and SIMT (fp16, bf16, fp32, fp64 with each arch's kernel choice) x head dim {64, 128, 256} x causal, deterministic (dK/dV + dQ kernels) and
 atomic (dK/dV with atomic dQ), with all six extension bits (the heaviest variant) compiles with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
-register file. Default: sm_75 and sm_80, all bits; ``-m slow``: sm_86, sm_89, sm_90 too, and dropout
-alone / the score-only bits (window | ALiBi | softcap).
+register file. Default: sm_80, all bits, causal (~1 min of NVRTC: CI time); ``-m slow``: non-causal,
+sm_75, sm_86, sm_89, sm_90 too, and dropout alone / the score-only bits (window | ALiBi | softcap).
 """
 import pytest
 
@@ -18,12 +18,12 @@ SCORE_ONLY = cuda_forward.EXT_BITS["window"] | cuda_forward.EXT_BITS["alibi"] | 
 pytestmark = requires_nvrtc
 
 
-def instantiations(arch, variants):
+def instantiations(arch, variants, causals=(False, True)):
     """{source: {name_expression: BwdTiles}} of the backward's extension variants."""
     found = {}
     for dt in ("float16", "bfloat16", "float32", "float64"):  # bf16 on sm_75: the SIMT kernels
         for d in (64, 128, 256):
-            for causal in (False, True):
+            for causal in causals:
                 for det in (True, False):
                     for bits in variants:
                         plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=det, arch=arch,
@@ -35,9 +35,9 @@ def instantiations(arch, variants):
     return found
 
 
-def _check_arch(arch, variants):
+def _check_arch(arch, variants, causals=(False, True)):
     rows, problems = [], []
-    for source, items in instantiations(arch, variants).items():
+    for source, items in instantiations(arch, variants, causals).items():
         res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
                                   options=["--use_fast_math"])
         for name, t in sorted(items.items()):
@@ -54,9 +54,9 @@ def _check_arch(arch, variants):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("arch", [75, 80])
+@pytest.mark.parametrize("arch", [80])
 def test_backward_extension_variants_compile_without_spills(arch):
-    _check_arch(arch, (ALL,))
+    _check_arch(arch, (ALL,), causals=(True,))  # the causal kernels carry the most (mask + band)
 
 
 @pytest.mark.slow
