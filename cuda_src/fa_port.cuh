@@ -13,6 +13,9 @@
 //   global -> shared   fa::cp_async<Bytes>(smem_dst, gmem_src, src_bytes), Bytes in {4, 8, 16},
 //                      fa::cp_async_commit(), fa::cp_async_wait<N>()
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
+//   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
+//                      calls them); a block waits until an int counter in global memory equals
+//                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
 //   shared memory      FA_DYNAMIC_SMEM(ptr) declares `unsigned char* ptr` (16-byte aligned)
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
@@ -265,6 +268,45 @@ template <class T> __device__ __forceinline__ T gload(const T* p) { return *p; }
 template <class T> __device__ __forceinline__ void gstore(T* p, T v) { *p = v; }
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+
+// ---- inter-block ordering: semaphores in global memory (sm_70+) ------------------------
+// Usage rule: a block may only wait for blocks with a SMALLER linear block index (blockIdx.x
+// fastest, then .y, .z). The GPU dispatches blocks in linear order, so the blocks a waiter
+// depends on are already resident or finished; waiting for a later block can deadlock when the
+// grid does not fit on the GPU at once (nothing preempts the spinning waiter). The counter starts
+// at 0 (cudaMemset) and only grows: a block waits for `expected`, does its work, posts.
+//
+// Both are block-wide and convergent: every thread of the block calls them.
+// sem_wait: thread 0 spins on an acquire load at GPU scope, then the barrier extends what it
+// acquired to the whole block (bar.sync orders CTA-scope; causality order is transitive).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void sem_wait(const int* sem, int expected) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        while (ld_acquire_gpu(sem) != expected) {
+        }
+    }
+    __syncthreads();
+}
+
+// sem_post: the barrier makes every thread's earlier writes happen-before thread 0's release
+// reduction, and a release operation is cumulative in the PTX memory model: it publishes what its
+// thread has observed (here: the whole block's writes through bar.sync), so a reader that
+// acquires the new count sees them. FA3 (through CUTLASS's arrive_inc) does the same:
+// __syncthreads(), then one release add by thread 0. red.release.gpu rather than
+// __threadfence() + atomicAdd: __threadfence() is fence.sc.gpu, a sequentially consistent fence
+// the pattern does not need, while a release add orders exactly the earlier writes; `red` (no
+// return value) also lets the waiter's spin be the only round trip.
+__device__ __forceinline__ void sem_post(int* sem) {
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
+    }
+}
 
 }  // namespace fa
 

@@ -51,7 +51,7 @@ from flasharray._private.sources import cuda_src_dir
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
            "cache_dir", "host_compiler", "switch_cost_ns"]
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h", "emu/fa_emu_memstats.h")
@@ -131,6 +131,9 @@ class Counters:
     :attr:`store_sector_efficiency` are their ratios, and ``buffers`` has them per array.
     ``cp_async_smem_wavefronts`` counts the shared-memory wavefronts of the ``cp.async``
     destinations (phases of 8 lanes for 16-byte copies) against one per 128 bytes.
+
+    ``sem_waits`` counts ``fa::sem_wait`` calls (one per block and call), ``sem_blocked`` those
+    that found the counter short of the expected value and suspended their block.
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -156,6 +159,8 @@ class Counters:
     gst_sectors_ideal: int = 0
     cp_async_smem_wavefronts: int = 0
     cp_async_smem_wavefronts_ideal: int = 0
+    sem_waits: int = 0
+    sem_blocked: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -198,7 +203,7 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "cp_async_bytes", "barriers", "shuffles", "syncwarps", "atomics", "blocks",
                    "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal",
                    "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
-                   "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal")
+                   "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked")
 
 
 class _Counters(ctypes.Structure):

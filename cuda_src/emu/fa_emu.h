@@ -6,7 +6,8 @@
 //   * turns warp collectives (shuffles, __syncwarp, ldmatrix, mma) into warp rendezvous that
 //     are evaluated once, with the PTX semantics, when every lane of the mask has arrived,
 //   * turns __syncthreads() into a block rendezvous,
-//   * queues cp.async copies and performs them at the cp.async.wait_group that covers them.
+//   * queues cp.async copies and performs them at the cp.async.wait_group that covers them,
+//   * suspends a block whose fa::sem_wait is not yet satisfied (another OS thread runs the rest).
 #pragma once
 
 // Every standard header the emulator needs comes first, before any macro below exists.
@@ -309,5 +310,10 @@ inline void gstore(T* p, T v) {
 }
 inline void atomic_add(float* p, float v) { fa_emu_atomic_add_f32(p, v); }
 inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
+
+// Block-wide (every thread calls them): the runtime lets thread 0 wait or post and puts the
+// block's barrier around it, as the GPU branch does.
+inline void sem_wait(const int* sem, int expected) { fa_emu_sem_wait(sem, expected); }
+inline void sem_post(int* sem) { fa_emu_sem_post(sem); }
 
 }  // namespace fa

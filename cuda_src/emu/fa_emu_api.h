@@ -52,6 +52,13 @@ void fa_emu_cp_async_wait(int n);
 void fa_emu_gcheck(const void* p, size_t size, int is_write);
 void fa_emu_atomic_add_f32(float* p, float v);
 void fa_emu_atomic_add_f64(double* p, double v);
+// Inter-block semaphores, block-wide (fa::sem_wait / fa::sem_post; every thread of the block
+// calls them, at one call site: it is the barrier's identity). sem_wait: thread 0 waits until
+// *sem == expected (acquire), then the block's barrier; if the counter is short, the worker's OS
+// thread blocks with the whole block suspended and another worker starts the blocks not yet
+// dispatched. sem_post: the block's barrier, then thread 0 adds 1 (release) and wakes waiters.
+FA_EMU_CONVERGENT void fa_emu_sem_wait(const int* sem, int expected);
+FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem);
 unsigned char* fa_emu_dynamic_smem(void);
 void fa_emu_trap(const char* what) __attribute__((noreturn));
 
@@ -74,6 +81,7 @@ typedef struct fa_emu_counters {
     // destinations; each with the ideal count
     uint64_t gld_sectors, gld_sectors_ideal, gst_sectors, gst_sectors_ideal;
     uint64_t cp_async_smem_wavefronts, cp_async_smem_wavefronts_ideal;
+    uint64_t sem_waits, sem_blocked;  // fa::sem_wait calls; those that had to block
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

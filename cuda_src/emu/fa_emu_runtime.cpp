@@ -19,6 +19,11 @@
 //   * Faults inside a fiber (raw out-of-bounds shared access into the guard pages, stack
 //     overflow, integer division by zero) abort the block with an error instead of killing
 //     the process: the signal handler redirects the faulting fiber to a rescue stack.
+//   * Inter-block semaphores (fa::sem_wait / fa::sem_post): an unsatisfied wait blocks the
+//     worker's OS thread inside the runtime call, the whole block suspended with its fibers;
+//     while blocks remain to be dispatched, another worker thread is started so that `target`
+//     workers keep running. When every live worker waits and no block is left, the launch
+//     fails with a deadlock error; any failure wakes the waiters, which abandon their blocks.
 #include "fa_emu_api.h"
 #include "fa_emu_memstats.h"
 
@@ -26,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -33,10 +39,12 @@
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <signal.h>
 #include <string>
 #include <sys/mman.h>
+#include <system_error>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -194,6 +202,8 @@ struct Fiber {
     char* stack_lo = nullptr;
 };
 
+struct Worker;
+
 struct Launch {
     const fa_emu_launch_params* p;
     unsigned nblocks;
@@ -202,6 +212,15 @@ struct Launch {
     std::atomic<bool> failed{false};
     std::mutex mu;
     std::string error;
+    // Worker threads and semaphores, guarded by sem_mu: `live` workers run or look for blocks,
+    // `blocked` of them wait in fa_emu_sem_wait. While blocks remain to be dispatched, workers
+    // are added so that live - blocked stays at `target` (the launch's worker count); a surplus
+    // one (its waiter woke up) retires before taking another block.
+    std::mutex sem_mu;
+    std::condition_variable sem_cv;  // a post, a failure, a worker's exit
+    std::vector<std::unique_ptr<Worker>> workers;
+    std::vector<std::thread> threads;
+    int target = 1, live = 0, blocked = 0;
 };
 
 constexpr size_t kPage = 4096;
@@ -227,6 +246,11 @@ struct Worker {
     std::vector<uint16_t> pending;  // per granule: cp.async copies not yet performed
     // block state
     unsigned bidx[3] = {0, 0, 0};
+    unsigned linear = 0;
+    bool retired = false;
+    // the fa::sem_wait this worker is blocked in (sem == nullptr: none); guarded by L->sem_mu
+    const int* sem = nullptr;
+    int sem_expected = 0, sem_buf = -1;
     int nthreads = 0, nwarps = 0;
     std::vector<uint32_t> warp_waiting, warp_exited, warp_exists;
     std::vector<uint64_t> runnable;
@@ -318,11 +342,21 @@ std::string where(Worker* w, const Fiber* f) {
     return s;
 }
 
-void record_error(Worker* w, const std::string& msg) {
-    Launch* L = w->L;
+// The first error of a launch wins; every later one is dropped.
+void set_error(Launch* L, const std::string& msg) {
     std::lock_guard<std::mutex> lock(L->mu);
     if (L->error.empty()) L->error = msg;
     L->failed.store(true);
+}
+
+// Records the error and wakes the blocks waiting in fa_emu_sem_wait so that they abandon their
+// work. A waiter tests `failed` under sem_mu, so taking it once here means none misses the wake-up.
+// Never called with sem_mu held.
+void record_error(Worker* w, const std::string& msg) {
+    Launch* L = w->L;
+    set_error(L, msg);
+    { std::lock_guard<std::mutex> lock(L->sem_mu); }
+    L->sem_cv.notify_all();
 }
 
 // Reports an error attributed to the running fiber and abandons the block. Never returns.
@@ -850,6 +884,7 @@ bool run_block(Worker* w, unsigned linear) {
     w->bidx[0] = linear % p->grid[0];
     w->bidx[1] = (linear / p->grid[0]) % p->grid[1];
     w->bidx[2] = linear / (p->grid[0] * p->grid[1]);
+    w->linear = linear;
     w->rng = p->seed * 0x9e3779b97f4a7c15ull + linear + 1;
     splitmix(w->rng);
     // Shared memory starts as NaN/-1 bytes each block: reading what nobody wrote shows.
@@ -972,6 +1007,95 @@ void remove_handlers() {
     for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &g_old[i], nullptr);
 }
 
+// =========================================================================================
+// Worker threads and semaphores (state guarded by L->sem_mu; spawn_worker and check_deadlock
+// are called with it held)
+// =========================================================================================
+void worker_main(Launch* L, Worker* w);
+
+// Starts one more worker thread; false (and the launch failed) if the OS refuses.
+bool spawn_worker(Launch* L) {
+    L->workers.emplace_back(new Worker());
+    Worker* w = L->workers.back().get();
+    w->L = L;
+    w->p = L->p;
+    try {
+        L->threads.emplace_back(worker_main, L, w);
+    } catch (const std::system_error& e) {
+        set_error(L, strf("emulator: cannot start a worker thread: %s", e.what()));
+        L->sem_cv.notify_all();
+        return false;
+    }
+    ++L->live;
+    return true;
+}
+
+std::string sem_desc(const Launch* L, const int* sem, int buf) {
+    const fa_emu_buffer& B = L->p->buffers[buf];
+    const unsigned long off = static_cast<unsigned long>(reinterpret_cast<uint64_t>(sem) - B.lo);
+    return strf("argument %d element %lu (byte offset %lu)", B.arg_index, off / sizeof(int), off);
+}
+
+// Every live worker waits in fa_emu_sem_wait for a count not reached yet (one that was posted may
+// not have woken up yet: it still counts as blocked) and no block is left to start: nothing can
+// post any more. Fails the launch naming the waiting block with the lowest linear index.
+void check_deadlock(Launch* L) {
+    if (L->live == 0 || L->blocked < L->live || L->next.load() < L->nblocks || L->failed.load()) return;
+    Worker* first = nullptr;
+    for (auto& w : L->workers) {
+        if (!w->sem) continue;
+        if (__atomic_load_n(w->sem, __ATOMIC_ACQUIRE) >= w->sem_expected) return;  // about to wake up
+        if (!first || w->linear < first->linear) first = w.get();
+    }
+    const int now = __atomic_load_n(first->sem, __ATOMIC_ACQUIRE);
+    set_error(L, where(first, &first->fibers[0]) +
+                     strf(": deadlock in fa::sem_wait: it waits for %s to equal %d, which is %d; all %d running "
+                          "block(s) wait in fa::sem_wait and no block is left to start, so no fa::sem_post can come",
+                          sem_desc(L, first->sem, first->sem_buf).c_str(), first->sem_expected, now, L->blocked));
+    L->sem_cv.notify_all();
+}
+
+// A worker started while another was blocked retires once that one runs again.
+bool retire_if_surplus(Launch* L, Worker* w) {
+    std::lock_guard<std::mutex> lock(L->sem_mu);
+    if (L->live - L->blocked <= L->target) return false;
+    --L->live;
+    w->retired = true;
+    return true;
+}
+
+void worker_done(Launch* L, Worker* w) {
+    std::lock_guard<std::mutex> lock(L->sem_mu);
+    if (!w->retired) --L->live;
+    check_deadlock(L);
+    L->sem_cv.notify_all();  // fa_emu_launch waits for live == 0
+}
+
+// Blocks the calling worker's OS thread (its block stays suspended inside this call) until *sem
+// reaches `expected` or the launch fails; returns the value then seen.
+int sem_block(Worker* w, const int* sem, int expected) {
+    Launch* L = w->L;
+    ++w->cnt.sem_blocked;
+    std::unique_lock<std::mutex> lock(L->sem_mu);
+    w->sem = sem;
+    w->sem_expected = expected;
+    w->sem_buf = find_buffer(w, reinterpret_cast<uint64_t>(sem), sizeof(int));
+    ++L->blocked;
+    if (L->live - L->blocked < L->target && L->next.load() < L->nblocks) spawn_worker(L);
+    check_deadlock(L);
+    int v = 0;
+    L->sem_cv.wait(lock, [&] {
+        v = __atomic_load_n(sem, __ATOMIC_ACQUIRE);
+        return v >= expected || L->failed.load();
+    });
+    --L->blocked;
+    w->sem = nullptr;
+    const bool failed = L->failed.load();
+    lock.unlock();
+    if (failed) fiber_fail(w, "fa::sem_wait abandoned: the launch failed");  // the first error is kept
+    return v;
+}
+
 void worker_main(Launch* L, Worker* w) {
     tls_worker = w;
     stack_t ss, old_ss;
@@ -985,7 +1109,7 @@ void worker_main(Launch* L, Worker* w) {
     if (!w->stacks || !w->smem_region) {
         record_error(w, "emulator: cannot allocate fiber stacks or shared memory (mmap failed)");
     } else {
-        while (!L->failed.load(std::memory_order_relaxed)) {
+        while (!L->failed.load(std::memory_order_relaxed) && !retire_if_surplus(L, w)) {
             const unsigned i = L->next.fetch_add(1);
             if (i >= L->nblocks) break;
             if (!run_block(w, L->order[i])) break;
@@ -997,6 +1121,7 @@ void worker_main(Launch* L, Worker* w) {
     free(w->altstack);
     free(w->rescue);
     tls_worker = nullptr;
+    worker_done(L, w);
 }
 
 }  // namespace
@@ -1046,6 +1171,32 @@ int barrier(void* site, int kind, int predicate) {
     }
     yield(w, f);
     return w->bar_result;
+}
+
+void sem_wait_thread0(Worker* w, const int* sem, int expected) {
+    gcheck(w, sem, sizeof(int), 0, "fa::sem_wait");
+    ++w->cnt.sem_waits;
+    int v = __atomic_load_n(sem, __ATOMIC_ACQUIRE);
+    if (v < expected) v = sem_block(w, sem, expected);
+    if (v > expected) {
+        const int b = find_buffer(w, reinterpret_cast<uint64_t>(sem), sizeof(int));
+        fiber_fail(w, strf("fa::sem_wait: %s is %d, past the expected %d: a counter only grows, so it can never "
+                           "equal it (a block posted twice, or the counter did not start at 0?)",
+                           sem_desc(w->L, sem, b).c_str(), v, expected));
+    }
+}
+
+void sem_post_thread0(Worker* w, int* sem) {
+    gcheck(w, sem, sizeof(int), 2, "fa::sem_post");
+    Launch* L = w->L;
+    bool waiters;
+    {
+        // Under sem_mu: a waiter between its test and its wait cannot miss this increment.
+        std::lock_guard<std::mutex> lock(L->sem_mu);
+        __atomic_fetch_add(sem, 1, __ATOMIC_RELEASE);
+        waiters = L->blocked > 0;
+    }
+    if (waiters) L->sem_cv.notify_all();
 }
 }  // namespace
 
@@ -1205,12 +1356,25 @@ void fa_emu_atomic_add_f64(double* p, double v) {
                                           __ATOMIC_RELAXED));
 }
 
+__attribute__((noinline)) void fa_emu_sem_wait(const int* sem, int expected) {
+    void* site = __builtin_return_address(0);
+    Worker* w = W();
+    if (w->cur->tid == 0) sem_wait_thread0(w, sem, expected);
+    barrier(site, FA_EMU_BAR_PLAIN, 0);
+}
+
+__attribute__((noinline)) void fa_emu_sem_post(int* sem) {
+    barrier(__builtin_return_address(0), FA_EMU_BAR_PLAIN, 0);
+    Worker* w = W();
+    if (w->cur->tid == 0) sem_post_thread0(w, sem);
+}
+
 void fa_emu_trap(const char* what) { fiber_fail(W(), what); }
 
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 2; }
+int fa_emu_abi_version(void) { return 3; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -1234,23 +1398,21 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         uint64_t s = p->seed ^ 0x5851f42d4c957f2dull;
         for (unsigned i = L.nblocks; i > 1; --i) std::swap(L.order[i - 1], L.order[splitmix(s) % i]);
     }
-    const int nworkers = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(p->num_workers, nblocks)));
-    std::vector<Worker> workers(nworkers);
     install_handlers();
     {
-        std::vector<std::thread> threads;
-        for (int i = 0; i < nworkers; ++i) {
-            workers[i].L = &L;
-            workers[i].p = p;
-            threads.emplace_back(worker_main, &L, &workers[i]);
+        std::unique_lock<std::mutex> lock(L.sem_mu);
+        L.target = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(p->num_workers, nblocks)));
+        for (int i = 0; i < L.target && spawn_worker(&L); ++i) {
         }
-        for (auto& t : threads) t.join();
+        L.sem_cv.wait(lock, [&] { return L.live == 0; });  // no worker is left to start another
     }
+    for (auto& t : L.threads) t.join();
     remove_handlers();
     fa_emu_counters total{};
     for (int b = 0; b < p->num_buffers; ++b) p->buffer_read_bytes[b] = p->buffer_write_bytes[b] = 0;
     for (int b = 0; p->buffer_sectors && b < 4 * p->num_buffers; ++b) p->buffer_sectors[b] = 0;
-    for (Worker& w : workers) {
+    for (auto& wp : L.workers) {
+        const Worker& w = *wp;
         total.global_read_bytes += w.cnt.global_read_bytes;
         total.global_write_bytes += w.cnt.global_write_bytes;
         total.mma += w.cnt.mma;
@@ -1272,6 +1434,8 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.gst_sectors_ideal += w.cnt.gst_sectors_ideal;
         total.cp_async_smem_wavefronts += w.cnt.cp_async_smem_wavefronts;
         total.cp_async_smem_wavefronts_ideal += w.cnt.cp_async_smem_wavefronts_ideal;
+        total.sem_waits += w.cnt.sem_waits;
+        total.sem_blocked += w.cnt.sem_blocked;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
