@@ -205,7 +205,15 @@ _EXT_DOC = """
         dim). Not checked beyond what is needed to compute: pass valid values."""
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, dtype=None, **extensions):
+def _accept_precision(precision, q):
+    """``precision=`` as the library functions take it (validated for q's dtype); the reference
+    computes in IEEE arithmetic of ``dtype`` whatever its value."""
+    if precision is not None:
+        from ._private.precision import check_precision
+        check_precision(precision, q.dtype)
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, dtype=None, precision=None, **extensions):
     """Materialized attention ``softmax(scale·QKᵀ [+ masks]) V``.
 
     Parameters
@@ -224,13 +232,17 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, dtype=None
     dtype : dtype, optional
         ``None`` (default): compute and return float64. Otherwise compute naively in that
         precision (see module docstring) and return ``out`` in it; lse is then in the
-        accumulation dtype (float32, or float64 for float64).%s
+        accumulation dtype (float32, or float64 for float64).
+    precision : {None, "ieee", "tf32", "3xtf32"}
+        Accepted as by :func:`flasharray.flash_attention` (validated for q's dtype) and ignored:
+        the reference always computes in IEEE arithmetic of ``dtype`` (float64 by default).%s
 
     Returns
     -------
     out : array, shape (*batch, Lq, Dv); rows that see no key (or ``i ≥ seqlens_q[b]``) are 0.
     lse : array, shape (*batch, Lq), only if ``return_lse``; ``-inf`` for rows that see no key.
     """
+    _accept_precision(precision, q)
     xp, rnd, (q, k, v), scale, ext = _prepare((q, k, v), dtype, scale, causal, extensions)
     q, k, v = ext.valid_rows(q), ext.valid_keys(k), ext.valid_keys(v)
     _, _, _, out, lse = _forward(q, k, v, causal, scale, rnd, ext)
@@ -238,7 +250,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, dtype=None
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, dtype=None, **extensions):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, dtype=None, precision=None, **extensions):
     """Gradients of ``Σ dout ∘ attention(q, k, v)`` with respect to q, k and v.
 
     The textbook backward on materialized matrices (P̃ the dropped P, ``keep`` its mask, T the
@@ -247,7 +259,8 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, dtype=None, *
         dV = P̃ᵀ dO,   dP̃ = dO Vᵀ,   D = rowsum(dO ∘ O),   dS = P ∘ (dP̃ ∘ keep/(1−p) − D) [∘ (1 − T²)],
         dQ = scale · dS K,   dK = scale · dSᵀ Q
 
-    Parameters are as for :func:`attention` (the same keywords as the forward);
+    Parameters are as for :func:`attention` (the same keywords as the forward, ``precision``
+    accepted and ignored);
     ``dout`` has shape ``(*batch, Lq, Dv)``. ALiBi slopes, masks and lengths are constants.
 
     Returns
@@ -255,6 +268,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, dtype=None, *
     dq, dk, dv : arrays with exactly the shapes of q, k, v (summed over broadcast dims),
         float64 by default, else ``dtype``. Padded rows/keys and rows that see no key get 0.
     """
+    _accept_precision(precision, q)
     shapes = (q.shape, k.shape, v.shape)
     xp, rnd, (dout, q, k, v), scale, ext = _prepare((dout, q, k, v), dtype, scale, causal, extensions)
     dout, q, k, v = ext.valid_rows(dout), ext.valid_rows(q), ext.valid_keys(k), ext.valid_keys(v)

@@ -6,6 +6,7 @@ import numpy as np
 
 from . import extensions
 from . import validation as val
+from .precision import check_precision
 from .dtypes import accumulation_dtype
 from .launch import host_address
 
@@ -24,10 +25,19 @@ def _split_options(options):
             {n: x for n, x in options.items() if n not in _EXTENSIONS})
 
 
-def _check_options(options, backend, forward=True):
-    """The kernel options of the non-extension ``options`` (extension keywords are split off first)."""
+def _check_options(options, backend, forward=True, dtype=None):
+    """The kernel options of the non-extension ``options`` (extension keywords are split off first).
+
+    ``precision`` is validated for ``dtype`` (:func:`precision.check_precision`) and handed to the
+    CUDA forward when set; the cpu backend and the backward take it and compute in IEEE arithmetic
+    (docs/precision.md)."""
     kernel_opts = {}
     for name, value in options.items():
+        if name == "precision":
+            value = check_precision(value, dtype)
+            if value is not None and forward and backend != "cpu":
+                kernel_opts[name] = value
+            continue
         if name == "num_splits":  # split-KV of the CUDA forward (validated by cuda_forward.plan)
             if not forward:
                 raise TypeError("flasharray: num_splits applies to the forward only (the backward has "
@@ -213,7 +223,7 @@ def _forward_entry(q, k, v, causal, scale, backend, options):
     (``run(q, k, v, ext_options)`` when extension keywords were given)."""
     p = _Problem(q, k, v, causal, scale, backend)
     ext_opts, options = _split_options(options)
-    opts = _check_options(options, p.backend)
+    opts = _check_options(options, p.backend, dtype=p.dtype)
     spec = p.ext_spec()
     ext = extensions.from_options(ext_opts, **spec) if ext_opts else None
     direct = not ext_opts and q.ndim == k.ndim == v.ndim == len(p.batch_shape) + 2
@@ -294,6 +304,15 @@ def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, 
         chosen from the GPU's SM count and the problem size; ``1``: no split; at most 256.
         Splitting runs on the float16/bfloat16 tensor-core kernel; on float32/float64 a count
         above 1 is a ``NotImplementedError``. The cpu backend accepts only ``None``.
+        ``precision`` (float32 and float64; ``docs/precision.md``): ``None`` (the dtype's default),
+        ``"ieee"`` (exact fp32 / fp64 arithmetic, the SIMT kernels), and for float32 ``"tf32"``
+        (TF32 tensor cores, operands rounded to 10 mantissa bits: lower precision, opt-in) or
+        ``"3xtf32"`` (each operand split into two tf32 parts, three tensor-core products: close
+        to fp32). tf32/3xtf32 need sm_80 or newer (``NotImplementedError`` naming the arch;
+        the emulator's arch is its compile target, sm_80); calls the TF32 kernel does not serve
+        (head dims above 128, extensions, split-KV) run the SIMT kernel. The float32 default is
+        ``"ieee"`` until a GPU measurement chooses. The cpu backend accepts every value and
+        computes in IEEE fp32 / fp64. A value not applying to the dtype is a ``ValueError``.
 
     Returns
     -------
@@ -351,6 +370,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         CUDA backend: ``True`` gives bitwise-identical gradients run to run; ``False`` accumulates
         dQ with float32 atomics (faster, not bitwise reproducible). The cpu backend is always
         deterministic.
+    precision : {None, "ieee", "tf32", "3xtf32"}
+        Validated as for :func:`flash_attention_forward`; the backward runs the IEEE (SIMT / fp16
+        tensor-core) kernels whatever its value (no TF32 backward yet: docs/precision.md).
 
     Returns
     -------
@@ -377,7 +399,7 @@ def _backward_entry(arrays, causal, scale, backend, deterministic, options):
     val.check_lse(lse, p.kind, p.dtype, p.lse_shape)
     deterministic = val.check_flag("deterministic", deterministic)
     ext_opts, options = _split_options(options)
-    opts = _check_options(options, p.backend, forward=False)
+    opts = _check_options(options, p.backend, forward=False, dtype=p.dtype)
     spec = p.ext_spec()
     ext = extensions.from_options(ext_opts, **spec) if ext_opts else None
     p.forget_arrays()

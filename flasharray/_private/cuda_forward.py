@@ -1,13 +1,16 @@
 """CUDA forward: pick a kernel and tile, lay out the arguments, launch (CuPy or the emulator).
 
-Kernels: ``cuda_src/flash_fwd.cu`` (tensor cores, fp16 from sm_75 and bf16 from sm_80) and
-``cuda_src/flash_fwd_simt.cu`` (FMA; fp32, fp64, and the fallback for fp16/bf16 elsewhere).
+Kernels: ``cuda_src/flash_fwd.cu`` (tensor cores, fp16 from sm_75 and bf16 from sm_80),
+``cuda_src/flash_fwd_simt.cu`` (FMA; fp32, fp64, and the fallback for fp16/bf16 elsewhere) and
+``cuda_src/flash_fwd_tf32.cu`` (fp32 on TF32 tensor cores, ``precision="tf32"`` / ``"3xtf32"``:
+:mod:`flasharray._private.cuda_forward_tf32`, SIMT where it does not apply).
 Tiles: :mod:`flasharray._private.tiles`. Launch layer: :mod:`flasharray._private.launch`.
 """
 import math
 
 import numpy as np
 
+from . import cuda_forward_tf32 as tf32
 from . import launch as L
 from . import philox
 from . import tiles
@@ -75,7 +78,7 @@ class ForwardPlan:
     """
 
     def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None,
-                 num_splits=None, pack_gqa=None, kv=None, ext=None):
+                 num_splits=None, pack_gqa=None, kv=None, ext=None, precision=None):
         self.launcher = launcher
         self.kv = kv  # KVLayout: per-entry key lengths (and pages) of a KV cache, or None
         # Extensions (docs/extensions.md): the kernels' kExt bits; None for a dense plan.
@@ -89,8 +92,10 @@ class ForwardPlan:
         if self.ext is not None and block_m is not None:
             raise NotImplementedError("flasharray: the IO tiles (block_m=%d) take no extensions (%s): use block_m=None"
                                       % (block_m, ", ".join(self.ext.features)))
-        self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
-                               ext=self.ext is not None)
+        # precision "tf32" / "3xtf32": the TF32 tensor-core kernel where it applies, else SIMT.
+        self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
+                                      ext=self.ext is not None, num_splits=num_splits, kv=kv) or \
+            kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None)
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))
         self.out_shape = self.batch_shape + (Lq, Dv)
@@ -500,10 +505,11 @@ def cached(cache, key, make):
 
 
 def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None, block_m=None,
-         schedule="forward", seed=0, num_splits=None, pack_gqa=None, kv=None, ext=None):
+         schedule="forward", seed=0, num_splits=None, pack_gqa=None, kv=None, ext=None, precision=None):
     """The cached :class:`ForwardPlan` for this signature (made on first use). ``ext``: an
     :class:`~flasharray._private.extensions.Extensions` or None; the plan keys on its
-    ``static_key()`` only (seed, offset and the arrays' contents are taken by :meth:`ForwardPlan.run`)."""
+    ``static_key()`` only (seed, offset and the arrays' contents are taken by :meth:`ForwardPlan.run`).
+    ``precision``: None, "ieee", "tf32" or "3xtf32" (validated for the dtype by the caller)."""
     if num_splits is not None:
         num_splits = check_num_splits(num_splits)
     if not ext_bits(ext):
@@ -512,10 +518,11 @@ def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None,
         raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
-                                num_splits, pack_gqa, kv, None if ext is None else ext.static_key()))
+                                num_splits, pack_gqa, kv, None if ext is None else ext.static_key(), precision))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
                                                    launcher=launcher, kernel=kernel, block_m=block_m,
-                                                   num_splits=num_splits, pack_gqa=pack_gqa, kv=kv, ext=ext))
+                                                   num_splits=num_splits, pack_gqa=pack_gqa, kv=kv, ext=ext,
+                                                   precision=precision))
 
 
 class KVLayout(tuple):
@@ -618,7 +625,8 @@ def check_num_splits(num_splits):
 
 
 def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kernel=None, arch=None,
-            block_m=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, ext=None, **opts):
+            block_m=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, ext=None, precision=None,
+            **opts):
     """FlashAttention forward on the CUDA kernels.
 
     Parameters
@@ -658,6 +666,13 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         forms (:mod:`flasharray._private.extensions`); None: the dense kernels. Every feature runs
         on both kernels (compile-time ``kExt`` bits), composable with causal, split-KV, any dtype,
         strides and broadcasting.
+    precision : {None, "ieee", "tf32", "3xtf32"}
+        float32 only (validated by the caller, ``precision.check_precision``): "tf32" / "3xtf32"
+        run ``cuda_src/flash_fwd_tf32.cu`` on TF32 tensor cores where it applies
+        (:func:`cuda_forward_tf32.forward_tile`: d, dv <= 128, dense calls without split-KV), the
+        SIMT kernel otherwise; NotImplementedError naming the arch below sm_80 (the emulator's arch
+        is its compile target, ``arch``). None and "ieee": the SIMT kernel (exact fp32), the
+        float32 default until a GPU measurement picks one.
 
     Returns
     -------
@@ -671,7 +686,7 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         raise TypeError("flasharray: unexpected option(s) for the CUDA forward: %s" % ", ".join(sorted(opts)))
     p = plan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape, device=device, kernel=kernel,
              arch=arch, block_m=block_m, schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa,
-             ext=ext)
+             ext=ext, precision=precision)
     return p.run(q, k, v, counters, ext=ext)
 
 

@@ -14,7 +14,11 @@ None       all          the library's default for the dtype (float32: chosen by
                         hi*hi + hi*lo + lo*hi in fp32: close to fp32 at tensor-core speed
 =========  ===========  ==============================================================
 
-Validation only: not yet wired into the public functions (``api.py``).
+Wired into the public functions (``api.py``: forward, backward, vjp, varlen; the reference takes it
+too). The CUDA forward runs "tf32" / "3xtf32" on ``cuda_src/flash_fwd_tf32.cu``
+(:mod:`cuda_forward_tf32`); the cpu backend, the reference and the backward compute in IEEE
+arithmetic whatever the value; float32's default (None) is "ieee" until a GPU measurement chooses
+(``docs/precision.md``). :func:`tf32_error_bound` is the derived error of the tf32 rounding.
 """
 import numpy as np
 
@@ -58,3 +62,45 @@ def check_precision_arch(precision, compute_capability):
     if cc < 80:
         raise NotImplementedError("flasharray: precision=%r needs TF32 tensor cores (sm_80 or newer); "
                                   "this GPU is sm_%d. Use precision='ieee' (or None)." % (precision, cc))
+
+
+#: Unit roundoff of tf32 (10 explicit mantissa bits, cvt.rna round-to-nearest): |cvt(x) − x| <= u|x|.
+TF32_UNIT_ROUNDOFF = 2.0 ** -11
+
+
+def tf32_error_bound(q, k, v, *, causal=False, scale=None):
+    """Elementwise bounds ``(out_bound, lse_bound)`` on what rounding the operands to tf32 adds to
+    the error of float32 attention (``precision="tf32"``); NumPy arrays in, float64 out.
+
+    Derivation (first principles, u = 2^-11, no second-order term dropped). Each product
+    q_d·k_d of rounded operands is off by at most (2u + u²)|q_d k_d|, so a score moves by at most
+    ΔS_ij = (2u + u²)·scale·Σ_d |q_id||k_jd|; its weight exp(S_ij − m) then changes by a factor
+    1 + δ_j with |δ_j| <= δ_i = expm1(max_j ΔS_ij) (row i's visible keys). The normalised weights
+    w_j = P_j(1 + δ_j) / Σ P(1 + δ) satisfy |w_j / P_j − 1| <= 2δ_i / (1 − δ_i), and P and V are
+    rounded before P·V (relative 2u + u² per product), so
+
+        |Δout_ic| <= [2δ_i + (2u + u²)(1 + δ_i)] / (1 − δ_i) · Σ_j P_ij |V_jc|,
+        |Δlse_i|  <= −log(1 − δ_i)       (l_i sums the unrounded fp32 weights).
+
+    The fp32 arithmetic that remains (accumulation, exp2, the division) is what the DESIGN.md rule
+    bounds for float32; the tests add that term (2·naive fp32 error + atol) to these bounds.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    D, Lq, Lk = q.shape[-1], q.shape[-2], k.shape[-2]
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    u = TF32_UNIT_ROUNDOFF
+    rel = 2 * u + u * u
+    S = scale * (q @ np.swapaxes(k, -1, -2))
+    A = scale * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
+    visible = np.ones((Lq, Lk), dtype=bool)
+    if causal:
+        visible = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq)
+    S = np.where(visible, S, -np.inf)
+    seen = visible.any(axis=-1)[:, None]
+    m = np.where(seen, S.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    P = np.exp(S - m)
+    P = P / np.where(seen, P.sum(axis=-1, keepdims=True), 1.0)
+    delta = np.expm1(rel * np.where(visible, A, 0.0).max(axis=-1, keepdims=True, initial=0.0))
+    out_bound = (2 * delta + rel * (1 + delta)) / (1 - delta) * (P @ np.abs(v))
+    lse_bound = -np.log1p(-delta[..., 0])
+    return out_bound, lse_bound

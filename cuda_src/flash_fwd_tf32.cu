@@ -1,0 +1,402 @@
+// flash_fwd_tf32.cu — FlashAttention forward for float32 inputs on TF32 tensor cores (sm_80+),
+// issue 12's precision="tf32" and precision="3xtf32".
+//
+// Same algorithm, work split and pipeline as the fp16/bf16 tensor-core forward (flash_fwd.cu,
+// kStages = 1): one thread block per (query tile Q_i, batch entry), kNWarps warps each owning one
+// 16-row slab of Q_i, S_ij, P_ij and O_i (a row's softmax statistics stay in one quad); V_j is
+// fetched while S_ij = Q_i K_jᵀ runs, K_{j−1} while the softmax and O_i += P_ij V_j run; key tiles
+// last first, only the tiles crossing the causal diagonal or the sequence end pay for the mask;
+// online softmax in fp32 with exp2 and log2(e) folded into the scale; O_i divided by l_i once;
+// fp32 out and fp32 LSE (natural log). Every product is mma.sync.m16n8k8 .tf32 (fp32 accumulate):
+//
+//   kPrec = 1 ("tf32"):   operands rounded to tf32 with cvt.rna (ties away), one mma per product;
+//   kPrec = 3 ("3xtf32"): each operand x split into x_hi = cvt(x), x_lo = cvt(x − x_hi)
+//                         (|x − x_hi − x_lo| <= 2^-22 |x|), the product taken as
+//                         a_lo·b_hi + a_hi·b_lo + a_hi·b_hi (small terms first), fp32 accumulation:
+//                         the dropped a_lo·b_lo is <= 2^-22 |a·b|, so accuracy is close to fp32.
+//
+// Operands are converted once where they are shared, never per mma:
+//   K_j, V_j (B operands, read by every warp): after its cp.async lands, each thread converts the
+//     chunks it copied itself (no extra barrier: its own copies are visible to it after the wait;
+//     the barrier that publishes the tile to the other warps publishes the converted values) —
+//     tf32 in place; 3xtf32 hi in place and lo into a second plane (sK_lo, sV_lo).
+//   Q_i (A operand, one slab per warp): tf32 converted in place once in the prologue; 3xtf32 kept
+//     raw in shared memory (a lo plane for Q would not fit sm_86/89 at d = 128) and split in
+//     registers right after the ldmatrix: 12 instructions per k8 step, shared by the step's
+//     Bc/8 n8 tiles × 3 mma.
+//   P_ij (A operand of P V, in registers): converted / split once per key tile.
+//
+// Fragments (docs/emulator.md, m16n8k8 tf32; g = lane / 4, t = lane % 4):
+//   A 16×8 row:  a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]
+//   B 8×8 col:   b0 = B[t][g], b1 = B[t+4][g]
+//   C 16×8:      c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
+// ldmatrix (.b16) on fp32 data gives lane l word l%4 of row l/4 of each 8×4-float matrix, i.e.
+// element (g, t): Q (A) and K (B stored n×k) come from ldmatrix.x4 with the fp16 kernel's row
+// addresses (16 bytes = 4 floats per row chunk). P·V needs no lane exchange: the k index of the
+// product is permuted — lane (g, t) holds P[·][2t] and P[·][2t+1] of an n8 tile of S, used as
+// a0/a1 (mma k = t) and a2/a3 (mma k = t+4), so b0/b1 must be V rows 2t and 2t+1: two 32-bit
+// shared loads per B fragment (V's row pitch dv + 4 floats ≡ 4 mod 16 words: the 32 lanes
+// (2t·pitch + g) hit 32 distinct banks).
+//
+// Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128;
+// Br = 16·kNWarps; Bc a multiple of 16. Row pitches d + 4 / dv + 4 floats: the 8 rows an ldmatrix
+// phase reads start in 8 distinct 16-byte bank groups (d/4 + 1 odd). The FLASH_EXT_PARAMS tail is
+// taken (the SIMT kernel's argument list, so the host lays out both alike) and ignored: calls with
+// extensions run the SIMT kernel.
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+#include "flash_fwd_copy.cuh"
+#include "flash_fwd_tiles.cuh"
+#include "flash_ext.cuh"
+
+namespace flash {
+
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kPrec_>
+struct FwdTf32Traits {
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kPrec = kPrec_;
+  static constexpr int kNThreads = kNWarps * kWarpSize;
+  static constexpr int kPlanes = kPrec == 3 ? 2 : 1;   // K_j, V_j: hi (and lo) planes
+  static constexpr int kPad = 4;                       // floats (16 bytes) per row
+  static constexpr int kStrideQ = kHeadDim + kPad, kStrideK = kHeadDim + kPad, kStrideV = kHeadDimV + kPad;
+  static constexpr int kKPlane = kBlockN * kStrideK;   // floats between the hi and lo planes
+  static constexpr int kVPlane = kBlockN * kStrideV;
+  static constexpr int kSmemQOffset = 0;
+  static constexpr int kSmemKOffset = Align16<kBlockM * kStrideQ * 4>::value;
+  static constexpr int kSmemVOffset = kSmemKOffset + Align16<kPlanes * kKPlane * 4>::value;
+  static constexpr int kSmemBytes = kSmemVOffset + Align16<kPlanes * kVPlane * 4>::value;
+  static constexpr int kNTilesS = kBlockN / 8;   // n8 tiles across Bc (= k8 steps of P V)
+  static constexpr int kNTilesO = kHeadDimV / 8; // n8 tiles across dv
+  static constexpr int kKStepsS = kHeadDim / 8;  // k8 steps of Q Kᵀ
+
+  static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
+  static_assert(kBlockM == 16 * kNWarps, "one 16-row slab per warp");
+  static_assert(kBlockN % 16 == 0, "Bc: whole n16 pairs (ldmatrix.x4 of K)");
+  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
+                "d, dv: multiples of 16, at most 128");
+  static_assert(kStrideV % 16 == 4 || kStrideV % 16 == 12, "V pitch: conflict-free 32-bit B loads");
+};
+
+// ---- operand conversion -------------------------------------------------------------------------
+
+// x as the mma operands of precision kPrec: hi = cvt.rna(x) and, 3xtf32, lo = cvt.rna(x − hi).
+template <int kPrec>
+__device__ __forceinline__ void tf32_operand(float x, uint32_t& hi, uint32_t& lo) {
+  if constexpr (kPrec == 3) {
+    float h, l;
+    fa::split_tf32(x, h, l);
+    hi = __float_as_uint(h);
+    lo = __float_as_uint(l);
+  } else {
+    hi = __float_as_uint(fa::cvt_tf32(x));
+    (void)lo;
+  }
+}
+
+// In shared memory, one 16-byte chunk: x → hi in place (and lo at chunk + lo_plane, 3xtf32).
+template <int kPrec>
+__device__ __forceinline__ void convert_chunk(float* chunk, int lo_plane) {
+  Vec16<float> x = *reinterpret_cast<Vec16<float>*>(chunk), hi, lo;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    uint32_t h, l = 0;
+    tf32_operand<kPrec>(x.v[e], h, l);
+    hi.v[e] = __uint_as_float(h);
+    lo.v[e] = __uint_as_float(l);
+  }
+  *reinterpret_cast<Vec16<float>*>(chunk) = hi;
+  if constexpr (kPrec == 3) *reinterpret_cast<Vec16<float>*>(chunk + lo_plane) = lo;
+  else (void)lo_plane;
+}
+
+// One element (the element-wise copy path).
+template <int kPrec>
+__device__ __forceinline__ void convert_elem(float* x, int lo_plane) {
+  uint32_t h, l = 0;
+  tf32_operand<kPrec>(*x, h, l);
+  *x = __uint_as_float(h);
+  if constexpr (kPrec == 3) x[lo_plane] = __uint_as_float(l);
+  else (void)lo_plane;
+}
+
+// Converts exactly what this thread copied with load_tile<float, kRows, kCols, kStride, kNThreads,
+// Is_aligned> (16-byte chunks, or elements): after its cp.async wait (or the synchronous copy)
+// those values are visible to it without a barrier.
+template <int kPrec, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+__device__ __forceinline__ void convert_loaded(float* tile, int lo_plane, int tid) {
+  if constexpr (Is_aligned) {
+    constexpr int kChunksPerRow = kCols / 4;
+    for (int idx = tid; idx < kRows * kChunksPerRow; idx += kNThreads)
+      convert_chunk<kPrec>(tile + (idx / kChunksPerRow) * kStride + (idx % kChunksPerRow) * 4, lo_plane);
+  } else {
+    for (int idx = tid; idx < kRows * kCols; idx += kNThreads)
+      convert_elem<kPrec>(tile + (idx / kCols) * kStride + idx % kCols, lo_plane);
+  }
+}
+
+// The same for a TileCopy (the aligned K_j / V_j copies of the key loop): its fixed column chunk
+// of rows r0 + p·kRowsPerPass.
+template <int kPrec, typename Copy, int kRows, int kStride>
+__device__ __forceinline__ void convert_copied(const Copy& copy, float* tile, int lo_plane) {
+  if (Copy::kChunksPerRow != Copy::kThreadsPerRow && !copy.active) return;
+#pragma unroll
+  for (int p = 0; p < Copy::kPasses; ++p) {
+    if (!Copy::kEvenPasses && copy.r0 + p * Copy::kRowsPerPass >= kRows) break;
+    convert_chunk<kPrec>(tile + copy.smem_offset + p * Copy::kRowsPerPass * kStride, lo_plane);
+  }
+}
+
+// D += A·B in precision kPrec (3xtf32: lo·hi + hi·lo + hi·hi, small terms first).
+template <int kPrec>
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                         const uint32_t (&b_hi)[2], const uint32_t (&b_lo)[2]) {
+  if constexpr (kPrec == 3) {
+    const float c0[4] = {d[0], d[1], d[2], d[3]};
+    fa::mma_m16n8k8_tf32(d, a_lo, b_hi, c0);
+    const float c1[4] = {d[0], d[1], d[2], d[3]};
+    fa::mma_m16n8k8_tf32(d, a_hi, b_lo, c1);
+  } else {
+    (void)a_lo; (void)b_lo;
+  }
+  const float c[4] = {d[0], d[1], d[2], d[3]};
+  fa::mma_m16n8k8_tf32(d, a_hi, b_hi, c);
+}
+
+// ---- the kernel -----------------------------------------------------------------------------------
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool Is_causal,
+          bool Is_aligned>
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
+flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      float* __restrict__ o, float* __restrict__ lse,
+                      int Lq, int Lk, int D, int Dv, int nb2,
+                      long long q_b0, long long q_b1, long long q_b2, long long q_row,
+                      long long k_b0, long long k_b1, long long k_b2, long long k_row,
+                      long long v_b0, long long v_b1, long long v_b2, long long v_row,
+                      long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                      long long lse_b0, long long lse_b1, long long lse_b2,
+                      float scale_log2, FLASH_EXT_PARAMS(float)) {
+  using Traits = FwdTf32Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kPrec>;
+  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kNTilesS = Traits::kNTilesS;
+  constexpr int kNTilesO = Traits::kNTilesO;
+  constexpr int kQuad = 4;
+
+  FA_DYNAMIC_SMEM(smem);
+  float* sQ = reinterpret_cast<float*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d (3xtf32: raw)
+  float* sK = reinterpret_cast<float*>(smem + Traits::kSmemKOffset);  // K_j  hi [, lo]  Bc × d
+  float* sV = reinterpret_cast<float*>(smem + Traits::kSmemVOffset);  // V_j  hi [, lo]  Bc × dv
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_row0 = warp * 16;
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
+
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
+  const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
+  const float* q_i = q + bidx.offset(q_s) + m0 * q_row;
+  const float* k_base = k + bidx.offset(k_s);
+  const float* v_base = v + bidx.offset(v_s);
+  float* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  float* lse_i = lse + bidx.offset(lse_s) + m0;
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);  // kExt = 0: unused
+  (void)ext;
+
+  const Mask<Is_causal> mask(Lq, Lk);
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+
+  float acc_o[kNTilesO][4];
+  OnlineSoftmaxRow<float> stat[2];  // rows g and g + 8 of the warp's slab
+#pragma unroll
+  for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
+  stat[0].init();
+  stat[1].init();
+
+  // ldmatrix row addresses: Q (A, x4) rows l%16, k offset 4·(l/16); K (B, x4, an n16 pair) rows
+  // 8·(l/16) + l%8, k offset 4·((l/8)%2). V (32-bit loads): rows 2t, 2t+1, column g of an n8 tile.
+  const float* sQ_lane = sQ + (warp_row0 + lane % 16) * Traits::kStrideQ + (lane / 16) * 4;
+  const int k_lane = ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 4;
+  const int v_lane = 2 * t * Traits::kStrideV + g;
+
+  using CopyK = TileCopy<float, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>;
+  using CopyV = TileCopy<float, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>;
+  const CopyK copy_k(k_row, D, tid);
+  const CopyV copy_v(v_row, Dv, tid);
+  // K_j / V_j → shared memory (full: every row exists), and after the wait the conversion of what
+  // this thread copied.
+  auto load_k = [&](bool full, int n0) {
+    if constexpr (Is_aligned) copy_k.load(full, sK, k_base + n0 * k_row, rows_in_tile(n0, kBlockN, Lk));
+    else load_tile<float, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(
+        sK, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
+  };
+  auto load_v = [&](bool full, int n0) {
+    if constexpr (Is_aligned) copy_v.load(full, sV, v_base + n0 * v_row, rows_in_tile(n0, kBlockN, Lk));
+    else load_tile<float, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(
+        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+  };
+  auto convert_k = [&]() {
+    if constexpr (Is_aligned) convert_copied<kPrec, CopyK, kBlockN, Traits::kStrideK>(copy_k, sK, Traits::kKPlane);
+    else convert_loaded<kPrec, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(sK, Traits::kKPlane, tid);
+  };
+  auto convert_v = [&]() {
+    if constexpr (Is_aligned) convert_copied<kPrec, CopyV, kBlockN, Traits::kStrideV>(copy_v, sV, Traits::kVPlane);
+    else convert_loaded<kPrec, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(sV, Traits::kVPlane, tid);
+  };
+
+  using TileS = float[kNTilesS][4];
+  // S_ij = Q_i K_jᵀ: per k8 step one A fragment of Q (3xtf32: split here), then the Bc/8 n8 tiles.
+  auto gemm_qk = [&](TileS& acc_s) {
+#pragma unroll
+    for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < Traits::kKStepsS; ++ks) {
+      uint32_t a_hi[4], a_lo[4] = {};
+      fa::ldmatrix<4, false>(a_hi, sQ_lane + ks * 8);
+      if constexpr (kPrec == 3) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tf32_operand<3>(__uint_as_float(a_hi[i]), a_hi[i], a_lo[i]);
+      }
+#pragma unroll
+      for (int np = 0; np < kNTilesS / 2; ++np) {
+        uint32_t b_hi[4], b_lo[4] = {};  // n8 tiles 2np (0, 1) and 2np + 1 (2, 3)
+        const float* sK_k = sK + k_lane + np * 16 * Traits::kStrideK + ks * 8;
+        fa::ldmatrix<4, false>(b_hi, sK_k);
+        if constexpr (kPrec == 3) fa::ldmatrix<4, false>(b_lo, sK_k + Traits::kKPlane);
+        const uint32_t bh0[2] = {b_hi[0], b_hi[1]}, bh1[2] = {b_hi[2], b_hi[3]};
+        const uint32_t bl0[2] = {b_lo[0], b_lo[1]}, bl1[2] = {b_lo[2], b_lo[3]};
+        mma_tf32<kPrec>(acc_s[2 * np], a_hi, a_lo, bh0, bl0);
+        mma_tf32<kPrec>(acc_s[2 * np + 1], a_hi, a_lo, bh1, bl1);
+      }
+    }
+  };
+
+  // Mask (tiles crossing the diagonal or the sequence end), online softmax of rows g, g + 8:
+  // acc_s[nt][i] = S[g + 8·(i/2)][8·nt + 2t + i%2]; P_ij replaces S_ij (unnormalised).
+  auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
+    if (tile_masked) {
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          acc_s[nt][i] = mask.apply(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = acc_s[0][2 * r];
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt) tile_max = fmaxf(tile_max, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+      tile_max = group_allreduce_max<kQuad>(tile_max);
+      const float correction = stat[r].update_max(tile_max * scale_log2);
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        acc_o[dt][2 * r] *= correction;
+        acc_o[dt][2 * r + 1] *= correction;
+      }
+      const float m_sub = stat[r].max_for_exp();
+#pragma unroll
+      for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+        for (int i = 2 * r; i < 2 * r + 2; ++i) {
+          const float p = OnlineSoftmaxRow<float>::prob_unscaled(acc_s[nt][i], scale_log2, m_sub);
+          stat[r].l += p;
+          acc_s[nt][i] = p;
+        }
+    }
+  };
+
+  // O_i += P_ij V_j, k permuted within each k8 step: mma k = t ↔ key 2t, mma k = t + 4 ↔ key 2t + 1.
+  auto gemm_pv = [&](const TileS& acc_s) {
+#pragma unroll
+    for (int ks = 0; ks < kNTilesS; ++ks) {
+      uint32_t a_hi[4], a_lo[4] = {};
+      const float p[4] = {acc_s[ks][0], acc_s[ks][2], acc_s[ks][1], acc_s[ks][3]};  // a0..a3
+#pragma unroll
+      for (int i = 0; i < 4; ++i) tf32_operand<kPrec>(p[i], a_hi[i], a_lo[i]);
+      const float* sV_k = sV + v_lane + ks * 8 * Traits::kStrideV;
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        const float* b = sV_k + dt * 8;
+        const uint32_t b_hi[2] = {__float_as_uint(b[0]), __float_as_uint(b[Traits::kStrideV])};
+        uint32_t b_lo[2] = {0u, 0u};
+        if constexpr (kPrec == 3)
+          b_lo[0] = __float_as_uint(b[Traits::kVPlane]), b_lo[1] = __float_as_uint(b[Traits::kVPlane + Traits::kStrideV]);
+        mma_tf32<kPrec>(acc_o[dt], a_hi, a_lo, b_hi, b_lo);
+      }
+    }
+  };
+
+  // ---- prologue: Q_i (converted once, tf32) and the last key tile in flight -----------------------
+  int n_block = n_block_max - 1;
+  if (n_block >= 0) {
+    load_tile<float, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+    fa::cp_async_commit();
+    load_k(false, n_block * kBlockN);
+    fa::cp_async_commit();
+    if constexpr (kPrec == 1) {
+      fa::cp_async_wait<1>();  // Q_i (this thread's copies)
+      convert_loaded<1, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(sQ, 0, tid);
+    }
+  }
+
+  // ---- key loop, last tile first (the masked tiles first); two barriers per tile -------------------
+  for (; n_block >= 0; --n_block) {
+    const int n0 = n_block * kBlockN;
+    const bool masked = n_block >= n_block_unmasked;
+    fa::cp_async_wait<0>();
+    convert_k();
+    // Barrier: K_j (and Q_i) copied and converted by every thread; every warp has finished reading
+    // V_{j+1}, so sV may be overwritten.
+    __syncthreads();
+    load_v(!masked, n0);
+    fa::cp_async_commit();
+
+    TileS acc_s;
+    gemm_qk(acc_s);
+
+    fa::cp_async_wait<0>();
+    convert_v();
+    // Barrier: V_j copied and converted by every thread; every warp has finished reading K_j.
+    __syncthreads();
+    if (n_block > 0) load_k(true, n0 - kBlockN);
+    fa::cp_async_commit();
+
+    softmax_step(masked, acc_s, n0);
+    gemm_pv(acc_s);
+  }
+
+  // ---- epilogue: O_i / l_i once, fp32 straight from the fragments; LSE by the quad's lane 0 ---------
+  const bool pairs = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % 8 == 0) && Dv % 2 == 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l_total = group_allreduce_sum<kQuad>(stat[r].l);
+    const float inv_l = stat[r].inv_sum(l_total);
+    const int row = warp_row0 + g + 8 * r;  // in the tile
+    if (m0 + row >= Lq) continue;
+    float* dst = o_i + row * o_row;
+#pragma unroll
+    for (int dt = 0; dt < kNTilesO; ++dt) {
+      const int col = 8 * dt + 2 * t;
+      const float lo = acc_o[dt][2 * r] * inv_l, hi = acc_o[dt][2 * r + 1] * inv_l;
+      if (pairs) {
+        if (col < Dv) fa::gstore(reinterpret_cast<float2*>(dst + col), float2{lo, hi});
+      } else {
+        if (col < Dv) fa::gstore(dst + col, lo);
+        if (col + 1 < Dv) fa::gstore(dst + col + 1, hi);
+      }
+    }
+    if (t == 0) fa::gstore(lse_i + row, stat[r].lse(l_total));
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,228 @@
+"""The float32 forward on TF32 tensor cores (cuda_src/flash_fwd_tf32.cu, issue 12) on the emulator.
+
+precision="3xtf32" is held to the DESIGN.md rule for float32 (``assert_attention_close``: against
+naive float32 attention, the rule the SIMT fp32 kernel meets). precision="tf32" rounds every
+operand to 10 mantissa bits, which no float32 rule can absorb: it is held elementwise to
+``precision.tf32_error_bound`` (the derived effect of the tf32 rounding) plus the float32 rule's
+own term for the arithmetic that stays fp32 (2·naive fp32 error + atol).
+
+Default run: a representative subset (D 16/32/40/59/64/128, Lq 1/17/64/77/65, Lk 45/63/64/130,
+causal with fully masked rows, GQA broadcast, BSHD strided views, the element-wise copy path);
+``-m slow``: head dims x lengths x causal x both precisions.
+"""
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray import reference
+from flasharray._private import cuda_forward, cuda_forward_tf32, tiles
+from flasharray._private.dtypes import ATOL
+from flasharray._private.precision import tf32_error_bound
+from flasharray.testing import assert_attention_close
+
+from test_cuda_forward import make_inputs, run_forward
+
+PRECISIONS = ("tf32", "3xtf32")
+
+
+def assert_tf32_close(out, lse, q, k, v, causal, scale=None):
+    """|out − ref64| <= tf32 bound + 2·max|naive32 − ref64| + atol32·max(1, max|ref|), elementwise;
+    the same for lse (non-finite reference entries matched exactly)."""
+    kw = dict(causal=causal, scale=scale)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    naive_out, naive_lse = reference.attention(q, k, v, return_lse=True, dtype=np.float32, **kw)
+    b_out, b_lse = tf32_error_bound(q, k, v, **kw)
+    for name, got, ref, naive, bound in (("out", out, ref_out, naive_out, b_out), ("lse", lse, ref_lse, naive_lse, b_lse)):
+        got, ref, naive = (np.asarray(x, np.float64) for x in (got, ref, naive))
+        finite = np.isfinite(ref)
+        np.testing.assert_array_equal(got[~finite], ref[~finite], err_msg=name)
+        if not finite.any():
+            continue
+        fp32_term = 2 * np.abs(naive[finite] - ref[finite]).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(ref[finite]).max())
+        err = np.abs(got[finite] - ref[finite])
+        limit = np.broadcast_to(bound, ref.shape)[finite] + fp32_term
+        worst = np.argmax(err - limit)
+        assert np.all(err <= limit), "%s: error %.3e > bound %.3e (tf32 part %.3e)" % (
+            name, err[worst], limit[worst], limit[worst] - fp32_term)
+
+
+def check(precision, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, **opts):
+    q, k, v = make_inputs(np.float32, D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    out, lse = run_forward("emulator", q, k, v, causal=causal, precision=precision, **opts)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.shape == q.shape[:-1] + (v.shape[-1],) and lse.shape == q.shape[:-1]
+    if precision == "3xtf32":
+        assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    else:
+        assert_tf32_close(out, lse, q, k, v, causal)
+    for a, b in ((q, q0), (k, k0), (v, v0)):
+        np.testing.assert_array_equal(a, b)
+    return out, lse
+
+
+def tf32_plan(q, k, v, causal, precision, **kw):
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    return cuda_forward.plan(q, k, v, causal=causal, scale=0.125, batch_shape=batch, device="emulator",
+                             precision=precision, **kw)
+
+
+# (D, Lq, Lk, causal, layout, gqa): odd and small head dims, Lq = 1 (GQA-packed), Lq > Lk causal
+# (fully masked rows), Lk not a multiple of Bc, BSHD views (row stride H·D), D = 59 (no 16-byte
+# rows: the element-wise copies).
+SUBSET = [
+    (64, 77, 130, False, "bhsd", False),
+    (32, 1, 130, True, "bhsd", True),
+    (128, 65, 63, True, "bhsd", False),
+    (59, 17, 45, False, "bshd", False),
+    (40, 64, 64, True, "bshd", True),
+    (16, 17, 64, False, "bhsd", False),
+]
+
+
+def _id(c):
+    D, Lq, Lk, causal, layout, gqa = c
+    return "d%d-%dx%d%s-%s%s" % (D, Lq, Lk, "-causal" if causal else "", layout, "-gqa" if gqa else "")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+def test_forward_tf32(precision, case):
+    D, Lq, Lk, causal, layout, gqa = case
+    check(precision, D, Lq, Lk, causal, layout=layout, gqa=gqa)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_forward_tf32_dv_differs(precision):
+    check(precision, 40, 33, 70, True, Dv=24)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tf32_kernel_runs_its_mma(precision):
+    """The TF32 kernel (not SIMT) runs: one mma per product for tf32, three for 3xtf32; every
+    element of q, k, v read once per tile load (emulator bytes = the analytic count)."""
+    q, k, v = make_inputs(np.float32, 64, 64, 128, batch=(1, 1))
+    p = tf32_plan(q, k, v, False, precision)
+    assert p.tile.kernel == "tf32" and p.tile.precision == precision
+    counters = []
+    p.run(q, k, v, counters)
+    # S: 64x128 outputs as m16n8, k 64 in k8 steps; O: 64x64, k 128 -> 4 slabs x (16·8 + 16·8) mma
+    per_product = cuda_forward_tf32.PREC[precision]
+    assert sum(c["mma"] for c in counters) == 4 * (16 * 8 + 16 * 8) * per_product
+    reads, writes = cuda_forward.analytic_global_bytes(1, 64, 128, 64, 64, np.float32, p.tile)
+    assert sum(c["global_read_bytes"] for c in counters) == reads
+    assert sum(c["global_write_bytes"] for c in counters) == writes
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "random"])
+def test_tf32_schedules_identical(schedule):
+    """A missing barrier (conversion of a tile before another warp reads it) would change the result."""
+    q, k, v = make_inputs(np.float32, 64, 77, 130)
+    ref = run_forward("emulator", q, k, v, causal=True, precision="3xtf32")
+    got = run_forward("emulator", q, k, v, causal=True, precision="3xtf32", schedule=schedule, seed=3)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_3xtf32_error_close_to_simt_fp32():
+    """3xtf32's max error vs the float64 reference stays within 2x the SIMT fp32 kernel's (same inputs)."""
+    for D, Lq, Lk, causal in ((64, 77, 130, False), (128, 65, 63, True)):
+        q, k, v = make_inputs(np.float32, D, Lq, Lk, seed=1)
+        ref = reference.attention(q, k, v, causal=causal)
+        errs = {prec: np.abs(run_forward("emulator", q, k, v, causal=causal, precision=prec)[0] - ref).max()
+                for prec in ("ieee", "3xtf32", "tf32")}
+        assert errs["3xtf32"] <= 2 * errs["ieee"], errs
+        assert errs["tf32"] > 10 * errs["3xtf32"], errs  # tf32 really rounds (the kernel ran)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_unsupported_shapes_fall_back_to_simt(precision):
+    """Head dims above 128, forced kernels and extensions run the SIMT kernel (exact fp32)."""
+    q, k, v = make_inputs(np.float32, 160, 17, 33, batch=(1, 1))
+    assert tf32_plan(q, k, v, False, precision).tile.kernel == "simt"
+    check(precision if precision == "3xtf32" else "3xtf32", 160, 17, 33, False)  # SIMT meets the fp32 rule
+    q, k, v = make_inputs(np.float32, 64, 17, 33, batch=(1, 1))
+    assert tf32_plan(q, k, v, False, precision, kernel="simt").tile.kernel == "simt"
+    out = fa.flash_attention(q, k, v, backend="emulator", precision=precision, window=(4, 0))
+    assert_attention_close(out, q, k, v, window=(4, 0))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sm75_refused(precision):
+    q, k, v = make_inputs(np.float32, 64, 17, 33, batch=(1, 1))
+    with pytest.raises(NotImplementedError, match="sm_75"):
+        run_forward("emulator", q, k, v, causal=False, precision=precision, arch=75)
+    # ieee / None run on sm_75 (SIMT)
+    run_forward("emulator", q, k, v, causal=False, precision="ieee", arch=75)
+
+
+def test_tile_table():
+    """Every d, dv <= 128 has a tile on every sm_80+ arch within its shared memory; above 128 none."""
+    for arch in (80, 86, 89, 90):
+        for precision in PRECISIONS:
+            for d in range(1, 129, 7):
+                t = cuda_forward_tf32.forward_tile(precision, np.float32, d, 128 - d // 2, arch)
+                assert t.smem <= tiles.smem_limit(arch) and t.block_m == 64 and t.block_n in (16, 32, 64)
+            assert cuda_forward_tf32.forward_tile(precision, np.float32, 129, 64, arch) is None
+            assert cuda_forward_tf32.forward_tile(precision, np.float64, 64, 64, arch) is None
+    assert cuda_forward_tf32.forward_tile("tf32", np.float32, 128, 128, 86).block_n == 64
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 128, 128, 86).block_n == 32
+
+
+_PROBE = r"""
+#include "flash_fwd_tf32.cu"
+template <int D, int DV, int BM, int BN, int NW, int P>
+__global__ void probe_tf32(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTf32Traits<D, DV, BM, BN, NW, P>::kSmemBytes);
+}
+"""
+
+
+def test_python_smem_matches_traits():
+    from flasharray import emulator
+    from flasharray._private import launch
+    entries = {}
+    for precision in PRECISIONS:
+        for d, dv in ((16, 16), (64, 64), (128, 128), (48, 112)):
+            t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, 86)
+            entries["probe_tf32<%d, %d, %d, %d, %d, %d>" % (t.head_dim, t.head_dim_v, t.block_m, t.block_n,
+                                                            t.threads_m, cuda_forward_tf32.PREC[precision])] = t.smem
+    mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    for expr, smem in entries.items():
+        out = np.zeros(1, np.int32)
+        mod.launch(expr, (1,), (32,), (out,))
+        assert int(out[0]) == smem, expr
+
+
+def test_public_api_precision():
+    """flash_attention / _forward / _vjp / backward take precision=; cpu and reference accept it."""
+    q, k, v = make_inputs(np.float32, 32, 17, 33, batch=(1, 2))
+    out_t, lse_t = fa.flash_attention_forward(q, k, v, causal=True, backend="emulator", precision="tf32")
+    assert_tf32_close(out_t, lse_t, q, k, v, True)
+    out3 = fa.flash_attention(q, k, v, causal=True, backend="emulator", precision="3xtf32")
+    assert_attention_close(out3, q, k, v, causal=True)
+    for backend in ("cpu", "emulator"):
+        out, vjp = fa.flash_attention_vjp(q, k, v, causal=True, backend=backend, precision="3xtf32")
+        dq, dk, dv = vjp(np.ones_like(out))
+        assert dq.shape == q.shape
+    out_cpu = fa.flash_attention(q, k, v, backend="cpu", precision="tf32")
+    np.testing.assert_array_equal(out_cpu, fa.flash_attention(q, k, v, backend="cpu"))  # cpu: IEEE fp32
+    np.testing.assert_array_equal(reference.attention(q, k, v, precision="tf32"), reference.attention(q, k, v))
+    with pytest.raises(ValueError, match="precision"):
+        fa.flash_attention(q, k, v, backend="emulator", precision="bf16")
+    with pytest.raises(ValueError, match="does not apply to float64"):
+        fa.flash_attention(*(x.astype(np.float64) for x in (q, k, v)), backend="cpu", precision="tf32")
+    with pytest.raises(ValueError, match="precision"):
+        reference.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), precision="3xtf32")
+
+
+# ---- exhaustive (slow) ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("D", [8, 16, 32, 40, 59, 64, 80, 96, 111, 128])
+@pytest.mark.parametrize("lengths", [(1, 1), (17, 63), (63, 64), (64, 65), (127, 129), (129, 127), (257, 255)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_tf32_full(precision, D, lengths, causal):
+    check(precision, D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
