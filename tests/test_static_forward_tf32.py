@@ -1,0 +1,87 @@
+"""Static checks of the TF32 forward (cuda_src/flash_fwd_tf32.cu) with NVRTC (no GPU needed).
+
+Every instantiation the library uses compiles for sm_80, sm_86, sm_89 and sm_90 with zero spills,
+no local stack, no static shared memory, registers x threads within the register file and dynamic
+shared memory within the arch's opt-in maximum; the key-tile loop (sass.key_loop) holds exactly
+the HMMA.1688.F32.TF32 instructions of one key tile (kPrec per product: 1 tf32, 3 3xtf32) and no
+other HMMA; sm_75 is refused at compile time (fa::mma_m16n8k8_tf32 needs sm_80+) and by the host.
+
+Default: d = dv in {64, 128} and 40 (padded 48), causal x aligned, both precisions; ``-m slow``:
+every padded head dim 16..128.
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_forward_tf32 as T
+from flasharray._private import launch, nvrtc, sass, tiles
+from conftest import requires_nvrtc
+
+pytestmark = requires_nvrtc
+SASS_OK, SASS_WHY = sass.available()
+ARCHS = (80, 86, 89, 90)
+REGISTER_FILE = 64 * 1024
+
+
+def instantiations(arch, head_dims):
+    found = {}
+    for precision in T.PREC:
+        for d in head_dims:
+            t = T.forward_tile(precision, np.float32, d, d, arch)
+            for causal in (False, True):
+                for aligned in (False, True):
+                    found[t.name_expression(causal, aligned)] = t
+    return found
+
+
+def expected_hmma(t):
+    """mma per key tile and warp: S (d/8 k-steps x Bc/8 n-tiles) + O (Bc/8 k-steps x dv/8 n-tiles)."""
+    return (t.head_dim // 8 * t.block_n // 8 + t.block_n // 8 * t.head_dim_v // 8) * T.PREC[t.precision]
+
+
+def _check(arch, head_dims):
+    found = instantiations(arch, head_dims)
+    res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
+                              options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    problems, rows = [], []
+    for name, t in found.items():
+        k = res.kernel(name)
+        line = "sm_%d %-66s regs %3d spill %d/%d smem %6d" % (arch, name, k.registers, k.spill_stores,
+                                                                k.spill_loads, t.smem)
+        if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
+            problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
+                                                                         k.stack_frame, k.static_smem))
+        if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(arch):
+            problems.append("%s: %d regs, %d bytes smem" % (name, k.registers, t.smem))
+        if fns is not None:
+            body = fns[k.lowered_name]
+            loop = sass.key_loop(body)
+            tf32 = sum(1 for i in body if i.opcode == "HMMA.1688.F32.TF32" and loop.start <= i.address <= loop.end)
+            line += "  key loop %d instr, %d HMMA (%.2f/HMMA)" % (loop.stats.instructions, loop.stats.hmma,
+                                                                 loop.per_hmma)
+            if not (tf32 == loop.stats.hmma == expected_hmma(t)):
+                problems.append("%s: key loop %d HMMA.1688.F32.TF32 of %d HMMA, expected %d"
+                                % (name, tf32, loop.stats.hmma, expected_hmma(t)))
+        rows.append(line)
+    print("\n".join(rows))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_forward_compiles(arch):
+    _check(arch, (40, 64, 128))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_forward_compiles_all_head_dims(arch):
+    _check(arch, (16, 32, 48, 64, 80, 96, 112, 128))
+
+
+def test_sm75_refused():
+    t = T.forward_tile("tf32", np.float32, 64, 64, 80)
+    with pytest.raises(Exception, match="needs sm_80"):
+        nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_75", [t.name_expression(False, True)])
+    for precision in T.PREC:
+        with pytest.raises(NotImplementedError, match="sm_75"):
+            T.forward_tile(precision, np.float32, 64, 64, 75)
