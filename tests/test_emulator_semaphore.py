@@ -4,6 +4,7 @@ On the emulator a block whose wait is not yet satisfied is suspended (its worker
 blocks) and another worker starts the blocks not yet dispatched, so any block order works; a
 wait that can never be satisfied is a deadlock error, never a hang. On the GPU the wrappers are
 an acquire-load spin and a release reduction (checked in the SASS below)."""
+import os
 import re
 import time
 
@@ -138,14 +139,20 @@ def test_per_tile_semaphores_accumulate_in_key_block_order(mod, schedule, seed, 
 
 
 # ---- errors ---------------------------------------------------------------------------------------
+def os_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("schedule,seed", SCHEDULES[:3])
 def test_deadlock_is_reported_not_hung(mod, schedule, seed, workers):
     sem = np.zeros(4, np.int32)
+    threads = os_threads()
     t0 = time.monotonic()
     with pytest.raises(emulator.EmulatorError, match="deadlock") as e:
         mod.launch("stalls", 8, 64, (sem, np.int32(5)), schedule=schedule, seed=seed, workers=workers)
     assert time.monotonic() - t0 < 10
+    assert os_threads() == threads   # every worker started for the waiting blocks was joined
     msg = str(e.value)
     # the lowest waiting block: block 5 waits for turn 6 while the counter stopped at 5
     assert "kernel 'stalls' block (5,0,0)" in msg, msg
