@@ -10,8 +10,12 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 
 Every tile is 4 warps × one 16-row slab (Br = 64). Shared memory (fp32, rows padded by 4 floats):
 Q_i raw (Br × d), K_j and V_j as tf32 planes — one for tf32, hi and lo for 3xtf32. Bc is the
-largest of 64, 32, 16 that fits the arch: 3xtf32 at d = 128 takes Bc = 32 (Q 33 KB + K 2 × 16.5
-KB + V 2 × 16.5 KB = 99 KB, exactly sm_86/89's opt-in maximum).
+largest of 64, 32, 16 whose shared memory lets two blocks share an SM (8 warps: the kernels need
+170-220 registers, so registers cap residency at 2-3 blocks anyway, and one block of 4 warps per
+SM leaves each scheduler a single warp to hide mma and shared-memory latency), else the largest
+that fits at all (d = 128 on sm_86/89, whose 100 KB per SM hold one such block). E.g. sm_80:
+tf32 d <= 64 Bc 64, d 128 Bc 32; 3xtf32 d <= 64 Bc 32, d 128 Bc 16; sm_90: tf32 Bc 64, 3xtf32
+d <= 64 Bc 64, d 128 Bc 32. A GPU measurement may revise this (docs/precision.md).
 """
 from dataclasses import dataclass
 
@@ -25,6 +29,9 @@ MAX_HEAD_DIM = 128
 WARPS = 4
 BLOCK_M = 16 * WARPS
 _PAD = 4  # floats per shared-memory row
+#: Shared memory per SM in KB and reserved per block (sass.ARCH_LIMITS; unknown arch: its block limit).
+_SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
+_RESERVED = 1024
 
 
 def smem_bytes(d, dv, block_m, block_n, precision):
@@ -68,11 +75,15 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     d, dv = tiles.pad_head_dim(head_dim), tiles.pad_head_dim(head_dim_v)
     if max(d, dv) > MAX_HEAD_DIM:
         return None
-    for bc in (64, 32, 16):
-        smem = smem_bytes(d, dv, BLOCK_M, bc, precision)
-        if smem <= tiles.smem_limit(arch):
-            reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d, the largest of 64/32/16 whose K/V %s fit %d KB"
-                      % (precision, bc, "hi+lo planes" if precision == "3xtf32" else "tf32 planes",
-                         tiles.smem_limit(arch) // tiles.KB))
-            return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision)
-    return None  # pragma: no cover - Bc = 16 fits every sm_80+ arch
+    a = tiles.arch_number(arch)
+    limit = tiles.smem_limit(a)
+    per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
+    fits = [(bc, smem_bytes(d, dv, BLOCK_M, bc, precision)) for bc in (64, 32, 16)]
+    fits = [(bc, smem) for bc, smem in fits if smem <= limit]
+    two = [(bc, smem) for bc, smem in fits if 2 * (smem + _RESERVED) <= per_sm]
+    bc, smem = (two or fits)[0]
+    reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d: %s (K/V as %s)"
+              % (precision, bc, "the largest Bc letting 2 blocks share an SM" if two else
+                 "the largest Bc that fits (one block per SM)",
+                 "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
+    return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision)
