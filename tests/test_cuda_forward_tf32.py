@@ -226,3 +226,19 @@ def test_public_api_precision():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_tf32_full(precision, D, lengths, causal):
     check(precision, D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
+
+
+def test_precision_benchmark_table():
+    """benchmarks/precision.py's accuracy table (docs/precision.md) runs and ranks the precisions."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "precision.py"
+    spec = importlib.util.spec_from_file_location("precision_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {p: bench.accuracy_row(bench.SHAPES[0], p) for p in bench.PRECISIONS}
+    assert rows["ieee"]["kernel"] == "simt" and rows["tf32"]["kernel"] == rows["3xtf32"]["kernel"] == "tf32"
+    for r in rows.values():
+        assert r["out"] <= r["bound"]
+    assert rows["3xtf32"]["out"] < 1e-5 < rows["tf32"]["out"]
+    assert "| tf32 |" in bench.accuracy_table(bench.SHAPES[:1])

@@ -1,0 +1,141 @@
+"""Accuracy of float32 attention per precision ("ieee", "tf32", "3xtf32") and the TF32 kernel's SASS.
+
+Accuracy (default): every precision runs the CUDA forward on the emulator (exact mma semantics:
+tf32 operands truncated to their 10 mantissa bits, products exact, fp32 accumulation) on the test
+shapes of tests/test_cuda_forward_tf32.py, and the table gives the max abs error of out and lse
+against the float64 reference, the max relative error of out (|err| / max(1, |ref|) elementwise),
+the bound the tests hold it to (3xtf32 / ieee: the DESIGN.md fp32 rule, 2·naive fp32 error +
+atol; tf32: the derived precision.tf32_error_bound plus that fp32 term), and naive float32
+attention's own error for scale.
+
+--sass: the TF32 kernel's key-tile loop on sm_80, sm_86 and sm_90 (NVRTC + cuobjdump): instructions per
+HMMA, HMMA / LDSM / LDS / MUFU counts, registers, shared memory and occupancy per SM.
+
+Usage: python benchmarks/precision.py [--sass] [--quick]      (docs/precision.md)
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from flasharray import reference  # noqa: E402
+from flasharray._private import cuda_forward  # noqa: E402
+from flasharray._private.dtypes import ATOL  # noqa: E402
+from flasharray._private.precision import tf32_error_bound  # noqa: E402
+
+#: (D, Lq, Lk, causal, layout, gqa): the default test shapes of tests/test_cuda_forward_tf32.py.
+SHAPES = [
+    (64, 77, 130, False, "bhsd", False),
+    (32, 1, 130, True, "bhsd", True),
+    (128, 65, 63, True, "bhsd", False),
+    (59, 17, 45, False, "bshd", False),
+    (40, 64, 64, True, "bshd", True),
+    (16, 17, 64, False, "bhsd", False),
+    (128, 256, 256, False, "bhsd", False),
+]
+PRECISIONS = ("ieee", "3xtf32", "tf32")
+
+
+def inputs(D, Lq, Lk, layout, gqa, seed=0, B=1, H=2):
+    rng = np.random.default_rng(seed)
+    Hk = 1 if gqa else H
+
+    def one(h, L):
+        if layout == "bshd":
+            return np.swapaxes(rng.standard_normal((B, L, h, D)).astype(np.float32), 1, 2)
+        return rng.standard_normal((B, h, L, D)).astype(np.float32)
+    return one(H, Lq), one(Hk, Lk), one(Hk, Lk)
+
+
+def _max(x):
+    return float(x.max()) if x.size else 0.0
+
+
+def accuracy_row(shape, precision):
+    """Errors of one (shape, precision) against the float64 reference, and the test's bound."""
+    D, Lq, Lk, causal, layout, gqa = shape
+    q, k, v = inputs(D, Lq, Lk, layout, gqa)
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    p = cuda_forward.plan(q, k, v, causal=causal, scale=D ** -0.5, batch_shape=batch, device="emulator",
+                          precision=precision)
+    out, lse = p.run(q, k, v)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    naive, naive_lse = reference.attention(q, k, v, causal=causal, return_lse=True, dtype=np.float32)
+    fin = np.isfinite(ref_lse)
+    err = np.abs(out - ref)
+    lse_err = np.abs(lse[fin] - ref_lse[fin])
+    naive_err = _max(np.abs(naive - ref))
+    bound = 2 * naive_err + ATOL[np.dtype(np.float32)] * max(1.0, _max(np.abs(ref)))
+    if precision == "tf32":
+        bound = bound + _max(tf32_error_bound(q, k, v, causal=causal)[0])
+    return dict(kernel=p.tile.kernel, out=_max(err), rel=_max(err / np.maximum(1.0, np.abs(ref))),
+                lse=_max(lse_err), naive=naive_err, bound=bound)
+
+
+def accuracy_table(shapes=SHAPES):
+    lines = ["| shape (D, Lq x Lk) | precision | kernel | max abs err out | max rel err out | max abs err lse | "
+             "test bound (out) | naive fp32 err |",
+             "|---|---|---|---|---|---|---|---|"]
+    worst = {}
+    for shape in shapes:
+        D, Lq, Lk, causal, layout, gqa = shape
+        name = "D %d, %d x %d%s%s%s" % (D, Lq, Lk, " causal" if causal else "", " bshd" if layout == "bshd" else "",
+                                        " GQA" if gqa else "")
+        for precision in PRECISIONS:
+            r = accuracy_row(shape, precision)
+            worst[precision] = max(worst.get(precision, 0.0), r["out"])
+            lines.append("| %s | %s | %s | %.2e | %.2e | %.2e | %.2e | %.2e |" % (
+                name, precision, r["kernel"], r["out"], r["rel"], r["lse"], r["bound"], r["naive"]))
+    lines.append("")
+    lines.append("max |err out| over the shapes: " + ", ".join("%s %.2e" % kv for kv in worst.items()))
+    return "\n".join(lines)
+
+
+def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
+    from flasharray._private import cuda_forward_tf32 as T
+    from flasharray._private import launch, nvrtc, sass
+    ok, why = sass.available()
+    if not ok:
+        return "SASS unavailable: %s" % why
+    lines = ["| arch | precision | d | Br x Bc | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | "
+             "HMMA | instr / HMMA | LDSM | LDS | MUFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arch in archs:
+        found = {}
+        for precision in T.PREC:
+            for d in head_dims:
+                t = T.forward_tile(precision, np.float32, d, d, arch)
+                found[t.name_expression(False, True)] = t
+        res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
+                                  options=["--use_fast_math"])
+        fns = sass.parse(sass.disassemble(res.cubin))
+        for name, t in found.items():
+            k = res.kernel(name)
+            lp = sass.key_loop(fns[k.lowered_name])
+            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+            s = lp.stats
+            lines.append("| sm_%d | %s | %d | %d x %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
+                arch, t.precision, t.head_dim, t.block_m, t.block_n, k.registers, t.smem / 1024, occ.blocks,
+                occ.warps, occ.limiter, s.instructions, s.hmma, s.per_hmma, s.ldsm, s.lds, s.mufu))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sass", action="store_true", help="the TF32 kernel's SASS figures instead")
+    ap.add_argument("--quick", action="store_true", help="accuracy: the first two shapes only")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.sass:
+        print(sass_table())
+    else:
+        print(accuracy_table(SHAPES[:2] if args.quick else SHAPES))
+    print("(%.0f s)" % (time.perf_counter() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
