@@ -52,3 +52,84 @@ def test_arch_supported(precision, cc):
 @pytest.mark.parametrize("precision", [None, "ieee"])
 def test_ieee_and_default_run_everywhere(precision):
     check_precision_arch(precision, 75)
+
+
+# ---- the option on the public functions (api.py) ------------------------------------------------------
+
+def _qkv(dtype, L=9, D=16):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal((2, L, D)).astype(dtype) for _ in range(3)]
+
+
+def _public_calls(q, k, v, backend, precision):
+    import flasharray as fa
+    out, lse = fa.flash_attention_forward(q, k, v, backend=backend, precision=precision)
+    yield out
+    yield fa.flash_attention(q, k, v, backend=backend, precision=precision)
+    yield fa.flash_attention_backward(out, q, k, v, out, lse, backend=backend, precision=precision)[0]
+    out2, vjp = fa.flash_attention_vjp(q, k, v, backend=backend, precision=precision)
+    yield vjp(out2)[0]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulator"])
+@pytest.mark.parametrize("dtype,precision", [(F16, "tf32"), (BF16, "ieee"), (F64, "3xtf32"), (F32, "fast")])
+def test_every_public_function_validates(backend, dtype, precision):
+    q, k, v = _qkv(dtype)
+    import flasharray as fa
+    out, lse = fa.flash_attention_forward(q, k, v, backend=backend)
+    calls = [lambda: fa.flash_attention_forward(q, k, v, backend=backend, precision=precision),
+             lambda: fa.flash_attention(q, k, v, backend=backend, precision=precision),
+             lambda: fa.flash_attention_backward(out, q, k, v, out, lse, backend=backend, precision=precision),
+             lambda: fa.flash_attention_vjp(q, k, v, backend=backend, precision=precision)]
+    for call in calls:
+        with pytest.raises(ValueError, match="precision"):
+            call()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulator"])
+@pytest.mark.parametrize("precision", [None, "ieee", "tf32", "3xtf32"])
+def test_every_public_function_accepts_float32(backend, precision):
+    q, k, v = _qkv(F32)
+    for x in _public_calls(q, k, v, backend, precision):
+        assert x.dtype == F32 and np.all(np.isfinite(x))
+
+
+@pytest.mark.parametrize("precision", [None, "ieee"])
+def test_float64_accepts_ieee(precision):
+    q, k, v = _qkv(F64)
+    for backend in ("cpu", "emulator"):
+        for x in _public_calls(q, k, v, backend, precision):
+            assert x.dtype == F64
+
+
+def test_backward_ignores_precision():
+    """The backward runs the IEEE kernels whatever precision says: bitwise the same gradients."""
+    import flasharray as fa
+    q, k, v = _qkv(F32)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
+    ref = fa.flash_attention_backward(out, q, k, v, out, lse, backend="emulator")
+    for precision in ("ieee", "tf32", "3xtf32"):
+        got = fa.flash_attention_backward(out, q, k, v, out, lse, backend="emulator", precision=precision)
+        for a, b in zip(got, ref):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_forward_precision_changes_the_kernel():
+    """tf32 differs from ieee (the TF32 kernel ran); the cached call signature keys on precision."""
+    import flasharray as fa
+    q, k, v = _qkv(F32, L=33, D=32)
+    ieee = fa.flash_attention(q, k, v, backend="emulator", precision="ieee")
+    tf32 = fa.flash_attention(q, k, v, backend="emulator", precision="tf32")
+    assert np.abs(ieee - tf32).max() > 1e-5
+    np.testing.assert_array_equal(fa.flash_attention(q, k, v, backend="emulator"), ieee)  # default: ieee
+
+
+def test_varlen_accepts_precision():
+    """The varlen forward passes precision on (lengths are an extension: the SIMT kernel runs)."""
+    import flasharray as fa
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((10, 2, 16)).astype(F32) for _ in range(3))
+    cu = np.array([0, 4, 10], np.int32)
+    a = fa.flash_attention_varlen(q, k, v, cu, cu, backend="emulator", precision="3xtf32")
+    b = fa.flash_attention_varlen(q, k, v, cu, cu, backend="emulator")
+    np.testing.assert_array_equal(a, b)
