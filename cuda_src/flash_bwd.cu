@@ -212,8 +212,19 @@ using namespace fa_bwd;
 // ---------------------------------------------------------------------------------------------
 // dK_j, dV_j (and, with kAtomicDQ, atomic dQ): grid = (Tc, nb1 * nb2, nb0); n_group query batch
 // entries share K_j, V_j (group strides on the query-side tensors).
+// kOrderedDQ (the deterministic mode): the atomic dQ in a fixed order. Key block n adds dS K_j to
+// query block i's accumulator only when key blocks 0 .. n-1 have added theirs (fa::sem_wait on
+// query block i's counter until it equals n, fa::sem_post after), so every float sum of dQ runs
+// n = 0, 1, 2, ... whatever the block timing: bitwise reproducible with 5 products per block pair
+// (the separate dQ kernel recomputes S and dP: 7). The visitors of query block i are exactly key
+// blocks 0 .. n_max(i) (dense and causal: key block n starts at m_block_min, nondecreasing in n,
+// and visits every query block from there), so counting visits is counting key blocks. A block
+// waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
+// (fa::sem_wait's rule: no deadlock however few blocks are resident). The counters are the
+// DQOrderCounters ints after each batch entry's ceil(Lq / Br) * Br x D floats, cleared with them.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages, int kExt = 0>
+          int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages, int kExt = 0,
+          bool kOrderedDQ = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -250,6 +261,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                   "P^T, dS^T in registers need the warp's strip to span all of Br and its dK_j, dV_j rows");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
+    static_assert(!kOrderedDQ || (kAtomicDQ && kExt == 0),
+                  "ordered dQ: the atomic mode's accumulator, dense visits (key blocks 0 .. n_max(i))");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -289,6 +302,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     }
     const int blocks_per_entry = kExt != 0 ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0);
     const int n_visits = blocks_per_entry * n_group;
+    // Atomic modes: the accumulator of query batch entry grp (DQAccumLayout blocks, then, ordered,
+    // the counters).
+    auto dqa_entry = [&](int grp) {
+        return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g;
+    };
+    const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
     // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads).
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
@@ -351,14 +370,17 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                                                           wm, 0, scale_log2, mask, drop, r0, c0);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
-                // Barrier: dS^T complete before warps read its columns for dQ.
-                __syncthreads();
+                // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
+                if constexpr (kOrderedDQ)
+                    fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
+                else
+                    __syncthreads();
                 // dQ first: dV's and dK's dO_i / Q_i fragments are then loaded after the barrier,
                 // not held across the dQ product (ptxas overlaps products across the barrier,
                 // past the 255-register cap at D = 64).
-                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
-                    dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * kHeadDim,
-                    dSt_s, K_s);
+                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
+                                                                     dSt_s, K_s);
+                if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
             }
             warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
             warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
@@ -385,11 +407,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             if (own_dK)
                 warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            Q_s + wn * kColsK, L::kPitchD);
-            // -- atomic mode: dQ_i += dS K_j into the float accumulator.
+            // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn).
+            if constexpr (kOrderedDQ) fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
             if (kAtomicDQ)
-                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(
-                    dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g + (long long)r0 * kHeadDim,
-                    dSt_s, K_s);
+                atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
+                                                                     dSt_s, K_s);
+            if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
         }
         i = i_n, grp = grp_n;
     }

@@ -112,6 +112,18 @@ struct DQAccumLayout {
     }
 };
 
+// The ordered dQ mode's counters (flash_bwd_dkv_kernel, kOrderedDQ): one int per query block,
+// stored after a batch entry's ceil(Lq / Br) query blocks of Br x D accumulator floats (the host
+// adds ceil(Tr / D) rows of D floats; the preprocess clears them with the floats: +0.0f is int 0).
+template <int kBlockM, int kHeadDim>
+struct DQOrderCounters {
+    int Lq;
+    __device__ __forceinline__ int* counter(float* entry, int i) const {
+        const long long blocks = (Lq + kBlockM - 1) / kBlockM;
+        return reinterpret_cast<int*>(entry + blocks * kBlockM * kHeadDim) + i;
+    }
+};
+
 // Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
 __host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 

@@ -6,8 +6,9 @@
 // FlashAttention backward), computed here in one pass over dO and O. In the atomic dQ mode the
 // same pass clears the AccT dQ accumulator the dK/dV kernel adds into, so that no separate memset
 // is needed: n_accum contiguous elements per batch entry (Lq x D row-major for the SIMT kernel;
-// the padded ceil(Lq / Br) * Br x padded-D DQAccumLayout for the tensor-core kernel), each block a
-// contiguous slice, consecutive threads consecutive elements (coalesced whatever the layout).
+// the padded ceil(Lq / Br) * Br x padded-D DQAccumLayout for the tensor-core kernel, then the
+// ordered mode's int32 counters, DQOrderCounters), each block a contiguous slice of whole
+// 32-element runs, consecutive threads consecutive elements (coalesced whatever the layout).
 //
 // One warp per row: lanes stride over the row, a butterfly shuffle sums the 32 partial sums
 // (a fixed order, so D is bitwise reproducible).
@@ -31,12 +32,13 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_preprocess_kernel(
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
 
-    // -- atomic dQ mode: clear this block's slice of the batch entry's accumulator (the last block
-    //    takes whatever the padding adds beyond the rows' share). Before any warp leaves.
+    // -- atomic dQ modes: clear this block's slice of the batch entry's accumulator (and the
+    //    ordered mode's counters after it), slices of whole 32-element runs so that warps store
+    //    whole sectors. Before any warp leaves.
     if (kZeroDQAccum) {
-        const long long per_block = (n_accum + gridDim.x - 1) / gridDim.x;
-        const long long lo = (long long)blockIdx.x * per_block;
-        const long long hi = blockIdx.x + 1 == gridDim.x ? n_accum : lo + per_block;
+        const long long per_block = ((n_accum + gridDim.x - 1) / gridDim.x + 31) / 32 * 32;
+        const long long lo = min((long long)blockIdx.x * per_block, n_accum);
+        const long long hi = min(lo + per_block, n_accum);
         AccT* acc = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0});
         for (long long e = lo + (int)threadIdx.x; e < hi; e += kNThreads) fa::gstore(acc + e, AccT(0));
     }

@@ -80,7 +80,7 @@ def check(p, grads):
 
 def check_case(device, dtype, D, lengths, causal, bcast="none", layout="bhsd", deterministic=True,
                **kw):
-    opts = {k_: kw.pop(k_) for k_ in ("kernel", "arch", "schedule", "seed", "stages") if k_ in kw}
+    opts = {k_: kw.pop(k_) for k_ in ("kernel", "arch", "schedule", "seed", "stages", "dq") if k_ in kw}
     p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, **kw)
     check(p, run_backward(device, p, deterministic=deterministic, **opts))
 
@@ -123,6 +123,14 @@ def _run_case(device, c):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_backward_emulator(case):
     _run_case("emulator", case)
+
+
+@pytest.mark.parametrize("dt,D,lengths,causal,bcast", [("fp16", 59, (113, 203), False, "gqa"),
+                                                        ("bf16", 256, (65, 127), True, "mqa")])
+def test_backward_recomputed_dq(dt, D, lengths, causal, bcast):
+    """The tensor-core deterministic mode without ordered atomics (dq="recompute": the separate dQ
+    kernel; CASES' deterministic fp16/bf16 cases run the default, ordered)."""
+    check_case("emulator", DTYPE_NAMES[dt], D, lengths, causal, bcast, dq="recompute")
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
@@ -247,22 +255,75 @@ def test_backward_bad_options():
         cb.backward(*p.args("emulator"), causal=False, scale=0.25, batch_shape=p.batch_shape, device="tpu")
     with pytest.raises(NotImplementedError, match="tensor-core"):
         run_backward("emulator", p, kernel="tc")
+    with pytest.raises(ValueError, match=r"option 'dq' must be one of 'ordered', 'recompute', got 'fast'"):
+        run_backward("emulator", p, dq="fast")
+    with pytest.raises(ValueError, match=r"option dq='ordered' needs the tensor-core kernels"):
+        run_backward("emulator", p, dq="ordered")                     # float32: SIMT
+    with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):
+        run_backward("emulator", Problem(np.float16, 16, 4, 4, causal=False), deterministic=False, dq="recompute")
 
 
 # ---- determinism ------------------------------------------------------------------------------
 SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]
 
 
-@pytest.mark.parametrize("dt", ["fp16", "fp32"])
-def test_deterministic_bitwise_under_schedules(dt):
-    """deterministic=True: bitwise identical dq, dk, dv under every fiber schedule and run."""
+@pytest.mark.parametrize("dt,dq", [("fp16", None), ("fp16", "recompute"), ("fp32", None)])
+def test_deterministic_bitwise_under_schedules(dt, dq):
+    """deterministic=True: bitwise identical dq, dk, dv under every fiber schedule and run (fp16:
+    the default ordered atomics, whose key blocks also run in every block order, and the
+    recomputing dQ kernel)."""
     p = Problem(DTYPE_NAMES[dt], 64, 97, 130, causal=True, bcast="gqa")
-    ref = run_backward("emulator", p)
+    ref = run_backward("emulator", p, dq=dq)
     check(p, ref)
     for schedule, seed in SCHEDULES + [("forward", 0)]:
-        got = run_backward("emulator", p, schedule=schedule, seed=seed)
+        got = run_backward("emulator", p, schedule=schedule, seed=seed, dq=dq)
         for a, b in zip(ref, got):
             assert a.tobytes() == b.tobytes(), (schedule, seed)
+
+
+def _dkv_counters(counters):
+    (c,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_kernel")]
+    return c
+
+
+@pytest.mark.parametrize("causal,lengths", [(False, (300, 200)), (True, (300, 200)), (True, (100, 260))])
+def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths):
+    """The ordered mode (the fp16/bf16 default): one wait and one post per visited (key block,
+    query block) pair. On one worker in block order no wait ever blocks, so each block waits
+    only for blocks with a smaller index (fa::sem_wait's rule: no deadlock on a GPU, however few
+    blocks are resident); in reverse order most waits block (the emulator starts the earlier
+    blocks) and dQ is bitwise the same: every sum runs in key-block order. Several query heads
+    share each K/V head (GQA: each keeps its own counters)."""
+    p = Problem(np.float16, 64, *lengths, causal=causal, bcast="gqa")
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    *ref, counters = run_backward("emulator", p, return_counters=True)
+    check(p, ref)
+    c = _dkv_counters(counters)
+    t_kv = cb.kernel_plan(np.float16, 64, 64, causal=causal, deterministic=True, arch=80, ordered=True)["dkv"][2]
+    B = int(np.prod(p.batch_shape))
+    assert c.sem_waits == B * cb.visited_query_blocks(*lengths, causal, t_kv) > 0
+    assert c.sem_blocked == 0
+    for workers in ("1", "2"):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        *got, counters = run_backward("emulator", p, schedule="reverse", return_counters=True)
+        assert _dkv_counters(counters).sem_blocked > 0
+        for a, b in zip(ref, got):
+            assert a.tobytes() == b.tobytes(), workers
+
+
+def test_ordered_and_recomputed_dq_agree():
+    """The two deterministic modes compute the same gradients (dK, dV: the same kernel code; dQ: a
+    different summation order, both within the test rule); the ordered mode launches the atomic
+    mode's kernels (preprocess clearing the accumulator and counters, dK/dV, convert)."""
+    p = Problem(np.float16, 128, 150, 190, causal=True)
+    *ordered, counters = run_backward("emulator", p, return_counters=True)
+    recomputed = run_backward("emulator", p, dq="recompute")
+    check(p, ordered)
+    check(p, recomputed)
+    assert ordered[1].tobytes() == recomputed[1].tobytes() and ordered[2].tobytes() == recomputed[2].tobytes()
+    names = [name.split("<")[0] for name, _ in counters]
+    assert names == ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_kernel", "flash_bwd_convert_dq_tc_kernel"]
+    assert counters[1][0].endswith(", true>")  # kOrderedDQ
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp64"])
@@ -274,13 +335,13 @@ def test_atomic_mode_correct_under_schedules(dt):
 
 
 # ---- global memory traffic --------------------------------------------------------------------
-def measured_traffic(dtype, D, Lq, Lk, causal, deterministic):
+def measured_traffic(dtype, D, Lq, Lk, causal, deterministic, dq=None):
     """(emulator counters, cuda_backward.analytic_global_bytes) as (read, written) bytes."""
     p = Problem(dtype, D, Lq, Lk, causal=causal)
-    *grads, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    *grads, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True, dq=dq)
     check(p, grads)
     B = int(np.prod(p.batch_shape))
-    want = cb.analytic_global_bytes(B, Lq, Lk, D, D, dtype, causal=causal, deterministic=deterministic)
+    want = cb.analytic_global_bytes(B, Lq, Lk, D, D, dtype, causal=causal, deterministic=deterministic, dq=dq)
     got = (sum(c.global_read_bytes for _, c in counters), sum(c.global_write_bytes for _, c in counters))
     return got, want
 
@@ -296,27 +357,29 @@ def test_analytic_traffic_by_hand():
     assert cb.analytic_global_bytes(1, L, L, D, D, np.float32) == (read, write)
 
 
-@pytest.mark.parametrize("dt,D,deterministic", [("fp16", 64, True), ("fp16", 64, False),
-                                                ("fp32", 32, True), ("fp64", 16, False)])
-def test_counters_match_analytic(dt, D, deterministic):
+@pytest.mark.parametrize("dt,D,deterministic,dq", [("fp16", 64, True, None), ("fp16", 64, True, "recompute"),
+                                                   ("fp16", 64, False, None), ("fp32", 32, True, None),
+                                                   ("fp64", 16, False, None)])
+def test_counters_match_analytic(dt, D, deterministic, dq):
     """Non-causal: every (query block, key block) pair is visited."""
-    got, want = measured_traffic(DTYPE_NAMES[dt], D, 100, 150, False, deterministic)
+    got, want = measured_traffic(DTYPE_NAMES[dt], D, 100, 150, False, deterministic, dq)
     assert got == want
 
 
-@pytest.mark.parametrize("dt,deterministic", [("fp16", True), ("fp32", False)])
-def test_counters_causal_skips_blocks(dt, deterministic):
+@pytest.mark.parametrize("dt,deterministic,dq", [("fp16", True, None), ("fp16", True, "recompute"),
+                                                 ("fp32", False, None)])
+def test_counters_causal_skips_blocks(dt, deterministic, dq):
     """Causal: the dK/dV kernel skips query blocks above the diagonal, the dQ kernel key blocks
     right of it; the counted traffic is exactly that of the visited pairs."""
-    got, want = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, True, deterministic)
+    got, want = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, True, deterministic, dq)
     assert got == want
-    full, _ = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, False, deterministic)
+    full, _ = measured_traffic(DTYPE_NAMES[dt], 64, 300, 200, False, deterministic, dq)
     assert sum(got) < sum(full)
 
 
 def test_tensor_cores_and_cp_async_used():
     p = Problem(np.float16, 64, 64, 64, causal=False)
-    *_, counters = run_backward("emulator", p, return_counters=True)
+    *_, counters = run_backward("emulator", p, return_counters=True, dq="recompute")
     by_kernel = {name.split("<")[0]: c for name, c in counters}
     for name in ("flash_bwd_dkv_kernel", "flash_bwd_dq_kernel"):
         assert by_kernel[name].mma > 0 and by_kernel[name].ldmatrix > 0 and by_kernel[name].cp_async > 0
@@ -396,7 +459,8 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
     grads = cb.backward(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape,
                         device="cuda", deterministic=deterministic)
     check(p, grads)
-    plan = cb.kernel_plan(p.dtype, D, D, causal=True, deterministic=deterministic, arch=80)
+    plan = cb.kernel_plan(p.dtype, D, D, causal=True, deterministic=deterministic, arch=80,
+                          ordered=cb.dq_mode(deterministic, cb.default_kernel(p.dtype, 80), None) == "ordered")
     launched = {name: (smem, optin) for name, smem, optin in log}
     assert set(launched) == {name for _, name, _ in plan.values()}
     for _, name, t in plan.values():

@@ -184,12 +184,13 @@ def test_dense_plan_has_no_ext():
     rng = np.random.default_rng(6)
     q = rng.standard_normal((1, 1, 16, 16)).astype(np.float16)
     out, lse = fa.flash_attention_forward(q, q, q, backend="emulator")
-    p = cuda_backward.plan(out, q, q, q, out, lse, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator")
+    p = cuda_backward.plan(out, q, q, q, out, lse, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator",
+                           dq="recompute")
     dense = {cuda_backward.kernel_plan(np.float16, 16, 16, causal=False, deterministic=True, arch=80, vec=vec)[r][1]
              for vec in (True, False) for r in ("dkv", "dq")}
     assert p.ext is None and len(dense & set(p.replay.names)) == 2  # the dense names, no kExt
     p2 = cuda_backward.plan(out, q, q, q, out, lse, causal=False, scale=0.25, batch_shape=(1, 1), device="emulator",
-                            ext=Extensions())
+                            ext=Extensions(), dq="recompute")
     assert p2 is p  # an Extensions with no feature is the dense plan
 
 

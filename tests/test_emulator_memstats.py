@@ -101,7 +101,7 @@ def test_flash_kernels_coalescing_does_not_regress():
     """Today's figures of the tensor-core kernels (docs/performance.md) as floors: loads ≥ 0.9 of
     ideal sectors, cp.async destinations conflict-free, O stores ≥ 0.9 (16-byte rows through
     shared memory; not 1.0 here: the host's NumPy outputs are only 16-byte aligned, see
-    test_forward_epilogue_stores_whole_sectors for CuPy's alignment). The backward, both dQ modes: every array
+    test_forward_epilogue_stores_whole_sectors for CuPy's alignment). The backward, every dQ mode: every array
     any of its launches writes — dK, dV, dQ (16-byte rows through shared memory), the atomic
     mode's dQ accumulator (padded, fragment-ordered: each warp-wide RED 128 contiguous bytes) and
     its clear, D — at ≥ 0.95 (measured 1.00)."""
@@ -114,12 +114,12 @@ def test_flash_kernels_coalescing_does_not_regress():
     (c,) = fwd
     assert c.load_sector_efficiency >= 0.9 and c.cp_async_conflict_factor == 1
     assert c.buffers[3].write_sector_efficiency >= 0.9          # O
-    for deterministic in (True, False):
+    for deterministic, dq in ((True, "ordered"), (True, "recompute"), (False, None)):
         *_, bwd = cuda_backward.backward(np.ones_like(out), q, k, v, out, lse, causal=False, scale=0.125,
                                          batch_shape=(1, 1), device="emulator", return_counters=True,
-                                         deterministic=deterministic)
+                                         deterministic=deterministic, dq=dq)
         names = [name.split("<")[0] for name, _ in bwd]
-        assert ("flash_bwd_convert_dq_tc_kernel" in names) != deterministic, names
+        assert ("flash_bwd_convert_dq_tc_kernel" in names) != (dq == "recompute"), names
         for name, c in bwd:
             assert c.cp_async_conflict_factor == 1, name
             if "dkv" in name or "dq_kernel" in name:

@@ -167,23 +167,25 @@ def test_cached_backward_returns_fresh_gradients_each_call():
     assert [g.shape for g in first] == [q.shape, k.shape, v.shape]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_plan_binds_each_array_once(deterministic):
-    """One pointer per distinct (array, offset) however many launches use it; the deterministic
-    mode's unused dQ accumulator is bound once at planning (no per-call allocation)."""
+@pytest.mark.parametrize("deterministic,dq", [(True, None), (True, "recompute"), (False, None)])
+def test_backward_plan_binds_each_array_once(deterministic, dq):
+    """One pointer per distinct (array, offset) however many launches use it; the recomputing
+    mode's unused dQ accumulator is bound once at planning (no per-call allocation); the atomic
+    modes (fp16 deterministic: ordered) allocate the accumulator with the scratch."""
     from flasharray._private import cuda_backward
     q, k, v = make_qkv((1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16), np.float16, seed=12)
     out, lse = fa.flash_attention_forward(q, k, v, backend="emulator")
     p = cuda_backward.plan(out, q, k, v, out, lse, causal=False, scale=0.25, batch_shape=(1, 2),
-                           device="emulator", deterministic=deterministic)
+                           device="emulator", deterministic=deterministic, dq=dq)
     assert len(p.launches) == 3
     keys = [key for key, _ in p.replay.slots]
     assert len(keys) == len(set(p.replay.slots)) == len(set(keys))  # one batch split: offsets 0
-    names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta"] + ([] if deterministic else ["dqacc"])
+    recompute = dq == "recompute"
+    names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta"] + ([] if recompute else ["dqacc"])
     assert len(keys) == len(names)
     assert len(p.allocations) == 2  # the returned gradients; the AccT scratch
     scratch = p.allocations[1][2]
-    assert len(scratch) == (1 if deterministic else 2) and all(offset % 256 == 0 for offset, _, _ in scratch)
+    assert len(scratch) == (1 if recompute else 2) and all(offset % 256 == 0 for offset, _, _ in scratch)
 
 
 def test_null_launcher_backward_shapes_for_every_layout():

@@ -77,9 +77,14 @@ def instantiations(arch, full=False):
     for dt, D, Dv, causal, det, kernel, acc_dkv, acc_dq in _configs(arch, full):
         if (kernel or ("tc" if canonical_dtype(dt).itemsize == 2 else "simt")) == "tc" and dt == "bfloat16" and arch < 80:
             continue  # bf16 has no tensor cores before sm_80 (the driver raises NotImplementedError)
-        for stages in [None] + ([1] if (dt, D, causal) in FORCED_ONE_STAGE and arch == tiles_bwd.EMULATOR_ARCH else []):
+        tc = (kernel or cb.default_kernel(canonical_dtype(dt), arch)) == "tc"
+        # deterministic tensor-core runs: ordered atomics (the default) and the recomputing dQ kernel
+        modes = (True, False) if det and tc else (False,)
+        for stages, ordered in itertools.product(
+                [None] + ([1] if (dt, D, causal) in FORCED_ONE_STAGE and arch == tiles_bwd.EMULATOR_ARCH else []),
+                modes):
             plan = cb.kernel_plan(dt, D, Dv, causal=causal, deterministic=det, arch=arch, kernel=kernel,
-                                  acc_dkv=acc_dkv, acc_dq=acc_dq, vec=_vec(D, Dv), stages=stages)
+                                  acc_dkv=acc_dkv, acc_dq=acc_dq, vec=_vec(D, Dv), stages=stages, ordered=ordered)
             for source, name, t in plan.values():
                 found.setdefault(source, {})[name] = t
     return found
@@ -142,9 +147,9 @@ def test_backward_tile_table_fits_every_arch():
 _PROBE = r"""
 #include "flash_bwd_simt.cu"
 #include "flash_bwd.cu"
-template <typename T, typename AccT, int D, int DV, int BM, int BN>
+template <typename T, typename AccT, int D, int DV, int BM, int BN, bool DKV>
 __global__ void probe_simt(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::SimtSmem<T, AccT, D, DV, BM, BN>::kBytes);
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::SimtSmem<T, AccT, D, DV, BM, BN, DKV>::kBytes);
 }
 template <int D, int DV, int BM, int BN, bool DKV, int ST>
 __global__ void probe_tc(int* out) {
@@ -169,7 +174,8 @@ def test_python_smem_matches_layouts():
                                 d, dv, t.block_m, t.block_n, "true" if kern == "dkv" else "false", stages)
                             entries[expr] = t.smem
                     t = tiles_bwd.simt_tiles(kern, dt, d, dv, arch)
-                    expr = "probe_simt<%s, %s, %d, %d, %d, %d>" % (*ctype[dt], d, dv, t.block_m, t.block_n)
+                    expr = "probe_simt<%s, %s, %d, %d, %d, %d, %s>" % (*ctype[dt], d, dv, t.block_m, t.block_n,
+                                                                       "true" if kern == "dkv" else "false")
                     entries[expr] = t.smem
     mod = emulator.Module(_PROBE, name_expressions=sorted(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])

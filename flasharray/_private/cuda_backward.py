@@ -2,14 +2,16 @@
 
 Passes (see docs/cuda_backward.md):
 
-1. ``flash_bwd_preprocess_kernel``: ``D_i = rowsum(dO_i ∘ O_i)`` (AccT); in the atomic mode it
-   also clears the AccT dQ accumulator.
+1. ``flash_bwd_preprocess_kernel``: ``D_i = rowsum(dO_i ∘ O_i)`` (AccT); in the atomic modes it
+   also clears the AccT dQ accumulator (and the ordered mode's counters).
 2. ``flash_bwd_dkv[_simt]_kernel``: one block per (key block j, K/V batch entry); walks the query
    blocks (and the query heads sharing K_j, V_j) recomputing P from the saved LSE; dK_j, dV_j in
-   registers. ``deterministic=False``: also ``dQ += dS K_j · scale`` with float atomics.
-3. ``deterministic=True``: ``flash_bwd_dq[_simt]_kernel``, one block per query block, recomputing
-   P and dS over the key blocks, dQ_i in registers (no atomics, bitwise reproducible).
-   ``deterministic=False``: ``flash_bwd_convert_dq_kernel`` converts the accumulator to the dtype.
+   registers. Atomic modes: also ``dQ += dS K_j`` with float atomics — in any order
+   (``deterministic=False``), or in key-block order ("ordered", :func:`dq_mode`: the
+   deterministic default on tensor cores without extensions; bitwise reproducible).
+3. Atomic modes: ``flash_bwd_convert_dq[_tc]_kernel`` converts the accumulator to the dtype.
+   "recompute" (deterministic otherwise): ``flash_bwd_dq[_simt]_kernel``, one block per query
+   block, recomputing P and dS over the key blocks, dQ_i in registers (no atomics).
 
 Batch handling: the leading dims are split into *grid* dims (merged; at most 3 per launch, the
 blockIdx.y/z convention, more are looped over on the host) and, for the dK/dV kernel, one
@@ -128,10 +130,13 @@ def default_kernel(dtype, arch):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True, stages=None, ext=0):
+                acc_dq=False, vec=True, stages=None, ext=0, ordered=False):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
-    Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic) or ``convert`` (atomic mode).
+    Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
+    modes). ``ordered``: the deterministic mode by ordered atomics (tensor cores, no extensions;
+    :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
+    irrelevant).
     ``kernel``: "tc" or "simt" (default: :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
@@ -143,18 +148,21 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
-    x = ", %d>" % ext if ext else ">"
+    if ordered and (kernel != "tc" or ext):
+        raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels and no extensions")
+    atomic = not deterministic or ordered
+    x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     out_kv = A if acc_dkv else T
     out_q = A if acc_dq else T
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
-        T, A, tiles.ROW_THREADS, _b(not deterministic)), None)}
+        T, A, tiles.ROW_THREADS, _b(atomic)), None)}
     if kernel == "tc":
         t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=bool(ext))
         plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
-            _b(not deterministic), _b(vec), t_kv.stages, x), t_kv)
-        if deterministic:
+            _b(atomic), _b(vec), t_kv.stages, x), t_kv)
+        if not atomic:
             t_q = tiles.tc_tiles("dq", D, Dv, arch, stages)
             plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d%s" % (
                 T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec),
@@ -168,7 +176,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
             plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s%s" % (
                 T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal), x), t_q)
-    if not deterministic and kernel == "tc":
+    if atomic and kernel == "tc":
         # The padded, fragment-ordered accumulator (DQAccumLayout) -> dQ (or AccT partial sums when
         # q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s>" % (
@@ -179,13 +187,38 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     return plan
 
 
-def dq_accum_rows(Lq, kernel, t_kv):
-    """Rows of the atomic mode's dQ accumulator per batch entry: Lq (SIMT, row-major) or Lq rounded
-    up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests)."""
-    return Lq if kernel != "tc" else -(-Lq // t_kv.block_m) * t_kv.block_m
+def dq_accum_rows(Lq, kernel, t_kv, D=None, ordered=False):
+    """Rows of the atomic modes' dQ accumulator per batch entry: Lq (SIMT, row-major) or Lq rounded
+    up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests); ordered
+    mode: plus ``ceil(Tr / D)`` rows of the padded head dim ``D`` holding the Tr int32 counters
+    (``DQOrderCounters``)."""
+    if kernel != "tc":
+        return Lq
+    Tr = -(-Lq // t_kv.block_m)
+    return Tr * t_kv.block_m + (-(-Tr // D) if ordered else 0)
 
 
-_OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "return_counters"}
+DQ_MODES = ("ordered", "recompute")
+
+
+def dq_mode(deterministic, kernel, ext, requested=None):
+    """How dQ is made: "atomic" (``deterministic=False``); deterministic: "ordered" (the atomic
+    mode's kernels adding in key-block order: 5 products per block pair, the default where it
+    applies: tensor cores, no extensions) or "recompute" (the separate dQ kernel: 7 products).
+    ``requested``: force "ordered" or "recompute" (the ``dq`` option)."""
+    if requested is not None and requested not in DQ_MODES:
+        raise ValueError("flasharray: option 'dq' must be one of %s, got %r" % (", ".join(map(repr, DQ_MODES)), requested))
+    if not deterministic:
+        if requested is not None:
+            raise ValueError("flasharray: option 'dq'=%r needs deterministic=True" % (requested,))
+        return "atomic"
+    can_order = kernel == "tc" and ext is None
+    if requested == "ordered" and not can_order:
+        raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels and no extensions")
+    return requested or ("ordered" if can_order else "recompute")
+
+
+_OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "return_counters"}
 _INPUTS = ("dout", "q", "k", "v", "out", "lse")
 
 
@@ -211,7 +244,7 @@ class BackwardPlan:
     """
 
     def __init__(self, dout, q, k, v, out, lse, *, causal, scale, batch_shape, launcher, deterministic,
-                 arch=None, kernel=None, stages=None, ext=None):
+                 arch=None, kernel=None, stages=None, ext=None, dq=None):
         self.launcher, self.xp = launcher, launcher.xp()
         self.dtype = dtype = canonical_dtype(q.dtype)
         self.acc = acc = accumulation_dtype(dtype)
@@ -223,6 +256,10 @@ class BackwardPlan:
         self.ext = None
         if _fwd().ext_bits(ext):
             self.ext = _fwd()._ExtPlan(ext, q, k, self.batch_shape, scale, launcher)
+        # "ordered" runs the atomic mode's passes with kOrderedDQ kernels.
+        self.dq_mode = dq_mode(deterministic, self.kernel, self.ext, dq)
+        self.ordered = self.dq_mode == "ordered"
+        deterministic = self.dq_mode == "recompute"
         self.shapes = {n: tuple(a.shape) for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
         # inputs: copied per call when the last axis is not contiguous (lse also cast to AccT)
         self.copy = {n: launch.kernel_ready(a) is not a for n, a in zip(_INPUTS[:5], (dout, q, k, v, out))}
@@ -283,7 +320,8 @@ class BackwardPlan:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel == "tc":  # padded rows and head dim (DQAccumLayout)
             t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None)
-            bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv), tiles.pad_head_dim(D)), acc)
+            pD = tiles.pad_head_dim(D)
+            bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
         else:
             bufs["dqacc"] = (full + (Lq, D), acc)
         dims = [i for i in range(nb) if full[i] > 1]
@@ -328,7 +366,7 @@ class BackwardPlan:
             and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
-                         ext=0 if self.ext is None else self.ext.bits)
+                         ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered)
         ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
                       unused)
         ctx.tail = self._ext_tail(ext_names)
@@ -541,7 +579,7 @@ launch._on_reload.append(_PLANS.clear)
 
 
 def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, arch=None,
-         kernel=None, stages=None, schedule="forward", seed=0, ext=None):
+         kernel=None, stages=None, schedule="forward", seed=0, ext=None, dq=None):
     """The cached :class:`BackwardPlan` for this signature (made on first use). ``ext``: an
     :class:`~flasharray._private.extensions.Extensions` or None; the plan keys on its
     ``static_key()`` only (seed, offset and the arrays are taken by :meth:`BackwardPlan.run`)."""
@@ -552,10 +590,10 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
                                     arch=arch if device == "emulator" else None)
     key = signature((dout, q, k, v, out, lse),
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
-                     arch, kernel, stages, launch.MAX_GRID_YZ, None if ext is None else ext.static_key()))
+                     arch, kernel, stages, dq, launch.MAX_GRID_YZ, None if ext is None else ext.static_key()))
     return cached(_PLANS, key, lambda: BackwardPlan(
         dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, launcher=launcher,
-        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext))
+        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext, dq=dq))
 
 
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, ext=None,
@@ -577,13 +615,15 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
     device : {"cuda", "emulator"}
         CuPy arrays on the current device, or NumPy arrays run by ``flasharray.emulator``.
     deterministic : bool
-        True: separate dQ kernel, no atomics, bitwise reproducible. False: float atomics into an
-        AccT dQ accumulator plus a conversion pass.
+        True: bitwise reproducible — tensor cores without extensions: float atomics added in
+        key-block order (ordered); otherwise the separate dQ kernel (recompute). False: float
+        atomics in any order into an AccT dQ accumulator plus a conversion pass.
     **opts
         ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
         default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc" or "simt"; default
         tensor cores for fp16/bf16), ``stages`` (1 or 2: force single- or double-buffered
-        streamed tiles in the tensor-core kernels), ``return_counters`` (emulator: also return the list of
+        streamed tiles in the tensor-core kernels), ``dq`` ("ordered" or "recompute": force the
+        deterministic mode's dQ, :func:`dq_mode`), ``return_counters`` (emulator: also return the list of
         ``(kernel name, counters)`` of every launch).
     ext : Extensions or None
         The extension keywords of the call (docs/extensions.md), the forward's values; None: the
@@ -642,20 +682,25 @@ def visited_rows(Lq, Lk, causal, kv_tiles, q_tiles=None):
 
 
 def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministic=True, arch=None,
-                          kernel=None):
+                          kernel=None, dq=None):
     """(bytes read, bytes written) in global memory by one backward without broadcasting.
 
     What the kernels move: the preprocess reads dO and O once and writes D; the dK/dV kernel
     reads K_j, V_j once and, per visited (key block, query block) pair, Q_i, dO_i, L_i, D_i, and
     writes dK, dV once; the deterministic dQ kernel reads Q_i, dO_i, L_i, D_i once and K_j, V_j
-    per visited pair, and writes dQ; the atomic mode instead clears the AccT dQ accumulator,
-    read-modify-writes it once per visited pair (atomics) and converts it once. The emulator's
+    per visited pair, and writes dQ; the atomic modes instead clear the AccT dQ accumulator,
+    read-modify-write it once per visited pair (atomics) and convert it once; the ordered mode
+    also clears its counters and, per visited pair, reads one counter (the wait's last check) and
+    increments it. ``dq``: the mode as :func:`dq_mode` chooses it (``dq`` forces one). The emulator's
     counters equal this exactly (tests/test_cuda_backward.py).
     """
     dtype = canonical_dtype(dtype)
     s, a = dtype.itemsize, accumulation_dtype(dtype).itemsize
     arch = tiles.EMULATOR_ARCH if arch is None else tiles.arch_number(arch)
-    plan = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel)
+    mode = dq_mode(deterministic, kernel or default_kernel(dtype, arch), None, dq)
+    deterministic = mode == "recompute"
+    plan = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel,
+                       ordered=mode == "ordered")
     q_rows, k_rows = visited_rows(Lq, Lk, causal, plan["dkv"][2], plan["dq"][2] if deterministic else None)
     row_q = (D + Dv) * s  # one row of Q and of dO
     row_k = (D + Dv) * s  # one row of K and of V
@@ -673,9 +718,12 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
         t_kv = plan["dkv"][2]
         Br, pD = t_kv.block_m, tiles.pad_head_dim(D)
         q_blocks = visited_query_blocks(Lq, Lk, causal, t_kv)
-        write += dq_accum_rows(Lq, "tc", t_kv) * pD * a           # clear the accumulator
+        write += dq_accum_rows(Lq, "tc", t_kv, pD, mode == "ordered") * pD * a  # clear (+ counters)
         read += q_blocks * Br * pD * a                             # atomics (read-modify-write)
         write += q_blocks * Br * pD * a
+        if mode == "ordered":
+            read += q_blocks * 8                                   # per pair: wait, post (int32)
+            write += q_blocks * 4
         read += Lq * -(-D // 8) * 8 * a                            # convert
         write += Lq * D * s
     else:
