@@ -6,8 +6,10 @@ ratios and the table as benchmarks/gpu.py; ratios compare rows of the same kind 
 backward, forward + backward with forward + backward).
 
 Rows (backward: time of the backward given the forward's saved state; fwdbwd: forward + backward):
-  flasharray-det        cuda_backward.backward(deterministic=True): separate dQ kernel, no atomics
-  flasharray-atomic     cuda_backward.backward(deterministic=False): fp32 atomics for dQ
+  flasharray-det        cuda_backward.backward(deterministic=True): fp16/bf16 dQ by fp32 atomics
+                        in key-block order (ordered), fp32/fp64 the separate dQ kernel
+  flasharray-det-recompute  deterministic with the separate dQ kernel (dq="recompute": S, dP again)
+  flasharray-atomic     cuda_backward.backward(deterministic=False): fp32 atomics for dQ, any order
   flasharray-fwdbwd     cuda_forward.forward + the deterministic backward
   cupy-naive            materialized attention keeping P from the forward, hand-derived backward:
                         dV = PᵀdO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K·s, dK = dSᵀQ·s
@@ -37,7 +39,7 @@ from flasharray.testing import check_attention  # noqa: E402
 
 BWD_FACTOR = 2.5
 FWDBWD_FACTOR = 3.5
-FLASHARRAY = ("flasharray-det", "flasharray-atomic", "flasharray-fwdbwd")
+FLASHARRAY = ("flasharray-det", "flasharray-det-recompute", "flasharray-atomic", "flasharray-fwdbwd")
 
 
 # ---- implementations: make((q, k, v, dout), causal, device) -> callable or None ------------------
@@ -51,16 +53,16 @@ def _flash_state(q, k, v, causal, device):
                                 device=device)
 
 
-def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True):
+def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True, dq=None):
     return cuda_backward.backward(dout, q, k, v, out, lse, causal=causal, scale=_scale(q),
-                                  batch_shape=q.shape[:-2], device=device, deterministic=deterministic)
+                                  batch_shape=q.shape[:-2], device=device, deterministic=deterministic, dq=dq)
 
 
-def _make_flash_bwd(deterministic):
+def _make_flash_bwd(deterministic, dq=None):
     def make(tensors, causal, device):
         q, k, v, dout = tensors
         out, lse = _flash_state(q, k, v, causal, device)
-        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic)
+        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic, dq)
     return make
 
 
@@ -115,6 +117,7 @@ def _make_torch(name, fwdbwd):
 
 IMPLS = {
     "flasharray-det": Impl(_make_flash_bwd(True), "bwd", BWD_FACTOR),
+    "flasharray-det-recompute": Impl(_make_flash_bwd(True, "recompute"), "bwd", BWD_FACTOR),
     "flasharray-atomic": Impl(_make_flash_bwd(False), "bwd", BWD_FACTOR),
     "flasharray-fwdbwd": Impl(_make_flash_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
     "cupy-naive": Impl(_make_naive(False), "bwd", BWD_FACTOR),

@@ -47,6 +47,7 @@ def test_gpu_benchmark_without_gpu_says_so(tmp_path):
 def test_gpu_benchmarks_on_the_emulator(tmp_path):
     out = run("gpu.py", "--emulator", "--backward", tmp_path=tmp_path)
     assert "flasharray" in out and "flasharray-det" in out and "flasharray-atomic" in out
+    assert "flasharray-det-recompute" in out
 
 
 def test_io_benchmarks(tmp_path):
