@@ -99,9 +99,9 @@ def test_cp_async_destination_bank_conflicts(mod, pitch_words, degree):
 
 def test_flash_kernels_coalescing_does_not_regress():
     """Today's figures of the tensor-core kernels (docs/performance.md) as floors: loads ≥ 0.9 of
-    ideal sectors, cp.async destinations conflict-free, O stores ≥ 0.9 (16-byte rows through
-    shared memory; not 1.0 here: the host's NumPy outputs are only 16-byte aligned, see
-    test_forward_epilogue_stores_whole_sectors for CuPy's alignment). The backward, every dQ mode: every array
+    ideal sectors, cp.async destinations conflict-free, O and LSE stores 1.0 (16-byte rows through
+    shared memory into outputs the emulator launcher allocates 256-byte aligned, as CuPy's are).
+    The backward, every dQ mode: every array
     any of its launches writes — dK, dV, dQ (16-byte rows through shared memory), the atomic
     mode's dQ accumulator (padded, fragment-ordered: each warp-wide RED 128 contiguous bytes) and
     its clear, D — at ≥ 0.95 (measured 1.00)."""
@@ -113,7 +113,9 @@ def test_flash_kernels_coalescing_does_not_regress():
                                     device="emulator", counters=fwd)
     (c,) = fwd
     assert c.load_sector_efficiency >= 0.9 and c.cp_async_conflict_factor == 1
-    assert c.buffers[3].write_sector_efficiency >= 0.9          # O
+    assert c.buffers[3].write_sector_efficiency == 1.0          # O
+    assert c.buffers[4].write_sector_efficiency == 1.0          # LSE
+    assert out.ctypes.data % 256 == 0 and lse.ctypes.data % 256 == 0
     for deterministic, dq in ((True, "ordered"), (True, "recompute"), (False, None)):
         *_, bwd = cuda_backward.backward(np.ones_like(out), q, k, v, out, lse, causal=False, scale=0.125,
                                          batch_shape=(1, 1), device="emulator", return_counters=True,
@@ -139,8 +141,7 @@ def test_forward_epilogue_stores_whole_sectors(monkeypatch, dtype, D, Lq, splits
     CuPy's 256-byte aligned outputs every store fills its 32-byte sectors (was 0.50 for O: the
     fragments' 4-byte stores), Lq not a multiple of Br included. Split-KV: the fp32 workspace O_s
     keeps the fragment stores (a quad's four 8-byte pairs fill a sector) and L_s is staged."""
-    import types
-    from flasharray._private import cuda_forward, launch
+    from flasharray._private import cuda_forward
     import ml_dtypes
     dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
     rng = np.random.default_rng(0)
@@ -149,10 +150,8 @@ def test_forward_epilogue_stores_whole_sectors(monkeypatch, dtype, D, Lq, splits
     p = cuda_forward.plan(q, k, v, causal=False, scale=D ** -0.5, batch_shape=(1, 2), device="emulator",
                           num_splits=splits)
     assert p.num_splits == splits
-    # The plan allocates with xp.empty; on the host that is NumPy's 16-byte alignment, on a GPU
-    # CuPy's 256 bytes: measure with the GPU's (Lq·4 bytes per LSE row of heads: whole sectors).
-    monkeypatch.setattr(p, "xp", types.SimpleNamespace(empty=lambda shape, dtype: launch.empty(np, shape, dtype),
-                                                       ascontiguousarray=np.ascontiguousarray))
+    # The emulator launcher allocates outputs 256-byte aligned, as CuPy does (Lq·4 bytes per LSE
+    # row of heads: whole sectors).
     counters = []
     out, lse = p.run(q, k, v, counters)
     o, l = counters[0].buffers[3], counters[0].buffers[4]   # O (or O_s), LSE (or L_s)

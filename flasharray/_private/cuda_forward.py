@@ -235,11 +235,10 @@ class ForwardPlan:
         xp = self.xp
         if True in self.copy:
             q, k, v = (xp.ascontiguousarray(a) if c else a for a, c in zip((q, k, v), self.copy))
-        out = xp.empty(self.out_shape, dtype=self.dtype)
-        lse = xp.empty(self.lse_shape, dtype=self.acc)
-        arrays = (q, k, v, out, lse)
+        empty = self.launcher.empty  # 256-byte aligned, on the emulator too
+        arrays = (q, k, v, empty(self.out_shape, self.dtype), empty(self.lse_shape, self.acc))
         if self.workspace is not None:
-            arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
+            arrays += (empty(self.workspace[0], np.float32), empty(self.workspace[1], np.float32))
         if self.kv is not None:
             arrays += (None,) * (7 - len(arrays)) + (seqlens_k, block_table)
         return self._launch(arrays, counters)
@@ -265,9 +264,10 @@ class ForwardPlan:
         xp = self.xp
         if True in self.copy:
             q, k, v = (xp.ascontiguousarray(a) if c else a for a, c in zip((q, k, v), self.copy))
-        arrays = (q, k, v, xp.empty(self.out_shape, dtype=self.dtype), xp.empty(self.lse_shape, dtype=self.acc))
+        empty = self.launcher.empty
+        arrays = (q, k, v, empty(self.out_shape, self.dtype), empty(self.lse_shape, self.acc))
         if self.workspace is not None:
-            arrays += (xp.empty(self.workspace[0], dtype=np.float32), xp.empty(self.workspace[1], dtype=np.float32))
+            arrays += (empty(self.workspace[0], np.float32), empty(self.workspace[1], np.float32))
         arrays += (None,) * (9 - len(arrays)) + self.ext.arrays(ext)
         return self._launch(arrays, counters, self.ext.values(ext))
 

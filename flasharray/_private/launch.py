@@ -187,6 +187,10 @@ class Launcher:
         """What :meth:`pointer` needs of array ``a``, looked up once per call (plans)."""
         return a
 
+    def empty(self, shape, dtype):
+        """A new output array on this launcher's device (``xp.empty``: CuPy's are 256-byte aligned)."""
+        return self.xp().empty(shape, dtype=dtype)
+
     def pointers(self, handles, slots):
         """``[pointer(handles[i], offset) for i, offset in slots]``: every array argument of a
         :class:`Replay`, bound at once."""
@@ -315,6 +319,10 @@ class EmulatorLauncher(Launcher):
         # The emulator checks every access: it gets the exact span the kernel may reach.
         return flat_view(a, offset)
 
+    def empty(self, shape, dtype):
+        """256-byte aligned as CuPy's (:func:`empty`): the emulator's sector counts are the GPU's."""
+        return empty(np, shape, dtype)
+
 
 class NullLauncher(EmulatorLauncher):
     """The emulator's planning with launches that do nothing (``benchmarks/overhead.py``).
@@ -334,6 +342,9 @@ class NullLauncher(EmulatorLauncher):
 
     def handle(self, a):
         return a.ctypes.data, a.itemsize  # as CupyLauncher.handle, for NumPy
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)  # CupyLauncher's cost (cupy.empty); alignment unused
 
     def carve(self, allocations):
         # as CupyLauncher.carve; the address comes with the (host-aligned) allocation
