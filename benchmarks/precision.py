@@ -101,7 +101,7 @@ def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
-    lines = ["| arch | precision | d | Br x Bc | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | "
+    lines = ["| arch | precision | d | Br x Bc (3xtf32: Q split) | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | "
              "HMMA | instr / HMMA | LDSM | LDS | MUFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
         found = {}
@@ -117,8 +117,8 @@ def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
             lp = sass.key_loop(fns[k.lowered_name])
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
             s = lp.stats
-            lines.append("| sm_%d | %s | %d | %d x %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
-                arch, t.precision, t.head_dim, t.block_m, t.block_n, k.registers, t.smem / 1024, occ.blocks,
+            lines.append("| sm_%d | %s | %d | %d x %d%s | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
+                arch, t.precision, t.head_dim, t.block_m, t.block_n, ", Q split" if t.q_split else "", k.registers, t.smem / 1024, occ.blocks,
                 occ.warps, occ.limiter, s.instructions, s.hmma, s.per_hmma, s.ldsm, s.lds, s.mufu))
     return "\n".join(lines)
 

@@ -20,10 +20,11 @@
 //     chunks it copied itself (no extra barrier: its own copies are visible to it after the wait;
 //     the barrier that publishes the tile to the other warps publishes the converted values) —
 //     tf32 in place; 3xtf32 hi in place and lo into a second plane (sK_lo, sV_lo).
-//   Q_i (A operand, one slab per warp): tf32 converted in place once in the prologue; 3xtf32 kept
-//     raw in shared memory (a lo plane for Q would not fit sm_86/89 at d = 128) and split in
-//     registers right after the ldmatrix: 12 instructions per k8 step, shared by the step's
-//     Bc/8 n8 tiles × 3 mma.
+//   Q_i (A operand, one slab per warp): tf32 converted in place once in the prologue; 3xtf32 with
+//     kQSplit split once there into hi (in place) and lo planes (a second ldmatrix per k8 step);
+//     3xtf32 without it (where a Q lo plane costs the tile its second block per SM, e.g. d = 128)
+//     kept raw and split in registers right after the ldmatrix: ~28 instructions per k8 step
+//     (4 × cvt, sub, cvt), shared by the step's Bc/8 n8 tiles × 3 mma.
 //   P_ij (A operand of P V, in registers): converted / split once per key tile.
 //
 // Fragments (docs/emulator.md, m16n8k8 tf32; g = lane / 4, t = lane % 4):
@@ -54,18 +55,21 @@
 
 namespace flash {
 
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kPrec_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kPrec_, bool kQSplit_ = false>
 struct FwdTf32Traits {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kPrec = kPrec_;
   static constexpr int kNThreads = kNWarps * kWarpSize;
   static constexpr int kPlanes = kPrec == 3 ? 2 : 1;   // K_j, V_j: hi (and lo) planes
+  static constexpr bool kQSplit = kQSplit_;            // 3xtf32: Q_i split once into hi/lo planes
+  static constexpr int kQPlanes = kQSplit ? 2 : 1;
   static constexpr int kPad = 4;                       // floats (16 bytes) per row
   static constexpr int kStrideQ = kHeadDim + kPad, kStrideK = kHeadDim + kPad, kStrideV = kHeadDimV + kPad;
-  static constexpr int kKPlane = kBlockN * kStrideK;   // floats between the hi and lo planes
+  static constexpr int kQPlane = kBlockM * kStrideQ;   // floats between the hi and lo planes
+  static constexpr int kKPlane = kBlockN * kStrideK;
   static constexpr int kVPlane = kBlockN * kStrideV;
   static constexpr int kSmemQOffset = 0;
-  static constexpr int kSmemKOffset = Align16<kBlockM * kStrideQ * 4>::value;
+  static constexpr int kSmemKOffset = Align16<kQPlanes * kQPlane * 4>::value;
   static constexpr int kSmemVOffset = kSmemKOffset + Align16<kPlanes * kKPlane * 4>::value;
   static constexpr int kSmemBytes = kSmemVOffset + Align16<kPlanes * kVPlane * 4>::value;
   static constexpr int kNTilesS = kBlockN / 8;   // n8 tiles across Bc (= k8 steps of P V)
@@ -73,6 +77,7 @@ struct FwdTf32Traits {
   static constexpr int kKStepsS = kHeadDim / 8;  // k8 steps of Q Kᵀ
 
   static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
+  static_assert(!kQSplit || kPrec == 3, "kQSplit: 3xtf32 only (tf32 converts Q in place)");
   static_assert(kBlockM == 16 * kNWarps, "one 16-row slab per warp");
   static_assert(kBlockN % 16 == 0, "Bc: whole n16 pairs (ldmatrix.x4 of K)");
   static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
@@ -167,7 +172,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a_hi)[4
 
 // ---- the kernel -----------------------------------------------------------------------------------
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool Is_causal,
-          bool Is_aligned>
+          bool Is_aligned, bool kQSplit = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                       float* __restrict__ o, float* __restrict__ lse,
@@ -178,14 +183,14 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
                       long long o_b0, long long o_b1, long long o_b2, long long o_row,
                       long long lse_b0, long long lse_b1, long long lse_b2,
                       float scale_log2, FLASH_EXT_PARAMS(float)) {
-  using Traits = FwdTf32Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kPrec>;
+  using Traits = FwdTf32Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kPrec, kQSplit>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;
   constexpr int kNTilesO = Traits::kNTilesO;
   constexpr int kQuad = 4;
 
   FA_DYNAMIC_SMEM(smem);
-  float* sQ = reinterpret_cast<float*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d (3xtf32: raw)
+  float* sQ = reinterpret_cast<float*>(smem + Traits::kSmemQOffset);  // Q_i  hi [, lo] (3xtf32 unsplit: raw)
   float* sK = reinterpret_cast<float*>(smem + Traits::kSmemKOffset);  // K_j  hi [, lo]  Bc × d
   float* sV = reinterpret_cast<float*>(smem + Traits::kSmemVOffset);  // V_j  hi [, lo]  Bc × dv
 
@@ -262,7 +267,9 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     for (int ks = 0; ks < Traits::kKStepsS; ++ks) {
       uint32_t a_hi[4], a_lo[4] = {};
       fa::ldmatrix<4, false>(a_hi, sQ_lane + ks * 8);
-      if constexpr (kPrec == 3) {
+      if constexpr (kQSplit) {
+        fa::ldmatrix<4, false>(a_lo, sQ_lane + Traits::kQPlane + ks * 8);
+      } else if constexpr (kPrec == 3) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) tf32_operand<3>(__uint_as_float(a_hi[i]), a_hi[i], a_lo[i]);
       }
@@ -335,7 +342,8 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     }
   };
 
-  // ---- prologue: Q_i (converted once, tf32) and the last key tile in flight -----------------------
+  // ---- prologue: Q_i (converted / split once, unless 3xtf32 splits it per k8 step) and the last key
+  // tile in flight ------------------------------------------------------------------------------------
   int n_block = n_block_max - 1;
   if (n_block >= 0) {
     load_tile<float, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
@@ -343,9 +351,9 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     fa::cp_async_commit();
     load_k(false, n_block * kBlockN);
     fa::cp_async_commit();
-    if constexpr (kPrec == 1) {
+    if constexpr (kPrec == 1 || kQSplit) {
       fa::cp_async_wait<1>();  // Q_i (this thread's copies)
-      convert_loaded<1, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(sQ, 0, tid);
+      convert_loaded<kPrec, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(sQ, Traits::kQPlane, tid);
     }
   }
 

@@ -167,13 +167,17 @@ def test_tile_table():
             assert cuda_forward_tf32.forward_tile(precision, np.float64, 64, 64, arch) is None
     assert cuda_forward_tf32.forward_tile("tf32", np.float32, 128, 128, 86).block_n == 64
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 128, 128, 86).block_n == 32
+    # 3xtf32 on the emulator's sm_80: Q split once for d <= 64, per k8 step at d 128 (both tested)
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 64, 80).q_split
+    assert not cuda_forward_tf32.forward_tile("3xtf32", np.float32, 128, 128, 80).q_split
+    assert not cuda_forward_tf32.forward_tile("tf32", np.float32, 64, 64, 80).q_split
 
 
 _PROBE = r"""
 #include "flash_fwd_tf32.cu"
-template <int D, int DV, int BM, int BN, int NW, int P>
+template <int D, int DV, int BM, int BN, int NW, int P, bool QS>
 __global__ void probe_tf32(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTf32Traits<D, DV, BM, BN, NW, P>::kSmemBytes);
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTf32Traits<D, DV, BM, BN, NW, P, QS>::kSmemBytes);
 }
 """
 
@@ -183,10 +187,12 @@ def test_python_smem_matches_traits():
     from flasharray._private import launch
     entries = {}
     for precision in PRECISIONS:
-        for d, dv in ((16, 16), (64, 64), (128, 128), (48, 112)):
-            t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, 86)
-            entries["probe_tf32<%d, %d, %d, %d, %d, %d>" % (t.head_dim, t.head_dim_v, t.block_m, t.block_n,
-                                                            t.threads_m, cuda_forward_tf32.PREC[precision])] = t.smem
+        for d, dv, arch in ((16, 16, 86), (64, 64, 86), (128, 128, 86), (48, 112, 86), (64, 64, 90), (96, 32, 90)):
+            t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
+            entries["probe_tf32<%d, %d, %d, %d, %d, %d, %s>" % (
+                t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.threads_m, cuda_forward_tf32.PREC[precision],
+                "true" if t.q_split else "false")] = t.smem
+    assert {"true" in e for e in entries} == {True, False}  # both Q layouts of 3xtf32
     mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])
     for expr, smem in entries.items():

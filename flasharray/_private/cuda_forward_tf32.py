@@ -9,13 +9,16 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 * no extensions, no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
 
 Every tile is 4 warps × one 16-row slab (Br = 64). Shared memory (fp32, rows padded by 4 floats):
-Q_i raw (Br × d), K_j and V_j as tf32 planes — one for tf32, hi and lo for 3xtf32. Bc is the
-largest of 64, 32, 16 whose shared memory lets two blocks share an SM (8 warps: the kernels need
-170-220 registers, so registers cap residency at 2-3 blocks anyway, and one block of 4 warps per
-SM leaves each scheduler a single warp to hide mma and shared-memory latency), else the largest
-that fits at all (d = 128 on sm_86/89, whose 100 KB per SM hold one such block). E.g. sm_80:
-tf32 d <= 64 Bc 64, d 128 Bc 32; 3xtf32 d <= 64 Bc 32, d 128 Bc 16; sm_90: tf32 Bc 64, 3xtf32
-d <= 64 Bc 64, d 128 Bc 32. A GPU measurement may revise this (docs/precision.md).
+Q_i (Br × d: tf32 in place; 3xtf32 raw, or split into hi/lo planes when ``q_split``), K_j and V_j
+as tf32 planes — one for tf32, hi and lo for 3xtf32. The choice, in order of the key loop's
+instructions per HMMA (SASS, docs/precision.md: larger Bc first; at equal Bc the Q split saves
+10-30%): the first of (Bc 64, 32, 16) × (3xtf32: Q split, Q raw) whose shared memory lets two
+blocks share an SM (8 warps: the kernels need 90-240 registers, so registers cap residency at 2-5
+blocks anyway, and one block of 4 warps per SM leaves each scheduler a single warp to hide mma and
+shared-memory latency), else the first that fits at all (d = 128 on sm_86/89, whose 100 KB per SM
+hold one such block). E.g. sm_80: tf32 d <= 64 Bc 64, d 128 Bc 32; 3xtf32 d 64 Bc 32 + Q split,
+d 128 Bc 16; sm_90: tf32 Bc 64, 3xtf32 d 64 Bc 64 + Q split, d 128 Bc 32. A GPU measurement may
+revise this.
 """
 from dataclasses import dataclass
 
@@ -34,11 +37,11 @@ _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
 
 
-def smem_bytes(d, dv, block_m, block_n, precision):
-    """Mirror of FwdTf32Traits::kSmemBytes: sQ + planes × (sK + sV), each 16-byte aligned."""
+def smem_bytes(d, dv, block_m, block_n, precision, q_split=False):
+    """Mirror of FwdTf32Traits::kSmemBytes: Q planes × sQ + planes × (sK + sV), each 16-byte aligned."""
     planes = 2 if precision == "3xtf32" else 1
     a16 = tiles._align16
-    return (a16(block_m * (d + _PAD) * 4) + a16(planes * block_n * (d + _PAD) * 4)
+    return (a16((2 if q_split else 1) * block_m * (d + _PAD) * 4) + a16(planes * block_n * (d + _PAD) * 4)
             + a16(planes * block_n * (dv + _PAD) * 4))
 
 
@@ -46,19 +49,20 @@ def smem_bytes(d, dv, block_m, block_n, precision):
 class Tf32Tile(tiles.FwdTile):
     """A :class:`tiles.FwdTile` of the TF32 kernel (kernel ``"tf32"``; threads_m = warps)."""
     precision: str = "tf32"
+    q_split: bool = False   # 3xtf32: Q_i split once into hi/lo planes (kQSplit)
 
     @property
     def source(self):
         return SOURCE
 
     def name_expression(self, causal, aligned):
-        return "flash::flash_fwd_tf32_kernel<%d, %d, %d, %d, %d, %d, %s, %s>" % (
+        return "flash::flash_fwd_tf32_kernel<%d, %d, %d, %d, %d, %d, %s, %s%s>" % (
             self.head_dim, self.head_dim_v, self.block_m, self.block_n, self.threads_m, PREC[self.precision],
-            "true" if causal else "false", "true" if aligned else "false")
+            "true" if causal else "false", "true" if aligned else "false", ", true" if self.q_split else "")
 
     def describe(self):
-        return ("tf32 kernel (%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
-            self.precision, self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
+        return ("tf32 kernel (%s%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
+            self.precision, ", Q split" if self.q_split else "", self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
             self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
 
 
@@ -78,12 +82,14 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     a = tiles.arch_number(arch)
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
-    fits = [(bc, smem_bytes(d, dv, BLOCK_M, bc, precision)) for bc in (64, 32, 16)]
-    fits = [(bc, smem) for bc, smem in fits if smem <= limit]
-    two = [(bc, smem) for bc, smem in fits if 2 * (smem + _RESERVED) <= per_sm]
-    bc, smem = (two or fits)[0]
-    reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d: %s (K/V as %s)"
-              % (precision, bc, "the largest Bc letting 2 blocks share an SM" if two else
-                 "the largest Bc that fits (one block per SM)",
+    splits = (True, False) if precision == "3xtf32" else (False,)
+    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc in (64, 32, 16) for qs in splits]
+    fits = [f for f in fits if f[2] <= limit]
+    two = [f for f in fits if 2 * (f[2] + _RESERVED) <= per_sm]
+    bc, q_split, smem = (two or fits)[0]
+    reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d%s: %s (K/V as %s)"
+              % (precision, bc, ", Q split into hi/lo planes" if q_split else "",
+                 "the first (Bc, Q split) letting 2 blocks share an SM" if two else
+                 "the first (Bc, Q split) that fits (one block per SM)",
                  "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
-    return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision)
+    return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision, q_split)
