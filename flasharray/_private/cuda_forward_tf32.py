@@ -13,7 +13,7 @@ Q_i (Br × d: tf32 in place; 3xtf32 raw, or split into hi/lo planes when ``q_spl
 as tf32 planes — one for tf32, hi and lo for 3xtf32. The choice, in order of the key loop's
 instructions per HMMA (SASS, docs/precision.md: larger Bc first; at equal Bc the Q split saves
 10-30%): the first of (Bc 64, 32, 16) × (3xtf32: Q split, Q raw) whose shared memory lets two
-blocks share an SM (8 warps: the kernels need 90-240 registers, so registers cap residency at 2-5
+blocks share an SM (8 warps: the kernels need 121-223 registers, so registers cap residency at 2-3
 blocks anyway, and one block of 4 warps per SM leaves each scheduler a single warp to hide mma and
 shared-memory latency), else the first that fits at all (d = 128 on sm_86/89, whose 100 KB per SM
 hold one such block). E.g. sm_80: tf32 d <= 64 Bc 64, d 128 Bc 32; 3xtf32 d 64 Bc 32 + Q split,
