@@ -248,3 +248,28 @@ def test_precision_benchmark_table():
         assert r["out"] <= r["bound"]
     assert rows["3xtf32"]["out"] < 1e-5 < rows["tf32"]["out"]
     assert "| tf32 |" in bench.accuracy_table(bench.SHAPES[:1])
+
+
+@pytest.mark.parametrize("precision,D", [("3xtf32", 64), ("tf32", 128)])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, precision, D):
+    """device="cuda" (CupyLauncher: the device's sm_80, name expressions, the >48 KB opt-in) end to end
+    against test_cuda_forward's CuPy stand-in backed by the emulator."""
+    import sys
+    from flasharray._private import launch
+    from test_cuda_forward import _fake_cupy
+    log, arrays = [], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    q, k, v = make_inputs(np.float32, D, 70, 90, gqa=True)
+    arrays += [q, k, v]
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=q.shape[:-2], device="cuda",
+                                    precision=precision)
+    if precision == "3xtf32":
+        assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    else:
+        assert_tf32_close(out, lse, q, k, v, True)
+    tile = cuda_forward_tf32.forward_tile(precision, np.float32, D, D, 80)
+    assert tile.needs_opt_in
+    assert log and all(name == tile.name_expression(True, True) and smem == tile.smem and optin >= smem
+                       for name, smem, optin in log)
