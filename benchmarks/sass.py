@@ -7,7 +7,11 @@ the fewest instructions) and prints its instruction mix, instructions per HMMA n
 target, registers, spills, shared memory and the theoretical occupancy per SM.
 The analysis lives in flasharray/_private/sass.py; docs/performance.md explains every column.
 
-Usage: python benchmarks/sass.py [--quick] [--arch 80,90] [--causal] [--json report.json]
+--simt: the SIMT (scalar FMA) kernels instead (fp32 and fp64, D 64 and 128; --quick: fp32 on
+sm_90): the loop with the most FFMA/DFMA, instructions per FMA, the useful FMAs per (query block,
+key block) visit and the estimated dynamic instructions per useful FMA (issue 12).
+
+Usage: python benchmarks/sass.py [--simt] [--quick] [--arch 80,90] [--causal] [--json report.json]
 """
 import argparse
 import json
@@ -25,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fp16, D 64 and 128, sm_90 only (~10 s)")
     ap.add_argument("--arch", default=None, help="comma-separated compute capabilities (default 80,90; "
                                                   "--quick: 90); 75, 80, 86, 89, 90 are known")
+    ap.add_argument("--simt", action="store_true", help="the SIMT kernels (fp32, fp64) instead")
     ap.add_argument("--causal", action="store_true", help="the causal instantiations instead")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON ('-': stdout)")
     args = ap.parse_args(argv)
@@ -32,11 +37,15 @@ def main(argv=None):
     if not ok:
         print("SASS report unavailable: %s" % why)
         return 2
-    config = dict(sass.QUICK if args.quick else sass.FULL)
+    if args.simt:
+        config = dict(sass.SIMT_QUICK if args.quick else sass.SIMT_FULL)
+    else:
+        config = dict(sass.QUICK if args.quick else sass.FULL)
     if args.arch:
         config["archs"] = tuple(int(a.replace("sm_", "")) for a in args.arch.split(","))
     t0 = time.perf_counter()
-    reports = sass.report(sass.kernel_specs(causal=args.causal, **config))
+    specs = sass.simt_kernel_specs if args.simt else sass.kernel_specs
+    reports = sass.report(specs(causal=args.causal, **config))
     if args.json:
         text = json.dumps([r.as_dict() for r in reports], indent=1)
         if args.json == "-":
@@ -44,10 +53,11 @@ def main(argv=None):
             return 0
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    print("SASS key-tile loops (%s, %s): instructions per HMMA vs issue 9's targets; %.0f s"
-          % ("causal" if args.causal else "non-causal", "quick" if args.quick else "full", time.perf_counter() - t0))
+    what = "instructions per FFMA/DFMA (SIMT)" if args.simt else "instructions per HMMA vs issue 9's targets"
+    print("SASS key-tile loops (%s, %s): %s; %.0f s" % ("causal" if args.causal else "non-causal",
+                                                        "quick" if args.quick else "full", what, time.perf_counter() - t0))
     print(sass.markdown(reports))
-    print(sass.summary(reports))
+    print(sass.simt_summary(reports) if args.simt else sass.summary(reports))
     return 0
 
 

@@ -34,14 +34,15 @@ from . import cuda_backward, launch, nvrtc, tiles, tiles_bwd
 
 __all__ = ["Instruction", "Loop", "LoopStats", "Occupancy", "KernelSpec", "KernelReport", "ARCH_LIMITS",
            "TOOLS", "QUICK", "FULL", "find_tool", "available", "disassemble", "parse", "loops", "key_loop",
-           "occupancy", "target", "kernel_specs", "report", "markdown", "summary"]
+           "occupancy", "target", "kernel_specs", "report", "markdown", "summary", "SIMT_ROLES", "SIMT_QUICK",
+           "SIMT_FULL", "simt_kernel_specs", "estimated_per_fma", "simt_summary"]
 
 #: Disassemblers, in order of preference.
 TOOLS = ("cuobjdump", "nvdisasm")
 #: Opcode (text before the first dot) → report column; opcodes not listed count only as instructions.
 CATEGORIES = {"HMMA": "hmma", "LDSM": "ldsm", "LDS": "lds", "STS": "sts", "LDGSTS": "ldgsts",
               "LDG": "ldg", "STG": "stg", "RED": "atomic", "REDG": "atomic", "ATOM": "atomic",
-              "ATOMG": "atomic", "MUFU": "mufu", "BAR": "bar"}
+              "ATOMG": "atomic", "MUFU": "mufu", "BAR": "bar", "FFMA": "ffma", "DFMA": "dfma"}
 
 
 # ---- disassembler ---------------------------------------------------------------------------------
@@ -164,11 +165,27 @@ class LoopStats:
     atomic: int = 0   # global reductions and atomics (RED, REDG, ATOM, ATOMG)
     mufu: int = 0
     bar: int = 0
+    ffma: int = 0     # SIMT kernels: fp32 FMAs
+    dfma: int = 0     # SIMT kernels: fp64 FMAs
+    lds64: int = 0    # of the LDS / STS: 8- and 16-byte wide ones (LDS.64, LDS.128, ...)
+    lds128: int = 0
+    sts64: int = 0
+    sts128: int = 0
 
     @property
     def per_hmma(self):
         """Instructions per HMMA (``inf`` when the body has none)."""
         return self.instructions / self.hmma if self.hmma else float("inf")
+
+    @property
+    def fma(self):
+        """Scalar FMAs (FFMA + DFMA): the SIMT kernels' useful work."""
+        return self.ffma + self.dfma
+
+    @property
+    def per_fma(self):
+        """Instructions per FFMA/DFMA (``inf`` when the body has none)."""
+        return self.instructions / self.fma if self.fma else float("inf")
 
     @classmethod
     def count(cls, instructions):
@@ -178,6 +195,11 @@ class LoopStats:
             column = CATEGORIES.get(ins.base)
             if column:
                 counts[column] += 1
+            if column in ("lds", "sts"):
+                width = ins.opcode.split(".")[1:]
+                for bits in ("64", "128"):
+                    if bits in width:
+                        counts[column + bits] += 1
         return cls(**counts)
 
 
@@ -189,10 +211,15 @@ class Loop:
     stats: LoopStats
     nested: int = 0        # loops strictly inside this one
     nested_hmma: int = 0   # HMMA inside those nested loops (a rolled inner loop)
+    nested_stats: LoopStats = None   # counts over the instructions inside nested loops holding an FMA
 
     @property
     def per_hmma(self):
         return self.stats.per_hmma
+
+    @property
+    def per_fma(self):
+        return self.stats.per_fma
 
 
 def loops(instructions):
@@ -204,19 +231,25 @@ def loops(instructions):
         body = [i for i in instructions if start <= i.address <= end]
         inner = [(s, e) for s, e in spans if start <= s and e <= end and (s, e) != (start, end)]
         in_inner = [i for i in body if any(s <= i.address <= e for s, e in inner)]
-        out.append(Loop(start, end, LoopStats.count(body), len(inner), LoopStats.count(in_inner).hmma))
+        # nested_stats: the nested loops that hold an FFMA/DFMA (SIMT: rolled micro-GEMM steps)
+        fma_inner = [(s, e) for s, e in inner
+                     if any(s <= i.address <= e and i.base in ("FFMA", "DFMA") for i in body)]
+        in_fma = [i for i in body if any(s <= i.address <= e for s, e in fma_inner)]
+        out.append(Loop(start, end, LoopStats.count(body), len(inner), LoopStats.count(in_inner).hmma,
+                        LoopStats.count(in_fma)))
     return out
 
 
-def key_loop(instructions):
+def key_loop(instructions, column="hmma"):
     """The steady-state key-tile loop: most HMMA, then fewest instructions (module docstring).
 
-    Returns ``None`` when no loop holds an HMMA.
+    ``column="fma"``: the same rule on FFMA + DFMA (the SIMT kernels). Returns ``None`` when no
+    loop holds one.
     """
-    candidates = [lp for lp in loops(instructions) if lp.stats.hmma]
+    candidates = [lp for lp in loops(instructions) if getattr(lp.stats, column)]
     if not candidates:
         return None
-    return min(candidates, key=lambda lp: (-lp.stats.hmma, lp.stats.instructions, lp.start))
+    return min(candidates, key=lambda lp: (-getattr(lp.stats, column), lp.stats.instructions, lp.start))
 
 
 # ---- occupancy ------------------------------------------------------------------------------------
@@ -266,6 +299,9 @@ def occupancy(arch, registers, threads, smem):
 # ---- the kernels the library uses -----------------------------------------------------------------
 #: Roles: the forward, and the backward's deterministic dK/dV and dQ kernels and atomic dK/dV(+dQ).
 ROLES = ("fwd", "bwd_dkv", "bwd_dq", "bwd_dkv_atomic")
+#: The same roles of the SIMT (scalar FMA) kernels: fp32, fp64 (``--simt``; issue 12).
+SIMT_ROLES = ("fwd_simt", "bwd_dkv_simt", "bwd_dq_simt", "bwd_dkv_atomic_simt")
+DTYPE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 #: Issue 9's targets for the key-tile loop, instructions per HMMA (the backward: every role).
 FORWARD_TARGETS = {64: 6.5, 128: 5.5}
 BACKWARD_TARGET = 5.0
@@ -273,6 +309,9 @@ BACKWARD_TARGET = 5.0
 QUICK = dict(archs=(90,), dtypes=("float16",), head_dims=(64, 128))
 #: ``kernel_specs`` arguments of the full report.
 FULL = dict(archs=(80, 90), dtypes=("float16", "bfloat16"), head_dims=(64, 128, 256))
+#: ``simt_kernel_specs`` arguments of ``benchmarks/sass.py --simt --quick`` and ``--simt``.
+SIMT_QUICK = dict(archs=(90,), dtypes=("float32",), head_dims=(64, 128))
+SIMT_FULL = dict(archs=(80, 90), dtypes=("float32", "float64"), head_dims=(64, 128))
 
 
 def target(role, head_dim):
@@ -293,10 +332,26 @@ class KernelSpec:
     name: str
     threads: int
     smem: int      # dynamic shared memory, bytes
+    block_m: int = 0   # SIMT specs: Br, Bc (the useful FMAs per block visit)
+    block_n: int = 0
 
     @property
     def label(self):
-        return "%s %s d%d" % (self.role, {"float16": "fp16", "bfloat16": "bf16"}[self.dtype], self.head_dim)
+        return "%s %s d%d" % (self.role, DTYPE_LABELS[self.dtype], self.head_dim)
+
+    @property
+    def simt(self):
+        return self.role in SIMT_ROLES
+
+    @property
+    def fma_per_visit(self):
+        """SIMT: useful FMAs per thread per (query block, key block) visit: Br x Bc x (the inner
+        dims of the role's products) / threads. Forward S, PV: d + dv; dK/dV: S, dP, dV, dK:
+        2d + 2dv (atomic mode + dQ: 3d + 2dv); dQ: S, dP, dQ: 2d + dv. 0 for tensor-core specs."""
+        d = self.head_dim
+        inner = {"fwd_simt": 2 * d, "bwd_dkv_simt": 4 * d, "bwd_dkv_atomic_simt": 5 * d,
+                 "bwd_dq_simt": 3 * d}.get(self.role, 0)
+        return self.block_m * self.block_n * inner / self.threads
 
 
 def _forward_spec(dtype, d, arch, causal):
@@ -316,6 +371,28 @@ def _backward_specs(dtype, d, arch, causal):
             source, name, t = plan[key]
             out.append(KernelSpec(role, dtype, d, arch, source, name, t.n_threads, t.smem))
     return out
+
+
+def _simt_specs(dtype, d, arch, causal):
+    t = tiles.forward_tile(dtype, d, d, arch, kernel="simt")
+    out = [KernelSpec("fwd_simt", dtype, d, arch, t.source, t.name_expression(causal, True), t.n_threads, t.smem,
+                      t.block_m, t.block_n)]
+    for deterministic, roles in ((True, {"dkv": "bwd_dkv_simt", "dq": "bwd_dq_simt"}),
+                                 (False, {"dkv": "bwd_dkv_atomic_simt"})):
+        plan = cuda_backward.kernel_plan(dtype, d, d, causal=causal, deterministic=deterministic, arch=arch,
+                                         kernel="simt")
+        for key, role in roles.items():
+            source, name, bt = plan[key]
+            out.append(KernelSpec(role, dtype, d, arch, source, name, bt.n_threads, bt.smem, bt.block_m, bt.block_n))
+    return out
+
+
+def simt_kernel_specs(archs=(80, 90), dtypes=("float32", "float64"), head_dims=(64, 128), roles=SIMT_ROLES,
+                      causal=False):
+    """The SIMT instantiations (forward, dK/dV, dQ, atomic dK/dV) the library launches for these
+    archs, dtypes and head dims, tiles as a call picks them (:func:`kernel_specs`' rules)."""
+    return [s for arch in archs for dtype in dtypes for d in head_dims
+            for s in _simt_specs(dtype, d, arch, causal) if s.role in roles]
 
 
 def kernel_specs(archs=(80, 90), dtypes=("float16", "bfloat16"), head_dims=(64, 128, 256),
@@ -355,6 +432,9 @@ class KernelReport:
         d = {"kernel": self.spec.label, **dataclasses.asdict(self.spec), "registers": self.registers,
              "spill_bytes": self.spill_bytes, "static_smem": self.static_smem,
              "occupancy": dataclasses.asdict(self.occupancy), "target_per_hmma": self.target, "loop": None}
+        if self.spec.simt:
+            d["target_per_hmma"] = None
+            d["est_per_fma"] = round(estimated_per_fma(self), 3) if self.loop is not None else None
         if self.loop is not None:
             d["loop"] = {"start": self.loop.start, "end": self.loop.end, "nested": self.loop.nested,
                          "nested_hmma": self.loop.nested_hmma, "per_hmma": round(self.loop.per_hmma, 3),
@@ -372,7 +452,7 @@ def _compile_group(arch, source, specs):
         info = res.kernel(s.name)
         body = functions.get(info.lowered_name, [])
         occ = occupancy(arch, info.registers, s.threads, s.smem + info.static_smem)
-        out.append(KernelReport(s, key_loop(body), info.registers, info.spill_stores + info.spill_loads,
+        out.append(KernelReport(s, key_loop(body, "fma" if s.simt else "hmma"), info.registers, info.spill_stores + info.spill_loads,
                                 info.static_smem, occ))
     return out
 
@@ -418,10 +498,67 @@ def _row(r):
 
 
 def markdown(reports):
-    """The report as a markdown table, one row per kernel and arch."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in reports]
+    """The report as a markdown table, one row per kernel and arch (SIMT reports: SIMT_COLUMNS)."""
+    simt = bool(reports) and all(r.spec.simt for r in reports)
+    columns, row = (SIMT_COLUMNS, _simt_row) if simt else (COLUMNS, _row)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
     return "\n".join(lines)
+
+
+# ---- SIMT kernels (issue 12) ----------------------------------------------------------------------
+SIMT_COLUMNS = ("kernel", "sm", "Br x Bc", "instr", "FMA", "instr/FMA", "nested (FMA)", "FMA/visit",
+                "est. instr/FMA", "LDS/FMA", "LDS (.64/.128)", "STS (.64/.128)", "LDG/STG/atom", "BAR", "regs", "spill B",
+                "smem KB", "blocks/warps per SM")
+
+
+def estimated_per_fma(r):
+    """Dynamic instructions per useful FMA of one (query block, key block) visit, estimated.
+
+    The key loop runs once per visit; a thread's useful FMAs per visit are
+    ``spec.fma_per_visit``. Instructions outside nested FMA loops run once (a nested loop without
+    FMAs, e.g. a rolled copy loop, is counted once: a lower bound); the nested FMA loops are
+    assumed to run until they supply the remaining FMAs at their static instructions-per-FMA
+    ratio. Without nested loops (fully unrolled) this is static instructions / useful FMAs,
+    exact up to predicated-off work.
+    """
+    lp, useful = r.loop, r.spec.fma_per_visit
+    if lp is None or not useful:
+        return float("inf")
+    inner = lp.nested_stats or LoopStats(0)
+    top_instr, top_fma = lp.stats.instructions - inner.instructions, lp.stats.fma - inner.fma
+    nested = inner.instructions * max(useful - top_fma, 0) / inner.fma if inner.fma else inner.instructions
+    return (top_instr + nested) / useful
+
+
+def _simt_row(r):
+    s, occ = r.spec, r.occupancy
+    resources = [str(r.registers), str(r.spill_bytes), "%.1f" % ((s.smem + r.static_smem) / KB),
+                 "%d / %d (%s)" % (occ.blocks, occ.warps, occ.limiter)]
+    head = [s.label, str(s.arch), "%d x %d" % (s.block_m, s.block_n)]
+    lp = r.loop
+    if lp is None:
+        return head + ["-"] * 11 + resources
+    st, inner = lp.stats, lp.nested_stats or LoopStats(0)
+    return head + [str(st.instructions), str(st.fma), "%.2f" % lp.per_fma, "%d (%d)" % (lp.nested, inner.fma),
+                   "%g" % s.fma_per_visit, "%.2f" % estimated_per_fma(r), "%.2f" % (st.lds / st.fma),
+                   "%d (%d/%d)" % (st.lds, st.lds64, st.lds128), "%d (%d/%d)" % (st.sts, st.sts64, st.sts128),
+                   "%d/%d/%d" % (st.ldg, st.stg, st.atomic), str(st.bar)] + resources
+
+
+def simt_summary(reports):
+    """One line per (dtype, d, arch): each backward kernel's estimated instructions per FMA over
+    the forward's (issue 12's goal, backward at >= 0.8x the forward's FLOP rate: <= 1.25)."""
+    fwd = {(r.spec.dtype, r.spec.head_dim, r.spec.arch): estimated_per_fma(r)
+           for r in reports if r.spec.role == "fwd_simt"}
+    lines = []
+    for key, f in fwd.items():
+        parts = ["%s %.2fx" % (r.spec.role, estimated_per_fma(r) / f) for r in reports
+                 if r.spec.role != "fwd_simt" and (r.spec.dtype, r.spec.head_dim, r.spec.arch) == key]
+        lines.append("%s d%d sm_%d: est. instr/FMA over the forward's: %s" % (DTYPE_LABELS[key[0]], key[1], key[2],
+                                                                             ", ".join(parts)))
+    spills = sum(1 for r in reports if r.spill_bytes)
+    return "\n".join(lines + ["kernels with spills: %d" % spills])
 
 
 def summary(reports):

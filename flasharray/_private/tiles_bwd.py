@@ -47,15 +47,17 @@ SIMT_CANDIDATES = ((64, 64), (32, 64), (32, 32), (16, 32), (16, 16), (8, 16), (8
 
 
 def _simt_pitch(itemsize, cols):
-    return cols + (1 if itemsize >= 4 else 4 // itemsize)
+    return cols + 16 // itemsize   # SimtPitch: 16 bytes of padding per row
 
 
-def simt_smem(itemsize, acc_itemsize, D, Dv, Br, Bc):
-    """Bytes of ``SimtSmem``: Q_i, dO_i, K_j, V_j (padded pitch), P_ij, dS_ij, L_i, D_i."""
+def simt_smem(itemsize, acc_itemsize, D, Dv, Br, Bc, kernel="dkv"):
+    """Bytes of ``SimtSmem``: Q_i, dO_i, K_j, V_j (padded pitch), P_ij (dK/dV kernel only), dS_ij,
+    L_i, D_i."""
     pd, pdv = _simt_pitch(itemsize, D), _simt_pitch(itemsize, Dv)
+    scores = (2 if kernel == "dkv" else 1) * _align16(Br * Bc * acc_itemsize)
     return (_align16(Br * pd * itemsize) + _align16(Br * pdv * itemsize)
             + _align16(Bc * pd * itemsize) + _align16(Bc * pdv * itemsize)
-            + 2 * _align16(Br * Bc * acc_itemsize) + 2 * _align16(Br * acc_itemsize))
+            + scores + 2 * _align16(Br * acc_itemsize))
 
 
 def simt_tiles(kernel, dtype, D, Dv, arch):
@@ -71,7 +73,7 @@ def simt_tiles(kernel, dtype, D, Dv, arch):
     for Br, Bc in SIMT_CANDIDATES:
         kept = Bc * (D + Dv) if kernel == "dkv" else Br * D
         regs = -(-kept // SIMT_THREADS) * acc // 4
-        smem = simt_smem(dtype.itemsize, acc, D, Dv, Br, Bc)
+        smem = simt_smem(dtype.itemsize, acc, D, Dv, Br, Bc, kernel)
         if regs <= SIMT_ACC_REGS and smem <= limit:
             why = ("largest (Br, Bc) with <= %d accumulator registers per thread and %d B of "
                    "shared memory <= the sm_%d limit %d B" % (SIMT_ACC_REGS, smem, arch_number(arch), limit))
