@@ -16,6 +16,14 @@
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
 //                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
+//   Hopper (sm_90)     mbarriers (a uint64_t in dynamic shared memory, 8-byte aligned):
+//                      fa::mbarrier_init(bar, count), fa::mbarrier_inval(bar),
+//                      fa::mbarrier_arrive(bar) -> state, fa::mbarrier_arrive_expect_tx(bar, tx_bytes),
+//                      fa::mbarrier_expect_tx(bar, tx_bytes), fa::mbarrier_try_wait_parity(bar, parity)
+//                      -> bool, fa::mbarrier_wait_parity(bar, parity); fa::fence_mbarrier_init(),
+//                      fa::fence_proxy_async(); bulk copy global -> shared completing on an mbarrier:
+//                      fa::cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar) (16-byte aligned, bytes
+//                      a multiple of 16). Using one below sm_90 is a compile error at the use.
 //   shared memory      FA_DYNAMIC_SMEM(ptr) declares `unsigned char* ptr` (16-byte aligned)
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
@@ -307,6 +315,103 @@ __device__ __forceinline__ void sem_post(int* sem) {
         asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
     }
 }
+
+// ---- Hopper (sm_90): mbarriers and bulk asynchronous copies ---------------------------------
+// An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier") is
+// an opaque 64-bit object in shared memory: the expected arrival count, the arrivals pending in the
+// current phase, a transaction count (tx-count, bytes) and the current phase. A phase completes
+// when its pending arrivals and its tx-count are both zero; the phase then advances (its parity
+// flips) and the pending count reloads. try_wait.parity(p) is true once the phase of parity p has
+// completed, i.e. while the current phase's parity is not p. The emulator implements the same
+// rules with checked errors (docs/emulator.md, "Hopper: mbarrier and bulk copies").
+//
+// Each is a template with a defaulted parameter (as cvt_tf32): using one in a kernel compiled
+// for an architecture below sm_90 is a compile error at the use; including the header is not.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define FA_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define FA_SM90_ASM(...) static_assert(dependent_false<Sm90>::value, "fa:: mbarrier and bulk copies need sm_90+")
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// mbarrier.init: phase 0, `count` arrivals expected per phase (1 .. 2^20-1), tx-count 0.
+template <class Sm90 = void>
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+    FA_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// mbarrier.inval: before the 8 bytes are reused for anything else (or initialized again).
+template <class Sm90 = void>
+__device__ __forceinline__ void mbarrier_inval(uint64_t* bar) {
+    FA_SM90_ASM("mbarrier.inval.shared::cta.b64 [%0];\n" :: "r"(smem_u32(bar)) : "memory");
+}
+
+// One arrival (release at CTA scope); returns the opaque state of the phase arrived on.
+template <class Sm90 = void>
+__device__ __forceinline__ uint64_t mbarrier_arrive(uint64_t* bar) {
+    uint64_t state = 0;
+    FA_SM90_ASM("mbarrier.arrive.shared::cta.b64 %0, [%1];\n" : "=l"(state) : "r"(smem_u32(bar)) : "memory");
+    return state;
+}
+
+// expect-tx(tx_bytes) then one arrival: the phase also waits for tx_bytes of completed transactions.
+template <class Sm90 = void>
+__device__ __forceinline__ uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, int tx_bytes) {
+    uint64_t state = 0;
+    FA_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;\n"
+                : "=l"(state) : "r"(smem_u32(bar)), "r"(tx_bytes) : "memory");
+    return state;
+}
+
+// expect-tx without an arrival.
+template <class Sm90 = void>
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, int tx_bytes) {
+    FA_SM90_ASM("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
+                :: "r"(smem_u32(bar)), "r"(tx_bytes) : "memory");
+}
+
+// True once the phase of parity `parity` (0 or 1) has completed (acquire at CTA scope); may suspend
+// the thread for a system-dependent time limit first, and return false when it expires.
+template <class Sm90 = void>
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, int parity) {
+    uint32_t done = 0;
+    FA_SM90_ASM("{\n\t.reg .pred p;\n\t"
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+
+template <class Sm90 = void>
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, int parity) {
+    while (!mbarrier_try_wait_parity<Sm90>(bar, parity)) {
+    }
+}
+
+// Makes this thread's earlier mbarrier.init visible to the async proxy (the bulk copies completing
+// on it) and to the cluster: after the inits, before the __syncthreads() that publishes them.
+template <class Sm90 = void>
+__device__ __forceinline__ void fence_mbarrier_init() {
+    FA_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses with later async-proxy ones.
+template <class Sm90 = void>
+__device__ __forceinline__ void fence_proxy_async() {
+    FA_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// cp.async.bulk global -> shared (16-byte aligned, bytes a positive multiple of 16); its completion
+// performs complete_tx(bytes) on `bar` (counted by an earlier or later expect-tx of the phase).
+template <class Sm90 = void>
+__device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+#undef FA_SM90_ASM
 
 }  // namespace fa
 

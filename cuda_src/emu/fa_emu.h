@@ -7,6 +7,7 @@
 //     are evaluated once, with the PTX semantics, when every lane of the mask has arrived,
 //   * turns __syncthreads() into a block rendezvous,
 //   * queues cp.async copies and performs them at the cp.async.wait_group that covers them,
+//   * keeps mbarrier state and queues bulk copies that land when the schedule chooses (sm_90),
 //   * suspends a block whose fa::sem_wait is not yet satisfied (another OS thread runs the rest).
 #pragma once
 
@@ -315,5 +316,23 @@ inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
 // block's barrier around it, as the GPU branch does.
 inline void sem_wait(const int* sem, int expected) { fa_emu_sem_wait(sem, expected); }
 inline void sem_post(int* sem) { fa_emu_sem_post(sem); }
+
+// ---- Hopper (sm_90): mbarriers and bulk copies (the runtime keeps the mbarrier state) -------
+inline void mbarrier_init(uint64_t* bar, int count) { fa_emu_mbarrier_init(bar, count); }
+inline void mbarrier_inval(uint64_t* bar) { fa_emu_mbarrier_inval(bar); }
+inline uint64_t mbarrier_arrive(uint64_t* bar) { return fa_emu_mbarrier_arrive(bar, 0, 0); }
+inline uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, int tx_bytes) {
+    return fa_emu_mbarrier_arrive(bar, tx_bytes, 1);
+}
+inline void mbarrier_expect_tx(uint64_t* bar, int tx_bytes) { fa_emu_mbarrier_expect_tx(bar, tx_bytes); }
+inline bool mbarrier_try_wait_parity(uint64_t* bar, int parity) {
+    return fa_emu_mbarrier_try_wait_parity(bar, parity) != 0;
+}
+inline void mbarrier_wait_parity(uint64_t* bar, int parity) { fa_emu_mbarrier_try_wait_parity(bar, parity); }
+inline void fence_mbarrier_init() { fa_emu_fence_async(0); }
+inline void fence_proxy_async() { fa_emu_fence_async(1); }
+inline void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
+    fa_emu_cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar);
+}
 
 }  // namespace fa

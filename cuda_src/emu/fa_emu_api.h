@@ -59,6 +59,17 @@ void fa_emu_atomic_add_f64(double* p, double v);
 // dispatched. sem_post: the block's barrier, then thread 0 adds 1 (release) and wakes waiters.
 FA_EMU_CONVERGENT void fa_emu_sem_wait(const int* sem, int expected);
 FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem);
+// mbarriers in dynamic shared memory and bulk copies completing on them (sm_90; fa_port.cuh's
+// "Hopper" section, docs/emulator.md). arrive: tx_bytes is expected first when expect_tx != 0;
+// returns the phase arrived on. try_wait_parity suspends the fiber until the phase of that parity
+// has completed (it returns 1). fence_async: fence.mbarrier_init (kind 0) / fence.proxy.async (1).
+void fa_emu_mbarrier_init(uint64_t* bar, int count);
+void fa_emu_mbarrier_inval(uint64_t* bar);
+uint64_t fa_emu_mbarrier_arrive(uint64_t* bar, int tx_bytes, int expect_tx);
+void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes);
+int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity);
+void fa_emu_fence_async(int kind);
+void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar);
 unsigned char* fa_emu_dynamic_smem(void);
 void fa_emu_trap(const char* what) __attribute__((noreturn));
 
@@ -82,6 +93,8 @@ typedef struct fa_emu_counters {
     uint64_t gld_sectors, gld_sectors_ideal, gst_sectors, gst_sectors_ideal;
     uint64_t cp_async_smem_wavefronts, cp_async_smem_wavefronts_ideal;
     uint64_t sem_waits, sem_blocked;  // fa::sem_wait calls; those that had to block
+    uint64_t bulk_copies, bulk_copy_bytes;  // fa::cp_async_bulk_g2s calls and their bytes
+    uint64_t mbar_waits, mbar_blocked;      // mbarrier parity waits; those that found the phase incomplete
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -19,6 +19,12 @@
 //   * Faults inside a fiber (raw out-of-bounds shared access into the guard pages, stack
 //     overflow, integer division by zero) abort the block with an error instead of killing
 //     the process: the signal handler redirects the faulting fiber to a rescue stack.
+//   * mbarriers (sm_90) live beside shared memory, keyed by their shared offset, with the PTX state
+//     (expected and pending arrivals, tx-count, phase); a wait for an incomplete phase suspends the
+//     fiber until the phase completes. Bulk copies (cp.async.bulk global -> shared) are queued per
+//     block and land, performing complete_tx on their mbarrier, when the schedule chooses: forward
+//     as late as possible (when no fiber can run), reverse at once, random at random switches.
+//     A block where every live fiber waits and no copy is in flight is a reported deadlock.
 //   * Inter-block semaphores (fa::sem_wait / fa::sem_post): an unsatisfied wait blocks the
 //     worker's OS thread inside the runtime call, the whole block suspended with its fibers;
 //     while blocks remain to be dispatched, another worker thread is started so that `target`
@@ -148,7 +154,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // =========================================================================================
 // Data structures
 // =========================================================================================
-enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, EXITED };
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, EXITED };
 enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
 
 const char* op_name(int op, int kind) {
@@ -193,6 +199,9 @@ struct Fiber {
     const uint32_t* b = nullptr;
     const float* c = nullptr;
     void* bar_site = nullptr;
+    // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
+    uint32_t mbar_off = 0;
+    int mbar_parity = 0;
     // cp.async queue, in issue order
     std::vector<Copy> copies;
     size_t copies_head = 0;
@@ -200,6 +209,24 @@ struct Fiber {
     // memory statistics: how often this thread reached each (call site, kind) since the last barrier
     std::unordered_map<uint64_t, uint32_t> site_count;
     char* stack_lo = nullptr;
+};
+
+// An mbarrier object (PTX ISA, "Contents of the mbarrier object"), kept beside shared memory and
+// keyed by its shared offset: the 8 bytes themselves are opaque to the kernel.
+struct MBar {
+    uint32_t expected = 0, pending = 0;  // arrivals per phase; arrivals still missing in this phase
+    int32_t tx = 0;                      // tx-count: bytes expected minus bytes completed
+    uint32_t phase = 0;                  // phases completed since init; parity = phase & 1
+    int init_tid = -1;                   // the thread that initialized it
+    bool fenced = false;                 // that thread executed a fence.mbarrier_init / proxy.async since
+};
+
+// A cp.async.bulk global -> shared in flight: performs complete_tx(bytes) on `bar` when delivered.
+struct Bulk {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, tid;
+    uint32_t bar;  // shared offset of the mbarrier
 };
 
 struct Worker;
@@ -243,7 +270,10 @@ struct Worker {
     size_t smem_region_len = 0;
     unsigned char* smem = nullptr;
     size_t smem_size = 0;
-    std::vector<uint16_t> pending;  // per granule: cp.async copies not yet performed
+    std::vector<uint16_t> pending;  // per granule: cp.async and bulk copies not yet performed
+    std::unordered_map<uint32_t, MBar> mbars;  // live mbarriers by shared offset
+    std::vector<Bulk> bulks;        // bulk copies in flight, in issue order
+    int mbar_waiting = 0;           // fibers in WAIT_MBAR
     // block state
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
@@ -458,6 +488,21 @@ void mem_flush(Worker* w) {
     for (Fiber& f : w->fibers) f.site_count.clear();
 }
 
+// What makes the shared byte `byte` (its pending counter is nonzero) the destination of a copy in flight.
+std::string pending_desc(Worker* w, const unsigned char* byte) {
+    for (Fiber& o : w->fibers)
+        for (size_t k = o.copies_head; k < o.copies.size(); ++k)
+            if (byte >= o.copies[k].dst && byte < o.copies[k].dst + o.copies[k].size)
+                return strf("%s, the destination of a cp.async issued by thread %d that no fa::cp_async_wait has "
+                            "completed yet (missing cp_async_wait or __syncthreads?)", smem_desc(w, byte).c_str(), o.tid);
+    for (const Bulk& b : w->bulks)
+        if (byte >= b.dst && byte < b.dst + b.bytes)
+            return strf("%s, the destination of a bulk copy (fa::cp_async_bulk_g2s, %d bytes) issued by thread %d "
+                        "that has not completed on its mbarrier at shared offset %u yet (missing "
+                        "fa::mbarrier_wait_parity?)", smem_desc(w, byte).c_str(), b.bytes, b.tid, b.bar);
+    return smem_desc(w, byte) + ", the destination of a copy in flight";
+}
+
 // =========================================================================================
 // Warp collectives
 // =========================================================================================
@@ -529,16 +574,8 @@ void eval_ldmatrix(Worker* w, Fiber* lanes) {
             const size_t g0 = (static_cast<const unsigned char*>(f.addr) - w->smem) / kGranule;
             for (size_t g = g0; g < g0 + 16 / kGranule; ++g) {
                 if (w->pending[g]) {
-                    const unsigned char* byte = w->smem + g * kGranule;
-                    int issuer = -1;
-                    for (Fiber& o : w->fibers)
-                        for (size_t k = o.copies_head; k < o.copies.size(); ++k)
-                            if (byte >= o.copies[k].dst && byte < o.copies[k].dst + o.copies[k].size) issuer = o.tid;
                     w->cur = &f;
-                    fiber_fail(w, strf("fa::ldmatrix reads %s, the destination of a cp.async issued by thread %d "
-                                       "that no fa::cp_async_wait has completed yet (missing cp_async_wait "
-                                       "or __syncthreads?)",
-                                       smem_desc(w, byte).c_str(), issuer));
+                    fiber_fail(w, "fa::ldmatrix reads " + pending_desc(w, w->smem + g * kGranule));
                 }
             }
             rows[j][r] = static_cast<const uint16_t*>(f.addr);
@@ -742,6 +779,267 @@ void warp_arrive(Worker* w, Fiber* f) {
 }
 
 // =========================================================================================
+// mbarriers and bulk copies (sm_90; docs/emulator.md, "Hopper: mbarrier and bulk copies")
+// =========================================================================================
+constexpr int64_t kCountMax = (1 << 20) - 1;  // arrival counts and |tx-count| are 20-bit quantities
+
+std::string mbar_state(uint32_t off, const MBar& b) {
+    return strf("mbarrier at shared offset %u (phase %u, parity %u; %u of %u arrivals pending; tx-count %d bytes)",
+                off, b.phase, b.phase & 1u, b.pending, b.expected, b.tx);
+}
+
+// The shared offset of an mbarrier address, checked: 8-byte aligned, inside dynamic shared memory.
+uint32_t mbar_offset(Worker* w, const void* bar, const char* what) {
+    if (!in_smem(w, bar, 8))
+        fiber_fail(w, strf("%s: mbarrier address %p is outside dynamic shared memory: %s", what, bar,
+                           smem_desc(w, bar).c_str()));
+    if (reinterpret_cast<uintptr_t>(bar) & 7u)
+        fiber_fail(w, strf("%s: mbarrier address is not 8-byte aligned: %s", what, smem_desc(w, bar).c_str()));
+    return static_cast<uint32_t>(static_cast<const unsigned char*>(bar) - w->smem);
+}
+
+MBar& mbar_live(Worker* w, const void* bar, const char* what, uint32_t* off) {
+    *off = mbar_offset(w, bar, what);
+    auto it = w->mbars.find(*off);
+    if (it == w->mbars.end())
+        fiber_fail(w, strf("%s: no mbarrier is initialized at shared offset %u (used before fa::mbarrier_init, or "
+                           "after fa::mbarrier_inval)", what, *off));
+    return it->second;
+}
+
+// A phase completes when its arrivals and its transactions are all in: the phase advances (the
+// parity flips), the pending count reloads, and the fibers waiting for the completed parity run.
+void mbar_maybe_complete(Worker* w, uint32_t off, MBar& b) {
+    if (b.pending != 0 || b.tx != 0) return;
+    ++b.phase;
+    b.pending = b.expected;
+    for (int t = 0; w->mbar_waiting > 0 && t < w->nthreads; ++t) {
+        Fiber& f = w->fibers[t];
+        if (f.state != WAIT_MBAR || f.mbar_off != off || (b.phase & 1u) == static_cast<uint32_t>(f.mbar_parity))
+            continue;
+        --w->mbar_waiting;
+        set_runnable(w, t);
+    }
+}
+
+// tx-count += delta (expect-tx: delta > 0, complete-tx: delta < 0); "" or what is wrong. The tx-count
+// may be negative while arrivals are pending (a copy may land before the arrive.expect_tx that
+// accounts for it); once all arrivals of the phase are in, it may not.
+std::string mbar_tx(uint32_t off, MBar& b, int64_t delta, const char* op) {
+    const int64_t tx = int64_t(b.tx) + delta;
+    if (tx > kCountMax)
+        return strf("%s of %lld bytes overflows the tx-count of the %s (at most 2^20-1 bytes)", op,
+                    static_cast<long long>(std::abs(delta)), mbar_state(off, b).c_str());
+    if (tx < -kCountMax || (tx < 0 && b.pending == 0))
+        return strf("%s of %lld bytes underflows the tx-count of the %s to %lld: more bytes completed than "
+                    "expected (arrive_expect_tx declared fewer)", op, static_cast<long long>(std::abs(delta)),
+                    mbar_state(off, b).c_str(), static_cast<long long>(tx));
+    b.tx = static_cast<int32_t>(tx);
+    return "";
+}
+
+void mbar_check_tx_arg(Worker* w, const char* what, int tx_bytes) {
+    if (tx_bytes < 0 || tx_bytes > kCountMax)
+        fiber_fail(w, strf("%s: tx byte count %d is outside [0, 2^20-1]", what, tx_bytes));
+}
+
+void mbar_init(Worker* w, const void* bar, int count) {
+    const char* what = "fa::mbarrier_init";
+    const uint32_t off = mbar_offset(w, bar, what);
+    if (count < 1 || count > kCountMax)
+        fiber_fail(w, strf("%s: arrival count %d is outside [1, 2^20-1]", what, count));
+    auto it = w->mbars.find(off);
+    if (it != w->mbars.end())
+        fiber_fail(w, strf("%s: shared offset %u holds a live mbarrier (initialized by thread %d): "
+                           "fa::mbarrier_inval it first", what, off, it->second.init_tid));
+    for (uint32_t g = off / kGranule; g < (off + 8) / kGranule; ++g)
+        if (w->pending[g]) fiber_fail(w, strf("%s: the mbarrier's bytes are ", what) + pending_desc(w, w->smem + g * kGranule));
+    MBar b;
+    b.expected = b.pending = static_cast<uint32_t>(count);
+    b.init_tid = w->cur->tid;
+    w->mbars[off] = b;
+}
+
+void mbar_inval(Worker* w, const void* bar) {
+    const char* what = "fa::mbarrier_inval";
+    uint32_t off;
+    const MBar& b = mbar_live(w, bar, what, &off);
+    for (const Fiber& f : w->fibers)
+        if (f.state == WAIT_MBAR && f.mbar_off == off)
+            fiber_fail(w, strf("%s: thread %d waits on the %s", what, f.tid, mbar_state(off, b).c_str()));
+    for (const Bulk& c : w->bulks)
+        if (c.bar == off)
+            fiber_fail(w, strf("%s: a bulk copy issued by thread %d is in flight and completes on the %s", what, c.tid,
+                               mbar_state(off, b).c_str()));
+    w->mbars.erase(off);
+}
+
+uint64_t mbar_arrive(Worker* w, const void* bar, int tx_bytes, bool expect_tx) {
+    const char* what = expect_tx ? "fa::mbarrier_arrive_expect_tx" : "fa::mbarrier_arrive";
+    uint32_t off;
+    MBar& b = mbar_live(w, bar, what, &off);
+    if (expect_tx) {
+        mbar_check_tx_arg(w, what, tx_bytes);
+        const std::string err = mbar_tx(off, b, tx_bytes, "expect-tx");
+        if (!err.empty()) fiber_fail(w, std::string(what) + ": " + err);
+    }
+    if (b.pending == 0)
+        fiber_fail(w, strf("%s: arrival beyond the expected count: the %s has all its arrivals and waits for its "
+                           "tx bytes", what, mbar_state(off, b).c_str()));
+    const uint64_t token = b.phase;
+    if (--b.pending == 0 && b.tx < 0)
+        fiber_fail(w, strf("%s: the last arrival finds more bytes completed than expected: %s", what,
+                           mbar_state(off, b).c_str()));
+    mbar_maybe_complete(w, off, b);
+    return token;
+}
+
+void mbar_expect_tx(Worker* w, const void* bar, int tx_bytes) {
+    const char* what = "fa::mbarrier_expect_tx";
+    uint32_t off;
+    MBar& b = mbar_live(w, bar, what, &off);
+    mbar_check_tx_arg(w, what, tx_bytes);
+    const std::string err = mbar_tx(off, b, tx_bytes, "expect-tx");
+    if (!err.empty()) fiber_fail(w, std::string(what) + ": " + err);
+}
+
+// try_wait.parity: true once the phase of parity `parity` has completed, i.e. while the current
+// phase has the other parity. Otherwise the fiber suspends until the phase completes (PTX lets
+// try_wait suspend until then; the emulator never times out, so it always returns true).
+int mbar_try_wait(Worker* w, const void* bar, int parity) {
+    const char* what = "fa::mbarrier_try_wait_parity";
+    uint32_t off;
+    const MBar& b = mbar_live(w, bar, what, &off);
+    if (parity != 0 && parity != 1) fiber_fail(w, strf("%s: phase parity %d is not 0 or 1", what, parity));
+    ++w->cnt.mbar_waits;
+    if ((b.phase & 1u) != static_cast<uint32_t>(parity)) return 1;
+    ++w->cnt.mbar_blocked;
+    Fiber* f = w->cur;
+    f->state = WAIT_MBAR;
+    f->mbar_off = off;
+    f->mbar_parity = parity;
+    ++w->mbar_waiting;
+    yield(w, f);
+    return 1;
+}
+
+// fence.mbarrier_init / fence.proxy.async: the calling thread's initialized mbarriers become
+// visible to the async proxy (bulk copies may complete on them).
+void mbar_fence(Worker* w) {
+    for (auto& kv : w->mbars)
+        if (kv.second.init_tid == w->cur->tid) kv.second.fenced = true;
+}
+
+// The 32-byte global sectors a bulk copy's source touches (one contiguous range), against the ideal.
+void bulk_sectors(Worker* w, const void* src, int bytes) {
+    const uint64_t a = reinterpret_cast<uint64_t>(src);
+    const uint64_t actual = (a + bytes + 31) / 32 - a / 32, ideal = (static_cast<uint64_t>(bytes) + 31) / 32;
+    w->cnt.gld_sectors += actual;
+    w->cnt.gld_sectors_ideal += ideal;
+    const int b = find_buffer(w, a, 1);
+    if (b >= 0) {
+        w->buf_sectors[4 * b] += actual;
+        w->buf_sectors[4 * b + 1] += ideal;
+    }
+}
+
+void bulk_check_dst(Worker* w, const unsigned char* dst, int bytes, const char* what) {
+    if (bytes <= 0 || bytes % 16)
+        fiber_fail(w, strf("%s: size %d bytes is not a positive multiple of 16", what, bytes));
+    if (!in_smem(w, dst, bytes))
+        fiber_fail(w, strf("%s: destination %p (%d bytes) is outside dynamic shared memory: %s", what,
+                           static_cast<const void*>(dst), bytes, smem_desc(w, dst).c_str()));
+    if (reinterpret_cast<uintptr_t>(dst) & 15u)
+        fiber_fail(w, strf("%s: destination is not 16-byte aligned: %s", what, smem_desc(w, dst).c_str()));
+    const size_t g0 = (dst - w->smem) / kGranule;
+    for (size_t g = g0; g < g0 + bytes / kGranule; ++g)
+        if (w->pending[g])
+            fiber_fail(w, strf("%s: destination overlaps ", what) + pending_desc(w, w->smem + g * kGranule) +
+                              " (two copies in flight write the same bytes)");
+    for (const auto& kv : w->mbars)
+        if (w->smem + kv.first + 8 > dst && w->smem + kv.first < dst + bytes)
+            fiber_fail(w, strf("%s: destination %s (%d bytes) overwrites the live %s", what, smem_desc(w, dst).c_str(),
+                               bytes, mbar_state(kv.first, kv.second).c_str()));
+}
+
+void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const void* bar) {
+    const char* what = "fa::cp_async_bulk_g2s";
+    unsigned char* dst = static_cast<unsigned char*>(smem_dst);
+    bulk_check_dst(w, dst, bytes, what);
+    if (reinterpret_cast<uintptr_t>(gmem_src) & 15u)
+        fiber_fail(w, strf("%s: global source %p is not 16-byte aligned", what, gmem_src));
+    gcheck(w, gmem_src, static_cast<size_t>(bytes), 0, "fa::cp_async_bulk_g2s global read");
+    uint32_t off;
+    const MBar& b = mbar_live(w, bar, what, &off);
+    if (!b.fenced)
+        fiber_fail(w, strf("%s completes on the %s, which its initializing thread %d has not made visible to the "
+                           "async proxy: fa::fence_mbarrier_init() after fa::mbarrier_init (then __syncthreads())",
+                           what, mbar_state(off, b).c_str(), b.init_tid));
+    bulk_sectors(w, gmem_src, bytes);
+    const size_t g0 = (dst - w->smem) / kGranule;
+    for (size_t g = g0; g < g0 + bytes / kGranule; ++g) ++w->pending[g];
+    w->bulks.push_back(Bulk{dst, static_cast<const unsigned char*>(gmem_src), bytes, w->cur->tid, off});
+    ++w->cnt.bulk_copies;
+    w->cnt.bulk_copy_bytes += static_cast<uint64_t>(bytes);
+}
+
+// Bulk copy k lands: its bytes are written, then complete_tx(bytes) on its mbarrier. Called by the
+// scheduler (no fiber runs); false, the launch failed, on an error.
+bool bulk_deliver(Worker* w, size_t k) {
+    const Bulk c = w->bulks[k];
+    w->bulks.erase(w->bulks.begin() + static_cast<long>(k));
+    std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    const size_t g0 = (c.dst - w->smem) / kGranule;
+    for (size_t g = g0; g < g0 + c.bytes / kGranule; ++g) --w->pending[g];
+    auto it = w->mbars.find(c.bar);
+    const std::string err = it == w->mbars.end() ? strf("its mbarrier at shared offset %u is gone", c.bar)
+                                                 : mbar_tx(c.bar, it->second, -int64_t(c.bytes), "complete-tx");
+    if (!err.empty()) {
+        record_error(w, where(w, &w->fibers[c.tid]) + strf(": fa::cp_async_bulk_g2s (%d bytes to %s) lands: ", c.bytes,
+                                                             smem_desc(w, c.dst).c_str()) + err);
+        return false;
+    }
+    mbar_maybe_complete(w, c.bar, it->second);
+    return true;
+}
+
+// When copies in flight land is the schedule's choice: forward as late as possible (one at a time,
+// oldest first, only when no fiber can run), reverse at the first switch after their issue, random
+// each with probability 1/4 at every switch (and a random one when no fiber can run).
+bool bulk_schedule(Worker* w) {
+    const int sched = w->p->schedule;
+    if (w->nrunnable == 0) return bulk_deliver(w, sched == FA_EMU_SCHED_RANDOM ? splitmix(w->rng) % w->bulks.size() : 0);
+    if (sched == FA_EMU_SCHED_FORWARD) return true;
+    for (size_t k = 0; k < w->bulks.size();) {
+        if (sched == FA_EMU_SCHED_REVERSE || splitmix(w->rng) % 4 == 0) {
+            if (!bulk_deliver(w, k)) return false;
+        } else {
+            ++k;
+        }
+    }
+    return true;
+}
+
+std::string mbar_deadlock_desc(Worker* w) {
+    const Fiber* first = nullptr;
+    int at_mbar = 0, at_bar = 0, at_warp = 0;
+    for (const Fiber& f : w->fibers) {
+        if (f.state == WAIT_MBAR && !first) first = &f;
+        at_mbar += f.state == WAIT_MBAR;
+        at_bar += f.state == WAIT_BAR;
+        at_warp += f.state == WAIT_WARP;
+    }
+    if (!first) return "";
+    const MBar& b = w->mbars.at(first->mbar_off);
+    return strf("deadlock: thread (%u,%u,%u) [warp %d lane %d] waits for the phase of parity %d of the %s to "
+                "complete, and no bulk copy in flight can complete it (%d thread(s) wait at mbarriers, %d at "
+                "__syncthreads(), %d at warp collectives, %d exited)",
+                first->view.thread_idx[0], first->view.thread_idx[1], first->view.thread_idx[2], first->warp,
+                first->lane, first->mbar_parity, mbar_state(first->mbar_off, b).c_str(), at_mbar, at_bar, at_warp,
+                w->exited);
+}
+
+// =========================================================================================
 // Fiber lifecycle and the scheduler
 // =========================================================================================
 void thread_exit(Worker* w, Fiber* f) {
@@ -811,6 +1109,8 @@ int pick(Worker* w) {
 }
 
 std::string deadlock_desc(Worker* w) {
+    const std::string mbar = mbar_deadlock_desc(w);
+    if (!mbar.empty()) return mbar;
     for (int wp = 0; wp < w->nwarps; ++wp) {
         const uint32_t waiting = w->warp_waiting[wp];
         if (!waiting) continue;
@@ -898,6 +1198,9 @@ bool run_block(Worker* w, unsigned linear) {
     w->exited = 0;
     w->bar_site = nullptr;
     w->aborting = false;
+    w->mbars.clear();
+    w->bulks.clear();
+    w->mbar_waiting = 0;
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         f.tid = t;
@@ -919,7 +1222,12 @@ bool run_block(Worker* w, unsigned linear) {
         ctx_make(&f.ctx, f.stack_lo, w->stack_size, &fiber_main, w);
         set_runnable(w, t);
     }
-    while (w->nrunnable > 0) {
+    for (;;) {
+        if (!w->bulks.empty() && !bulk_schedule(w)) return false;
+        if (w->nrunnable == 0) {
+            if (w->bulks.empty()) break;
+            continue;
+        }
         const int t = pick(w);
         w->runnable[t >> 6] &= ~(uint64_t(1) << (t & 63));
         --w->nrunnable;
@@ -1371,10 +1679,25 @@ __attribute__((noinline)) void fa_emu_sem_post(int* sem) {
 
 void fa_emu_trap(const char* what) { fiber_fail(W(), what); }
 
+void fa_emu_mbarrier_init(uint64_t* bar, int count) { mbar_init(W(), bar, count); }
+void fa_emu_mbarrier_inval(uint64_t* bar) { mbar_inval(W(), bar); }
+uint64_t fa_emu_mbarrier_arrive(uint64_t* bar, int tx_bytes, int expect_tx) {
+    return mbar_arrive(W(), bar, tx_bytes, expect_tx != 0);
+}
+void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes) { mbar_expect_tx(W(), bar, tx_bytes); }
+int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity) { return mbar_try_wait(W(), bar, parity); }
+void fa_emu_fence_async(int kind) {
+    (void)kind;
+    mbar_fence(W());
+}
+void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
+    bulk_g2s(W(), smem_dst, gmem_src, bytes, bar);
+}
+
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 3; }
+int fa_emu_abi_version(void) { return 4; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -1436,6 +1759,10 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.cp_async_smem_wavefronts_ideal += w.cnt.cp_async_smem_wavefronts_ideal;
         total.sem_waits += w.cnt.sem_waits;
         total.sem_blocked += w.cnt.sem_blocked;
+        total.bulk_copies += w.cnt.bulk_copies;
+        total.bulk_copy_bytes += w.cnt.bulk_copy_bytes;
+        total.mbar_waits += w.cnt.mbar_waits;
+        total.mbar_blocked += w.cnt.mbar_blocked;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
