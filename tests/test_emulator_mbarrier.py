@@ -23,7 +23,10 @@ SRC = r'''
 // arrive_expect_tx(tile bytes) and fills the stage with `copies` bulk copies; the consumer warps
 // (1..) wait on full[s], read the tile and release the stage (one arrival per consumer warp on
 // empty[s]). out[t][j] = 2 * x[t][j] + t, each element written by one consumer thread.
-__global__ void pipeline(const float* x, float* out, int tiles, int tile_elems, int stages, int copies) {
+// Two bugs on request: flip = 0 makes the producer wait on empty[s] with the consumers' parity
+// convention (its first wait can never complete); early = 1 releases a stage before reading it.
+__global__ void pipeline(const float* x, float* out, int tiles, int tile_elems, int stages, int copies, int flip,
+                         int early) {
     FA_DYNAMIC_SMEM(smem);
     uint64_t* full = reinterpret_cast<uint64_t*>(smem);
     uint64_t* empty = full + stages;
@@ -42,7 +45,7 @@ __global__ void pipeline(const float* x, float* out, int tiles, int tile_elems, 
         if (lane == 0) {
             for (int t = 0; t < tiles; ++t) {
                 const int s = t % stages, round = t / stages;
-                fa::mbarrier_wait_parity(empty + s, (round & 1) ^ 1);   // round 0 passes at once
+                fa::mbarrier_wait_parity(empty + s, (round & 1) ^ flip);   // round 0 passes at once
                 fa::mbarrier_arrive_expect_tx(full + s, tile_bytes);
                 const char* src = reinterpret_cast<const char*>(x + t * tile_elems);
                 char* dst = reinterpret_cast<char*>(ring + s * tile_elems);
@@ -57,9 +60,13 @@ __global__ void pipeline(const float* x, float* out, int tiles, int tile_elems, 
         const int s = t % stages;
         fa::mbarrier_wait_parity(full + s, (t / stages) & 1);
         const float* tile = ring + s * tile_elems;
+        if (early) {
+            __syncwarp();
+            if (lane == 0) fa::mbarrier_arrive(empty + s);
+        }
         for (int j = ct; j < tile_elems; j += nct) fa::gstore(out + t * tile_elems + j, 2.0f * tile[j] + t);
         __syncwarp();
-        if (lane == 0) fa::mbarrier_arrive(empty + s);
+        if (lane == 0 && !early) fa::mbarrier_arrive(empty + s);
     }
 }
 
@@ -214,11 +221,12 @@ def mod():
 
 
 # ---- the FlashAttention-3 producer/consumer ring ---------------------------------------------------
-def run_pipeline(mod, tiles, elems, stages, copies, consumers, schedule="forward", seed=0):
+def run_pipeline(mod, tiles, elems, stages, copies, consumers, schedule="forward", seed=0, flip=1, early=0):
     x = np.random.default_rng(tiles * 100 + stages).standard_normal((tiles, elems)).astype(np.float32)
     out = np.full((tiles, elems), np.nan, np.float32)
     smem = 128 * ((16 * stages + 127) // 128) + stages * elems * 4
-    args = (x, out, np.int32(tiles), np.int32(elems), np.int32(stages), np.int32(copies))
+    args = (x, out, np.int32(tiles), np.int32(elems), np.int32(stages), np.int32(copies), np.int32(flip),
+            np.int32(early))
     c = mod.launch("pipeline", 1, 32 * (1 + consumers), args, shared_mem=smem, schedule=schedule, seed=seed)
     return x, out, c
 
@@ -250,6 +258,25 @@ def test_forward_lands_copies_late_reverse_early(mod):
     *_, fwd = run_pipeline(mod, 7, 256, 3, 2, 2, "forward")
     *_, rev = run_pipeline(mod, 7, 256, 3, 2, 2, "reverse")
     assert fwd.mbar_blocked >= 7 * 64 and rev.mbar_blocked < fwd.mbar_blocked
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES[:3])
+def test_wrong_producer_parity_is_a_deadlock(mod, schedule, seed):
+    # the producer's empty wait with the consumers' parity: phase 0 of empty[0] needs a release of
+    # a stage never filled
+    with pytest.raises(emulator.EmulatorError, match=r"deadlock: thread \(0,0,0\) .* parity 0 of the mbarrier "
+                       r"at shared offset 24 \(phase 0, parity 0; 2 of 2 arrivals pending; tx-count 0 bytes\)"):
+        run_pipeline(mod, 7, 256, 3, 2, 2, schedule, seed, flip=0)
+
+
+def test_early_release_is_caught_by_random_schedules(mod):
+    """A stage released before it is read: the producer refills it under the consumers' feet. The
+    forward schedule lands copies late and hides the race; random ones land them in between."""
+    def correct(schedule, seed):
+        x, out, _ = run_pipeline(mod, 7, 256, 1, 2, 2, schedule, seed, early=1)
+        return out.tobytes() == (x * np.float32(2) + np.arange(7, dtype=np.float32)[:, None]).tobytes()
+    assert correct("forward", 0)
+    assert not any(correct("random", s) for s in range(8))
 
 
 # ---- phase and parity rules -----------------------------------------------------------------------
