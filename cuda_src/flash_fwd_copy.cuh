@@ -17,6 +17,7 @@
 #pragma once
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
 
 namespace flash {
 
@@ -188,5 +189,42 @@ __device__ __forceinline__ void load_tile_paged(T* smem, const T* base, long lon
   // the fallback: the pool's first row, which exists whenever a tile is loaded
   load_tile_rows<T, kRows, kCols, kStride, kNThreads, Is_aligned>(smem, row_ptr, base, rows_valid, cols_valid, tid);
 }
+
+// The KV-cache state of one block (the SIMT forward's; flash_fwd.cu spells the same out inline):
+// the entry's key count seqlens_k[e] (Has_seqlens_k) and block-table row (Is_paged), and the copy
+// of key rows [n0, n0 + kRows): through the table (load_tile_paged) or contiguous (load_tile).
+// Without a KV cache keys() is Lk and load() is load_tile at row n0.
+template <bool Has_seqlens_k, bool Is_paged>
+struct KvRows {
+  static_assert(!Is_paged || Has_seqlens_k, "Is_paged needs Has_seqlens_k");
+  const int* seqlens_k;
+  const int* block_table;
+  TensorStrides entry;  // e_b0, e_b1, e_b2 (row stride unused)
+  long long table_row;
+  int page_size;
+
+  __device__ __forceinline__ int keys(const BatchIndex& b, int Lk) {
+    if constexpr (Has_seqlens_k) {
+      const long long e = b.offset(entry);
+      if constexpr (Is_paged) block_table += e * table_row;
+      return fa::gload(seqlens_k + e);
+    } else {
+      return Lk;
+    }
+  }
+
+  template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+  __device__ __forceinline__ void load(T* smem, const T* base, long long row_stride, long long page_stride, int n0,
+                                       int rows_valid, int cols_valid, int tid) const {
+    if constexpr (Is_paged) {
+      load_tile_paged<T, kRows, kCols, kStride, kNThreads, Is_aligned>(smem, base, row_stride, page_stride, block_table,
+                                                                        page_size, n0, rows_valid, cols_valid, tid);
+    } else {
+      (void)page_stride;
+      load_tile<T, kRows, kCols, kStride, kNThreads, Is_aligned>(smem, base + n0 * row_stride, row_stride, rows_valid,
+                                                                 cols_valid, tid);
+    }
+  }
+};
 
 }  // namespace flash

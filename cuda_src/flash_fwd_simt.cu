@@ -19,6 +19,11 @@
 // flash_ext.cuh with their trailing FLASH_EXT_PARAMS, as in flash_fwd.cu — lengths, window, block
 // mask, softcap and ALiBi in the Mask, key tiles outside the band or all-False in the block mask
 // never loaded (KeyTileWalk, ascending here), dropout on P before it goes to shared memory.
+//
+// KV cache (Has_seqlens_k, Is_paged; as in flash_fwd.cu, not combined with kExt): each block's
+// entry e = b0·e_b0 + b1·e_b1 + b2·e_b2 sees seqlens_k[e] keys (Lk from there on: mask, tail
+// tile), and, paged, its K_j / V_j rows are read in place through the entry's block-table row
+// (load_tile_paged; k, v are then the page pools, batch strides = head strides).
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
@@ -31,7 +36,7 @@
 namespace flash {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
-          bool Is_causal, bool Is_aligned, int kExt = 0>
+          bool Is_causal, bool Is_aligned, int kExt = 0, bool Has_seqlens_k = false, bool Is_paged = false>
 __global__ void __launch_bounds__(kThreadsM * kThreadsN, kMinBlocksPerSm)
 flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       T* __restrict__ o, typename AccumType<T>::type* __restrict__ lse,
@@ -41,7 +46,10 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long v_b0, long long v_b1, long long v_b2, long long v_row,
                       long long o_b0, long long o_b1, long long o_b2, long long o_row,
                       long long lse_b0, long long lse_b1, long long lse_b2,
-                      typename AccumType<T>::type scale_log2, FLASH_EXT_PARAMS(typename AccumType<T>::type)) {
+                      typename AccumType<T>::type scale_log2,
+                      const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
+                      long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
+                      long long k_page, long long v_page, FLASH_EXT_PARAMS(typename AccumType<T>::type)) {
   using Traits = FwdSimtTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, kThreadsM, kThreadsN>;
   using AccT = typename Traits::AccT;
   constexpr int kNThreads = Traits::kNThreads;
@@ -72,6 +80,10 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   T* o_i = o + bidx.offset(o_s) + m0 * o_row;
   AccT* lse_i = lse + bidx.offset(lse_s) + m0;
 
+  // KV cache: the entry's key count (and its block-table row).
+  KvRows<Has_seqlens_k, Is_paged> kv{seqlens_k, block_table, {e_b0, e_b1, e_b2, 0}, table_row, page_size};
+  Lk = kv.keys(bidx, Lk);
+  static_assert(kExt == 0 || !Has_seqlens_k, "kExt is not combined with the KV cache");
   // Extensions: the entry's lengths (rows at or past Lq_b write out 0, lse −inf) and state.
   const ExtArgs<AccT> ext = FLASH_EXT_ARGS(AccT);
   Lk = ext.template seqlen_k<kExt>(bidx, Lk);
@@ -98,9 +110,8 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   if (kExt == 0 ? n_block_max > 0 : n_block_first < n_block_max) {
     load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
         sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
-    load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-        sK, k_base + n_block_first * kBlockN * k_row, k_row, rows_in_tile(n_block_first * kBlockN, kBlockN, Lk),
-        D, tid);
+    kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+        sK, k_base, k_row, k_page, n_block_first * kBlockN, rows_in_tile(n_block_first * kBlockN, kBlockN, Lk), D, tid);
     fa::cp_async_commit();
   }
 
@@ -113,8 +124,8 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // Barrier: Q_i and K_j have landed for every thread's copies, and every thread has finished
     // reading V_{j−1} (previous iteration), so sV may be overwritten.
     __syncthreads();
-    load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
-        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+    kv.template load<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
+        sV, v_base, v_row, v_page, n0, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
     fa::cp_async_commit();
 
     // -- S_ij = Q_i K_jᵀ (raw dot products) --
@@ -147,8 +158,8 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     __syncthreads();
     if (kExt == 0 ? n_block + 1 < n_block_max : next < n_block_max) {
       const int n1 = kExt == 0 ? n0 + kBlockN : next * kBlockN;
-      load_tile<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-          sK, k_base + n1 * k_row, k_row, rows_in_tile(n1, kBlockN, Lk), D, tid);
+      kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+          sK, k_base, k_row, k_page, n1, rows_in_tile(n1, kBlockN, Lk), D, tid);
     }
     fa::cp_async_commit();
 

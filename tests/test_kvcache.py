@@ -334,9 +334,8 @@ BAD = [
     ("v_cache rows", False, _set("v_cache", lambda c: c.v_cache[:, :, :40]), ValueError,
      "k_cache and v_cache must agree on their first three dims"),
     ("backend", False, lambda c: None, TypeError, "backend='cuda' needs CuPy arrays"),
-    ("paged kernel", True, lambda c: None, NotImplementedError,
-     "paged KV cache .* on backend='emulator' needs the tensor-core forward .*float32 runs on the SIMT kernel.*"
-     "use backend='cpu'"),
+    ("splits on the SIMT kernel", True, lambda c: None, NotImplementedError,
+     "num_splits=2: split-KV runs on the tensor-core forward .*this call uses the SIMT kernel \\(float32\\)"),
 ]
 
 
@@ -345,8 +344,10 @@ def test_refused_call_names_the_argument_and_writes_nothing(name, paged, mutate,
     case = Case(np.float32, 2, 3, (4, 0, 20), paged=paged)
     mutate(case)
     before = case.snapshot()
-    backend = {"backend": "cuda", "paged kernel": "emulator"}.get(name)
+    backend = {"backend": "cuda", "splits on the SIMT kernel": "emulator"}.get(name)
     kwargs = case.kwargs()
+    if name == "splits on the SIMT kernel":  # refused while planning, which comes before the writes
+        kwargs["num_splits"] = 2
     with pytest.raises(exc, match=match):
         fa.flash_attention_with_kvcache(*case.args(), **kwargs, backend=backend)
     _assert_untouched(case, before, names=("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new",
@@ -468,12 +469,30 @@ def test_kvcache_plan_does_not_depend_on_the_lengths():
     assert len(cuda_forward._PLANS) == plans
 
 
-def test_emulator_paged_float32_is_refused():
-    case = Case(np.float32, 1, 1, (5, 0, 33), paged=True)
-    before = case.snapshot()
-    with pytest.raises(NotImplementedError, match="float32 runs on the SIMT kernel.*backend='cpu'"):
-        fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator")
-    assert _same_bytes(case.k_cache, before["k_cache"])
+@pytest.mark.parametrize("scenario", PAGED_SCENARIOS, ids=["decode1", "chunk", "no-new"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype,page", [(np.float32, 16), (np.float32, 128), (np.float64, 32)],
+                         ids=["fp32-p16", "fp32-p128", "fp64-p32"])
+def test_emulator_paged_cache_simt(dtype, page, causal, scenario):
+    """float32 / float64: the SIMT forward reads per-entry key counts and pages in place too (a
+    64-key tile spans four 16-row pages; pages larger than the tile)."""
+    Lq, L_new, seqlens = scenario
+    case = Case(dtype, Lq, L_new, seqlens, heads="gqa" if causal else "mha", paged=True,
+                L_cache=128 if page < 128 else 256, page=page, D=40, seed=page + Lq)
+    run_and_check(case, causal, "emulator")
+
+
+def test_simt_paged_reads_only_the_touched_pages(monkeypatch):
+    """float32, one SIMT forward launch: K and V bytes read are exactly the entries' visible rows
+    (GQA-packed decoding: once per KV head), pages read in place."""
+    counters = _counted_kvcache_launches(monkeypatch)
+    seqlens = (5, 0, 33)
+    case = Case(np.float32, 1, 1, seqlens, heads="gqa", paged=True, L_cache=128, page=16, D=64, Dv=64, seed=4)
+    run_and_check(case, True, "emulator")
+    (c,) = counters
+    H_kv, rows = case.k_cache.shape[1], sum(s + 1 for s in seqlens)
+    assert c.buffers[1].read_bytes == rows * H_kv * 64 * 4      # K: visible rows only
+    assert c.buffers[2].read_bytes == rows * H_kv * 64 * 4      # V
 
 
 def test_num_splits_is_refused_on_cpu():
@@ -510,36 +529,25 @@ def _numpy_backed_cupy(monkeypatch, copies):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_cupy_glue_without_a_gpu(monkeypatch, paged):
     """The CuPy-only steps — one device→host copy of cache_seqlens (and block_table), the write by
-    device-side indexing, the output assembly, the paged refusal before any copy or write — against a
-    NumPy-backed CuPy stand-in; the forward itself is the cpu backend's."""
+    device-side indexing, the plan made during validation, one kernel call with the device arrays —
+    against a NumPy-backed CuPy stand-in (the kernel call itself recorded, not run)."""
     copies = []
     dev = _numpy_backed_cupy(monkeypatch, copies)
     case = Case(np.float32, 2, 3, (4, 0, 20), heads="gqa", paged=paged)
     before = case.snapshot()
     args = [dev(x) for x in case.args()] + [{n: dev(x) for n, x in case.kwargs().items() if x is not None}]
-    if paged:
-        with pytest.raises(NotImplementedError, match="backend='cuda'"):
-            fa.flash_attention_with_kvcache(*args[:4], **args[4])
-        assert copies == [] and _same_bytes(case.k_cache, before["k_cache"])
-        # The tensor-core path (float16/bfloat16) hands the device arrays to one kernel call.
-        seen = []
-        monkeypatch.setattr(kvcache, "_uses_kernel", lambda c: True)
-        monkeypatch.setattr(cuda_forward, "forward_kvcache",
-                            lambda q, k, v, lengths, table, **kw: seen.append((np.asarray(lengths).tolist(),
-                                                                                np.asarray(table).tolist()))
-                            or (None, None))
-        fa.flash_attention_with_kvcache(*args[:4], **args[4])
-        assert copies == [(3 + case.block_table.size,)]       # seqlens and table in one transfer
-        assert seen == [([7, 3, 23], case.block_table.tolist())]
-        assert _same_bytes(case.k_cache, case.expected_caches(before)[0])
-        return
-    out = fa.flash_attention_with_kvcache(*args[:4], **args[4])
-    assert type(out).__module__ == "cupy" and copies == [(3,)]
-    k_want, _ = case.expected_caches(before)
-    assert _same_bytes(case.k_cache, k_want)                 # written in place through the views
-    case.k_cache[...], case.v_cache[...] = before["k_cache"], before["v_cache"]
-    monkeypatch.undo()
-    np.testing.assert_array_equal(np.asarray(out), _call(case, True, "cpu")[0])
+    seen, planned = [], []
+    monkeypatch.setattr(kvcache, "_uses_kernel", lambda c: c.backend == "cuda")
+    monkeypatch.setattr(cuda_forward, "_kvcache_plan", lambda *a, **kw: planned.append(kw["device"]) or "plan")
+    monkeypatch.setattr(cuda_forward, "forward_kvcache",
+                        lambda q, k, v, lengths, table, memo, **kw: seen.append(
+                            (np.asarray(lengths).tolist(), None if table is None else np.asarray(table).tolist(),
+                             memo["plan"], type(q).__module__)) or (None, None))
+    fa.flash_attention_with_kvcache(*args[:4], **args[4])
+    assert planned == ["cuda"]
+    assert copies == [(3 + (case.block_table.size if paged else 0),)]   # seqlens (and table) in one transfer
+    assert seen == [([7, 3, 23], case.block_table.tolist() if paged else None, "plan", "cupy")]
+    assert _same_bytes(case.k_cache, case.expected_caches(before)[0])   # written in place on the device
 
 
 # -- bigger problems ------------------------------------------------------------------------------

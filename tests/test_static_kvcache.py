@@ -43,3 +43,27 @@ ARCH_PARAMS = [a if a in (75, 80) else pytest.param(a, marks=pytest.mark.slow) f
 def test_kvcache_kernels_compile_without_spills(arch):
     threads = kvcache_names(arch)
     _check(arch, "flash_fwd.cu", sorted(threads), threads)
+
+
+def simt_kvcache_names(arch):
+    """The SIMT forward's KV-cache instantiations: float32 / float64 (and bfloat16 where it has no
+    tensor cores), contiguous and paged, causal or not, aligned rows and element copies."""
+    threads = {}
+    dtypes = ("float32", "float64") + (() if tiles.tensor_cores_available("bfloat16", arch) else ("bfloat16",))
+    for dt in dtypes:
+        for d, dv in ((64, 64), (128, 128), (40, 24)):
+            t = tiles.forward_tile(dt, d, dv, arch)
+            assert t.kernel == "simt"
+            for aligned in ((True, False) if d == 40 else (True,)):
+                for paged in (False, True):
+                    for causal in (False, True):
+                        name = cuda_forward.forward_name_expression(t, causal, aligned, seqlens_k=True, paged=paged)
+                        threads[name] = t.n_threads
+    return threads
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+def test_simt_kvcache_kernels_compile_without_spills(arch):
+    threads = simt_kvcache_names(arch)
+    assert any(", 0, true, true>" in n for n in threads)
+    _check(arch, "flash_fwd_simt.cu", sorted(threads), threads)

@@ -184,6 +184,8 @@ class ForwardPlan:
                     scale_log2)
             if tile.kernel == "tensor_core":
                 args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
+            elif tile.kernel == "simt":
+                args += self._kv_args(launcher, eo, es)
             if self.ext is None:
                 args += _dense_ext_args(self, launcher)
                 self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
@@ -194,7 +196,7 @@ class ForwardPlan:
                                                  (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
 
     def _kv_args(self, launcher, entry0, entry_strides):
-        """The tensor-core kernel's trailing KV-cache arguments: seqlens_k, block_table (array slots
+        """The tensor-core and SIMT kernels' trailing KV-cache arguments: seqlens_k, block_table (array slots
         7 and 8 of :meth:`run`), the entry strides, table row stride, page size and page strides
         of k and v (zeros for a dense call, whose two pointers are never read: a one-int array the
         plan keeps, since the emulator and checked launch paths take only arrays' addresses)."""
@@ -414,8 +416,11 @@ def forward_name_expression(tile, causal, aligned, split=False, packed=False, se
     """The forward's instantiation with its defaulted flags appended up to the last one set (the
     dense name is the tile table's): tensor cores ``Is_split`` (split-KV), ``Is_packed`` (causal GQA
     packing), ``Has_seqlens_k`` (per-entry key lengths), ``Is_paged`` (K/V read through a block
-    table), then ``kExt`` (the extension bits, :data:`EXT_BITS`); SIMT ``kExt`` only."""
+    table), then ``kExt`` (the extension bits, :data:`EXT_BITS`); SIMT ``kExt``, ``Has_seqlens_k``,
+    ``Is_paged``; the TF32 kernel ``kExt``."""
     name = tile.name_expression(causal=causal, aligned=aligned)
+    if tile.kernel == "simt" and (seqlens_k or paged):
+        return name[:-1] + ", %d, true, %s>" % (ext, "true" if paged else "false")
     if tile.kernel != "tensor_core":
         return name if not ext else name[:-1] + ", %d>" % ext
     flags = [split, packed, seqlens_k or paged, paged]
@@ -545,17 +550,17 @@ class KVLayout(tuple):
 
 
 def kvcache_kernel(dtype, head_dim, head_dim_v, device, arch=None):
-    """Whether :func:`forward_kvcache` runs for this dtype and head dims on ``device``: it needs the
-    tensor-core forward (float16 from sm_75, bfloat16 from sm_80; not the SIMT kernels)."""
-    if np.dtype(dtype).itemsize != 2:  # float32 / float64: SIMT, whatever the device
-        return False
+    """Whether :func:`forward_kvcache` runs for this dtype and head dims on ``device``: the
+    tensor-core forward (float16 from sm_75, bfloat16 from sm_80) and the SIMT one (every dtype)
+    both read per-entry key counts and block tables, so it always does."""
     launcher = L.make_launcher(device, arch=arch if device == "emulator" else None)
-    return kernel_for(dtype, head_dim, head_dim_v, launcher.arch).kernel == "tensor_core"
+    return kernel_for(dtype, head_dim, head_dim_v, launcher.arch).kernel in ("tensor_core", "simt")
 
 
 def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal, scale, device, counters=None,
                     arch=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, memo=None):
-    """One tensor-core forward over every entry of a KV cache, each with its own key count.
+    """One forward (tensor cores, or SIMT for float32/float64 and bf16 before sm_80) over every
+    entry of a KV cache, each with its own key count.
 
     q : (B, H, Lq, D) or, GQA, (B, H_kv, G, Lq, D); k_cache, v_cache: (B, H_kv, L_cache, D|Dv)
     contiguous, or (num_blocks, H_kv, page_size, D|Dv) page pools with ``block_table`` (B,
@@ -605,9 +610,7 @@ def _kvcache_plan(q, k_cache, v_cache, block_table, *, causal, scale, device, ar
     batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     p = plan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape, device=device, arch=arch,
              schedule=schedule, seed=seed, num_splits=num_splits, pack_gqa=pack_gqa, kv=kv)
-    if p.tile.kernel != "tensor_core":
-        raise NotImplementedError("flasharray: forward_kvcache needs the tensor-core forward (float16 on sm_75+, "
-                                  "bfloat16 on sm_80+), got %s" % np.dtype(q.dtype).name)
+    assert p.tile.kernel in ("tensor_core", "simt"), p.tile.kernel  # no TF32 / IO tiles with a KV cache
     return p
 
 

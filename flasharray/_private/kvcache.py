@@ -13,21 +13,20 @@ refused call writes nothing.
 
 Attention per backend:
 
-* ``cuda``/``emulator`` with the tensor-core forward (float16, bfloat16), contiguous or paged: one
-  forward launch over every entry (:func:`cuda_forward.forward_kvcache`), the kernel reading each
-  entry's ``n_b`` (and its block-table row) on the device; pages are read in place;
-* contiguous cache otherwise (cpu; float32/float64 on the kernels): the public forward on views
-  ``k_cache[b0:b1, :, :n]`` (no copy), one call per run of consecutive entries with equal ``n_b``;
+* ``cuda``/``emulator``, every dtype, contiguous or paged: one forward launch over every entry
+  (:func:`cuda_forward.forward_kvcache`: the tensor-core forward for float16/bfloat16, the SIMT one
+  for float32/float64), the kernel reading each entry's ``n_b`` (and its block-table row) on the
+  device; pages are read in place. The forward is planned during validation, so a call the kernel
+  refuses (e.g. ``num_splits`` on the SIMT kernel) writes nothing;
+* contiguous cache, ``cpu``: the public forward on views ``k_cache[b0:b1, :, :n]`` (no copy), one
+  call per run of consecutive entries with equal ``n_b``;
 * paged cache, ``cpu``: chunk by chunk of whole pages (``STAGE_ROWS`` keys; a page of that size
   or larger is a view ``k_cache[block_table[b, p]]``, smaller pages are staged into one bounded
   buffer), each chunk's attention (causal mask aligned to the entry's full key range) merged into
   the running result by the log-sum-exp rule (:func:`merge_attention`); the cache is never
   gathered whole;
 * GQA packing, every path: for decoding (Lq = 1) or without a mask, the query heads sharing a KV
-  head are stacked as rows of one problem (:func:`_packable`), so K/V are read once per KV head;
-* paged float32/float64 cache on ``cuda``/``emulator``: the SIMT kernel has no page table, so
-  :func:`_paged_kernel_support` refuses it (``NotImplementedError`` naming ``backend='cpu'``)
-  before anything is written.
+  head are stacked as rows of one problem (:func:`_packable`), so K/V are read once per KV head.
 """
 import numpy as np
 
@@ -363,11 +362,11 @@ _USES_KERNEL = {}
 
 
 def _uses_kernel(c):
-    """cuda / emulator with the tensor-core forward (float16 from sm_75, bfloat16 from sm_80): one
-    forward launch over every entry, reading each entry's key count (and pages) on the device.
-    Remembered per (dtype, head dims, backend, CuPy's current device)."""
-    if c.backend == "cpu" or np.dtype(c.dtype).itemsize != 2:
-        return False  # float32/float64: the SIMT kernels, whatever the device
+    """cuda / emulator: one forward launch over every entry (tensor cores for float16/bfloat16,
+    SIMT otherwise), reading each entry's key count (and pages) on the device. Remembered per
+    (dtype, head dims, backend, CuPy's current device)."""
+    if c.backend == "cpu":
+        return False
     key = (c.dtype, c.D, c.Dv, c.backend, __import__("cupy").cuda.runtime.getDevice() if c.backend == "cuda" else None)
     uses = _USES_KERNEL.get(key)
     if uses is None:
@@ -392,17 +391,6 @@ def _attend_kernel(c):
     lengths = c.seqlens + np.int32(c.L_new)  # int32 (B,): the values were checked in range
     return cuda_forward.forward_kvcache(c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal,
                                         scale=c.scale, device=c.backend, num_splits=c.num_splits, memo=c.memo)
-
-
-def _paged_kernel_support(c):
-    """None when backend ``c.backend`` reads this paged cache, else why not (checked before anything
-    is written)."""
-    if c.backend == "cpu" or _uses_kernel(c):
-        return None
-    return ("flasharray: a paged KV cache (block_table) on backend=%r needs the tensor-core forward "
-            "(float16 on sm_75+, bfloat16 on sm_80+); %s runs on the SIMT kernel, which has no page-table "
-            "indirection: use backend='cpu' for a paged %s cache, or a contiguous cache"
-            % (c.backend, np.dtype(c.dtype).name, np.dtype(c.dtype).name))
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
@@ -531,11 +519,14 @@ def _validate(arrays, flags, backend):
     q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table = arrays
     c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
     c.num_splits = _check_num_splits(num_splits, c.backend)
-    if c.paged and _paged_kernel_support(c):
-        raise NotImplementedError(_paged_kernel_support(c))
     c.return_lse = return_lse
     c.kernel = _uses_kernel(c)
     c.memo = {}  # forward_kvcache keeps its plan here
+    if c.kernel:  # planned now: what the kernel refuses is refused before anything is written
+        from . import cuda_forward
+        c.memo["plan"] = cuda_forward._kvcache_plan(c.q, c.k_cache, c.v_cache, c.block_table, causal=c.causal,
+                                                    scale=c.scale, device=c.backend, arch=None, schedule="forward",
+                                                    seed=0, num_splits=c.num_splits, pack_gqa=None)
     c.forget_arrays()
     return c
 
