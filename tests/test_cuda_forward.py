@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from flasharray._private import cuda_forward, tiles
+from flasharray._private import cuda_forward, cuda_forward_f64, tiles
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import assert_attention_close
 
@@ -209,7 +209,9 @@ def test_forward_counters_match_analytic(dt, D, Lq, Lk):
     q, k, v = make_inputs(dtype, D, Lq, Lk)
     counters = []
     run_forward("emulator", q, k, v, causal=False, counters=counters)
-    tile = cuda_forward.kernel_for(dtype, D, D, tiles.EMULATOR_ARCH)
+    # float64 runs the DMMA kernel on the emulator's sm_80 (cuda_forward_f64), the others kernel_for's
+    tile = cuda_forward_f64.forward_tile(None, dtype, D, D, tiles.EMULATOR_ARCH) or \
+        cuda_forward.kernel_for(dtype, D, D, tiles.EMULATOR_ARCH)
     reads, writes = cuda_forward.analytic_global_bytes(2, Lq, Lk, D, D, dtype, tile)
     assert sum(c["global_read_bytes"] for c in counters) == reads
     assert sum(c["global_write_bytes"] for c in counters) == writes

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from . import cuda_forward_f64 as f64
 from . import cuda_forward_tf32 as tf32
 from . import launch as L
 from . import philox
@@ -93,8 +94,10 @@ class ForwardPlan:
             raise NotImplementedError("flasharray: the IO tiles (block_m=%d) take no extensions (%s): use block_m=None"
                                       % (block_m, ", ".join(self.ext.features)))
         # precision "tf32" / "3xtf32": the TF32 tensor-core kernel where it applies, else SIMT.
-        self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
-                                      ext=self.ext is not None, num_splits=num_splits, kv=kv) or \
+        # float64 (precision None / "ieee"): the DMMA kernel on sm_80+ where it applies, else SIMT.
+        tc = dict(kernel=kernel, block_m=block_m, ext=self.ext is not None, num_splits=num_splits, kv=kv)
+        self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
+            f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
             kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None)
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))

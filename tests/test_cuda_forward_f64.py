@@ -1,0 +1,189 @@
+"""The float64 forward on the DMMA tensor cores (cuda_src/flash_fwd_f64.cu, issue 12) on the emulator.
+
+The kernel is IEEE fp64 (DMMA = fp64 fused multiply-add chains, exp2 in double), so it is held to
+the DESIGN.md rule for float64 (``assert_attention_close``: the naive float64 error is the
+reference's own, so the bound is its atol, 1e-12), and its max error against the float64
+reference is compared with the SIMT fp64 kernel's on the same inputs (both at the 1e-16 level).
+
+Default run: a representative subset (D 16/32/59/64/128, Dv != D, Lq 1/17/64/77/65, Lk 45/63/130,
+causal with fully masked rows, GQA broadcast, BSHD strided views, the element-wise copy path);
+``-m slow``: head dims x lengths x causal.
+"""
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray import reference
+from flasharray._private import cuda_forward, cuda_forward_f64, tiles
+from flasharray.testing import assert_attention_close
+
+from test_cuda_forward import make_inputs, run_forward
+
+
+def check(D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, **opts):
+    q, k, v = make_inputs(np.float64, D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    out, lse = run_forward("emulator", q, k, v, causal=causal, **opts)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert out.shape == q.shape[:-1] + (v.shape[-1],) and lse.shape == q.shape[:-1]
+    assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    for a, b in ((q, q0), (k, k0), (v, v0)):
+        np.testing.assert_array_equal(a, b)
+    return out, lse
+
+
+def f64_plan(q, k, v, causal, **kw):
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    return cuda_forward.plan(q, k, v, causal=causal, scale=0.125, batch_shape=batch, device="emulator", **kw)
+
+
+# (D, Lq, Lk, causal, layout, gqa): Lq = 1 (GQA-packed), Lq > Lk causal (fully masked rows), Lk not a
+# multiple of Bc, BSHD views (row stride H·D), D = 59 (odd: the element-wise copies).
+SUBSET = [
+    (64, 77, 130, False, "bhsd", False),
+    (32, 1, 130, True, "bhsd", True),
+    (128, 65, 63, True, "bhsd", False),
+    (59, 17, 45, False, "bshd", False),
+    (16, 64, 64, True, "bshd", True),
+    (128, 17, 130, False, "bshd", True),
+]
+
+
+def _id(c):
+    D, Lq, Lk, causal, layout, gqa = c
+    return "d%d-%dx%d%s-%s%s" % (D, Lq, Lk, "-causal" if causal else "", layout, "-gqa" if gqa else "")
+
+
+@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+def test_forward_f64(case):
+    D, Lq, Lk, causal, layout, gqa = case
+    q, k, v = make_inputs(np.float64, D, Lq, Lk, layout=layout, gqa=gqa)
+    assert f64_plan(q, k, v, causal).tile.kernel == "f64"
+    check(D, Lq, Lk, causal, layout=layout, gqa=gqa)
+
+
+def test_forward_f64_dv_differs():
+    check(40, 33, 70, True, Dv=24)
+    check(32, 20, 50, False, Dv=128)
+
+
+def test_precision_ieee_is_dmma():
+    """precision="ieee" on float64 is the DMMA kernel too (IEEE fp64 either way); kernel="simt" forces SIMT."""
+    q, k, v = make_inputs(np.float64, 64, 17, 33, batch=(1, 1))
+    assert f64_plan(q, k, v, False, precision="ieee").tile.kernel == "f64"
+    assert f64_plan(q, k, v, False, kernel="simt").tile.kernel == "simt"
+    check(64, 17, 33, False, precision="ieee")
+
+
+def test_f64_kernel_runs_its_dmma():
+    """The DMMA kernel (not SIMT) runs: one m8n8k4 per 8x8x4 block of each product; every element of
+    q, k, v read once per tile load (emulator bytes = the analytic count)."""
+    q, k, v = make_inputs(np.float64, 64, 64, 128, batch=(1, 1))
+    p = f64_plan(q, k, v, False)
+    assert p.tile.kernel == "f64"
+    counters = []
+    p.run(q, k, v, counters)
+    # S: 64x128 outputs in m8n8 blocks, k 64 in k4 steps; O: 64x64, k 128
+    assert sum(c["mma"] for c in counters) == 8 * 16 * 16 + 8 * 8 * 32
+    reads, writes = cuda_forward.analytic_global_bytes(1, 64, 128, 64, 64, np.float64, p.tile)
+    assert sum(c["global_read_bytes"] for c in counters) == reads
+    assert sum(c["global_write_bytes"] for c in counters) == writes
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "random"])
+def test_f64_schedules_identical(schedule):
+    """A missing barrier (a tile overwritten while another warp reads it) would change the result."""
+    q, k, v = make_inputs(np.float64, 64, 77, 130)
+    ref = run_forward("emulator", q, k, v, causal=True)
+    got = run_forward("emulator", q, k, v, causal=True, schedule=schedule, seed=3)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def max_errors(D, Lq, Lk, causal, seed=1):
+    """Max |out − ref64| and |lse − ref64| (finite rows) of the DMMA and the SIMT kernels."""
+    q, k, v = make_inputs(np.float64, D, Lq, Lk, seed=seed)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    finite = np.isfinite(ref_lse)
+    errs = {}
+    for kernel in (None, "simt"):
+        out, lse = run_forward("emulator", q, k, v, causal=causal, kernel=kernel)
+        errs[kernel or "dmma"] = (np.abs(out - ref_out).max(), np.abs(lse[finite] - ref_lse[finite]).max())
+    return errs, np.abs(ref_out).max()
+
+
+@pytest.mark.parametrize("D,Lq,Lk,causal", [(64, 77, 130, False), (128, 65, 63, True)])
+def test_f64_error_at_simt_fp64_level(D, Lq, Lk, causal):
+    """The DMMA kernel's max error vs the float64 reference is at the SIMT fp64 kernel's level: within
+    2x of it, with a floor of a few fp64 ulps of the output's magnitude (both are ~1e-16)."""
+    errs, mag = max_errors(D, Lq, Lk, causal)
+    ulp = np.finfo(np.float64).eps * max(1.0, mag)
+    for i in (0, 1):
+        assert errs["dmma"][i] <= 2 * max(errs["simt"][i], 4 * ulp), errs
+    assert errs["dmma"][0] < 1e-14, errs
+
+
+def test_unsupported_shapes_fall_back_to_simt():
+    """Head dims above 128, sm_75, forced kernels and extensions run the SIMT kernel (also fp64)."""
+    q, k, v = make_inputs(np.float64, 160, 17, 33, batch=(1, 1))
+    assert f64_plan(q, k, v, False).tile.kernel == "simt"
+    check(160, 17, 33, False)
+    q, k, v = make_inputs(np.float64, 64, 17, 33, batch=(1, 1))
+    assert f64_plan(q, k, v, False, arch=75).tile.kernel == "simt"
+    check(64, 17, 33, True, arch=75)
+    out = fa.flash_attention(q, k, v, backend="emulator", window=(4, 0))
+    assert_attention_close(out, q, k, v, window=(4, 0))
+
+
+def test_tile_table():
+    """Every d, dv <= 128 has a tile on every sm_80+ arch within its shared memory; above 128, below
+    sm_80, other dtypes and precisions none."""
+    for arch in (80, 86, 89, 90):
+        for d in range(1, 129, 7):
+            t = cuda_forward_f64.forward_tile(None, np.float64, d, 128 - d // 2, arch)
+            assert t.smem <= tiles.smem_limit(arch) and t.block_m == 64 and t.block_n in (8, 16, 32, 64)
+            assert t.smem == cuda_forward_f64.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n)
+        assert cuda_forward_f64.forward_tile(None, np.float64, 129, 64, arch) is None
+        assert cuda_forward_f64.forward_tile(None, np.float32, 64, 64, arch) is None
+        assert cuda_forward_f64.forward_tile("ieee", np.float64, 64, 64, arch).kernel == "f64"
+    assert cuda_forward_f64.forward_tile(None, np.float64, 64, 64, 75) is None
+    assert cuda_forward_f64.forward_tile(None, np.float64, 128, 128, 86).block_n == 8  # 99 KB per block
+
+
+_PROBE = r"""
+#include "flash_fwd_f64.cu"
+template <int D, int DV, int BM, int BN, int NW>
+__global__ void probe_f64(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdF64Traits<D, DV, BM, BN, NW>::kSmemBytes);
+}
+"""
+
+
+def test_python_smem_matches_traits():
+    from flasharray import emulator
+    from flasharray._private import launch
+    entries = {}
+    for d, dv, arch in ((16, 16, 80), (64, 64, 80), (128, 128, 80), (48, 112, 86), (128, 128, 86), (96, 32, 90)):
+        t = cuda_forward_f64.forward_tile(None, np.float64, d, dv, arch)
+        entries["probe_f64<%d, %d, %d, %d, %d>" % (t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.threads_m)] = t.smem
+    mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    for expr, smem in entries.items():
+        out = np.zeros(1, np.int32)
+        mod.launch(expr, (1,), (32,), (out,))
+        assert int(out[0]) == smem, expr
+
+
+def test_bc8_tile_runs():
+    """The Bc = 8 tile (d = 128 on sm_86/89) on the emulator."""
+    check(128, 40, 50, True, arch=86)
+
+
+# ---- exhaustive (slow) ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [8, 16, 32, 40, 59, 64, 80, 96, 111, 128])
+@pytest.mark.parametrize("lengths", [(1, 1), (17, 63), (63, 64), (64, 65), (127, 129), (129, 127), (257, 255)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_f64_full(D, lengths, causal):
+    check(D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
