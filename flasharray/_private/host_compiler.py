@@ -17,11 +17,13 @@ SUPPORTED = "g++ 12-14 and clang++ >= 14 (libstdc++ or libc++)"
 
 # Flags every emulator build uses.
 COMMON_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing")
-# GCC: jump threading can duplicate a __syncthreads() call into two branches taken by different
-# threads, which the divergent-barrier check (barriers are identified by call site) would then
-# report. Clang needs no flag: fa_emu_api.h declares the barriers `convergent`, which forbids
-# exactly that transformation.
-FAMILY_FLAGS = {"gcc": ("-fno-thread-jumps",), "clang": ()}
+# GCC: jump threading, and basic-block reordering's copying of small blocks (a `call
+# fa_emu_syncthreads; cmp` block copied into both arms of a preceding `if (threadIdx.x == k)`), can
+# duplicate a __syncthreads() call into two branches taken by different threads, which the
+# divergent-barrier check (barriers are identified by call site) would then report for correct
+# code. Clang needs no flag: fa_emu_api.h declares the barriers `convergent`, which forbids exactly
+# that transformation.
+FAMILY_FLAGS = {"gcc": ("-fno-thread-jumps", "--param=max-grow-copy-bb-insns=0"), "clang": ()}
 
 _PROBE = "#include <cstddef>\n"   # pulls in the standard library's configuration macros
 
