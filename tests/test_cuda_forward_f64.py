@@ -187,3 +187,24 @@ def test_bc8_tile_runs():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_f64_full(D, lengths, causal):
     check(D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, D):
+    """device="cuda" (CupyLauncher: the device's sm_80, name expressions, the >48 KB opt-in) end to end
+    against test_cuda_forward's CuPy stand-in backed by the emulator."""
+    import sys
+    from flasharray._private import launch
+    from test_cuda_forward import _fake_cupy
+    log, arrays = [], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    q, k, v = make_inputs(np.float64, D, 70, 90, gqa=True)
+    arrays += [q, k, v]
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=q.shape[:-2], device="cuda")
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    tile = cuda_forward_f64.forward_tile(None, np.float64, D, D, 80)
+    assert tile.needs_opt_in
+    assert log and all(name == tile.name_expression(True, True) and smem == tile.smem and optin >= smem
+                       for name, smem, optin in log)
