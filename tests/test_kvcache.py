@@ -589,3 +589,19 @@ def test_cuda_paged_float32_cache_is_refused_before_writing():
         fa.flash_attention_with_kvcache(dev["q"], dev["k_cache"], dev["v_cache"], dev["cache_seqlens"],
                                         k_new=dev["k_new"], v_new=dev["v_new"], block_table=dev["block_table"])
     assert _same_bytes(cupy.asnumpy(dev["k_cache"]), case.k_cache)
+
+
+def test_precision_is_validated_and_ieee():
+    """precision= as on every function: a precision that does not apply to the dtype is refused
+    before anything is written; float32 accepts each one and computes in IEEE arithmetic."""
+    case = Case(np.float16, 1, 1, (5, 0, 33))
+    before = case.snapshot()
+    with pytest.raises(ValueError, match="argument 'precision'='tf32' does not apply to float16"):
+        fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator", precision="tf32")
+    _assert_untouched(case, before, names=("k_cache", "v_cache"))
+    results = []
+    for precision in (None, "ieee", "tf32", "3xtf32"):
+        case = Case(np.float32, 1, 1, (5, 0, 33), heads="gqa", paged=True, seed=3)
+        results.append(fa.flash_attention_with_kvcache(*case.args(), **case.kwargs(), backend="emulator",
+                                                       precision=precision))
+    assert all(np.array_equal(results[0], r) for r in results[1:])

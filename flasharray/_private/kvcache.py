@@ -35,6 +35,7 @@ from . import validation as val
 from .api import flash_attention_forward
 from .dtypes import accumulation_dtype
 from .merge import merge_attention
+from .precision import check_precision
 
 # A page holds a whole number of the kernels' 16-row key sub-tiles (mma k-dimension).
 PAGE_MULTIPLE = 16
@@ -395,7 +396,7 @@ def _attend_kernel(c):
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
                                  block_table=None, causal=True, scale=None, return_lse=False,
-                                 backend=None, num_splits=None):
+                                 backend=None, num_splits=None, precision=None):
     """Attention over a KV cache for incremental decoding; appends ``k_new``/``v_new`` in place.
 
     For each entry ``b`` of the first batch dim: writes ``k_new[b]``, ``v_new[b]`` into the cache
@@ -431,12 +432,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     return_lse : bool, default False
         Also return the row log-sum-exp.
     backend : {None, "cpu", "cuda", "emulator"}
-        As for :func:`flash_attention`. On ``cuda``/``emulator`` float16/bfloat16 caches take one
-        forward launch for every entry (paged: pages read in place); a paged float32/float64 cache
-        needs ``"cpu"`` (``NotImplementedError`` otherwise).
+        As for :func:`flash_attention`. On ``cuda``/``emulator`` every dtype takes one forward launch
+        for every entry (paged: pages read in place): tensor cores for float16/bfloat16, the SIMT
+        kernel for float32/float64.
     num_splits : None or int, optional
         ``cuda``/``emulator`` only: force the split-KV count of the forward (as
-        :func:`flash_attention_forward`); None picks it.
+        :func:`flash_attention_forward`; tensor-core kernel only); None picks it.
+    precision : {None, "ieee", "tf32", "3xtf32"}, optional
+        Validated as for :func:`flash_attention_forward` (a precision that does not apply to the
+        dtype is a ``ValueError``); the KV-cache forward computes float32 in IEEE arithmetic
+        whatever its value (the TF32 kernel has no KV-cache variant yet: docs/precision.md).
 
     Returns
     -------
@@ -452,7 +457,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     cache are never modified. See ``docs/kvcache.md`` for what each backend does.
     """
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    flags = (causal, scale, return_lse, num_splits)
+    flags = (causal, scale, return_lse, num_splits, precision)
     key = _call_key(arrays, flags, backend)
     entry = _CALLS.get(key)
     if entry is None:
@@ -514,10 +519,11 @@ def _call_key(arrays, flags, backend):
 def _validate(arrays, flags, backend):
     """The validated call (:class:`_KVCall`, arrays dropped) for this signature; raises for a
     refused one before anything is written."""
-    causal, scale, return_lse, num_splits = flags
+    causal, scale, return_lse, num_splits, precision = flags
     return_lse = val.check_flag("return_lse", return_lse)
     q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table = arrays
     c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
+    check_precision(precision, c.dtype)  # accepted; the KV-cache forward is IEEE (no TF32 variant)
     c.num_splits = _check_num_splits(num_splits, c.backend)
     c.return_lse = return_lse
     c.kernel = _uses_kernel(c)
