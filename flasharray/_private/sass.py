@@ -297,8 +297,10 @@ def occupancy(arch, registers, threads, smem):
 
 
 # ---- the kernels the library uses -----------------------------------------------------------------
-#: Roles: the forward, and the backward's deterministic dK/dV and dQ kernels and atomic dK/dV(+dQ).
-ROLES = ("fwd", "bwd_dkv", "bwd_dq", "bwd_dkv_atomic")
+#: Roles: the forward, and the backward's dK/dV and dQ kernels of the recomputing deterministic
+#: mode, the atomic dK/dV(+dQ) kernel, and the ordered one (the deterministic default on tensor
+#: cores: atomic dQ added in key-block order, ``cuda_backward.dq_mode``).
+ROLES = ("fwd", "bwd_dkv", "bwd_dq", "bwd_dkv_atomic", "bwd_dkv_ordered")
 #: The same roles of the SIMT (scalar FMA) kernels: fp32, fp64 (``--simt``; issue 12).
 SIMT_ROLES = ("fwd_simt", "bwd_dkv_simt", "bwd_dq_simt", "bwd_dkv_atomic_simt")
 DTYPE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
@@ -365,8 +367,11 @@ def _backward_specs(dtype, d, arch, causal):
     if cuda_backward.default_kernel(dtype, arch) != "tc":
         return []
     out = []
-    for deterministic, roles in ((True, {"dkv": "bwd_dkv", "dq": "bwd_dq"}), (False, {"dkv": "bwd_dkv_atomic"})):
-        plan = cuda_backward.kernel_plan(dtype, d, d, causal=causal, deterministic=deterministic, arch=arch)
+    for deterministic, ordered, roles in ((True, False, {"dkv": "bwd_dkv", "dq": "bwd_dq"}),
+                                          (False, False, {"dkv": "bwd_dkv_atomic"}),
+                                          (True, True, {"dkv": "bwd_dkv_ordered"})):
+        plan = cuda_backward.kernel_plan(dtype, d, d, causal=causal, deterministic=deterministic, arch=arch,
+                                         ordered=ordered)
         for key, role in roles.items():
             source, name, t = plan[key]
             out.append(KernelSpec(role, dtype, d, arch, source, name, t.n_threads, t.smem))
