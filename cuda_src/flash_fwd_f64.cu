@@ -24,7 +24,8 @@
 //     V[8nt + 2t + e][·]: no lane exchange. The B column g of output n8 tiles 2p and 2p + 1 is dv
 //     column 16p + 2g + h (h = 0, 1): one 16-byte load of V[key][16p + 2g, +1] feeds both, and C
 //     element j of tile 2p + h is dv column 16p + 4t + 2j + h — lane (g, t) holds 4 consecutive
-//     columns 16p + 4t .. +3 of O (two 16-byte stores in the epilogue).
+//     columns 16p + 4t .. +3 of O (a quad exchange in the epilogue turns them into stores of whole
+//     64-byte row segments).
 // Row pitches (doubles): Q, K d + 8 (≡ 8 mod 16: the 8 lanes of a 16-byte-load phase, g ∈ {0, 1} ×
 // t, hit 8 distinct 16-byte bank groups: 4·(g mod 2) + t), V dv + 2 (≡ 2 mod 8: groups 2t + g).
 //
@@ -263,30 +264,45 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
     gemm_pv(acc_s);
   }
 
-  // ---- epilogue: O_i / l_i once, fp64 straight from the fragments; LSE by the quad's lane 0 -------
+  // ---- epilogue: O_i / l_i once, fp64 from the fragments; LSE by the quad's lane 0 ----------------
+  // Lane (g, t) holds columns 16p + 4t .. +3 of each 16-column pair p; a quad exchange makes each
+  // store instruction write whole rows of 64 bytes (full 32-byte sectors): lane t stores columns
+  // 16p + 2t, +1 (elements 2(t%2), +1 of quad lane t/2) and 16p + 8 + 2t, +1 (of quad lane 2 + t/2).
   const bool vec = (o_row % 2 == 0) && (reinterpret_cast<unsigned long long>(o_i) % 16 == 0) && Dv % 2 == 0;
+  const int src_lo = (lane & ~3) | (t >> 1), src_hi = src_lo + 2;
+  const bool odd = (t & 1) != 0;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
     const double l_total = group_allreduce_sum<kQuad>(stat[mt].l);
     const double inv_l = stat[mt].inv_sum(l_total);
     const int row = warp_row0 + 8 * mt + g;  // in the tile
-    if (m0 + row >= Lq) continue;
     double* dst = o_i + row * o_row;
 #pragma unroll
     for (int p = 0; p < kNTilesO / 2; ++p) {
-      const int col = 16 * p + 4 * t;  // columns col + 2j + h: acc_o[mt][2p + h][j]
+      // columns 16p + 4t + 2j + h: acc_o[mt][2p + h][j]
       const double x[4] = {acc_o[mt][2 * p][0] * inv_l, acc_o[mt][2 * p + 1][0] * inv_l,
                            acc_o[mt][2 * p][1] * inv_l, acc_o[mt][2 * p + 1][1] * inv_l};
-      if (vec) {
-        if (col < Dv) fa::gstore(reinterpret_cast<Vec16<double>*>(dst + col), Vec16<double>{{x[0], x[1]}});
-        if (col + 2 < Dv) fa::gstore(reinterpret_cast<Vec16<double>*>(dst + col + 2), Vec16<double>{{x[2], x[3]}});
-      } else {
+      double lo[4], hi[4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (col + c < Dv) fa::gstore(dst + col + c, x[c]);
+      for (int c = 0; c < 4; ++c) {  // every lane shuffles (rows past Lq included)
+        lo[c] = __shfl_sync(0xffffffffu, x[c], src_lo);
+        hi[c] = __shfl_sync(0xffffffffu, x[c], src_hi);
+      }
+      if (m0 + row >= Lq) continue;
+      const int col = 16 * p + 2 * t;
+      const double y[4] = {odd ? lo[2] : lo[0], odd ? lo[3] : lo[1], odd ? hi[2] : hi[0], odd ? hi[3] : hi[1]};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c0 = col + 8 * half;
+        if (vec) {
+          if (c0 < Dv) fa::gstore(reinterpret_cast<Vec16<double>*>(dst + c0), Vec16<double>{{y[2 * half], y[2 * half + 1]}});
+        } else {
+          if (c0 < Dv) fa::gstore(dst + c0, y[2 * half]);
+          if (c0 + 1 < Dv) fa::gstore(dst + c0 + 1, y[2 * half + 1]);
+        }
       }
     }
-    if (t == 0) fa::gstore(lse_i + row, stat[mt].lse(l_total));
+    if (t == 0 && m0 + row < Lq) fa::gstore(lse_i + row, stat[mt].lse(l_total));
   }
 }
 

@@ -90,6 +90,20 @@ def test_f64_kernel_runs_its_dmma():
     assert sum(c["global_write_bytes"] for c in counters) == writes
 
 
+@pytest.mark.parametrize("D", [16, 40, 64, 128])
+def test_f64_memory_efficiency(D):
+    """Loads >= 0.9 of the ideal sectors, cp.async destinations conflict-free, and O and LSE stores
+    whole sectors (the epilogue's quad exchange: 64-byte row segments per store instruction)."""
+    q, k, v = make_inputs(np.float64, D, 128, 128, batch=(1, 1))
+    counters = []
+    out, lse = cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=(1, 1), device="emulator",
+                                    counters=counters)
+    (c,) = counters
+    assert c.load_sector_efficiency >= 0.9 and c.cp_async_conflict_factor == 1
+    assert c.buffers[3].write_sector_efficiency == 1.0  # O
+    assert c.buffers[4].write_sector_efficiency == 1.0  # LSE
+
+
 @pytest.mark.parametrize("schedule", ["reverse", "random"])
 def test_f64_schedules_identical(schedule):
     """A missing barrier (a tile overwritten while another warp reads it) would change the result."""
