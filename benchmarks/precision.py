@@ -11,7 +11,11 @@ attention's own error for scale.
 --sass: the TF32 kernel's key-tile loop on sm_80, sm_86 and sm_90 (NVRTC + cuobjdump): instructions per
 HMMA, HMMA / LDSM / LDS / MUFU counts, registers, shared memory and occupancy per SM.
 
-Usage: python benchmarks/precision.py [--sass] [--quick]      (docs/precision.md)
+--f64: float64 inputs, the DMMA kernel (cuda_src/flash_fwd_f64.cu) against the SIMT fp64 kernel
+(kernel="simt") on F64_SHAPES: max abs / rel error of out and max abs error of lse vs the reference.
+--f64-sass: the DMMA kernel's key-tile loop (the loop with the most DMMA) on sm_80/86/89/90.
+
+Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass] [--quick]      (docs/precision.md)
 """
 import argparse
 import os
@@ -40,14 +44,14 @@ SHAPES = [
 PRECISIONS = ("ieee", "3xtf32", "tf32")
 
 
-def inputs(D, Lq, Lk, layout, gqa, seed=0, B=1, H=2):
+def inputs(D, Lq, Lk, layout, gqa, seed=0, B=1, H=2, dtype=np.float32):
     rng = np.random.default_rng(seed)
     Hk = 1 if gqa else H
 
     def one(h, L):
         if layout == "bshd":
-            return np.swapaxes(rng.standard_normal((B, L, h, D)).astype(np.float32), 1, 2)
-        return rng.standard_normal((B, h, L, D)).astype(np.float32)
+            return np.swapaxes(rng.standard_normal((B, L, h, D)).astype(dtype), 1, 2)
+        return rng.standard_normal((B, h, L, D)).astype(dtype)
     return one(H, Lq), one(Hk, Lk), one(Hk, Lk)
 
 
@@ -95,6 +99,86 @@ def accuracy_table(shapes=SHAPES):
     return "\n".join(lines)
 
 
+#: (D, Lq, Lk, causal, layout, gqa): float64 shapes (tests/test_cuda_forward_f64.py and two larger).
+F64_SHAPES = [
+    (64, 77, 130, False, "bhsd", False),
+    (32, 1, 130, True, "bhsd", True),
+    (128, 65, 63, True, "bhsd", False),
+    (59, 17, 45, False, "bshd", False),
+    (16, 64, 64, True, "bshd", True),
+    (128, 17, 130, False, "bshd", True),
+    (128, 256, 256, False, "bhsd", False),
+    (64, 256, 256, True, "bhsd", False),
+]
+
+
+def _shape_name(shape):
+    D, Lq, Lk, causal, layout, gqa = shape
+    return "D %d, %d x %d%s%s%s" % (D, Lq, Lk, " causal" if causal else "", " bshd" if layout == "bshd" else "",
+                                    " GQA" if gqa else "")
+
+
+def f64_errors(shape, kernel=None):
+    """(kernel name, max abs err out, max rel err out, max abs err lse) of a float64 forward."""
+    D, Lq, Lk, causal, layout, gqa = shape
+    q, k, v = inputs(D, Lq, Lk, layout, gqa, dtype=np.float64)
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    p = cuda_forward.plan(q, k, v, causal=causal, scale=D ** -0.5, batch_shape=batch, device="emulator", kernel=kernel)
+    out, lse = p.run(q, k, v)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    fin = np.isfinite(ref_lse)
+    err = np.abs(out - ref)
+    return (p.tile.kernel, _max(err), _max(err / np.maximum(1.0, np.abs(ref))), _max(np.abs(lse[fin] - ref_lse[fin])))
+
+
+def f64_accuracy_table(shapes=F64_SHAPES):
+    lines = ["| shape (D, Lq x Lk) | DMMA out | DMMA rel | DMMA lse | SIMT out | SIMT rel | SIMT lse |",
+             "|---|---|---|---|---|---|---|"]
+    for shape in shapes:
+        dmma, simt = f64_errors(shape), f64_errors(shape, "simt")
+        assert dmma[0] == "f64" and simt[0] == "simt"
+        lines.append("| %s | %.2e | %.2e | %.2e | %.2e | %.2e | %.2e |" % ((_shape_name(shape),) + dmma[1:] + simt[1:]))
+    return "\n".join(lines)
+
+
+def _dmma_key_loop(sass, body):
+    """(loop, its DMMA): the loop holding the most DMMA, then the fewest instructions."""
+    def dmma(lp):
+        return [i for i in body if i.base == "DMMA" and lp.start <= i.address <= lp.end]
+    loop = min(sass.loops(body), key=lambda lp: (-len(dmma(lp)), lp.stats.instructions))
+    return loop, dmma(loop)
+
+
+def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
+    from flasharray._private import cuda_forward_f64 as F
+    from flasharray._private import launch, nvrtc, sass
+    ok, why = sass.available()
+    if not ok:
+        return "SASS unavailable: %s" % why
+    lines = ["| arch | d = dv | Br x Bc | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | DMMA | "
+             "instr / DMMA | LDS | DFMA | BAR |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arch in archs:
+        found = {}
+        for d in head_dims:
+            t = F.forward_tile(None, np.float64, d, d, arch)
+            found[t.name_expression(False, True)] = t
+        res = nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_%d" % arch, list(found),
+                                  options=["--use_fast_math"])
+        fns = sass.parse(sass.disassemble(res.cubin))
+        for name, t in found.items():
+            k = res.kernel(name)
+            body = fns[k.lowered_name]
+            lp, dmma = _dmma_key_loop(sass, body)
+            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+            s = lp.stats
+            op = dmma[0].opcode + (dmma[0].operands.split()[0] if dmma[0].operands[:1] == "x" else "")
+            dfma = sum(1 for i in body if i.base == "DFMA" and lp.start <= i.address <= lp.end)
+            lines.append("| sm_%d | %d | %d x %d | %d | %.1f | %d, %d (%s) | %d | %d `%s` | %.2f | %d (%d LDS.128) | %d | %d |" % (
+                arch, t.head_dim, t.block_m, t.block_n, k.registers, t.smem / 1024, occ.blocks, occ.warps, occ.limiter,
+                s.instructions, len(dmma), op, s.instructions / len(dmma), s.lds, s.lds128, dfma, s.bar))
+    return "\n".join(lines)
+
+
 def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
     from flasharray._private import cuda_forward_tf32 as T
     from flasharray._private import launch, nvrtc, sass
@@ -126,11 +210,17 @@ def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="the TF32 kernel's SASS figures instead")
+    ap.add_argument("--f64", action="store_true", help="float64: the DMMA kernel's accuracy vs the SIMT kernel's")
+    ap.add_argument("--f64-sass", action="store_true", help="the DMMA kernel's SASS figures")
     ap.add_argument("--quick", action="store_true", help="accuracy: the first two shapes only")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.sass:
         print(sass_table())
+    elif args.f64_sass:
+        print(f64_sass_table())
+    elif args.f64:
+        print(f64_accuracy_table(F64_SHAPES[:2] if args.quick else F64_SHAPES))
     else:
         print(accuracy_table(SHAPES[:2] if args.quick else SHAPES))
     print("(%.0f s)" % (time.perf_counter() - t0))

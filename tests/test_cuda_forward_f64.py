@@ -211,6 +211,19 @@ def test_bc8_tile_runs():
     check(128, 40, 50, True, arch=86)
 
 
+def test_f64_benchmark_table():
+    """benchmarks/precision.py --f64 (docs/precision.md's table) runs the DMMA and SIMT kernels."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "precision.py"
+    spec = importlib.util.spec_from_file_location("precision_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    dmma, simt = bench.f64_errors(bench.F64_SHAPES[0]), bench.f64_errors(bench.F64_SHAPES[0], "simt")
+    assert dmma[0] == "f64" and simt[0] == "simt" and dmma[1] < 1e-14 and simt[1] < 1e-14
+    assert "| D 64, 77 x 130 |" in bench.f64_accuracy_table(bench.F64_SHAPES[:1])
+
+
 # ---- exhaustive (slow) ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
