@@ -192,11 +192,11 @@ __device__ __forceinline__ void micro_step(AccT (&c)[Lay::TM][Lay::TN], const EA
 }
 
 // c += A B over k = 0 .. kK - 1, ascending k; with kSumSteps > 0 in partial sums of kSumSteps
-// steps (kSumSteps * kVec k's: 8 in fp32) added to c one after the other. S and dP are sums over
-// the whole head dim (up to 256 terms): P = exp(S - L) turns an absolute error of S into a
-// relative error of P, and one running fp32 sum over d = 256 exceeded the test rule at Lk = 1
-// (where the naive softmax gives P = 1 exactly); 256 = 32 partial sums of 8 terms rounds about as
-// the old kernels' 8 lanes of 32 terms. dV, dK, dQ need none: each visit's block product is
+// steps (kSumSteps * kVec k's: 16 in fp32 for S, dP) added to c one after the other. S and dP are
+// sums over the whole head dim (up to 256 terms): P = exp(S - L) turns an absolute error of S into
+// a relative error of P, and one running fp32 sum over d = 256 exceeded the test rule at Lk = 1
+// (where the naive softmax gives P = 1 exactly); 256 = 16 partial sums of 16 terms rounds about as
+// the old kernels' 8 lanes of 32 terms combined pairwise. dV, dK, dQ need none: each visit's block product is
 // already a fresh partial sum (accumulate). One rolled loop, its body fully unrolled.
 template <class Lay, int kK, int kVec, int kPA, int kPB, int kSumSteps, typename EA, typename EB, typename AccT>
 __device__ __forceinline__ void micro_gemm(AccT (&c)[Lay::TM][Lay::TN], const EA* A, const EB* B, int tm, int tn) {
@@ -239,14 +239,18 @@ __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const 
     using L = SimtSmem<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kStoreP>;
     using Lay = typename SimtProducts<AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads>::Score;
     constexpr int kVec = SimtVec<AccT>::value;
+    // Partial sums of 16 k's (4 steps of 4 fp32) from d = 64 on; else 2 steps (fp64: registers near
+    // the cap; d < 64: one fully unrolled 16-k sum made ptxas hoist all its loads and spill).
+    constexpr int kSumStepsD = sizeof(AccT) == 4 && kHeadDim >= 64 ? 4 : 2;
+    constexpr int kSumStepsDv = sizeof(AccT) == 4 && kHeadDimV >= 64 ? 4 : 2;
     const int tid = (int)threadIdx.x;
     if (tid >= Lay::kThreads) return;
     const int tm = tid / Lay::kTN, tn = tid % Lay::kTN;
     AccT s[Lay::TM][Lay::TN], dp[Lay::TM][Lay::TN];
     zero(s);
     zero(dp);
-    micro_gemm<Lay, kHeadDim, kVec, L::kPitchD, L::kPitchD, 2>(s, Q_s, K_s, tm, tn);
-    micro_gemm<Lay, kHeadDimV, kVec, L::kPitchDv, L::kPitchDv, 2>(dp, dO_s, V_s, tm, tn);
+    micro_gemm<Lay, kHeadDim, kVec, L::kPitchD, L::kPitchD, kSumStepsD>(s, Q_s, K_s, tm, tn);
+    micro_gemm<Lay, kHeadDimV, kVec, L::kPitchDv, L::kPitchDv, kSumStepsDv>(dp, dO_s, V_s, tm, tn);
 #pragma unroll
     for (int a = 0; a < Lay::TM; ++a) {
         const int r = Lay::row(tm, a);
