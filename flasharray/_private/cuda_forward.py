@@ -1,9 +1,11 @@
 """CUDA forward: pick a kernel and tile, lay out the arguments, launch (CuPy or the emulator).
 
 Kernels: ``cuda_src/flash_fwd.cu`` (tensor cores, fp16 from sm_75 and bf16 from sm_80),
-``cuda_src/flash_fwd_simt.cu`` (FMA; fp32, fp64, and the fallback for fp16/bf16 elsewhere) and
+``cuda_src/flash_fwd_simt.cu`` (FMA; fp32, fp64, and the fallback for fp16/bf16 elsewhere),
 ``cuda_src/flash_fwd_tf32.cu`` (fp32 on TF32 tensor cores, ``precision="tf32"`` / ``"3xtf32"``:
-:mod:`flasharray._private.cuda_forward_tf32`, SIMT where it does not apply).
+:mod:`flasharray._private.cuda_forward_tf32`, SIMT where it does not apply) and
+``cuda_src/flash_fwd_f64.cu`` (fp64 on DMMA from sm_80, precision None / ``"ieee"``:
+:mod:`flasharray._private.cuda_forward_f64`, SIMT where it does not apply).
 Tiles: :mod:`flasharray._private.tiles`. Launch layer: :mod:`flasharray._private.launch`.
 """
 import math
@@ -678,7 +680,9 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
         (:func:`cuda_forward_tf32.forward_tile`: d, dv <= 128, dense calls without split-KV), the
         SIMT kernel otherwise; NotImplementedError naming the arch below sm_80 (the emulator's arch
         is its compile target, ``arch``). None and "ieee": the SIMT kernel (exact fp32), the
-        float32 default until a GPU measurement picks one.
+        float32 default until a GPU measurement picks one. float64 (None or "ieee", IEEE fp64
+        either way): ``cuda_src/flash_fwd_f64.cu`` on DMMA on sm_80+ where it applies
+        (:func:`cuda_forward_f64.forward_tile`), the SIMT kernel otherwise.
 
     Returns
     -------
