@@ -413,6 +413,160 @@ __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gm
 }
 #undef FA_SM90_ASM
 
+// ---- Hopper (sm_90a): wgmma, warpgroup matrix multiply-accumulate ---------------------------
+// wgmma.mma_async m64nNk16, f16/bf16 inputs, f32 accumulators, issued by the 128 threads of a warpgroup
+// (warps 4k..4k+3) together. B (and in the _ss forms A) come from shared memory through 64-bit matrix
+// descriptors; the _rs forms take A from registers (the mma.m16n8k16 A fragment of rows 16w..16w+15
+// in warp w of the warpgroup). The accumulator d[N/2] of thread (warp w, lane l), g = l >> 2,
+// t = l & 3: d[4j + e] = D[16w + g + 8(e >> 1)][8j + 2t + (e & 1)], j = 0 .. N/8 - 1.
+// The instruction is asynchronous: wgmma_fence() before it (and after any write of its accumulator or A
+// registers), wgmma_commit_group() to close a group, wgmma_wait_group<N>() until at most N groups are
+// in flight; the registers must not be touched between the issue and the covering wait (then
+// wgmma_fence_operand(d) keeps the compiler from moving accesses across the wait). Needs the
+// arch-specific target sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere a use is a compile error.
+// Rules and layouts: docs/emulator.md, "Hopper: wgmma".
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA_WGMMA_ARCH_OK true
+#define FA_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define FA_WGMMA_ARCH_OK false
+#define FA_SM90A_ASM(...) static_assert(dependent_false<Sm90a>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
+#endif
+template <int N> struct wgmma_arch_ok { enum { value = FA_WGMMA_ARCH_OK }; };
+
+// Swizzle modes as the descriptor's bits 62-63 encode them.
+enum WgmmaSwizzle { kWgmmaSwizzleNone = 0, kWgmmaSwizzle128B = 1, kWgmmaSwizzle64B = 2, kWgmmaSwizzle32B = 3 };
+
+// The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4, 16-29
+// leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 base offset (0),
+// 62-63 swizzle mode. Addresses and offsets must be multiples of 16 bytes.
+__device__ __forceinline__ uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                                      int swizzle) {
+    return (static_cast<uint64_t>((smem_addr >> 4) & 0x3fffu)) |
+           (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fffu) << 16) |
+           (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fffu) << 32) | (static_cast<uint64_t>(swizzle & 3) << 62);
+}
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
+    return wgmma_desc_encode(smem_u32(smem), lbo_bytes, sbo_bytes, swizzle);
+}
+
+template <class Sm90a = void>
+__device__ __forceinline__ void wgmma_fence() {
+    FA_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+template <class Sm90a = void>
+__device__ __forceinline__ void wgmma_commit_group() {
+    FA_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+    static_assert(N >= 0 && N <= 7, "fa::wgmma_wait_group: N must be in [0, 7]");
+    static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Pins the accumulator registers: no access to them moves across this point (after a wait, before a fence).
+template <int R>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define FA_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+    "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FA_WG_D32(i) FA_WG_D8(i), FA_WG_D8(i + 8), FA_WG_D8(i + 16), FA_WG_D8(i + 24)
+#define FA_WG_D_64 FA_WG_D32(0)
+#define FA_WG_D_128 FA_WG_D32(0), FA_WG_D32(32)
+#define FA_WG_D_256 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D32(64), FA_WG_D32(96)
+// The register list {%0, ..., %(N/2-1)} and the operand numbers after it, per N.
+#define FA_WG_ACC_64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define FA_WG_SS_64 "%32, %33, p, 1, 1, %35, %36;\n"  // desc-a, desc-b, scale-d (p = %34 != 0), trans-a, trans-b
+#define FA_WG_SS_P_64 "setp.ne.b32 p, %34, 0;\n\t"
+#define FA_WG_RS_64 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"  // a0-a3, desc-b, scale-d (p = %37 != 0), trans-b
+#define FA_WG_RS_P_64 "setp.ne.b32 p, %37, 0;\n\t"
+#define FA_WG_ACC_128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+#define FA_WG_SS_128 "%64, %65, p, 1, 1, %67, %68;\n"  // desc-a, desc-b, scale-d (p = %66 != 0), trans-a, trans-b
+#define FA_WG_SS_P_128 "setp.ne.b32 p, %66, 0;\n\t"
+#define FA_WG_RS_128 "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"  // a0-a3, desc-b, scale-d (p = %69 != 0), trans-b
+#define FA_WG_RS_P_128 "setp.ne.b32 p, %69, 0;\n\t"
+#define FA_WG_ACC_256 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+#define FA_WG_SS_256 "%128, %129, p, 1, 1, %131, %132;\n"  // desc-a, desc-b, scale-d (p = %130 != 0), trans-a, trans-b
+#define FA_WG_SS_P_256 "setp.ne.b32 p, %130, 0;\n\t"
+#define FA_WG_RS_256 "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n"  // a0-a3, desc-b, scale-d (p = %133 != 0), trans-b
+#define FA_WG_RS_P_256 "setp.ne.b32 p, %133, 0;\n\t"
+
+// The instructions per shape and type: ss (A, B from shared memory) and rs (A from registers).
+template <int N, class T> struct Wgmma;
+#define FA_WGMMA_DEFINE(N, T, TY)                                                                               \
+    template <> struct Wgmma<N, T> {                                                                            \
+        template <int TA, int TB>                                                                               \
+        static __device__ __forceinline__ void ss(float* d, uint64_t da, uint64_t db, int sd) {                 \
+            asm volatile("{\n\t.reg .pred p;\n\t" FA_WG_SS_P_##N "wgmma.mma_async.sync.aligned.m64n" #N            \
+                         "k16.f32" TY " " FA_WG_ACC_##N FA_WG_SS_##N "}\n"                                       \
+                         : FA_WG_D_##N : "l"(da), "l"(db), "r"(sd), "n"(TA), "n"(TB));                         \
+        }                                                                                                       \
+        template <int TB>                                                                                       \
+        static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t db, int sd) {           \
+            asm volatile("{\n\t.reg .pred p;\n\t" FA_WG_RS_P_##N "wgmma.mma_async.sync.aligned.m64n" #N            \
+                         "k16.f32" TY " " FA_WG_ACC_##N FA_WG_RS_##N "}\n"                                       \
+                         : FA_WG_D_##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(sd), "n"(TB)); \
+        }                                                                                                       \
+    };
+FA_WGMMA_DEFINE(64, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(128, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(256, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(64, fa_bf16, ".bf16.bf16")
+FA_WGMMA_DEFINE(128, fa_bf16, ".bf16.bf16")
+FA_WGMMA_DEFINE(256, fa_bf16, ".bf16.bf16")
+
+#define FA_WGMMA_CHECK(N)                                                                                     \
+    static_assert(N == 64 || N == 128 || N == 256, "fa::wgmma on the GPU: N must be 64, 128 or 256");         \
+    static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
+
+// D (+)= A B, m64nNk16: scale_d 0 ignores the accumulator's input (D = A B), 1 accumulates. TransA /
+// TransB (imm-trans-a/b): A M-major / B N-major in shared memory instead of K-major.
+template <int N, bool TransA = false, bool TransB = false>
+__device__ __forceinline__ void wgmma_m64nNk16_f32_f16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                                          int scale_d) {
+    FA_WGMMA_CHECK(N);
+    Wgmma<N, fa_half>::template ss<TransA, TransB>(d, desc_a, desc_b, scale_d);
+}
+template <int N, bool TransA = false, bool TransB = false>
+__device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                                           int scale_d) {
+    FA_WGMMA_CHECK(N);
+    Wgmma<N, fa_bf16>::template ss<TransA, TransB>(d, desc_a, desc_b, scale_d);
+}
+template <int N, bool TransB = false>
+__device__ __forceinline__ void wgmma_m64nNk16_f32_f16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                                          int scale_d) {
+    FA_WGMMA_CHECK(N);
+    Wgmma<N, fa_half>::template rs<TransB>(d, a, desc_b, scale_d);
+}
+template <int N, bool TransB = false>
+__device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                                           uint64_t desc_b, int scale_d) {
+    FA_WGMMA_CHECK(N);
+    Wgmma<N, fa_bf16>::template rs<TransB>(d, a, desc_b, scale_d);
+}
+#undef FA_WGMMA_CHECK
+#undef FA_WGMMA_DEFINE
+#undef FA_SM90A_ASM
+#undef FA_WGMMA_ARCH_OK
+
 }  // namespace fa
 
 #else

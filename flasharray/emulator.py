@@ -51,7 +51,7 @@ from flasharray._private.sources import cuda_src_dir
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
            "cache_dir", "host_compiler", "switch_cost_ns"]
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h", "emu/fa_emu_memstats.h")
@@ -138,6 +138,7 @@ class Counters:
     ``bulk_copies`` / ``bulk_copy_bytes`` count ``fa::cp_async_bulk_g2s`` calls and bytes (their
     sources are in ``global_read_bytes`` and the sector counts too), ``mbar_waits`` the mbarrier
     parity waits and ``mbar_blocked`` those that found the phase incomplete and suspended the thread.
+    ``wgmma`` counts the ``wgmma.mma_async`` instructions (one per warpgroup issue, whatever N).
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -169,6 +170,7 @@ class Counters:
     bulk_copy_bytes: int = 0
     mbar_waits: int = 0
     mbar_blocked: int = 0
+    wgmma: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -212,7 +214,7 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal",
                    "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
                    "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked",
-                   "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked")
+                   "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma")
 
 
 class _Counters(ctypes.Structure):

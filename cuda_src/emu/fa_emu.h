@@ -335,4 +335,48 @@ inline void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, u
     fa_emu_cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar);
 }
 
+// ---- Hopper (sm_90a): wgmma (the runtime rendezvouses the warpgroup, checks the asynchrony rules) ---
+// The emulator's shared address is the offset in dynamic shared memory (1024-byte aligned at 0).
+enum WgmmaSwizzle { kWgmmaSwizzleNone = 0, kWgmmaSwizzle128B = 1, kWgmmaSwizzle64B = 2, kWgmmaSwizzle32B = 3 };
+inline uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
+    return (static_cast<uint64_t>((smem_addr >> 4) & 0x3fffu)) |
+           (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fffu) << 16) |
+           (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fffu) << 32) | (static_cast<uint64_t>(swizzle & 3) << 62);
+}
+inline uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
+    return wgmma_desc_encode(fa_emu_smem_addr(smem), lbo_bytes, sbo_bytes, swizzle);
+}
+inline void wgmma_fence() { fa_emu_wgmma_fence(); }
+inline void wgmma_commit_group() { fa_emu_wgmma_commit(); }
+template <int N>
+inline void wgmma_wait_group() {
+    static_assert(N >= 0 && N <= 7, "fa::wgmma_wait_group: N must be in [0, 7]");
+    fa_emu_wgmma_wait(N);
+}
+template <int R>
+inline void wgmma_fence_operand(float (&)[R]) {}
+
+#define FA_EMU_WGMMA_N(N) static_assert((N) >= 8 && (N) <= 256 && (N) % 8 == 0, "fa::wgmma: N must be 8..256, a multiple of 8")
+template <int N, bool TransA = false, bool TransB = false>
+inline void wgmma_m64nNk16_f32_f16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_F16, N, d, nullptr, desc_a, desc_b, scale_d, TransA, TransB);
+}
+template <int N, bool TransA = false, bool TransB = false>
+inline void wgmma_m64nNk16_f32_bf16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_BF16, N, d, nullptr, desc_a, desc_b, scale_d, TransA, TransB);
+}
+template <int N, bool TransB = false>
+inline void wgmma_m64nNk16_f32_f16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_F16, N, d, a, 0, desc_b, scale_d, 0, TransB);
+}
+template <int N, bool TransB = false>
+inline void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_BF16, N, d, a, 0, desc_b, scale_d, 0, TransB);
+}
+#undef FA_EMU_WGMMA_N
+
 }  // namespace fa

@@ -70,6 +70,16 @@ void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes);
 int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity);
 void fa_emu_fence_async(int kind);
 void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar);
+// wgmma (sm_90a; docs/emulator.md, "Hopper: wgmma"): m64nNk16, f16/bf16 -> f32. A warpgroup collective
+// (the 128 threads of warps 4k..4k+3), evaluated when the last one arrives. a: the rs variant's A fragment
+// (uint32_t[4]), nullptr for A from shared memory (desc_a); d: float[n/2], written at the covering
+// fa_emu_wgmma_wait. fa_emu_smem_addr: the shared address of p (its offset in dynamic shared memory).
+void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
+                  int trans_a, int trans_b);
+void fa_emu_wgmma_fence(void);
+void fa_emu_wgmma_commit(void);
+void fa_emu_wgmma_wait(int n);
+uint32_t fa_emu_smem_addr(const void* p);
 unsigned char* fa_emu_dynamic_smem(void);
 void fa_emu_trap(const char* what) __attribute__((noreturn));
 
@@ -95,6 +105,7 @@ typedef struct fa_emu_counters {
     uint64_t sem_waits, sem_blocked;  // fa::sem_wait calls; those that had to block
     uint64_t bulk_copies, bulk_copy_bytes;  // fa::cp_async_bulk_g2s calls and their bytes
     uint64_t mbar_waits, mbar_blocked;      // mbarrier parity waits; those that found the phase incomplete
+    uint64_t wgmma;                         // wgmma.mma_async instructions (one per warpgroup issue)
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -154,7 +154,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // =========================================================================================
 // Data structures
 // =========================================================================================
-enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, EXITED };
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, EXITED };
 enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
 
 const char* op_name(int op, int kind) {
@@ -183,6 +183,29 @@ struct Copy {
     int64_t group;  // -1: not yet committed
 };
 
+// A wgmma.mma_async issued by a warpgroup (sm_90a): its results, computed at the issue from the operands
+// read then, wait in `D` until each thread's covering wgmma.wait_group writes its share.
+struct WgOp {
+    int n = 0, wg = 0;
+    std::vector<float> D;             // [64][n]
+    std::vector<uint32_t> chunks;     // shared offsets of the 16-byte chunks the operands were read from
+    std::vector<unsigned char> bytes; // their contents at the issue (each thread's completion compares)
+};
+// One thread's share of an in-flight wgmma: its accumulator registers and (rs) A-fragment registers.
+struct WgPart {
+    std::shared_ptr<WgOp> op;
+    float* d;
+    const uint32_t* a;     // nullptr: A from shared memory
+    uint32_t a_snap[4];
+    int64_t group;         // -1: not yet committed
+};
+// A register array a thread's wgmmas used (accumulator or A fragment), with its contents when last
+// written by a wgmma or fenced by wgmma.fence: a difference at the next issue is an unfenced write.
+struct WgTrack {
+    const void* p;
+    std::vector<uint32_t> snap;
+};
+
 struct Fiber {
     fa_emu_thread_view view;  // first member: fa_emu_self() returns its address
     Context ctx;
@@ -202,6 +225,15 @@ struct Fiber {
     // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
+    // wgmma (state WAIT_WG): the instruction's operands; in-flight shares, commit groups, fence tracking
+    uint64_t desc_a = 0, desc_b = 0;
+    int scale_d = 0, trans_a = 0, trans_b = 0;
+    std::vector<WgPart> wg_parts;
+    int64_t wg_groups = 0;
+    std::vector<WgTrack> wg_tracked;
+    bool wg_fenced = false;                // executed a wgmma_fence
+    std::vector<unsigned char> wg_stack;   // its stack [wg_stack_lo, top) at its last wgmma_fence
+    uintptr_t wg_stack_lo = 0;
     // cp.async queue, in issue order
     std::vector<Copy> copies;
     size_t copies_head = 0;
@@ -274,6 +306,7 @@ struct Worker {
     std::unordered_map<uint32_t, MBar> mbars;  // live mbarriers by shared offset
     std::vector<Bulk> bulks;        // bulk copies in flight, in issue order
     int mbar_waiting = 0;           // fibers in WAIT_MBAR
+    std::vector<int> wg_arrived;    // per warpgroup: threads waiting at its wgmma rendezvous
     // block state
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
@@ -1040,6 +1073,338 @@ std::string mbar_deadlock_desc(Worker* w) {
 }
 
 // =========================================================================================
+// wgmma (sm_90a; docs/emulator.md, "Hopper: wgmma")
+// =========================================================================================
+constexpr uint32_t kWgPoison = 0x7fa5a5a5u;  // a signaling NaN: in-flight accumulator registers hold it
+
+// A shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): addresses and offsets in
+// units of 16 bytes (bits 0-13 start, 16-29 leading-dimension byte offset, 32-45 stride-dimension
+// byte offset), base offset bits 49-51, swizzle mode bits 62-63 (0 none, 1 128B, 2 64B, 3 32B).
+struct WgDesc {
+    uint32_t start, lbo, sbo, base, swizzle;
+};
+
+WgDesc wg_decode(uint64_t d) {
+    return WgDesc{static_cast<uint32_t>(d & 0x3fff) << 4, static_cast<uint32_t>((d >> 16) & 0x3fff) << 4,
+                  static_cast<uint32_t>((d >> 32) & 0x3fff) << 4, static_cast<uint32_t>((d >> 49) & 7),
+                  static_cast<uint32_t>(d >> 62)};
+}
+
+uint32_t wg_swizzle_bytes(uint32_t mode) { return mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 0; }
+
+// The swizzle of a shared address: 16-byte chunk bits [4, 4+b) ^= row bits [7, 7+b), b = 3, 2, 1 for
+// 128B, 64B, 32B (CuTe's Swizzle<b,4,3>), i.e. the pattern repeats every 1024, 512, 256 bytes.
+uint32_t wg_swizzle(uint32_t addr, uint32_t mode) {
+    const uint32_t mask = mode == 1 ? 0x70u : mode == 2 ? 0x30u : mode == 3 ? 0x10u : 0u;
+    return addr ^ ((addr >> 3) & mask);
+}
+
+// Byte address of element (i, k) of a 16-bit operand in the canonical layouts: i indexes M (A) or N
+// (B), k indexes K (0..15). K-major: core matrices of 8 rows (i) x 16 bytes (8 k); MN-major: 8 rows (k)
+// x 16 bytes (8 i). With swizzle width Wb the row pitch is Wb (a row of an atom holds Wb bytes).
+uint32_t wg_addr(const WgDesc& d, bool mn_major, int i, int k) {
+    const uint32_t wb = wg_swizzle_bytes(d.swizzle);
+    uint32_t off;
+    if (!mn_major && wb == 0) off = (i % 8) * 16 + (i / 8) * d.sbo + (k / 8) * d.lbo + (k % 8) * 2;
+    else if (!mn_major) off = (i % 8) * wb + (i / 8) * d.sbo + k * 2;
+    else if (wb == 0) off = (i % 8) * 2 + (i / 8) * d.sbo + (k % 8) * 16 + (k / 8) * d.lbo;
+    else off = (i % (wb / 2)) * 2 + (i / (wb / 2)) * d.lbo + (k % 8) * wb + (k / 8) * d.sbo;
+    return wg_swizzle(d.start + off, d.swizzle);
+}
+
+const char* wg_name(const Fiber* f) { return f->a ? "fa::wgmma (rs)" : "fa::wgmma (ss)"; }
+
+// Reads a rows x 16 operand (element (i, k) -> out[i * 16 + k]) from shared memory through its
+// descriptor, checking the bytes and recording the 16-byte chunks read.
+void wg_read_operand(Worker* w, WgOp& op, uint64_t desc, bool mn_major, int rows, int dtype, const char* which,
+                     std::vector<double>& out) {
+    const WgDesc d = wg_decode(desc);
+    if (d.base != 0)
+        fiber_fail(w, strf("fa::wgmma: the %s descriptor has matrix base offset %u; only 0 is emulated (align the "
+                           "swizzle pattern)", which, d.base));
+    out.resize(static_cast<size_t>(rows) * 16);
+    for (int i = 0; i < rows; ++i) {
+        for (int k = 0; k < 16; ++k) {
+            const uint32_t a = wg_addr(d, mn_major, i, k);
+            if (a + 2 > w->smem_size)
+                fiber_fail(w, strf("fa::wgmma: %s element (%d, %d) at shared offset %u is outside dynamic shared "
+                                   "memory (%zu bytes); descriptor start %u, LBO %u, SBO %u, swizzle mode %u", which, i,
+                                   k, a, w->smem_size, d.start, d.lbo, d.sbo, d.swizzle));
+            if (w->pending[a / kGranule])
+                fiber_fail(w, strf("fa::wgmma reads its %s operand at ", which) + pending_desc(w, w->smem + a));
+            uint16_t x;
+            std::memcpy(&x, w->smem + a, 2);
+            out[static_cast<size_t>(i) * 16 + k] = half_val(x, dtype);
+            op.chunks.push_back(a & ~15u);
+        }
+    }
+}
+
+void wg_snapshot_chunks(Worker* w, WgOp& op) {
+    std::sort(op.chunks.begin(), op.chunks.end());
+    op.chunks.erase(std::unique(op.chunks.begin(), op.chunks.end()), op.chunks.end());
+    op.bytes.resize(op.chunks.size() * 16);
+    for (size_t c = 0; c < op.chunks.size(); ++c) std::memcpy(&op.bytes[16 * c], w->smem + op.chunks[c], 16);
+}
+
+// The rs variant's A: per warp q of the warpgroup the mma.m16n8k16 A fragment of rows 16q..16q+15.
+void wg_read_a_regs(Fiber* wgf, int dtype, std::vector<double>& A) {
+    A.assign(64 * 16, 0.0);
+    for (int th = 0; th < 128; ++th) {
+        const Fiber& f = wgf[th];
+        const int r = 16 * (th / 32) + ((th % 32) >> 2), c = 2 * (th & 3);
+        const int rows[4] = {r, r + 8, r, r + 8}, cols[4] = {c, c, c + 8, c + 8};
+        for (int v = 0; v < 4; ++v) {
+            A[rows[v] * 16 + cols[v]] = half_val(static_cast<uint16_t>(f.a[v] & 0xffffu), dtype);
+            A[rows[v] * 16 + cols[v] + 1] = half_val(static_cast<uint16_t>(f.a[v] >> 16), dtype);
+        }
+    }
+}
+
+// Accumulator element v (0 .. n/2-1) of thread th: warp q = th / 32 owns rows 16q..16q+15, and within
+// the warp the mma C fragment repeats over the n/8 column blocks: v = 4j + {0,1,2,3} ->
+// (g, 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t), (g+8, 8j+2t+1), g = lane >> 2, t = lane & 3.
+size_t wg_acc_index(int th, int v, int n) {
+    const int lane = th % 32, j = v / 4, e = v % 4;
+    const int row = 16 * (th / 32) + (lane >> 2) + 8 * (e >> 1), col = 8 * j + 2 * (lane & 3) + (e & 1);
+    return static_cast<size_t>(row) * n + col;
+}
+
+// The thread's latest in-flight share whose accumulator is `d` (chained wgmmas of one shape), or null.
+WgPart* wg_inflight_acc(Fiber& f, const float* d) {
+    for (size_t k = f.wg_parts.size(); k-- > 0;)
+        if (f.wg_parts[k].d == d) return &f.wg_parts[k];
+    return nullptr;
+}
+
+WgTrack* wg_track_find(Fiber& f, const void* p) {
+    for (WgTrack& t : f.wg_tracked)
+        if (t.p == p) return &t;
+    return nullptr;
+}
+
+void wg_track_set(Fiber& f, const void* p, const uint32_t* words, int count) {
+    WgTrack* t = wg_track_find(f, p);
+    if (!t) {
+        f.wg_tracked.push_back(WgTrack{p, {}});
+        t = &f.wg_tracked.back();
+    }
+    t->snap.assign(words, words + count);
+}
+
+[[noreturn]] void wg_unfenced(Worker* w, Fiber& f, const char* what, int v) {
+    w->cur = &f;
+    fiber_fail(w, strf("%s: %s register %d was written by ordinary code since the thread's last fa::wgmma_fence() "
+                       "(missing wgmma_fence between the write and the wgmma)", wg_name(&f), what, v));
+}
+
+// The fence rule for a register array the wgmma reads (accumulator or A fragment): its contents equal
+// those of the thread's last wgmma_fence (the stack image taken then), or, for an accumulator a wgmma
+// wrote since, those it wrote. An array of a stack frame newer than the fence was written after it.
+void wg_check_fenced(Worker* w, Fiber& f, const void* p, int count, const char* what) {
+    const uint32_t* cur = static_cast<const uint32_t*>(p);
+    if (const WgTrack* t = wg_track_find(f, p)) {
+        for (int v = 0; v < count && v < static_cast<int>(t->snap.size()); ++v)
+            if (cur[v] != t->snap[v]) wg_unfenced(w, f, what, v);
+        return;
+    }
+    if (!f.wg_fenced) {
+        w->cur = &f;
+        fiber_fail(w, strf("%s: no fa::wgmma_fence() before this thread's first wgmma on these %s registers",
+                           wg_name(&f), what));
+    }
+    const uintptr_t p0 = reinterpret_cast<uintptr_t>(p), lo = f.wg_stack_lo, hi = lo + f.wg_stack.size();
+    const uintptr_t stack_lo = reinterpret_cast<uintptr_t>(f.stack_lo);
+    if (p0 >= lo && p0 + 4 * count <= hi) {
+        for (int v = 0; v < count; ++v)
+            if (std::memcmp(cur + v, &f.wg_stack[p0 + 4 * v - lo], 4) != 0) wg_unfenced(w, f, what, v);
+    } else if (p0 >= stack_lo && p0 < lo) {
+        wg_unfenced(w, f, what, 0);  // in a frame the fence did not see
+    }
+}
+
+// The input accumulator of thread th (scale_d: its registers, or the chained in-flight result); checks
+// the fence rule and poisons the registers, which now belong to the wgmma.
+void wg_take_acc(Worker* w, Fiber& f, int th, int n, std::vector<double>& C) {
+    const int cnt = n / 2;
+    WgPart* prev = wg_inflight_acc(f, f.d);
+    if (prev && prev->op->n != n) {
+        w->cur = &f;
+        fiber_fail(w, strf("%s: the accumulator is in flight in a wgmma of another shape (n%d, now n%d)", wg_name(&f),
+                           prev->op->n, n));
+    }
+    for (const WgPart& p : f.wg_parts)
+        if (p.d != f.d && p.d < f.d + cnt && f.d < p.d + p.op->n / 2) {
+            w->cur = &f;
+            fiber_fail(w, strf("%s: the accumulator overlaps the registers of another in-flight wgmma", wg_name(&f)));
+        }
+    if (!prev) wg_check_fenced(w, f, f.d, cnt, "accumulator");
+    for (int v = 0; v < cnt; ++v) {
+        float c;
+        std::memcpy(&c, f.d + v, 4);
+        C[wg_acc_index(th, v, n)] = prev ? prev->op->D[wg_acc_index(th, v, n)] : c;
+    }
+    if (!prev)
+        for (int v = 0; v < cnt; ++v) std::memcpy(f.d + v, &kWgPoison, 4);
+}
+
+// D = A B (+ C when scale_d): exact products summed in float64 in k order after C, one rounding to fp32
+// per element (as the fp32-accumulating mma.sync).
+void wg_compute(WgOp& op, const std::vector<double>& A, const std::vector<double>& B, const std::vector<double>& C,
+                bool scale_d) {
+    const int n = op.n;
+    op.D.resize(static_cast<size_t>(64) * n);
+    for (int i = 0; i < 64; ++i)
+        for (int j = 0; j < n; ++j) {
+            double s = scale_d ? C[static_cast<size_t>(i) * n + j] : 0.0;
+            for (int k = 0; k < 16; ++k) s += A[i * 16 + k] * B[static_cast<size_t>(j) * 16 + k];
+            op.D[static_cast<size_t>(i) * n + j] = static_cast<float>(s);
+        }
+}
+
+// Every thread of the warpgroup issued the same instruction (shape, types, descriptors, scale, transposes).
+void wg_check_uniform(Worker* w, Fiber* wgf) {
+    const Fiber& f0 = wgf[0];
+    for (int th = 1; th < 128; ++th) {
+        const Fiber& f = wgf[th];
+        if (f.dtype != f0.dtype || f.n != f0.n || (f.a == nullptr) != (f0.a == nullptr) || f.desc_a != f0.desc_a ||
+            f.desc_b != f0.desc_b || f.scale_d != f0.scale_d || f.trans_a != f0.trans_a || f.trans_b != f0.trans_b) {
+            w->cur = &wgf[th];
+            fiber_fail(w, strf("%s: warpgroup %d: thread %d issued a different wgmma than thread %d (shape, type, "
+                               "descriptors, scale_d and transposes must be warpgroup-uniform)", wg_name(&f),
+                               f.warp / 4, f.tid, f0.tid));
+        }
+    }
+}
+
+// The 128th thread of warpgroup wg arrived: read the operands, compute D, hand each thread its share.
+void wg_issue(Worker* w, int wg) {
+    Fiber* wgf = &w->fibers[128 * wg];
+    wg_check_uniform(w, wgf);
+    const Fiber& f0 = wgf[0];
+    auto op = std::make_shared<WgOp>();
+    op->n = f0.n;
+    op->wg = wg;
+    std::vector<double> A, B, C(static_cast<size_t>(64) * f0.n, 0.0);
+    if (f0.a) wg_read_a_regs(wgf, f0.dtype, A);
+    else wg_read_operand(w, *op, f0.desc_a, f0.trans_a != 0, 64, f0.dtype, "A", A);
+    wg_read_operand(w, *op, f0.desc_b, f0.trans_b != 0, f0.n, f0.dtype, "B", B);
+    wg_snapshot_chunks(w, *op);
+    for (int th = 0; th < 128; ++th) {
+        if (wgf[th].a) {
+            w->cur = &wgf[th];  // a fence error names the thread
+            wg_check_fenced(w, wgf[th], wgf[th].a, 4, "A-fragment");
+        }
+        wg_take_acc(w, wgf[th], th, f0.n, C);
+    }
+    wg_compute(*op, A, B, C, f0.scale_d != 0);
+    for (int th = 0; th < 128; ++th) {
+        Fiber& f = wgf[th];
+        WgPart part{op, f.d, f.a, {0, 0, 0, 0}, -1};
+        if (f.a) std::memcpy(part.a_snap, f.a, 16);
+        f.wg_parts.push_back(part);
+    }
+    ++w->cnt.wgmma;
+}
+
+void wg_check_participants(Worker* w, Fiber* f) {
+    const int wg = f->warp / 4;
+    if (128 * (wg + 1) > w->nthreads)
+        fiber_fail(w, strf("%s: warpgroup %d (warps %d-%d) is incomplete: the block has %d threads, a wgmma needs all "
+                           "128 threads of its warpgroup", wg_name(f), wg, 4 * wg, 4 * wg + 3, w->nthreads));
+    for (int q = 4 * wg; q < 4 * wg + 4; ++q)
+        if (w->warp_exited[q])
+            fiber_fail(w, strf("%s: warpgroup %d (warps %d-%d): lanes %s of warp %d have exited and can never issue "
+                               "it (a wgmma is a warpgroup collective)", wg_name(f), wg, 4 * wg, 4 * wg + 3,
+                               lanes_str(w->warp_exited[q]).c_str(), q));
+}
+
+void wg_arrive(Worker* w, Fiber* f) {
+    wg_check_participants(w, f);
+    const int wg = f->warp / 4;
+    f->state = WAIT_WG;
+    if (++w->wg_arrived[wg] == 128) {
+        wg_issue(w, wg);
+        w->wg_arrived[wg] = 0;
+        for (int th = 128 * wg; th < 128 * wg + 128; ++th) set_runnable(w, th);
+        w->cur = f;
+    }
+    yield(w, f);
+}
+
+// A covered share completes: its operands (until every thread of the warpgroup has waited for the wgmma)
+// and the thread's registers must be as the issue left them; the results
+// land unless a later in-flight wgmma of this thread accumulates into the same registers.
+void wg_complete(Worker* w, Fiber* f, const WgPart& p, bool last_for_acc) {
+    WgOp& op = *p.op;
+    for (size_t c = 0; c < op.chunks.size(); ++c)
+        if (std::memcmp(&op.bytes[16 * c], w->smem + op.chunks[c], 16) != 0)
+            fiber_fail(w, strf("fa::wgmma_wait_group: shared memory the wgmma of warpgroup %d reads (%s) was "
+                               "written between its issue and its completion", op.wg,
+                               smem_desc(w, w->smem + op.chunks[c]).c_str()));
+    if (p.a && std::memcmp(p.a_snap, p.a, 16) != 0)
+        fiber_fail(w, "fa::wgmma_wait_group: the A-fragment registers of an in-flight wgmma (rs) were written "
+                      "between its issue and its covering wgmma_wait_group");
+    for (int v = 0; v < op.n / 2; ++v) {
+        uint32_t x;
+        std::memcpy(&x, p.d + v, 4);
+        if (x != kWgPoison)
+            fiber_fail(w, strf("fa::wgmma_wait_group: accumulator register %d of an in-flight wgmma (warpgroup %d) was "
+                               "accessed (written: 0x%08x) between its issue and its covering wgmma_wait_group",
+                               v, op.wg, x));
+    }
+    if (!last_for_acc) return;
+    const int th = f->tid - 128 * op.wg;
+    for (int v = 0; v < op.n / 2; ++v) p.d[v] = op.D[wg_acc_index(th, v, op.n)];
+    wg_track_set(*f, p.d, reinterpret_cast<const uint32_t*>(p.d), op.n / 2);
+}
+
+void wg_wait(Worker* w, Fiber* f, int n) {
+    const int64_t limit = f->wg_groups - n;
+    std::vector<WgPart> keep;
+    for (size_t k = 0; k < f->wg_parts.size(); ++k) {
+        const WgPart& p = f->wg_parts[k];
+        if (p.group < 0 || p.group >= limit) {
+            keep.push_back(p);
+            continue;
+        }
+        bool later = false;
+        for (size_t m = k + 1; m < f->wg_parts.size(); ++m) later |= f->wg_parts[m].d == p.d;
+        wg_complete(w, f, p, !later);
+    }
+    f->wg_parts.swap(keep);
+}
+
+// wgmma.fence: the thread's register arrays as they are now may feed its next wgmmas. The image of its
+// stack (every frame of the kernel, the registers' home on the emulator) is what the issue compares.
+void wg_fence(Worker* w, Fiber* f) {
+    for (WgTrack& t : f->wg_tracked) {
+        const uint32_t* cur = static_cast<const uint32_t*>(t.p);
+        if (!wg_inflight_acc(*f, static_cast<const float*>(t.p))) t.snap.assign(cur, cur + t.snap.size());
+    }
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(f->stack_lo) + w->stack_size;
+    f->wg_stack_lo = lo;
+    f->wg_stack.assign(reinterpret_cast<const unsigned char*>(lo), reinterpret_cast<const unsigned char*>(hi));
+    f->wg_fenced = true;
+}
+
+std::string wg_deadlock_desc(Worker* w) {
+    for (size_t wg = 0; wg < w->wg_arrived.size(); ++wg) {
+        if (!w->wg_arrived[wg]) continue;
+        int at_bar = 0, exited = 0;
+        for (int th = 128 * static_cast<int>(wg); th < 128 * static_cast<int>(wg) + 128 && th < w->nthreads; ++th) {
+            at_bar += w->fibers[th].state == WAIT_BAR;
+            exited += w->fibers[th].state == EXITED;
+        }
+        return strf("warpgroup %zu (warps %zu-%zu): the wgmma never completes: %d of its 128 threads wait at it, the "
+                    "others never arrive (%d wait at __syncthreads(), %d exited): a wgmma is a warpgroup collective",
+                    wg, 4 * wg, 4 * wg + 3, w->wg_arrived[wg], at_bar, exited);
+    }
+    return "";
+}
+
+// =========================================================================================
 // Fiber lifecycle and the scheduler
 // =========================================================================================
 void thread_exit(Worker* w, Fiber* f) {
@@ -1051,6 +1416,13 @@ void thread_exit(Worker* w, Fiber* f) {
     }
     f->copies.clear();
     f->copies_head = 0;
+    if (!f->wg_parts.empty())
+        fiber_fail(w, strf("thread exits with %zu wgmma(s) in flight (no covering fa::wgmma_wait_group): their "
+                           "accumulator registers are never written", f->wg_parts.size()));
+    if (f->warp / 4 < static_cast<int>(w->wg_arrived.size()) && w->wg_arrived[f->warp / 4] > 0)
+        fiber_fail(w, strf("thread exits while %d thread(s) of warpgroup %d (warps %d-%d) wait for it at a wgmma: "
+                           "a wgmma is a warpgroup collective (missing participant)", w->wg_arrived[f->warp / 4],
+                           f->warp / 4, f->warp / 4 * 4, f->warp / 4 * 4 + 3));
     if (w->bar_arrived > 0)
         fiber_fail(w, strf("thread exits while %d thread(s) wait at __syncthreads() (%s): it never reaches "
                            "that barrier (divergent or early-exit barrier)",
@@ -1111,6 +1483,8 @@ int pick(Worker* w) {
 std::string deadlock_desc(Worker* w) {
     const std::string mbar = mbar_deadlock_desc(w);
     if (!mbar.empty()) return mbar;
+    const std::string wg = wg_deadlock_desc(w);
+    if (!wg.empty()) return wg;
     for (int wp = 0; wp < w->nwarps; ++wp) {
         const uint32_t waiting = w->warp_waiting[wp];
         if (!waiting) continue;
@@ -1165,6 +1539,7 @@ void alloc_block_resources(Worker* w) {
     w->warp_waiting.assign(w->nwarps, 0);
     w->warp_exited.assign(w->nwarps, 0);
     w->warp_exists.assign(w->nwarps, 0);
+    w->wg_arrived.assign((w->nwarps + 3) / 4, 0);
     for (int t = 0; t < nthreads; ++t) w->warp_exists[t / 32] |= 1u << (t % 32);
     w->runnable.assign((nthreads + 63) / 64, 0);
     w->buf_read.assign(p->num_buffers, 0);
@@ -1201,6 +1576,7 @@ bool run_block(Worker* w, unsigned linear) {
     w->mbars.clear();
     w->bulks.clear();
     w->mbar_waiting = 0;
+    std::fill(w->wg_arrived.begin(), w->wg_arrived.end(), 0);
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         f.tid = t;
@@ -1219,6 +1595,10 @@ bool run_block(Worker* w, unsigned linear) {
         f.copies.clear();
         f.copies_head = 0;
         f.groups_committed = 0;
+        f.wg_parts.clear();
+        f.wg_tracked.clear();
+        f.wg_groups = 0;
+        f.wg_fenced = false;
         ctx_make(&f.ctx, f.stack_lo, w->stack_size, &fiber_main, w);
         set_runnable(w, t);
     }
@@ -1694,10 +2074,43 @@ void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, u
     bulk_g2s(W(), smem_dst, gmem_src, bytes, bar);
 }
 
+void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
+                  int trans_a, int trans_b) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    if ((dtype != FA_EMU_F16 && dtype != FA_EMU_BF16) || n < 8 || n > 256 || n % 8)
+        fiber_fail(w, strf("fa::wgmma: unsupported shape m64n%dk16 or element type %d (f16/bf16, n = 8..256 in "
+                           "steps of 8)", n, dtype));
+    if (a && trans_a) fiber_fail(w, "fa::wgmma (rs): A from registers has no transpose");
+    f->dtype = dtype;
+    f->n = n;
+    f->d = d;
+    f->a = a;
+    f->desc_a = desc_a;
+    f->desc_b = desc_b;
+    f->scale_d = scale_d != 0;
+    f->trans_a = trans_a != 0;
+    f->trans_b = trans_b != 0;
+    wg_arrive(w, f);
+}
+void fa_emu_wgmma_fence(void) { wg_fence(W(), W()->cur); }
+void fa_emu_wgmma_commit(void) {
+    Fiber* f = W()->cur;
+    for (WgPart& p : f->wg_parts)
+        if (p.group < 0) p.group = f->wg_groups;
+    ++f->wg_groups;
+}
+void fa_emu_wgmma_wait(int n) { wg_wait(W(), W()->cur, n); }
+uint32_t fa_emu_smem_addr(const void* p) {
+    Worker* w = W();
+    if (!in_smem(w, p, 1)) fiber_fail(w, "fa::wgmma_desc: the address is outside dynamic shared memory: " + smem_desc(w, p));
+    return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - w->smem);
+}
+
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 4; }
+int fa_emu_abi_version(void) { return 5; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -1763,6 +2176,7 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.bulk_copy_bytes += w.cnt.bulk_copy_bytes;
         total.mbar_waits += w.cnt.mbar_waits;
         total.mbar_blocked += w.cnt.mbar_blocked;
+        total.wgmma += w.cnt.wgmma;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
