@@ -24,6 +24,11 @@
 //                      fa::fence_proxy_async(); bulk copy global -> shared completing on an mbarrier:
 //                      fa::cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar) (16-byte aligned, bytes
 //                      a multiple of 16). Using one below sm_90 is a compile error at the use.
+//   Hopper (sm_90a)    wgmma (warpgroup-wide, asynchronous): fa::wgmma_desc(smem, lbo, sbo, swizzle),
+//                      fa::wgmma_m64nNk16_f32_{f16,bf16}_ss<N, TransA, TransB>(d, desc_a, desc_b,
+//                      scale_d), fa::wgmma_m64nNk16_f32_{f16,bf16}_rs<N, TransB>(d, a, desc_b, scale_d),
+//                      fa::wgmma_fence(), fa::wgmma_commit_group(), fa::wgmma_wait_group<N>(),
+//                      fa::wgmma_fence_operand(d). Needs the arch-specific target sm_90a.
 //   shared memory      FA_DYNAMIC_SMEM(ptr) declares `unsigned char* ptr` (16-byte aligned)
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
@@ -564,6 +569,26 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
 }
 #undef FA_WGMMA_CHECK
 #undef FA_WGMMA_DEFINE
+#undef FA_WG_D8
+#undef FA_WG_D32
+#undef FA_WG_D_64
+#undef FA_WG_D_128
+#undef FA_WG_D_256
+#undef FA_WG_ACC_64
+#undef FA_WG_ACC_128
+#undef FA_WG_ACC_256
+#undef FA_WG_SS_64
+#undef FA_WG_SS_128
+#undef FA_WG_SS_256
+#undef FA_WG_SS_P_64
+#undef FA_WG_SS_P_128
+#undef FA_WG_SS_P_256
+#undef FA_WG_RS_64
+#undef FA_WG_RS_128
+#undef FA_WG_RS_256
+#undef FA_WG_RS_P_64
+#undef FA_WG_RS_P_128
+#undef FA_WG_RS_P_256
 #undef FA_SM90A_ASM
 #undef FA_WGMMA_ARCH_OK
 

@@ -69,7 +69,7 @@ __global__ void wg_gemm(const unsigned char* img, int img_vecs, const uint32_t* 
 // written between issue and wait, 4 read after issue then wait (only NaN, no error), 5 the operand is
 // the destination of a cp.async in flight, 6 no wait_group before exit, 7 a write after the wait and
 // a second wgmma without a fence, 8 shared memory operand overwritten in flight, 9 divergent
-// descriptors, 10 rs A registers written after the fence.
+// descriptors, 10 rs A registers written after the fence, 11 half the warpgroup waits at a barrier.
 __global__ void misuse(const unsigned char* img, float* out, int bug) {
     FA_DYNAMIC_SMEM(smem);
     for (int i = threadIdx.x; i < 1024; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = fa::gload(reinterpret_cast<const uint4*>(img) + i);
@@ -79,6 +79,7 @@ __global__ void misuse(const unsigned char* img, float* out, int bug) {
         fa::cp_async_commit();
     }
     if (bug == 1 && threadIdx.x >= 100) return;
+    if (bug == 11 && threadIdx.x >= 64) __syncthreads();
     float d[32];
     for (int v = 0; v < 32; ++v) d[v] = 0.0f;
     uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
@@ -311,6 +312,14 @@ def test_correct_use_and_a_read_in_flight(mod):
     assert np.all(_misuse(mod, 0) == 16.0)
     out = _misuse(mod, 4)
     assert np.all(np.isnan(out))
+
+
+@pytest.mark.parametrize("schedule", ["forward", "reverse"])
+def test_a_wgmma_half_the_warpgroup_never_reaches_is_a_deadlock(mod, schedule):
+    with pytest.raises(emulator.EmulatorError, match=r"warpgroup 0 \(warps 0-3\): the wgmma never completes: 64 of "
+                                                     r"its 128 threads wait at it, the others never arrive \(64 wait "
+                                                     r"at __syncthreads\(\), 0 exited\)"):
+        _misuse(mod, 11, schedule=schedule)
 
 
 def test_incomplete_warpgroup(mod):
