@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flasharray import emulator
-from conftest import requires_nvrtc
+from conftest import requires_gpu, requires_nvrtc
 
 SRC = r'''
 #include "fa_port.cuh"
@@ -200,7 +200,8 @@ def a_fragments(A_bits, ksteps):
     return fr
 
 
-def run_gemm(mod, t, n, ta, tb, rs, swz_a, swz_b, ksteps=1, scale_d=1, wait1=0, groups=1, seed=0, ints=True):
+def run_gemm(mod, t, n, ta, tb, rs, swz_a, swz_b, ksteps=1, scale_d=1, wait1=0, groups=1, seed=0, ints=True,
+             launch=None):
     rng = np.random.default_rng(seed)
     dt = TYPES[t]
     K = 16 * ksteps
@@ -225,7 +226,8 @@ def run_gemm(mod, t, n, ta, tb, rs, swz_a, swz_b, ksteps=1, scale_d=1, wait1=0, 
             np.int32(la[1]), np.int32(la[2]), np.int32(lb[1]), np.int32(lb[2]), np.int32(SWIZZLE[swz_a][0]),
             np.int32(SWIZZLE[swz_b][0]), np.int32(ksteps), advs, np.int32(scale_d),
             np.int32(wait1))
-    c = mod.launch(_name(t, n, ta, tb, rs), 1, 128 * groups, args, shared_mem=size)
+    launch = launch or (lambda name, threads, args, smem: mod.launch(name, 1, threads, args, shared_mem=smem))  # noqa: E731
+    c = launch(_name(t, n, ta, tb, rs), 128 * groups, args, size)
     Af, Bf = A.astype(np.float64), B.astype(np.float64)
     D = C.astype(np.float64) * scale_d
     for ks in range(ksteps):   # one fp32 rounding per wgmma
@@ -361,3 +363,35 @@ def test_sm90_without_a_is_a_compile_error_at_the_use():
     from flasharray._private import nvrtc
     with pytest.raises(nvrtc.NvrtcError, match=r"fa::wgmma needs sm_90a"):
         nvrtc.compile_cubin(SRC, "sm_90", name_expressions=GPU_NAMES[:1])
+
+
+def _gpu_launcher():
+    """Runs the sm_90a cubin of SRC on the GPU (CuPy), with the emulator's launch signature."""
+    import cupy
+    from flasharray._private import nvrtc
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma needs an sm_90 GPU")
+    names = sorted({_name(*c) for c in CASES})
+    r = nvrtc.compile_cubin(SRC, "sm_90a", name_expressions=names)
+    module = cupy.cuda.function.Module()
+    module.load(r.cubin)
+
+    def launch(name, threads, args, smem):
+        dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        module.get_function(r.kernel(name).lowered_name)((1, 1, 1), (threads, 1, 1), tuple(dev), shared_mem=smem)
+        out = args[4]
+        out[...] = cupy.asnumpy(dev[4])   # the output array, in place as on the emulator
+    return launch
+
+
+@requires_gpu
+@requires_nvrtc
+@pytest.mark.gpu
+def test_gpu_matches_the_known_answers():
+    """The same images and fragments on an H100/H200: the layouts, swizzles and fragments as the
+    hardware has them (skipped without an sm_90 GPU)."""
+    launch = _gpu_launcher()
+    for t, n, ta, tb, rs in CASES:
+        for swz in SWIZZLE:
+            (D,), ref, _ = run_gemm(None, t, n, ta, tb, rs, swz, swz, ksteps=2, wait1=1, launch=launch)
+            assert D.tobytes() == ref.tobytes(), (t, n, ta, tb, rs, swz)
