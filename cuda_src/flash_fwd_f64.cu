@@ -9,8 +9,10 @@
 // double-buffering them would cost the block its second slot per SM); key tiles last first, only
 // the tiles crossing the causal diagonal or the sequence end pay for the mask. Everything is IEEE
 // fp64: every product is a DMMA (fp64 fused multiply-add chains, fp64 accumulation), the online
-// softmax runs in double with exp2 (the SIMT fp64 kernel's exp2(double), log2(e) folded into the
-// scale by one fma per score), O_i is divided by l_i once; fp64 out and fp64 LSE (natural log).
+// softmax runs in double (log2(e) folded into the scale by one fma per score; the weights by
+// flash_f64_exp.cuh's exp2_nonpositive, as accurate as exp2(double) on their range at under half
+// its instructions; the row statistics by exp2 / log2(double) as in the SIMT fp64 kernel), O_i is
+// divided by l_i once; fp64 out and fp64 LSE (natural log).
 //
 // Fragments (docs/emulator.md, m8n8k4 f64; g = lane / 4, t = lane % 4):
 //   A 8×4 row:  a0 = A[g][t]      B 4×8 col:  b0 = B[t][g]      C 8×8:  c0, c1 = C[g][2t, 2t+1]
@@ -45,6 +47,7 @@
 #include "flash_fwd_copy.cuh"
 #include "flash_fwd_tiles.cuh"
 #include "flash_ext.cuh"
+#include "flash_f64_exp.cuh"
 
 namespace flash {
 
@@ -80,7 +83,10 @@ __device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
 // Two doubles from shared memory (one 16-byte load).
 __device__ __forceinline__ Vec16<double> lds2(const double* p) { return *reinterpret_cast<const Vec16<double>*>(p); }
 
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned>
+// kFastExp: the weights by exp2_nonpositive (flash_f64_exp.cuh), else by exp2(double) — the host
+// takes the latter only where the short routine's schedule costs spills (sm_90, dv > 112).
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned,
+          bool kFastExp = true>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k, const double* __restrict__ v,
                      double* __restrict__ o, double* __restrict__ lse,
@@ -206,7 +212,8 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const double p = OnlineSoftmaxRow<double>::prob_unscaled(acc_s[mt][nt][e], scale_log2, m_sub);
+          const double x = fma(acc_s[mt][nt][e], scale_log2, -m_sub);
+          const double p = kFastExp ? exp2_nonpositive(x) : exp2(x);
           stat[mt].l += p;
           acc_s[mt][nt][e] = p;
         }

@@ -108,11 +108,21 @@ def test_f64_causal_skips_key_tiles(Lq, Lk):
         assert reads < full_reads
 
 
+def aligned256(a):
+    """A C-contiguous copy of ``a`` starting on a 256-byte boundary."""
+    buf = np.empty(a.nbytes + 256, np.uint8)
+    off = -buf.ctypes.data % 256
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 @pytest.mark.parametrize("D", [16, 40, 64, 128])
 def test_f64_memory_efficiency(D):
     """Loads >= 0.9 of the ideal sectors, cp.async destinations conflict-free, and O and LSE stores
-    whole sectors (the epilogue's quad exchange: 64-byte row segments per store instruction)."""
-    q, k, v = make_inputs(np.float64, D, 128, 128, batch=(1, 1))
+    whole sectors (the epilogue's quad exchange: 64-byte row segments per store instruction). Inputs
+    256-byte aligned, as CuPy allocates (NumPy's 16-byte alignment would split rows across sectors)."""
+    q, k, v = (aligned256(a) for a in make_inputs(np.float64, D, 128, 128, batch=(1, 1)))
     counters = []
     out, lse = cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=(1, 1), device="emulator",
                                     counters=counters)
@@ -206,9 +216,13 @@ def test_python_smem_matches_traits():
         assert int(out[0]) == smem, expr
 
 
-def test_bc8_tile_runs():
-    """The Bc = 8 tile (d = 128 on sm_86/89) on the emulator."""
+def test_bc8_and_exp2_tiles_run():
+    """The Bc = 8 tile (d = 128 on sm_86/89) and the exp2(double) variant (kFastExp = false: sm_90,
+    dv > 112) on the emulator."""
     check(128, 40, 50, True, arch=86)
+    assert not cuda_forward_f64.forward_tile(None, np.float64, 128, 128, 90).fast_exp
+    check(128, 40, 70, True, arch=90)
+    check(120, 65, 33, False, Dv=128, arch=90, layout="bshd")
 
 
 def test_f64_benchmark_table():
@@ -222,6 +236,36 @@ def test_f64_benchmark_table():
     dmma, simt = bench.f64_errors(bench.F64_SHAPES[0]), bench.f64_errors(bench.F64_SHAPES[0], "simt")
     assert dmma[0] == "f64" and simt[0] == "simt" and dmma[1] < 1e-14 and simt[1] < 1e-14
     assert "| D 64, 77 x 130 |" in bench.f64_accuracy_table(bench.F64_SHAPES[:1])
+
+
+_EXP_PROBE = r"""
+#include "flash_f64_exp.cuh"
+__global__ void probe_exp2(const double* x, double* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) fa::gstore(y + i, flash::exp2_nonpositive(fa::gload(x + i)));
+}
+"""
+
+
+def test_exp2_nonpositive_accuracy():
+    """The softmax weights' 2^x (flash_f64_exp.cuh) on [−1022, 0] is within 1 ulp of a long-double
+    reference (CUDA documents exp2(double) to 2 ulp; measured 0.84 against the host libm's 0.68);
+    2^0 = 1 exactly, x < −1022 and −inf give 0, NaN stays NaN."""
+    from flasharray import emulator
+    from flasharray._private import launch
+    mod = emulator.Module(_EXP_PROBE, name_expressions=["probe_exp2"], include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, 1e-17, -1e-300, -0.5, -1.0, -1022.0, -1022.5, -1100.0, -np.inf, np.nan])
+    x = np.concatenate([-rng.uniform(0, 1022, 50000), -rng.uniform(0, 1, 20000), special])
+    y = np.empty_like(x)
+    mod.launch("probe_exp2", (-(-x.size // 128),), (128,), (x, y, np.int32(x.size)))
+    ok = x >= -1022
+    ref = np.exp2(x[ok].astype(np.longdouble))
+    ulps = np.abs(y[ok].astype(np.longdouble) - ref) / np.spacing(ref.astype(np.float64))
+    assert ulps.max() <= 1.0, ulps.max()
+    assert y[-11] == y[-10] == y[-9] == 1.0 and y[-6] == 0.5
+    assert np.all(y[x < -1022] == 0) and np.isnan(y[-1])
 
 
 # ---- exhaustive (slow) ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def instantiations(arch, head_dims):
         t = F.forward_tile(None, np.float64, d, d, arch)
         for causal in (False, True):
             for aligned in (False, True):
-                found[t.name_expression(causal, aligned)] = t
+                found[t.name_expression(causal, aligned)] = (t, aligned)
     return found
 
 
@@ -61,7 +61,7 @@ def _check(arch, head_dims):
                               options=["--use_fast_math"])
     fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
     problems, rows = [], []
-    for name, t in found.items():
+    for name, (t, aligned) in found.items():
         k = res.kernel(name)
         line = "sm_%d %-58s regs %3d spill %d/%d smem %6d" % (arch, name, k.registers, k.spill_stores,
                                                                k.spill_loads, t.smem)
@@ -79,7 +79,7 @@ def _check(arch, head_dims):
             ops = {opcode(i) for i in dmma}
             total = sum(1 for i in body if i.base == "DMMA")
             # the element-wise copies (aligned = false) are loops inside the key loop; cp.async ones are not
-            nested = loop.nested if name.endswith("true>") else 0
+            nested = loop.nested if aligned else 0
             if ops != {DMMA[arch]} or len(dmma) != expected_dmma(t) or total != len(dmma) or nested:
                 problems.append("%s: key loop DMMA %s x %d (expected %s x %d), %d in the kernel, %d nested loops"
                                 % (name, sorted(ops), len(dmma), DMMA[arch], expected_dmma(t), total, loop.nested))
@@ -101,6 +101,7 @@ def test_f64_forward_compiles_all_head_dims(arch):
 
 def test_sm75_refused():
     t = F.forward_tile(None, np.float64, 64, 64, 80)
+    assert t.fast_exp and not F.forward_tile(None, np.float64, 128, 128, 90).fast_exp
     with pytest.raises(Exception, match="needs sm_80"):
         nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_75", [t.name_expression(False, True)])
     assert F.forward_tile(None, np.float64, 64, 64, 75) is None
