@@ -161,7 +161,7 @@ def kvcache_breakdown(q, k, v, backend, number, repeat):
     from flasharray._private import cuda_forward, kvcache
     fn = calls(backend, q, k, v, None)["kvcache (Lq=1, 1 new)"]
     fn()
-    arrays, flags = fn.arrays, (True, None, False, None)  # causal, scale, return_lse, num_splits
+    arrays, flags = fn.arrays, (True, None, False, None, None)  # causal, scale, return_lse, num_splits, precision
     key = kvcache._call_key(arrays, flags, backend)
     entry = kvcache._CALLS[key]
     c = entry.rebind(*arrays)
