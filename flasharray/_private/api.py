@@ -29,13 +29,13 @@ def _check_options(options, backend, forward=True, dtype=None):
     """The kernel options of the non-extension ``options`` (extension keywords are split off first).
 
     ``precision`` is validated for ``dtype`` (:func:`precision.check_precision`) and handed to the
-    CUDA forward when set; the cpu backend and the backward take it and compute in IEEE arithmetic
+    CUDA forward and backward when set; the cpu backend takes it and computes in IEEE arithmetic
     (docs/precision.md)."""
     kernel_opts = {}
     for name, value in options.items():
         if name == "precision":
             value = check_precision(value, dtype)
-            if value is not None and forward and backend != "cpu":
+            if value is not None and backend != "cpu":
                 kernel_opts[name] = value
             continue
         if name == "num_splits":  # split-KV of the CUDA forward (validated by cuda_forward.plan)

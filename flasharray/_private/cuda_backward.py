@@ -120,6 +120,37 @@ def _b(flag):
     return "true" if flag else "false"
 
 
+#: The float32 / float64 tensor-core backward families (issue 12): the atomic-dQ structure of "tc"
+#: (one dK/dV kernel per key block, dQ by atomics into the DQAccumLayout accumulator, in key-block
+#: order when deterministic) on TF32 mma (float32, precision "tf32" / "3xtf32") or DMMA (float64).
+#: Each module has ``SOURCE``, ``backward_tile(precision, dtype, D, Dv, arch, *, ext)`` (None where
+#: the family does not apply: the SIMT kernels run) and ``dkv_name(tile, precision, pD, pDv,
+#: causal, vec, ordered)``.
+FAMILIES = {"tf32": "cuda_backward_tf32", "f64": "cuda_backward_f64"}
+#: Kernel families sharing the atomic-dQ passes (DQAccumLayout accumulator, ordered mode, convert).
+TC_FAMILIES = ("tc",) + tuple(FAMILIES)
+_FAMILY_OF = {np.dtype(np.float32): "tf32", np.dtype(np.float64): "f64"}
+
+
+def _family_module(name):
+    import importlib
+    return importlib.import_module("." + FAMILIES[name], __package__)
+
+
+def family_tile(dtype, precision, D, Dv, arch, ext=False):
+    """``(family, dK/dV tile)`` when a float32 / float64 backward runs on tensor cores (the family
+    module says where it applies: dtype, precision, arch, head dims, no extensions), else None."""
+    name = _FAMILY_OF.get(canonical_dtype(dtype))
+    if name is None:
+        return None
+    try:
+        module = _family_module(name)
+    except ImportError:  # the family's module is not built yet (issue 12, in progress)
+        return None
+    t = module.backward_tile(precision, canonical_dtype(dtype), D, Dv, arch, ext=ext)
+    return None if t is None else (name, t)
+
+
 def default_kernel(dtype, arch):
     """"tc" where tensor cores serve the dtype (fp16 on sm_75+, bf16 on sm_80+), else "simt" —
     the same fallback as the forward, so bf16 on Turing trains end to end."""
@@ -130,14 +161,16 @@ def default_kernel(dtype, arch):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True, stages=None, ext=0, ordered=False):
+                acc_dq=False, vec=True, stages=None, ext=0, ordered=False, precision=None):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
     modes). ``ordered``: the deterministic mode by ordered atomics (tensor cores, no extensions;
     :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
     irrelevant).
-    ``kernel``: "tc" or "simt" (default: :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
+    ``kernel``: "tc", "simt", or a float32 / float64 tensor-core family of :data:`FAMILIES` ("tf32"
+    with ``precision`` "tf32" / "3xtf32", "f64"), which runs the atomic modes only (default:
+    :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
     streamed tiles (default: the tile table's choice); ``ext``: the kernels' ``kExt`` bits
@@ -148,7 +181,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
-    if ordered and (kernel != "tc" or ext):
+    if ordered and (kernel not in TC_FAMILIES or ext):
         raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels and no extensions")
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
@@ -167,6 +200,13 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d%s" % (
                 T, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads // 32, _b(causal), _b(vec),
                 t_q.stages, x), t_q)
+    elif kernel in FAMILIES:
+        module = _family_module(kernel)
+        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=bool(ext))
+        if t_kv is None or not atomic:
+            raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
+                             % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
+        plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered), t_kv)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
@@ -176,11 +216,12 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
             plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s%s" % (
                 T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal), x), t_q)
-    if atomic and kernel == "tc":
-        # The padded, fragment-ordered accumulator (DQAccumLayout) -> dQ (or AccT partial sums when
-        # q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
-        plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s>" % (
-            out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0)), None)
+    if atomic and kernel in TC_FAMILIES:
+        # The padded, fragment-ordered accumulator (DQAccumLayout, AccT) -> dQ (or AccT partial sums
+        # when q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
+        plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s%s>" % (
+            out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0), ", double" if A == "double" else ""),
+            None)
     elif not deterministic and not acc_dq:
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (
             T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK), None)
@@ -192,7 +233,7 @@ def dq_accum_rows(Lq, kernel, t_kv, D=None, ordered=False):
     up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests); ordered
     mode: plus ``ceil(Tr / D)`` rows of the padded head dim ``D`` holding the Tr int32 counters
     (``DQOrderCounters``)."""
-    if kernel != "tc":
+    if kernel not in TC_FAMILIES:
         return Lq
     Tr = -(-Lq // t_kv.block_m)
     return Tr * t_kv.block_m + (-(-Tr // D) if ordered else 0)
@@ -204,7 +245,8 @@ DQ_MODES = ("ordered", "recompute")
 def dq_mode(deterministic, kernel, ext, requested=None):
     """How dQ is made: "atomic" (``deterministic=False``); deterministic: "ordered" (the atomic
     mode's kernels adding in key-block order: 5 products per block pair, the default where it
-    applies: tensor cores, no extensions) or "recompute" (the separate dQ kernel: 7 products).
+    applies: the tensor-core families, no extensions) or "recompute" (the separate dQ kernel: 7
+    products; fp16/bf16 tensor cores and SIMT).
     ``requested``: force "ordered" or "recompute" (the ``dq`` option)."""
     if requested is not None and requested not in DQ_MODES:
         raise ValueError("flasharray: option 'dq' must be one of %s, got %r" % (", ".join(map(repr, DQ_MODES)), requested))
@@ -212,17 +254,24 @@ def dq_mode(deterministic, kernel, ext, requested=None):
         if requested is not None:
             raise ValueError("flasharray: option 'dq'=%r needs deterministic=True" % (requested,))
         return "atomic"
-    can_order = kernel == "tc" and ext is None
+    can_order = kernel in TC_FAMILIES and ext is None
     if requested == "ordered" and not can_order:
         raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels and no extensions")
     return requested or ("ordered" if can_order else "recompute")
 
 
-_OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "return_counters"}
+_OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "precision", "return_counters"}
 _INPUTS = ("dout", "q", "k", "v", "out", "lse")
 
 
-def _kernel_choice(dtype, arch, kernel):
+def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq=None):
+    """The kernel family of a plan: ``kernel`` when forced, else a float32 / float64 tensor-core
+    family where it applies (:func:`family_tile`; not with ``dq="recompute"``, which those
+    families do not run), else :func:`default_kernel`."""
+    if kernel is None and dq != "recompute":
+        fam = family_tile(dtype, precision, D, Dv, arch, ext)
+        if fam is not None:
+            return fam[0]
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:
         raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
@@ -244,12 +293,14 @@ class BackwardPlan:
     """
 
     def __init__(self, dout, q, k, v, out, lse, *, causal, scale, batch_shape, launcher, deterministic,
-                 arch=None, kernel=None, stages=None, ext=None, dq=None):
+                 arch=None, kernel=None, stages=None, ext=None, dq=None, precision=None):
         self.launcher, self.xp = launcher, launcher.xp()
         self.dtype = dtype = canonical_dtype(q.dtype)
         self.acc = acc = accumulation_dtype(dtype)
         arch = tiles.arch_number(arch) if arch is not None else launcher.arch
-        self.kernel = _kernel_choice(dtype, arch, kernel)
+        self.precision = precision
+        self.kernel = _kernel_choice(dtype, arch, kernel, precision, q.shape[-1], v.shape[-1],
+                                     bool(_fwd().ext_bits(ext)), dq)
         self.batch_shape = tuple(int(b) for b in batch_shape)
         # Extensions (docs/extensions.md): the forward's _ExtPlan (kExt bits, stand-ins walked with
         # the batch, the argument tail, per-call arrays and seed/offset); None for a dense plan.
@@ -318,8 +369,9 @@ class BackwardPlan:
         bufs = {"delta": (full + (Lq,), acc)}
         if deterministic:
             bufs["dqacc"] = ((1,), acc)
-        elif self.kernel == "tc":  # padded rows and head dim (DQAccumLayout)
-            t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None)
+        elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
+            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None) if self.kernel == "tc"
+                    else family_tile(self.dtype, self.precision, D, Dv, arch)[1])
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
         else:
@@ -344,7 +396,7 @@ class BackwardPlan:
 
     def _record(self, runner, t, unused, *, causal, scale, deterministic, arch, stages):
         """Plan the batch splits and record the three passes' launches."""
-        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel != "tc" else "dq"
+        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel not in TC_FAMILIES else "dq"
         full, nb = self.batch_shape, len(self.batch_shape)
         if 0 in full:
             return  # no batch entry: nothing to launch (empty gradients)
@@ -360,13 +412,14 @@ class BackwardPlan:
         sizes_b, strides_b = _merge([full[i] for i in self.grid_b],
                                     {n: [_batch_strides(t[n], nb)[i] if t[n].ndim > 1 else 0 for i in self.grid_b]
                                      for n in names_b})
-        vec = self.kernel == "tc" and (
-            D % 8 == 0 and Dv % 8 == 0
-            and all(_rs(a) % 8 == 0 and _aligned16(a) for a in (q, k, v, dout))
-            and all(x % 8 == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+        c = 16 // self.dtype.itemsize  # elements per 16-byte cp.async chunk
+        vec = self.kernel in TC_FAMILIES and (
+            D % c == 0 and Dv % c == 0
+            and all(_rs(a) % c == 0 and _aligned16(a) for a in (q, k, v, dout))
+            and all(x % c == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
-                         ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered)
+                         ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision)
         ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
                       unused)
         ctx.tail = self._ext_tail(ext_names)
@@ -560,7 +613,7 @@ class _Passes:
                      i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(nb2), self.scale_arg,
                      *self.tail(off, sa)],
                     t_q.smem)
-            elif self.kernel == "tc":  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
+            elif self.kernel in TC_FAMILIES:  # DQAccumLayout -> dQ (AccT when q is broadcast), times scale
                 src, name, _ = self.ks["convert"]
                 t_kv = self.ks["dkv"][2]
                 self.runner.launch(src, name, (-(-self.Lq // t_kv.block_m), nb1 * nb2, nb0), tiles.ROW_THREADS,
@@ -579,7 +632,7 @@ launch._on_reload.append(_PLANS.clear)
 
 
 def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, arch=None,
-         kernel=None, stages=None, schedule="forward", seed=0, ext=None, dq=None):
+         kernel=None, stages=None, schedule="forward", seed=0, ext=None, dq=None, precision=None):
     """The cached :class:`BackwardPlan` for this signature (made on first use). ``ext``: an
     :class:`~flasharray._private.extensions.Extensions` or None; the plan keys on its
     ``static_key()`` only (seed, offset and the arrays are taken by :meth:`BackwardPlan.run`)."""
@@ -590,10 +643,11 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
                                     arch=arch if device == "emulator" else None)
     key = signature((dout, q, k, v, out, lse),
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
-                     arch, kernel, stages, dq, launch.MAX_GRID_YZ, None if ext is None else ext.static_key()))
+                     arch, kernel, stages, dq, launch.MAX_GRID_YZ, None if ext is None else ext.static_key(),
+                     precision))
     return cached(_PLANS, key, lambda: BackwardPlan(
         dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, launcher=launcher,
-        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext, dq=dq))
+        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext, dq=dq, precision=precision))
 
 
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, ext=None,
@@ -620,8 +674,11 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         atomics in any order into an AccT dQ accumulator plus a conversion pass.
     **opts
         ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
-        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc" or "simt"; default
-        tensor cores for fp16/bf16), ``stages`` (1 or 2: force single- or double-buffered
+        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc", "simt", "tf32",
+        "f64"; default tensor cores for fp16/bf16, and for float32 / float64 where
+        :func:`family_tile` applies), ``precision`` (None, "ieee", "tf32", "3xtf32", validated by
+        the caller: float32 "tf32" / "3xtf32" run the TF32 tensor-core backward, float64 the DMMA
+        one on sm_80+; otherwise the SIMT kernels), ``stages`` (1 or 2: force single- or double-buffered
         streamed tiles in the tensor-core kernels), ``dq`` ("ordered" or "recompute": force the
         deterministic mode's dQ, :func:`dq_mode`), ``return_counters`` (emulator: also return the list of
         ``(kernel name, counters)`` of every launch).
@@ -682,7 +739,7 @@ def visited_rows(Lq, Lk, causal, kv_tiles, q_tiles=None):
 
 
 def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministic=True, arch=None,
-                          kernel=None, dq=None):
+                          kernel=None, dq=None, precision=None):
     """(bytes read, bytes written) in global memory by one backward without broadcasting.
 
     What the kernels move: the preprocess reads dO and O once and writes D; the dK/dV kernel
@@ -697,10 +754,11 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
     dtype = canonical_dtype(dtype)
     s, a = dtype.itemsize, accumulation_dtype(dtype).itemsize
     arch = tiles.EMULATOR_ARCH if arch is None else tiles.arch_number(arch)
-    mode = dq_mode(deterministic, kernel or default_kernel(dtype, arch), None, dq)
+    kernel = _kernel_choice(dtype, arch, kernel, precision, D, Dv, False, dq)
+    mode = dq_mode(deterministic, kernel, None, dq)
     deterministic = mode == "recompute"
     plan = kernel_plan(dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, kernel=kernel,
-                       ordered=mode == "ordered")
+                       ordered=mode == "ordered", precision=precision)
     q_rows, k_rows = visited_rows(Lq, Lk, causal, plan["dkv"][2], plan["dq"][2] if deterministic else None)
     row_q = (D + Dv) * s  # one row of Q and of dO
     row_k = (D + Dv) * s  # one row of K and of V
