@@ -34,7 +34,10 @@ the milliseconds of each, ``ratio`` = flasharray / FlashAttention-2 (issue 10's 
 and flasharray's launch (key splits, GQA packing, blocks vs the SM count). Each row is validated
 on the first batch entry, KV head and last 256 query rows. With ``--emulator``, scaled-down
 shapes run through the emulator (CPU time; no PyTorch).
-Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--decode] [--plot gpu.png]
+``--precision`` runs ``benchmarks/gpu_precision.py`` instead (issue 12: float32 per precision and
+float64, forward, backward and both, against PyTorch's memory-efficient and math backends, then
+the issue's goals from the measured rows).
+Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--decode] [--precision] [--plot gpu.png]
 """
 import argparse
 import collections
@@ -267,14 +270,14 @@ def shape_label(B, H, N, D, dt_name, causal):
 
 
 def print_header(unit):
-    print("%-30s | %-22s | %9s | %9s | %6s | %8s | %9s"
+    print("%-30s | %-24s | %9s | %9s | %6s | %8s | %9s"
           % ("shape (B,H,N,D) dtype causal", "impl", "ms", unit, "xFA2", "xtorch", "peak MB"))
-    print("-" * 114)
+    print("-" * 116)
 
 
 def print_row(r, flop_unit=1e12, note=""):
     ratio = lambda x: "-" if x is None else "%.2fx" % x  # noqa: E731
-    print("%-30s | %-22s | %9.3f | %9.3f | %6s | %8s | %9.1f%s"
+    print("%-30s | %-24s | %9.3f | %9.3f | %6s | %8s | %9.1f%s"
           % (shape_label(r.B, r.H, r.N, r.D, r.dtype, r.causal), r.impl, r.ms,
              r.flop / (r.ms * 1e-3) / flop_unit, ratio(r.vs_fa2), ratio(r.vs_torch), r.mb, note))
 
@@ -298,18 +301,19 @@ def measure(name, impl, copies, causal, check, clock):
     return gpu_timing.time_ms(fns, clock).ms, peak_bytes(fns[0])
 
 
-def shapes(quick):
-    """(dtype name, D, causal, N) of FlashAttention-2's benchmark; N up to 2048 when quick."""
-    for dt_name in DTYPES:
+def shapes(quick, dtypes=DTYPES, seqlens=SEQLENS):
+    """(dtype name, D, causal, N) of FlashAttention-2's benchmark; the first 3 N when quick."""
+    for dt_name in dtypes:
         for D in HEAD_DIMS:
             for causal in (False, True):
-                for N in (SEQLENS[:3] if quick else SEQLENS):
+                for N in (seqlens[:3] if quick else seqlens):
                     yield dt_name, D, causal, N
 
 
-def run_gpu(quick, impls, make_tensors, check):
+def run_gpu(quick, impls, make_tensors, check, dtypes=DTYPES, seqlens=SEQLENS):
     """Validate, time and print every shape × implementation; returns the rows.
-    ``make_tensors(xp, B, H, N, D, dtype, copy)`` makes one set of inputs."""
+    ``make_tensors(xp, B, H, N, D, dtype, copy)`` makes one set of inputs; ``dtypes``: {label:
+    dtype}; ``seqlens``: the N of the table."""
     import cupy as cp
     props = cp.cuda.runtime.getDeviceProperties(0)
     print("device: %s (sm_%s), L2 %.0f MB" % (props["name"].decode(), cp.cuda.Device().compute_capability,
@@ -317,8 +321,8 @@ def run_gpu(quick, impls, make_tensors, check):
     clock = gpu_timing.CudaClock()
     print_header("TFLOP/s")
     rows = []
-    for dt_name, D, causal, N in shapes(quick):
-        B, H, dtype = max(1, TOKENS // N), HIDDEN // D, DTYPES[dt_name]
+    for dt_name, D, causal, N in shapes(quick, dtypes, seqlens):
+        B, H, dtype = max(1, TOKENS // N), HIDDEN // D, dtypes[dt_name]
         copies = [make_tensors(cp, B, H, N, D, dtype)]
         n = gpu_timing.copies_for_l2(sum(x.nbytes for x in copies[0]), props["l2CacheSize"])
         copies += [make_tensors(cp, B, H, N, D, dtype, copy=i) for i in range(1, n)]
@@ -327,7 +331,7 @@ def run_gpu(quick, impls, make_tensors, check):
             try:
                 measured = measure(name, impl, copies, causal, check, clock)
             except Exception as e:  # out of memory for materialized attention at large N, no kernel, ...
-                print("%-30s | %-22s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
+                print("%-30s | %-24s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
                 continue
             if measured is not None:
                 ms, nbytes = measured
@@ -352,19 +356,21 @@ def _free_cached_memory():
         torch.cuda.empty_cache()
 
 
-def run_emulator(impls, names, make_tensors, check):
+def run_emulator(impls, names, make_tensors, check, dtypes=DTYPES):
     """One tiny shape through the CUDA emulator: validates the kernels and this script's code path
     (host time, not GPU performance). Returns True when every validation passed."""
     B, H, N, D = 1, 2, 128, 64
     print("emulator run (CPU time, not GPU performance): B=%d H=%d N=%d D=%d" % (B, H, N, D))
     print_header("GFLOP/s")
     ok = True
-    for dt_name, dtype in DTYPES.items():
+    for dt_name, dtype in dtypes.items():
         for causal in (False, True):
             tensors = make_tensors(np, B, H, N, D, dtype)
             for name in names:
                 impl = impls[name]
                 fn = impl.make(tensors, causal, "emulator")
+                if fn is None:  # the row does not apply to this dtype
+                    continue
                 report = check(name, fn(), tensors, causal, "emulator")
                 passed = report is None or report.passed
                 ok &= passed
@@ -620,7 +626,14 @@ def main(argv=None):
                     help="also run benchmarks/gpu_backward.py (backward, forward+backward)")
     ap.add_argument("--decode", action="store_true",
                     help="the decoding / GQA inference shapes against PyTorch's flash backend instead")
+    ap.add_argument("--precision", action="store_true",
+                    help="float32 (each precision) and float64 rows instead (benchmarks/gpu_precision.py)")
     args = ap.parse_args(argv)
+    if args.precision:
+        if args.decode or args.backward or args.plot:
+            ap.error("--precision takes only --quick and --emulator (it times forward and backward)")
+        import gpu_precision
+        return gpu_precision.main(["--quick"] * args.quick + ["--emulator"] * args.emulator)
     if args.decode:
         if args.backward or args.quick or args.plot:
             ap.error("--decode takes only --emulator")
