@@ -1,0 +1,112 @@
+"""Tiles of the float32 backward on TF32 tensor cores (``cuda_src/flash_bwd_tf32.cu``, issue 12).
+
+The dK/dV kernel ``flash_bwd_dkv_tf32_kernel`` (always atomic dQ into the fragment-ordered
+accumulator, ordered or not) for ``precision="tf32"`` (one mma per product) and ``"3xtf32"``
+(hi/lo split, three). :func:`backward_tile` returns the tile a call uses, or None where the kernel
+does not apply (another precision or dtype, padded head dims above 128, extensions).
+
+Work split: kNWarps = Bc / 16 warps, warp w owning keys 16 w.. of dK_j, dV_j in registers (every
+column) and the 16 x Br strips of S^T, dP^T (P^T, dS^T as float C fragments). Registers bound Br:
+a thread holds (d + dv) / 2 accumulator floats plus the two strips (Br floats) and their operand
+fragments, so Br shrinks as the head dims grow (measured with NVRTC, tests/test_static_backward_tf32.py:
+zero spills at <= 255 registers):
+
+    tf32:          (d + dv) / 2 <= 64: Br 64;  <= 96: Br 32;  else Br 16
+    3xtf32:        (d + dv) / 2 <= 64: Br 32;  else Br 16
+
+Shared memory (fp32, rows padded by 4 floats; ``smem_bytes`` mirrors ``Tf32BwdSmem``): Q_i, dO_i,
+K_j, V_j and dS^T (Bc x Br) — one tf32 plane each, or hi and lo planes for 3xtf32 (``lo_planes``);
+3xtf32 without lo planes keeps the tiles raw and splits every fragment in registers (more
+instructions per HMMA, half the shared memory). Bc is chosen per arch among 64, 32, 16 (x lo
+planes / raw for 3xtf32): the most resident warps per SM (shared memory per SM, at most 8 warps:
+the kernels need 200-255 registers), then the larger Bc (fewer reloads of Q_i, dO_i), then lo
+planes.
+"""
+from dataclasses import dataclass
+
+from . import tiles
+from .precision import check_precision_arch
+from .tiles_bwd import BwdTiles
+
+#: Kernel template argument kPrec per precision (mma per product).
+PREC = {"tf32": 1, "3xtf32": 3}
+SOURCE = "flash_bwd_tf32.cu"
+KERNEL = "flash_bwd_dkv_tf32_kernel"
+MAX_HEAD_DIM = 128
+_PAD = 4  # floats per shared-memory row
+#: Shared memory per SM in KB and reserved per block (as cuda_forward_tf32).
+_SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
+_RESERVED = 1024
+#: Warps per SM the register file holds at the kernels' 200-255 registers per thread.
+_MAX_WARPS_PER_SM = 8
+
+
+def block_m(precision, d, dv):
+    """Br for padded head dims d, dv (the register rule of the module docstring)."""
+    m = max(d, dv)
+    if precision == "tf32":
+        return 64 if m <= 64 else 32 if m <= 96 else 16
+    return 32 if m <= 64 else 16
+
+
+def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True):
+    """Mirror of ``Tf32BwdSmem::kBytes``: planes x (Q_i, dO_i, K_j, V_j, dS^T), then L_i, D_i."""
+    planes = 2 if precision == "3xtf32" and lo_planes else 1
+    a16 = tiles._align16
+    tiles_f = (block_m * (d + _PAD), block_m * (dv + _PAD), block_n * (d + _PAD), block_n * (dv + _PAD),
+               block_n * (block_m + _PAD))
+    return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4)
+
+
+@dataclass(frozen=True)
+class Tf32BwdTiles(BwdTiles):
+    """A :class:`BwdTiles` of the TF32 dK/dV kernel (stages = 1): also the precision, padded head
+    dims and whether 3xtf32 keeps lo planes in shared memory."""
+    precision: str = "tf32"
+    head_dim: int = 0
+    head_dim_v: int = 0
+    lo_planes: bool = True
+
+
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
+    """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
+    (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, extensions).
+    NotImplementedError naming the arch below sm_80."""
+    if precision not in PREC or tiles.dtype_name(dtype) != "float32":
+        return None
+    a = tiles.arch_number(arch)
+    check_precision_arch(precision, a)
+    d, dv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    if ext or max(d, dv) > MAX_HEAD_DIM:
+        return None
+    limit = tiles.smem_limit(a)
+    per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
+    br = block_m(precision, d, dv)
+    best = None
+    for lo in ((True, False) if precision == "3xtf32" else (True,)):  # lo planes whenever they fit
+        for bc in (64, 32, 16):
+            smem = smem_bytes(d, dv, br, bc, precision, lo)
+            if smem > limit:
+                continue
+            warps = min(_MAX_WARPS_PER_SM, bc // 16 * (per_sm // (smem + _RESERVED)))
+            if best is None or warps > best[0]:  # ties: the larger Bc
+                best = (warps, bc, lo, smem)
+        if best is not None:
+            break
+    if best is None:
+        return None
+    warps, bc, lo, smem = best
+    reason = ("%s: Br=%d (registers: (d+dv)/2=%d), Bc=%d (%d warps), %s; %d resident warps per SM"
+              % (precision, br, (d + dv) // 2, bc, bc // 16,
+                 "operands as tf32 planes" if precision == "tf32" else
+                 "hi+lo planes" if lo else "raw fp32 tiles split in registers", warps))
+    return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, 1, precision, d, dv, lo)
+
+
+def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
+    """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`)."""
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    lo = getattr(tile, "lo_planes", True)
+    return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s>" % (
+        KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
+        b(ordered), b(lo))

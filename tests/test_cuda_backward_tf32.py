@@ -1,0 +1,314 @@
+"""The float32 backward on TF32 tensor cores (cuda_src/flash_bwd_tf32.cu, issue 12) on the emulator.
+
+The dK/dV kernel ``flash_bwd_dkv_tf32_kernel`` is launched here directly (``run_dkv``): L and O
+from the float64 reference (rounded to float32), D_i = rowsum(dO ∘ O) in float64 rounded to
+float32, the dQ accumulator (DQAccumLayout, with the ordered mode's counters) zeroed, and dQ read
+back from the fragment order times the scale — the preprocess and convert passes the host runs
+around it are the existing kernels'.
+
+Accuracy (DESIGN.md's rule, derived rather than tuned): the kernel's gradients are compared with
+the float64 gradients of the attention *of the operands the kernel multiplies*:
+
+* "tf32": ``tf32_reference`` — float64 backward in which every operand of every product is rounded
+  to tf32 exactly as the kernel rounds it (cvt.rna: 10 mantissa bits, ties away): Q, K, V, dO
+  rounded; S, dP from them; P and dS (computed in float64 from the rounded products) rounded before
+  dV = Pᵀ dO, dK = dSᵀ Q, dQ = dS K. What remains between the kernel and that reference is fp32
+  arithmetic (accumulation, exp2, the saved float32 L and D_i), bounded by the float32 rule's own
+  term: 2·max|naive fp32 − float64| + atol32·max(1, max|ref|) per gradient, plus the propagated
+  effect of tf32 re-rounding of P, dS whose fp32 inputs differ from the float64 ones (a flip of one
+  rounding: <= u_tf32 |x| per element, summed with |operand| weights: ``flip`` below).
+* "3xtf32": the float32 rule itself against the plain float64 reference: the error must stay
+  within 2x the SIMT fp32 kernel's (``test_3xtf32_close_to_fp32``) and within the rule above with
+  the unrounded reference.
+
+Default run: representative shapes (D 16/32/40/64/72/128, Dv ≠ D, Lq ≠ Lk, lengths off the tiles,
+causal with fully masked rows, GQA n_group > 1, element-wise loads, both dQ modes). ``-m slow``:
+the full matrix.
+"""
+import numpy as np
+import pytest
+
+from flasharray import emulator, reference
+from flasharray._private import cuda_backward_tf32 as T
+from flasharray._private import launch, tiles
+from flasharray._private.dtypes import ATOL
+
+PRECISIONS = ("tf32", "3xtf32")
+U_TF32 = 2.0 ** -11  # unit roundoff of cvt.rna to 10 mantissa bits
+_MODULES = {}
+
+
+def _module(name):
+    if name not in _MODULES:
+        _MODULES[name] = emulator.Module(launch.kernel_source(T.SOURCE), [name])
+    return _MODULES[name]
+
+
+def make_inputs(D, Lq, Lk, *, Dv=None, B=1, Hk=2, G=1, seed=0):
+    """q, dout (B, Hk, G, Lq, ·), k, v (B, Hk, Lk, ·) float32, unit-scale normal entries."""
+    rng = np.random.default_rng(seed)
+    Dv = D if Dv is None else Dv
+    q = rng.standard_normal((B, Hk, G, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hk, Lk, Dv)).astype(np.float32)
+    do = rng.standard_normal((B, Hk, G, Lq, Dv)).astype(np.float32)
+    return q, k, v, do
+
+
+def _ext_tail():
+    ints, accs, bools = np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.bool_)
+    ll0, i0, f0, u0 = 0, np.int32(0), np.float32(0), np.uint32(0)
+    return ((ints, ints) + (ll0,) * 3 + (i0, i0, f0) + (accs,) + (ll0,) * 3 + (f0,) + (bools,) + (ll0,) * 5
+            + (i0, i0) + (u0,) * 4 + (f0,) + (ll0,) * 4)
+
+
+def dq_from_accum(acc, Lq, D, pD, Br, scale):
+    """dQ (·, Lq, D) from per-entry accumulators (·, entry floats) in DQAccumLayout<pD> order."""
+    kcols = 32 if pD % 32 == 0 else 16
+    r = np.arange(Lq)[:, None]
+    c = np.arange(D)[None, :]
+    rr = r % Br
+    off = (((rr // 16) * (pD // kcols) + c // kcols) * 16 * kcols
+           + (((c % kcols) // 8) * 4 + ((rr % 16) // 8) * 2 + c % 2) * 32 + (rr % 8) * 4 + (c % 8) // 2)
+    off = off + (r // Br) * Br * pD
+    return acc[..., off] * np.float32(scale)
+
+
+def run_dkv(precision, q, k, v, do, causal, *, ordered=True, vec=None, arch=80, tile=None, scale=None,
+            schedule="forward", seed=0, counters=None):
+    """(dq, dk, dv) from flash_bwd_dkv_tf32_kernel (and the tile) on the emulator."""
+    B, Hk, G, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    t = tile or T.backward_tile(precision, np.float32, D, Dv, arch)
+    vec = (D % 4 == 0 and Dv % 4 == 0) if vec is None else vec
+    lse, delta = kernel_inputs(q, k, v, do, causal, scale)
+    Br, Bc = t.block_m, t.block_n
+    Tr = -(-Lq // Br)
+    entry = (Tr * Br + -(-Tr // pD)) * pD
+    acc = np.zeros((B, Hk, G, entry), np.float32)
+    dk = np.full(k.shape, np.nan, np.float32)
+    dv = np.full(v.shape, np.nan, np.float32)
+    s = lambda a: [x // a.itemsize for x in a.strides]  # noqa: E731
+    qs, ks, vs, ds, ls, es, as_ = s(q), s(k), s(v), s(do), s(lse), s(delta), s(acc)
+    args = (q, qs[0], qs[1], 0, qs[2], qs[3], k, ks[0], ks[1], 0, ks[2], v, vs[0], vs[1], 0, vs[2],
+            do, ds[0], ds[1], 0, ds[2], ds[3], lse, ls[0], ls[1], 0, ls[2], delta, es[0], es[1], 0, es[2],
+            acc, as_[0], as_[1], 0, as_[2], pD, dk, ks[0], ks[1], 0, ks[2], dv, vs[0], vs[1], 0, vs[2],
+            np.int32(Lq), np.int32(Lk), np.int32(D), np.int32(Dv), np.int32(1), np.int32(G), np.float32(scale))
+    name = T.dkv_name(t, precision, pD, pDv, causal, vec, ordered)
+    c = _module(name).launch(name, (-(-Lk // Bc), Hk, B), t.n_threads, args + _ext_tail(), shared_mem=t.smem,
+                             schedule=schedule, seed=seed)
+    if counters is not None:
+        counters.append(c)
+    return dq_from_accum(acc, Lq, D, pD, Br, scale), dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references
+# ---------------------------------------------------------------------------------------------
+def tf32_round(x):
+    """cvt.rna.tf32.f32 of float32 values (finite): round the magnitude to 10 bits, ties away."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return b.view(np.float32)
+
+
+def kernel_inputs(q, k, v, do, causal, scale):
+    """(lse, delta) as the kernel receives them: float64 reference L, rowsum(dO ∘ O), as float32."""
+    G = q.shape[2]
+    kk, vv = (np.repeat(x[:, :, None], G, axis=2) for x in (k, v))
+    out, lse = reference.attention(q, kk, vv, causal=causal, scale=scale, return_lse=True)
+    delta = (do.astype(np.float64) * out).sum(-1)
+    return lse.astype(np.float32), delta.astype(np.float32)
+
+
+def backward64(q, k, v, do, lse, delta, causal, scale, rnd=None):
+    """float64 (dq, dk, dv, P, dS) of the kernel's computation from its inputs (L and D_i given):
+    P = exp(S·scale − L), dS = P ∘ (dP − D_i), dV = Pᵀ dO, dK = scale·dSᵀ Q, dQ = scale·dS K; with
+    ``rnd`` (tf32_round) every product operand rounded as the kernel rounds it (Q, K, V, dO, and P,
+    dS from their values)."""
+    r = (lambda x: x) if rnd is None else (lambda x: rnd(np.asarray(x, np.float32)))
+    G = q.shape[2]
+    q64, do64 = r(q).astype(np.float64), r(do).astype(np.float64)
+    k64 = np.repeat(r(k).astype(np.float64)[:, :, None], G, axis=2)
+    v64 = np.repeat(r(v).astype(np.float64)[:, :, None], G, axis=2)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    s = q64 @ np.swapaxes(k64, -1, -2) * scale
+    vis = np.ones((Lq, Lk), bool)
+    if causal:
+        vis = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq)
+    lse64 = lse.astype(np.float64)[..., None]
+    p = np.where(vis & np.isfinite(lse64), np.exp(s - np.where(np.isfinite(lse64), lse64, 0.0)), 0.0)
+    dp = do64 @ np.swapaxes(v64, -1, -2)
+    ds = p * (dp - delta.astype(np.float64)[..., None])
+    pr, dsr = (p, ds) if rnd is None else (r(p).astype(np.float64), r(ds).astype(np.float64))
+    dq = dsr @ k64 * scale
+    dk = (np.swapaxes(dsr, -1, -2) @ q64 * scale).sum(2)
+    dv = (np.swapaxes(pr, -1, -2) @ do64).sum(2)
+    return dq, dk, dv, p, ds
+
+
+def naive32_error(q, k, v, do, causal, scale, ref):
+    """max |naive float32 backward − float64| per gradient (the float32 rule's yardstick)."""
+    got = reference.attention_backward(do, q, *(np.repeat(x[:, :, None], q.shape[2], axis=2) for x in (k, v)),
+                                       causal=causal, scale=scale, dtype=np.float32)
+    dq, dk, dv = got
+    return [np.abs(np.asarray(a, np.float64) - b).max() for a, b in zip((dq, dk.sum(2), dv.sum(2)), ref)]
+
+
+def _amb(x, dx):
+    """Where the tf32 rounding of a value known to within ±dx of x is ambiguous (a rounding
+    boundary inside the interval): there the kernel's rounding may differ from the reference's by
+    one tf32 ulp (<= 2^-10 |x|)."""
+    lo, hi = (tf32_round(np.asarray(x - dx, np.float32)), tf32_round(np.asarray(x + dx, np.float32)))
+    return lo != hi
+
+
+def tf32_bound(q, k, v, do, lse, delta, causal, scale, p, ds):
+    """Elementwise allowance for the kernel's tf32 gradients vs backward64(..., rnd=tf32_round):
+    one-ulp flips of the tf32 rounding of P, dS where their float32 value (error Δ from the fp32
+    products: γ_n Σ|a||b|, and 2^-20 relative for exp2 / the scale and L multiplies / D_i) can
+    straddle a rounding boundary, propagated with |operand| weights. The remaining fp32 arithmetic
+    is the float32 rule's term (added by the caller)."""
+    G, D, Dv = q.shape[2], q.shape[-1], v.shape[-1]
+    gam = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
+    qa, doa = (np.abs(tf32_round(x)).astype(np.float64) for x in (q, do))
+    ka, va = (np.repeat(np.abs(tf32_round(x)).astype(np.float64)[:, :, None], G, axis=2) for x in (k, v))
+    s_abs = qa @ np.swapaxes(ka, -1, -2)
+    dp_abs = doa @ np.swapaxes(va, -1, -2)
+    dlt = np.abs(delta.astype(np.float64))[..., None]
+    eta_p = scale * gam(D) * s_abs + 2.0 ** -20 * (1 + scale * s_abs + np.abs(np.where(np.isfinite(lse), lse, 0))[..., None])
+    dP = p * eta_p
+    dp_val = ds / np.where(p > 0, p, 1)  # dP − D_i where P > 0
+    dds = dP * np.abs(dp_val) + p * (gam(Dv) * dp_abs + 2.0 ** -20 * (dp_abs + dlt))
+    fp = np.where(_amb(p, dP), 2.0 ** -10 * p, 0.0)
+    fds = np.where(_amb(ds, dds), 2.0 ** -10 * np.abs(ds), 0.0)
+    b_dq = fds @ ka * scale
+    b_dk = (np.swapaxes(fds, -1, -2) @ qa * scale).sum(2)
+    b_dv = (np.swapaxes(fp, -1, -2) @ doa).sum(2)
+    return b_dq, b_dk, b_dv
+
+
+def fp32_term(q, k, v, do, causal, scale):
+    """The float32 rule's allowance per gradient: 2·max|naive fp32 − float64| + atol32·max(1, max|ref|)
+    (reference.attention_backward, unrounded), and the float64 gradients."""
+    kw = dict(causal=causal, scale=scale)
+    kb, vb = k[:, :, None], v[:, :, None]
+    ref = reference.attention_backward(do, q, kb, vb, **kw)
+    naive = reference.attention_backward(do, q, kb, vb, dtype=np.float32, **kw)
+    atol = ATOL[np.dtype(np.float32)]
+    ref = [np.asarray(r, np.float64).reshape(s) for r, s in zip(ref, (q.shape, k.shape, v.shape))]
+    naive = [np.asarray(n, np.float64).reshape(s) for n, s in zip(naive, (q.shape, k.shape, v.shape))]
+    terms = [2 * np.abs(n - r).max() + atol * max(1.0, np.abs(r).max()) for n, r in zip(naive, ref)]
+    return terms, ref, naive
+
+
+def check(precision, D, Lq, Lk, causal, *, Dv=None, G=1, seed=0, **opts):
+    q, k, v, do = make_inputs(D, Lq, Lk, Dv=Dv, G=G, seed=seed)
+    scale = D ** -0.5
+    got = run_dkv(precision, q, k, v, do, causal, scale=scale, **opts)
+    for g, x in zip(got, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == np.float32 and np.isfinite(g).all()
+    terms, ref, naive = fp32_term(q, k, v, do, causal, scale)
+    if precision == "3xtf32":
+        # The float32 rule (DESIGN.md, gradients: 3 x the naive fp32 error + atol) vs float64.
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            err, limit = np.abs(g - r).max(), 3 * np.abs(n - r).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(r).max())
+            assert err <= limit, "%s: error %.3e > %.3e" % (name, err, limit)
+        return got
+    lse, delta = kernel_inputs(q, k, v, do, causal, scale)
+    *ref_t, p, ds = backward64(q, k, v, do, lse, delta, causal, scale, rnd=tf32_round)
+    flips = tf32_bound(q, k, v, do, lse, delta, causal, scale, p, ds)
+    for name, g, r, f, t in zip(("dq", "dk", "dv"), got, ref_t, flips, terms):
+        err = np.abs(g - r)
+        limit = f + t
+        worst = np.unravel_index(np.argmax(err - limit), err.shape)
+        assert np.all(err <= limit), "%s: error %.3e > bound %.3e (flips %.3e)" % (
+            name, err[worst], limit[worst], f[worst])
+    return got
+
+
+# (D, Dv, Lq, Lk, causal, G): head dims off the 16-grid (40, 72) and Dv != D, Lq != Lk, lengths off
+# the tiles, causal with Lq > Lk (rows that see no key), an MQA/GQA group.
+SUBSET = [
+    (64, 64, 77, 130, False, 1),
+    (40, 24, 33, 70, True, 2),
+    (128, 128, 50, 70, True, 1),
+    (16, 16, 17, 45, False, 3),
+    (72, 32, 90, 40, True, 1),
+    (32, 96, 64, 64, True, 2),
+]
+
+
+def _id(c):
+    D, Dv, Lq, Lk, causal, G = c
+    return "d%d-dv%d-%dx%d%s-g%d" % (D, Dv, Lq, Lk, "-causal" if causal else "", G)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+def test_backward_tf32(precision, case):
+    D, Dv, Lq, Lk, causal, G = case
+    check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_tf32_unordered_and_element_loads(precision):
+    """deterministic=False (plain atomics) and the element-wise copies (D not a multiple of 4)."""
+    check(precision, 64, 45, 77, True, G=2, ordered=False)
+    check(precision, 59, 33, 50, False, vec=False)
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "random"])
+def test_ordered_dq_bitwise_under_schedules(schedule):
+    """The ordered dQ mode adds dS K_j in key-block order: bitwise equal under any block/thread
+    schedule (a missing barrier or a conversion race would change dK, dV too)."""
+    q, k, v, do = make_inputs(64, 130, 200, G=2, seed=2)
+    ref = run_dkv("3xtf32", q, k, v, do, True)
+    got = run_dkv("3xtf32", q, k, v, do, True, schedule=schedule, seed=5)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tf32_kernel_runs_its_mma(precision):
+    """mma count = 5 products per block pair x (1 or 3): the kernel runs its tensor-core path."""
+    q, k, v, do = make_inputs(64, 128, 128, Hk=1)
+    counters = []
+    run_dkv(precision, q, k, v, do, False, counters=counters)
+    t = T.backward_tile(precision, np.float32, 64, 64, 80)
+    pairs = (128 // t.block_m) * (128 // t.block_n)
+    # per pair: S^T, dP^T, dV, dK: Bc x Br x 64 each; dQ: Br x 64 x Bc; m16n8k8 = 1024 MACs
+    per_pair = 5 * t.block_n * t.block_m * 64 // (16 * 8 * 8)
+    assert counters[0]["mma"] == pairs * per_pair * T.PREC[precision]
+    assert counters[0]["atomics"] == pairs * t.block_m * 64
+
+
+def test_3xtf32_close_to_fp32_and_tf32_rounds():
+    """3xtf32's max gradient error vs float64 stays within 2x the naive fp32 backward's; tf32's is
+    far larger (the kernel really rounds to tf32)."""
+    q, k, v, do = make_inputs(64, 77, 130, seed=1)
+    _, ref, naive = fp32_term(q, k, v, do, True, 0.125)
+    e3 = run_dkv("3xtf32", q, k, v, do, True, scale=0.125)
+    e1 = run_dkv("tf32", q, k, v, do, True, scale=0.125)
+    for g3, g1, r, n in zip(e3, e1, ref, naive):
+        assert np.abs(g3 - r).max() <= 2 * np.abs(n - r).max()
+        assert np.abs(g1 - r).max() > 10 * np.abs(g3 - r).max()
+
+
+def test_tiles_and_fallbacks():
+    """The tile table: None outside the kernel's domain, NotImplementedError below sm_80, shared
+    memory within the arch's limit, Bc = 16 x warps."""
+    assert T.backward_tile("ieee", np.float32, 64, 64, 80) is None
+    assert T.backward_tile("tf32", np.float16, 64, 64, 80) is None
+    assert T.backward_tile("tf32", np.float32, 160, 64, 80) is None
+    assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True) is None
+    with pytest.raises(NotImplementedError, match="sm_75"):
+        T.backward_tile("tf32", np.float32, 64, 64, 75)
+    for arch in (80, 86, 89, 90):
+        for precision in PRECISIONS:
+            for d in range(8, 129, 8):
+                t = T.backward_tile(precision, np.float32, d, d, arch)
+                assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
+                assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes)
