@@ -23,7 +23,11 @@
 //                      -> bool, fa::mbarrier_wait_parity(bar, parity); fa::fence_mbarrier_init(),
 //                      fa::fence_proxy_async(); bulk copy global -> shared completing on an mbarrier:
 //                      fa::cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar) (16-byte aligned, bytes
-//                      a multiple of 16). Using one below sm_90 is a compile error at the use.
+//                      a multiple of 16); TMA with a `const __grid_constant__ CUtensorMap` parameter
+//                      (encoded on the host): fa::tma_load_{1..5}d(smem_dst, &tmap, c0, .., bar),
+//                      fa::tma_store_{1..5}d(&tmap, c0, .., smem_src), fa::tma_store_commit(),
+//                      fa::tma_store_wait<N>(), fa::tma_prefetch(&tmap).
+//                      Using one below sm_90 is a compile error at the use.
 //   Hopper (sm_90a)    wgmma (warpgroup-wide, asynchronous): fa::wgmma_desc(smem, lbo, sbo, swizzle),
 //                      fa::wgmma_m64nNk16_f32_{f16,bf16}_ss<N, TransA, TransB>(d, desc_a, desc_b,
 //                      scale_d), fa::wgmma_m64nNk16_f32_{f16,bf16}_rs<N, TransB>(d, a, desc_b, scale_d),
@@ -69,6 +73,16 @@ typedef long int64_t;
 
 typedef __half fa_half;
 typedef __nv_bfloat16 fa_bf16;
+
+// The TMA tensor map (128 bytes, 64-byte aligned; encoded on the host by cuTensorMapEncodeTiled): cuda.h's
+// declaration, which NVRTC does not ship.
+#if defined(__CUDACC_RTC__)
+typedef struct CUtensorMap_st {
+    alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+#else
+#include <cuda.h>
+#endif
 
 // CUDA's __noinline__, spelled so that the emulator's host compilers accept it too.
 #define FA_NOINLINE __noinline__
@@ -334,9 +348,13 @@ __device__ __forceinline__ void sem_post(int* sem) {
 // for an architecture below sm_90 is a compile error at the use; including the header is not.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define FA_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#define FA_SM90_OK true
 #else
 #define FA_SM90_ASM(...) static_assert(dependent_false<Sm90>::value, "fa:: mbarrier and bulk copies need sm_90+")
+#define FA_SM90_OK false
 #endif
+template <int N> struct sm90_ok { enum { value = FA_SM90_OK }; };
+#undef FA_SM90_OK
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -415,6 +433,90 @@ template <class Sm90 = void>
 __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
     FA_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                 :: "r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+// ---- TMA: cp.async.bulk.tensor (tensor maps encoded on the host; docs/emulator.md, "Hopper: TMA") ----
+// tmap: the address of a `const __grid_constant__ CUtensorMap` kernel parameter; coordinates innermost
+// first, in elements, any int (out-of-bounds elements load as zeros and are not stored). The shared box is
+// 128-byte aligned. A load completes on `bar` with complete_tx(box bytes), as cp_async_bulk_g2s.
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_1d(void* smem_dst, const CUtensorMap* tmap, int c0, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], "
+                "[%3];\n" :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                "[%4];\n" :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4}], [%5];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4, %5}], [%6];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+                : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_5d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                            int c4, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+                   "r"(smem_u32(bar)) : "memory");
+}
+// Stores shared -> global in a bulk async-group: the source must hold what the generic proxy wrote before a
+// fence_proxy_async() and stay unchanged until tma_store_wait<N>() covers the store's group.
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_1d(const CUtensorMap* tmap, int c0, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%1}], [%2];\n"
+                :: "l"(tmap), "r"(c0), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* tmap, int c0, int c1, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tmap, int c0, int c1, int c2, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                             const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4,
+                                             const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_u32(smem_src)) : "memory");
+}
+// Closes the thread's bulk async-group (its TMA stores since the last commit).
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_commit() {
+    FA_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until every committed bulk group but the newest N has read its shared source.
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::tma_store_wait: N must be in [0, 7]");
+    static_assert(sm90_ok<N>::value, "fa:: mbarrier and bulk copies need sm_90+");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// Brings the tensor map into the cache ahead of its first use (a hint).
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_prefetch(const CUtensorMap* tmap) {
+    FA_SM90_ASM("prefetch.tensormap [%0];\n" :: "l"(tmap) : "memory");
 }
 #undef FA_SM90_ASM
 

@@ -44,6 +44,9 @@
 // dynamic shared memory only (FA_DYNAMIC_SMEM); the fa:: wrappers check against that region.
 #define __shared__ thread_local
 #define __constant__ const
+// A kernel parameter the GPU keeps in its parameter space and lets the kernel take the address of (the
+// tensor maps of TMA); on the emulator parameters are ordinary by-value copies, which have addresses too.
+#define __grid_constant__
 
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x, y, z; };
@@ -217,6 +220,12 @@ inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
 // Declares `unsigned char* ptr` pointing at the block's dynamic shared memory.
 #define FA_DYNAMIC_SMEM(ptr) unsigned char* ptr = fa_emu_dynamic_smem()
 
+// The TMA tensor map: 128 bytes, 64-byte aligned, as cuda.h declares it. On the emulator its bytes are the
+// emulator's own encoding (flasharray.emulator.encode_tensor_map; docs/emulator.md, "Hopper: TMA").
+typedef struct CUtensorMap_st {
+    alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+
 namespace fa {
 
 template <class T> struct dependent_false { static constexpr bool value = false; };
@@ -334,6 +343,56 @@ inline void fence_proxy_async() { fa_emu_fence_async(1); }
 inline void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
     fa_emu_cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar);
 }
+
+// ---- Hopper (sm_90): TMA (the runtime decodes the emulator's tensor map, queues loads like bulk copies) ---
+inline void tma_load_1d(void* smem_dst, const CUtensorMap* tmap, int c0, uint64_t* bar) {
+    const int c[1] = {c0};
+    fa_emu_tma_load(smem_dst, tmap, 1, c, bar);
+}
+inline void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, uint64_t* bar) {
+    const int c[2] = {c0, c1};
+    fa_emu_tma_load(smem_dst, tmap, 2, c, bar);
+}
+inline void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, uint64_t* bar) {
+    const int c[3] = {c0, c1, c2};
+    fa_emu_tma_load(smem_dst, tmap, 3, c, bar);
+}
+inline void tma_load_4d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3, uint64_t* bar) {
+    const int c[4] = {c0, c1, c2, c3};
+    fa_emu_tma_load(smem_dst, tmap, 4, c, bar);
+}
+inline void tma_load_5d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4,
+                        uint64_t* bar) {
+    const int c[5] = {c0, c1, c2, c3, c4};
+    fa_emu_tma_load(smem_dst, tmap, 5, c, bar);
+}
+inline void tma_store_1d(const CUtensorMap* tmap, int c0, const void* smem_src) {
+    const int c[1] = {c0};
+    fa_emu_tma_store(tmap, 1, c, smem_src);
+}
+inline void tma_store_2d(const CUtensorMap* tmap, int c0, int c1, const void* smem_src) {
+    const int c[2] = {c0, c1};
+    fa_emu_tma_store(tmap, 2, c, smem_src);
+}
+inline void tma_store_3d(const CUtensorMap* tmap, int c0, int c1, int c2, const void* smem_src) {
+    const int c[3] = {c0, c1, c2};
+    fa_emu_tma_store(tmap, 3, c, smem_src);
+}
+inline void tma_store_4d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, const void* smem_src) {
+    const int c[4] = {c0, c1, c2, c3};
+    fa_emu_tma_store(tmap, 4, c, smem_src);
+}
+inline void tma_store_5d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4, const void* smem_src) {
+    const int c[5] = {c0, c1, c2, c3, c4};
+    fa_emu_tma_store(tmap, 5, c, smem_src);
+}
+inline void tma_store_commit() { fa_emu_bulk_commit(); }
+template <int N>
+inline void tma_store_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::tma_store_wait: N must be in [0, 7]");
+    fa_emu_bulk_wait_read(N);
+}
+inline void tma_prefetch(const CUtensorMap* tmap) { fa_emu_tma_prefetch(tmap); }
 
 // ---- Hopper (sm_90a): wgmma (the runtime rendezvouses the warpgroup, checks the asynchrony rules) ---
 // The emulator's shared address is the offset in dynamic shared memory (1024-byte aligned at 0).

@@ -206,6 +206,32 @@ struct WgTrack {
     std::vector<uint32_t> snap;
 };
 
+// One element of a TMA box: its (swizzled) shared offset and its global address, null when out of bounds.
+struct TmaElem {
+    uint32_t smem;
+    const unsigned char* g;
+};
+
+// A cp.async.bulk global -> shared in flight: performs complete_tx(bytes) on `bar` when delivered. A
+// tensor copy (fa::tma_load_*) gathers its box element by element (`elems`, each `esize` bytes).
+struct Bulk {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, tid;
+    uint32_t bar;  // shared offset of the mbarrier
+    std::shared_ptr<std::vector<TmaElem>> elems;
+    int esize = 0;
+};
+
+// A TMA store (fa::tma_store_*) in flight: its box elements, the source bytes as they were at the issue.
+struct TmaStore {
+    std::vector<TmaElem> elems;
+    int esize;
+    uint32_t src, bytes;  // shared offset and size of the source box
+    std::vector<unsigned char> snap;
+    int64_t group;  // -1: not yet committed
+};
+
 struct Fiber {
     fa_emu_thread_view view;  // first member: fa_emu_self() returns its address
     Context ctx;
@@ -238,6 +264,9 @@ struct Fiber {
     std::vector<Copy> copies;
     size_t copies_head = 0;
     int64_t groups_committed = 0;
+    // TMA stores (bulk async-groups), in issue order
+    std::vector<TmaStore> tma_stores;
+    int64_t bulk_groups = 0;
     // memory statistics: how often this thread reached each (call site, kind) since the last barrier
     std::unordered_map<uint64_t, uint32_t> site_count;
     char* stack_lo = nullptr;
@@ -253,13 +282,6 @@ struct MBar {
     bool fenced = false;                 // that thread executed a fence.mbarrier_init / proxy.async since
 };
 
-// A cp.async.bulk global -> shared in flight: performs complete_tx(bytes) on `bar` when delivered.
-struct Bulk {
-    unsigned char* dst;
-    const unsigned char* src;
-    int bytes, tid;
-    uint32_t bar;  // shared offset of the mbarrier
-};
 
 struct Worker;
 
@@ -306,6 +328,7 @@ struct Worker {
     std::unordered_map<uint32_t, MBar> mbars;  // live mbarriers by shared offset
     std::vector<Bulk> bulks;        // bulk copies in flight, in issue order
     int mbar_waiting = 0;           // fibers in WAIT_MBAR
+    std::vector<unsigned char> async_img;  // shared memory as of the block's last fence.proxy.async
     std::vector<int> wg_arrived;    // per warpgroup: threads waiting at its wgmma rendezvous
     // block state
     unsigned bidx[3] = {0, 0, 0};
@@ -530,9 +553,10 @@ std::string pending_desc(Worker* w, const unsigned char* byte) {
                             "completed yet (missing cp_async_wait or __syncthreads?)", smem_desc(w, byte).c_str(), o.tid);
     for (const Bulk& b : w->bulks)
         if (byte >= b.dst && byte < b.dst + b.bytes)
-            return strf("%s, the destination of a bulk copy (fa::cp_async_bulk_g2s, %d bytes) issued by thread %d "
+            return strf("%s, the destination of a bulk copy (%s, %d bytes) issued by thread %d "
                         "that has not completed on its mbarrier at shared offset %u yet (missing "
-                        "fa::mbarrier_wait_parity?)", smem_desc(w, byte).c_str(), b.bytes, b.tid, b.bar);
+                        "fa::mbarrier_wait_parity?)", smem_desc(w, byte).c_str(),
+                        b.elems ? "fa::tma_load" : "fa::cp_async_bulk_g2s", b.bytes, b.tid, b.bar);
     return smem_desc(w, byte) + ", the destination of a copy in flight";
 }
 
@@ -995,6 +1019,18 @@ void bulk_check_dst(Worker* w, const unsigned char* dst, int bytes, const char* 
                                bytes, mbar_state(kv.first, kv.second).c_str()));
 }
 
+// The shared offset of the live mbarrier a bulk copy completes on, checked: its initialization is visible
+// to the async proxy.
+uint32_t bulk_barrier(Worker* w, const void* bar, const char* what) {
+    uint32_t off;
+    const MBar& b = mbar_live(w, bar, what, &off);
+    if (!b.fenced)
+        fiber_fail(w, strf("%s completes on the %s, which its initializing thread %d has not made visible to the "
+                           "async proxy: fa::fence_mbarrier_init() after fa::mbarrier_init (then __syncthreads())",
+                           what, mbar_state(off, b).c_str(), b.init_tid));
+    return off;
+}
+
 void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const void* bar) {
     const char* what = "fa::cp_async_bulk_g2s";
     unsigned char* dst = static_cast<unsigned char*>(smem_dst);
@@ -1002,16 +1038,11 @@ void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const 
     if (reinterpret_cast<uintptr_t>(gmem_src) & 15u)
         fiber_fail(w, strf("%s: global source %p is not 16-byte aligned", what, gmem_src));
     gcheck(w, gmem_src, static_cast<size_t>(bytes), 0, "fa::cp_async_bulk_g2s global read");
-    uint32_t off;
-    const MBar& b = mbar_live(w, bar, what, &off);
-    if (!b.fenced)
-        fiber_fail(w, strf("%s completes on the %s, which its initializing thread %d has not made visible to the "
-                           "async proxy: fa::fence_mbarrier_init() after fa::mbarrier_init (then __syncthreads())",
-                           what, mbar_state(off, b).c_str(), b.init_tid));
+    const uint32_t off = bulk_barrier(w, bar, what);
     bulk_sectors(w, gmem_src, bytes);
     const size_t g0 = (dst - w->smem) / kGranule;
     for (size_t g = g0; g < g0 + bytes / kGranule; ++g) ++w->pending[g];
-    w->bulks.push_back(Bulk{dst, static_cast<const unsigned char*>(gmem_src), bytes, w->cur->tid, off});
+    w->bulks.push_back(Bulk{dst, static_cast<const unsigned char*>(gmem_src), bytes, w->cur->tid, off, nullptr, 0});
     ++w->cnt.bulk_copies;
     w->cnt.bulk_copy_bytes += static_cast<uint64_t>(bytes);
 }
@@ -1021,15 +1052,25 @@ void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const 
 bool bulk_deliver(Worker* w, size_t k) {
     const Bulk c = w->bulks[k];
     w->bulks.erase(w->bulks.begin() + static_cast<long>(k));
-    std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    if (c.elems) {
+        for (const TmaElem& e : *c.elems) {   // out-of-bounds elements are filled with zeros
+            if (e.g) std::memcpy(w->smem + e.smem, e.g, static_cast<size_t>(c.esize));
+            else std::memset(w->smem + e.smem, 0, static_cast<size_t>(c.esize));
+        }
+    } else {
+        std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    }
+    // written by the async proxy: a TMA store may read these bytes without a fence
+    std::memcpy(w->async_img.data() + (c.dst - w->smem), c.dst, static_cast<size_t>(c.bytes));
     const size_t g0 = (c.dst - w->smem) / kGranule;
     for (size_t g = g0; g < g0 + c.bytes / kGranule; ++g) --w->pending[g];
     auto it = w->mbars.find(c.bar);
     const std::string err = it == w->mbars.end() ? strf("its mbarrier at shared offset %u is gone", c.bar)
                                                  : mbar_tx(c.bar, it->second, -int64_t(c.bytes), "complete-tx");
     if (!err.empty()) {
-        record_error(w, where(w, &w->fibers[c.tid]) + strf(": fa::cp_async_bulk_g2s (%d bytes to %s) lands: ", c.bytes,
-                                                             smem_desc(w, c.dst).c_str()) + err);
+        record_error(w, where(w, &w->fibers[c.tid]) + strf(": %s (%d bytes to %s) lands: ",
+                                                             c.elems ? "fa::tma_load" : "fa::cp_async_bulk_g2s",
+                                                             c.bytes, smem_desc(w, c.dst).c_str()) + err);
         return false;
     }
     mbar_maybe_complete(w, c.bar, it->second);
@@ -1405,6 +1446,182 @@ std::string wg_deadlock_desc(Worker* w) {
 }
 
 // =========================================================================================
+// TMA: cp.async.bulk.tensor (sm_90; docs/emulator.md, "Hopper: TMA")
+// =========================================================================================
+// The emulator's tensor map: the 128 bytes of a CUtensorMap as flasharray's encoder
+// (flasharray/_private/tensor_map.py) writes them for the emulator. Words: [0] kTmaMagic, [1] the global
+// address, [2..6] the dimensions (innermost first), [7..10] the byte strides of dimensions 1..4, [11] box
+// dimensions 0..3 (16 bits each), [12] box dimension 4 | element strides << 16 (4 bits each), [13] rank |
+// element size << 8 | swizzle bytes << 16 | data type << 32 | interleave << 40 | L2 promotion << 48 |
+// OOB fill << 56.
+constexpr uint64_t kTmaMagic = 0x50414d54554d4546ull;  // "FEMUTMAP"
+
+struct TmaMap {
+    int rank = 0, esize = 0, swizzle = 0;  // swizzle: 0, 32, 64 or 128 bytes
+    uint64_t addr = 0, dim[5] = {0}, stride[5] = {0};  // stride[0] = esize
+    uint32_t box[5] = {0};
+    uint64_t box_bytes() const {
+        uint64_t n = static_cast<uint64_t>(esize);
+        for (int d = 0; d < rank; ++d) n *= box[d];
+        return n;
+    }
+};
+
+// Decodes and checks a tensor map; dims: the number of coordinates the call passes (0: not checked).
+TmaMap tma_decode(Worker* w, const void* tmap, int dims, const char* what) {
+    uint64_t q[16];
+    std::memcpy(q, tmap, sizeof q);
+    if (q[0] != kTmaMagic)
+        fiber_fail(w, strf("%s: the tensor map at %p is not one flasharray's encoder made for the emulator "
+                           "(flasharray.emulator.encode_tensor_map)", what, tmap));
+    TmaMap m;
+    m.rank = static_cast<int>(q[13] & 0xff);
+    m.esize = static_cast<int>((q[13] >> 8) & 0xff);
+    m.swizzle = static_cast<int>((q[13] >> 16) & 0xffff);
+    m.addr = q[1];
+    for (int d = 0; d < 5; ++d) {
+        m.dim[d] = q[2 + d];
+        m.box[d] = static_cast<uint32_t>(d < 4 ? (q[11] >> (16 * d)) & 0xffff : q[12] & 0xffff);
+    }
+    m.stride[0] = static_cast<uint64_t>(m.esize);
+    for (int d = 1; d < 5; ++d) m.stride[d] = q[6 + d];
+    if (m.rank < 1 || m.rank > 5) fiber_fail(w, strf("%s: tensor map of rank %d (1..5)", what, m.rank));
+    if (dims && dims != m.rank)
+        fiber_fail(w, strf("%s: %d coordinates for a tensor map of rank %d (use fa::tma_load_%dd / tma_store_%dd)",
+                           what, dims, m.rank, m.rank, m.rank));
+    return m;
+}
+
+uint32_t tma_swizzle_mode(int bytes) { return bytes == 128 ? 1 : bytes == 64 ? 2 : bytes == 32 ? 3 : 0; }
+
+// The box at coordinates c (innermost first), element by element in the dense shared-memory order (the
+// innermost dimension fastest): its shared offset from `smem_off`, swizzled as wgmma's descriptors read it
+// (the same address bits), and its global address; out-of-bounds coordinates (negative, or >= the
+// dimension) give a null address.
+std::vector<TmaElem> tma_box(const TmaMap& m, const int* c, uint32_t smem_off) {
+    const uint64_t n = m.box_bytes() / static_cast<uint64_t>(m.esize);
+    const uint32_t mode = tma_swizzle_mode(m.swizzle);
+    std::vector<TmaElem> out(n);
+    for (uint64_t e = 0; e < n; ++e) {
+        uint64_t rest = e, addr = m.addr;
+        bool inside = true;
+        for (int d = 0; d < m.rank; ++d) {
+            const int64_t x = int64_t(c[d]) + int64_t(rest % m.box[d]);
+            rest /= m.box[d];
+            inside = inside && x >= 0 && static_cast<uint64_t>(x) < m.dim[d];
+            addr += static_cast<uint64_t>(x) * m.stride[d];
+        }
+        const uint32_t off = smem_off + static_cast<uint32_t>(e) * static_cast<uint32_t>(m.esize);
+        out[e] = TmaElem{wg_swizzle(off, mode), inside ? reinterpret_cast<const unsigned char*>(addr) : nullptr};
+    }
+    return out;
+}
+
+// Bounds-checks and counts the in-bounds global elements (kind 0 read, 1 write), and their 32-byte sectors
+// against the ideal.
+void tma_global(Worker* w, const std::vector<TmaElem>& elems, int esize, int kind, const char* what) {
+    std::vector<uint64_t> sectors;
+    uint64_t bytes = 0, first = 0;
+    for (const TmaElem& e : elems) {
+        if (!e.g) continue;
+        gcheck(w, e.g, static_cast<size_t>(esize), kind, what);
+        if (sectors.empty()) first = reinterpret_cast<uint64_t>(e.g);
+        sectors.push_back(reinterpret_cast<uint64_t>(e.g) / 32);
+        bytes += static_cast<uint64_t>(esize);
+    }
+    if (sectors.empty()) return;
+    const int b = find_buffer(w, first, 1);   // the map's array (one buffer holds the tensor)
+    std::sort(sectors.begin(), sectors.end());
+    const uint64_t actual = static_cast<uint64_t>(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+    const uint64_t ideal = (bytes + 31) / 32;
+    (kind ? w->cnt.gst_sectors : w->cnt.gld_sectors) += actual;
+    (kind ? w->cnt.gst_sectors_ideal : w->cnt.gld_sectors_ideal) += ideal;
+    if (b >= 0) {
+        w->buf_sectors[4 * b + 2 * kind] += actual;
+        w->buf_sectors[4 * b + 2 * kind + 1] += ideal;
+    }
+}
+
+// A TMA box in shared memory: inside dynamic shared memory and 128-byte aligned (PTX ISA, cp.async.bulk.tensor).
+uint32_t tma_smem(Worker* w, const void* p, uint64_t bytes, const char* what) {
+    if (!in_smem(w, p, bytes))
+        fiber_fail(w, strf("%s: the box (%lu bytes) at %p is outside dynamic shared memory: %s", what,
+                           static_cast<unsigned long>(bytes), p, smem_desc(w, p).c_str()));
+    // the shared address is the offset in dynamic shared memory (as for wgmma's descriptors)
+    const uint32_t off = static_cast<uint32_t>(static_cast<const unsigned char*>(p) - w->smem);
+    if (off & 127u)
+        fiber_fail(w, strf("%s: the shared-memory box is not 128-byte aligned: %s", what, smem_desc(w, p).c_str()));
+    return off;
+}
+
+void tma_load(Worker* w, void* smem_dst, const void* tmap, int dims, const int* c, const void* bar) {
+    const char* what = "fa::tma_load";
+    const TmaMap m = tma_decode(w, tmap, dims, what);
+    const uint64_t bytes = m.box_bytes();
+    const uint32_t off = tma_smem(w, smem_dst, bytes, what);
+    bulk_check_dst(w, static_cast<unsigned char*>(smem_dst), static_cast<int>(bytes), what);
+    auto elems = std::make_shared<std::vector<TmaElem>>(tma_box(m, c, off));
+    tma_global(w, *elems, m.esize, 0, "fa::tma_load global read");
+    const uint32_t bar_off = bulk_barrier(w, bar, what);
+    const size_t g0 = off / kGranule;
+    for (size_t g = g0; g < g0 + bytes / kGranule; ++g) ++w->pending[g];
+    w->bulks.push_back(Bulk{w->smem + off, nullptr, static_cast<int>(bytes), w->cur->tid, bar_off, elems, m.esize});
+    ++w->cnt.tma_loads;
+    w->cnt.tma_load_bytes += bytes;
+}
+
+// The async-proxy rule: the source of a TMA store holds what the generic proxy wrote before the block's last
+// fence.proxy.async (or what copies of the async proxy wrote), and no copy in flight writes it.
+void tma_check_source(Worker* w, uint32_t off, uint64_t bytes, const char* what) {
+    for (uint64_t i = 0; i < bytes; ++i) {
+        if (w->pending[(off + i) / kGranule])
+            fiber_fail(w, std::string(what) + ": the source box holds " + pending_desc(w, w->smem + off + i));
+        if (w->smem[off + i] != w->async_img[off + i])
+            fiber_fail(w, strf("%s reads %s, written by ordinary (generic-proxy) stores since the block's last "
+                               "fa::fence_proxy_async(): the TMA store (async proxy) may not see them; "
+                               "fence.proxy.async between the writes and the store (then __syncthreads())",
+                               what, smem_desc(w, w->smem + off + i).c_str()));
+    }
+}
+
+void tma_store(Worker* w, const void* tmap, int dims, const int* c, const void* smem_src) {
+    const char* what = "fa::tma_store";
+    const TmaMap m = tma_decode(w, tmap, dims, what);
+    const uint64_t bytes = m.box_bytes();
+    const uint32_t off = tma_smem(w, smem_src, bytes, what);
+    tma_check_source(w, off, bytes, what);
+    TmaStore st{tma_box(m, c, off), m.esize, off, static_cast<uint32_t>(bytes), {}, -1};
+    tma_global(w, st.elems, m.esize, 1, "fa::tma_store global write");
+    st.snap.assign(w->smem + off, w->smem + off + bytes);
+    w->cur->tma_stores.push_back(std::move(st));
+    ++w->cnt.tma_stores;
+    w->cnt.tma_store_bytes += bytes;
+}
+
+// cp.async.bulk.wait_group.read n: every committed bulk group but the newest n has read its source, which
+// must be unchanged since the issue; the emulator performs the global writes here (out-of-bounds elements
+// are not written).
+void tma_wait_read(Worker* w, Fiber* f, int n) {
+    const int64_t limit = f->bulk_groups - n;
+    std::vector<TmaStore> keep;
+    for (TmaStore& st : f->tma_stores) {
+        if (st.group < 0 || st.group >= limit) {
+            keep.push_back(std::move(st));
+            continue;
+        }
+        for (uint32_t i = 0; i < st.bytes; ++i)
+            if (w->smem[st.src + i] != st.snap[i])
+                fiber_fail(w, strf("fa::tma_store_wait: the source of a TMA store (%s) was overwritten between its "
+                                   "issue and the fa::tma_store_wait<N>() (cp.async.bulk.wait_group.read) covering it",
+                                   smem_desc(w, w->smem + st.src + i).c_str()));
+        for (const TmaElem& e : st.elems)
+            if (e.g) std::memcpy(const_cast<unsigned char*>(e.g), st.snap.data() + (e.smem - st.src),
+                                 static_cast<size_t>(st.esize));
+    }
+    f->tma_stores = std::move(keep);
+}
+
+// =========================================================================================
 // Fiber lifecycle and the scheduler
 // =========================================================================================
 void thread_exit(Worker* w, Fiber* f) {
@@ -1416,6 +1633,10 @@ void thread_exit(Worker* w, Fiber* f) {
     }
     f->copies.clear();
     f->copies_head = 0;
+    if (!f->tma_stores.empty())
+        fiber_fail(w, strf("thread exits with %zu TMA store(s) whose source reads no fa::tma_store_wait<N>() has "
+                           "covered (commit them and wait before exiting: the shared memory goes away)",
+                           f->tma_stores.size()));
     if (!f->wg_parts.empty())
         fiber_fail(w, strf("thread exits with %zu wgmma(s) in flight (no covering fa::wgmma_wait_group): their "
                            "accumulator registers are never written", f->wg_parts.size()));
@@ -1536,6 +1757,7 @@ void alloc_block_resources(Worker* w) {
     uintptr_t base = reinterpret_cast<uintptr_t>(w->smem_region + kGuard + body - w->smem_size) & ~uintptr_t(15);
     w->smem = reinterpret_cast<unsigned char*>(base);
     w->pending.assign((w->smem_size + kGranule - 1) / kGranule + 1, 0);
+    w->async_img.assign(w->smem_size, 0xff);
     w->warp_waiting.assign(w->nwarps, 0);
     w->warp_exited.assign(w->nwarps, 0);
     w->warp_exists.assign(w->nwarps, 0);
@@ -1564,6 +1786,7 @@ bool run_block(Worker* w, unsigned linear) {
     splitmix(w->rng);
     // Shared memory starts as NaN/-1 bytes each block: reading what nobody wrote shows.
     if (w->smem_size) std::memset(w->smem, 0xff, w->smem_size);
+    std::fill(w->async_img.begin(), w->async_img.end(), static_cast<unsigned char>(0xff));
     std::fill(w->pending.begin(), w->pending.end(), 0);
     std::fill(w->warp_waiting.begin(), w->warp_waiting.end(), 0);
     std::fill(w->warp_exited.begin(), w->warp_exited.end(), 0);
@@ -1595,6 +1818,8 @@ bool run_block(Worker* w, unsigned linear) {
         f.copies.clear();
         f.copies_head = 0;
         f.groups_committed = 0;
+        f.tma_stores.clear();
+        f.bulk_groups = 0;
         f.wg_parts.clear();
         f.wg_tracked.clear();
         f.wg_groups = 0;
@@ -2067,12 +2292,29 @@ uint64_t fa_emu_mbarrier_arrive(uint64_t* bar, int tx_bytes, int expect_tx) {
 void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes) { mbar_expect_tx(W(), bar, tx_bytes); }
 int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity) { return mbar_try_wait(W(), bar, parity); }
 void fa_emu_fence_async(int kind) {
-    (void)kind;
-    mbar_fence(W());
+    Worker* w = W();
+    mbar_fence(w);
+    // fence.proxy.async: what the generic proxy wrote to shared memory so far is visible to the async proxy
+    if (kind == 1 && w->smem_size) std::memcpy(w->async_img.data(), w->smem, w->smem_size);
 }
 void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
     bulk_g2s(W(), smem_dst, gmem_src, bytes, bar);
 }
+
+void fa_emu_tma_load(void* smem_dst, const void* tmap, int dims, const int* coords, uint64_t* bar) {
+    tma_load(W(), smem_dst, tmap, dims, coords, bar);
+}
+void fa_emu_tma_store(const void* tmap, int dims, const int* coords, const void* smem_src) {
+    tma_store(W(), tmap, dims, coords, smem_src);
+}
+void fa_emu_tma_prefetch(const void* tmap) { tma_decode(W(), tmap, 0, "fa::tma_prefetch"); }
+void fa_emu_bulk_commit(void) {
+    Fiber* f = W()->cur;
+    for (TmaStore& st : f->tma_stores)
+        if (st.group < 0) st.group = f->bulk_groups;
+    ++f->bulk_groups;
+}
+void fa_emu_bulk_wait_read(int n) { tma_wait_read(W(), W()->cur, n); }
 
 void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
                   int trans_a, int trans_b) {
@@ -2110,7 +2352,7 @@ uint32_t fa_emu_smem_addr(const void* p) {
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 5; }
+int fa_emu_abi_version(void) { return 6; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -2177,6 +2419,10 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.mbar_waits += w.cnt.mbar_waits;
         total.mbar_blocked += w.cnt.mbar_blocked;
         total.wgmma += w.cnt.wgmma;
+        total.tma_loads += w.cnt.tma_loads;
+        total.tma_load_bytes += w.cnt.tma_load_bytes;
+        total.tma_stores += w.cnt.tma_stores;
+        total.tma_store_bytes += w.cnt.tma_store_bytes;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
