@@ -16,6 +16,8 @@
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
 //                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
+//   named barriers     fa::named_barrier_sync(id, nthreads), fa::named_barrier_arrive(id, nthreads)
+//                      (bar.sync / bar.arrive; id 0..15, nthreads a multiple of 32)
 //   Hopper (sm_90)     mbarriers (a uint64_t in dynamic shared memory, 8-byte aligned):
 //                      fa::mbarrier_init(bar, count), fa::mbarrier_inval(bar),
 //                      fa::mbarrier_arrive(bar) -> state, fa::mbarrier_arrive_expect_tx(bar, tx_bytes),
@@ -333,6 +335,17 @@ __device__ __forceinline__ void sem_post(int* sem) {
     if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
         asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
     }
+}
+
+// ---- named barriers: bar.sync / bar.arrive id, nthreads ----------------------------------------
+// Barrier `id` (0..15; 0 is __syncthreads()'s) completes when `nthreads` threads (a multiple of 32, the same
+// in every participant) have arrived, whole warps at a time; sync waits for the completion, arrive does not
+// (the producer/consumer and ping-pong handshakes of warp-specialized kernels). All architectures.
+__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
 }
 
 // ---- Hopper (sm_90): mbarriers and bulk asynchronous copies ---------------------------------

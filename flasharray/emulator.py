@@ -142,7 +142,8 @@ class Counters:
     ``wgmma`` counts the ``wgmma.mma_async`` instructions (one per warpgroup issue, whatever N).
     ``tma_loads`` / ``tma_stores`` count ``fa::tma_load_*`` / ``fa::tma_store_*`` calls and
     ``tma_load_bytes`` / ``tma_store_bytes`` their box bytes (out-of-bounds elements included); the
-    in-bounds elements count in the global bytes and sectors.
+    in-bounds elements count in the global bytes and sectors. ``named_barriers`` counts completed
+    named barriers (``fa::named_barrier_sync``/``_arrive``; one per block and completion).
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -179,6 +180,7 @@ class Counters:
     tma_load_bytes: int = 0
     tma_stores: int = 0
     tma_store_bytes: int = 0
+    named_barriers: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -223,7 +225,7 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
                    "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked",
                    "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma",
-                   "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes")
+                   "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers")
 
 
 class _Counters(ctypes.Structure):

@@ -344,6 +344,10 @@ inline void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, u
     fa_emu_cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar);
 }
 
+// ---- named barriers: bar.sync / bar.arrive id, nthreads (the runtime counts arrivals per barrier) ----
+inline void named_barrier_sync(int id, int nthreads) { fa_emu_named_barrier(id, nthreads, 1); }
+inline void named_barrier_arrive(int id, int nthreads) { fa_emu_named_barrier(id, nthreads, 0); }
+
 // ---- Hopper (sm_90): TMA (the runtime decodes the emulator's tensor map, queues loads like bulk copies) ---
 inline void tma_load_1d(void* smem_dst, const CUtensorMap* tmap, int c0, uint64_t* bar) {
     const int c[1] = {c0};

@@ -154,7 +154,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // =========================================================================================
 // Data structures
 // =========================================================================================
-enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, EXITED };
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, WAIT_NBAR, EXITED };
 enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
 
 const char* op_name(int op, int kind) {
@@ -232,6 +232,15 @@ struct TmaStore {
     int64_t group;  // -1: not yet committed
 };
 
+// A named barrier (bar.sync / bar.arrive id, count): the count (set by the first arrival while it is idle),
+// the threads of whole warps arrived in this phase, and per warp the lanes that have executed the
+// instruction while the warp's arrival is incomplete (and whether they sync, 1, or arrive, 0).
+struct NamedBar {
+    int expected = 0, arrived = 0, first_tid = 0;
+    std::vector<uint32_t> lanes;
+    std::vector<int> warp_kind;
+};
+
 struct Fiber {
     fa_emu_thread_view view;  // first member: fa_emu_self() returns its address
     Context ctx;
@@ -248,6 +257,8 @@ struct Fiber {
     const uint32_t* b = nullptr;
     const float* c = nullptr;
     void* bar_site = nullptr;
+    int nbar_id = 0;            // the named barrier this fiber waits at (state WAIT_NBAR)
+    bool nbar_counted = false;  // its warp's arrival there is counted
     // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
@@ -330,6 +341,7 @@ struct Worker {
     int mbar_waiting = 0;           // fibers in WAIT_MBAR
     std::vector<unsigned char> async_img;  // shared memory as of the block's last fence.proxy.async
     std::vector<int> wg_arrived;    // per warpgroup: threads waiting at its wgmma rendezvous
+    std::vector<NamedBar> nbars;    // the 16 named barriers
     // block state
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
@@ -1622,6 +1634,107 @@ void tma_wait_read(Worker* w, Fiber* f, int n) {
 }
 
 // =========================================================================================
+// Named barriers: bar.sync / bar.arrive id, nthreads (docs/emulator.md, "Named barriers")
+// =========================================================================================
+constexpr int kNamedBarriers = 16;
+
+// bar.sync and bar.arrive are .aligned: a warp arrives as a unit, counting 32 threads, once every lane of it
+// that has not exited has executed the instruction. Until then the lanes wait in `lanes` (sync lanes
+// suspended, arrive lanes already running on).
+std::string nbar_state(const Worker* w, int id) {
+    const NamedBar& b = w->nbars[id];
+    std::string pend;
+    for (int wp = 0; wp < w->nwarps; ++wp)
+        if (b.lanes[wp]) pend += strf("%swarp %d lanes %s", pend.empty() ? "" : ", ", wp, lanes_str(b.lanes[wp]).c_str());
+    return strf("named barrier %d (%d of its %d threads arrived; lanes waiting for the rest of their warp: %s)", id,
+                b.arrived, b.expected, pend.empty() ? "none" : pend.c_str());
+}
+
+// The barrier completes: the threads of the counted warps that sync run, the next phase starts empty.
+void nbar_complete(Worker* w, int id) {
+    NamedBar& b = w->nbars[id];
+    for (int t = 0; t < w->nthreads; ++t) {
+        Fiber& f = w->fibers[t];
+        if (f.state == WAIT_NBAR && f.nbar_id == id && f.nbar_counted) set_runnable(w, t);
+    }
+    b.arrived = 0;
+    ++w->cnt.named_barriers;
+}
+
+// Warp `wp` arrives at barrier `id` if every lane that has not exited is there.
+void nbar_warp_arrives(Worker* w, int id, int wp) {
+    NamedBar& b = w->nbars[id];
+    const uint32_t live = w->warp_exists[wp] & ~w->warp_exited[wp];
+    if (b.lanes[wp] == 0 || (b.lanes[wp] & live) != live) return;
+    for (int l = 0; l < 32; ++l)
+        if ((b.lanes[wp] >> l) & 1u) w->fibers[wp * 32 + l].nbar_counted = true;
+    b.lanes[wp] = 0;
+    b.warp_kind[wp] = -1;
+    b.arrived += 32;
+    if (b.arrived == b.expected) nbar_complete(w, id);
+}
+
+void nbar_check_args(Worker* w, const char* what, int id, int nthreads) {
+    if (id < 0 || id >= kNamedBarriers) fiber_fail(w, strf("%s: barrier id %d is outside 0..15", what, id));
+    if (nthreads <= 0 || nthreads % 32)
+        fiber_fail(w, strf("%s(%d, %d): the thread count must be a positive multiple of 32 (the warp size)", what, id,
+                           nthreads));
+    if (nthreads > 32 * w->nwarps)
+        fiber_fail(w, strf("%s(%d, %d): more threads than the block's %d warps have (%d): the barrier can never "
+                           "complete", what, id, nthreads, w->nwarps, 32 * w->nwarps));
+    if (id == 0 && w->bar_arrived > 0)
+        fiber_fail(w, strf("%s(0, %d): %d thread(s) wait at __syncthreads(), which is barrier 0 too", what, nthreads,
+                           w->bar_arrived));
+}
+
+void named_barrier(Worker* w, int id, int nthreads, bool sync) {
+    Fiber* f = w->cur;
+    const char* what = sync ? "fa::named_barrier_sync" : "fa::named_barrier_arrive";
+    nbar_check_args(w, what, id, nthreads);
+    NamedBar& b = w->nbars[id];
+    bool busy = b.arrived > 0;
+    for (uint32_t m : b.lanes) busy = busy || m != 0;
+    if (!busy) {
+        b.expected = nthreads;
+        b.first_tid = f->tid;
+    } else if (b.expected != nthreads) {
+        fiber_fail(w, strf("%s(%d, %d): thread %d arrived at named barrier %d with a count of %d: every participant "
+                           "must pass the same thread count", what, id, nthreads, b.first_tid, id, b.expected));
+    }
+    if (b.warp_kind[f->warp] >= 0 && b.warp_kind[f->warp] != static_cast<int>(sync))
+        fiber_fail(w, strf("%s(%d, %d): lanes %s of warp %d are at %s of the same barrier: a warp executes one "
+                           "barrier instruction together (divergent bar.sync / bar.arrive)", what, id, nthreads,
+                           lanes_str(b.lanes[f->warp]).c_str(), f->warp,
+                           sync ? "fa::named_barrier_arrive" : "fa::named_barrier_sync"));
+    b.warp_kind[f->warp] = sync;
+    b.lanes[f->warp] |= 1u << f->lane;
+    f->nbar_counted = false;
+    if (sync) {
+        f->state = WAIT_NBAR;
+        f->nbar_id = id;
+    }
+    nbar_warp_arrives(w, id, f->warp);
+    if (sync) yield(w, f);
+}
+
+// A thread exits: lanes of its warp waiting for it at a named barrier may now form the warp's arrival.
+void nbar_thread_exits(Worker* w, const Fiber* f) {
+    for (int id = 0; id < kNamedBarriers; ++id) nbar_warp_arrives(w, id, f->warp);
+}
+
+std::string nbar_deadlock_desc(Worker* w) {
+    for (int id = 0; id < kNamedBarriers; ++id) {
+        int waiting = 0;
+        for (const Fiber& f : w->fibers) waiting += f.state == WAIT_NBAR && f.nbar_id == id;
+        if (waiting == 0) continue;
+        return strf("deadlock: %s never completes: %d thread(s) wait at fa::named_barrier_sync, the others never "
+                    "arrive (%d thread(s) wait at __syncthreads(), %d exited)", nbar_state(w, id).c_str(), waiting,
+                    w->bar_arrived, w->exited);
+    }
+    return "";
+}
+
+// =========================================================================================
 // Fiber lifecycle and the scheduler
 // =========================================================================================
 void thread_exit(Worker* w, Fiber* f) {
@@ -1659,6 +1772,7 @@ void thread_exit(Worker* w, Fiber* f) {
     f->state = EXITED;
     ++w->exited;
     w->warp_exited[f->warp] |= 1u << f->lane;
+    nbar_thread_exits(w, f);
     ctx_switch(&f->ctx, &w->sched);
     __builtin_unreachable();
 }
@@ -1706,6 +1820,8 @@ std::string deadlock_desc(Worker* w) {
     if (!mbar.empty()) return mbar;
     const std::string wg = wg_deadlock_desc(w);
     if (!wg.empty()) return wg;
+    const std::string nbar = nbar_deadlock_desc(w);
+    if (!nbar.empty()) return nbar;
     for (int wp = 0; wp < w->nwarps; ++wp) {
         const uint32_t waiting = w->warp_waiting[wp];
         if (!waiting) continue;
@@ -1762,6 +1878,7 @@ void alloc_block_resources(Worker* w) {
     w->warp_exited.assign(w->nwarps, 0);
     w->warp_exists.assign(w->nwarps, 0);
     w->wg_arrived.assign((w->nwarps + 3) / 4, 0);
+    w->nbars.assign(16, NamedBar());
     for (int t = 0; t < nthreads; ++t) w->warp_exists[t / 32] |= 1u << (t % 32);
     w->runnable.assign((nthreads + 63) / 64, 0);
     w->buf_read.assign(p->num_buffers, 0);
@@ -1800,6 +1917,11 @@ bool run_block(Worker* w, unsigned linear) {
     w->bulks.clear();
     w->mbar_waiting = 0;
     std::fill(w->wg_arrived.begin(), w->wg_arrived.end(), 0);
+    for (NamedBar& b : w->nbars) {
+        b.expected = b.arrived = b.first_tid = 0;
+        b.lanes.assign(w->nwarps, 0);
+        b.warp_kind.assign(w->nwarps, -1);
+    }
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         f.tid = t;
@@ -2060,6 +2182,10 @@ int barrier(void* site, int kind, int predicate) {
                            "reach this barrier (divergent or early-exit barrier)",
                            site_str(site).c_str(), w->exited, t));
     }
+    if (!w->nbars.empty() && w->nbars[0].arrived > 0)
+        fiber_fail(w, strf("__syncthreads() (%s) while %d thread(s) have arrived at named barrier 0 (its count %d): "
+                           "__syncthreads() is barrier 0 too", site_str(site).c_str(), w->nbars[0].arrived,
+                           w->nbars[0].expected));
     if (w->bar_arrived == 0) {
         w->bar_site = site;
         w->bar_first_tid = f->tid;
@@ -2315,6 +2441,7 @@ void fa_emu_bulk_commit(void) {
     ++f->bulk_groups;
 }
 void fa_emu_bulk_wait_read(int n) { tma_wait_read(W(), W()->cur, n); }
+void fa_emu_named_barrier(int id, int nthreads, int sync) { named_barrier(W(), id, nthreads, sync != 0); }
 
 void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
                   int trans_a, int trans_b) {
@@ -2423,6 +2550,7 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.tma_load_bytes += w.cnt.tma_load_bytes;
         total.tma_stores += w.cnt.tma_stores;
         total.tma_store_bytes += w.cnt.tma_store_bytes;
+        total.named_barriers += w.cnt.named_barriers;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
