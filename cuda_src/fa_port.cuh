@@ -29,12 +29,14 @@
 //                      (encoded on the host): fa::tma_load_{1..5}d(smem_dst, &tmap, c0, .., bar),
 //                      fa::tma_store_{1..5}d(&tmap, c0, .., smem_src), fa::tma_store_commit(),
 //                      fa::tma_store_wait<N>(), fa::tma_prefetch(&tmap).
+//                      fa::stmatrix<N, Trans>(smem_row_addr, r) (ldmatrix's inverse), fa::elect_one(mask).
 //                      Using one below sm_90 is a compile error at the use.
 //   Hopper (sm_90a)    wgmma (warpgroup-wide, asynchronous): fa::wgmma_desc(smem, lbo, sbo, swizzle),
 //                      fa::wgmma_m64nNk16_f32_{f16,bf16}_ss<N, TransA, TransB>(d, desc_a, desc_b,
 //                      scale_d), fa::wgmma_m64nNk16_f32_{f16,bf16}_rs<N, TransB>(d, a, desc_b, scale_d),
 //                      fa::wgmma_fence(), fa::wgmma_commit_group(), fa::wgmma_wait_group<N>(),
-//                      fa::wgmma_fence_operand(d). Needs the arch-specific target sm_90a.
+//                      fa::wgmma_fence_operand(d); fa::setmaxnreg_inc<N>(), fa::setmaxnreg_dec<N>().
+//                      Needs the arch-specific target sm_90a.
 //   shared memory      FA_DYNAMIC_SMEM(ptr) declares `unsigned char* ptr` (16-byte aligned)
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
@@ -531,6 +533,47 @@ template <class Sm90 = void>
 __device__ __forceinline__ void tma_prefetch(const CUtensorMap* tmap) {
     FA_SM90_ASM("prefetch.tensormap [%0];\n" :: "l"(tmap) : "memory");
 }
+
+// ---- stmatrix (ldmatrix's inverse) and elect.sync ------------------------------------------------
+// stmatrix: lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j (16-byte aligned); lane l's r[j] holds
+// matrix j's elements (l / 4, 2 (l % 4) .. +1), transposed (2 (l % 4) .. +1, l / 4), the lower in bits 0-15.
+template <int N, bool Trans>
+__device__ __forceinline__ void stmatrix(void* smem_row_addr, const uint32_t (&r)[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "fa::stmatrix: N must be 1, 2 or 4");
+    static_assert(sm90_ok<N>::value, "fa::stmatrix needs sm_90+");
+    const uint32_t addr = smem_u32(smem_row_addr);
+    if constexpr (N == 1 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n" :: "r"(addr), "r"(r[0]) : "memory");
+    } else if constexpr (N == 1 && Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x1.trans.shared.b16 [%0], {%1};\n" :: "r"(addr), "r"(r[0]) : "memory");
+    } else if constexpr (N == 2 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]) : "memory");
+    } else if constexpr (N == 2 && Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]) : "memory");
+    } else if constexpr (N == 4 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+    } else {
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+    }
+}
+
+// elect.sync: true in exactly one lane of `mask` (every lane of the mask executes it together).
+template <class Sm90 = void>
+__device__ __forceinline__ bool elect_one(unsigned mask = 0xffffffffu) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+    uint32_t elected = 0;
+    asm volatile("{\n\t.reg .pred p;\n\telect.sync _|p, %1;\n\tselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(elected) : "r"(mask));
+    return elected != 0;
+#else
+    static_assert(dependent_false<Sm90>::value, "fa::elect_one needs sm_90+");
+    return false;
+#endif
+}
 #undef FA_SM90_ASM
 
 // ---- Hopper (sm_90a): wgmma, warpgroup matrix multiply-accumulate ---------------------------
@@ -553,6 +596,21 @@ __device__ __forceinline__ void tma_prefetch(const CUtensorMap* tmap) {
 #define FA_SM90A_ASM(...) static_assert(dependent_false<Sm90a>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
 #endif
 template <int N> struct wgmma_arch_ok { enum { value = FA_WGMMA_ARCH_OK }; };
+
+// setmaxnreg: every warp of the warpgroup executes the same one; .inc raises the per-thread register maximum to
+// N (blocking until the CTA's pool has the registers), .dec releases down to N; N a multiple of 8 in [24, 256].
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    static_assert(wgmma_arch_ok<N>::value, "fa::setmaxnreg needs sm_90a (arch sm_90a)");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    static_assert(wgmma_arch_ok<N>::value, "fa::setmaxnreg needs sm_90a (arch sm_90a)");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
 
 // Swizzle modes as the descriptor's bits 62-63 encode them.
 enum WgmmaSwizzle { kWgmmaSwizzleNone = 0, kWgmmaSwizzle128B = 1, kWgmmaSwizzle64B = 2, kWgmmaSwizzle32B = 3 };

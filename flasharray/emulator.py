@@ -144,6 +144,8 @@ class Counters:
     ``tma_load_bytes`` / ``tma_store_bytes`` their box bytes (out-of-bounds elements included); the
     in-bounds elements count in the global bytes and sectors. ``named_barriers`` counts completed
     named barriers (``fa::named_barrier_sync``/``_arrive``; one per block and completion).
+    ``stmatrix`` and ``elects`` count warp ``stmatrix`` / ``elect.sync`` instructions, ``setmaxnreg``
+    the warpgroup ``setmaxnreg`` instructions (one when all 128 threads have executed it).
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -181,6 +183,9 @@ class Counters:
     tma_stores: int = 0
     tma_store_bytes: int = 0
     named_barriers: int = 0
+    stmatrix: int = 0
+    elects: int = 0
+    setmaxnreg: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -225,7 +230,8 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
                    "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked",
                    "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma",
-                   "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers")
+                   "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers",
+                   "stmatrix", "elects", "setmaxnreg")
 
 
 class _Counters(ctypes.Structure):

@@ -294,6 +294,16 @@ inline void ldmatrix(uint32_t (&r)[N], const void* smem_row_addr) {
     fa_emu_ldmatrix(N, Trans ? 1 : 0, r, smem_row_addr);
 }
 
+// stmatrix (sm_90): ldmatrix's inverse; lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j.
+template <int N, bool Trans>
+inline void stmatrix(void* smem_row_addr, const uint32_t (&r)[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "fa::stmatrix: N must be 1, 2 or 4");
+    fa_emu_stmatrix(N, Trans ? 1 : 0, r, smem_row_addr);
+}
+
+// elect.sync (sm_90): true in exactly one lane of `mask` (the lowest), a warp collective over the mask.
+inline bool elect_one(unsigned mask = 0xffffffffu) { return fa_emu_elect(mask) != 0; }
+
 template <int Bytes>
 inline void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");
@@ -408,6 +418,17 @@ inline uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32_t lbo_bytes, uint32
 }
 inline uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
     return wgmma_desc_encode(fa_emu_smem_addr(smem), lbo_bytes, sbo_bytes, swizzle);
+}
+// setmaxnreg (sm_90a): the warpgroup's per-thread register maximum, checked by the runtime.
+template <int N>
+inline void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    fa_emu_setmaxnreg(1, N);
+}
+template <int N>
+inline void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    fa_emu_setmaxnreg(0, N);
 }
 inline void wgmma_fence() { fa_emu_wgmma_fence(); }
 inline void wgmma_commit_group() { fa_emu_wgmma_commit(); }

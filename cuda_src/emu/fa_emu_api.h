@@ -81,6 +81,12 @@ void fa_emu_bulk_commit(void);
 void fa_emu_bulk_wait_read(int n);
 // Named barriers (bar.sync / bar.arrive id, nthreads; docs/emulator.md): sync != 0 waits for the barrier.
 void fa_emu_named_barrier(int id, int nthreads, int sync);
+// stmatrix.sync.aligned.m8n8.x{n}{.trans}.shared.b16 (sm_90): ldmatrix's inverse, a warp collective.
+void fa_emu_stmatrix(int n, int trans, const uint32_t* r, void* smem_row_addr);
+// elect.sync (sm_90): a warp collective over mask; returns 1 in the leader (the lowest lane of mask), else 0.
+unsigned fa_emu_elect(unsigned mask);
+// setmaxnreg.{inc,dec}.sync.aligned.u32 n (sm_90a): checked per warpgroup (docs/emulator.md).
+void fa_emu_setmaxnreg(int inc, int n);
 // wgmma (sm_90a; docs/emulator.md, "Hopper: wgmma"): m64nNk16, f16/bf16 -> f32. A warpgroup collective
 // (the 128 threads of warps 4k..4k+3), evaluated when the last one arrives. a: the rs variant's A fragment
 // (uint32_t[4]), nullptr for A from shared memory (desc_a); d: float[n/2], written at the covering
@@ -120,6 +126,7 @@ typedef struct fa_emu_counters {
     uint64_t tma_loads, tma_load_bytes;     // fa::tma_load_* calls and their box bytes (OOB fill included)
     uint64_t tma_stores, tma_store_bytes;   // fa::tma_store_* calls and their box bytes
     uint64_t named_barriers;                // completed named barriers (bar.sync/bar.arrive id, count)
+    uint64_t stmatrix, elects, setmaxnreg;  // warp stmatrix / elect.sync; warpgroup setmaxnreg completions
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -155,7 +155,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // Data structures
 // =========================================================================================
 enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, WAIT_NBAR, EXITED };
-enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
+enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE, OP_STMATRIX, OP_ELECT };
 
 const char* op_name(int op, int kind) {
     switch (op) {
@@ -172,6 +172,8 @@ const char* op_name(int op, int kind) {
         case OP_MMA:
             return kind == FA_EMU_TF32 ? "fa::mma_m16n8k8_tf32" : kind == FA_EMU_F64 ? "fa::mma_m8n8k4_f64" : "fa::mma_m16n8k16";
         case OP_LDMATRIX: return "fa::ldmatrix";
+        case OP_STMATRIX: return "fa::stmatrix";
+        case OP_ELECT: return "fa::elect_one";
         default: return "?";
     }
 }
@@ -239,6 +241,13 @@ struct NamedBar {
     int expected = 0, arrived = 0, first_tid = 0;
     std::vector<uint32_t> lanes;
     std::vector<int> warp_kind;
+};
+
+// setmaxnreg of one warpgroup: the instruction its threads are executing (inc 1 / dec 0, the count), which
+// threads have executed it, and the per-thread register count the last completed one set (0: the launch's).
+struct MaxNReg {
+    int inc = -1, n = 0, executed = 0, first_tid = 0, current = 0;
+    uint64_t done[2] = {0, 0};
 };
 
 struct Fiber {
@@ -342,6 +351,7 @@ struct Worker {
     std::vector<unsigned char> async_img;  // shared memory as of the block's last fence.proxy.async
     std::vector<int> wg_arrived;    // per warpgroup: threads waiting at its wgmma rendezvous
     std::vector<NamedBar> nbars;    // the 16 named barriers
+    std::vector<MaxNReg> maxnreg;   // per warpgroup: its setmaxnreg in progress and register count
     // block state
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
@@ -605,7 +615,7 @@ void eval_shfl(Worker* w, Fiber* lanes, unsigned mask) {
 // i.e. 4 consecutive 4-byte banks, each) are served in one phase; the phase takes as many
 // wavefronts as the most-used of the 32 banks has distinct words (the same word read twice is a
 // broadcast). 1 when conflict-free; 8 when all rows start in the same bank (e.g. a 128-byte pitch).
-int ldmatrix_wavefronts(const uint16_t* const* rows) {
+int ldmatrix_wavefronts(uint16_t* const* rows) {
     uintptr_t words[32][8];
     int used[32] = {0};
     int worst = 1;
@@ -622,50 +632,68 @@ int ldmatrix_wavefronts(const uint16_t* const* rows) {
     return worst;
 }
 
-void eval_ldmatrix(Worker* w, Fiber* lanes) {
+// The row addresses of an ldmatrix / stmatrix (lanes 8j..8j+7: rows 0..7 of matrix j), checked: 16-byte
+// aligned inside shared memory, not the destination of a copy in flight.
+void matrix_rows(Worker* w, Fiber* lanes, const char* what, uint16_t* (&rows)[4][8]) {
     const int n = lanes[0].n;
-    const int trans = lanes[0].trans;
-    const uint16_t* rows[4][8];
     for (int j = 0; j < n; ++j) {
         for (int r = 0; r < 8; ++r) {
             Fiber& f = lanes[8 * j + r];
             const uintptr_t a = reinterpret_cast<uintptr_t>(f.addr);
             if (!in_smem(w, f.addr, 16)) {
                 w->cur = &f;
-                fiber_fail(w, strf("fa::ldmatrix: row address %p (matrix %d row %d) is outside shared memory: %s",
+                fiber_fail(w, strf("%s: row address %p (matrix %d row %d) is outside shared memory: %s", what,
                                    f.addr, j, r, smem_desc(w, f.addr).c_str()));
             }
             if (a & 15u) {
                 w->cur = &f;
-                fiber_fail(w, strf("fa::ldmatrix: row address is not 16-byte aligned: %s",
-                                   smem_desc(w, f.addr).c_str()));
+                fiber_fail(w, strf("%s: row address is not 16-byte aligned: %s", what, smem_desc(w, f.addr).c_str()));
             }
             const size_t g0 = (static_cast<const unsigned char*>(f.addr) - w->smem) / kGranule;
             for (size_t g = g0; g < g0 + 16 / kGranule; ++g) {
                 if (w->pending[g]) {
                     w->cur = &f;
-                    fiber_fail(w, "fa::ldmatrix reads " + pending_desc(w, w->smem + g * kGranule));
+                    fiber_fail(w, std::string(what) + (f.op == OP_STMATRIX ? " writes " : " reads ") +
+                                      pending_desc(w, w->smem + g * kGranule));
                 }
             }
-            rows[j][r] = static_cast<const uint16_t*>(f.addr);
+            rows[j][r] = static_cast<uint16_t*>(const_cast<void*>(f.addr));
         }
-        w->cnt.ldmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);
     }
+}
+
+// The m8n8 b16 fragment of lane l in matrix j: elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1), the
+// lower column in bits 0-15; transposed: (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
+uint16_t* frag_elem(uint16_t* const* rows, int l, int half, int trans) {
+    return trans ? &rows[2 * (l % 4) + half][l / 4] : &rows[l / 4][2 * (l % 4) + half];
+}
+
+void eval_ldmatrix(Worker* w, Fiber* lanes) {
+    const int n = lanes[0].n;
+    uint16_t* rows[4][8];
+    matrix_rows(w, lanes, "fa::ldmatrix", rows);
+    for (int j = 0; j < n; ++j) w->cnt.ldmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);
     w->cnt.ldmatrix_wavefronts_ideal += n;
+    for (int l = 0; l < 32; ++l)
+        for (int j = 0; j < n; ++j)
+            lanes[l].regs[j] = static_cast<uint32_t>(*frag_elem(rows[j], l, 0, lanes[0].trans)) |
+                               (static_cast<uint32_t>(*frag_elem(rows[j], l, 1, lanes[0].trans)) << 16);
+    ++w->cnt.ldmatrix;
+}
+
+// stmatrix: ldmatrix's inverse, each lane's fragment registers written to the rows (generic-proxy stores).
+void eval_stmatrix(Worker* w, Fiber* lanes) {
+    const int n = lanes[0].n;
+    uint16_t* rows[4][8];
+    matrix_rows(w, lanes, "fa::stmatrix", rows);
     for (int l = 0; l < 32; ++l) {
         for (int j = 0; j < n; ++j) {
-            uint32_t lo, hi;
-            if (!trans) {
-                lo = rows[j][l / 4][2 * (l % 4)];
-                hi = rows[j][l / 4][2 * (l % 4) + 1];
-            } else {
-                lo = rows[j][2 * (l % 4)][l / 4];
-                hi = rows[j][2 * (l % 4) + 1][l / 4];
-            }
-            lanes[l].regs[j] = lo | (hi << 16);
+            const uint32_t v = lanes[l].regs[j];
+            *frag_elem(rows[j], l, 0, lanes[0].trans) = static_cast<uint16_t>(v & 0xffffu);
+            *frag_elem(rows[j], l, 1, lanes[0].trans) = static_cast<uint16_t>(v >> 16);
         }
     }
-    ++w->cnt.ldmatrix;
+    ++w->cnt.stmatrix;
 }
 
 // Exact value of a 16-bit float (f16 or bf16) as float64 (bit manipulation, no libm).
@@ -815,7 +843,7 @@ void warp_arrive(Worker* w, Fiber* f) {
             if (!((mask >> l) & 1u)) continue;
             const Fiber& g = lanes[l];
             if (g.op != f->op || g.mask != mask || ((f->op == OP_SHFL || f->op == OP_VOTE) && g.kind != f->kind) ||
-                (f->op == OP_LDMATRIX && (g.n != f->n || g.trans != f->trans))) {
+                ((f->op == OP_LDMATRIX || f->op == OP_STMATRIX) && (g.n != f->n || g.trans != f->trans))) {
                 fiber_fail(w, strf("%s (mask 0x%08x) met lane %d waiting at a different warp collective "
                                    "(%s, mask 0x%08x): divergent warp collectives",
                                    name, mask, l, op_name(g.op, g.kind), g.mask));
@@ -838,6 +866,12 @@ void warp_arrive(Worker* w, Fiber* f) {
             }
             case OP_MMA: eval_mma(w, lanes); break;
             case OP_LDMATRIX: eval_ldmatrix(w, lanes); break;
+            case OP_STMATRIX: eval_stmatrix(w, lanes); break;
+            case OP_ELECT:   // the lowest lane of the mask is the leader (deterministic per mask)
+                for (int l = 0; l < 32; ++l)
+                    if ((mask >> l) & 1u) lanes[l].result = l == __builtin_ctz(mask);
+                ++w->cnt.elects;
+                break;
         }
         w->warp_waiting[warp] &= ~mask;
         for (int l = 0; l < 32; ++l)
@@ -1634,6 +1668,63 @@ void tma_wait_read(Worker* w, Fiber* f, int n) {
 }
 
 // =========================================================================================
+// setmaxnreg.inc/dec.sync.aligned.u32 N (sm_90a; docs/emulator.md, "setmaxnreg")
+// =========================================================================================
+const char* maxnreg_name(int inc) { return inc ? "fa::setmaxnreg_inc" : "fa::setmaxnreg_dec"; }
+
+// Every thread of the warpgroup executes the same setmaxnreg (the count and the direction) before any of them
+// executes another; .inc raises the per-thread maximum to N (N >= the current one), .dec lowers it.
+void setmaxnreg(Worker* w, int inc, int n) {
+    Fiber* f = w->cur;
+    const char* what = maxnreg_name(inc);
+    if (n < 24 || n > 256 || n % 8)
+        fiber_fail(w, strf("%s<%d>: the register count must be a multiple of 8 in [24, 256]", what, n));
+    const int wg = f->warp / 4;
+    if (32 * (4 * wg + 4) > w->nthreads)
+        fiber_fail(w, strf("%s<%d>: warpgroup %d (warps %d-%d) is incomplete: the block has %d threads, setmaxnreg "
+                           "is executed by all warps of a warpgroup", what, n, wg, 4 * wg, 4 * wg + 3, w->nthreads));
+    MaxNReg& m = w->maxnreg[wg];
+    const int i = f->tid - 128 * wg;
+    for (int k = 0; k < 128; ++k)   // a thread that exited without executing it never will
+        if (w->fibers[128 * wg + k].state == EXITED && !(m.executed > 0 && ((m.done[k / 64] >> (k % 64)) & 1u)))
+            fiber_fail(w, strf("%s<%d>: thread %d of warpgroup %d has exited without executing it: setmaxnreg is "
+                               "warpgroup-uniform", what, n, 128 * wg + k, wg));
+    if (m.executed > 0 && ((m.done[i / 64] >> (i % 64)) & 1u))
+        fiber_fail(w, strf("%s<%d>: this thread executes a second setmaxnreg while %d of the 128 threads of warpgroup "
+                           "%d have not executed the first: synchronize the warpgroup between two", what, n,
+                           128 - m.executed, wg));
+    if (m.executed > 0 && (m.inc != inc || m.n != n))
+        fiber_fail(w, strf("%s<%d>: thread %d of warpgroup %d executed %s<%d>: the warps of a warpgroup execute the "
+                           "same setmaxnreg", what, n, m.first_tid, wg, maxnreg_name(m.inc), m.n));
+    if (m.executed == 0) {
+        if (m.current && (inc ? n < m.current : n > m.current))
+            fiber_fail(w, strf("%s<%d>: the warpgroup's register count is %d: .inc must not lower it, .dec must not "
+                               "raise it", what, n, m.current));
+        m.inc = inc;
+        m.n = n;
+        m.first_tid = f->tid;
+    }
+    m.done[i / 64] |= uint64_t(1) << (i % 64);
+    if (++m.executed == 128) {
+        m.current = n;
+        m.executed = 0;
+        m.done[0] = m.done[1] = 0;
+        ++w->cnt.setmaxnreg;
+    }
+}
+
+void maxnreg_thread_exits(Worker* w, const Fiber* f) {
+    const int wg = f->warp / 4;
+    if (wg >= static_cast<int>(w->maxnreg.size())) return;
+    const MaxNReg& m = w->maxnreg[wg];
+    const int i = f->tid - 128 * wg;
+    if (m.executed > 0 && !((m.done[i / 64] >> (i % 64)) & 1u))
+        fiber_fail(w, strf("thread exits without executing the %s<%d> that %d thread(s) of its warpgroup %d executed "
+                           "(first: thread %d): setmaxnreg is warpgroup-uniform", maxnreg_name(m.inc), m.n, m.executed,
+                           wg, m.first_tid));
+}
+
+// =========================================================================================
 // Named barriers: bar.sync / bar.arrive id, nthreads (docs/emulator.md, "Named barriers")
 // =========================================================================================
 constexpr int kNamedBarriers = 16;
@@ -1773,6 +1864,7 @@ void thread_exit(Worker* w, Fiber* f) {
     ++w->exited;
     w->warp_exited[f->warp] |= 1u << f->lane;
     nbar_thread_exits(w, f);
+    maxnreg_thread_exits(w, f);
     ctx_switch(&f->ctx, &w->sched);
     __builtin_unreachable();
 }
@@ -1879,6 +1971,7 @@ void alloc_block_resources(Worker* w) {
     w->warp_exists.assign(w->nwarps, 0);
     w->wg_arrived.assign((w->nwarps + 3) / 4, 0);
     w->nbars.assign(16, NamedBar());
+    w->maxnreg.assign((w->nwarps + 3) / 4, MaxNReg());
     for (int t = 0; t < nthreads; ++t) w->warp_exists[t / 32] |= 1u << (t % 32);
     w->runnable.assign((nthreads + 63) / 64, 0);
     w->buf_read.assign(p->num_buffers, 0);
@@ -1917,6 +2010,7 @@ bool run_block(Worker* w, unsigned linear) {
     w->bulks.clear();
     w->mbar_waiting = 0;
     std::fill(w->wg_arrived.begin(), w->wg_arrived.end(), 0);
+    std::fill(w->maxnreg.begin(), w->maxnreg.end(), MaxNReg());
     for (NamedBar& b : w->nbars) {
         b.expected = b.arrived = b.first_tid = 0;
         b.lanes.assign(w->nwarps, 0);
@@ -2303,6 +2397,27 @@ void fa_emu_ldmatrix(int n, int trans, uint32_t* r, const void* smem_row_addr) {
     warp_arrive(w, f);
 }
 
+void fa_emu_stmatrix(int n, int trans, const uint32_t* r, void* smem_row_addr) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_STMATRIX;
+    f->mask = 0xffffffffu;
+    f->n = n;
+    f->trans = trans;
+    f->regs = const_cast<uint32_t*>(r);
+    f->addr = smem_row_addr;
+    warp_arrive(w, f);
+}
+
+unsigned fa_emu_elect(unsigned mask) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_ELECT;
+    f->mask = mask;
+    warp_arrive(w, f);
+    return static_cast<unsigned>(f->result);
+}
+
 void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes) {
     Worker* w = W();
     Fiber* f = w->cur;
@@ -2442,6 +2557,7 @@ void fa_emu_bulk_commit(void) {
 }
 void fa_emu_bulk_wait_read(int n) { tma_wait_read(W(), W()->cur, n); }
 void fa_emu_named_barrier(int id, int nthreads, int sync) { named_barrier(W(), id, nthreads, sync != 0); }
+void fa_emu_setmaxnreg(int inc, int n) { setmaxnreg(W(), inc != 0, n); }
 
 void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
                   int trans_a, int trans_b) {
@@ -2551,6 +2667,9 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.tma_stores += w.cnt.tma_stores;
         total.tma_store_bytes += w.cnt.tma_store_bytes;
         total.named_barriers += w.cnt.named_barriers;
+        total.stmatrix += w.cnt.stmatrix;
+        total.elects += w.cnt.elects;
+        total.setmaxnreg += w.cnt.setmaxnreg;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
