@@ -7,7 +7,8 @@
 //     are evaluated once, with the PTX semantics, when every lane of the mask has arrived,
 //   * turns __syncthreads() into a block rendezvous,
 //   * queues cp.async copies and performs them at the cp.async.wait_group that covers them,
-//   * keeps mbarrier state and queues bulk copies that land when the schedule chooses (sm_90),
+//   * keeps mbarrier state and queues bulk copies and TMA loads that land when the schedule chooses
+//     (sm_90); TMA stores, named barriers, stmatrix, elect.sync and setmaxnreg go to the runtime too,
 //   * suspends a block whose fa::sem_wait is not yet satisfied (another OS thread runs the rest).
 #pragma once
 

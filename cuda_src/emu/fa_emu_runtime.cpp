@@ -25,6 +25,11 @@
 //     block and land, performing complete_tx on their mbarrier, when the schedule chooses: forward
 //     as late as possible (when no fiber can run), reverse at once, random at random switches.
 //     A block where every live fiber waits and no copy is in flight is a reported deadlock.
+//     TMA loads (cp.async.bulk.tensor) are bulk copies gathered element by element through the
+//     emulator's tensor map; TMA stores write global memory at the wait_group.read covering them,
+//     their source checked against an image of shared memory as of the last fence.proxy.async.
+//   * Named barriers (bar.sync/bar.arrive id, count) count whole warps; setmaxnreg is checked per
+//     warpgroup; stmatrix and elect.sync are warp collectives like ldmatrix.
 //   * Inter-block semaphores (fa::sem_wait / fa::sem_post): an unsatisfied wait blocks the
 //     worker's OS thread inside the runtime call, the whole block suspended with its fibers;
 //     while blocks remain to be dispatched, another worker thread is started so that `target`
