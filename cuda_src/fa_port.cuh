@@ -16,6 +16,8 @@
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
 //                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
+//   named barriers     fa::named_barrier_sync(id, nthreads), fa::named_barrier_arrive(id, nthreads)
+//                      (bar.sync / bar.arrive; id 0..15, nthreads a multiple of 32)
 //   Hopper (sm_90)     mbarriers (a uint64_t in dynamic shared memory, 8-byte aligned):
 //                      fa::mbarrier_init(bar, count), fa::mbarrier_inval(bar),
 //                      fa::mbarrier_arrive(bar) -> state, fa::mbarrier_arrive_expect_tx(bar, tx_bytes),
@@ -23,12 +25,18 @@
 //                      -> bool, fa::mbarrier_wait_parity(bar, parity); fa::fence_mbarrier_init(),
 //                      fa::fence_proxy_async(); bulk copy global -> shared completing on an mbarrier:
 //                      fa::cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar) (16-byte aligned, bytes
-//                      a multiple of 16). Using one below sm_90 is a compile error at the use.
+//                      a multiple of 16); TMA with a `const __grid_constant__ CUtensorMap` parameter
+//                      (encoded on the host): fa::tma_load_{1..5}d(smem_dst, &tmap, c0, .., bar),
+//                      fa::tma_store_{1..5}d(&tmap, c0, .., smem_src), fa::tma_store_commit(),
+//                      fa::tma_store_wait<N>(), fa::tma_prefetch(&tmap).
+//                      fa::stmatrix<N, Trans>(smem_row_addr, r) (ldmatrix's inverse), fa::elect_one(mask).
+//                      Using one below sm_90 is a compile error at the use.
 //   Hopper (sm_90a)    wgmma (warpgroup-wide, asynchronous): fa::wgmma_desc(smem, lbo, sbo, swizzle),
 //                      fa::wgmma_m64nNk16_f32_{f16,bf16}_ss<N, TransA, TransB>(d, desc_a, desc_b,
 //                      scale_d), fa::wgmma_m64nNk16_f32_{f16,bf16}_rs<N, TransB>(d, a, desc_b, scale_d),
 //                      fa::wgmma_fence(), fa::wgmma_commit_group(), fa::wgmma_wait_group<N>(),
-//                      fa::wgmma_fence_operand(d). Needs the arch-specific target sm_90a.
+//                      fa::wgmma_fence_operand(d); fa::setmaxnreg_inc<N>(), fa::setmaxnreg_dec<N>().
+//                      Needs the arch-specific target sm_90a.
 //   shared memory      FA_DYNAMIC_SMEM(ptr) declares `unsigned char* ptr` (16-byte aligned)
 //   CUDA builtins      threadIdx/blockIdx/blockDim/gridDim, __syncthreads, __syncwarp,
 //                      __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__shfl_up_sync, exp2f, expf,
@@ -69,6 +77,16 @@ typedef long int64_t;
 
 typedef __half fa_half;
 typedef __nv_bfloat16 fa_bf16;
+
+// The TMA tensor map (128 bytes, 64-byte aligned; encoded on the host by cuTensorMapEncodeTiled): cuda.h's
+// declaration, which NVRTC does not ship.
+#if defined(__CUDACC_RTC__)
+typedef struct CUtensorMap_st {
+    alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+#else
+#include <cuda.h>
+#endif
 
 // CUDA's __noinline__, spelled so that the emulator's host compilers accept it too.
 #define FA_NOINLINE __noinline__
@@ -321,6 +339,17 @@ __device__ __forceinline__ void sem_post(int* sem) {
     }
 }
 
+// ---- named barriers: bar.sync / bar.arrive id, nthreads ----------------------------------------
+// Barrier `id` (0..15; 0 is __syncthreads()'s) completes when `nthreads` threads (a multiple of 32, the same
+// in every participant) have arrived, whole warps at a time; sync waits for the completion, arrive does not
+// (the producer/consumer and ping-pong handshakes of warp-specialized kernels). All architectures.
+__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+
 // ---- Hopper (sm_90): mbarriers and bulk asynchronous copies ---------------------------------
 // An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier") is
 // an opaque 64-bit object in shared memory: the expected arrival count, the arrivals pending in the
@@ -334,9 +363,13 @@ __device__ __forceinline__ void sem_post(int* sem) {
 // for an architecture below sm_90 is a compile error at the use; including the header is not.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define FA_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#define FA_SM90_OK true
 #else
 #define FA_SM90_ASM(...) static_assert(dependent_false<Sm90>::value, "fa:: mbarrier and bulk copies need sm_90+")
+#define FA_SM90_OK false
 #endif
+template <int N> struct sm90_ok { enum { value = FA_SM90_OK }; };
+#undef FA_SM90_OK
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -416,6 +449,131 @@ __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gm
     FA_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                 :: "r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
+
+// ---- TMA: cp.async.bulk.tensor (tensor maps encoded on the host; docs/emulator.md, "Hopper: TMA") ----
+// tmap: the address of a `const __grid_constant__ CUtensorMap` kernel parameter; coordinates innermost
+// first, in elements, any int (out-of-bounds elements load as zeros and are not stored). The shared box is
+// 128-byte aligned. A load completes on `bar` with complete_tx(box bytes), as cp_async_bulk_g2s.
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_1d(void* smem_dst, const CUtensorMap* tmap, int c0, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], "
+                "[%3];\n" :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                "[%4];\n" :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4}], [%5];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4, %5}], [%6];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+                : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_load_5d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                            int c4, uint64_t* bar) {
+    FA_SM90_ASM("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+                "[%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                :: "r"(smem_u32(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+                   "r"(smem_u32(bar)) : "memory");
+}
+// Stores shared -> global in a bulk async-group: the source must hold what the generic proxy wrote before a
+// fence_proxy_async() and stay unchanged until tma_store_wait<N>() covers the store's group.
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_1d(const CUtensorMap* tmap, int c0, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%1}], [%2];\n"
+                :: "l"(tmap), "r"(c0), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* tmap, int c0, int c1, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tmap, int c0, int c1, int c2, const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3,
+                                             const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(smem_src)) : "memory");
+}
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4,
+                                             const void* smem_src) {
+    FA_SM90_ASM("cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n"
+                :: "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_u32(smem_src)) : "memory");
+}
+// Closes the thread's bulk async-group (its TMA stores since the last commit).
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_store_commit() {
+    FA_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until every committed bulk group but the newest N has read its shared source.
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::tma_store_wait: N must be in [0, 7]");
+    static_assert(sm90_ok<N>::value, "fa:: mbarrier and bulk copies need sm_90+");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// Brings the tensor map into the cache ahead of its first use (a hint).
+template <class Sm90 = void>
+__device__ __forceinline__ void tma_prefetch(const CUtensorMap* tmap) {
+    FA_SM90_ASM("prefetch.tensormap [%0];\n" :: "l"(tmap) : "memory");
+}
+
+// ---- stmatrix (ldmatrix's inverse) and elect.sync ------------------------------------------------
+// stmatrix: lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j (16-byte aligned); lane l's r[j] holds
+// matrix j's elements (l / 4, 2 (l % 4) .. +1), transposed (2 (l % 4) .. +1, l / 4), the lower in bits 0-15.
+template <int N, bool Trans>
+__device__ __forceinline__ void stmatrix(void* smem_row_addr, const uint32_t (&r)[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "fa::stmatrix: N must be 1, 2 or 4");
+    static_assert(sm90_ok<N>::value, "fa::stmatrix needs sm_90+");
+    const uint32_t addr = smem_u32(smem_row_addr);
+    if constexpr (N == 1 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n" :: "r"(addr), "r"(r[0]) : "memory");
+    } else if constexpr (N == 1 && Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x1.trans.shared.b16 [%0], {%1};\n" :: "r"(addr), "r"(r[0]) : "memory");
+    } else if constexpr (N == 2 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]) : "memory");
+    } else if constexpr (N == 2 && Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]) : "memory");
+    } else if constexpr (N == 4 && !Trans) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+    } else {
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+    }
+}
+
+// elect.sync: true in exactly one lane of `mask` (every lane of the mask executes it together).
+template <class Sm90 = void>
+__device__ __forceinline__ bool elect_one(unsigned mask = 0xffffffffu) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+    uint32_t elected = 0;
+    asm volatile("{\n\t.reg .pred p;\n\telect.sync _|p, %1;\n\tselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(elected) : "r"(mask));
+    return elected != 0;
+#else
+    static_assert(dependent_false<Sm90>::value, "fa::elect_one needs sm_90+");
+    return false;
+#endif
+}
 #undef FA_SM90_ASM
 
 // ---- Hopper (sm_90a): wgmma, warpgroup matrix multiply-accumulate ---------------------------
@@ -438,6 +596,21 @@ __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gm
 #define FA_SM90A_ASM(...) static_assert(dependent_false<Sm90a>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
 #endif
 template <int N> struct wgmma_arch_ok { enum { value = FA_WGMMA_ARCH_OK }; };
+
+// setmaxnreg: every warp of the warpgroup executes the same one; .inc raises the per-thread register maximum to
+// N (blocking until the CTA's pool has the registers), .dec releases down to N; N a multiple of 8 in [24, 256].
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    static_assert(wgmma_arch_ok<N>::value, "fa::setmaxnreg needs sm_90a (arch sm_90a)");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    static_assert(wgmma_arch_ok<N>::value, "fa::setmaxnreg needs sm_90a (arch sm_90a)");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
 
 // Swizzle modes as the descriptor's bits 62-63 encode them.
 enum WgmmaSwizzle { kWgmmaSwizzleNone = 0, kWgmmaSwizzle128B = 1, kWgmmaSwizzle64B = 2, kWgmmaSwizzle32B = 3 };

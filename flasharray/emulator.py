@@ -47,11 +47,12 @@ import numpy as np
 
 from flasharray._private import host_compiler as _hc
 from flasharray._private.sources import cuda_src_dir
+from flasharray._private.tensor_map import TensorMap, aligned_words as _aligned_words, encode_tiled as encode_tensor_map
 
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
-           "cache_dir", "host_compiler", "switch_cost_ns"]
+           "cache_dir", "host_compiler", "switch_cost_ns", "TensorMap", "encode_tensor_map"]
 
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h", "emu/fa_emu_memstats.h")
@@ -139,6 +140,12 @@ class Counters:
     sources are in ``global_read_bytes`` and the sector counts too), ``mbar_waits`` the mbarrier
     parity waits and ``mbar_blocked`` those that found the phase incomplete and suspended the thread.
     ``wgmma`` counts the ``wgmma.mma_async`` instructions (one per warpgroup issue, whatever N).
+    ``tma_loads`` / ``tma_stores`` count ``fa::tma_load_*`` / ``fa::tma_store_*`` calls and
+    ``tma_load_bytes`` / ``tma_store_bytes`` their box bytes (out-of-bounds elements included); the
+    in-bounds elements count in the global bytes and sectors. ``named_barriers`` counts completed
+    named barriers (``fa::named_barrier_sync``/``_arrive``; one per block and completion).
+    ``stmatrix`` and ``elects`` count warp ``stmatrix`` / ``elect.sync`` instructions, ``setmaxnreg``
+    the warpgroup ``setmaxnreg`` instructions (one when all 128 threads have executed it).
     """
     global_read_bytes: int = 0
     global_write_bytes: int = 0
@@ -171,6 +178,14 @@ class Counters:
     mbar_waits: int = 0
     mbar_blocked: int = 0
     wgmma: int = 0
+    tma_loads: int = 0
+    tma_load_bytes: int = 0
+    tma_stores: int = 0
+    tma_store_bytes: int = 0
+    named_barriers: int = 0
+    stmatrix: int = 0
+    elects: int = 0
+    setmaxnreg: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -214,7 +229,9 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "fiber_switches", "votes", "ldmatrix_wavefronts", "ldmatrix_wavefronts_ideal",
                    "gld_sectors", "gld_sectors_ideal", "gst_sectors", "gst_sectors_ideal",
                    "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked",
-                   "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma")
+                   "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma",
+                   "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers",
+                   "stmatrix", "elects", "setmaxnreg")
 
 
 class _Counters(ctypes.Structure):
@@ -561,8 +578,13 @@ class Module:
         buffers, buffer_desc = [], []
         for i, (a, code) in enumerate(zip(args, sig)):
             obj = _marshal(i, a, code, name_expression)
+            if isinstance(obj, tuple):   # (ctypes view, the memory it views)
+                keep.append(obj[1])
+                obj = obj[0]
             keep.append(obj)
             argv[i] = ctypes.addressof(obj)
+            if isinstance(a, TensorMap):   # the global memory a tensor map describes
+                a = a.array
             if isinstance(a, np.ndarray):
                 lo, hi = _byte_bounds(a)
                 buffers.append(_Buffer(lo, hi, i, 1 if a.flags.writeable else 0))
@@ -622,7 +644,8 @@ _DTYPE_CODES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64
                 "uint32": "u32", "int64": "i64", "uint64": "u64"}
 _CODE_NAMES = {"f16": "fa_half", "bf16": "fa_bf16", "f32": "float", "f64": "double", "b1": "bool",
                "i8": "char", "u8": "unsigned char", "i16": "short", "u16": "unsigned short", "i32": "int",
-               "u32": "unsigned int", "i64": "long long", "u64": "unsigned long long", "v": "void"}
+               "u32": "unsigned int", "i64": "long long", "u64": "unsigned long long", "v": "void",
+               "tmap": "CUtensorMap"}
 _CODE_CTYPES = {"f32": ctypes.c_float, "f64": ctypes.c_double, "b1": ctypes.c_bool, "i8": ctypes.c_int8,
                 "u8": ctypes.c_uint8, "i16": ctypes.c_int16, "u16": ctypes.c_uint16, "i32": ctypes.c_int32,
                 "u32": ctypes.c_uint32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64,
@@ -647,6 +670,14 @@ def _dtype_code(dtype):
 
 def _marshal(i, a, code, kname):
     where = "%s argument %d" % (kname, i)
+    if code == "tmap" or isinstance(a, TensorMap):
+        if code != "tmap" or not isinstance(a, TensorMap) or not a.emulated:
+            raise TypeError("%s: a CUtensorMap parameter takes a TensorMap encoded for a NumPy array "
+                            "(flasharray.emulator.encode_tensor_map), and a TensorMap only such a parameter; "
+                            "got %s for %s" % (where, type(a).__name__, _ctype_name(code)))
+        words = _aligned_words()   # passed by value: a 64-byte aligned copy
+        words[:] = a.words
+        return (ctypes.c_uint64 * 16).from_address(words.ctypes.data), words
     if code.startswith("?"):
         raise TypeError("%s: the kernel parameter has a type the emulator cannot pass (%s)" % (where, _ctype_name(code)))
     if code.startswith("*"):

@@ -7,7 +7,8 @@
 //     are evaluated once, with the PTX semantics, when every lane of the mask has arrived,
 //   * turns __syncthreads() into a block rendezvous,
 //   * queues cp.async copies and performs them at the cp.async.wait_group that covers them,
-//   * keeps mbarrier state and queues bulk copies that land when the schedule chooses (sm_90),
+//   * keeps mbarrier state and queues bulk copies and TMA loads that land when the schedule chooses
+//     (sm_90); TMA stores, named barriers, stmatrix, elect.sync and setmaxnreg go to the runtime too,
 //   * suspends a block whose fa::sem_wait is not yet satisfied (another OS thread runs the rest).
 #pragma once
 
@@ -44,6 +45,9 @@
 // dynamic shared memory only (FA_DYNAMIC_SMEM); the fa:: wrappers check against that region.
 #define __shared__ thread_local
 #define __constant__ const
+// A kernel parameter the GPU keeps in its parameter space and lets the kernel take the address of (the
+// tensor maps of TMA); on the emulator parameters are ordinary by-value copies, which have addresses too.
+#define __grid_constant__
 
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x, y, z; };
@@ -217,6 +221,12 @@ inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
 // Declares `unsigned char* ptr` pointing at the block's dynamic shared memory.
 #define FA_DYNAMIC_SMEM(ptr) unsigned char* ptr = fa_emu_dynamic_smem()
 
+// The TMA tensor map: 128 bytes, 64-byte aligned, as cuda.h declares it. On the emulator its bytes are the
+// emulator's own encoding (flasharray.emulator.encode_tensor_map; docs/emulator.md, "Hopper: TMA").
+typedef struct CUtensorMap_st {
+    alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+
 namespace fa {
 
 template <class T> struct dependent_false { static constexpr bool value = false; };
@@ -285,6 +295,16 @@ inline void ldmatrix(uint32_t (&r)[N], const void* smem_row_addr) {
     fa_emu_ldmatrix(N, Trans ? 1 : 0, r, smem_row_addr);
 }
 
+// stmatrix (sm_90): ldmatrix's inverse; lanes 8j..8j+7 pass the addresses of rows 0..7 of matrix j.
+template <int N, bool Trans>
+inline void stmatrix(void* smem_row_addr, const uint32_t (&r)[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "fa::stmatrix: N must be 1, 2 or 4");
+    fa_emu_stmatrix(N, Trans ? 1 : 0, r, smem_row_addr);
+}
+
+// elect.sync (sm_90): true in exactly one lane of `mask` (the lowest), a warp collective over the mask.
+inline bool elect_one(unsigned mask = 0xffffffffu) { return fa_emu_elect(mask) != 0; }
+
 template <int Bytes>
 inline void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");
@@ -335,6 +355,60 @@ inline void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, u
     fa_emu_cp_async_bulk_g2s(smem_dst, gmem_src, bytes, bar);
 }
 
+// ---- named barriers: bar.sync / bar.arrive id, nthreads (the runtime counts arrivals per barrier) ----
+inline void named_barrier_sync(int id, int nthreads) { fa_emu_named_barrier(id, nthreads, 1); }
+inline void named_barrier_arrive(int id, int nthreads) { fa_emu_named_barrier(id, nthreads, 0); }
+
+// ---- Hopper (sm_90): TMA (the runtime decodes the emulator's tensor map, queues loads like bulk copies) ---
+inline void tma_load_1d(void* smem_dst, const CUtensorMap* tmap, int c0, uint64_t* bar) {
+    const int c[1] = {c0};
+    fa_emu_tma_load(smem_dst, tmap, 1, c, bar);
+}
+inline void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, uint64_t* bar) {
+    const int c[2] = {c0, c1};
+    fa_emu_tma_load(smem_dst, tmap, 2, c, bar);
+}
+inline void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, uint64_t* bar) {
+    const int c[3] = {c0, c1, c2};
+    fa_emu_tma_load(smem_dst, tmap, 3, c, bar);
+}
+inline void tma_load_4d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3, uint64_t* bar) {
+    const int c[4] = {c0, c1, c2, c3};
+    fa_emu_tma_load(smem_dst, tmap, 4, c, bar);
+}
+inline void tma_load_5d(void* smem_dst, const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4,
+                        uint64_t* bar) {
+    const int c[5] = {c0, c1, c2, c3, c4};
+    fa_emu_tma_load(smem_dst, tmap, 5, c, bar);
+}
+inline void tma_store_1d(const CUtensorMap* tmap, int c0, const void* smem_src) {
+    const int c[1] = {c0};
+    fa_emu_tma_store(tmap, 1, c, smem_src);
+}
+inline void tma_store_2d(const CUtensorMap* tmap, int c0, int c1, const void* smem_src) {
+    const int c[2] = {c0, c1};
+    fa_emu_tma_store(tmap, 2, c, smem_src);
+}
+inline void tma_store_3d(const CUtensorMap* tmap, int c0, int c1, int c2, const void* smem_src) {
+    const int c[3] = {c0, c1, c2};
+    fa_emu_tma_store(tmap, 3, c, smem_src);
+}
+inline void tma_store_4d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, const void* smem_src) {
+    const int c[4] = {c0, c1, c2, c3};
+    fa_emu_tma_store(tmap, 4, c, smem_src);
+}
+inline void tma_store_5d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3, int c4, const void* smem_src) {
+    const int c[5] = {c0, c1, c2, c3, c4};
+    fa_emu_tma_store(tmap, 5, c, smem_src);
+}
+inline void tma_store_commit() { fa_emu_bulk_commit(); }
+template <int N>
+inline void tma_store_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::tma_store_wait: N must be in [0, 7]");
+    fa_emu_bulk_wait_read(N);
+}
+inline void tma_prefetch(const CUtensorMap* tmap) { fa_emu_tma_prefetch(tmap); }
+
 // ---- Hopper (sm_90a): wgmma (the runtime rendezvouses the warpgroup, checks the asynchrony rules) ---
 // The emulator's shared address is the offset in dynamic shared memory (1024-byte aligned at 0).
 enum WgmmaSwizzle { kWgmmaSwizzleNone = 0, kWgmmaSwizzle128B = 1, kWgmmaSwizzle64B = 2, kWgmmaSwizzle32B = 3 };
@@ -345,6 +419,17 @@ inline uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32_t lbo_bytes, uint32
 }
 inline uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
     return wgmma_desc_encode(fa_emu_smem_addr(smem), lbo_bytes, sbo_bytes, swizzle);
+}
+// setmaxnreg (sm_90a): the warpgroup's per-thread register maximum, checked by the runtime.
+template <int N>
+inline void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    fa_emu_setmaxnreg(1, N);
+}
+template <int N>
+inline void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "fa::setmaxnreg: N must be a multiple of 8 in [24, 256]");
+    fa_emu_setmaxnreg(0, N);
 }
 inline void wgmma_fence() { fa_emu_wgmma_fence(); }
 inline void wgmma_commit_group() { fa_emu_wgmma_commit(); }

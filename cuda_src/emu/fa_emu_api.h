@@ -70,6 +70,23 @@ void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes);
 int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity);
 void fa_emu_fence_async(int kind);
 void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar);
+// TMA (sm_90; docs/emulator.md, "Hopper: TMA"): tmap points at the 128-byte CUtensorMap the emulator's
+// encoder wrote; coords[dims], innermost first. tma_load lands like a bulk copy (complete_tx of the box
+// bytes on bar); tma_store reads its source at the covering fa_emu_bulk_wait_read (cp.async.bulk.
+// wait_group.read n) of the groups fa_emu_bulk_commit closes. tma_prefetch only checks the map.
+void fa_emu_tma_load(void* smem_dst, const void* tmap, int dims, const int* coords, uint64_t* bar);
+void fa_emu_tma_store(const void* tmap, int dims, const int* coords, const void* smem_src);
+void fa_emu_tma_prefetch(const void* tmap);
+void fa_emu_bulk_commit(void);
+void fa_emu_bulk_wait_read(int n);
+// Named barriers (bar.sync / bar.arrive id, nthreads; docs/emulator.md): sync != 0 waits for the barrier.
+void fa_emu_named_barrier(int id, int nthreads, int sync);
+// stmatrix.sync.aligned.m8n8.x{n}{.trans}.shared.b16 (sm_90): ldmatrix's inverse, a warp collective.
+void fa_emu_stmatrix(int n, int trans, const uint32_t* r, void* smem_row_addr);
+// elect.sync (sm_90): a warp collective over mask; returns 1 in the leader (the lowest lane of mask), else 0.
+unsigned fa_emu_elect(unsigned mask);
+// setmaxnreg.{inc,dec}.sync.aligned.u32 n (sm_90a): checked per warpgroup (docs/emulator.md).
+void fa_emu_setmaxnreg(int inc, int n);
 // wgmma (sm_90a; docs/emulator.md, "Hopper: wgmma"): m64nNk16, f16/bf16 -> f32. A warpgroup collective
 // (the 128 threads of warps 4k..4k+3), evaluated when the last one arrives. a: the rs variant's A fragment
 // (uint32_t[4]), nullptr for A from shared memory (desc_a); d: float[n/2], written at the covering
@@ -106,6 +123,10 @@ typedef struct fa_emu_counters {
     uint64_t bulk_copies, bulk_copy_bytes;  // fa::cp_async_bulk_g2s calls and their bytes
     uint64_t mbar_waits, mbar_blocked;      // mbarrier parity waits; those that found the phase incomplete
     uint64_t wgmma;                         // wgmma.mma_async instructions (one per warpgroup issue)
+    uint64_t tma_loads, tma_load_bytes;     // fa::tma_load_* calls and their box bytes (OOB fill included)
+    uint64_t tma_stores, tma_store_bytes;   // fa::tma_store_* calls and their box bytes
+    uint64_t named_barriers;                // completed named barriers (bar.sync/bar.arrive id, count)
+    uint64_t stmatrix, elects, setmaxnreg;  // warp stmatrix / elect.sync; warpgroup setmaxnreg completions
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

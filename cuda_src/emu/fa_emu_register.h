@@ -13,7 +13,7 @@
 
 namespace fa_emu {
 
-// Type codes: f16 bf16 f32 f64 b1 i8 u8 i16 u16 i32 u32 i64 u64 v; pointers are '*' (or '*c' for a
+// Type codes: f16 bf16 f32 f64 b1 i8 u8 i16 u16 i32 u32 i64 u64 v, tmap (a CUtensorMap); pointers are '*' (or '*c' for a
 // pointer to const) followed by the pointee's code; anything else is '?<size>'.
 template <class T, class = void> struct type_code {
     static std::string get() { return "?" + std::to_string(sizeof(T)); }
@@ -37,6 +37,7 @@ FA_EMU_TYPE_CODE(float, "f32")
 FA_EMU_TYPE_CODE(double, "f64")
 FA_EMU_TYPE_CODE(__half, "f16")
 FA_EMU_TYPE_CODE(__nv_bfloat16, "bf16")
+FA_EMU_TYPE_CODE(CUtensorMap, "tmap")
 #undef FA_EMU_TYPE_CODE
 template <class T> struct type_code<T*> {
     static std::string get() {

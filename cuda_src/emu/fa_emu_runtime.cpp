@@ -25,6 +25,11 @@
 //     block and land, performing complete_tx on their mbarrier, when the schedule chooses: forward
 //     as late as possible (when no fiber can run), reverse at once, random at random switches.
 //     A block where every live fiber waits and no copy is in flight is a reported deadlock.
+//     TMA loads (cp.async.bulk.tensor) are bulk copies gathered element by element through the
+//     emulator's tensor map; TMA stores write global memory at the wait_group.read covering them,
+//     their source checked against an image of shared memory as of the last fence.proxy.async.
+//   * Named barriers (bar.sync/bar.arrive id, count) count whole warps; setmaxnreg is checked per
+//     warpgroup; stmatrix and elect.sync are warp collectives like ldmatrix.
 //   * Inter-block semaphores (fa::sem_wait / fa::sem_post): an unsatisfied wait blocks the
 //     worker's OS thread inside the runtime call, the whole block suspended with its fibers;
 //     while blocks remain to be dispatched, another worker thread is started so that `target`
@@ -154,8 +159,8 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // =========================================================================================
 // Data structures
 // =========================================================================================
-enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, EXITED };
-enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE };
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, WAIT_NBAR, EXITED };
+enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE, OP_STMATRIX, OP_ELECT };
 
 const char* op_name(int op, int kind) {
     switch (op) {
@@ -172,6 +177,8 @@ const char* op_name(int op, int kind) {
         case OP_MMA:
             return kind == FA_EMU_TF32 ? "fa::mma_m16n8k8_tf32" : kind == FA_EMU_F64 ? "fa::mma_m8n8k4_f64" : "fa::mma_m16n8k16";
         case OP_LDMATRIX: return "fa::ldmatrix";
+        case OP_STMATRIX: return "fa::stmatrix";
+        case OP_ELECT: return "fa::elect_one";
         default: return "?";
     }
 }
@@ -206,6 +213,48 @@ struct WgTrack {
     std::vector<uint32_t> snap;
 };
 
+// One element of a TMA box: its (swizzled) shared offset and its global address, null when out of bounds.
+struct TmaElem {
+    uint32_t smem;
+    const unsigned char* g;
+};
+
+// A cp.async.bulk global -> shared in flight: performs complete_tx(bytes) on `bar` when delivered. A
+// tensor copy (fa::tma_load_*) gathers its box element by element (`elems`, each `esize` bytes).
+struct Bulk {
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, tid;
+    uint32_t bar;  // shared offset of the mbarrier
+    std::shared_ptr<std::vector<TmaElem>> elems;
+    int esize = 0;
+};
+
+// A TMA store (fa::tma_store_*) in flight: its box elements, the source bytes as they were at the issue.
+struct TmaStore {
+    std::vector<TmaElem> elems;
+    int esize;
+    uint32_t src, bytes;  // shared offset and size of the source box
+    std::vector<unsigned char> snap;
+    int64_t group;  // -1: not yet committed
+};
+
+// A named barrier (bar.sync / bar.arrive id, count): the count (set by the first arrival while it is idle),
+// the threads of whole warps arrived in this phase, and per warp the lanes that have executed the
+// instruction while the warp's arrival is incomplete (and whether they sync, 1, or arrive, 0).
+struct NamedBar {
+    int expected = 0, arrived = 0, first_tid = 0;
+    std::vector<uint32_t> lanes;
+    std::vector<int> warp_kind;
+};
+
+// setmaxnreg of one warpgroup: the instruction its threads are executing (inc 1 / dec 0, the count), which
+// threads have executed it, and the per-thread register count the last completed one set (0: the launch's).
+struct MaxNReg {
+    int inc = -1, n = 0, executed = 0, first_tid = 0, current = 0;
+    uint64_t done[2] = {0, 0};
+};
+
 struct Fiber {
     fa_emu_thread_view view;  // first member: fa_emu_self() returns its address
     Context ctx;
@@ -222,6 +271,8 @@ struct Fiber {
     const uint32_t* b = nullptr;
     const float* c = nullptr;
     void* bar_site = nullptr;
+    int nbar_id = 0;            // the named barrier this fiber waits at (state WAIT_NBAR)
+    bool nbar_counted = false;  // its warp's arrival there is counted
     // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
@@ -238,6 +289,9 @@ struct Fiber {
     std::vector<Copy> copies;
     size_t copies_head = 0;
     int64_t groups_committed = 0;
+    // TMA stores (bulk async-groups), in issue order
+    std::vector<TmaStore> tma_stores;
+    int64_t bulk_groups = 0;
     // memory statistics: how often this thread reached each (call site, kind) since the last barrier
     std::unordered_map<uint64_t, uint32_t> site_count;
     char* stack_lo = nullptr;
@@ -253,13 +307,6 @@ struct MBar {
     bool fenced = false;                 // that thread executed a fence.mbarrier_init / proxy.async since
 };
 
-// A cp.async.bulk global -> shared in flight: performs complete_tx(bytes) on `bar` when delivered.
-struct Bulk {
-    unsigned char* dst;
-    const unsigned char* src;
-    int bytes, tid;
-    uint32_t bar;  // shared offset of the mbarrier
-};
 
 struct Worker;
 
@@ -306,7 +353,10 @@ struct Worker {
     std::unordered_map<uint32_t, MBar> mbars;  // live mbarriers by shared offset
     std::vector<Bulk> bulks;        // bulk copies in flight, in issue order
     int mbar_waiting = 0;           // fibers in WAIT_MBAR
+    std::vector<unsigned char> async_img;  // shared memory as of the block's last fence.proxy.async
     std::vector<int> wg_arrived;    // per warpgroup: threads waiting at its wgmma rendezvous
+    std::vector<NamedBar> nbars;    // the 16 named barriers
+    std::vector<MaxNReg> maxnreg;   // per warpgroup: its setmaxnreg in progress and register count
     // block state
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
@@ -530,9 +580,10 @@ std::string pending_desc(Worker* w, const unsigned char* byte) {
                             "completed yet (missing cp_async_wait or __syncthreads?)", smem_desc(w, byte).c_str(), o.tid);
     for (const Bulk& b : w->bulks)
         if (byte >= b.dst && byte < b.dst + b.bytes)
-            return strf("%s, the destination of a bulk copy (fa::cp_async_bulk_g2s, %d bytes) issued by thread %d "
+            return strf("%s, the destination of a bulk copy (%s, %d bytes) issued by thread %d "
                         "that has not completed on its mbarrier at shared offset %u yet (missing "
-                        "fa::mbarrier_wait_parity?)", smem_desc(w, byte).c_str(), b.bytes, b.tid, b.bar);
+                        "fa::mbarrier_wait_parity?)", smem_desc(w, byte).c_str(),
+                        b.elems ? "fa::tma_load" : "fa::cp_async_bulk_g2s", b.bytes, b.tid, b.bar);
     return smem_desc(w, byte) + ", the destination of a copy in flight";
 }
 
@@ -569,7 +620,7 @@ void eval_shfl(Worker* w, Fiber* lanes, unsigned mask) {
 // i.e. 4 consecutive 4-byte banks, each) are served in one phase; the phase takes as many
 // wavefronts as the most-used of the 32 banks has distinct words (the same word read twice is a
 // broadcast). 1 when conflict-free; 8 when all rows start in the same bank (e.g. a 128-byte pitch).
-int ldmatrix_wavefronts(const uint16_t* const* rows) {
+int ldmatrix_wavefronts(uint16_t* const* rows) {
     uintptr_t words[32][8];
     int used[32] = {0};
     int worst = 1;
@@ -586,50 +637,68 @@ int ldmatrix_wavefronts(const uint16_t* const* rows) {
     return worst;
 }
 
-void eval_ldmatrix(Worker* w, Fiber* lanes) {
+// The row addresses of an ldmatrix / stmatrix (lanes 8j..8j+7: rows 0..7 of matrix j), checked: 16-byte
+// aligned inside shared memory, not the destination of a copy in flight.
+void matrix_rows(Worker* w, Fiber* lanes, const char* what, uint16_t* (&rows)[4][8]) {
     const int n = lanes[0].n;
-    const int trans = lanes[0].trans;
-    const uint16_t* rows[4][8];
     for (int j = 0; j < n; ++j) {
         for (int r = 0; r < 8; ++r) {
             Fiber& f = lanes[8 * j + r];
             const uintptr_t a = reinterpret_cast<uintptr_t>(f.addr);
             if (!in_smem(w, f.addr, 16)) {
                 w->cur = &f;
-                fiber_fail(w, strf("fa::ldmatrix: row address %p (matrix %d row %d) is outside shared memory: %s",
+                fiber_fail(w, strf("%s: row address %p (matrix %d row %d) is outside shared memory: %s", what,
                                    f.addr, j, r, smem_desc(w, f.addr).c_str()));
             }
             if (a & 15u) {
                 w->cur = &f;
-                fiber_fail(w, strf("fa::ldmatrix: row address is not 16-byte aligned: %s",
-                                   smem_desc(w, f.addr).c_str()));
+                fiber_fail(w, strf("%s: row address is not 16-byte aligned: %s", what, smem_desc(w, f.addr).c_str()));
             }
             const size_t g0 = (static_cast<const unsigned char*>(f.addr) - w->smem) / kGranule;
             for (size_t g = g0; g < g0 + 16 / kGranule; ++g) {
                 if (w->pending[g]) {
                     w->cur = &f;
-                    fiber_fail(w, "fa::ldmatrix reads " + pending_desc(w, w->smem + g * kGranule));
+                    fiber_fail(w, std::string(what) + (f.op == OP_STMATRIX ? " writes " : " reads ") +
+                                      pending_desc(w, w->smem + g * kGranule));
                 }
             }
-            rows[j][r] = static_cast<const uint16_t*>(f.addr);
+            rows[j][r] = static_cast<uint16_t*>(const_cast<void*>(f.addr));
         }
-        w->cnt.ldmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);
     }
+}
+
+// The m8n8 b16 fragment of lane l in matrix j: elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1), the
+// lower column in bits 0-15; transposed: (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
+uint16_t* frag_elem(uint16_t* const* rows, int l, int half, int trans) {
+    return trans ? &rows[2 * (l % 4) + half][l / 4] : &rows[l / 4][2 * (l % 4) + half];
+}
+
+void eval_ldmatrix(Worker* w, Fiber* lanes) {
+    const int n = lanes[0].n;
+    uint16_t* rows[4][8];
+    matrix_rows(w, lanes, "fa::ldmatrix", rows);
+    for (int j = 0; j < n; ++j) w->cnt.ldmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);
     w->cnt.ldmatrix_wavefronts_ideal += n;
+    for (int l = 0; l < 32; ++l)
+        for (int j = 0; j < n; ++j)
+            lanes[l].regs[j] = static_cast<uint32_t>(*frag_elem(rows[j], l, 0, lanes[0].trans)) |
+                               (static_cast<uint32_t>(*frag_elem(rows[j], l, 1, lanes[0].trans)) << 16);
+    ++w->cnt.ldmatrix;
+}
+
+// stmatrix: ldmatrix's inverse, each lane's fragment registers written to the rows (generic-proxy stores).
+void eval_stmatrix(Worker* w, Fiber* lanes) {
+    const int n = lanes[0].n;
+    uint16_t* rows[4][8];
+    matrix_rows(w, lanes, "fa::stmatrix", rows);
     for (int l = 0; l < 32; ++l) {
         for (int j = 0; j < n; ++j) {
-            uint32_t lo, hi;
-            if (!trans) {
-                lo = rows[j][l / 4][2 * (l % 4)];
-                hi = rows[j][l / 4][2 * (l % 4) + 1];
-            } else {
-                lo = rows[j][2 * (l % 4)][l / 4];
-                hi = rows[j][2 * (l % 4) + 1][l / 4];
-            }
-            lanes[l].regs[j] = lo | (hi << 16);
+            const uint32_t v = lanes[l].regs[j];
+            *frag_elem(rows[j], l, 0, lanes[0].trans) = static_cast<uint16_t>(v & 0xffffu);
+            *frag_elem(rows[j], l, 1, lanes[0].trans) = static_cast<uint16_t>(v >> 16);
         }
     }
-    ++w->cnt.ldmatrix;
+    ++w->cnt.stmatrix;
 }
 
 // Exact value of a 16-bit float (f16 or bf16) as float64 (bit manipulation, no libm).
@@ -779,7 +848,7 @@ void warp_arrive(Worker* w, Fiber* f) {
             if (!((mask >> l) & 1u)) continue;
             const Fiber& g = lanes[l];
             if (g.op != f->op || g.mask != mask || ((f->op == OP_SHFL || f->op == OP_VOTE) && g.kind != f->kind) ||
-                (f->op == OP_LDMATRIX && (g.n != f->n || g.trans != f->trans))) {
+                ((f->op == OP_LDMATRIX || f->op == OP_STMATRIX) && (g.n != f->n || g.trans != f->trans))) {
                 fiber_fail(w, strf("%s (mask 0x%08x) met lane %d waiting at a different warp collective "
                                    "(%s, mask 0x%08x): divergent warp collectives",
                                    name, mask, l, op_name(g.op, g.kind), g.mask));
@@ -802,6 +871,12 @@ void warp_arrive(Worker* w, Fiber* f) {
             }
             case OP_MMA: eval_mma(w, lanes); break;
             case OP_LDMATRIX: eval_ldmatrix(w, lanes); break;
+            case OP_STMATRIX: eval_stmatrix(w, lanes); break;
+            case OP_ELECT:   // the lowest lane of the mask is the leader (deterministic per mask)
+                for (int l = 0; l < 32; ++l)
+                    if ((mask >> l) & 1u) lanes[l].result = l == __builtin_ctz(mask);
+                ++w->cnt.elects;
+                break;
         }
         w->warp_waiting[warp] &= ~mask;
         for (int l = 0; l < 32; ++l)
@@ -995,6 +1070,18 @@ void bulk_check_dst(Worker* w, const unsigned char* dst, int bytes, const char* 
                                bytes, mbar_state(kv.first, kv.second).c_str()));
 }
 
+// The shared offset of the live mbarrier a bulk copy completes on, checked: its initialization is visible
+// to the async proxy.
+uint32_t bulk_barrier(Worker* w, const void* bar, const char* what) {
+    uint32_t off;
+    const MBar& b = mbar_live(w, bar, what, &off);
+    if (!b.fenced)
+        fiber_fail(w, strf("%s completes on the %s, which its initializing thread %d has not made visible to the "
+                           "async proxy: fa::fence_mbarrier_init() after fa::mbarrier_init (then __syncthreads())",
+                           what, mbar_state(off, b).c_str(), b.init_tid));
+    return off;
+}
+
 void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const void* bar) {
     const char* what = "fa::cp_async_bulk_g2s";
     unsigned char* dst = static_cast<unsigned char*>(smem_dst);
@@ -1002,16 +1089,11 @@ void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const 
     if (reinterpret_cast<uintptr_t>(gmem_src) & 15u)
         fiber_fail(w, strf("%s: global source %p is not 16-byte aligned", what, gmem_src));
     gcheck(w, gmem_src, static_cast<size_t>(bytes), 0, "fa::cp_async_bulk_g2s global read");
-    uint32_t off;
-    const MBar& b = mbar_live(w, bar, what, &off);
-    if (!b.fenced)
-        fiber_fail(w, strf("%s completes on the %s, which its initializing thread %d has not made visible to the "
-                           "async proxy: fa::fence_mbarrier_init() after fa::mbarrier_init (then __syncthreads())",
-                           what, mbar_state(off, b).c_str(), b.init_tid));
+    const uint32_t off = bulk_barrier(w, bar, what);
     bulk_sectors(w, gmem_src, bytes);
     const size_t g0 = (dst - w->smem) / kGranule;
     for (size_t g = g0; g < g0 + bytes / kGranule; ++g) ++w->pending[g];
-    w->bulks.push_back(Bulk{dst, static_cast<const unsigned char*>(gmem_src), bytes, w->cur->tid, off});
+    w->bulks.push_back(Bulk{dst, static_cast<const unsigned char*>(gmem_src), bytes, w->cur->tid, off, nullptr, 0});
     ++w->cnt.bulk_copies;
     w->cnt.bulk_copy_bytes += static_cast<uint64_t>(bytes);
 }
@@ -1021,15 +1103,25 @@ void bulk_g2s(Worker* w, void* smem_dst, const void* gmem_src, int bytes, const 
 bool bulk_deliver(Worker* w, size_t k) {
     const Bulk c = w->bulks[k];
     w->bulks.erase(w->bulks.begin() + static_cast<long>(k));
-    std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    if (c.elems) {
+        for (const TmaElem& e : *c.elems) {   // out-of-bounds elements are filled with zeros
+            if (e.g) std::memcpy(w->smem + e.smem, e.g, static_cast<size_t>(c.esize));
+            else std::memset(w->smem + e.smem, 0, static_cast<size_t>(c.esize));
+        }
+    } else {
+        std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    }
+    // written by the async proxy: a TMA store may read these bytes without a fence
+    std::memcpy(w->async_img.data() + (c.dst - w->smem), c.dst, static_cast<size_t>(c.bytes));
     const size_t g0 = (c.dst - w->smem) / kGranule;
     for (size_t g = g0; g < g0 + c.bytes / kGranule; ++g) --w->pending[g];
     auto it = w->mbars.find(c.bar);
     const std::string err = it == w->mbars.end() ? strf("its mbarrier at shared offset %u is gone", c.bar)
                                                  : mbar_tx(c.bar, it->second, -int64_t(c.bytes), "complete-tx");
     if (!err.empty()) {
-        record_error(w, where(w, &w->fibers[c.tid]) + strf(": fa::cp_async_bulk_g2s (%d bytes to %s) lands: ", c.bytes,
-                                                             smem_desc(w, c.dst).c_str()) + err);
+        record_error(w, where(w, &w->fibers[c.tid]) + strf(": %s (%d bytes to %s) lands: ",
+                                                             c.elems ? "fa::tma_load" : "fa::cp_async_bulk_g2s",
+                                                             c.bytes, smem_desc(w, c.dst).c_str()) + err);
         return false;
     }
     mbar_maybe_complete(w, c.bar, it->second);
@@ -1405,6 +1497,340 @@ std::string wg_deadlock_desc(Worker* w) {
 }
 
 // =========================================================================================
+// TMA: cp.async.bulk.tensor (sm_90; docs/emulator.md, "Hopper: TMA")
+// =========================================================================================
+// The emulator's tensor map: the 128 bytes of a CUtensorMap as flasharray's encoder
+// (flasharray/_private/tensor_map.py) writes them for the emulator. Words: [0] kTmaMagic, [1] the global
+// address, [2..6] the dimensions (innermost first), [7..10] the byte strides of dimensions 1..4, [11] box
+// dimensions 0..3 (16 bits each), [12] box dimension 4 | element strides << 16 (4 bits each), [13] rank |
+// element size << 8 | swizzle bytes << 16 | data type << 32 | interleave << 40 | L2 promotion << 48 |
+// OOB fill << 56.
+constexpr uint64_t kTmaMagic = 0x50414d54554d4546ull;  // "FEMUTMAP"
+
+struct TmaMap {
+    int rank = 0, esize = 0, swizzle = 0;  // swizzle: 0, 32, 64 or 128 bytes
+    uint64_t addr = 0, dim[5] = {0}, stride[5] = {0};  // stride[0] = esize
+    uint32_t box[5] = {0};
+    uint64_t box_bytes() const {
+        uint64_t n = static_cast<uint64_t>(esize);
+        for (int d = 0; d < rank; ++d) n *= box[d];
+        return n;
+    }
+};
+
+// Decodes and checks a tensor map; dims: the number of coordinates the call passes (0: not checked).
+TmaMap tma_decode(Worker* w, const void* tmap, int dims, const char* what) {
+    uint64_t q[16];
+    std::memcpy(q, tmap, sizeof q);
+    if (q[0] != kTmaMagic)
+        fiber_fail(w, strf("%s: the tensor map at %p is not one flasharray's encoder made for the emulator "
+                           "(flasharray.emulator.encode_tensor_map)", what, tmap));
+    TmaMap m;
+    m.rank = static_cast<int>(q[13] & 0xff);
+    m.esize = static_cast<int>((q[13] >> 8) & 0xff);
+    m.swizzle = static_cast<int>((q[13] >> 16) & 0xffff);
+    m.addr = q[1];
+    for (int d = 0; d < 5; ++d) {
+        m.dim[d] = q[2 + d];
+        m.box[d] = static_cast<uint32_t>(d < 4 ? (q[11] >> (16 * d)) & 0xffff : q[12] & 0xffff);
+    }
+    m.stride[0] = static_cast<uint64_t>(m.esize);
+    for (int d = 1; d < 5; ++d) m.stride[d] = q[6 + d];
+    if (m.rank < 1 || m.rank > 5) fiber_fail(w, strf("%s: tensor map of rank %d (1..5)", what, m.rank));
+    if (dims && dims != m.rank)
+        fiber_fail(w, strf("%s: %d coordinates for a tensor map of rank %d (use fa::tma_load_%dd / tma_store_%dd)",
+                           what, dims, m.rank, m.rank, m.rank));
+    return m;
+}
+
+uint32_t tma_swizzle_mode(int bytes) { return bytes == 128 ? 1 : bytes == 64 ? 2 : bytes == 32 ? 3 : 0; }
+
+// The box at coordinates c (innermost first), element by element in the dense shared-memory order (the
+// innermost dimension fastest): its shared offset from `smem_off`, swizzled as wgmma's descriptors read it
+// (the same address bits), and its global address; out-of-bounds coordinates (negative, or >= the
+// dimension) give a null address.
+std::vector<TmaElem> tma_box(const TmaMap& m, const int* c, uint32_t smem_off) {
+    const uint64_t n = m.box_bytes() / static_cast<uint64_t>(m.esize);
+    const uint32_t mode = tma_swizzle_mode(m.swizzle);
+    std::vector<TmaElem> out(n);
+    for (uint64_t e = 0; e < n; ++e) {
+        uint64_t rest = e, addr = m.addr;
+        bool inside = true;
+        for (int d = 0; d < m.rank; ++d) {
+            const int64_t x = int64_t(c[d]) + int64_t(rest % m.box[d]);
+            rest /= m.box[d];
+            inside = inside && x >= 0 && static_cast<uint64_t>(x) < m.dim[d];
+            addr += static_cast<uint64_t>(x) * m.stride[d];
+        }
+        const uint32_t off = smem_off + static_cast<uint32_t>(e) * static_cast<uint32_t>(m.esize);
+        out[e] = TmaElem{wg_swizzle(off, mode), inside ? reinterpret_cast<const unsigned char*>(addr) : nullptr};
+    }
+    return out;
+}
+
+// Bounds-checks and counts the in-bounds global elements (kind 0 read, 1 write), and their 32-byte sectors
+// against the ideal.
+void tma_global(Worker* w, const std::vector<TmaElem>& elems, int esize, int kind, const char* what) {
+    std::vector<uint64_t> sectors;
+    uint64_t bytes = 0, first = 0;
+    for (const TmaElem& e : elems) {
+        if (!e.g) continue;
+        gcheck(w, e.g, static_cast<size_t>(esize), kind, what);
+        if (sectors.empty()) first = reinterpret_cast<uint64_t>(e.g);
+        sectors.push_back(reinterpret_cast<uint64_t>(e.g) / 32);
+        bytes += static_cast<uint64_t>(esize);
+    }
+    if (sectors.empty()) return;
+    const int b = find_buffer(w, first, 1);   // the map's array (one buffer holds the tensor)
+    std::sort(sectors.begin(), sectors.end());
+    const uint64_t actual = static_cast<uint64_t>(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+    const uint64_t ideal = (bytes + 31) / 32;
+    (kind ? w->cnt.gst_sectors : w->cnt.gld_sectors) += actual;
+    (kind ? w->cnt.gst_sectors_ideal : w->cnt.gld_sectors_ideal) += ideal;
+    if (b >= 0) {
+        w->buf_sectors[4 * b + 2 * kind] += actual;
+        w->buf_sectors[4 * b + 2 * kind + 1] += ideal;
+    }
+}
+
+// A TMA box in shared memory: inside dynamic shared memory and 128-byte aligned (PTX ISA, cp.async.bulk.tensor).
+uint32_t tma_smem(Worker* w, const void* p, uint64_t bytes, const char* what) {
+    if (!in_smem(w, p, bytes))
+        fiber_fail(w, strf("%s: the box (%lu bytes) at %p is outside dynamic shared memory: %s", what,
+                           static_cast<unsigned long>(bytes), p, smem_desc(w, p).c_str()));
+    // the shared address is the offset in dynamic shared memory (as for wgmma's descriptors)
+    const uint32_t off = static_cast<uint32_t>(static_cast<const unsigned char*>(p) - w->smem);
+    if (off & 127u)
+        fiber_fail(w, strf("%s: the shared-memory box is not 128-byte aligned: %s", what, smem_desc(w, p).c_str()));
+    return off;
+}
+
+void tma_load(Worker* w, void* smem_dst, const void* tmap, int dims, const int* c, const void* bar) {
+    const char* what = "fa::tma_load";
+    const TmaMap m = tma_decode(w, tmap, dims, what);
+    const uint64_t bytes = m.box_bytes();
+    const uint32_t off = tma_smem(w, smem_dst, bytes, what);
+    bulk_check_dst(w, static_cast<unsigned char*>(smem_dst), static_cast<int>(bytes), what);
+    auto elems = std::make_shared<std::vector<TmaElem>>(tma_box(m, c, off));
+    tma_global(w, *elems, m.esize, 0, "fa::tma_load global read");
+    const uint32_t bar_off = bulk_barrier(w, bar, what);
+    const size_t g0 = off / kGranule;
+    for (size_t g = g0; g < g0 + bytes / kGranule; ++g) ++w->pending[g];
+    w->bulks.push_back(Bulk{w->smem + off, nullptr, static_cast<int>(bytes), w->cur->tid, bar_off, elems, m.esize});
+    ++w->cnt.tma_loads;
+    w->cnt.tma_load_bytes += bytes;
+}
+
+// The async-proxy rule: the source of a TMA store holds what the generic proxy wrote before the block's last
+// fence.proxy.async (or what copies of the async proxy wrote), and no copy in flight writes it.
+void tma_check_source(Worker* w, uint32_t off, uint64_t bytes, const char* what) {
+    for (uint64_t i = 0; i < bytes; ++i) {
+        if (w->pending[(off + i) / kGranule])
+            fiber_fail(w, std::string(what) + ": the source box holds " + pending_desc(w, w->smem + off + i));
+        if (w->smem[off + i] != w->async_img[off + i])
+            fiber_fail(w, strf("%s reads %s, written by ordinary (generic-proxy) stores since the block's last "
+                               "fa::fence_proxy_async(): the TMA store (async proxy) may not see them; "
+                               "fence.proxy.async between the writes and the store (then __syncthreads())",
+                               what, smem_desc(w, w->smem + off + i).c_str()));
+    }
+}
+
+void tma_store(Worker* w, const void* tmap, int dims, const int* c, const void* smem_src) {
+    const char* what = "fa::tma_store";
+    const TmaMap m = tma_decode(w, tmap, dims, what);
+    const uint64_t bytes = m.box_bytes();
+    const uint32_t off = tma_smem(w, smem_src, bytes, what);
+    tma_check_source(w, off, bytes, what);
+    TmaStore st{tma_box(m, c, off), m.esize, off, static_cast<uint32_t>(bytes), {}, -1};
+    tma_global(w, st.elems, m.esize, 1, "fa::tma_store global write");
+    st.snap.assign(w->smem + off, w->smem + off + bytes);
+    w->cur->tma_stores.push_back(std::move(st));
+    ++w->cnt.tma_stores;
+    w->cnt.tma_store_bytes += bytes;
+}
+
+// cp.async.bulk.wait_group.read n: every committed bulk group but the newest n has read its source, which
+// must be unchanged since the issue; the emulator performs the global writes here (out-of-bounds elements
+// are not written).
+void tma_wait_read(Worker* w, Fiber* f, int n) {
+    const int64_t limit = f->bulk_groups - n;
+    std::vector<TmaStore> keep;
+    for (TmaStore& st : f->tma_stores) {
+        if (st.group < 0 || st.group >= limit) {
+            keep.push_back(std::move(st));
+            continue;
+        }
+        for (uint32_t i = 0; i < st.bytes; ++i)
+            if (w->smem[st.src + i] != st.snap[i])
+                fiber_fail(w, strf("fa::tma_store_wait: the source of a TMA store (%s) was overwritten between its "
+                                   "issue and the fa::tma_store_wait<N>() (cp.async.bulk.wait_group.read) covering it",
+                                   smem_desc(w, w->smem + st.src + i).c_str()));
+        for (const TmaElem& e : st.elems)
+            if (e.g) std::memcpy(const_cast<unsigned char*>(e.g), st.snap.data() + (e.smem - st.src),
+                                 static_cast<size_t>(st.esize));
+    }
+    f->tma_stores = std::move(keep);
+}
+
+// =========================================================================================
+// setmaxnreg.inc/dec.sync.aligned.u32 N (sm_90a; docs/emulator.md, "setmaxnreg")
+// =========================================================================================
+const char* maxnreg_name(int inc) { return inc ? "fa::setmaxnreg_inc" : "fa::setmaxnreg_dec"; }
+
+// Every thread of the warpgroup executes the same setmaxnreg (the count and the direction) before any of them
+// executes another; .inc raises the per-thread maximum to N (N >= the current one), .dec lowers it.
+void setmaxnreg(Worker* w, int inc, int n) {
+    Fiber* f = w->cur;
+    const char* what = maxnreg_name(inc);
+    if (n < 24 || n > 256 || n % 8)
+        fiber_fail(w, strf("%s<%d>: the register count must be a multiple of 8 in [24, 256]", what, n));
+    const int wg = f->warp / 4;
+    if (32 * (4 * wg + 4) > w->nthreads)
+        fiber_fail(w, strf("%s<%d>: warpgroup %d (warps %d-%d) is incomplete: the block has %d threads, setmaxnreg "
+                           "is executed by all warps of a warpgroup", what, n, wg, 4 * wg, 4 * wg + 3, w->nthreads));
+    MaxNReg& m = w->maxnreg[wg];
+    const int i = f->tid - 128 * wg;
+    for (int k = 0; k < 128; ++k)   // a thread that exited without executing it never will
+        if (w->fibers[128 * wg + k].state == EXITED && !(m.executed > 0 && ((m.done[k / 64] >> (k % 64)) & 1u)))
+            fiber_fail(w, strf("%s<%d>: thread %d of warpgroup %d has exited without executing it: setmaxnreg is "
+                               "warpgroup-uniform", what, n, 128 * wg + k, wg));
+    if (m.executed > 0 && ((m.done[i / 64] >> (i % 64)) & 1u))
+        fiber_fail(w, strf("%s<%d>: this thread executes a second setmaxnreg while %d of the 128 threads of warpgroup "
+                           "%d have not executed the first: synchronize the warpgroup between two", what, n,
+                           128 - m.executed, wg));
+    if (m.executed > 0 && (m.inc != inc || m.n != n))
+        fiber_fail(w, strf("%s<%d>: thread %d of warpgroup %d executed %s<%d>: the warps of a warpgroup execute the "
+                           "same setmaxnreg", what, n, m.first_tid, wg, maxnreg_name(m.inc), m.n));
+    if (m.executed == 0) {
+        if (m.current && (inc ? n < m.current : n > m.current))
+            fiber_fail(w, strf("%s<%d>: the warpgroup's register count is %d: .inc must not lower it, .dec must not "
+                               "raise it", what, n, m.current));
+        m.inc = inc;
+        m.n = n;
+        m.first_tid = f->tid;
+    }
+    m.done[i / 64] |= uint64_t(1) << (i % 64);
+    if (++m.executed == 128) {
+        m.current = n;
+        m.executed = 0;
+        m.done[0] = m.done[1] = 0;
+        ++w->cnt.setmaxnreg;
+    }
+}
+
+void maxnreg_thread_exits(Worker* w, const Fiber* f) {
+    const int wg = f->warp / 4;
+    if (wg >= static_cast<int>(w->maxnreg.size())) return;
+    const MaxNReg& m = w->maxnreg[wg];
+    const int i = f->tid - 128 * wg;
+    if (m.executed > 0 && !((m.done[i / 64] >> (i % 64)) & 1u))
+        fiber_fail(w, strf("thread exits without executing the %s<%d> that %d thread(s) of its warpgroup %d executed "
+                           "(first: thread %d): setmaxnreg is warpgroup-uniform", maxnreg_name(m.inc), m.n, m.executed,
+                           wg, m.first_tid));
+}
+
+// =========================================================================================
+// Named barriers: bar.sync / bar.arrive id, nthreads (docs/emulator.md, "Named barriers")
+// =========================================================================================
+constexpr int kNamedBarriers = 16;
+
+// bar.sync and bar.arrive are .aligned: a warp arrives as a unit, counting 32 threads, once every lane of it
+// that has not exited has executed the instruction. Until then the lanes wait in `lanes` (sync lanes
+// suspended, arrive lanes already running on).
+std::string nbar_state(const Worker* w, int id) {
+    const NamedBar& b = w->nbars[id];
+    std::string pend;
+    for (int wp = 0; wp < w->nwarps; ++wp)
+        if (b.lanes[wp]) pend += strf("%swarp %d lanes %s", pend.empty() ? "" : ", ", wp, lanes_str(b.lanes[wp]).c_str());
+    return strf("named barrier %d (%d of its %d threads arrived; lanes waiting for the rest of their warp: %s)", id,
+                b.arrived, b.expected, pend.empty() ? "none" : pend.c_str());
+}
+
+// The barrier completes: the threads of the counted warps that sync run, the next phase starts empty.
+void nbar_complete(Worker* w, int id) {
+    NamedBar& b = w->nbars[id];
+    for (int t = 0; t < w->nthreads; ++t) {
+        Fiber& f = w->fibers[t];
+        if (f.state == WAIT_NBAR && f.nbar_id == id && f.nbar_counted) set_runnable(w, t);
+    }
+    b.arrived = 0;
+    ++w->cnt.named_barriers;
+}
+
+// Warp `wp` arrives at barrier `id` if every lane that has not exited is there.
+void nbar_warp_arrives(Worker* w, int id, int wp) {
+    NamedBar& b = w->nbars[id];
+    const uint32_t live = w->warp_exists[wp] & ~w->warp_exited[wp];
+    if (b.lanes[wp] == 0 || (b.lanes[wp] & live) != live) return;
+    for (int l = 0; l < 32; ++l)
+        if ((b.lanes[wp] >> l) & 1u) w->fibers[wp * 32 + l].nbar_counted = true;
+    b.lanes[wp] = 0;
+    b.warp_kind[wp] = -1;
+    b.arrived += 32;
+    if (b.arrived == b.expected) nbar_complete(w, id);
+}
+
+void nbar_check_args(Worker* w, const char* what, int id, int nthreads) {
+    if (id < 0 || id >= kNamedBarriers) fiber_fail(w, strf("%s: barrier id %d is outside 0..15", what, id));
+    if (nthreads <= 0 || nthreads % 32)
+        fiber_fail(w, strf("%s(%d, %d): the thread count must be a positive multiple of 32 (the warp size)", what, id,
+                           nthreads));
+    if (nthreads > 32 * w->nwarps)
+        fiber_fail(w, strf("%s(%d, %d): more threads than the block's %d warps have (%d): the barrier can never "
+                           "complete", what, id, nthreads, w->nwarps, 32 * w->nwarps));
+    if (id == 0 && w->bar_arrived > 0)
+        fiber_fail(w, strf("%s(0, %d): %d thread(s) wait at __syncthreads(), which is barrier 0 too", what, nthreads,
+                           w->bar_arrived));
+}
+
+void named_barrier(Worker* w, int id, int nthreads, bool sync) {
+    Fiber* f = w->cur;
+    const char* what = sync ? "fa::named_barrier_sync" : "fa::named_barrier_arrive";
+    nbar_check_args(w, what, id, nthreads);
+    NamedBar& b = w->nbars[id];
+    bool busy = b.arrived > 0;
+    for (uint32_t m : b.lanes) busy = busy || m != 0;
+    if (!busy) {
+        b.expected = nthreads;
+        b.first_tid = f->tid;
+    } else if (b.expected != nthreads) {
+        fiber_fail(w, strf("%s(%d, %d): thread %d arrived at named barrier %d with a count of %d: every participant "
+                           "must pass the same thread count", what, id, nthreads, b.first_tid, id, b.expected));
+    }
+    if (b.warp_kind[f->warp] >= 0 && b.warp_kind[f->warp] != static_cast<int>(sync))
+        fiber_fail(w, strf("%s(%d, %d): lanes %s of warp %d are at %s of the same barrier: a warp executes one "
+                           "barrier instruction together (divergent bar.sync / bar.arrive)", what, id, nthreads,
+                           lanes_str(b.lanes[f->warp]).c_str(), f->warp,
+                           sync ? "fa::named_barrier_arrive" : "fa::named_barrier_sync"));
+    b.warp_kind[f->warp] = sync;
+    b.lanes[f->warp] |= 1u << f->lane;
+    f->nbar_counted = false;
+    if (sync) {
+        f->state = WAIT_NBAR;
+        f->nbar_id = id;
+    }
+    nbar_warp_arrives(w, id, f->warp);
+    if (sync) yield(w, f);
+}
+
+// A thread exits: lanes of its warp waiting for it at a named barrier may now form the warp's arrival.
+void nbar_thread_exits(Worker* w, const Fiber* f) {
+    for (int id = 0; id < kNamedBarriers; ++id) nbar_warp_arrives(w, id, f->warp);
+}
+
+std::string nbar_deadlock_desc(Worker* w) {
+    for (int id = 0; id < kNamedBarriers; ++id) {
+        int waiting = 0;
+        for (const Fiber& f : w->fibers) waiting += f.state == WAIT_NBAR && f.nbar_id == id;
+        if (waiting == 0) continue;
+        return strf("deadlock: %s never completes: %d thread(s) wait at fa::named_barrier_sync, the others never "
+                    "arrive (%d thread(s) wait at __syncthreads(), %d exited)", nbar_state(w, id).c_str(), waiting,
+                    w->bar_arrived, w->exited);
+    }
+    return "";
+}
+
+// =========================================================================================
 // Fiber lifecycle and the scheduler
 // =========================================================================================
 void thread_exit(Worker* w, Fiber* f) {
@@ -1416,6 +1842,10 @@ void thread_exit(Worker* w, Fiber* f) {
     }
     f->copies.clear();
     f->copies_head = 0;
+    if (!f->tma_stores.empty())
+        fiber_fail(w, strf("thread exits with %zu TMA store(s) whose source reads no fa::tma_store_wait<N>() has "
+                           "covered (commit them and wait before exiting: the shared memory goes away)",
+                           f->tma_stores.size()));
     if (!f->wg_parts.empty())
         fiber_fail(w, strf("thread exits with %zu wgmma(s) in flight (no covering fa::wgmma_wait_group): their "
                            "accumulator registers are never written", f->wg_parts.size()));
@@ -1438,6 +1868,8 @@ void thread_exit(Worker* w, Fiber* f) {
     f->state = EXITED;
     ++w->exited;
     w->warp_exited[f->warp] |= 1u << f->lane;
+    nbar_thread_exits(w, f);
+    maxnreg_thread_exits(w, f);
     ctx_switch(&f->ctx, &w->sched);
     __builtin_unreachable();
 }
@@ -1485,6 +1917,8 @@ std::string deadlock_desc(Worker* w) {
     if (!mbar.empty()) return mbar;
     const std::string wg = wg_deadlock_desc(w);
     if (!wg.empty()) return wg;
+    const std::string nbar = nbar_deadlock_desc(w);
+    if (!nbar.empty()) return nbar;
     for (int wp = 0; wp < w->nwarps; ++wp) {
         const uint32_t waiting = w->warp_waiting[wp];
         if (!waiting) continue;
@@ -1536,10 +1970,13 @@ void alloc_block_resources(Worker* w) {
     uintptr_t base = reinterpret_cast<uintptr_t>(w->smem_region + kGuard + body - w->smem_size) & ~uintptr_t(15);
     w->smem = reinterpret_cast<unsigned char*>(base);
     w->pending.assign((w->smem_size + kGranule - 1) / kGranule + 1, 0);
+    w->async_img.assign(w->smem_size, 0xff);
     w->warp_waiting.assign(w->nwarps, 0);
     w->warp_exited.assign(w->nwarps, 0);
     w->warp_exists.assign(w->nwarps, 0);
     w->wg_arrived.assign((w->nwarps + 3) / 4, 0);
+    w->nbars.assign(16, NamedBar());
+    w->maxnreg.assign((w->nwarps + 3) / 4, MaxNReg());
     for (int t = 0; t < nthreads; ++t) w->warp_exists[t / 32] |= 1u << (t % 32);
     w->runnable.assign((nthreads + 63) / 64, 0);
     w->buf_read.assign(p->num_buffers, 0);
@@ -1564,6 +2001,7 @@ bool run_block(Worker* w, unsigned linear) {
     splitmix(w->rng);
     // Shared memory starts as NaN/-1 bytes each block: reading what nobody wrote shows.
     if (w->smem_size) std::memset(w->smem, 0xff, w->smem_size);
+    std::fill(w->async_img.begin(), w->async_img.end(), static_cast<unsigned char>(0xff));
     std::fill(w->pending.begin(), w->pending.end(), 0);
     std::fill(w->warp_waiting.begin(), w->warp_waiting.end(), 0);
     std::fill(w->warp_exited.begin(), w->warp_exited.end(), 0);
@@ -1577,6 +2015,12 @@ bool run_block(Worker* w, unsigned linear) {
     w->bulks.clear();
     w->mbar_waiting = 0;
     std::fill(w->wg_arrived.begin(), w->wg_arrived.end(), 0);
+    std::fill(w->maxnreg.begin(), w->maxnreg.end(), MaxNReg());
+    for (NamedBar& b : w->nbars) {
+        b.expected = b.arrived = b.first_tid = 0;
+        b.lanes.assign(w->nwarps, 0);
+        b.warp_kind.assign(w->nwarps, -1);
+    }
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         f.tid = t;
@@ -1595,6 +2039,8 @@ bool run_block(Worker* w, unsigned linear) {
         f.copies.clear();
         f.copies_head = 0;
         f.groups_committed = 0;
+        f.tma_stores.clear();
+        f.bulk_groups = 0;
         f.wg_parts.clear();
         f.wg_tracked.clear();
         f.wg_groups = 0;
@@ -1835,6 +2281,10 @@ int barrier(void* site, int kind, int predicate) {
                            "reach this barrier (divergent or early-exit barrier)",
                            site_str(site).c_str(), w->exited, t));
     }
+    if (!w->nbars.empty() && w->nbars[0].arrived > 0)
+        fiber_fail(w, strf("__syncthreads() (%s) while %d thread(s) have arrived at named barrier 0 (its count %d): "
+                           "__syncthreads() is barrier 0 too", site_str(site).c_str(), w->nbars[0].arrived,
+                           w->nbars[0].expected));
     if (w->bar_arrived == 0) {
         w->bar_site = site;
         w->bar_first_tid = f->tid;
@@ -1952,6 +2402,27 @@ void fa_emu_ldmatrix(int n, int trans, uint32_t* r, const void* smem_row_addr) {
     warp_arrive(w, f);
 }
 
+void fa_emu_stmatrix(int n, int trans, const uint32_t* r, void* smem_row_addr) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_STMATRIX;
+    f->mask = 0xffffffffu;
+    f->n = n;
+    f->trans = trans;
+    f->regs = const_cast<uint32_t*>(r);
+    f->addr = smem_row_addr;
+    warp_arrive(w, f);
+}
+
+unsigned fa_emu_elect(unsigned mask) {
+    Worker* w = W();
+    Fiber* f = w->cur;
+    f->op = OP_ELECT;
+    f->mask = mask;
+    warp_arrive(w, f);
+    return static_cast<unsigned>(f->result);
+}
+
 void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes) {
     Worker* w = W();
     Fiber* f = w->cur;
@@ -2067,12 +2538,31 @@ uint64_t fa_emu_mbarrier_arrive(uint64_t* bar, int tx_bytes, int expect_tx) {
 void fa_emu_mbarrier_expect_tx(uint64_t* bar, int tx_bytes) { mbar_expect_tx(W(), bar, tx_bytes); }
 int fa_emu_mbarrier_try_wait_parity(uint64_t* bar, int parity) { return mbar_try_wait(W(), bar, parity); }
 void fa_emu_fence_async(int kind) {
-    (void)kind;
-    mbar_fence(W());
+    Worker* w = W();
+    mbar_fence(w);
+    // fence.proxy.async: what the generic proxy wrote to shared memory so far is visible to the async proxy
+    if (kind == 1 && w->smem_size) std::memcpy(w->async_img.data(), w->smem, w->smem_size);
 }
 void fa_emu_cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
     bulk_g2s(W(), smem_dst, gmem_src, bytes, bar);
 }
+
+void fa_emu_tma_load(void* smem_dst, const void* tmap, int dims, const int* coords, uint64_t* bar) {
+    tma_load(W(), smem_dst, tmap, dims, coords, bar);
+}
+void fa_emu_tma_store(const void* tmap, int dims, const int* coords, const void* smem_src) {
+    tma_store(W(), tmap, dims, coords, smem_src);
+}
+void fa_emu_tma_prefetch(const void* tmap) { tma_decode(W(), tmap, 0, "fa::tma_prefetch"); }
+void fa_emu_bulk_commit(void) {
+    Fiber* f = W()->cur;
+    for (TmaStore& st : f->tma_stores)
+        if (st.group < 0) st.group = f->bulk_groups;
+    ++f->bulk_groups;
+}
+void fa_emu_bulk_wait_read(int n) { tma_wait_read(W(), W()->cur, n); }
+void fa_emu_named_barrier(int id, int nthreads, int sync) { named_barrier(W(), id, nthreads, sync != 0); }
+void fa_emu_setmaxnreg(int inc, int n) { setmaxnreg(W(), inc != 0, n); }
 
 void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
                   int trans_a, int trans_b) {
@@ -2110,7 +2600,7 @@ uint32_t fa_emu_smem_addr(const void* p) {
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 5; }
+int fa_emu_abi_version(void) { return 6; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
@@ -2177,6 +2667,14 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.mbar_waits += w.cnt.mbar_waits;
         total.mbar_blocked += w.cnt.mbar_blocked;
         total.wgmma += w.cnt.wgmma;
+        total.tma_loads += w.cnt.tma_loads;
+        total.tma_load_bytes += w.cnt.tma_load_bytes;
+        total.tma_stores += w.cnt.tma_stores;
+        total.tma_store_bytes += w.cnt.tma_store_bytes;
+        total.named_barriers += w.cnt.named_barriers;
+        total.stmatrix += w.cnt.stmatrix;
+        total.elects += w.cnt.elects;
+        total.setmaxnreg += w.cnt.setmaxnreg;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
