@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import cuda_forward_f64 as f64
+from . import cuda_forward_sm90 as sm90
 from . import cuda_forward_tf32 as tf32
 from . import launch as L
 from . import philox
@@ -98,7 +99,9 @@ class ForwardPlan:
         # precision "tf32" / "3xtf32": the TF32 tensor-core kernel where it applies, else SIMT.
         # float64 (precision None / "ieee"): the DMMA kernel on sm_80+ where it applies, else SIMT.
         tc = dict(kernel=kernel, block_m=block_m, ext=self.ext is not None, num_splits=num_splits, kv=kv)
-        self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
+        # kernel="wgmma": the Hopper forward (opt-in; NotImplementedError where it cannot run).
+        self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, **tc) or \
+            tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
             f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
             kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None)
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
@@ -187,7 +190,7 @@ class ForwardPlan:
                     *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]),
                     *(L.c_longlong(s) for s in ls),
                     scale_log2)
-            if tile.kernel == "tensor_core":
+            if tile.kernel in ("tensor_core", "wgmma"):  # the wgmma kernel takes flash_fwd_kernel's arguments
                 args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
             elif tile.kernel == "simt":
                 args += self._kv_args(launcher, eo, es)

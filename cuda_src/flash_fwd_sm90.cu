@@ -1,0 +1,355 @@
+// flash_fwd_sm90.cu — FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), fp16 / bf16 in,
+// fp32 accumulate (issue 13; docs/hopper.md).
+//
+// One thread block per (query tile Q_i, batch entry): kBlockM / 64 consumer warpgroups (128 threads
+// each), warpgroup w owning query rows [64w, 64w + 64) of Q_i — one wgmma m64 row block — so its
+// softmax statistics never leave the warpgroup (a row lives in the 4 lanes of one quad). Per key
+// tile j:
+//   S_ij = Q_i K_jᵀ  d/16 × wgmma.m64n{Bc}k16 .ss   (Q, K K-major in 128-byte-swizzled shared memory)
+//   online softmax on the S accumulator fragments (exp2, scale·log2(e) folded into one fma)
+//   P_ij → 16-bit register A fragments (the accumulator layout of n8 pairs is the A layout of k16)
+//   O_i += P_ij V_j  Bc/16 × wgmma.m64n{dv}k16 .rs  (V MN-major: transposed B from shared memory)
+// O_i is divided by l_i once at the end; LSE = (m_i + log2 l_i)·ln 2 (natural log, fp32); a row
+// that sees no key ends with out 0, lse −inf (flash_softmax.cuh). Causal is bottom-right aligned
+// (flash_mask.cuh); key tiles above the diagonal are never loaded, only the tiles crossing the
+// diagonal or the sequence end are masked, and they run first (FlashAttention-2's order).
+//
+// Shared memory (all 1024-byte aligned pieces; the dynamic base is rounded up to 1024 bytes on the
+// GPU, where it is a shared-window address; on the emulator it is offset 0 already):
+//   sQ  Br × d            panels of 64 columns (128 bytes per row), row r of a panel at 128·r, its
+//   sK  2 stages × Bc × d  16-byte chunk c stored at chunk c ^ (r mod 8): the canonical 128B-swizzle
+//   sV  2 stages × Bc × dv layout (CuTe Swizzle<3,4,3>). Q and K are K-major operands (rows = M / N,
+//       SBO = 1024 = 8 rows, the k16 step advances the start address by 32 bytes inside a panel);
+//       V is the MN-major B operand of P V (rows = keys = K, each 64-column panel one LBO apart,
+//       SBO = 1024 = 8 keys, the k16 step advances by 2048 bytes). One layout, one copy routine.
+//   epilogue: sO Br × (dv + 8) (stmatrix from the accumulators, then 16-byte coalesced stores) and
+//       the tile's Br LSE values, over the (then idle) Q / K / V space.
+//
+// Loads: every thread copies 16-byte chunks with cp.async straight to their swizzled addresses (the
+// emulator checks that the bytes wgmma reads through its descriptors are the ones written), into a
+// two-stage ring: tile j−1 is fetched into the other stage while tile j is computed; the ring's
+// completion is cp.async.wait_group + fence.proxy.async (generic-proxy writes, async-proxy wgmma
+// reads) + one barrier per key tile. Why not TMA: a TMA load needs a CUtensorMap per tensor holding
+// its global address, passed by value (or in constant / global memory) per call, and the forward
+// plan (cuda_forward.py, launch.py) binds raw pointers per call and has no by-value struct argument.
+// TMA would add: one elected thread issuing a whole tile (the other threads free for math), the
+// swizzle done by the copy engine, out-of-bounds zero-fill without per-chunk byte counts, and
+// completion on mbarriers, which is what lets a producer warp feed the consumers (warp
+// specialization, FlashAttention-3) instead of every thread copying.
+//
+// Not yet (docs/hopper.md): a producer warpgroup with setmaxnreg, the ping-pong of two consumer
+// warpgroups and the intra-warpgroup overlap of softmax with the next S wgmma; here every wgmma
+// batch is waited for before its result is used (wgmma_wait_group<0>).
+//
+// Arguments: exactly flash_fwd_kernel's (flash_fwd.cu), so ForwardPlan lays them out as for the
+// mma.sync forward; the GQA-packing, KV-cache and extension arguments are accepted and unused (the
+// host takes this kernel only for dense calls).
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+#include "flash_fwd_copy.cuh"
+#include "flash_fwd_tiles.cuh"
+#include "flash_ext.cuh"
+
+namespace flash {
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+struct Sm90FwdTraits {
+  static_assert(sizeof(T) == 2, "the wgmma forward takes 16-bit inputs");
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups of 64 rows");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "Bc is the N of the S wgmma: 64, 128 or 256");
+  static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "dv is the N of the O wgmma");
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "d: whole 128-byte swizzle panels");
+  static constexpr int kWarpgroups = kBlockM / 64;
+  static constexpr int kNThreads = kWarpgroups * 128;
+  static constexpr int kStages = 2;
+  static constexpr int kRowBytes = 128;   // one swizzle panel row: 64 elements
+  static constexpr int kAtomBytes = 1024; // 8 rows: SBO, and the swizzle pattern's repeat
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2;   // one stage
+  static constexpr int kVBytes = kBlockN * kHeadDimV * 2;  // one stage
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKBytes;
+  static constexpr int kLoopBytes = kVOffset + kStages * kVBytes;
+  static constexpr int kStrideO = kHeadDimV + 8;  // staged O rows: 16-byte rows, 8 rows on 8 bank groups
+  static constexpr int kLseOffset = kBlockM * kStrideO * 2;
+  static constexpr int kEpilogueBytes = kLseOffset + kBlockM * 4;
+  // + the alignment slack of the GPU's dynamic shared memory base (cuda_forward_sm90.smem_bytes).
+  static constexpr int kSmemBytes = (kLoopBytes > kEpilogueBytes ? kLoopBytes : kEpilogueBytes) + kAtomBytes;
+};
+
+// Byte offset of 16-byte chunk `chunk` (= column / 8) of row r in a 128B-swizzled tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ int sw128_offset(int r, int chunk) {
+  return (chunk >> 3) * (kRows * 128) + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+}
+
+// A kRows × kCols tile (row r of global memory at g_tile + r·row_stride) into its swizzled layout;
+// rows at or past rows_valid and columns at or past cols_valid zero-filled. Aligned (16-byte rows):
+// thread tid copies chunk tid mod (kCols/8) of rows tid / (kCols/8) + p·(rows per pass) by cp.async
+// (the caller commits, waits, fences the proxy and syncs); full: every row exists (the row test folds
+// away). Otherwise element-wise, synchronous.
+template <typename T, int kRows, int kCols, int kNThreads, bool Is_aligned>
+__device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_tile, long long row_stride,
+                                           int rows_valid, int cols_valid, bool full, int tid) {
+  constexpr int kChunksPerRow = kCols / 8;
+  if constexpr (Is_aligned) {
+    static_assert(kNThreads % kChunksPerRow == 0, "a fixed column chunk per thread");
+    constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    const int chunk = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
+    int elems = cols_valid - chunk * 8;
+    elems = elems < 0 ? 0 : (elems > 8 ? 8 : elems);
+    const int bytes = elems * 2;
+    const T* src = g_tile + r0 * row_stride + (elems > 0 ? chunk * 8 : 0);
+#pragma unroll
+    for (int p = 0; p < kRows / kRowsPerPass; ++p) {
+      const int r = r0 + p * kRowsPerPass;
+      const bool row_ok = full || r < rows_valid;
+      fa::cp_async<kCopyBytes>(s_tile + sw128_offset<kRows>(r, chunk), row_ok ? src : g_tile, row_ok ? bytes : 0);
+      src += kRowsPerPass * row_stride;
+    }
+  } else {
+    (void)full;
+    for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
+      const int r = idx / kCols, c = idx % kCols;
+      const T x = (r < rows_valid && c < cols_valid) ? fa::gload(g_tile + r * row_stride + c) : zero_value<T>();
+      *reinterpret_cast<T*>(s_tile + sw128_offset<kRows>(r, c >> 3) + (c & 7) * 2) = x;
+    }
+  }
+}
+
+// Descriptor of a 128B-swizzled operand at byte address p: SBO = 8 rows, LBO = the next 64-column
+// panel (MN-major only; K-major ignores it: 16).
+__device__ __forceinline__ uint64_t sw128_desc(const unsigned char* p, uint32_t lbo_bytes) {
+  return fa::wgmma_desc(p, lbo_bytes, 1024, fa::kWgmmaSwizzle128B);
+}
+
+template <typename T, int N, bool TransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (IsSame<T, fa_half>::value) fa::wgmma_m64nNk16_f32_f16_ss<N, false, TransB>(d, da, db, scale_d);
+  else fa::wgmma_m64nNk16_f32_bf16_ss<N, false, TransB>(d, da, db, scale_d);
+}
+
+template <typename T, int N, bool TransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  if constexpr (IsSame<T, fa_half>::value) fa::wgmma_m64nNk16_f32_f16_rs<N, TransB>(d, a, db, scale_d);
+  else fa::wgmma_m64nNk16_f32_bf16_rs<N, TransB>(d, a, db, scale_d);
+}
+
+// S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
+// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
+                                             const unsigned char* sK_j) {
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const int k_bytes = (ks % 4) * 32;
+    const uint64_t da = sw128_desc(sQ_w + (ks / 4) * kBlockM * 128 + k_bytes, 16);
+    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kBlockN * 128 + k_bytes, 16);
+    wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
+  }
+  fa::wgmma_commit_group();
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc_s);
+}
+
+// O += P V_j: P's A fragment of k16 step ks is the accumulator of S's n8 tiles 2ks, 2ks+1 rounded to
+// T (a0 row g cols 2t.., a1 row g+8, a2 / a3 the same of the second tile); V_j MN-major, keys
+// 16ks.. at 2048·ks bytes, dv panels kBlockN·128 bytes apart (LBO). Waits for the result.
+template <typename T, int kHeadDimV, int kBlockN>
+__device__ __forceinline__ void gemm_pv_sm90(float (&acc_o)[kHeadDimV / 2], const float (&acc_s)[kBlockN / 2],
+                                             const unsigned char* sV_j) {
+  uint32_t a_p[kBlockN / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a_p[ks][i] = fa::pack2<T>(acc_s[8 * ks + 2 * i], acc_s[8 * ks + 2 * i + 1]);
+  fa::wgmma_fence_operand(acc_o);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks)
+    wgmma_rs<T, kHeadDimV, true>(acc_o, a_p[ks], sw128_desc(sV_j + ks * 2048, kBlockN * 128), 1);
+  fa::wgmma_commit_group();
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc_o);
+}
+
+// Mask (masked tiles only) and online softmax of one key tile on the thread's rows row0 (r = 0) and
+// row0 + 8 (r = 1): acc_s[4j + e] is S[row0 + 8(e >> 1)][n0 + 8j + 2t + (e & 1)]. Rescales O and l,
+// leaves P = exp2(S·scale·log2e − m) in acc_s (l summed per lane; the quad is reduced at the end).
+template <bool Is_causal, int kBlockN, int kHeadDimV>
+__device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
+                                             OnlineSoftmaxRow<float> (&stat)[2], const Mask<Is_causal>& mask,
+                                             bool masked, int row0, int n0, int t, float scale_log2) {
+  if (masked) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i)
+      acc_s[i] = mask.apply(acc_s[i], row0 + 8 * ((i % 4) >> 1), n0 + 8 * (i / 4) + 2 * t + (i & 1));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tile_max = acc_s[2 * r];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+    tile_max = group_allreduce_max<4>(tile_max);
+    const float correction = stat[r].update_max(tile_max * scale_log2);
+#pragma unroll
+    for (int j = 0; j < kHeadDimV / 8; ++j) {
+      acc_o[4 * j + 2 * r] *= correction;
+      acc_o[4 * j + 2 * r + 1] *= correction;
+    }
+    const float m_sub = stat[r].max_for_exp();
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        const float p = OnlineSoftmaxRow<float>::prob_unscaled(acc_s[4 * j + e], scale_log2, m_sub);
+        stat[r].l += p;
+        acc_s[4 * j + e] = p;
+      }
+  }
+}
+
+// Epilogue, per thread: O / l rounded to T into sO by stmatrix.x4 (one per 16 columns: matrices
+// rows 0-7 / 8-15 of n8 tiles 2p, 2p+1 of the warp's 16 rows; lane l addresses row l mod 8 of
+// matrix l / 8), and the row's LSE (lane t = 0) into sLse. warp_row: the warp's first row in Q_i.
+template <typename T, int kHeadDimV, int kStrideO>
+__device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&acc_o)[kHeadDimV / 2],
+                                             const OnlineSoftmaxRow<float> (&stat)[2], int warp_row, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l_total = group_allreduce_sum<4>(stat[r].l);
+    inv_l[r] = stat[r].inv_sum(l_total);
+    if (t == 0) sLse[warp_row + g + 8 * r] = stat[r].lse(l_total);
+  }
+  const int m = lane / 8;
+  T* row_addr = sO + (warp_row + 8 * (m % 2) + lane % 8) * kStrideO + 8 * (m / 2);
+#pragma unroll
+  for (int p = 0; p < kHeadDimV / 16; ++p) {
+    uint32_t regs[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int base = 4 * (2 * p + i / 2) + 2 * (i % 2);  // n8 tile 2p + i/2, rows g + 8(i mod 2)
+      regs[i] = fa::pack2<T>(acc_o[base] * inv_l[i % 2], acc_o[base + 1] * inv_l[i % 2]);
+    }
+    fa::stmatrix<4, false>(row_addr + 16 * p, regs);
+  }
+}
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_aligned>
+__global__ void __launch_bounds__(kBlockM / 64 * 128, 1)
+flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      T* __restrict__ o, float* __restrict__ lse,
+                      int Lq, int Lk, int D, int Dv, int nb2,
+                      long long q_b0, long long q_b1, long long q_b2, long long q_row,
+                      long long k_b0, long long k_b1, long long k_b2, long long k_row,
+                      long long v_b0, long long v_b1, long long v_b2, long long v_row,
+                      long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                      long long lse_b0, long long lse_b1, long long lse_b2,
+                      float scale_log2, int rows_per_group,
+                      const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
+                      long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
+                      long long k_page, long long v_page, FLASH_EXT_PARAMS(float)) {
+  using Tr = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  constexpr int kNThreads = Tr::kNThreads;
+  (void)rows_per_group; (void)seqlens_k; (void)block_table; (void)e_b0; (void)e_b1; (void)e_b2;
+  (void)table_row; (void)page_size; (void)k_page; (void)v_page;
+
+  FA_DYNAMIC_SMEM(smem_raw);
+  // Swizzled tiles must start on the pattern's repeat in the shared window (GPU; offset 0 already on
+  // the emulator). The shared address's bits 4-13 are read from a descriptor (bits 0-13: address >> 4),
+  // the one shared-address query both branches of fa_port.cuh provide.
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  unsigned char* sQ = smem + Tr::kQOffset;
+  unsigned char* sK = smem + Tr::kKOffset;
+  unsigned char* sV = smem + Tr::kVOffset;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid / 128;                 // consumer warpgroup: rows [64 wg, 64 wg + 64) of Q_i
+  const int warp_row = wg * 64 + ((tid % 128) / 32) * 16;  // first of the warp's 16 rows
+  const int lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
+
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
+  const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
+  const T* q_i = q + bidx.offset(q_s) + m0 * q_row;
+  const T* k_base = k + bidx.offset(k_s);
+  const T* v_base = v + bidx.offset(v_s);
+  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  float* lse_i = lse + bidx.offset(lse_s) + m0;
+
+  const Mask<Is_causal> mask(Lq, Lk);
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+
+  float acc_s[kBlockN / 2];     // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
+  float acc_o[kHeadDimV / 2];   // O_i, unnormalised
+  OnlineSoftmaxRow<float> stat[2];
+#pragma unroll
+  for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
+  stat[0].init();
+  stat[1].init();
+
+  auto load_kv = [&](bool full, int stage, int n_block) {
+    const int n0 = n_block * kBlockN;
+    const int rows = rows_in_tile(n0, kBlockN, Lk);
+    load_sw128<T, kBlockN, kHeadDim, kNThreads, Is_aligned>(sK + stage * Tr::kKBytes, k_base + n0 * k_row, k_row,
+                                                             rows, D, full, tid);
+    load_sw128<T, kBlockN, kHeadDimV, kNThreads, Is_aligned>(sV + stage * Tr::kVBytes, v_base + n0 * v_row, v_row,
+                                                              rows, Dv, full, tid);
+  };
+
+  // Key tiles from the last visible one down (the masked ones first); prologue: Q_i and that tile.
+  int n_block = n_block_max - 1;
+  if (n_block >= 0) {
+    load_sw128<T, kBlockM, kHeadDim, kNThreads, Is_aligned>(sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D,
+                                                             false, tid);
+    load_kv(false, 0, n_block);
+    fa::cp_async_commit();
+  }
+  int stage = 0;
+  for (; n_block >= 0; --n_block) {
+    fa::cp_async_wait<0>();
+    // The thread's copies (and element-wise stores) of tile j are visible to the async proxy that
+    // wgmma reads through; the barrier makes every thread's so, and every warpgroup has finished
+    // tile j+1 (its wgmmas were waited for), so the other stage may receive tile j−1.
+    fa::fence_proxy_async();
+    __syncthreads();
+    if (n_block > 0) load_kv(true, stage ^ 1, n_block - 1);  // below the top tile every tile is full
+    fa::cp_async_commit();
+
+    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + wg * 64 * 128, sK + stage * Tr::kKBytes);
+    softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
+                                                m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+    gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + stage * Tr::kVBytes);
+    stage ^= 1;
+  }
+
+  // Epilogue: no copy is in flight (the last tile prefetches nothing) and every wgmma has completed;
+  // the barrier lets sO / sLse overwrite the operand tiles.
+  T* sO = reinterpret_cast<T*>(smem);
+  float* sLse = reinterpret_cast<float*>(smem + Tr::kLseOffset);
+  fa::cp_async_wait<0>();
+  __syncthreads();
+  stage_o_sm90<T, kHeadDimV, Tr::kStrideO>(sO, sLse, acc_o, stat, warp_row, lane);
+  __syncthreads();
+  const int rows = rows_in_tile(m0, kBlockM, Lq);
+  const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
+  store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, kNThreads>(o_i, o_row, sO, rows, Dv, vec, tid);
+  for (int row = tid; row < rows; row += kNThreads) fa::gstore(lse_i + row, sLse[row]);
+}
+
+}  // namespace flash

@@ -1,0 +1,167 @@
+"""The Hopper forward on wgmma (cuda_src/flash_fwd_sm90.cu, issue 13) on the emulator (arch sm_90).
+
+Every case is held to the DESIGN.md rule against the float64 reference (``assert_attention_close``,
+out and lse) and checks that the wgmma kernel ran: the plan's tile is the ``"wgmma"`` one, its
+launch names ``flash_fwd_sm90_kernel``, and the emulator's wgmma counter equals the count the
+tiling implies (2 warpgroups x (d/16 + Bc/16) per visible key tile of every block; causal tiles
+above the diagonal are never visited). Default run: fp16 and bf16; head dims 64, 128 and padded
+ones (40, 59, 72, 200); causal and not, Lq < Lk and Lq > Lk (fully masked rows), lengths off the
+tiles; GQA broadcast; BSHD strided views; the element-wise copy path (D = 59); permuted emulator
+schedules giving identical bits; the opt-in and its errors. ``-m slow``: larger matrices.
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_forward, cuda_forward_sm90 as S, tiles
+from flasharray._private.dtypes import bfloat16
+from flasharray.testing import assert_attention_close
+
+from test_cuda_forward import make_inputs, run_forward
+
+DTYPES = {"float16": np.float16, "bfloat16": bfloat16}
+
+
+def _batch(q, k, v):
+    return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+
+
+def sm90_plan(q, k, v, causal, **kw):
+    return cuda_forward.plan(q, k, v, causal=causal, scale=1.0 / np.sqrt(q.shape[-1]), batch_shape=_batch(q, k, v),
+                             device="emulator", arch="sm_90", kernel="wgmma", **kw)
+
+
+def expected_wgmma(tile, Lq, Lk, causal, entries):
+    """wgmma instructions of one launch: per block (query tile) its visible key tiles, per tile and
+    warpgroup d/16 (S) + Bc/16 (O) instructions."""
+    per_tile = tile.n_threads // 128 * (tile.head_dim // 16 + tile.block_n // 16)
+    tiles_visited = 0
+    for m0 in range(0, Lq, tile.block_m):
+        last_row = min(m0 + tile.block_m, Lq) - 1
+        keys = min(Lk, last_row + 1 + Lk - Lq) if causal else Lk
+        tiles_visited += -(-keys // tile.block_n) if keys > 0 else 0
+    return entries * tiles_visited * per_tile
+
+
+def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, **opts):
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    counters = []
+    out, lse = run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90", counters=counters, **opts)
+    assert out.dtype == q.dtype and out.shape == q.shape[:-1] + (v.shape[-1],)
+    assert lse.dtype == np.float32 and lse.shape == q.shape[:-1]
+    assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    for a, b in ((q, q0), (k, k0), (v, v0)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    plan = sm90_plan(q, k, v, causal)
+    assert plan.tile.kernel == "wgmma" and isinstance(plan.tile, S.Sm90Tile)
+    assert len(plan.launches) == 1 and plan.launches[0].name.startswith("flash::flash_fwd_sm90_kernel<")
+    assert len(counters) == 1
+    entries = int(np.prod(_batch(q, k, v)))
+    if plan.gqa_group == 1:
+        assert counters[0].wgmma == expected_wgmma(plan.tile, Lq, Lk, causal, entries) > 0
+    else:  # GQA-packed (Lq = 1): the group's query heads are the rows of one block
+        assert counters[0].wgmma == expected_wgmma(plan.tile, Lq * plan.gqa_group, Lk, causal,
+                                                   entries // plan.gqa_group) > 0
+    return out, lse
+
+
+# (dtype, D, Lq, Lk, causal, layout, gqa): Lk off the tile (130, 45, 200), Lq > Lk causal (rows that see
+# no key: out 0, lse −inf), two query tiles (Lq 130, 150), padded head dims (40 → 64, 72 → 128, 200 → 256),
+# D = 59 (no 16-byte rows: element-wise copies), BSHD views (row stride H·D), GQA broadcast.
+SUBSET = [
+    ("float16", 64, 77, 130, False, "bhsd", False),
+    ("bfloat16", 64, 130, 77, True, "bhsd", False),
+    ("float16", 128, 65, 200, True, "bshd", False),
+    ("bfloat16", 128, 17, 45, False, "bhsd", True),
+    ("float16", 40, 150, 150, True, "bshd", True),
+    ("bfloat16", 72, 33, 150, False, "bhsd", False),
+    ("float16", 59, 20, 70, True, "bhsd", False),
+    ("bfloat16", 200, 65, 100, True, "bhsd", False),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", SUBSET)
+def test_wgmma_forward_matches_reference(dtype, D, Lq, Lk, causal, layout, gqa):
+    check(dtype, D, Lq, Lk, causal, layout=layout, gqa=gqa)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_wgmma_forward_dv_differs(dtype):
+    check(dtype, 64, 70, 140, True, Dv=128)
+    check(dtype, 128, 70, 60, False, Dv=32)
+
+
+def test_wgmma_forward_decode_packed():
+    """Lq = 1 with GQA: the plan packs the group's query heads as rows of one block."""
+    check("float16", 64, 1, 130, True, gqa=True)
+
+
+@pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 1), ("random", 7)])
+def test_wgmma_forward_schedules_identical(schedule, seed):
+    """Permuted fiber schedules (cp.async landing order, warp interleaving) give identical bits."""
+    q, k, v = make_inputs(np.float16, 64, 90, 200, seed=3)
+    base = run_forward("emulator", q, k, v, causal=True, kernel="wgmma", arch="sm_90")
+    got = run_forward("emulator", q, k, v, causal=True, kernel="wgmma", arch="sm_90", schedule=schedule, seed=seed)
+    for a, b in zip(base, got):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_tile_table():
+    for d, (hd, bc) in {40: (64, 128), 64: (64, 128), 100: (128, 128), 128: (128, 128), 129: (256, 64),
+                        256: (256, 64)}.items():
+        t = S.forward_tile(np.float16, d, d, "sm_90", kernel="wgmma")
+        assert (t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.n_threads, t.stages) == (hd, hd, 128, bc, 256, 2)
+        assert t.smem == S.smem_bytes(hd, hd, 128, bc) <= tiles.smem_limit(90)
+        assert t.source == "flash_fwd_sm90.cu" and "wgmma kernel" in t.describe()
+    t = S.forward_tile(np.float16, 64, 128, 90, kernel="wgmma")
+    assert (t.head_dim, t.head_dim_v) == (64, 128)
+    assert t.name_expression(True, False) == "flash::flash_fwd_sm90_kernel<fa_half, 64, 128, 128, 128, true, false>"
+    # Q 16 KB + 2 x (K 16 KB + V 32 KB) + 1 KB alignment
+    assert t.smem == 16384 + 2 * (16384 + 32768) + 1024
+
+
+def test_opt_in_only():
+    """Without kernel="wgmma" nothing changes: sm_90 keeps the mma.sync forward."""
+    assert S.forward_tile(np.float16, 64, 64, 90) is None
+    assert S.forward_tile(np.float16, 64, 64, 90, kernel="tensor_core") is None
+    q, k, v = make_inputs(np.float16, 64, 8, 8)
+    plan = cuda_forward.plan(q, k, v, causal=False, scale=0.125, batch_shape=_batch(q, k, v), device="emulator",
+                             arch="sm_90")
+    assert plan.tile.kernel == "tensor_core"
+
+
+@pytest.mark.parametrize("args,kw,match", [
+    ((np.float16, 64, 64, 80), {}, "needs sm_90.*sm_80"),
+    ((np.float16, 64, 64, 89), {}, "needs sm_90.*sm_89"),
+    ((np.float32, 64, 64, 90), {}, "float16 or bfloat16, got float32"),
+    ((np.float64, 64, 64, 90), {}, "got float64"),
+    ((np.float16, 257, 64, 90), {}, "head dims 1..256, got D=257"),
+    ((np.float16, 64, 300, 90), {}, "Dv=300"),
+    ((np.float16, 64, 64, 90), {"ext": True}, "no extensions"),
+    ((np.float16, 64, 64, 90), {"num_splits": 2}, "no num_splits=2"),
+    ((np.float16, 64, 64, 90), {"block_m": 384}, "no block_m=384"),
+    ((np.float16, 64, 64, 90), {"kv": cuda_forward.KVLayout(False, 64)}, "no a KV cache"),
+])
+def test_wgmma_refused(args, kw, match):
+    with pytest.raises(NotImplementedError, match="kernel='wgmma'.*" + match):
+        S.forward_tile(*args, kernel="wgmma", **kw)
+
+
+def test_wgmma_refused_through_forward():
+    q, k, v = make_inputs(np.float16, 64, 8, 8)
+    with pytest.raises(NotImplementedError, match="needs sm_90.*sm_80"):
+        run_forward("emulator", q, k, v, causal=False, kernel="wgmma")
+    with pytest.raises(NotImplementedError, match="float16 or bfloat16, got float32"):
+        run_forward("emulator", *(x.astype(np.float32) for x in (q, k, v)), causal=False, kernel="wgmma",
+                    arch="sm_90")
+    with pytest.raises(NotImplementedError, match="no num_splits=2"):
+        run_forward("emulator", q, k, v, causal=False, kernel="wgmma", arch="sm_90", num_splits=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("D", [16, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Lq,Lk", [(300, 300), (257, 513), (513, 129)])
+def test_wgmma_forward_larger(dtype, D, causal, Lq, Lk):
+    check(dtype, D, Lq, Lk, causal, layout="bshd" if D == 96 else "bhsd", seed=D + Lq)

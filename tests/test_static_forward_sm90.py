@@ -1,0 +1,92 @@
+"""Static checks of the Hopper wgmma forward (cuda_src/flash_fwd_sm90.cu) with NVRTC (no GPU needed).
+
+Every instantiation the tile table (cuda_forward_sm90.forward_tile) picks — float16 and bfloat16,
+padded head dims 64, 128, 256, causal and not, cp.async and element-wise loads — compiles for
+sm_90a with zero spills, no local stack, no static shared memory, registers x threads within the
+register file and dynamic shared memory within the opt-in maximum. In the SASS the key-tile loop
+(the loop holding the most HGMMA) holds every HGMMA of the kernel, exactly one key tile's:
+d/16 HGMMA for S (SS: both operands through descriptors) plus Bc/16 for O (RS: P from registers).
+Compiling for plain sm_90 is refused at compile time (``fa::wgmma needs sm_90a``). The registers per
+thread and the key loop's instructions are printed (``-s``; docs/hopper.md quotes them).
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_forward_sm90 as S
+from flasharray._private import launch, nvrtc, sass, tiles
+from flasharray._private.dtypes import bfloat16
+from conftest import requires_nvrtc
+
+pytestmark = requires_nvrtc
+SASS_OK, SASS_WHY = sass.available()
+REGISTER_FILE = 64 * 1024
+FLAGS = [(c, a) for c in (False, True) for a in (False, True)]
+
+
+def instantiations(dtypes, head_dims):
+    found = {}
+    for dtype in dtypes:
+        for d in head_dims:
+            t = S.forward_tile(dtype, d, d, 90, kernel="wgmma")
+            for causal, aligned in FLAGS:
+                found[t.name_expression(causal, aligned)] = t
+    return found
+
+
+def hgmma_in(body, loop):
+    return [i for i in body if i.base == "HGMMA" and (loop is None or loop.start <= i.address <= loop.end)]
+
+
+def hgmma_key_loop(body):
+    """The loop holding the most HGMMA; of those the one with the fewest instructions (sass.key_loop's rule)."""
+    lps = [lp for lp in sass.loops(body) if hgmma_in(body, lp)]
+    return min(lps, key=lambda lp: (-len(hgmma_in(body, lp)), lp.stats.instructions)) if lps else None
+
+
+def _check(dtypes, head_dims):
+    found = instantiations(dtypes, head_dims)
+    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    problems, rows = [], []
+    for name, t in found.items():
+        k = res.kernel(name)
+        occ = sass.occupancy(90, k.registers, t.n_threads, t.smem)
+        line = "%-70s regs %3d spill %d/%d smem %6d  %d block(s)/SM (%s)" % (
+            name, k.registers, k.spill_stores, k.spill_loads, t.smem, occ.blocks, occ.limiter)
+        if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
+            problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
+                                                                         k.stack_frame, k.static_smem))
+        if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1:
+            problems.append("%s: %d regs x %d threads, %d bytes smem" % (name, k.registers, t.n_threads, t.smem))
+        if fns is not None:
+            body = fns[k.lowered_name]
+            loop = hgmma_key_loop(body)
+            expected = t.head_dim // 16 + t.block_n // 16
+            in_loop = hgmma_in(body, loop)
+            if loop is None or len(in_loop) != expected or len(hgmma_in(body, None)) != expected:
+                problems.append("%s: %d HGMMA in the key loop, %d in all, expected %d"
+                                % (name, len(in_loop), len(hgmma_in(body, None)), expected))
+            else:
+                rs = [i for i in in_loop if i.operands.split(",")[1].strip().startswith("R")]
+                if len(rs) != t.block_n // 16:
+                    problems.append("%s: %d register-A (RS) HGMMA, expected %d" % (name, len(rs), t.block_n // 16))
+                line += "  key loop %d instr, %d HGMMA (%d SS + %d RS), %d BAR, %d LDGSTS, %d MUFU" % (
+                    loop.stats.instructions, len(in_loop), len(in_loop) - len(rs), len(rs), loop.stats.bar,
+                    loop.stats.ldgsts, loop.stats.mufu)
+        rows.append(line)
+    print("\n".join(rows))
+    assert not problems, "\n".join(problems)
+
+
+def test_wgmma_forward_compiles_fp16():
+    _check((np.float16,), (64, 128, 256))
+
+
+def test_wgmma_forward_compiles_bf16():
+    _check((bfloat16,), (64, 128, 256))
+
+
+def test_sm90_without_a_refused():
+    t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
+    with pytest.raises(nvrtc.NvrtcError, match="fa::wgmma needs sm_90a"):
+        nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90", [t.name_expression(False, True)])
