@@ -143,8 +143,8 @@ __device__ __forceinline__ void convert_word(float* p, int plane) {
     else (void)plane;
 }
 
-// In-place conversion of the 16-byte chunks this thread copied with load_tile_tc<float, kRows,
-// kCols, kPitch, kNThreads, true> (the same index walk: idx = tid + it · kNThreads). No-op for the
+// In-place conversion of the 16-byte chunks this thread copied with load_tile_tf32 (the same
+// index walk: idx = tid + it · kNThreads). No-op for the
 // element-wise path (converted while loading) and for 3xtf32 without lo planes (raw tiles).
 template <int kPrec, bool kLoPlanes, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
 __device__ __forceinline__ void convert_tile(float* s, int plane) {
@@ -154,10 +154,10 @@ __device__ __forceinline__ void convert_tile(float* s, int plane) {
         const int tid = (int)threadIdx.x;
         if constexpr (kVec) {
             constexpr int kUnitsPerRow = kCols / 4, kUnits = kRows * kUnitsPerRow;
-#pragma unroll
-            for (int it = 0; it < ceil_div_c(kUnits, kNThreads); ++it) {
-                const int idx = tid + it * kNThreads;
-                if (kUnits % kNThreads != 0 && idx >= kUnits) break;
+            // Rolled: not in the products' way (unrolled, ptxas hoists these loads and stores
+            // into the previous products' register pressure).
+#pragma unroll 1
+            for (int idx = tid; idx < kUnits; idx += kNThreads) {
                 float* p = s + (idx / kUnitsPerRow) * kPitch + (idx % kUnitsPerRow) * 4;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) convert_word<kPrec>(p + e, plane);
@@ -169,13 +169,22 @@ __device__ __forceinline__ void convert_tile(float* s, int plane) {
 }
 
 // A kRows x kCols tile into shared memory (pitch kPitch; zero past n_rows, n_cols): kVec: cp.async
-// 16-byte chunks (load_tile_tc; converted after the wait by convert_tile); else element loads,
+// 16-byte chunks (converted after the wait by convert_tile); else element loads,
 // converted on the way (tf32 / hi + lo planes / raw), one rolled loop.
 template <int kPrec, bool kLoPlanes, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
 __device__ __forceinline__ void load_tile_tf32(float* s, int plane, const float* gmem, long long row_stride,
                                                int n_rows, int n_cols) {
     if constexpr (kVec) {
-        load_tile_tc<float, kRows, kCols, kPitch, kNThreads, true>(s, gmem, row_stride, n_rows, n_cols);
+        // As load_tile_tc's chunks (idx = tid + it · kNThreads), rolled: per-chunk 64-bit
+        // addresses unrolled next to the products cost registers the products need.
+        constexpr int kUnitsPerRow = kCols / 4;
+#pragma unroll 1
+        for (int idx = (int)threadIdx.x; idx < kRows * kUnitsPerRow; idx += kNThreads) {
+            const int r = idx / kUnitsPerRow, c = (idx % kUnitsPerRow) * 4;
+            const bool in = r < n_rows && c < n_cols;
+            // Out-of-range chunks copy 0 bytes (zero fill) from the tile origin, never read.
+            fa::cp_async<16>(s + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem, in ? 16 : 0);
+        }
         (void)plane;
     } else {
 #pragma unroll 1
@@ -317,7 +326,9 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
     float* dst = dqa_i + warp * A::kTileFloats + lane;
     const float* A_l = dSt_s + 2 * t * L::kPitchS + g;
     const float* B_l = K_s + 2 * t * L::kPitchD + g;
-#pragma unroll
+    // Rounds of tiles rolled (no register array depends on `it`): unrolled, ptxas overlaps two
+    // rounds' fragments and accumulators past 255 registers (3xtf32, d = 128, 2 warps).
+#pragma unroll 1
     for (int it = 0; it < ceil_div_c(kDQTiles, kNWarps); ++it) {
         if (kDQTiles % kNWarps != 0 && warp + it * kNWarps >= kDQTiles) break;
         int tm, tn;
@@ -446,11 +457,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
             s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
             scale_log2, mask, r0, c_w);
-        // dV_j += P^T dO_i, dK_j += dS^T Q_i from registers first (P^T, then dS^T die: the dQ
-        // product holds neither; the scale of dK applied once, at the end).
+        // dV_j += P^T dO_i first (P^T dies); dS^T to shared memory; dQ_i += dS K_j by atomics
+        // (ordered: in turn); then dK_j += dS^T Q_i (the scale of dK applied once, at the end).
+        // This order keeps every instantiation under 255 registers without spills (measured:
+        // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
         mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
         store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
-        mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
         // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
         if constexpr (kOrderedDQ)
             fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
@@ -459,6 +471,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(
             dqa_entry(grp) + (long long)r0 * kHeadDim, dSt_s, K_s);
         if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+        mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
 
         const bool wrap = i + 1 == Tr;
         i = wrap ? i_begin : i + 1;

@@ -28,8 +28,9 @@ the full matrix.
 import numpy as np
 import pytest
 
+import flasharray as fa
 from flasharray import emulator, reference
-from flasharray._private import cuda_backward_tf32 as T
+from flasharray._private import cuda_backward, cuda_backward_tf32 as T
 from flasharray._private import launch, tiles
 from flasharray._private.dtypes import ATOL
 
@@ -104,6 +105,21 @@ def run_dkv(precision, q, k, v, do, causal, *, ordered=True, vec=None, arch=80, 
     return dq_from_accum(acc, Lq, D, pD, Br, scale), dk, dv
 
 
+def run_api(precision, q, k, v, do, causal, *, scale, deterministic=True, **opts):
+    """(dq, dk, dv), the forward's (lse, D_i) the backward saw and the launches' (name, counters):
+    forward and backward through the library (emulator), k and v broadcast over the group axis."""
+    kb, vb = k[:, :, None], v[:, :, None]
+    out, lse = fa.flash_attention_forward(q, kb, vb, causal=causal, scale=scale, backend="emulator",
+                                          precision=precision)
+    *grads, counters = cuda_backward.backward(do, q, kb, vb, out, lse, causal=causal, scale=scale,
+                                              batch_shape=q.shape[:-2], device="emulator",
+                                              deterministic=deterministic, precision=precision,
+                                              return_counters=True, **opts)
+    dq, dk, dv = grads
+    delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
+    return (dq, dk.reshape(k.shape), dv.reshape(v.shape)), (np.asarray(lse, np.float32), delta), counters
+
+
 # ---------------------------------------------------------------------------------------------
 # float64 references
 # ---------------------------------------------------------------------------------------------
@@ -147,14 +163,6 @@ def backward64(q, k, v, do, lse, delta, causal, scale, rnd=None):
     dk = (np.swapaxes(dsr, -1, -2) @ q64 * scale).sum(2)
     dv = (np.swapaxes(pr, -1, -2) @ do64).sum(2)
     return dq, dk, dv, p, ds
-
-
-def naive32_error(q, k, v, do, causal, scale, ref):
-    """max |naive float32 backward − float64| per gradient (the float32 rule's yardstick)."""
-    got = reference.attention_backward(do, q, *(np.repeat(x[:, :, None], q.shape[2], axis=2) for x in (k, v)),
-                                       causal=causal, scale=scale, dtype=np.float32)
-    dq, dk, dv = got
-    return [np.abs(np.asarray(a, np.float64) - b).max() for a, b in zip((dq, dk.sum(2), dv.sum(2)), ref)]
 
 
 def _amb(x, dx):
@@ -204,20 +212,19 @@ def fp32_term(q, k, v, do, causal, scale):
     return terms, ref, naive
 
 
-def check(precision, D, Lq, Lk, causal, *, Dv=None, G=1, seed=0, **opts):
-    q, k, v, do = make_inputs(D, Lq, Lk, Dv=Dv, G=G, seed=seed)
-    scale = D ** -0.5
-    got = run_dkv(precision, q, k, v, do, causal, scale=scale, **opts)
+def assert_gradients(precision, got, q, k, v, do, causal, scale, lse, delta):
+    """3xtf32: the float32 rule vs float64; tf32: vs the float64 backward of the tf32-rounded
+    operands (given the L, D_i the kernel saw) within flips + the float32 rule's term."""
     for g, x in zip(got, (q, k, v)):
         assert g.shape == x.shape and g.dtype == np.float32 and np.isfinite(g).all()
     terms, ref, naive = fp32_term(q, k, v, do, causal, scale)
     if precision == "3xtf32":
         # The float32 rule (DESIGN.md, gradients: 3 x the naive fp32 error + atol) vs float64.
         for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
-            err, limit = np.abs(g - r).max(), 3 * np.abs(n - r).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(r).max())
+            err = np.abs(g - r).max()
+            limit = 3 * np.abs(n - r).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(r).max())
             assert err <= limit, "%s: error %.3e > %.3e" % (name, err, limit)
-        return got
-    lse, delta = kernel_inputs(q, k, v, do, causal, scale)
+        return
     *ref_t, p, ds = backward64(q, k, v, do, lse, delta, causal, scale, rnd=tf32_round)
     flips = tf32_bound(q, k, v, do, lse, delta, causal, scale, p, ds)
     for name, g, r, f, t in zip(("dq", "dk", "dv"), got, ref_t, flips, terms):
@@ -226,11 +233,20 @@ def check(precision, D, Lq, Lk, causal, *, Dv=None, G=1, seed=0, **opts):
         worst = np.unravel_index(np.argmax(err - limit), err.shape)
         assert np.all(err <= limit), "%s: error %.3e > bound %.3e (flips %.3e)" % (
             name, err[worst], limit[worst], f[worst])
+
+
+def check(precision, D, Lq, Lk, causal, *, Dv=None, G=1, seed=0, **opts):
+    """Forward + backward through the library; the TF32 dK/dV kernel must be the one that ran."""
+    q, k, v, do = make_inputs(D, Lq, Lk, Dv=Dv, G=G, seed=seed)
+    scale = D ** -0.5
+    got, (lse, delta), counters = run_api(precision, q, k, v, do, causal, scale=scale, **opts)
+    assert any(name.startswith(T.KERNEL) for name, _ in counters), [n for n, _ in counters]
+    assert_gradients(precision, got, q, k, v, do, causal, scale, lse, delta)
     return got
 
 
 # (D, Dv, Lq, Lk, causal, G): head dims off the 16-grid (40, 72) and Dv != D, Lq != Lk, lengths off
-# the tiles, causal with Lq > Lk (rows that see no key), an MQA/GQA group.
+# the tiles, causal with Lq > Lk (rows that see no key), MQA/GQA groups (G query heads per k, v).
 SUBSET = [
     (64, 64, 77, 130, False, 1),
     (40, 24, 33, 70, True, 2),
@@ -239,6 +255,8 @@ SUBSET = [
     (72, 32, 90, 40, True, 1),
     (32, 96, 64, 64, True, 2),
 ]
+FULL = [(D, Dv, Lq, Lk, c, G) for D, Dv in ((16, 16), (32, 32), (48, 80), (64, 64), (96, 96), (112, 40), (128, 128))
+        for Lq, Lk in ((1, 64), (65, 63), (130, 200)) for c in (False, True) for G in (1, 2)]
 
 
 def _id(c):
@@ -253,36 +271,95 @@ def test_backward_tf32(precision, case):
     check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", FULL, ids=[_id(c) for c in FULL])
+def test_backward_tf32_full(precision, case):
+    D, Dv, Lq, Lk, causal, G = case
+    check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_backward_tf32_unordered_and_element_loads(precision):
     """deterministic=False (plain atomics) and the element-wise copies (D not a multiple of 4)."""
-    check(precision, 64, 45, 77, True, G=2, ordered=False)
-    check(precision, 59, 33, 50, False, vec=False)
+    check(precision, 64, 45, 77, True, G=2, deterministic=False)
+    check(precision, 59, 33, 50, False)
+
+
+def test_backward_tf32_strided_views_through_the_api():
+    """BSHD views (row stride H·D) through flash_attention_backward, k and v broadcast over the
+    query heads of a group."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 37, 4, 32)).astype(np.float32).transpose(0, 2, 1, 3).reshape(2, 2, 2, 37, 32)
+    k = rng.standard_normal((2, 50, 2, 32)).astype(np.float32).transpose(0, 2, 1, 3)
+    v = rng.standard_normal((2, 50, 2, 32)).astype(np.float32).transpose(0, 2, 1, 3)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    kb, vb = k[:, :, None], v[:, :, None]
+    out, lse = fa.flash_attention_forward(q, kb, vb, causal=True, backend="emulator", precision="3xtf32")
+    dq, dk, dv = fa.flash_attention_backward(do, q, kb, vb, out, lse, causal=True, backend="emulator",
+                                             precision="3xtf32")
+    delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
+    assert_gradients("3xtf32", (dq, dk[:, :, 0], dv[:, :, 0]), q, k, v, do, True, 32 ** -0.5, lse, delta)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_raw_tiles_split_in_registers(precision):
+    """kLoPlanes = false (3xtf32: tiles kept raw in shared memory, every fragment split after its
+    load; tf32: no change), launched directly with such a tile: the same rule."""
+    q, k, v, do = make_inputs(48, 40, 70, Dv=32, G=2)
+    t = T.backward_tile(precision, np.float32, 48, 32, 80)
+    raw = T.Tf32BwdTiles(t.block_m, t.block_n, t.n_threads,
+                         T.smem_bytes(48, 32, t.block_m, t.block_n, precision, False), "raw", 1, precision, 48, 32,
+                         False)
+    scale = 48 ** -0.5
+    got = run_dkv(precision, q, k, v, do, True, scale=scale, tile=raw)
+    lse, delta = kernel_inputs(q, k, v, do, True, scale)
+    assert_gradients(precision, got, q, k, v, do, True, scale, lse, delta)
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "random"])
 def test_ordered_dq_bitwise_under_schedules(schedule):
-    """The ordered dQ mode adds dS K_j in key-block order: bitwise equal under any block/thread
-    schedule (a missing barrier or a conversion race would change dK, dV too)."""
+    """The ordered dQ mode (deterministic default) adds dS K_j in key-block order: bitwise equal
+    under any block / thread schedule (a missing barrier or a conversion race would change dK, dV
+    too)."""
     q, k, v, do = make_inputs(64, 130, 200, G=2, seed=2)
-    ref = run_dkv("3xtf32", q, k, v, do, True)
-    got = run_dkv("3xtf32", q, k, v, do, True, schedule=schedule, seed=5)
+    ref, _, _ = run_api("3xtf32", q, k, v, do, True, scale=0.125)
+    got, _, _ = run_api("3xtf32", q, k, v, do, True, scale=0.125, schedule=schedule, seed=5)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_tf32_kernel_runs_its_mma(precision):
-    """mma count = 5 products per block pair x (1 or 3): the kernel runs its tensor-core path."""
+    """mma = 5 products per block pair x (1 or 3 per product); atomics = Br x 64 per pair; every
+    ldmatrix conflict-free; the copies of q, k, v, dout exactly once per use."""
     q, k, v, do = make_inputs(64, 128, 128, Hk=1)
     counters = []
     run_dkv(precision, q, k, v, do, False, counters=counters)
+    c = counters[0]
     t = T.backward_tile(precision, np.float32, 64, 64, 80)
     pairs = (128 // t.block_m) * (128 // t.block_n)
-    # per pair: S^T, dP^T, dV, dK: Bc x Br x 64 each; dQ: Br x 64 x Bc; m16n8k8 = 1024 MACs
+    # per pair: S^T, dP^T, dV, dK: Bc x Br x 64 each; dQ: Br x 64 x Bc; one m16n8k8 = 1024 MACs
     per_pair = 5 * t.block_n * t.block_m * 64 // (16 * 8 * 8)
-    assert counters[0]["mma"] == pairs * per_pair * T.PREC[precision]
-    assert counters[0]["atomics"] == pairs * t.block_m * 64
+    assert c["mma"] == pairs * per_pair * T.PREC[precision]
+    assert c["atomics"] == pairs * t.block_m * 64
+    assert c.ldmatrix_conflict_factor == 1.0 and c.cp_async_conflict_factor == 1.0
+    # K_j, V_j once per block; Q_i, dO_i and L_i, D_i once per pair (4 bytes each)
+    assert c.cp_async_bytes == 4 * (128 * 128 + pairs * t.block_m * 128)
+
+
+def test_shared_32bit_loads_conflict_free():
+    """The 32-bit shared loads (B rows 2t, 2t + 1 at column g; dS^T rows 2t, 2t + 1 at column g):
+    word offsets 2t·pitch + g of the 32 lanes fall in 32 distinct banks for every pitch the tile
+    table uses (d + 4, dv + 4, Br + 4)."""
+    lanes = np.arange(32)
+    for arch in (80, 86, 89, 90):
+        for precision in PRECISIONS:
+            for d in range(16, 129, 16):
+                t = T.backward_tile(precision, np.float32, d, d, arch)
+                for pitch in (t.head_dim + 4, t.head_dim_v + 4, t.block_m + 4):
+                    banks = (2 * (lanes % 4) * pitch + lanes // 4) % 32
+                    assert len(set(banks.tolist())) == 32, (arch, precision, d, pitch)
 
 
 def test_3xtf32_close_to_fp32_and_tf32_rounds():
@@ -299,8 +376,10 @@ def test_3xtf32_close_to_fp32_and_tf32_rounds():
 
 def test_tiles_and_fallbacks():
     """The tile table: None outside the kernel's domain, NotImplementedError below sm_80, shared
-    memory within the arch's limit, Bc = 16 x warps."""
+    memory within the arch's limit and equal to the layout mirror, Bc = 16 x warps; the library
+    runs the SIMT kernels where it returns None."""
     assert T.backward_tile("ieee", np.float32, 64, 64, 80) is None
+    assert T.backward_tile(None, np.float32, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float16, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float32, 160, 64, 80) is None
     assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True) is None
@@ -312,3 +391,23 @@ def test_tiles_and_fallbacks():
                 t = T.backward_tile(precision, np.float32, d, d, arch)
                 assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
                 assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes)
+    q, k, v, do = make_inputs(160, 17, 33, G=1, Hk=1)
+    _, _, counters = run_api("tf32", q, k, v, do, False, scale=0.1)
+    assert not any(name.startswith(T.KERNEL) for name, _ in counters)
+
+
+def test_smem_mirror_matches_the_kernel_layout():
+    """smem_bytes (Python) equals Tf32BwdSmem::kBytes (C++) for every tile the table chooses."""
+    chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.lo_planes)
+              for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128) for dv in (16, 64, 128)
+              for t in [T.backward_tile(p, np.float32, d, dv, a)]}
+    chosen |= {(48, 32, 32, 32, 3, False)}
+    probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, bool Lo>\n__global__ void tf32_bwd_smem_probe(int* out) {"
+             " out[0] = fa_bwd::Tf32BwdSmem<D, Dv, Br, Bc, P, Lo>::kBytes; }\n")
+    names = ["tf32_bwd_smem_probe<%d, %d, %d, %d, %d, %s>" % (*c[:5], "true" if c[5] else "false") for c in sorted(chosen)]
+    mod = emulator.Module(launch.kernel_source(T.SOURCE) + probe, names)
+    for c, name in zip(sorted(chosen), names):
+        out = np.zeros(1, np.int32)
+        mod.launch(name, 1, 1, (out,))
+        prec = "3xtf32" if c[4] == 3 else "tf32"
+        assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5]), c

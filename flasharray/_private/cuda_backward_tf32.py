@@ -8,19 +8,21 @@ does not apply (another precision or dtype, padded head dims above 128, extensio
 Work split: kNWarps = Bc / 16 warps, warp w owning keys 16 w.. of dK_j, dV_j in registers (every
 column) and the 16 x Br strips of S^T, dP^T (P^T, dS^T as float C fragments). Registers bound Br:
 a thread holds (d + dv) / 2 accumulator floats plus the two strips (Br floats) and their operand
-fragments, so Br shrinks as the head dims grow (measured with NVRTC, tests/test_static_backward_tf32.py:
-zero spills at <= 255 registers):
+fragments, so Br shrinks as the head dims grow (measured with NVRTC on sm_80/86/89/90 for every
+padded d = dv and mixed shapes, every flag: zero spills at <= 255 registers,
+tests/test_static_backward_tf32.py):
 
-    tf32:          (d + dv) / 2 <= 64: Br 64;  <= 96: Br 32;  else Br 16
-    3xtf32:        (d + dv) / 2 <= 64: Br 32;  else Br 16
+    tf32:      max(d, dv) <= 64: Br 64;  <= 96: Br 32;  else Br 16
+    3xtf32:    max(d, dv) <= 64: Br 32;  else Br 16 (and Bc <= 32 above 112: 4 warps spill on sm_90)
 
 Shared memory (fp32, rows padded by 4 floats; ``smem_bytes`` mirrors ``Tf32BwdSmem``): Q_i, dO_i,
-K_j, V_j and dS^T (Bc x Br) — one tf32 plane each, or hi and lo planes for 3xtf32 (``lo_planes``);
-3xtf32 without lo planes keeps the tiles raw and splits every fragment in registers (more
-instructions per HMMA, half the shared memory). Bc is chosen per arch among 64, 32, 16 (x lo
-planes / raw for 3xtf32): the most resident warps per SM (shared memory per SM, at most 8 warps:
-the kernels need 200-255 registers), then the larger Bc (fewer reloads of Q_i, dO_i), then lo
-planes.
+K_j, V_j and dS^T (Bc x Br) — one tf32 plane each, or hi and lo planes for 3xtf32 (``lo_planes``).
+3xtf32 without lo planes (raw fp32 tiles, every fragment split in registers: more instructions
+per HMMA, half the shared memory) is supported by the kernel but chosen only where no lo-plane tile
+fits (none of today's arches for d, dv <= 128). Bc among 64, 32, 16: the most resident warps per
+SM by shared memory (at most 8: the kernels need 150-255 registers), ties to the larger Bc (fewer
+reloads of Q_i, dO_i). E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
+Bc 64, d 128 Br 16 Bc 32; sm_86/89: 3xtf32 d 64 Bc 32, d 128 Bc 16.
 """
 from dataclasses import dataclass
 
@@ -85,6 +87,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     best = None
     for lo in ((True, False) if precision == "3xtf32" else (True,)):  # lo planes whenever they fit
         for bc in (64, 32, 16):
+            if precision == "3xtf32" and max(d, dv) > 112 and bc > 32:
+                continue  # 4 warps spill 32-96 bytes on sm_90 (causal, plain atomics); 2 do not
             smem = smem_bytes(d, dv, br, bc, precision, lo)
             if smem > limit:
                 continue

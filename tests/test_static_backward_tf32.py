@@ -1,0 +1,117 @@
+"""Static checks of the TF32 backward (cuda_src/flash_bwd_tf32.cu) with NVRTC (no GPU needed).
+
+Every instantiation the tile table (``cuda_backward_tf32.backward_tile``) chooses compiles for
+sm_80, sm_86, sm_89 and sm_90 with zero spills, no local stack, no static shared memory,
+registers x threads within the register file and dynamic shared memory within the arch's opt-in
+maximum; the query-block loop (``sass.key_loop``) holds exactly the HMMA.1688.F32.TF32 of one
+visit (5 products, kPrec mma each) and no other HMMA, at no more instructions per HMMA than the
+measured limit (``MAX_PER_HMMA``, a regression bound: the figures are in docs/precision.md);
+sm_75 is refused at compile time and by the host.
+
+Default: d = dv in {64, 128} plus the Dv != D shapes of test_cuda_backward_tf32.py, both
+precisions, flags (non-causal, cp.async, ordered) and (causal, element-wise, plain atomics);
+``-m slow``: every padded head dim 16..128 x every flag.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_backward_tf32 as T
+from flasharray._private import launch, nvrtc, sass, tiles
+from conftest import requires_nvrtc
+
+pytestmark = requires_nvrtc
+SASS_OK, SASS_WHY = sass.available()
+ARCHS = (80, 86, 89, 90)
+REGISTER_FILE = 64 * 1024
+#: Instructions per HMMA of the query-block loop (static count: the rolled copy / conversion / dQ
+#: rounds loops nested in it count once), measured on sm_80/86/89/90 over every padded d = dv and
+#: the tests' Dv != D shapes, all flags (docs/precision.md), plus ~10%: a regression bound.
+#: The smallest head dim pays the per-visit fixed cost (P, dS, masks, copies) over few HMMA.
+MAX_PER_HMMA = {"tf32": (12.5, 8.4), "3xtf32": (8.3, 5.9)}  # (max(d, dv) = 16, larger)
+
+DEFAULT_DIMS = [(64, 64), (128, 128), (40, 24), (72, 32), (32, 96), (16, 16)]
+ALL_FLAGS = list(itertools.product((False, True), repeat=3))  # causal, vec, ordered
+
+
+def instantiations(arch, dims, flags):
+    found = {}
+    for precision in T.PREC:
+        for D, Dv in dims:
+            t = T.backward_tile(precision, np.float32, D, Dv, arch)
+            for causal, vec, ordered in flags:
+                found[T.dkv_name(t, precision, t.head_dim, t.head_dim_v, causal, vec, ordered)] = t
+    return found
+
+
+def expected_hmma(t):
+    """Static mma of one visit and warp: S^T, dP^T (d/8, dv/8 k-steps x Br/8 n-tiles), dV, dK
+    (Br/8 k-steps x dv/8, d/8 n-tiles), and one dQ tile (Bc/8 k-steps x kDQCols/8: the rounds of
+    tiles are a rolled loop), kPrec each."""
+    d, dv, br, bc = t.head_dim, t.head_dim_v, t.block_m, t.block_n
+    cols = 32 if d % 32 == 0 else 16
+    per = 2 * (d + dv) // 8 * br // 8 + bc // 8 * cols // 8
+    return per * T.PREC[t.precision]
+
+
+def limit(t):
+    small, large = MAX_PER_HMMA[t.precision]
+    return small if max(t.head_dim, t.head_dim_v) <= 16 else large
+
+
+def compile_report(arch, dims, flags):
+    """[(name, tile, kernel info, loop or None)] for the instantiations, and the problems found."""
+    found = instantiations(arch, dims, flags)
+    res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
+                              options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    rows, problems = [], []
+    for name, t in found.items():
+        k = res.kernel(name)
+        loop = sass.key_loop(fns[k.lowered_name]) if fns is not None else None
+        rows.append((name, t, k, loop, fns[k.lowered_name] if fns is not None else None))
+        if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
+            problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
+                                                                         k.stack_frame, k.static_smem))
+        if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(arch):
+            problems.append("%s: %d regs, %d bytes smem" % (name, k.registers, t.smem))
+        if loop is not None:
+            body = fns[k.lowered_name]
+            tf32 = sum(1 for i in body if i.opcode == "HMMA.1688.F32.TF32" and loop.start <= i.address <= loop.end)
+            if not (tf32 == loop.stats.hmma == expected_hmma(t)):
+                problems.append("%s: loop %d HMMA.1688.F32.TF32 of %d HMMA, expected %d"
+                                % (name, tf32, loop.stats.hmma, expected_hmma(t)))
+            if loop.per_hmma > limit(t):
+                problems.append("%s: %.2f instructions per HMMA > %.2f" % (name, loop.per_hmma, limit(t)))
+    return rows, problems
+
+
+def _check(arch, dims, flags):
+    rows, problems = compile_report(arch, dims, flags)
+    for name, t, k, loop, _ in rows:
+        print("sm_%d %-78s regs %3d spill %d/%d smem %6d%s" % (
+            arch, name, k.registers, k.spill_stores, k.spill_loads, t.smem,
+            "  loop %d instr, %d HMMA (%.2f/HMMA)" % (loop.stats.instructions, loop.stats.hmma, loop.per_hmma)
+            if loop is not None else ""))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_backward_compiles(arch):
+    _check(arch, DEFAULT_DIMS, [(False, True, True), (True, False, False)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_backward_compiles_all_head_dims(arch):
+    _check(arch, [(d, d) for d in range(16, 129, 16)], ALL_FLAGS)
+
+
+def test_sm75_refused():
+    t = T.backward_tile("tf32", np.float32, 64, 64, 80)
+    with pytest.raises(Exception, match="needs sm_80"):
+        nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_75", [T.dkv_name(t, "tf32", 64, 64, False, True, True)])
+    for precision in T.PREC:
+        with pytest.raises(NotImplementedError, match="sm_75"):
+            T.backward_tile(precision, np.float32, 64, 64, 75)
