@@ -145,6 +145,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 template <typename T, int kHeadDim, int kBlockM, int kBlockN>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                              const unsigned char* sK_j) {
+  fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {

@@ -6,7 +6,7 @@ sm_90a with zero spills, no local stack, no static shared memory, registers x th
 register file and dynamic shared memory within the opt-in maximum. In the SASS the key-tile loop
 (the loop holding the most HGMMA) holds every HGMMA of the kernel, exactly one key tile's:
 d/16 HGMMA for S (SS: both operands through descriptors) plus Bc/16 for O (RS: P from registers).
-Compiling for plain sm_90 is refused at compile time (``fa::wgmma needs sm_90a``). The registers per
+ptxas reports no wgmma serialization. Compiling for plain sm_90 is refused at compile time (``fa::wgmma needs sm_90a``). The registers per
 thread and the key loop's instructions are printed (``-s``; docs/hopper.md quotes them).
 """
 import numpy as np
@@ -48,6 +48,8 @@ def _check(dtypes, head_dims):
     res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
     fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
     problems, rows = [], []
+    # ptxas's advisory when it has to serialize wgmma (e.g. accumulators touched across the pipeline)
+    problems += [line for line in res.log.splitlines() if "serializ" in line.lower()]
     for name, t in found.items():
         k = res.kernel(name)
         occ = sass.occupancy(90, k.registers, t.n_threads, t.smem)
