@@ -113,12 +113,15 @@ struct DQAccumLayout {
 };
 
 // The ordered dQ mode's counters (flash_bwd_dkv_kernel, kOrderedDQ): one int per query block,
-// stored after a batch entry's ceil(Lq / Br) query blocks of Br x D accumulator floats (the host
-// adds ceil(Tr / D) rows of D floats; the preprocess clears them with the floats: +0.0f is int 0).
+// stored after a batch entry's ceil(Lq / Br) query blocks of Br x D accumulator elements (float or
+// double; the host adds ceil(Tr / D) rows of D elements; the preprocess clears them with the
+// accumulator: +0.0 is int 0).
 template <int kBlockM, int kHeadDim>
 struct DQOrderCounters {
     int Lq;
-    __device__ __forceinline__ int* counter(float* entry, int i) const {
+    // AccT: float (fp16/bf16 kernels) or double (flash_bwd_f64.cu), the accumulator's element type.
+    template <typename AccT>
+    __device__ __forceinline__ int* counter(AccT* entry, int i) const {
         const long long blocks = (Lq + kBlockM - 1) / kBlockM;
         return reinterpret_cast<int*>(entry + blocks * kBlockM * kHeadDim) + i;
     }

@@ -1,0 +1,514 @@
+// flash_bwd_f64.cu — FlashAttention-2 backward for float64 inputs on the double-precision tensor
+// cores (DMMA, mma.sync.m8n8k4.f64, sm_80+), issue 12: the dK/dV kernel with atomic dQ.
+//
+// Same algorithm and work split as the fp16/bf16 tensor-core kernel flash_bwd_dkv_kernel
+// (flash_bwd.cu; read the comment above it): one block per (key block j, K/V batch entry); K_j,
+// V_j stay in shared memory while the block walks the query blocks i (and the n_group query batch
+// entries of an MQA/GQA group); per block pair S^T = K_j Q_i^T and dP^T = V_j dO_i^T are
+// recomputed, P^T = exp2(S^T·scale·log2e − L_i·log2e), dS^T = P^T ∘ (dP^T − D_i) stay in
+// registers as the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i; dS goes to shared memory
+// for dQ_i += dS K_j, added by double atomics into the fragment-ordered accumulator
+// DQAccumLayout<kHeadDim> (flash_bwd_common.cuh; unscaled: flash_bwd_convert.cu applies the scale).
+// kOrderedDQ: the same atomics in key-block order (fa::sem_wait / fa::sem_post on the
+// DQOrderCounters ints after each entry's blocks): bitwise deterministic. Everything is IEEE fp64:
+// DMMA products (fp64 fma chains), double accumulation, P by flash_f64_exp.cuh's exp2_nonpositive
+// (its argument is <= 0 up to rounding for the forward's LSE; the argument is clamped at 1024 so
+// that the routine's domain, x <= 1023.5, always holds: an LSE below the scores by more than
+// 700 nats gives +inf, as exp2 does from 1024 on).
+//
+// Warps: warp w owns keys w·8·kMT .. +8·kMT−1 of K_j (kMT m8 tiles: rows g, g + 8), all Br queries
+// of the score strip, and all columns of its dK_j, dV_j rows: Bc = 8·kMT·kNWarps.
+// Fragments (m8n8k4 f64; g = lane / 4, t = lane % 4):
+//   A 8×4 row:  a0 = A[g][t]      B 4×8 col:  b0 = B[t][g]      C 8×8:  c0, c1 = C[g][2t, 2t+1]
+// Each shared-memory read is one 16-byte load (two doubles) feeding two k4 steps, by permuting the
+// indices a product sums over (or that only relabel output columns):
+//   S^T = K Q^T, dP^T = V dO^T, per 16 head-dim columns c: lane (g, t) loads the rows' columns
+//     16c + 4t + 2h, +1 (h = 0, 1) of both operands; k4 step (h, e) uses element e of load h — the
+//     same permutation of the head dim for A and B (pitch ≡ 2 mod 4 doubles: the 8 lanes of a
+//     16-byte phase, rows g ∈ {0, 1} × t, hit the 16-byte bank groups 2t + g·pitch/2, distinct).
+//   dV += P^T dO, dK += dS^T Q: lane (g, t) holds P^T[key g][query 8nt + 2t + e] (C layout) and
+//     uses it as a0 of k4 step e (k index t = query 8nt + 2t + e), so b0 = dO[8nt + 2t + e][·]: one
+//     16-byte load of dO[query][16p + 2g, +1] feeds output n8 tiles 2p, 2p + 1 (B column g of tile
+//     2p + h is column 16p + 2g + h), and C element j of tile 2p + h is column 16p + 4t + 2j + h
+//     (pitch ≡ 2 mod 8: the phase's groups t·pitch + g... = 2t + g, distinct).
+//   dQ += dS K: A = dS (Br × Bc, row-major in shared memory, pitch Bc + 8 ≡ 8 mod 16: groups
+//     4g + t), natural k order (16-byte load of keys 8kc + 2t, +1); B = K[8kc + 2t + e][col g],
+//     8-byte loads (phases of 16 lanes: 8-byte slots 4t + g with pitch ≡ 2 mod 16), so the C tiles
+//     are DQAccumLayout's m16n8 fragments unpermuted (two m8 tiles = rows g, g + 8).
+// Row pitches (doubles): Q_i, K_j d + 2; dO_i, V_j dv + 2; dS Bc + 8.
+//
+// Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128; Br a
+// multiple of 16; kMT ∈ {1, 2}. The FLASH_EXT_PARAMS tail is taken (the host's dense argument
+// list) and ignored: calls with extensions run the SIMT kernel.
+// flasharray/_private/cuda_backward_f64.py mirrors BwdF64Traits::kBytes and picks the tiles.
+#include "flash_bwd_mma.cuh"       // load_tile_tc, ceil_div_c, align16, DQAccumLayout, DQOrderCounters
+#include "flash_kernel_traits.cuh"  // flash::Vec16
+#include "flash_ext.cuh"            // FLASH_EXT_PARAMS
+#include "flash_f64_exp.cuh"        // flash::exp2_nonpositive
+
+namespace fa_bwd {
+
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdF64Traits {
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kMT = kBlockN / (8 * kNWarps);  // m8 key tiles per warp
+    static constexpr int kNT = kBlockM / 8;              // n8 query tiles of the score strip
+    static constexpr int kPitchD = kHeadDim + 2, kPitchDv = kHeadDimV + 2, kPitchS = kBlockN + 8;  // doubles
+    static constexpr int kQ = 0;                                            // Q_i  Br × d
+    static constexpr int kdO = kQ + align16(kBlockM * kPitchD * 8);         // dO_i Br × dv
+    static constexpr int kK = kdO + align16(kBlockM * kPitchDv * 8);        // K_j  Bc × d
+    static constexpr int kV = kK + align16(kBlockN * kPitchD * 8);          // V_j  Bc × dv
+    static constexpr int kdS = kV + align16(kBlockN * kPitchDv * 8);        // dS   Br × Bc
+    static constexpr int kL = kdS + align16(kBlockM * kPitchS * 8);         // L_i·log2e  Br
+    static constexpr int kDelta = kL + align16(kBlockM * 8);                 // D_i        Br
+    // dV_j in shared memory (Bc × dv, pitch dv + 2; each lane updates its own elements) where dK_j
+    // and dV_j together would take more than 128 of the thread's registers: ptxas then spills.
+    static constexpr bool kDVSmem = kMT * (kHeadDim + kHeadDimV) > 128;
+    static constexpr int kdV = kDelta + align16(kBlockM * 8);                // dV_j       Bc × dv
+    static constexpr int kBytes = kdV + (kDVSmem ? align16(kBlockN * kPitchDv * 8) : 0);
+
+    static_assert(kBlockN == 8 * kMT * kNWarps && (kMT == 1 || kMT == 2), "Bc = 8·kMT·warps, kMT in {1, 2}");
+    static_assert(kBlockM % 16 == 0, "Br: whole 16-row dQ tiles");
+    static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
+                  "d, dv: multiples of 16, at most 128");
+    static_assert(kPitchD % 8 == 2 && kPitchDv % 8 == 2 && kPitchS % 16 == 8,
+                  "pitches: conflict-free 16-byte fragment loads");
+};
+
+using Dbl2 = flash::Vec16<double>;
+
+// D += A·B on the DMMA (m8n8k4 f64).
+__device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
+    const double av[1] = {a}, bv[1] = {b}, c[2] = {d[0], d[1]};
+    fa::mma_m8n8k4_f64(d, av, bv, c);
+}
+
+// Two doubles from shared memory (one 16-byte load).
+__device__ __forceinline__ Dbl2 lds2(const double* p) { return *reinterpret_cast<const Dbl2*>(p); }
+
+// 2^x for the softmax weights: exp2_nonpositive on its domain (x <= 1023.5); x > 1024 -> +inf
+// (as exp2); NaN stays NaN.
+__device__ __forceinline__ double exp2_weight(double x) { return flash::exp2_nonpositive(x > 1024.0 ? 1024.0 : x); }
+
+template <int kMT, int kN>
+__device__ __forceinline__ void zero_f64(double (&acc)[kMT][kN][2]) {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+        for (int n = 0; n < kN; ++n) acc[m][n][0] = acc[m][n][1] = 0.0;
+}
+
+// acc (8·kMT rows × 8·kNT columns) += A B^T over kCols columns, A rows at A_l (the warp's first
+// row, this lane's offset applied), B rows at B_l (0..8 kNT−1): the A' order of the header.
+// A_l = A_s + g·pitch + 4t, B_l = B_s + g·pitch + 4t.
+template <int kMT, int kNT, int kCols, int kPitch>
+__device__ __forceinline__ void gemm_abt(double (&acc)[kMT][kNT][2], const double* A_l, const double* B_l) {
+#pragma unroll
+    for (int c = 0; c < kCols / 16; ++c) {
+        Dbl2 a[kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) a[mt][h] = lds2(A_l + 8 * mt * kPitch + 16 * c + 2 * h);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const Dbl2 b = lds2(B_l + 8 * nt * kPitch + 16 * c + 2 * h);
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][nt], a[mt][h].v[e], b.v[e]);
+            }
+    }
+}
+
+// acc (8·kMT rows × kCols columns, permuted: tile 2p + h, element j = column 16p + 4t + 2j + h)
+// += A (registers: C layout of 8·kMT × 8·kNT) · B (8·kNT × kCols in shared memory, row-major).
+// B_l = B_s + 2t·pitch + 2g.
+template <int kMT, int kNT, int kCols, int kPitch>
+__device__ __forceinline__ void gemm_rab(double (&acc)[kMT][kCols / 8][2], const double (&a)[kMT][kNT][2],
+                                         const double* B_l) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int p = 0; p < kCols / 16; ++p) {
+                const Dbl2 b = lds2(B_l + (8 * nt + e) * kPitch + 16 * p);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][2 * p + h], a[mt][nt][e], b.v[h]);
+            }
+}
+
+// As gemm_rab with the accumulator in shared memory (Tr::kDVSmem): per 16-column pair p, this lane's
+// elements (rows g + 8mt, columns 16p + 4t .. +3 = two 16-byte words) are loaded, updated by every
+// k4 step and stored back. C_l = C_s + g·pitch + 4t (the warp's first row); only this lane touches them.
+template <int kMT, int kNT, int kCols, int kPitch>
+__device__ __forceinline__ void gemm_rab_smem(double* C_l, const double (&a)[kMT][kNT][2], const double* B_l) {
+#pragma unroll
+    for (int p = 0; p < kCols / 16; ++p) {
+        double acc[kMT][2][2];  // [mt][h][j]: column 16p + 4t + 2j + h
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            const Dbl2 lo = lds2(C_l + 8 * mt * kPitch + 16 * p), hi = lds2(C_l + 8 * mt * kPitch + 16 * p + 2);
+            acc[mt][0][0] = lo.v[0], acc[mt][1][0] = lo.v[1], acc[mt][0][1] = hi.v[0], acc[mt][1][1] = hi.v[1];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const Dbl2 b = lds2(B_l + (8 * nt + e) * kPitch + 16 * p);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][h], a[mt][nt][e], b.v[h]);
+            }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            *reinterpret_cast<Dbl2*>(C_l + 8 * mt * kPitch + 16 * p) = Dbl2{{acc[mt][0][0], acc[mt][1][0]}};
+            *reinterpret_cast<Dbl2*>(C_l + 8 * mt * kPitch + 16 * p + 2) = Dbl2{{acc[mt][0][1], acc[mt][1][1]}};
+        }
+    }
+}
+
+// P^T (in s) and dS^T (in dp) from the strip's S^T, dP^T (keys key_w + 8mt + g, queries
+// r0 + 8nt + 2t + e). kMasked: the tile crosses the causal diagonal or the key sequence end (rows
+// past Lq need no test: their L_i·log2e is +inf, so P = 0).
+template <class Tr, bool kMasked, class M>
+__device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
+                                         const double* lse2_s, const double* delta_s, double scale_log2,
+                                         const M& mask, int r0, int key_w) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNT; ++nt) {
+        const Dbl2 lse2 = lds2(lse2_s + 8 * nt + 2 * t), delta = lds2(delta_s + 8 * nt + 2 * t);
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                double x = s[mt][nt][e];
+                if constexpr (kMasked) x = mask.apply(x, r0 + 8 * nt + 2 * t + e, key_w + 8 * mt + g);
+                const double p = exp2_weight(fma(x, scale_log2, -lse2.v[e]));
+                dp[mt][nt][e] = p * (dp[mt][nt][e] - delta.v[e]);  // dS^T
+                s[mt][nt][e] = p;                                     // P^T
+            }
+    }
+}
+
+// The warp's score strip: S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T (in s), dS^T (in dp).
+template <class Tr, class M>
+__device__ __forceinline__ void scores_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
+                                           const double* K_l, const double* V_l, const double* Q_l,
+                                           const double* dO_l, const double* lse2_s, const double* delta_s,
+                                           double scale_log2, const M& mask, bool masked, int r0, int key_w) {
+    zero_f64(s);
+    zero_f64(dp);
+    gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDim, Tr::kPitchD>(s, K_l, Q_l);
+    gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDimV, Tr::kPitchDv>(dp, V_l, dO_l);
+    if (masked)
+        p_ds_f64<Tr, true>(s, dp, lse2_s, delta_s, scale_log2, mask, r0, key_w);
+    else
+        p_ds_f64<Tr, false>(s, dp, lse2_s, delta_s, scale_log2, mask, r0, key_w);
+}
+
+// dQ_i += dS K_j with double atomics into query block i's accumulator dqa_i (DQAccumLayout:
+// 16 × kDQCols tiles dealt round-robin to the warps, each atomic a warp-wide 256 contiguous bytes).
+// A tile is done kNGroup n8 tiles at a time (fewer live accumulators next to dK_j, dV_j; each
+// pass reloads the dS fragments).
+template <class Tr, int kNGroup>
+__device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s, const double* K_s) {
+    using A = DQAccumLayout<Tr::kHeadDim>;
+    constexpr int kTiles = (Tr::kBlockM / 16) * A::kColTiles;
+    static_assert((A::kDQCols / 8) % kNGroup == 0, "whole groups of n8 tiles");
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // Not unrolled: with a partial last round (kTiles % warps != 0) ptxas hoisted the second tile's
+    // loads past the guard and spilled (d = 48, Br = 32; d = 96, 112 on 2 warps).
+#pragma unroll 1
+    for (int it = 0; it < ceil_div_c(kTiles, Tr::kNWarps); ++it) {
+        const int tt = warp + it * Tr::kNWarps;
+        if (kTiles % Tr::kNWarps != 0 && tt >= kTiles) break;
+        const int tm = tt / A::kColTiles, tn = tt % A::kColTiles;
+        const double* A_l = dS_s + (16 * tm + g) * Tr::kPitchS + 2 * t;
+        const double* B_l = K_s + 2 * t * Tr::kPitchD + tn * A::kDQCols + g;
+        double* dst = dqa_i + tt * A::kTileFloats + lane;
+#pragma unroll
+        for (int n0 = 0; n0 < A::kDQCols / 8; n0 += kNGroup) {
+            double acc[2][kNGroup][2];
+            zero_f64(acc);
+#pragma unroll
+            for (int kc = 0; kc < Tr::kBlockN / 8; ++kc) {
+                Dbl2 a[2];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) a[mt] = lds2(A_l + 8 * mt * Tr::kPitchS + 8 * kc);
+#pragma unroll
+                for (int n = 0; n < kNGroup; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const double b = B_l[(8 * kc + e) * Tr::kPitchD + 8 * (n0 + n)];
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) dmma(acc[mt][n], a[mt].v[e], b);
+                    }
+            }
+#pragma unroll
+            for (int n = 0; n < kNGroup; ++n)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) fa::atomic_add(dst + ((n0 + n) * 4 + 2 * mt + j) * 32, acc[mt][n][j]);
+        }
+    }
+}
+
+// dS (queries × keys, row-major, pitch kPitchS) from the warp's dS^T fragments.
+template <class Tr>
+__device__ __forceinline__ void store_ds(double* dS_s, const double (&ds)[Tr::kMT][Tr::kNT][2], int key_w_local) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    double* d_l = dS_s + 2 * t * Tr::kPitchS + key_w_local + g;
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int mt = 0; mt < Tr::kMT; ++mt) d_l[(8 * nt + e) * Tr::kPitchS + 8 * mt] = ds[mt][nt][e];
+}
+
+// A kRows × kCols tile of doubles into shared memory (load_tile_tc: 16-byte cp.async chunks when
+// kVec, zero-filled past n_rows, n_cols). Where the block's threads do not divide into whole rows
+// of chunks (d / 2 chunks per row: d = 48 on 128 threads, 96, 112 on 64), a rolled loop: unrolled,
+// its per-chunk 64-bit addresses were hoisted into registers and the kernel spilled.
+template <int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
+__device__ __forceinline__ void load_tile_f64(double* smem, const double* gmem, long long row_stride, int n_rows,
+                                              int n_cols) {
+    constexpr int kChunksPerRow = kCols / 2;
+    if constexpr (!kVec || kNThreads % kChunksPerRow == 0) {
+        load_tile_tc<double, kRows, kCols, kPitch, kNThreads, kVec>(smem, gmem, row_stride, n_rows, n_cols);
+    } else {
+#pragma unroll 1
+        for (int e = (int)threadIdx.x; e < kRows * kChunksPerRow; e += kNThreads) {
+            const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * 2;
+            const bool in = r < n_rows && c < n_cols;
+            fa::cp_async<16>(smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem, in ? 16 : 0);
+        }
+    }
+}
+
+// L_i·log2e (+inf for a row that saw no key and for rows past Lq: P = exp2(−inf) = 0 there) and D_i.
+template <int kBlockM, int kNThreads>
+__device__ __forceinline__ void load_row_stats_f64(double* lse2_s, double* delta_s, const double* lse,
+                                                   const double* delta, int r0, int Lq) {
+#pragma unroll
+    for (int it = 0; it < (kBlockM + kNThreads - 1) / kNThreads; ++it) {
+        const int r = (int)threadIdx.x + it * kNThreads;
+        if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
+        const bool in = r0 + r < Lq;
+        const double l = in ? fa::gload(lse + r0 + r) : -static_cast<double>(INFINITY);
+        lse2_s[r] = l == -static_cast<double>(INFINITY) ? static_cast<double>(INFINITY) : l * flash::kLog2eD;
+        delta_s[r] = in ? fa::gload(delta + r0 + r) : 0.0;
+    }
+}
+
+// threadIdx.x read afresh (the epilogue's key rows are recomputed after the query-block loop
+// instead of being held across it: at d = dv = 128 ptxas otherwise spills them).
+__device__ __forceinline__ int tid_fresh() {
+#if defined(__CUDA_ARCH__)
+    int x;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+    return x;
+#else
+    return (int)threadIdx.x;
+#endif
+}
+
+// The epilogue's sources of columns 16p + 4t .. +3 of rows 8mt + g of the warp's dK_j / dV_j rows:
+// register accumulators (acc[mt][2p + h][j] is column 16p + 4t + 2j + h) or dV_j in shared memory.
+template <int kMT, int kN>
+struct AccFromRegs {
+    const double (&acc)[kMT][kN][2];
+    __device__ __forceinline__ void operator()(int mt, int p, int, int, int, double (&x)[4]) const {
+        x[0] = acc[mt][2 * p][0], x[1] = acc[mt][2 * p + 1][0], x[2] = acc[mt][2 * p][1], x[3] = acc[mt][2 * p + 1][1];
+    }
+};
+template <int kMT, int kPitch>
+struct AccFromSmem {
+    const double* C_s;
+    __device__ __forceinline__ void operator()(int mt, int p, int warp, int g, int t, double (&x)[4]) const {
+        const double* r = C_s + (warp * 8 * kMT + 8 * mt + g) * kPitch + 16 * p + 4 * t;
+        const Dbl2 lo = lds2(r), hi = lds2(r + 2);
+        x[0] = lo.v[0], x[1] = lo.v[1], x[2] = hi.v[0], x[3] = hi.v[1];
+    }
+};
+
+// Epilogue: the warp's rows (keys key0 + 8mt + g) of dK_j or dV_j times mult, columns
+// 16p + 4t .. +3 = get(mt, p, x) (registers: acc[mt][2p + h][j] is column 16p + 4t + 2j + h;
+// shared memory: two 16-byte words), rows < Lk and columns < n_cols: 16-byte stores (two per
+// 16-column pair) when the rows are 16-byte aligned and n_cols is even, else element stores.
+template <int kMT, int kCols, class Get>
+__device__ __forceinline__ void store_dkv(double* dst, long long row_stride, const Get& get, double mult, int c0,
+                                          int Lk, int n_cols) {
+    const int tid = tid_fresh(), lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int key0 = c0 + tid / 32 * 8 * kMT;  // the warp's first key
+    const bool vec = row_stride % 2 == 0 && reinterpret_cast<unsigned long long>(dst) % 16 == 0 && n_cols % 2 == 0;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        const int key = key0 + 8 * mt + g;
+        if (key >= Lk) continue;
+        double* d_row = dst + (long long)key * row_stride;
+#pragma unroll
+        for (int p = 0; p < kCols / 16; ++p) {
+            const int c = 16 * p + 4 * t;
+            double x[4];
+            get(mt, p, tid / 32, g, t, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) x[q] *= mult;
+            if (vec) {
+                if (c < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c), Dbl2{{x[0], x[1]}});
+                if (c + 2 < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c + 2), Dbl2{{x[2], x[3]}});
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (c + q < n_cols) fa::gstore(d_row + c + q, x[q]);
+            }
+        }
+    }
+}
+
+}  // namespace fa_bwd
+using namespace fa_bwd;
+
+// dK_j, dV_j and atomic dQ: grid = (Tc, nb1 * nb2, nb0); the argument list of flash_bwd_dkv_kernel
+// (T = OutT = AccT = double). kVecLoad: q, k, v, dout rows 16-byte aligned, D and Dv even (cp.async
+// 16-byte chunks), else element loads. kOrderedDQ: dQ's atomics in key-block order (see above).
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kVecLoad,
+          bool kOrderedDQ>
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f64_kernel(
+    const double* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
+    const double* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
+    const double* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
+    const double* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_g,
+    long long do_row,
+    const double* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
+    const double* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
+    double* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
+    long long dqa_row /* = kHeadDim (DQAccumLayout); unused */,
+    double* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
+    double* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, double scale, FLASH_EXT_PARAMS(double)) {
+    using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>;
+    constexpr int kNThreads = Tr::kNThreads, kMT = Tr::kMT, kNT = Tr::kNT;
+    // n8 tiles of dQ per atomic pass: 2 where dK_j, dV_j take 128 registers or more, else a whole tile.
+    constexpr int kDQGroup = kMT * (kHeadDim + kHeadDimV) >= 256 ? 1 : DQAccumLayout<kHeadDim>::kDQCols / 8;
+    (void)dqa_row;
+
+    FA_DYNAMIC_SMEM(smem);
+    double* Q_s = reinterpret_cast<double*>(smem + Tr::kQ);
+    double* dO_s = reinterpret_cast<double*>(smem + Tr::kdO);
+    double* K_s = reinterpret_cast<double*>(smem + Tr::kK);
+    double* V_s = reinterpret_cast<double*>(smem + Tr::kV);
+    double* dS_s = reinterpret_cast<double*>(smem + Tr::kdS);
+    double* lse2_s = reinterpret_cast<double*>(smem + Tr::kL);
+    double* delta_s = reinterpret_cast<double*>(smem + Tr::kDelta);
+
+    const BatchIndex b = BatchIndex::from_grid(nb2);
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
+    const int kw = warp * 8 * kMT;             // the warp's first key in K_j
+    const double scale_log2 = scale * flash::kLog2eD;
+    const Mask<kIsCausal, 0, double> mask(Lq, Lk);
+
+    // Visits (grp, i): i from i_begin (causal: blocks above the diagonal skipped) to Tr − 1, grp outer.
+    const int i_begin = mask.m_block_min(c0, kBlockM);
+    const int n_q_blocks = (Lq + kBlockM - 1) / kBlockM;
+    const int n_visits = (n_q_blocks > i_begin ? n_q_blocks - i_begin : 0) * n_group;
+    auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g; };
+    const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
+
+    // -- prologue: K_j, V_j into shared memory, once.
+    load_tile_f64<kBlockN, kHeadDim, Tr::kPitchD, kNThreads, kVecLoad>(
+        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+    load_tile_f64<kBlockN, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
+        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    fa::cp_async_commit();
+
+    // Per-lane fragment addresses (header): A' order for S^T, dP^T; C-layout rows for dV, dK.
+    const double* K_l = K_s + (kw + g) * Tr::kPitchD + 4 * t;
+    const double* V_l = V_s + (kw + g) * Tr::kPitchDv + 4 * t;
+    const double* Q_l = Q_s + g * Tr::kPitchD + 4 * t;
+    const double* dO_l = dO_s + g * Tr::kPitchDv + 4 * t;
+    const double* Qb_l = Q_s + 2 * t * Tr::kPitchD + 2 * g;
+    const double* dOb_l = dO_s + 2 * t * Tr::kPitchDv + 2 * g;
+
+    // dK_j, dV_j rows kw + 8mt + g (dV_j in shared memory where Tr::kDVSmem: this lane's elements).
+    double dK_acc[kMT][kHeadDim / 8][2], dV_acc[kMT][Tr::kDVSmem ? 2 : kHeadDimV / 8][2];
+    double* dV_l = reinterpret_cast<double*>(smem + Tr::kdV) + (kw + g) * Tr::kPitchDv + 4 * t;
+    zero_f64(dK_acc);
+    zero_f64(dV_acc);
+    if constexpr (Tr::kDVSmem) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int c = 0; c < kHeadDimV; c += 2) {
+                if (c % 16 < 4) *reinterpret_cast<Dbl2*>(dV_l + 8 * mt * Tr::kPitchDv + c) = Dbl2{{0.0, 0.0}};
+            }
+    }
+
+    int grp = 0, i = i_begin;
+    for (int visit = 0; visit < n_visits; ++visit) {
+        const int r0 = i * kBlockM;
+        // Barrier: every warp is done with the previous visit's Q_i, dO_i, dS, L_i, D_i.
+        __syncthreads();
+        load_tile_f64<kBlockM, kHeadDim, Tr::kPitchD, kNThreads, kVecLoad>(
+            Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row,
+            Lq - r0, D);
+        load_tile_f64<kBlockM, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
+            dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
+            do_row, Lq - r0, Dv);
+        fa::cp_async_commit();
+        load_row_stats_f64<kBlockM, kNThreads>(lse2_s, delta_s,
+                                               lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
+                                               delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+        fa::cp_async_wait<0>();
+        // Barrier: every thread's copies (first visit: also K_j, V_j) and L_i, D_i are visible.
+        __syncthreads();
+
+        double p[kMT][kNT][2], ds[kMT][kNT][2];
+        scores_f64<Tr>(p, ds, K_l, V_l, Q_l, dO_l, lse2_s, delta_s, scale_log2, mask,
+                       mask.needs_mask(r0, c0, kBlockM, kBlockN), r0, c0 + kw);
+        // dV_j += P^T dO_i first (P^T dies before dQ's registers are live; the barrier below keeps
+        // ptxas from overlapping the products).
+        if constexpr (Tr::kDVSmem)
+            gemm_rab_smem<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_l, p, dOb_l);
+        else
+            gemm_rab<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_acc, p, dOb_l);
+        store_ds<Tr>(dS_s, ds, kw);
+        // Barrier: dS complete before warps read its rows for dQ (ordered: and our turn).
+        if constexpr (kOrderedDQ)
+            fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
+        else
+            __syncthreads();
+        atomic_dq_f64<Tr, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
+        if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+        // dK_j += dS^T Q_i (scale applied once, at the end).
+        gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Qb_l);
+
+        const bool wrap = i + 1 == n_q_blocks;
+        i = wrap ? i_begin : i + 1;
+        grp = wrap ? grp + 1 : grp;
+    }
+    fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
+
+    // -- epilogue: dK_j · scale and dV_j (rows < Lk, columns < D / Dv).
+    store_dkv<kMT, kHeadDim>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row, AccFromRegs<kMT, kHeadDim / 8>{dK_acc}, scale, c0, Lk, D);
+    if constexpr (Tr::kDVSmem) {
+        // This lane's own elements (no barrier: written by this lane only), read afresh.
+        const AccFromSmem<kMT, Tr::kPitchDv> from_smem{reinterpret_cast<const double*>(smem + Tr::kdV)};
+        store_dkv<kMT, kHeadDimV>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, from_smem, 1.0, c0, Lk, Dv);
+    } else {
+        store_dkv<kMT, kHeadDimV>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, AccFromRegs<kMT, Tr::kDVSmem ? 2 : kHeadDimV / 8>{dV_acc}, 1.0, c0, Lk, Dv);
+    }
+}

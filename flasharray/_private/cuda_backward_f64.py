@@ -1,0 +1,90 @@
+"""Tiles of the float64 backward on the double-precision tensor cores (``cuda_src/flash_bwd_f64.cu``,
+DMMA ``mma.sync.m8n8k4.f64``, sm_80+; issue 12): the dK/dV kernel with atomic dQ (plain, or in
+key-block order: the deterministic mode), and the conversion of its double accumulator
+(``flash_bwd_convert_dq_tc_kernel<double, ..., double>``).
+
+IEEE fp64 throughout, so it serves float64 with precision None and "ieee" alike.
+:func:`backward_tile` returns the tile a call uses, or None where the kernel does not apply (the
+caller then runs the SIMT backward, also IEEE fp64): another dtype or precision, sm_75 and below,
+padded head dims d, dv above 128, extensions.
+
+Work split: warp w owns keys w·8·kMT .. of K_j (kMT m8 tiles) and every column of their dK_j,
+dV_j rows, so Bc = 8·kMT·warps. Per thread (doubles): dK_j kMT·d/4, dV_j kMT·dv/4, the score
+strip's P^T and dS^T kMT·Br/4 each. Where kMT·(d + dv) > 128, dV_j lives in shared memory
+(each lane updating its own elements per 16-column pair; in registers ptxas spills at d = dv = 96).
+Shared memory (fp64): Q_i Br × (d + 2), dO_i Br × (dv + 2), K_j Bc × (d + 2), V_j Bc × (dv + 2),
+dS Br × (Bc + 8), L_i and D_i Br each, dV_j Bc × (dv + 2) (``smem_bytes`` mirrors
+BwdF64Traits::kBytes). The choice (registers <= 255 with zero spills, checked by
+tests/test_static_backward_f64.py for every tile this table can return):
+
+* d, dv <= 32: kMT = 2, 4 warps (Bc = 64), Br = 32;
+* d, dv <= 64: kMT = 1, 4 warps (Bc = 32), Br = 32;
+* larger: kMT = 1, Br = 16, dV_j in shared memory, 4 warps (Bc = 32) where the shared memory
+  fits, else 2 (Bc = 16: d = dv = 128 on sm_86/89, 99 KB per block).
+"""
+from . import tiles, tiles_bwd
+
+SOURCE = "flash_bwd_f64.cu"
+MAX_HEAD_DIM = 128
+MIN_ARCH = 80
+
+
+def dv_in_smem(d, dv, block_n, warps):
+    """BwdF64Traits::kDVSmem: dV_j in shared memory where kMT·(d + dv) > 128 (registers)."""
+    return block_n // (8 * warps) * (d + dv) > 128
+
+
+def smem_bytes(d, dv, block_m, block_n, warps):
+    """Mirror of BwdF64Traits::kBytes: Q_i, dO_i, K_j, V_j (rows padded by 2 doubles), dS (rows
+    padded by 8), L_i, D_i, and dV_j where :func:`dv_in_smem`; each region 16-byte aligned."""
+    a16 = tiles._align16
+    return (a16(block_m * (d + 2) * 8) + a16(block_m * (dv + 2) * 8) + a16(block_n * (d + 2) * 8)
+            + a16(block_n * (dv + 2) * 8) + a16(block_m * (block_n + 8) * 8) + 2 * a16(block_m * 8)
+            + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0))
+
+
+def _candidates(d, dv):
+    """(Br, kMT, warps) in order of preference."""
+    if max(d, dv) <= 32:
+        return [(32, 2, 4)]
+    if max(d, dv) <= 64:
+        return [(32, 1, 4)]
+    return [(16, 1, 4), (16, 1, 2)]
+
+
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
+    """The :class:`tiles_bwd.BwdTiles` of ``flash_bwd_dkv_f64_kernel`` for a float64 call on sm_80+,
+    or None (the SIMT backward runs)."""
+    if precision not in (None, "ieee") or tiles.dtype_name(dtype) != "float64" or ext:
+        return None
+    a = tiles.arch_number(arch)
+    if a < MIN_ARCH:
+        return None
+    d, dv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    if max(d, dv) > MAX_HEAD_DIM:
+        return None
+    limit = tiles.smem_limit(a)
+    for br, mt, warps in _candidates(d, dv):
+        bc = 8 * mt * warps
+        smem = smem_bytes(d, dv, br, bc, warps)
+        if smem <= limit:
+            reason = ("fp64 DMMA (m8n8k4): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
+                      "the first tile of the register table whose %d B of shared memory fit the sm_%d "
+                      "limit %d B" % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory"
+                                      if dv_in_smem(d, dv, bc, warps) else "", smem, a, limit))
+            return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, 1)
+    return None
+
+
+def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
+    """The name expression of ``flash_bwd_dkv_f64_kernel`` for ``tile`` (padded head dims pD, pDv)."""
+    del precision  # IEEE fp64 either way
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return "flash_bwd_dkv_f64_kernel<%d, %d, %d, %d, %d, %s, %s, %s>" % (
+        pD, pDv, tile.block_m, tile.block_n, tile.n_threads // 32, b(causal), b(vec), b(ordered))
+
+
+def convert_name(tile, pD, D):
+    """The conversion of the double accumulator (``flash_bwd_convert.cu``), as the host launches it."""
+    return "flash_bwd_convert_dq_tc_kernel<double, 128, %d, %d, %s, double>" % (
+        tile.block_m, pD, "true" if D % 8 == 0 else "false")

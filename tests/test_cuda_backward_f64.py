@@ -1,0 +1,350 @@
+"""The float64 backward on the DMMA tensor cores (cuda_src/flash_bwd_f64.cu, issue 12) on the emulator.
+
+The dK/dV kernel ``flash_bwd_dkv_f64_kernel`` (atomic dQ, plain or in key-block order) and the
+double accumulator's conversion (``flash_bwd_convert_dq_tc_kernel<double, ..., double>``) are
+launched here directly (``launch_f64``: the host's argument list, L_i from the float64 reference
+forward, D_i = rowsum(dO ∘ O)), so the kernel is held to the DESIGN.md rule for float64
+(``assert_attention_close``: bound = the reference's atol 1e-12 per unit of magnitude) on its own;
+``test_api_*`` go through ``cuda_backward.backward`` (device="emulator"), where float64 on sm_80+
+runs this kernel. Its max error against a long-double reference is compared with the SIMT fp64
+backward's on the same inputs (both ~1e-16 relative).
+
+Default run: a representative subset (head dims 16/32/36/40/59/64/72/128, Dv != D, Lq != Lk, lengths
+not multiples of the tiles, causal with fully masked rows, MQA/GQA groups, BSHD strided views, the
+element-wise copy paths, both dQ modes); ``-m slow``: head dims x lengths x causal x groups.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from flasharray import emulator, reference, testing
+from flasharray._private import cuda_backward_f64 as F
+from flasharray._private import launch, tiles
+
+ARCHS = (80, 86, 89, 90)
+
+
+# ---- inputs and the direct launch ---------------------------------------------------------------
+class Inputs:
+    """q, dout (B, H, Lq, ·), k, v (B, Hk, Lk, ·) with H = Hk·G (query head h uses K/V head h // G),
+    the float64 reference forward's out and lse; layout "bshd": (B, L, H, ·) storage, viewed."""
+
+    def __init__(self, D, Lq, Lk, *, Dv=None, B=2, Hk=2, G=1, causal=False, layout="bhsd", seed=0):
+        Dv = D if Dv is None else Dv
+        rng = np.random.default_rng(seed)
+        H = Hk * G
+
+        def make(h, L, d):
+            if layout == "bshd":
+                return np.swapaxes(rng.standard_normal((B, L, h, d)), 1, 2)
+            return rng.standard_normal((B, h, L, d))
+        self.q, self.k, self.v, self.dout = make(H, Lq, D), make(Hk, Lk, D), make(Hk, Lk, Dv), make(H, Lq, Dv)
+        self.B, self.Hk, self.G, self.causal, self.scale = B, Hk, G, causal, 1.0 / np.sqrt(D)
+        self.out, self.lse = reference.attention(*self.grouped(), causal=causal, scale=self.scale, return_lse=True)
+        self.out = self.out.reshape(B, H, Lq, Dv)
+        self.lse = self.lse.reshape(B, H, Lq)
+
+    def grouped(self):
+        """q (B, Hk, G, Lq, D), k, v (B, Hk, 1, Lk, ·): the reference's broadcasting of the group."""
+        B, Hk, G = self.B, self.Hk, self.G
+        return (self.q.reshape(B, Hk, G, *self.q.shape[2:]), self.k[:, :, None], self.v[:, :, None])
+
+    def check(self, grads):
+        dq, dk, dv = grads
+        q5, k5, v5 = self.grouped()
+        testing.assert_attention_close(self.out.reshape(q5.shape[:3] + self.out.shape[2:]), q5, k5, v5,
+                                       causal=self.causal, scale=self.scale, dout=self.dout.reshape(
+                                           q5.shape[:3] + self.dout.shape[2:]),
+                                       grads=(dq.reshape(q5.shape), dk[:, :, None], dv[:, :, None]))
+
+
+_DENSE_TAIL = None
+
+
+def _dense_tail():
+    """FLASH_EXT_PARAMS(double) of a dense launch: zeros and never-read one-element arrays."""
+    global _DENSE_TAIL
+    if _DENSE_TAIL is None:
+        i64, i32 = np.int64, np.int32
+        ints, dbls, bools = np.zeros(1, np.int32), np.zeros(1), np.zeros(1, np.bool_)
+        _DENSE_TAIL = ([ints, ints, i64(0), i64(0), i64(0), i32(0), i32(0), 0.0, dbls, i64(0), i64(0), i64(0), 0.0,
+                        bools] + [i64(0)] * 5 + [i32(0), i32(0)] + [np.uint32(0)] * 4 + [0.0] + [i64(0)] * 4)
+    return _DENSE_TAIL
+
+
+_MODULES = {}
+
+
+def _module(source, names):
+    key = (source, tuple(names))
+    if key not in _MODULES:
+        _MODULES[key] = emulator.Module(launch.kernel_source(source), name_expressions=list(names),
+                                        include_dirs=[str(launch.cuda_src_dir())], options=["-std=c++17"])
+    return _MODULES[key]
+
+
+def is_vec(p):
+    """The host's kVecLoad: every row of q, k, v, dout 16-byte aligned, D and Dv even."""
+    D, Dv = p.q.shape[-1], p.v.shape[-1]
+    return D % 2 == 0 and Dv % 2 == 0 and all(
+        a.ctypes.data % 16 == 0 and a.strides[2] % 16 == 0 for a in (p.q, p.k, p.v, p.dout))
+
+
+def launch_f64(p, *, ordered=True, arch=80, vec=None, schedule="forward", seed=0, counters=None):
+    """dq, dk, dv of ``p`` by the DMMA dK/dV kernel and the double conversion (the host's arguments)."""
+    B, Hk, G = p.B, p.Hk, p.G
+    H, Lq, D = p.q.shape[1:]
+    Lk, Dv = p.v.shape[2:]
+    t = F.backward_tile(None, np.float64, D, Dv, arch)
+    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    vec = is_vec(p) if vec is None else vec
+    Tr = -(-Lq // t.block_m)
+    rows = Tr * t.block_m + (-(-Tr // pD) if ordered else 0)  # DQAccumLayout blocks (+ DQOrderCounters)
+    dqa = np.zeros((B, H, rows, pD))
+    dq = np.full((B, H, Lq, D), np.nan)
+    dk, dv = np.full((B, Hk, Lk, D), np.nan), np.full((B, Hk, Lk, Dv), np.nan)
+    delta = (p.dout * p.out).sum(-1)
+    lse = np.ascontiguousarray(p.lse)
+    i64, i32 = np.int64, np.int32
+
+    def st(a, group=True, row=True):  # element strides (b0, b1 = K/V head, b2, [group], [row])
+        s = [i64(a.strides[0] // 8), i64(a.strides[1] // 8 * (G if group else 1)), i64(0)]
+        return s + ([i64(a.strides[1] // 8)] if group else []) + ([i64(a.strides[2] // 8)] if row else [])
+    name = F.dkv_name(t, None, pD, pDv, p.causal, vec, ordered)
+    args = ([p.q, *st(p.q)] + [p.k, *st(p.k, False)] + [p.v, *st(p.v, False)] + [p.dout, *st(p.dout)]
+            + [lse, *st(lse, row=False)] + [delta, *st(delta, row=False)] + [dqa, *st(dqa, row=False), i64(pD)]
+            + [dk, *st(dk, False)] + [dv, *st(dv, False)]
+            + [i32(Lq), i32(Lk), i32(D), i32(Dv), i32(1), i32(G), float(p.scale)] + _dense_tail())
+    c = _module(F.SOURCE, [name]).launch(name, (-(-Lk // t.block_n), Hk, B), (t.n_threads,), args,
+                                         shared_mem=t.smem, schedule=schedule, seed=seed)
+    conv = F.convert_name(t, pD, D)
+    c2 = _module("flash_bwd_convert.cu", [conv]).launch(
+        conv, (Tr, H, B), (128,), [dqa, i64(dqa.strides[0] // 8), i64(dqa.strides[1] // 8), i64(0),
+                                   dq, i64(dq.strides[0] // 8), i64(dq.strides[1] // 8), i64(0), i64(D),
+                                   i32(Lq), i32(D), i32(1), float(p.scale)])
+    if counters is not None:
+        counters += [(name, c), (conv, c2)]
+    return dq, dk, dv
+
+
+# ---- correctness --------------------------------------------------------------------------------
+# (D, Dv, Lq, Lk, causal, Hk, G, layout, ordered): every head dim class of the tile table (kMT = 2,
+# kMT = 1 with dV in registers / in shared memory), odd and non-multiple-of-16 dims (element copies,
+# element stores of the conversion), Lq > Lk causal (rows that see no key), one-row calls, MQA and GQA.
+SUBSET = [
+    (16, 16, 70, 33, True, 2, 1, "bhsd", True),
+    (32, 32, 65, 127, True, 1, 4, "bshd", True),
+    (40, 24, 33, 70, True, 2, 3, "bhsd", False),
+    (59, 59, 17, 63, False, 2, 1, "bhsd", True),
+    (64, 64, 77, 130, False, 1, 2, "bhsd", True),
+    (72, 72, 45, 45, True, 2, 1, "bshd", False),
+    (128, 128, 65, 63, True, 1, 3, "bhsd", True),
+    (36, 128, 1, 17, False, 2, 2, "bhsd", True),
+    (128, 48, 50, 1, True, 1, 1, "bhsd", False),
+]
+
+
+def _id(c):
+    D, Dv, Lq, Lk, causal, Hk, G, layout, ordered = c
+    return "d%d-dv%d-%dx%d%s-hk%d-g%d-%s-%s" % (D, Dv, Lq, Lk, "-causal" if causal else "", Hk, G, layout,
+                                                "ordered" if ordered else "atomic")
+
+
+@pytest.mark.parametrize("case", SUBSET, ids=_id)
+def test_backward_f64(case):
+    D, Dv, Lq, Lk, causal, Hk, G, layout, ordered = case
+    p = Inputs(D, Lq, Lk, Dv=Dv, Hk=Hk, G=G, causal=causal, layout=layout)
+    p.check(launch_f64(p, ordered=ordered))
+
+
+def test_element_copies_match_cp_async():
+    """kVecLoad = false (element loads) on aligned inputs gives bitwise the cp.async path's result."""
+    p = Inputs(64, 50, 70, Dv=32, G=2, causal=True)
+    assert is_vec(p)
+    a, b = launch_f64(p), launch_f64(p, vec=False)
+    for x, y in zip(a, b):
+        assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("arch", [86, 90])
+def test_other_arch_tiles(arch):
+    """sm_86's 2-warp tile (d > 80: Bc = 16) and sm_90's on the emulator."""
+    p = Inputs(112, 40, 37, Dv=96, G=2, causal=True)
+    assert F.backward_tile(None, np.float64, 112, 96, arch).n_threads == (64 if arch == 86 else 128)
+    p.check(launch_f64(p, arch=arch))
+
+
+SCHEDULES = [("reverse", 0), ("random", 1), ("random", 2)]
+
+
+def test_ordered_bitwise_under_schedules(monkeypatch):
+    """kOrderedDQ: dq, dk, dv bitwise identical under every fiber schedule and worker count (every
+    dQ sum runs in key-block order; the reverse schedule makes the waits block)."""
+    p = Inputs(64, 97, 130, G=3, Hk=1, causal=True)
+    counters = []
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    ref = launch_f64(p, counters=counters)
+    p.check(ref)
+    # one worker in block order: no wait blocks (a block waits only for blocks with smaller indices)
+    assert counters[0][1].sem_waits > 0 and counters[0][1].sem_blocked == 0
+    for workers in ("1", "2"):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        for schedule, seed in SCHEDULES:
+            counters = []
+            got = launch_f64(p, schedule=schedule, seed=seed, counters=counters)
+            for a, b in zip(ref, got):
+                assert a.tobytes() == b.tobytes(), (workers, schedule, seed)
+        assert counters[0][1].sem_blocked > 0
+
+
+def test_atomic_mode_under_schedules():
+    """Plain atomics (deterministic=False) in any order stay within the rule."""
+    p = Inputs(32, 97, 130, Hk=1, G=4, causal=True)
+    for schedule, seed in SCHEDULES:
+        p.check(launch_f64(p, ordered=False, schedule=schedule, seed=seed))
+
+
+def visits(Lq, Lk, causal, t, G):
+    """(key block, query block) pairs visited per K/V batch entry (times the group)."""
+    Tr, Tc = -(-Lq // t.block_m), -(-Lk // t.block_n)
+    n = 0
+    for j in range(Tc):
+        first = max(0, j * t.block_n - (Lk - Lq)) // t.block_m if causal else 0
+        n += max(0, Tr - first)
+    return n * G
+
+
+@pytest.mark.parametrize("D,Dv,causal", [(64, 64, False), (128, 40, True), (16, 16, True)])
+def test_dmma_counts(D, Dv, causal):
+    """The DMMA kernel runs: per visited block pair Br·Bc·(3 d + 2 dv)/256 m8n8k4 (S^T, dP^T, dV, dK,
+    dQ); in ordered mode one wait and post per visit; the conversion does no mma."""
+    p = Inputs(D, 100, 75, Dv=Dv, Hk=2, G=2, causal=causal)
+    counters = []
+    launch_f64(p, counters=counters)
+    (name, c), (_, conv) = counters
+    t = F.backward_tile(None, np.float64, D, Dv, 80)
+    n = p.B * p.Hk * visits(100, 75, causal, t, p.G)
+    pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    assert c.mma == n * t.block_m * t.block_n * (3 * pD + 2 * pDv) // 256
+    assert c.sem_waits == n and c.ldmatrix == 0 and conv.mma == 0
+    assert c.cp_async > 0
+
+
+def test_rows_without_keys_are_zero():
+    """Causal with Lq > Lk: rows i < Lq − Lk see no key (L_i = −inf) and get dQ = 0 exactly; every
+    gradient element is written (the outputs start as NaN)."""
+    p = Inputs(32, 90, 20, causal=True)
+    dq, dk, dv = launch_f64(p)
+    p.check((dq, dk, dv))
+    assert not (np.isnan(dq).any() or np.isnan(dk).any() or np.isnan(dv).any())
+    assert (dq[:, :, :70] == 0).all() and (dq[:, :, 70:] != 0).all()
+
+
+# ---- accuracy vs the SIMT fp64 backward ---------------------------------------------------------
+def exact_grads(p):
+    """dq, dk, dv in long double (dq, dk, dv of the float64 inputs, to ~1e-19)."""
+    ld = np.longdouble
+    q5, k5, v5 = (a.astype(ld) for a in p.grouped())
+    do = p.dout.reshape(q5.shape[:3] + p.dout.shape[2:]).astype(ld)
+    s = q5 @ np.swapaxes(k5, -1, -2) * ld(p.scale)
+    Lq, Lk = s.shape[-2:]
+    if p.causal:
+        s = np.where(reference.causal_mask(Lq, Lk), s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    lsum = e.sum(-1, keepdims=True)
+    P = e / np.where(lsum > 0, lsum, 1)
+    dv = (np.swapaxes(P, -1, -2) @ do).sum(2)
+    dP = do @ np.swapaxes(v5, -1, -2)
+    dS = P * (dP - (do * (P @ v5)).sum(-1, keepdims=True))
+    dq = (dS @ k5) * ld(p.scale)
+    dk = (np.swapaxes(dS, -1, -2) @ q5).sum(2) * ld(p.scale)
+    return dq.reshape(p.q.shape), dk, dv
+
+
+def simt_grads(p):
+    from flasharray._private import cuda_backward as cb
+    q5, k5, v5 = p.grouped()
+    do = p.dout.reshape(q5.shape[:3] + p.dout.shape[2:])
+    out, lse = p.out.reshape(do.shape), p.lse.reshape(do.shape[:-1])
+    dq, dk, dv = cb.backward(do, q5, k5, v5, out, lse, causal=p.causal, scale=p.scale, batch_shape=q5.shape[:3],
+                             device="emulator", kernel="simt")[:3]
+    return dq.reshape(p.q.shape), dk[:, :, 0], dv[:, :, 0]
+
+
+@pytest.mark.parametrize("D,Lq,Lk,causal", [(64, 77, 130, False), (128, 65, 63, True), (40, 90, 50, True)])
+def test_error_at_simt_fp64_level(D, Lq, Lk, causal):
+    """Max |grad − exact| of the DMMA kernel (both dQ modes) within 2x of the SIMT fp64 backward's,
+    with a floor of 4 fp64 ulps of the gradient's magnitude; all below 1e-14."""
+    p = Inputs(D, Lq, Lk, G=2, causal=causal, seed=3)
+    exact = exact_grads(p)
+    simt = simt_grads(p)
+    for ordered in (True, False):
+        dmma = launch_f64(p, ordered=ordered)
+        for name, g, s, x in zip(("dq", "dk", "dv"), dmma, simt, exact):
+            mag = float(np.abs(x).max())
+            e_dmma, e_simt = float(np.abs(g - x).max()), float(np.abs(s - x).max())
+            assert e_dmma <= 2 * max(e_simt, 4 * np.finfo(np.float64).eps * max(1.0, mag)), (name, e_dmma, e_simt)
+            assert e_dmma < 1e-14, (name, e_dmma)
+
+
+# ---- tile table ---------------------------------------------------------------------------------
+def test_tile_table():
+    """Every d, dv <= 128 has a tile on every sm_80+ arch within its shared memory; above 128, below
+    sm_80, other dtypes, precisions and extensions none."""
+    for arch in ARCHS:
+        for d in range(1, 129, 9):
+            for dv in (1, 64, 128 - d // 2, 128):
+                t = F.backward_tile(None, np.float64, d, dv, arch)
+                pd, pdv = tiles.pad_head_dim(d), tiles.pad_head_dim(dv)
+                warps = t.n_threads // 32
+                assert t.smem <= tiles.smem_limit(arch) and t.block_m in (16, 32) and t.stages == 1
+                assert t.block_n % (8 * warps) == 0 and t.block_n // (8 * warps) in (1, 2)
+                assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps)
+        assert F.backward_tile("ieee", np.float64, 64, 64, arch) == F.backward_tile(None, np.float64, 64, 64, arch)
+        for bad in [dict(D=129, Dv=64), dict(D=64, Dv=130)]:
+            assert F.backward_tile(None, np.float64, bad["D"], bad["Dv"], arch) is None
+        assert F.backward_tile(None, np.float32, 64, 64, arch) is None
+        assert F.backward_tile("tf32", np.float64, 64, 64, arch) is None
+        assert F.backward_tile(None, np.float64, 64, 64, arch, ext=True) is None
+    assert F.backward_tile(None, np.float64, 64, 64, 75) is None
+    assert F.backward_tile(None, np.float64, 128, 128, 86).n_threads == 64  # 99 KB per block
+    assert F.dkv_name(F.backward_tile(None, np.float64, 40, 24, 80), None, 48, 32, True, False, True) == \
+        "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true>"
+
+
+_PROBE = r"""
+#include "flash_bwd_f64.cu"
+template <int D, int DV, int BM, int BN, int NW>
+__global__ void probe_bwd_f64(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::BwdF64Traits<D, DV, BM, BN, NW>::kBytes);
+}
+"""
+
+
+def test_python_smem_matches_traits():
+    entries = {}
+    for d, dv, arch in ((16, 16, 80), (32, 64, 80), (64, 64, 80), (128, 128, 80), (112, 96, 86), (128, 16, 89),
+                        (48, 80, 90)):
+        t = F.backward_tile(None, np.float64, d, dv, arch)
+        entries["probe_bwd_f64<%d, %d, %d, %d, %d>" % (d, dv, t.block_m, t.block_n, t.n_threads // 32)] = t.smem
+    mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    for expr, smem in entries.items():
+        out = np.zeros(1, np.int32)
+        mod.launch(expr, (1,), (32,), (out,))
+        assert int(out[0]) == smem, expr
+
+
+# ---- the full matrix ----------------------------------------------------------------------------
+FULL = list(itertools.product((16, 32, 40, 64, 72, 96, 128), ((1, 1), (17, 63), (65, 127), (128, 257), (257, 128)),
+                              (False, True), (1, 3)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D,lengths,causal,G", FULL)
+def test_backward_f64_full(D, lengths, causal, G):
+    p = Inputs(D, *lengths, Hk=1, G=G, causal=causal, layout="bshd" if D % 3 == 0 else "bhsd")
+    p.check(launch_f64(p, ordered=G == 1))

@@ -1,0 +1,139 @@
+"""Static checks of the float64 DMMA backward (cuda_src/flash_bwd_f64.cu) with NVRTC (no GPU needed).
+
+Every instantiation the tile table can choose (causal x kVecLoad x kOrderedDQ) compiles for sm_80,
+sm_86, sm_89 and sm_90 with zero spills, no local stack, no static shared memory, registers x
+threads within the register file and dynamic shared memory within the arch's opt-in maximum; the
+query-block loop (the loop holding the most DMMA) holds the DMMA of one visit and warp — DMMA.884
+on sm_80-89, DMMA.8x8x4 on sm_90, none outside it — and its instructions per DMMA stay within the
+measured limits below (printed; the report's SASS table). The conversion of the double
+accumulator compiles (vector and element stores). sm_75 is refused at compile time and by the
+tile table.
+
+Default: d = dv in {16, 40 (padded 48), 64, 128} and (128, 16); ``-m slow``: every padded head dim
+pair class (d = dv 16..128, and mixed pairs).
+"""
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_backward_f64 as F
+from flasharray._private import launch, nvrtc, sass, tiles
+from conftest import requires_nvrtc
+
+pytestmark = requires_nvrtc
+SASS_OK, SASS_WHY = sass.available()
+ARCHS = (80, 86, 89, 90)
+REGISTER_FILE = 64 * 1024
+DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}
+
+# Instructions per DMMA of the query-block loop, the largest over sm_80-90, causal and kOrderedDQ,
+# as measured (NVRTC 12, --use_fast_math), +5%: (d, dv) -> (cp.async copies, element copies).
+# The element copies' loops sit inside the visit loop (counted once).
+MEASURED = {
+    (16, 16): (9.02, 10.68), (32, 32): (5.61, 6.35), (48, 48): (5.91, 7.21), (64, 64): (4.90, 5.61),
+    (80, 80): (5.71, 7.10), (96, 96): (4.79, 5.96), (112, 112): (4.93, 6.11), (128, 128): (4.60, 5.32),
+    (128, 16): (4.96, 6.34), (16, 128): (6.11, 7.79), (64, 128): (5.11, 6.05), (128, 64): (4.79, 5.82),
+    (32, 64): (5.51, 6.53), (64, 32): (5.50, 6.52), (48, 80): (5.66, 7.39), (80, 48): (5.75, 7.54),
+}
+LIMIT = {k: tuple(round(x * 1.05, 2) for x in v) for k, v in MEASURED.items()}
+
+
+def opcode(i):
+    """The full opcode (sass.parse stops at lower-case letters: sm_90's DMMA.8x8x4 parses as DMMA.8)."""
+    rest = i.operands.split()[0] if i.operands[:1] == "x" else ""
+    return i.opcode + rest
+
+
+def dmma_key_loop(body):
+    """(loop, its DMMA instructions): the loop with the most DMMA, then the fewest instructions."""
+    def dmma(lp):
+        return [i for i in body if i.base == "DMMA" and lp.start <= i.address <= lp.end]
+    loop = min(sass.loops(body), key=lambda lp: (-len(dmma(lp)), lp.stats.instructions))
+    return loop, dmma(loop)
+
+
+def expected_dmma(t, d, dv):
+    """DMMA instructions of one visit and warp: S^T, dP^T (kMT m8 x Br/8 n8 tiles x (d + dv)/4 k4
+    steps), dV, dK (kMT x (d + dv)/8 x Br/4), and one dQ tile's code (2 m8 x kDQCols/8 x Bc/4; a
+    warp's several tiles run it in a loop)."""
+    mt = t.block_n * 4 // t.n_threads  # kMT = Bc / (8 warps)
+    dq_cols = 32 if d % 32 == 0 else 16
+    return mt * (t.block_m // 8) * (d + dv) // 4 + mt * (d + dv) // 8 * t.block_m // 4 + 2 * dq_cols // 8 * t.block_n // 4
+
+
+def instantiations(arch, pairs):
+    found = {}
+    for d, dv in pairs:
+        t = F.backward_tile(None, np.float64, d, dv, arch)
+        for causal in (False, True):
+            for vec in (True, False):
+                for ordered in (False, True):
+                    found[F.dkv_name(t, None, d, dv, causal, vec, ordered)] = (t, d, dv, vec)
+    return found
+
+
+def _check(arch, pairs):
+    found = instantiations(arch, pairs)
+    res = nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_%d" % arch, list(found),
+                              options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    problems, rows = [], []
+    for name, (t, d, dv, vec) in found.items():
+        k = res.kernel(name)
+        line = "sm_%d %-66s regs %3d spill %d/%d smem %6d" % (arch, name, k.registers, k.spill_stores,
+                                                               k.spill_loads, t.smem)
+        if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
+            problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
+                                                                         k.stack_frame, k.static_smem))
+        if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(arch):
+            problems.append("%s: %d regs, %d bytes smem" % (name, k.registers, t.smem))
+        if fns is not None:
+            body = fns[k.lowered_name]
+            loop, dmma = dmma_key_loop(body)
+            per = loop.stats.instructions / len(dmma)
+            line += "  loop %d instr, %d DMMA (%.2f/DMMA), %d LDS (%d LDS.128), %d BAR" % (
+                loop.stats.instructions, len(dmma), per, loop.stats.lds, loop.stats.lds128, loop.stats.bar)
+            ops = {opcode(i) for i in dmma}
+            total = sum(1 for i in body if i.base == "DMMA")
+            if ops != {DMMA[arch]} or len(dmma) != expected_dmma(t, d, dv) or total != len(dmma):
+                problems.append("%s: loop DMMA %s x %d (expected %s x %d), %d in the kernel"
+                                % (name, sorted(ops), len(dmma), DMMA[arch], expected_dmma(t, d, dv), total))
+            limit = LIMIT[(d, dv)][0 if vec else 1]
+            if per > limit:
+                problems.append("%s: %.2f instructions per DMMA > %.2f" % (name, per, limit))
+        rows.append(line)
+    print("\n".join(rows))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f64_backward_compiles(arch):
+    _check(arch, ((16, 16), (48, 48), (64, 64), (128, 128), (128, 16)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f64_backward_compiles_all_head_dims(arch):
+    _check(arch, [k for k in MEASURED if k not in ((16, 16), (48, 48), (64, 64), (128, 128), (128, 16))])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convert_double_compiles(arch):
+    """flash_bwd_convert_dq_tc_kernel<double, ..., double> (the host's name for every tile's Br and
+    both store paths) next to the float instantiations it generalizes: no spills, no local memory."""
+    names = []
+    for d, D in ((16, 16), (48, 40), (64, 59), (128, 128)):
+        names.append(F.convert_name(F.backward_tile(None, np.float64, d, d, arch), d, D))
+    names += ["flash_bwd_convert_dq_tc_kernel<__half, 128, 64, 64, true>",
+              "flash_bwd_convert_dq_tc_kernel<float, 128, 64, 128, false>"]
+    res = nvrtc.compile_cubin(launch.kernel_source("flash_bwd_convert.cu"), "sm_%d" % arch, names,
+                              options=["--use_fast_math"])
+    for n in names:
+        k = res.kernel(n)
+        assert not (k.spill_stores or k.spill_loads or k.stack_frame), n
+
+
+def test_sm75_refused():
+    t = F.backward_tile(None, np.float64, 64, 64, 80)
+    with pytest.raises(Exception, match="needs sm_80"):
+        nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_75", [F.dkv_name(t, None, 64, 64, False, True, True)])
+    assert F.backward_tile(None, np.float64, 64, 64, 75) is None
