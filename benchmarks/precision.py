@@ -15,7 +15,15 @@ HMMA, HMMA / LDSM / LDS / MUFU counts, registers, shared memory and occupancy pe
 (kernel="simt") on F64_SHAPES: max abs / rel error of out and max abs error of lse vs the reference.
 --f64-sass: the DMMA kernel's key-tile loop (the loop with the most DMMA) on sm_80/86/89/90.
 
-Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass] [--quick]      (docs/precision.md)
+--bwd: float32 gradients per precision (ieee: the SIMT backward; 3xtf32 / tf32: the TF32 dK/dV
+kernel, cuda_src/flash_bwd_tf32.cu) on the emulator vs the float64 reference on BWD_SHAPES: max
+abs error of dq, dk, dv, the largest relative to max(1, |ref|), and naive float32's error.
+--bwd-sass: the TF32 dK/dV kernel's query-block loop on sm_80/86/89/90 (both precisions, d = dv in
+16, 32, 64, 128; non-causal, cp.async, ordered dQ): instructions per HMMA, HMMA / LDSM / LDS / RED,
+registers, spills, shared memory and occupancy.
+
+Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass | --bwd | --bwd-sass] [--quick]
+(docs/precision.md)
 """
 import argparse
 import os
@@ -207,11 +215,89 @@ def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
     return "\n".join(lines)
 
 
+#: (D, Dv, Lq, Lk, causal, group): float32 backward shapes (tests/test_cuda_backward_tf32.py, larger).
+BWD_SHAPES = [
+    (64, 64, 77, 130, False, 1),
+    (40, 24, 33, 70, True, 2),
+    (128, 128, 50, 70, True, 1),
+    (16, 16, 17, 45, False, 3),
+    (64, 64, 256, 256, True, 1),
+    (128, 128, 256, 256, False, 1),
+]
+
+
+def bwd_errors(shape, precision, seed=0):
+    """{dq, dk, dv: max abs err}, the max error relative to max(1, |ref|), and naive fp32's max error."""
+    from flasharray._private import cuda_backward
+    import flasharray as fa
+    D, Dv, Lq, Lk, causal, G = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 2, G, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 1, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 1, Lk, Dv)).astype(np.float32)
+    do = rng.standard_normal((1, 2, G, Lq, Dv)).astype(np.float32)
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", precision=precision)
+    *grads, counters = cuda_backward.backward(do, q, k, v, out, lse, causal=causal, scale=D ** -0.5,
+                                              batch_shape=q.shape[:-2], device="emulator", precision=precision,
+                                              return_counters=True)
+    kernel = "tf32" if any(n.startswith("flash_bwd_dkv_tf32") for n, _ in counters) else "simt"
+    ref = reference.attention_backward(do, q, k, v, causal=causal)
+    naive = reference.attention_backward(do, q, k, v, causal=causal, dtype=np.float32)
+    errs = [_max(np.abs(g - r)) for g, r in zip(grads, ref)]
+    rel = max(_max(np.abs(g - r) / np.maximum(1.0, np.abs(r))) for g, r in zip(grads, ref))
+    return kernel, errs, rel, max(_max(np.abs(n - r)) for n, r in zip(naive, ref))
+
+
+def bwd_accuracy_table(shapes=BWD_SHAPES):
+    lines = ["| shape (D, Dv, Lq x Lk, group) | precision | dK/dV kernel | dq err | dk err | dv err | max rel err | "
+             "naive fp32 err |", "|---|---|---|---|---|---|---|---|"]
+    for shape in shapes:
+        D, Dv, Lq, Lk, causal, G = shape
+        name = "D %d, Dv %d, %d x %d%s, G %d" % (D, Dv, Lq, Lk, " causal" if causal else "", G)
+        for precision in PRECISIONS:
+            kernel, errs, rel, naive = bwd_errors(shape, precision)
+            lines.append("| %s | %s | %s | %.2e | %.2e | %.2e | %.2e | %.2e |" % (
+                name, precision, kernel, errs[0], errs[1], errs[2], rel, naive))
+    return "\n".join(lines)
+
+
+def bwd_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
+    from flasharray._private import cuda_backward_tf32 as T
+    from flasharray._private import launch, nvrtc, sass
+    ok, why = sass.available()
+    if not ok:
+        return "SASS unavailable: %s" % why
+    lines = ["| arch | precision | d = dv | Br x Bc (warps) | regs | spill | smem KB | occupancy (blocks, warps / SM) | "
+             "loop instr | HMMA | instr / HMMA | LDSM | LDS | RED |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arch in archs:
+        found = {}
+        for precision in T.PREC:
+            for d in head_dims:
+                t = T.backward_tile(precision, np.float32, d, d, arch)
+                found[T.dkv_name(t, precision, t.head_dim, t.head_dim_v, False, True, True)] = t
+        res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
+                                  options=["--use_fast_math"])
+        fns = sass.parse(sass.disassemble(res.cubin))
+        for name, t in found.items():
+            k = res.kernel(name)
+            lp = sass.key_loop(fns[k.lowered_name])
+            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+            s = lp.stats
+            lines.append("| sm_%d | %s | %d | %d x %d (%d) | %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
+                arch, t.precision, t.head_dim, t.block_m, t.block_n, t.n_threads // 32, k.registers,
+                k.spill_stores + k.spill_loads, t.smem / 1024, occ.blocks, occ.warps, occ.limiter, s.instructions,
+                s.hmma, s.per_hmma, s.ldsm, s.lds, s.atomic))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="the TF32 kernel's SASS figures instead")
     ap.add_argument("--f64", action="store_true", help="float64: the DMMA kernel's accuracy vs the SIMT kernel's")
     ap.add_argument("--f64-sass", action="store_true", help="the DMMA kernel's SASS figures")
+    ap.add_argument("--bwd", action="store_true", help="float32 gradients per precision vs float64")
+    ap.add_argument("--bwd-sass", action="store_true", help="the TF32 dK/dV kernel's SASS figures")
     ap.add_argument("--quick", action="store_true", help="accuracy: the first two shapes only")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -219,6 +305,10 @@ def main(argv=None):
         print(sass_table())
     elif args.f64_sass:
         print(f64_sass_table())
+    elif args.bwd_sass:
+        print(bwd_sass_table())
+    elif args.bwd:
+        print(bwd_accuracy_table(BWD_SHAPES[:2] if args.quick else BWD_SHAPES))
     elif args.f64:
         print(f64_accuracy_table(F64_SHAPES[:2] if args.quick else F64_SHAPES))
     else:
