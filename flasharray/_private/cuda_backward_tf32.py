@@ -17,9 +17,11 @@ tests/test_static_backward_tf32.py):
 
 Shared memory (fp32, rows padded by 4 floats; ``smem_bytes`` mirrors ``Tf32BwdSmem``): Q_i, dO_i,
 K_j, V_j and dS^T (Bc x Br) — one tf32 plane each, or hi and lo planes for 3xtf32 (``lo_planes``).
-3xtf32 without lo planes (raw fp32 tiles, every fragment split in registers: more instructions
-per HMMA, half the shared memory) is supported by the kernel but chosen only where no lo-plane tile
-fits (none of today's arches for d, dv <= 128). Bc among 64, 32, 16: the most resident warps per
+3xtf32 without lo planes (raw fp32 tiles, every fragment split in registers: half the shared
+memory, but 2.8x the instructions per HMMA at d 128 — 9.35 vs 3.3 on sm_86) is implemented and
+tested but chosen only where no lo-plane tile fits (none of today's arches for d, dv <= 128); it is
+the candidate to time against the lo planes where those leave one warp per SM (3xtf32, d or dv >
+112 on sm_86/89). Bc among 64, 32, 16: the most resident warps per
 SM by shared memory (at most 8: the kernels need 150-255 registers), ties to the larger Bc (fewer
 reloads of Q_i, dO_i). E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
 Bc 64, d 128 Br 16 Bc 32; sm_86/89: 3xtf32 d 64 Bc 32, d 128 Bc 16.
