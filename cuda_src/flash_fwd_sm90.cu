@@ -196,7 +196,8 @@ __device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float 
   for (int r = 0; r < 2; ++r) {
     float tile_max = acc_s[2 * r];
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+    for (int j = 0; j < kBlockN / 8; ++j)
+      tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
     tile_max = group_allreduce_max<4>(tile_max);
     const float correction = stat[r].update_max(tile_max * scale_log2);
 #pragma unroll
