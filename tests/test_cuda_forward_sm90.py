@@ -165,3 +165,47 @@ def test_wgmma_refused_through_forward():
 @pytest.mark.parametrize("Lq,Lk", [(300, 300), (257, 513), (513, 129)])
 def test_wgmma_forward_larger(dtype, D, causal, Lq, Lk):
     check(dtype, D, Lq, Lk, causal, layout="bshd" if D == 96 else "bhsd", seed=D + Lq)
+
+
+def test_cupy_path_compiles_sm90a_and_loads_the_cubin(monkeypatch, tmp_path):
+    """device="cuda" on an sm_90 GPU: CuPy's RawModule would compile for plain sm_90 (which the wgmma
+    wrappers refuse), so the launcher compiles the source for sm_90a with NVRTC, caches the cubin
+    and loads it by path, asking for the mangled name; other sources keep RawModule(code=...)."""
+    import sys
+    import types
+    from flasharray._private import launch, nvrtc
+    ok, why = nvrtc.available()
+    if not ok:
+        pytest.skip(why)
+    loaded = []
+
+    class RawModule:
+        def __init__(self, code=None, options=(), name_expressions=None, path=None):
+            loaded.append(("path", path) if path is not None else ("code", tuple(name_expressions)))
+
+        def get_function(self, name):
+            loaded.append(("function", name))
+            return types.SimpleNamespace(name=name)
+
+    class Device:
+        id, compute_capability, attributes = 0, "90", {"MultiProcessorCount": 132}
+
+        def __init__(self, device_id=None):
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule, cupy.cuda = RawModule, types.SimpleNamespace(Device=Device)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_CACHE", str(tmp_path / "emulator"))
+    t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
+    name = t.name_expression(False, True)
+    launcher = launch.CupyLauncher()
+    launcher._function(t.source, name)
+    (kind, path), (_, lowered) = loaded
+    assert kind == "path" and path.startswith(str(tmp_path / "cubin")) and "-sm_90a-" in path
+    res = nvrtc.compile_cubin(launch.kernel_source(t.source), "sm_90a", [name], options=launch.cuda_compile_options())
+    assert lowered == res.lowered_names[name] and lowered.startswith("_Z")
+    assert open(path, "rb").read()[:4] == b"\x7fELF"
+    launcher._function("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<float, float, 128, 4>")
+    assert loaded[2] == ("code", ("flash_bwd_convert_dq_kernel<float, float, 128, 4>",))

@@ -50,6 +50,7 @@ import hashlib
 import itertools
 import math
 import operator
+import os
 import threading
 from pathlib import Path
 
@@ -217,6 +218,20 @@ class Launcher:
         raise NotImplementedError
 
 
+#: Sources whose kernels use arch-specific features (wgmma, setmaxnreg: ``sm_90a``), by device arch:
+#: the NVRTC target to compile them for. CuPy's RawModule compiles for the plain arch it adds
+#: itself (``-arch=sm_90``), which those wrappers refuse, so the CuPy path compiles them with
+#: :mod:`nvrtc` and loads the cubin (:meth:`CupyLauncher._arch_specific`).
+ARCH_SPECIFIC = {"flash_fwd_sm90.cu": {90: "sm_90a"}}
+
+
+def cubin_cache_dir():
+    """Where the CuPy path keeps the cubins of :data:`ARCH_SPECIFIC` sources (next to the
+    emulator's cache: ``$FLASHARRAY_EMULATOR_CACHE/../cubin`` or ``~/.cache/flasharray/cubin``)."""
+    from ..emulator import cache_dir
+    return Path(cache_dir()).parent / "cubin"
+
+
 class CupyLauncher(Launcher):
     """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached)."""
 
@@ -239,11 +254,31 @@ class CupyLauncher(Launcher):
         with _lock:
             fn = self._modules.get(key)
             if fn is None:
-                mod = self._cupy.RawModule(code=kernel_source(source_name), options=cuda_compile_options(),
-                                           name_expressions=[name_expr])
-                fn = mod.get_function(name_expr)
+                target = ARCH_SPECIFIC.get(source_name, {}).get(self.arch)
+                if target is not None:
+                    fn = self._arch_specific(source_name, name_expr, target)
+                else:
+                    mod = self._cupy.RawModule(code=kernel_source(source_name), options=cuda_compile_options(),
+                                               name_expressions=[name_expr])
+                    fn = mod.get_function(name_expr)
                 self._modules[key] = fn
         return fn
+
+    def _arch_specific(self, source_name, name_expr, target):
+        """The kernel ``name_expr`` compiled by :mod:`nvrtc` for ``target`` (e.g. ``sm_90a``) with the
+        CuPy path's options, its cubin cached by source digest and name, loaded by CuPy."""
+        from . import nvrtc
+        tag = hashlib.sha256(("%s|%s|%s" % (source_name, name_expr, target)).encode()).hexdigest()[:16]
+        path = cubin_cache_dir() / ("%s-%s-%s.cubin" % (source_digest(), target, tag))
+        lowered = path.with_suffix(".name")
+        if not (path.exists() and lowered.exists()):
+            res = nvrtc.compile_cubin(kernel_source(source_name), target, [name_expr], options=cuda_compile_options())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for dst, data in ((lowered, res.lowered_names[name_expr].encode()), (path, res.cubin)):
+                tmp = dst.with_suffix(".tmp%d" % os.getpid())
+                tmp.write_bytes(data)
+                os.replace(tmp, dst)
+        return self._cupy.RawModule(path=str(path)).get_function(lowered.read_text())
 
     def function(self, source_name, name_expr, shared_mem=0):
         fn = self._function(source_name, name_expr)
