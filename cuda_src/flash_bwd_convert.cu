@@ -30,73 +30,118 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_kernel(
     }
 }
 
+// The double accumulator of the DMMA dK/dV kernel (flash_bwd_f64.cu) -> dQ (double): each thread
+// converts 4 consecutive columns c .. c + 3 (c = 8 n + 4 s) of one row g + 8 h of a 16 x kDQCols
+// tile: in DQAccumLayout one 16-byte load of lane elements 4 g + 2 s, +1 of (n, 2 h) (columns c, c + 2)
+// and one of (n, 2 h + 1) (c + 1, c + 3). Items are dealt so that the 16 threads s = j % 2,
+// g = j / 2 % 8 of one chunk n cover 256 contiguous bytes per load; a pair exchange (lane ^ 1) makes
+// each 16-byte store instruction write whole 64-byte row segments: lane s stores columns 8 n + 2 s,
+// +1, then 8 n + 4 + 2 s, +1. kVec: D % 8 == 0 and 16-byte aligned rows, else element stores.
+template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec>
+__device__ __forceinline__ void convert_dq_tc_f64(const double* __restrict__ dq_accum, long long a_b0, long long a_b1,
+                                                  long long a_b2, OutT* __restrict__ dq, long long dq_b0,
+                                                  long long dq_b1, long long dq_b2, long long dq_row, int Lq, int D,
+                                                  int nb2, double scale) {
+    using A = DQAccumLayout<kHeadDim>;
+    using Dbl2 = flash::Vec16<double>;
+    static_assert(sizeof(OutT) == 8, "convert: a double accumulator gives double dQ");
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kItems = kBlockM * kChunksPerRow * 2;  // 4-column items; a multiple of 64
+    static_assert(kItems % 32 == 0, "warp-uniform trip counts (the pair exchange)");
+    const BatchIndex b = BatchIndex::from_grid(nb2);
+    const int r0 = (int)blockIdx.x * kBlockM;
+    const double* src = dq_accum + b.offset({a_b0, a_b1, a_b2, 0}) + (long long)r0 * kHeadDim;
+    OutT* dst = dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row;
+#pragma unroll 1
+    for (int j = (int)threadIdx.x; j < kItems; j += kNThreads) {
+        // j = (((tm * 2 + h) * kChunksPerRow + chunk) * 8 + g) * 2 + s
+        const int s = j % 2, g = (j / 2) % 8, chunk = (j / 16) % kChunksPerRow, h = (j / (16 * kChunksPerRow)) % 2;
+        const int tm = j / (32 * kChunksPerRow);
+        const int r = tm * 16 + 8 * h + g, c = chunk * 8 + 4 * s;
+        // Rows < Lq and 8-column chunks starting below D are read (as the float path); every thread
+        // takes part in the exchange (both lanes of a pair share the row and the chunk).
+        const bool in = r0 + r < Lq && chunk * 8 < D;
+        Dbl2 even{{0.0, 0.0}}, odd{{0.0, 0.0}};
+        if (in) {
+            const double* p = src + A::offset(r, c);
+            even = fa::gload(reinterpret_cast<const Dbl2*>(p));      // columns c, c + 2
+            odd = fa::gload(reinterpret_cast<const Dbl2*>(p + 32));  // columns c + 1, c + 3
+        }
+        const double v[4] = {even.v[0] * scale, odd.v[0] * scale, even.v[1] * scale, odd.v[1] * scale};
+        // the partner's half: s = 0 needs partner's columns 0, 1 (its v[0], v[1]) for columns 8n + 4, 5;
+        // s = 1 needs partner's v[2], v[3] (columns 8n + 2, 3)
+        const double w0 = __shfl_xor_sync(0xffffffffu, s ? v[0] : v[2], 1);
+        const double w1 = __shfl_xor_sync(0xffffffffu, s ? v[1] : v[3], 1);
+        if (!in) continue;
+        OutT* d = dst + (long long)r * dq_row + chunk * 8;
+        if (kVec) {
+            const Dbl2 first = s ? Dbl2{{w0, w1}} : Dbl2{{v[0], v[1]}};   // columns 2s, 2s + 1
+            const Dbl2 second = s ? Dbl2{{v[2], v[3]}} : Dbl2{{w0, w1}};  // columns 4 + 2s, +1
+            fa::gstore(reinterpret_cast<Dbl2*>(d + 2 * s), first);
+            fa::gstore(reinterpret_cast<Dbl2*>(d + 4 + 2 * s), second);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (c + i < D) fa::gstore(d + 4 * s + i, v[i]);
+        }
+    }
+}
+
 // One query block: each thread converts 16-byte-of-fp16 chunks, 8 consecutive columns of one row
-// (8 n + 0..7 of row g + 8 h of a 16 x kDQCols tile). In DQAccumLayout those 8 elements are two
-// runs of 4 consecutive lanes' elements (n, 2 h + 0) and (n, 2 h + 1): columns 0, 2, 4, 6 and
-// 1, 3, 5, 7 (AccT = float: one float4 each; double: two double2 each). Chunks are dealt so that a
-// warp's 32 threads take rows g = 0..7 (lane % 8) of 4 consecutive column chunks (lane / 8): each
-// 16-byte load of 8 threads covers 128 contiguous bytes, and each row's 4 chunks are 64 contiguous
-// bytes of dQ (fp16). kVec: 16-byte stores (OutT = T: one of 8 x 2 bytes; float: two; double:
-// four) — the caller guarantees 16-byte aligned rows, D % 8 == 0; otherwise element stores.
-// AccT: the accumulator's type, float (fp16/bf16 dK/dV kernel) or double (flash_bwd_f64.cu).
+// (8 n + 0..7 of row g + 8 h of a 16 x kDQCols tile). In DQAccumLayout those 8 floats are two
+// float4 of 4 consecutive lanes' elements (n, 2 h + 0) and (n, 2 h + 1): columns 0, 2, 4, 6 and
+// 1, 3, 5, 7. Chunks are dealt so that a warp's 32 threads take rows g = 0..7 (lane % 8) of 4
+// consecutive column chunks (lane / 8): each float4 load of 8 threads covers 128 contiguous bytes,
+// and each row's 4 chunks are 64 contiguous bytes of dQ (fp16). kVec: one 16-byte store per
+// chunk (OutT = T: 8 x 2 bytes; OutT = float: two) — the caller guarantees 16-byte aligned rows,
+// D % 8 == 0; otherwise element stores.
+// AccT: the accumulator's type, float (the fp16/bf16 dK/dV kernel) or double (flash_bwd_f64.cu:
+// convert_dq_tc_f64 above).
 template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec, typename AccT = float>
 __global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_tc_kernel(
     const AccT* __restrict__ dq_accum, long long a_b0, long long a_b1, long long a_b2,
     OutT* __restrict__ dq, long long dq_b0, long long dq_b1, long long dq_b2, long long dq_row,
     int Lq, int D, int nb2, AccT scale) {
-    using A = DQAccumLayout<kHeadDim>;
-    using Dbl2 = flash::Vec16<double>;
-    static_assert(kNThreads % 32 == 0, "convert: block must be whole warps");
-    static_assert(kBlockM % 16 == 0, "convert: query blocks are whole 16-row tiles");
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kChunks = kBlockM * kChunksPerRow;  // 8-column chunks of the query block
-    const BatchIndex b = BatchIndex::from_grid(nb2);
-    const int r0 = (int)blockIdx.x * kBlockM;
-    const AccT* src = dq_accum + b.offset({a_b0, a_b1, a_b2, 0}) + (long long)r0 * kHeadDim;
-    OutT* dst = dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row;
-#pragma unroll 1
-    for (int j = (int)threadIdx.x; j < kChunks; j += kNThreads) {
-        // j = ((tm * 2 + h) * kChunksPerRow + chunk) * 8 + g
-        const int g = j % 8, chunk = (j / 8) % kChunksPerRow, h = (j / (8 * kChunksPerRow)) % 2;
-        const int tm = j / (16 * kChunksPerRow);
-        const int r = tm * 16 + 8 * h + g, c = chunk * 8;
-        if (r0 + r >= Lq || c >= D) continue;
-        const AccT* s = src + A::offset(r, c);  // column c (even: e % 2 = 0) of row r, lane 4 g
-        AccT v[8];                              // columns c .. c + 7
-        if constexpr (sizeof(AccT) == 4) {
-            const float4 even = fa::gload(reinterpret_cast<const float4*>(s));      // columns c, c+2, c+4, c+6
-            const float4 odd = fa::gload(reinterpret_cast<const float4*>(s + 32));  // columns c+1, c+3, ...
-            const float w[8] = {even.x, odd.x, even.y, odd.y, even.z, odd.z, even.w, odd.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = w[i];
-        } else {
-            static_assert(sizeof(AccT) == 8, "convert: float or double accumulator");
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {  // columns c + 4k, +2 (even) and c + 4k + 1, +3 (odd)
-                const Dbl2 even = fa::gload(reinterpret_cast<const Dbl2*>(s) + k);
-                const Dbl2 odd = fa::gload(reinterpret_cast<const Dbl2*>(s + 32) + k);
-                v[4 * k] = even.v[0], v[4 * k + 1] = odd.v[0], v[4 * k + 2] = even.v[1], v[4 * k + 3] = odd.v[1];
-            }
-        }
-        OutT* d = dst + (long long)r * dq_row + c;
-        if (kVec) {
-            if constexpr (sizeof(OutT) == 2) {
-                const uint4 w = {fa::pack2<OutT>(v[0] * scale, v[1] * scale), fa::pack2<OutT>(v[2] * scale, v[3] * scale),
-                                 fa::pack2<OutT>(v[4] * scale, v[5] * scale), fa::pack2<OutT>(v[6] * scale, v[7] * scale)};
-                fa::gstore(reinterpret_cast<uint4*>(d), w);
-            } else if constexpr (sizeof(OutT) == 4) {
-                fa::gstore(reinterpret_cast<float4*>(d), float4{v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale});
-                fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale});
+    if constexpr (sizeof(AccT) == 8) {
+        convert_dq_tc_f64<OutT, kNThreads, kBlockM, kHeadDim, kVec>(dq_accum, a_b0, a_b1, a_b2, dq, dq_b0, dq_b1,
+                                                                     dq_b2, dq_row, Lq, D, nb2, scale);
+    } else {
+        using A = DQAccumLayout<kHeadDim>;
+        static_assert(kNThreads % 32 == 0, "convert: block must be whole warps");
+        static_assert(kBlockM % 16 == 0, "convert: query blocks are whole 16-row tiles");
+        constexpr int kChunksPerRow = kHeadDim / 8;
+        constexpr int kChunks = kBlockM * kChunksPerRow;  // 8-column chunks of the query block
+        const BatchIndex b = BatchIndex::from_grid(nb2);
+        const int r0 = (int)blockIdx.x * kBlockM;
+        const float* src = dq_accum + b.offset({a_b0, a_b1, a_b2, 0}) + (long long)r0 * kHeadDim;
+        OutT* dst = dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row;
+    #pragma unroll 1
+        for (int j = (int)threadIdx.x; j < kChunks; j += kNThreads) {
+            // j = ((tm * 2 + h) * kChunksPerRow + chunk) * 8 + g
+            const int g = j % 8, chunk = (j / 8) % kChunksPerRow, h = (j / (8 * kChunksPerRow)) % 2;
+            const int tm = j / (16 * kChunksPerRow);
+            const int r = tm * 16 + 8 * h + g, c = chunk * 8;
+            if (r0 + r >= Lq || c >= D) continue;
+            const float* s = src + A::offset(r, c);  // column c (even: e % 2 = 0) of row r, lane 4 g
+            const float4 even = fa::gload(reinterpret_cast<const float4*>(s));       // columns c, c+2, c+4, c+6
+            const float4 odd = fa::gload(reinterpret_cast<const float4*>(s + 32));   // columns c+1, c+3, ...
+            const float v[8] = {even.x, odd.x, even.y, odd.y, even.z, odd.z, even.w, odd.w};
+            OutT* d = dst + (long long)r * dq_row + c;
+            if (kVec) {
+                if constexpr (sizeof(OutT) == 2) {
+                    const uint4 w = {fa::pack2<OutT>(v[0] * scale, v[1] * scale), fa::pack2<OutT>(v[2] * scale, v[3] * scale),
+                                     fa::pack2<OutT>(v[4] * scale, v[5] * scale), fa::pack2<OutT>(v[6] * scale, v[7] * scale)};
+                    fa::gstore(reinterpret_cast<uint4*>(d), w);
+                } else {
+                    static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
+                    fa::gstore(reinterpret_cast<float4*>(d), float4{v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale});
+                    fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale});
+                }
             } else {
-                static_assert(sizeof(OutT) == 8, "convert: 16-bit, float or double output");
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    fa::gstore(reinterpret_cast<Dbl2*>(d) + k, Dbl2{{v[2 * k] * scale, v[2 * k + 1] * scale}});
+    #pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i] * scale));
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i] * scale));
         }
     }
 }

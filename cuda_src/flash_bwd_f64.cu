@@ -343,35 +343,45 @@ struct AccFromSmem {
     }
 };
 
-// Epilogue: the warp's rows (keys key0 + 8mt + g) of dK_j or dV_j times mult, columns
-// 16p + 4t .. +3 = get(mt, p, x) (registers: acc[mt][2p + h][j] is column 16p + 4t + 2j + h;
-// shared memory: two 16-byte words), rows < Lk and columns < n_cols: 16-byte stores (two per
-// 16-column pair) when the rows are 16-byte aligned and n_cols is even, else element stores.
+// Epilogue: the warp's rows (keys key0 + 8mt + g) of dK_j or dV_j times mult; lane (g, t) holds
+// columns 16p + 4t .. +3 = get(mt, p, ...) (registers: acc[mt][2p + h][j] is column 16p + 4t + 2j +
+// h; shared memory: two 16-byte words). A quad exchange (as the forward's epilogue) makes each store
+// instruction write whole 64-byte row segments: lane t stores columns 16p + 2t, +1 (elements
+// 2(t%2), +1 of quad lane t/2) and 16p + 8 + 2t, +1 (of quad lane 2 + t/2). Rows < Lk, columns <
+// n_cols: 16-byte stores when the rows are 16-byte aligned and n_cols is even, else element stores.
 template <int kMT, int kCols, class Get>
 __device__ __forceinline__ void store_dkv(double* dst, long long row_stride, const Get& get, double mult, int c0,
                                           int Lk, int n_cols) {
     const int tid = tid_fresh(), lane = tid % 32, g = lane / 4, t = lane % 4;
     const int key0 = c0 + tid / 32 * 8 * kMT;  // the warp's first key
     const bool vec = row_stride % 2 == 0 && reinterpret_cast<unsigned long long>(dst) % 16 == 0 && n_cols % 2 == 0;
+    const int src_lo = (lane & ~3) | (t >> 1), src_hi = src_lo + 2;
+    const bool odd = (t & 1) != 0;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
         const int key = key0 + 8 * mt + g;
-        if (key >= Lk) continue;
         double* d_row = dst + (long long)key * row_stride;
 #pragma unroll
         for (int p = 0; p < kCols / 16; ++p) {
-            const int c = 16 * p + 4 * t;
-            double x[4];
+            double x[4], lo[4], hi[4];
             get(mt, p, tid / 32, g, t, x);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) x[q] *= mult;
-            if (vec) {
-                if (c < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c), Dbl2{{x[0], x[1]}});
-                if (c + 2 < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c + 2), Dbl2{{x[2], x[3]}});
-            } else {
+            for (int q = 0; q < 4; ++q) {  // every lane shuffles (rows past Lk included)
+                lo[q] = __shfl_sync(0xffffffffu, x[q], src_lo);
+                hi[q] = __shfl_sync(0xffffffffu, x[q], src_hi);
+            }
+            if (key >= Lk) continue;
+            const double y[4] = {(odd ? lo[2] : lo[0]) * mult, (odd ? lo[3] : lo[1]) * mult,
+                                 (odd ? hi[2] : hi[0]) * mult, (odd ? hi[3] : hi[1]) * mult};
 #pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    if (c + q < n_cols) fa::gstore(d_row + c + q, x[q]);
+            for (int half = 0; half < 2; ++half) {
+                const int c = 16 * p + 8 * half + 2 * t;
+                if (vec) {
+                    if (c < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c), Dbl2{{y[2 * half], y[2 * half + 1]}});
+                } else {
+                    if (c < n_cols) fa::gstore(d_row + c, y[2 * half]);
+                    if (c + 1 < n_cols) fa::gstore(d_row + c + 1, y[2 * half + 1]);
+                }
             }
         }
     }
