@@ -13,6 +13,7 @@ else PyTorch's flash backend) and to the fastest PyTorch backend, time_ref / tim
 
 Implementations (``IMPLS``: name -> Impl(make, kind, flops factor, role)):
   flasharray     flasharray._private.cuda_forward.forward (this project's kernels)
+  flasharray-wgmma  the same with kernel="wgmma": the Hopper forward (flash_fwd_sm90.cu), sm_90 only
   cupy-naive     S = q kᵀ, softmax, P v with CuPy (S and P materialized); CuPy 14 computes batched
                  fp16 matmuls in fp32 and rejects batched bf16 ones, so torch-math is the fairer
                  materialized baseline
@@ -129,6 +130,20 @@ def _make_flasharray(tensors, causal, device):
                                         device=device)
 
 
+def _make_flasharray_wgmma(tensors, causal, device):
+    """The Hopper forward (cuda_src/flash_fwd_sm90.cu, opt-in kernel="wgmma") on an sm_90 GPU; None
+    elsewhere (other GPUs, the emulator run)."""
+    if device != "cuda":
+        return None
+    import cupy as cp
+    if int(cp.cuda.Device().compute_capability) != 90:
+        return None
+    q, k, v = tensors
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=q.shape[:-2],
+                                        device=device, kernel="wgmma")
+
+
 def require_batched_matmul(dtype):
     """Raise NotMeasured when CuPy cannot multiply batched matrices of ``dtype`` (CuPy 14 and
     bfloat16: TypeError, cupy/cupy#10317)."""
@@ -197,7 +212,8 @@ def _make_torch(name):
     return make
 
 
-IMPLS = {"flasharray": Impl(_make_flasharray), "cupy-naive": Impl(_make_cupy_naive)}
+IMPLS = {"flasharray": Impl(_make_flasharray), "flasharray-wgmma": Impl(_make_flasharray_wgmma),
+         "cupy-naive": Impl(_make_cupy_naive)}
 IMPLS.update((name, Impl(_make_torch(name), role=role)) for name, (_, role) in TORCH_ROWS.items())
 
 
