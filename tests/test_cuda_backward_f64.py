@@ -316,6 +316,80 @@ def test_error_at_simt_fp64_level(D, Lq, Lk, causal):
             assert e_dmma < 1e-14, (name, e_dmma)
 
 
+# ---- through the library (cuda_backward.backward / flash_attention_backward, device "emulator") ---
+def api_grads(p, **opts):
+    """cuda_backward.backward on the grouped inputs; (dq, dk, dv, counters) in Inputs' shapes."""
+    from flasharray._private import cuda_backward as cb
+    q5, k5, v5 = p.grouped()
+    do = p.dout.reshape(q5.shape[:3] + p.dout.shape[2:])
+    out, lse = p.out.reshape(do.shape), p.lse.reshape(do.shape[:-1])
+    dq, dk, dv, counters = cb.backward(do, q5, k5, v5, out, lse, causal=p.causal, scale=p.scale,
+                                       batch_shape=q5.shape[:3], device="emulator", return_counters=True, **opts)
+    return dq.reshape(p.q.shape), dk[:, :, 0], dv[:, :, 0], counters
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_api_runs_dmma_kernel(deterministic):
+    """float64 on the emulator's sm_80 runs this kernel (ordered by default, plain atomics with
+    deterministic=False) and the double conversion, with this file's DMMA count; deterministic:
+    bitwise the same under another fiber schedule."""
+    p = Inputs(40, 70, 45, Dv=24, G=2, causal=True)
+    *grads, counters = api_grads(p, deterministic=deterministic)
+    p.check(grads)
+    names = [name for name, _ in counters]
+    (dkv,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_f64_kernel")]
+    (name,) = [n for n in names if n.startswith("flash_bwd_dkv_f64_kernel")]
+    assert name.endswith(", true>" if deterministic else ", false>")
+    assert any(n.startswith("flash_bwd_convert_dq_tc_kernel<double") and n.endswith(", double>") for n in names)
+    t = F.backward_tile(None, np.float64, 40, 24, tiles.EMULATOR_ARCH)
+    assert dkv.mma == p.B * p.Hk * visits(70, 45, True, t, p.G) * t.block_m * t.block_n * (3 * 48 + 2 * 32) // 256
+    if deterministic:  # bitwise reproducible under another schedule
+        for a, b in zip(grads, api_grads(p, schedule="random", seed=5)[:3]):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_api_flash_attention_backward():
+    """flasharray.flash_attention_backward(backend="emulator") on float64: forward and backward on
+    DMMA, BSHD views, MQA broadcast, precision "ieee" the same kernel."""
+    import flasharray as fa
+    p = Inputs(64, 33, 80, Hk=1, G=4, causal=False, layout="bshd")
+    q5, k5, v5 = p.grouped()
+    do = p.dout.reshape(q5.shape[:3] + p.dout.shape[2:])
+    out, lse = fa.flash_attention_forward(q5, k5, v5, backend="emulator")
+    g1 = fa.flash_attention_backward(do, q5, k5, v5, out, lse, backend="emulator")
+    g2 = fa.flash_attention_backward(do, q5, k5, v5, out, lse, backend="emulator", precision="ieee")
+    testing.assert_attention_close(out, q5, k5, v5, dout=do, grads=g1)
+    for a, b in zip(g1, g2):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", ["d160", "sm75", "window", "kernel_simt"])
+def test_api_fallbacks_to_simt(case):
+    """Head dims above 128, sm_75, extensions and kernel="simt" run the SIMT fp64 backward."""
+    from flasharray._private import cuda_backward as cb
+    D = 160 if case == "d160" else 32
+    p = Inputs(D, 20, 30, B=1, Hk=1, G=2, causal=True)
+    opts = {"sm75": dict(arch=75), "kernel_simt": dict(kernel="simt")}.get(case, {})
+    if case == "window":
+        q5, k5, v5 = p.grouped()
+        do = p.dout.reshape(q5.shape[:3] + p.dout.shape[2:])
+        out, lse = reference.attention(q5, k5, v5, causal=True, window=(3, 0), return_lse=True)
+        *grads, counters = cb.backward(do, q5, k5, v5, out, lse, causal=True, scale=p.scale, batch_shape=q5.shape[:3],
+                                       device="emulator", return_counters=True, ext=_window_ext(q5, k5, v5))
+        testing.assert_attention_close(out, q5, k5, v5, causal=True, window=(3, 0), dout=do, grads=grads)
+    else:
+        *grads, counters = api_grads(p, **opts)
+        p.check(grads)
+    names = [name for name, _ in counters]
+    assert not any("f64" in n for n in names) and any(n.startswith("flash_bwd_dkv_simt_kernel") for n in names)
+
+
+def _window_ext(q, k, v):
+    from flasharray._private import extensions
+    return extensions.from_options({"window": (3, 0)}, kind="numpy", batch_shape=q.shape[:-2], Lq=q.shape[-2],
+                                   Lk=k.shape[-2], acc=np.dtype(np.float64))
+
+
 # ---- tile table ---------------------------------------------------------------------------------
 def test_tile_table():
     """Every d, dv <= 128 has a tile on every sm_80+ arch within its shared memory; above 128, below
