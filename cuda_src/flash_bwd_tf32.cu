@@ -51,10 +51,11 @@
 
 namespace fa_bwd {
 
-// Shared-memory layout in bytes (floats, rows padded by 4): Q_i, dO_i, K_j, V_j, dS^T (Bc x Br),
-// each 1 or 2 planes (3xtf32 with kLoPlanes: hi, then lo), then L_i log2 e and D_i.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kPrec, bool kLoPlanes>
+// Shared-memory layout in bytes (floats, rows padded by 4): Q_i, dO_i (kStages buffers), K_j, V_j,
+// dS^T (Bc x Br), each 1 or 2 planes (3xtf32 with kLoPlanes: hi, then lo), then L_i log2 e and D_i.
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kPrec, bool kLoPlanes, int kStages = 1>
 struct Tf32BwdSmem {
+    static_assert(kStages == 1 || kStages == 2, "one or two buffers of Q_i, dO_i");
     static constexpr int kPad = 4;
     static constexpr int kPitchD = kHeadDim + kPad, kPitchDv = kHeadDimV + kPad, kPitchS = kBlockM + kPad;
     static constexpr int kPlanes = (kPrec == 3 && kLoPlanes) ? 2 : 1;
@@ -63,9 +64,11 @@ struct Tf32BwdSmem {
     static constexpr int kKPlane = kBlockN * kPitchD;
     static constexpr int kVPlane = kBlockN * kPitchDv;
     static constexpr int kSPlane = kBlockN * kPitchS;
+    static constexpr int kQStage = kPlanes * kQPlane;    // floats of one Q_i buffer (hi [, lo])
+    static constexpr int kdOStage = kPlanes * kdOPlane;
     static constexpr int kQ = 0;
-    static constexpr int kdO = kQ + align16(kPlanes * kQPlane * 4);
-    static constexpr int kK = kdO + align16(kPlanes * kdOPlane * 4);
+    static constexpr int kdO = kQ + align16(kStages * kQStage * 4);
+    static constexpr int kK = kdO + align16(kStages * kdOStage * 4);
     static constexpr int kV = kK + align16(kPlanes * kKPlane * 4);
     static constexpr int kdS = kV + align16(kPlanes * kVPlane * 4);
     static constexpr int kL = kdS + align16(kPlanes * kSPlane * 4);
@@ -370,7 +373,7 @@ using namespace fa_bwd;
 // 16 w..); n_group query batch entries share K_j, V_j (group strides on the query-side tensors).
 // The argument list is flash_bwd_dkv_kernel's with T = OutT = float.
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool kIsCausal,
-          bool kVecLoad, bool kOrderedDQ, bool kLoPlanes = true>
+          bool kVecLoad, bool kOrderedDQ, bool kLoPlanes = true, int kStages = 1>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_tf32_kernel(
     const float* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const float* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -389,12 +392,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(kBlockM % 16 == 0, "Br: whole n16 pairs (ldmatrix.x4 of Q_i, dO_i)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
                   "d, dv: multiples of 16, at most 128");
-    using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes>;
+    using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
     (void)dqa_row;
 
     FA_DYNAMIC_SMEM(smem);
-    float* Q_s = reinterpret_cast<float*>(smem + L::kQ);          // Q_i   Br x d   [hi, lo]
-    float* dO_s = reinterpret_cast<float*>(smem + L::kdO);        // dO_i  Br x dv  [hi, lo]
+    float* Q_buf = reinterpret_cast<float*>(smem + L::kQ);        // Q_i   Br x d   [hi, lo] x kStages
+    float* dO_buf = reinterpret_cast<float*>(smem + L::kdO);      // dO_i  Br x dv  [hi, lo] x kStages
     float* K_s = reinterpret_cast<float*>(smem + L::kK);          // K_j   Bc x d   [hi, lo]
     float* V_s = reinterpret_cast<float*>(smem + L::kV);          // V_j   Bc x dv  [hi, lo]
     float* dSt_s = reinterpret_cast<float*>(smem + L::kdS);       // dS^T  Bc x Br  [hi, lo]
@@ -422,8 +425,22 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         K_s, L::kKPlane, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
     load_tile_tf32<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, L::kVPlane, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads
+    // converted on the way).
+    auto load_query_block = [&](int grp, int i, int buf) {
+        const int r0 = i * kBlockM;
+        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+            Q_buf + buf * L::kQStage, L::kQPlane,
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+            dO_buf + buf * L::kdOStage, L::kdOPlane,
+            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row, do_row,
+            Lq - r0, Dv);
+    };
     fa::cp_async_commit();
-    fa::cp_async_wait<0>();
+    if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);  // the first visit's, in flight
+    fa::cp_async_commit();
+    fa::cp_async_wait<1>();  // K_j, V_j (this thread's copies)
     convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(K_s, L::kKPlane);
     convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(V_s, L::kVPlane);
 
@@ -432,22 +449,30 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     zero_acc(dK_acc);
     zero_acc(dV_acc);
 
+    // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
     int grp = 0, i = i_begin;
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
-        // Barrier: every warp is done with the previous visit (Q_i, dO_i, dS^T, L_i, D_i).
+        const bool wrap = i + 1 == Tr;
+        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        const int buf = kStages == 2 ? visit % 2 : 0;
+        float* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x d
+        float* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x dv
+        // Barrier: every warp is done with the previous visit (its Q_i / dO_i buffer, about to be
+        // refilled, dS^T, L_i, D_i).
         __syncthreads();
-        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-            Q_s, L::kQPlane, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row,
-            q_row, Lq - r0, D);
-        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-            dO_s, L::kdOPlane, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
-            do_row, Lq - r0, Dv);
+        const bool prefetch = kStages == 2 && visit + 1 < n_visits;
+        if (kStages == 1) load_query_block(grp, i, 0);
+        if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's products
         fa::cp_async_commit();
         load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
             delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
-        fa::cp_async_wait<0>();
+        // This thread's copies of this visit's Q_i, dO_i landed (the prefetch may be in flight).
+        if (prefetch)
+            fa::cp_async_wait<1>();
+        else
+            fa::cp_async_wait<0>();
         convert_tile<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(Q_s, L::kQPlane);
         convert_tile<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(dO_s, L::kdOPlane);
         // Barrier: every thread's copies (converted), L_i and D_i are visible to every warp.
@@ -473,10 +498,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
         mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
 
-        const bool wrap = i + 1 == Tr;
-        i = wrap ? i_begin : i + 1;
-        grp = wrap ? grp + 1 : grp;
+        i = i_n, grp = grp_n;
     }
+
+    fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
     // -- epilogue: dK_j · scale and dV_j, rows < Lk, columns < D / Dv (zeros where no query block
     //    was visited).

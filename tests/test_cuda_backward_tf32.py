@@ -309,8 +309,8 @@ def test_raw_tiles_split_in_registers(precision):
     q, k, v, do = make_inputs(48, 40, 70, Dv=32, G=2)
     t = T.backward_tile(precision, np.float32, 48, 32, 80)
     raw = T.Tf32BwdTiles(t.block_m, t.block_n, t.n_threads,
-                         T.smem_bytes(48, 32, t.block_m, t.block_n, precision, False), "raw", 1, precision, 48, 32,
-                         False)
+                         T.smem_bytes(48, 32, t.block_m, t.block_n, precision, False, t.stages), "raw", t.stages,
+                         precision, 48, 32, False)
     scale = 48 ** -0.5
     got = run_dkv(precision, q, k, v, do, True, scale=scale, tile=raw)
     lse, delta = kernel_inputs(q, k, v, do, True, scale)
@@ -390,7 +390,8 @@ def test_tiles_and_fallbacks():
             for d in range(8, 129, 8):
                 t = T.backward_tile(precision, np.float32, d, d, arch)
                 assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
-                assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes)
+                assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes,
+                                              t.stages)
     q, k, v, do = make_inputs(160, 17, 33, G=1, Hk=1)
     _, _, counters = run_api("tf32", q, k, v, do, False, scale=0.1)
     assert not any(name.startswith(T.KERNEL) for name, _ in counters)
@@ -398,16 +399,18 @@ def test_tiles_and_fallbacks():
 
 def test_smem_mirror_matches_the_kernel_layout():
     """smem_bytes (Python) equals Tf32BwdSmem::kBytes (C++) for every tile the table chooses."""
-    chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.lo_planes)
+    chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.lo_planes, t.stages)
               for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128) for dv in (16, 64, 128)
               for t in [T.backward_tile(p, np.float32, d, dv, a)]}
-    chosen |= {(48, 32, 32, 32, 3, False)}
-    probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, bool Lo>\n__global__ void tf32_bwd_smem_probe(int* out) {"
-             " out[0] = fa_bwd::Tf32BwdSmem<D, Dv, Br, Bc, P, Lo>::kBytes; }\n")
-    names = ["tf32_bwd_smem_probe<%d, %d, %d, %d, %d, %s>" % (*c[:5], "true" if c[5] else "false") for c in sorted(chosen)]
+    chosen |= {(48, 32, 32, 32, 3, False, 1), (48, 32, 32, 32, 3, False, 2)}
+    assert {c[-1] for c in chosen} == {1, 2}
+    probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, bool Lo, int St>\n__global__ void tf32_bwd_smem_probe("
+             "int* out) { out[0] = fa_bwd::Tf32BwdSmem<D, Dv, Br, Bc, P, Lo, St>::kBytes; }\n")
+    names = ["tf32_bwd_smem_probe<%d, %d, %d, %d, %d, %s, %d>" % (*c[:5], "true" if c[5] else "false", c[6])
+             for c in sorted(chosen)]
     mod = emulator.Module(launch.kernel_source(T.SOURCE) + probe, names)
     for c, name in zip(sorted(chosen), names):
         out = np.zeros(1, np.int32)
         mod.launch(name, 1, 1, (out,))
         prec = "3xtf32" if c[4] == 3 else "tf32"
-        assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5]), c
+        assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5], c[6]), c

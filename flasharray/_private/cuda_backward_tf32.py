@@ -23,7 +23,8 @@ tested but chosen only where no lo-plane tile fits (none of today's arches for d
 the candidate to time against the lo planes where those leave one warp per SM (3xtf32, d or dv >
 112 on sm_86/89). Bc among 64, 32, 16: the most resident warps per
 SM by shared memory (at most 8: the kernels need 150-255 registers), ties to the larger Bc (fewer
-reloads of Q_i, dO_i). E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
+reloads of Q_i, dO_i); then two buffers of Q_i, dO_i (``stages`` = 2: the next visit's cp.async
+copies overlap this visit's products) where the second buffer costs no resident warps. E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
 Bc 64, d 128 Br 16 Bc 32; sm_86/89: 3xtf32 d 64 Bc 32, d 128 Bc 16.
 """
 from dataclasses import dataclass
@@ -53,12 +54,13 @@ def block_m(precision, d, dv):
     return 32 if m <= 64 else 16
 
 
-def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True):
-    """Mirror of ``Tf32BwdSmem::kBytes``: planes x (Q_i, dO_i, K_j, V_j, dS^T), then L_i, D_i."""
+def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1):
+    """Mirror of ``Tf32BwdSmem::kBytes``: planes x (stages x Q_i, stages x dO_i, K_j, V_j, dS^T),
+    then L_i, D_i."""
     planes = 2 if precision == "3xtf32" and lo_planes else 1
     a16 = tiles._align16
-    tiles_f = (block_m * (d + _PAD), block_m * (dv + _PAD), block_n * (d + _PAD), block_n * (dv + _PAD),
-               block_n * (block_m + _PAD))
+    tiles_f = (stages * block_m * (d + _PAD), stages * block_m * (dv + _PAD), block_n * (d + _PAD),
+               block_n * (dv + _PAD), block_n * (block_m + _PAD))
     return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4)
 
 
@@ -102,17 +104,23 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     if best is None:
         return None
     warps, bc, lo, smem = best
-    reason = ("%s: Br=%d (registers: (d+dv)/2=%d), Bc=%d (%d warps), %s; %d resident warps per SM"
-              % (precision, br, (d + dv) // 2, bc, bc // 16,
+    # Double-buffered Q_i, dO_i (the next visit's copies overlap this one's products) where the
+    # second buffer costs no resident warps.
+    smem2 = smem_bytes(d, dv, br, bc, precision, lo, 2)
+    stages = 2 if smem2 <= limit and min(_MAX_WARPS_PER_SM, bc // 16 * (per_sm // (smem2 + _RESERVED))) >= warps else 1
+    smem = smem2 if stages == 2 else smem
+    reason = ("%s: Br=%d (registers: max(d, dv)=%d), Bc=%d (%d warps), %s, %d buffer(s) of Q_i/dO_i; "
+              "%d resident warps per SM"
+              % (precision, br, max(d, dv), bc, bc // 16,
                  "operands as tf32 planes" if precision == "tf32" else
-                 "hi+lo planes" if lo else "raw fp32 tiles split in registers", warps))
-    return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, 1, precision, d, dv, lo)
+                 "hi+lo planes" if lo else "raw fp32 tiles split in registers", stages, warps))
+    return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, stages, precision, d, dv, lo)
 
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
     """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`)."""
     b = lambda x: "true" if x else "false"  # noqa: E731
     lo = getattr(tile, "lo_planes", True)
-    return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s>" % (
+    return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d>" % (
         KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
-        b(ordered), b(lo))
+        b(ordered), b(lo), tile.stages)
