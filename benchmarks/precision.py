@@ -267,7 +267,7 @@ def bwd_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
-    lines = ["| arch | precision | d = dv | Br x Bc (warps) | regs | spill | smem KB | occupancy (blocks, warps / SM) | "
+    lines = ["| arch | precision | d = dv | Br x Bc (warps), stages | regs | spill | smem KB | occupancy (blocks, warps / SM) | "
              "loop instr | HMMA | instr / HMMA | LDSM | LDS | RED |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
@@ -284,8 +284,8 @@ def bwd_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
             lp = sass.key_loop(fns[k.lowered_name])
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
             s = lp.stats
-            lines.append("| sm_%d | %s | %d | %d x %d (%d) | %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
-                arch, t.precision, t.head_dim, t.block_m, t.block_n, t.n_threads // 32, k.registers,
+            lines.append("| sm_%d | %s | %d | %d x %d (%d), %d | %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
+                arch, t.precision, t.head_dim, t.block_m, t.block_n, t.n_threads // 32, t.stages, k.registers,
                 k.spill_stores + k.spill_loads, t.smem / 1024, occ.blocks, occ.warps, occ.limiter, s.instructions,
                 s.hmma, s.per_hmma, s.ldsm, s.lds, s.atomic))
     return "\n".join(lines)
