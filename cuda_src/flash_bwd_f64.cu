@@ -131,18 +131,29 @@ __device__ __forceinline__ void gemm_abt(double (&acc)[kMT][kNT][2], const doubl
 template <int kMT, int kNT, int kCols, int kPitch>
 __device__ __forceinline__ void gemm_rab(double (&acc)[kMT][kCols / 8][2], const double (&a)[kMT][kNT][2],
                                          const double* B_l) {
+    // Per 16-column pair: this visit's Br-term sums from zero, then added to dK_j / dV_j (blocked
+    // summation: the error grows with Br + Lq / Br terms, not Lq).
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int p = 0; p < kCols / 16; ++p) {
+        double part[kMT][2][2];
+        zero_f64(part);
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int p = 0; p < kCols / 16; ++p) {
+            for (int e = 0; e < 2; ++e) {
                 const Dbl2 b = lds2(B_l + (8 * nt + e) * kPitch + 16 * p);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][2 * p + h], a[mt][nt][e], b.v[h]);
+                    for (int mt = 0; mt < kMT; ++mt) dmma(part[mt][h], a[mt][nt][e], b.v[h]);
             }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) acc[mt][2 * p + h][j] += part[mt][h][j];
+    }
 }
 
 // As gemm_rab with the accumulator in shared memory (Tr::kDVSmem): per 16-column pair p, this lane's
@@ -152,12 +163,8 @@ template <int kMT, int kNT, int kCols, int kPitch>
 __device__ __forceinline__ void gemm_rab_smem(double* C_l, const double (&a)[kMT][kNT][2], const double* B_l) {
 #pragma unroll
     for (int p = 0; p < kCols / 16; ++p) {
-        double acc[kMT][2][2];  // [mt][h][j]: column 16p + 4t + 2j + h
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-            const Dbl2 lo = lds2(C_l + 8 * mt * kPitch + 16 * p), hi = lds2(C_l + 8 * mt * kPitch + 16 * p + 2);
-            acc[mt][0][0] = lo.v[0], acc[mt][1][0] = lo.v[1], acc[mt][0][1] = hi.v[0], acc[mt][1][1] = hi.v[1];
-        }
+        double acc[kMT][2][2];  // [mt][h][j]: column 16p + 4t + 2j + h; this visit's sums (as gemm_rab)
+        zero_f64(acc);
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -170,8 +177,10 @@ __device__ __forceinline__ void gemm_rab_smem(double* C_l, const double (&a)[kMT
             }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-            *reinterpret_cast<Dbl2*>(C_l + 8 * mt * kPitch + 16 * p) = Dbl2{{acc[mt][0][0], acc[mt][1][0]}};
-            *reinterpret_cast<Dbl2*>(C_l + 8 * mt * kPitch + 16 * p + 2) = Dbl2{{acc[mt][0][1], acc[mt][1][1]}};
+            Dbl2* c = reinterpret_cast<Dbl2*>(C_l + 8 * mt * kPitch + 16 * p);
+            const Dbl2 lo = c[0], hi = c[1];
+            c[0] = Dbl2{{lo.v[0] + acc[mt][0][0], lo.v[1] + acc[mt][1][0]}};
+            c[1] = Dbl2{{hi.v[0] + acc[mt][0][1], hi.v[1] + acc[mt][1][1]}};
         }
     }
 }

@@ -18,7 +18,8 @@ BwdF64Traits::kBytes). The choice (registers <= 255 with zero spills, checked by
 tests/test_static_backward_f64.py for every tile this table can return):
 
 * d, dv <= 32: kMT = 2, 4 warps (Bc = 64), Br = 32;
-* d, dv <= 64: kMT = 1, 4 warps (Bc = 32), Br = 32;
+* d, dv <= 64: kMT = 1, 4 warps (Bc = 32), Br = 32 at d + dv <= 96, else 16 (d = dv = 64 at Br = 32
+  spilled 40 bytes on sm_90 once dK_j, dV_j are summed per visit from zero: blocked summation);
 * larger: kMT = 1, Br = 16, dV_j in shared memory, 4 warps (Bc = 32) where the shared memory
   fits, else 2 (Bc = 16: d = dv = 128 on sm_86/89, 99 KB per block).
 """
@@ -48,7 +49,7 @@ def _candidates(d, dv):
     if max(d, dv) <= 32:
         return [(32, 2, 4)]
     if max(d, dv) <= 64:
-        return [(32, 1, 4)]
+        return [(32, 1, 4)] if d + dv <= 96 else [(16, 1, 4)]
     return [(16, 1, 4), (16, 1, 2)]
 
 
