@@ -35,7 +35,16 @@
 //     4g + t), natural k order (16-byte load of keys 8kc + 2t, +1); B = K[8kc + 2t + e][col g],
 //     8-byte loads (phases of 16 lanes: 8-byte slots 4t + g with pitch ≡ 2 mod 16), so the C tiles
 //     are DQAccumLayout's m16n8 fragments unpermuted (two m8 tiles = rows g, g + 8).
-// Row pitches (doubles): Q_i, K_j d + 2; dO_i, V_j dv + 2; dS Bc + 8.
+// Row pitches (doubles): Q_i, K_j d + 2; dO_i, V_j dv + 2; dS Bc + 8 (its stores from the C layout,
+// 8 bytes at rows 2t + e, take 4 wavefronts per 16-lane phase; the dQ loads are conflict-free).
+//
+// Per visit: barrier; Q_i, dO_i (cp.async, no prefetch: one buffer), L_i·log2e, D_i; barrier;
+// S^T, dP^T, P^T, dS^T (tiles crossing the diagonal or the key end masked); dV_j += P^T dO_i; dS to
+// shared memory; barrier (ordered: sem_wait); dQ atomics (sem_post); dK_j += dS^T Q_i. dK_j, dV_j
+// by blocked summation: each visit's Br-term sums start from zero and are then added (the error
+// grows with Br + Lq / Br terms, not Lq). dV_j lives in shared memory (Tr::kDVSmem, each lane its
+// own elements) where kMT·(d + dv) > 128 — in registers ptxas spilled from d = dv = 96. Epilogue:
+// a quad exchange, then 16-byte stores of whole 64-byte row segments.
 //
 // Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128; Br a
 // multiple of 16; kMT ∈ {1, 2}. The FLASH_EXT_PARAMS tail is taken (the host's dense argument
