@@ -365,6 +365,36 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
     }
 }
 
+// One block pair (query block i, key block j) for the calling warp (keys 16 w..), Q_i, dO_i, L_i,
+// D_i in shared memory and visible to every warp: the scores, then dV_j += P^T dO_i (P^T dies),
+// dS^T to shared memory, dQ_i += dS K_j by atomics into dqa_i (ordered: waiting for `counter` to
+// reach this block's turn, posting it after), then dK_j += dS^T Q_i (the scale of dK applied once,
+// at the end). This order keeps every instantiation under 255 registers without spills (measured:
+// dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
+template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
+          bool kOrderedDQ, class M>
+__device__ __forceinline__ void dkv_visit(float (&dK_acc)[kHeadDim / 8][4], float (&dV_acc)[kHeadDimV / 8][4],
+                                          const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
+                                          float* dSt_s, const float* lse2_s, const float* delta_s, float* dqa_i,
+                                          int* counter, float scale_log2, const M& mask, int r0, int c0) {
+    const int warp = (int)threadIdx.x / 32;
+    float s[kBlockM / 8][4], ds[kBlockM / 8][4];  // P^T, dS^T of the warp's 16 keys (C layout)
+    tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
+        s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
+        scale_log2, mask, r0, c0 + warp * 16);
+    mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
+    store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
+    // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
+    if constexpr (kOrderedDQ)
+        fa::sem_wait(counter, (int)blockIdx.x);
+    else
+        __syncthreads();
+    tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_i, dSt_s, K_s);
+    if constexpr (kOrderedDQ) fa::sem_post(counter);
+    else (void)counter;
+    mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
+}
+
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
@@ -478,25 +508,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         // Barrier: every thread's copies (converted), L_i and D_i are visible to every warp.
         __syncthreads();
 
-        float s[kBlockM / 8][4], ds[kBlockM / 8][4];  // P^T, dS^T of the warp's 16 keys (C layout)
-        tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
-            s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
-            scale_log2, mask, r0, c_w);
-        // dV_j += P^T dO_i first (P^T dies); dS^T to shared memory; dQ_i += dS K_j by atomics
-        // (ordered: in turn); then dK_j += dS^T Q_i (the scale of dK applied once, at the end).
-        // This order keeps every instantiation under 255 registers without spills (measured:
-        // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
-        mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
-        store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
-        // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
-        if constexpr (kOrderedDQ)
-            fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
-        else
-            __syncthreads();
-        tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(
-            dqa_entry(grp) + (long long)r0 * kHeadDim, dSt_s, K_s);
-        if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
-        mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
+        dkv_visit<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kOrderedDQ>(
+            dK_acc, dV_acc, K_s, V_s, Q_s, dO_s, dSt_s, lse2_s, delta_s, dqa_entry(grp) + (long long)r0 * kHeadDim,
+            kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr, scale_log2, mask, r0, c0);
 
         i = i_n, grp = grp_n;
     }
