@@ -372,8 +372,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         dQ kernel); ``False`` accumulates dQ with float32 atomics in any order (not bitwise
         reproducible). The cpu backend is always deterministic.
     precision : {None, "ieee", "tf32", "3xtf32"}
-        Validated as for :func:`flash_attention_forward`; the backward runs the IEEE (SIMT / fp16
-        tensor-core) kernels whatever its value (no TF32 backward yet: docs/precision.md).
+        Validated as for :func:`flash_attention_forward`. CUDA backend: float32 with "tf32" /
+        "3xtf32" runs the TF32 tensor-core backward (sm_80+, head dims <= 128, no extensions;
+        else the SIMT kernels); float64 (None / "ieee") the DMMA backward on sm_80+ under the same
+        conditions; the cpu backend computes in IEEE arithmetic (docs/precision.md).
 
     Returns
     -------

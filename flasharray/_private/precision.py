@@ -16,9 +16,11 @@ None       all          the library's default for the dtype (float32: chosen by
 
 Wired into the public functions (``api.py``: forward, backward, vjp, varlen; the reference takes it
 too). The CUDA forward runs "tf32" / "3xtf32" on ``cuda_src/flash_fwd_tf32.cu``
-(:mod:`cuda_forward_tf32`); the cpu backend, the reference and the backward compute in IEEE
-arithmetic whatever the value; float32's default (None) is "ieee" until a GPU measurement chooses
-(``docs/precision.md``). :func:`tf32_error_bound` is the derived error of the tf32 rounding.
+(:mod:`cuda_forward_tf32`), the CUDA backward on ``cuda_src/flash_bwd_tf32.cu``
+(:mod:`cuda_backward_tf32`), where their tiles apply (else the SIMT kernels); the cpu backend and
+the reference compute in IEEE arithmetic whatever the value; float32's default (None) is "ieee"
+until a GPU measurement chooses (``docs/precision.md``). :func:`tf32_error_bound` is the derived
+error of the tf32 rounding.
 """
 import numpy as np
 
