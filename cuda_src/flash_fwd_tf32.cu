@@ -42,8 +42,16 @@
 // Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128;
 // Br = 16·kNWarps; Bc a multiple of 16. Row pitches d + 4 / dv + 4 floats: the 8 rows an ldmatrix
 // phase reads start in 8 distinct 16-byte bank groups (d/4 + 1 odd). The FLASH_EXT_PARAMS tail is
-// taken (the SIMT kernel's argument list, so the host lays out both alike) and ignored: calls with
-// extensions run the SIMT kernel.
+// taken (the SIMT kernel's argument list, so the host lays out both alike); kExt (docs/extensions.md,
+// the bits of flash_ext.cuh; 0 by default: the dense instantiations keep their names and code)
+// turns its parts on, exactly as in flash_fwd.cu: the entry's lengths (seqlens), window, block mask,
+// softcap and ALiBi live in the Mask; key tiles outside the window band, past the entry's keys or
+// with an all-False block mask are never loaded (KeyTileWalk); dropout drops P in registers
+// (dropout_mma, the same Philox counter per element as every kernel). The S accumulator here is
+// the m16n8k16 kernels' C layout (acc_s[nt][i] = S[g + 8(i/2)][8nt + 2t + i%2]: m16n8k8 has the
+// same C fragment), so their per-fragment code applies unchanged with one slab per warp. Softcap
+// takes the precise tanh (Mask::cap<true>, as the fp32 SIMT kernels: fast tanh's ~2^-11 relative
+// error is far above what 3xtf32 keeps); flash_bwd_tf32.cu recomputes P with the same one.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
@@ -172,7 +180,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a_hi)[4
 
 // ---- the kernel -----------------------------------------------------------------------------------
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool Is_causal,
-          bool Is_aligned, bool kQSplit = false>
+          bool Is_aligned, bool kQSplit = false, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                       float* __restrict__ o, float* __restrict__ lse,
@@ -209,12 +217,20 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   const float* v_base = v + bidx.offset(v_s);
   float* o_i = o + bidx.offset(o_s) + m0 * o_row;
   float* lse_i = lse + bidx.offset(lse_s) + m0;
-  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);  // kExt = 0: unused
-  (void)ext;
+  // Extensions: the entry's lengths (seqlens; Lq stays the launch's for the stores: rows at or past
+  // Lq_b write out 0, lse −inf), the per-entry state in the Mask (kExt = 0: Mask(Lq, Lk)).
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  Lk = ext.seqlen_k<kExt>(bidx, Lk);
+  const int Lq_b = ext.seqlen_q<kExt>(bidx, Lq);
 
-  const Mask<Is_causal> mask(Lq, Lk);
+  const Mask<Is_causal, kExt> mask = make_mask<Is_causal, kExt>(Lq_b, Lk, ext, bidx);
   const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
   const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  // Extensions: the tiles to visit (from the window's first one; block-mask tiles all False
+  // skipped) and which need the element mask; dropout's generator of the entry.
+  constexpr bool kWindow = HasExt<kExt, kExtWindow>::value;
+  const KeyTileWalk<Is_causal, kExt, float> walk{mask, m0, kBlockM, kBlockN, kWindow ? mask.n_block_min(m0, kBlockN) : 0};
+  const DropoutRng rng = ext.dropout(bidx);
 
   float acc_o[kNTilesO][4];
   OnlineSoftmaxRow<float> stat[2];  // rows g and g + 8 of the warp's slab
@@ -290,12 +306,34 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   // Mask (tiles crossing the diagonal or the sequence end), online softmax of rows g, g + 8:
   // acc_s[nt][i] = S[g + 8·(i/2)][8·nt + 2t + i%2]; P_ij replaces S_ij (unnormalised).
   auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
-    if (tile_masked) {
+    if constexpr (Mask<Is_causal, kExt>::kScoreMod) {  // softcap / ALiBi: every score of every tile
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          acc_s[nt][i] = mask.apply(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+          acc_s[nt][i] = mask.template score<true>(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2),
+                                                   n0 + 8 * nt + 2 * t + (i % 2));
+    }
+    if (tile_masked) {
+      if constexpr (Mask<Is_causal, kExt>::kBlockMask) {
+        // Block mask: the slab's 16 rows × an n8 tile's 8 columns lie in one block: one lookup each.
+        const int row0 = m0 + warp_row0;
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt) {
+          const bool block = mask.block_visible(row0, n0 + 8 * nt);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const bool ok = block && mask.is_visible_geometry(row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+            acc_s[nt][i] = ok ? acc_s[nt][i] : -INFINITY;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            acc_s[nt][i] = mask.apply(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
+      }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -344,10 +382,11 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 
   // ---- prologue: Q_i (converted / split once, unless 3xtf32 splits it per k8 step) and the last key
   // tile in flight ------------------------------------------------------------------------------------
-  int n_block = n_block_max - 1;
-  if (n_block >= 0) {
+  // The first tile (below walk.lo when no key is visible: no loop).
+  int n_block = kExt == 0 ? n_block_max - 1 : walk.prev(n_block_max);
+  if (n_block >= (kExt == 0 ? 0 : walk.lo)) {
     load_tile<float, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
-        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
+        sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
     fa::cp_async_commit();
     load_k(false, n_block * kBlockN);
     fa::cp_async_commit();
@@ -358,9 +397,10 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   }
 
   // ---- key loop, last tile first (the masked tiles first); two barriers per tile -------------------
-  for (; n_block >= 0; --n_block) {
+  // next: the tile below (kExt = 0: n_block − 1; extensions: the walk's next, below walk.lo when
+  // none is left).
+  auto iteration = [&](bool masked, int n_block, int next) {
     const int n0 = n_block * kBlockN;
-    const bool masked = n_block >= n_block_unmasked;
     fa::cp_async_wait<0>();
     convert_k();
     // Barrier: K_j (and Q_i) copied and converted by every thread; every warp has finished reading
@@ -376,11 +416,22 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     convert_v();
     // Barrier: V_j copied and converted by every thread; every warp has finished reading K_j.
     __syncthreads();
-    if (n_block > 0) load_k(true, n0 - kBlockN);
+    if (kExt == 0 ? n_block > 0 : next >= walk.lo) load_k(true, kExt == 0 ? n0 - kBlockN : next * kBlockN);
     fa::cp_async_commit();
 
     softmax_step(masked, acc_s, n0);
+    if constexpr (HasExt<kExt, kExtDropout>::value)  // P is dropped after l_i has summed it
+      dropout_mma<1, kNTilesS>(*reinterpret_cast<float(*)[1][kNTilesS][4]>(&acc_s), rng, m0 + warp_row0, n0, lane);
     gemm_pv(acc_s);
+  };
+  if constexpr (kExt == 0) {
+    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block, 0);
+  } else {
+    while (n_block >= walk.lo) {
+      const int next = walk.prev(n_block);
+      iteration(walk.masked(n_block), n_block, next);
+      n_block = next;
+    }
   }
 
   // ---- epilogue: O_i / l_i once, fp32 straight from the fragments; LSE by the quad's lane 0 ---------
@@ -388,8 +439,10 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l_total = group_allreduce_sum<kQuad>(stat[r].l);
-    const float inv_l = stat[r].inv_sum(l_total);
     const int row = warp_row0 + g + 8 * r;  // in the tile
+    // Extensions: rows at or past the entry's Lq_b are out 0, lse −inf; dropout scales O_i.
+    const bool live = kExt == 0 || m0 + row < Lq_b;
+    const float inv_l = ext_inv_sum<kExt>(stat[r], l_total, live, ext);
     if (m0 + row >= Lq) continue;
     float* dst = o_i + row * o_row;
 #pragma unroll
@@ -403,7 +456,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
         if (col + 1 < Dv) fa::gstore(dst + col + 1, hi);
       }
     }
-    if (t == 0) fa::gstore(lse_i + row, stat[r].lse(l_total));
+    if (t == 0) fa::gstore(lse_i + row, live ? stat[r].lse(l_total) : -INFINITY);
   }
 }
 

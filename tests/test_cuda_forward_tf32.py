@@ -8,7 +8,10 @@ own term for the arithmetic that stays fp32 (2·naive fp32 error + atol).
 
 Default run: a representative subset (D 16/32/40/59/64/128, Lq 1/17/64/77/65, Lk 45/63/64/130,
 causal with fully masked rows, GQA broadcast, BSHD strided views, the element-wise copy path);
-``-m slow``: head dims x lengths x causal x both precisions.
+the extensions (kExt) alone, in pairs and all six against test_cuda_forward_extensions.brute (3xtf32:
+the float32 rule; tf32: ``tf32_ext_bound``, the same derivation), dropout's keep mask equal to
+philox.keep_mask and to the SIMT kernel's, fully masked rows, window tiles never loaded.
+``-m slow``: head dims x lengths x causal x both precisions; head dims x features x causal.
 """
 import numpy as np
 import pytest
@@ -21,6 +24,10 @@ from flasharray._private.precision import tf32_error_bound
 from flasharray.testing import assert_attention_close
 
 from test_cuda_forward import make_inputs, run_forward
+import test_cuda_forward_extensions as ext
+from flasharray._private import philox
+from flasharray._private.extensions import Extensions
+from flasharray._private.precision import TF32_UNIT_ROUNDOFF
 
 PRECISIONS = ("tf32", "3xtf32")
 
@@ -137,14 +144,14 @@ def test_3xtf32_error_close_to_simt_fp32():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_unsupported_shapes_fall_back_to_simt(precision):
-    """Head dims above 128, forced kernels and extensions run the SIMT kernel (exact fp32)."""
+    """Head dims above 128 and forced kernels run the SIMT kernel (exact fp32); extensions run the
+    TF32 kernel."""
     q, k, v = make_inputs(np.float32, 160, 17, 33, batch=(1, 1))
     assert tf32_plan(q, k, v, False, precision).tile.kernel == "simt"
     check(precision if precision == "3xtf32" else "3xtf32", 160, 17, 33, False)  # SIMT meets the fp32 rule
     q, k, v = make_inputs(np.float32, 64, 17, 33, batch=(1, 1))
     assert tf32_plan(q, k, v, False, precision, kernel="simt").tile.kernel == "simt"
-    out = fa.flash_attention(q, k, v, backend="emulator", precision=precision, window=(4, 0))
-    assert_attention_close(out, q, k, v, window=(4, 0))
+    assert tf32_plan(q, k, v, False, precision, ext=Extensions(window=(4, 0))).tile.kernel == "tf32"
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -273,3 +280,159 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, precision, D):
     assert tile.needs_opt_in
     assert log and all(name == tile.name_expression(True, True) and smem == tile.smem and optin >= smem
                        for name, smem, optin in log)
+
+
+
+# ---- extensions (docs/extensions.md) on the TF32 kernel (kExt) ------------------------------------------
+# The specification is test_cuda_forward_extensions.brute (materialized S and P, float64 / float32).
+# 3xtf32: that module's DESIGN.md rule for float32 (check_close). tf32: tf32_ext_bound (below) plus
+# the float32 rule's own term, as assert_tf32_close for dense calls.
+
+def tf32_ext_bound(q, k, v, causal, scale, kw):
+    """precision.tf32_error_bound's derivation for a call with extensions, elementwise (out, lse).
+
+    The score error from tf32 operands is at most ΔS_ij = (2u + u²)·scale·Σ_d |q_id||k_jd|; softcap
+    (a contraction: |d tanh| <= 1) and ALiBi (a bias added in fp32) do not enlarge it, so the
+    weights' factor is within 1 ± δ_i, δ_i = expm1(max_j ΔS_ij) — the max over every key, a superset
+    of the visible ones (window, block mask, lengths only remove keys). The output is linear in V
+    with weights P_ij·Z_ij >= 0 (Z: dropout's keep / (1 − p)), so Σ_j P_ij Z_ij |V_jc| is brute's
+    output for |V|. Rows past seqlens_q are exact (0, −inf) and compared exactly."""
+    rel = 2 * TF32_UNIT_ROUNDOFF + TF32_UNIT_ROUNDOFF ** 2
+    q64, k64 = (np.abs(np.asarray(x, np.float64)) for x in (q, k))
+    A = scale * (q64 @ np.swapaxes(k64, -1, -2))
+    delta = np.expm1(rel * A.max(axis=-1, keepdims=True))
+    weighted, _ = ext.brute(q, k, np.abs(np.asarray(v, np.float64)), causal, scale, np.dtype(np.float64), kw)
+    out_bound = (2 * delta + rel * (1 + delta)) / (1 - delta) * weighted
+    return out_bound, -np.log1p(-delta[..., 0])
+
+
+def assert_tf32_ext_close(out, lse, q, k, v, causal, scale, kw):
+    """|out − ref64| <= tf32_ext_bound + 2·max|naive32 − ref64| + atol32·max(1, max|ref|), elementwise;
+    the same for lse; non-finite reference entries (rows that see no key) matched exactly."""
+    ref_out, ref_lse = ext.brute(q, k, v, causal, scale, np.dtype(np.float64), kw)
+    naive_out, naive_lse = ext.brute(q, k, v, causal, scale, np.dtype(np.float32), kw)
+    b_out, b_lse = tf32_ext_bound(q, k, v, causal, scale, kw)
+    for name, got, ref, naive, bound in (("out", out, ref_out, naive_out, b_out), ("lse", lse, ref_lse, naive_lse, b_lse)):
+        got, ref, naive = (np.asarray(x, np.float64) for x in (got, ref, naive))
+        bound = np.broadcast_to(bound, ref.shape)
+        finite = np.isfinite(ref) & np.broadcast_to(np.isfinite(ref_lse)[..., None] if name == "out" else True, ref.shape)
+        np.testing.assert_array_equal(got[~finite], ref[~finite], err_msg=name)
+        if not finite.any():
+            continue
+        fp32_term = 2 * np.abs(naive[finite] - ref[finite]).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(ref[finite]).max())
+        err = np.abs(got[finite] - ref[finite])
+        limit = bound[finite] + fp32_term
+        worst = np.argmax(err - limit)
+        assert np.all(err <= limit), "%s: error %.3e > bound %.3e (tf32 part %.3e)" % (
+            name, err[worst], limit[worst], limit[worst] - fp32_term)
+
+
+def check_ext(precision, D, Lq, Lk, causal, features, *, batch=(2, 2), gqa=False, layout="bhsd"):
+    """One call with ``features`` through cuda_forward on the emulator: the TF32 kernel (kExt) ran,
+    out and lse within the precision's rule, the inputs untouched."""
+    q, k, v = ext.make_inputs(np.float32, D, Lq, Lk, batch=batch, gqa=gqa, layout=layout)
+    kw = ext.ext_kw(features, batch, Lq, Lk, np.float32)
+    copies = [a.copy() for a in (q, k, v)]
+    scale = 1.0 / np.sqrt(D)
+    p = cuda_forward.plan(q, k, v, causal=causal, scale=scale, batch_shape=batch, device="emulator",
+                          ext=Extensions(**kw), precision=precision)
+    assert p.tile.kernel == "tf32" and p.ext is not None and p.ext.bits == cuda_forward.ext_bits(Extensions(**kw))
+    out, lse, _ = ext.run("emulator", q, k, v, causal, kw, precision=precision)
+    if precision == "3xtf32":
+        ext.check_close(out, lse, q, k, v, causal, scale, kw)
+    else:
+        assert_tf32_ext_close(out, lse, q, k, v, causal, scale, kw)
+    for a, b in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, b)
+    return out, lse
+
+
+# (D, Lq, Lk, causal, features, options): each feature at least once, pairs, all six together;
+# Lq != Lk both ways, lengths off the tiles, D = 59 (element-wise copies), BSHD views, GQA.
+EXT_CASES = [
+    (64, 70, 133, False, ("window",), {}),
+    (59, 133, 70, True, ("softcap", "seqlens"), {"layout": "bshd"}),
+    (32, 70, 133, True, ("alibi", "dropout"), {"gqa": True}),
+    (64, 70, 133, False, ("block_mask",), {}),
+    (64, 70, 133, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
+]
+EXT_FULL = [(D, Lq, Lk, c, (f,) if isinstance(f, str) else f, {})
+            for D in (16, 40, 64, 128) for Lq, Lk in ((17, 130), (130, 65)) for c in (False, True)
+            for f in ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens",
+                      ("window", "block_mask", "dropout"), ("softcap", "alibi", "seqlens"))]
+
+
+def _ext_id(c):
+    D, Lq, Lk, causal, features, opts = c
+    return "d%d-%dx%d%s-%s%s" % (D, Lq, Lk, "-causal" if causal else "", "+".join(features),
+                                 "".join("-" + k for k in sorted(opts)))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", EXT_CASES, ids=[_ext_id(c) for c in EXT_CASES])
+def test_forward_tf32_extensions(precision, case):
+    D, Lq, Lk, causal, features, opts = case
+    check_ext(precision, D, Lq, Lk, causal, features, **opts)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tf32_dropout_keep_mask_is_philox_and_simt(precision):
+    """q = 0 (uniform P) and v = identity: out[i, j] = keep_ij / ((1 − p)·Lk), so the kept entries are
+    exactly out != 0 — equal bit for bit to philox.keep_mask and to the SIMT fp32 kernel's mask."""
+    batch, Lq, Lk = (2, 3), 70, 45
+    q = np.zeros(batch + (Lq, 48), np.float32)
+    k = np.zeros(batch + (Lk, 48), np.float32)
+    v = np.ascontiguousarray(np.broadcast_to(np.eye(Lk, 48, dtype=np.float32), batch + (Lk, 48)))
+    p, seed, offset = 0.375, 0x123456789ABCDEF0, 41
+    kw = dict(dropout_p=p, seed=seed, offset=offset)
+    assert cuda_forward.plan(q, k, v, causal=False, scale=1.0, batch_shape=batch, device="emulator",
+                             ext=Extensions(**kw), precision=precision).tile.kernel == "tf32"
+    out, lse, _ = ext.run("emulator", q, k, v, False, kw, precision=precision)
+    simt, _, _ = ext.run("emulator", q, k, v, False, kw, precision="ieee")
+    keep = philox.keep_mask(p, seed, offset, batch, Lq, Lk)
+    np.testing.assert_array_equal(out[..., :Lk] != 0, keep)
+    np.testing.assert_array_equal(out != 0, simt != 0)
+    assert np.all(out[..., Lk:] == 0)
+    np.testing.assert_allclose(out[..., :Lk][keep], 1.0 / ((1 - p) * Lk), rtol=1e-6)
+    np.testing.assert_allclose(lse, np.log(Lk), rtol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tf32_fully_masked_rows(precision):
+    """Rows that see no key (window (0, 0) above the diagonal with Lq > Lk; seqlens_q = 0; an all-False
+    block row) are out 0, lse −inf; no NaN anywhere."""
+    batch, Lq, Lk = (2, 2), 50, 20
+    q, k, v = ext.make_inputs(np.float32, 32, Lq, Lk, batch=batch)
+    bm = np.ones(batch + (4, 2), bool)
+    bm[..., 2, :] = False
+    kw = dict(window=(0, 0), seqlens_q=np.array([0, 41], np.int32), seqlens_k=np.array([20, 11], np.int32),
+              block_mask=bm, block_size=(16, 16))
+    out, lse, scale = ext.run("emulator", q, k, v, True, kw, precision=precision)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
+    assert np.all(out[1, :, 32:48] == 0) and np.all(np.isneginf(lse[1, :, 32:48]))
+    if precision == "3xtf32":
+        ext.check_close(out, lse, q, k, v, True, scale, kw)
+    else:
+        assert_tf32_ext_close(out, lse, q, k, v, True, scale, kw)
+
+
+def test_tf32_extension_tiles_never_loaded():
+    """Key tiles outside the window band are never loaded (KeyTileWalk): fewer K/V bytes than dense."""
+    q, k, v = ext.make_inputs(np.float32, 64, 64, 512, batch=(1, 1))
+    kw = dict(window=(40, 0))
+    c_ext, c_dense = [], []
+    p = cuda_forward.plan(q, k, v, causal=True, scale=0.125, batch_shape=(1, 1), device="emulator",
+                          ext=Extensions(**kw), precision="3xtf32")
+    p.run(q, k, v, c_ext, ext=Extensions(**kw))
+    tf32_plan(q, k, v, True, "3xtf32").run(q, k, v, c_dense)
+    kv = lambda c: sum(c[0].buffers[i].read_bytes for i in (1, 2))  # noqa: E731
+    assert kv(c_ext) < kv(c_dense) / 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", EXT_FULL, ids=[_ext_id(c) for c in EXT_FULL])
+def test_forward_tf32_extensions_full(precision, case):
+    D, Lq, Lk, causal, features, opts = case
+    check_ext(precision, D, Lq, Lk, causal, features, **opts)

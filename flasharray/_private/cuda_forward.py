@@ -426,6 +426,8 @@ def forward_name_expression(tile, causal, aligned, split=False, packed=False, se
     packing), ``Has_seqlens_k`` (per-entry key lengths), ``Is_paged`` (K/V read through a block
     table), then ``kExt`` (the extension bits, :data:`EXT_BITS`); SIMT ``kExt``, ``Has_seqlens_k``,
     ``Is_paged``; the TF32 kernel ``kExt``."""
+    if tile.kernel == "tf32":  # kExt after kQSplit (Tf32Tile.name_expression)
+        return tile.name_expression(causal=causal, aligned=aligned, ext=ext)
     name = tile.name_expression(causal=causal, aligned=aligned)
     if tile.kernel == "simt" and (seqlens_k or paged):
         return name[:-1] + ", %d, true, %s>" % (ext, "true" if paged else "false")

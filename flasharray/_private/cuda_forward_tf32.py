@@ -6,7 +6,10 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 
 * padded head dims d, dv (multiples of 16) at most 128, i.e. any D, Dv in 1..128 (D a multiple
   of 4 with 16-byte aligned rows takes the cp.async path, anything else the element-wise loads);
-* no extensions, no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
+* no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
+
+Extensions (docs/extensions.md: dropout, block mask, window, ALiBi, softcap, seqlens) run on the
+same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``).
 
 Every tile is 4 warps × one 16-row slab (Br = 64). Shared memory (fp32, rows padded by 4 floats):
 Q_i (Br × d: tf32 in place; 3xtf32 raw, or split into hi/lo planes when ``q_split``), K_j and V_j
@@ -55,10 +58,14 @@ class Tf32Tile(tiles.FwdTile):
     def source(self):
         return SOURCE
 
-    def name_expression(self, causal, aligned):
+    def name_expression(self, causal, aligned, ext=0):
+        """The kernel's instantiation; ``ext``: the kExt bits (0: the dense name, kQSplit only when
+        set; else kQSplit spelled out and kExt appended)."""
+        tail = (", %s, %d" % ("true" if self.q_split else "false", ext) if ext
+                else ", true" if self.q_split else "")
         return "flash::flash_fwd_tf32_kernel<%d, %d, %d, %d, %d, %d, %s, %s%s>" % (
             self.head_dim, self.head_dim_v, self.block_m, self.block_n, self.threads_m, PREC[self.precision],
-            "true" if causal else "false", "true" if aligned else "false", ", true" if self.q_split else "")
+            "true" if causal else "false", "true" if aligned else "false", tail)
 
     def describe(self):
         return ("tf32 kernel (%s%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
@@ -69,12 +76,13 @@ class Tf32Tile(tiles.FwdTile):
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
-    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, extensions, forced
-    kernel, IO tile, split-KV or KV cache). NotImplementedError naming the arch below sm_80."""
+    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, forced kernel, IO tile,
+    split-KV or KV cache). ``ext``: the call has extensions (the same tile; the kernel's kExt).
+    NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
     check_precision_arch(precision, tiles.arch_number(arch))
-    if kernel is not None or block_m is not None or ext or num_splits not in (None, 1) or kv is not None:
+    if kernel is not None or block_m is not None or num_splits not in (None, 1) or kv is not None:
         return None
     d, dv = tiles.pad_head_dim(head_dim), tiles.pad_head_dim(head_dim_v)
     if max(d, dv) > MAX_HEAD_DIM:
