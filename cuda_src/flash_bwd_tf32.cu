@@ -43,11 +43,20 @@
 // (tf32), as hi/lo planes (3xtf32, kLoPlanes) or raw (3xtf32 otherwise).
 //
 // Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 128; Bc = 16 kNWarps;
-// Br a multiple of 16. The FLASH_EXT_PARAMS tail is taken (the fp16 kernel's argument list) and
-// ignored: calls with extensions run another kernel. flasharray/_private/cuda_backward_tf32.py
-// mirrors the shared-memory layout (Tf32BwdSmem) and chooses the tiles.
+// Br a multiple of 16. The FLASH_EXT_PARAMS tail is the fp16 kernel's argument list; kExt (the
+// bits of flash_ext.cuh, 0 by default: the dense instantiations keep their names and code) turns
+// on the extensions of docs/extensions.md exactly as flash_bwd_dkv_kernel does: the entry's
+// lengths, window, block mask, softcap and ALiBi in the Mask, the query tiles of QueryTileWalk,
+// one element's P and dS by ext_p_ds (softcap with the precise tanh, as flash_fwd_tf32.cu's
+// forward that made L_i), dropout's keep bits by dropout_bits_t (S^T here is the fp16 kernel's
+// C layout: m16n8k8's accumulator fragment is m16n8k16's, so the same Philox counter per element).
+// The ordered dQ mode takes kExt without window and block mask (its counters need key blocks
+// 0 .. n(i) − 1 to visit query block i: lengths, ALiBi, softcap and dropout keep that).
+// flasharray/_private/cuda_backward_tf32.py mirrors the shared-memory layout (Tf32BwdSmem) and
+// chooses the tiles.
 #include "flash_bwd_mma.cuh"  // load_tile_tc, zero_acc, store_acc, DQAccumLayout, DQOrderCounters, ...
 #include "flash_ext.cuh"
+#include "flash_bwd_ext.cuh"  // ext_p_ds, BwdDropout, dropout_bits_t, QueryTileWalk, MaskExt
 
 namespace fa_bwd {
 
@@ -255,17 +264,21 @@ __device__ __forceinline__ void mma_rk(float (&acc)[kN / 8][4], const float (&c)
 
 // The warp's strip: keys 16 w .. 16 w + 15 (rows) x the Br queries (columns) of S^T = K_j Q_i^T and
 // dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2 e − L_i log2 e) into s and dS^T = P^T ∘ (dP^T −
-// D_i) into dp (L_i, D_i per column).
-template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, class M>
+// D_i) into dp (L_i, D_i per column). Extensions (the Mask's kExt): P^T ∘ Z and dS^T of ext_p_ds.
+template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, class M, class Drop>
 __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], float (&dp)[kBlockM / 8][4],
                                                 const float* K_w, const float* V_w, const float* Q_s,
                                                 const float* dO_s, const float* lse2_s, const float* delta_s,
-                                                float scale_log2, const M& mask, int r0, int c_w) {
+                                                float scale_log2, const M& mask, const Drop& drop, int r0, int c_w) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     zero_acc(s);
     zero_acc(dp);
     mma_nk<kPrec, kLoPlanes, kHeadDim, kBlockM>(s, K_w, L::kPitchD, L::kKPlane, Q_s, L::kPitchD, L::kQPlane);
     mma_nk<kPrec, kLoPlanes, kHeadDimV, kBlockM>(dp, V_w, L::kPitchDv, L::kVPlane, dO_s, L::kPitchDv, L::kdOPlane);
+    constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+    uint32_t keep[kBlockM / 8];  // dropout's keep bits per n8 tile (keys c_w.., queries r0..)
+    if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, c_w, lane);
+    (void)drop; (void)keep;
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
         const int r = nt * 8 + 2 * t;  // this lane's query columns r, r + 1 (r even: 8-byte loads)
@@ -274,10 +287,17 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = c_w + g + (e / 2) * 8;  // key (row of S^T)
-            const float p = p_from_score(s[nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
-                                         mask.is_visible(r0 + r + e % 2, c));
-            dp[nt][e] = p * (dp[nt][e] - (e % 2 ? delta_r.y : delta_r.x));  // dS^T, from the unrounded P^T
-            s[nt][e] = p;
+            if constexpr (MaskExt<M>::value == 0) {
+                const float p = p_from_score(s[nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
+                                             mask.is_visible(r0 + r + e % 2, c));
+                dp[nt][e] = p * (dp[nt][e] - (e % 2 ? delta_r.y : delta_r.x));  // dS^T, from the unrounded P^T
+                s[nt][e] = p;
+            } else {
+                float z = 1.0f;  // dropout's Z = keep / (1 − p)
+                if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
+                ext_p_ds<true>(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
+                               scale_log2, mask, r0 + r + e % 2, c);
+            }
         }
     }
 }
@@ -372,16 +392,17 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
 // at the end). This order keeps every instantiation under 255 registers without spills (measured:
 // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
 template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
-          bool kOrderedDQ, class M>
+          bool kOrderedDQ, class M, class Drop>
 __device__ __forceinline__ void dkv_visit(float (&dK_acc)[kHeadDim / 8][4], float (&dV_acc)[kHeadDimV / 8][4],
                                           const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
                                           float* dSt_s, const float* lse2_s, const float* delta_s, float* dqa_i,
-                                          int* counter, float scale_log2, const M& mask, int r0, int c0) {
+                                          int* counter, float scale_log2, const M& mask, const Drop& drop, int r0,
+                                          int c0) {
     const int warp = (int)threadIdx.x / 32;
     float s[kBlockM / 8][4], ds[kBlockM / 8][4];  // P^T, dS^T of the warp's 16 keys (C layout)
     tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
         s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
-        scale_log2, mask, r0, c0 + warp * 16);
+        scale_log2, mask, drop, r0, c0 + warp * 16);
     mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
     store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
     // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
@@ -403,7 +424,7 @@ using namespace fa_bwd;
 // 16 w..); n_group query batch entries share K_j, V_j (group strides on the query-side tensors).
 // The argument list is flash_bwd_dkv_kernel's with T = OutT = float.
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool kIsCausal,
-          bool kVecLoad, bool kOrderedDQ, bool kLoPlanes = true, int kStages = 1>
+          bool kVecLoad, bool kOrderedDQ, bool kLoPlanes = true, int kStages = 1, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_tf32_kernel(
     const float* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const float* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -422,6 +443,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(kBlockM % 16 == 0, "Br: whole n16 pairs (ldmatrix.x4 of Q_i, dO_i)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
                   "d, dv: multiples of 16, at most 128");
+    static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
+                  "ordered dQ: query block i visited by key blocks 0 .. n(i) − 1 (no window, no block mask)");
     using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
     (void)dqa_row;
 
@@ -439,12 +462,25 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
     const int c_w = c0 + warp * 16;            // first key of this warp's rows
     const float scale_log2 = scale * flash::kLog2e;
-    const flash::Mask<kIsCausal> mask(Lq, Lk);
+    // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never read;
+    // their gradients are written as zeros), window, block mask, softcap, ALiBi, dropout. Without
+    // them (kExt = 0) Lq_b = Lq, Lk_b = Lk and the mask is the dense one.
+    const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
     // Visits (grp, i): i from i_begin (causal: blocks above the diagonal skipped) to Tr − 1, grp outer.
-    const int i_begin = mask.m_block_min(c0, kBlockM);
-    const int Tr = (Lq + kBlockM - 1) / kBlockM;
-    const int n_visits = (Tr > i_begin ? Tr - i_begin : 0) * n_group;
+    // With extensions (launched with n_group = 1): the tiles of QueryTileWalk.
+    int i_begin = mask.m_block_min(c0, kBlockM);
+    int Tr = (Lq + kBlockM - 1) / kBlockM;
+    if constexpr (kExt != 0) {
+        Tr = walk.end();
+        i_begin = walk.next(i_begin - 1, Tr);
+    }
+    const int blocks_per_entry = kExt != 0 ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0);
+    const int n_visits = blocks_per_entry * n_group;
     const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
     auto dqa_entry = [&](int grp) {
         return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g;
@@ -452,20 +488,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
 
     // -- prologue: K_j, V_j into shared memory, converted by the copying threads.
     load_tile_tf32<kPrec, kLoPlanes, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-        K_s, L::kKPlane, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+        K_s, L::kKPlane, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
     load_tile_tf32<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-        V_s, L::kVPlane, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        V_s, L::kVPlane, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads
     // converted on the way).
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
         load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
             Q_buf + buf * L::kQStage, L::kQPlane,
-            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
         load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
             dO_buf + buf * L::kdOStage, L::kdOPlane,
             dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row, do_row,
-            Lq - r0, Dv);
+            Lq_b - r0, Dv);
     };
     fa::cp_async_commit();
     if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);  // the first visit's, in flight
@@ -484,7 +520,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
-        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr), grp_n = grp;
         const int buf = kStages == 2 ? visit % 2 : 0;
         float* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x d
         float* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x dv
@@ -497,7 +534,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         fa::cp_async_commit();
         load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq_b);
         // This thread's copies of this visit's Q_i, dO_i landed (the prefetch may be in flight).
         if (prefetch)
             fa::cp_async_wait<1>();
@@ -510,7 +547,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
 
         dkv_visit<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kOrderedDQ>(
             dK_acc, dV_acc, K_s, V_s, Q_s, dO_s, dSt_s, lse2_s, delta_s, dqa_entry(grp) + (long long)r0 * kHeadDim,
-            kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr, scale_log2, mask, r0, c0);
+            kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr, scale_log2, mask, drop, r0, c0);
 
         i = i_n, grp = grp_n;
     }

@@ -21,15 +21,22 @@ the float64 gradients of the attention *of the operands the kernel multiplies*:
   within 2x the SIMT fp32 kernel's (``test_3xtf32_close_to_fp32``) and within the rule above with
   the unrounded reference.
 
+Extensions (kExt, docs/extensions.md) through the public API: "3xtf32" with every feature against
+the reference's float64 gradients under the float32 rule (``testing.check_attention``); "tf32" with
+the features that change which scores count and by what factor (seqlens, window, block mask,
+dropout) against ``backward64`` extended by the same visibility and dropout factor Z, within the
+same flips + float32 term (``assert_gradients_ext``). Softcap and ALiBi change P's formula: tf32 is
+not checked with them here (3xtf32 is).
+
 Default run: representative shapes (D 16/32/40/64/72/128, Dv ≠ D, Lq ≠ Lk, lengths off the tiles,
-causal with fully masked rows, GQA n_group > 1, element-wise loads, both dQ modes). ``-m slow``:
-the full matrix.
+causal with fully masked rows, GQA n_group > 1, element-wise loads, both dQ modes); extensions
+alone, in pairs and all six, atomic and ordered dQ. ``-m slow``: the full matrix.
 """
 import numpy as np
 import pytest
 
 import flasharray as fa
-from flasharray import emulator, reference
+from flasharray import emulator, reference, testing
 from flasharray._private import cuda_backward, cuda_backward_tf32 as T
 from flasharray._private import launch, tiles
 from flasharray._private.dtypes import ATOL
@@ -382,7 +389,8 @@ def test_tiles_and_fallbacks():
     assert T.backward_tile(None, np.float32, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float16, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float32, 160, 64, 80) is None
-    assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True) is None
+    # extensions: the same tile (the kernel's kExt)
+    assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True) == T.backward_tile("3xtf32", np.float32, 64, 64, 80)
     with pytest.raises(NotImplementedError, match="sm_75"):
         T.backward_tile("tf32", np.float32, 64, 64, 75)
     for arch in (80, 86, 89, 90):
@@ -414,3 +422,171 @@ def test_smem_mirror_matches_the_kernel_layout():
         mod.launch(name, 1, 1, (out,))
         prec = "3xtf32" if c[4] == 3 else "tf32"
         assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5], c[6]), c
+
+
+# ---------------------------------------------------------------------------------------------
+# extensions (kExt)
+# ---------------------------------------------------------------------------------------------
+def run_ext(precision, kw, *, causal, deterministic, B=2, H=2, Lq=37, Lk=53, D=16, seed=0):
+    """Forward + backward through the public API on the emulator with extension keywords ``kw``;
+    (q, k, v, dout, out, lse, grads, plans) — plans: (kernel, dq mode) of the backward plans made."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((B, H, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, Lk, D)).astype(np.float32)
+    do = rng.standard_normal((B, H, Lq, D)).astype(np.float32)
+    cuda_backward._PLANS.clear()
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", precision=precision, **kw)
+    grads = fa.flash_attention_backward(do, q, k, v, out, lse, causal=causal, backend="emulator", precision=precision,
+                                        deterministic=deterministic, **kw)
+    plans = {(p.kernel, p.dq_mode) for p in cuda_backward._PLANS.values()}
+    return q, k, v, do, out, lse, grads, plans
+
+
+def ext_visibility(q, k, causal, kw):
+    """(visible, Z) of the extension keywords kw (seqlens, window, block mask, dropout), (B, H, Lq, Lk)."""
+    from flasharray._private import philox
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[-2]
+    lq = np.full(B, Lq) if kw.get("seqlens_q") is None else np.asarray(kw["seqlens_q"])
+    lk = np.full(B, Lk) if kw.get("seqlens_k") is None else np.asarray(kw["seqlens_k"])
+    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    lq, lk = lq[:, None, None, None], lk[:, None, None, None]
+    diag = i + (lk - lq)
+    vis = (i < lq) & (j < lk) & np.ones((B, H, 1, 1), bool)
+    if causal:
+        vis &= j <= diag
+    if kw.get("window") is not None:
+        left, right = kw["window"]
+        vis &= ((left < 0) | (j >= diag - left)) & ((right < 0) | (j <= diag + right))
+    if kw.get("block_mask") is not None:
+        bq, bk = kw["block_size"]
+        vis &= kw["block_mask"][..., i // bq, j // bk]
+    z = np.ones(vis.shape)
+    if kw.get("dropout_p", 0.0) > 0:
+        keep = philox.keep_mask(kw["dropout_p"], kw["seed"], kw.get("offset", 0), (B, H), Lq, Lk)
+        z = np.where(keep, 1.0 / (1.0 - kw["dropout_p"]), 0.0)
+    return vis, z
+
+
+def backward64_ext(q, k, v, do, lse, delta, scale, vis, z):
+    """backward64 (tf32-rounded operands, G = 1, k and v per head) with a visibility mask and
+    dropout's Z: P = exp(S·scale − L) where visible, dV = (P∘Z)ᵀ dO, dS = P ∘ (dP∘Z − D_i), P∘Z and
+    dS rounded to tf32 before their products; also P and dS for the flip bound."""
+    r = lambda x: tf32_round(np.asarray(x, np.float32)).astype(np.float64)  # noqa: E731
+    q64, k64, v64, do64 = (r(x) for x in (q, k, v, do))
+    s = q64 @ np.swapaxes(k64, -1, -2) * scale
+    lse64 = lse.astype(np.float64)[..., None]
+    p = np.where(vis & np.isfinite(lse64), np.exp(s - np.where(np.isfinite(lse64), lse64, 0.0)), 0.0)
+    dp = do64 @ np.swapaxes(v64, -1, -2)
+    ds = p * (dp * z - delta.astype(np.float64)[..., None])
+    pz, dsr = r(p * z), r(ds)
+    return dsr @ k64 * scale, np.swapaxes(dsr, -1, -2) @ q64 * scale, np.swapaxes(pz, -1, -2) @ do64, p, ds
+
+
+def assert_gradients_ext(got, q, k, v, do, causal, scale, kw, lse, delta):
+    """tf32 with extensions: vs backward64_ext (given the L, D_i the kernel saw) within tf32_bound's
+    flips + the float32 rule's term per gradient (reference.attention_backward with the same
+    keywords, float64 vs naive float32). tf32_bound on the G = 1 axis layout it expects: dS's flips
+    from P with dP's magnitudes times max Z (dS = P ∘ (dP∘Z − D_i), dropped elements included), dV's
+    from P∘Z (its operand)."""
+    vis, z = ext_visibility(q, k, causal, kw)
+    *ref_t, p, ds = backward64_ext(q, k, v, do, lse, delta, scale, vis, z)
+    zmax = float(z.max())
+    g = lambda x: x[:, :, None]  # noqa: E731  (B, H, 1, L, ·): tf32_bound's q / dO layout
+    b_dq, b_dk, _ = tf32_bound(g(q), k, v, g(do) * np.float32(zmax), g(lse), g(delta), causal, scale, g(p), g(ds))
+    _, _, b_dv = tf32_bound(g(q), k, v, g(do), g(lse), g(delta), causal, scale, g(p * z), g(ds))
+    flips = (b_dq[:, :, 0], b_dk, b_dv)
+    ref = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, **kw)
+    naive = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=np.float32, **kw)
+    atol = ATOL[np.dtype(np.float32)]
+    for name, gr, rt, f, r64, n in zip(("dq", "dk", "dv"), got, ref_t, flips, ref, naive):
+        r64, n = np.asarray(r64, np.float64), np.asarray(n, np.float64)
+        term = 2 * np.abs(n - r64).max() + atol * max(1.0, np.abs(r64).max())
+        err = np.abs(np.asarray(gr, np.float64) - rt)
+        limit = f + term
+        worst = np.unravel_index(np.argmax(err - limit), err.shape)
+        assert np.all(err <= limit), "%s: error %.3e > bound %.3e (flips %.3e)" % (
+            name, err[worst], limit[worst], f[worst])
+
+
+def _ext_kw(names, Lq=37, Lk=53):
+    from test_cuda_backward_extensions import kw_of
+    return kw_of(names, Lq=Lq, Lk=Lk)
+
+
+# (features, causal, deterministic): every feature; all six (atomic); the ordered dQ mode with the
+# features it takes (lengths, ALiBi, softcap, dropout), window / block mask deterministic → SIMT.
+EXT_CASES = [
+    (("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), True, False),
+    (("alibi", "softcap", "dropout", "seqlens"), True, True),
+    (("window", "block_mask"), False, False),
+    (("softcap",), False, True),
+]
+TF32_EXT_CASES = [
+    (("window", "block_mask", "dropout", "seqlens"), True, False),
+    (("dropout", "seqlens"), False, True),
+]
+ALL_EXT = [((f,), c, d) for f in ("window", "alibi", "softcap", "seqlens", "block_mask", "dropout")
+           for c in (False, True) for d in (False, True)]
+
+
+def _ext_id(c):
+    names, causal, det = c
+    return "%s%s-%s" % ("+".join(names), "-causal" if causal else "", "det" if det else "atomic")
+
+
+def _check_ext(precision, case, D=16):
+    names, causal, det = case
+    kw = _ext_kw(names)
+    q, k, v, do, out, lse, grads, plans = run_ext(precision, kw, causal=causal, deterministic=det, D=D)
+    ordered_ok = not ({"window", "block_mask"} & set(names))
+    if det and not ordered_ok:
+        assert plans == {("simt", "recompute")}, plans
+    else:
+        assert plans == {("tf32", "ordered" if det else "atomic")}, plans
+    scale = D ** -0.5
+    if precision == "3xtf32":
+        report = testing.check_attention(out, q, k, v, causal=causal, dout=do, grads=grads, **kw)
+        assert report.passed, str(report)
+    else:
+        delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
+        assert_gradients_ext(grads, q, k, v, do, causal, scale, kw, np.asarray(lse, np.float32), delta)
+
+
+@pytest.mark.parametrize("case", EXT_CASES, ids=[_ext_id(c) for c in EXT_CASES])
+def test_backward_3xtf32_extensions(case):
+    _check_ext("3xtf32", case)
+
+
+@pytest.mark.parametrize("case", TF32_EXT_CASES, ids=[_ext_id(c) for c in TF32_EXT_CASES])
+def test_backward_tf32_extensions(case):
+    _check_ext("tf32", case)
+
+
+def test_ext_ordered_dq_bitwise_under_schedules():
+    """The ordered dQ mode with extensions (lengths, dropout, ALiBi): bitwise equal under a permuted
+    schedule."""
+    kw = _ext_kw(("alibi", "dropout", "seqlens"), Lq=70, Lk=90)
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((2, 2, n, 32)).astype(np.float32) for n in (70, 90, 90, 70))
+    out, lse = fa.flash_attention_forward(q, k, v, causal=True, backend="emulator", precision="3xtf32", **kw)
+    from flasharray._private import extensions
+    ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, 2), Lq=70, Lk=90, acc=np.dtype(np.float32))
+    run = lambda **o: cuda_backward.backward(do, q, k, v, out, lse, causal=True, scale=32 ** -0.5,  # noqa: E731
+                                             batch_shape=(2, 2), device="emulator", precision="3xtf32", ext=ext,
+                                             return_counters=True, **o)
+    *a, c = run()
+    *b, _ = run(schedule="random", seed=7)
+    assert any(name.startswith(T.KERNEL) for name, _ in c)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", ALL_EXT, ids=[_ext_id(c) for c in ALL_EXT])
+def test_backward_tf32_extensions_full(precision, case):
+    if precision == "tf32" and {"alibi", "softcap"} & set(case[0]):
+        pytest.skip("tf32 with softcap / ALiBi: not covered by backward64_ext (3xtf32 is)")
+    _check_ext(precision, case, D=40)

@@ -181,7 +181,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
-    if ordered and (kernel not in TC_FAMILIES or ext):
+    if ordered and (kernel not in TC_FAMILIES or (ext and not _family_orders(kernel, ext))):
         raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels and no extensions")
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
@@ -206,7 +206,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
-        plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered), t_kv)
+        plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
+                                                      **({"ext": ext} if ext else {})), t_kv)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
@@ -254,7 +255,7 @@ def dq_mode(deterministic, kernel, ext, requested=None):
         if requested is not None:
             raise ValueError("flasharray: option 'dq'=%r needs deterministic=True" % (requested,))
         return "atomic"
-    can_order = kernel in TC_FAMILIES and ext is None
+    can_order = kernel in TC_FAMILIES and (ext is None or _family_orders(kernel, ext.bits))
     if requested == "ordered" and not can_order:
         raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels and no extensions")
     return requested or ("ordered" if can_order else "recompute")
@@ -264,13 +265,20 @@ _OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "precision", "
 _INPUTS = ("dout", "q", "k", "v", "out", "lse")
 
 
-def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq=None):
+def _family_orders(kernel, bits):
+    """Whether a float32 / float64 family runs the ordered dQ mode with the kExt ``bits`` (its
+    module's ``ORDERED_EXT``; none without one)."""
+    return kernel in FAMILIES and not bits & ~getattr(_family_module(kernel), "ORDERED_EXT", 0)
+
+
+def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq=None, deterministic=False):
     """The kernel family of a plan: ``kernel`` when forced, else a float32 / float64 tensor-core
     family where it applies (:func:`family_tile`; not with ``dq="recompute"``, which those
-    families do not run), else :func:`default_kernel`."""
+    families do not run, nor deterministic with extensions its ordered mode does not take), else
+    :func:`default_kernel`."""
     if kernel is None and dq != "recompute":
         fam = family_tile(dtype, precision, D, Dv, arch, ext)
-        if fam is not None:
+        if fam is not None and (not (ext and deterministic) or _family_orders(fam[0], ext)):
             return fam[0]
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:
@@ -300,7 +308,7 @@ class BackwardPlan:
         arch = tiles.arch_number(arch) if arch is not None else launcher.arch
         self.precision = precision
         self.kernel = _kernel_choice(dtype, arch, kernel, precision, q.shape[-1], v.shape[-1],
-                                     bool(_fwd().ext_bits(ext)), dq)
+                                     _fwd().ext_bits(ext), dq, deterministic)
         self.batch_shape = tuple(int(b) for b in batch_shape)
         # Extensions (docs/extensions.md): the forward's _ExtPlan (kExt bits, stand-ins walked with
         # the batch, the argument tail, per-call arrays and seed/offset); None for a dense plan.
@@ -371,7 +379,7 @@ class BackwardPlan:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
             t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None) if self.kernel == "tc"
-                    else family_tile(self.dtype, self.precision, D, Dv, arch)[1])
+                    else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
         else:

@@ -3,7 +3,13 @@
 The dK/dV kernel ``flash_bwd_dkv_tf32_kernel`` (always atomic dQ into the fragment-ordered
 accumulator, ordered or not) for ``precision="tf32"`` (one mma per product) and ``"3xtf32"``
 (hi/lo split, three). :func:`backward_tile` returns the tile a call uses, or None where the kernel
-does not apply (another precision or dtype, padded head dims above 128, extensions).
+does not apply (another precision or dtype, padded head dims above 128).
+
+Extensions (docs/extensions.md) run on the same tiles with the kernel's ``kExt`` bits
+(:func:`dkv_name`'s ``ext``): in the atomic dQ mode all of them; in the ordered (deterministic) mode
+those in :data:`ORDERED_EXT` — the ordered counters need the key blocks visiting query block i to be
+0 .. n(i) − 1 in order, which a window (first visitor n_min(i)) or a block mask (holes) breaks; a
+deterministic call with either runs the SIMT kernels (cuda_backward.dq_mode).
 
 Work split: kNWarps = Bc / 16 warps, warp w owning keys 16 w.. of dK_j, dV_j in registers (every
 column) and the 16 x Br strips of S^T, dP^T (P^T, dS^T as float C fragments). Registers bound Br:
@@ -44,6 +50,9 @@ _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
 #: Warps per SM the register file holds at the kernels' 200-255 registers per thread.
 _MAX_WARPS_PER_SM = 8
+#: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: alibi, softcap, dropout, seqlens
+#: (every query block's visitors stay key blocks 0 .. n(i) − 1); not window (1), block mask (8).
+ORDERED_EXT = 2 | 4 | 16 | 32
 
 
 def block_m(precision, d, dv):
@@ -76,14 +85,15 @@ class Tf32BwdTiles(BwdTiles):
 
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
-    (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, extensions).
+    (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128). ``ext``: the call
+    has extensions (the same tile: zero spills measured with them, tests/test_static_backward_tf32.py).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
     a = tiles.arch_number(arch)
     check_precision_arch(precision, a)
     d, dv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
-    if ext or max(d, dv) > MAX_HEAD_DIM:
+    if max(d, dv) > MAX_HEAD_DIM:
         return None
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
@@ -117,10 +127,13 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, stages, precision, d, dv, lo)
 
 
-def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
-    """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`)."""
+def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
+    """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`); ``ext``:
+    the kExt bits (0: the dense name; ordered only with bits of :data:`ORDERED_EXT`)."""
+    if ordered and ext & ~ORDERED_EXT:
+        raise ValueError("flasharray: the TF32 ordered dQ mode takes no window or block mask (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
     lo = getattr(tile, "lo_planes", True)
-    return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d>" % (
+    return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d%s>" % (
         KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
-        b(ordered), b(lo), tile.stages)
+        b(ordered), b(lo), tile.stages, ", %d" % ext if ext else "")
