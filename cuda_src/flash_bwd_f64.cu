@@ -31,23 +31,29 @@
 //     16-byte load of dO[query][16p + 2g, +1] feeds output n8 tiles 2p, 2p + 1 (B column g of tile
 //     2p + h is column 16p + 2g + h), and C element j of tile 2p + h is column 16p + 4t + 2j + h
 //     (pitch ≡ 2 mod 8: the phase's groups t·pitch + g... = 2t + g, distinct).
-//   dQ += dS K: A = dS (Br × Bc, row-major in shared memory, pitch Bc + 8 ≡ 8 mod 16: groups
+//   dQ += dS K: A = dS (Br × Bc, row-major, swizzled: below; pitch Bc + 8 ≡ 8 mod 16: groups
 //     4g + t), natural k order (16-byte load of keys 8kc + 2t, +1); B = K[8kc + 2t + e][col g],
 //     8-byte loads (phases of 16 lanes: 8-byte slots 4t + g with pitch ≡ 2 mod 16), so the C tiles
 //     are DQAccumLayout's m16n8 fragments unpermuted (two m8 tiles = rows g, g + 8).
-// Row pitches (doubles): Q_i, K_j d + 2; dO_i, V_j dv + 2; dS Bc + 8 (its stores from the C layout,
-// 8 bytes at rows 2t + e, take 4 wavefronts per 16-lane phase; the dQ loads are conflict-free).
+// Row pitches (doubles): Q_i, K_j d + 2; dO_i, V_j dv + 2; dS Bc + 8, swizzled: key column c of
+// row r at column c ^ 4·((r / 2) mod 4). The dS stores from the C layout (8 bytes, lane (g, t) at
+// rows 8nt + 2t + e: XOR 4t) then hit 16 distinct 8-byte slots per 16-lane phase (2 wavefronts per
+// instruction; 8 unswizzled, where rows 2t share the banks); the dQ loads' XOR, 4·((g / 2) mod 4),
+// keeps their 8-lane phases conflict-free (rows g, g + 1 half a bank row apart, t over the rest).
 //
-// Per visit: barrier; Q_i, dO_i (cp.async, no prefetch: one buffer), L_i·log2e, D_i; barrier;
-// S^T, dP^T, P^T, dS^T (tiles crossing the diagonal or the key end masked); dV_j += P^T dO_i; dS to
-// shared memory; barrier (ordered: sem_wait); dQ atomics (sem_post); dK_j += dS^T Q_i. dK_j, dV_j
+// Per visit: barrier; cp.async copies of Q_i, dO_i, L_i, D_i — kStages = 2: the next visit's into
+// the other buffer (they land during this visit's products; this visit's were started one visit
+// earlier), kStages = 1: this visit's; L_i·log2e converted in place; barrier; S^T, dP^T, P^T, dS^T
+// (tiles crossing the diagonal or the key end masked); dV_j += P^T dO_i; dS to shared memory;
+// barrier (ordered: sem_wait); dQ atomics (sem_post); dK_j += dS^T Q_i. dK_j, dV_j
 // by blocked summation: each visit's Br-term sums start from zero and are then added (the error
 // grows with Br + Lq / Br terms, not Lq). dV_j lives in shared memory (Tr::kDVSmem, each lane its
 // own elements) where kMT·(d + dv) > 128 — in registers ptxas spilled from d = dv = 96. Epilogue:
 // a quad exchange, then 16-byte stores of whole 64-byte row segments.
 //
 // Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128; Br a
-// multiple of 16; kMT ∈ {1, 2}. The FLASH_EXT_PARAMS tail is taken (the host's dense argument
+// multiple of 16; kMT ∈ {1, 2}; kStages ∈ {1, 2} (the host takes 2 where the second buffer costs
+// no resident warps). The FLASH_EXT_PARAMS tail is taken (the host's dense argument
 // list) and ignored: calls with extensions run the SIMT kernel.
 // flasharray/_private/cuda_backward_f64.py mirrors BwdF64Traits::kBytes and picks the tiles.
 #include "flash_bwd_mma.cuh"       // load_tile_tc, ceil_div_c, align16, DQAccumLayout, DQOrderCounters
@@ -57,25 +63,27 @@
 
 namespace fa_bwd {
 
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 1>
 struct BwdF64Traits {
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
-    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kStages = kStages_;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kMT = kBlockN / (8 * kNWarps);  // m8 key tiles per warp
     static constexpr int kNT = kBlockM / 8;              // n8 query tiles of the score strip
     static constexpr int kPitchD = kHeadDim + 2, kPitchDv = kHeadDimV + 2, kPitchS = kBlockN + 8;  // doubles
-    static constexpr int kQ = 0;                                            // Q_i  Br × d
-    static constexpr int kdO = kQ + align16(kBlockM * kPitchD * 8);         // dO_i Br × dv
-    static constexpr int kK = kdO + align16(kBlockM * kPitchDv * 8);        // K_j  Bc × d
+    // The streamed tiles, kStages buffers each (doubles per buffer; every buffer 16-byte aligned).
+    static constexpr int kQStage = kBlockM * kPitchD, kdOStage = kBlockM * kPitchDv, kRowStage = kBlockM;
+    static constexpr int kQ = 0;                                            // Q_i  Br × d   × kStages
+    static constexpr int kdO = kQ + align16(kStages * kQStage * 8);         // dO_i Br × dv  × kStages
+    static constexpr int kK = kdO + align16(kStages * kdOStage * 8);        // K_j  Bc × d
     static constexpr int kV = kK + align16(kBlockN * kPitchD * 8);          // V_j  Bc × dv
-    static constexpr int kdS = kV + align16(kBlockN * kPitchDv * 8);        // dS   Br × Bc
-    static constexpr int kL = kdS + align16(kBlockM * kPitchS * 8);         // L_i·log2e  Br
-    static constexpr int kDelta = kL + align16(kBlockM * 8);                 // D_i        Br
+    static constexpr int kdS = kV + align16(kBlockN * kPitchDv * 8);        // dS   Br × Bc (swizzled)
+    static constexpr int kL = kdS + align16(kBlockM * kPitchS * 8);         // L_i·log2e  Br × kStages
+    static constexpr int kDelta = kL + align16(kStages * kRowStage * 8);     // D_i        Br × kStages
     // dV_j in shared memory (Bc × dv, pitch dv + 2; each lane updates its own elements) where dK_j
     // and dV_j together would take more than 128 of the thread's registers: ptxas then spills.
     static constexpr bool kDVSmem = kMT * (kHeadDim + kHeadDimV) > 128;
-    static constexpr int kdV = kDelta + align16(kBlockM * 8);                // dV_j       Bc × dv
+    static constexpr int kdV = kDelta + align16(kStages * kRowStage * 8);    // dV_j       Bc × dv
     static constexpr int kBytes = kdV + (kDVSmem ? align16(kBlockN * kPitchDv * 8) : 0);
 
     static_assert(kBlockN == 8 * kMT * kNWarps && (kMT == 1 || kMT == 2), "Bc = 8·kMT·warps, kMT in {1, 2}");
@@ -84,6 +92,9 @@ struct BwdF64Traits {
                   "d, dv: multiples of 16, at most 128");
     static_assert(kPitchD % 8 == 2 && kPitchDv % 8 == 2 && kPitchS % 16 == 8,
                   "pitches: conflict-free 16-byte fragment loads");
+    static_assert(kBlockN % 16 == 0, "dS swizzle: column ^ 4·((row / 2) mod 4) stays inside the row");
+    static_assert(kStages == 1 || kStages == 2, "one or two buffers of Q_i, dO_i, L_i, D_i");
+    static_assert(kBlockM <= kNThreads, "L_i, D_i: one element per thread");
 };
 
 using Dbl2 = flash::Vec16<double>;
@@ -251,7 +262,11 @@ __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s,
         const int tt = warp + it * Tr::kNWarps;
         if (kTiles % Tr::kNWarps != 0 && tt >= kTiles) break;
         const int tm = tt / A::kColTiles, tn = tt % A::kColTiles;
-        const double* A_l = dS_s + (16 * tm + g) * Tr::kPitchS + 2 * t;
+        // dS rows 16tm + g (+ 8), keys 8kc + 2t, +1 at columns (8kc + 2t) ^ sw (store_ds's swizzle,
+        // sw = 4·((g / 2) mod 4)) = 8·(kc ^ hi) + lo: one base pointer for even kc, one for odd.
+        const int sw = 4 * ((g >> 1) & 3), lo = (2 * t) ^ (sw & 7), hi = sw >> 3;
+        const double* A_even = dS_s + (16 * tm + g) * Tr::kPitchS + lo + 8 * hi;
+        const double* A_odd = A_even - 16 * hi;
         const double* B_l = K_s + 2 * t * Tr::kPitchD + tn * A::kDQCols + g;
         double* dst = dqa_i + tt * A::kTileFloats + lane;
 #pragma unroll
@@ -262,7 +277,7 @@ __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s,
             for (int kc = 0; kc < Tr::kBlockN / 8; ++kc) {
                 Dbl2 a[2];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) a[mt] = lds2(A_l + 8 * mt * Tr::kPitchS + 8 * kc);
+                for (int mt = 0; mt < 2; ++mt) a[mt] = lds2((kc % 2 ? A_odd : A_even) + 8 * mt * Tr::kPitchS + 8 * kc);
 #pragma unroll
                 for (int n = 0; n < kNGroup; ++n)
 #pragma unroll
@@ -282,17 +297,21 @@ __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s,
     }
 }
 
-// dS (queries × keys, row-major, pitch kPitchS) from the warp's dS^T fragments.
+// dS (queries × keys, row-major, pitch kPitchS) from the warp's dS^T fragments, swizzled: key
+// column c of row r at column c ^ 4·((r / 2) mod 4) (header). Lane (g, t) writes rows 8nt + 2t + e,
+// so its XOR is 4t for every element: per 16-lane phase (g 0..3 or 4..7, t 0..3) the 8-byte slots
+// (8e + (key ^ 4t)) mod 16 are all distinct — 2 wavefronts per store instead of 4.
 template <class Tr>
 __device__ __forceinline__ void store_ds(double* dS_s, const double (&ds)[Tr::kMT][Tr::kNT][2], int key_w_local) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    double* d_l = dS_s + 2 * t * Tr::kPitchS + key_w_local + g;
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNT; ++nt)
+    for (int mt = 0; mt < Tr::kMT; ++mt) {
+        double* d_l = dS_s + 2 * t * Tr::kPitchS + ((key_w_local + 8 * mt + g) ^ (4 * t));
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int nt = 0; nt < Tr::kNT; ++nt)
 #pragma unroll
-            for (int mt = 0; mt < Tr::kMT; ++mt) d_l[(8 * nt + e) * Tr::kPitchS + 8 * mt] = ds[mt][nt][e];
+            for (int e = 0; e < 2; ++e) d_l[(8 * nt + e) * Tr::kPitchS] = ds[mt][nt][e];
+    }
 }
 
 // A kRows × kCols tile of doubles into shared memory (load_tile_tc: 16-byte cp.async chunks when
@@ -315,18 +334,29 @@ __device__ __forceinline__ void load_tile_f64(double* smem, const double* gmem, 
     }
 }
 
-// L_i·log2e (+inf for a row that saw no key and for rows past Lq: P = exp2(−inf) = 0 there) and D_i.
-template <int kBlockM, int kNThreads>
-__device__ __forceinline__ void load_row_stats_f64(double* lse2_s, double* delta_s, const double* lse,
+// L_i and D_i of query block i into shared memory: 8-byte cp.async copies (zero-filled past Lq),
+// thread r copying row r; converted in place by convert_row_stats_f64 once they landed.
+template <int kBlockM>
+__device__ __forceinline__ void load_row_stats_f64(double* lse_s, double* delta_s, const double* lse,
                                                    const double* delta, int r0, int Lq) {
-#pragma unroll
-    for (int it = 0; it < (kBlockM + kNThreads - 1) / kNThreads; ++it) {
-        const int r = (int)threadIdx.x + it * kNThreads;
-        if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
+    const int r = (int)threadIdx.x;
+    if (r < kBlockM) {
         const bool in = r0 + r < Lq;
-        const double l = in ? fa::gload(lse + r0 + r) : -static_cast<double>(INFINITY);
-        lse2_s[r] = l == -static_cast<double>(INFINITY) ? static_cast<double>(INFINITY) : l * flash::kLog2eD;
-        delta_s[r] = in ? fa::gload(delta + r0 + r) : 0.0;
+        fa::cp_async<8>(lse_s + r, in ? lse + r0 + r : lse, in ? 8 : 0);
+        fa::cp_async<8>(delta_s + r, in ? delta + r0 + r : delta, in ? 8 : 0);
+    }
+}
+
+// L_i → L_i·log2e in place, by the thread that copied it (its own cp.async has landed): +inf for a
+// row that saw no key (L_i = −inf) and for rows past Lq, so that P = exp2(−inf) = 0 there; D_i
+// past Lq is 0 (zero-filled).
+template <int kBlockM>
+__device__ __forceinline__ void convert_row_stats_f64(double* lse_s, int r0, int Lq) {
+    const int r = (int)threadIdx.x;
+    if (r < kBlockM) {
+        const double l = lse_s[r];
+        lse_s[r] = r0 + r >= Lq || l == -static_cast<double>(INFINITY) ? static_cast<double>(INFINITY)
+                                                                      : l * flash::kLog2eD;
     }
 }
 
@@ -411,8 +441,9 @@ using namespace fa_bwd;
 // dK_j, dV_j and atomic dQ: grid = (Tc, nb1 * nb2, nb0); the argument list of flash_bwd_dkv_kernel
 // (T = OutT = AccT = double). kVecLoad: q, k, v, dout rows 16-byte aligned, D and Dv even (cp.async
 // 16-byte chunks), else element loads. kOrderedDQ: dQ's atomics in key-block order (see above).
+// kStages: buffers of Q_i, dO_i, L_i, D_i (2: the next visit's copies overlap this visit's products).
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kVecLoad,
-          bool kOrderedDQ>
+          bool kOrderedDQ, int kStages = 1>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f64_kernel(
     const double* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const double* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -426,20 +457,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     double* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     double* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, double scale, FLASH_EXT_PARAMS(double)) {
-    using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>;
+    using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr int kNThreads = Tr::kNThreads, kMT = Tr::kMT, kNT = Tr::kNT;
     // n8 tiles of dQ per atomic pass: 2 where dK_j, dV_j take 128 registers or more, else a whole tile.
     constexpr int kDQGroup = kMT * (kHeadDim + kHeadDimV) >= 256 ? 1 : DQAccumLayout<kHeadDim>::kDQCols / 8;
     (void)dqa_row;
 
     FA_DYNAMIC_SMEM(smem);
-    double* Q_s = reinterpret_cast<double*>(smem + Tr::kQ);
-    double* dO_s = reinterpret_cast<double*>(smem + Tr::kdO);
-    double* K_s = reinterpret_cast<double*>(smem + Tr::kK);
-    double* V_s = reinterpret_cast<double*>(smem + Tr::kV);
-    double* dS_s = reinterpret_cast<double*>(smem + Tr::kdS);
-    double* lse2_s = reinterpret_cast<double*>(smem + Tr::kL);
-    double* delta_s = reinterpret_cast<double*>(smem + Tr::kDelta);
+    double* Q_buf = reinterpret_cast<double*>(smem + Tr::kQ);       // Q_i  Br × d   × kStages
+    double* dO_buf = reinterpret_cast<double*>(smem + Tr::kdO);     // dO_i Br × dv  × kStages
+    double* K_s = reinterpret_cast<double*>(smem + Tr::kK);         // K_j  Bc × d
+    double* V_s = reinterpret_cast<double*>(smem + Tr::kV);         // V_j  Bc × dv
+    double* dS_s = reinterpret_cast<double*>(smem + Tr::kdS);       // dS   Br × Bc
+    double* lse2_buf = reinterpret_cast<double*>(smem + Tr::kL);    // L_i·log2e  Br × kStages
+    double* delta_buf = reinterpret_cast<double*>(smem + Tr::kDelta);  // D_i    Br × kStages
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
@@ -461,15 +492,30 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
         K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
     load_tile_f64<kBlockN, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    // Start the copies of query block i of group entry grp (Q_i, dO_i, L_i, D_i) into buffer buf.
+    auto load_query_block = [&](int grp, int i, int buf) {
+        const int r0 = i * kBlockM;
+        load_tile_f64<kBlockM, kHeadDim, Tr::kPitchD, kNThreads, kVecLoad>(
+            Q_buf + buf * Tr::kQStage,
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+        load_tile_f64<kBlockM, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
+            dO_buf + buf * Tr::kdOStage,
+            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row, do_row,
+            Lq - r0, Dv);
+        load_row_stats_f64<kBlockM>(lse2_buf + buf * Tr::kRowStage, delta_buf + buf * Tr::kRowStage,
+                                    lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
+                                    delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+    };
+    fa::cp_async_commit();
+    if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);  // the first visit's, in flight
     fa::cp_async_commit();
 
-    // Per-lane fragment addresses (header): A' order for S^T, dP^T; C-layout rows for dV, dK.
+    // Per-lane fragment offsets (header; plus the visit's buffer): A' order for S^T, dP^T (Q_l,
+    // dO_l), C-layout rows for dV, dK (Qb_l, dOb_l).
     const double* K_l = K_s + (kw + g) * Tr::kPitchD + 4 * t;
     const double* V_l = V_s + (kw + g) * Tr::kPitchDv + 4 * t;
-    const double* Q_l = Q_s + g * Tr::kPitchD + 4 * t;
-    const double* dO_l = dO_s + g * Tr::kPitchDv + 4 * t;
-    const double* Qb_l = Q_s + 2 * t * Tr::kPitchD + 2 * g;
-    const double* dOb_l = dO_s + 2 * t * Tr::kPitchDv + 2 * g;
+    const int Q_l = g * Tr::kPitchD + 4 * t, dO_l = g * Tr::kPitchDv + 4 * t;
+    const int Qb_l = 2 * t * Tr::kPitchD + 2 * g, dOb_l = 2 * t * Tr::kPitchDv + 2 * g;
 
     // dK_j, dV_j rows kw + 8mt + g (dV_j in shared memory where Tr::kDVSmem: this lane's elements).
     double dK_acc[kMT][kHeadDim / 8][2], dV_acc[kMT][Tr::kDVSmem ? 2 : kHeadDimV / 8][2];
@@ -485,34 +531,42 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
             }
     }
 
+    // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
     int grp = 0, i = i_begin;
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
-        // Barrier: every warp is done with the previous visit's Q_i, dO_i, dS, L_i, D_i.
+        const bool wrap = i + 1 == n_q_blocks;
+        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        const int buf = kStages == 2 ? visit % 2 : 0;
+        const double* Q_s = Q_buf + buf * Tr::kQStage;       // Q_i  Br × d
+        const double* dO_s = dO_buf + buf * Tr::kdOStage;    // dO_i Br × dv
+        double* lse2_s = lse2_buf + buf * Tr::kRowStage;     // L_i·log2e
+        const double* delta_s = delta_buf + buf * Tr::kRowStage;  // D_i
+        // Barrier: every warp is done with the previous visit (its buffers, about to be refilled, and dS).
         __syncthreads();
-        load_tile_f64<kBlockM, kHeadDim, Tr::kPitchD, kNThreads, kVecLoad>(
-            Q_s, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row,
-            Lq - r0, D);
-        load_tile_f64<kBlockM, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
-            dO_s, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
-            do_row, Lq - r0, Dv);
+        const bool prefetch = kStages == 2 && visit + 1 < n_visits;
+        if (kStages == 1) load_query_block(grp, i, 0);
+        if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's products
         fa::cp_async_commit();
-        load_row_stats_f64<kBlockM, kNThreads>(lse2_s, delta_s,
-                                               lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-                                               delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
-        fa::cp_async_wait<0>();
-        // Barrier: every thread's copies (first visit: also K_j, V_j) and L_i, D_i are visible.
+        // This thread's copies of this visit's tiles landed (first visit: also K_j, V_j; the
+        // prefetch may be in flight).
+        if (prefetch)
+            fa::cp_async_wait<1>();
+        else
+            fa::cp_async_wait<0>();
+        convert_row_stats_f64<kBlockM>(lse2_s, r0, Lq);
+        // Barrier: every thread's copies and L_i·log2e are visible to every warp.
         __syncthreads();
 
         double p[kMT][kNT][2], ds[kMT][kNT][2];
-        scores_f64<Tr>(p, ds, K_l, V_l, Q_l, dO_l, lse2_s, delta_s, scale_log2, mask,
+        scores_f64<Tr>(p, ds, K_l, V_l, Q_s + Q_l, dO_s + dO_l, lse2_s, delta_s, scale_log2, mask,
                        mask.needs_mask(r0, c0, kBlockM, kBlockN), r0, c0 + kw);
         // dV_j += P^T dO_i first (P^T dies before dQ's registers are live; the barrier below keeps
         // ptxas from overlapping the products).
         if constexpr (Tr::kDVSmem)
-            gemm_rab_smem<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_l, p, dOb_l);
+            gemm_rab_smem<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_l, p, dO_s + dOb_l);
         else
-            gemm_rab<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_acc, p, dOb_l);
+            gemm_rab<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_acc, p, dO_s + dOb_l);
         store_ds<Tr>(dS_s, ds, kw);
         // Barrier: dS complete before warps read its rows for dQ (ordered: and our turn).
         if constexpr (kOrderedDQ)
@@ -522,11 +576,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
         atomic_dq_f64<Tr, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
         if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
         // dK_j += dS^T Q_i (scale applied once, at the end).
-        gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Qb_l);
+        gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Q_s + Qb_l);
 
-        const bool wrap = i + 1 == n_q_blocks;
-        i = wrap ? i_begin : i + 1;
-        grp = wrap ? grp + 1 : grp;
+        i = i_n, grp = grp_n;
     }
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 

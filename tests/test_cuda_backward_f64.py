@@ -13,6 +13,7 @@ Default run: a representative subset (head dims 16/32/36/40/59/64/72/128, Dv != 
 not multiples of the tiles, causal with fully masked rows, MQA/GQA groups, BSHD strided views, the
 element-wise copy paths, both dQ modes); ``-m slow``: head dims x lengths x causal x groups.
 """
+import dataclasses
 import itertools
 
 import numpy as np
@@ -91,13 +92,17 @@ def is_vec(p):
         a.ctypes.data % 16 == 0 and a.strides[2] % 16 == 0 for a in (p.q, p.k, p.v, p.dout))
 
 
-def launch_f64(p, *, ordered=True, arch=80, vec=None, schedule="forward", seed=0, counters=None):
-    """dq, dk, dv of ``p`` by the DMMA dK/dV kernel and the double conversion (the host's arguments)."""
+def launch_f64(p, *, ordered=True, arch=80, vec=None, stages=None, schedule="forward", seed=0, counters=None):
+    """dq, dk, dv of ``p`` by the DMMA dK/dV kernel and the double conversion (the host's arguments);
+    ``stages`` forces 1 or 2 buffers of Q_i, dO_i, L_i, D_i (default: the tile table's)."""
     B, Hk, G = p.B, p.Hk, p.G
     H, Lq, D = p.q.shape[1:]
     Lk, Dv = p.v.shape[2:]
     t = F.backward_tile(None, np.float64, D, Dv, arch)
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
+    if stages is not None:
+        t = dataclasses.replace(t, stages=stages, smem=F.smem_bytes(pD, pDv, t.block_m, t.block_n, t.n_threads // 32,
+                                                                    stages))
     vec = is_vec(p) if vec is None else vec
     Tr = -(-Lq // t.block_m)
     rows = Tr * t.block_m + (-(-Tr // pD) if ordered else 0)  # DQAccumLayout blocks (+ DQOrderCounters)
@@ -169,6 +174,21 @@ def test_element_copies_match_cp_async():
     a, b = launch_f64(p), launch_f64(p, vec=False)
     for x, y in zip(a, b):
         assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("D,Dv,causal,G", [(64, 64, True, 3), (128, 128, False, 1), (16, 40, True, 2)])
+def test_prefetch_matches_single_buffer(D, Dv, causal, G):
+    """kStages = 2 (the next visit's Q_i, dO_i, L_i, D_i copied during this visit's products) gives
+    bitwise the one-buffer kernel's dq, dk, dv, in the ordered mode under a random schedule too (the
+    prefetch changes when data lands, never what is summed or in which order); Lq not a multiple of
+    Br (rows past Lq zero-filled, L_i·log2e = +inf), causal rows without keys, group wrap-around."""
+    p = Inputs(D, 70, 45, Dv=Dv, Hk=1, G=G, causal=causal)
+    one = launch_f64(p, stages=1)
+    p.check(one)
+    for schedule, seed in (("forward", 0), ("random", 3)):
+        two = launch_f64(p, stages=2, schedule=schedule, seed=seed)
+        for a, b in zip(one, two):
+            assert a.tobytes() == b.tobytes()
 
 
 @pytest.mark.parametrize("arch", [86, 90])
@@ -346,7 +366,7 @@ def test_api_runs_dmma_kernel(deterministic):
     names = [name for name, _ in counters]
     (dkv,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_f64_kernel")]
     (name,) = [n for n in names if n.startswith("flash_bwd_dkv_f64_kernel")]
-    assert name.endswith(", true>" if deterministic else ", false>")
+    assert name.split(", ")[-2] == ("true" if deterministic else "false")  # kOrderedDQ, then kStages
     assert any(n.startswith("flash_bwd_convert_dq_tc_kernel<double") and n.endswith(", double>") for n in names)
     t = F.backward_tile(None, np.float64, 40, 24, tiles.EMULATOR_ARCH)
     assert dkv.mma == p.B * p.Hk * visits(70, 45, True, t, p.G) * t.block_m * t.block_n * (3 * 48 + 2 * 32) // 256
@@ -407,9 +427,13 @@ def test_tile_table():
                 t = F.backward_tile(None, np.float64, d, dv, arch)
                 pd, pdv = tiles.pad_head_dim(d), tiles.pad_head_dim(dv)
                 warps = t.n_threads // 32
-                assert t.smem <= tiles.smem_limit(arch) and t.block_m in (16, 32) and t.stages == 1
+                assert t.smem <= tiles.smem_limit(arch) and t.block_m in (16, 32) and t.stages in (1, 2)
                 assert t.block_n % (8 * warps) == 0 and t.block_n // (8 * warps) in (1, 2)
-                assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps)
+                assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages)
+                # two buffers exactly where they fit without costing resident warps
+                one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s) for s in (1, 2))
+                assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps)
+                                           >= F.resident_warps(arch, one, warps))
         assert F.backward_tile("ieee", np.float64, 64, 64, arch) == F.backward_tile(None, np.float64, 64, 64, arch)
         for bad in [dict(D=129, Dv=64), dict(D=64, Dv=130)]:
             assert F.backward_tile(None, np.float64, bad["D"], bad["Dv"], arch) is None
@@ -419,14 +443,66 @@ def test_tile_table():
     assert F.backward_tile(None, np.float64, 64, 64, 75) is None
     assert F.backward_tile(None, np.float64, 128, 128, 86).n_threads == 64  # 99 KB per block
     assert F.dkv_name(F.backward_tile(None, np.float64, 40, 24, 80), None, 48, 32, True, False, True) == \
-        "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true>"
+        "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true, 2>"
+    # sm_80: d = dv = 128 keeps one buffer (two would exceed 163 KB), d = dv = 32 too (two would cost
+    # the second block: 8 -> 4 warps); sm_90 double-buffers both.
+    assert [F.backward_tile(None, np.float64, d, d, 80).stages for d in (16, 32, 64, 128)] == [2, 1, 2, 1]
+    assert [F.backward_tile(None, np.float64, d, d, 90).stages for d in (16, 32, 64, 128)] == [2, 2, 2, 2]
+
+
+def _wavefronts(lane_addrs, nbytes):
+    """Shared-memory wavefronts of one warp instruction (the emulator's rule for cp.async: phases of
+    128 / nbytes lanes, each taking as many wavefronts as its most-used 4-byte bank has distinct
+    words); lane_addrs: byte addresses of lanes 0..31."""
+    per_phase = 128 // nbytes
+    total = 0
+    for ph in range(0, 32, per_phase):
+        banks = {}
+        for a in lane_addrs[ph:ph + per_phase]:
+            for w in range(a // 4, (a + nbytes) // 4):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def ds_column(r, c, swizzled=True):
+    """store_ds / atomic_dq_f64: key column c of dS row r sits at column c ^ 4·((r / 2) mod 4)."""
+    return c ^ (4 * ((r >> 1) & 3)) if swizzled else c
+
+
+@pytest.mark.parametrize("swizzled", [True, False])
+def test_ds_layout_bank_conflicts(swizzled):
+    """The dS tile's shared-memory accesses, modelled from the kernel's index formulas for every tile
+    the table chooses: the stores from the dS^T fragments (8 bytes, lane (g, t): row 8nt + 2t + e,
+    key kw + 8mt + g) take the minimum 2 wavefronts per warp instruction with the swizzle (8 without:
+    4 per 16-lane phase, the pitch Bc + 8 ≡ 8 mod 16 doubles putting rows 2t on the same banks);
+    dQ's A-fragment loads (16 bytes, row 16tm + g (+ 8), keys 8kc + 2t, +1) stay conflict-free, 4
+    wavefronts (one per 8-lane phase). Plain shared-memory accesses are not counted by the emulator, hence the model;
+    every emulator test checks the layout's correctness."""
+    shapes = {(t.block_m, t.block_n, t.n_threads // 32) for arch in ARCHS for d in range(16, 129, 16)
+              for dv in (16, d, 128) for t in [F.backward_tile(None, np.float64, d, dv, arch)]}
+    for br, bc, warps in sorted(shapes):
+        pitch, kmt = bc + 8, bc // (8 * warps)
+        lanes = [(lane // 4, lane % 4) for lane in range(32)]
+        for w in range(warps):
+            kw = 8 * kmt * w
+            for mt, nt, e in itertools.product(range(kmt), range(br // 8), range(2)):
+                addrs = [8 * ((8 * nt + 2 * t + e) * pitch + ds_column(8 * nt + 2 * t + e, kw + 8 * mt + g, swizzled))
+                         for g, t in lanes]
+                assert _wavefronts(addrs, 8) == (2 if swizzled else 8)
+        for tm, mt, kc in itertools.product(range(br // 16), range(2), range(bc // 8)):
+            rows = [16 * tm + g + 8 * mt for g, _ in lanes]
+            cols = [ds_column(r, 8 * kc + 2 * t, swizzled) for r, (_, t) in zip(rows, lanes)]
+            assert all(c % 2 == 0 and ds_column(r, c, swizzled) + 1 == ds_column(r, c + 1, swizzled)
+                       for r, c in zip(rows, cols))  # keys 8kc + 2t, +1: one 16-byte word
+            assert _wavefronts([8 * (r * pitch + c) for r, c in zip(rows, cols)], 16) == 4
 
 
 _PROBE = r"""
 #include "flash_bwd_f64.cu"
-template <int D, int DV, int BM, int BN, int NW>
+template <int D, int DV, int BM, int BN, int NW, int ST>
 __global__ void probe_bwd_f64(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::BwdF64Traits<D, DV, BM, BN, NW>::kBytes);
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::BwdF64Traits<D, DV, BM, BN, NW, ST>::kBytes);
 }
 """
 
@@ -436,7 +512,9 @@ def test_python_smem_matches_traits():
     for d, dv, arch in ((16, 16, 80), (32, 64, 80), (64, 64, 80), (128, 128, 80), (112, 96, 86), (128, 16, 89),
                         (48, 80, 90)):
         t = F.backward_tile(None, np.float64, d, dv, arch)
-        entries["probe_bwd_f64<%d, %d, %d, %d, %d>" % (d, dv, t.block_m, t.block_n, t.n_threads // 32)] = t.smem
+        for st in (1, 2):
+            entries["probe_bwd_f64<%d, %d, %d, %d, %d, %d>" % (d, dv, t.block_m, t.block_n, t.n_threads // 32, st)] = \
+                F.smem_bytes(d, dv, t.block_m, t.block_n, t.n_threads // 32, st)
     mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])
     for expr, smem in entries.items():

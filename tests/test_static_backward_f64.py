@@ -86,6 +86,13 @@ def _check(arch, pairs):
                                                                          k.stack_frame, k.static_smem))
         if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(arch):
             problems.append("%s: %d regs, %d bytes smem" % (name, k.registers, t.smem))
+        # Two buffers of Q_i, dO_i only where they cost no resident warps (at the measured registers).
+        occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+        one = sass.occupancy(arch, k.registers, t.n_threads, F.smem_bytes(d, dv, t.block_m, t.block_n,
+                                                                          t.n_threads // 32))
+        line += " occ %d blocks %d warps (%s)" % (occ.blocks, occ.warps, occ.limiter)
+        if occ.warps < one.warps:
+            problems.append("%s: %d stages cost occupancy: %d < %d warps" % (name, t.stages, occ.warps, one.warps))
         if fns is not None:
             body = fns[k.lowered_name]
             loop, dmma = dmma_key_loop(body)

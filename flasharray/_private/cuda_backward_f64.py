@@ -24,6 +24,7 @@ tests/test_static_backward_f64.py for every tile this table can return):
   fits, else 2 (Bc = 16: d = dv = 128 on sm_86/89, 99 KB per block).
 """
 from . import tiles, tiles_bwd
+from .cuda_backward_tf32 import _MAX_WARPS_PER_SM, _RESERVED, _SM_SMEM_KB
 
 SOURCE = "flash_bwd_f64.cu"
 MAX_HEAD_DIM = 128
@@ -35,13 +36,30 @@ def dv_in_smem(d, dv, block_n, warps):
     return block_n // (8 * warps) * (d + dv) > 128
 
 
-def smem_bytes(d, dv, block_m, block_n, warps):
-    """Mirror of BwdF64Traits::kBytes: Q_i, dO_i, K_j, V_j (rows padded by 2 doubles), dS (rows
-    padded by 8), L_i, D_i, and dV_j where :func:`dv_in_smem`; each region 16-byte aligned."""
+def smem_bytes(d, dv, block_m, block_n, warps, stages=1):
+    """Mirror of BwdF64Traits::kBytes: ``stages`` x (Q_i, dO_i) (rows padded by 2 doubles), K_j, V_j
+    (padded by 2), dS (padded by 8), ``stages`` x (L_i, D_i), and dV_j where :func:`dv_in_smem`; each
+    region 16-byte aligned."""
     a16 = tiles._align16
-    return (a16(block_m * (d + 2) * 8) + a16(block_m * (dv + 2) * 8) + a16(block_n * (d + 2) * 8)
-            + a16(block_n * (dv + 2) * 8) + a16(block_m * (block_n + 8) * 8) + 2 * a16(block_m * 8)
+    return (a16(stages * block_m * (d + 2) * 8) + a16(stages * block_m * (dv + 2) * 8) + a16(block_n * (d + 2) * 8)
+            + a16(block_n * (dv + 2) * 8) + a16(block_m * (block_n + 8) * 8) + 2 * a16(stages * block_m * 8)
             + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0))
+
+
+def resident_warps(arch, smem, warps):
+    """Warps per SM the shared memory leaves (capped by the register file), by the TF32 backward's
+    rule (:mod:`cuda_backward_tf32`: the same per-SM shared memory, reserve and cap)."""
+    per_sm = _SM_SMEM_KB.get(arch, tiles.smem_limit(arch) // tiles.KB + 1) * tiles.KB
+    return min(_MAX_WARPS_PER_SM, warps * (per_sm // (smem + _RESERVED)))
+
+
+def stages_for(d, dv, block_m, block_n, warps, arch):
+    """2 (Q_i, dO_i, L_i, D_i double-buffered: the next visit's cp.async copies overlap this
+    visit's products) where the second buffer fits and costs no resident warps, else 1."""
+    one = smem_bytes(d, dv, block_m, block_n, warps)
+    two = smem_bytes(d, dv, block_m, block_n, warps, 2)
+    return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps) >= resident_warps(
+        arch, one, warps) else 1
 
 
 def _candidates(d, dv):
@@ -69,11 +87,14 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
         bc = 8 * mt * warps
         smem = smem_bytes(d, dv, br, bc, warps)
         if smem <= limit:
+            stages = stages_for(d, dv, br, bc, warps, a)
+            smem = smem_bytes(d, dv, br, bc, warps, stages)
             reason = ("fp64 DMMA (m8n8k4): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
-                      "the first tile of the register table whose %d B of shared memory fit the sm_%d "
-                      "limit %d B" % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory"
-                                      if dv_in_smem(d, dv, bc, warps) else "", smem, a, limit))
-            return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, 1)
+                      "the first tile of the register table whose shared memory fits the sm_%d limit %d B; "
+                      "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)"
+                      % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps)
+                         else "", a, limit, stages, smem, resident_warps(a, smem, warps)))
+            return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, stages)
     return None
 
 
@@ -81,8 +102,8 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
     """The name expression of ``flash_bwd_dkv_f64_kernel`` for ``tile`` (padded head dims pD, pDv)."""
     del precision  # IEEE fp64 either way
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "flash_bwd_dkv_f64_kernel<%d, %d, %d, %d, %d, %s, %s, %s>" % (
-        pD, pDv, tile.block_m, tile.block_n, tile.n_threads // 32, b(causal), b(vec), b(ordered))
+    return "flash_bwd_dkv_f64_kernel<%d, %d, %d, %d, %d, %s, %s, %s, %d>" % (
+        pD, pDv, tile.block_m, tile.block_n, tile.n_threads // 32, b(causal), b(vec), b(ordered), tile.stages)
 
 
 def convert_name(tile, pD, D):
