@@ -37,9 +37,9 @@
 //    moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
 //    The tensor maps are by-value __grid_constant__ CUtensorMap parameters encoded per call by the plan.
 //
-// Not yet (docs/hopper.md): the ping-pong of the two consumer warpgroups and the intra-warpgroup overlap
-// of softmax with the next S wgmma; here every wgmma batch is waited for before its result is used
-// (wgmma_wait_group<0>).
+// Not yet (docs/hopper.md): the intra-warpgroup overlap of softmax with the next S wgmma; here every
+// wgmma batch is waited for before its result is used (wgmma_wait_group<0>). The ws kernel ping-pongs
+// its two consumer warpgroups (named barriers): one's softmax under the other's S GEMM.
 //
 // Arguments of flash_fwd_sm90_kernel: exactly flash_fwd_kernel's (flash_fwd.cu), so ForwardPlan lays them out as for the
 // mma.sync forward; the GQA-packing, KV-cache and extension arguments are accepted and unused (the
@@ -140,11 +140,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   else fa::wgmma_m64nNk16_f32_bf16_rs<N, TransB>(d, a, db, scale_d);
 }
 
+struct NoOp {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
 // k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
-                                             const unsigned char* sK_j) {
+                                             const unsigned char* sK_j, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
 #pragma unroll
@@ -155,6 +159,7 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();
+  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over)
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_s);
 }
@@ -390,6 +395,11 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kBars = 1 + 3 * Base::kStages;
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
+  // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas only in its turn, named
+  // barrier kTurnBarrier + c (its 128 threads sync, the other warpgroup's 128 arrive), and hands the turn
+  // over as soon as they are issued, so one warpgroup's softmax runs under the other's S GEMM.
+  static constexpr bool kPingPong = true;
+  static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
 };
 
 // One tile (kRows × kCols, 64-column panels kRows·128 bytes apart) as kCols/64 TMA boxes onto `bar`.
@@ -488,10 +498,19 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   stat[1].init();
 
   if (n_block_max > 0) fa::mbarrier_wait_parity(bar_q, 0);
+  // Ping-pong: warpgroup 0 has the first turn (warpgroup 1's opening arrival); each warpgroup takes n
+  // turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases.
+  if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
   for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
     const int s = i % kStages, phase = (i / kStages) & 1;
     fa::mbarrier_wait_parity(full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
-    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes);
+    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);  // our turn
+    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes,
+                                                [&] {  // issued: the other warpgroup's turn
+                                                  if (Tr::kPingPong && (cwg == 0 || n_block > 0))
+                                                    fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg,
+                                                                             Tr::kConsumerThreads);
+                                                });
     softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
                                                 m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
     fa::mbarrier_wait_parity(full_v + s, phase);   // V_j has landed

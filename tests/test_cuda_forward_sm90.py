@@ -61,6 +61,9 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
     c = counters[0]
     if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + 2 epilogue barriers
+        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
+        assert c.named_barriers == 2 * c.blocks + 2 * tiles_visited
     else:
         assert c.tma_loads == 0 and c.setmaxnreg == 0
     entries = int(np.prod(_batch(q, k, v)))

@@ -41,15 +41,24 @@ def instantiations(dtypes, head_dims):
 
 def ws_checks(name, t, body, loop):
     """The warp-specialized kernel: setmaxnreg took effect (both USETMAXREG, registers above the launch
-    count used after the .inc), the key loop free of copies and block barriers, the producer loop (the
+    count used after the .inc), the key loop free of copies, its only barriers the ping-pong's named
+    ones around the S batch, the producer loop (the
     smallest loop holding UTMALDG) issuing one tile's boxes per visit and waiting on mbarriers."""
     problems = []
     ops = {i.opcode for i in body}
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
         if op not in ops:
             problems.append("%s: no %s" % (name, op))
-    if loop.stats.ldgsts or loop.stats.bar:
-        problems.append("%s: %d LDGSTS, %d BAR in the key loop" % (name, loop.stats.ldgsts, loop.stats.bar))
+    # no copies; the only barriers the ping-pong's named ones: BAR.SYNC (our turn) before the S HGMMAs,
+    # BAR.ARV (the other warpgroup's turn) after the last S HGMMA and before the wait for them
+    in_loop = [i for i in body if loop.start <= i.address <= loop.end]
+    bars = [i for i in in_loop if i.base == "BAR"]
+    ss = [i for i in in_loop if i.base == "HGMMA" and not i.operands.split(",")[1].strip().startswith("R")]
+    waits = [i for i in in_loop if i.opcode.startswith("WARPGROUP.DEPBAR") and ss and i.address > ss[-1].address]
+    if (loop.stats.ldgsts or [b.opcode.split(".")[1] for b in bars] != ["SYNC", "ARV"] or not waits
+            or not bars[0].address < ss[0].address or not ss[-1].address < bars[1].address < waits[0].address):
+        problems.append("%s: %d LDGSTS, barriers %s in the key loop" % (name, loop.stats.ldgsts,
+                                                                        [b.opcode for b in bars]))
     tma = [i for i in body if i.base == "UTMALDG"]
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
     if not lps:
