@@ -25,23 +25,23 @@
 //   epilogue: sO Br × (dv + 8) (stmatrix from the accumulators, then 16-byte coalesced stores) and
 //       the tile's Br LSE values, over the (then idle) Q / K / V space.
 //
-// Loads: every thread copies 16-byte chunks with cp.async straight to their swizzled addresses (the
-// emulator checks that the bytes wgmma reads through its descriptors are the ones written), into a
-// two-stage ring: tile j−1 is fetched into the other stage while tile j is computed; the ring's
-// completion is cp.async.wait_group + fence.proxy.async (generic-proxy writes, async-proxy wgmma
-// reads) + one barrier per key tile. Why not TMA: a TMA load needs a CUtensorMap per tensor holding
-// its global address, passed by value (or in constant / global memory) per call, and the forward
-// plan (cuda_forward.py, launch.py) binds raw pointers per call and has no by-value struct argument.
-// TMA would add: one elected thread issuing a whole tile (the other threads free for math), the
-// swizzle done by the copy engine, out-of-bounds zero-fill without per-chunk byte counts, and
-// completion on mbarriers, which is what lets a producer warp feed the consumers (warp
-// specialization, FlashAttention-3) instead of every thread copying.
+// Two kernels share the tiles, the wgmma helpers and the softmax:
+//  * flash_fwd_sm90_kernel (cp.async; the fallback for layouts a tensor map cannot describe): every
+//    thread copies 16-byte chunks with cp.async straight to their swizzled addresses (the emulator checks
+//    that the bytes wgmma reads through its descriptors are the ones written), into a two-stage ring:
+//    tile j−1 is fetched into the other stage while tile j is computed; the ring's completion is
+//    cp.async.wait_group + fence.proxy.async (generic-proxy writes, async-proxy wgmma reads) + one
+//    barrier per key tile.
+//  * flash_fwd_sm90_ws_kernel (below; kernel="wgmma" takes it where the layout is TMA-legal): a producer
+//    warpgroup issues TMA boxes completing on mbarriers, two consumer warpgroups compute; setmaxnreg
+//    moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
+//    The tensor maps are by-value __grid_constant__ CUtensorMap parameters encoded per call by the plan.
 //
-// Not yet (docs/hopper.md): a producer warpgroup with setmaxnreg, the ping-pong of two consumer
-// warpgroups and the intra-warpgroup overlap of softmax with the next S wgmma; here every wgmma
-// batch is waited for before its result is used (wgmma_wait_group<0>).
+// Not yet (docs/hopper.md): the intra-warpgroup overlap of softmax with the next S wgmma; here every
+// wgmma batch is waited for before its result is used (wgmma_wait_group<0>). The ws kernel ping-pongs
+// its two consumer warpgroups (named barriers): one's softmax under the other's S GEMM.
 //
-// Arguments: exactly flash_fwd_kernel's (flash_fwd.cu), so ForwardPlan lays them out as for the
+// Arguments of flash_fwd_sm90_kernel: exactly flash_fwd_kernel's (flash_fwd.cu), so ForwardPlan lays them out as for the
 // mma.sync forward; the GQA-packing, KV-cache and extension arguments are accepted and unused (the
 // host takes this kernel only for dense calls).
 #include "fa_port.cuh"
@@ -140,11 +140,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   else fa::wgmma_m64nNk16_f32_bf16_rs<N, TransB>(d, a, db, scale_d);
 }
 
+struct NoOp {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
 // k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
-                                             const unsigned char* sK_j) {
+                                             const unsigned char* sK_j, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
 #pragma unroll
@@ -155,6 +159,7 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();
+  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over)
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_s);
 }
@@ -352,6 +357,181 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
   store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, kNThreads>(o_i, o_row, sO, rows, Dv, vec, tid);
   for (int row = tid; row < rows; row += kNThreads) fa::gstore(lse_i + row, sLse[row]);
+}
+
+}  // namespace flash
+
+namespace flash {
+
+// ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_fwd_sm90_ws_kernel) -----------
+// Three warpgroups. Warpgroup 0 is the producer: after setmaxnreg.dec to kProducerRegs registers, one
+// elected thread of its warp 0 issues every load as TMA boxes (cp.async.bulk.tensor.5d, the 128B swizzle
+// done by the copy engine, rows past the sequence and columns past D zero-filled by it): Q_i once, then
+// K_j and V_j into a ring of kStages stages, each completing on that stage's full barrier
+// (arrive.expect_tx of the tile's bytes). Warpgroups 1 and 2 are the consumers of the cp.async kernel above
+// (rows [64(w−1), 64w) of Q_i), raised to kConsumerRegs registers: wait on full_k[s] before S = Q K_jᵀ, on
+// full_v[s] before O += P V_j, and arrive on empty[s] once their P V_j wgmmas have completed, which is
+// what lets the producer refill stage s. No block-wide barrier in the key loop and no copy instruction
+// in the consumers.
+//
+// Tensor maps (flasharray/_private/cuda_forward_sm90.py): rank 5, innermost first (column, row, b2, b1,
+// b0); box (64 columns = one 128-byte swizzle panel, rows of the tile, 1, 1, 1). A batch dim along which
+// the tensor is broadcast (stride 0, which a tensor map cannot hold) is described with extent 1 and its
+// bit in `bcast` (bit 3t + i: tensor t = q, k, v; i = b2, b1, b0) makes its coordinate 0.
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
+  using Base = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  static_assert(kBlockM == 128, "the producer warpgroup feeds two consumer warpgroups");
+  static constexpr int kConsumerThreads = Base::kNThreads;
+  static constexpr int kNThreads = 128 + kConsumerThreads;
+  // 24 + 2 × 240 registers per thread-slot of a warpgroup: 64,512 of the SM's 65,536 (FlashAttention-3's split).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+  // mbarriers past both the loop and the epilogue layouts: Q, then full_k, full_v, empty per stage.
+  static constexpr int kBarOffset = ((Base::kLoopBytes > Base::kEpilogueBytes ? Base::kLoopBytes
+                                                                               : Base::kEpilogueBytes) + 7) / 8 * 8;
+  static constexpr int kBars = 1 + 3 * Base::kStages;
+  static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
+  static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
+  // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas only in its turn, named
+  // barrier kTurnBarrier + c (its 128 threads sync, the other warpgroup's 128 arrive), and hands the turn
+  // over as soon as they are issued, so one warpgroup's softmax runs under the other's S GEMM.
+  static constexpr bool kPingPong = true;
+  static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
+};
+
+// One tile (kRows × kCols, 64-column panels kRows·128 bytes apart) as kCols/64 TMA boxes onto `bar`.
+template <int kRows, int kCols>
+__device__ __forceinline__ void tma_load_tile(unsigned char* s_tile, const CUtensorMap* map, int row, int b2,
+                                              int b1, int b0, uint64_t* bar) {
+#pragma unroll
+  for (int p = 0; p < kCols / 64; ++p) fa::tma_load_5d(s_tile + p * kRows * 128, map, 64 * p, row, b2, b1, b0, bar);
+}
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal>
+__global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
+flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
+                         long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                         long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
+                         const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_v) {
+  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  constexpr int kStages = Tr::kStages;
+
+  FA_DYNAMIC_SMEM(smem_raw);
+  // The swizzled boxes start on the pattern's repeat in the shared window (as in flash_fwd_sm90_kernel).
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  unsigned char* sQ = smem + Tr::kQOffset;
+  unsigned char* sK = smem + Tr::kKOffset;
+  unsigned char* sV = smem + Tr::kVOffset;
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);
+  uint64_t* full_k = bar_q + 1;          // [kStages]: K_j landed (the producer's expect_tx + the TMA bytes)
+  uint64_t* full_v = full_k + kStages;   // [kStages]: V_j landed
+  uint64_t* empty = full_v + kStages;    // [kStages]: every consumer thread is done with the stage
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const Mask<Is_causal> mask(Lq, Lk);
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+
+  if (tid == 0) {
+    fa::mbarrier_init(bar_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      fa::mbarrier_init(full_k + s, 1);
+      fa::mbarrier_init(full_v + s, 1);
+      fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
+    }
+    fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any load completes on them
+  }
+  __syncthreads();              // ... and to every thread before its first wait or arrival
+
+  if (wg == 0) {
+    // ---- producer: one elected thread of warp 0 issues the whole block's loads ----
+    fa::setmaxnreg_dec<Tr::kProducerRegs>();
+    if (tid < 32 && fa::elect_one()) {
+      auto coord = [&](int t, int i, int b) { return (bcast >> (3 * t + i)) & 1 ? 0 : b; };
+      const int qb2 = coord(0, 0, bidx.b2), qb1 = coord(0, 1, bidx.b1), qb0 = coord(0, 2, bidx.b0);
+      const int kb2 = coord(1, 0, bidx.b2), kb1 = coord(1, 1, bidx.b1), kb0 = coord(1, 2, bidx.b0);
+      const int vb2 = coord(2, 0, bidx.b2), vb1 = coord(2, 1, bidx.b1), vb0 = coord(2, 2, bidx.b0);
+      if (n_block_max > 0) {
+        fa::mbarrier_arrive_expect_tx(bar_q, Tr::kQBytes);
+        tma_load_tile<kBlockM, kHeadDim>(sQ, &tmap_q, m0, qb2, qb1, qb0, bar_q);
+      }
+      // Key tiles from the last visible one down, as the consumers take them; visit i uses stage i mod
+      // kStages, whose empty barrier completed its (i / kStages)-th phase when the consumers released visit
+      // i − kStages (the first pass waits on parity 1 of a fresh barrier: already complete).
+      for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
+        const int s = i % kStages, phase = (i / kStages) & 1;
+        fa::mbarrier_wait_parity(empty + s, phase ^ 1);
+        fa::mbarrier_arrive_expect_tx(full_k + s, Tr::kKBytes);
+        tma_load_tile<kBlockN, kHeadDim>(sK + s * Tr::kKBytes, &tmap_k, n_block * kBlockN, kb2, kb1, kb0, full_k + s);
+        fa::mbarrier_arrive_expect_tx(full_v + s, Tr::kVBytes);
+        tma_load_tile<kBlockN, kHeadDimV>(sV + s * Tr::kVBytes, &tmap_v, n_block * kBlockN, vb2, vb1, vb0,
+                                          full_v + s);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  fa::setmaxnreg_inc<Tr::kConsumerRegs>();
+  const int ctid = tid - 128;                         // 0 .. 255
+  const int cwg = wg - 1;                             // consumer warpgroup: rows [64 cwg, 64 cwg + 64)
+  const int warp_row = cwg * 64 + ((ctid % 128) / 32) * 16;  // first of the warp's 16 rows
+  const int lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+
+  float acc_s[kBlockN / 2];     // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
+  float acc_o[kHeadDimV / 2];   // O_i, unnormalised
+  OnlineSoftmaxRow<float> stat[2];
+#pragma unroll
+  for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
+  stat[0].init();
+  stat[1].init();
+
+  if (n_block_max > 0) fa::mbarrier_wait_parity(bar_q, 0);
+  // Ping-pong: warpgroup 0 has the first turn (warpgroup 1's opening arrival); each warpgroup takes n
+  // turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases.
+  if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
+  for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
+    const int s = i % kStages, phase = (i / kStages) & 1;
+    fa::mbarrier_wait_parity(full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
+    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);  // our turn
+    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes,
+                                                [&] {  // issued: the other warpgroup's turn
+                                                  if (Tr::kPingPong && (cwg == 0 || n_block > 0))
+                                                    fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg,
+                                                                             Tr::kConsumerThreads);
+                                                });
+    softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
+                                                m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+    fa::mbarrier_wait_parity(full_v + s, phase);   // V_j has landed
+    gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + s * Tr::kVBytes);
+    fa::mbarrier_arrive(empty + s);                // both wgmma batches on stage s completed: refill it
+  }
+
+  // Epilogue (consumers only): every load has landed (each was waited for) and every wgmma completed; the
+  // named barrier lets sO / sLse overwrite the operand tiles once both warpgroups are past their last tile.
+  const TensorStrides o_s{o_b0, o_b1, o_b2, o_row}, lse_s{lse_b0, lse_b1, lse_b2, 1};
+  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  float* lse_i = lse + bidx.offset(lse_s) + m0;
+  T* sO = reinterpret_cast<T*>(smem);
+  float* sLse = reinterpret_cast<float*>(smem + Tr::kLseOffset);
+  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+  stage_o_sm90<T, kHeadDimV, Tr::kStrideO>(sO, sLse, acc_o, stat, warp_row, lane);
+  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+  const int rows = rows_in_tile(m0, kBlockM, Lq);
+  const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
+  store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, Tr::kConsumerThreads>(o_i, o_row, sO, rows, Dv, vec, ctid);
+  for (int row = ctid; row < rows; row += Tr::kConsumerThreads) fa::gstore(lse_i + row, sLse[row]);
 }
 
 }  // namespace flash

@@ -33,7 +33,7 @@ def sm90_plan(q, k, v, causal, **kw):
 def expected_wgmma(tile, Lq, Lk, causal, entries):
     """wgmma instructions of one launch: per block (query tile) its visible key tiles, per tile and
     warpgroup d/16 (S) + Bc/16 (O) instructions."""
-    per_tile = tile.n_threads // 128 * (tile.head_dim // 16 + tile.block_n // 16)
+    per_tile = tile.block_m // 64 * (tile.head_dim // 16 + tile.block_n // 16)  # consumer warpgroups
     tiles_visited = 0
     for m0 in range(0, Lq, tile.block_m):
         last_row = min(m0 + tile.block_m, Lq) - 1
@@ -42,7 +42,7 @@ def expected_wgmma(tile, Lq, Lk, causal, entries):
     return entries * tiles_visited * per_tile
 
 
-def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, **opts):
+def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, tma=None, **opts):
     q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
     q0, k0, v0 = q.copy(), k.copy(), v.copy()
     counters = []
@@ -54,8 +54,18 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     plan = sm90_plan(q, k, v, causal)
     assert plan.tile.kernel == "wgmma" and isinstance(plan.tile, S.Sm90Tile)
-    assert len(plan.launches) == 1 and plan.launches[0].name.startswith("flash::flash_fwd_sm90_kernel<")
+    assert tma is None or plan.tile.tma == tma, plan.tile.describe()
+    kernel = "flash_fwd_sm90_ws_kernel" if plan.tile.tma else "flash_fwd_sm90_kernel"
+    assert len(plan.launches) == 1 and plan.launches[0].name.startswith("flash::%s<" % kernel)
     assert len(counters) == 1
+    c = counters[0]
+    if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
+        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + 2 epilogue barriers
+        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
+        assert c.named_barriers == 2 * c.blocks + 2 * tiles_visited
+    else:
+        assert c.tma_loads == 0 and c.setmaxnreg == 0
     entries = int(np.prod(_batch(q, k, v)))
     if plan.gqa_group == 1:
         assert counters[0].wgmma == expected_wgmma(plan.tile, Lq, Lk, causal, entries) > 0
@@ -82,7 +92,23 @@ SUBSET = [
 
 @pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", SUBSET)
 def test_wgmma_forward_matches_reference(dtype, D, Lq, Lk, causal, layout, gqa):
-    check(dtype, D, Lq, Lk, causal, layout=layout, gqa=gqa)
+    """16-byte rows: the warp-specialized TMA kernel; D = 59 (118-byte rows): the cp.async fallback."""
+    check(dtype, D, Lq, Lk, causal, layout=layout, gqa=gqa, tma=D % 8 == 0)
+
+
+@pytest.fixture
+def cp_async_kernel(monkeypatch):
+    """kernel="wgmma" with TMA turned off: the cp.async kernel on the layouts TMA would take."""
+    from flasharray._private import launch
+    monkeypatch.setattr(S, "USE_TMA", False)
+    launch._clear_plans()
+    yield
+    launch._clear_plans()
+
+
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", [SUBSET[1], SUBSET[3]])
+def test_cp_async_kernel_still_matches(cp_async_kernel, dtype, D, Lq, Lk, causal, layout, gqa):
+    check(dtype, D, Lq, Lk, causal, layout=layout, gqa=gqa, tma=False)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -98,12 +124,61 @@ def test_wgmma_forward_decode_packed():
 
 @pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 1), ("random", 7)])
 def test_wgmma_forward_schedules_identical(schedule, seed):
-    """Permuted fiber schedules (cp.async landing order, warp interleaving) give identical bits."""
-    q, k, v = make_inputs(np.float16, 64, 90, 200, seed=3)
+    """Permuted fiber schedules (TMA landing order, producer / consumer interleaving) give identical bits
+    (GQA: K and V broadcast along the head dim, the tensor maps' extent-1 batch dim)."""
+    q, k, v = make_inputs(np.float16, 64, 90, 200, seed=3, gqa=True)
+    assert sm90_plan(q, k, v, True).tile.tma
     base = run_forward("emulator", q, k, v, causal=True, kernel="wgmma", arch="sm_90")
     got = run_forward("emulator", q, k, v, causal=True, kernel="wgmma", arch="sm_90", schedule=schedule, seed=seed)
     for a, b in zip(base, got):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_tma_fallback_rules():
+    """What the TMA kernel takes (else the cp.async one): 16-byte aligned, 16-byte strides below 2^40."""
+    a = np.zeros((2, 3, 40, 64), np.float16)
+    assert S.tma_legal((a, a, a)) is None
+    assert S.tma_legal((a, a[..., :59], a)) is None  # D = 59 in rows of 128 bytes: the map's extent is 59
+    odd = np.zeros((2, 3, 40, 59), np.float16)
+    assert S.tma_legal((a, odd, a)) == "k has a stride of 118 bytes (TMA: multiples of 16 below 2^40)"
+    raw = np.zeros(2 * 3 * 40 * 64 + 8, np.float16)
+    assert S.tma_legal((a, a, raw[1:1 + a.size].reshape(a.shape))) == "v is not 16-byte aligned"
+    bcast = np.broadcast_to(a[:, :1], a.shape)  # stride 0: allowed (extent 1 in the map, coordinate 0)
+    assert S.tma_legal((a, bcast, bcast)) is None
+    # (head dim, rows, b2, b1, b0): the broadcast dim b2 (extent 3, stride 0) becomes extent 1, bit 0 set;
+    # an extent-1 dim gets a stand-in stride of 16 bytes
+    extents, strides, bits = S._map_geometry(64, 40, (3 * 40 * 64, 0, 0), 64, 2, (2, 1, 3))
+    assert (extents, strides, bits) == ([64, 40, 1, 1, 2], [128, 16, 16, 2 * 3 * 40 * 64], 1)
+
+
+def test_tensor_map_template_matches_the_encoder():
+    """The plan's per-call encoding (geometry checked once, address per call) is encode_tiled's."""
+    from flasharray._private import tensor_map
+    a = np.zeros((2, 40, 64), np.float16)
+    t = tensor_map.TiledTemplate(np.float16, (64, 40, 1, 1, 2), (128, 16, 16, 40 * 128), (64, 128, 1, 1, 1), 128)
+    m = t.emulator_map(a.reshape(-1))
+    assert m.words.tobytes() == t.emulator_arg(a.ctypes.data).tobytes()
+    assert m.box_bytes == 64 * 128 * 2
+    with pytest.raises(ValueError, match=r"global_strides\[0\] = 120 bytes"):
+        tensor_map.TiledTemplate(np.float16, (60, 40), (120,), (64, 8), 128)
+
+
+def test_null_launches_bind_tensor_maps():
+    """The host path of a TMA plan (launch.null_launches: the CUDA path's binding, no driver): three
+    128-byte by-value maps per launch at the arrays' addresses."""
+    from flasharray._private import launch
+    q, k, v = make_inputs(np.float16, 64, 70, 130)
+    with launch.null_launches():
+        plan = sm90_plan(q, k, v, True)
+        assert plan.tile.tma
+        rec = plan.launches[0]
+        assert [a.key for a in rec.template if isinstance(a, launch.Map)] == [0, 1, 2]
+        seen = []
+        rec.call = lambda grid, block, args: seen.append(args)
+        plan.run(q, k, v)
+    maps = [a for a in seen[0] if isinstance(a, np.void)]
+    assert len(maps) == 3 and all(m.nbytes == 128 for m in maps)
+    assert [int(np.frombuffer(m.tobytes(), np.uint64)[1]) for m in maps] == [x.ctypes.data for x in (q, k, v)]
 
 
 def test_tile_table():
@@ -209,3 +284,14 @@ def test_cupy_path_compiles_sm90a_and_loads_the_cubin(monkeypatch, tmp_path):
     assert open(path, "rb").read()[:4] == b"\x7fELF"
     launcher._function("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<float, float, 128, 4>")
     assert loaded[2] == ("code", ("flash_bwd_convert_dq_kernel<float, float, 128, 4>",))
+    # the warp-specialized TMA instantiation: the same sm_90a path; its tensor maps are the driver's
+    # encoding per call (cuTensorMapEncodeTiled at the array's address + offset, stood in for here)
+    ws = S.tma_tile(t, ())
+    ws_name = ws.name_expression(True, True)
+    launcher._function(ws.source, ws_name)
+    (kind, path), (_, lowered) = loaded[4:6]
+    assert kind == "path" and "-sm_90a-" in path and lowered.startswith("_ZN5flash24flash_fwd_sm90_ws_kernel")
+    from flasharray._private import tensor_map
+    monkeypatch.setattr(tensor_map.TiledTemplate, "driver_arg", lambda self, address: ("driver", address))
+    tmpl = tensor_map.TiledTemplate(np.float16, (64, 40), (128,), (64, 128), 128)
+    assert launcher.tensor_map((0x10000, 2), 24, tmpl) == ("driver", 0x10000 + 48)

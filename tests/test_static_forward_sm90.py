@@ -9,6 +9,8 @@ d/16 HGMMA for S (SS: both operands through descriptors) plus Bc/16 for O (RS: P
 ptxas reports no wgmma serialization. Compiling for plain sm_90 is refused at compile time (``fa::wgmma needs sm_90a``). The registers per
 thread and the key loop's instructions are printed (``-s``; docs/hopper.md quotes them).
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,53 @@ def instantiations(dtypes, head_dims):
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma")
             for causal, aligned in FLAGS:
                 found[t.name_expression(causal, aligned)] = t
+            ws = S.tma_tile(t, ())  # the warp-specialized TMA instantiation (no tensors to refuse it)
+            assert ws.tma and ws.n_threads == 384
+            for causal in (False, True):
+                found[ws.name_expression(causal, True)] = ws
     return found
+
+
+def ws_checks(name, t, body, loop):
+    """The warp-specialized kernel: setmaxnreg took effect (both USETMAXREG, registers above the launch
+    count used after the .inc), the key loop free of copies, its only barriers the ping-pong's named
+    ones around the S batch, the producer loop (the
+    smallest loop holding UTMALDG) issuing one tile's boxes per visit and waiting on mbarriers."""
+    problems = []
+    ops = {i.opcode for i in body}
+    for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
+        if op not in ops:
+            problems.append("%s: no %s" % (name, op))
+    # no copies; the only barriers the ping-pong's named ones: BAR.SYNC (our turn) before the S HGMMAs,
+    # BAR.ARV (the other warpgroup's turn) after the last S HGMMA and before the wait for them
+    in_loop = [i for i in body if loop.start <= i.address <= loop.end]
+    bars = [i for i in in_loop if i.base == "BAR"]
+    ss = [i for i in in_loop if i.base == "HGMMA" and not i.operands.split(",")[1].strip().startswith("R")]
+    waits = [i for i in in_loop if i.opcode.startswith("WARPGROUP.DEPBAR") and ss and i.address > ss[-1].address]
+    if (loop.stats.ldgsts or [b.opcode.split(".")[1] for b in bars] != ["SYNC", "ARV"] or not waits
+            or not bars[0].address < ss[0].address or not ss[-1].address < bars[1].address < waits[0].address):
+        problems.append("%s: %d LDGSTS, barriers %s in the key loop" % (name, loop.stats.ldgsts,
+                                                                        [b.opcode for b in bars]))
+    tma = [i for i in body if i.base == "UTMALDG"]
+    lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
+    if not lps:
+        return problems + ["%s: no producer loop" % name], ""
+    producer = min(lps, key=lambda lp: lp.stats.instructions)
+    boxes = sum(1 for i in tma if producer.start <= i.address <= producer.end)
+    if boxes != (t.head_dim + t.head_dim_v) // 64:
+        problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes,
+                                                                             (t.head_dim + t.head_dim_v) // 64))
+    regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1
+    # Registers used anywhere (the consumers' code after setmaxnreg.inc): within the raised count; at
+    # d = 256 (O alone 128 per thread) above the 168 of the launch, i.e. the .inc is what makes it fit.
+    if regs > S.CONSUMER_REGS or (t.head_dim_v == 256 and regs <= 168):
+        problems.append("%s: registers up to R%d (launch 168, setmaxnreg.inc %d)" % (name, regs - 1, S.CONSUMER_REGS))
+    return problems, "  producer loop %d instr (%d UTMALDG), consumer registers up to %d" % (
+        producer.stats.instructions, boxes, regs)
+
+
+def sass_registers(operands):
+    return re.findall(r"\bR\d+\b", operands)
 
 
 def hgmma_in(body, loop):
@@ -58,7 +106,9 @@ def _check(dtypes, head_dims):
         if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
             problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
                                                                          k.stack_frame, k.static_smem))
-        if k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1:
+        # the warp-specialized kernel: the launch count fits 384 threads; after setmaxnreg 24 + 2 x 240 per slot
+        if (k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1 or
+                t.tma and S.PRODUCER_REGS + 2 * S.CONSUMER_REGS > REGISTER_FILE // 128):
             problems.append("%s: %d regs x %d threads, %d bytes smem" % (name, k.registers, t.n_threads, t.smem))
         if fns is not None:
             body = fns[k.lowered_name]
@@ -75,6 +125,10 @@ def _check(dtypes, head_dims):
                 line += "  key loop %d instr, %d HGMMA (%d SS + %d RS), %d BAR, %d LDGSTS, %d MUFU" % (
                     loop.stats.instructions, len(in_loop), len(in_loop) - len(rs), len(rs), loop.stats.bar,
                     loop.stats.ldgsts, loop.stats.mufu)
+                if t.tma:
+                    more, text = ws_checks(name, t, body, loop)
+                    problems += more
+                    line += text
         rows.append(line)
     print("\n".join(rows))
     assert not problems, "\n".join(problems)

@@ -132,6 +132,8 @@ class ForwardPlan:
             rows = q_k.shape[-2]
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
             packed_causal = bool(causal)
+        if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
+            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v))
         n_blocks = -(-rows // tile.block_m)
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
@@ -179,6 +181,10 @@ class ForwardPlan:
         entries = L.stand_in((batch[0],) + (1,) * (len(batch) - 1), np.int32, (4,) + (0,) * (len(batch) - 1))
         ext_tensors = [] if self.ext is None else self.ext.stand_ins
         for part in L.batch_layout(batch, list(tensors) + [entries] + ext_tensors):
+            if getattr(tile, "tma", False):  # tensor maps for q, k, v (cuda_forward_sm90.add_tma_launch)
+                sm90.add_tma_launch(self.launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv,
+                                    scale_log2, grid_x)
+                continue
             (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors[:6]
             gy, gz = part.grid_yz
             args = (L.Ptr(keys[0], qo), L.Ptr(keys[1], ko), L.Ptr(keys[2], vo), L.Ptr(keys[3], oo),

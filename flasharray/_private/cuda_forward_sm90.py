@@ -5,15 +5,27 @@ yet, so sm_90 calls keep the mma.sync forward by default), and only for what the
 sm_90, float16 / bfloat16, head dims 1..256, no extensions, no IO tile (``block_m``), no split-KV,
 no KV cache. Asking for ``kernel="wgmma"`` anywhere else is a NotImplementedError naming the reason.
 
+Two instantiations: where q, k and v are TMA-legal (:func:`tma_legal`: 16-byte aligned, strides
+multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-specialized kernel
+``flash_fwd_sm90_ws_kernel`` (a producer warpgroup issuing TMA into a ring on mbarriers, ``setmaxnreg``
+24 / 240, 384 threads; :func:`tma_tile`), its three tensor maps by-value ``CUtensorMap`` arguments
+(:class:`launch.Map`) whose geometry is checked once per plan and whose address is encoded per call
+(:class:`tensor_map.TiledTemplate`); otherwise the cp.async kernel ``flash_fwd_sm90_kernel``.
+
 Head dims are padded to 64, 128 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma,
 which the GPU takes as 64, 128 or 256) and zero-filled past D / Dv. Tiles: two consumer warpgroups
 (Br = 128, 256 threads); Bc = 128 for head dims up to 128 (S and O accumulators 64 + 64 registers),
 Bc = 64 at 256 (O takes 128 registers). Shared memory: Q, two K stages and two V stages, each
 128B-swizzled, plus 1 KB for aligning the dynamic base to the swizzle repeat on the GPU.
 """
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
+from . import launch as L
 from . import tiles
+from .tensor_map import TiledTemplate
 
 SOURCE = "flash_fwd_sm90.cu"
 KERNEL = "wgmma"
@@ -37,22 +49,37 @@ def smem_bytes(d, dv, block_m, block_n):
     return max(loop, epilogue) + _ALIGN
 
 
+def ws_smem_bytes(d, dv, block_m, block_n):
+    """Mirror of Sm90WsTraits::kSmemBytes: the layout above, then 1 + 3 x STAGES mbarriers (8 bytes)."""
+    body = smem_bytes(d, dv, block_m, block_n) - _ALIGN
+    return (body + 7) // 8 * 8 + 8 * (1 + 3 * STAGES) + _ALIGN
+
+
 @dataclass(frozen=True)
 class Sm90Tile(tiles.FwdTile):
-    """A :class:`tiles.FwdTile` of the wgmma kernel (kernel ``"wgmma"``; threads_m = warps)."""
+    """A :class:`tiles.FwdTile` of the wgmma kernel (kernel ``"wgmma"``; threads_m = warps). ``tma``:
+    the warp-specialized instantiation (``flash_fwd_sm90_ws_kernel``: a producer warpgroup issuing TMA,
+    tensor maps per call), else the cp.async one (``flash_fwd_sm90_kernel``)."""
+
+    tma: bool = False
 
     @property
     def source(self):
         return SOURCE
 
     def name_expression(self, causal, aligned):
+        if self.tma:
+            return "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s>" % (
+                tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
+                "true" if causal else "false")
         return "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
             tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
             "true" if causal else "false", "true" if aligned else "false")
 
     def describe(self):
-        return ("wgmma kernel (sm_90a), Br=%d Bc=%d, %d threads (%d warpgroups), %d-stage K/V, d=%d dv=%d, "
+        return ("wgmma kernel (sm_90a%s), Br=%d Bc=%d, %d threads (%d warpgroups), %d-stage K/V, d=%d dv=%d, "
                 "%.1f KB smem (opt-in): %s" % (
+                    ", TMA + warp-specialized" if self.tma else "",
                     self.block_m, self.block_n, self.n_threads, self.n_threads // 128, self.stages,
                     self.head_dim, self.head_dim_v, self.smem / tiles.KB, self.reason))
 
@@ -89,3 +116,85 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
               % (bc, "S and O accumulators 64 + %d registers" % (dv // 2) if bc == 128
                  else "the O accumulator takes %d registers" % (dv // 2)))
     return Sm90Tile(KERNEL, name, d, dv, BLOCK_M, bc, BLOCK_M // 16, 32, smem, reason, STAGES)
+
+
+# ---- the TMA / warp-specialized instantiation (flash_fwd_sm90_ws_kernel) ---------------------------------
+
+#: Whether ``kernel="wgmma"`` takes the TMA kernel where the layout allows it (tests turn it off to run
+#: the cp.async kernel on the same inputs).
+USE_TMA = True
+PRODUCER_WARPGROUPS = 1
+PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
+_MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
+_PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
+
+
+def tma_legal(arrays):
+    """Why the tensors (the kernel's q, k, v: leading batch dims, then rows, head dim) cannot be read by
+    TMA, or None: 16-byte aligned addresses (the plan's ``aligned``), unit stride along the head dim,
+    every other stride of an extent above 1 a multiple of 16 bytes below 2^40 (rank 5 by construction:
+    head dim, rows and the three merged batch dims)."""
+    for name, a in zip("qkv", arrays):
+        if L.device_address(a) % 16:
+            return "%s is not 16-byte aligned" % name
+        if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+            return "%s's head dim is not contiguous" % name
+        for n, s in zip(a.shape[:-1], a.strides[:-1]):
+            if n > 1 and (s < 0 or s % 16 or s >= _MAX_STRIDE):
+                return "%s has a stride of %d bytes (TMA: multiples of 16 below 2^40)" % (name, s)
+    return None
+
+
+def tma_tile(tile, arrays):
+    """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
+    :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts)."""
+    if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
+        return tile
+    warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
+    reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
+              "K/V in a %d-stage ring on mbarriers, 128B-swizzled" % (PRODUCER_REGS, CONSUMER_REGS, tile.block_n,
+                                                                     STAGES))
+    return dataclasses.replace(tile, tma=True, threads_m=warps,
+                               smem=ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n),
+                               reason=reason)
+
+
+def _map_geometry(n_cols, rows, batch_strides, row_stride, itemsize, dims):
+    """A rank-5 tensor map template over (head dim, rows, b2, b1, b0) and the broadcast bits of the
+    batch dims (stride 0 with an extent above 1: the map gets extent 1, the kernel coordinate 0)."""
+    nb0, nb1, nb2 = dims
+    s_b0, s_b1, s_b2 = batch_strides
+    extents, strides, bcast = [int(n_cols), int(rows)], [int(row_stride) * itemsize], 0
+    for i, (n, s) in enumerate(((nb2, s_b2), (nb1, s_b1), (nb0, s_b0))):
+        if s == 0:
+            bcast |= (n > 1) << i
+            n = 1
+        extents.append(int(n))
+        strides.append(int(s) * itemsize)
+    # an extent-1 dimension is never stepped: any legal stride describes it
+    strides = [s if n > 1 else 16 for n, s in zip(extents[1:], strides)]
+    return extents, strides, bcast
+
+
+def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
+    """Record one launch of ``flash_fwd_sm90_ws_kernel`` for a :func:`launch.batch_layout` part: out and
+    lse as :class:`launch.Ptr` slots, q, k, v as :class:`launch.Map` slots (the geometry and its checks
+    made here, once; the address encoded per call)."""
+    (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
+    row = [L.element_strides(a)[-2] for a in tensors[:4]]
+    itemsize = np.dtype(tensors[0].dtype).itemsize
+    maps, bcast = [], 0
+    for t, (key, off, st, n_cols, rows, box_rows, r) in enumerate((
+            (keys[0], qo, qs, D, Lq, tile.block_m, row[0]),
+            (keys[1], ko, ks, D, Lk, tile.block_n, row[1]),
+            (keys[2], vo, vs, Dv, Lk, tile.block_n, row[2]))):
+        extents, strides, bits = _map_geometry(n_cols, rows, st, r, itemsize, part.dims)
+        template = TiledTemplate(tensors[0].dtype, extents, strides, (_PANEL, box_rows, 1, 1, 1), swizzle=128)
+        maps.append(L.Map(key, off, template))
+        bcast |= bits << (3 * t)
+    gy, gz = part.grid_yz
+    args = (L.Ptr(keys[3], oo), L.Ptr(keys[4], lo), L.c_int(Lq), L.c_int(Lk), L.c_int(Dv), L.c_int(part.dims[2]),
+            *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
+            scale_log2, L.c_int(bcast), *maps)
+    plan_launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz), (tile.n_threads, 1, 1), args,
+                                    shared_mem=tile.smem))

@@ -20,8 +20,10 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
 ``make_launcher(device, **opts) -> Launcher`` (one per device / emulator settings, per process)
     ``launcher.launch(source_name, name_expr, grid, block, args, shared_mem=0)`` → counters
     (a dict, emulator) or None (CUDA). ``launcher.arch`` is the compute capability as an int.
-``Recorded(launcher, source, name_expr, grid, block, args, shared_mem)``, ``Ptr(key, offset)``
-    a launch prepared once (plans): array arguments are ``Ptr`` slots bound per call.
+``Recorded(launcher, source, name_expr, grid, block, args, shared_mem)``, ``Ptr(key, offset)``,
+``Map(key, offset, template)``
+    a launch prepared once (plans): array arguments are ``Ptr`` slots bound per call; ``Map`` slots
+    are by-value ``CUtensorMap`` arguments (TMA) encoded per call from the array's address.
 ``Replay(launcher, recorded, keys)``
     several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
     call (``launcher.pointers``) and every argument tuple gathered in one step.
@@ -192,6 +194,11 @@ class Launcher:
         """A new output array on this launcher's device (``xp.empty``: CuPy's are 256-byte aligned)."""
         return self.xp().empty(shape, dtype=dtype)
 
+    def tensor_map(self, h, offset, template):
+        """The by-value ``CUtensorMap`` argument of a :class:`Map` slot: ``template``
+        (:class:`tensor_map.TiledTemplate`) at element ``offset`` of the array whose handle is ``h``."""
+        raise NotImplementedError
+
     def pointers(self, handles, slots):
         """``[pointer(handles[i], offset) for i, offset in slots]``: every array argument of a
         :class:`Replay`, bound at once."""
@@ -293,6 +300,10 @@ class CupyLauncher(Launcher):
     def handle(self, a):
         return device_address(a), a.itemsize
 
+    def tensor_map(self, h, offset, template):
+        # the driver's encoding (cuTensorMapEncodeTiled), 128 bytes passed by value
+        return template.driver_arg(h[0] + offset * h[1])
+
     def pointer(self, h, offset=0):
         # A device pointer passed by value: 8 bytes, what a ``T*`` kernel parameter holds.
         # ``h``: the handle of an array (address of element 0, itemsize).
@@ -354,6 +365,10 @@ class EmulatorLauncher(Launcher):
         # The emulator checks every access: it gets the exact span the kernel may reach.
         return flat_view(a, offset)
 
+    def tensor_map(self, a, offset, template):
+        # the emulator's encoding over the exact span (it checks every TMA access against it)
+        return template.emulator_map(flat_view(a, offset))
+
     def empty(self, shape, dtype):
         """256-byte aligned as CuPy's (:func:`empty`): the emulator's sector counts are the GPU's."""
         return empty(np, shape, dtype)
@@ -396,6 +411,10 @@ class NullLauncher(EmulatorLauncher):
 
     pointer = CupyLauncher.pointer
     pointers = CupyLauncher.pointers
+
+    def tensor_map(self, h, offset, template):
+        # the emulator's words at the CUDA path's address: the per-call encoding work without a driver
+        return template.emulator_arg(h[0] + offset * h[1])
 
 
 _launchers = {}
@@ -466,12 +485,30 @@ class Ptr:
         return "Ptr(%r, %d)" % (self.key, self.offset)
 
 
+class Map:
+    """Placeholder for a by-value ``const __grid_constant__ CUtensorMap`` argument of a
+    :class:`Recorded` launch: ``template`` (:class:`tensor_map.TiledTemplate`, the geometry fixed at
+    planning) encoded per call at ``arrays[key]``, ``offset`` elements past its element 0
+    (``launcher.tensor_map``: the driver's encoding on CUDA, the emulator's over the exact span)."""
+
+    __slots__ = ("key", "offset", "template")
+
+    def __init__(self, key, offset, template):
+        self.key = key
+        self.offset = int(offset)
+        self.template = template
+
+    def __repr__(self):
+        return "Map(%r, %d, box=%r)" % (self.key, self.offset, self.template.box_dim)
+
+
 class Recorded:
     """One kernel launch prepared once: the function resolved, grid/block fixed, every scalar
     argument built; only the :class:`Ptr` slots are bound per call (``pointer(handles[key],
-    offset)``, the handles from ``launcher.handle`` once per array and call)."""
+    offset)``, the handles from ``launcher.handle`` once per array and call), and the :class:`Map`
+    slots, if any (``launcher.tensor_map(handles[key], offset, template)``)."""
 
-    __slots__ = ("name", "call", "grid", "block", "template", "slots")
+    __slots__ = ("name", "call", "grid", "block", "template", "slots", "maps", "tensor_map")
 
     def __init__(self, launcher, source_name, name_expr, grid, block, args, shared_mem=0):
         self.name = name_expr
@@ -480,11 +517,16 @@ class Recorded:
         self.block = tuple(int(x) for x in block) if isinstance(block, tuple) else (int(block), 1, 1)
         self.template = list(args)
         self.slots = tuple((i, a.key, a.offset) for i, a in enumerate(args) if isinstance(a, Ptr))
+        self.maps = tuple((i, a.key, a.offset, a.template) for i, a in enumerate(args) if isinstance(a, Map))
+        self.tensor_map = launcher.tensor_map if self.maps else None
 
     def __call__(self, pointer, arrays):
         args = self.template.copy()
         for i, key, offset in self.slots:
             args[i] = pointer(arrays[key], offset)
+        if self.maps:
+            for i, key, offset, template in self.maps:
+                args[i] = self.tensor_map(arrays[key], offset, template)
         return self.call(self.grid, self.block, tuple(args))
 
 
@@ -500,6 +542,8 @@ class Replay:
     def __init__(self, launcher, recorded, keys):
         index = {key: i for i, key in enumerate(keys)}
         slots, consts, gathers = {}, [], []
+        if any(getattr(rec, "maps", ()) for rec in recorded):
+            raise NotImplementedError("launch.Replay: tensor-map (Map) arguments are bound by Recorded only")
         for rec in recorded:
             where = []
             for a in rec.template:

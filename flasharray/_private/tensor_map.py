@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TensorMap", "encode_tiled", "aligned_words", "DATA_TYPES"]
+__all__ = ["TensorMap", "TiledTemplate", "encode_tiled", "aligned_words", "DATA_TYPES"]
 
 # CUtensorMapDataType by NumPy dtype name (the copies are bitwise: int8/int16 travel as UINT8/UINT16).
 DATA_TYPES = {"uint8": 0, "int8": 0, "uint16": 1, "int16": 1, "uint32": 2, "int32": 3, "uint64": 4, "int64": 5,
@@ -204,3 +204,67 @@ def _driver_encode(dtype_code, rank, address, global_dim, global_strides, box_di
     if rc != 0:
         raise RuntimeError("cuTensorMapEncodeTiled failed with CUresult %d" % rc)
     return words
+
+
+class TiledTemplate:
+    """A tiled tensor map whose geometry is fixed and whose global address changes per call (plans).
+
+    The arguments are checked once here (with the rules of :func:`encode_tiled`, at a 16-byte aligned
+    stand-in address), and the driver's argument arrays built once; :meth:`driver_arg` then encodes the
+    map for one address (one ``cuTensorMapEncodeTiled`` call), :meth:`emulator_arg` fills the emulator's
+    words (no driver: host-overhead measurements), :meth:`emulator_map` encodes over a NumPy view (the
+    emulator checks every access against it). Arguments as :func:`encode_tiled`'s, for ``dtype``.
+    """
+
+    __slots__ = ("dtype", "global_dim", "global_strides", "box_dim", "swizzle", "_words", "_driver_args")
+
+    def __init__(self, dtype, global_dim, global_strides, box_dim, swizzle=0):
+        dtype = np.dtype(dtype)
+        if dtype.name not in DATA_TYPES:
+            raise ValueError("dtype %s has no tensor-map data type" % dtype)
+        self.dtype = dtype
+        self.global_dim = tuple(int(d) for d in global_dim)
+        self.global_strides = tuple(int(s) for s in global_strides)
+        self.box_dim = tuple(int(b) for b in box_dim)
+        self.swizzle = int(swizzle)
+        rank = len(self.global_dim)
+        ones = (1,) * rank
+        _check(rank, dtype.itemsize, 0, self.global_dim, self.global_strides, self.box_dim, ones, 0, self.swizzle, 0, 0)
+        self._words = _emulator_words(rank, dtype.itemsize, DATA_TYPES[dtype.name], 0, self.global_dim,
+                                      self.global_strides, self.box_dim, ones, self.swizzle, 0, 0)
+        self._driver_args = None
+
+    def emulator_map(self, view):
+        """The emulator's :class:`TensorMap` over the NumPy array ``view`` (its element 0 the address)."""
+        return encode_tiled(view, self.box_dim, global_dim=self.global_dim, global_strides=self.global_strides,
+                            swizzle=self.swizzle)
+
+    def emulator_arg(self, address):
+        """The emulator's 128 bytes for ``address``, as a by-value argument (``numpy.void``)."""
+        words = self._words.copy()
+        words[1] = address
+        return words.view(np.dtype((np.void, 128)))[0]
+
+    def driver_arg(self, address):
+        """The driver's encoding for ``address`` (16-byte aligned), as a by-value argument (``numpy.void``)."""
+        if address % 16:
+            raise ValueError("global address 0x%x is not 16-byte aligned" % address)
+        if self._driver_args is None:
+            rank = len(self.global_dim)
+            u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+            self._driver_args = (
+                ctypes.c_int(DATA_TYPES[self.dtype.name]), u32(rank), (u64 * rank)(*self.global_dim),
+                (u64 * max(1, rank - 1))(*self.global_strides), (u32 * rank)(*self.box_dim), (u32 * rank)(*(1,) * rank),
+                _SWIZZLE_ENUM[self.swizzle])
+        dtype_code, rank, dims, strides, box, elems, swizzle_enum = self._driver_args
+        global _libcuda
+        if _libcuda is None:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+            _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        words = aligned_words()
+        rc = _libcuda.cuTensorMapEncodeTiled(ctypes.c_void_p(words.ctypes.data), dtype_code, rank,
+                                             ctypes.c_void_p(address), dims, strides, box, elems, ctypes.c_int(0),
+                                             ctypes.c_int(swizzle_enum), ctypes.c_int(0), ctypes.c_int(0))
+        if rc != 0:
+            raise RuntimeError("cuTensorMapEncodeTiled failed with CUresult %d" % rc)
+        return words.view(np.dtype((np.void, 128)))[0]
