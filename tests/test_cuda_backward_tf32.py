@@ -389,8 +389,9 @@ def test_tiles_and_fallbacks():
     assert T.backward_tile(None, np.float32, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float16, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float32, 160, 64, 80) is None
-    # extensions: the same tile (the kernel's kExt)
-    assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True) == T.backward_tile("3xtf32", np.float32, 64, 64, 80)
+    # extensions: half the Br up to d = 64 (registers), else the same tile
+    assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True).block_m == 16
+    assert T.backward_tile("tf32", np.float32, 128, 128, 80, ext=True) == T.backward_tile("tf32", np.float32, 128, 128, 80)
     with pytest.raises(NotImplementedError, match="sm_75"):
         T.backward_tile("tf32", np.float32, 64, 64, 75)
     for arch in (80, 86, 89, 90):

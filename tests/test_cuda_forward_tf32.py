@@ -347,19 +347,20 @@ def check_ext(precision, D, Lq, Lk, causal, features, *, batch=(2, 2), gqa=False
     return out, lse
 
 
-# (D, Lq, Lk, causal, features, options): each feature at least once, pairs, all six together;
+# (D, Lq, Lk, causal, features, options): each feature at least once, pairs, five together (a window
+# with a block mask runs the SIMT kernel: test_tf32_window_with_block_mask_runs_simt);
 # Lq != Lk both ways, lengths off the tiles, D = 59 (element-wise copies), BSHD views, GQA.
 EXT_CASES = [
     (64, 70, 133, False, ("window",), {}),
     (59, 133, 70, True, ("softcap", "seqlens"), {"layout": "bshd"}),
     (32, 70, 133, True, ("alibi", "dropout"), {"gqa": True}),
-    (64, 70, 133, False, ("block_mask",), {}),
-    (64, 70, 133, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
+    (64, 70, 133, False, ("block_mask", "dropout", "seqlens", "softcap", "alibi"), {}),
+    (64, 70, 133, True, ("window", "alibi", "softcap", "dropout", "seqlens"), {}),
 ]
 EXT_FULL = [(D, Lq, Lk, c, (f,) if isinstance(f, str) else f, {})
             for D in (16, 40, 64, 128) for Lq, Lk in ((17, 130), (130, 65)) for c in (False, True)
             for f in ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens",
-                      ("window", "block_mask", "dropout"), ("softcap", "alibi", "seqlens"))]
+                      ("window", "dropout", "seqlens"), ("block_mask", "dropout"), ("softcap", "alibi", "seqlens"))]
 
 
 def _ext_id(c):
@@ -399,14 +400,15 @@ def test_tf32_dropout_keep_mask_is_philox_and_simt(precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_tf32_fully_masked_rows(precision):
-    """Rows that see no key (window (0, 0) above the diagonal with Lq > Lk; seqlens_q = 0; an all-False
-    block row) are out 0, lse −inf; no NaN anywhere."""
+    """Rows that see no key (seqlens_q = 0; an all-False block row) are out 0, lse −inf; no NaN
+    anywhere."""
     batch, Lq, Lk = (2, 2), 50, 20
     q, k, v = ext.make_inputs(np.float32, 32, Lq, Lk, batch=batch)
     bm = np.ones(batch + (4, 2), bool)
     bm[..., 2, :] = False
-    kw = dict(window=(0, 0), seqlens_q=np.array([0, 41], np.int32), seqlens_k=np.array([20, 11], np.int32),
+    kw = dict(seqlens_q=np.array([0, 41], np.int32), seqlens_k=np.array([20, 11], np.int32),
               block_mask=bm, block_size=(16, 16))
+    assert tf32_plan(q, k, v, True, precision, ext=Extensions(**kw)).tile.kernel == "tf32"
     out, lse, scale = ext.run("emulator", q, k, v, True, kw, precision=precision)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
@@ -415,6 +417,15 @@ def test_tf32_fully_masked_rows(precision):
         ext.check_close(out, lse, q, k, v, True, scale, kw)
     else:
         assert_tf32_ext_close(out, lse, q, k, v, True, scale, kw)
+
+
+def test_tf32_window_with_block_mask_runs_simt():
+    """A window together with a block mask: the SIMT kernel (those TF32 instantiations spill)."""
+    q, k, v = ext.make_inputs(np.float32, 32, 40, 70, batch=(2, 2))
+    kw = ext.ext_kw(("window", "block_mask"), (2, 2), 40, 70, np.float32)
+    assert tf32_plan(q, k, v, False, "3xtf32", ext=Extensions(**kw)).tile.kernel == "simt"
+    out, lse, scale = ext.run("emulator", q, k, v, False, kw, precision="3xtf32")
+    ext.check_close(out, lse, q, k, v, False, scale, kw)
 
 
 def test_tf32_extension_tiles_never_loaded():

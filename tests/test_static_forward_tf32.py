@@ -7,8 +7,9 @@ the HMMA.1688.F32.TF32 instructions of one key tile (kPrec per product: 1 tf32, 
 other HMMA; sm_75 is refused at compile time (fa::mma_m16n8k8_tf32 needs sm_80+) and by the host.
 
 Default: d = dv in {64, 128} (3xtf32 on sm_80/90: Q split at 64, raw at 128), both precisions,
-(non-causal, cp.async) and (causal, element-wise loads); ``-m slow``: every padded head dim
-16..128 x causal x aligned.
+(non-causal, cp.async) and (causal, element-wise loads); the extension instantiations (kExt in
+``EXT_SETS``) at d 64 / 128, causal, cp.async. ``-m slow``: every padded head dim 16..128 x causal
+x aligned, dense and with ``EXT_SETS``.
 """
 import numpy as np
 import pytest
@@ -26,13 +27,19 @@ REGISTER_FILE = 64 * 1024
 ALL_FLAGS = [(c, a) for c in (False, True) for a in (False, True)]
 
 
-def instantiations(arch, head_dims, flags):
+#: kExt sets of the extension instantiations checked (cuda_forward.EXT_BITS): all but the block
+#: mask, all but the window (the two never together: T.SPILLING_EXT), dropout, window, block mask.
+EXT_SETS = (63 & ~8, 63 & ~1, 16, 1, 8)
+
+
+def instantiations(arch, head_dims, flags, exts=(0,)):
     found = {}
     for precision in T.PREC:
         for d in head_dims:
-            t = T.forward_tile(precision, np.float32, d, d, arch)
+            t = T.forward_tile(precision, np.float32, d, d, arch, ext=any(exts))
             for causal, aligned in flags:
-                found[t.name_expression(causal, aligned)] = t
+                for e in exts:
+                    found[t.name_expression(causal, aligned, e)] = t
     return found
 
 
@@ -41,8 +48,8 @@ def expected_hmma(t):
     return (t.head_dim // 8 * t.block_n // 8 + t.block_n // 8 * t.head_dim_v // 8) * T.PREC[t.precision]
 
 
-def _check(arch, head_dims, flags=ALL_FLAGS):
-    found = instantiations(arch, head_dims, flags)
+def _check(arch, head_dims, flags=ALL_FLAGS, exts=(0,)):
+    found = instantiations(arch, head_dims, flags, exts)
     res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
                               options=["--use_fast_math"])
     fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
@@ -73,6 +80,19 @@ def _check(arch, head_dims, flags=ALL_FLAGS):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tf32_forward_compiles(arch):
     _check(arch, (64, 128), [(False, True), (True, False)])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_forward_ext_compiles(arch):
+    """The kExt instantiations (every extension; docs/precision.md has the figures): zero spills,
+    the same HMMA per key tile."""
+    _check(arch, (64, 128), [(True, True)], exts=EXT_SETS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_forward_ext_compiles_all_head_dims(arch):
+    _check(arch, (16, 32, 48, 64, 80, 96, 112, 128), ALL_FLAGS, exts=EXT_SETS)
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ class Tf32BwdTiles(BwdTiles):
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
     (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128). ``ext``: the call
-    has extensions (the same tile: zero spills measured with them, tests/test_static_backward_tf32.py).
+    has extensions (max(d, dv) <= 64: half the Br, else the same tile; tests/test_static_backward_tf32.py).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -98,6 +98,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
     br = block_m(precision, d, dv)
+    if ext and max(d, dv) <= 64:
+        br //= 2  # extensions (dropout's keep bits, the mask state) spilled 4-84 bytes at Br 64 / 32 on sm_80
     best = None
     for lo in ((True, False) if precision == "3xtf32" else (True,)):  # lo planes whenever they fit
         for bc in (64, 32, 16):

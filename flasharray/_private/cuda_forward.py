@@ -98,7 +98,8 @@ class ForwardPlan:
                                       % (block_m, ", ".join(self.ext.features)))
         # precision "tf32" / "3xtf32": the TF32 tensor-core kernel where it applies, else SIMT.
         # float64 (precision None / "ieee"): the DMMA kernel on sm_80+ where it applies, else SIMT.
-        tc = dict(kernel=kernel, block_m=block_m, ext=self.ext is not None, num_splits=num_splits, kv=kv)
+        tc = dict(kernel=kernel, block_m=block_m, ext=0 if self.ext is None else self.ext.bits, num_splits=num_splits,
+                  kv=kv)
         # kernel="wgmma": the Hopper forward (opt-in; NotImplementedError where it cannot run).
         self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, **tc) or \
             tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \

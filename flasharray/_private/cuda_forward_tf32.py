@@ -9,7 +9,9 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 * no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
 
 Extensions (docs/extensions.md: dropout, block mask, window, ALiBi, softcap, seqlens) run on the
-same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``).
+same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``), except a
+window together with a block mask (:data:`SPILLING_EXT`: those instantiations spill 8-196 bytes on
+sm_80 at d 64 / 128; the SIMT kernel runs them).
 
 Every tile is 4 warps × one 16-row slab (Br = 64). Shared memory (fp32, rows padded by 4 floats):
 Q_i (Br × d: tf32 in place; 3xtf32 raw, or split into hi/lo planes when ``q_split``), K_j and V_j
@@ -38,6 +40,8 @@ _PAD = 4  # floats per shared-memory row
 #: Shared memory per SM in KB and reserved per block (sass.ARCH_LIMITS; unknown arch: its block limit).
 _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
+#: kExt bits whose combination the TF32 forward does not take (window | block mask: spills).
+SPILLING_EXT = 1 | 8
 
 
 def smem_bytes(d, dv, block_m, block_n, precision, q_split=False):
@@ -77,12 +81,14 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
     SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, forced kernel, IO tile,
-    split-KV or KV cache). ``ext``: the call has extensions (the same tile; the kernel's kExt).
+    split-KV or KV cache, a window with a block mask). ``ext``: the call's kExt bits (the same tile).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
     check_precision_arch(precision, tiles.arch_number(arch))
     if kernel is not None or block_m is not None or num_splits not in (None, 1) or kv is not None:
+        return None
+    if int(ext) & SPILLING_EXT == SPILLING_EXT:
         return None
     d, dv = tiles.pad_head_dim(head_dim), tiles.pad_head_dim(head_dim_v)
     if max(d, dv) > MAX_HEAD_DIM:
