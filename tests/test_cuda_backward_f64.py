@@ -432,8 +432,9 @@ def test_tile_table():
                 assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages)
                 # two buffers exactly where they fit without costing resident warps
                 one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s) for s in (1, 2))
-                assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps)
-                                           >= F.resident_warps(arch, one, warps))
+                cap = F.register_warps(t.block_m, t.block_n, warps)
+                assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps, cap)
+                                           >= F.resident_warps(arch, one, warps, cap))
         assert F.backward_tile("ieee", np.float64, 64, 64, arch) == F.backward_tile(None, np.float64, 64, 64, arch)
         for bad in [dict(D=129, Dv=64), dict(D=64, Dv=130)]:
             assert F.backward_tile(None, np.float64, bad["D"], bad["Dv"], arch) is None
@@ -443,7 +444,7 @@ def test_tile_table():
     assert F.backward_tile(None, np.float64, 64, 64, 75) is None
     assert F.backward_tile(None, np.float64, 128, 128, 86).n_threads == 64  # 99 KB per block
     assert F.dkv_name(F.backward_tile(None, np.float64, 40, 24, 80), None, 48, 32, True, False, True) == \
-        "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true, 2>"
+        "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true, 1>"
     # sm_80: d = dv = 128 keeps one buffer (two would exceed 163 KB), d = dv = 32 too (two would cost
     # the second block: 8 -> 4 warps); sm_90 double-buffers both.
     assert [F.backward_tile(None, np.float64, d, d, 80).stages for d in (16, 32, 64, 128)] == [2, 1, 2, 1]

@@ -46,11 +46,20 @@ def smem_bytes(d, dv, block_m, block_n, warps, stages=1):
             + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0))
 
 
-def resident_warps(arch, smem, warps):
-    """Warps per SM the shared memory leaves (capped by the register file), by the TF32 backward's
-    rule (:mod:`cuda_backward_tf32`: the same per-SM shared memory, reserve and cap)."""
+def register_warps(block_m, block_n, warps):
+    """Warps per SM the register file holds, the cap of :func:`resident_warps`: the TF32 backward's
+    8 (169-255 registers per thread), 12 for the Br = 32, kMT = 1 tiles (d, dv <= 64, d + dv <= 96),
+    where ptxas fits some instantiations in 156-168 registers (d = dv = 48 with cp.async copies on
+    sm_90: 12 warps). tests/test_static_backward_f64.py checks the resulting choice against the
+    occupancy at the measured registers."""
+    return 12 if block_m == 32 and block_n == 8 * warps else _MAX_WARPS_PER_SM
+
+
+def resident_warps(arch, smem, warps, cap=_MAX_WARPS_PER_SM):
+    """Warps per SM the shared memory leaves (at most ``cap``: the register file), by the TF32
+    backward's rule (:mod:`cuda_backward_tf32`: the same per-SM shared memory and reserve)."""
     per_sm = _SM_SMEM_KB.get(arch, tiles.smem_limit(arch) // tiles.KB + 1) * tiles.KB
-    return min(_MAX_WARPS_PER_SM, warps * (per_sm // (smem + _RESERVED)))
+    return min(cap, warps * (per_sm // (smem + _RESERVED)))
 
 
 def stages_for(d, dv, block_m, block_n, warps, arch):
@@ -58,8 +67,9 @@ def stages_for(d, dv, block_m, block_n, warps, arch):
     visit's products) where the second buffer fits and costs no resident warps, else 1."""
     one = smem_bytes(d, dv, block_m, block_n, warps)
     two = smem_bytes(d, dv, block_m, block_n, warps, 2)
-    return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps) >= resident_warps(
-        arch, one, warps) else 1
+    cap = register_warps(block_m, block_n, warps)
+    return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps, cap) >= resident_warps(
+        arch, one, warps, cap) else 1
 
 
 def _candidates(d, dv):
@@ -93,7 +103,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
                       "the first tile of the register table whose shared memory fits the sm_%d limit %d B; "
                       "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)"
                       % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps)
-                         else "", a, limit, stages, smem, resident_warps(a, smem, warps)))
+                         else "", a, limit, stages, smem, resident_warps(a, smem, warps,
+                                                                         register_warps(br, bc, warps))))
             return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, stages)
     return None
 
