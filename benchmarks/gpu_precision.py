@@ -18,6 +18,7 @@ finite (no derived gradient bound yet: the rows say so).
 
 After the table, issue 12's goals from the measured rows, per shape:
   float32 default precision, fwd+bwd / torch-mem-eff fwd+bwd    goal >= 2
+  float32 default (3xtf32) fwd+bwd / ieee fwd+bwd               the default's premise: > 1
   tf32 fwd+bwd TFLOP/s                                          goal >= 150 (H100, D 128, N >= 4k)
   float64 fwd+bwd, % of the GPU's FP64 tensor-core peak         goal >= 40 (N >= 4k)
   ieee float32 backward TFLOP/s / its forward's                 goal >= 0.8
@@ -42,15 +43,15 @@ from gpu import Impl  # noqa: E402
 from flasharray import reference  # noqa: E402
 from flasharray._private import cuda_backward, cuda_forward  # noqa: E402
 from flasharray._private.dtypes import ATOL  # noqa: E402
-from flasharray._private.precision import tf32_error_bound  # noqa: E402
+from flasharray._private.precision import FLOAT32_TC_DEFAULT, tf32_error_bound  # noqa: E402
 from flasharray.testing import Check, AttentionReport, check_attention  # noqa: E402
 
 DTYPES = {"fp32": np.float32, "fp64": np.float64}
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 PRECISIONS = ("ieee", "3xtf32", "tf32")
 TF32 = ("3xtf32", "tf32")
-#: float32's default precision (precision=None): docs/precision.md
-DEFAULT_FP32 = "ieee"
+#: float32's default precision (precision=None) on the sm_80+ GPUs these rows need: docs/precision.md
+DEFAULT_FP32 = FLOAT32_TC_DEFAULT
 KIND_SUFFIX = {"fwd": "", "bwd": "-bwd", "fwdbwd": "-fwdbwd"}
 FACTORS = {"fwd": 1.0, "bwd": gpu_backward.BWD_FACTOR, "fwdbwd": gpu_backward.FWDBWD_FACTOR}
 #: FP64 tensor-core peak TFLOP/s (dense DMMA) by device-name substring, first match wins.
@@ -181,6 +182,9 @@ def goals(rows, device_name=""):
             mine, theirs = get(row_name("flasharray", DEFAULT_FP32, "fwdbwd")), get("torch-mem-eff-fwdbwd")
             if mine and theirs:
                 parts.append("default (%s) fwd+bwd %.2fx torch-mem-eff (goal >= 2)" % (DEFAULT_FP32, theirs.ms / mine.ms))
+            ieee = get(row_name("flasharray", "ieee", "fwdbwd"))
+            if mine and ieee and DEFAULT_FP32 != "ieee":
+                parts.append("default (%s) fwd+bwd %.2fx ieee (the default's premise: > 1)" % (DEFAULT_FP32, ieee.ms / mine.ms))
             tf = get(row_name("flasharray", "tf32", "fwdbwd"))
             if tf:
                 parts.append("tf32 fwd+bwd %.1f TFLOP/s (goal >= 150 at D 128, N >= 4k)" % tflops(tf))

@@ -22,7 +22,12 @@ abs error of dq, dk, dv, the largest relative to max(1, |ref|), and naive float3
 16, 32, 64, 128; non-causal, cp.async, ordered dQ): instructions per HMMA, HMMA / LDSM / LDS / RED,
 registers, spills, shared memory and occupancy.
 
-Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass | --bwd | --bwd-sass] [--quick]
+--default: float32's default precision, ieee (SIMT) against 3xtf32, in an issue model built from
+the SASS (sm_80, sm_90; d 64, 128): useful FLOP per issued warp instruction of the forward and the
+default (deterministic) backward, the warps resident per SM, and the rates they allow at 4 issues
+per SM per clock under the pipe's cap, scaled to an H100's size — a model, not a timing.
+
+Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass | --bwd | --bwd-sass | --default] [--quick]
 (docs/precision.md)
 """
 import argparse
@@ -187,27 +192,41 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     return "\n".join(lines)
 
 
+def _compiled_loops(source, arch, found):
+    """NVRTC-compile the instantiations ``found`` ({name expression: tile}) of ``source`` for
+    ``arch``; [(tile, kernel info, key loop (the loop with the most HMMA), occupancy)]."""
+    from flasharray._private import launch, nvrtc, sass
+    res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(found), options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin))
+    out = []
+    for name, t in found.items():
+        k = res.kernel(name)
+        out.append((t, k, sass.key_loop(fns[k.lowered_name]), sass.occupancy(arch, k.registers, t.n_threads, t.smem)))
+    return out
+
+
+def _tf32_fwd_found(precisions, arch, head_dims):
+    from flasharray._private import cuda_forward_tf32 as T
+    return {t.name_expression(False, True): t for t in
+            (T.forward_tile(p, np.float32, d, d, arch) for p in precisions for d in head_dims)}
+
+
+def _tf32_bwd_found(precisions, arch, head_dims):
+    from flasharray._private import cuda_backward_tf32 as T
+    tiles = [(p, T.backward_tile(p, np.float32, d, d, arch)) for p in precisions for d in head_dims]
+    return {T.dkv_name(t, p, t.head_dim, t.head_dim_v, False, True, True): t for p, t in tiles}
+
+
 def sass_table(archs=(80, 86, 90), head_dims=(64, 128)):
     from flasharray._private import cuda_forward_tf32 as T
-    from flasharray._private import launch, nvrtc, sass
+    from flasharray._private import sass
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
     lines = ["| arch | precision | d | Br x Bc (3xtf32: Q split) | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | "
              "HMMA | instr / HMMA | LDSM | LDS | MUFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
-        found = {}
-        for precision in T.PREC:
-            for d in head_dims:
-                t = T.forward_tile(precision, np.float32, d, d, arch)
-                found[t.name_expression(False, True)] = t
-        res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
-                                  options=["--use_fast_math"])
-        fns = sass.parse(sass.disassemble(res.cubin))
-        for name, t in found.items():
-            k = res.kernel(name)
-            lp = sass.key_loop(fns[k.lowered_name])
-            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+        for t, k, lp, occ in _compiled_loops(T.SOURCE, arch, _tf32_fwd_found(T.PREC, arch, head_dims)):
             s = lp.stats
             lines.append("| sm_%d | %s | %d | %d x %d%s | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
                 arch, t.precision, t.head_dim, t.block_m, t.block_n, ", Q split" if t.q_split else "", k.registers, t.smem / 1024, occ.blocks,
@@ -263,7 +282,7 @@ def bwd_accuracy_table(shapes=BWD_SHAPES):
 
 def bwd_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     from flasharray._private import cuda_backward_tf32 as T
-    from flasharray._private import launch, nvrtc, sass
+    from flasharray._private import sass
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
@@ -271,23 +290,70 @@ def bwd_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
              "loop instr | HMMA | instr / HMMA | LDSM | LDS | RED |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
-        found = {}
-        for precision in T.PREC:
-            for d in head_dims:
-                t = T.backward_tile(precision, np.float32, d, d, arch)
-                found[T.dkv_name(t, precision, t.head_dim, t.head_dim_v, False, True, True)] = t
-        res = nvrtc.compile_cubin(launch.kernel_source(T.SOURCE), "sm_%d" % arch, list(found),
-                                  options=["--use_fast_math"])
-        fns = sass.parse(sass.disassemble(res.cubin))
-        for name, t in found.items():
-            k = res.kernel(name)
-            lp = sass.key_loop(fns[k.lowered_name])
-            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+        for t, k, lp, occ in _compiled_loops(T.SOURCE, arch, _tf32_bwd_found(T.PREC, arch, head_dims)):
             s = lp.stats
             lines.append("| sm_%d | %s | %d | %d x %d (%d), %d | %d | %d | %.1f | %d, %d (%s) | %d | %d | %.2f | %d | %d | %d |" % (
                 arch, t.precision, t.head_dim, t.block_m, t.block_n, t.n_threads // 32, t.stages, k.registers,
                 k.spill_stores + k.spill_loads, t.smem / 1024, occ.blocks, occ.warps, occ.limiter, s.instructions,
                 s.hmma, s.per_hmma, s.ldsm, s.lds, s.atomic))
+    return "\n".join(lines)
+
+
+#: --default's issue model, in useful FLOP per SM per clock. An SM issues 4 warp instructions per
+#: clock (one per scheduler: fewer when fewer warps are resident); its FMA pipes retire 128 fp32 FMAs (256 FLOP) per clock; TF32 mma.sync is taken at A100's
+#: rate, 1024 FLOP per SM per clock (156 TFLOP/s / 108 SMs / 1.41 GHz), of which 3xtf32 keeps a third.
+ISSUE_PER_CLOCK = 4
+FFMA_FLOP_PER_CLOCK = 256
+TF32_MMA_FLOP_PER_CLOCK = 1024
+H100_SMS, H100_GHZ = 132, 1.755   # H100 SXM: SMs, sustained clock (GHz) for the TFLOP/s column
+
+
+def _simt_model(arch, d):
+    """ieee (SIMT): useful FLOP per warp instruction of the forward and of the default deterministic
+    backward (dK/dV kernel + dQ kernel, 7 products for 5 useful), and (warps per SM) of each kernel."""
+    from flasharray._private import sass
+    reps = {r.spec.role: r for r in sass.report(sass.simt_kernel_specs(archs=(arch,), dtypes=("float32",),
+                                                                       head_dims=(d,)))}
+    est = {role: sass.estimated_per_fma(r) for role, r in reps.items()}
+    fwd = 64 / est["fwd_simt"]                    # 32 lanes x 2 FLOP per FFMA
+    # FMAs per (query, key) pair: dK/dV 2d + 2dv, dQ 2d + dv (S, dP recomputed); useful 3d + 2dv.
+    bwd = 64 * 5 * d / (est["bwd_dkv_simt"] * 4 * d + est["bwd_dq_simt"] * 3 * d)
+    warps = (reps["fwd_simt"].occupancy.warps, min(reps[r].occupancy.warps for r in ("bwd_dkv_simt", "bwd_dq_simt")))
+    return fwd, bwd, warps, FFMA_FLOP_PER_CLOCK
+
+
+def _tf32_model(arch, d, precision="3xtf32"):
+    """TF32 kernels: useful FLOP per warp instruction of the forward and the (ordered) backward loop
+    (an m16n8k8 HMMA is 2048 FLOP; 3xtf32 issues three per product), and (warps per SM)."""
+    from flasharray._private import cuda_backward_tf32 as TB, cuda_forward_tf32 as TF
+    per = 2048 / (3 if precision == "3xtf32" else 1)
+    (tf, _, lf, of), = _compiled_loops(TF.SOURCE, arch, _tf32_fwd_found((precision,), arch, (d,)))
+    (tb, _, lb, ob), = _compiled_loops(TB.SOURCE, arch, _tf32_bwd_found((precision,), arch, (d,)))
+    return per / lf.stats.per_hmma, per / lb.stats.per_hmma, (of.warps, ob.warps), TF32_MMA_FLOP_PER_CLOCK * per / 2048
+
+
+def default_model(archs=(80, 90), head_dims=(64, 128)):
+    """float32's default (docs/precision.md, *Default*): the ieee (SIMT) kernels against 3xtf32 in
+    an issue model built from the SASS: useful FLOP per issued warp instruction, times 4 issues per
+    clock, capped by the pipe (FFMA, or TF32 mma at A100's rate) — rates at full issue, not timings;
+    the resident warps per SM say how much latency hiding the kernels get."""
+    from flasharray._private import sass
+    ok, why = sass.available()
+    if not ok:
+        return "SASS unavailable: %s" % why
+    lines = ["| arch | d | precision | useful FLOP / warp instr: fwd, bwd | warps / SM: fwd, bwd | modeled TFLOP/s at "
+             "H100 size (fwd, bwd, fwd+bwd) | fwd+bwd vs ieee |", "|---|---|---|---|---|---|---|"]
+    scale = H100_SMS * H100_GHZ * 1e-3
+    for arch in archs:
+        for d in head_dims:
+            base = None
+            for precision, (f, b, w, pipe) in (("ieee", _simt_model(arch, d)), ("3xtf32", _tf32_model(arch, d))):
+                # a scheduler issues at most one instruction per clock, from its own warps
+                rf, rb = (min(min(ISSUE_PER_CLOCK, n) * x, pipe) * scale for x, n in zip((f, b), w))
+                both = 3.5 / (1 / rf + 2.5 / rb)           # backward FLOPs = 2.5 x forward's (d = dv)
+                base = base or both
+                lines.append("| sm_%d | %d | %s | %.0f, %.0f | %d, %d | %.0f, %.0f, %.0f | %.2f |" % (
+                    arch, d, precision, f, b, w[0], w[1], rf, rb, both, both / base))
     return "\n".join(lines)
 
 
@@ -298,11 +364,15 @@ def main(argv=None):
     ap.add_argument("--f64-sass", action="store_true", help="the DMMA kernel's SASS figures")
     ap.add_argument("--bwd", action="store_true", help="float32 gradients per precision vs float64")
     ap.add_argument("--bwd-sass", action="store_true", help="the TF32 dK/dV kernel's SASS figures")
+    ap.add_argument("--default", action="store_true",
+                    help="float32's default: ieee vs 3xtf32 in the SASS issue model")
     ap.add_argument("--quick", action="store_true", help="accuracy: the first two shapes only")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.sass:
         print(sass_table())
+    elif args.default:
+        print(default_model())
     elif args.f64_sass:
         print(f64_sass_table())
     elif args.bwd_sass:

@@ -279,11 +279,14 @@ def test_gpu_precision_goals_from_rows(bench):
 
     def row(dt, impl, kind, ms):
         return gpu.Row(dt, 4, 16, 4096, 128, False, impl, kind, "", ms, 4.0 * 4 * 16 * 4096 * 4096 * 128 * gp.FACTORS[kind], 0.0)
-    rows = [row("fp32", "flasharray-ieee-fwdbwd", "fwdbwd", 10.0), row("fp32", "torch-mem-eff-fwdbwd", "fwdbwd", 25.0),
+    rows = [row("fp32", "flasharray-3xtf32-fwdbwd", "fwdbwd", 10.0), row("fp32", "torch-mem-eff-fwdbwd", "fwdbwd", 25.0),
             row("fp32", "flasharray-ieee", "fwd", 2.0), row("fp32", "flasharray-ieee-bwd", "bwd", 8.0),
-            row("fp32", "flasharray-tf32-fwdbwd", "fwdbwd", 1.0), row("fp64", "flasharray-ieee-fwdbwd", "fwdbwd", 20.0)]
+            row("fp32", "flasharray-tf32-fwdbwd", "fwdbwd", 1.0), row("fp64", "flasharray-ieee-fwdbwd", "fwdbwd", 20.0),
+            row("fp32", "flasharray-ieee-fwdbwd", "fwdbwd", 30.0)]
+    assert gp.DEFAULT_FP32 == "3xtf32"
     lines = gp.goals(rows, "NVIDIA H100 80GB HBM3")
-    assert "default (ieee) fwd+bwd 2.50x torch-mem-eff" in lines[0]
+    assert "default (3xtf32) fwd+bwd 2.50x torch-mem-eff" in lines[0]
+    assert "default (3xtf32) fwd+bwd 3.00x ieee" in lines[0]
     tf32 = rows[4].flop / 1e-3 / 1e12
     assert "tf32 fwd+bwd %.1f TFLOP/s" % tf32 in lines[0]
     assert "ieee bwd/fwd TFLOP/s %.2f" % ((2.5 / 8.0) / (1 / 2.0)) in lines[0]

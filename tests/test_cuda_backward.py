@@ -64,6 +64,11 @@ class Problem:
 
 
 def run_backward(device, p, *, deterministic=True, **opts):
+    """cuda_backward.backward on the problem; float32 runs precision="ieee" (the SIMT kernels this
+    file tests) unless a test passes another: its sm_80+ default, 3xtf32, is
+    tests/test_cuda_backward_tf32.py's."""
+    if np.dtype(p.dtype) == np.float32:
+        opts.setdefault("precision", "ieee")
     res = cb.backward(*p.args(device), causal=p.causal, scale=p.scale, batch_shape=p.batch_shape,
                       device=device, deterministic=deterministic, **opts)
     if device == "cuda":
@@ -341,7 +346,8 @@ def measured_traffic(dtype, D, Lq, Lk, causal, deterministic, dq=None):
     *grads, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True, dq=dq)
     check(p, grads)
     B = int(np.prod(p.batch_shape))
-    want = cb.analytic_global_bytes(B, Lq, Lk, D, D, dtype, causal=causal, deterministic=deterministic, dq=dq)
+    want = cb.analytic_global_bytes(B, Lq, Lk, D, D, dtype, causal=causal, deterministic=deterministic, dq=dq,
+                                    precision="ieee" if np.dtype(dtype) == np.float32 else None)
     got = (sum(c.global_read_bytes for _, c in counters), sum(c.global_write_bytes for _, c in counters))
     return got, want
 
@@ -354,7 +360,8 @@ def test_analytic_traffic_by_hand():
     read += 2 * L * D * s + (2 * L * D * s + 2 * L * a)   # dK/dV: K, V; Q, dO, L, D (one visit)
     read += (2 * L * D * s + 2 * L * a) + 2 * L * D * s   # dQ: Q, dO, L, D; K, V (one visit)
     write = L * a + 2 * L * D * s + L * D * s  # D; dK, dV; dQ
-    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32) == (read, write)
+    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, precision="ieee") == (read, write)
+    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, arch=75) == (read, write)  # no TF32: IEEE
 
 
 @pytest.mark.parametrize("dt,D,deterministic,dq", [("fp16", 64, True, None), ("fp16", 64, True, "recompute"),
@@ -457,7 +464,8 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
     p = Problem(DTYPE_NAMES[dt], D, 70, 90, causal=True, bcast="gqa")
     arrays += list(p.args("emulator"))  # the stand-in maps device addresses back to these
     grads = cb.backward(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape,
-                        device="cuda", deterministic=deterministic)
+                        device="cuda", deterministic=deterministic,
+                        precision="ieee" if np.dtype(p.dtype) == np.float32 else None)
     check(p, grads)
     plan = cb.kernel_plan(p.dtype, D, D, causal=True, deterministic=deterministic, arch=80,
                           ordered=cb.dq_mode(deterministic, cb.default_kernel(p.dtype, 80), None) == "ordered")

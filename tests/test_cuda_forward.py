@@ -47,7 +47,11 @@ def make_inputs(dtype, D, Lq, Lk, *, Dv=None, layout="bhsd", gqa=False, seed=0, 
 
 
 def run_forward(device, q, k, v, *, causal, scale=None, **opts):
-    """Call cuda_forward.forward the way the public API does (batch dims already aligned)."""
+    """Call cuda_forward.forward the way the public API does (batch dims already aligned). float32
+    runs precision="ieee" here (the SIMT kernel this file tests) unless a test passes another: its
+    default on sm_80+, 3xtf32, is tests/test_cuda_forward_tf32.py's."""
+    if np.dtype(q.dtype) == np.float32:
+        opts.setdefault("precision", "ieee")
     batch_shape = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     if device == "cuda":
@@ -326,7 +330,8 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
     q, k, v = make_inputs(DTYPES[dt], D, 70, 90, gqa=True)
     arrays += [q, k, v]
     batch_shape = q.shape[:-2]
-    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda")
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda",
+                                    precision="ieee" if dt == "fp32" else None)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
     tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80)
     assert log and all(name == tile.name_expression(True, True) and smem == tile.smem for name, smem, _ in log)

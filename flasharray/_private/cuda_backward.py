@@ -30,6 +30,8 @@ import numpy as np
 from . import launch
 from . import tiles_bwd as tiles
 from .dtypes import accumulation_dtype, bfloat16, canonical_dtype
+from .precision import effective_precision
+
 
 def _fwd():
     """cuda_forward (imported late: it imports this module's neighbours)."""
@@ -649,6 +651,8 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
         ext = None
     launcher = launch.make_launcher(device, schedule=schedule, seed=seed,
                                     arch=arch if device == "emulator" else None)
+    precision = effective_precision(precision, q.dtype,   # float32 None -> "3xtf32" on sm_80+
+                                    tiles.arch_number(arch) if arch is not None else launcher.arch)
     key = signature((dout, q, k, v, out, lse),
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
                      arch, kernel, stages, dq, launch.MAX_GRID_YZ, None if ext is None else ext.static_key(),
@@ -762,6 +766,7 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
     dtype = canonical_dtype(dtype)
     s, a = dtype.itemsize, accumulation_dtype(dtype).itemsize
     arch = tiles.EMULATOR_ARCH if arch is None else tiles.arch_number(arch)
+    precision = effective_precision(precision, dtype, arch)
     kernel = _kernel_choice(dtype, arch, kernel, precision, D, Dv, False, dq)
     mode = dq_mode(deterministic, kernel, None, dq)
     deterministic = mode == "recompute"

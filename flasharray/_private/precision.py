@@ -18,9 +18,10 @@ Wired into the public functions (``api.py``: forward, backward, vjp, varlen; the
 too). The CUDA forward runs "tf32" / "3xtf32" on ``cuda_src/flash_fwd_tf32.cu``
 (:mod:`cuda_forward_tf32`), the CUDA backward on ``cuda_src/flash_bwd_tf32.cu``
 (:mod:`cuda_backward_tf32`), where their tiles apply (else the SIMT kernels); the cpu backend and
-the reference compute in IEEE arithmetic whatever the value; float32's default (None) is "ieee"
-until a GPU measurement chooses (``docs/precision.md``). :func:`tf32_error_bound` is the derived
-error of the tf32 rounding.
+the reference compute in IEEE arithmetic whatever the value. float32's default (None) on the CUDA
+backend is "3xtf32" where TF32 tensor cores exist (sm_80+; :func:`effective_precision`), "ieee"
+below (``docs/precision.md``, *Default*). :func:`tf32_error_bound` is the derived error of the
+tf32 rounding.
 """
 import numpy as np
 
@@ -64,6 +65,25 @@ def check_precision_arch(precision, compute_capability):
     if cc < 80:
         raise NotImplementedError("flasharray: precision=%r needs TF32 tensor cores (sm_80 or newer); "
                                   "this GPU is sm_%d. Use precision='ieee' (or None)." % (precision, cc))
+
+
+#: float32's default precision on GPUs with TF32 tensor cores (sm_80+): issue 12 makes the default
+#: "the fastest path that meets the DESIGN.md test rule against naive float32 attention", and "if
+#: 3xTF32 meets it, it is the default". It meets it, forward and backward, on every emulator test
+#: shape; the SASS-based issue model (``benchmarks/precision.py --default``) puts it ahead of the
+#: SIMT kernels; ``benchmarks/gpu.py --precision`` is the GPU verdict (docs/precision.md, *Default*).
+FLOAT32_TC_DEFAULT = "3xtf32"
+
+
+def effective_precision(precision, dtype, compute_capability):
+    """The precision a CUDA-backend call with ``precision`` (already validated) runs: None becomes
+    :data:`FLOAT32_TC_DEFAULT` for float32 on sm_80+ (``compute_capability`` e.g. 80 or (8, 0));
+    everything else is returned unchanged (float32 below sm_80 and float64 keep None, i.e. IEEE)."""
+    if precision is not None or canonical_dtype(dtype) != np.dtype(np.float32):
+        return precision
+    cc = compute_capability
+    cc = cc[0] * 10 + cc[1] if isinstance(cc, tuple) else int(cc)
+    return FLOAT32_TC_DEFAULT if cc >= 80 else None
 
 
 #: Unit roundoff of tf32 (10 explicit mantissa bits, cvt.rna round-to-nearest): |cvt(x) − x| <= u|x|.
