@@ -121,7 +121,9 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
   float* stats = reinterpret_cast<float*>(smem + Tr::kStats);  // [stage][L_i·log2e | D_i][Br]
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128;                        // keys [64 wg, 64 wg + 64) of K_j
+  // Keys [64 wg, 64 wg + 64) of K_j. Broadcast from lane 0 so that the compiler knows it is warp-uniform
+  // (CUTLASS's canonical_warp_group_idx): the descriptors built from it then live in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = wg * 64 + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
   const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
@@ -140,6 +142,16 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
   const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
   auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
   const DQOrderCounters<kBlockM, kDQDim> order{Lq};
+  // This lane's part of DQAccumLayout::offset(query 8j + 2t + (e & 1), head dim key_row + 8(e >> 1)) (the
+  // dQ^T accumulator's rows are head dims laid out as the key rows): the query's 2t and the head dim's
+  // key_row occupy bits the element's constants (8j + (e & 1), 8(e >> 1)) leave untouched, so the offset
+  // of element e is dq_lane + offset(8j + (e & 1), 8(e >> 1)).
+  const int dq_lane = key_row < kDQDim ? Acc::offset(2 * t, key_row) : 0;
+  // This lane's byte in the swizzled dS^T (sw128_offset<Bc>(key_row, chunk) + 4t with Br = 64: one
+  // panel): chunk c of the row is at 128·key_row + 16(c ^ g) + 4t = (128·key_row + 16g + 4t) ^ 16c
+  // (the bits of 16c are those of 16g only), and key_row + 8 is 1024 bytes further: one XOR per store.
+  const int ds_lane = key_row * 128 + (g << 4) + 4 * t;
+  static_assert(kBlockM == 64, "dS^T: one 64-column panel");
 
   // Q_i, dO_i of (grp, i) into stage s (cp.async or element loads), L_i·log2e and D_i (plain stores).
   auto load_query_block = [&](int grp, int i, int s) {
@@ -204,22 +216,18 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
     const int r0 = i * kBlockM;
 #pragma unroll
-    for (int e = 0; e < kBlockM / 2; ++e) {
-      const int col = 8 * (e / 4) + 2 * t + (e & 1);
-      const int key = c0 + key_row + 8 * ((e % 4) >> 1);
-      acc_s[e] = p_from_score(acc_s[e], scale_log2, lse2_s[col], mask.is_visible(r0 + col, key));
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+      }
     }
-    uint32_t a_p[kBlockM / 16][4];  // P^T rounded: the A fragments of dV += P^T dO_i
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-
-    // -- one batch: dP^T = V_j dO_i^T (SS, both K-major) and dV_j += P^T dO_i (RS, dO_i MN-major:
-    //    queries 16ks.. at 2048·ks bytes, dv panels Br·128 bytes apart).
+    // -- dP^T = V_j dO_i^T (SS, both K-major).
     float acc_dp[kBlockM / 2];
     fa::wgmma_fence_operand(acc_dp);
-    fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDimV / 16; ++ks) {
@@ -227,32 +235,39 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
       flash::wgmma_ss<T, kBlockM, false>(acc_dp, flash::sw128_desc(sV + wg * 64 * 128 + (ks / 4) * kBlockN * 128 + kb, 16),
                                          flash::sw128_desc(sdO_i + (ks / 4) * kBlockM * 128 + kb, 16), ks > 0);
     }
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-      flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
     fa::wgmma_commit_group();
     fa::wgmma_wait_group<0>();
     fa::wgmma_fence_operand(acc_dp);
-    fa::wgmma_fence_operand(acc_dv);
 
-    // -- dS^T = P^T ∘ (dP^T − D_i), from the unrounded P^T; rounded as the A fragments of dK += dS^T Q_i
-    //    and staged for dQ: word r of k16 step ks is (key key_row + 8(r % 2), queries 16ks + 8(r / 2) +
-    //    2t, +1), one 4-byte store into 16-byte chunk 2ks + r / 2 of that key's swizzled row.
-    uint32_t a_ds[kBlockM / 16][4];
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
+    //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
+    //    key_row + 8(r % 2), queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk
+    //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
+    //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
+    uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
 #pragma unroll
-    for (int e = 0; e < kBlockM / 2; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - delta_s[8 * (e / 4) + 2 * t + (e & 1)]);
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+    }
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
+        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + flash::sw128_offset<kBlockN>(key_row + 8 * (r % 2), 2 * ks + r / 2) +
-                                     4 * t) = a_ds[ks][r];
+        *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
 
-    // -- dK_j += dS^T Q_i (RS, Q_i MN-major); waited for with the dQ batch.
+    // -- one batch: dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i MN-major: queries 16ks.. at
+    //    2048·ks bytes, head-dim panels Br·128 bytes apart); waited for after the barrier below.
+    fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
     fa::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+      flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)
       flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + ks * 2048, kBlockM * 128), 1);
@@ -265,6 +280,11 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
       fa::sem_wait(order.counter(dqa_entry(grp), i), static_cast<int>(blockIdx.x));
     else
       __syncthreads();
+    // dV, dK complete (they ran during the barrier) before the dQ batch: the A fragments of P^T and dS^T
+    // are then dead while dQ^T's accumulator is live (32 registers less at the peak; no spills at d = 128).
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_dv);
+    fa::wgmma_fence_operand(acc_dk);
 
     // -- dQ_i^T += K_j^T dS^T: warpgroup w the head-dim rows [64w, 64w + 64); A = K_j panel w MN-major
     //    (keys 16ks.. at 2048·ks bytes), B = dS^T MN-major. Then the atomics: acc_dq[4j + e] is
@@ -280,18 +300,15 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
       fa::wgmma_commit_group();
       fa::wgmma_wait_group<0>();
       fa::wgmma_fence_operand(acc_dq);
-      float* dqa_i = dqa_entry(grp) + static_cast<long long>(r0) * kDQDim;
-      const int dim0 = key_row;  // this thread's head-dim rows of dQ^T: dim0, dim0 + 8 (the key rows' layout)
+      // DQAccumLayout::offset(query, dim) split into this lane's part (dq_lane, above the loop) and a
+      // constant per element: one address, then immediates.
+      float* dqa_i = dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane;
 #pragma unroll
       for (int e = 0; e < kBlockM / 2; ++e) {
-        const int dim = dim0 + 8 * ((e % 4) >> 1);
-        if (kDQDim == kHeadDim || dim < kDQDim)
-          fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + 2 * t + (e & 1), dim), acc_dq[e]);
+        if (kDQDim == kHeadDim || key_row + 8 * ((e % 4) >> 1) < kDQDim)
+          fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
       }
-    } else {
-      fa::wgmma_wait_group<0>();
     }
-    fa::wgmma_fence_operand(acc_dk);
     if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
     i = i_n, grp = grp_n;
   }
