@@ -128,7 +128,10 @@ def _b(flag):
 #: Each module has ``SOURCE``, ``backward_tile(precision, dtype, D, Dv, arch, *, ext)`` (None where
 #: the family does not apply: the SIMT kernels run) and ``dkv_name(tile, precision, pD, pDv,
 #: causal, vec, ordered)``.
-FAMILIES = {"tf32": "cuda_backward_tf32", "f64": "cuda_backward_f64"}
+FAMILIES = {"tf32": "cuda_backward_tf32", "f64": "cuda_backward_f64",
+            # Hopper fp16 / bf16 on wgmma (issue 13): opt-in only, kernel="wgmma" on sm_90 (never chosen by
+            # family_tile); its module's backward_tile raises NotImplementedError where it cannot run.
+            "wgmma": "cuda_backward_sm90"}
 #: Kernel families sharing the atomic-dQ passes (DQAccumLayout accumulator, ordered mode, convert).
 TC_FAMILIES = ("tc",) + tuple(FAMILIES)
 _FAMILY_OF = {np.dtype(np.float32): "tf32", np.dtype(np.float64): "f64"}
@@ -209,7 +212,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
         plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
-                                                      **({"ext": ext} if ext else {})), t_kv)
+                                                      **({"ext": ext} if ext else {}),
+                                                      **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
+                       t_kv)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
@@ -282,6 +287,11 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
         fam = family_tile(dtype, precision, D, Dv, arch, ext)
         if fam is not None and (not (ext and deterministic) or _family_orders(fam[0], ext)):
             return fam[0]
+    if kernel == "wgmma":  # the Hopper backward: NotImplementedError naming why where it cannot run
+        if dq == "recompute":
+            raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs the atomic and "
+                                      "ordered dQ modes only, not dq='recompute'")
+        _family_module(kernel).backward_tile(precision, dtype, D, Dv, arch, ext=ext)
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:
         raise NotImplementedError("flasharray: the tensor-core backward supports float16 and bfloat16, "
@@ -381,6 +391,8 @@ class BackwardPlan:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
             t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None) if self.kernel == "tc"
+                    else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
+                    if self.kernel == "wgmma"
                     else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
@@ -686,7 +698,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         atomics in any order into an AccT dQ accumulator plus a conversion pass.
     **opts
         ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
-        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc", "simt", "tf32",
+        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc", "simt", "wgmma" (sm_90 fp16/bf16, opt-in), "tf32",
         "f64"; default tensor cores for fp16/bf16, and for float32 / float64 where
         :func:`family_tile` applies), ``precision`` (None, "ieee", "tf32", "3xtf32", validated by
         the caller: float32 "tf32" / "3xtf32" run the TF32 tensor-core backward, float64 the DMMA

@@ -1,0 +1,331 @@
+// flash_bwd_sm90.cu — FlashAttention backward dK/dV (+ atomic dQ) on Hopper warpgroup MMA (wgmma, sm_90a),
+// fp16 / bf16 in, fp32 accumulate (issue 13; docs/hopper.md, "Backward").
+//
+//   Q_i   Br x d     dO_i  Br x dv    L_i, D_i  Br      (query block i, streamed: two stages)
+//   K_j   Bc x d     V_j   Bc x dv                      (key block j, resident)
+//   S^T, dP^T, P^T, dS^T   Bc x Br   (per visit; the warpgroup's 64 keys x Br in registers)
+//   dK_j  Bc x d     dV_j  Bc x dv   (registers, written once)      dQ_i  Br x d (fp32 atomics)
+//
+// One thread block per (key block j, K/V batch entry), as flash_bwd_dkv_kernel (flash_bwd.cu) with the
+// atomic dQ: Bc / 64 warpgroups, warpgroup w owning keys [64w, 64w + 64) of K_j — the M = 64 of
+// wgmma.m64nNk16 — and their rows of dK_j, dV_j. Per visited query block i (and query batch entry of
+// an MQA/GQA group):
+//   S^T  = K_j Q_i^T     d/16 x wgmma.m64n{Br}k16 .ss   (K_j, Q_i K-major)
+//   P^T  = exp2(S^T·scale·log2e − L_i·log2e)   0 where not visible (causal, keys ≥ Lk) and for rows
+//          with L_i = −inf (L_i·log2e stored as +inf: exp2(−inf) = 0, load_row_stats_exp)
+//   dP^T = V_j dO_i^T    dv/16 x wgmma.m64n{Br}k16 .ss   (V_j, dO_i K-major)          } one batch
+//   dV_j += P^T dO_i     Br/16 x wgmma.m64n{dv}k16 .rs   (P^T rounded in registers;  }
+//                                                        dO_i MN-major: .tnspB)
+//   dS^T = P^T ∘ (dP^T − D_i)   (from the unrounded P^T, as flash_bwd.cu)
+//   dK_j += dS^T Q_i     Br/16 x wgmma.m64n{d}k16 .rs    (dS^T rounded; Q_i MN-major)
+//   dQ_i^T += K_j^T dS^T  Bc/16 x wgmma.m64n{Br}k16 .ss  (warpgroup w: head-dim rows [64w, 64w + 64);
+//          A = K_j MN-major (.tnspA), B = dS^T staged in shared memory, MN-major (.tnspB)), added
+//          to the fp32 accumulator by atomics (unscaled; the conversion pass applies the scale).
+// "RS": A from registers — the accumulator of n8 tiles 2k, 2k+1 rounded to 16 bits is the A fragment
+// of k16 step k (the identity the forward uses for P). dQ is computed transposed (FlashAttention-3's
+// dQ_swapAB) so that M = the head dim: with Br = 64 queries one m64 block of dQ_i would leave one
+// of two warpgroups idle or split the key sum over warpgroups (two partial sums per element: no fixed
+// order); transposed, every dQ element is produced by one thread in one wgmma chain, which the ordered
+// (deterministic) mode needs. At d = 64 only warpgroup 0 computes dQ.
+//
+// dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
+// the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
+// Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
+// so are those dQ columns). kOrderedDQ: key block n adds only after key blocks 0 .. n − 1 have
+// (fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
+// bitwise reproducible.
+//
+// Shared memory (1024-byte aligned pieces; the dynamic base rounded up to 1024 bytes on the GPU as in
+// flash_fwd_sm90.cu): K_j, V_j, two stages of Q_i and dO_i, dS^T (Bc x Br), all in the 128B-swizzled
+// layout of flash_sm90_common.cuh (panels of 64 columns), then per stage L_i·log2e and D_i (floats).
+// Copies: cp.async (load_sw128) when rows are 16-byte aligned, element loads otherwise; the next query
+// block's Q_i, dO_i are fetched into the other stage while this one is computed. Barriers per visit:
+// one after the copies land (+ fence.proxy.async: generic-proxy writes, async-proxy wgmma reads), one
+// after dS^T is staged (sem_wait's in the ordered mode).
+//
+// Not yet: TMA and warp specialization (a producer warpgroup, as flash_fwd_sm90_ws_kernel), overlap of
+// one batch's wgmmas with the next step's math (every batch is waited for before its result is used),
+// extensions, head dims above 128, the recompute dQ mode.
+//
+// Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out); the extension
+// tail is accepted and unused (the host takes this kernel only for dense calls).
+#include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
+#include "flash_ext.cuh"          // FLASH_EXT_PARAMS
+#include "flash_sm90_common.cuh"  // sw128_offset, load_sw128, sw128_desc, wgmma_ss, wgmma_rs
+
+namespace fa_bwd {
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+struct Sm90BwdTraits {
+  static_assert(sizeof(T) == 2, "the wgmma backward takes 16-bit inputs");
+  static_assert(kBlockM == 64, "Br = 64: the N of S^T, dP^T and dQ^T, one 128-byte panel of dS^T");
+  static_assert(kBlockN == 64 || kBlockN == 128, "Bc: one or two warpgroups of 64 keys");
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
+                "d, dv: the N of the dK / dV wgmma, whole 128-byte swizzle panels, 64 or 128");
+  static constexpr int kWarpgroups = kBlockN / 64;
+  static constexpr int kNThreads = 128 * kWarpgroups;
+  static constexpr int kDQWarpgroups = kHeadDim / 64;  // dQ^T rows: 64 head-dim rows per warpgroup
+  static_assert(kDQWarpgroups <= kWarpgroups, "one warpgroup per 64 rows of dQ^T");
+  static constexpr int kStages = 2;
+  static constexpr int kAtomBytes = 1024;  // the swizzle pattern's repeat
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kVBytes = kBlockN * kHeadDimV * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;    // one stage
+  static constexpr int kdOBytes = kBlockM * kHeadDimV * 2;  // one stage
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + kKBytes;
+  static constexpr int kQ = kV + kVBytes;
+  static constexpr int kdO = kQ + kStages * kQBytes;
+  static constexpr int kdS = kdO + kStages * kdOBytes;           // dS^T  Bc x Br
+  static constexpr int kStats = kdS + kBlockN * kBlockM * 2;     // per stage: L_i·log2e [Br], D_i [Br]
+  static constexpr int kSmemBytes = kStats + kStages * 2 * kBlockM * 4 + kAtomBytes;
+  static_assert(kStats % kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
+};
+
+}  // namespace fa_bwd
+using namespace fa_bwd;
+
+template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
+          bool Is_causal, bool kVec, bool kOrderedDQ>
+__global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kernel(
+    const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
+    const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
+    const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
+    const T* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_g, long long do_row,
+    const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
+    const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
+    float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
+    long long dqa_row /* = kDQDim (DQAccumLayout); unused */,
+    OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
+    OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float)) {
+  using Tr = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  using Acc = DQAccumLayout<kDQDim>;
+  constexpr int kNThreads = Tr::kNThreads;
+  static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
+  (void)dqa_row; (void)ext_seqlens_q; (void)ext_seqlens_k; (void)ext_e_b0; (void)ext_e_b1; (void)ext_e_b2;
+  (void)ext_window_left; (void)ext_window_right; (void)ext_softcap; (void)ext_alibi; (void)ext_alibi_b0;
+  (void)ext_alibi_b1; (void)ext_alibi_b2; (void)ext_alibi_scale; (void)ext_block_mask; (void)ext_bm_b0;
+  (void)ext_bm_b1; (void)ext_bm_b2; (void)ext_bm_row; (void)ext_bm_col; (void)ext_block_q; (void)ext_block_k;
+  (void)ext_seed_lo; (void)ext_seed_hi; (void)ext_offset;
+
+  FA_DYNAMIC_SMEM(smem_raw);
+  // Swizzled tiles start on the pattern's repeat in the shared window (flash_fwd_sm90.cu's rule).
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  unsigned char* sK = smem + Tr::kK;
+  unsigned char* sV = smem + Tr::kV;
+  unsigned char* sQ = smem + Tr::kQ;    // [stage]
+  unsigned char* sdO = smem + Tr::kdO;  // [stage]
+  unsigned char* sdS = smem + Tr::kdS;
+  float* stats = reinterpret_cast<float*>(smem + Tr::kStats);  // [stage][L_i·log2e | D_i][Br]
+
+  const int tid = static_cast<int>(threadIdx.x);
+  // Keys [64 wg, 64 wg + 64) of K_j. Broadcast from lane 0 so that the compiler knows it is warp-uniform
+  // (CUTLASS's canonical_warp_group_idx): the descriptors built from it then live in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int key_row = wg * 64 + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
+  const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const float scale_log2 = scale * flash::kLog2e;
+  const BatchIndex b = BatchIndex::from_grid(nb2);
+  const flash::Mask<Is_causal> mask(Lq, Lk);
+
+  // Visits (query batch entry grp of the group, query block i): i from the first block that sees key
+  // block j (causal) to Tr − 1, grp outer.
+  const int i_begin = mask.m_block_min(c0, kBlockM);
+  const int n_qblocks = (Lq + kBlockM - 1) / kBlockM;
+  const int n_visits = (n_qblocks > i_begin ? n_qblocks - i_begin : 0) * n_group;
+  const T* q_b = q + b.offset({q_b0, q_b1, q_b2, q_row});
+  const T* do_b = dout + b.offset({do_b0, do_b1, do_b2, do_row});
+  const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
+  const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
+  auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
+  const DQOrderCounters<kBlockM, kDQDim> order{Lq};
+  // This lane's part of DQAccumLayout::offset(query 8j + 2t + (e & 1), head dim key_row + 8(e >> 1)) (the
+  // dQ^T accumulator's rows are head dims laid out as the key rows): the query's 2t and the head dim's
+  // key_row occupy bits the element's constants (8j + (e & 1), 8(e >> 1)) leave untouched, so the offset
+  // of element e is dq_lane + offset(8j + (e & 1), 8(e >> 1)).
+  const int dq_lane = key_row < kDQDim ? Acc::offset(2 * t, key_row) : 0;
+  // This lane's byte in the swizzled dS^T (sw128_offset<Bc>(key_row, chunk) + 4t with Br = 64: one
+  // panel): chunk c of the row is at 128·key_row + 16(c ^ g) + 4t = (128·key_row + 16g + 4t) ^ 16c
+  // (the bits of 16c are those of 16g only), and key_row + 8 is 1024 bytes further: one XOR per store.
+  const int ds_lane = key_row * 128 + (g << 4) + 4 * t;
+  static_assert(kBlockM == 64, "dS^T: one 64-column panel");
+
+  // Q_i, dO_i of (grp, i) into stage s (cp.async or element loads), L_i·log2e and D_i (plain stores).
+  auto load_query_block = [&](int grp, int i, int s) {
+    const int r0 = i * kBlockM;
+    flash::load_sw128<T, kBlockM, kHeadDim, kNThreads, kVec>(sQ + s * Tr::kQBytes, q_b + grp * q_g + r0 * q_row, q_row,
+                                                      Lq - r0, D, false, tid);
+    flash::load_sw128<T, kBlockM, kHeadDimV, kNThreads, kVec>(sdO + s * Tr::kdOBytes, do_b + grp * do_g + r0 * do_row,
+                                                       do_row, Lq - r0, Dv, false, tid);
+    load_row_stats_exp<kBlockM, kNThreads>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM,
+                                           lse_b + grp * l_g, delta_b + grp * d_g, r0, Lq);
+  };
+
+  // -- prologue: K_j, V_j (resident) and the first query block.
+  flash::load_sw128<T, kBlockN, kHeadDim, kNThreads, kVec>(sK, k + b.offset({k_b0, k_b1, k_b2, k_row}) + c0 * k_row, k_row,
+                                                    Lk - c0, D, false, tid);
+  flash::load_sw128<T, kBlockN, kHeadDimV, kNThreads, kVec>(sV, v + b.offset({v_b0, v_b1, v_b2, v_row}) + c0 * v_row,
+                                                     v_row, Lk - c0, Dv, false, tid);
+  if (n_visits > 0) load_query_block(0, i_begin, 0);
+  fa::cp_async_commit();
+
+  float acc_dk[kHeadDim / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
+  float acc_dv[kHeadDimV / 2];  // dV_j, 64 keys x dv
+#pragma unroll
+  for (int e = 0; e < kHeadDim / 2; ++e) acc_dk[e] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kHeadDimV / 2; ++e) acc_dv[e] = 0.0f;
+
+  int grp = 0, i = i_begin;
+  for (int visit = 0; visit < n_visits; ++visit) {
+    const int s = visit & 1;
+    const bool wrap = i + 1 == n_qblocks;
+    const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+    const unsigned char* sQ_i = sQ + s * Tr::kQBytes;
+    const unsigned char* sdO_i = sdO + s * Tr::kdOBytes;
+    const float* lse2_s = stats + s * 2 * kBlockM;
+    const float* delta_s = lse2_s + kBlockM;
+    fa::cp_async_wait<0>();
+    // The copies of this visit (first: also K_j, V_j) and L_i, D_i are visible to every thread and to
+    // the async proxy wgmma reads through; every warpgroup is done with the previous visit (its stage,
+    // which the prefetch below refills, and dS^T: its dQ wgmmas were waited for).
+    fa::fence_proxy_async();
+    __syncthreads();
+    if (visit + 1 < n_visits) load_query_block(grp_n, i_n, s ^ 1);  // overlaps this visit's math
+    fa::cp_async_commit();
+
+    // -- S^T = K_j Q_i^T: A = the warpgroup's 64 keys (K-major), B = Q_i (K-major); k16 step ks reads
+    //    bytes 32·(ks mod 4) of panel ks / 4.
+    float acc_s[kBlockM / 2];
+    fa::wgmma_fence_operand(acc_s);
+    fa::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const int kb = (ks % 4) * 32;
+      flash::wgmma_ss<T, kBlockM, false>(acc_s, flash::sw128_desc(sK + wg * 64 * 128 + (ks / 4) * kBlockN * 128 + kb, 16),
+                                         flash::sw128_desc(sQ_i + (ks / 4) * kBlockM * 128 + kb, 16), ks > 0);
+    }
+    fa::wgmma_commit_group();
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_s);
+
+    // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
+    //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+    const int r0 = i * kBlockM;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+      }
+    }
+    // -- dP^T = V_j dO_i^T (SS, both K-major).
+    float acc_dp[kBlockM / 2];
+    fa::wgmma_fence_operand(acc_dp);
+    fa::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDimV / 16; ++ks) {
+      const int kb = (ks % 4) * 32;
+      flash::wgmma_ss<T, kBlockM, false>(acc_dp, flash::sw128_desc(sV + wg * 64 * 128 + (ks / 4) * kBlockN * 128 + kb, 16),
+                                         flash::sw128_desc(sdO_i + (ks / 4) * kBlockM * 128 + kb, 16), ks > 0);
+    }
+    fa::wgmma_commit_group();
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_dp);
+
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
+    //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
+    //    key_row + 8(r % 2), queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk
+    //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
+    //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
+    uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+    }
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+      }
+
+    // -- one batch: dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i MN-major: queries 16ks.. at
+    //    2048·ks bytes, head-dim panels Br·128 bytes apart); waited for after the barrier below.
+    fa::wgmma_fence_operand(acc_dv);
+    fa::wgmma_fence_operand(acc_dk);
+    fa::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+      flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+      flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + ks * 2048, kBlockM * 128), 1);
+    fa::wgmma_commit_group();
+
+    // dS^T complete and visible to the async proxy before any warpgroup's dQ wgmma reads it (ordered:
+    // also our turn for query block i — sem_wait ends in a block barrier).
+    fa::fence_proxy_async();
+    if constexpr (kOrderedDQ)
+      fa::sem_wait(order.counter(dqa_entry(grp), i), static_cast<int>(blockIdx.x));
+    else
+      __syncthreads();
+    // dV, dK complete (they ran during the barrier) before the dQ batch: the A fragments of P^T and dS^T
+    // are then dead while dQ^T's accumulator is live (32 registers less at the peak; no spills at d = 128).
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_dv);
+    fa::wgmma_fence_operand(acc_dk);
+
+    // -- dQ_i^T += K_j^T dS^T: warpgroup w the head-dim rows [64w, 64w + 64); A = K_j panel w MN-major
+    //    (keys 16ks.. at 2048·ks bytes), B = dS^T MN-major. Then the atomics: acc_dq[4j + e] is
+    //    dQ_i (query 8j + 2t + (e & 1), head dim 64w + 16·warp + g + 8(e >> 1)).
+    if (wg < Tr::kDQWarpgroups) {
+      float acc_dq[kBlockM / 2];
+      fa::wgmma_fence_operand(acc_dq);
+      fa::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + wg * kBlockN * 128 + ks * 2048, kBlockN * 128),
+                                                flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
+      fa::wgmma_commit_group();
+      fa::wgmma_wait_group<0>();
+      fa::wgmma_fence_operand(acc_dq);
+      // DQAccumLayout::offset(query, dim) split into this lane's part (dq_lane, above the loop) and a
+      // constant per element: one address, then immediates.
+      float* dqa_i = dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane;
+#pragma unroll
+      for (int e = 0; e < kBlockM / 2; ++e) {
+        if (kDQDim == kHeadDim || key_row + 8 * ((e % 4) >> 1) < kDQDim)
+          fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
+      }
+    }
+    if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+    i = i_n, grp = grp_n;
+  }
+  fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
+
+  // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
+  const int key0 = c0 + key_row;
+  OutT* dk_j = dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row});
+  OutT* dv_j = dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row});
+#pragma unroll
+  for (int e = 0; e < kHeadDim / 2; ++e) {
+    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    if (key < Lk && col < D) fa::gstore(dk_j + key * dk_row + col, FromAcc<OutT>::convert(acc_dk[e] * scale));
+  }
+#pragma unroll
+  for (int e = 0; e < kHeadDimV / 2; ++e) {
+    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    if (key < Lk && col < Dv) fa::gstore(dv_j + key * dv_row + col, FromAcc<OutT>::convert(acc_dv[e]));
+  }
+}

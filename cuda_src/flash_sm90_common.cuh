@@ -1,0 +1,72 @@
+// flash_sm90_common.cuh — Hopper (sm_90a) pieces shared by the wgmma forward (flash_fwd_sm90.cu) and
+// backward (flash_bwd_sm90.cu): the 128-byte-swizzled shared-memory layout (panels of 64 16-bit
+// columns, row r of a panel at 128·r, its 16-byte chunk c at chunk c ^ (r mod 8): CuTe
+// Swizzle<3,4,3>), the copy routine that fills it, wgmma descriptors for it, and the f16 / bf16
+// wgmma wrappers (docs/hopper.md, "Shared-memory layouts").
+#pragma once
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"  // IsSame, zero_value, kCopyBytes
+
+namespace flash {
+
+// Byte offset of 16-byte chunk `chunk` (= column / 8) of row r in a 128B-swizzled tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ int sw128_offset(int r, int chunk) {
+  return (chunk >> 3) * (kRows * 128) + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+}
+
+// A kRows × kCols tile (row r of global memory at g_tile + r·row_stride) into its swizzled layout;
+// rows at or past rows_valid and columns at or past cols_valid zero-filled. Aligned (16-byte rows):
+// thread tid copies chunk tid mod (kCols/8) of rows tid / (kCols/8) + p·(rows per pass) by cp.async
+// (the caller commits, waits, fences the proxy and syncs); full: every row exists (the row test folds
+// away). Otherwise element-wise, synchronous.
+template <typename T, int kRows, int kCols, int kNThreads, bool Is_aligned>
+__device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_tile, long long row_stride,
+                                           int rows_valid, int cols_valid, bool full, int tid) {
+  constexpr int kChunksPerRow = kCols / 8;
+  if constexpr (Is_aligned) {
+    static_assert(kNThreads % kChunksPerRow == 0, "a fixed column chunk per thread");
+    constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    const int chunk = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
+    int elems = cols_valid - chunk * 8;
+    elems = elems < 0 ? 0 : (elems > 8 ? 8 : elems);
+    const int bytes = elems * 2;
+    const T* src = g_tile + r0 * row_stride + (elems > 0 ? chunk * 8 : 0);
+#pragma unroll
+    for (int p = 0; p < kRows / kRowsPerPass; ++p) {
+      const int r = r0 + p * kRowsPerPass;
+      const bool row_ok = full || r < rows_valid;
+      fa::cp_async<kCopyBytes>(s_tile + sw128_offset<kRows>(r, chunk), row_ok ? src : g_tile, row_ok ? bytes : 0);
+      src += kRowsPerPass * row_stride;
+    }
+  } else {
+    (void)full;
+    for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
+      const int r = idx / kCols, c = idx % kCols;
+      const T x = (r < rows_valid && c < cols_valid) ? fa::gload(g_tile + r * row_stride + c) : zero_value<T>();
+      *reinterpret_cast<T*>(s_tile + sw128_offset<kRows>(r, c >> 3) + (c & 7) * 2) = x;
+    }
+  }
+}
+
+// Descriptor of a 128B-swizzled operand at byte address p: SBO = 8 rows, LBO = the next 64-column
+// panel (MN-major only; K-major ignores it: 16).
+__device__ __forceinline__ uint64_t sw128_desc(const unsigned char* p, uint32_t lbo_bytes) {
+  return fa::wgmma_desc(p, lbo_bytes, 1024, fa::kWgmmaSwizzle128B);
+}
+
+// SS wgmma: A and B through descriptors; TransA / TransB: the operand is MN-major (transposed).
+template <typename T, int N, bool TransB, bool TransA = false>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (IsSame<T, fa_half>::value) fa::wgmma_m64nNk16_f32_f16_ss<N, TransA, TransB>(d, da, db, scale_d);
+  else fa::wgmma_m64nNk16_f32_bf16_ss<N, TransA, TransB>(d, da, db, scale_d);
+}
+
+template <typename T, int N, bool TransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  if constexpr (IsSame<T, fa_half>::value) fa::wgmma_m64nNk16_f32_f16_rs<N, TransB>(d, a, db, scale_d);
+  else fa::wgmma_m64nNk16_f32_bf16_rs<N, TransB>(d, a, db, scale_d);
+}
+
+}  // namespace flash
