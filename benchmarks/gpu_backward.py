@@ -11,6 +11,9 @@ Rows (backward: time of the backward given the forward's saved state; fwdbwd: fo
   flasharray-det-recompute  deterministic with the separate dQ kernel (dq="recompute": S, dP again)
   flasharray-atomic     cuda_backward.backward(deterministic=False): fp32 atomics for dQ, any order
   flasharray-fwdbwd     cuda_forward.forward + the deterministic backward
+  flasharray-wgmma-det, -wgmma-atomic, -wgmma-fwdbwd   the same with kernel="wgmma": the Hopper
+                        backward (flash_bwd_sm90.cu; fwdbwd also the Hopper forward), sm_90 only,
+                        where it applies (fp16/bf16, D <= 128)
   cupy-naive            materialized attention keeping P from the forward, hand-derived backward:
                         dV = PᵀdO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K·s, dK = dSᵀQ·s
   cupy-naive-fwdbwd     its forward (S, P materialized) + that backward
@@ -40,6 +43,7 @@ from flasharray.testing import check_attention  # noqa: E402
 BWD_FACTOR = 2.5
 FWDBWD_FACTOR = 3.5
 FLASHARRAY = ("flasharray-det", "flasharray-det-recompute", "flasharray-atomic", "flasharray-fwdbwd")
+WGMMA = ("flasharray-wgmma-det", "flasharray-wgmma-atomic", "flasharray-wgmma-fwdbwd")  # sm_90 GPUs only
 
 
 # ---- implementations: make((q, k, v, dout), causal, device) -> callable or None ------------------
@@ -72,6 +76,52 @@ def _make_flash_fwdbwd(tensors, causal, device):
     def run():
         out, lse = _flash_state(q, k, v, causal, device)
         return _flash_backward(q, k, v, dout, out, lse, causal, device)
+    return run
+
+
+def _wgmma_runs(tensors, causal, device):
+    """The Hopper kernels (opt-in kernel="wgmma") on an sm_90 GPU: (out, lse) of the wgmma forward
+    when its backward applies to these tensors, else None (another GPU, the emulator run, a dtype
+    or head dim the wgmma backward refuses)."""
+    if device != "cuda":
+        return None
+    import cupy as cp
+    if int(cp.cuda.Device().compute_capability) != 90:
+        return None
+    q, k, v, dout = tensors
+    try:
+        out, lse = cuda_forward.forward(q, k, v, causal=causal, scale=_scale(q), batch_shape=q.shape[:-2],
+                                        device=device, kernel="wgmma")
+        _wgmma_backward(q, k, v, dout, out, lse, causal, device)   # plans it (refusals come here)
+    except NotImplementedError:
+        return None
+    return out, lse
+
+
+def _wgmma_backward(q, k, v, dout, out, lse, causal, device, deterministic=True):
+    return cuda_backward.backward(dout, q, k, v, out, lse, causal=causal, scale=_scale(q), batch_shape=q.shape[:-2],
+                                  device=device, deterministic=deterministic, kernel="wgmma")
+
+
+def _make_wgmma_bwd(deterministic):
+    def make(tensors, causal, device):
+        state = _wgmma_runs(tensors, causal, device)
+        if state is None:
+            return None
+        q, k, v, dout = tensors
+        return lambda: _wgmma_backward(q, k, v, dout, *state, causal, device, deterministic)
+    return make
+
+
+def _make_wgmma_fwdbwd(tensors, causal, device):
+    if _wgmma_runs(tensors, causal, device) is None:
+        return None
+    q, k, v, dout = tensors
+
+    def run():
+        out, lse = cuda_forward.forward(q, k, v, causal=causal, scale=_scale(q), batch_shape=q.shape[:-2],
+                                        device=device, kernel="wgmma")
+        return _wgmma_backward(q, k, v, dout, out, lse, causal, device)
     return run
 
 
@@ -120,6 +170,9 @@ IMPLS = {
     "flasharray-det-recompute": Impl(_make_flash_bwd(True, "recompute"), "bwd", BWD_FACTOR),
     "flasharray-atomic": Impl(_make_flash_bwd(False), "bwd", BWD_FACTOR),
     "flasharray-fwdbwd": Impl(_make_flash_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
+    "flasharray-wgmma-det": Impl(_make_wgmma_bwd(True), "bwd", BWD_FACTOR),
+    "flasharray-wgmma-atomic": Impl(_make_wgmma_bwd(False), "bwd", BWD_FACTOR),
+    "flasharray-wgmma-fwdbwd": Impl(_make_wgmma_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
     "cupy-naive": Impl(_make_naive(False), "bwd", BWD_FACTOR),
     "cupy-naive-fwdbwd": Impl(_make_naive(True), "fwdbwd", FWDBWD_FACTOR),
 }
@@ -131,7 +184,7 @@ for _name, (_, _role) in fwd_bench.TORCH_ROWS.items():
 def check(name, grads, tensors, causal, device):
     """flasharray's gradients (first batch entry / head) vs the float64 reference; None for the
     other rows (PyTorch and the naive baseline are trusted)."""
-    if name not in FLASHARRAY:
+    if name not in FLASHARRAY + WGMMA:
         return None
     q, k, v, dout = tensors
     out, _ = _flash_state(q, k, v, causal, device)

@@ -50,6 +50,17 @@ def test_gpu_benchmarks_on_the_emulator(tmp_path):
     assert "flasharray-det-recompute" in out
 
 
+def test_gpu_backward_wgmma_rows(bench):
+    """The Hopper backward's rows exist, are validated like flasharray's, and stand down (None)
+    off an sm_90 GPU (here: the emulator device), so no other run changes."""
+    import gpu_backward as gb
+    for name in gb.WGMMA:
+        assert name in gb.IMPLS
+    tensors = gb._make_tensors(np, 1, 1, 32, 64, np.float16)
+    for name in gb.WGMMA:
+        assert gb.IMPLS[name].make(tensors, False, "emulator") is None
+
+
 def test_io_benchmarks(tmp_path):
     out = run("io.py", "--max-n", "512", tmp_path=tmp_path)
     assert "512" in out and "x" in out
