@@ -397,10 +397,14 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   }
 
   // ---- key loop, last tile first (the masked tiles first); two barriers per tile -------------------
-  // next: the tile below (kExt = 0: n_block − 1; extensions: the walk's next, below walk.lo when
-  // none is left).
-  auto iteration = [&](bool masked, int n_block, int next) {
+  // The tile below: kExt = 0 n_block − 1; extensions the walk's next (below walk.lo when none is
+  // left), found where K of that tile is prefetched. The body is written in the loop, not in a
+  // per-tile lambda: so the dense instantiations keep the SASS they had before the extensions (the
+  // lambda changed 8 of them: NVVM formed n_block > 0 differently after inlining).
+  int next = 0;  // extensions only
+  for (; n_block >= (kExt == 0 ? 0 : walk.lo); n_block = kExt == 0 ? n_block - 1 : next) {
     const int n0 = n_block * kBlockN;
+    const bool masked = kExt == 0 ? n_block >= n_block_unmasked : walk.masked(n_block);
     fa::cp_async_wait<0>();
     convert_k();
     // Barrier: K_j (and Q_i) copied and converted by every thread; every warp has finished reading
@@ -416,22 +420,18 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     convert_v();
     // Barrier: V_j copied and converted by every thread; every warp has finished reading K_j.
     __syncthreads();
-    if (kExt == 0 ? n_block > 0 : next >= walk.lo) load_k(true, kExt == 0 ? n0 - kBlockN : next * kBlockN);
+    if constexpr (kExt == 0) {
+      if (n_block > 0) load_k(true, n0 - kBlockN);
+    } else {
+      next = walk.prev(n_block);
+      if (next >= walk.lo) load_k(true, next * kBlockN);
+    }
     fa::cp_async_commit();
 
     softmax_step(masked, acc_s, n0);
     if constexpr (HasExt<kExt, kExtDropout>::value)  // P is dropped after l_i has summed it
       dropout_mma<1, kNTilesS>(*reinterpret_cast<float(*)[1][kNTilesS][4]>(&acc_s), rng, m0 + warp_row0, n0, lane);
     gemm_pv(acc_s);
-  };
-  if constexpr (kExt == 0) {
-    for (; n_block >= 0; --n_block) iteration(n_block >= n_block_unmasked, n_block, 0);
-  } else {
-    while (n_block >= walk.lo) {
-      const int next = walk.prev(n_block);
-      iteration(walk.masked(n_block), n_block, next);
-      n_block = next;
-    }
   }
 
   // ---- epilogue: O_i / l_i once, fp32 straight from the fragments; LSE by the quad's lane 0 ---------
