@@ -146,7 +146,14 @@ def ext_kw(features, batch, Lq, Lk, dtype, seed=1):
     return kw
 
 
+def _ieee(dtype):
+    """float32 runs precision="ieee" here (the SIMT kernel this file tests, with the fp16/bf16
+    tensor-core kernel); its sm_80+ default, 3xtf32, is tests/test_cuda_forward_tf32.py's."""
+    return {"precision": "ieee"} if np.dtype(dtype) == np.float32 else {}
+
+
 def run(device, q, k, v, causal, kw, scale=None, **opts):
+    opts = {**_ieee(q.dtype), **opts}
     batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     ext = Extensions(**kw)
@@ -290,7 +297,8 @@ def _kv_bytes(q, k, v, kw, causal=False):
     counters = []
     batch = q.shape[:-2]
     cuda_forward.forward(q, k, v, causal=causal, scale=0.1, batch_shape=batch, device="emulator",
-                         ext=Extensions(**kw), counters=counters, num_splits=1)  # one launch: no combine
+                         ext=Extensions(**kw), counters=counters, num_splits=1,  # one launch: no combine
+                         **_ieee(q.dtype))
     return sum(c.buffers[i].read_bytes for c in counters for i in (1, 2) if i in c.buffers)
 
 
@@ -399,7 +407,7 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt):
     arrays += [q, k, v] + [a for a in kw.values() if isinstance(a, np.ndarray)]
     scale = 0.125
     out, lse = cuda_forward.forward(q, k, v, causal=True, scale=scale, batch_shape=batch, device="cuda",
-                                    ext=Extensions(**kw))
+                                    ext=Extensions(**kw), **_ieee(dtype))
     check_close(out, lse, q, k, v, True, scale, kw)
     assert log and all(name.endswith(", 63>") for name, _, _ in log)
 
