@@ -212,10 +212,25 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   using CopyV = TileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>;
   const CopyK copy_k(k_row, D, tid);
   const CopyV copy_v(v_row, Dv, tid);
+  // Paged K/V with aligned rows: the same plans, each 16-row group's page looked up once per tile
+  // (PageTable, PagedTileCopy: one table read per page the tile touches, per warp; the kernel relies
+  // on page_size being a multiple of 16, which flash_attention_with_kvcache checks). Unaligned rows
+  // keep load_tile_paged (element-wise, a lookup per element's row). Dense: Absent, no code.
+  constexpr bool kPagedCopy = Is_paged && Is_aligned;
+  using Pages = typename Pick<kPagedCopy, PageTable, Absent>::type;
+  using PagedK = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>, Absent>::type;
+  using PagedV = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>, Absent>::type;
+  const Pages pages(table, page_size);
+  const PagedK paged_k(k_row, D, tid);
+  const PagedV paged_v(v_row, Dv, tid);
   // full: every row of the tile exists (every tile but the last one, n0 + Bc <= Lk); a literal or
   // a block-uniform flag, so the row test folds away or is one branch-free select per copy.
+  auto paged_rows = [&](bool full, int n0) { return full ? kBlockN : rows_in_tile(n0, kBlockN, Lk); };
   auto load_k = [&](bool full, T* sK_dst, int n0) {
-    if constexpr (Is_paged)
+    if constexpr (kPagedCopy) {
+      const int rows = paged_rows(full, n0);
+      paged_k.load(full, sK_dst, k_base, k_page, pages.template lookup<kBlockN>(n0, rows, lane), rows);
+    } else if constexpr (Is_paged)
       load_tile_paged<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
           sK_dst, k_base, k_row, k_page, table, page_size, n0, rows_in_tile(n0, kBlockN, Lk), D, tid);
     else if constexpr (Is_aligned)
@@ -225,7 +240,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
           sK_dst, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
   };
   auto load_v = [&](bool full, T* sV_dst, int n0) {
-    if constexpr (Is_paged)
+    if constexpr (kPagedCopy) {
+      const int rows = paged_rows(full, n0);
+      paged_v.load(full, sV_dst, v_base, v_page, pages.template lookup<kBlockN>(n0, rows, lane), rows);
+    } else if constexpr (Is_paged)
       load_tile_paged<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
           sV_dst, v_base, v_row, v_page, table, page_size, n0, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
     else if constexpr (Is_aligned)
@@ -233,6 +251,15 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     else
       load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(
           sV_dst, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+  };
+  // Paged K_j and V_j together (the two-stage ring): one page lookup for both.
+  auto load_kv_paged = [&](bool full, T* sK_dst, T* sV_dst, int n0) {
+    if constexpr (kPagedCopy) {
+      const int rows = paged_rows(full, n0);
+      const PageSpan span = pages.template lookup<kBlockN>(n0, rows, lane);
+      paged_k.load(full, sK_dst, k_base, k_page, span, rows);
+      paged_v.load(full, sV_dst, v_base, v_page, span, rows);
+    }
   };
 
   // S_ij = Q_i K_jᵀ: per k16 step one A fragment of Q per slab, then the Bc/8 n8 tiles of K_j,
@@ -442,8 +469,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     if (n_block >= (kMinVaries ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
-      load_k(false, sK, n_block * kBlockN);
-      load_v(false, sV, n_block * kBlockN);
+      if constexpr (kPagedCopy) {
+        load_kv_paged(false, sK, sV, n_block * kBlockN);
+      } else {
+        load_k(false, sK, n_block * kBlockN);
+        load_v(false, sV, n_block * kBlockN);
+      }
       fa::cp_async_commit();
     }
     int stage = 0;  // shared-memory stage holding tile j
@@ -455,8 +486,12 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       __syncthreads();
       if (kExt == 0 ? n_block > (kMinVaries ? split_block_min : 0) : next >= walk.lo) {
         const int n_next = kExt == 0 ? n0 - kBlockN : next * kBlockN;  // a full tile
-        load_k(true, sK + (stage ^ 1) * kKStage, n_next);
-        load_v(true, sV + (stage ^ 1) * kVStage, n_next);
+        if constexpr (kPagedCopy) {
+          load_kv_paged(true, sK + (stage ^ 1) * kKStage, sV + (stage ^ 1) * kVStage, n_next);
+        } else {
+          load_k(true, sK + (stage ^ 1) * kKStage, n_next);
+          load_v(true, sV + (stage ^ 1) * kVStage, n_next);
+        }
       }
       fa::cp_async_commit();
 

@@ -170,11 +170,171 @@ struct TileCopy {
 
 namespace flash {
 
+// ---- paged K/V tiles of the tensor-core forward (KV cache, Is_paged) ------------------------------
+// The library's page sizes are multiples of 16 rows (flash_attention_with_kvcache refuses others),
+// and key tiles start at multiples of Bc (a multiple of 16), so every 16-row group of a key tile
+// lies inside one page: the page is looked up once per group, not once per row or 16-byte chunk,
+// and once per page the tile touches (once per tile when the page holds the tile).
+
+// n / d for a block-uniform divisor d >= 1 and dividends n in [0, 2^31): a 32 × 32 → 64-bit multiply
+// and a shift instead of a ~20-instruction integer division in the key loop. Granlund & Montgomery:
+// with l = ceil(log2 d) and m = ceil(2^(31+l) / d) (< 2^32), m·d − 2^(31+l) < d <= 2^l, so
+// n·m / 2^(31+l) stays below floor(n / d) + 1 for every n < 2^31.
+struct DivideBy {
+  unsigned mul;  // m
+  int shift;     // 31 + l
+
+  __device__ __forceinline__ explicit DivideBy(int d) {
+    int l = 0;
+    while ((1u << l) < static_cast<unsigned>(d)) ++l;
+    shift = 31 + l;
+    mul = static_cast<unsigned>(((1ull << shift) + static_cast<unsigned>(d) - 1) / static_cast<unsigned>(d));
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    return static_cast<int>((static_cast<unsigned long long>(static_cast<unsigned>(n)) * mul) >> shift);
+  }
+};
+
+// Pick<B, A, C>::type: A when B, else C; with Absent, a member the kernel only has in some
+// instantiations (declared in all, constructed and used only where it exists).
+template <bool B, typename A, typename C> struct Pick { using type = A; };
+template <typename A, typename C> struct Pick<false, A, C> { using type = C; };
+struct Absent {
+  template <typename... Args> __device__ __forceinline__ explicit Absent(Args...) {}
+};
+
+// Where 16-row group `lane` of a key tile lives (meaningful in lanes < kRows / 16): its page and
+// the page row the group starts at.
+struct PageSpan {
+  int page;
+  int row;
+};
+
+// One entry's row of the block table (table[p] = page of logical rows [p·page_size, (p+1)·page_size)).
+struct PageTable {
+  const int* table;
+  int page_size;
+  DivideBy per_page;
+
+  __device__ __forceinline__ PageTable(const int* table_, int page_size_)
+      : table(table_), page_size(page_size_), per_page(page_size_) {}
+
+  // The pages of the key tile of rows [n0, n0 + kRows), rows_valid of which exist: lane l of every
+  // warp gets group l's PageSpan. Only the lane of a page's first group in the tile (or lane 0, for
+  // the page the tile starts in) reads the table; the other lanes of that page take it from that
+  // lane: one 4-byte read per page the tile touches, per warp (one per tile when the page holds the
+  // tile). Groups past rows_valid are not looked up: they get page 0 (their copies read nothing,
+  // and page 0 row `row` is an address that exists), so table entries past the entry's pages are
+  // never read. Every lane of the warp calls this (a shuffle).
+  template <int kRows>
+  __device__ __forceinline__ PageSpan lookup(int n0, int rows_valid, int lane) const {
+    static_assert(kRows % 16 == 0 && kRows / 16 <= 32, "one lane per 16-row group of the key tile");
+    const int key = n0 + 16 * lane;
+    const int p = per_page(key);
+    const int row = key - p * page_size;  // multiple of 16
+    const bool reads = lane < kRows / 16 && 16 * lane < rows_valid && (lane == 0 || row == 0);
+    const int own = reads ? fa::gload(table + p) : 0;
+    // the page starts row / 16 lanes below (or before the tile: lane 0 read it)
+    const int from = lane - (row >> 4);
+    return {__shfl_sync(0xffffffffu, own, from < 0 ? 0 : from), row};
+  }
+};
+
+// A paged K_j / V_j tile: TileCopy's plan (each thread a fixed column chunk of rows r0 + p·kRowsPerPass,
+// compile-time shared-memory offsets, a loop-invariant byte count) with the global source of each
+// row taken from its 16-row group's start, which lane g of the warp computed from the tile's
+// PageSpan (page·page_stride + row·row_stride) and shuffles: 16 rows per pass or more (d <= 64),
+// one shuffle of the group's start per pass; fewer (d = 128: 8, d = 256: 4), one per group and a
+// running pointer across the group's passes, as TileCopy's. Every lane of the warp calls load()
+// (the shuffles), lanes without a chunk then copy nothing.
+template <typename T, int kRows, int kCols, int kStride, int kNThreads>
+struct PagedTileCopy {
+  using Plan = TileCopy<T, kRows, kCols, kStride, kNThreads>;
+  static constexpr int kGroupRows = 16;
+  static constexpr int kGroups = kRows / kGroupRows;
+  static constexpr int kRowsPerPass = Plan::kRowsPerPass;
+  static constexpr int kPasses = Plan::kPasses;
+  static_assert(kRows % kGroupRows == 0, "paged key tiles are whole 16-row groups");
+  static_assert(kRowsPerPass % kGroupRows == 0 || kGroupRows % kRowsPerPass == 0,
+                "a pass covers whole groups, or a group whole passes");
+
+  bool active;           // this lane has a chunk of the row (false past kChunksPerRow)
+  int r0;                // first tile row this thread copies
+  int smem_offset;       // element offset of (r0, c) in a shared-memory tile
+  int bytes;             // bytes of the chunk that exist (head dim cut), 0..16
+  long long src_offset;  // element offset of (r0, c) from its group's first row (c = 0 when nothing
+                         // of the chunk exists)
+  long long row_stride;  // global elements between rows of a page
+
+  __device__ __forceinline__ PagedTileCopy(long long row_stride_, int cols_valid, int tid) : row_stride(row_stride_) {
+    // tid % kNThreads (= tid): tells the compiler r0 < kRowsPerPass, so that the group a pass
+    // reads is a compile-time lane when a pass is one group (r0 / 16 = 0)
+    r0 = (tid % kNThreads) / Plan::kThreadsPerRow;
+    active = tid % Plan::kThreadsPerRow < Plan::kChunksPerRow;
+    const int c = (tid % Plan::kThreadsPerRow) * Plan::kElemsPerCopy;
+    int elems = cols_valid - c;
+    elems = elems < 0 ? 0 : (elems > Plan::kElemsPerCopy ? Plan::kElemsPerCopy : elems);
+    bytes = elems * static_cast<int>(sizeof(T));
+    smem_offset = r0 * kStride + c;
+    src_offset = (r0 % kGroupRows) * row_stride + (elems > 0 ? c : 0);
+  }
+
+  // Copies the tile whose groups span describes (PageTable::lookup) from the pool at base (page 0,
+  // row 0 of this head; page_stride elements between pages) into smem_tile. full: every row exists
+  // (a literal); else rows at or past rows_valid are zero-filled (src_bytes = 0; their source
+  // address is a row of a looked-up page or of page 0, which exists).
+  __device__ __forceinline__ void load(bool full, T* smem_tile, const T* base, long long page_stride, PageSpan span,
+                                       int rows_valid) const {
+    // lane g: the byte offset of group g's first row from base (page and row are >= 0: unsigned
+    // widening). Offsets, not addresses, are shuffled: base + offset keeps the source a read-only
+    // global pointer (LDG, predicated byte copies on sm_75; a shuffled address would be generic).
+    const long long group_bytes =
+        static_cast<long long>((static_cast<unsigned long long>(static_cast<unsigned>(span.page)) * page_stride +
+                                static_cast<unsigned long long>(static_cast<unsigned>(span.row)) * row_stride) *
+                               sizeof(T));
+    const char* thread_src = reinterpret_cast<const char*>(base + src_offset);  // + group offset = source
+    auto group_of = [&](int g) {
+      return reinterpret_cast<const T*>(thread_src + __shfl_sync(0xffffffffu, group_bytes, g));
+    };
+    T* dst = smem_tile + smem_offset;
+    const bool copies = Plan::kChunksPerRow == Plan::kThreadsPerRow || active;
+    if constexpr (kRowsPerPass >= kGroupRows) {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        const int r = r0 + p * kRowsPerPass;
+        const T* src = group_of(r0 / kGroupRows + p * (kRowsPerPass / kGroupRows));
+        const bool row_ok = full || r < rows_valid;
+        if (copies && (Plan::kEvenPasses || r < kRows))
+          fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? bytes : 0);
+      }
+    } else {
+      constexpr int kPassesPerGroup = kGroupRows / kRowsPerPass;
+      const long long pass_stride = kRowsPerPass * row_stride;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        const T* src = group_of(g);
+#pragma unroll
+        for (int q = 0; q < kPassesPerGroup; ++q) {
+          const int p = g * kPassesPerGroup + q;
+          const bool row_ok = full || r0 + p * kRowsPerPass < rows_valid;
+          if (copies) fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? bytes : 0);
+          src += pass_stride;  // a running pointer, as TileCopy's
+        }
+      }
+    }
+  }
+};
+
+}  // namespace flash
+
+namespace flash {
+
 // Paged K/V (KV cache): the tile of key rows [n0, n0 + kRows) of one entry whose logical row r
 // lives in page table[r / page_size] at row r % page_size; base is the pool's (page 0, row 0) of
 // this head, page_stride the elements between pages. The page is looked up per copied row (any
 // page size, down to one row; the library asks for multiples of 16), so a key tile may span
-// several pages and pages are read in place, never gathered. Rows at or past rows_valid are
+// several pages and pages are read in place, never gathered. Used by the SIMT forward (KvRows) and
+// by the tensor-core forward for unaligned rows; its aligned rows take PagedTileCopy (above). Rows at or past rows_valid are
 // zero-filled and their page is not looked up (the table is read only for existing rows); the
 // copies are those of load_tile (cp.async 16-byte chunks when aligned, element-wise otherwise).
 template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>

@@ -12,7 +12,7 @@ import pytest
 import flasharray as fa
 from flasharray import reference
 from flasharray.testing import assert_attention_close
-from flasharray._private import cuda_forward, kvcache, validation
+from flasharray._private import cuda_forward, kvcache, tiles, validation
 from flasharray._private.dtypes import bfloat16
 from conftest import DTYPES, DTYPE_IDS, requires_gpu
 
@@ -449,6 +449,48 @@ def test_paged_reads_only_the_touched_pages(monkeypatch):
     assert case.k_cache.nbytes >= 3 * c.buffers[1].read_bytes   # the pool is far larger
 
 
+# The block_table parameter of flash_fwd_kernel (cuda_src/flash_fwd.cu): its argument index, which
+# keys the emulator's per-buffer counters (q, k, v are 0, 1, 2).
+TABLE_ARG = 32
+
+
+def _table_reads(lengths, H_kv, page, tile):
+    """Block-table bytes the tensor-core forward reads (PageTable::lookup in flash_fwd_copy.cuh): per
+    key tile and warp, one 4-byte read per page that the tile's existing 16-row groups touch — one
+    per tile when the page holds the tile; K_j and V_j share it in the two-stage ring."""
+    pages = sum(len({g // page for g in range(n0, min(n0 + tile.block_n, n), 16)})
+                for n in lengths for n0 in range(0, n, tile.block_n))
+    return H_kv * pages * tile.threads_m * 4 * (1 if tile.stages == 2 else 2)
+
+
+@pytest.mark.parametrize("page", [16, 32, 48, 64, 80, 256])
+def test_paged_table_reads_one_per_page_and_tile(monkeypatch, page):
+    """Decoding over shuffled pools of `page`-row pages, every entry's last page partial (48, 80:
+    key tiles and pages straddle each other): the result is right, K and V bytes are exactly the
+    visible rows, and the block table is read once per page a key tile touches and warp — not once
+    per copied 16-byte chunk as before (docs/performance.md, "paged K/V copy")."""
+    counters = _counted_kvcache_launches(monkeypatch)
+    seqlens = (100, 0, 257, 30)                                   # + 1 new key each
+    case = Case(np.float16, 1, 1, seqlens, heads="gqa", paged=True, L_cache=-(-320 // page) * page,
+                page=page, D=64, Dv=64, seed=page)
+    run_and_check(case, True, "emulator", num_splits=1)
+    (c,) = counters
+    H_kv, lengths = case.k_cache.shape[1], [s + 1 for s in seqlens]
+    tile = tiles.forward_tile("float16", 64, 64)
+    assert c.buffers[1].read_bytes == sum(lengths) * H_kv * 64 * 2      # K: visible rows only
+    assert c.buffers[2].read_bytes == sum(lengths) * H_kv * 64 * 2      # V
+    table = c.buffers[TABLE_ARG].read_bytes
+    assert table == _table_reads(lengths, H_kv, page, tile)
+    chunks = sum(lengths) * H_kv * 2 * (64 * 2 // 16)                    # 16-byte chunks of K and V
+    assert table * 16 <= chunks * 4                                      # before: 4 bytes per chunk
+
+
+def test_emulator_paged_unaligned_rows():
+    """Rows that are not 16-byte aligned (D = 27 fp16): the element-wise paged copy, a lookup per row."""
+    case = Case(np.float16, 2, 1, (5, 0, 40), heads="gqa", paged=True, L_cache=64, page=16, D=27, Dv=27, seed=8)
+    run_and_check(case, True, "emulator", num_splits=1)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_emulator_strided_cache(paged):
     """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied."""
@@ -562,6 +604,18 @@ def test_cpu_large_cache(dtype, Lq, L_new, page):
         case = Case(dtype, Lq, L_new, seqlens, heads="gqa", paged=paged, L_cache=1024, page=page,
                     D=128, Dv=128, seed=page)
         run_and_check(case, True, "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("page", [16, 48, 256])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
+def test_emulator_larger_paged_cache(dtype, page, num_splits):
+    """Thousands of keys through the paged copy: many key tiles per entry, pages straddling tiles
+    (48), a prefill chunk (causal, GQA-packed) and the split-KV default."""
+    case = Case(dtype, 65, 64, (1000, 0, 2047, 513), heads="gqa", paged=True, L_cache=-(-2112 // page) * page,
+                page=page, D=128, Dv=128, seed=page)
+    run_and_check(case, True, "emulator", num_splits=num_splits)
 
 
 @pytest.mark.slow
