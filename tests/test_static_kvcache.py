@@ -10,7 +10,7 @@ is what ``tests/test_sass.py`` and ``benchmarks/sass.py`` show (docs/performance
 """
 import pytest
 
-from flasharray._private import cuda_forward, tiles
+from flasharray._private import cuda_forward, launch, nvrtc, sass, tiles
 from conftest import requires_nvrtc
 from test_static_splitkv import _check
 
@@ -43,6 +43,27 @@ ARCH_PARAMS = [a if a in (75, 80) else pytest.param(a, marks=pytest.mark.slow) f
 def test_kvcache_kernels_compile_without_spills(arch):
     threads = kvcache_names(arch)
     _check(arch, "flash_fwd.cu", sorted(threads), threads)
+
+
+@pytest.mark.skipif(not sass.available()[0], reason="no disassembler (sass.available)")
+def test_paged_key_loop_keeps_the_planned_copy():
+    """The paged tensor-core forward's key-tile loop (fp16, sm_80, whole, not causal, d 64/128/256):
+    no nested copy loop (the per-chunk load_tile_paged copy had two), the dense plan's cp.async
+    count, one block-table load per key tile (K_j and V_j share the page lookup) and instructions
+    per HMMA within issue 9's dense targets (docs/performance.md: 6.05 / 5.05 / 4.79, was 14.2 /
+    12.9 / 12.6)."""
+    found = {}
+    for d in (64, 128, 256):
+        t = tiles.forward_tile("float16", d, d, 80)
+        found[cuda_forward.forward_name_expression(t, False, True, seqlens_k=True, paged=True)] = t
+    res = nvrtc.compile_cubin(launch.kernel_source("flash_fwd.cu"), "sm_80", list(found), options=["--use_fast_math"])
+    functions = sass.parse(sass.disassemble(res.cubin))
+    for name, t in found.items():
+        loop = sass.key_loop(functions[res.kernel(name).lowered_name])
+        chunks = 2 * t.block_n * t.head_dim * 2 // 16           # 16-byte chunks of K_j and V_j
+        assert (loop.nested, loop.stats.ldg) == (0, 1), name
+        assert loop.stats.ldgsts == chunks // t.n_threads, name
+        assert loop.per_hmma <= sass.target("fwd", t.head_dim), (name, loop.per_hmma)
 
 
 def simt_kvcache_names(arch):
