@@ -223,9 +223,9 @@ struct PageTable {
   // warp gets group l's PageSpan. Only the lane of a page's first group in the tile (or lane 0, for
   // the page the tile starts in) reads the table; the other lanes of that page take it from that
   // lane: one 4-byte read per page the tile touches, per warp (one per tile when the page holds the
-  // tile). Groups past rows_valid are not looked up: they get page 0 (their copies read nothing,
-  // and page 0 row `row` is an address that exists), so table entries past the entry's pages are
-  // never read. Every lane of the warp calls this (a shuffle).
+  // tile). Groups past rows_valid read no table entry, so entries past the entry's pages are never
+  // read; they get page 0 or a page an earlier lane read (their copies read nothing, and row `row`
+  // of either page is an address that exists). Every lane of the warp calls this (a shuffle).
   template <int kRows>
   __device__ __forceinline__ PageSpan lookup(int n0, int rows_valid, int lane) const {
     static_assert(kRows % 16 == 0 && kRows / 16 <= 32, "one lane per 16-row group of the key tile");

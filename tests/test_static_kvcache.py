@@ -50,7 +50,7 @@ def test_paged_key_loop_keeps_the_planned_copy():
     """The paged tensor-core forward's key-tile loop (fp16, sm_80, whole, not causal, d 64/128/256):
     no nested copy loop (the per-chunk load_tile_paged copy had two), the dense plan's cp.async
     count, one block-table load per key tile (K_j and V_j share the page lookup) and instructions
-    per HMMA within issue 9's dense targets (docs/performance.md: 6.05 / 5.05 / 4.79, was 14.2 /
+    per HMMA within issue 9's dense targets (docs/performance.md: 6.02 / 5.02 / 4.63, was 14.2 /
     12.9 / 12.6)."""
     found = {}
     for d in (64, 128, 256):
