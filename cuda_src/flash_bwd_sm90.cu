@@ -82,51 +82,11 @@ struct Sm90BwdTraits {
   static_assert(kStats % kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
 };
 
-// ---- One visit's math, shared by the cp.async kernel and the warp-specialized one ----------------------
+// ---- One visit's wgmma steps, shared by the cp.async kernel and the warp-specialized one ----------------
 // Thread layout (both kernels): the warpgroup's 64 keys, this thread's key rows key_row and key_row + 8
-// (key_row = 64·wg + 16·warp + g), query columns 8j + 2t, +1 of n8 tile j.
-
-// P^T = exp2(S^T·scale·log2e − L_i·log2e) in place: acc_s[4j + e] is (key key_row + 8(e >> 1), query
-// 8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk). key0 = c0 + key_row.
-template <bool Is_causal, int kBlockM>
-__device__ __forceinline__ void p_transposed_sm90(float (&acc_s)[kBlockM / 2], const float* lse2_s,
-                                                  const flash::Mask<Is_causal>& mask, int r0, int key0, int t,
-                                                  float scale_log2) {
-#pragma unroll
-  for (int j = 0; j < kBlockM / 8; ++j) {
-    const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
-#pragma unroll
-    for (int e = 4 * j; e < 4 * j + 4; ++e) {
-      const int col = 8 * j + 2 * t + (e & 1);
-      const int key = key0 + 8 * ((e % 4) >> 1);
-      acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
-    }
-  }
-}
-
-// dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T (into acc_dp); P^T and dS^T rounded to the A fragments of
-// dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key key_row + 8(r % 2),
-// queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk 2ks + r / 2 of that key's swizzled
-// row (ds_lane: this lane's byte, see the kernels).
-template <typename T, int kBlockM>
-__device__ __forceinline__ void ds_fragments_sm90(float (&acc_dp)[kBlockM / 2], const float (&acc_s)[kBlockM / 2],
-                                                  const float* delta_s, unsigned char* sdS, int ds_lane, int t,
-                                                  uint32_t (&a_p)[kBlockM / 16][4], uint32_t (&a_ds)[kBlockM / 16][4]) {
-#pragma unroll
-  for (int j = 0; j < kBlockM / 8; ++j) {
-    const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-#pragma unroll
-    for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
-  }
-#pragma unroll
-  for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-      a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-      *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
-    }
-}
+// (key_row = 64·wg + 16·warp + g), query columns 8j + 2t, +1 of n8 tile j. (P^T and dS^T stay written out in
+// each kernel's loop: as __forceinline__ functions ptxas scheduled the loop 18-33 instructions longer per
+// visit, measured on the cp.async kernel.)
 
 // One batch, issued and committed (the caller waits): dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i
 // MN-major: queries 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart).
@@ -305,16 +265,47 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     fa::cp_async_commit();
 
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
-    //    gemm_qk_sm90 with Q and K swapped), then P^T; dP^T = V_j dO_i^T (SS, both K-major).
-    const int r0 = i * kBlockM;
-    float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
+    //    gemm_qk_sm90 with Q and K swapped).
+    float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * 64 * 128, sQ_i);
-    p_transposed_sm90<Is_causal, kBlockM>(acc_s, lse2_s, mask, r0, c0 + key_row, t, scale_log2);
+
+    // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
+    //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+    const int r0 = i * kBlockM;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+      }
+    }
+    // -- dP^T = V_j dO_i^T (SS, both K-major).
+    float acc_dp[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + wg * 64 * 128, sdO_i);
-    // -- dS^T, the A fragments, dS^T staged. (dP^T waited for before dV is issued: P^T's float and rounded
-    //    copies are never live together with dP^T in flight — 16 registers less at the peak.)
+
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
+    //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
+    //    key_row + 8(r % 2), queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk
+    //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
+    //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
     uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-    ds_fragments_sm90<T, kBlockM>(acc_dp, acc_s, delta_s, sdS, ds_lane, t, a_p, a_ds);
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+    }
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+      }
     // -- dV_j += P^T dO_i, dK_j += dS^T Q_i: one batch, waited for after the barrier below.
     issue_dv_dk_sm90<T, kHeadDim, kHeadDimV, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i, sQ_i);
 
@@ -466,6 +457,13 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     const int which = static_cast<int>(tma_sel >> (9 * m + 3 * d)) & 7;
     return which == 1 ? grp_v : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
   };
+  // q, dout: their batch coordinates, fixed per block but for the group entry, which (when a map has that
+  // dim) is its first batch dim (the host lists it first): taken per visit.
+  const int q0 = coord(0, 0, 0), q1 = coord(0, 1, 0), q2 = coord(0, 2, 0);
+  const int o0 = coord(1, 0, 0), o1 = coord(1, 1, 0), o2 = coord(1, 2, 0);
+  const bool q_grp = (tma_sel & 7) == 1, o_grp = ((tma_sel >> 9) & 7) == 1;
+  const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
+  const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
   // Visit `visit` (query block i_v of group entry grp_v) into stage visit mod kStages, once the consumers
   // released its previous use (visit − kStages: phase visit / kStages − 1 of empty; a fresh barrier passes
   // parity 1 at once).
@@ -473,15 +471,14 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     const int s = visit % kStages;
     fa::mbarrier_wait_parity(empty + s, ((visit / kStages) & 1) ^ 1);
     const int r0 = i_v * kBlockM;
-    load_row_stats_exp<kBlockM, 32>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM,
-                                    lse + b.offset({l_b0, l_b1, l_b2, 0}) + grp_v * l_g,
-                                    delta + b.offset({d_b0, d_b1, d_b2, 0}) + grp_v * d_g, r0, Lq);
+    load_row_stats_exp<kBlockM, 32>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM, lse_b + grp_v * l_g,
+                                    delta_b + grp_v * d_g, r0, Lq);
     if (leader) {
       fa::mbarrier_arrive_expect_tx(full + s, Tr::kQBytes + Tr::kdOBytes);
-      flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, coord(0, 0, grp_v),
-                                              coord(0, 1, grp_v), coord(0, 2, grp_v), full + s);
-      flash::tma_load_tile<kBlockM, kHeadDimV>(sdO + s * Tr::kdOBytes, &tmap_do, r0, coord(1, 0, grp_v),
-                                               coord(1, 1, grp_v), coord(1, 2, grp_v), full + s);
+      flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q_grp ? grp_v : q0, q1, q2,
+                                              full + s);
+      flash::tma_load_tile<kBlockM, kHeadDimV>(sdO + s * Tr::kdOBytes, &tmap_do, r0, o_grp ? grp_v : o0, o1, o2,
+                                               full + s);
     } else {
       fa::mbarrier_arrive(full + s);  // after this lane's L_i, D_i stores (arrive: release, wait: acquire)
     }
@@ -532,13 +529,47 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     const float* lse2_s = stats + s * 2 * kBlockM;
     const float* delta_s = lse2_s + kBlockM;
     fa::mbarrier_wait_parity(full + s, phase);  // Q_i, dO_i landed (async proxy, as wgmma reads), L_i, D_i stored
-    // -- S^T, P^T, dP^T, dS^T and the dV / dK batch: the cp.async kernel's steps.
-    float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
+    // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
+    //    gemm_qk_sm90 with Q and K swapped).
+    float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * 64 * 128, sQ_i);
-    p_transposed_sm90<Is_causal, kBlockM>(acc_s, lse2_s, mask, r0, c0 + key_row, t, scale_log2);
+
+    // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
+    //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+      }
+    }
+    // -- dP^T = V_j dO_i^T (SS, both K-major).
+    float acc_dp[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * 64 * 128, sdO_i);
+
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
+    //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
+    //    key_row + 8(r % 2), queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk
+    //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
+    //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
     uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-    ds_fragments_sm90<T, kBlockM>(acc_dp, acc_s, delta_s, sdS_s, ds_lane, t, a_p, a_ds);
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+    }
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+      }
     issue_dv_dk_sm90<T, kHeadDim, kHeadDimV, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i, sQ_i);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
     // wgmma reads it: the consumers' named barrier (the producer is not in it).
