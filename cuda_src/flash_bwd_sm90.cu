@@ -43,15 +43,19 @@
 // one after the copies land (+ fence.proxy.async: generic-proxy writes, async-proxy wgmma reads), one
 // after dS^T is staged (sem_wait's in the ordered mode).
 //
-// Not yet: TMA and warp specialization (a producer warpgroup, as flash_fwd_sm90_ws_kernel), overlap of
-// one batch's wgmmas with the next step's math (every batch is waited for before its result is used),
-// extensions, head dims above 128, the recompute dQ mode.
+// Two kernels share these steps: flash_bwd_sm90_dkv_kernel (cp.async, above; both dQ modes, any aligned or
+// element-wise layout) and flash_bwd_sm90_ws_kernel (below: a producer warpgroup issuing TMA boxes onto
+// mbarriers, setmaxnreg; the plain atomic dQ mode, where the tensors fit tensor maps).
 //
-// Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out); the extension
-// tail is accepted and unused (the host takes this kernel only for dense calls).
+// Not yet: TMA / warp specialization in the ordered dQ mode (below), overlap of one batch's wgmmas with the
+// next step's math (every batch is waited for before its result is used), extensions, head dims above 128,
+// the recompute dQ mode.
+//
+// Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
+// tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
 #include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
-#include "flash_sm90_common.cuh"  // sw128_offset, load_sw128, sw128_desc, wgmma_ss, wgmma_rs
+#include "flash_sm90_common.cuh"  // sw128 layout, load_sw128, wgmma wrappers, gemm_qk_sm90, tma_load_tile
 
 namespace fa_bwd {
 

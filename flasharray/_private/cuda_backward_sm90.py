@@ -9,6 +9,14 @@ Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on s
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
 head dims above 128, extensions, ``dq="recompute"``.
 
+Plain atomic dQ (``deterministic=False``) takes the warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
+where q, dout, k, v fit tensor maps (:func:`tma_args`: 16-byte aligned rows, strides multiples of 16 bytes,
+at most three batch dims of extent above 1 per map, the group walked in the block counted): a producer
+warpgroup (``setmaxnreg`` 24) issuing TMA boxes of Q_i, dO_i into a two-stage ring on mbarriers (K_j, V_j
+once) and loading L_i, D_i, two consumer warpgroups (``setmaxnreg`` 240), 384 threads; its four maps are
+``launch.Map`` arguments encoded per call. Otherwise (the ordered mode, other layouts, :data:`USE_TMA`
+off) the cp.async kernel.
+
 Tile: Br = 64 queries per visit (the N of S^T, dP^T and dQ^T), Bc = 128 keys (two warpgroups of 64
 keys, 256 threads); head dims padded to 64 or 128 (whole 128-byte swizzle panels; the N of the dK /
 dV wgmma). Registers per thread: dK_j, dV_j (d/2 + dv/2), S^T, dP^T (Br/2 each), their rounded A
