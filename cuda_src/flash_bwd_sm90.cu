@@ -111,6 +111,19 @@ __device__ __forceinline__ void issue_dv_dk_sm90(float (&acc_dv)[kHeadDimV / 2],
   fa::wgmma_commit_group();
 }
 
+// One RS batch, issued and committed: acc += A B over Br/16 k16 steps (A from registers; B MN-major, queries
+// 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart): dV_j += P^T dO_i or dK_j += dS^T Q_i.
+template <typename T, int N, int kBlockM>
+__device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_t (&a)[kBlockM / 16][4],
+                                              const unsigned char* sB) {
+  fa::wgmma_fence_operand(acc);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockM / 16; ++ks)
+    flash::wgmma_rs<T, N, true>(acc, a[ks], flash::sw128_desc(sB + ks * 2048, kBlockM * 128), 1);
+  fa::wgmma_commit_group();
+}
+
 // dQ_i^T += K_j^T dS^T for the warpgroup's head-dim rows [64wg, 64wg + 64) (A = K_j panel wg MN-major: keys
 // 16ks.. at 2048·ks bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t +
 // (e & 1), head dim key_row + 8(e >> 1)). dqa_i: the query block's accumulator + dq_lane (this lane's part
@@ -387,6 +400,15 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 };
 
+// The ws kernel's dV batch, issued between the dP^T batch's commit and its wait (gemm_qk_sm90's `issued`).
+template <typename T, int kHeadDimV, int kBlockM>
+struct IssueDvSm90 {
+  float (&acc_dv)[kHeadDimV / 2];
+  const uint32_t (&a_p)[kBlockM / 16][4];
+  const unsigned char* sdO_i;
+  __device__ __forceinline__ void operator()() const { issue_rs_sm90<T, kHeadDimV, kBlockM>(acc_dv, a_p, sdO_i); }
+};
+
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
@@ -406,6 +428,7 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
     const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  using IssueDv = IssueDvSm90<T, kHeadDimV, kBlockM>;
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
@@ -550,16 +573,20 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
         acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
       }
     }
-    // -- dP^T = V_j dO_i^T (SS, both K-major).
-    float acc_dp[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * 64 * 128, sdO_i);
-
-    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
-    //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
-    //    key_row + 8(r % 2), queries 16ks + 8(r / 2) + 2t, +1), one 4-byte store into 16-byte chunk
-    //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
-    //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
+    // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
+    //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
+    //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
     uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+    float acc_dp[kBlockM / 2];
+    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * 64 * 128, sdO_i,
+                                                                    IssueDv{acc_dv, a_p, sdO_i});
+
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
+    //    staged for dQ (the cp.async kernel's layout), then the dK batch.
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
       const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
@@ -570,11 +597,10 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
         *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
-    issue_dv_dk_sm90<T, kHeadDim, kHeadDimV, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i, sQ_i);
+    issue_rs_sm90<T, kHeadDim, kBlockM>(acc_dk, a_ds, sQ_i);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
     // wgmma reads it: the consumers' named barrier (the producer is not in it).
     fa::fence_proxy_async();

@@ -76,8 +76,9 @@ struct NoOp {
 };
 
 // S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
-// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp>
+// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
+// kPending: for every batch but the kPending committed by `issued` after it).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                              const unsigned char* sK_j, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
@@ -90,8 +91,8 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();
-  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over)
-  fa::wgmma_wait_group<0>();
+  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over; the backward's dV batch)
+  fa::wgmma_wait_group<kPending>();
   fa::wgmma_fence_operand(acc_s);
 }
 
