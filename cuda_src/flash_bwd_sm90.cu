@@ -43,15 +43,19 @@
 // one after the copies land (+ fence.proxy.async: generic-proxy writes, async-proxy wgmma reads), one
 // after dS^T is staged (sem_wait's in the ordered mode).
 //
-// Not yet: TMA and warp specialization (a producer warpgroup, as flash_fwd_sm90_ws_kernel), overlap of
-// one batch's wgmmas with the next step's math (every batch is waited for before its result is used),
-// extensions, head dims above 128, the recompute dQ mode.
+// Two kernels share these steps: flash_bwd_sm90_dkv_kernel (cp.async, above; both dQ modes, any aligned or
+// element-wise layout) and flash_bwd_sm90_ws_kernel (below: a producer warpgroup issuing TMA boxes onto
+// mbarriers, setmaxnreg; the plain atomic dQ mode, where the tensors fit tensor maps).
 //
-// Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out); the extension
-// tail is accepted and unused (the host takes this kernel only for dense calls).
+// Not yet: TMA / warp specialization in the ordered dQ mode (below), overlap of one batch's wgmmas with the
+// next step's math (every batch is waited for before its result is used), extensions, head dims above 128,
+// the recompute dQ mode.
+//
+// Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
+// tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
 #include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
-#include "flash_sm90_common.cuh"  // sw128_offset, load_sw128, sw128_desc, wgmma_ss, wgmma_rs
+#include "flash_sm90_common.cuh"  // sw128 layout, load_sw128, wgmma wrappers, gemm_qk_sm90, tma_load_tile
 
 namespace fa_bwd {
 
@@ -81,6 +85,86 @@ struct Sm90BwdTraits {
   static constexpr int kSmemBytes = kStats + kStages * 2 * kBlockM * 4 + kAtomBytes;
   static_assert(kStats % kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
 };
+
+// ---- One visit's wgmma steps, shared by the cp.async kernel and the warp-specialized one ----------------
+// Thread layout (both kernels): the warpgroup's 64 keys, this thread's key rows key_row and key_row + 8
+// (key_row = 64·wg + 16·warp + g), query columns 8j + 2t, +1 of n8 tile j. (P^T and dS^T stay written out in
+// each kernel's loop: as __forceinline__ functions ptxas scheduled the loop 18-33 instructions longer per
+// visit, measured on the cp.async kernel.)
+
+// One batch, issued and committed (the caller waits): dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i
+// MN-major: queries 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM>
+__device__ __forceinline__ void issue_dv_dk_sm90(float (&acc_dv)[kHeadDimV / 2], float (&acc_dk)[kHeadDim / 2],
+                                                 const uint32_t (&a_p)[kBlockM / 16][4],
+                                                 const uint32_t (&a_ds)[kBlockM / 16][4],
+                                                 const unsigned char* sdO_i, const unsigned char* sQ_i) {
+  fa::wgmma_fence_operand(acc_dv);
+  fa::wgmma_fence_operand(acc_dk);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockM / 16; ++ks)
+    flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
+#pragma unroll
+  for (int ks = 0; ks < kBlockM / 16; ++ks)
+    flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + ks * 2048, kBlockM * 128), 1);
+  fa::wgmma_commit_group();
+}
+
+// One RS batch, issued and committed: acc += A B over Br/16 k16 steps (A from registers; B MN-major, queries
+// 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart): dV_j += P^T dO_i or dK_j += dS^T Q_i.
+template <typename T, int N, int kBlockM>
+__device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_t (&a)[kBlockM / 16][4],
+                                              const unsigned char* sB) {
+  fa::wgmma_fence_operand(acc);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockM / 16; ++ks)
+    flash::wgmma_rs<T, N, true>(acc, a[ks], flash::sw128_desc(sB + ks * 2048, kBlockM * 128), 1);
+  fa::wgmma_commit_group();
+}
+
+// dQ_i^T += K_j^T dS^T for the warpgroup's head-dim rows [64wg, 64wg + 64) (A = K_j panel wg MN-major: keys
+// 16ks.. at 2048·ks bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t +
+// (e & 1), head dim key_row + 8(e >> 1)). dqa_i: the query block's accumulator + dq_lane (this lane's part
+// of DQAccumLayout::offset, see the kernels): each element adds a constant, one address then immediates.
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int wg,
+                                                int key_row, float* dqa_i) {
+  using Acc = DQAccumLayout<kDQDim>;
+  float acc_dq[kBlockM / 2];
+  fa::wgmma_fence_operand(acc_dq);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks)
+    flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + wg * kBlockN * 128 + ks * 2048, kBlockN * 128),
+                                            flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
+  fa::wgmma_commit_group();
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc_dq);
+#pragma unroll
+  for (int e = 0; e < kBlockM / 2; ++e) {
+    if (kDQDim == kHeadDim || key_row + 8 * ((e % 4) >> 1) < kDQDim)
+      fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
+  }
+}
+
+// dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv); key0 = c0 + key_row.
+template <typename OutT, int kHeadDim, int kHeadDimV>
+__device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim / 2], const float (&acc_dv)[kHeadDimV / 2],
+                                                 OutT* dk_j, long long dk_row, OutT* dv_j, long long dv_row, int key0,
+                                                 int t, int Lk, int D, int Dv, float scale) {
+#pragma unroll
+  for (int e = 0; e < kHeadDim / 2; ++e) {
+    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    if (key < Lk && col < D) fa::gstore(dk_j + key * dk_row + col, FromAcc<OutT>::convert(acc_dk[e] * scale));
+  }
+#pragma unroll
+  for (int e = 0; e < kHeadDimV / 2; ++e) {
+    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    if (key < Lk && col < Dv) fa::gstore(dv_j + key * dv_row + col, FromAcc<OutT>::convert(acc_dv[e]));
+  }
+}
 
 }  // namespace fa_bwd
 using namespace fa_bwd;
@@ -197,20 +281,10 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     if (visit + 1 < n_visits) load_query_block(grp_n, i_n, s ^ 1);  // overlaps this visit's math
     fa::cp_async_commit();
 
-    // -- S^T = K_j Q_i^T: A = the warpgroup's 64 keys (K-major), B = Q_i (K-major); k16 step ks reads
-    //    bytes 32·(ks mod 4) of panel ks / 4.
+    // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
+    //    gemm_qk_sm90 with Q and K swapped).
     float acc_s[kBlockM / 2];
-    fa::wgmma_fence_operand(acc_s);
-    fa::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const int kb = (ks % 4) * 32;
-      flash::wgmma_ss<T, kBlockM, false>(acc_s, flash::sw128_desc(sK + wg * 64 * 128 + (ks / 4) * kBlockN * 128 + kb, 16),
-                                         flash::sw128_desc(sQ_i + (ks / 4) * kBlockM * 128 + kb, 16), ks > 0);
-    }
-    fa::wgmma_commit_group();
-    fa::wgmma_wait_group<0>();
-    fa::wgmma_fence_operand(acc_s);
+    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * 64 * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
@@ -227,17 +301,7 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     }
     // -- dP^T = V_j dO_i^T (SS, both K-major).
     float acc_dp[kBlockM / 2];
-    fa::wgmma_fence_operand(acc_dp);
-    fa::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDimV / 16; ++ks) {
-      const int kb = (ks % 4) * 32;
-      flash::wgmma_ss<T, kBlockM, false>(acc_dp, flash::sw128_desc(sV + wg * 64 * 128 + (ks / 4) * kBlockN * 128 + kb, 16),
-                                         flash::sw128_desc(sdO_i + (ks / 4) * kBlockM * 128 + kb, 16), ks > 0);
-    }
-    fa::wgmma_commit_group();
-    fa::wgmma_wait_group<0>();
-    fa::wgmma_fence_operand(acc_dp);
+    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + wg * 64 * 128, sdO_i);
 
     // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
     //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
@@ -259,19 +323,8 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
         *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
-
-    // -- one batch: dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i MN-major: queries 16ks.. at
-    //    2048·ks bytes, head-dim panels Br·128 bytes apart); waited for after the barrier below.
-    fa::wgmma_fence_operand(acc_dv);
-    fa::wgmma_fence_operand(acc_dk);
-    fa::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-      flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-      flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + ks * 2048, kBlockM * 128), 1);
-    fa::wgmma_commit_group();
+    // -- dV_j += P^T dO_i, dK_j += dS^T Q_i: one batch, waited for after the barrier below.
+    issue_dv_dk_sm90<T, kHeadDim, kHeadDimV, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i, sQ_i);
 
     // dS^T complete and visible to the async proxy before any warpgroup's dQ wgmma reads it (ordered:
     // also our turn for query block i — sem_wait ends in a block barrier).
@@ -286,46 +339,285 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
 
-    // -- dQ_i^T += K_j^T dS^T: warpgroup w the head-dim rows [64w, 64w + 64); A = K_j panel w MN-major
-    //    (keys 16ks.. at 2048·ks bytes), B = dS^T MN-major. Then the atomics: acc_dq[4j + e] is
-    //    dQ_i (query 8j + 2t + (e & 1), head dim 64w + 16·warp + g + 8(e >> 1)).
-    if (wg < Tr::kDQWarpgroups) {
-      float acc_dq[kBlockM / 2];
-      fa::wgmma_fence_operand(acc_dq);
-      fa::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + wg * kBlockN * 128 + ks * 2048, kBlockN * 128),
-                                                flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
-      fa::wgmma_commit_group();
-      fa::wgmma_wait_group<0>();
-      fa::wgmma_fence_operand(acc_dq);
-      // DQAccumLayout::offset(query, dim) split into this lane's part (dq_lane, above the loop) and a
-      // constant per element: one address, then immediates.
-      float* dqa_i = dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane;
-#pragma unroll
-      for (int e = 0; e < kBlockM / 2; ++e) {
-        if (kDQDim == kHeadDim || key_row + 8 * ((e % 4) >> 1) < kDQDim)
-          fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
-      }
-    }
+    // -- dQ_i^T += K_j^T dS^T (warpgroups wg < d/64) and its atomics.
+    if (wg < Tr::kDQWarpgroups)
+      dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS, wg, key_row,
+                                                              dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane);
     if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
     i = i_n, grp = grp_n;
   }
   fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
   // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
-  const int key0 = c0 + key_row;
-  OutT* dk_j = dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row});
-  OutT* dv_j = dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row});
-#pragma unroll
-  for (int e = 0; e < kHeadDim / 2; ++e) {
-    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
-    if (key < Lk && col < D) fa::gstore(dk_j + key * dk_row + col, FromAcc<OutT>::convert(acc_dk[e] * scale));
+  store_dk_dv_sm90<OutT, kHeadDim, kHeadDimV>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
+                                              dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
+                                              Lk, D, Dv, scale);
+}
+
+// ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_bwd_sm90_ws_kernel) -----------
+// 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to kWsProducerRegs): its warp 0 fills a ring of
+// kStages stages, per visit one stage: the 32 lanes load L_i·log2e and D_i (load_row_stats_exp: two floats
+// each, the −inf rows turned into +inf) and arrive on full[s]; the lane chosen by elect.sync arrives with
+// expect_tx(Q_i + dO_i bytes) and issues Q_i and dO_i as TMA boxes completing on full[s] (so full[s]
+// expects 32 arrivals and the boxes' bytes). Before the first visit it loads K_j and V_j once, on bar_kv.
+// Warpgroups 1 and 2 are the consumers of the cp.async kernel's math (keys [64(w−1), 64w) of K_j), raised to
+// kWsConsumerRegs: wait on bar_kv once and on full[s] per visit, and arrive on empty[s] (256 arrivals) once
+// the stage's last readers (the dV / dK wgmmas) have completed. No copy instruction and no block-wide barrier
+// in their loop: the barrier between dS^T staged and the dQ wgmma is named barrier 1 over the 256 consumer
+// threads, and dS^T is double-buffered by stage (a warpgroup writing visit v + 1's dS^T while the other still
+// runs visit v's dQ wgmma would overwrite what it reads; with two buffers the barrier of visit v + 1 orders
+// the write of visit v + 2 after that read).
+// Plain atomic dQ only (deterministic=False): the ordered mode's fa::sem_wait / fa::sem_post are block-wide
+// barriers (every thread of the block at one call site), which the producer warpgroup would have to meet in
+// the consumers' loop; code reachable from both roles is register-allocated at the launch bound (168), and
+// that loop then spills 500-700 bytes at d = 128 (measured). The ordered mode keeps the cp.async kernel until
+// a consumer-only semaphore (a spin by one consumer thread + named barrier, in fa_port.cuh and the emulator)
+// exists.
+//
+// Tensor maps (flasharray/_private/cuda_backward_sm90.py): q, dout rank 5 (column, row, three batch dims)
+// with box (64 columns, Br rows, 1, 1, 1); k, v the same with Bc rows. The three batch dims of a map are the
+// tensor's batch dims of extent above 1 (the group dim walked in the block and the grid's b2, b1, b0; at most
+// three, else the host takes the cp.async kernel); tma_sel says for each (bits 9m + 3d .. +2, map m = q, dout,
+// k, v; batch dim d) which coordinate it takes: 0 none (extent 1: coordinate 0), 1 the group entry, 2 b2,
+// 3 b1, 4 b0. Broadcast dims (stride 0) have extent 1 in the map.
+namespace fa_bwd {
+
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
+  using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  static_assert(kBlockN == 128, "the producer warpgroup feeds two consumer warpgroups");
+  static constexpr int kConsumerThreads = Base::kNThreads;
+  static constexpr int kNThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
+  static constexpr int kdSBytes = kBlockN * kBlockM * 2;
+  static constexpr int kdS = Base::kdS;                                   // [stage] dS^T, Bc x Br
+  static constexpr int kStats = kdS + Base::kStages * kdSBytes;            // per stage: L_i·log2e, D_i
+  static constexpr int kBarOffset = kStats + Base::kStages * 2 * kBlockM * 4;
+  static constexpr int kBars = 1 + 2 * Base::kStages;                      // kv, full[stage], empty[stage]
+  static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
+  static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
+  static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+};
+
+// The ws kernel's dV batch, issued between the dP^T batch's commit and its wait (gemm_qk_sm90's `issued`).
+template <typename T, int kHeadDimV, int kBlockM>
+struct IssueDvSm90 {
+  float (&acc_dv)[kHeadDimV / 2];
+  const uint32_t (&a_p)[kBlockM / 16][4];
+  const unsigned char* sdO_i;
+  __device__ __forceinline__ void operator()() const { issue_rs_sm90<T, kHeadDimV, kBlockM>(acc_dv, a_p, sdO_i); }
+};
+
+}  // namespace fa_bwd
+
+template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
+          bool Is_causal>
+__global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws_kernel(
+    const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
+    const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
+    const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
+    const T* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_g, long long do_row,
+    const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
+    const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
+    float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
+    long long dqa_row /* = kDQDim (DQAccumLayout); unused */,
+    OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
+    OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float), long long tma_sel,
+    const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
+    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
+  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  using IssueDv = IssueDvSm90<T, kHeadDimV, kBlockM>;
+  constexpr int kStages = Tr::kStages;
+  static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
+  // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
+  // the host lays out the cp.async kernel's arguments for both.
+  (void)q; (void)q_b0; (void)q_b1; (void)q_b2; (void)q_g; (void)q_row; (void)k; (void)k_b0; (void)k_b1;
+  (void)k_b2; (void)k_row; (void)v; (void)v_b0; (void)v_b1; (void)v_b2; (void)v_row; (void)dout; (void)do_b0;
+  (void)do_b1; (void)do_b2; (void)do_g; (void)do_row;
+  (void)dqa_row; (void)ext_seqlens_q; (void)ext_seqlens_k; (void)ext_e_b0; (void)ext_e_b1; (void)ext_e_b2;
+  (void)ext_window_left; (void)ext_window_right; (void)ext_softcap; (void)ext_alibi; (void)ext_alibi_b0;
+  (void)ext_alibi_b1; (void)ext_alibi_b2; (void)ext_alibi_scale; (void)ext_block_mask; (void)ext_bm_b0;
+  (void)ext_bm_b1; (void)ext_bm_b2; (void)ext_bm_row; (void)ext_bm_col; (void)ext_block_q; (void)ext_block_k;
+  (void)ext_seed_lo; (void)ext_seed_hi; (void)ext_offset;
+
+  FA_DYNAMIC_SMEM(smem_raw);
+  // The swizzled boxes start on the pattern's repeat in the shared window (as in the cp.async kernel).
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  unsigned char* sK = smem + Tr::kK;
+  unsigned char* sV = smem + Tr::kV;
+  unsigned char* sQ = smem + Tr::kQ;    // [stage]
+  unsigned char* sdO = smem + Tr::kdO;  // [stage]
+  unsigned char* sdS = smem + Tr::kdS;  // [stage]
+  float* stats = reinterpret_cast<float*>(smem + Tr::kStats);  // [stage][L_i·log2e | D_i][Br]
+  uint64_t* bar_kv = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);  // K_j, V_j landed
+  uint64_t* full = bar_kv + 1;        // [stage]: Q_i, dO_i landed, L_i, D_i stored
+  uint64_t* empty = full + kStages;   // [stage]: every consumer thread is done with the stage
+
+  const int tid = static_cast<int>(threadIdx.x);
+  // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const BatchIndex b = BatchIndex::from_grid(nb2);
+  const flash::Mask<Is_causal> mask(Lq, Lk);
+  const int i_begin = mask.m_block_min(c0, kBlockM);
+  const int n_qblocks = (Lq + kBlockM - 1) / kBlockM;
+  const int n_visits = (n_qblocks > i_begin ? n_qblocks - i_begin : 0) * n_group;
+  auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
+
+  if (tid == 0) {
+    fa::mbarrier_init(bar_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      fa::mbarrier_init(full + s, Tr::kProducerLanes);
+      fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
+    }
+    fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
   }
-#pragma unroll
-  for (int e = 0; e < kHeadDimV / 2; ++e) {
-    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
-    if (key < Lk && col < Dv) fa::gstore(dv_j + key * dv_row + col, FromAcc<OutT>::convert(acc_dv[e]));
+  __syncthreads();              // ... and to every thread before its first wait or arrival
+
+  // ---- producer state: warp 0 loads (its elected lane issues the boxes) ----
+  const bool loader = tid < 32;
+  // Map m's coordinate of batch dim d for the group entry grp_v (tma_sel, above).
+  auto coord = [&](int m, int d, int grp_v) {
+    const int which = static_cast<int>(tma_sel >> (9 * m + 3 * d)) & 7;
+    return which == 1 ? grp_v : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
+  };
+  // q, dout: their batch coordinates, fixed per block but for the group entry, which (when a map has that
+  // dim) is its first batch dim (the host lists it first): taken per visit.
+  const int q0 = coord(0, 0, 0), q1 = coord(0, 1, 0), q2 = coord(0, 2, 0);
+  const int o0 = coord(1, 0, 0), o1 = coord(1, 1, 0), o2 = coord(1, 2, 0);
+  const bool q_grp = (tma_sel & 7) == 1, o_grp = ((tma_sel >> 9) & 7) == 1;
+  const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
+  const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
+  // Visit `visit` (query block i_v of group entry grp_v) into stage visit mod kStages, once the consumers
+  // released its previous use (visit − kStages: phase visit / kStages − 1 of empty; a fresh barrier passes
+  // parity 1 at once).
+  auto produce = [&](int visit, int grp_v, int i_v, bool leader) {
+    const int s = visit % kStages;
+    fa::mbarrier_wait_parity(empty + s, ((visit / kStages) & 1) ^ 1);
+    const int r0 = i_v * kBlockM;
+    load_row_stats_exp<kBlockM, 32>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM, lse_b + grp_v * l_g,
+                                    delta_b + grp_v * d_g, r0, Lq);
+    if (leader) {
+      fa::mbarrier_arrive_expect_tx(full + s, Tr::kQBytes + Tr::kdOBytes);
+      flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q_grp ? grp_v : q0, q1, q2,
+                                              full + s);
+      flash::tma_load_tile<kBlockM, kHeadDimV>(sdO + s * Tr::kdOBytes, &tmap_do, r0, o_grp ? grp_v : o0, o1, o2,
+                                               full + s);
+    } else {
+      fa::mbarrier_arrive(full + s);  // after this lane's L_i, D_i stores (arrive: release, wait: acquire)
+    }
+  };
+
+  if (wg == 0) {
+    // ---- producer: K_j, V_j once, then the visits one stage ahead of the consumers ----
+    fa::setmaxnreg_dec<flash::kWsProducerRegs>();
+    if (!loader) return;  // warps 1-3: nothing to do
+    const bool leader = fa::elect_one();
+    if (n_visits > 0 && leader) {
+      fa::mbarrier_arrive_expect_tx(bar_kv, Tr::kKBytes + Tr::kVBytes);
+      flash::tma_load_tile<kBlockN, kHeadDim>(sK, &tmap_k, c0, coord(2, 0, 0), coord(2, 1, 0), coord(2, 2, 0), bar_kv);
+      flash::tma_load_tile<kBlockN, kHeadDimV>(sV, &tmap_v, c0, coord(3, 0, 0), coord(3, 1, 0), coord(3, 2, 0), bar_kv);
+    }
+    for (int visit = 0, grp = 0, i = i_begin; visit < n_visits; ++visit) {
+      produce(visit, grp, i, leader);
+      const bool wrap = i + 1 == n_qblocks;
+      i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+    }
+    return;
   }
+
+  // ---- consumers ----
+  fa::setmaxnreg_inc<flash::kWsConsumerRegs>();
+  const int cwg = wg - 1;                                        // keys [64 cwg, 64 cwg + 64) of K_j
+  const int lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int key_row = cwg * 64 + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
+  const float scale_log2 = scale * flash::kLog2e;
+  // dQ accumulator and dS^T addresses as lane part + constants (the cp.async kernel's).
+  const int dq_lane = key_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t, key_row) : 0;
+  const int ds_lane = key_row * 128 + (g << 4) + 4 * t;
+  float acc_dk[kHeadDim / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
+  float acc_dv[kHeadDimV / 2];  // dV_j, 64 keys x dv
+#pragma unroll
+  for (int e = 0; e < kHeadDim / 2; ++e) acc_dk[e] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kHeadDimV / 2; ++e) acc_dv[e] = 0.0f;
+  if (n_visits > 0) fa::mbarrier_wait_parity(bar_kv, 0);  // K_j, V_j landed
+
+  int grp = 0, i = i_begin;
+  for (int visit = 0; visit < n_visits; ++visit) {
+    const int s = visit % kStages, phase = (visit / kStages) & 1;
+    const int r0 = i * kBlockM;
+    const unsigned char* sQ_i = sQ + s * Tr::kQBytes;
+    const unsigned char* sdO_i = sdO + s * Tr::kdOBytes;
+    unsigned char* sdS_s = sdS + s * Tr::kdSBytes;
+    const float* lse2_s = stats + s * 2 * kBlockM;
+    const float* delta_s = lse2_s + kBlockM;
+    fa::mbarrier_wait_parity(full + s, phase);  // Q_i, dO_i landed (async proxy, as wgmma reads), L_i, D_i stored
+    // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
+    //    gemm_qk_sm90 with Q and K swapped).
+    float acc_s[kBlockM / 2];
+    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * 64 * 128, sQ_i);
+
+    // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
+    //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+      }
+    }
+    // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
+    //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
+    //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
+    uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+    float acc_dp[kBlockM / 2];
+    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * 64 * 128, sdO_i,
+                                                                    IssueDv{acc_dv, a_p, sdO_i});
+
+    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
+    //    staged for dQ (the cp.async kernel's layout), then the dK batch.
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+    }
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+      }
+    issue_rs_sm90<T, kHeadDim, kBlockM>(acc_dk, a_ds, sQ_i);
+    // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
+    // wgmma reads it: the consumers' named barrier (the producer is not in it).
+    fa::fence_proxy_async();
+    fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+    fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read
+    fa::wgmma_fence_operand(acc_dv);
+    fa::wgmma_fence_operand(acc_dk);
+    fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
+    if (cwg < Tr::kDQWarpgroups)
+      dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, key_row,
+                                                              dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane);
+    const bool wrap = i + 1 == n_qblocks;
+    i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+  }
+
+  // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
+  store_dk_dv_sm90<OutT, kHeadDim, kHeadDimV>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
+                                              dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
+                                              Lk, D, Dv, scale);
 }

@@ -52,7 +52,8 @@
 #include "flash_fwd_copy.cuh"
 #include "flash_fwd_tiles.cuh"
 #include "flash_ext.cuh"
-#include "flash_sm90_common.cuh"  // the 128B-swizzled layout, its copy routine, descriptors, wgmma wrappers
+#include "flash_sm90_common.cuh"  // the 128B-swizzled layout, its copy routine, descriptors, wgmma wrappers,
+                                   // gemm_qk_sm90, tma_load_tile, the ws register split
 
 namespace flash {
 
@@ -81,30 +82,6 @@ struct Sm90FwdTraits {
   // + the alignment slack of the GPU's dynamic shared memory base (cuda_forward_sm90.smem_bytes).
   static constexpr int kSmemBytes = (kLoopBytes > kEpilogueBytes ? kLoopBytes : kEpilogueBytes) + kAtomBytes;
 };
-
-struct NoOp {
-  __device__ __forceinline__ void operator()() const {}
-};
-
-// S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
-// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp>
-__device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
-                                             const unsigned char* sK_j, Issued issued = Issued()) {
-  fa::wgmma_fence_operand(acc_s);
-  fa::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const int k_bytes = (ks % 4) * 32;
-    const uint64_t da = sw128_desc(sQ_w + (ks / 4) * kBlockM * 128 + k_bytes, 16);
-    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kBlockN * 128 + k_bytes, 16);
-    wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
-  }
-  fa::wgmma_commit_group();
-  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over)
-  fa::wgmma_wait_group<0>();
-  fa::wgmma_fence_operand(acc_s);
-}
 
 // O += P V_j: P's A fragment of k16 step ks is the accumulator of S's n8 tiles 2ks, 2ks+1 rounded to
 // T (a0 row g cols 2t.., a1 row g+8, a2 / a3 the same of the second tile); V_j MN-major, keys
@@ -327,8 +304,8 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
   // 24 + 2 × 240 registers per thread-slot of a warpgroup: 64,512 of the SM's 65,536 (FlashAttention-3's split).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kProducerRegs = kWsProducerRegs;
+  static constexpr int kConsumerRegs = kWsConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   // mbarriers past both the loop and the epilogue layouts: Q, then full_k, full_v, empty per stage.
@@ -343,14 +320,6 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr bool kPingPong = true;
   static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
 };
-
-// One tile (kRows × kCols, 64-column panels kRows·128 bytes apart) as kCols/64 TMA boxes onto `bar`.
-template <int kRows, int kCols>
-__device__ __forceinline__ void tma_load_tile(unsigned char* s_tile, const CUtensorMap* map, int row, int b2,
-                                              int b1, int b0, uint64_t* bar) {
-#pragma unroll
-  for (int p = 0; p < kCols / 64; ++p) fa::tma_load_5d(s_tile + p * kRows * 128, map, 64 * p, row, b2, b1, b0, bar);
-}
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal>
 __global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)

@@ -1,8 +1,10 @@
 // flash_sm90_common.cuh — Hopper (sm_90a) pieces shared by the wgmma forward (flash_fwd_sm90.cu) and
 // backward (flash_bwd_sm90.cu): the 128-byte-swizzled shared-memory layout (panels of 64 16-bit
 // columns, row r of a panel at 128·r, its 16-byte chunk c at chunk c ^ (r mod 8): CuTe
-// Swizzle<3,4,3>), the copy routine that fills it, wgmma descriptors for it, and the f16 / bf16
-// wgmma wrappers (docs/hopper.md, "Shared-memory layouts").
+// Swizzle<3,4,3>), the copy routine that fills it, wgmma descriptors for it, the f16 / bf16
+// wgmma wrappers, the K-major SS GEMM both use (S = Q Kᵀ forward; Sᵀ = K Qᵀ and dPᵀ = V dOᵀ backward),
+// the TMA tile load and the warp-specialized kernels' register split (docs/hopper.md, "Shared-memory
+// layouts", "Warp specialization and TMA").
 #pragma once
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"  // IsSame, zero_value, kCopyBytes
@@ -68,5 +70,45 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   if constexpr (IsSame<T, fa_half>::value) fa::wgmma_m64nNk16_f32_f16_rs<N, TransB>(d, a, db, scale_d);
   else fa::wgmma_m64nNk16_f32_bf16_rs<N, TransB>(d, a, db, scale_d);
 }
+
+struct NoOp {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+// S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
+// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
+// kPending: for every batch but the kPending committed by `issued` after it).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0>
+__device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
+                                             const unsigned char* sK_j, Issued issued = Issued()) {
+  fa::wgmma_fence_operand(acc_s);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const int k_bytes = (ks % 4) * 32;
+    const uint64_t da = sw128_desc(sQ_w + (ks / 4) * kBlockM * 128 + k_bytes, 16);
+    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kBlockN * 128 + k_bytes, 16);
+    wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
+  }
+  fa::wgmma_commit_group();
+  issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over; the backward's dV batch)
+  fa::wgmma_wait_group<kPending>();
+  fa::wgmma_fence_operand(acc_s);
+}
+
+// One tile (kRows × kCols, 64-column panels kRows·128 bytes apart) as kCols/64 TMA boxes onto `bar`.
+template <int kRows, int kCols>
+__device__ __forceinline__ void tma_load_tile(unsigned char* s_tile, const CUtensorMap* map, int row, int b2,
+                                              int b1, int b0, uint64_t* bar) {
+#pragma unroll
+  for (int p = 0; p < kCols / 64; ++p) fa::tma_load_5d(s_tile + p * kRows * 128, map, 64 * p, row, b2, b1, b0, bar);
+}
+
+// Warp-specialized kernels (384 threads, __launch_bounds__(384, 1): 168 registers at launch): the producer
+// warpgroup drops to kWsProducerRegs, the two consumer warpgroups rise to kWsConsumerRegs (setmaxnreg):
+// 24 + 2 × 240 registers per thread slot, 64,512 of the SM's 65,536 (FlashAttention-3's split).
+constexpr int kWsProducerRegs = 24;
+constexpr int kWsConsumerRegs = 240;
+static_assert((kWsProducerRegs + 2 * kWsConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
 
 }  // namespace flash

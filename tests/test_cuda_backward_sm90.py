@@ -6,13 +6,17 @@ the conversion pass; dq, dk, dv are checked against the float64 reference backwa
 rule (``testing.assert_attention_close``, as tests/test_cuda_backward.py). Each case asserts that the
 wgmma kernel ran: its launch names ``flash_bwd_sm90_dkv_kernel`` and the emulator's ``wgmma`` counter
 equals the count the tiling implies. The ordered mode gives identical bits under permuted schedules.
-``-m slow``: more shapes.
+The plain atomic mode (``deterministic=False``) takes the warp-specialized TMA kernel
+``flash_bwd_sm90_ws_kernel`` where q, dout, k, v fit tensor maps (else the cp.async kernel): its
+counters show TMA boxes and no cp.async, three setmaxnreg and one elect.sync per block, and its
+gradients carry the bits of the cp.async kernel. ``-m slow``: more shapes.
 """
 import numpy as np
 import pytest
 
 from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
+from flasharray._private import launch
 from flasharray._private.dtypes import bfloat16
 from test_cuda_backward import Problem, check, run_backward
 
@@ -39,28 +43,36 @@ def run_wgmma(p, *, deterministic=True, **opts):
                        return_counters=True, **opts)
     grads, counters = res[:3], res[3]
     names = [n for n, _ in counters]
-    dkv = [c for n, c in counters if n.startswith("flash_bwd_sm90_dkv_kernel")]
+    dkv = [(n, c) for n, c in counters if n.startswith((S.KERNEL, S.WS_KERNEL))]
     assert len(dkv) == 1, names
-    assert ("true>" if deterministic else "false>") in [n for n in names if "sm90" in n][0]  # ordered or not
-    return grads, dkv[0]
+    name, c = dkv[0]
+    if name.startswith(S.WS_KERNEL):  # plain atomics only; TMA boxes, no copy instruction, registers moved
+        assert not deterministic
+        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+    else:
+        assert ("true>" if deterministic else "false>") in name  # ordered or not
+        assert c.tma_loads == 0 and c.setmaxnreg == 0
+    return grads, c
 
 
-CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic
-    (np.float16, 64, 64, (65, 127), True, "none", "bhsd", True),
-    (bfloat16, 128, 128, (17, 63), False, "none", "bhsd", False),
-    (np.float16, 40, 72, (130, 70), True, "gqa", "bshd", True),
-    (bfloat16, 59, 59, (64, 150), False, "none", "bhsd", True),   # element-wise loads (rows not 16-byte aligned)
-    (np.float16, 128, 64, (129, 65), True, "none", "bhsd", False),  # Lq > Lk: rows that see no key
+CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, TMA (warp-specialized) kernel
+    (np.float16, 64, 64, (65, 127), True, "none", "bhsd", True, False),
+    (bfloat16, 128, 128, (17, 63), False, "none", "bhsd", False, True),
+    (np.float16, 40, 72, (130, 70), True, "gqa", "bshd", True, False),
+    (bfloat16, 59, 59, (64, 150), False, "none", "bhsd", True, False),  # element-wise loads (rows not 16-byte aligned)
+    (np.float16, 128, 64, (129, 65), True, "none", "bhsd", False, True),  # Lq > Lk: rows that see no key
+    (np.float16, 40, 72, (70, 130), True, "gqa", "bshd", False, True),  # TMA: group dim + BSHD strides in the maps
+    (bfloat16, 59, 59, (20, 40), False, "none", "bhsd", False, False),  # not TMA-legal (118-byte rows): cp.async
 ]
 SLOW = [
-    (dt, D, D, lengths, causal, bcast, "bhsd", det)
+    (dt, D, D, lengths, causal, bcast, "bhsd", det, None)
     for dt in (np.float16, bfloat16) for D in (16, 64, 96, 128)
     for lengths in ((1, 1), (64, 64), (113, 203), (257, 128)) for causal in (False, True)
-    for bcast, det in (("none", True), ("mqa", False))
+    for bcast, det in (("none", True), ("mqa", False), ("gqa", False))
 ]
 
 
-def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic):
+def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, tma=None):
     p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
                 batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
     grads, c = run_wgmma(p, deterministic=deterministic)
@@ -68,6 +80,7 @@ def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic):
     plan = cb.plan(*p.args("emulator"), causal=p.causal, scale=p.scale, batch_shape=p.batch_shape,
                    device="emulator", deterministic=deterministic, kernel="wgmma", arch="sm_90")
     assert plan.kernel == "wgmma" and plan.dq_mode == ("ordered" if deterministic else "atomic")
+    assert tma is None or plan.tma == tma
     tile = S.backward_tile(None, p.dtype, D, Dv, 90)
     n_group = plan.group[1]
     n_entries_kv = int(np.prod([p.batch_shape[i] for i in plan.grid_b])) if plan.grid_b else 1
@@ -95,6 +108,54 @@ def test_wgmma_backward_ordered_bits_identical_under_schedules(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+def _ws_vs_cp_async(p, **opts):
+    """The warp-specialized kernel's gradients and the cp.async kernel's on the same inputs (plain atomics)."""
+    ws, c = run_wgmma(p, deterministic=False, **opts)
+    assert c.tma_loads > 0
+    try:
+        S.USE_TMA = False
+        launch._clear_plans()
+        cp, c = run_wgmma(p, deterministic=False, **opts)
+    finally:
+        S.USE_TMA = True
+        launch._clear_plans()
+    assert c.cp_async > 0
+    return ws, cp
+
+
+@pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 5)])
+def test_ws_kernel_bits_match_cp_async(schedule, seed):
+    """One key block per K/V head (each dQ element added once per query block: no order to vary): the
+    warp-specialized kernel gives the cp.async kernel's bits for dq, dk and dv, whatever the landing
+    points of the TMA boxes and the producer / consumer interleaving (GQA: the group walked in the block,
+    its coordinate through tma_sel; BSHD views: strided maps)."""
+    p = Problem(np.float16, 64, 150, 100, causal=True, bcast="gqa", layout="bshd", batch_q=(1, 2, 2),
+                batch_k=(1, 2, 1))
+    ws, cp = _ws_vs_cp_async(p, schedule=schedule, seed=seed)
+    for a, b in zip(ws, cp):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_ws_plan_maps():
+    """The plan's dK/dV launch: 384 threads, the ws tile's shared memory, four tensor maps (q, dout: box
+    64 x Br; k, v: 64 x Bc; 128-byte swizzle) and tma_sel naming the group dim for q, dout."""
+    p = Problem(np.float16, 40, 70, 130, causal=False, bcast="gqa", layout="bshd")
+    plan = cb.plan(*p.args("emulator"), causal=False, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
+                   deterministic=False, kernel="wgmma", arch="sm_90")
+    assert plan.tma
+    rec = [r for r in plan.launches if r.name.startswith(S.WS_KERNEL)]
+    assert len(rec) == 1 and rec[0].block == (384, 1, 1)
+    maps = [a for a in rec[0].template if isinstance(a, launch.Map)]
+    assert [m.key for m in maps] == ["q", "dout", "k", "v"]
+    assert [m.template.box_dim for m in maps] == [(64, 64, 1, 1, 1)] * 2 + [(64, 128, 1, 1, 1)] * 2
+    assert all(m.template.swizzle == 128 for m in maps)
+    sel = int(rec[0].template[-5])
+    assert sel & 7 == 1 and (sel >> 9) & 7 == 1  # q, dout: first batch dim of the map = the group entry
+    assert (sel >> 18) & 7 != 1 and (sel >> 27) & 7 != 1  # k, v: no group
+    t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
+    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 40
+
+
 def test_wgmma_backward_tile():
     t = S.backward_tile(None, np.float16, 128, 128, "sm_90")
     assert (t.block_m, t.block_n, t.n_threads, t.stages) == (64, 128, 256, 2)
@@ -102,6 +163,9 @@ def test_wgmma_backward_tile():
     name = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma",
                           ordered=True)["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
+    ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True)
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true>"
+    assert ks["dkv"][2].n_threads == 384
 
 
 def test_default_unchanged_on_sm90():

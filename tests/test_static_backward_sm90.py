@@ -8,6 +8,12 @@ shared memory within the opt-in maximum. In the SASS the query-block loop (the l
 most HGMMA) holds every HGMMA of the kernel, exactly one visit's: per warpgroup d/16 (S^T) + dv/16
 (dP^T) SS, Br/16 + Br/16 RS (dV, dK), and Bc/16 SS for dQ^T. ``-s`` prints registers and the loop's
 instructions (docs/hopper.md, "Backward", quotes them).
+
+The warp-specialized TMA kernel (``flash_bwd_sm90_ws_kernel``, plain atomic dQ; ``ws_instantiations``)
+also: setmaxnreg took effect (``USETMAXREG.DEALLOC`` and ``.TRY_ALLOC``, no C7508 note), registers used
+within the consumers' 240, the query-block loop free of copies (no LDGSTS) with one named barrier, and
+the producer loop (the smallest loop holding ``UTMALDG``) issuing one visit's Q_i and dO_i boxes with
+registers below the producer's 24.
 """
 import re
 
@@ -37,6 +43,46 @@ def instantiations(dtype, dims, vecs=(True,)):
     return found
 
 
+def ws_instantiations(dtype, dims):
+    found = {}
+    for d in dims:
+        for causal in (False, True):
+            ks = cb.kernel_plan(dtype, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma", tma=True)
+            found[ks["dkv"][1]] = (ks["dkv"][2], d)
+    return found
+
+
+def sass_registers(operands):
+    return re.findall(r"\bR\d+\b", operands)
+
+
+def ws_checks(name, t, d, body, loop):
+    """Problems of the warp-specialized kernel's SASS and its figures (producer loop, registers)."""
+    problems = []
+    ops = {i.opcode for i in body}
+    for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
+        if op not in ops:
+            problems.append("%s: no %s" % (name, op))
+    if loop.stats.ldgsts or loop.stats.bar != 1:
+        problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
+    tma = [i for i in body if i.base == "UTMALDG"]
+    lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
+    if not lps:
+        return problems + ["%s: no producer loop" % name], ""
+    producer = min(lps, key=lambda lp: lp.stats.instructions)
+    boxes = sum(1 for i in tma if producer.start <= i.address <= producer.end)
+    if boxes != 2 * S.pad_head_dim(d) // 64:
+        problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes, 2 * S.pad_head_dim(d) // 64))
+    in_producer = [i for i in body if producer.start <= i.address <= producer.end]
+    p_regs = max((int(r[1:]) for i in in_producer for r in sass_registers(i.operands)), default=0) + 1
+    regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1
+    if regs > S.CONSUMER_REGS or p_regs > S.PRODUCER_REGS:
+        problems.append("%s: registers up to R%d (consumers: %d), producer loop up to R%d (%d)" % (
+            name, regs - 1, S.CONSUMER_REGS, p_regs - 1, S.PRODUCER_REGS))
+    return problems, "  producer loop %d instr (%d UTMALDG, registers < %d), registers used %d" % (
+        producer.stats.instructions, boxes, p_regs, regs)
+
+
 def hgmma_in(body, loop):
     return [i for i in body if i.base == "HGMMA" and (loop is None or loop.start <= i.address <= loop.end)]
 
@@ -44,7 +90,7 @@ def hgmma_in(body, loop):
 def _check(found):
     res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
     fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
-    problems = [line for line in res.log.splitlines() if "serializ" in line.lower()]
+    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
     rows = []
     for name, (t, d) in found.items():
         k = res.kernel(name)
@@ -75,6 +121,10 @@ def _check(found):
                             loop.stats.instructions, len(in_loop), len(in_loop) - len(rs), len(rs), eq,
                             loop.stats.instructions / eq, loop.stats.bar, loop.stats.ldgsts, loop.stats.mufu,
                             sum(1 for i in body if i.base.startswith("RED") and loop.start <= i.address <= loop.end))
+                if name.startswith(S.WS_KERNEL):
+                    more, text = ws_checks(name, t, d, body, loop)
+                    problems += more
+                    line += text
         rows.append(line)
     print("\n".join(rows))
     assert not problems, "\n".join(problems)
@@ -84,8 +134,13 @@ def test_wgmma_backward_compiles_fp16():
     _check(instantiations(np.float16, (64, 128)))
 
 
+def test_ws_backward_compiles_fp16():
+    _check(ws_instantiations(np.float16, (64, 128)))
+
+
 @pytest.mark.slow
 def test_wgmma_backward_compiles_bf16_and_elementwise():
     found = instantiations(bfloat16, (64, 128), (True, False))
     found.update(instantiations(np.float16, (64, 128), (False,)))
+    found.update(ws_instantiations(bfloat16, (64, 128)))
     _check(found)

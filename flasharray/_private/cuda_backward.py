@@ -166,7 +166,7 @@ def default_kernel(dtype, arch):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True, stages=None, ext=0, ordered=False, precision=None):
+                acc_dq=False, vec=True, stages=None, ext=0, ordered=False, precision=None, tma=False):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
@@ -179,8 +179,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     written as AccT partial sums (broadcast dims reduced afterwards); ``vec``: cp.async tile
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
     streamed tiles (default: the tile table's choice); ``ext``: the kernels' ``kExt`` bits
-    (``cuda_forward.EXT_BITS``; 0: the dense instantiations, whose names carry no kExt). Also used
-    by the static checks.
+    (``cuda_forward.EXT_BITS``; 0: the dense instantiations, whose names carry no kExt); ``tma``:
+    kernel "wgmma" in the plain atomic mode, the warp-specialized TMA dK/dV kernel
+    (``cuda_backward_sm90.ws_name``). Also used by the static checks.
     """
     dtype = canonical_dtype(dtype)
     acc = accumulation_dtype(dtype)
@@ -211,10 +212,13 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
-        plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
-                                                      **({"ext": ext} if ext else {}),
-                                                      **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
-                       t_kv)
+        if tma and kernel == "wgmma" and not ordered:  # the warp-specialized TMA kernel (plain atomics)
+            plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv), module.ws_tile(t_kv, D, Dv))
+        else:
+            plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
+                                                          **({"ext": ext} if ext else {}),
+                                                          **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
+                           t_kv)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
@@ -419,6 +423,7 @@ class BackwardPlan:
     def _record(self, runner, t, unused, *, causal, scale, deterministic, arch, stages):
         """Plan the batch splits and record the three passes' launches."""
         self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel not in TC_FAMILIES else "dq"
+        self.tma = False  # the warp-specialized TMA dK/dV kernel (kernel "wgmma", set below)
         full, nb = self.batch_shape, len(self.batch_shape)
         if 0 in full:
             return  # no batch entry: nothing to launch (empty gradients)
@@ -439,15 +444,26 @@ class BackwardPlan:
             D % c == 0 and Dv % c == 0
             and all(_rs(a) % c == 0 and _aligned16(a) for a in (q, k, v, dout))
             and all(x % c == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+        plans_b = _launch_plans(sizes_b, strides_b)
+        # kernel "wgmma", plain atomics: the warp-specialized TMA kernel where every launch's q, dout, k, v
+        # fit tensor maps (cuda_backward_sm90.tma_args), else the cp.async kernel.
+        tma = False
+        if self.kernel == "wgmma" and vec and not self.ordered and not deterministic:
+            sm90 = _family_module("wgmma")
+            tile = sm90.backward_tile(self.precision, self.dtype, D, Dv, arch)
+            tma = sm90.USE_TMA and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None
+                                       for part in plans_b)
+        self.tma = tma
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
-                         ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision)
+                         ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,
+                         tma=tma)
         ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
                       unused)
         ctx.tail = self._ext_tail(ext_names)
         plans_a = _launch_plans(sizes_a, strides_a)
         ctx.preprocess(plans_a)
-        ctx.dkv(_launch_plans(sizes_b, strides_b), self.group)
+        ctx.dkv(plans_b, self.group)
         ctx.dq(plans_a)
 
     def _ext_stand_ins(self, t):
@@ -618,8 +634,14 @@ class _Passes:
                  *self._arg("delta", off, sb, group=gs["delta"], row=False), *dqa,
                  *self._arg("dk", off, sb), *self._arg("dv", off, sb),
                  i32(self.Lq), i32(self.Lk), i32(self.D), i32(self.Dv), i32(mb2), i32(n_group), self.scale_arg,
-                 *self.tail(off, sb)],
+                 *self.tail(off, sb), *self._tma_tail(name, ((mb0, mb1, mb2), sb, off), group, t_kv)],
                 t_kv.smem)
+
+    def _tma_tail(self, name, part, group, t_kv):
+        """The warp-specialized wgmma kernel's tma_sel and tensor maps (``launch.Map``); nothing for the others."""
+        if self.kernel != "wgmma" or not name.startswith(_family_module("wgmma").WS_KERNEL):
+            return []
+        return _family_module("wgmma").tma_args(self.t, part, group, t_kv, self.t["q"].dtype)
 
     def dq(self, plans_a):
         """3. dQ: the deterministic kernel, or the conversion of the atomic accumulator."""

@@ -9,6 +9,14 @@ Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on s
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
 head dims above 128, extensions, ``dq="recompute"``.
 
+Plain atomic dQ (``deterministic=False``) takes the warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
+where q, dout, k, v fit tensor maps (:func:`tma_args`: 16-byte aligned rows, strides multiples of 16 bytes,
+at most three batch dims of extent above 1 per map, the group walked in the block counted): a producer
+warpgroup (``setmaxnreg`` 24) issuing TMA boxes of Q_i, dO_i into a two-stage ring on mbarriers (K_j, V_j
+once) and loading L_i, D_i, two consumer warpgroups (``setmaxnreg`` 240), 384 threads; its four maps are
+``launch.Map`` arguments encoded per call. Otherwise (the ordered mode, other layouts, :data:`USE_TMA`
+off) the cp.async kernel.
+
 Tile: Br = 64 queries per visit (the N of S^T, dP^T and dQ^T), Bc = 128 keys (two warpgroups of 64
 keys, 256 threads); head dims padded to 64 or 128 (whole 128-byte swizzle panels; the N of the dK /
 dV wgmma). Registers per thread: dK_j, dV_j (d/2 + dv/2), S^T, dP^T (Br/2 each), their rounded A
@@ -82,3 +90,86 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, 
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
         KERNEL, dtype, out or dtype, pad_head_dim(pD), pad_head_dim(pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(vec), b(ordered))
+
+
+# ---- the TMA / warp-specialized instantiation (flash_bwd_sm90_ws_kernel) ---------------------------------
+
+#: Whether ``kernel="wgmma"`` takes the warp-specialized TMA kernel where it applies (tests turn it off to
+#: run the cp.async kernel on the same inputs).
+USE_TMA = True
+WS_KERNEL = "flash_bwd_sm90_ws_kernel"
+PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
+_PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
+_MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
+_SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
+
+
+def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
+    """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
+    1 + 2 x STAGES mbarriers (8 bytes each)."""
+    return smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
+
+
+def ws_tile(tile, D, Dv):
+    """The :class:`BwdTiles` of ``flash_bwd_sm90_ws_kernel`` for the cp.async kernel's ``tile`` (head dims
+    D, Dv): one more (producer) warpgroup, dS^T double-buffered, the mbarriers."""
+    import dataclasses
+    d, dv = pad_head_dim(D), pad_head_dim(Dv)
+    reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x 64 keys, setmaxnreg "
+              "%d), d=%d dv=%d, %d-stage Q_i/dO_i ring on mbarriers, 128B-swizzled"
+              % (tile.block_m, tile.block_n, PRODUCER_REGS, CONSUMER_REGS, d, dv, STAGES))
+    return dataclasses.replace(tile, n_threads=tile.n_threads + 128, smem=ws_smem_bytes(d, dv), reason=reason)
+
+
+def ws_name(tile, pD, pDv, causal, dtype, out=None):
+    """Name expression of the warp-specialized dK/dV kernel (plain atomic dQ only)."""
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s>" % (
+        WS_KERNEL, dtype, out or dtype, pad_head_dim(pD), pad_head_dim(pDv), pD, tile.block_m, tile.block_n,
+        "true" if causal else "false")
+
+
+def _map_dims(batch, itemsize):
+    """The three batch dims of a map: ``batch`` ``[(sel code, extent, element stride), ...]``; those of
+    extent above 1 and stride not 0 (a broadcast dim is extent 1: coordinate 0), padded with extent-1
+    dims. Returns ``(extents, byte strides, sel codes)`` or None when more than three remain or a stride
+    is not TMA-legal."""
+    kept = [(code, n, st) for code, n, st in batch if n > 1 and st != 0]
+    if len(kept) > 3 or any(st < 0 or st * itemsize % 16 or st * itemsize >= _MAX_STRIDE for _, n, st in kept):
+        return None
+    kept += [(_SEL_NONE, 1, 0)] * (3 - len(kept))
+    return [n for _, n, _ in kept], [st * itemsize if n > 1 else 16 for _, n, st in kept], [c for c, _, _ in kept]
+
+
+def tma_args(t, part, group, tile, dtype):
+    """The warp-specialized kernel's tail for one dK/dV launch part (``part``: ``(dims, strides3,
+    offsets)`` of ``cuda_backward._launch_plans``, ``group``: ``({name: group stride}, n_group)``):
+    ``[tma_sel, Map q, Map dout, Map k, Map v]``; None where a map cannot describe the part (more than
+    three batch dims of extent above 1, strides not multiples of 16 bytes; the host then takes the
+    cp.async kernel). ``t``: the plan's arrays (for shapes and row strides)."""
+    import numpy as np
+    from .tensor_map import TiledTemplate
+    (mb0, mb1, mb2), sb, off = part
+    gs, n_group = group
+    itemsize = np.dtype(dtype).itemsize
+    sel, maps = 0, []
+    for m, (name, rows, box_rows) in enumerate((("q", "Lq", tile.block_m), ("dout", "Lq", tile.block_m),
+                                                 ("k", "Lk", tile.block_n), ("v", "Lk", tile.block_n))):
+        a = t[name]
+        n_cols, n_rows = a.shape[-1], a.shape[-2]
+        row = a.strides[-2] // a.itemsize if n_rows > 1 else n_cols
+        batch = [(_SEL_B2, mb2, sb[name][2]), (_SEL_B1, mb1, sb[name][1]), (_SEL_B0, mb0, sb[name][0])]
+        if name in ("q", "dout"):
+            batch.insert(0, (_SEL_GROUP, n_group, gs[name]))
+        dims = _map_dims(batch, itemsize)
+        if dims is None or row * itemsize % 16 or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize) \
+                or off.get(name, 0) * itemsize % 16:
+            return None
+        extents, strides, codes = dims
+        try:  # the driver's rules (tensor_map._check): anything else they refuse runs the cp.async kernel
+            template = TiledTemplate(dtype, [n_cols, n_rows] + extents, [row * itemsize] + strides,
+                                     (_PANEL, box_rows, 1, 1, 1), swizzle=128)
+        except ValueError:
+            return None
+        maps.append(launch.Map(name, off.get(name, 0), template))
+        sel |= sum(c << (3 * d) for d, c in enumerate(codes)) << (9 * m)
+    return [np.int64(sel)] + maps

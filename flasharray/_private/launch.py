@@ -26,7 +26,8 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
     are by-value ``CUtensorMap`` arguments (TMA) encoded per call from the array's address.
 ``Replay(launcher, recorded, keys)``
     several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
-    call (``launcher.pointers``) and every argument tuple gathered in one step.
+    call (``launcher.pointers``), each distinct ``Map`` slot encoded once per call
+    (``launcher.tensor_map``), and every argument tuple gathered in one step.
 ``launcher.carve(allocations)``
     new allocations cut into several arrays, with their handles (on CUDA addresses computed from
     the allocation's; on the emulator exact views, as it checks every access).
@@ -541,31 +542,37 @@ class Replay:
 
     def __init__(self, launcher, recorded, keys):
         index = {key: i for i, key in enumerate(keys)}
-        slots, consts, gathers = {}, [], []
-        if any(getattr(rec, "maps", ()) for rec in recorded):
-            raise NotImplementedError("launch.Replay: tensor-map (Map) arguments are bound by Recorded only")
+        slots, maps, consts, gathers = {}, {}, [], []
         for rec in recorded:
             where = []
             for a in rec.template:
                 if isinstance(a, Ptr):
-                    where.append(slots.setdefault((index[a.key], a.offset), len(slots)))
+                    where.append((0, slots.setdefault((index[a.key], a.offset), len(slots))))
+                elif isinstance(a, Map):  # one encoding per distinct (array, offset, template) and call
+                    where.append((1, maps.setdefault((index[a.key], a.offset, a.template), len(maps))))
                 else:
-                    where.append(~len(consts))  # constants follow the pointers: fixed up below
+                    where.append((2, len(consts)))  # constants follow the pointers and maps
                     consts.append(a)
             gathers.append(where)
-        n = len(slots)
+        base = (0, len(slots), len(slots) + len(maps))
         self.launcher = launcher
         self._pointers = launcher.pointers
+        self._tensor_map = launcher.tensor_map
         self.slots = tuple(slots)
+        self.maps = tuple(maps)
         self.consts = consts
         self.names = [rec.name for rec in recorded]
-        self.launches = [(rec.call, rec.grid, rec.block, _gather([w if w >= 0 else n + ~w for w in where]))
+        self.launches = [(rec.call, rec.grid, rec.block, _gather([base[kind] + i for kind, i in where]))
                          for rec, where in zip(recorded, gathers)]
 
     def __call__(self, handles, counters=None):
         """Launch every recorded launch with the arrays of ``handles`` (``launcher.handle`` of each
-        array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch."""
-        args = self._pointers(handles, self.slots) + self.consts
+        array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch.
+        :class:`Map` slots are encoded once per call (``launcher.tensor_map``)."""
+        args = self._pointers(handles, self.slots)
+        if self.maps:
+            args = list(args) + [self._tensor_map(handles[i], offset, template) for i, offset, template in self.maps]
+        args = args + self.consts
         if counters is None:
             for call, grid, block, gather in self.launches:
                 call(grid, block, gather(args))
