@@ -348,7 +348,7 @@ def check_ext(precision, D, Lq, Lk, causal, features, *, batch=(2, 2), gqa=False
 
 
 # (D, Lq, Lk, causal, features, options): each feature at least once, pairs, five together (a window
-# with a block mask runs the SIMT kernel: test_tf32_window_with_block_mask_runs_simt);
+# with a block mask, Bc 16: test_tf32_window_with_block_mask_takes_bc16);
 # Lq != Lk both ways, lengths off the tiles, D = 59 (element-wise copies), BSHD views, GQA.
 EXT_CASES = [
     (64, 70, 133, False, ("window",), {}),
@@ -360,7 +360,8 @@ EXT_CASES = [
 EXT_FULL = [(D, Lq, Lk, c, (f,) if isinstance(f, str) else f, {})
             for D in (16, 40, 64, 128) for Lq, Lk in ((17, 130), (130, 65)) for c in (False, True)
             for f in ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens",
-                      ("window", "dropout", "seqlens"), ("block_mask", "dropout"), ("softcap", "alibi", "seqlens"))]
+                      ("window", "dropout", "seqlens"), ("block_mask", "dropout"), ("softcap", "alibi", "seqlens"),
+                      ("window", "block_mask"), ("window", "block_mask", "alibi", "softcap", "dropout", "seqlens"))]
 
 
 def _ext_id(c):
@@ -419,13 +420,16 @@ def test_tf32_fully_masked_rows(precision):
         assert_tf32_ext_close(out, lse, q, k, v, True, scale, kw)
 
 
-def test_tf32_window_with_block_mask_runs_simt():
-    """A window together with a block mask: the SIMT kernel (those TF32 instantiations spill)."""
+def test_tf32_window_with_block_mask_takes_bc16():
+    """A window together with a block mask: the TF32 kernel at Bc 16 (NARROW_EXT: Bc 64 / 32
+    spilled), the other extensions' tile otherwise; the float32 rule."""
     q, k, v = ext.make_inputs(np.float32, 32, 40, 70, batch=(2, 2))
     kw = ext.ext_kw(("window", "block_mask"), (2, 2), 40, 70, np.float32)
-    assert tf32_plan(q, k, v, False, "3xtf32", ext=Extensions(**kw)).tile.kernel == "simt"
-    out, lse, scale = ext.run("emulator", q, k, v, False, kw, precision="3xtf32")
-    ext.check_close(out, lse, q, k, v, False, scale, kw)
+    tile = tf32_plan(q, k, v, False, "3xtf32", ext=Extensions(**kw)).tile
+    assert tile.kernel == "tf32" and tile.block_n == 16
+    window_only = tf32_plan(q, k, v, False, "3xtf32", ext=Extensions(window=kw["window"])).tile
+    assert window_only.kernel == "tf32" and window_only.block_n > 16
+    check_ext("3xtf32", 32, 40, 70, False, ("window", "block_mask"))
 
 
 def test_tf32_extension_tiles_never_loaded():

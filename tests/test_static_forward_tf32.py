@@ -8,8 +8,9 @@ other HMMA; sm_75 is refused at compile time (fa::mma_m16n8k8_tf32 needs sm_80+)
 
 Default: d = dv in {64, 128} (3xtf32 on sm_80/90: Q split at 64, raw at 128), both precisions,
 (non-causal, cp.async) and (causal, element-wise loads); the extension instantiations (kExt in
-``EXT_SETS``) at d 64 / 128, causal, cp.async. ``-m slow``: every padded head dim 16..128 x causal
-x aligned, dense and with ``EXT_SETS``.
+``EXT_SETS``, each on forward_tile's tile for it: Bc 16 for a window with a block mask) at
+d 64 / 128, causal, cp.async. ``-m slow``: every padded head dim 16..128 x causal x aligned, dense
+and with ``EXT_SETS + EXT_SETS_SLOW``.
 """
 import numpy as np
 import pytest
@@ -28,17 +29,20 @@ ALL_FLAGS = [(c, a) for c in (False, True) for a in (False, True)]
 
 
 #: kExt sets of the extension instantiations checked (cuda_forward.EXT_BITS): all but the block
-#: mask, all but the window (the two never together: T.SPILLING_EXT), dropout, window, block mask.
-EXT_SETS = (63 & ~8, 63 & ~1, 16, 1, 8)
+#: mask, all but the window (both at the dense Bc), dropout, and a window with a block mask alone
+#: and with every other extension (T.NARROW_EXT: Bc 16). ``-m slow`` adds the window and the block
+#: mask alone.
+EXT_SETS = (63 & ~8, 63 & ~1, 16, 1 | 8, 63)
+EXT_SETS_SLOW = (1, 8)
 
 
 def instantiations(arch, head_dims, flags, exts=(0,)):
     found = {}
     for precision in T.PREC:
         for d in head_dims:
-            t = T.forward_tile(precision, np.float32, d, d, arch, ext=any(exts))
-            for causal, aligned in flags:
-                for e in exts:
+            for e in exts:
+                t = T.forward_tile(precision, np.float32, d, d, arch, ext=e)
+                for causal, aligned in flags:
                     found[t.name_expression(causal, aligned, e)] = t
     return found
 
@@ -92,7 +96,7 @@ def test_tf32_forward_ext_compiles(arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tf32_forward_ext_compiles_all_head_dims(arch):
-    _check(arch, (16, 32, 48, 64, 80, 96, 112, 128), ALL_FLAGS, exts=EXT_SETS)
+    _check(arch, (16, 32, 48, 64, 80, 96, 112, 128), ALL_FLAGS, exts=EXT_SETS + EXT_SETS_SLOW)
 
 
 @pytest.mark.slow

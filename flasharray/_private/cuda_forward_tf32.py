@@ -10,8 +10,8 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 
 Extensions (docs/extensions.md: dropout, block mask, window, ALiBi, softcap, seqlens) run on the
 same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``), except a
-window together with a block mask (:data:`SPILLING_EXT`: those instantiations spill 8-196 bytes on
-sm_80 at d 64 / 128; the SIMT kernel runs them).
+window together with a block mask (:data:`NARROW_EXT`), which takes Bc = 16: at Bc 64 / 32 those
+instantiations spilled 8-196 bytes on sm_80 at d 64 / 128, at Bc 16 none on sm_80-90.
 
 Every tile is 4 warps × one 16-row slab (Br = 64). Shared memory (fp32, rows padded by 4 floats):
 Q_i (Br × d: tf32 in place; 3xtf32 raw, or split into hi/lo planes when ``q_split``), K_j and V_j
@@ -40,8 +40,9 @@ _PAD = 4  # floats per shared-memory row
 #: Shared memory per SM in KB and reserved per block (sass.ARCH_LIMITS; unknown arch: its block limit).
 _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
-#: kExt bits whose combination the TF32 forward does not take (window | block mask: spills).
-SPILLING_EXT = 1 | 8
+#: kExt bits whose combination takes Bc = 16 (window | block mask: spills at Bc 64 / 32).
+NARROW_EXT = 1 | 8
+_NARROW_BLOCK_N = 16
 
 
 def smem_bytes(d, dv, block_m, block_n, precision, q_split=False):
@@ -81,14 +82,13 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
     SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, forced kernel, IO tile,
-    split-KV or KV cache, a window with a block mask). ``ext``: the call's kExt bits (the same tile).
+    split-KV or KV cache). ``ext``: the call's kExt bits (the same tile, but Bc = 16 for a window
+    with a block mask: :data:`NARROW_EXT`).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
     check_precision_arch(precision, tiles.arch_number(arch))
     if kernel is not None or block_m is not None or num_splits not in (None, 1) or kv is not None:
-        return None
-    if int(ext) & SPILLING_EXT == SPILLING_EXT:
         return None
     d, dv = tiles.pad_head_dim(head_dim), tiles.pad_head_dim(head_dim_v)
     if max(d, dv) > MAX_HEAD_DIM:
@@ -97,13 +97,16 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
     splits = (True, False) if precision == "3xtf32" else (False,)
-    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc in (64, 32, 16) for qs in splits]
+    narrow = int(ext) & NARROW_EXT == NARROW_EXT
+    block_ns = (_NARROW_BLOCK_N,) if narrow else (64, 32, 16)
+    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc in block_ns for qs in splits]
     fits = [f for f in fits if f[2] <= limit]
     two = [f for f in fits if 2 * (f[2] + _RESERVED) <= per_sm]
     bc, q_split, smem = (two or fits)[0]
-    reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d%s: %s (K/V as %s)"
+    reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d%s: %s%s (K/V as %s)"
               % (precision, bc, ", Q split into hi/lo planes" if q_split else "",
                  "the first (Bc, Q split) letting 2 blocks share an SM" if two else
                  "the first (Bc, Q split) that fits (one block per SM)",
+                 " of Bc 16 (a window with a block mask spills at Bc 64 / 32)" if narrow else "",
                  "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
     return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision, q_split)
