@@ -464,10 +464,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     const float scale_log2 = scale * flash::kLog2e;
     // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never read;
     // their gradients are written as zeros), window, block mask, softcap, ALiBi, dropout. Without
-    // them (kExt = 0) Lq_b = Lq, Lk_b = Lk and the mask is the dense one.
+    // them (kExt = 0) Lq_b = Lq, Lk_b = Lk and the mask is the dense one (Mask(Lq, Lk, ...) sets
+    // only the lengths). Spelled so that kExt = 0 compiles to the SASS it had before the extensions:
+    // make_mask and the seqlen calls there changed the ordered-dQ instantiations.
     const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
-    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
-    const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
+    const int Lq_b = kExt == 0 ? Lq : ext.template seqlen_q<kExt>(b, Lq);
+    const int Lk_b = kExt == 0 ? Lk : ext.template seqlen_k<kExt>(b, Lk);
+    const flash::Mask<kIsCausal, kExt, float> mask(Lq_b, Lk_b, ext, b);
     const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
     const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
