@@ -9,6 +9,7 @@ so a block whose other threads post the counter completes. Misuse is a checked e
 complete (deadlock naming the counter and the leader), a counter past its turn, a group with no or two
 leaders, a group split between the semaphore and a plain named barrier, a counter outside the arguments."""
 import re
+import time
 
 import numpy as np
 import pytest
@@ -79,6 +80,13 @@ __global__ void mixed(int* sem) {
     else fa::named_barrier_sync(1, 64);
 }
 
+// Every block's group waits for a turn that never comes (its warp 0 exits); the last block traps.
+__global__ void trap_while_waiting(int* sem) {
+    if (blockIdx.x + 1 == gridDim.x) __trap();
+    if (threadIdx.x < 32) return;
+    fa::sem_wait_group(sem, 1, 1, 64);
+}
+
 // Warp 1 waits, warp 2 (the leader's) posts, on one barrier phase.
 __global__ void wait_and_post(int* sem) {
     if (threadIdx.x < 32) return;
@@ -92,7 +100,7 @@ __global__ void wait_at(const int* sem, long long byte_offset, int expected) {
                        64);
 }
 '''
-NAMES = ["chain", "in_block", "stalls", "group_of", "mixed", "wait_and_post", "wait_at"]
+NAMES = ["chain", "in_block", "stalls", "group_of", "mixed", "wait_and_post", "trap_while_waiting", "wait_at"]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +154,14 @@ def test_deadlock_names_the_counter_and_the_leader(mod, schedule, seed, workers)
     assert "kernel 'stalls' block (4,0,0) thread (64,0,0)" in msg, msg
     assert "argument 0 element 1 (byte offset 4) to equal 5, which is 4" in msg, msg
     assert sem[1] == 4
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_error_elsewhere_releases_waiting_groups(mod, workers):
+    t0 = time.monotonic()
+    with pytest.raises(emulator.EmulatorError, match=r"block \(5,0,0\).*__trap\(\) called"):
+        mod.launch("trap_while_waiting", 6, 96, (np.zeros(1, np.int32),), schedule="forward", workers=workers)
+    assert time.monotonic() - t0 < 10
 
 
 def test_overshoot_is_an_error(mod):
