@@ -16,6 +16,9 @@
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
 //                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
+//                      fa::sem_wait_group(sem, expected, id, nthreads), fa::sem_post_group(sem, id, nthreads):
+//                      the same for the nthreads consecutive threads of named barrier `id` only
+//                      (warp-specialized kernels: the consumers order themselves, the producer never joins)
 //   named barriers     fa::named_barrier_sync(id, nthreads), fa::named_barrier_arrive(id, nthreads)
 //                      (bar.sync / bar.arrive; id 0..15, nthreads a multiple of 32)
 //   Hopper (sm_90)     mbarriers (a uint64_t in dynamic shared memory, 8-byte aligned):
@@ -335,6 +338,35 @@ __device__ __forceinline__ void sem_wait(const int* sem, int expected) {
 __device__ __forceinline__ void sem_post(int* sem) {
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
+    }
+}
+
+// Group-wide variants: the same wait and post for a group of `nthreads` consecutive threads (linear thread
+// index; a multiple of 32, the same in every participant), which all call them; `id` (1..15) is a named
+// barrier the group may also use elsewhere, as long as only the group's threads ever arrive at it. The
+// leader is the group's one thread whose linear index is a multiple of nthreads. Wait: the leader spins on
+// the acquire load, then bar.sync id, nthreads extends what it acquired to the group (bar.sync orders at CTA
+// scope among its participants; causality order is transitive). Post: bar.sync id, nthreads makes the
+// group's earlier writes happen-before the leader's release reduction, which is cumulative (sem_post's
+// argument over the group instead of the block). Threads outside the group are not involved: a
+// warp-specialized kernel's producer keeps loading while its consumers wait for their turn.
+__device__ __forceinline__ bool sem_group_leader(int nthreads) {
+    const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    return linear % static_cast<unsigned>(nthreads) == 0;
+}
+
+__device__ __forceinline__ void sem_wait_group(const int* sem, int expected, int id, int nthreads) {
+    if (sem_group_leader(nthreads)) {
+        while (ld_acquire_gpu(sem) != expected) {
+        }
+    }
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+}
+
+__device__ __forceinline__ void sem_post_group(int* sem, int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
+    if (sem_group_leader(nthreads)) {
         asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
     }
 }

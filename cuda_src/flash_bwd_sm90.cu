@@ -45,9 +45,9 @@
 //
 // Two kernels share these steps: flash_bwd_sm90_dkv_kernel (cp.async, above; both dQ modes, any aligned or
 // element-wise layout) and flash_bwd_sm90_ws_kernel (below: a producer warpgroup issuing TMA boxes onto
-// mbarriers, setmaxnreg; the plain atomic dQ mode, where the tensors fit tensor maps).
+// mbarriers, setmaxnreg; both dQ modes, where the tensors fit tensor maps).
 //
-// Not yet: TMA / warp specialization in the ordered dQ mode (below), overlap of one batch's wgmmas with the
+// Not yet: overlap of one batch's wgmmas with the
 // next step's math (every batch is waited for before its result is used), extensions, head dims above 128,
 // the recompute dQ mode.
 //
@@ -367,12 +367,12 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
 // threads, and dS^T is double-buffered by stage (a warpgroup writing visit v + 1's dS^T while the other still
 // runs visit v's dQ wgmma would overwrite what it reads; with two buffers the barrier of visit v + 1 orders
 // the write of visit v + 2 after that read).
-// Plain atomic dQ only (deterministic=False): the ordered mode's fa::sem_wait / fa::sem_post are block-wide
-// barriers (every thread of the block at one call site), which the producer warpgroup would have to meet in
-// the consumers' loop; code reachable from both roles is register-allocated at the launch bound (168), and
-// that loop then spills 500-700 bytes at d = 128 (measured). The ordered mode keeps the cp.async kernel until
-// a consumer-only semaphore (a spin by one consumer thread + named barrier, in fa_port.cuh and the emulator)
-// exists.
+// Both dQ modes. Ordered (kOrderedDQ): the consumers take their turn at query block i with the group
+// semaphore fa::sem_wait_group / fa::sem_post_group over named barrier 1 and the 256 consumer threads (the
+// leader, thread 256, polls the counter and posts it). The block-wide fa::sem_wait / fa::sem_post would make
+// the producer meet the consumers' loop at every turn; code reachable from both roles is register-allocated
+// at the launch bound (168), and that loop spilled 500-700 bytes at d = 128 (measured). With the group
+// version the producer never touches the counters.
 //
 // Tensor maps (flasharray/_private/cuda_backward_sm90.py): q, dout rank 5 (column, row, three batch dims)
 // with box (64 columns, Br rows, 1, 1, 1); k, v the same with Bc rows. The three batch dims of a map are the
@@ -394,7 +394,8 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kStats = kdS + Base::kStages * kdSBytes;            // per stage: L_i·log2e, D_i
   static constexpr int kBarOffset = kStats + Base::kStages * 2 * kBlockM * 4;
   static constexpr int kBars = 1 + 2 * Base::kStages;                      // kv, full[stage], empty[stage]
-  static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
+  static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
+  static constexpr int kSmemBytes = kTurnOffset + 8 + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -412,7 +413,7 @@ struct IssueDvSm90 {
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal>
+          bool Is_causal, bool kOrderedDQ>
 __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -455,6 +456,10 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);  // K_j, V_j landed
   uint64_t* full = bar_kv + 1;        // [stage]: Q_i, dO_i landed, L_i, D_i stored
   uint64_t* empty = full + kStages;   // [stage]: every consumer thread is done with the stage
+  // Ordered dQ: the counter of (group entry 0, query block 0); (grp, i) is grp·dqa_g + i further (counters
+  // and accumulator elements are both 4 bytes). Kept in shared memory, read where the leader needs it: a
+  // pointer live across the consumers' loop costs the registers its peak does not have (spills at d = 128).
+  int* const* turn0 = reinterpret_cast<int* const*>(smem + Tr::kTurnOffset);
 
   const int tid = static_cast<int>(threadIdx.x);
   // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
@@ -466,6 +471,7 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
   const int n_qblocks = (Lq + kBlockM - 1) / kBlockM;
   const int n_visits = (n_qblocks > i_begin ? n_qblocks - i_begin : 0) * n_group;
   auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
+  const DQOrderCounters<kBlockM, kDQDim> order{Lq};
 
   if (tid == 0) {
     fa::mbarrier_init(bar_kv, 1);
@@ -474,6 +480,7 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
       fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
     }
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
+    if constexpr (kOrderedDQ) *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
   }
   __syncthreads();              // ... and to every thread before its first wait or arrival
 
@@ -602,9 +609,15 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
       }
     issue_rs_sm90<T, kHeadDim, kBlockM>(acc_dk, a_ds, sQ_i);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
-    // wgmma reads it: the consumers' named barrier (the producer is not in it).
+    // wgmma reads it: the consumers' named barrier (the producer is not in it). Ordered: the same barrier
+    // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
+    // the producer runs on).
     fa::fence_proxy_async();
-    fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+    if constexpr (kOrderedDQ)
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, static_cast<int>(blockIdx.x), Tr::kConsumerBarrier,
+                         Tr::kConsumerThreads);
+    else
+      fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
     fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
@@ -612,6 +625,9 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     if (cwg < Tr::kDQWarpgroups)
       dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, key_row,
                                                               dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane);
+    // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
+    if constexpr (kOrderedDQ)
+      fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     const bool wrap = i + 1 == n_qblocks;
     i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
   }

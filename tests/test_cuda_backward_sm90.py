@@ -6,10 +6,11 @@ the conversion pass; dq, dk, dv are checked against the float64 reference backwa
 rule (``testing.assert_attention_close``, as tests/test_cuda_backward.py). Each case asserts that the
 wgmma kernel ran: its launch names ``flash_bwd_sm90_dkv_kernel`` and the emulator's ``wgmma`` counter
 equals the count the tiling implies. The ordered mode gives identical bits under permuted schedules.
-The plain atomic mode (``deterministic=False``) takes the warp-specialized TMA kernel
+Both atomic modes (plain, ``deterministic=False``, and ordered) take the warp-specialized TMA kernel
 ``flash_bwd_sm90_ws_kernel`` where q, dout, k, v fit tensor maps (else the cp.async kernel): its
-counters show TMA boxes and no cp.async, three setmaxnreg and one elect.sync per block, and its
-gradients carry the bits of the cp.async kernel. ``-m slow``: more shapes.
+counters show TMA boxes and no cp.async, three setmaxnreg and one elect.sync per block (ordered: one
+group-semaphore wait per visit), and its gradients carry the bits of the cp.async kernel — in the
+ordered mode with several key blocks per dQ element, under permuted schedules. ``-m slow``: more shapes.
 """
 import numpy as np
 import pytest
@@ -46,20 +47,22 @@ def run_wgmma(p, *, deterministic=True, **opts):
     dkv = [(n, c) for n, c in counters if n.startswith((S.KERNEL, S.WS_KERNEL))]
     assert len(dkv) == 1, names
     name, c = dkv[0]
-    if name.startswith(S.WS_KERNEL):  # plain atomics only; TMA boxes, no copy instruction, registers moved
-        assert not deterministic
+    assert name.endswith("true>" if deterministic else "false>"), name  # ordered or not
+    if name.startswith(S.WS_KERNEL):  # TMA boxes, no copy instruction, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
     else:
-        assert ("true>" if deterministic else "false>") in name  # ordered or not
         assert c.tma_loads == 0 and c.setmaxnreg == 0
+    if not deterministic:
+        assert c.sem_waits == 0
     return grads, c
 
 
 CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, TMA (warp-specialized) kernel
-    (np.float16, 64, 64, (65, 127), True, "none", "bhsd", True, False),
+    (np.float16, 64, 64, (65, 127), True, "none", "bhsd", True, True),
     (bfloat16, 128, 128, (17, 63), False, "none", "bhsd", False, True),
-    (np.float16, 40, 72, (130, 70), True, "gqa", "bshd", True, False),
+    (np.float16, 40, 72, (130, 70), True, "gqa", "bshd", True, True),
     (bfloat16, 59, 59, (64, 150), False, "none", "bhsd", True, False),  # element-wise loads (rows not 16-byte aligned)
+    (bfloat16, 128, 128, (40, 300), False, "none", "bhsd", True, True),  # ordered ws: 3 key blocks per dQ element
     (np.float16, 128, 64, (129, 65), True, "none", "bhsd", False, True),  # Lq > Lk: rows that see no key
     (np.float16, 40, 72, (70, 130), True, "gqa", "bshd", False, True),  # TMA: group dim + BSHD strides in the maps
     (bfloat16, 59, 59, (20, 40), False, "none", "bhsd", False, False),  # not TMA-legal (118-byte rows): cp.async
@@ -108,14 +111,15 @@ def test_wgmma_backward_ordered_bits_identical_under_schedules(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-def _ws_vs_cp_async(p, **opts):
-    """The warp-specialized kernel's gradients and the cp.async kernel's on the same inputs (plain atomics)."""
-    ws, c = run_wgmma(p, deterministic=False, **opts)
+def _ws_vs_cp_async(p, deterministic=False, cp_opts=None, **opts):
+    """The warp-specialized kernel's gradients and the cp.async kernel's on the same inputs (``cp_opts``:
+    the cp.async run's emulator options, default ``opts``)."""
+    ws, c = run_wgmma(p, deterministic=deterministic, **opts)
     assert c.tma_loads > 0
     try:
         S.USE_TMA = False
         launch._clear_plans()
-        cp, c = run_wgmma(p, deterministic=False, **opts)
+        cp, c = run_wgmma(p, deterministic=deterministic, **(opts if cp_opts is None else cp_opts))
     finally:
         S.USE_TMA = True
         launch._clear_plans()
@@ -136,6 +140,26 @@ def test_ws_kernel_bits_match_cp_async(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 3), ("random", 11)])
+def test_ws_ordered_bits_match_cp_async(schedule, seed):
+    """Ordered dQ on the warp-specialized kernel (the group semaphore: consumers only): three key blocks
+    add to every dQ element, in key-block order whatever the block order, the producer / consumer
+    interleaving and the landing points of the TMA boxes, so dq, dk and dv carry the bits of the cp.async
+    kernel's ordered mode (run under the forward schedule). One group-semaphore wait per visit."""
+    p = Problem(np.float16, 64, 70, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    ws, cp = _ws_vs_cp_async(p, deterministic=True, cp_opts={}, schedule=schedule, seed=seed)
+    for a, b in zip(ws, cp):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_ws_ordered_counts_one_wait_per_visit():
+    """Per visit one group-semaphore wait (the leader's) and two consumer barriers (the wait's, the post's):
+    3 key blocks x 2 query blocks x 2 heads (causal, bottom-right: every key block sees both query blocks)."""
+    p = Problem(np.float16, 64, 70, 300, causal=True, batch_q=(1, 2), batch_k=(1, 2))
+    _, c = run_wgmma(p, schedule="reverse")
+    assert c.sem_waits == 12 and c.named_barriers == 24 and c.blocks == 6
+
+
 def test_ws_plan_maps():
     """The plan's dK/dV launch: 384 threads, the ws tile's shared memory, four tensor maps (q, dout: box
     64 x Br; k, v: 64 x Bc; 128-byte swizzle) and tma_sel naming the group dim for q, dout."""
@@ -153,7 +177,7 @@ def test_ws_plan_maps():
     assert sel & 7 == 1 and (sel >> 9) & 7 == 1  # q, dout: first batch dim of the map = the group entry
     assert (sel >> 18) & 7 != 1 and (sel >> 27) & 7 != 1  # k, v: no group
     t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
-    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 40
+    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48
 
 
 def test_wgmma_backward_tile():
@@ -164,8 +188,11 @@ def test_wgmma_backward_tile():
                           ordered=True)["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false>"
     assert ks["dkv"][2].n_threads == 384
+    ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
+                        ordered=True)
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true>"
 
 
 def test_default_unchanged_on_sm90():

@@ -9,11 +9,13 @@ most HGMMA) holds every HGMMA of the kernel, exactly one visit's: per warpgroup 
 (dP^T) SS, Br/16 + Br/16 RS (dV, dK), and Bc/16 SS for dQ^T. ``-s`` prints registers and the loop's
 instructions (docs/hopper.md, "Backward", quotes them).
 
-The warp-specialized TMA kernel (``flash_bwd_sm90_ws_kernel``, plain atomic dQ; ``ws_instantiations``)
-also: setmaxnreg took effect (``USETMAXREG.DEALLOC`` and ``.TRY_ALLOC``, no C7508 note), registers used
-within the consumers' 240, the query-block loop free of copies (no LDGSTS) with one named barrier, and
-the producer loop (the smallest loop holding ``UTMALDG``) issuing one visit's Q_i and dO_i boxes with
-registers below the producer's 24.
+The warp-specialized TMA kernel (``flash_bwd_sm90_ws_kernel``, plain atomic and ordered dQ;
+``ws_instantiations``) also: setmaxnreg took effect (``USETMAXREG.DEALLOC`` and ``.TRY_ALLOC``, no C7508
+note), registers used within the consumers' 240, the query-block loop free of copies (no LDGSTS) with one
+named barrier (ordered: two, the group semaphore's wait and post, with the leader's acquire spin
+``LDG.E.STRONG.GPU`` and release add ``RED.E.ADD.S32.STRONG.GPU`` in it), and the producer loop (the
+smallest loop holding ``UTMALDG``) issuing one visit's Q_i and dO_i boxes with registers below the
+producer's 24 and no semaphore instruction.
 """
 import re
 
@@ -47,8 +49,10 @@ def ws_instantiations(dtype, dims):
     found = {}
     for d in dims:
         for causal in (False, True):
-            ks = cb.kernel_plan(dtype, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma", tma=True)
-            found[ks["dkv"][1]] = (ks["dkv"][2], d)
+            for ordered in (False, True):
+                ks = cb.kernel_plan(dtype, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma",
+                                    tma=True, ordered=ordered)
+                found[ks["dkv"][1]] = (ks["dkv"][2], d)
     return found
 
 
@@ -63,8 +67,13 @@ def ws_checks(name, t, d, body, loop):
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
         if op not in ops:
             problems.append("%s: no %s" % (name, op))
-    if loop.stats.ldgsts or loop.stats.bar != 1:
+    ordered = name.endswith("true>")
+    if loop.stats.ldgsts or loop.stats.bar != (2 if ordered else 1):
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
+    in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
+    sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
+    if sem_ops != (ordered, ordered):
+        problems.append("%s: acquire load / release add in the query-block loop: %s" % (name, sem_ops))
     tma = [i for i in body if i.base == "UTMALDG"]
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
     if not lps:
@@ -74,6 +83,8 @@ def ws_checks(name, t, d, body, loop):
     if boxes != 2 * S.pad_head_dim(d) // 64:
         problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes, 2 * S.pad_head_dim(d) // 64))
     in_producer = [i for i in body if producer.start <= i.address <= producer.end]
+    if any(i.opcode == "LDG.E.STRONG.GPU" or "STRONG.GPU" in i.opcode for i in in_producer):
+        problems.append("%s: a semaphore instruction in the producer loop" % name)
     p_regs = max((int(r[1:]) for i in in_producer for r in sass_registers(i.operands)), default=0) + 1
     regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1
     if regs > S.CONSUMER_REGS or p_regs > S.PRODUCER_REGS:

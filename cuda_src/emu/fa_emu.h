@@ -336,6 +336,11 @@ inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
 // block's barrier around it, as the GPU branch does.
 inline void sem_wait(const int* sem, int expected) { fa_emu_sem_wait(sem, expected); }
 inline void sem_post(int* sem) { fa_emu_sem_post(sem); }
+// Group-wide (the nthreads threads of named barrier id): the runtime picks the leader as the GPU branch does.
+inline void sem_wait_group(const int* sem, int expected, int id, int nthreads) {
+    fa_emu_sem_wait_group(sem, expected, id, nthreads);
+}
+inline void sem_post_group(int* sem, int id, int nthreads) { fa_emu_sem_post_group(sem, id, nthreads); }
 
 // ---- Hopper (sm_90): mbarriers and bulk copies (the runtime keeps the mbarrier state) -------
 inline void mbarrier_init(uint64_t* bar, int count) { fa_emu_mbarrier_init(bar, count); }

@@ -59,6 +59,13 @@ void fa_emu_atomic_add_f64(double* p, double v);
 // dispatched. sem_post: the block's barrier, then thread 0 adds 1 (release) and wakes waiters.
 FA_EMU_CONVERGENT void fa_emu_sem_wait(const int* sem, int expected);
 FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem);
+// Group semaphores (fa::sem_wait_group / fa::sem_post_group): the same over the nthreads threads of named
+// barrier `id` (bar.sync id, nthreads) instead of the block; the leader is the participant whose linear
+// thread index is a multiple of nthreads. A short wait suspends only the leader's fiber (the group waits at
+// the barrier, other threads run on); the block blocks its worker only when nothing else in it can run.
+// Each phase is checked: every participant at the same operation, exactly one leader.
+void fa_emu_sem_wait_group(const int* sem, int expected, int id, int nthreads);
+void fa_emu_sem_post_group(int* sem, int id, int nthreads);
 // mbarriers in dynamic shared memory and bulk copies completing on them (sm_90; fa_port.cuh's
 // "Hopper" section, docs/emulator.md). arrive: tx_bytes is expected first when expect_tx != 0;
 // returns the phase arrived on. try_wait_parity suspends the fiber until the phase of that parity

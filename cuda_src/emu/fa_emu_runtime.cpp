@@ -159,7 +159,7 @@ inline void ctx_switch(Context* from, Context* to) { swapcontext(&from->uc, &to-
 // =========================================================================================
 // Data structures
 // =========================================================================================
-enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, WAIT_NBAR, EXITED };
+enum State { RUNNABLE, RUNNING, WAIT_WARP, WAIT_BAR, WAIT_MBAR, WAIT_WG, WAIT_NBAR, WAIT_SEM, EXITED };
 enum Op { OP_NONE, OP_SHFL, OP_SYNCWARP, OP_MMA, OP_LDMATRIX, OP_VOTE, OP_STMATRIX, OP_ELECT };
 
 const char* op_name(int op, int kind) {
@@ -244,6 +244,10 @@ struct TmaStore {
 // instruction while the warp's arrival is incomplete (and whether they sync, 1, or arrive, 0).
 struct NamedBar {
     int expected = 0, arrived = 0, first_tid = 0;
+    // threads of this phase at a group semaphore (fa::sem_wait_group / sem_post_group: `sem_what`) on this
+    // barrier, and how many of them are the group's leader (checked when the phase completes)
+    int sem_members = 0, sem_leaders = 0;
+    const char* sem_what = nullptr;
     std::vector<uint32_t> lanes;
     std::vector<int> warp_kind;
 };
@@ -276,6 +280,9 @@ struct Fiber {
     // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
+    // the counter a group semaphore's leader waits for (state WAIT_SEM: fa::sem_wait_group) and the turn
+    const int* sem = nullptr;
+    int sem_expected = 0;
     // wgmma (state WAIT_WG): the instruction's operands; in-flight shares, commit groups, fence tracking
     uint64_t desc_a = 0, desc_b = 0;
     int scale_d = 0, trans_a = 0, trans_b = 0;
@@ -361,9 +368,13 @@ struct Worker {
     unsigned bidx[3] = {0, 0, 0};
     unsigned linear = 0;
     bool retired = false;
-    // the fa::sem_wait this worker is blocked in (sem == nullptr: none); guarded by L->sem_mu
+    // the fa::sem_wait this worker is blocked in (sem == nullptr: none); guarded by L->sem_mu. sem_group:
+    // blocked because every fiber waits and sem_fibers of them are group leaders in WAIT_SEM (the one
+    // named here, sem_tid, has the lowest thread id; any of them becoming ready wakes the block)
     const int* sem = nullptr;
-    int sem_expected = 0, sem_buf = -1;
+    int sem_expected = 0, sem_buf = -1, sem_tid = 0;
+    bool sem_group = false;
+    int sem_fibers = 0;  // fibers in WAIT_SEM (block state)
     int nthreads = 0, nwarps = 0;
     std::vector<uint32_t> warp_waiting, warp_exited, warp_exists;
     std::vector<uint64_t> runnable;
@@ -1749,6 +1760,24 @@ std::string nbar_state(const Worker* w, int id) {
 // The barrier completes: the threads of the counted warps that sync run, the next phase starts empty.
 void nbar_complete(Worker* w, int id) {
     NamedBar& b = w->nbars[id];
+    if (b.sem_members > 0) {
+        // A group semaphore's phase: every participant called it, and exactly one is its leader (the thread
+        // that polls or posts): with none the group would pass unordered, with two a post would count twice.
+        const int members = b.sem_members, leaders = b.sem_leaders;
+        const char* what = b.sem_what;
+        b.sem_members = b.sem_leaders = 0;
+        b.sem_what = nullptr;
+        if (members != b.expected)
+            fiber_fail(w, strf("%s(id %d, %d threads): named barrier %d completed with %d thread(s) at %s and %d at "
+                               "a plain fa::named_barrier_sync/arrive: every thread of the group calls %s",
+                               what, id, b.expected, id, members, what, b.expected - members, what));
+        if (leaders != 1)
+            fiber_fail(w, strf("%s(id %d, %d threads): %d of the group's threads have a linear thread index that is "
+                               "a multiple of %d (the leader, which %s): the group must be %d consecutive threads, "
+                               "so that exactly one is", what, id, b.expected, leaders, b.expected,
+                               std::strcmp(what, "fa::sem_post_group") ? "polls the counter" : "posts",
+                               b.expected));
+    }
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         if (f.state == WAIT_NBAR && f.nbar_id == id && f.nbar_counted) set_runnable(w, t);
@@ -1991,6 +2020,8 @@ void free_block_resources(Worker* w) {
     w->smem_region = nullptr;
 }
 
+bool sem_poll(Worker* w);
+
 bool run_block(Worker* w, unsigned linear) {
     const fa_emu_launch_params* p = w->p;
     w->bidx[0] = linear % p->grid[0];
@@ -2014,10 +2045,13 @@ bool run_block(Worker* w, unsigned linear) {
     w->mbars.clear();
     w->bulks.clear();
     w->mbar_waiting = 0;
+    w->sem_fibers = 0;
     std::fill(w->wg_arrived.begin(), w->wg_arrived.end(), 0);
     std::fill(w->maxnreg.begin(), w->maxnreg.end(), MaxNReg());
     for (NamedBar& b : w->nbars) {
         b.expected = b.arrived = b.first_tid = 0;
+        b.sem_members = b.sem_leaders = 0;
+        b.sem_what = nullptr;
         b.lanes.assign(w->nwarps, 0);
         b.warp_kind.assign(w->nwarps, -1);
     }
@@ -2050,6 +2084,7 @@ bool run_block(Worker* w, unsigned linear) {
     }
     for (;;) {
         if (!w->bulks.empty() && !bulk_schedule(w)) return false;
+        if (w->sem_fibers > 0 && !sem_poll(w)) return false;
         if (w->nrunnable == 0) {
             if (w->bulks.empty()) break;
             continue;
@@ -2170,6 +2205,14 @@ std::string sem_desc(const Launch* L, const int* sem, int buf) {
     return strf("argument %d element %lu (byte offset %lu)", B.arg_index, off / sizeof(int), off);
 }
 
+// A blocked worker's wait is satisfied: its block-wide counter, or any of its WAIT_SEM leaders' counters.
+bool sem_ready(Worker* w) {
+    if (!w->sem_group) return __atomic_load_n(w->sem, __ATOMIC_ACQUIRE) >= w->sem_expected;
+    for (const Fiber& f : w->fibers)
+        if (f.state == WAIT_SEM && __atomic_load_n(f.sem, __ATOMIC_ACQUIRE) >= f.sem_expected) return true;
+    return false;
+}
+
 // Every live worker waits in fa_emu_sem_wait for a count not reached yet (one that was posted may
 // not have woken up yet: it still counts as blocked) and no block is left to start: nothing can
 // post any more. Fails the launch naming the waiting block with the lowest linear index.
@@ -2178,14 +2221,16 @@ void check_deadlock(Launch* L) {
     Worker* first = nullptr;
     for (auto& w : L->workers) {
         if (!w->sem) continue;
-        if (__atomic_load_n(w->sem, __ATOMIC_ACQUIRE) >= w->sem_expected) return;  // about to wake up
+        if (sem_ready(w.get())) return;  // about to wake up
         if (!first || w->linear < first->linear) first = w.get();
     }
     const int now = __atomic_load_n(first->sem, __ATOMIC_ACQUIRE);
-    set_error(L, where(first, &first->fibers[0]) +
-                     strf(": deadlock in fa::sem_wait: it waits for %s to equal %d, which is %d; all %d running "
-                          "block(s) wait in fa::sem_wait and no block is left to start, so no fa::sem_post can come",
-                          sem_desc(L, first->sem, first->sem_buf).c_str(), first->sem_expected, now, L->blocked));
+    const char* what = first->sem_group ? "fa::sem_wait_group" : "fa::sem_wait";
+    set_error(L, where(first, &first->fibers[first->sem_tid]) +
+                     strf(": deadlock in %s: it waits for %s to equal %d, which is %d; all %d running "
+                          "block(s) wait in fa::sem_wait or fa::sem_wait_group and no block is left to start, so no "
+                          "post can come", what, sem_desc(L, first->sem, first->sem_buf).c_str(), first->sem_expected,
+                          now, L->blocked));
     L->sem_cv.notify_all();
 }
 
@@ -2214,6 +2259,8 @@ int sem_block(Worker* w, const int* sem, int expected) {
     w->sem = sem;
     w->sem_expected = expected;
     w->sem_buf = find_buffer(w, reinterpret_cast<uint64_t>(sem), sizeof(int));
+    w->sem_tid = 0;
+    w->sem_group = false;
     ++L->blocked;
     if (L->live - L->blocked < L->target && L->next.load() < L->nblocks) spawn_worker(L);
     check_deadlock(L);
@@ -2228,6 +2275,46 @@ int sem_block(Worker* w, const int* sem, int expected) {
     lock.unlock();
     if (failed) fiber_fail(w, "fa::sem_wait abandoned: the launch failed");  // the first error is kept
     return v;
+}
+
+// The scheduler's turn for group semaphores (fa::sem_wait_group): leaders whose counter has reached their
+// turn run again. When nothing else can run in the block (no runnable fiber, no copy in flight), the worker's
+// OS thread blocks as in sem_block until one of them is ready; false if the launch failed meanwhile. So a
+// leader's wait suspends only itself: the rest of its block (a producer warpgroup, another group that may
+// post the counter) keeps running under the schedule.
+bool sem_wake_ready(Worker* w) {
+    bool woke = false;
+    for (int t = 0; t < w->nthreads; ++t) {
+        Fiber& f = w->fibers[t];
+        if (f.state != WAIT_SEM || __atomic_load_n(f.sem, __ATOMIC_ACQUIRE) < f.sem_expected) continue;
+        --w->sem_fibers;
+        set_runnable(w, t);
+        woke = true;
+    }
+    return woke;
+}
+
+bool sem_poll(Worker* w) {
+    if (sem_wake_ready(w) || w->nrunnable > 0 || !w->bulks.empty()) return true;
+    Launch* L = w->L;
+    int first = 0;
+    while (w->fibers[first].state != WAIT_SEM) ++first;
+    std::unique_lock<std::mutex> lock(L->sem_mu);
+    w->sem = w->fibers[first].sem;
+    w->sem_expected = w->fibers[first].sem_expected;
+    w->sem_buf = find_buffer(w, reinterpret_cast<uint64_t>(w->sem), sizeof(int));
+    w->sem_tid = first;
+    w->sem_group = true;
+    ++L->blocked;
+    if (L->live - L->blocked < L->target && L->next.load() < L->nblocks) spawn_worker(L);
+    check_deadlock(L);
+    L->sem_cv.wait(lock, [&] { return sem_ready(w) || L->failed.load(); });
+    --L->blocked;
+    w->sem = nullptr;
+    w->sem_group = false;
+    const bool failed = L->failed.load();
+    lock.unlock();
+    return !failed && sem_wake_ready(w);
 }
 
 void worker_main(Launch* L, Worker* w) {
@@ -2528,6 +2615,71 @@ __attribute__((noinline)) void fa_emu_sem_post(int* sem) {
     if (w->cur->tid == 0) sem_post_thread0(w, sem);
 }
 
+// Group semaphores: the leader (the participant whose linear thread index is a multiple of nthreads) polls or
+// posts; the named barrier `id` over the nthreads participants orders the rest. The leader's short wait is a
+// fiber state (WAIT_SEM, resolved by sem_poll), not a blocked block: the threads outside the group run on.
+namespace {
+void sem_group_arrive(Worker* w, const char* what, int id, int nthreads, bool leader) {
+    NamedBar& b = w->nbars[id];
+    if (b.sem_members > 0 && b.sem_what != what)
+        fiber_fail(w, strf("%s(id %d, %d threads): %d thread(s) of this barrier phase are at %s: a group passes one "
+                           "semaphore operation together", what, id, nthreads, b.sem_members, b.sem_what));
+    b.sem_what = what;
+    ++b.sem_members;
+    b.sem_leaders += leader;
+}
+}  // namespace
+
+void fa_emu_sem_wait_group(const int* sem, int expected, int id, int nthreads) {
+    static const char* const what = "fa::sem_wait_group";
+    Worker* w = W();
+    Fiber* f = w->cur;
+    nbar_check_args(w, what, id, nthreads);
+    const bool leader = f->tid % nthreads == 0;
+    if (leader) {
+        gcheck(w, sem, sizeof(int), 0, what);
+        ++w->cnt.sem_waits;
+        int v = __atomic_load_n(sem, __ATOMIC_ACQUIRE);
+        if (v < expected) {
+            ++w->cnt.sem_blocked;
+            f->state = WAIT_SEM;
+            f->sem = sem;
+            f->sem_expected = expected;
+            ++w->sem_fibers;
+            yield(w, f);
+            v = __atomic_load_n(sem, __ATOMIC_ACQUIRE);
+        }
+        if (v > expected) {
+            const int b = find_buffer(w, reinterpret_cast<uint64_t>(sem), sizeof(int));
+            fiber_fail(w, strf("%s: %s is %d, past the expected %d: a counter only grows, so it can never equal it "
+                               "(a group posted twice, or the counter did not start at 0?)", what,
+                               sem_desc(w->L, sem, b).c_str(), v, expected));
+        }
+    }
+    sem_group_arrive(w, what, id, nthreads, leader);
+    named_barrier(w, id, nthreads, true);
+}
+
+void fa_emu_sem_post_group(int* sem, int id, int nthreads) {
+    static const char* const what = "fa::sem_post_group";
+    Worker* w = W();
+    nbar_check_args(w, what, id, nthreads);
+    const bool leader = w->cur->tid % nthreads == 0;
+    sem_group_arrive(w, what, id, nthreads, leader);
+    named_barrier(w, id, nthreads, true);
+    if (leader) {
+        gcheck(w, sem, sizeof(int), 2, what);
+        Launch* L = w->L;
+        bool waiters;
+        {
+            std::lock_guard<std::mutex> lock(L->sem_mu);  // as sem_post_thread0: no waiter misses it
+            __atomic_fetch_add(sem, 1, __ATOMIC_RELEASE);
+            waiters = L->blocked > 0;
+        }
+        if (waiters) L->sem_cv.notify_all();
+    }
+}
+
 void fa_emu_trap(const char* what) { fiber_fail(W(), what); }
 
 void fa_emu_mbarrier_init(uint64_t* bar, int count) { mbar_init(W(), bar, count); }
@@ -2600,7 +2752,7 @@ uint32_t fa_emu_smem_addr(const void* p) {
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 6; }
+int fa_emu_abi_version(void) { return 7; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {

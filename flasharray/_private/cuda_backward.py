@@ -180,7 +180,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     loads (16-byte aligned rows); ``stages``: force 1 or 2 buffers of the tensor-core kernels'
     streamed tiles (default: the tile table's choice); ``ext``: the kernels' ``kExt`` bits
     (``cuda_forward.EXT_BITS``; 0: the dense instantiations, whose names carry no kExt); ``tma``:
-    kernel "wgmma" in the plain atomic mode, the warp-specialized TMA dK/dV kernel
+    kernel "wgmma" in the atomic modes (plain or ordered), the warp-specialized TMA dK/dV kernel
     (``cuda_backward_sm90.ws_name``). Also used by the static checks.
     """
     dtype = canonical_dtype(dtype)
@@ -212,8 +212,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
-        if tma and kernel == "wgmma" and not ordered:  # the warp-specialized TMA kernel (plain atomics)
-            plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv), module.ws_tile(t_kv, D, Dv))
+        if tma and kernel == "wgmma":  # the warp-specialized TMA kernel (both atomic dQ modes)
+            plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv, ordered),
+                           module.ws_tile(t_kv, D, Dv))
         else:
             plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
                                                           **({"ext": ext} if ext else {}),
@@ -445,10 +446,10 @@ class BackwardPlan:
             and all(_rs(a) % c == 0 and _aligned16(a) for a in (q, k, v, dout))
             and all(x % c == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
         plans_b = _launch_plans(sizes_b, strides_b)
-        # kernel "wgmma", plain atomics: the warp-specialized TMA kernel where every launch's q, dout, k, v
-        # fit tensor maps (cuda_backward_sm90.tma_args), else the cp.async kernel.
+        # kernel "wgmma", atomic dQ (plain or ordered): the warp-specialized TMA kernel where every launch's
+        # q, dout, k, v fit tensor maps (cuda_backward_sm90.tma_args), else the cp.async kernel.
         tma = False
-        if self.kernel == "wgmma" and vec and not self.ordered and not deterministic:
+        if self.kernel == "wgmma" and vec and (self.ordered or not deterministic):
             sm90 = _family_module("wgmma")
             tile = sm90.backward_tile(self.precision, self.dtype, D, Dv, arch)
             tma = sm90.USE_TMA and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None

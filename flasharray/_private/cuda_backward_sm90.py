@@ -9,13 +9,15 @@ Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on s
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
 head dims above 128, extensions, ``dq="recompute"``.
 
-Plain atomic dQ (``deterministic=False``) takes the warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
+Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
+warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
 where q, dout, k, v fit tensor maps (:func:`tma_args`: 16-byte aligned rows, strides multiples of 16 bytes,
 at most three batch dims of extent above 1 per map, the group walked in the block counted): a producer
 warpgroup (``setmaxnreg`` 24) issuing TMA boxes of Q_i, dO_i into a two-stage ring on mbarriers (K_j, V_j
 once) and loading L_i, D_i, two consumer warpgroups (``setmaxnreg`` 240), 384 threads; its four maps are
-``launch.Map`` arguments encoded per call. Otherwise (the ordered mode, other layouts, :data:`USE_TMA`
-off) the cp.async kernel.
+``launch.Map`` arguments encoded per call; in the ordered mode its consumers take their turns with the group
+semaphore ``fa::sem_wait_group`` / ``fa::sem_post_group`` (the producer never waits). Otherwise (other
+layouts, :data:`USE_TMA` off) the cp.async kernel.
 
 Tile: Br = 64 queries per visit (the N of S^T, dP^T and dQ^T), Bc = 128 keys (two warpgroups of 64
 keys, 256 threads); head dims padded to 64 or 128 (whole 128-byte swizzle panels; the N of the dK /
@@ -106,8 +108,8 @@ _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_
 
 def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
-    1 + 2 x STAGES mbarriers (8 bytes each)."""
-    return smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
+    1 + 2 x STAGES mbarriers (8 bytes each) and the ordered mode's counter base (a pointer, 8 bytes)."""
+    return smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
 
 
 def ws_tile(tile, D, Dv):
@@ -121,11 +123,12 @@ def ws_tile(tile, D, Dv):
     return dataclasses.replace(tile, n_threads=tile.n_threads + 128, smem=ws_smem_bytes(d, dv), reason=reason)
 
 
-def ws_name(tile, pD, pDv, causal, dtype, out=None):
-    """Name expression of the warp-specialized dK/dV kernel (plain atomic dQ only)."""
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s>" % (
+def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
+    """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics)."""
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
         WS_KERNEL, dtype, out or dtype, pad_head_dim(pD), pad_head_dim(pDv), pD, tile.block_m, tile.block_n,
-        "true" if causal else "false")
+        b(causal), b(ordered))
 
 
 def _map_dims(batch, itemsize):
