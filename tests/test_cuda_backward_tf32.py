@@ -392,6 +392,14 @@ def test_tiles_and_fallbacks():
     # extensions: half the Br up to d = 64 (registers), else the same tile
     assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True).block_m == 16
     assert T.backward_tile("tf32", np.float32, 128, 128, 80, ext=True) == T.backward_tile("tf32", np.float32, 128, 128, 80)
+    # 3xtf32 above d 64 takes window, dropout, lengths; ALiBi, softcap, block mask spilled: SIMT
+    for e in (2, 4, 8, 9, 54, 63):
+        assert T.backward_tile("3xtf32", np.float32, 128, 128, 80, ext=e) is None
+        assert cuda_backward.family_tile(np.float32, "3xtf32", 80, 80, 90, e) is None
+        assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=e) is not None
+        assert T.backward_tile("tf32", np.float32, 128, 128, 80, ext=e) is not None
+    for e in (1, 16, 32, 1 | 16 | 32):
+        assert T.backward_tile("3xtf32", np.float32, 128, 128, 80, ext=e) is not None
     with pytest.raises(NotImplementedError, match="sm_75"):
         T.backward_tile("tf32", np.float32, 64, 64, 75)
     for arch in (80, 86, 89, 90):

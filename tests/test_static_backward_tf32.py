@@ -38,17 +38,19 @@ ALL_FLAGS = list(itertools.product((False, True), repeat=3))  # causal, vec, ord
 
 #: kExt sets of the extension instantiations checked (cuda_forward.EXT_BITS): all six (atomic dQ
 #: only: window and block mask), dropout alone, window + block mask, and T.ORDERED_EXT (lengths,
-#: ALiBi, softcap, dropout: atomic and ordered).
-EXT_SETS = (63, 16, 1 | 8, T.ORDERED_EXT)
+#: ALiBi, softcap, dropout: atomic and ordered), T.WIDE_3XTF32_EXT (what 3xtf32 takes above d 64).
+EXT_SETS = (63, 16, 1 | 8, T.ORDERED_EXT, T.WIDE_3XTF32_EXT)
 
 
 def instantiations(arch, dims, flags, exts=(0,)):
     found = {}
     for precision in T.PREC:
         for D, Dv in dims:
-            t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=any(exts))
-            for causal, vec, ordered in flags:
-                for e in exts:
+            for e in exts:
+                t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e)
+                if t is None:  # T.WIDE_3XTF32_EXT: those calls run the SIMT backward
+                    continue
+                for causal, vec, ordered in flags:
                     if ordered and e & ~T.ORDERED_EXT:
                         continue
                     found[T.dkv_name(t, precision, t.head_dim, t.head_dim_v, causal, vec, ordered, e)] = t

@@ -50,6 +50,12 @@ _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
 #: Warps per SM the register file holds at the kernels' 200-255 registers per thread.
 _MAX_WARPS_PER_SM = 8
+#: kExt bits (cuda_forward.EXT_BITS) the 3xtf32 kernel takes at padded head dims above 64: window,
+#: dropout, lengths. ALiBi, softcap and the block mask spilled there (4-156 bytes on sm_80/86/89/90,
+#: d 80-128, even at the smallest tile), so those calls run the SIMT backward
+#: (tests/test_static_backward_tf32.py).
+WIDE_3XTF32_EXT = 1 | 16 | 32
+
 #: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: alibi, softcap, dropout, seqlens
 #: (every query block's visitors stay key blocks 0 .. n(i) − 1); not window (1), block mask (8).
 ORDERED_EXT = 2 | 4 | 16 | 32
@@ -85,8 +91,9 @@ class Tf32BwdTiles(BwdTiles):
 
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
-    (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128). ``ext``: the call
-    has extensions (max(d, dv) <= 64: half the Br, else the same tile; tests/test_static_backward_tf32.py).
+    (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, 3xtf32 above d 64
+    with extensions outside :data:`WIDE_3XTF32_EXT`). ``ext``: the call's kExt bits, or a bool (max(d,
+    dv) <= 64 with extensions: half the Br, else the same tile; tests/test_static_backward_tf32.py).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -95,6 +102,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     d, dv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     if max(d, dv) > MAX_HEAD_DIM:
         return None
+    if precision == "3xtf32" and max(d, dv) > 64 and not isinstance(ext, bool) and ext & ~WIDE_3XTF32_EXT:
+        return None  # (a bool ``ext``: call sites after the family was chosen by the bits)
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
     br = block_m(precision, d, dv)
