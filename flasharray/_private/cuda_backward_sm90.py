@@ -27,6 +27,7 @@ D_i per stage, plus 1 KB to align the dynamic base on the swizzle repeat (GPU).
 """
 from . import launch
 from . import tiles
+from .cuda_forward_sm90 import check_arch_and_dtype
 from .tiles_bwd import BwdTiles
 
 SOURCE = "flash_bwd_sm90.cu"
@@ -62,12 +63,7 @@ def _unsupported(why):
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     """The :class:`BwdTiles` of the wgmma dK/dV kernel; NotImplementedError where it cannot run
     (only asked for with ``kernel="wgmma"``: ``cuda_backward.family_tile`` never offers it)."""
-    a = tiles.arch_number(arch)
-    if a != ARCH:
-        raise _unsupported("needs sm_90 (wgmma, compiled for sm_90a); this device is sm_%d" % a)
-    name = tiles.dtype_name(dtype)
-    if name not in ("float16", "bfloat16"):
-        raise _unsupported("takes float16 or bfloat16, got %s" % name)
+    a = check_arch_and_dtype(arch, dtype, _unsupported)
     if precision not in (None, "ieee"):
         raise _unsupported("takes no precision option, got %r" % (precision,))
     Dv = D if Dv is None else Dv

@@ -88,18 +88,26 @@ def _unsupported(why):
     return NotImplementedError("flasharray: kernel='wgmma' (the Hopper forward, cuda_src/%s) %s" % (SOURCE, why))
 
 
+def check_arch_and_dtype(arch, dtype, unsupported):
+    """The arch number where the wgmma kernels run (sm_90, float16 / bfloat16); else raises
+    ``unsupported(why)`` (the forward's or the backward's NotImplementedError)."""
+    a = tiles.arch_number(arch)
+    if a != ARCH:
+        raise unsupported("needs sm_90 (wgmma, compiled for sm_90a); this device is sm_%d" % a)
+    name = tiles.dtype_name(dtype)
+    if name not in ("float16", "bfloat16"):
+        raise unsupported("takes float16 or bfloat16, got %s" % name)
+    return a
+
+
 def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False, num_splits=None,
                  kv=None):
     """The :class:`Sm90Tile` for a call with ``kernel="wgmma"``; None for any other ``kernel`` (the
     default chain picks the kernel). NotImplementedError where the wgmma kernel cannot run."""
     if kernel != KERNEL:
         return None
-    a = tiles.arch_number(arch)
-    if a != ARCH:
-        raise _unsupported("needs sm_90 (wgmma, compiled for sm_90a); this device is sm_%d" % a)
+    a = check_arch_and_dtype(arch, dtype, _unsupported)
     name = tiles.dtype_name(dtype)
-    if name not in ("float16", "bfloat16"):
-        raise _unsupported("takes float16 or bfloat16, got %s" % name)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if not (1 <= head_dim <= MAX_HEAD_DIM and 1 <= head_dim_v <= MAX_HEAD_DIM):
         raise _unsupported("supports head dims 1..%d, got D=%d, Dv=%d" % (MAX_HEAD_DIM, head_dim, head_dim_v))
