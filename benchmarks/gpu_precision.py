@@ -13,8 +13,8 @@ fastest PyTorch backend of the same kind).
 
 Every flasharray row is validated on the first batch entry / head before it is timed: the DESIGN.md
 rule against float64 (ieee, 3xtf32, float64); ``tf32`` outputs against the derived tf32 bound
-(``precision.tf32_error_bound`` plus the float32 rule's own term); ``tf32`` gradients only for being
-finite (no derived gradient bound yet: the rows say so).
+(``precision.tf32_error_bound`` plus the float32 rule's own term); ``tf32`` gradients against the
+float64 backward of the tf32-rounded operands within ``precision.tf32_gradient_bound`` plus that term.
 
 After the table, issue 12's goals from the measured rows, per shape:
   float32 default precision, fwd+bwd / torch-mem-eff fwd+bwd    goal >= 2
@@ -43,7 +43,8 @@ from gpu import Impl  # noqa: E402
 from flasharray import reference  # noqa: E402
 from flasharray._private import cuda_backward, cuda_forward  # noqa: E402
 from flasharray._private.dtypes import ATOL  # noqa: E402
-from flasharray._private.precision import FLOAT32_TC_DEFAULT, tf32_error_bound  # noqa: E402
+from flasharray._private.precision import (FLOAT32_TC_DEFAULT, tf32_backward_reference,  # noqa: E402
+                                           tf32_error_bound, tf32_gradient_bound)
 from flasharray.testing import Check, AttentionReport, check_attention  # noqa: E402
 
 DTYPES = {"fp32": np.float32, "fp64": np.float64}
@@ -133,6 +134,29 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
+def tf32_grad_checks(grads, q, k, v, dout, out, lse, causal):
+    """``precision="tf32"``'s gradients: elementwise against the float64 backward of the tf32-rounded
+    operands (``precision.tf32_backward_reference``, given the forward's L and D_i = rowsum(dO ∘ O)),
+    within ``precision.tf32_gradient_bound`` plus the float32 rule's term per gradient, as
+    tests/test_cuda_backward_tf32.py holds them."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    g = lambda x: np.asarray(x)[..., None, :, :]  # noqa: E731  (..., G = 1, L, D): the bound's layout
+    lse, delta = np.asarray(lse, np.float32), (np.asarray(dout, np.float64) * out).sum(-1).astype(np.float32)
+    *ref_t, p, ds = tf32_backward_reference(g(q), k, v, g(dout), g(lse), g(delta), causal=causal, scale=scale)
+    flips = tf32_gradient_bound(g(q), k, v, g(dout), g(lse), g(delta), p, ds, scale=scale)
+    ref = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    naive = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale, dtype=np.float32)
+    checks = []
+    for name, got, rt, f, r64, n in zip(("dq", "dk", "dv"), grads, ref_t, flips, ref, naive):
+        r64, n = np.asarray(r64, np.float64), np.asarray(n, np.float64)
+        term = 2 * np.abs(n - r64).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(r64).max())
+        err = np.abs(np.asarray(got, np.float64) - rt.reshape(np.shape(got)))
+        limit = f.reshape(err.shape) + term
+        checks.append(Check(name, float(err.max()), float(np.abs(n - r64).max()), float(limit.max()),
+                            bool(np.all(err <= limit)), "tf32 gradient bound (elementwise)"))
+    return checks
+
+
 def check(name, result, tensors, causal, device):
     """flasharray rows (first batch entry / head) vs float64; None for PyTorch's rows (trusted)."""
     if not name.startswith("flasharray"):
@@ -140,19 +164,17 @@ def check(name, result, tensors, causal, device):
     precision, kind = parse(name)
     q, k, v, dout = (_host(x[:1, :1]) for x in tensors)
     if kind == "fwd":
-        out = _host(result[0][:1, :1])
+        out, lse = (_host(x[:1, :1]) for x in result)
         grads = None
     else:
         grads = tuple(_host(g[:1, :1]) for g in result)
-        out = _host(_make_flasharray(precision, "fwd")(tensors, causal, device)()[0][:1, :1])
+        out, lse = (_host(x[:1, :1]) for x in _make_flasharray(precision, "fwd")(tensors, causal, device)())
     if precision != "tf32":
         return check_attention(out, q, k, v, causal=causal, dout=None if grads is None else dout, grads=grads)
     report = AttentionReport(dtype="float32 (tf32)")
     report.checks.append(tf32_out_check(out, q, k, v, causal))
-    for g_name, g in zip(("dq", "dk", "dv"), grads or ()):
-        finite = bool(np.isfinite(g).all())
-        report.checks.append(Check(g_name, float("nan"), float("nan"), float("nan"), finite,
-                                   "tf32 gradients: checked finite only (no derived bound)"))
+    if grads is not None:
+        report.checks.extend(tf32_grad_checks(grads, q, k, v, dout, out, lse, causal))
     return report
 
 

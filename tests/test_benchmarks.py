@@ -284,6 +284,22 @@ def test_gpu_precision_on_the_emulator(tmp_path):
     assert "fp64              | flasharray-tf32" not in out  # tf32 does not apply to float64
 
 
+def test_gpu_precision_checks_tf32_gradients(bench):
+    """The tf32 rows' gradients are held to precision.tf32_gradient_bound (plus the float32 rule's
+    term), elementwise: the emulator's tf32 backward passes; a dq off by 1 % of its scale fails."""
+    import gpu_precision as gp
+    import flasharray as fa
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 1, n, 32)).astype(np.float32) for n in (40, 56, 56, 40))
+    kw = dict(causal=True, backend="emulator", precision="tf32")
+    out, lse = fa.flash_attention_forward(q, k, v, **kw)
+    grads = fa.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+    checks = gp.tf32_grad_checks(grads, q, k, v, dout, out, lse, True)
+    assert [c.name for c in checks] == ["dq", "dk", "dv"] and all(c.passed for c in checks), checks
+    bad = (grads[0] + 0.01 * np.abs(grads[0]).max(),) + tuple(grads[1:])
+    assert [c.passed for c in gp.tf32_grad_checks(bad, q, k, v, dout, out, lse, True)] == [False, True, True]
+
+
 def test_gpu_precision_goals_from_rows(bench):
     gpu, _ = bench
     import gpu_precision as gp

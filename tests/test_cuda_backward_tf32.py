@@ -9,14 +9,14 @@ around it are the existing kernels'.
 Accuracy (DESIGN.md's rule, derived rather than tuned): the kernel's gradients are compared with
 the float64 gradients of the attention *of the operands the kernel multiplies*:
 
-* "tf32": ``tf32_reference`` — float64 backward in which every operand of every product is rounded
+* "tf32": ``precision.tf32_backward_reference`` — float64 backward in which every operand of every product is rounded
   to tf32 exactly as the kernel rounds it (cvt.rna: 10 mantissa bits, ties away): Q, K, V, dO
   rounded; S, dP from them; P and dS (computed in float64 from the rounded products) rounded before
   dV = Pᵀ dO, dK = dSᵀ Q, dQ = dS K. What remains between the kernel and that reference is fp32
   arithmetic (accumulation, exp2, the saved float32 L and D_i), bounded by the float32 rule's own
   term: 2·max|naive fp32 − float64| + atol32·max(1, max|ref|) per gradient, plus the propagated
   effect of tf32 re-rounding of P, dS whose fp32 inputs differ from the float64 ones (a flip of one
-  rounding: <= u_tf32 |x| per element, summed with |operand| weights: ``flip`` below).
+  rounding: <= u_tf32 |x| per element, summed with |operand| weights: ``precision.tf32_gradient_bound``).
 * "3xtf32": the float32 rule itself against the plain float64 reference: the error must stay
   within 2x the SIMT fp32 kernel's (``test_3xtf32_close_to_fp32``) and within the rule above with
   the unrounded reference.
@@ -24,7 +24,7 @@ the float64 gradients of the attention *of the operands the kernel multiplies*:
 Extensions (kExt, docs/extensions.md) through the public API: "3xtf32" with every feature against
 the reference's float64 gradients under the float32 rule (``testing.check_attention``); "tf32" with
 the features that change which scores count and by what factor (seqlens, window, block mask,
-dropout) against ``backward64`` extended by the same visibility and dropout factor Z, within the
+dropout) against ``precision.tf32_backward_reference`` extended by the same visibility and dropout factor Z, within the
 same flips + float32 term (``assert_gradients_ext``). Softcap and ALiBi change P's formula: tf32 is
 not checked with them here (3xtf32 is).
 
@@ -40,9 +40,9 @@ from flasharray import emulator, reference, testing
 from flasharray._private import cuda_backward, cuda_backward_tf32 as T
 from flasharray._private import launch, tiles
 from flasharray._private.dtypes import ATOL
+from flasharray._private.precision import tf32_backward_reference, tf32_gradient_bound, tf32_round
 
 PRECISIONS = ("tf32", "3xtf32")
-U_TF32 = 2.0 ** -11  # unit roundoff of cvt.rna to 10 mantissa bits
 _MODULES = {}
 
 
@@ -130,13 +130,6 @@ def run_api(precision, q, k, v, do, causal, *, scale, deterministic=True, **opts
 # ---------------------------------------------------------------------------------------------
 # float64 references
 # ---------------------------------------------------------------------------------------------
-def tf32_round(x):
-    """cvt.rna.tf32.f32 of float32 values (finite): round the magnitude to 10 bits, ties away."""
-    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    b = ((b + 0x1000) & 0xFFFFE000).astype(np.uint32)
-    return b.view(np.float32)
-
-
 def kernel_inputs(q, k, v, do, causal, scale):
     """(lse, delta) as the kernel receives them: float64 reference L, rowsum(dO ∘ O), as float32."""
     G = q.shape[2]
@@ -144,65 +137,6 @@ def kernel_inputs(q, k, v, do, causal, scale):
     out, lse = reference.attention(q, kk, vv, causal=causal, scale=scale, return_lse=True)
     delta = (do.astype(np.float64) * out).sum(-1)
     return lse.astype(np.float32), delta.astype(np.float32)
-
-
-def backward64(q, k, v, do, lse, delta, causal, scale, rnd=None):
-    """float64 (dq, dk, dv, P, dS) of the kernel's computation from its inputs (L and D_i given):
-    P = exp(S·scale − L), dS = P ∘ (dP − D_i), dV = Pᵀ dO, dK = scale·dSᵀ Q, dQ = scale·dS K; with
-    ``rnd`` (tf32_round) every product operand rounded as the kernel rounds it (Q, K, V, dO, and P,
-    dS from their values)."""
-    r = (lambda x: x) if rnd is None else (lambda x: rnd(np.asarray(x, np.float32)))
-    G = q.shape[2]
-    q64, do64 = r(q).astype(np.float64), r(do).astype(np.float64)
-    k64 = np.repeat(r(k).astype(np.float64)[:, :, None], G, axis=2)
-    v64 = np.repeat(r(v).astype(np.float64)[:, :, None], G, axis=2)
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    s = q64 @ np.swapaxes(k64, -1, -2) * scale
-    vis = np.ones((Lq, Lk), bool)
-    if causal:
-        vis = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq)
-    lse64 = lse.astype(np.float64)[..., None]
-    p = np.where(vis & np.isfinite(lse64), np.exp(s - np.where(np.isfinite(lse64), lse64, 0.0)), 0.0)
-    dp = do64 @ np.swapaxes(v64, -1, -2)
-    ds = p * (dp - delta.astype(np.float64)[..., None])
-    pr, dsr = (p, ds) if rnd is None else (r(p).astype(np.float64), r(ds).astype(np.float64))
-    dq = dsr @ k64 * scale
-    dk = (np.swapaxes(dsr, -1, -2) @ q64 * scale).sum(2)
-    dv = (np.swapaxes(pr, -1, -2) @ do64).sum(2)
-    return dq, dk, dv, p, ds
-
-
-def _amb(x, dx):
-    """Where the tf32 rounding of a value known to within ±dx of x is ambiguous (a rounding
-    boundary inside the interval): there the kernel's rounding may differ from the reference's by
-    one tf32 ulp (<= 2^-10 |x|)."""
-    lo, hi = (tf32_round(np.asarray(x - dx, np.float32)), tf32_round(np.asarray(x + dx, np.float32)))
-    return lo != hi
-
-
-def tf32_bound(q, k, v, do, lse, delta, causal, scale, p, ds):
-    """Elementwise allowance for the kernel's tf32 gradients vs backward64(..., rnd=tf32_round):
-    one-ulp flips of the tf32 rounding of P, dS where their float32 value (error Δ from the fp32
-    products: γ_n Σ|a||b|, and 2^-20 relative for exp2 / the scale and L multiplies / D_i) can
-    straddle a rounding boundary, propagated with |operand| weights. The remaining fp32 arithmetic
-    is the float32 rule's term (added by the caller)."""
-    G, D, Dv = q.shape[2], q.shape[-1], v.shape[-1]
-    gam = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
-    qa, doa = (np.abs(tf32_round(x)).astype(np.float64) for x in (q, do))
-    ka, va = (np.repeat(np.abs(tf32_round(x)).astype(np.float64)[:, :, None], G, axis=2) for x in (k, v))
-    s_abs = qa @ np.swapaxes(ka, -1, -2)
-    dp_abs = doa @ np.swapaxes(va, -1, -2)
-    dlt = np.abs(delta.astype(np.float64))[..., None]
-    eta_p = scale * gam(D) * s_abs + 2.0 ** -20 * (1 + scale * s_abs + np.abs(np.where(np.isfinite(lse), lse, 0))[..., None])
-    dP = p * eta_p
-    dp_val = ds / np.where(p > 0, p, 1)  # dP − D_i where P > 0
-    dds = dP * np.abs(dp_val) + p * (gam(Dv) * dp_abs + 2.0 ** -20 * (dp_abs + dlt))
-    fp = np.where(_amb(p, dP), 2.0 ** -10 * p, 0.0)
-    fds = np.where(_amb(ds, dds), 2.0 ** -10 * np.abs(ds), 0.0)
-    b_dq = fds @ ka * scale
-    b_dk = (np.swapaxes(fds, -1, -2) @ qa * scale).sum(2)
-    b_dv = (np.swapaxes(fp, -1, -2) @ doa).sum(2)
-    return b_dq, b_dk, b_dv
 
 
 def fp32_term(q, k, v, do, causal, scale):
@@ -232,8 +166,8 @@ def assert_gradients(precision, got, q, k, v, do, causal, scale, lse, delta):
             limit = 3 * np.abs(n - r).max() + ATOL[np.dtype(np.float32)] * max(1.0, np.abs(r).max())
             assert err <= limit, "%s: error %.3e > %.3e" % (name, err, limit)
         return
-    *ref_t, p, ds = backward64(q, k, v, do, lse, delta, causal, scale, rnd=tf32_round)
-    flips = tf32_bound(q, k, v, do, lse, delta, causal, scale, p, ds)
+    *ref_t, p, ds = tf32_backward_reference(q, k, v, do, lse, delta, causal=causal, scale=scale)
+    flips = tf32_gradient_bound(q, k, v, do, lse, delta, p, ds, scale=scale)
     for name, g, r, f, t in zip(("dq", "dk", "dv"), got, ref_t, flips, terms):
         err = np.abs(g - r)
         limit = f + t
@@ -479,7 +413,7 @@ def ext_visibility(q, k, causal, kw):
 
 
 def backward64_ext(q, k, v, do, lse, delta, scale, vis, z):
-    """backward64 (tf32-rounded operands, G = 1, k and v per head) with a visibility mask and
+    """tf32_backward_reference (tf32-rounded operands, G = 1, k and v per head) with a visibility mask and
     dropout's Z: P = exp(S·scale − L) where visible, dV = (P∘Z)ᵀ dO, dS = P ∘ (dP∘Z − D_i), P∘Z and
     dS rounded to tf32 before their products; also P and dS for the flip bound."""
     r = lambda x: tf32_round(np.asarray(x, np.float32)).astype(np.float64)  # noqa: E731
@@ -494,17 +428,18 @@ def backward64_ext(q, k, v, do, lse, delta, scale, vis, z):
 
 
 def assert_gradients_ext(got, q, k, v, do, causal, scale, kw, lse, delta):
-    """tf32 with extensions: vs backward64_ext (given the L, D_i the kernel saw) within tf32_bound's
+    """tf32 with extensions: vs backward64_ext (given the L, D_i the kernel saw) within tf32_gradient_bound's
     flips + the float32 rule's term per gradient (reference.attention_backward with the same
-    keywords, float64 vs naive float32). tf32_bound on the G = 1 axis layout it expects: dS's flips
+    keywords, float64 vs naive float32). tf32_gradient_bound on the G = 1 axis layout it expects: dS's flips
     from P with dP's magnitudes times max Z (dS = P ∘ (dP∘Z − D_i), dropped elements included), dV's
     from P∘Z (its operand)."""
     vis, z = ext_visibility(q, k, causal, kw)
     *ref_t, p, ds = backward64_ext(q, k, v, do, lse, delta, scale, vis, z)
     zmax = float(z.max())
-    g = lambda x: x[:, :, None]  # noqa: E731  (B, H, 1, L, ·): tf32_bound's q / dO layout
-    b_dq, b_dk, _ = tf32_bound(g(q), k, v, g(do) * np.float32(zmax), g(lse), g(delta), causal, scale, g(p), g(ds))
-    _, _, b_dv = tf32_bound(g(q), k, v, g(do), g(lse), g(delta), causal, scale, g(p * z), g(ds))
+    g = lambda x: x[:, :, None]  # noqa: E731  (B, H, 1, L, ·): tf32_gradient_bound's q / dO layout
+    b_dq, b_dk, _ = tf32_gradient_bound(g(q), k, v, g(do) * np.float32(zmax), g(lse), g(delta), g(p), g(ds),
+                                        scale=scale)
+    _, _, b_dv = tf32_gradient_bound(g(q), k, v, g(do), g(lse), g(delta), g(p * z), g(ds), scale=scale)
     flips = (b_dq[:, :, 0], b_dk, b_dv)
     ref = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, **kw)
     naive = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=np.float32, **kw)

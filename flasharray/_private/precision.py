@@ -126,3 +126,70 @@ def tf32_error_bound(q, k, v, *, causal=False, scale=None):
     out_bound = (2 * delta + rel * (1 + delta)) / (1 - delta) * (P @ np.abs(v))
     lse_bound = -np.log1p(-delta[..., 0])
     return out_bound, lse_bound
+
+
+def tf32_round(x):
+    """``cvt.rna.tf32.f32`` of finite float32 values: the magnitude rounded to 10 mantissa bits,
+    ties away from zero (float32 in, float32 out)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def _visible(Lq, Lk, causal):
+    if not causal:
+        return np.ones((Lq, Lk), dtype=bool)
+    return np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq)
+
+
+def tf32_backward_reference(q, k, v, do, lse, delta, *, causal=False, scale, rounded=True):
+    """float64 ``(dq, dk, dv, P, dS)`` of the backward the tf32 kernels compute, from the L
+    (``lse``, natural log) and D_i (``delta``) they were given: P = exp(S·scale − L) where visible,
+    dS = P ∘ (dP − D_i), dV = Pᵀ dO, dK = scale·dSᵀ Q, dQ = scale·dS K. With ``rounded`` every
+    product operand is rounded as the kernels round it (Q, K, V, dO; P and dS from their float64
+    values). Layout: q, do ``(..., G, Lq, D)``, k, v ``(..., Lk, D)`` shared by the G query heads
+    (dk, dv summed over G), lse, delta ``(..., G, Lq)``."""
+    r = (lambda x: tf32_round(x).astype(np.float64)) if rounded else (lambda x: np.asarray(x, np.float64))
+    q64, do64 = r(q), r(do)
+    k64, v64 = (r(x)[..., None, :, :] for x in (k, v))
+    s = q64 @ np.swapaxes(k64, -1, -2) * scale
+    lse64 = np.asarray(lse, np.float64)[..., None]
+    seen = np.isfinite(lse64)
+    vis = _visible(q.shape[-2], k.shape[-2], causal)
+    p = np.where(vis & seen, np.exp(s - np.where(seen, lse64, 0.0)), 0.0)
+    ds = p * (do64 @ np.swapaxes(v64, -1, -2) - np.asarray(delta, np.float64)[..., None])
+    pr, dsr = (r(p), r(ds)) if rounded else (p, ds)
+    dq = dsr @ k64 * scale
+    dk = (np.swapaxes(dsr, -1, -2) @ q64 * scale).sum(-3)
+    dv = (np.swapaxes(pr, -1, -2) @ do64).sum(-3)
+    return dq, dk, dv, p, ds
+
+
+def _ambiguous(x, dx):
+    """Where the tf32 rounding of a value known to within ±dx of x is ambiguous (a rounding boundary
+    inside the interval): there the kernel's rounding may differ from the reference's by one tf32
+    ulp (<= 2^-10 |x|)."""
+    return tf32_round(np.asarray(x - dx, np.float32)) != tf32_round(np.asarray(x + dx, np.float32))
+
+
+def tf32_gradient_bound(q, k, v, do, lse, delta, p, ds, *, scale):
+    """Elementwise bounds ``(dq, dk, dv)`` on the tf32 kernels' gradients against
+    :func:`tf32_backward_reference` (``p``, ``ds`` its P and dS; same layout): one-ulp flips of the
+    tf32 rounding of P and dS where their float32 value can straddle a rounding boundary (error
+    from the fp32 products γ_n Σ|a||b|, and 2^-20 relative for exp2, the scale and L multiplies
+    and D_i), propagated with |operand| weights. The remaining fp32 arithmetic is the float32
+    rule's term (2·max|naive fp32 − float64| + atol per gradient), which callers add."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    gam = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
+    qa, doa = (np.abs(tf32_round(x)).astype(np.float64) for x in (q, do))
+    ka, va = (np.abs(tf32_round(x)).astype(np.float64)[..., None, :, :] for x in (k, v))
+    s_abs = qa @ np.swapaxes(ka, -1, -2)
+    dp_abs = doa @ np.swapaxes(va, -1, -2)
+    dlt = np.abs(np.asarray(delta, np.float64))[..., None]
+    lse_abs = np.abs(np.where(np.isfinite(lse), lse, 0))[..., None]
+    d_p = p * (scale * gam(D) * s_abs + 2.0 ** -20 * (1 + scale * s_abs + lse_abs))
+    dp_val = ds / np.where(p > 0, p, 1)  # dP − D_i where P > 0
+    d_ds = d_p * np.abs(dp_val) + p * (gam(Dv) * dp_abs + 2.0 ** -20 * (dp_abs + dlt))
+    fp = np.where(_ambiguous(p, d_p), 2.0 ** -10 * p, 0.0)
+    fds = np.where(_ambiguous(ds, d_ds), 2.0 ** -10 * np.abs(ds), 0.0)
+    return (fds @ ka * scale, (np.swapaxes(fds, -1, -2) @ qa * scale).sum(-3),
+            (np.swapaxes(fp, -1, -2) @ doa).sum(-3))
