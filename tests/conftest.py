@@ -43,3 +43,9 @@ def _nvrtc_status():
 
 NVRTC_OK, NVRTC_WHY = _nvrtc_status()
 requires_nvrtc = pytest.mark.skipif(not NVRTC_OK, reason="NVRTC unavailable: %s" % NVRTC_WHY)
+
+
+def archs_sm89_slow(archs):
+    """The static tests' default archs: sm_89 compiles as sm_86 (same ISA, shared memory and tiles),
+    so the CI time budget leaves it to ``-m slow``."""
+    return [pytest.param(a, marks=pytest.mark.slow) if a == 89 else a for a in archs]
