@@ -37,9 +37,10 @@
 //    moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
 //    The tensor maps are by-value __grid_constant__ CUtensorMap parameters encoded per call by the plan.
 //
-// Not yet (docs/hopper.md): the intra-warpgroup overlap of softmax with the next S wgmma; here every
-// wgmma batch is waited for before its result is used (wgmma_wait_group<0>). The ws kernel ping-pongs
-// its two consumer warpgroups (named barriers): one's softmax under the other's S GEMM.
+// The ws kernel ping-pongs its two consumer warpgroups (named barriers: one's softmax under the other's
+// GEMMs) and, by default (Is_overlap), overlaps each warpgroup's softmax of tile j with its own
+// O += P_{j−1} V_{j−1} wgmmas (FlashAttention-3's intra-warpgroup overlap, wgmma_wait_group<1>); the
+// cp.async kernel and the ws kernel without Is_overlap wait for every batch (wgmma_wait_group<0>).
 //
 // Arguments of flash_fwd_sm90_kernel: exactly flash_fwd_kernel's (flash_fwd.cu), so ForwardPlan lays them out as for the
 // mma.sync forward; the GQA-packing, KV-cache and extension arguments are accepted and unused (the
@@ -83,34 +84,63 @@ struct Sm90FwdTraits {
   static constexpr int kSmemBytes = (kLoopBytes > kEpilogueBytes ? kLoopBytes : kEpilogueBytes) + kAtomBytes;
 };
 
-// O += P V_j: P's A fragment of k16 step ks is the accumulator of S's n8 tiles 2ks, 2ks+1 rounded to
-// T (a0 row g cols 2t.., a1 row g+8, a2 / a3 the same of the second tile); V_j MN-major, keys
-// 16ks.. at 2048·ks bytes, dv panels kBlockN·128 bytes apart (LBO). Waits for the result.
-template <typename T, int kHeadDimV, int kBlockN>
-__device__ __forceinline__ void gemm_pv_sm90(float (&acc_o)[kHeadDimV / 2], const float (&acc_s)[kBlockN / 2],
-                                             const unsigned char* sV_j) {
-  uint32_t a_p[kBlockN / 16][4];
+// P_ij rounded to T as the A fragments of O += P V_j: the fragment of k16 step ks is the accumulator of
+// S's n8 tiles 2ks, 2ks+1 (a0 row g cols 2t.., a1 row g+8, a2 / a3 the same of the second tile).
+template <typename T, int kBlockN>
+__device__ __forceinline__ void pack_p_sm90(uint32_t (&a_p)[kBlockN / 16][4], const float (&acc_s)[kBlockN / 2]) {
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
 #pragma unroll
     for (int i = 0; i < 4; ++i) a_p[ks][i] = fa::pack2<T>(acc_s[8 * ks + 2 * i], acc_s[8 * ks + 2 * i + 1]);
+}
+
+// Issues O += P V_j as one committed batch, Bc/16 × wgmma .rs: V_j MN-major, keys 16ks.. at 2048·ks
+// bytes, dv panels kBlockN·128 bytes apart (LBO). acc_o and a_p stay untouched until a wait covers it.
+template <typename T, int kHeadDimV, int kBlockN>
+__device__ __forceinline__ void issue_pv_sm90(float (&acc_o)[kHeadDimV / 2], const uint32_t (&a_p)[kBlockN / 16][4],
+                                              const unsigned char* sV_j) {
   fa::wgmma_fence_operand(acc_o);
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
     wgmma_rs<T, kHeadDimV, true>(acc_o, a_p[ks], sw128_desc(sV_j + ks * 2048, kBlockN * 128), 1);
   fa::wgmma_commit_group();
+}
+
+// O += P V_j from the S accumulator holding P; waits for the result.
+template <typename T, int kHeadDimV, int kBlockN>
+__device__ __forceinline__ void gemm_pv_sm90(float (&acc_o)[kHeadDimV / 2], const float (&acc_s)[kBlockN / 2],
+                                             const unsigned char* sV_j) {
+  uint32_t a_p[kBlockN / 16][4];
+  pack_p_sm90<T, kBlockN>(a_p, acc_s);
+  issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sV_j);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_o);
 }
 
+// OnlineSoftmaxRow::update_max (the same values, bit for bit) with the exp2 taken unconditionally and
+// the "both −inf" case a select: update_max's `m_new == −inf ? 1 : exp2(..)` compiles to a branch around
+// the exp2, which would split the overlapped loop's softmax into basic blocks.
+__device__ __forceinline__ float update_max_select(OnlineSoftmaxRow<float>& stat, float tile_max) {
+  const float m_new = fmaxf(stat.m, tile_max);
+  const bool none = m_new == -INFINITY;   // the row has seen nothing visible yet: factor 1, no NaN
+  const float e = exp2f(none ? 0.0f : stat.m - m_new);
+  const float correction = none ? 1.0f : e;
+  stat.m = m_new;
+  stat.l *= correction;
+  return correction;
+}
+
 // Mask (masked tiles only) and online softmax of one key tile on the thread's rows row0 (r = 0) and
-// row0 + 8 (r = 1): acc_s[4j + e] is S[row0 + 8(e >> 1)][n0 + 8j + 2t + (e & 1)]. Rescales O and l,
-// leaves P = exp2(S·scale·log2e − m) in acc_s (l summed per lane; the quad is reduced at the end).
-template <bool Is_causal, int kBlockN, int kHeadDimV>
-__device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
-                                             OnlineSoftmaxRow<float> (&stat)[2], const Mask<Is_causal>& mask,
-                                             bool masked, int row0, int n0, int t, float scale_log2) {
+// row0 + 8 (r = 1): acc_s[4j + e] is S[row0 + 8(e >> 1)][n0 + 8j + 2t + (e & 1)]. Leaves P =
+// exp2(S·scale·log2e − m) in acc_s (l rescaled and summed per lane; the quad is reduced at the end) and
+// each row's factor for O in correction[r]. kDeferO: O is not touched (the overlapped ws loop rescales it
+// once the P V wgmmas reading it have completed: rescale_o_sm90); else each row of O is rescaled here.
+template <bool Is_causal, int kBlockN, int kHeadDimV, bool kDeferO>
+__device__ __forceinline__ void softmax_tile_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
+                                                  OnlineSoftmaxRow<float> (&stat)[2], float (&correction)[2],
+                                                  const Mask<Is_causal>& mask, bool masked, int row0, int n0, int t,
+                                                  float scale_log2) {
   if (masked) {
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i)
@@ -123,11 +153,15 @@ __device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float 
     for (int j = 0; j < kBlockN / 8; ++j)
       tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
     tile_max = group_allreduce_max<4>(tile_max);
-    const float correction = stat[r].update_max(tile_max * scale_log2);
+    if constexpr (kDeferO) {
+      correction[r] = update_max_select(stat[r], tile_max * scale_log2);
+    } else {
+      correction[r] = stat[r].update_max(tile_max * scale_log2);
 #pragma unroll
-    for (int j = 0; j < kHeadDimV / 8; ++j) {
-      acc_o[4 * j + 2 * r] *= correction;
-      acc_o[4 * j + 2 * r + 1] *= correction;
+      for (int j = 0; j < kHeadDimV / 8; ++j) {
+        acc_o[4 * j + 2 * r] *= correction[r];
+        acc_o[4 * j + 2 * r + 1] *= correction[r];
+      }
     }
     const float m_sub = stat[r].max_for_exp();
 #pragma unroll
@@ -139,6 +173,25 @@ __device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float 
         acc_s[4 * j + e] = p;
       }
   }
+}
+
+// The softmax of one key tile with O rescaled at once (the loops that wait for every wgmma batch).
+template <bool Is_causal, int kBlockN, int kHeadDimV>
+__device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
+                                             OnlineSoftmaxRow<float> (&stat)[2], const Mask<Is_causal>& mask,
+                                             bool masked, int row0, int n0, int t, float scale_log2) {
+  float correction[2];
+  softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, false>(acc_s, acc_o, stat, correction, mask, masked, row0, n0, t,
+                                                          scale_log2);
+}
+
+// O_i rows row0 (r = 0) and row0 + 8 (r = 1) times correction[r] (after softmax_tile_sm90<..., true>).
+template <int kHeadDimV>
+__device__ __forceinline__ void rescale_o_sm90(float (&acc_o)[kHeadDimV / 2], const float (&correction)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDimV / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= correction[e >> 1];
 }
 
 // Epilogue, per thread: O / l rounded to T into sO by stmatrix.x4 (one per 16 columns: matrices
@@ -289,15 +342,16 @@ namespace flash {
 // K_j and V_j into a ring of kStages stages, each completing on that stage's full barrier
 // (arrive.expect_tx of the tile's bytes). Warpgroups 1 and 2 are the consumers of the cp.async kernel above
 // (rows [64(w−1), 64w) of Q_i), raised to kConsumerRegs registers: wait on full_k[s] before S = Q K_jᵀ, on
-// full_v[s] before O += P V_j, and arrive on empty[s] once their P V_j wgmmas have completed, which is
-// what lets the producer refill stage s. No block-wide barrier in the key loop and no copy instruction
-// in the consumers.
+// full_v[s] before O += P V_j, and arrive on empty_k[s] once their S batch (Is_overlap) or both batches
+// have completed and on empty_v[s] (Is_overlap only; else the same barrier) once their P V_j wgmmas have,
+// which is what lets the producer refill stage s. No block-wide barrier in the key loop and no copy
+// instruction in the consumers.
 //
 // Tensor maps (flasharray/_private/cuda_forward_sm90.py): rank 5, innermost first (column, row, b2, b1,
 // b0); box (64 columns = one 128-byte swizzle panel, rows of the tile, 1, 1, 1). A batch dim along which
 // the tensor is broadcast (stride 0, which a tensor map cannot hold) is described with extent 1 and its
 // bit in `bcast` (bit 3t + i: tensor t = q, k, v; i = b2, b1, b0) makes its coordinate 0.
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_overlap>
 struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
   static_assert(kBlockM == 128, "the producer warpgroup feeds two consumer warpgroups");
@@ -308,27 +362,29 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kConsumerRegs = kWsConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
-  // mbarriers past both the loop and the epilogue layouts: Q, then full_k, full_v, empty per stage.
+  // mbarriers past both the loop and the epilogue layouts: Q, then full_k, full_v, empty_k per stage and,
+  // overlapped, empty_v per stage (K_j is released when its S batch completes, V_j a step later).
   static constexpr int kBarOffset = ((Base::kLoopBytes > Base::kEpilogueBytes ? Base::kLoopBytes
                                                                                : Base::kEpilogueBytes) + 7) / 8 * 8;
-  static constexpr int kBars = 1 + 3 * Base::kStages;
+  static constexpr int kBars = 1 + (Is_overlap ? 4 : 3) * Base::kStages;
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
-  // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas only in its turn, named
-  // barrier kTurnBarrier + c (its 128 threads sync, the other warpgroup's 128 arrive), and hands the turn
-  // over as soon as they are issued, so one warpgroup's softmax runs under the other's S GEMM.
+  // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas (overlapped: its S and
+  // P V wgmmas) only in its turn, named barrier kTurnBarrier + c (its 128 threads sync, the other
+  // warpgroup's 128 arrive), and hands the turn over as soon as they are issued, so one warpgroup's
+  // softmax runs under the other's GEMMs.
   static constexpr bool kPingPong = true;
   static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
 };
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap>
 __global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
 flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
                          long long o_b0, long long o_b1, long long o_b2, long long o_row,
                          long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
                          const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v) {
-  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap>;
   constexpr int kStages = Tr::kStages;
 
   FA_DYNAMIC_SMEM(smem_raw);
@@ -341,7 +397,9 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);
   uint64_t* full_k = bar_q + 1;          // [kStages]: K_j landed (the producer's expect_tx + the TMA bytes)
   uint64_t* full_v = full_k + kStages;   // [kStages]: V_j landed
-  uint64_t* empty = full_v + kStages;    // [kStages]: every consumer thread is done with the stage
+  uint64_t* empty_k = full_v + kStages;  // [kStages]: every consumer thread is done with K_j (and, not
+                                         // overlapped, with V_j: one barrier for the whole stage)
+  uint64_t* empty_v = Is_overlap ? empty_k + kStages : empty_k;  // [kStages]: ... done with V_j
 
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
@@ -355,7 +413,8 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
     for (int s = 0; s < kStages; ++s) {
       fa::mbarrier_init(full_k + s, 1);
       fa::mbarrier_init(full_v + s, 1);
-      fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
+      fa::mbarrier_init(empty_k + s, Tr::kConsumerThreads);
+      if (Is_overlap) fa::mbarrier_init(empty_v + s, Tr::kConsumerThreads);
     }
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any load completes on them
   }
@@ -378,9 +437,10 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
       // i − kStages (the first pass waits on parity 1 of a fresh barrier: already complete).
       for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
         const int s = i % kStages, phase = (i / kStages) & 1;
-        fa::mbarrier_wait_parity(empty + s, phase ^ 1);
+        fa::mbarrier_wait_parity(empty_k + s, phase ^ 1);
         fa::mbarrier_arrive_expect_tx(full_k + s, Tr::kKBytes);
         tma_load_tile<kBlockN, kHeadDim>(sK + s * Tr::kKBytes, &tmap_k, n_block * kBlockN, kb2, kb1, kb0, full_k + s);
+        if (Is_overlap) fa::mbarrier_wait_parity(empty_v + s, phase ^ 1);
         fa::mbarrier_arrive_expect_tx(full_v + s, Tr::kVBytes);
         tma_load_tile<kBlockN, kHeadDimV>(sV + s * Tr::kVBytes, &tmap_v, n_block * kBlockN, vb2, vb1, vb0,
                                           full_v + s);
@@ -412,21 +472,88 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   // Ping-pong: warpgroup 0 has the first turn (warpgroup 1's opening arrival); each warpgroup takes n
   // turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases.
   if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
-  for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
-    const int s = i % kStages, phase = (i / kStages) & 1;
-    fa::mbarrier_wait_parity(full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
-    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);  // our turn
-    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes,
-                                                [&] {  // issued: the other warpgroup's turn
-                                                  if (Tr::kPingPong && (cwg == 0 || n_block > 0))
-                                                    fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg,
-                                                                             Tr::kConsumerThreads);
-                                                });
-    softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
-                                                m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
-    fa::mbarrier_wait_parity(full_v + s, phase);   // V_j has landed
-    gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + s * Tr::kVBytes);
-    fa::mbarrier_arrive(empty + s);                // both wgmma batches on stage s completed: refill it
+  auto our_turn = [&] {
+    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);
+  };
+  auto their_turn = [&](int n_block) {
+    if (Tr::kPingPong && (cwg == 0 || n_block > 0))
+      fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg, Tr::kConsumerThreads);
+  };
+  if constexpr (!Is_overlap) {
+    for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
+      const int s = i % kStages, phase = (i / kStages) & 1;
+      fa::mbarrier_wait_parity(full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
+      our_turn();
+      gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes,
+                                                  [&] { their_turn(n_block); });  // issued: hand over
+      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
+                                                  m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+      fa::mbarrier_wait_parity(full_v + s, phase);   // V_j has landed
+      gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + s * Tr::kVBytes);
+      fa::mbarrier_arrive(empty_k + s);              // both wgmma batches on stage s completed: refill it
+    }
+  } else if (n_block_max > 0) {
+    // Intra-warpgroup overlap (FlashAttention-3 §3.2): visit i issues S_i = Q K_iᵀ, then O += P_{i−1} V_{i−1}
+    // (both in the warpgroup's turn), waits for S_i only (wait_group 1) and runs its softmax while the P V
+    // batch is in flight. The wait for that batch (wait_group 0), O's rescale by visit i's factor and the
+    // packing of P_i come at the top of visit i + 1, after its wait for K_{i+1}: that mbarrier spin is a
+    // branch, and ptxas, which schedules a wait_group freely inside a basic block (it hoisted it above the
+    // softmax there: docs/hopper.md), keeps it below. Per row the arithmetic is the loop above's,
+    // O ← O·c_i + P_i V_i in the same fp32 operations and order. The softmax must not touch O
+    // (softmax_tile_sm90<..., true>) nor P_{i−1}'s A fragments (a_p) before the wait.
+    uint32_t a_p[kBlockN / 16][4];   // P_{i−1}: the A fragments of the P V batch in flight
+    float correction[2];             // visit i's factor for O, applied once P_{i−1} V_{i−1} has completed
+    const int row0 = m0 + warp_row + g;
+    // visit 0: S_0 and its softmax, nothing else in flight
+    fa::mbarrier_wait_parity(full_k, 0);
+    our_turn();
+    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK,
+                                                [&] { their_turn(n_block_max - 1); });
+    fa::mbarrier_arrive(empty_k);                  // S_0 completed: K_0's stage may be refilled
+    softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
+                                                           n_block_max - 1 >= n_block_unmasked, row0,
+                                                           (n_block_max - 1) * kBlockN, t, scale_log2);
+    // P_{i−1} V_{i−1} completed (visit i − 2's stage free for V), O rescaled by c_{i−1}, P_{i−1} packed
+    auto finish_previous = [&](int i) {
+      fa::wgmma_wait_group<0>();
+      fa::wgmma_fence_operand(acc_o);
+      if (i >= 2) fa::mbarrier_arrive(empty_v + (i - 2) % kStages);
+      rescale_o_sm90<kHeadDimV>(acc_o, correction);
+      pack_p_sm90<T, kBlockN>(a_p, acc_s);
+    };
+    // Visits i ≥ 1, key tile n_block in stage s (visit i − 1 used stage sp). Masked tiles (first in the
+    // order) and unmasked ones run as two copies of the loop (the outer loop is unrolled), so `masked` is
+    // a compile-time constant in each and no branch splits the softmax.
+    int n_block = n_block_max - 2, i = 1;
+#pragma unroll
+    for (int masked = 1; masked >= 0; --masked) {
+      for (; n_block >= (masked ? n_block_unmasked : 0); --n_block, ++i) {
+        const int s = i % kStages, phase = (i / kStages) & 1;
+        const int sp = (i - 1) % kStages, phase_p = ((i - 1) / kStages) & 1;
+        fa::mbarrier_wait_parity(full_k + s, phase);
+        finish_previous(i);
+        our_turn();
+        auto issue_pv = [&] {  // after S_i's batch, in our turn: O += P_{i−1} V_{i−1}; then hand over
+          fa::mbarrier_wait_parity(full_v + sp, phase_p);
+          issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sV + sp * Tr::kVBytes);
+          their_turn(n_block);
+        };
+        // waits for all but the last committed batch: S_i has completed, P_{i−1} V_{i−1} may be in flight
+        gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN, decltype(issue_pv), 1>(acc_s, sQ + cwg * 64 * 128,
+                                                                           sK + s * Tr::kKBytes, issue_pv);
+        fa::mbarrier_arrive(empty_k + s);
+        softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, masked != 0,
+                                                               row0, n_block * kBlockN, t, scale_log2);
+      }
+    }
+    // the last P V (visit i − 1's)
+    finish_previous(i);
+    const int sp = (i - 1) % kStages, phase_p = ((i - 1) / kStages) & 1;
+    fa::mbarrier_wait_parity(full_v + sp, phase_p);
+    issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sV + sp * Tr::kVBytes);
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_o);
+    fa::mbarrier_arrive(empty_v + sp);
   }
 
   // Epilogue (consumers only): every load has landed (each was waited for) and every wgmma completed; the

@@ -7,7 +7,8 @@ tiling implies (2 warpgroups x (d/16 + Bc/16) per visible key tile of every bloc
 above the diagonal are never visited). Default run: fp16 and bf16; head dims 64, 128 and padded
 ones (40, 59, 72, 200); causal and not, Lq < Lk and Lq > Lk (fully masked rows), lengths off the
 tiles; GQA broadcast; BSHD strided views; the element-wise copy path (D = 59); permuted emulator
-schedules giving identical bits; the opt-in and its errors. ``-m slow``: larger matrices.
+schedules giving identical bits; the ws kernel's intra-warpgroup overlap (the default) giving the bits of
+the ws kernel without it under each schedule; the opt-in and its errors. ``-m slow``: larger matrices.
 """
 import numpy as np
 import pytest
@@ -132,6 +133,40 @@ def test_wgmma_forward_schedules_identical(schedule, seed):
     got = run_forward("emulator", q, k, v, causal=True, kernel="wgmma", arch="sm_90", schedule=schedule, seed=seed)
     for a, b in zip(base, got):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# (dtype, D, Lq, Lk, causal, gqa): several masked and unmasked key tiles (both of the overlapped loop's
+# copies), Lq > Lk causal (rows with no visible key), one key tile only (visit 0 and the last P V alone),
+# d = 256 (Bc = 64, five tiles), GQA broadcast (the maps' extent-1 batch dim).
+OVERLAP_CASES = [
+    ("float16", 64, 90, 520, True, True),
+    ("bfloat16", 128, 200, 130, True, False),
+    ("float16", 64, 33, 100, False, False),
+    ("bfloat16", 256, 65, 300, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa", OVERLAP_CASES)
+@pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 5)])
+def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal, gqa, schedule, seed):
+    """The ws kernel's intra-warpgroup overlap (OVERLAP, the default: softmax of S_j while P_{j-1} V_{j-1}
+    is in flight) gives the bits of its consumer loop without it (every wgmma batch waited for): the same
+    fp32 operations in the same order per row, under each emulator schedule."""
+    from flasharray._private import launch
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, gqa=gqa, seed=D + Lk)
+    got = {}
+    for overlap in (True, False):
+        monkeypatch.setattr(S, "OVERLAP", overlap)
+        launch._clear_plans()
+        tile = sm90_plan(q, k, v, causal).tile
+        assert tile.tma and tile.overlap == overlap and tile.name_expression(causal, True).endswith(
+            "%s, %s>" % (str(causal).lower(), str(overlap).lower()))
+        got[overlap] = run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90",
+                                   schedule=schedule, seed=seed)
+    launch._clear_plans()
+    for a, b in zip(got[True], got[False]):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert_attention_close(got[True][0], q, k, v, causal=causal, lse=got[True][1])
 
 
 def test_tma_fallback_rules():

@@ -6,9 +6,14 @@ sm_90a with zero spills, no local stack, no static shared memory, registers x th
 register file and dynamic shared memory within the opt-in maximum. In the SASS the key-tile loop
 (the loop holding the most HGMMA) holds every HGMMA of the kernel, exactly one key tile's:
 d/16 HGMMA for S (SS: both operands through descriptors) plus Bc/16 for O (RS: P from registers).
-ptxas reports no wgmma serialization. Compiling for plain sm_90 is refused at compile time (``fa::wgmma needs sm_90a``). The registers per
-thread and the key loop's instructions are printed (``-s``; docs/hopper.md quotes them).
+ptxas reports no wgmma serialization. The warp-specialized kernel with the intra-warpgroup overlap (the
+default) has instead two steady-state loops (masked and unmasked key tiles), each one key tile's HGMMA,
+with the softmax between the P V batch's issue and its ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (overlap_checks);
+the one without it (OVERLAP = False) is checked as above. Compiling for plain sm_90 is refused at
+compile time (``fa::wgmma needs sm_90a``). The registers per thread and the key loop's instructions are
+printed (``-s``; docs/hopper.md quotes them).
 """
+import dataclasses
 import re
 
 import numpy as np
@@ -33,17 +38,85 @@ def instantiations(dtypes, head_dims):
             for causal, aligned in FLAGS:
                 found[t.name_expression(causal, aligned)] = t
             ws = S.tma_tile(t, ())  # the warp-specialized TMA instantiation (no tensors to refuse it)
-            assert ws.tma and ws.n_threads == 384
-            for causal in (False, True):
-                found[ws.name_expression(causal, True)] = ws
+            assert ws.tma and ws.n_threads == 384 and ws.overlap == S.OVERLAP
+            # both consumer loops: overlapped (the default) and every batch waited for (OVERLAP = False)
+            for overlap in (True, False):
+                v = dataclasses.replace(ws, overlap=overlap,
+                                        smem=S.ws_smem_bytes(ws.head_dim, ws.head_dim_v, ws.block_m, ws.block_n,
+                                                             overlap))
+                for causal in (False, True):
+                    found[v.name_expression(causal, True)] = v
     return found
+
+
+def written_registers(ins):
+    """The R registers an instruction writes (its first operand, 2 / 4 of them for 64- / 128-bit results);
+    none for stores, barriers and branches."""
+    if ins.base.startswith(("ST", "RED", "BAR", "BRA", "SYNCS", "WARPGROUP")):
+        return set()
+    m = re.match(r"\s*R(\d+)\b", ins.operands)
+    if not m:
+        return set()
+    width = 4 if ".128" in ins.opcode else 2 if (".64" in ins.opcode or ".WIDE" in ins.opcode) else 1
+    return {int(m.group(1)) + k for k in range(width)}
+
+
+def is_rs(ins):
+    return ins.base == "HGMMA" and ins.operands.split(",")[1].strip().startswith("R")
+
+
+def overlap_checks(name, t, body):
+    """The overlapped consumer loop (Is_overlap): two steady-state loops (masked tiles, then unmasked ones),
+    each one key tile's HGMMA — d/16 SS for S_i, then Bc/16 RS for P_{i−1} V_{i−1} — with no nested loop.
+    In each: the WARPGROUP.DEPBAR.LE gsb0, 0x1 after the RS batch (S_i done), every MUFU.EX2 and FMNMX of
+    the softmax after it, no 0x0 wait between the RS batch and the back edge (the P V batch stays in
+    flight through the softmax; its 0x0 wait is at the top of the next visit, before the S batch), and no
+    instruction in flight range (after the RS batch to the end, from the top to the 0x0 wait) writing a
+    register the RS HGMMAs read or accumulate (A fragments, O). Returns (problems, steady loops)."""
+    problems = []
+    per_tile_ss, per_tile_rs = t.head_dim // 16, t.block_n // 16
+    ss_all = [i for i in body if i.base == "HGMMA" and not is_rs(i)]
+    rs_all = [i for i in body if is_rs(i)]
+    if (len(ss_all), len(rs_all)) != (3 * per_tile_ss, 3 * per_tile_rs):  # visit 0, two loops, the last P V
+        problems.append("%s: %d SS + %d RS HGMMA, expected %d + %d" % (name, len(ss_all), len(rs_all),
+                                                                     3 * per_tile_ss, 3 * per_tile_rs))
+    steady = [lp for lp in sass.loops(body) if lp.nested == 0 and
+              sum(1 for i in ss_all if lp.start <= i.address <= lp.end) == per_tile_ss and
+              sum(1 for i in rs_all if lp.start <= i.address <= lp.end) == per_tile_rs]
+    if len(steady) != 2:
+        return problems + ["%s: %d steady-state loops, expected 2 (masked, unmasked)" % (name, len(steady))], steady
+    for lp in steady:
+        ins = [i for i in body if lp.start <= i.address <= lp.end]
+        ss = [i for i in ins if i.base == "HGMMA" and not is_rs(i)]
+        rs = [i for i in ins if is_rs(i)]
+        waits = [i for i in ins if i.opcode.startswith("WARPGROUP.DEPBAR")]
+        w1 = [i for i in waits if i.operands.replace(" ", "").endswith("0x1")]
+        w0 = [i for i in waits if i.operands.replace(" ", "").endswith("0x0")]
+        soft = [i for i in ins if i.opcode.startswith("MUFU.EX2") or i.base == "FMNMX"]
+        ok = (len(w1) == 1 and len(w0) == 1 and w0[0].address < ss[0].address and ss[-1].address < rs[0].address
+              and rs[-1].address < w1[0].address and soft and w1[0].address < soft[0].address)
+        if not ok:
+            problems.append("%s: loop %x-%x: waits %s, softmax not between the RS batch's issue and its wait"
+                            % (name, lp.start, lp.end, [(hex(i.address), i.operands) for i in waits]))
+            continue
+        operands = set()
+        for i in rs:
+            acc, a = (int(r[1:]) for r in sass_registers(i.operands)[:2])  # "64x{dv}x16.F32 R<O>, R<A>, ..."
+            operands |= set(range(acc, acc + t.head_dim_v // 2)) | set(range(a, a + 4))
+        in_flight = [i for i in ins if i.address > rs[-1].address or i.address < w0[0].address]
+        clobbers = [i for i in in_flight if written_registers(i) & operands]
+        if clobbers:
+            problems.append("%s: loop %x-%x: %s writes an in-flight RS operand" % (name, lp.start, lp.end,
+                                                                                 clobbers[0].opcode))
+    return problems, steady
 
 
 def ws_checks(name, t, body, loop):
     """The warp-specialized kernel: setmaxnreg took effect (both USETMAXREG, registers above the launch
     count used after the .inc), the key loop free of copies, its only barriers the ping-pong's named
-    ones around the S batch, the producer loop (the
-    smallest loop holding UTMALDG) issuing one tile's boxes per visit and waiting on mbarriers."""
+    ones around the S batch (overlapped: around the S and P V batches), the producer loop (the
+    smallest loop holding UTMALDG and both expect-tx arrivals) issuing one tile's boxes per visit and
+    waiting on mbarriers."""
     problems = []
     ops = {i.opcode for i in body}
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
@@ -63,6 +136,10 @@ def ws_checks(name, t, body, loop):
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
     if not lps:
         return problems + ["%s: no producer loop" % name], ""
+    # the smallest holding both expect-tx arrivals (K's and V's full barriers): the overlapped kernel's
+    # visit waits on two empty barriers, and a span between those spins holds V's boxes only
+    expect_tx = [i for i in body if i.opcode.startswith("SYNCS.ARRIVE.TRANS64") and ".A1T0" not in i.opcode]
+    lps = [lp for lp in lps if sum(1 for i in expect_tx if lp.start <= i.address <= lp.end) >= 2] or lps
     producer = min(lps, key=lambda lp: lp.stats.instructions)
     boxes = sum(1 for i in tma if producer.start <= i.address <= producer.end)
     if boxes != (t.head_dim + t.head_dim_v) // 64:
@@ -110,7 +187,20 @@ def _check(dtypes, head_dims):
         if (k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1 or
                 t.tma and S.PRODUCER_REGS + 2 * S.CONSUMER_REGS > REGISTER_FILE // 128):
             problems.append("%s: %d regs x %d threads, %d bytes smem" % (name, k.registers, t.n_threads, t.smem))
-        if fns is not None:
+        if fns is not None and t.overlap:
+            body = fns[k.lowered_name]
+            more, steady = overlap_checks(name, t, body)
+            problems += more
+            if len(steady) == 2:
+                masked, loop = sorted(steady, key=lambda lp: -lp.stats.instructions)
+                in_loop = hgmma_in(body, loop)
+                line += ("  key loops (masked / unmasked) %d / %d instr, %d HGMMA (%d SS + %d RS), %d BAR, %d MUFU, "
+                         "softmax overlapped" % (masked.stats.instructions, loop.stats.instructions, len(in_loop),
+                                                 t.head_dim // 16, t.block_n // 16, loop.stats.bar, loop.stats.mufu))
+                more, text = ws_checks(name, t, body, loop)
+                problems += more
+                line += text
+        elif fns is not None:
             body = fns[k.lowered_name]
             loop = hgmma_key_loop(body)
             expected = t.head_dim // 16 + t.block_n // 16

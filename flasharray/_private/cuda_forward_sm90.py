@@ -8,7 +8,8 @@ no KV cache. Asking for ``kernel="wgmma"`` anywhere else is a NotImplementedErro
 Two instantiations: where q, k and v are TMA-legal (:func:`tma_legal`: 16-byte aligned, strides
 multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-specialized kernel
 ``flash_fwd_sm90_ws_kernel`` (a producer warpgroup issuing TMA into a ring on mbarriers, ``setmaxnreg``
-24 / 240, 384 threads; :func:`tma_tile`), its three tensor maps by-value ``CUtensorMap`` arguments
+24 / 240, 384 threads, each consumer warpgroup's softmax overlapped with its own P V wgmmas unless
+:data:`OVERLAP` is off; :func:`tma_tile`), its three tensor maps by-value ``CUtensorMap`` arguments
 (:class:`launch.Map`) whose geometry is checked once per plan and whose address is encoded per call
 (:class:`tensor_map.TiledTemplate`); otherwise the cp.async kernel ``flash_fwd_sm90_kernel``.
 
@@ -49,19 +50,22 @@ def smem_bytes(d, dv, block_m, block_n):
     return max(loop, epilogue) + _ALIGN
 
 
-def ws_smem_bytes(d, dv, block_m, block_n):
-    """Mirror of Sm90WsTraits::kSmemBytes: the layout above, then 1 + 3 x STAGES mbarriers (8 bytes)."""
+def ws_smem_bytes(d, dv, block_m, block_n, overlap=True):
+    """Mirror of Sm90WsTraits::kSmemBytes: the layout above, then 1 + 4 x STAGES mbarriers (8 bytes; 1 + 3 x
+    STAGES without the intra-warpgroup overlap, whose K and V stages share one empty barrier)."""
     body = smem_bytes(d, dv, block_m, block_n) - _ALIGN
-    return (body + 7) // 8 * 8 + 8 * (1 + 3 * STAGES) + _ALIGN
+    return (body + 7) // 8 * 8 + 8 * (1 + (4 if overlap else 3) * STAGES) + _ALIGN
 
 
 @dataclass(frozen=True)
 class Sm90Tile(tiles.FwdTile):
     """A :class:`tiles.FwdTile` of the wgmma kernel (kernel ``"wgmma"``; threads_m = warps). ``tma``:
     the warp-specialized instantiation (``flash_fwd_sm90_ws_kernel``: a producer warpgroup issuing TMA,
-    tensor maps per call), else the cp.async one (``flash_fwd_sm90_kernel``)."""
+    tensor maps per call), else the cp.async one (``flash_fwd_sm90_kernel``). ``overlap`` (TMA only): the
+    consumers overlap their softmax with their own P V wgmmas (the kernel's ``Is_overlap``)."""
 
     tma: bool = False
+    overlap: bool = False
 
     @property
     def source(self):
@@ -69,9 +73,9 @@ class Sm90Tile(tiles.FwdTile):
 
     def name_expression(self, causal, aligned):
         if self.tma:
-            return "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s>" % (
+            return "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
                 tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
-                "true" if causal else "false")
+                "true" if causal else "false", "true" if self.overlap else "false")
         return "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
             tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
             "true" if causal else "false", "true" if aligned else "false")
@@ -131,6 +135,9 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
 #: Whether ``kernel="wgmma"`` takes the TMA kernel where the layout allows it (tests turn it off to run
 #: the cp.async kernel on the same inputs).
 USE_TMA = True
+#: Whether the TMA kernel overlaps each consumer warpgroup's softmax with its own P V wgmmas
+#: (FlashAttention-3's intra-warpgroup overlap, docs/hopper.md; tests turn it off to compare the bits).
+OVERLAP = True
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -160,10 +167,11 @@ def tma_tile(tile, arrays):
         return tile
     warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
-              "K/V in a %d-stage ring on mbarriers, 128B-swizzled" % (PRODUCER_REGS, CONSUMER_REGS, tile.block_n,
-                                                                     STAGES))
-    return dataclasses.replace(tile, tma=True, threads_m=warps,
-                               smem=ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n),
+              "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
+                  PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
+                  ", softmax overlapped with P V" if OVERLAP else ""))
+    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, threads_m=warps,
+                               smem=ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP),
                                reason=reason)
 
 
