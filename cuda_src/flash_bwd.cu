@@ -218,7 +218,9 @@ using namespace fa_bwd;
 // n = 0, 1, 2, ... whatever the block timing: bitwise reproducible with 5 products per block pair
 // (the separate dQ kernel recomputes S and dP: 7). The visitors of query block i are exactly key
 // blocks 0 .. n_max(i) (dense and causal: key block n starts at m_block_min, nondecreasing in n,
-// and visits every query block from there), so counting visits is counting key blocks. A block
+// and visits every query block from there; so with the extensions that keep the visits — lengths,
+// ALiBi, softcap, dropout — not with a window, whose first visitor of i is not block 0, or a block
+// mask, whose holes skip visits), so counting visits is counting key blocks. A block
 // waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
 // (fa::sem_wait's rule: no deadlock however few blocks are resident). The counters are the
 // DQOrderCounters ints after each batch entry's ceil(Lq / Br) * Br x D floats, cleared with them.
@@ -261,8 +263,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                   "P^T, dS^T in registers need the warp's strip to span all of Br and its dK_j, dV_j rows");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
-    static_assert(!kOrderedDQ || (kAtomicDQ && kExt == 0),
-                  "ordered dQ: the atomic mode's accumulator, dense visits (key blocks 0 .. n_max(i))");
+    static_assert(!kOrderedDQ || (kAtomicDQ && (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0),
+                  "ordered dQ: the atomic mode's accumulator, query block i visited by key blocks 0 .. n_max(i) "
+                  "(no window, no block mask)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages>;
 
     FA_DYNAMIC_SMEM(smem);

@@ -7,7 +7,8 @@ GPU through CuPy) and checks out, dq, dk, dv with the DESIGN.md rule against
 with dropout the reference applies the same Philox mask).
 
 Default run: every feature alone and in pairs on the tensor-core kernels (fp16 / bf16),
-deterministic and atomic dQ, awkward sizes (Lq != Lk both ways, not multiples of the tiles), fully
+deterministic (ordered dQ with lengths / ALiBi / softcap / dropout, bitwise under permuted
+schedules; the dQ kernel with a window or block mask) and atomic dQ, awkward sizes (Lq != Lk both ways, not multiples of the tiles), fully
 masked rows and empty entries (seqlens 0), GQA broadcasting, one plan for many seeds / offsets /
 arrays, block-mask tiles never loaded (emulator byte counters); the SIMT kernels (fp32 / fp64, bf16
 on sm_75) with pairs of features. ``-m slow``: every pair of features x causal x mode.
@@ -150,6 +151,70 @@ def test_block_mask_tiles_never_loaded():
     full_k = (L // tiles["dq"].block_m) * L * D * 2   # every query tile reads all of K
     assert reads["full"] == (full_q, full_k)
     assert reads["diag"] == (full_q // 2, full_k // 2)  # half of the tile pairs: never loaded
+
+
+def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, **opts):
+    """The fp16 CUDA backward on the emulator with extension keywords kw (checked against the
+    reference); ``opts``: cuda_backward.backward's (schedule, seed, dq). (grads, plan)."""
+    rng = np.random.default_rng(data_seed)
+    q, dout = (rng.standard_normal((2, H, Lq, D)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((2, Hk, Lk, D)).astype(np.float16) for _ in range(2))
+    args = dict(causal=True, scale=D ** -0.5)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **args, **kw)
+    ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, H), Lq=Lq, Lk=Lk, acc=np.dtype(np.float32))
+    call = dict(batch_shape=(2, H), device="emulator", ext=ext, **args)
+    result = cuda_backward.backward(dout, q, k, v, out, lse, **call, **opts)
+    plan = cuda_backward.plan(dout, q, k, v, out, lse, **call, **{n: o for n, o in opts.items() if n == "dq"})
+    grads = result[:3] if opts.get("return_counters") else result
+    report = fa_testing.check_attention(out, q, k, v, dout=dout, grads=grads, **args, **kw)
+    assert report.passed, str(report)
+    return result, plan
+
+
+@pytest.mark.parametrize("names, D, mode", [
+    (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
+    (("alibi",), 256, "recompute"), (("window",), 32, "recompute"), (("block_mask", "dropout"), 32, "recompute")],
+    ids=["ordered-exts", "ordered-d256", "alibi-d256", "window", "block_mask"])
+def test_deterministic_ext_dq_mode(names, D, mode):
+    """deterministic=True with extensions on the fp16 tensor cores: the ordered dQ mode (the atomic
+    mode's 5 products, adding in key-block order) with lengths, ALiBi, softcap, dropout (above head
+    dim 128 without ALiBi: those instantiations spill); the recomputing dQ kernel with a window or a
+    block mask (whose visits break the order's counting). Checked against the reference."""
+    kw = kw_of(names, Lq=40, Lk=60)
+    _, plan = _ext_backward(kw, Lq=40, Lk=60, D=D)
+    assert plan.dq_mode == mode
+    if mode == "recompute":
+        with pytest.raises(ValueError, match="dq='ordered' needs the tensor-core kernels, no window or block mask "
+                                             ".*this call: kernel 'tc', head dim %d, extensions %s"
+                                             % (D, ", ".join(names))):
+            _ext_backward(kw, Lq=40, Lk=60, D=D, dq="ordered")
+
+
+def _dkv_counters(grads_and_counters):
+    *grads, counters = grads_and_counters
+    (c,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_kernel")]
+    return grads, c
+
+
+@pytest.mark.parametrize("H, Hk", [(2, 2), (4, 1)], ids=["mha", "mqa"])
+def test_ordered_dq_with_extensions_bitwise_under_schedules(monkeypatch, H, Hk):
+    """The ordered dQ mode with lengths, ALiBi and dropout (causal, 7 key blocks, short entries, and
+    K/V broadcast over the query heads): the reference's rule; one worker in block order never
+    blocks in fa::sem_wait (each block waits only for smaller indices), in reverse order waits
+    block, and dq, dk, dv are the same bits under reverse and random schedules."""
+    kw = kw_of(("alibi", "dropout", "seqlens"), H=H, Lq=100, Lk=420)
+    shape = dict(H=H, Hk=Hk, Lq=100, Lk=420, return_counters=True)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (base, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert plan.dq_mode == "ordered" and any("flash_bwd_dkv_kernel" in n and ", true>" in n for n in plan.replay.names)
+    assert c.sem_waits > 0 and c.sem_blocked == 0
+    for workers, schedule, seed in (("1", "reverse", 0), ("2", "reverse", 0), ("2", "random", 3), ("2", "random", 11)):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
+        if schedule == "reverse":
+            assert c.sem_blocked > 0
+        for a, b in zip(base, got):
+            np.testing.assert_array_equal(a, b)
 
 
 SIMT = [(("window", "alibi"), "fp32", True, True), (("softcap", "dropout"), "fp64", False, False),

@@ -1,7 +1,9 @@
 """Static checks of the backward kernels with extensions (kExt != 0) with NVRTC (no GPU).
 
-Tensor cores and SIMT (fp16, bf16, fp32, fp64 with each arch's kernel choice) x head dim {64, 128, 256} x causal, deterministic (dK/dV + dQ kernels) and
-atomic (dK/dV with atomic dQ), with all six extension bits (the heaviest variant) compiles with
+Tensor cores and SIMT (fp16, bf16, fp32, fp64 with each arch's kernel choice) x head dim {64, 128, 256} x causal, deterministic (dK/dV + dQ kernels),
+atomic (dK/dV with atomic dQ) and ordered (fp16 / bf16 tensor cores: the atomic dQ in key-block
+order, with the bits it takes), with all six extension bits (the heaviest variant) — ordered:
+lengths, ALiBi, softcap and dropout — compiles with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
 register file. Default: sm_80, all bits, causal (~1 min of NVRTC: CI time); ``-m slow``: non-causal,
 sm_75, sm_86, sm_89, sm_90 too, and dropout alone / the score-only bits (window | ALiBi | softcap).
@@ -13,31 +15,41 @@ from conftest import requires_nvrtc
 
 REGISTER_FILE = 64 * 1024
 ALL = sum(cuda_forward.EXT_BITS.values())
+#: the fp16 / bf16 ordered dQ mode's bits (lengths, ALiBi, softcap, dropout; above head dim 128
+#: without ALiBi)
+ORDERED = cuda_backward.TC_ORDERED_EXT
+ORDERED_WIDE = cuda_backward.TC_ORDERED_EXT_WIDE
 SCORE_ONLY = cuda_forward.EXT_BITS["window"] | cuda_forward.EXT_BITS["alibi"] | cuda_forward.EXT_BITS["softcap"]
 
 pytestmark = requires_nvrtc
 
 
-def instantiations(arch, variants, causals=(False, True)):
-    """{source: {name_expression: BwdTiles}} of the backward's extension variants."""
+def instantiations(arch, variants, causals=(False, True), ordered_variants=()):
+    """{source: {name_expression: BwdTiles}} of the backward's extension variants: ``variants`` in
+    the deterministic (dQ kernel) and atomic modes, ``ordered_variants`` in the ordered dQ mode
+    (fp16 / bf16 on tensor cores)."""
     found = {}
+    modes = [(bits, det, False) for bits in variants for det in (True, False)]
+    modes += [(bits, True, True) for bits in ordered_variants]
     for dt in ("float16", "bfloat16", "float32", "float64"):  # bf16 on sm_75: the SIMT kernels
         for d in (64, 128, 256):
             for causal in causals:
-                for det in (True, False):
-                    for bits in variants:
-                        plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=det, arch=arch,
-                                                         ext=bits)
-                        for role in ("dkv", "dq"):
-                            if role in plan:
-                                source, name, t = plan[role]
-                                found.setdefault(source, {})[name] = t
+                for bits, det, ordered in modes:
+                    if ordered and (cuda_backward.default_kernel(dt, arch) != "tc"
+                                    or not cuda_backward._family_orders("tc", bits, d)):
+                        continue
+                    plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=det, arch=arch,
+                                                     ext=bits, ordered=ordered)
+                    for role in ("dkv", "dq"):
+                        if role in plan:
+                            source, name, t = plan[role]
+                            found.setdefault(source, {})[name] = t
     return found
 
 
-def _check_arch(arch, variants, causals=(False, True)):
+def _check_arch(arch, variants, causals=(False, True), ordered_variants=(ORDERED, ORDERED_WIDE)):
     rows, problems = [], []
-    for source, items in instantiations(arch, variants, causals).items():
+    for source, items in instantiations(arch, variants, causals, ordered_variants).items():
         res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
                                   options=["--use_fast_math"])
         for name, t in sorted(items.items()):
@@ -56,7 +68,8 @@ def _check_arch(arch, variants, causals=(False, True)):
 
 @pytest.mark.parametrize("arch", [80])
 def test_backward_extension_variants_compile_without_spills(arch):
-    _check_arch(arch, (ALL,), causals=(True,))  # the causal kernels carry the most (mask + band)
+    # the causal kernels carry the most (mask + band); every bit, and the ordered dQ mode's set
+    _check_arch(arch, (ALL,), causals=(True,))
 
 
 @pytest.mark.slow

@@ -170,8 +170,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
-    modes). ``ordered``: the deterministic mode by ordered atomics (tensor cores, no extensions;
-    :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
+    modes). ``ordered``: the deterministic mode by ordered atomics (tensor cores; no window or block
+    mask: :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
     irrelevant).
     ``kernel``: "tc", "simt", or a float32 / float64 tensor-core family of :data:`FAMILIES` ("tf32"
     with ``precision`` "tf32" / "3xtf32", "f64"), which runs the atomic modes only (default:
@@ -187,8 +187,10 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     acc = accumulation_dtype(dtype)
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
-    if ordered and (kernel not in TC_FAMILIES or (ext and not _family_orders(kernel, ext))):
-        raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels and no extensions")
+    wide = tiles.pad_head_dim(max(D, Dv))
+    if ordered and (kernel not in TC_FAMILIES or (ext and not _family_orders(kernel, ext, wide))):
+        raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels, no window or block mask "
+                         "(nor ALiBi above head dim 128) (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
@@ -255,21 +257,25 @@ def dq_accum_rows(Lq, kernel, t_kv, D=None, ordered=False):
 DQ_MODES = ("ordered", "recompute")
 
 
-def dq_mode(deterministic, kernel, ext, requested=None):
+def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     """How dQ is made: "atomic" (``deterministic=False``); deterministic: "ordered" (the atomic
     mode's kernels adding in key-block order: 5 products per block pair, the default where it
-    applies: the tensor-core families, no extensions) or "recompute" (the separate dQ kernel: 7
-    products; fp16/bf16 tensor cores and SIMT).
-    ``requested``: force "ordered" or "recompute" (the ``dq`` option)."""
+    applies: the tensor-core families, with no extension or those :func:`_family_orders` takes) or
+    "recompute" (the separate dQ kernel: 7 products; fp16/bf16 tensor cores and SIMT).
+    ``requested``: force "ordered" or "recompute" (the ``dq`` option); ``head_dim``: the larger
+    padded head dim (:func:`_family_orders`)."""
     if requested is not None and requested not in DQ_MODES:
         raise ValueError("flasharray: option 'dq' must be one of %s, got %r" % (", ".join(map(repr, DQ_MODES)), requested))
     if not deterministic:
         if requested is not None:
             raise ValueError("flasharray: option 'dq'=%r needs deterministic=True" % (requested,))
         return "atomic"
-    can_order = kernel in TC_FAMILIES and (ext is None or _family_orders(kernel, ext.bits))
+    can_order = kernel in TC_FAMILIES and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
-        raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels and no extensions")
+        names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
+        raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels, no window or block mask "
+                         "(nor ALiBi above head dim 128) (this call: kernel %r, head dim %d, extensions %s)"
+                         % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
 
 
@@ -277,9 +283,22 @@ _OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "precision", "
 _INPUTS = ("dout", "q", "k", "v", "out", "lse")
 
 
-def _family_orders(kernel, bits):
-    """Whether a float32 / float64 family runs the ordered dQ mode with the kExt ``bits`` (its
-    module's ``ORDERED_EXT``; none without one)."""
+#: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: ALiBi, softcap,
+#: dropout, lengths — those that keep query block i's visitors key blocks 0 .. n_max(i) (a window
+#: starts them later, a block mask skips some): the same set as the TF32 kernel's. Above padded
+#: head dim 128 without ALiBi (:data:`TC_ORDERED_EXT_WIDE`): its ordered d 256 instantiations spill
+#: 36-88 bytes at the register cap on sm_75 / sm_86 / sm_90 (causal; its atomic and dQ-kernel ones do not).
+TC_ORDERED_EXT = 2 | 4 | 16 | 32
+TC_ORDERED_EXT_WIDE = TC_ORDERED_EXT & ~2
+
+
+def _family_orders(kernel, bits, head_dim=0):
+    """Whether a tensor-core family runs the ordered dQ mode with the kExt ``bits``
+    (:data:`TC_ORDERED_EXT` for "tc", :data:`TC_ORDERED_EXT_WIDE` above padded ``head_dim`` 128 —
+    the larger of D and Dv —; a float32 / float64 family's module's ``ORDERED_EXT``, none without
+    one)."""
+    if kernel == "tc":
+        return not bits & ~(TC_ORDERED_EXT if head_dim <= 128 else TC_ORDERED_EXT_WIDE)
     return kernel in FAMILIES and not bits & ~getattr(_family_module(kernel), "ORDERED_EXT", 0)
 
 
@@ -333,7 +352,8 @@ class BackwardPlan:
         if _fwd().ext_bits(ext):
             self.ext = _fwd()._ExtPlan(ext, q, k, self.batch_shape, scale, launcher)
         # "ordered" runs the atomic mode's passes with kOrderedDQ kernels.
-        self.dq_mode = dq_mode(deterministic, self.kernel, self.ext, dq)
+        self.dq_mode = dq_mode(deterministic, self.kernel, self.ext, dq,
+                               tiles.pad_head_dim(max(q.shape[-1], v.shape[-1])))
         self.ordered = self.dq_mode == "ordered"
         deterministic = self.dq_mode == "recompute"
         self.shapes = {n: tuple(a.shape) for n, a in zip(_INPUTS, (dout, q, k, v, out, lse))}
