@@ -286,14 +286,14 @@ def shape_label(B, H, N, D, dt_name, causal):
 
 
 def print_header(unit):
-    print("%-30s | %-24s | %9s | %9s | %6s | %8s | %9s"
+    print("%-30s | %-32s | %9s | %9s | %6s | %8s | %9s"
           % ("shape (B,H,N,D) dtype causal", "impl", "ms", unit, "xFA2", "xtorch", "peak MB"))
-    print("-" * 116)
+    print("-" * 124)
 
 
 def print_row(r, flop_unit=1e12, note=""):
     ratio = lambda x: "-" if x is None else "%.2fx" % x  # noqa: E731
-    print("%-30s | %-24s | %9.3f | %9.3f | %6s | %8s | %9.1f%s"
+    print("%-30s | %-32s | %9.3f | %9.3f | %6s | %8s | %9.1f%s"
           % (shape_label(r.B, r.H, r.N, r.D, r.dtype, r.causal), r.impl, r.ms,
              r.flop / (r.ms * 1e-3) / flop_unit, ratio(r.vs_fa2), ratio(r.vs_torch), r.mb, note))
 
@@ -347,7 +347,7 @@ def run_gpu(quick, impls, make_tensors, check, dtypes=DTYPES, seqlens=SEQLENS):
             try:
                 measured = measure(name, impl, copies, causal, check, clock)
             except Exception as e:  # out of memory for materialized attention at large N, no kernel, ...
-                print("%-30s | %-24s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
+                print("%-30s | %-32s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
                 continue
             if measured is not None:
                 ms, nbytes = measured

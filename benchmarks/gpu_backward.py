@@ -11,6 +11,9 @@ Rows (backward: time of the backward given the forward's saved state; fwdbwd: fo
   flasharray-det-recompute  deterministic with the separate dQ kernel (dq="recompute": S, dP again)
   flasharray-atomic     cuda_backward.backward(deterministic=False): fp32 atomics for dQ, any order
   flasharray-fwdbwd     cuda_forward.forward + the deterministic backward
+  flasharray-dropout-det, -dropout-det-recompute, -dropout-atomic   the three backward modes with
+                        dropout (p 0.1; the forward's saved state with the same mask): fp16/bf16
+                        ordered dQ with an extension against the recomputing dQ kernel it replaced
   flasharray-wgmma-det, -wgmma-atomic, -wgmma-fwdbwd   the same with kernel="wgmma": the Hopper
                         backward (flash_bwd_sm90.cu; fwdbwd also the Hopper forward), sm_90 only,
                         where it applies (fp16/bf16, D <= 128)
@@ -37,12 +40,15 @@ sys.path.insert(0, HERE)
 
 import gpu as fwd_bench  # noqa: E402  (benchmarks/gpu.py: shapes, driver, table, PyTorch rows)
 from gpu import Impl  # noqa: E402
-from flasharray._private import cuda_backward, cuda_forward  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flasharray._private import cuda_backward, cuda_forward, extensions  # noqa: E402
 from flasharray.testing import check_attention  # noqa: E402
 
 BWD_FACTOR = 2.5
 FWDBWD_FACTOR = 3.5
-FLASHARRAY = ("flasharray-det", "flasharray-det-recompute", "flasharray-atomic", "flasharray-fwdbwd")
+FLASHARRAY = ("flasharray-det", "flasharray-det-recompute", "flasharray-atomic", "flasharray-fwdbwd",
+              "flasharray-dropout-det", "flasharray-dropout-det-recompute", "flasharray-dropout-atomic")
 WGMMA = ("flasharray-wgmma-det", "flasharray-wgmma-atomic", "flasharray-wgmma-fwdbwd")  # sm_90 GPUs only
 
 
@@ -52,21 +58,34 @@ def _scale(q):
     return 1.0 / math.sqrt(q.shape[-1])
 
 
-def _flash_state(q, k, v, causal, device):
+#: The dropout rows' keywords (docs/extensions.md): training's most common extension.
+DROPOUT = dict(dropout_p=0.1, seed=1234, offset=0)
+
+
+def _ext(q, k, ext_kw):
+    """The kernels' Extensions for keywords ``ext_kw`` (None: the dense kernels)."""
+    if not ext_kw:
+        return None
+    return extensions.from_options(ext_kw, kind="cupy" if type(q).__module__.startswith("cupy") else "numpy",
+                                   batch_shape=q.shape[:-2], Lq=q.shape[-2], Lk=k.shape[-2], acc=np.dtype(np.float32))
+
+
+def _flash_state(q, k, v, causal, device, ext_kw=None):
     return cuda_forward.forward(q, k, v, causal=causal, scale=_scale(q), batch_shape=q.shape[:-2],
-                                device=device)
+                                device=device, ext=_ext(q, k, ext_kw))
 
 
-def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True, dq=None):
+def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True, dq=None, ext_kw=None):
     return cuda_backward.backward(dout, q, k, v, out, lse, causal=causal, scale=_scale(q),
-                                  batch_shape=q.shape[:-2], device=device, deterministic=deterministic, dq=dq)
+                                  batch_shape=q.shape[:-2], device=device, deterministic=deterministic, dq=dq,
+                                  ext=_ext(q, k, ext_kw))
 
 
-def _make_flash_bwd(deterministic, dq=None):
+def _make_flash_bwd(deterministic, dq=None, ext_kw=None):
     def make(tensors, causal, device):
         q, k, v, dout = tensors
-        out, lse = _flash_state(q, k, v, causal, device)
-        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic, dq)
+        out, lse = _flash_state(q, k, v, causal, device, ext_kw)
+        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic, dq, ext_kw)
     return make
 
 
@@ -170,6 +189,9 @@ IMPLS = {
     "flasharray-det-recompute": Impl(_make_flash_bwd(True, "recompute"), "bwd", BWD_FACTOR),
     "flasharray-atomic": Impl(_make_flash_bwd(False), "bwd", BWD_FACTOR),
     "flasharray-fwdbwd": Impl(_make_flash_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
+    "flasharray-dropout-det": Impl(_make_flash_bwd(True, ext_kw=DROPOUT), "bwd", BWD_FACTOR),
+    "flasharray-dropout-det-recompute": Impl(_make_flash_bwd(True, "recompute", DROPOUT), "bwd", BWD_FACTOR),
+    "flasharray-dropout-atomic": Impl(_make_flash_bwd(False, ext_kw=DROPOUT), "bwd", BWD_FACTOR),
     "flasharray-wgmma-det": Impl(_make_wgmma_bwd(True), "bwd", BWD_FACTOR),
     "flasharray-wgmma-atomic": Impl(_make_wgmma_bwd(False), "bwd", BWD_FACTOR),
     "flasharray-wgmma-fwdbwd": Impl(_make_wgmma_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
@@ -187,10 +209,11 @@ def check(name, grads, tensors, causal, device):
     if name not in FLASHARRAY + WGMMA:
         return None
     q, k, v, dout = tensors
-    out, _ = _flash_state(q, k, v, causal, device)
-    first = lambda x: x[:1, :1]  # noqa: E731
+    ext_kw = DROPOUT if "-dropout-" in name else {}
+    out, _ = _flash_state(q, k, v, causal, device, ext_kw)
+    first = lambda x: x[:1, :1]  # noqa: E731  (the dropout mask of entry (0, 0) is the same for the slice)
     return check_attention(first(out), first(q), first(k), first(v), causal=causal, scale=_scale(q),
-                           dout=first(dout), grads=tuple(first(g) for g in grads))
+                           dout=first(dout), grads=tuple(first(g) for g in grads), **ext_kw)
 
 
 def _make_tensors(xp, B, H, N, D, dtype, copy=0):

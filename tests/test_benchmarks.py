@@ -48,6 +48,18 @@ def test_gpu_benchmarks_on_the_emulator(tmp_path):
     out = run("gpu.py", "--emulator", "--backward", tmp_path=tmp_path)
     assert "flasharray" in out and "flasharray-det" in out and "flasharray-atomic" in out
     assert "flasharray-det-recompute" in out
+    assert "flasharray-dropout-det " in out and "flasharray-dropout-det-recompute" in out and "FAILED" not in out
+
+
+def test_gpu_backward_dropout_rows_are_validated_with_their_mask(bench):
+    """The dropout rows' gradients are checked against the reference with the same Philox mask:
+    the dense backward's gradients fail that check, the dropout row's pass."""
+    import gpu_backward as gb
+    tensors = gb._make_tensors(np, 1, 2, 48, 32, np.float16)
+    dropped = gb.IMPLS["flasharray-dropout-det"].make(tensors, True, "emulator")()
+    dense = gb.IMPLS["flasharray-det"].make(tensors, True, "emulator")()
+    assert gb.check("flasharray-dropout-det", dropped, tensors, True, "emulator").passed
+    assert not gb.check("flasharray-dropout-det", dense, tensors, True, "emulator").passed
 
 
 def test_gpu_backward_wgmma_rows(bench):
