@@ -579,6 +579,26 @@ def test_emulator_paged_unaligned_rows_simt():
     run_and_check(case, True, "emulator")
 
 
+@pytest.mark.parametrize("page", [0, 8, 24, 40])
+def test_private_forward_kvcache_checks_the_page_size(page):
+    """cuda_forward.forward_kvcache (private; flash_attention_with_kvcache checks first) refuses a
+    page size that is not a positive multiple of 16 before planning or launching anything: the
+    kernels look pages up per 16-row group."""
+    counters = []
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 1, 32)).astype(np.float32)
+    pool = rng.standard_normal((4, 1, page, 32)).astype(np.float32)
+    table = np.array([[0, 1], [2, 3]], dtype=np.int32)
+    seqlens = np.array([page, 1], dtype=np.int32)
+    plans = len(cuda_forward._PLANS)
+    with pytest.raises(ValueError, match=r"page size \(axis 2 of the paged k_cache\) must be a positive "
+                                         r"multiple of 16, got page_size=%d \(k_cache.shape=\(4, 1, %d, 32\)\)"
+                                         % (page, page)):
+        cuda_forward.forward_kvcache(q, pool, pool, seqlens, table, causal=True, scale=None, device="emulator",
+                                     counters=counters)
+    assert counters == [] and len(cuda_forward._PLANS) == plans
+
+
 def test_num_splits_is_refused_on_cpu():
     case = Case(np.float32, 1, 1, (5, 0, 33))
     with pytest.raises(TypeError, match="num_splits"):
