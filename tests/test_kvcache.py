@@ -493,10 +493,12 @@ def test_emulator_paged_unaligned_rows():
     run_and_check(case, True, "emulator", num_splits=1)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["fp16", "fp32-simt"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_emulator_strided_cache(paged):
-    """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied."""
-    case = Case(np.float16, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd", D=40)
+def test_emulator_strided_cache(paged, dtype):
+    """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied
+    (float32: the SIMT forward, whose aligned paged rows go through PagedTileCopy too)."""
+    case = Case(dtype, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd", D=40)
     assert not case.k_cache.flags.c_contiguous
     run_and_check(case, True, "emulator")
 
