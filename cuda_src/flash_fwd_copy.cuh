@@ -325,6 +325,18 @@ struct PagedTileCopy {
   }
 };
 
+// Whether PagedTileCopy (and PageTable::lookup) take a kRows × kCols tile copied by kNThreads
+// threads — the conditions of their static_asserts, for kernels whose tile table has tiles they do
+// not take (the SIMT forward's Bc = 8 with 64 threads at fp64 d = 256 on sm_75: a row has more
+// 16-byte chunks than the block has threads), which keep load_tile_paged.
+template <typename T, int kRows, int kCols, int kNThreads>
+__host__ __device__ constexpr bool paged_tile_copy_fits() {
+  constexpr int kElemsPerCopy = kCopyBytes / static_cast<int>(sizeof(T));
+  constexpr int kThreadsPerRow = next_pow2(kCols / kElemsPerCopy);
+  return kCols % kElemsPerCopy == 0 && kRows % 16 == 0 && kRows / 16 <= 32 && kNThreads % kThreadsPerRow == 0 &&
+         ((kNThreads / kThreadsPerRow) % 16 == 0 || 16 % (kNThreads / kThreadsPerRow) == 0);
+}
+
 }  // namespace flash
 
 namespace flash {
@@ -333,10 +345,11 @@ namespace flash {
 // lives in page table[r / page_size] at row r % page_size; base is the pool's (page 0, row 0) of
 // this head, page_stride the elements between pages. The page is looked up per copied row (any
 // page size, down to one row; the library asks for multiples of 16), so a key tile may span
-// several pages and pages are read in place, never gathered. Used by the SIMT forward (KvRows) and
-// by the tensor-core forward for unaligned rows; its aligned rows take PagedTileCopy (above). Rows at or past rows_valid are
-// zero-filled and their page is not looked up (the table is read only for existing rows); the
-// copies are those of load_tile (cp.async 16-byte chunks when aligned, element-wise otherwise).
+// several pages and pages are read in place, never gathered. Used by both forwards for unaligned
+// rows (the SIMT one through KvRows, also for its Bc = 8 tile); aligned rows take PagedTileCopy
+// (above). Rows at or past rows_valid are zero-filled and their page is not looked up (the table is
+// read only for existing rows); the copies are those of load_tile (cp.async 16-byte chunks when
+// aligned, element-wise otherwise).
 template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
 __device__ __forceinline__ void load_tile_paged(T* smem, const T* base, long long row_stride, long long page_stride,
                                                 const int* table, int page_size, int n0, int rows_valid,
@@ -352,7 +365,8 @@ __device__ __forceinline__ void load_tile_paged(T* smem, const T* base, long lon
 
 // The KV-cache state of one block (the SIMT forward's; flash_fwd.cu spells the same out inline):
 // the entry's key count seqlens_k[e] (Has_seqlens_k) and block-table row (Is_paged), and the copy
-// of key rows [n0, n0 + kRows): through the table (load_tile_paged) or contiguous (load_tile).
+// of key rows [n0, n0 + kRows): through the table (load_tile_paged: the SIMT forward's unaligned
+// rows; its aligned ones take PageTable / PagedTileCopy) or contiguous (load_tile).
 // Without a KV cache keys() is Lk and load() is load_tile at row n0.
 template <bool Has_seqlens_k, bool Is_paged>
 struct KvRows {

@@ -23,7 +23,8 @@
 // KV cache (Has_seqlens_k, Is_paged; as in flash_fwd.cu, not combined with kExt): each block's
 // entry e = b0·e_b0 + b1·e_b1 + b2·e_b2 sees seqlens_k[e] keys (Lk from there on: mask, tail
 // tile), and, paged, its K_j / V_j rows are read in place through the entry's block-table row
-// (load_tile_paged; k, v are then the page pools, batch strides = head strides).
+// (k, v are then the page pools, batch strides = head strides): aligned rows with the tensor-core
+// forward's PagedTileCopy, one table read per page, key tile and warp; others with load_tile_paged.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
@@ -83,6 +84,23 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   // KV cache: the entry's key count (and its block-table row).
   KvRows<Has_seqlens_k, Is_paged> kv{seqlens_k, block_table, {e_b0, e_b1, e_b2, 0}, table_row, page_size};
   Lk = kv.keys(bidx, Lk);
+  // Paged K/V with 16-byte aligned rows: the tensor-core forward's copy (flash_fwd_copy.cuh) —
+  // each thread a fixed 16-byte chunk of rows r0 + p·kRowsPerPass, each 16-row group's page looked
+  // up once per key tile (PageTable: one table read per page the tile touches, per warp; the kernel
+  // relies on page_size being a multiple of 16, which forward_kvcache checks). K_j and V_j share the
+  // lookup: `span` is made when K_j is loaded and kept for V_j (loaded at the top of the next
+  // iteration). Unaligned rows, and tiles the plan does not take (Bc = 8), keep KvRows'
+  // load_tile_paged (a lookup per row). Dense: Absent, no code.
+  constexpr bool kPagedCopy = Is_paged && Is_aligned &&
+                              paged_tile_copy_fits<T, kBlockN, kHeadDim, kNThreads>() &&
+                              paged_tile_copy_fits<T, kBlockN, kHeadDimV, kNThreads>();
+  using Pages = typename Pick<kPagedCopy, PageTable, Absent>::type;
+  using PagedK = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>, Absent>::type;
+  using PagedV = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>, Absent>::type;
+  const Pages pages(kv.block_table, page_size);
+  const PagedK paged_k(k_row, D, tid);
+  const PagedV paged_v(v_row, Dv, tid);
+  PageSpan span{0, 0};  // K_j's pages, for V_j (lane g: group g's)
   static_assert(kExt == 0 || !Has_seqlens_k, "kExt is not combined with the KV cache");
   // Extensions: the entry's lengths (rows at or past Lq_b write out 0, lse −inf) and state.
   const ExtArgs<AccT> ext = FLASH_EXT_ARGS(AccT);
@@ -110,8 +128,16 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   if (kExt == 0 ? n_block_max > 0 : n_block_first < n_block_max) {
     load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
         sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
-    kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-        sK, k_base, k_row, k_page, n_block_first * kBlockN, rows_in_tile(n_block_first * kBlockN, kBlockN, Lk), D, tid);
+    if constexpr (kPagedCopy) {
+      const int n0 = n_block_first * kBlockN;
+      const int rows = rows_in_tile(n0, kBlockN, Lk);
+      span = pages.template lookup<kBlockN>(n0, rows, tid % kWarpSize);
+      paged_k.load(false, sK, k_base, k_page, span, rows);
+    } else {
+      kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+          sK, k_base, k_row, k_page, n_block_first * kBlockN, rows_in_tile(n_block_first * kBlockN, kBlockN, Lk), D,
+          tid);
+    }
     fa::cp_async_commit();
   }
 
@@ -124,8 +150,11 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // Barrier: Q_i and K_j have landed for every thread's copies, and every thread has finished
     // reading V_{j−1} (previous iteration), so sV may be overwritten.
     __syncthreads();
-    kv.template load<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
-        sV, v_base, v_row, v_page, n0, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
+    if constexpr (kPagedCopy)
+      paged_v.load(false, sV, v_base, v_page, span, rows_in_tile(n0, kBlockN, Lk));  // K_j's lookup
+    else
+      kv.template load<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, Is_aligned>(
+          sV, v_base, v_row, v_page, n0, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
     fa::cp_async_commit();
 
     // -- S_ij = Q_i K_jᵀ (raw dot products) --
@@ -158,8 +187,14 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     __syncthreads();
     if (kExt == 0 ? n_block + 1 < n_block_max : next < n_block_max) {
       const int n1 = kExt == 0 ? n0 + kBlockN : next * kBlockN;
-      kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
-          sK, k_base, k_row, k_page, n1, rows_in_tile(n1, kBlockN, Lk), D, tid);
+      if constexpr (kPagedCopy) {
+        const int rows = rows_in_tile(n1, kBlockN, Lk);
+        span = pages.template lookup<kBlockN>(n1, rows, tid % kWarpSize);  // kept for V_{j+1}
+        paged_k.load(false, sK, k_base, k_page, span, rows);
+      } else {
+        kv.template load<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, Is_aligned>(
+            sK, k_base, k_row, k_page, n1, rows_in_tile(n1, kBlockN, Lk), D, tid);
+      }
     }
     fa::cp_async_commit();
 

@@ -455,12 +455,14 @@ TABLE_ARG = 32
 
 
 def _table_reads(lengths, H_kv, page, tile):
-    """Block-table bytes the tensor-core forward reads (PageTable::lookup in flash_fwd_copy.cuh): per
-    key tile and warp, one 4-byte read per page that the tile's existing 16-row groups touch — one
-    per tile when the page holds the tile; K_j and V_j share it in the two-stage ring."""
+    """Block-table bytes the tensor-core and SIMT forwards read (PageTable::lookup in
+    flash_fwd_copy.cuh): per key tile and warp, one 4-byte read per page that the tile's existing
+    16-row groups touch — one per tile when the page holds the tile; K_j and V_j share it in the
+    tensor-core two-stage ring and in the SIMT forward (K_j's lookup kept for V_j)."""
     pages = sum(len({g // page for g in range(n0, min(n0 + tile.block_n, n), 16)})
                 for n in lengths for n0 in range(0, n, tile.block_n))
-    return H_kv * pages * tile.threads_m * 4 * (1 if tile.stages == 2 else 2)
+    shared = tile.kernel == "simt" or tile.stages == 2
+    return H_kv * pages * (tile.n_threads // 32) * 4 * (1 if shared else 2)
 
 
 @pytest.mark.parametrize("page", [16, 32, 48, 64, 80, 256])
@@ -491,10 +493,12 @@ def test_emulator_paged_unaligned_rows():
     run_and_check(case, True, "emulator", num_splits=1)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["fp16", "fp32-simt"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_emulator_strided_cache(paged):
-    """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied."""
-    case = Case(np.float16, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd", D=40)
+def test_emulator_strided_cache(paged, dtype):
+    """BSHD memory viewed as BHSD: the kernel gets the row, head and page strides, nothing is copied
+    (float32: the SIMT forward, whose aligned paged rows go through PagedTileCopy too)."""
+    case = Case(dtype, 2, 3, (4, 0, 20), heads="gqa", paged=paged, layout="bshd", D=40)
     assert not case.k_cache.flags.c_contiguous
     run_and_check(case, True, "emulator")
 
@@ -513,14 +517,15 @@ def test_kvcache_plan_does_not_depend_on_the_lengths():
 
 @pytest.mark.parametrize("scenario", PAGED_SCENARIOS, ids=["decode1", "chunk", "no-new"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype,page", [(np.float32, 16), (np.float32, 128), (np.float64, 32)],
-                         ids=["fp32-p16", "fp32-p128", "fp64-p32"])
+@pytest.mark.parametrize("dtype,page", [(np.float32, 16), (np.float32, 48), (np.float32, 128), (np.float64, 32)],
+                         ids=["fp32-p16", "fp32-p48", "fp32-p128", "fp64-p32"])
 def test_emulator_paged_cache_simt(dtype, page, causal, scenario):
-    """float32 / float64: the SIMT forward reads per-entry key counts and pages in place too (a
-    64-key tile spans four 16-row pages; pages larger than the tile)."""
+    """float32 / float64: the SIMT forward reads per-entry key counts and pages in place too (D = 40:
+    Bc = 32, a key tile spans two 16-row pages; 48-row pages and tiles straddle each other; pages
+    larger than the tile)."""
     Lq, L_new, seqlens = scenario
     case = Case(dtype, Lq, L_new, seqlens, heads="gqa" if causal else "mha", paged=True,
-                L_cache=128 if page < 128 else 256, page=page, D=40, seed=page + Lq)
+                L_cache=-(-128 // page) * page if page < 128 else 256, page=page, D=40, seed=page + Lq)
     run_and_check(case, causal, "emulator")
 
 
@@ -535,6 +540,65 @@ def test_simt_paged_reads_only_the_touched_pages(monkeypatch):
     H_kv, rows = case.k_cache.shape[1], sum(s + 1 for s in seqlens)
     assert c.buffers[1].read_bytes == rows * H_kv * 64 * 4      # K: visible rows only
     assert c.buffers[2].read_bytes == rows * H_kv * 64 * 4      # V
+
+
+# The block_table parameter of flash_fwd_simt_kernel (cuda_src/flash_fwd_simt.cu): its argument index.
+SIMT_TABLE_ARG = 31
+
+
+@pytest.mark.parametrize("dtype,page", [(np.float32, p) for p in (16, 32, 48, 64, 80, 256)]
+                         + [(np.float64, 16), (np.float64, 48)],
+                         ids=["fp32-p%d" % p for p in (16, 32, 48, 64, 80, 256)] + ["fp64-p16", "fp64-p48"])
+def test_simt_paged_table_reads_one_per_page_and_tile(monkeypatch, dtype, page):
+    """The SIMT forward (float32 / float64) with 16-byte aligned rows copies paged K/V as the
+    tensor-core forward does (PagedTileCopy): decoding over shuffled pools, every entry's last page
+    partial (48, 80: Bc = 32 key tiles and pages straddle) — the result is right, K and V bytes are
+    exactly the visible rows, and the block table is read once per page a key tile touches and warp
+    (K_j and V_j share the lookup), not once per copied 16-byte chunk as with load_tile_paged
+    (docs/performance.md, "Paged K/V copy")."""
+    counters = _counted_kvcache_launches(monkeypatch)
+    seqlens = (100, 0, 257, 30)                                   # + 1 new key each
+    case = Case(dtype, 1, 1, seqlens, heads="gqa", paged=True, L_cache=-(-320 // page) * page,
+                page=page, D=64, Dv=64, seed=page)
+    run_and_check(case, True, "emulator")
+    (c,) = counters
+    size = np.dtype(dtype).itemsize
+    H_kv, lengths = case.k_cache.shape[1], [s + 1 for s in seqlens]
+    tile = tiles.forward_tile(np.dtype(dtype).name, 64, 64)
+    assert tile.kernel == "simt" and tile.block_n == 32
+    assert c.buffers[1].read_bytes == sum(lengths) * H_kv * 64 * size      # K: visible rows only
+    assert c.buffers[2].read_bytes == sum(lengths) * H_kv * 64 * size      # V
+    table = c.buffers[SIMT_TABLE_ARG].read_bytes
+    assert table == _table_reads(lengths, H_kv, page, tile)
+    chunks = sum(lengths) * H_kv * 2 * (64 * size // 16)                    # 16-byte chunks of K and V
+    assert table * 16 <= chunks * 4                                         # before: 4 bytes per chunk
+
+
+def test_emulator_paged_unaligned_rows_simt():
+    """float32 rows that are not 16-byte aligned (D = 27): the SIMT forward's element-wise paged
+    copy (load_tile_paged, a lookup per row), 16-row pages straddled by the key tiles."""
+    case = Case(np.float32, 2, 1, (5, 0, 40), heads="gqa", paged=True, L_cache=64, page=16, D=27, Dv=27, seed=8)
+    run_and_check(case, True, "emulator")
+
+
+@pytest.mark.parametrize("page", [0, 8, 24, 40])
+def test_private_forward_kvcache_checks_the_page_size(page):
+    """cuda_forward.forward_kvcache (private; flash_attention_with_kvcache checks first) refuses a
+    page size that is not a positive multiple of 16 before planning or launching anything: the
+    kernels look pages up per 16-row group."""
+    counters = []
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 1, 32)).astype(np.float32)
+    pool = rng.standard_normal((4, 1, page, 32)).astype(np.float32)
+    table = np.array([[0, 1], [2, 3]], dtype=np.int32)
+    seqlens = np.array([page, 1], dtype=np.int32)
+    plans = len(cuda_forward._PLANS)
+    with pytest.raises(ValueError, match=r"page size \(axis 2 of the paged k_cache\) must be a positive "
+                                         r"multiple of 16, got page_size=%d \(k_cache.shape=\(4, 1, %d, 32\)\)"
+                                         % (page, page)):
+        cuda_forward.forward_kvcache(q, pool, pool, seqlens, table, causal=True, scale=None, device="emulator",
+                                     counters=counters)
+    assert counters == [] and len(cuda_forward._PLANS) == plans
 
 
 def test_num_splits_is_refused_on_cpu():

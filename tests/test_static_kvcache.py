@@ -88,3 +88,26 @@ def test_simt_kvcache_kernels_compile_without_spills(arch):
     threads = simt_kvcache_names(arch)
     assert any(", 0, true, true>" in n for n in threads)
     _check(arch, "flash_fwd_simt.cu", sorted(threads), threads)
+
+
+@pytest.mark.skipif(not sass.available()[0], reason="no disassembler (sass.available)")
+def test_simt_paged_key_loop_keeps_the_planned_copy():
+    """The paged SIMT forward's key-tile loop (sm_80, not causal, aligned rows; fp32 / fp64, d 64 /
+    128) copies K_j / V_j with PagedTileCopy: no copy loop left (the two nested loops are the rolled
+    S_ij and P_ij V_j loops; load_tile_paged added two more), one block-table load per key tile (K_j's
+    lookup kept for V_j; load_tile_paged had 14 static LDG), and the planned cp.async count, K_j's and
+    V_j's 16-byte chunks over the threads (docs/performance.md, "Paged K/V copy")."""
+    found = {}
+    for dt in ("float32", "float64"):
+        for d in (64, 128):
+            t = tiles.forward_tile(dt, d, d, 80)
+            found[cuda_forward.forward_name_expression(t, False, True, seqlens_k=True, paged=True)] = t
+    res = nvrtc.compile_cubin(launch.kernel_source("flash_fwd_simt.cu"), "sm_80", list(found),
+                              options=["--use_fast_math"])
+    functions = sass.parse(sass.disassemble(res.cubin))
+    for name, t in found.items():
+        assert res.kernel(name).spill_stores + res.kernel(name).spill_loads == 0, name
+        loop = sass.key_loop(functions[res.kernel(name).lowered_name], "fma")
+        chunks = 2 * t.block_n * t.head_dim * tiles.itemsize(t.dtype) // 16   # 16-byte chunks of K_j and V_j
+        assert (loop.nested, loop.stats.ldg) == (2, 1), name
+        assert loop.stats.ldgsts == chunks // t.n_threads, name

@@ -576,6 +576,10 @@ def kvcache_kernel(dtype, head_dim, head_dim_v, device, arch=None):
     return kernel_for(dtype, head_dim, head_dim_v, launcher.arch).kernel in ("tensor_core", "simt")
 
 
+#: Rows of the paged K/V copy's group (PageTable, flash_fwd_copy.cuh): a page must hold whole groups.
+PAGE_ROWS = 16
+
+
 def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal, scale, device, counters=None,
                     arch=None, schedule="forward", seed=0, num_splits=None, pack_gqa=None, memo=None):
     """One forward (tensor cores, or SIMT for float32/float64 and bf16 before sm_80) over every
@@ -587,7 +591,10 @@ def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal,
     are not part of the plan). Entry b attends to its first seqlens_k[b] keys (causal: bottom-right
     within them; none: out 0, lse -inf); paged, logical key r of entry b is row r % page_size of
     page block_table[b, r // page_size], read in place. Split-KV and GQA packing as
-    :func:`forward`. Values are not checked here (flash_attention_with_kvcache does).
+    :func:`forward`. The page size (axis 2 of a paged ``k_cache``) must be a positive multiple of
+    16 — the kernels look a page up once per 16-row group of a key tile (``PageTable`` in
+    ``flash_fwd_copy.cuh``) — ValueError otherwise, before anything is launched; other values
+    (lengths, table entries) are not checked here (flash_attention_with_kvcache does).
 
     memo : dict, optional
         Kept by the caller for one call signature (types, dtypes, shapes, strides, alignment and
@@ -595,6 +602,10 @@ def forward_kvcache(q, k_cache, v_cache, seqlens_k, block_table=None, *, causal,
         call is kept in it (``"plan"``) and reused by the next, which skip computing the plan's
         signature (``flash_attention_with_kvcache``'s call-signature cache). It holds no arrays.
     """
+    if block_table is not None and (k_cache.shape[2] <= 0 or k_cache.shape[2] % PAGE_ROWS):
+        raise ValueError("flasharray: forward_kvcache: the page size (axis 2 of the paged k_cache) must be a "
+                         "positive multiple of %d, got page_size=%d (k_cache.shape=%s)"
+                         % (PAGE_ROWS, k_cache.shape[2], tuple(k_cache.shape)))
     p = None if memo is None else memo.get("plan")
     if p is None:
         p = _kvcache_plan(q, k_cache, v_cache, block_table, causal=causal, scale=scale, device=device, arch=arch,
