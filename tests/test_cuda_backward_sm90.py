@@ -10,7 +10,9 @@ Both atomic modes (plain, ``deterministic=False``, and ordered) take the warp-sp
 ``flash_bwd_sm90_ws_kernel`` where q, dout, k, v fit tensor maps (else the cp.async kernel): its
 counters show TMA boxes and no cp.async, three setmaxnreg and one elect.sync per block (ordered: one
 group-semaphore wait per visit), and its gradients carry the bits of the cp.async kernel — in the
-ordered mode with several key blocks per dQ element, under permuted schedules. ``-m slow``: more shapes.
+ordered mode with several key blocks per dQ element, under permuted schedules. Head dims above 128 take the
+head-dim split (Bc = 64, each warpgroup half of d, dv): D = 256, 200 / 72, 72 / 256, 250 (element-wise) by
+default, D = 160 and 256 in the ``-m slow`` matrix. ``-m slow``: more shapes.
 """
 import numpy as np
 import pytest
