@@ -21,7 +21,7 @@ from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import launch
 from flasharray._private.dtypes import bfloat16
-from test_cuda_backward import Problem, check, run_backward
+from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
 
 
 def expected_wgmma(p, tile, n_entries_kv, n_group):
@@ -137,6 +137,17 @@ def _ws_vs_cp_async(p, deterministic=False, cp_opts=None, **opts):
         launch._clear_plans()
     assert c.cp_async > 0
     return ws, cp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FULL if c[0] in ("fp16", "bf16") and c[1] == 256],
+                         ids=lambda c: "-".join(str(x) for x in c))
+def test_wgmma_backward_tc_matrix_d256(case):
+    """The mma.sync backward's emulator matrix (tests/test_cuda_backward.py, FULL), its fp16 / bf16 D = 256
+    rows on kernel="wgmma" (issue 13's "done when"): every length pair, causal and not, no broadcast / GQA /
+    MQA, BHSD and BSHD, ordered and plain atomic dQ."""
+    dt, D, lengths, causal, bcast, layout, det = case
+    check_case("emulator", DTYPE_NAMES[dt], D, lengths, causal, bcast, layout, det, kernel="wgmma", arch="sm_90")
 
 
 @pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 5)])
