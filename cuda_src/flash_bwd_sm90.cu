@@ -28,6 +28,16 @@
 // order); transposed, every dQ element is produced by one thread in one wgmma chain, which the ordered
 // (deterministic) mode needs. At d = 64 only warpgroup 0 computes dQ.
 //
+// Head dims above 128 (Sm90BwdTraits::kSplitD, "the head-dim split"): the layout above would hold dK_j and
+// dV_j of 64 keys x 256 columns in 256 registers per thread. Instead Bc = 64 keys, seen by both warpgroups
+// (key_row without the 64w): each computes all of S^T, P^T, dP^T, dS^T (the same values; half of each
+// warpgroup's wgmmas of S^T and dP^T are the other's), and warpgroup w owns head dims [w·d/2, (w + 1)·d/2)
+// of dK_j (B = those panels of Q_i) and of dQ^T (d/128 m64 blocks), [w·dv/2, ..) of dV_j (B = panels of
+// dO_i): d/4 + dv/4 accumulator registers, those of d = dv = 128. Each warpgroup stores half of dS^T's
+// columns. d, dv are 128 or 256 (the host pads the smaller to 128: whole panels per half).
+// FlashAttention-3 (hdim 256) instead splits S / dP over the warpgroups and takes P, dS through shared
+// memory into dK^T, dV^T with M = head dim (dKV_swapAB); no duplicated work, a barrier more per visit.
+//
 // dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
 // the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
 // Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
@@ -48,8 +58,8 @@
 // mbarriers, setmaxnreg; both dQ modes, where the tensors fit tensor maps).
 //
 // Not yet: overlap of one batch's wgmmas with the
-// next step's math (every batch is waited for before its result is used), extensions, head dims above 128,
-// the recompute dQ mode.
+// next step's math (every batch is waited for before its result is used), extensions, head dims above 256,
+// the recompute dQ mode, the head-dim split without its duplicated S^T / dP^T.
 //
 // Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
 // tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
@@ -63,12 +73,23 @@ template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 struct Sm90BwdTraits {
   static_assert(sizeof(T) == 2, "the wgmma backward takes 16-bit inputs");
   static_assert(kBlockM == 64, "Br = 64: the N of S^T, dP^T and dQ^T, one 128-byte panel of dS^T");
-  static_assert(kBlockN == 64 || kBlockN == 128, "Bc: one or two warpgroups of 64 keys");
-  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
+  // The head-dim split (d or dv above 128): Bc = 64 keys, seen by both warpgroups (S^T, dP^T computed by
+  // each), warpgroup w owning head dims [w·d/2, (w + 1)·d/2) of dK_j and dQ^T and [w·dv/2, ..) of dV_j: its
+  // accumulators are d/4 + dv/4 registers, those of d = dv = 128 with key ownership (256 would not fit).
+  static constexpr bool kSplitD = kHeadDim > 128 || kHeadDimV > 128;
+  static_assert(kSplitD || kBlockN == 64 || kBlockN == 128, "Bc: one or two warpgroups of 64 keys");
+  static_assert(kSplitD || ((kHeadDim == 64 || kHeadDim == 128) && (kHeadDimV == 64 || kHeadDimV == 128)),
                 "d, dv: the N of the dK / dV wgmma, whole 128-byte swizzle panels, 64 or 128");
-  static constexpr int kWarpgroups = kBlockN / 64;
+  static_assert(!kSplitD || (kBlockN == 64 && (kHeadDim == 128 || kHeadDim == 256) &&
+                             (kHeadDimV == 128 || kHeadDimV == 256)),
+                "head-dim split: Bc = 64, d, dv 128 or 256 (each warpgroup's half whole 64-column panels)");
+  static constexpr int kWarpgroups = kSplitD ? 2 : kBlockN / 64;
   static constexpr int kNThreads = 128 * kWarpgroups;
-  static constexpr int kDQWarpgroups = kHeadDim / 64;  // dQ^T rows: 64 head-dim rows per warpgroup
+  static constexpr int kWgKeys = kSplitD ? 0 : 64;                     // warpgroup w's keys start at w·kWgKeys
+  static constexpr int kDkN = kSplitD ? kHeadDim / 2 : kHeadDim;      // N of warpgroup's dK_j (its columns)
+  static constexpr int kDvN = kSplitD ? kHeadDimV / 2 : kHeadDimV;    // N of warpgroup's dV_j
+  static constexpr int kDQWarpgroups = kSplitD ? 2 : kHeadDim / 64;   // warpgroups computing dQ^T
+  static constexpr int kDQBlocks = kSplitD ? kHeadDim / 128 : 1;      // m64 blocks of dQ^T per warpgroup
   static_assert(kDQWarpgroups <= kWarpgroups, "one warpgroup per 64 rows of dQ^T");
   static constexpr int kStages = 2;
   static constexpr int kAtomBytes = 1024;  // the swizzle pattern's repeat
@@ -94,7 +115,7 @@ struct Sm90BwdTraits {
 
 // One batch, issued and committed (the caller waits): dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i
 // MN-major: queries 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart).
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM>  // (the warpgroup's N: Sm90BwdTraits' kDkN, kDvN)
 __device__ __forceinline__ void issue_dv_dk_sm90(float (&acc_dv)[kHeadDimV / 2], float (&acc_dk)[kHeadDim / 2],
                                                  const uint32_t (&a_p)[kBlockM / 16][4],
                                                  const uint32_t (&a_ds)[kBlockM / 16][4],
@@ -124,44 +145,46 @@ __device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_
   fa::wgmma_commit_group();
 }
 
-// dQ_i^T += K_j^T dS^T for the warpgroup's head-dim rows [64wg, 64wg + 64) (A = K_j panel wg MN-major: keys
-// 16ks.. at 2048·ks bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t +
-// (e & 1), head dim key_row + 8(e >> 1)). dqa_i: the query block's accumulator + dq_lane (this lane's part
-// of DQAccumLayout::offset, see the kernels): each element adds a constant, one address then immediates.
+// dQ_i^T += K_j^T dS^T for head-dim rows [64p, 64p + 64) (A = K_j panel p MN-major: keys 16ks.. at 2048·ks
+// bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t + (e & 1), head dim
+// row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query block's accumulator + this lane's part of
+// DQAccumLayout::offset (see the kernels): each element adds a constant, one address then immediates.
 template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int wg,
-                                                int key_row, float* dqa_i) {
+__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
+                                                int row, float* dqa_i) {
   using Acc = DQAccumLayout<kDQDim>;
   float acc_dq[kBlockM / 2];
   fa::wgmma_fence_operand(acc_dq);
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
-    flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + wg * kBlockN * 128 + ks * 2048, kBlockN * 128),
+    flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + p * kBlockN * 128 + ks * 2048, kBlockN * 128),
                                             flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_dq);
 #pragma unroll
   for (int e = 0; e < kBlockM / 2; ++e) {
-    if (kDQDim == kHeadDim || key_row + 8 * ((e % 4) >> 1) < kDQDim)
+    if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
       fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
   }
 }
 
-// dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv); key0 = c0 + key_row.
+// dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv); key0 = c0 + key_row; kHeadDim,
+// kHeadDimV: the warpgroup's N (kDkN, kDvN), its columns from col_k0 / col_v0 (the head-dim split's half).
 template <typename OutT, int kHeadDim, int kHeadDimV>
 __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim / 2], const float (&acc_dv)[kHeadDimV / 2],
                                                  OutT* dk_j, long long dk_row, OutT* dv_j, long long dv_row, int key0,
-                                                 int t, int Lk, int D, int Dv, float scale) {
+                                                 int t, int Lk, int D, int Dv, float scale, int col_k0 = 0,
+                                                 int col_v0 = 0) {
 #pragma unroll
   for (int e = 0; e < kHeadDim / 2; ++e) {
-    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    const int key = key0 + 8 * ((e % 4) >> 1), col = col_k0 + 8 * (e / 4) + 2 * t + (e & 1);
     if (key < Lk && col < D) fa::gstore(dk_j + key * dk_row + col, FromAcc<OutT>::convert(acc_dk[e] * scale));
   }
 #pragma unroll
   for (int e = 0; e < kHeadDimV / 2; ++e) {
-    const int key = key0 + 8 * ((e % 4) >> 1), col = 8 * (e / 4) + 2 * t + (e & 1);
+    const int key = key0 + 8 * ((e % 4) >> 1), col = col_v0 + 8 * (e / 4) + 2 * t + (e & 1);
     if (key < Lk && col < Dv) fa::gstore(dv_j + key * dv_row + col, FromAcc<OutT>::convert(acc_dv[e]));
   }
 }
@@ -171,7 +194,7 @@ using namespace fa_bwd;
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kVec, bool kOrderedDQ>
-__global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kernel(
+__global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1) flash_bwd_sm90_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -205,11 +228,12 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
   float* stats = reinterpret_cast<float*>(smem + Tr::kStats);  // [stage][L_i·log2e | D_i][Br]
 
   const int tid = static_cast<int>(threadIdx.x);
-  // Keys [64 wg, 64 wg + 64) of K_j. Broadcast from lane 0 so that the compiler knows it is warp-uniform
-  // (CUTLASS's canonical_warp_group_idx): the descriptors built from it then live in uniform registers.
+  // Keys [64 wg, 64 wg + 64) of K_j (head-dim split: all Bc = 64 keys, head-dim half wg). Broadcast from
+  // lane 0 so that the compiler knows it is warp-uniform (CUTLASS's canonical_warp_group_idx): the
+  // descriptors built from it then live in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const int key_row = wg * 64 + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
+  const int key_row = wg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
   const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
   const float scale_log2 = scale * flash::kLog2e;
   const BatchIndex b = BatchIndex::from_grid(nb2);
@@ -229,8 +253,10 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
   // This lane's part of DQAccumLayout::offset(query 8j + 2t + (e & 1), head dim key_row + 8(e >> 1)) (the
   // dQ^T accumulator's rows are head dims laid out as the key rows): the query's 2t and the head dim's
   // key_row occupy bits the element's constants (8j + (e & 1), 8(e >> 1)) leave untouched, so the offset
-  // of element e is dq_lane + offset(8j + (e & 1), 8(e >> 1)).
-  const int dq_lane = key_row < kDQDim ? Acc::offset(2 * t, key_row) : 0;
+  // of element e is dq_lane + offset(8j + (e & 1), 8(e >> 1)). Head-dim split: this thread's dQ^T row in
+  // the warpgroup's first m64 block; block pp's rows are 64pp further, offset(0, 64pp) further.
+  const int dq_row = (Tr::kSplitD ? wg * Tr::kDQBlocks * 64 : 0) + key_row;
+  const int dq_lane = dq_row < kDQDim ? Acc::offset(2 * t, dq_row) : 0;
   // This lane's byte in the swizzled dS^T (sw128_offset<Bc>(key_row, chunk) + 4t with Br = 64: one
   // panel): chunk c of the row is at 128·key_row + 16(c ^ g) + 4t = (128·key_row + 16g + 4t) ^ 16c
   // (the bits of 16c are those of 16g only), and key_row + 8 is 1024 bytes further: one XOR per store.
@@ -256,12 +282,16 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
   if (n_visits > 0) load_query_block(0, i_begin, 0);
   fa::cp_async_commit();
 
-  float acc_dk[kHeadDim / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
-  float acc_dv[kHeadDimV / 2];  // dV_j, 64 keys x dv
+  // The warpgroup's head-dim columns of dK_j, dV_j (head-dim split: its half; else all) and their panels in
+  // Q_i, dO_i (the B of the dK / dV wgmma).
+  const int col_k0 = Tr::kSplitD ? wg * Tr::kDkN : 0, col_v0 = Tr::kSplitD ? wg * Tr::kDvN : 0;
+  const int q_panel = col_k0 / 64 * kBlockM * 128, do_panel = col_v0 / 64 * kBlockM * 128;
+  float acc_dk[Tr::kDkN / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
+  float acc_dv[Tr::kDvN / 2];   // dV_j, 64 keys x dv (head-dim split: x d/2, x dv/2)
 #pragma unroll
-  for (int e = 0; e < kHeadDim / 2; ++e) acc_dk[e] = 0.0f;
+  for (int e = 0; e < Tr::kDkN / 2; ++e) acc_dk[e] = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kHeadDimV / 2; ++e) acc_dv[e] = 0.0f;
+  for (int e = 0; e < Tr::kDvN / 2; ++e) acc_dv[e] = 0.0f;
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -284,7 +314,7 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
     float acc_s[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * 64 * 128, sQ_i);
+    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * Tr::kWgKeys * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
@@ -301,7 +331,7 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     }
     // -- dP^T = V_j dO_i^T (SS, both K-major).
     float acc_dp[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + wg * 64 * 128, sdO_i);
+    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + wg * Tr::kWgKeys * 128, sdO_i);
 
     // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
     //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
@@ -321,10 +351,12 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
       for (int r = 0; r < 4; ++r) {
         a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+        // (head-dim split: both warpgroups hold all of dS^T; each stores half of its columns)
+        if (!Tr::kSplitD || ks / (kBlockM / 32) == wg)
+          *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
     // -- dV_j += P^T dO_i, dK_j += dS^T Q_i: one batch, waited for after the barrier below.
-    issue_dv_dk_sm90<T, kHeadDim, kHeadDimV, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i, sQ_i);
+    issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel);
 
     // dS^T complete and visible to the async proxy before any warpgroup's dQ wgmma reads it (ordered:
     // also our turn for query block i — sem_wait ends in a block barrier).
@@ -339,19 +371,23 @@ __global__ void __launch_bounds__(kBlockN / 64 * 128, 1) flash_bwd_sm90_dkv_kern
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
 
-    // -- dQ_i^T += K_j^T dS^T (warpgroups wg < d/64) and its atomics.
+    // -- dQ_i^T += K_j^T dS^T (warpgroups wg < d/64; head-dim split: both, d/128 blocks of 64 rows each) and
+    //    its atomics.
     if (wg < Tr::kDQWarpgroups)
-      dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS, wg, key_row,
-                                                              dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane);
+#pragma unroll
+      for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
+        dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
+            sK, sdS, wg * Tr::kDQBlocks + pp, dq_row + 64 * pp,
+            dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane + Acc::offset(0, 64 * pp));
     if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
     i = i_n, grp = grp_n;
   }
   fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
   // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
-  store_dk_dv_sm90<OutT, kHeadDim, kHeadDimV>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
-                                              dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
-                                              Lk, D, Dv, scale);
+  store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
+                                            dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
+                                            Lk, D, Dv, scale, col_k0, col_v0);
 }
 
 // ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_bwd_sm90_ws_kernel) -----------
@@ -385,7 +421,7 @@ namespace fa_bwd {
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-  static_assert(kBlockN == 128, "the producer warpgroup feeds two consumer warpgroups");
+  static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
   static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
@@ -395,7 +431,8 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kBarOffset = kStats + Base::kStages * 2 * kBlockM * 4;
   static constexpr int kBars = 1 + 2 * Base::kStages;                      // kv, full[stage], empty[stage]
   static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
-  static constexpr int kSmemBytes = kTurnOffset + 8 + Base::kAtomBytes;
+  static constexpr int kOffsetsOffset = kTurnOffset + 8;  // head-dim split: dq_accum's, dk's, dv's batch offsets
+  static constexpr int kSmemBytes = kOffsetsOffset + (Base::kSplitD ? 3 * 8 : 0) + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -414,7 +451,8 @@ struct IssueDvSm90 {
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ>
-__global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws_kernel(
+__global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
+flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -429,7 +467,7 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
     const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-  using IssueDv = IssueDvSm90<T, kHeadDimV, kBlockM>;
+  using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
@@ -460,6 +498,11 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
   // and accumulator elements are both 4 bytes). Kept in shared memory, read where the leader needs it: a
   // pointer live across the consumers' loop costs the registers its peak does not have (spills at d = 128).
   int* const* turn0 = reinterpret_cast<int* const*>(smem + Tr::kTurnOffset);
+  // Head-dim split: the batch offsets (elements) of dq_accum (+ it: dqa_entry(0)), dk and dv likewise, read
+  // per visit / in the epilogue: computed there they kept the batch index live across the consumers' loop,
+  // which spilled (20/28 bytes, causal). Offsets, not pointers: a pointer read from shared memory is generic,
+  // and the atomics became ATOM through the generic space (2.5x the loop's instructions).
+  const long long* batch_off = reinterpret_cast<const long long*>(smem + Tr::kOffsetsOffset);
 
   const int tid = static_cast<int>(threadIdx.x);
   // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
@@ -481,6 +524,11 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     }
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
     if constexpr (kOrderedDQ) *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
+    if constexpr (Tr::kSplitD) {
+      long long* off = const_cast<long long*>(batch_off);
+      off[0] = b.offset({dqa_b0, dqa_b1, dqa_b2, 0}), off[1] = b.offset({dk_b0, dk_b1, dk_b2, dk_row});
+      off[2] = b.offset({dv_b0, dv_b1, dv_b2, dv_row});
+    }
   }
   __syncthreads();              // ... and to every thread before its first wait or arrival
 
@@ -538,19 +586,24 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
 
   // ---- consumers ----
   fa::setmaxnreg_inc<flash::kWsConsumerRegs>();
-  const int cwg = wg - 1;                                        // keys [64 cwg, 64 cwg + 64) of K_j
+  const int cwg = wg - 1;  // keys [64 cwg, 64 cwg + 64) of K_j (head-dim split: all 64, head-dim half cwg)
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const int key_row = cwg * 64 + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
+  const int key_row = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
   const float scale_log2 = scale * flash::kLog2e;
   // dQ accumulator and dS^T addresses as lane part + constants (the cp.async kernel's).
-  const int dq_lane = key_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t, key_row) : 0;
+  const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row;
+  const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t, dq_row) : 0;
   const int ds_lane = key_row * 128 + (g << 4) + 4 * t;
-  float acc_dk[kHeadDim / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
-  float acc_dv[kHeadDimV / 2];  // dV_j, 64 keys x dv
+  // The warpgroup's head-dim columns of dK_j, dV_j (head-dim split: its half; else all) and their panels in
+  // Q_i, dO_i (the B of the dK / dV wgmma).
+  const int col_k0 = Tr::kSplitD ? cwg * Tr::kDkN : 0, col_v0 = Tr::kSplitD ? cwg * Tr::kDvN : 0;
+  const int q_panel = col_k0 / 64 * kBlockM * 128, do_panel = col_v0 / 64 * kBlockM * 128;
+  float acc_dk[Tr::kDkN / 2];   // dK_j, the warpgroup's 64 keys x d (accumulator layout), unscaled
+  float acc_dv[Tr::kDvN / 2];   // dV_j, 64 keys x dv (head-dim split: x d/2, x dv/2)
 #pragma unroll
-  for (int e = 0; e < kHeadDim / 2; ++e) acc_dk[e] = 0.0f;
+  for (int e = 0; e < Tr::kDkN / 2; ++e) acc_dk[e] = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kHeadDimV / 2; ++e) acc_dv[e] = 0.0f;
+  for (int e = 0; e < Tr::kDvN / 2; ++e) acc_dv[e] = 0.0f;
   if (n_visits > 0) fa::mbarrier_wait_parity(bar_kv, 0);  // K_j, V_j landed
 
   int grp = 0, i = i_begin;
@@ -566,7 +619,7 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
     float acc_s[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * 64 * 128, sQ_i);
+    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
@@ -589,8 +642,8 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
 #pragma unroll
       for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
     float acc_dp[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * 64 * 128, sdO_i,
-                                                                    IssueDv{acc_dv, a_p, sdO_i});
+    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
+                                                                    IssueDv{acc_dv, a_p, sdO_i + do_panel});
 
     // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
     //    staged for dQ (the cp.async kernel's layout), then the dK batch.
@@ -605,9 +658,10 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+        if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
+          *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
-    issue_rs_sm90<T, kHeadDim, kBlockM>(acc_dk, a_ds, sQ_i);
+    issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
     // wgmma reads it: the consumers' named barrier (the producer is not in it). Ordered: the same barrier
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
@@ -623,8 +677,12 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
     fa::wgmma_fence_operand(acc_dk);
     fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
     if (cwg < Tr::kDQWarpgroups)
-      dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, key_row,
-                                                              dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane);
+#pragma unroll
+      for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
+        dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
+            sK, sdS_s, cwg * Tr::kDQBlocks + pp, dq_row + 64 * pp,
+            (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
+                DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
@@ -633,7 +691,8 @@ __global__ void __launch_bounds__(128 + kBlockN / 64 * 128, 1) flash_bwd_sm90_ws
   }
 
   // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
-  store_dk_dv_sm90<OutT, kHeadDim, kHeadDimV>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
-                                              dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
-                                              Lk, D, Dv, scale);
+  store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(
+      acc_dk, acc_dv, dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row})), dk_row,
+      dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row})), dv_row, c0 + key_row, t, Lk, D, Dv,
+      scale, col_k0, col_v0);
 }

@@ -10,7 +10,9 @@ Both atomic modes (plain, ``deterministic=False``, and ordered) take the warp-sp
 ``flash_bwd_sm90_ws_kernel`` where q, dout, k, v fit tensor maps (else the cp.async kernel): its
 counters show TMA boxes and no cp.async, three setmaxnreg and one elect.sync per block (ordered: one
 group-semaphore wait per visit), and its gradients carry the bits of the cp.async kernel — in the
-ordered mode with several key blocks per dQ element, under permuted schedules. ``-m slow``: more shapes.
+ordered mode with several key blocks per dQ element, under permuted schedules. Head dims above 128 take the
+head-dim split (Bc = 64, each warpgroup half of d, dv): D = 256, 200 / 72, 72 / 256, 250 (element-wise) by
+default, D = 160 and 256 in the ``-m slow`` matrix. ``-m slow``: more shapes.
 """
 import numpy as np
 import pytest
@@ -19,18 +21,20 @@ from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import launch
 from flasharray._private.dtypes import bfloat16
-from test_cuda_backward import Problem, check, run_backward
+from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
 
 
 def expected_wgmma(p, tile, n_entries_kv, n_group):
     """wgmma instructions of one dK/dV launch: per key block, its visited query blocks (causal: from the
-    first that sees it) times the query heads of its group; per visit and warpgroup d/16 (S^T) + dv/16
-    (dP^T) + 2·Br/16 (dV, dK), plus Bc/16 for each of the d/64 warpgroups computing dQ^T."""
+    first that sees it) times the query heads of its group; per visit and warpgroup (two: of 64 keys each,
+    or in the head-dim split both of the Bc = 64 keys) d/16 (S^T) + dv/16 (dP^T) + 2·Br/16 (dV, dK), plus
+    Bc/16 for each of the d/64 m64 blocks of dQ^T."""
     Lq, D = p.q.shape[-2:]
     Lk, Dv = p.v.shape[-2:]
-    d, dv = S.pad_head_dim(D), S.pad_head_dim(Dv)
+    d, dv = S.pad_head_dims(D, Dv)
     Br, Bc = tile.block_m, tile.block_n
-    per_visit = (Bc // 64) * (d // 16 + dv // 16 + 2 * Br // 16) + (d // 64) * (Bc // 16)
+    assert Bc == (S.BLOCK_N_SPLIT if S.is_split(D, Dv) else S.BLOCK_N)
+    per_visit = 2 * (d // 16 + dv // 16 + 2 * Br // 16) + (d // 64) * (Bc // 16)
     Tr = -(-Lq // Br)
     visits = 0
     for c0 in range(0, Lk, Bc):
@@ -66,10 +70,16 @@ CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, TMA (
     (np.float16, 128, 64, (129, 65), True, "none", "bhsd", False, True),  # Lq > Lk: rows that see no key
     (np.float16, 40, 72, (70, 130), True, "gqa", "bshd", False, True),  # TMA: group dim + BSHD strides in the maps
     (bfloat16, 59, 59, (20, 40), False, "none", "bhsd", False, False),  # not TMA-legal (118-byte rows): cp.async
+    # Head dims above 128: the head-dim split (Bc = 64, each warpgroup half of d, dv).
+    (np.float16, 256, 256, (65, 127), True, "none", "bhsd", True, True),  # ordered ws, tails
+    (bfloat16, 256, 256, (40, 200), False, "none", "bhsd", False, True),  # atomic ws, 4 key blocks
+    (np.float16, 200, 72, (130, 70), True, "gqa", "bshd", True, True),  # GQA, dv padded to 128
+    (bfloat16, 250, 250, (64, 150), False, "none", "bhsd", True, False),  # element-wise loads (500-byte rows)
+    (np.float16, 72, 256, (40, 150), False, "none", "bhsd", False, True),  # d padded to 128, dv 256
 ]
 SLOW = [
     (dt, D, D, lengths, causal, bcast, "bhsd", det, None)
-    for dt in (np.float16, bfloat16) for D in (16, 64, 96, 128)
+    for dt in (np.float16, bfloat16) for D in (16, 64, 96, 128, 160, 256)
     for lengths in ((1, 1), (64, 64), (113, 203), (257, 128)) for causal in (False, True)
     for bcast, det in (("none", True), ("mqa", False), ("gqa", False))
 ]
@@ -101,10 +111,12 @@ def test_wgmma_backward_matrix(case):
     _check_case(*case)
 
 
-@pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 3)])
-def test_wgmma_backward_ordered_bits_identical_under_schedules(schedule, seed):
-    """Ordered dQ (deterministic): the same bits whatever the block / warp interleaving."""
-    p = Problem(np.float16, 64, 70, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+@pytest.mark.parametrize("D,schedule,seed", [(64, "reverse", 0), (64, "random", 3), (256, "reverse", 0),
+                                             (256, "random", 7)])
+def test_wgmma_backward_ordered_bits_identical_under_schedules(D, schedule, seed):
+    """Ordered dQ (deterministic): the same bits whatever the block / warp interleaving (D = 256: the
+    head-dim split, 5 key blocks adding to every dQ element, each warpgroup its half of the head dims)."""
+    p = Problem(np.float16, D, 70, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
     base, _ = run_wgmma(p)
     got, _ = run_wgmma(p, schedule=schedule, seed=seed)
     for a, b in zip(base, got):
@@ -127,6 +139,17 @@ def _ws_vs_cp_async(p, deterministic=False, cp_opts=None, **opts):
     return ws, cp
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FULL if c[0] in ("fp16", "bf16") and c[1] == 256],
+                         ids=lambda c: "-".join(str(x) for x in c))
+def test_wgmma_backward_tc_matrix_d256(case):
+    """The mma.sync backward's emulator matrix (tests/test_cuda_backward.py, FULL), its fp16 / bf16 D = 256
+    rows on kernel="wgmma" (issue 13's "done when"): every length pair, causal and not, no broadcast / GQA /
+    MQA, BHSD and BSHD, ordered and plain atomic dQ."""
+    dt, D, lengths, causal, bcast, layout, det = case
+    check_case("emulator", DTYPE_NAMES[dt], D, lengths, causal, bcast, layout, det, kernel="wgmma", arch="sm_90")
+
+
 @pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 5)])
 def test_ws_kernel_bits_match_cp_async(schedule, seed):
     """One key block per K/V head (each dQ element added once per query block: no order to vary): the
@@ -140,13 +163,14 @@ def test_ws_kernel_bits_match_cp_async(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-@pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 3), ("random", 11)])
-def test_ws_ordered_bits_match_cp_async(schedule, seed):
+@pytest.mark.parametrize("D,schedule,seed", [(64, "forward", 0), (64, "reverse", 0), (64, "random", 3),
+                                             (64, "random", 11), (256, "random", 5)])
+def test_ws_ordered_bits_match_cp_async(D, schedule, seed):
     """Ordered dQ on the warp-specialized kernel (the group semaphore: consumers only): three key blocks
-    add to every dQ element, in key-block order whatever the block order, the producer / consumer
-    interleaving and the landing points of the TMA boxes, so dq, dk and dv carry the bits of the cp.async
-    kernel's ordered mode (run under the forward schedule). One group-semaphore wait per visit."""
-    p = Problem(np.float16, 64, 70, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    (D = 256: five, of 64 keys) add to every dQ element, in key-block order whatever the block order, the
+    producer / consumer interleaving and the landing points of the TMA boxes, so dq, dk and dv carry the
+    bits of the cp.async kernel's ordered mode (run under the forward schedule)."""
+    p = Problem(np.float16, D, 70, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
     ws, cp = _ws_vs_cp_async(p, deterministic=True, cp_opts={}, schedule=schedule, seed=seed)
     for a, b in zip(ws, cp):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
@@ -195,6 +219,23 @@ def test_wgmma_backward_tile():
     assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true>"
 
 
+def test_wgmma_backward_tile_head_dim_split():
+    """D or Dv above 128: Bc = 64 keys seen by both warpgroups (256 threads; ws: 384), each owning half of
+    the head dims; the other head dim padded to at least 128 (whole panels per half)."""
+    t = S.backward_tile(None, np.float16, 256, 256, "sm_90")
+    assert (t.block_m, t.block_n, t.n_threads, t.stages) == (64, 64, 256, 2)
+    assert t.smem == S.smem_bytes(256, 256, 64, 64) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 2 * 2 * 64 * 4 + 1024
+    w = S.ws_tile(t, 256, 256)
+    assert w.n_threads == 384 and w.smem == t.smem + 64 * 64 * 2 + 48 + 24 <= 227 * 1024
+    assert S.pad_head_dims(200, 72) == (256, 128) and S.pad_head_dims(40, 130) == (128, 256)
+    assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
+    ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
+                        ordered=True)
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true>"
+    name = cb.kernel_plan(bfloat16, 40, 130, causal=False, deterministic=False, arch=90, kernel="wgmma")["dkv"][1]
+    assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
+
+
 def test_default_unchanged_on_sm90():
     """Without kernel="wgmma" sm_90 keeps the mma.sync backward."""
     p = Problem(np.float16, 64, 16, 16, causal=False, batch_q=(1, 1), batch_k=(1, 1))
@@ -206,7 +247,7 @@ def test_default_unchanged_on_sm90():
 @pytest.mark.parametrize("dtype,D,arch,kw,match", [
     (np.float16, 64, "sm_80", {}, "needs sm_90"),
     (np.float32, 64, "sm_90", {}, "float16 or bfloat16"),
-    (np.float16, 256, "sm_90", {}, "head dims 1..128"),
+    (np.float16, 257, "sm_90", {}, "head dims 1..256"),
     (np.float16, 64, "sm_90", {"dq": "recompute"}, "recompute"),
 ])
 def test_wgmma_backward_refused(dtype, D, arch, kw, match):

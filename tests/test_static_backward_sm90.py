@@ -1,13 +1,14 @@
 """Static checks of the Hopper wgmma backward (cuda_src/flash_bwd_sm90.cu) with NVRTC (no GPU needed).
 
 Every dK/dV instantiation ``cuda_backward.kernel_plan(..., kernel="wgmma")`` names — padded head dims
-64 and 128, causal and not, ordered (deterministic) and plain atomic dQ; float16 by default, bfloat16
-and the element-wise loads (``vec`` false) under ``-m slow`` — compiles for sm_90a with zero spills,
+64, 128 and 256 (the head-dim split: Bc = 64, each warpgroup half of d, dv), causal and not, ordered
+(deterministic) and plain atomic dQ; float16 by default, bfloat16, the element-wise loads (``vec`` false)
+and mixed split dims (D != Dv) under ``-m slow`` — compiles for sm_90a with zero spills,
 no local stack, no static shared memory, registers x threads within the register file and dynamic
 shared memory within the opt-in maximum. In the SASS the query-block loop (the loop holding the
 most HGMMA) holds every HGMMA of the kernel, exactly one visit's: per warpgroup d/16 (S^T) + dv/16
-(dP^T) SS, Br/16 + Br/16 RS (dV, dK), and Bc/16 SS for dQ^T. ``-s`` prints registers and the loop's
-instructions (docs/hopper.md, "Backward", quotes them).
+(dP^T) SS, Br/16 + Br/16 RS (dV, dK), and Bc/16 SS for dQ^T (head-dim split: d/128 such blocks).
+``-s`` prints registers and the loop's instructions (docs/hopper.md, "Backward", quotes them).
 
 The warp-specialized TMA kernel (``flash_bwd_sm90_ws_kernel``, plain atomic and ordered dQ;
 ``ws_instantiations``) also: setmaxnreg took effect (``USETMAXREG.DEALLOC`` and ``.TRY_ALLOC``, no C7508
@@ -33,14 +34,19 @@ SASS_OK, SASS_WHY = sass.available()
 REGISTER_FILE = 64 * 1024
 
 
+def _dims(d):
+    """(D, Dv) of a ``dims`` entry: an int (D = Dv) or a pair."""
+    return d if isinstance(d, tuple) else (d, d)
+
+
 def instantiations(dtype, dims, vecs=(True,)):
     found = {}
     for d in dims:
         for causal in (False, True):
             for ordered in (False, True):
                 for vec in vecs:
-                    ks = cb.kernel_plan(dtype, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma",
-                                        ordered=ordered, vec=vec)
+                    ks = cb.kernel_plan(dtype, *_dims(d), causal=causal, deterministic=False, arch=90,
+                                        kernel="wgmma", ordered=ordered, vec=vec)
                     found[ks["dkv"][1]] = (ks["dkv"][2], d)
     return found
 
@@ -50,7 +56,7 @@ def ws_instantiations(dtype, dims):
     for d in dims:
         for causal in (False, True):
             for ordered in (False, True):
-                ks = cb.kernel_plan(dtype, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma",
+                ks = cb.kernel_plan(dtype, *_dims(d), causal=causal, deterministic=False, arch=90, kernel="wgmma",
                                     tma=True, ordered=ordered)
                 found[ks["dkv"][1]] = (ks["dkv"][2], d)
     return found
@@ -80,8 +86,9 @@ def ws_checks(name, t, d, body, loop):
         return problems + ["%s: no producer loop" % name], ""
     producer = min(lps, key=lambda lp: lp.stats.instructions)
     boxes = sum(1 for i in tma if producer.start <= i.address <= producer.end)
-    if boxes != 2 * S.pad_head_dim(d) // 64:
-        problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes, 2 * S.pad_head_dim(d) // 64))
+    want = sum(S.pad_head_dims(*_dims(d))) // 64  # Q_i's and dO_i's 64-column boxes
+    if boxes != want:
+        problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes, want))
     in_producer = [i for i in body if producer.start <= i.address <= producer.end]
     if any(i.opcode == "LDG.E.STRONG.GPU" or "STRONG.GPU" in i.opcode for i in in_producer):
         problems.append("%s: a semaphore instruction in the producer loop" % name)
@@ -115,8 +122,9 @@ def _check(found):
             body = fns[k.lowered_name]
             lps = [lp for lp in sass.loops(body) if hgmma_in(body, lp)]
             loop = min(lps, key=lambda lp: (-len(hgmma_in(body, lp)), lp.stats.instructions)) if lps else None
-            pd = S.pad_head_dim(d)
-            per_wg = pd // 16 + pd // 16 + 2 * (t.block_m // 16) + t.block_n // 16  # the code of one thread
+            pd, pdv = S.pad_head_dims(*_dims(d))
+            dq_blocks = pd // 128 if S.is_split(*_dims(d)) else 1  # m64 blocks of dQ^T per warpgroup
+            per_wg = pd // 16 + pdv // 16 + 2 * (t.block_m // 16) + dq_blocks * t.block_n // 16  # one thread's code
             in_loop = hgmma_in(body, loop)
             if loop is None or len(in_loop) != per_wg or len(hgmma_in(body, None)) != per_wg:
                 problems.append("%s: %d HGMMA in the loop, %d in all, expected %d" % (
@@ -142,16 +150,24 @@ def _check(found):
 
 
 def test_wgmma_backward_compiles_fp16():
-    _check(instantiations(np.float16, (64, 128)))
+    _check(instantiations(np.float16, (64, 128, 256)))
 
 
 def test_ws_backward_compiles_fp16():
-    _check(ws_instantiations(np.float16, (64, 128)))
+    _check(ws_instantiations(np.float16, (64, 128, 256)))
 
 
 @pytest.mark.slow
 def test_wgmma_backward_compiles_bf16_and_elementwise():
-    found = instantiations(bfloat16, (64, 128), (True, False))
-    found.update(instantiations(np.float16, (64, 128), (False,)))
-    found.update(ws_instantiations(bfloat16, (64, 128)))
+    found = instantiations(bfloat16, (64, 128, 256), (True, False))
+    found.update(instantiations(np.float16, (64, 128, 256), (False,)))
+    found.update(ws_instantiations(bfloat16, (64, 128, 256)))
+    _check(found)
+
+
+@pytest.mark.slow
+def test_head_dim_split_mixed_dims_compile():
+    """The head-dim split with D != Dv (the smaller padded to 128): (256, 128) and (128, 256), both kernels."""
+    found = instantiations(np.float16, ((200, 72), (72, 256)))
+    found.update(ws_instantiations(np.float16, ((200, 72), (72, 256))))
     _check(found)

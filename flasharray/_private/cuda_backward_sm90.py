@@ -7,7 +7,7 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on sm_90 (the emulator:
 ``arch="sm_90"``); nothing picks it automatically (no H100 has run it). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
-head dims above 128, extensions, ``dq="recompute"``.
+head dims above 256, extensions, ``dq="recompute"``.
 
 Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
 warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
@@ -24,6 +24,12 @@ keys, 256 threads); head dims padded to 64 or 128 (whole 128-byte swizzle panels
 dV wgmma). Registers per thread: dK_j, dV_j (d/2 + dv/2), S^T, dP^T (Br/2 each), their rounded A
 fragments, dQ^T (Br/2). Shared memory: K_j, V_j, two stages of Q_i and dO_i, dS^T (Bc x Br), L_i and
 D_i per stage, plus 1 KB to align the dynamic base on the swizzle repeat (GPU).
+
+D or Dv above 128 (:func:`is_split`, the head-dim split): Bc = 64 keys, both warpgroups computing S^T and
+dP^T for all of them (the same values: that work is done twice), warpgroup w owning head dims
+[w·d/2, (w + 1)·d/2) of dK_j and dQ^T and [w·dv/2, ..) of dV_j; d, dv padded to 256, the other one to at
+least 128 (:func:`pad_head_dims`: each half whole 64-column panels). Registers: d/4 + dv/4 accumulators,
+those of d = dv = 128 above. Both kernels, both dQ modes, every layout the d <= 128 kernels take.
 """
 from . import launch
 from . import tiles
@@ -36,8 +42,12 @@ FAMILY = "wgmma"
 ARCH = 90
 BLOCK_M = 64
 BLOCK_N = 128
+#: Bc of the head-dim split (D or Dv above 128): both warpgroups see the 64 keys, each owns half the head dims.
+BLOCK_N_SPLIT = 64
 STAGES = 2
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
+#: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
+SPLIT_ABOVE = 128
 #: kExt bits the ordered dQ mode takes: none (the kernel runs dense calls only).
 ORDERED_EXT = 0
 _ALIGN = 1024
@@ -47,8 +57,22 @@ launch.ARCH_SPECIFIC.setdefault(SOURCE, {ARCH: "sm_90a"})
 
 
 def pad_head_dim(n):
-    """64 or 128: the smallest that holds ``n`` (1..128)."""
-    return 64 if n <= 64 else 128
+    """64, 128 or 256: the smallest that holds ``n`` (1..256)."""
+    return 64 if n <= 64 else 128 if n <= 128 else 256
+
+
+def pad_head_dims(D, Dv):
+    """The kernels' (d, dv): each padded by :func:`pad_head_dim`; with either above 128 (the head-dim split)
+    both at least 128, so that each warpgroup's half of d and of dv is whole 64-column panels."""
+    d, dv = pad_head_dim(D), pad_head_dim(Dv)
+    if max(d, dv) > SPLIT_ABOVE:
+        d, dv = max(d, SPLIT_ABOVE), max(dv, SPLIT_ABOVE)
+    return d, dv
+
+
+def is_split(D, Dv):
+    """Whether (D, Dv) takes the head-dim split (Bc = 64, each warpgroup half the head dims)."""
+    return max(pad_head_dims(D, Dv)) > SPLIT_ABOVE
 
 
 def smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
@@ -71,12 +95,15 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
         raise _unsupported("supports head dims 1..%d, got D=%d, Dv=%d" % (MAX_HEAD_DIM, D, Dv))
     if ext:
         raise _unsupported("runs dense calls only: no extensions")
-    d, dv = pad_head_dim(D), pad_head_dim(Dv)
-    smem = smem_bytes(d, dv)
-    assert smem <= tiles.smem_limit(a), (d, dv, smem)
-    reason = ("Br=%d (N of S^T, dP^T, dQ^T), Bc=%d (2 warpgroups x 64 keys), d=%d dv=%d, 2-stage Q_i/dO_i "
-              "(cp.async), 128B-swizzled" % (BLOCK_M, BLOCK_N, d, dv))
-    return BwdTiles(BLOCK_M, BLOCK_N, BLOCK_N // 64 * 128, smem, reason, STAGES)
+    d, dv = pad_head_dims(D, Dv)
+    split = is_split(D, Dv)
+    block_n = BLOCK_N_SPLIT if split else BLOCK_N
+    smem = smem_bytes(d, dv, BLOCK_M, block_n)
+    assert smem <= tiles.smem_limit(a) and ws_smem_bytes(d, dv, BLOCK_M, block_n) <= tiles.smem_limit(a), (d, dv, smem)
+    reason = ("Br=%d (N of S^T, dP^T, dQ^T), Bc=%d (%s), d=%d dv=%d, 2-stage Q_i/dO_i (cp.async), 128B-swizzled"
+              % (BLOCK_M, block_n, "head-dim split: 2 warpgroups x half of d, dv" if split
+                 else "2 warpgroups x 64 keys", d, dv))
+    return BwdTiles(BLOCK_M, block_n, 256, smem, reason, STAGES)
 
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, out=None):
@@ -86,7 +113,7 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, 
         raise ValueError("flasharray: the wgmma backward takes no extensions (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
-        KERNEL, dtype, out or dtype, pad_head_dim(pD), pad_head_dim(pDv), pD, tile.block_m, tile.block_n,
+        KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(vec), b(ordered))
 
 
@@ -104,26 +131,30 @@ _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_
 
 def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
-    1 + 2 x STAGES mbarriers (8 bytes each) and the ordered mode's counter base (a pointer, 8 bytes)."""
-    return smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
+    1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base (a pointer, 8 bytes) and, in the
+    head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes)."""
+    return (smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
+            + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
 
 
 def ws_tile(tile, D, Dv):
     """The :class:`BwdTiles` of ``flash_bwd_sm90_ws_kernel`` for the cp.async kernel's ``tile`` (head dims
     D, Dv): one more (producer) warpgroup, dS^T double-buffered, the mbarriers."""
     import dataclasses
-    d, dv = pad_head_dim(D), pad_head_dim(Dv)
-    reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x 64 keys, setmaxnreg "
+    d, dv = pad_head_dims(D, Dv)
+    reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
               "%d), d=%d dv=%d, %d-stage Q_i/dO_i ring on mbarriers, 128B-swizzled"
-              % (tile.block_m, tile.block_n, PRODUCER_REGS, CONSUMER_REGS, d, dv, STAGES))
-    return dataclasses.replace(tile, n_threads=tile.n_threads + 128, smem=ws_smem_bytes(d, dv), reason=reason)
+              % (tile.block_m, tile.block_n, PRODUCER_REGS, "half of d, dv" if is_split(D, Dv) else "64 keys",
+                 CONSUMER_REGS, d, dv, STAGES))
+    return dataclasses.replace(tile, n_threads=tile.n_threads + 128,
+                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n), reason=reason)
 
 
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics)."""
     b = lambda x: "true" if x else "false"  # noqa: E731
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
-        WS_KERNEL, dtype, out or dtype, pad_head_dim(pD), pad_head_dim(pDv), pD, tile.block_m, tile.block_n,
+        WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(ordered))
 
 
