@@ -16,7 +16,7 @@ Rows (backward: time of the backward given the forward's saved state; fwdbwd: fo
                         ordered dQ with an extension against the recomputing dQ kernel it replaced
   flasharray-wgmma-det, -wgmma-atomic, -wgmma-fwdbwd   the same with kernel="wgmma": the Hopper
                         backward (flash_bwd_sm90.cu; fwdbwd also the Hopper forward), sm_90 only,
-                        where it applies (fp16/bf16, D <= 128)
+                        where it applies (fp16/bf16, D <= 256)
   cupy-naive            materialized attention keeping P from the forward, hand-derived backward:
                         dV = PᵀdO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K·s, dK = dSᵀQ·s
   cupy-naive-fwdbwd     its forward (S, P materialized) + that backward
