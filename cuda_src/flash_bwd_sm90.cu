@@ -65,6 +65,7 @@
 // tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
 #include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
+#include "flash_fwd_copy.cuh"     // flash::store_tile: the epilogue's coalesced 16-byte stores
 #include "flash_sm90_common.cuh"  // sw128 layout, load_sw128, wgmma wrappers, gemm_qk_sm90, tma_load_tile
 
 namespace fa_bwd {
@@ -83,6 +84,7 @@ struct Sm90BwdTraits {
   static_assert(!kSplitD || (kBlockN == 64 && (kHeadDim == 128 || kHeadDim == 256) &&
                              (kHeadDimV == 128 || kHeadDimV == 256)),
                 "head-dim split: Bc = 64, d, dv 128 or 256 (each warpgroup's half whole 64-column panels)");
+  static constexpr int kBc = kBlockN;
   static constexpr int kWarpgroups = kSplitD ? 2 : kBlockN / 64;
   static constexpr int kNThreads = 128 * kWarpgroups;
   static constexpr int kWgKeys = kSplitD ? 0 : 64;                     // warpgroup w's keys start at w·kWgKeys
@@ -103,8 +105,20 @@ struct Sm90BwdTraits {
   static constexpr int kdO = kQ + kStages * kQBytes;
   static constexpr int kdS = kdO + kStages * kdOBytes;           // dS^T  Bc x Br
   static constexpr int kStats = kdS + kBlockN * kBlockM * 2;     // per stage: L_i·log2e [Br], D_i [Br]
-  static constexpr int kSmemBytes = kStats + kStages * 2 * kBlockM * 4 + kAtomBytes;
+  // Head-dim split (cp.async kernel): dk's and dv's batch offsets, written by thread 0, read by the epilogue.
+  static constexpr int kEpiOffsets = kStats + kStages * 2 * kBlockM * 4;
+  static constexpr int kSmemBytes = kEpiOffsets + (kSplitD ? 2 * 8 : 0) + kAtomBytes;
   static_assert(kStats % kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
+  // Epilogue: dK_j (Bc x d) and dV_j (Bc x dv) rounded to 16 bits, staged over K_j, V_j, Q_i, dO_i (idle by
+  // then) at a pitch of 8 elements more than a row: 16-byte rows, 8 consecutive rows on 8 distinct 16-byte
+  // bank groups (the row pitch is an odd number of 16-byte chunks), so stmatrix writes without conflicts.
+  static constexpr int kStrideDk = kHeadDim + 8;
+  static constexpr int kStrideDv = kHeadDimV + 8;
+  static constexpr int kEpiDv = kBlockN * kStrideDk * 2;          // sdV's byte offset (sdK at 0)
+  static constexpr int kEpiBytes = kEpiDv + kBlockN * kStrideDv * 2;
+  static_assert(kEpiBytes <= kdS, "the staged dK_j, dV_j fit in the operand tiles (K_j .. dO_i)");
+  static_assert((kStrideDk / 8) % 2 == 1 && (kStrideDv / 8) % 2 == 1 && kEpiDv % 16 == 0,
+                "staged rows: an odd number of 16-byte chunks apart, 16-byte aligned");
 };
 
 // ---- One visit's wgmma steps, shared by the cp.async kernel and the warp-specialized one ----------------
@@ -187,6 +201,66 @@ __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim 
     const int key = key0 + 8 * ((e % 4) >> 1), col = col_v0 + 8 * (e / 4) + 2 * t + (e & 1);
     if (key < Lk && col < Dv) fa::gstore(dv_j + key * dv_row + col, FromAcc<OutT>::convert(acc_dv[e]));
   }
+}
+
+// Epilogue step 1, per warp: its 16 rows of an accumulator tile (rows warp_row.. of the staged tile, columns
+// col0 .. col0 + N) times mult, rounded to T (as FromAcc: round to nearest even), into sTile (pitch kStride
+// elements) by stmatrix.x4, one per 16 columns: matrices rows 0-7 / 8-15 of n8 tiles 2p, 2p + 1, lane l
+// addressing row l mod 8 of matrix l / 8 (flash_fwd_sm90.cu's stage_o_sm90). acc[4j + e] is (row g + 8(e >> 1),
+// column 8j + 2t + (e & 1)): the accumulator's rows are the output's (keys), no transpose.
+template <typename T, int N, int kStride>
+__device__ __forceinline__ void stage_acc_sm90(T* sTile, const float (&acc)[N / 2], float mult, int warp_row,
+                                               int col0, int lane) {
+  const int m = lane / 8;
+  T* row_addr = sTile + (warp_row + 8 * (m % 2) + lane % 8) * kStride + col0 + 8 * (m / 2);
+#pragma unroll
+  for (int p = 0; p < N / 16; ++p) {
+    uint32_t regs[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int base = 4 * (2 * p + r / 2) + 2 * (r % 2);  // n8 tile 2p + r / 2, rows g + 8(r mod 2)
+      regs[r] = fa::pack2<T>(acc[base] * mult, acc[base + 1] * mult);
+    }
+    fa::stmatrix<4, false>(row_addr + 16 * p, regs);
+  }
+}
+
+// The dK_j / dV_j epilogue of both kernels (16-bit outputs; float partial sums take store_dk_dv_sm90).
+// sync() is a barrier over the kNThreads math threads, etid this thread's index among them, wg_row its
+// warpgroup's first key in the tile, col_k0 / col_v0 its first columns (head-dim split: its half). First barrier:
+// every warpgroup is done with K_j, V_j, Q_i, dO_i (its last dQ^T wgmma, reading K_j, and its dV / dK wgmmas
+// were waited for; no copy or TMA box is in flight), which the staged tiles overwrite. Each warpgroup stages
+// its keys (head-dim split: its columns), dK_j·scale and dV_j; second barrier: the tiles are complete before
+// the threads read whole rows of them. Then flash::store_tile: consecutive threads store consecutive 16-byte
+// chunks of a row (full 32-byte sectors), keys < Lk, columns < D / Dv. The callers take it only where that is
+// legal: 16-byte rows (D, Dv multiples of 8: the cp.async kernel's kVec, the ws kernel's tensor maps) — dk, dv
+// are the plan's contiguous buffers, rows of D, Dv elements. (A run-time check with an element-wise path from
+// shared memory compiled in as well made ptxas spill 4-20 bytes in the loop at d = 256.) dk_j, dv_j: the
+// tiles' first keys (c0). smem: the kernel's dynamic shared-memory base, not the
+// 1024-aligned one (stmatrix and the 16-byte reads need 16-byte rows only; the base is a constant ptxas need
+// not keep live across the loop); the staged tiles end below the operand tiles' end (kEpiBytes <= kdS).
+template <typename Tr, typename OutT, int kNThreads, typename Sync>
+__device__ __forceinline__ void epilogue_dk_dv_sm90(unsigned char* smem, const float (&acc_dk)[Tr::kDkN / 2],
+                                                    const float (&acc_dv)[Tr::kDvN / 2], OutT* dk_j, long long dk_row,
+                                                    OutT* dv_j, long long dv_row, int rows_valid, int D, int Dv,
+                                                    float scale, int wg_row, int col_k0, int col_v0, int etid,
+                                                    Sync sync) {
+  static_assert(sizeof(OutT) == 2, "stmatrix stages 16-bit elements");
+  constexpr int kBlockN = Tr::kBc;
+  // This warp's first row (its warpgroup's first, wg_row, + 16 per warp) and lane, from etid after the loop
+  // (written so that ptxas does not keep the prologue's warp index live across the loop: at 255 registers,
+  // d = 256, that spilled 4 bytes).
+  const int warp_row = wg_row + ((etid & 0x60) >> 1), lane = etid & 31;
+  OutT* sdK = reinterpret_cast<OutT*>(smem);
+  OutT* sdV = reinterpret_cast<OutT*>(smem + Tr::kEpiDv);
+  sync();
+  stage_acc_sm90<OutT, Tr::kDkN, Tr::kStrideDk>(sdK, acc_dk, scale, warp_row, col_k0, lane);
+  stage_acc_sm90<OutT, Tr::kDvN, Tr::kStrideDv>(sdV, acc_dv, 1.0f, warp_row, col_v0, lane);
+  sync();
+  flash::store_tile<OutT, kBlockN, Tr::kStrideDk - 8, Tr::kStrideDk, kNThreads>(dk_j, dk_row, sdK, rows_valid, D,
+                                                                               true, etid);
+  flash::store_tile<OutT, kBlockN, Tr::kStrideDv - 8, Tr::kStrideDv, kNThreads>(dv_j, dv_row, sdV, rows_valid, Dv,
+                                                                               true, etid);
 }
 
 }  // namespace fa_bwd
@@ -273,6 +347,14 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     load_row_stats_exp<kBlockM, kNThreads>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM,
                                            lse_b + grp * l_g, delta_b + grp * d_g, r0, Lq);
   };
+
+  // Head-dim split: dk's and dv's batch offsets through shared memory to the epilogue (the ws kernel's
+  // batch_off): computed there, the batch index stayed live across the loop, which at 255 registers spilled
+  // it (4 bytes, d = 256, plain atomics). Thread 0's stores are ordered before the epilogue's reads by the
+  // loop's barriers and the epilogue's first.
+  long long* epi_off = reinterpret_cast<long long*>(smem + Tr::kEpiOffsets);
+  if (Tr::kSplitD && tid == 0)
+    epi_off[0] = b.offset({dk_b0, dk_b1, dk_b2, dk_row}), epi_off[1] = b.offset({dv_b0, dv_b1, dv_b2, dv_row});
 
   // -- prologue: K_j, V_j (resident) and the first query block.
   flash::load_sw128<T, kBlockN, kHeadDim, kNThreads, kVec>(sK, k + b.offset({k_b0, k_b1, k_b2, k_row}) + c0 * k_row, k_row,
@@ -384,10 +466,23 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   }
   fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
-  // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
-  store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(acc_dk, acc_dv, dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
-                                            dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, c0 + key_row, t,
-                                            Lk, D, Dv, scale, col_k0, col_v0);
+  // -- epilogue: dK_j·scale and dV_j (keys < Lk, columns < D / Dv): 16-bit outputs staged in shared memory
+  //    and stored in 16-byte chunks (epilogue_dk_dv_sm90); float partial sums (K/V broadcast over the grid)
+  //    from the accumulators (2-byte stores), and so, in this kernel, element-wise layouts (!kVec: rows not
+  //    16-byte aligned) and d or dv = 128 without the head-dim split: there the loop runs at 253-255 of 255
+  //    registers and ptxas spilled 4-40 bytes in one of the four fp16 instantiations with the staged epilogue
+  //    after it, in each of the five arrangements measured. (This kernel runs only where the ws kernel's
+  //    tensor maps cannot: cuda_backward_sm90.tma_args.)
+  constexpr bool kStaged = sizeof(OutT) == 2 && kVec && (Tr::kSplitD || (kHeadDim < 128 && kHeadDimV < 128));
+  OutT* dk_b = dk + (Tr::kSplitD ? epi_off[0] : b.offset({dk_b0, dk_b1, dk_b2, dk_row}));
+  OutT* dv_b = dv + (Tr::kSplitD ? epi_off[1] : b.offset({dv_b0, dv_b1, dv_b2, dv_row}));
+  if constexpr (kStaged)
+    epilogue_dk_dv_sm90<Tr, OutT, kNThreads>(smem_raw, acc_dk, acc_dv, dk_b + static_cast<long long>(c0) * dk_row, dk_row,
+                                             dv_b + static_cast<long long>(c0) * dv_row, dv_row, Lk - c0, D, Dv, scale,
+                                             wg * Tr::kWgKeys, col_k0, col_v0, tid, [] { __syncthreads(); });
+  else
+    store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(acc_dk, acc_dv, dk_b, dk_row, dv_b, dv_row, c0 + key_row, t, Lk, D,
+                                              Dv, scale, col_k0, col_v0);
 }
 
 // ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_bwd_sm90_ws_kernel) -----------
@@ -690,9 +785,17 @@ flash_bwd_sm90_ws_kernel(
     i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
   }
 
-  // -- epilogue: dK_j·scale and dV_j from the accumulators (keys < Lk, columns < D / Dv).
-  store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(
-      acc_dk, acc_dv, dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row})), dk_row,
-      dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row})), dv_row, c0 + key_row, t, Lk, D, Dv,
-      scale, col_k0, col_v0);
+  // -- epilogue: dK_j·scale and dV_j (keys < Lk, columns < D / Dv), as the cp.async kernel's; its barriers are
+  //    the consumers' named barrier (the producer has exited; every box it issued was waited for). Always the
+  //    16-byte path: the host takes this kernel only with 16-byte rows (tma_args).
+  OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row}));
+  OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row}));
+  if constexpr (sizeof(OutT) == 2)
+    epilogue_dk_dv_sm90<Tr, OutT, Tr::kConsumerThreads>(
+        smem_raw, acc_dk, acc_dv, dk_b + static_cast<long long>(c0) * dk_row, dk_row,
+        dv_b + static_cast<long long>(c0) * dv_row, dv_row, Lk - c0, D, Dv, scale, cwg * Tr::kWgKeys, col_k0, col_v0,
+        tid - 128, [] { fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads); });
+  else
+    store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(acc_dk, acc_dv, dk_b, dk_row, dv_b, dv_row, c0 + key_row, t, Lk, D,
+                                              Dv, scale, col_k0, col_v0);
 }

@@ -176,12 +176,37 @@ def test_ws_ordered_bits_match_cp_async(D, schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.parametrize("D,tma", [(128, True), (64, False), (256, True), (256, False)])
+def test_dk_dv_epilogue_coalesced(D, tma):
+    """The dK_j / dV_j epilogue through shared memory: each warp stmatrix.x4 per 16 of its columns of dK_j and
+    dV_j, then 16-byte stores of whole rows: the global sectors of dk and dv are the ideal count (before:
+    2-byte stores straight from the fragments, 4x the sectors). Lk = 63 and 100: a tile's rows past Lk are not
+    stored. (The cp.async kernel at d = 128 keeps the fragment stores: registers, flash_bwd_sm90.cu.)"""
+    Lk = 100 if D == 256 else 63
+    p = Problem(np.float16, D, 70, Lk, causal=False, batch_q=(1, 2), batch_k=(1, 2))
+    try:
+        S.USE_TMA = tma
+        launch._clear_plans()
+        grads, c = run_wgmma(p, deterministic=False)
+    finally:
+        S.USE_TMA = True
+        launch._clear_plans()
+    check(p, grads)
+    kv = [c.buffers[i] for i in sorted(c.buffers)][7:9]  # the arguments dk, dv (after q, k, v, dout, lse, delta, dq)
+    for b in kv:
+        assert b.write_bytes == 2 * Lk * D * 2 and b.write_sectors == b.write_sectors_ideal == b.write_bytes // 32
+    d, dv = S.pad_head_dims(D, D)
+    per_warp = (d + dv) // 16 // (2 if S.is_split(D, D) else 1)  # its 16 keys x (its half of) d and dv
+    assert c.stmatrix == c.blocks * 8 * per_warp  # 8 math warps per block
+
+
 def test_ws_ordered_counts_one_wait_per_visit():
     """Per visit one group-semaphore wait (the leader's) and two consumer barriers (the wait's, the post's):
-    3 key blocks x 2 query blocks x 2 heads (causal, bottom-right: every key block sees both query blocks)."""
+    3 key blocks x 2 query blocks x 2 heads (causal, bottom-right: every key block sees both query blocks);
+    per block two more, the dK / dV epilogue's (operands idle, staged tiles complete)."""
     p = Problem(np.float16, 64, 70, 300, causal=True, batch_q=(1, 2), batch_k=(1, 2))
     _, c = run_wgmma(p, schedule="reverse")
-    assert c.sem_waits == 12 and c.named_barriers == 24 and c.blocks == 6
+    assert c.sem_waits == 12 and c.named_barriers == 24 + 2 * 6 and c.blocks == 6
 
 
 def test_ws_plan_maps():
@@ -224,9 +249,10 @@ def test_wgmma_backward_tile_head_dim_split():
     the head dims; the other head dim padded to at least 128 (whole panels per half)."""
     t = S.backward_tile(None, np.float16, 256, 256, "sm_90")
     assert (t.block_m, t.block_n, t.n_threads, t.stages) == (64, 64, 256, 2)
-    assert t.smem == S.smem_bytes(256, 256, 64, 64) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 2 * 2 * 64 * 4 + 1024
+    # (the cp.async kernel: + dk's and dv's batch offsets for the epilogue, 16 bytes; the ws kernel has its own)
+    assert t.smem == S.smem_bytes(256, 256, 64, 64) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 2 * 2 * 64 * 4 + 1024 + 16
     w = S.ws_tile(t, 256, 256)
-    assert w.n_threads == 384 and w.smem == t.smem + 64 * 64 * 2 + 48 + 24 <= 227 * 1024
+    assert w.n_threads == 384 and w.smem == t.smem - 16 + 64 * 64 * 2 + 48 + 24 <= 227 * 1024
     assert S.pad_head_dims(200, 72) == (256, 128) and S.pad_head_dims(40, 130) == (128, 256)
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,

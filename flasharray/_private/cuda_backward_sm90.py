@@ -75,9 +75,15 @@ def is_split(D, Dv):
     return max(pad_head_dims(D, Dv)) > SPLIT_ABOVE
 
 
-def smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
-    """Mirror of ``Sm90BwdTraits::kSmemBytes``."""
+def _tiles_bytes(d, dv, block_m, block_n):
+    """K_j, V_j, the stages of Q_i, dO_i, dS^T, the stages' L_i and D_i, and the alignment slack."""
     return 2 * (block_n * (d + dv) + STAGES * block_m * (d + dv) + block_n * block_m) + STAGES * 2 * block_m * 4 + _ALIGN
+
+
+def smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
+    """Mirror of ``Sm90BwdTraits::kSmemBytes``: the tiles and, in the head-dim split, dk's and dv's batch
+    offsets for the epilogue (2 x 8 bytes)."""
+    return _tiles_bytes(d, dv, block_m, block_n) + (2 * 8 if max(d, dv) > SPLIT_ABOVE else 0)
 
 
 def _unsupported(why):
@@ -133,7 +139,7 @@ def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
     1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base (a pointer, 8 bytes) and, in the
     head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes)."""
-    return (smem_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
+    return (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
             + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
 
 
