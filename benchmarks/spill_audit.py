@@ -17,6 +17,9 @@ and prints registers and spill bytes (stores + loads) per instantiation, then th
 spill. ``--forward``: the forward's extension variants instead (``tiles.forward_tile(ext=True)``,
 plus the split-KV one). ``--loop``: also the key-tile loop's instructions per HMMA (cuobjdump,
 ``flasharray/_private/sass.py``'s rule), for the instantiations that spill or with ``--bits``.
+``--dense-hash``: instead, a hash of the SASS (opcodes and operands) of every dense (kExt = 0)
+backward instantiation that tests/test_static_backward.py or benchmarks/sass.py checks, per arch:
+extension work must leave these unchanged.
 
 Results are cached per instantiation in ``benchmarks/results/spill_audit.json`` under the hash of
 ``cuda_src`` (``launch.source_digest``): re-running after no kernel change compiles nothing.
@@ -25,8 +28,10 @@ The full fp16 backward audit is ~1,200 instantiations per arch (~10 min of one c
 Usage: python benchmarks/spill_audit.py [--arch 80,90] [--dtype float16] [--d 64,128,256]
        [--roles dq,dkv,atomic,ordered] [--bits 4,20] [--causal both|yes|no] [--forward] [--loop]
        [--jobs 1] [--all-rows]
+       python benchmarks/spill_audit.py --dense-hash [--arch 80,90]
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -147,6 +152,29 @@ def audit(specs, loop=False, jobs=1, progress=True):
     return {"%s@%d" % (name, key[0]): mine["%s@%d" % (name, key[0])] for key, _, name, _ in specs}
 
 
+def dense_hashes(arch):
+    """{name: sha256 of the SASS text} of the dense tensor-core backward instantiations (flash_bwd.cu)
+    of tests/test_static_backward.py and benchmarks/sass.py on ``arch``."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import test_static_backward  # noqa: E402 (the tests' own list of instantiations)
+    items = set(test_static_backward.instantiations(arch).get("flash_bwd.cu", {}))
+    # and the SASS report's (benchmarks/sass.py: fp16 / bf16, head dims 64, 128, 256, every role)
+    items |= {s.name for causal in (False, True) for s in sass.kernel_specs(archs=(arch,), causal=causal)
+              if s.source == "flash_bwd.cu"}
+    items = sorted(items)
+    out = {}
+    for i in range(0, len(items), CHUNK):
+        names = items[i:i + CHUNK]
+        res = nvrtc.compile_cubin(launch.kernel_source("flash_bwd.cu"), "sm_%d" % arch, names,
+                                  options=["--use_fast_math"])
+        functions = sass.parse(sass.disassemble(res.cubin))
+        for n in names:
+            body = functions[res.kernel(n).lowered_name]
+            out[n] = hashlib.sha256("\n".join("%s %s" % (x.opcode, x.operands) for x in body).encode()).hexdigest()[:16]
+        print("  %d / %d" % (min(i + CHUNK, len(items)), len(items)), flush=True)
+    return out
+
+
 def _row(key, name, r):
     arch, dtype, role, d, causal, bits = key
     lp = r.get("loop")
@@ -167,13 +195,23 @@ def main(argv=None):
     ap.add_argument("--forward", action="store_true", help="the forward's extension variants instead")
     ap.add_argument("--loop", action="store_true", help="instructions per HMMA of the key-tile loop too")
     ap.add_argument("--jobs", type=int, default=1, help="NVRTC programs compiled at once (default 1)")
+    ap.add_argument("--dense-hash", action="store_true",
+                    help="hash the SASS of the dense backward instantiations of tests/test_static_backward.py")
     ap.add_argument("--all-rows", action="store_true", help="print every instantiation, not only the spilling ones")
     args = ap.parse_args(argv)
-    ok, why = sass.available() if args.loop else nvrtc.available()
+    ok, why = sass.available() if args.loop or args.dense_hash else nvrtc.available()
     if not ok:
         print("spill audit unavailable: %s" % why)
         return 2
     archs = [int(a.replace("sm_", "")) for a in args.arch.split(",")]
+    if args.dense_hash:
+        for arch in archs:
+            hashes = dense_hashes(arch)
+            for n, h in sorted(hashes.items()):
+                print("sm_%d %s %s" % (arch, h, n))
+            print("sm_%d: %d dense instantiations, combined %s" % (arch, len(hashes), hashlib.sha256(
+                "".join(h for _, h in sorted(hashes.items())).encode()).hexdigest()[:16]))
+        return 0
     head_dims = [int(x) for x in args.d.split(",")]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     subsets = [int(b) for b in args.bits.split(",")] if args.bits else list(range(1, ALL_BITS + 1))
