@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         i_begin = walk.next(i_begin - 1, Tr);
     }
     const int blocks_per_entry = kExt != 0 ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0);
-    const int n_visits = blocks_per_entry * n_group;
+    const int n_visits = kExt != 0 ? blocks_per_entry : blocks_per_entry * n_group;
     // Atomic modes: the accumulator of query batch entry grp (DQAccumLayout blocks, then, ordered,
     // the counters).
     auto dqa_entry = [&](int grp) {
@@ -396,7 +396,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
         int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
-        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr), grp_n = grp;
+        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr);
+        // Extensions: one query batch entry per block (n_group = 1, the host's rule), so grp stays 0
+        // and the group strides drop out of the loop (registers: the atomic kernel at head dim 128
+        // with ALiBi, softcap, dropout and lengths spilled 12 bytes).
+        if constexpr (kExt != 0) grp_n = 0;
         const int buf = kStages == 2 ? visit % 2 : 0;
         const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
         const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
