@@ -602,9 +602,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     // per block instead of a 64-bit multiply (extensions: from the visited tile's index).
     const T* k_load = kStages == 2 ? k_b + k_step : k_b;
     const T* v_load = kStages == 2 ? v_b + v_step : v_b;
-    if constexpr (kExt != 0 && !flash::HasExt<kExt, flash::kExtBlockMask>::value) {
-        // Without a block mask the visited tiles are j_first, j_first + 1, ...: running pointers
-        // from j_first (a block mask sets them per visit, below).
+    // Extensions: set per visit from the tile's index (below), or, without a block mask (the visited
+    // tiles are j_first, j_first + 1, ...), running from j_first where that spills less: the
+    // one-warp-per-row-tile or single-buffered kernels (softcap, ALiBi, dropout at head dim 128 on
+    // sm_80 / sm_90 and 256 on sm_80 spilled without it; the double-buffered d 256 one on sm_90
+    // spills with it).
+    constexpr bool kRunningExt = kExt != 0 && !flash::HasExt<kExt, flash::kExtBlockMask>::value &&
+                                 (kScoresInRegs || kStages == 1);
+    if constexpr (kRunningExt) {
         k_load += (long long)j_first * k_step;
         v_load += (long long)j_first * v_step;
     }
@@ -620,7 +625,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         // refilled) and dS_s.
         __syncthreads();
         const bool prefetch = kStages == 2 && j_next < Tc;
-        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) {
+        if constexpr (kExt != 0 && !kRunningExt) {
             k_load = k_b + (long long)(kStages == 2 ? j_next : j) * k_step;
             v_load = v_b + (long long)(kStages == 2 ? j_next : j) * v_step;
         }
