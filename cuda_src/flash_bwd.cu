@@ -129,38 +129,92 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
     float s[kW / 8][4], dp[kW / 8][4];  // S, dP strips (C layout)
     zero_acc(s);
     zero_acc(dp);
-    warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
-                                             K_s + k0 * L::kPitchD, L::kPitchD);
-    warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
-                                              V_s + k0 * L::kPitchDv, L::kPitchDv);
-    constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
-    // Dropout's Z = keep / (1 − p) in the C layout (rows are queries: the forward's dropout_mma).
-    float z[1][kDropout ? kW / 8 : 1][4];
-    if constexpr (kDropout) {
+    if constexpr (MaskExt<M>::value == 0) {
+        warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
+                                                 K_s + k0 * L::kPitchD, L::kPitchD);
+        warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
+                                                  V_s + k0 * L::kPitchDv, L::kPitchDv);
 #pragma unroll
-        for (int nt = 0; nt < kW / 8; ++nt)
+        for (int h = 0; h < 2; ++h) {
+            const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
+            const float lse2 = lse2_s[r], delta_r = delta_s[r];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) z[0][nt][e] = drop.scale;
-        flash::dropout_mma<1, kW / 8>(z, drop.rng, r0 + qt * 16, c0 + k0, lane);
-    }
-    (void)drop; (void)z;
+            for (int nt = 0; nt < kW / 8; ++nt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
-        const float lse2 = lse2_s[r], delta_r = delta_s[r];
-#pragma unroll
-        for (int nt = 0; nt < kW / 8; ++nt)
-#pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                const int c = k0 + nt * 8 + 2 * t + (e % 2);  // key within K_j
-                if constexpr (MaskExt<M>::value == 0) {
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const int c = k0 + nt * 8 + 2 * t + (e % 2);  // key within K_j
                     const float p = p_from_score(s[nt][e], scale_log2, lse2, mask.is_visible(r0 + r, c0 + c));
                     dp[nt][e] = p * (dp[nt][e] - delta_r);
-                } else {
-                    ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
-                             scale_log2, mask, r0 + r, c0 + c);
                 }
-            }
+        }
+        (void)drop;
+    } else if constexpr (kW < 64) {
+        // Extensions, narrow strips: S and dP, then P and dS per element (ext_p_ds).
+        warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
+                                                 K_s + k0 * L::kPitchD, L::kPitchD);
+        warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
+                                                  V_s + k0 * L::kPitchDv, L::kPitchDv);
+        constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+        // Dropout's Z = keep / (1 − p) in the C layout (rows are queries: the forward's dropout_mma).
+        float z[1][kDropout ? kW / 8 : 1][4];
+        if constexpr (kDropout) {
+#pragma unroll
+            for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) z[0][nt][e] = drop.scale;
+            flash::dropout_mma<1, kW / 8>(z, drop.rng, r0 + qt * 16, c0 + k0, lane);
+        }
+        (void)drop; (void)z;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
+            const float lse2 = lse2_s[r], delta_r = delta_s[r];
+#pragma unroll
+            for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e)
+                    ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
+                             scale_log2, mask, r0 + r, c0 + k0 + nt * 8 + 2 * t + (e % 2));
+        }
+    } else {
+        // Extensions, wide strips (kW >= 64: one warp per 16-query row tile holding every key of
+        // the block; the dQ kernel up to head dim 128 on sm_80 / sm_90): S first, and at once its
+        // factor of dS, f = P ∘ (1 − tanh²) (ext_ds_factor), in place; then dP, and dS = f ∘ (dP ∘ Z
+        // − D_i). One value per element waits for dP (P and tanh did with ext_p_ds), and dropout's
+        // keep bits are 4 words, not 32 floats of Z (with the running K/V pointers of the kernel
+        // body: softcap, ALiBi, dropout at head dim 128 spilled 8-80 bytes at the 255 cap).
+        constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+        warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
+                                                 K_s + k0 * L::kPitchD, L::kPitchD);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = qt * 16 + g + 8 * h;
+            const float lse2 = lse2_s[r];
+#pragma unroll
+            for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e)
+                    s[nt][e] = ext_ds_factor(s[nt][e], lse2, scale_log2, mask, r0 + r,
+                                             c0 + k0 + nt * 8 + 2 * t + e % 2);
+        }
+        // Dropout's keep bits in the C layout (rows are queries: the forward's draw), as bits.
+        uint32_t keep[kDropout ? kW / 16 : 1];
+        if constexpr (kDropout) dropout_bits_mma<kW / 8>(keep, drop.rng, r0 + qt * 16, c0 + k0, lane);
+        (void)drop; (void)keep;
+        warp_mma<T, kHeadDimV, kW, false, false>(dp, dO_s + qt * 16 * L::kPitchDv, L::kPitchDv,
+                                                  V_s + k0 * L::kPitchDv, L::kPitchDv);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float delta_r = delta_s[qt * 16 + g + 8 * h];
+#pragma unroll
+            for (int nt = 0; nt < kW / 8; ++nt)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    float z = 1.0f;  // dropout's Z = keep / (1 − p)
+                    if constexpr (kDropout) z = keep_bit(keep, nt, e) ? drop.scale : 0.0f;
+                    dp[nt][e] = s[nt][e] * (dp[nt][e] * z - delta_r);
+                }
+        }
     }
     c_to_a<T, kW / 16>(dS_a, dp);
 }
@@ -304,7 +358,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         i_begin = walk.next(i_begin - 1, Tr);
     }
     const int blocks_per_entry = kExt != 0 ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0);
-    const int n_visits = blocks_per_entry * n_group;
+    const int n_visits = kExt != 0 ? blocks_per_entry : blocks_per_entry * n_group;
     // Atomic modes: the accumulator of query batch entry grp (DQAccumLayout blocks, then, ordered,
     // the counters).
     auto dqa_entry = [&](int grp) {
@@ -342,7 +396,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
         int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
-        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr), grp_n = grp;
+        if constexpr (flash::HasExt<kExt, flash::kExtBlockMask>::value) i_n = walk.next(i, Tr);
+        // Extensions: one query batch entry per block (n_group = 1, the host's rule), so grp stays 0
+        // and the group strides drop out of the loop (registers: the atomic kernel at head dim 128
+        // with ALiBi, softcap, dropout and lengths spilled 12 bytes).
+        if constexpr (kExt != 0) grp_n = 0;
         const int buf = kStages == 2 ? visit % 2 : 0;
         const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
         const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
@@ -544,6 +602,17 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
     // per block instead of a 64-bit multiply (extensions: from the visited tile's index).
     const T* k_load = kStages == 2 ? k_b + k_step : k_b;
     const T* v_load = kStages == 2 ? v_b + v_step : v_b;
+    // Extensions: set per visit from the tile's index (below), or, without a block mask (the visited
+    // tiles are j_first, j_first + 1, ...), running from j_first where that spills less: the
+    // one-warp-per-row-tile or single-buffered kernels (softcap, ALiBi, dropout at head dim 128 on
+    // sm_80 / sm_90 and 256 on sm_80 spilled without it; the double-buffered d 256 one on sm_90
+    // spills with it).
+    constexpr bool kRunningExt = kExt != 0 && !flash::HasExt<kExt, flash::kExtBlockMask>::value &&
+                                 (kScoresInRegs || kStages == 1);
+    if constexpr (kRunningExt) {
+        k_load += (long long)j_first * k_step;
+        v_load += (long long)j_first * v_step;
+    }
 
     int visit = 0;  // visits so far (= j without extensions): the double buffer's parity
     for (int j = j_first; j < Tc; ++visit) {
@@ -556,7 +625,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         // refilled) and dS_s.
         __syncthreads();
         const bool prefetch = kStages == 2 && j_next < Tc;
-        if constexpr (kExt != 0) {
+        if constexpr (kExt != 0 && !kRunningExt) {
             k_load = k_b + (long long)(kStages == 2 ? j_next : j) * k_step;
             v_load = v_b + (long long)(kStages == 2 ? j_next : j) * v_step;
         }

@@ -4,11 +4,13 @@
 // Mask<Is_causal, kExt, float> (lengths, window, block mask, softcap, ALiBi: score(), is_visible(),
 // the tile ranges) and DropoutRng. What is backward-only lives here:
 //   ext_p_ds        one element's P and dS with the score transform, the softcap's 1 − tanh² and
-//                   the dropout factor Z = keep / (1 − p);
+//                   the dropout factor Z = keep / (1 − p); ext_ds_factor: the dQ kernel's P ∘ (1 − tanh²);
 //   BwdDropout      the entry's generator (an empty struct without kExtDropout);
 //   dropout_bits_t  the keep bits of a 16-key x kW-query strip of the dK/dV kernel (S^T layout:
 //                   rows are keys, so the forward's dropout_mma, whose rows are queries, does not
 //                   apply): one Philox call per lane per pair of n8 tiles, like the forward;
+//   dropout_bits_mma  the same for the dQ kernel's strip (the forward's layout), bits instead of
+//                   dropout_mma's float per element;
 //   QueryTileWalk   the query tiles the dK/dV kernel visits for one key tile (the key tile is the
 //                   outer loop there): window / causal band, seqlens, block-mask skips.
 // With kExt = 0 none of it is instantiated: the dense kernels keep their code.
@@ -49,6 +51,21 @@ __device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delt
     }
     dp = ds;
     s = p * z;
+}
+
+// The dQ kernel's factor of dS that depends on the score only, f = P ∘ (1 − tanh²) (P is no operand
+// of dQ_i += dS K_j; dS = f ∘ (dP ∘ Z − D_i)): same inputs and P as ext_p_ds, so the dQ kernel can
+// finish the score's transform before dP exists. The product is associated differently from
+// ext_p_ds's (float rounding only).
+template <bool kPrecise = false, class M, typename AccT>
+__device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2, const M& mask, int row, int col) {
+    const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
+    AccT f = on ? flash::exp2_acc(mask.template score<kPrecise>(s, row, col) * scale_log2 - lse2) : AccT(0);
+    if constexpr (M::kSoftcap) {
+        const AccT th = mask.template cap<kPrecise>(s) * mask.inv_softcap;
+        f *= AccT(1) - th * th;
+    }
+    return f;
 }
 
 // Dropout's state of one block: nothing without kExtDropout.
@@ -102,6 +119,34 @@ __device__ __forceinline__ void dropout_bits_t(uint32_t (&keep)[kW / 8], const f
             keep[2 * np + s] = k;
         }
     }
+}
+
+// Keep bits of the dQ kernel's strip: queries row0 .. + 15 (rows, the forward's layout) by keys
+// n0 .. n0 + 8 kNTiles − 1, as flash::dropout_mma draws them (one Philox call per lane per pair of
+// n8 tiles, the quad's bytes gathered by two shuffles) but kept as bits, not as a float Z per
+// element: keep[np] bit 8c + h is element 2 (c & 1) + h of n8 tile 2 np + (c >> 1) (keep_bit).
+// kNTiles / 2 words instead of 4 kNTiles floats live across the strip's products.
+template <int kNTiles>
+__device__ __forceinline__ void dropout_bits_mma(uint32_t (&keep)[kNTiles / 2], const flash::DropoutRng& rng,
+                                                 int row0, int n0, int lane) {
+    static_assert(kNTiles % 2 == 0, "dropout_bits_mma pairs the n8 tiles of the strip");
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+        const flash::Philox4 r = rng.row8(row0 + g + 8 * (t & 1), (n0 >> 3) + 2 * np + (t >> 1));
+        uint32_t byte = 0;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) byte |= static_cast<uint32_t>(rng.keep(r, c)) << c;
+        uint32_t bits = byte << (8 * t);  // byte c of the quad's word: the call of lane c
+        bits |= __shfl_xor_sync(0xffffffffu, bits, 1);
+        bits |= __shfl_xor_sync(0xffffffffu, bits, 2);
+        keep[np] = bits >> (2 * t);  // bit 8c + h: column 2t + h of lane c's call
+    }
+}
+// Whether element e of n8 tile nt (C layout) is kept, from dropout_bits_mma's words.
+template <int kWords>
+__device__ __forceinline__ bool keep_bit(const uint32_t (&keep)[kWords], int nt, int e) {
+    return (keep[nt / 2] >> (8 * (2 * (nt & 1) + e / 2) + e % 2)) & 1u;
 }
 
 // The query tiles (height Br) the dK/dV kernel visits for the key tile [n0, n0 + Bc): from the first

@@ -7,6 +7,8 @@ lengths, ALiBi, softcap and dropout — compiles with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
 register file. Default: sm_80, all bits, causal (~1 min of NVRTC: CI time); ``-m slow``: non-causal,
 sm_75, sm_86, sm_89, sm_90 too, and dropout alone / the score-only bits (window | ALiBi | softcap).
+The extension subsets that spilled before the spill audit (``SPILLED``; benchmarks/spill_audit.py
+checks all 63 subsets): fp16 on sm_80 and sm_90 by default, the other archs and bf16 with ``-m slow``.
 """
 import pytest
 
@@ -47,9 +49,32 @@ def instantiations(arch, variants, causals=(False, True), ordered_variants=()):
     return found
 
 
+#: Extension subsets that spilled at the 255-register cap on sm_80 or sm_90 before the spill audit
+#: (benchmarks/spill_audit.py, docs/performance.md "Spill audit of the extension subsets"), fp16,
+#: causal: (role, head dim, kExt) — "dq" the recomputing dQ kernel, "atomic" the dK/dV kernel with
+#: atomic dQ. Softcap, dropout, ALiBi (and lengths) at head dim 128; all four at 256 (sm_80).
+#: Still spilling, not listed: the sm_90 d 256 causal dK/dV kernels with ALiBi or softcap (docs).
+SPILLED = ([("dq", 128, bits) for bits in (4, 16, 18, 20, 22, 36, 48, 50, 52, 54)]
+           + [("atomic", 128, 54), ("dq", 256, 54)])
+
+
+def spilled_instantiations(arch, cases=SPILLED, dtype="float16"):
+    """{source: {name_expression: BwdTiles}} of ``cases`` (role, head dim, kExt), causal."""
+    found = {}
+    for role, d, bits in cases:
+        plan = cuda_backward.kernel_plan(dtype, d, d, causal=True, deterministic=role == "dq", arch=arch, ext=bits)
+        source, name, t = plan["dq" if role == "dq" else "dkv"]
+        found.setdefault(source, {})[name] = t
+    return found
+
+
 def _check_arch(arch, variants, causals=(False, True), ordered_variants=(ORDERED, ORDERED_WIDE)):
+    _check(arch, instantiations(arch, variants, causals, ordered_variants))
+
+
+def _check(arch, found):
     rows, problems = [], []
-    for source, items in instantiations(arch, variants, causals, ordered_variants).items():
+    for source, items in found.items():
         res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
                                   options=["--use_fast_math"])
         for name, t in sorted(items.items()):
@@ -76,3 +101,20 @@ def test_backward_extension_variants_compile_without_spills(arch):
 @pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
 def test_backward_extension_variants_compile_without_spills_slow(arch):
     _check_arch(arch, (ALL, cuda_forward.EXT_BITS["dropout"], SCORE_ONLY))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_backward_extension_subsets_that_spilled(arch):
+    # the subsets of the spill audit that spilled on sm_80 / sm_90 (fp16, causal), ~6 s of NVRTC each
+    _check(arch, spilled_instantiations(arch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_extension_subsets_that_spilled_slow(arch, dtype):
+    if dtype == "bfloat16" and arch < 80:
+        pytest.skip("bf16 runs the SIMT kernels before sm_80")
+    if dtype == "float16" and arch in (80, 90):
+        pytest.skip("the default test")
+    _check(arch, spilled_instantiations(arch, dtype=dtype))
