@@ -194,22 +194,25 @@ __device__ __forceinline__ void rescale_o_sm90(float (&acc_o)[kHeadDimV / 2], co
     for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= correction[e >> 1];
 }
 
-// Epilogue, per thread: O / l rounded to T into sO by stmatrix.x4 (one per 16 columns: matrices
-// rows 0-7 / 8-15 of n8 tiles 2p, 2p+1 of the warp's 16 rows; lane l addresses row l mod 8 of
-// matrix l / 8), and the row's LSE (lane t = 0) into sLse. warp_row: the warp's first row in Q_i.
-template <typename T, int kHeadDimV, int kStrideO>
-__device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&acc_o)[kHeadDimV / 2],
-                                             const OnlineSoftmaxRow<float> (&stat)[2], int warp_row, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  float inv_l[2];
+// The epilogue's per-row values of the thread's rows g (r = 0) and g + 8 (r = 1): 1/l (O's factor) and the
+// natural-log LSE, after the sum of l over the quad (every lane of the quad gets both).
+__device__ __forceinline__ void finish_rows_sm90(float (&inv_l)[2], float (&lse)[2], const OnlineSoftmaxRow<float> (&stat)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l_total = group_allreduce_sum<4>(stat[r].l);
     inv_l[r] = stat[r].inv_sum(l_total);
-    if (t == 0) sLse[warp_row + g + 8 * r] = stat[r].lse(l_total);
+    lse[r] = stat[r].lse(l_total);
   }
+}
+
+// O / l rounded to T by stmatrix.x4, one per 16 columns: matrices rows 0-7 / 8-15 of n8 tiles 2p, 2p+1 of the
+// warp's 16 rows; lane l addresses row l mod 8 of matrix m = l / 8, i.e. row warp_row + 8(m mod 2) + l mod 8,
+// 16-byte chunk 2p + m / 2. `at(row, chunk)`: that chunk's address in the staged tile.
+template <typename T, int kHeadDimV, typename At>
+__device__ __forceinline__ void stmatrix_o_sm90(const float (&acc_o)[kHeadDimV / 2], const float (&inv_l)[2],
+                                                int warp_row, int lane, At at) {
   const int m = lane / 8;
-  T* row_addr = sO + (warp_row + 8 * (m % 2) + lane % 8) * kStrideO + 8 * (m / 2);
+  const int row = warp_row + 8 * (m % 2) + lane % 8;
 #pragma unroll
   for (int p = 0; p < kHeadDimV / 16; ++p) {
     uint32_t regs[4];
@@ -218,8 +221,23 @@ __device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&a
       const int base = 4 * (2 * p + i / 2) + 2 * (i % 2);  // n8 tile 2p + i/2, rows g + 8(i mod 2)
       regs[i] = fa::pack2<T>(acc_o[base] * inv_l[i % 2], acc_o[base + 1] * inv_l[i % 2]);
     }
-    fa::stmatrix<4, false>(row_addr + 16 * p, regs);
+    fa::stmatrix<4, false>(at(row, 2 * p + m / 2), regs);
   }
+}
+
+// Epilogue, per thread: O / l into sO, rows of kStrideO elements, and the row's LSE (lane t = 0) into sLse
+// (the cp.async kernel's). warp_row: the warp's first row in Q_i.
+template <typename T, int kHeadDimV, int kStrideO>
+__device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&acc_o)[kHeadDimV / 2],
+                                             const OnlineSoftmaxRow<float> (&stat)[2], int warp_row, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float inv_l[2], lse[2];
+  finish_rows_sm90(inv_l, lse, stat);
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (t == 0) sLse[warp_row + g + 8 * r] = lse[r];
+  stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
+                                [&](int row, int chunk) { return sO + row * kStrideO + 8 * chunk; });
 }
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_aligned>
@@ -375,15 +393,20 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   // softmax runs under the other's GEMMs.
   static constexpr bool kPingPong = true;
   static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
+  // Is_tma_store: consumer warpgroup c's 128 threads sync on named barrier kStoreBarrier + c once its 64 rows
+  // of O are staged (the 128B-swizzled panels one TMA box each reads), then one of them stores them.
+  static constexpr int kStoreBarrier = 4;      // ids 4 and 5
+  static_assert(kHeadDimV * 2 * kBlockM <= Base::kLseOffset, "the swizzled sO fits the padded one's space");
 };
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
+          bool Is_tma_store = false>
 __global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
 flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
                          long long o_b0, long long o_b1, long long o_b2, long long o_row,
                          long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
                          const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v) {
+                         const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o) {
   using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap>;
   constexpr int kStages = Tr::kStages;
 
@@ -557,19 +580,40 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   }
 
   // Epilogue (consumers only): every load has landed (each was waited for) and every wgmma completed; the
-  // named barrier lets sO / sLse overwrite the operand tiles once both warpgroups are past their last tile.
-  const TensorStrides o_s{o_b0, o_b1, o_b2, o_row}, lse_s{lse_b0, lse_b1, lse_b2, 1};
-  T* o_i = o + bidx.offset(o_s) + m0 * o_row;
-  float* lse_i = lse + bidx.offset(lse_s) + m0;
-  T* sO = reinterpret_cast<T*>(smem);
-  float* sLse = reinterpret_cast<float*>(smem + Tr::kLseOffset);
-  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
-  stage_o_sm90<T, kHeadDimV, Tr::kStrideO>(sO, sLse, acc_o, stat, warp_row, lane);
-  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+  // named barrier lets sO overwrite the operand tiles once both warpgroups are past their last tile. The LSE:
+  // one row per thread (lanes t = 0, 1 of each quad: rows g, g + 8), straight to global memory.
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
   const int rows = rows_in_tile(m0, kBlockM, Lq);
-  const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
-  store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, Tr::kConsumerThreads>(o_i, o_row, sO, rows, Dv, vec, ctid);
-  for (int row = ctid; row < rows; row += Tr::kConsumerThreads) fa::gstore(lse_i + row, sLse[row]);
+  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+  float inv_l[2], lse_r[2];
+  finish_rows_sm90(inv_l, lse_r, stat);
+  if (t < 2 && warp_row + g + 8 * t < rows)
+    fa::gstore(lse + bidx.offset(lse_s) + m0 + warp_row + g + 8 * t, t == 0 ? lse_r[0] : lse_r[1]);
+  if constexpr (Is_tma_store) {
+    // O / l into 128B-swizzled panels of 64 columns (chunk c of row r at c ^ (r mod 8): the layout a box of
+    // tmap_o reads), made visible to the async proxy, then one thread per warpgroup stores its 64 rows as
+    // dv / 64 boxes (rows past Lq and columns past Dv are clipped by the copy engine) and waits until they
+    // have read shared memory (before the block exits and releases it).
+    stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
+                                  [&](int row, int chunk) { return smem + sw128_offset<kBlockM>(row, chunk); });
+    fa::fence_proxy_async();
+    fa::named_barrier_sync(Tr::kStoreBarrier + cwg, 128);
+    if (ctid % 128 == 0 && 64 * cwg < rows) {
+      tma_store_tile<kBlockM, kHeadDimV>(&tmap_o, smem + cwg * 64 * 128, m0 + 64 * cwg, bidx.b2, bidx.b1, bidx.b0);
+      fa::tma_store_commit();
+      fa::tma_store_wait<0>();
+    }
+  } else {
+    (void)tmap_o;  // the host passes q's map: this instantiation stores rows
+    const TensorStrides o_s{o_b0, o_b1, o_b2, o_row};
+    T* o_i = o + bidx.offset(o_s) + m0 * o_row;
+    T* sO = reinterpret_cast<T*>(smem);
+    stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
+                                  [&](int row, int chunk) { return sO + row * Tr::kStrideO + 8 * chunk; });
+    fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+    const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
+    store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, Tr::kConsumerThreads>(o_i, o_row, sO, rows, Dv, vec, ctid);
+  }
 }
 
 }  // namespace flash

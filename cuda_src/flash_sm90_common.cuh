@@ -104,6 +104,17 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* s_tile, const CUten
   for (int p = 0; p < kCols / 64; ++p) fa::tma_load_5d(s_tile + p * kRows * 128, map, 64 * p, row, b2, b1, b0, bar);
 }
 
+// kCols columns of a staged 128B-swizzled tile (64-column panels kPanelRows·128 bytes apart, s_tile at the
+// first row to store) as kCols/64 TMA stores of one box each (the map's box: 64 columns × the rows to store),
+// into one bulk async-group once committed. The caller fences the proxy after the generic writes before,
+// and commits and waits (fa::tma_store_wait) after.
+template <int kPanelRows, int kCols>
+__device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, const unsigned char* s_tile, int row, int b2,
+                                               int b1, int b0) {
+#pragma unroll
+  for (int p = 0; p < kCols / 64; ++p) fa::tma_store_5d(map, 64 * p, row, b2, b1, b0, s_tile + p * kPanelRows * 128);
+}
+
 // Warp-specialized kernels (384 threads, __launch_bounds__(384, 1): 168 registers at launch): the producer
 // warpgroup drops to kWsProducerRegs, the two consumer warpgroups rise to kWsConsumerRegs (setmaxnreg):
 // 24 + 2 × 240 registers per thread slot, 64,512 of the SM's 65,536 (FlashAttention-3's split).

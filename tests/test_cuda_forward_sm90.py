@@ -8,7 +8,10 @@ above the diagonal are never visited). Default run: fp16 and bf16; head dims 64,
 ones (40, 59, 72, 200); causal and not, Lq < Lk and Lq > Lk (fully masked rows), lengths off the
 tiles; GQA broadcast; BSHD strided views; the element-wise copy path (D = 59); permuted emulator
 schedules giving identical bits; the ws kernel's intra-warpgroup overlap (the default) giving the bits of
-the ws kernel without it under each schedule; the opt-in and its errors. ``-m slow``: larger matrices.
+the ws kernel without it under each schedule; its TMA store of O (USE_TMA_STORE, the default where the
+output is TMA-legal) giving the bits of its row stores under each schedule, the row stores kept for an
+output TMA cannot write, and the emulator reporting the store without its proxy fence or its wait; the
+opt-in and its errors. ``-m slow``: larger matrices.
 """
 import numpy as np
 import pytest
@@ -43,6 +46,18 @@ def expected_wgmma(tile, Lq, Lk, causal, entries):
     return entries * tiles_visited * per_tile
 
 
+def stores_by_tma(plan):
+    """Whether the plan's ws launch is the Is_tma_store instantiation (O written by TMA stores)."""
+    return plan.launches[0].name.endswith(", true>") and plan.launches[0].name.count(",") == 7
+
+
+def expected_tma_stores(tile, rows, entries):
+    """TMA stores of one launch: per block, each consumer warpgroup holding a row below ``rows`` stores its
+    64 rows as dv / 64 boxes."""
+    per_tile = [sum(1 for w in range(tile.block_m // 64) if m0 + 64 * w < rows) for m0 in range(0, rows, tile.block_m)]
+    return entries * sum(per_tile) * (tile.head_dim_v // 64)
+
+
 def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, tma=None, **opts):
     q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=seed)
     q0, k0, v0 = q.copy(), k.copy(), v.copy()
@@ -62,12 +77,15 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
     c = counters[0]
     if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
-        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + 2 epilogue barriers
+        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
+        # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
         tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
-        assert c.named_barriers == 2 * c.blocks + 2 * tiles_visited
+        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * c.blocks + 2 * tiles_visited
     else:
         assert c.tma_loads == 0 and c.setmaxnreg == 0
     entries = int(np.prod(_batch(q, k, v)))
+    rows, group = Lq * plan.gqa_group, plan.gqa_group
+    assert c.tma_stores == (expected_tma_stores(plan.tile, rows, entries // group) if stores_by_tma(plan) else 0)
     if plan.gqa_group == 1:
         assert counters[0].wgmma == expected_wgmma(plan.tile, Lq, Lk, causal, entries) > 0
     else:  # GQA-packed (Lq = 1): the group's query heads are the rows of one block
@@ -169,6 +187,115 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
     assert_attention_close(got[True][0], q, k, v, causal=causal, lse=got[True][1])
 
 
+@pytest.fixture
+def tma_store(monkeypatch):
+    """run(use_tma_store, q, k, v, causal, **opts): the forward with USE_TMA_STORE set, and its plan."""
+    from flasharray._private import launch
+
+    def run(use, q, k, v, causal, **opts):
+        monkeypatch.setattr(S, "USE_TMA_STORE", use)
+        launch._clear_plans()
+        plan = sm90_plan(q, k, v, causal)
+        return plan, run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90", **opts)
+    yield run
+    launch._clear_plans()
+
+
+# (dtype, D, Dv, Lq, Lk, causal, layout, gqa): Lq off the tile (the boxes' rows past Lq clipped: 77, 200 = 128
+# + 72; Lq = 65: warpgroup 1 has one row; Lq = 50: warpgroup 1 none, no store), d 64 / 128 / 256 (1, 2, 4 boxes
+# per warpgroup), Dv = 40 and 72 (padded to 64 / 128: the columns past Dv clipped), BSHD views (a map over
+# strided rows), GQA broadcast and the plan's packing (Lq = 1: the query heads are the rows of one block).
+STORE_CASES = [
+    ("float16", 64, 64, 77, 130, False, "bhsd", False),
+    ("bfloat16", 128, 128, 200, 130, True, "bshd", False),
+    ("float16", 256, 256, 65, 100, False, "bhsd", False),
+    ("bfloat16", 64, 40, 50, 90, True, "bhsd", False),
+    ("float16", 72, 72, 90, 150, True, "bshd", True),
+    ("bfloat16", 64, 64, 1, 130, True, "bhsd", True),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout,gqa", STORE_CASES)
+@pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 3)])
+def test_tma_store_matches_row_store_bits(tma_store, dtype, D, Dv, Lq, Lk, causal, layout, gqa, schedule, seed):
+    """The ws kernel writing O by TMA stores (Is_tma_store: swizzled staging, fence.proxy.async, one thread
+    per warpgroup storing dv / 64 boxes, wait_group.read) gives the bits of its row stores (the same
+    arithmetic; LSE one row per thread in both), under each emulator schedule; nothing past Lq or Dv written."""
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa, seed=D + Lq)
+    got = {}
+    for use in (True, False):
+        plan, got[use] = tma_store(use, q, k, v, causal, schedule=schedule, seed=seed)
+        assert plan.tile.tma and stores_by_tma(plan) == use, plan.launches[0].name
+    for a, b in zip(got[True], got[False]):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert_attention_close(got[True][0], q, k, v, causal=causal, lse=got[True][1])
+
+
+def test_tma_store_counts_and_reference():
+    """The TMA-store kernel through check(): the reference rule, the boxes it stores (a warpgroup with no
+    row below Lq stores none), its epilogue barriers."""
+    check("float16", 128, 200, 130, True, layout="bshd", tma=True)
+    check("bfloat16", 64, 50, 90, True, Dv=40, tma=True)
+
+
+def test_out_not_tma_legal_keeps_row_stores(tma_store):
+    """Dv = 59: q, k, v TMA-legal (v a view with 128-byte rows) but out (contiguous, 118-byte rows) not: the ws
+    kernel keeps its row stores, q's map in out's slot, and is still right."""
+    q, k, _ = make_inputs(np.float16, 64, 70, 100, seed=4)
+    v = make_inputs(np.float16, 64, 70, 100, seed=5)[2][..., :59]
+    assert S.tma_legal((q, k, v)) is None
+    assert S.out_tma_legal(np.zeros(q.shape[:-1] + (59,), np.float16)).startswith("out has a stride of")
+    plan, (out, lse) = tma_store(True, q, k, v, True)
+    assert plan.tile.tma and not stores_by_tma(plan)
+    maps = [a for a in plan.launches[0].template if hasattr(a, "template") and hasattr(a, "key")]
+    assert [m.key for m in maps] == [0, 1, 2, 0]
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+
+
+def test_out_tma_legal_rules():
+    a = np.zeros((2, 3, 40, 64), np.float16)
+    assert S.out_tma_legal(a) is None and S.out_tma_legal(a[..., :40]) is None
+    assert S.out_tma_legal(np.zeros((2, 3, 40, 59), np.float16)) is not None
+    raw = np.zeros(a.size + 8, np.float16)
+    assert S.out_tma_legal(raw[1:1 + a.size].reshape(a.shape)) == "out is not 16-byte aligned"
+    assert S.out_tma_legal(np.broadcast_to(a[:, :1], a.shape)) == "out is broadcast along a dim"
+    assert S.with_tma_store("flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true>") == \
+        "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, true>"
+
+
+@pytest.fixture
+def mutated_source(monkeypatch):
+    """mutate(old, new): the emulator compiles cuda_src/flash_fwd_sm90.cu with ``old`` (present once) replaced."""
+    from flasharray._private import launch
+    text, digest = launch.kernel_source(S.SOURCE), launch.source_digest()
+
+    def mutate(old, new):
+        assert text.count(old) == 1, old
+        patched = text.replace(old, new)
+        monkeypatch.setattr(launch, "kernel_source", lambda name: patched if name == S.SOURCE else text)
+        monkeypatch.setattr(launch, "source_digest", lambda: digest + "-mutant-%x" % hash(patched))
+        launch._clear_plans()
+    yield mutate
+    launch._clear_plans()
+
+
+@pytest.mark.parametrize("old,new,match", [
+    ("    fa::fence_proxy_async();\n    fa::named_barrier_sync(Tr::kStoreBarrier", "    fa::named_barrier_sync(Tr::kStoreBarrier",
+     "written by ordinary \\(generic-proxy\\) stores since the block's last fa::fence_proxy_async"),
+    ("      fa::tma_store_wait<0>();\n", "", "TMA store\\(s\\) whose source reads no fa::tma_store_wait"),
+])
+def test_tma_store_mutations_reported(mutated_source, old, new, match):
+    """The TMA store without its proxy fence (the stmatrix writes may be invisible to the copy engine) or
+    without its wait_group.read (the block exits while the store may still read shared memory) is an
+    EmulatorError."""
+    from flasharray.emulator import EmulatorError
+    mutated_source(old, new)
+    q, k, v = make_inputs(np.float16, 64, 77, 130)
+    assert stores_by_tma(sm90_plan(q, k, v, False))
+    with pytest.raises(EmulatorError, match=match):
+        run_forward("emulator", q, k, v, causal=False, kernel="wgmma", arch="sm_90")
+
+
 def test_tma_fallback_rules():
     """What the TMA kernel takes (else the cp.async one): 16-byte aligned, 16-byte strides below 2^40."""
     a = np.zeros((2, 3, 40, 64), np.float16)
@@ -199,21 +326,21 @@ def test_tensor_map_template_matches_the_encoder():
 
 
 def test_null_launches_bind_tensor_maps():
-    """The host path of a TMA plan (launch.null_launches: the CUDA path's binding, no driver): three
-    128-byte by-value maps per launch at the arrays' addresses."""
+    """The host path of a TMA plan (launch.null_launches: the CUDA path's binding, no driver): four
+    128-byte by-value maps per launch at the arrays' addresses (q, k, v, and out: the TMA store)."""
     from flasharray._private import launch
     q, k, v = make_inputs(np.float16, 64, 70, 130)
     with launch.null_launches():
         plan = sm90_plan(q, k, v, True)
         assert plan.tile.tma
         rec = plan.launches[0]
-        assert [a.key for a in rec.template if isinstance(a, launch.Map)] == [0, 1, 2]
+        assert [a.key for a in rec.template if isinstance(a, launch.Map)] == [0, 1, 2, 3]  # + out's (TMA store)
         seen = []
         rec.call = lambda grid, block, args: seen.append(args)
-        plan.run(q, k, v)
+        out, _ = plan.run(q, k, v)
     maps = [a for a in seen[0] if isinstance(a, np.void)]
-    assert len(maps) == 3 and all(m.nbytes == 128 for m in maps)
-    assert [int(np.frombuffer(m.tobytes(), np.uint64)[1]) for m in maps] == [x.ctypes.data for x in (q, k, v)]
+    assert len(maps) == 4 and all(m.nbytes == 128 for m in maps)
+    assert [int(np.frombuffer(m.tobytes(), np.uint64)[1]) for m in maps] == [x.ctypes.data for x in (q, k, v, out)]
 
 
 def test_tile_table():

@@ -71,11 +71,14 @@ class Sm90Tile(tiles.FwdTile):
     def source(self):
         return SOURCE
 
-    def name_expression(self, causal, aligned):
+    def name_expression(self, causal, aligned, tma_store=False):
+        """``tma_store`` (TMA tiles): the instantiation writing O by TMA stores (``Is_tma_store``; the
+        launch picks it where the output is TMA-legal, :func:`add_tma_launch`)."""
         if self.tma:
-            return "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
+            name = "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
                 tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
                 "true" if causal else "false", "true" if self.overlap else "false")
+            return with_tma_store(name) if tma_store else name
         return "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
             tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
             "true" if causal else "false", "true" if aligned else "false")
@@ -135,6 +138,9 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
 #: Whether ``kernel="wgmma"`` takes the TMA kernel where the layout allows it (tests turn it off to run
 #: the cp.async kernel on the same inputs).
 USE_TMA = True
+#: Whether the TMA kernel writes O by TMA stores where the output is TMA-legal (:func:`out_tma_legal`; else
+#: 16-byte row stores from the staged tile). Tests turn it off to compare the bits.
+USE_TMA_STORE = True
 #: Whether the TMA kernel overlaps each consumer warpgroup's softmax with its own P V wgmmas
 #: (FlashAttention-3's intra-warpgroup overlap, docs/hopper.md; tests turn it off to compare the bits).
 OVERLAP = True
@@ -144,20 +150,44 @@ _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stri
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
 
 
+def _tma_reason(name, a):
+    """Why the array ``a`` (leading batch dims, then rows, head dim) cannot be described by a tensor map."""
+    if L.device_address(a) % 16:
+        return "%s is not 16-byte aligned" % name
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return "%s's head dim is not contiguous" % name
+    for n, s in zip(a.shape[:-1], a.strides[:-1]):
+        if n > 1 and (s < 0 or s % 16 or s >= _MAX_STRIDE):
+            return "%s has a stride of %d bytes (TMA: multiples of 16 below 2^40)" % (name, s)
+    return None
+
+
 def tma_legal(arrays):
     """Why the tensors (the kernel's q, k, v: leading batch dims, then rows, head dim) cannot be read by
     TMA, or None: 16-byte aligned addresses (the plan's ``aligned``), unit stride along the head dim,
     every other stride of an extent above 1 a multiple of 16 bytes below 2^40 (rank 5 by construction:
     head dim, rows and the three merged batch dims)."""
     for name, a in zip("qkv", arrays):
-        if L.device_address(a) % 16:
-            return "%s is not 16-byte aligned" % name
-        if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
-            return "%s's head dim is not contiguous" % name
-        for n, s in zip(a.shape[:-1], a.strides[:-1]):
-            if n > 1 and (s < 0 or s % 16 or s >= _MAX_STRIDE):
-                return "%s has a stride of %d bytes (TMA: multiples of 16 below 2^40)" % (name, s)
+        why = _tma_reason(name, a)
+        if why is not None:
+            return why
     return None
+
+
+def out_tma_legal(out):
+    """Why the output (the kernel's o: batch dims, rows, Dv) cannot be written by TMA stores, or None:
+    :func:`tma_legal`'s rules (so Dv·2 bytes a multiple of 16, e.g. not Dv = 59), and no broadcast
+    (stride 0) dim, which a written tensor never has."""
+    why = _tma_reason("out", out)
+    if why is None and any(n > 1 and s == 0 for n, s in zip(out.shape, out.strides)):
+        return "out is broadcast along a dim"
+    return why
+
+
+def with_tma_store(name_expr):
+    """The ws kernel's instantiation ``name_expr`` with ``Is_tma_store`` set (its last template argument)."""
+    assert name_expr.startswith("flash::flash_fwd_sm90_ws_kernel<") and name_expr.count(",") == 6, name_expr
+    return name_expr[:-1] + ", true>"
 
 
 def tma_tile(tile, arrays):
@@ -195,19 +225,28 @@ def _map_geometry(n_cols, rows, batch_strides, row_stride, itemsize, dims):
 def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
     """Record one launch of ``flash_fwd_sm90_ws_kernel`` for a :func:`launch.batch_layout` part: out and
     lse as :class:`launch.Ptr` slots, q, k, v as :class:`launch.Map` slots (the geometry and its checks
-    made here, once; the address encoded per call)."""
+    made here, once; the address encoded per call), and the fourth map: out's (boxes of 64 columns x one
+    consumer warpgroup's 64 rows) where :data:`USE_TMA_STORE` and :func:`out_tma_legal` allow the
+    ``Is_tma_store`` instantiation, else q's again (unused: the kernel stores rows)."""
     (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
     row = [L.element_strides(a)[-2] for a in tensors[:4]]
     itemsize = np.dtype(tensors[0].dtype).itemsize
+    store = USE_TMA_STORE and out_tma_legal(tensors[3]) is None
     maps, bcast = [], 0
     for t, (key, off, st, n_cols, rows, box_rows, r) in enumerate((
             (keys[0], qo, qs, D, Lq, tile.block_m, row[0]),
             (keys[1], ko, ks, D, Lk, tile.block_n, row[1]),
-            (keys[2], vo, vs, Dv, Lk, tile.block_n, row[2]))):
+            (keys[2], vo, vs, Dv, Lk, tile.block_n, row[2]),
+            (keys[3], oo, os_, Dv, Lq, WARPGROUP_ROWS, row[3]))[:4 if store else 3]):
         extents, strides, bits = _map_geometry(n_cols, rows, st, r, itemsize, part.dims)
         template = TiledTemplate(tensors[0].dtype, extents, strides, (_PANEL, box_rows, 1, 1, 1), swizzle=128)
         maps.append(L.Map(key, off, template))
         bcast |= bits << (3 * t)
+    assert bcast >> 9 == 0, "out is never broadcast"
+    if store:
+        name_expr = with_tma_store(name_expr)
+    else:
+        maps.append(maps[0])
     gy, gz = part.grid_yz
     args = (L.Ptr(keys[3], oo), L.Ptr(keys[4], lo), L.c_int(Lq), L.c_int(Lk), L.c_int(Dv), L.c_int(part.dims[2]),
             *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
