@@ -9,7 +9,10 @@ d/16 HGMMA for S (SS: both operands through descriptors) plus Bc/16 for O (RS: P
 ptxas reports no wgmma serialization. The warp-specialized kernel with the intra-warpgroup overlap (the
 default) has instead two steady-state loops (masked and unmasked key tiles), each one key tile's HGMMA,
 with the softmax between the P V batch's issue and its ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` (overlap_checks);
-the one without it (OVERLAP = False) is checked as above. Compiling for plain sm_90 is refused at
+the one without it (OVERLAP = False) is checked as above. The ws kernel writing O by TMA stores
+(Is_tma_store, the default where out is TMA-legal) issues one ``UTMASTG.5D`` per 64 columns of dv after a
+``FENCE.VIEW.ASYNC.S`` and waits for them (``DEPBAR.LE SB0``) with no O row stores (one ``STG``: the LSE);
+the row-store instantiations have no ``UTMASTG`` (store_checks). Compiling for plain sm_90 is refused at
 compile time (``fa::wgmma needs sm_90a``). The registers per thread and the key loop's instructions are
 printed (``-s``; docs/hopper.md quotes them).
 """
@@ -46,7 +49,32 @@ def instantiations(dtypes, head_dims):
                                                              overlap))
                 for causal in (False, True):
                     found[v.name_expression(causal, True)] = v
+                    if overlap == S.OVERLAP:  # + the TMA store of O (Is_tma_store)
+                        found[v.name_expression(causal, True, tma_store=True)] = v
     return found
+
+
+def is_tma_store(name):
+    return name.startswith("flash::flash_fwd_sm90_ws_kernel<") and name.count(",") == 7 and name.endswith("true>")
+
+
+def store_checks(name, t, body):
+    """How the ws kernel writes O: with Is_tma_store, dv/64 UTMASTG.5D (one per 64-column box of a consumer
+    warpgroup's rows), after a FENCE.VIEW.ASYNC.S (the stmatrix writes visible to the async proxy), followed
+    by the wait (DEPBAR.LE SB0, 0x0: cp.async.bulk.wait_group.read 0) and no STG but the LSE's; else none."""
+    stores = [i for i in body if i.base == "UTMASTG"]
+    if not is_tma_store(name):
+        return ["%s: %d UTMASTG in a row-store instantiation" % (name, len(stores))] if stores else [], ""
+    fences = [i for i in body if i.opcode == "FENCE.VIEW.ASYNC.S"]
+    waits = [i for i in body if i.opcode.startswith("DEPBAR.LE") and "SB0" in i.operands]
+    stg = [i for i in body if i.base == "STG"]
+    ok = (len(stores) == t.head_dim_v // 64 and all(i.opcode == "UTMASTG.5D" for i in stores) and
+          any(f.address < stores[0].address for f in fences) and
+          any(w.address > stores[-1].address for w in waits) and len(stg) <= 1)
+    problems = [] if ok else ["%s: %d UTMASTG (%s), fences %s, SB0 waits %s, %d STG" % (
+        name, len(stores), sorted({i.opcode for i in stores}), [hex(f.address) for f in fences],
+        [hex(w.address) for w in waits], len(stg))]
+    return problems, ", %d UTMASTG.5D" % len(stores)
 
 
 def written_registers(ins):
@@ -187,6 +215,10 @@ def _check(dtypes, head_dims):
         if (k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1 or
                 t.tma and S.PRODUCER_REGS + 2 * S.CONSUMER_REGS > REGISTER_FILE // 128):
             problems.append("%s: %d regs x %d threads, %d bytes smem" % (name, k.registers, t.n_threads, t.smem))
+        if fns is not None and t.tma:
+            more, text = store_checks(name, t, fns[k.lowered_name])
+            problems += more
+            line += "  %d instr%s" % (len(fns[k.lowered_name]), text)
         if fns is not None and t.overlap:
             body = fns[k.lowered_name]
             more, steady = overlap_checks(name, t, body)
