@@ -432,6 +432,11 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
 
   if (tid == 0) {
+    // the tensor maps (kernel parameters) into the TMA unit's cache before their first use (a hint)
+    fa::tma_prefetch(&tmap_q);
+    fa::tma_prefetch(&tmap_k);
+    fa::tma_prefetch(&tmap_v);
+    if (Is_tma_store) fa::tma_prefetch(&tmap_o);
     fa::mbarrier_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) {
       fa::mbarrier_init(full_k + s, 1);

@@ -12,7 +12,8 @@ with the softmax between the P V batch's issue and its ``WARPGROUP.DEPBAR.LE gsb
 the one without it (OVERLAP = False) is checked as above. The ws kernel writing O by TMA stores
 (Is_tma_store, the default where out is TMA-legal) issues one ``UTMASTG.5D`` per 64 columns of dv after a
 ``FENCE.VIEW.ASYNC.S`` and waits for them (``DEPBAR.LE SB0``) with no O row stores (one ``STG``: the LSE);
-the row-store instantiations have no ``UTMASTG`` (store_checks). Compiling for plain sm_90 is refused at
+the row-store instantiations have no ``UTMASTG``; every ws instantiation prefetches its maps
+(``UTMACCTL.PF``: 3, 4 with the TMA store) (store_checks). Compiling for plain sm_90 is refused at
 compile time (``fa::wgmma needs sm_90a``). The registers per thread and the key loop's instructions are
 printed (``-s``; docs/hopper.md quotes them).
 """
@@ -63,6 +64,10 @@ def store_checks(name, t, body):
     warpgroup's rows), after a FENCE.VIEW.ASYNC.S (the stmatrix writes visible to the async proxy), followed
     by the wait (DEPBAR.LE SB0, 0x0: cp.async.bulk.wait_group.read 0) and no STG but the LSE's; else none."""
     stores = [i for i in body if i.base == "UTMASTG"]
+    # prefetch.tensormap of each map the kernel uses (q, k, v; + o with the TMA store), at its start
+    prefetches = [i for i in body if i.opcode == "UTMACCTL.PF"]
+    if len(prefetches) != 3 + is_tma_store(name) or (stores and prefetches[-1].address > stores[0].address):
+        return ["%s: %d UTMACCTL.PF" % (name, len(prefetches))], ""
     if not is_tma_store(name):
         return ["%s: %d UTMASTG in a row-store instantiation" % (name, len(stores))] if stores else [], ""
     fences = [i for i in body if i.opcode == "FENCE.VIEW.ASYNC.S"]
