@@ -36,6 +36,9 @@
 //    warpgroup issues TMA boxes completing on mbarriers, two consumer warpgroups compute; setmaxnreg
 //    moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
 //    The tensor maps are by-value __grid_constant__ CUtensorMap parameters encoded per call by the plan.
+//    Is_tma_store (where the output is TMA-legal): O staged in the 128B-swizzled panels and written by TMA
+//    stores of a fourth map (one thread per consumer warpgroup, after fence.proxy.async and a named barrier);
+//    else the staged row stores. LSE one row per thread from the registers in both.
 //
 // The ws kernel ping-pongs its two consumer warpgroups (named barriers: one's softmax under the other's
 // GEMMs) and, by default (Is_overlap), overlaps each warpgroup's softmax of tile j with its own

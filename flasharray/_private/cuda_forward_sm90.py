@@ -11,7 +11,9 @@ multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-speciali
 24 / 240, 384 threads, each consumer warpgroup's softmax overlapped with its own P V wgmmas unless
 :data:`OVERLAP` is off; :func:`tma_tile`), its three tensor maps by-value ``CUtensorMap`` arguments
 (:class:`launch.Map`) whose geometry is checked once per plan and whose address is encoded per call
-(:class:`tensor_map.TiledTemplate`); otherwise the cp.async kernel ``flash_fwd_sm90_kernel``.
+(:class:`tensor_map.TiledTemplate`); otherwise the cp.async kernel ``flash_fwd_sm90_kernel``. The ws kernel
+writes O by TMA stores through a fourth map (``Is_tma_store``) where :data:`USE_TMA_STORE` and
+:func:`out_tma_legal` allow it (:func:`add_tma_launch` picks the instantiation), else by row stores.
 
 Head dims are padded to 64, 128 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma,
 which the GPU takes as 64, 128 or 256) and zero-filled past D / Dv. Tiles: two consumer warpgroups
