@@ -263,6 +263,98 @@ __device__ __forceinline__ void epilogue_dk_dv_sm90(unsigned char* smem, const f
                                                                                true, etid);
 }
 
+
+// The ws kernel's dK_j / dV_j epilogue by TMA stores (Is_tma_store: 16-bit outputs whose tensor maps the host
+// could encode; docs/hopper.md, "dK/dV epilogue"). Step 1, per warp: as stage_acc_sm90, but into Bc x N of
+// 128B-swizzled panels (the layout of K_j / V_j, flash_sm90_common.cuh: 16-byte chunk c of row r of a
+// 64-column panel at chunk c ^ (r mod 8), panels kRows·128 bytes apart) — what a CU_TENSOR_MAP_SWIZZLE_128B
+// store reads. A stmatrix phase (8 lanes: rows r .. r + 7 of one chunk) hits 8 distinct chunks: no conflicts.
+template <typename T, int kRows, int N>
+__device__ __forceinline__ void stage_acc_sw128_sm90(unsigned char* sTile, const float (&acc)[N / 2], float mult,
+                                                     int warp_row, int col0, int lane) {
+  const int m = lane / 8, row = warp_row + 8 * (m % 2) + lane % 8;
+#pragma unroll
+  for (int p = 0; p < N / 16; ++p) {
+    uint32_t regs[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int base = 4 * (2 * p + r / 2) + 2 * (r % 2);  // n8 tile 2p + r / 2, rows g + 8(r mod 2)
+      regs[r] = fa::pack2<T>(acc[base] * mult, acc[base + 1] * mult);
+    }
+    fa::stmatrix<4, false>(sTile + flash::sw128_offset<kRows>(row, col0 / 8 + 2 * p + m / 2), regs);
+  }
+}
+
+// One tile staged by stage_acc_sw128_sm90 (kCols columns in 64-column panels) to global memory: one TMA store
+// per panel holding a column below cols (rows at or past the map's Lk and columns past its D are clipped by
+// the TMA unit). Coordinates: column 64p, row row0, batch b2, b1, b0.
+template <int kRows, int kCols>
+__device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, const unsigned char* s_tile, int cols,
+                                               int row0, int b2, int b1, int b0) {
+#pragma unroll
+  for (int p = 0; p < kCols / 64; ++p)
+    if (64 * p < cols) fa::tma_store_5d(map, 64 * p, row0, b2, b1, b0, s_tile + p * kRows * 128);
+}
+
+// Batch coordinates of a map (its dims 2, 3, 4).
+struct BatchCoords {
+  int b2, b1, b0;
+};
+
+// Map m's coordinate of batch dim d (tma_sel, above the ws kernel) for group entry grp of batch entry b.
+__device__ __forceinline__ int tma_coord(long long tma_sel, int m, int d, int grp, const BatchIndex& b) {
+  const int which = static_cast<int>(tma_sel >> (9 * m + 3 * d)) & 7;
+  return which == 1 ? grp : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
+}
+
+// The batch entry from the grid read again after the consumers' loop (the TMA-store epilogue): volatile reads
+// of %ctaid, which ptxas does not merge with the prologue's, so that the prologue's batch index is not kept
+// live across the loop (with it, d = 256 causal ordered spilled 4/8 bytes). The emulator reads blockIdx.
+__device__ __forceinline__ BatchIndex batch_index_reread(int nb2) {
+#if defined(__CUDA_ARCH__)
+  unsigned y, z;
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
+  BatchIndex b;
+  b.b0 = static_cast<int>(z), b.b1 = static_cast<int>(y) / nb2, b.b2 = static_cast<int>(y) % nb2;
+  return b;
+#else
+  return BatchIndex::from_grid(nb2);
+#endif
+}
+
+// The epilogue: barrier (operand tiles idle, as epilogue_dk_dv_sm90's first), dK_j·scale into the K_j tile
+// and dV_j into the V_j tile (sKV: the 1024-aligned K_j, V_j at + kKBytes: the swizzle is taken from the
+// address bits), fence.proxy.async (the stmatrix writes are generic-proxy stores, the TMA store reads through
+// the async proxy), barrier (every warp's rows staged); then thread etid 0 alone issues d/64 + dv/64 stores
+// (panels past D / Dv skipped), commits them as one bulk group and waits for their reads of shared memory
+// (cp.async.bulk.wait_group.read 0) before it exits: the block's shared memory lives until its last thread
+// exits. coords(m): map m's (0: dK, 1: dV) batch coordinates, evaluated by that thread only.
+template <typename Tr, typename OutT, typename Sync, typename Coords>
+__device__ __forceinline__ void epilogue_dk_dv_tma_sm90(unsigned char* sKV, const float (&acc_dk)[Tr::kDkN / 2],
+                                                        const float (&acc_dv)[Tr::kDvN / 2], const CUtensorMap* map_dk,
+                                                        const CUtensorMap* map_dv, int c0, int D, int Dv, float scale,
+                                                        int etid, Sync sync, Coords coords) {
+  static_assert(sizeof(OutT) == 2, "stmatrix stages 16-bit elements");
+  constexpr int kBlockN = Tr::kBc;
+  // The warpgroup (its keys; head-dim split: its columns), the warp's first row and the lane, all from etid
+  // after the loop: the consumer warpgroup index kept from the prologue spilled 4-8 bytes at d = 256.
+  const int cw = etid >> 7, col_k0 = Tr::kSplitD ? cw * Tr::kDkN : 0, col_v0 = Tr::kSplitD ? cw * Tr::kDvN : 0;
+  const int warp_row = cw * Tr::kWgKeys + ((etid & 0x60) >> 1), lane = etid & 31;
+  sync();
+  stage_acc_sw128_sm90<OutT, kBlockN, Tr::kDkN>(sKV, acc_dk, scale, warp_row, col_k0, lane);
+  stage_acc_sw128_sm90<OutT, kBlockN, Tr::kDvN>(sKV + Tr::kKBytes, acc_dv, 1.0f, warp_row, col_v0, lane);
+  fa::fence_proxy_async();
+  sync();
+  if (etid == 0) {
+    const BatchCoords bk = coords(0), bv = coords(1);
+    tma_store_tile<kBlockN, Tr::kKBytes / (kBlockN * 2)>(map_dk, sKV, D, c0, bk.b2, bk.b1, bk.b0);
+    tma_store_tile<kBlockN, Tr::kVBytes / (kBlockN * 2)>(map_dv, sKV + Tr::kKBytes, Dv, c0, bv.b2, bv.b1, bv.b0);
+    fa::tma_store_commit();
+    fa::tma_store_wait<0>();
+  }
+}
+
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
@@ -509,8 +601,11 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 // with box (64 columns, Br rows, 1, 1, 1); k, v the same with Bc rows. The three batch dims of a map are the
 // tensor's batch dims of extent above 1 (the group dim walked in the block and the grid's b2, b1, b0; at most
 // three, else the host takes the cp.async kernel); tma_sel says for each (bits 9m + 3d .. +2, map m = q, dout,
-// k, v; batch dim d) which coordinate it takes: 0 none (extent 1: coordinate 0), 1 the group entry, 2 b2,
-// 3 b1, 4 b0. Broadcast dims (stride 0) have extent 1 in the map.
+// k, v, dk, dv; batch dim d) which coordinate it takes: 0 none (extent 1: coordinate 0), 1 the group entry,
+// 2 b2, 3 b1, 4 b0. Broadcast dims (stride 0) have extent 1 in the map. dk, dv (Is_tma_store: the epilogue's
+// TMA stores): rank 5 with box (64 columns, Bc rows, 1, 1, 1), 128-byte swizzle, over the outputs' D / Dv
+// columns and Lk rows (the TMA unit clips the tile's rows past Lk); without Is_tma_store the host passes the
+// q and dout maps in their places (unused).
 namespace fa_bwd {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
@@ -545,7 +640,7 @@ struct IssueDvSm90 {
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kOrderedDQ>
+          bool Is_causal, bool kOrderedDQ, bool Is_tma_store>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -560,11 +655,13 @@ flash_bwd_sm90_ws_kernel(
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float), long long tma_sel,
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
-    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
+    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v,
+    const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
+  static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
   // the host lays out the cp.async kernel's arguments for both.
   (void)q; (void)q_b0; (void)q_b1; (void)q_b2; (void)q_g; (void)q_row; (void)k; (void)k_b0; (void)k_b1;
@@ -630,10 +727,7 @@ flash_bwd_sm90_ws_kernel(
   // ---- producer state: warp 0 loads (its elected lane issues the boxes) ----
   const bool loader = tid < 32;
   // Map m's coordinate of batch dim d for the group entry grp_v (tma_sel, above).
-  auto coord = [&](int m, int d, int grp_v) {
-    const int which = static_cast<int>(tma_sel >> (9 * m + 3 * d)) & 7;
-    return which == 1 ? grp_v : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
-  };
+  auto coord = [&](int m, int d, int grp_v) { return tma_coord(tma_sel, m, d, grp_v, b); };
   // q, dout: their batch coordinates, fixed per block but for the group entry, which (when a map has that
   // dim) is its first batch dim (the host lists it first): taken per visit.
   const int q0 = coord(0, 0, 0), q1 = coord(0, 1, 0), q2 = coord(0, 2, 0);
@@ -785,16 +879,29 @@ flash_bwd_sm90_ws_kernel(
     i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
   }
 
-  // -- epilogue: dK_j·scale and dV_j (keys < Lk, columns < D / Dv), as the cp.async kernel's; its barriers are
-  //    the consumers' named barrier (the producer has exited; every box it issued was waited for). Always the
-  //    16-byte path: the host takes this kernel only with 16-byte rows (tma_args).
+  // -- epilogue: dK_j·scale and dV_j (keys < Lk, columns < D / Dv); its barriers are the consumers' named
+  //    barrier (the producer has exited; every box it issued was waited for). Is_tma_store (16-bit outputs,
+  //    maps 4 and 5 of tma_sel): staged in the K_j / V_j tiles' swizzled layout and written by TMA stores.
+  //    Otherwise as the cp.async kernel's: 16-bit outputs by the 16-byte path (the host takes this kernel only
+  //    with 16-byte rows: tma_args), float partial sums from the fragments.
+  const auto consumer_sync = [] { fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads); };
+  if constexpr (Is_tma_store) {
+    epilogue_dk_dv_tma_sm90<Tr, OutT>(sK, acc_dk, acc_dv, &tmap_dk, &tmap_dv, c0, D, Dv, scale,
+                                      tid - 128, consumer_sync, [&](int m) {
+                                        const BatchIndex e = batch_index_reread(nb2);
+                                        return BatchCoords{tma_coord(tma_sel, 4 + m, 0, 0, e),
+                                                           tma_coord(tma_sel, 4 + m, 1, 0, e),
+                                                           tma_coord(tma_sel, 4 + m, 2, 0, e)};
+                                      });
+    return;
+  }
   OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row}));
   OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row}));
   if constexpr (sizeof(OutT) == 2)
     epilogue_dk_dv_sm90<Tr, OutT, Tr::kConsumerThreads>(
         smem_raw, acc_dk, acc_dv, dk_b + static_cast<long long>(c0) * dk_row, dk_row,
         dv_b + static_cast<long long>(c0) * dv_row, dv_row, Lk - c0, D, Dv, scale, cwg * Tr::kWgKeys, col_k0, col_v0,
-        tid - 128, [] { fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads); });
+        tid - 128, consumer_sync);
   else
     store_dk_dv_sm90<OutT, Tr::kDkN, Tr::kDvN>(acc_dk, acc_dv, dk_b, dk_row, dv_b, dv_row, c0 + key_row, t, Lk, D,
                                               Dv, scale, col_k0, col_v0);

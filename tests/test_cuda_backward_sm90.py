@@ -43,6 +43,17 @@ def expected_wgmma(p, tile, n_entries_kv, n_group):
     return visits * per_visit * n_group * n_entries_kv
 
 
+def template_flags(name):
+    """The trailing bool template arguments of a kernel name, in order."""
+    args = [a.strip() for a in name[name.index("<") + 1:-1].split(",")]
+    while args and args[-1] not in ("true", "false"):
+        args.pop()
+    i = len(args)
+    while i and args[i - 1] in ("true", "false"):
+        i -= 1
+    return [a == "true" for a in args[i:]]
+
+
 def run_wgmma(p, *, deterministic=True, **opts):
     res = run_backward("emulator", p, deterministic=deterministic, kernel="wgmma", arch="sm_90",
                        return_counters=True, **opts)
@@ -51,11 +62,16 @@ def run_wgmma(p, *, deterministic=True, **opts):
     dkv = [(n, c) for n, c in counters if n.startswith((S.KERNEL, S.WS_KERNEL))]
     assert len(dkv) == 1, names
     name, c = dkv[0]
-    assert name.endswith("true>" if deterministic else "false>"), name  # ordered or not
-    if name.startswith(S.WS_KERNEL):  # TMA boxes, no copy instruction, registers moved
+    flags = template_flags(name)
+    ws = name.startswith(S.WS_KERNEL)
+    assert flags[-2 if ws else -1] == deterministic, name  # ordered or not
+    if ws:  # TMA boxes, no copy instruction, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
     else:
         assert c.tma_loads == 0 and c.setmaxnreg == 0
+    # Is_tma_store: one TMA store per 64 columns of D and of Dv per block (dK_j, dV_j); none otherwise
+    D, Dv = p.q.shape[-1], p.v.shape[-1]
+    assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-1] else 0), name
     if not deterministic:
         assert c.sem_waits == 0
     return grads, c
@@ -219,12 +235,14 @@ def test_ws_plan_maps():
     rec = [r for r in plan.launches if r.name.startswith(S.WS_KERNEL)]
     assert len(rec) == 1 and rec[0].block == (384, 1, 1)
     maps = [a for a in rec[0].template if isinstance(a, launch.Map)]
-    assert [m.key for m in maps] == ["q", "dout", "k", "v"]
-    assert [m.template.box_dim for m in maps] == [(64, 64, 1, 1, 1)] * 2 + [(64, 128, 1, 1, 1)] * 2
+    assert [m.key for m in maps] == ["q", "dout", "k", "v", "dk", "dv"]
+    assert [m.template.box_dim for m in maps] == [(64, 64, 1, 1, 1)] * 2 + [(64, 128, 1, 1, 1)] * 4
     assert all(m.template.swizzle == 128 for m in maps)
-    sel = int(rec[0].template[-5])
+    # dk, dv (the epilogue's TMA stores): the outputs' D / Dv columns and Lk rows (rows past Lk clipped)
+    assert [m.template.global_dim[:2] for m in maps[4:]] == [(40, 130), (40, 130)]
+    sel = int(rec[0].template[-7])
     assert sel & 7 == 1 and (sel >> 9) & 7 == 1  # q, dout: first batch dim of the map = the group entry
-    assert (sel >> 18) & 7 != 1 and (sel >> 27) & 7 != 1  # k, v: no group
+    assert all((sel >> (9 * m)) & 7 != 1 for m in (2, 3, 4, 5))  # k, v, dk, dv: no group
     t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
     assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48
 
@@ -237,11 +255,14 @@ def test_wgmma_backward_tile():
                           ordered=True)["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false, true>"
     assert ks["dkv"][2].n_threads == 384
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
+    ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
+                        acc_dkv=True)  # fp32 partial sums (K/V broadcast over the grid): no TMA store
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, float, 64, 128, 48, 64, 128, true, false, false>"
 
 
 def test_wgmma_backward_tile_head_dim_split():
@@ -257,7 +278,7 @@ def test_wgmma_backward_tile_head_dim_split():
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true, true>"
     name = cb.kernel_plan(bfloat16, 40, 130, causal=False, deterministic=False, arch=90, kernel="wgmma")["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
 
@@ -280,3 +301,123 @@ def test_wgmma_backward_refused(dtype, D, arch, kw, match):
     p = Problem(dtype, D, 8, 8, causal=False, batch_q=(1, 1), batch_k=(1, 1))
     with pytest.raises(NotImplementedError, match="kernel='wgmma'.*" + match):
         run_backward("emulator", p, kernel="wgmma", arch=arch, **kw)
+
+
+# ---- the ws kernel's dK / dV epilogue by TMA stores (Is_tma_store) ----------------------------------------
+
+def _tma_store_vs_16_byte(p, deterministic, **opts):
+    """The ws kernel's gradients with the TMA-store epilogue and with the 16-byte stores (USE_TMA_STORE off),
+    on the same inputs and emulator options; both runs' counters."""
+    new, c_new = run_wgmma(p, deterministic=deterministic, **opts)
+    try:
+        S.USE_TMA_STORE = False
+        launch._clear_plans()
+        old, c_old = run_wgmma(p, deterministic=deterministic, **opts)
+    finally:
+        S.USE_TMA_STORE = True
+        launch._clear_plans()
+    assert c_new.tma_stores > 0 and c_old.tma_stores == 0
+    return new, old, c_new, c_old
+
+
+STORE_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
+    (np.float16, 64, 64, (65, 127), True, "none", "bhsd", False, "reverse", 0),
+    (bfloat16, 128, 128, (17, 63), False, "none", "bhsd", True, "random", 3),
+    (np.float16, 40, 72, (70, 130), True, "gqa", "bshd", False, "random", 11),  # group in the block, BSHD views
+    (bfloat16, 256, 256, (65, 127), True, "none", "bhsd", True, "reverse", 0),  # head-dim split, Lk = 2 x 64 - 1
+]
+STORE_SLOW = [
+    (np.float16, 128, 64, (129, 300), False, "gqa", "bshd", True, "random", 5),
+    (bfloat16, 64, 128, (40, 200), True, "mqa", "bhsd", False, "forward", 0),
+    (np.float16, 200, 72, (130, 70), True, "gqa", "bshd", True, "random", 7),  # split, D, Dv not multiples of 64
+    (bfloat16, 72, 256, (40, 150), False, "none", "bshd", False, "reverse", 0),
+]
+
+
+def _check_store_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, schedule, seed):
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    new, old, c_new, c_old = _tma_store_vs_16_byte(p, deterministic, schedule=schedule, seed=seed)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    # the same stmatrix count (staged into the swizzled K_j / V_j tiles instead of the padded ones)
+    assert c_new.stmatrix == c_old.stmatrix > 0
+
+
+@pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_tma_store_bits_match_16_byte_stores(case):
+    """dK / dV by TMA stores (swizzled staging, one elected thread's d/64 + dv/64 stores, rows past Lk clipped
+    by the TMA unit) carry the bits of the 16-byte-store epilogue, for dq too, under permuted schedules (the
+    stores' reads of shared memory land at their wait); gradients against the float64 reference."""
+    _check_store_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", STORE_SLOW, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_tma_store_bits_match_16_byte_stores_more(case):
+    _check_store_case(*case)
+
+
+def test_ws_partial_sums_keep_fragment_stores():
+    """K / V broadcast over a grid dim (q's batch (2, 2, 2), k's and v's (1, 2, 1): the last dim is the group
+    walked in the block, the first a grid dim): fp32 partial sums of dK, dV, summed afterwards — the ws kernel
+    without Is_tma_store (its map slots hold q's and dout's maps, unused)."""
+    p = Problem(np.float16, 64, 70, 130, causal=True, batch_q=(2, 2, 2), batch_k=(1, 2, 1))
+    grads, c = run_wgmma(p, deterministic=False)
+    check(p, grads)
+    assert c.tma_stores == 0 and c.tma_loads > 0
+    plan = cb.plan(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
+                   deterministic=False, kernel="wgmma", arch="sm_90")
+    rec = [r for r in plan.launches if r.name.startswith(S.WS_KERNEL)]
+    assert plan.partial and rec and all(template_flags(r.name)[-1] is False and ", float," in r.name for r in rec)
+    assert all([m.key for m in r.template if isinstance(m, launch.Map)][4:] == ["q", "dout"] for r in rec)
+
+
+def test_tma_store_maps_legality():
+    """tma_store_maps refuses outputs a map cannot describe (the caller then keeps the old path): rows not a
+    multiple of 16 bytes, a launch offset not 16-byte aligned, non-unit column stride, fp32 outputs."""
+    tile = S.backward_tile(None, np.float16, 64, 64, 90)
+    part = ((1, 1, 2), {"dk": (0, 0, 127 * 64), "dv": (0, 0, 127 * 64)}, {})
+    ok = {"dk": launch.stand_in((2, 127, 64), np.float16), "dv": launch.stand_in((2, 127, 64), np.float16)}
+    maps = S.tma_store_maps(ok, part, tile, np.float16)
+    assert [m.key for m, _ in maps] == ["dk", "dv"] and maps[0][0].template.box_dim == (64, 128, 1, 1, 1)
+    assert maps[0][0].template.global_dim == (64, 127, 2, 1, 1) and maps[0][1] == [S._SEL_B2, 0, 0]
+    rows_60 = dict(ok, dv=launch.stand_in((2, 127, 60), np.float16))               # 120-byte rows
+    assert S.tma_store_maps(rows_60, ((1, 1, 2), {"dk": (0, 0, 127 * 64), "dv": (0, 0, 127 * 60)}, {}),
+                            tile, np.float16) is None
+    assert S.tma_store_maps(ok, (part[0], part[1], {"dk": 4}), tile, np.float16) is None  # 8-byte offset
+    strided = dict(ok, dk=launch.stand_in((2, 127, 64), np.float16, (127 * 256, 256, 4)))
+    assert S.tma_store_maps(strided, part, tile, np.float16) is None
+    f32 = dict(ok, dk=launch.stand_in((2, 127, 64), np.float32))
+    assert S.tma_store_maps(f32, part, tile, np.float16) is None
+
+
+def _mutant(monkeypatch, old, new):
+    """Run the kernels from flash_bwd_sm90.cu with ``old`` replaced by ``new`` (once) in the source."""
+    src = launch.kernel_source(S.SOURCE)
+    assert src.count(old) == 1, old
+    real = launch.kernel_source
+    monkeypatch.setattr(launch, "kernel_source", lambda n: src.replace(old, new) if n == S.SOURCE else real(n))
+    monkeypatch.setattr(launch, "_digest", "mutant-%x" % (hash(new) & 0xffffffff))  # a new module cache key
+
+
+@pytest.mark.parametrize("old,new,match", [
+    ("  fa::fence_proxy_async();\n  sync();\n  if (etid == 0) {", "  sync();\n  if (etid == 0) {",
+     r"fa::tma_store reads .*written by ordinary \(generic-proxy\) stores since the block's last"),
+    ("    fa::tma_store_wait<0>();\n  }\n}", "  }\n}", r"thread exits with 2 TMA store\(s\)"),
+], ids=["no-fence", "no-wait"])
+def test_ws_tma_store_mutations_reported(monkeypatch, old, new, match):
+    """The emulator reports the epilogue without its fence.proxy.async (the TMA store would read the stmatrix
+    writes through the async proxy unordered) and without the store's wait (the thread, and with the block
+    its shared memory, would go away under the stores' reads)."""
+    from flasharray import emulator
+    p = Problem(np.float16, 64, 70, 63, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    _mutant(monkeypatch, old, new)
+    try:
+        launch._clear_plans()  # (plans hold their kernels)
+        with pytest.raises(emulator.EmulatorError, match=match):
+            run_wgmma(p, deterministic=False)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()

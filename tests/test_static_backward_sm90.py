@@ -73,13 +73,20 @@ def ws_checks(name, t, d, body, loop):
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
         if op not in ops:
             problems.append("%s: no %s" % (name, op))
-    ordered = name.endswith("true>")
+    ordered = re.search(r"(true|false), (true|false)>$", name).group(1) == "true"
     if loop.stats.ldgsts or loop.stats.bar != (2 if ordered else 1):
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
     in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
     sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
     if sem_ops != (ordered, ordered):
         problems.append("%s: acquire load / release add in the query-block loop: %s" % (name, sem_ops))
+    # the dK / dV epilogue: Is_tma_store (the name's last flag) one TMA store per 64 columns per tensor and no
+    # global store instruction; else the 16-byte stores and no TMA store
+    pd, pdv = S.pad_head_dims(*_dims(d))
+    stores = sum(1 for i in body if i.base == "UTMASTG")
+    stg = sum(1 for i in body if i.base == "STG")
+    if name.endswith("true>") != (stores == (pd + pdv) // 64 and stg == 0) or (stores == 0) != (stg > 0):
+        problems.append("%s: %d UTMASTG, %d STG" % (name, stores, stg))
     tma = [i for i in body if i.base == "UTMALDG"]
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
     if not lps:
@@ -97,8 +104,9 @@ def ws_checks(name, t, d, body, loop):
     if regs > S.CONSUMER_REGS or p_regs > S.PRODUCER_REGS:
         problems.append("%s: registers up to R%d (consumers: %d), producer loop up to R%d (%d)" % (
             name, regs - 1, S.CONSUMER_REGS, p_regs - 1, S.PRODUCER_REGS))
-    return problems, "  producer loop %d instr (%d UTMALDG, registers < %d), registers used %d" % (
-        producer.stats.instructions, boxes, p_regs, regs)
+    return problems, "  producer loop %d instr (%d UTMALDG, registers < %d), registers used %d, %d UTMASTG, " \
+                     "%d after the loop" % (producer.stats.instructions, boxes, p_regs, regs, stores,
+                                            sum(1 for i in body if i.address > loop.end))
 
 
 def hgmma_in(body, loop):
@@ -155,6 +163,18 @@ def test_wgmma_backward_compiles_fp16():
 
 def test_ws_backward_compiles_fp16():
     _check(ws_instantiations(np.float16, (64, 128, 256)))
+
+
+@pytest.mark.slow
+def test_ws_backward_16_byte_epilogue_compiles_fp16():
+    """The ws kernel with the 16-byte-store epilogue (USE_TMA_STORE off: Is_tma_store false), the before of the
+    TMA-store figures."""
+    try:
+        S.USE_TMA_STORE = False
+        found = ws_instantiations(np.float16, (64, 128, 256))
+    finally:
+        S.USE_TMA_STORE = True
+    _check(found)
 
 
 @pytest.mark.slow

@@ -128,6 +128,9 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, 
 #: Whether ``kernel="wgmma"`` takes the warp-specialized TMA kernel where it applies (tests turn it off to
 #: run the cp.async kernel on the same inputs).
 USE_TMA = True
+#: Whether the warp-specialized kernel writes its 16-bit dK, dV by TMA stores (``Is_tma_store``; tests turn it
+#: off to run the 16-byte-store epilogue on the same inputs).
+USE_TMA_STORE = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -157,11 +160,19 @@ def ws_tile(tile, D, Dv):
 
 
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
-    """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics)."""
+    """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
+    flag, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs)."""
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered))
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)))
+
+
+def _stores_by_tma(dtype, out):
+    """Whether the ws kernel named for element type ``dtype`` and output type ``out`` (C types or NumPy dtypes;
+    None: ``dtype``) writes dK, dV by TMA stores: :data:`USE_TMA_STORE` and 16-bit outputs (the fp32 partial
+    sums of K/V broadcast over the grid keep the fragment stores)."""
+    return USE_TMA_STORE and (out is None or out == dtype)
 
 
 def _map_dims(batch, itemsize):
@@ -176,36 +187,71 @@ def _map_dims(batch, itemsize):
     return [n for _, n, _ in kept], [st * itemsize if n > 1 else 16 for _, n, st in kept], [c for c, _, _ in kept]
 
 
+def _tile_map(t, name, box_rows, batch, itemsize, off, dtype):
+    """``(launch.Map, sel codes)`` of a rank-5 map over ``t[name]`` (column, row, the three batch dims of
+    ``batch``: :func:`_map_dims`) with box (64 columns, ``box_rows``, 1, 1, 1) and the 128-byte swizzle; None
+    where it is not TMA-legal: rows not 16-byte multiples, columns not contiguous, the launch's offset not
+    16-byte aligned, a stride :func:`_map_dims` or the driver's rules (``tensor_map._check``) refuse."""
+    from .tensor_map import TiledTemplate
+    a = t[name]
+    n_cols, n_rows = a.shape[-1], a.shape[-2]
+    row = a.strides[-2] // a.itemsize if n_rows > 1 else n_cols
+    dims = _map_dims(batch, itemsize)
+    if dims is None or row * itemsize % 16 or (n_cols > 1 and a.strides[-1] != a.itemsize) \
+            or off.get(name, 0) * itemsize % 16:
+        return None
+    extents, strides, codes = dims
+    try:
+        template = TiledTemplate(dtype, [n_cols, n_rows] + extents, [row * itemsize] + strides,
+                                 (_PANEL, box_rows, 1, 1, 1), swizzle=128)
+    except ValueError:
+        return None
+    return launch.Map(name, off.get(name, 0), template), codes
+
+
+def _grid_batch(part, name):
+    (mb0, mb1, mb2), sb, _ = part
+    return [(_SEL_B2, mb2, sb[name][2]), (_SEL_B1, mb1, sb[name][1]), (_SEL_B0, mb0, sb[name][0])]
+
+
+def tma_store_maps(t, part, tile, dtype):
+    """The legality function of the TMA-store epilogue: ``[(Map dk, codes), (Map dv, codes)]`` (rows Lk, box
+    64 columns x Bc keys, the tile's rows past Lk clipped by the TMA unit) or None where dk or dv is not
+    TMA-legal (:func:`_tile_map`). dk, dv are the plan's contiguous 16-bit buffers, which the ws kernel's
+    own conditions (16-byte rows of q, k, v, dout: D, Dv multiples of 8) make legal; checked all the same."""
+    import numpy as np
+    itemsize = np.dtype(dtype).itemsize
+    if any(np.dtype(t[n].dtype) != np.dtype(dtype) for n in ("dk", "dv")):
+        return None
+    maps = [_tile_map(t, n, tile.block_n, _grid_batch(part, n), itemsize, part[2], dtype) for n in ("dk", "dv")]
+    return None if None in maps else maps
+
+
 def tma_args(t, part, group, tile, dtype):
     """The warp-specialized kernel's tail for one dK/dV launch part (``part``: ``(dims, strides3,
     offsets)`` of ``cuda_backward._launch_plans``, ``group``: ``({name: group stride}, n_group)``):
-    ``[tma_sel, Map q, Map dout, Map k, Map v]``; None where a map cannot describe the part (more than
-    three batch dims of extent above 1, strides not multiples of 16 bytes; the host then takes the
-    cp.async kernel). ``t``: the plan's arrays (for shapes and row strides)."""
+    ``[tma_sel, Map q, Map dout, Map k, Map v, Map dk, Map dv]``; None where a map cannot describe the part
+    (more than three batch dims of extent above 1, strides not multiples of 16 bytes; the host then takes the
+    cp.async kernel). dk, dv: the epilogue's TMA stores (:func:`tma_store_maps`) where the kernel takes them
+    (:func:`_stores_by_tma`: dk, dv 16-bit), else the q and dout maps again, unused (the same encoding: no
+    extra work per call). ``t``: the plan's arrays (for shapes and row strides)."""
     import numpy as np
-    from .tensor_map import TiledTemplate
-    (mb0, mb1, mb2), sb, off = part
     gs, n_group = group
     itemsize = np.dtype(dtype).itemsize
-    sel, maps = 0, []
-    for m, (name, rows, box_rows) in enumerate((("q", "Lq", tile.block_m), ("dout", "Lq", tile.block_m),
-                                                 ("k", "Lk", tile.block_n), ("v", "Lk", tile.block_n))):
-        a = t[name]
-        n_cols, n_rows = a.shape[-1], a.shape[-2]
-        row = a.strides[-2] // a.itemsize if n_rows > 1 else n_cols
-        batch = [(_SEL_B2, mb2, sb[name][2]), (_SEL_B1, mb1, sb[name][1]), (_SEL_B0, mb0, sb[name][0])]
+    found = []
+    for name, box_rows in (("q", tile.block_m), ("dout", tile.block_m), ("k", tile.block_n), ("v", tile.block_n)):
+        batch = _grid_batch(part, name)
         if name in ("q", "dout"):
             batch.insert(0, (_SEL_GROUP, n_group, gs[name]))
-        dims = _map_dims(batch, itemsize)
-        if dims is None or row * itemsize % 16 or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize) \
-                or off.get(name, 0) * itemsize % 16:
+        found.append(_tile_map(t, name, box_rows, batch, itemsize, part[2], dtype))
+    if None in found:
+        return None
+    if _stores_by_tma(np.dtype(dtype), np.dtype(t["dk"].dtype)):
+        stores = tma_store_maps(t, part, tile, dtype)
+        if stores is None:  # (the kernel was named before the arrays were seen: the cp.async kernel instead)
             return None
-        extents, strides, codes = dims
-        try:  # the driver's rules (tensor_map._check): anything else they refuse runs the cp.async kernel
-            template = TiledTemplate(dtype, [n_cols, n_rows] + extents, [row * itemsize] + strides,
-                                     (_PANEL, box_rows, 1, 1, 1), swizzle=128)
-        except ValueError:
-            return None
-        maps.append(launch.Map(name, off.get(name, 0), template))
-        sel |= sum(c << (3 * d) for d, c in enumerate(codes)) << (9 * m)
-    return [np.int64(sel)] + maps
+        found += stores
+    else:
+        found += [(found[0][0], [_SEL_NONE] * 3), (found[1][0], [_SEL_NONE] * 3)]
+    sel = sum(c << (9 * m + 3 * d) for m, (_, codes) in enumerate(found) for d, c in enumerate(codes))
+    return [np.int64(sel)] + [m for m, _ in found]
