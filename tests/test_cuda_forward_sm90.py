@@ -48,7 +48,12 @@ def expected_wgmma(tile, Lq, Lk, causal, entries):
 
 def stores_by_tma(plan):
     """Whether the plan's ws launch is the Is_tma_store instantiation (O written by TMA stores)."""
-    return plan.launches[0].name.endswith(", true>") and plan.launches[0].name.count(",") == 7
+    return plan.tile.tma and S.ws_flags(plan.launches[0].name)[0]
+
+
+def work_tiles(tile, rows, entries):
+    """(query tile, batch entry) work tiles of one launch: what a non-persistent grid has as blocks."""
+    return -(-rows // tile.block_m) * entries
 
 
 def expected_tma_stores(tile, rows, entries):
@@ -56,6 +61,11 @@ def expected_tma_stores(tile, rows, entries):
     64 rows as dv / 64 boxes."""
     per_tile = [sum(1 for w in range(tile.block_m // 64) if m0 + 64 * w < rows) for m0 in range(0, rows, tile.block_m)]
     return entries * sum(per_tile) * (tile.head_dim_v // 64)
+
+
+def _tiles_without_keys(tile, rows, Lk, causal):
+    """Query tiles of one batch entry that see no key (causal, Lq > Lk): no Q load without persistence."""
+    return sum(1 for m0 in range(0, rows, tile.block_m) if causal and min(m0 + tile.block_m, rows) - 1 + Lk - rows < 0)
 
 
 def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, tma=None, **opts):
@@ -75,16 +85,27 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
     assert len(plan.launches) == 1 and plan.launches[0].name.startswith("flash::%s<" % kernel)
     assert len(counters) == 1
     c = counters[0]
-    if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
-        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
-        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
-        # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
-        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
-        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * c.blocks + 2 * tiles_visited
-    else:
-        assert c.tma_loads == 0 and c.setmaxnreg == 0
     entries = int(np.prod(_batch(q, k, v)))
     rows, group = Lq * plan.gqa_group, plan.gqa_group
+    n_work = work_tiles(plan.tile, rows, entries // group)
+    if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
+        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+        persistent = S.ws_flags(plan.launches[0].name)[1]
+        assert persistent == plan.tile.persistent
+        # persistent: min(work tiles, SMs) blocks, each walking several work tiles; else one block per tile
+        sms = S.SM_COUNT or tiles.emulator_sm_count(90)
+        assert c.blocks == (min(n_work, sms) if persistent else n_work)
+        assert not persistent or plan.launches[0].grid == (c.blocks, 1, 1)
+        # ping-pong: per work tile, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
+        # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
+        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
+        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * n_work + 2 * tiles_visited
+        # TMA loads: per work tile Q (d/64 boxes; persistent: every tile, else those with a visible key),
+        # per visited key tile K and V (d/64 + dv/64 boxes)
+        q_tiles = n_work if persistent else n_work - _tiles_without_keys(plan.tile, rows, Lk, causal) * (entries // group)
+        assert c.tma_loads == (q_tiles * plan.tile.head_dim + tiles_visited * (plan.tile.head_dim + plan.tile.head_dim_v)) // 64
+    else:
+        assert c.tma_loads == 0 and c.setmaxnreg == 0
     assert c.tma_stores == (expected_tma_stores(plan.tile, rows, entries // group) if stores_by_tma(plan) else 0)
     if plan.gqa_group == 1:
         assert counters[0].wgmma == expected_wgmma(plan.tile, Lq, Lk, causal, entries) > 0
@@ -177,8 +198,8 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
         monkeypatch.setattr(S, "OVERLAP", overlap)
         launch._clear_plans()
         tile = sm90_plan(q, k, v, causal).tile
-        assert tile.tma and tile.overlap == overlap and tile.name_expression(causal, True).endswith(
-            "%s, %s>" % (str(causal).lower(), str(overlap).lower()))
+        assert tile.tma and tile.overlap == overlap and S._ws_args(tile.name_expression(causal, True))[5:7] == [
+            str(causal).lower(), str(overlap).lower()]
         got[overlap] = run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90",
                                    schedule=schedule, seed=seed)
     launch._clear_plans()
