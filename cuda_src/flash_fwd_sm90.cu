@@ -804,11 +804,16 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap, Is_persistent> consumer(
       sm, Lq, Lk, tid, scale_log2);
   const TensorStrides o_s{o_b0, o_b1, o_b2, o_row}, lse_s{lse_b0, lse_b1, lse_b2, 1};
-  for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) {
+  auto run = [&](int w, int k_tile) {
     int m_block;
     BatchIndex bidx;
     sched.decode(w, m_block, bidx);
     consumer.template tile<Is_tma_store>(m_block, bidx, k_tile, visit, o, lse, Dv, o_s, lse_s, &tmap_o);
+  };
+  if constexpr (Is_persistent) {
+    for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) run(w, k_tile);
+  } else {
+    run(sched.first(), 0);   // one work tile: no loop around the consumers' code
   }
 }
 

@@ -328,6 +328,7 @@ def persistent(monkeypatch):
 
     def run(use, sm_count, q, k, v, causal, store=True, **opts):
         monkeypatch.setattr(S, "PERSISTENT", use)
+        monkeypatch.setattr(S, "PERSISTENT_MAX_HEAD_DIM", 256)   # d = 256 too (the default leaves it out: spills)
         monkeypatch.setattr(S, "SM_COUNT", sm_count)
         monkeypatch.setattr(S, "USE_TMA_STORE", store)
         launch._clear_plans()
@@ -400,6 +401,7 @@ def test_persistent_layout_and_names():
     t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
     ws = S.tma_tile(t, ())
     assert ws.persistent == S.PERSISTENT
+    assert not S.tma_tile(S.forward_tile(np.float16, 256, 256, 90, kernel="wgmma"), ()).persistent  # spills
     name = dataclasses.replace(ws, persistent=True).name_expression(True, True)
     assert name == "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, false, true>"
     assert S.with_tma_store(name).endswith("true, true, true, true>") and S.ws_flags(name) == (False, True)

@@ -181,6 +181,11 @@ PERSISTENT = True
 #: The SM count the persistent grid is sized for; None: the device's (CuPy: ``MultiProcessorCount``; the
 #: emulator: ``tiles.emulator_sm_count``). Tests force small counts (several tiles per block).
 SM_COUNT = None
+#: The largest padded head dim (d and dv) the persistent kernel is taken for: at 256 its consumers spill
+#: (28-116 spill stores under setmaxnreg 240: the tile loop's live state on top of the key loop's ~222
+#: registers), so d = 256 keeps one block per work tile. Tests raise it to run the d = 256 persistent kernel
+#: (O staged over sQ) on the emulator.
+PERSISTENT_MAX_HEAD_DIM = 128
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -250,10 +255,11 @@ def tma_tile(tile, arrays):
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
                   ", softmax overlapped with P V" if OVERLAP else ""))
-    if PERSISTENT:
+    persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= PERSISTENT_MAX_HEAD_DIM
+    if persistent:
         reason += ", persistent (static tile scheduler)"
-    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP, PERSISTENT)
-    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, persistent=PERSISTENT, threads_m=warps, smem=smem,
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP, persistent)
+    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, persistent=persistent, threads_m=warps, smem=smem,
                                reason=reason)
 
 
