@@ -372,7 +372,7 @@ namespace flash {
 // b0); box (64 columns = one 128-byte swizzle panel, rows of the tile, 1, 1, 1). A batch dim along which
 // the tensor is broadcast (stride 0, which a tensor map cannot hold) is described with extent 1 and its
 // bit in `bcast` (bit 3t + i: tensor t = q, k, v; i = b2, b1, b0) makes its coordinate 0.
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_overlap>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_overlap, bool Is_persistent = false>
 struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
   static_assert(kBlockM == 128, "the producer warpgroup feeds two consumer warpgroups");
@@ -383,12 +383,31 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kConsumerRegs = kWsConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
-  // mbarriers past both the loop and the epilogue layouts: Q, then full_k, full_v, empty_k per stage and,
-  // overlapped, empty_v per stage (K_j is released when its S batch completes, V_j a step later).
-  static constexpr int kBarOffset = ((Base::kLoopBytes > Base::kEpilogueBytes ? Base::kLoopBytes
-                                                                               : Base::kEpilogueBytes) + 7) / 8 * 8;
-  static constexpr int kBars = 1 + (Is_overlap ? 4 : 3) * Base::kStages;
+  static constexpr int kBlockM_ = kBlockM, kBlockN_ = kBlockN;
+  // mbarriers: Q, then full_k, full_v, empty_k per stage and, overlapped, empty_v per stage (K_j is released
+  // when its S batch completes, V_j a step later); persistent: empty_q (sQ free for the next tile's Q).
+  static constexpr int kBars = 1 + (Is_overlap ? 4 : 3) * Base::kStages + (Is_persistent ? 1 : 0);
+  // The O staging region: the row stores' padded rows (the TMA store's swizzled panels, Br·dv·2 bytes, fit).
+  static constexpr int kOBytes = kBlockM * Base::kStrideO * 2;
+  static constexpr int kSmemLimit = 227 * 1024;
+  // Persistent: sO in its own region past the K / V ring where it fits (the next tile's Q may land while
+  // the epilogue runs), else (d = 256) over sQ, grown downwards by kOPad bytes so that it covers nothing
+  // of the ring (the producer keeps streaming K / V during the epilogue; Q waits for it). Not persistent:
+  // sO over the (then idle) Q / K / V space from offset 0, as before.
+  static constexpr bool kSeparateO = Is_persistent &&
+                                     Base::kLoopBytes + kOBytes + kBars * 8 + Base::kAtomBytes <= kSmemLimit;
+  static constexpr int kOPad = Is_persistent && !kSeparateO && kOBytes > Base::kQBytes
+                                   ? (kOBytes - Base::kQBytes + 1023) / 1024 * 1024 : 0;
+  static constexpr int kQOffset = kOPad;
+  static constexpr int kKOffset = kOPad + Base::kKOffset;
+  static constexpr int kVOffset = kOPad + Base::kVOffset;
+  static constexpr int kOOffset = kSeparateO ? Base::kLoopBytes : 0;
+  static constexpr int kBarOffset = Is_persistent ? kOPad + Base::kLoopBytes + (kSeparateO ? kOBytes : 0)
+                                                  : ((Base::kLoopBytes > Base::kEpilogueBytes ? Base::kLoopBytes
+                                                                                              : Base::kEpilogueBytes) + 7) / 8 * 8;
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory");
+  static_assert(!Is_persistent || kSeparateO || kOBytes <= kOPad + Base::kQBytes, "aliased sO covers sQ only");
   static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
   // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas (overlapped: its S and
   // P V wgmmas) only in its turn, named barrier kTurnBarrier + c (its 128 threads sync, the other
@@ -402,196 +421,291 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static_assert(kHeadDimV * 2 * kBlockM <= Base::kLseOffset, "the swizzled sO fits the padded one's space");
 };
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
-          bool Is_tma_store = false>
-__global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
-flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
-                         long long o_b0, long long o_b1, long long o_b2, long long o_row,
-                         long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
-                         const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o) {
-  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap>;
-  constexpr int kStages = Tr::kStages;
+// The ws kernel's shared memory: operand tiles, O's staging region and the mbarriers.
+struct Sm90WsSmem {
+  unsigned char* sQ;
+  unsigned char* sK;
+  unsigned char* sV;
+  unsigned char* sO;
+  uint64_t* bar_q;    // Q_i landed (one phase per tile)
+  uint64_t* full_k;   // [kStages]: K_j landed (the producer's expect_tx + the TMA bytes)
+  uint64_t* full_v;   // [kStages]: V_j landed
+  uint64_t* empty_k;  // [kStages]: every consumer thread is done with K_j (not overlapped: with the stage)
+  uint64_t* empty_v;  // [kStages]: ... done with V_j (not overlapped: empty_k)
+  uint64_t* empty_q;  // persistent: every consumer thread is done with sQ (and, aliased, with sO)
+};
 
-  FA_DYNAMIC_SMEM(smem_raw);
-  // The swizzled boxes start on the pattern's repeat in the shared window (as in flash_fwd_sm90_kernel).
-  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
-  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
-  unsigned char* sQ = smem + Tr::kQOffset;
-  unsigned char* sK = smem + Tr::kKOffset;
-  unsigned char* sV = smem + Tr::kVOffset;
-  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);
-  uint64_t* full_k = bar_q + 1;          // [kStages]: K_j landed (the producer's expect_tx + the TMA bytes)
-  uint64_t* full_v = full_k + kStages;   // [kStages]: V_j landed
-  uint64_t* empty_k = full_v + kStages;  // [kStages]: every consumer thread is done with K_j (and, not
-                                         // overlapped, with V_j: one barrier for the whole stage)
-  uint64_t* empty_v = Is_overlap ? empty_k + kStages : empty_k;  // [kStages]: ... done with V_j
+template <typename Tr, bool Is_overlap>
+__device__ __forceinline__ Sm90WsSmem ws_smem_layout(unsigned char* smem) {
+  Sm90WsSmem s;
+  s.sQ = smem + Tr::kQOffset;
+  s.sK = smem + Tr::kKOffset;
+  s.sV = smem + Tr::kVOffset;
+  s.sO = smem + Tr::kOOffset;
+  s.bar_q = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);
+  s.full_k = s.bar_q + 1;
+  s.full_v = s.full_k + Tr::kStages;
+  s.empty_k = s.full_v + Tr::kStages;
+  s.empty_v = Is_overlap ? s.empty_k + Tr::kStages : s.empty_k;
+  s.empty_q = s.empty_v + Tr::kStages;
+  return s;
+}
 
-  const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
-  const BatchIndex bidx = BatchIndex::from_grid(nb2);
-  const Mask<Is_causal> mask(Lq, Lk);
-  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
-
-  if (tid == 0) {
-    // the tensor maps (kernel parameters) into the TMA unit's cache before their first use (a hint)
-    fa::tma_prefetch(&tmap_q);
-    fa::tma_prefetch(&tmap_k);
-    fa::tma_prefetch(&tmap_v);
-    if (Is_tma_store) fa::tma_prefetch(&tmap_o);
-    fa::mbarrier_init(bar_q, 1);
-    for (int s = 0; s < kStages; ++s) {
-      fa::mbarrier_init(full_k + s, 1);
-      fa::mbarrier_init(full_v + s, 1);
-      fa::mbarrier_init(empty_k + s, Tr::kConsumerThreads);
-      if (Is_overlap) fa::mbarrier_init(empty_v + s, Tr::kConsumerThreads);
+// Work tiles: (query tile m_block, batch entry). Not persistent: one per block, blockIdx.x and the grid's
+// y / z. Persistent (static scheduler): work tile w = blockIdx.x + k·gridDim.x, k = 0, 1, ..., over a linear
+// order of n_m query tiles × n_bh batch entries. Causal: longest first — query tiles from the last one down
+// (bottom-right alignment: the last sees the most keys), all batch entries of one query tile together, so
+// the first tiles of every block are the longest (FlashAttention-3's load balance); not causal: batch
+// entry outer, query tile inner (neighbouring blocks share one entry's K and V).
+template <bool Is_causal, bool Is_persistent>
+struct Sm90WsScheduler {
+  int n_m, n_bh, nb12, nb2;
+  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x); }
+  __device__ __forceinline__ int step() const { return Is_persistent ? static_cast<int>(gridDim.x) : n_bh; }
+  __device__ __forceinline__ bool valid(int w) const { return Is_persistent ? w < n_m * n_bh : w == first(); }
+  __device__ __forceinline__ void decode(int w, int& m_block, BatchIndex& b) const {
+    if constexpr (!Is_persistent) {
+      m_block = w;
+      b = BatchIndex::from_grid(nb2);
+      return;
     }
-    fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any load completes on them
-  }
-  __syncthreads();              // ... and to every thread before its first wait or arrival
-
-  if (wg == 0) {
-    // ---- producer: one elected thread of warp 0 issues the whole block's loads ----
-    fa::setmaxnreg_dec<Tr::kProducerRegs>();
-    if (tid < 32 && fa::elect_one()) {
-      auto coord = [&](int t, int i, int b) { return (bcast >> (3 * t + i)) & 1 ? 0 : b; };
-      const int qb2 = coord(0, 0, bidx.b2), qb1 = coord(0, 1, bidx.b1), qb0 = coord(0, 2, bidx.b0);
-      const int kb2 = coord(1, 0, bidx.b2), kb1 = coord(1, 1, bidx.b1), kb0 = coord(1, 2, bidx.b0);
-      const int vb2 = coord(2, 0, bidx.b2), vb1 = coord(2, 1, bidx.b1), vb0 = coord(2, 2, bidx.b0);
-      if (n_block_max > 0) {
-        fa::mbarrier_arrive_expect_tx(bar_q, Tr::kQBytes);
-        tma_load_tile<kBlockM, kHeadDim>(sQ, &tmap_q, m0, qb2, qb1, qb0, bar_q);
-      }
-      // Key tiles from the last visible one down, as the consumers take them; visit i uses stage i mod
-      // kStages, whose empty barrier completed its (i / kStages)-th phase when the consumers released visit
-      // i − kStages (the first pass waits on parity 1 of a fresh barrier: already complete).
-      for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
-        const int s = i % kStages, phase = (i / kStages) & 1;
-        fa::mbarrier_wait_parity(empty_k + s, phase ^ 1);
-        fa::mbarrier_arrive_expect_tx(full_k + s, Tr::kKBytes);
-        tma_load_tile<kBlockN, kHeadDim>(sK + s * Tr::kKBytes, &tmap_k, n_block * kBlockN, kb2, kb1, kb0, full_k + s);
-        if (Is_overlap) fa::mbarrier_wait_parity(empty_v + s, phase ^ 1);
-        fa::mbarrier_arrive_expect_tx(full_v + s, Tr::kVBytes);
-        tma_load_tile<kBlockN, kHeadDimV>(sV + s * Tr::kVBytes, &tmap_v, n_block * kBlockN, vb2, vb1, vb0,
-                                          full_v + s);
-      }
+    int bh;
+    if (Is_causal) {
+      m_block = n_m - 1 - w / n_bh;
+      bh = w % n_bh;
+    } else {
+      bh = w / n_m;
+      m_block = w % n_m;
     }
-    return;
+    b.b0 = bh / nb12;
+    b.b1 = bh % nb12 / nb2;
+    b.b2 = bh % nb2;
   }
+};
 
-  // ---- consumers ----
-  fa::setmaxnreg_inc<Tr::kConsumerRegs>();
-  const int ctid = tid - 128;                         // 0 .. 255
-  const int cwg = wg - 1;                             // consumer warpgroup: rows [64 cwg, 64 cwg + 64)
-  const int warp_row = cwg * 64 + ((ctid % 128) / 32) * 16;  // first of the warp's 16 rows
-  const int lane = tid % 32;
-  const int g = lane >> 2, t = lane & 3;
-  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
-
-  float acc_s[kBlockN / 2];     // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
-  float acc_o[kHeadDimV / 2];   // O_i, unnormalised
-  OnlineSoftmaxRow<float> stat[2];
-#pragma unroll
-  for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
-  stat[0].init();
-  stat[1].init();
-
-  if (n_block_max > 0) fa::mbarrier_wait_parity(bar_q, 0);
-  // Ping-pong: warpgroup 0 has the first turn (warpgroup 1's opening arrival); each warpgroup takes n
-  // turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases.
-  if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
-  auto our_turn = [&] {
-    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);
+// The producer's loads of one work tile (one elected thread): Q_i onto bar_q and, per key tile in the
+// consumers' order (last visible first), K_j and V_j into stage v mod kStages of the ring, v the block's
+// running visit count (never reset: stages and parities continue across tiles). Visit v waits for the
+// (v / kStages)-th phase of its stage's empty barriers (parity ((v / kStages) & 1) ^ 1, which a fresh barrier
+// passes at once). Persistent: Q of the block's k-th tile after empty_q's phase k − 1 (the consumers are done
+// with sQ), issued after the first K (FlashAttention-3's order: the ring keeps streaming), and always (a tile
+// without visible keys too: one bar_q phase per tile).
+template <typename Tr, bool Is_overlap, bool Is_persistent, int kHeadDim, int kHeadDimV>
+__device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtensorMap* tq, const CUtensorMap* tk,
+                                             const CUtensorMap* tv, int m0, const BatchIndex& bidx, int bcast,
+                                             int n_block_max, int k_tile, int& visit) {
+  constexpr int kStages = Tr::kStages, kBlockM = Tr::kBlockM_, kBlockN = Tr::kBlockN_;
+  auto coord = [&](int t, int i, int b) { return (bcast >> (3 * t + i)) & 1 ? 0 : b; };
+  const int kb2 = coord(1, 0, bidx.b2), kb1 = coord(1, 1, bidx.b1), kb0 = coord(1, 2, bidx.b0);
+  const int vb2 = coord(2, 0, bidx.b2), vb1 = coord(2, 1, bidx.b1), vb0 = coord(2, 2, bidx.b0);
+  bool q_pending = Is_persistent || n_block_max > 0;
+  auto load_q = [&] {
+    if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.empty_q, (k_tile - 1) & 1);
+    fa::mbarrier_arrive_expect_tx(sm.bar_q, Tr::kQBytes);
+    tma_load_tile<kBlockM, kHeadDim>(sm.sQ, tq, m0, coord(0, 0, bidx.b2), coord(0, 1, bidx.b1), coord(0, 2, bidx.b0),
+                                     sm.bar_q);
+    q_pending = false;
   };
-  auto their_turn = [&](int n_block) {
+  if (!Is_persistent && q_pending) load_q();
+  for (int n_block = n_block_max - 1; n_block >= 0; --n_block, ++visit) {
+    const int s = visit % kStages, phase = (visit / kStages) & 1;
+    fa::mbarrier_wait_parity(sm.empty_k + s, phase ^ 1);
+    fa::mbarrier_arrive_expect_tx(sm.full_k + s, Tr::kKBytes);
+    tma_load_tile<kBlockN, kHeadDim>(sm.sK + s * Tr::kKBytes, tk, n_block * kBlockN, kb2, kb1, kb0, sm.full_k + s);
+    if (Is_persistent && q_pending) load_q();
+    if (Is_overlap) fa::mbarrier_wait_parity(sm.empty_v + s, phase ^ 1);
+    fa::mbarrier_arrive_expect_tx(sm.full_v + s, Tr::kVBytes);
+    tma_load_tile<kBlockN, kHeadDimV>(sm.sV + s * Tr::kVBytes, tv, n_block * kBlockN, vb2, vb1, vb0, sm.full_v + s);
+  }
+  if (Is_persistent && q_pending) load_q();
+}
+
+// The two consumer warpgroups of the ws kernel: per work tile the key loop (with or without the
+// intra-warpgroup overlap), the ping-pong turns, the epilogue.
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
+          bool Is_persistent>
+struct Sm90WsConsumer {
+  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
+  static constexpr int kStages = Tr::kStages;
+  Sm90WsSmem sm;
+  Mask<Is_causal> mask;
+  int cwg, ctid, warp_row, lane, g, t;
+  float scale_log2;
+
+  __device__ __forceinline__ Sm90WsConsumer(const Sm90WsSmem& sm_, int Lq, int Lk, int tid, float scale_log2_)
+      : sm(sm_), mask(Lq, Lk), cwg(tid / 128 - 1), ctid(tid - 128), warp_row(cwg * 64 + ((ctid % 128) / 32) * 16),
+        lane(tid % 32), g(lane >> 2), t(lane & 3), scale_log2(scale_log2_) {}
+
+  // Ping-pong: warpgroup 0 has the first turn of a tile (warpgroup 1's opening arrival); each warpgroup
+  // takes n turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases
+  // per tile (the epilogue's barrier keeps the warpgroups in the same tile).
+  __device__ __forceinline__ void open_turns(int n_block_max) const {
+    if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
+  }
+  __device__ __forceinline__ void our_turn() const {
+    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);
+  }
+  __device__ __forceinline__ void their_turn(int n_block) const {
     if (Tr::kPingPong && (cwg == 0 || n_block > 0))
       fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg, Tr::kConsumerThreads);
-  };
-  if constexpr (!Is_overlap) {
-    for (int n_block = n_block_max - 1, i = 0; n_block >= 0; --n_block, ++i) {
-      const int s = i % kStages, phase = (i / kStages) & 1;
-      fa::mbarrier_wait_parity(full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
+  }
+
+  // Key loop without the overlap: every wgmma batch waited for; visit v = visit0 + i in stage v mod kStages.
+  __device__ __forceinline__ void mainloop_plain(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
+                                                 int m0, int n_block_max, int visit0) {
+    float acc_s[kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
+    const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+    for (int n_block = n_block_max - 1, v = visit0; n_block >= 0; --n_block, ++v) {
+      const int s = v % kStages, phase = (v / kStages) & 1;
+      fa::mbarrier_wait_parity(sm.full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
       our_turn();
-      gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK + s * Tr::kKBytes,
+      gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sm.sQ + cwg * 64 * 128, sm.sK + s * Tr::kKBytes,
                                                   [&] { their_turn(n_block); });  // issued: hand over
       softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
                                                   m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
-      fa::mbarrier_wait_parity(full_v + s, phase);   // V_j has landed
-      gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + s * Tr::kVBytes);
-      fa::mbarrier_arrive(empty_k + s);              // both wgmma batches on stage s completed: refill it
+      fa::mbarrier_wait_parity(sm.full_v + s, phase);   // V_j has landed
+      gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sm.sV + s * Tr::kVBytes);
+      fa::mbarrier_arrive(sm.empty_k + s);              // both wgmma batches on stage s completed: refill it
     }
-  } else if (n_block_max > 0) {
-    // Intra-warpgroup overlap (FlashAttention-3 §3.2): visit i issues S_i = Q K_iᵀ, then O += P_{i−1} V_{i−1}
-    // (both in the warpgroup's turn), waits for S_i only (wait_group 1) and runs its softmax while the P V
-    // batch is in flight. The wait for that batch (wait_group 0), O's rescale by visit i's factor and the
-    // packing of P_i come at the top of visit i + 1, after its wait for K_{i+1}: that mbarrier spin is a
-    // branch, and ptxas, which schedules a wait_group freely inside a basic block (it hoisted it above the
-    // softmax there: docs/hopper.md), keeps it below. Per row the arithmetic is the loop above's,
-    // O ← O·c_i + P_i V_i in the same fp32 operations and order. The softmax must not touch O
-    // (softmax_tile_sm90<..., true>) nor P_{i−1}'s A fragments (a_p) before the wait.
-    uint32_t a_p[kBlockN / 16][4];   // P_{i−1}: the A fragments of the P V batch in flight
-    float correction[2];             // visit i's factor for O, applied once P_{i−1} V_{i−1} has completed
-    const int row0 = m0 + warp_row + g;
-    // visit 0: S_0 and its softmax, nothing else in flight
-    fa::mbarrier_wait_parity(full_k, 0);
-    our_turn();
-    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + cwg * 64 * 128, sK,
-                                                [&] { their_turn(n_block_max - 1); });
-    fa::mbarrier_arrive(empty_k);                  // S_0 completed: K_0's stage may be refilled
-    softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
-                                                           n_block_max - 1 >= n_block_unmasked, row0,
-                                                           (n_block_max - 1) * kBlockN, t, scale_log2);
-    // P_{i−1} V_{i−1} completed (visit i − 2's stage free for V), O rescaled by c_{i−1}, P_{i−1} packed
-    auto finish_previous = [&](int i) {
-      fa::wgmma_wait_group<0>();
-      fa::wgmma_fence_operand(acc_o);
-      if (i >= 2) fa::mbarrier_arrive(empty_v + (i - 2) % kStages);
-      rescale_o_sm90<kHeadDimV>(acc_o, correction);
-      pack_p_sm90<T, kBlockN>(a_p, acc_s);
-    };
-    // Visits i ≥ 1, key tile n_block in stage s (visit i − 1 used stage sp). Masked tiles (first in the
-    // order) and unmasked ones run as two copies of the loop (the outer loop is unrolled), so `masked` is
-    // a compile-time constant in each and no branch splits the softmax.
-    int n_block = n_block_max - 2, i = 1;
-#pragma unroll
-    for (int masked = 1; masked >= 0; --masked) {
-      for (; n_block >= (masked ? n_block_unmasked : 0); --n_block, ++i) {
-        const int s = i % kStages, phase = (i / kStages) & 1;
-        const int sp = (i - 1) % kStages, phase_p = ((i - 1) / kStages) & 1;
-        fa::mbarrier_wait_parity(full_k + s, phase);
-        finish_previous(i);
-        our_turn();
-        auto issue_pv = [&] {  // after S_i's batch, in our turn: O += P_{i−1} V_{i−1}; then hand over
-          fa::mbarrier_wait_parity(full_v + sp, phase_p);
-          issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sV + sp * Tr::kVBytes);
-          their_turn(n_block);
-        };
-        // waits for all but the last committed batch: S_i has completed, P_{i−1} V_{i−1} may be in flight
-        gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN, decltype(issue_pv), 1>(acc_s, sQ + cwg * 64 * 128,
-                                                                           sK + s * Tr::kKBytes, issue_pv);
-        fa::mbarrier_arrive(empty_k + s);
-        softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, masked != 0,
-                                                               row0, n_block * kBlockN, t, scale_log2);
-      }
-    }
-    // the last P V (visit i − 1's)
-    finish_previous(i);
-    const int sp = (i - 1) % kStages, phase_p = ((i - 1) / kStages) & 1;
-    fa::mbarrier_wait_parity(full_v + sp, phase_p);
-    issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sV + sp * Tr::kVBytes);
-    fa::wgmma_wait_group<0>();
-    fa::wgmma_fence_operand(acc_o);
-    fa::mbarrier_arrive(empty_v + sp);
+    release_q_early();
   }
 
-  // Epilogue (consumers only): every load has landed (each was waited for) and every wgmma completed; the
-  // named barrier lets sO overwrite the operand tiles once both warpgroups are past their last tile. The LSE:
-  // one row per thread (lanes t = 0, 1 of each quad: rows g, g + 8), straight to global memory.
-  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
-  const int rows = rows_in_tile(m0, kBlockM, Lq);
+  // Separate sO (persistent): sQ is free once the tile's last S batch has completed.
+  __device__ __forceinline__ void release_q_early() const {
+    if (Is_persistent && Tr::kSeparateO) fa::mbarrier_arrive(sm.empty_q);
+  }
+
+  __device__ __forceinline__ void mainloop_overlap(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
+                                                   int m0, int n_block_max, int visit0);
+
+  template <bool Is_tma_store>
+  __device__ __forceinline__ void epilogue(const float (&acc_o)[kHeadDimV / 2], const OnlineSoftmaxRow<float> (&stat)[2],
+                                           int m0, const BatchIndex& bidx, T* o, float* lse, int Dv,
+                                           const TensorStrides& o_s, const TensorStrides& lse_s,
+                                           const CUtensorMap* tmap_o) const;
+
+  // One work tile: Q_i waited for (its bar_q phase k_tile), the key loop, the epilogue; visit advanced by
+  // the tile's key tiles. Aliased sO (persistent): sQ released after the epilogue.
+  template <bool Is_tma_store>
+  __device__ __forceinline__ void tile(int m_block, const BatchIndex& bidx, int k_tile, int& visit, T* o, float* lse,
+                                       int Dv, const TensorStrides& o_s, const TensorStrides& lse_s,
+                                       const CUtensorMap* tmap_o) {
+    const int m0 = m_block * kBlockM;
+    const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+    float acc_o[kHeadDimV / 2];   // O_i, unnormalised
+    OnlineSoftmaxRow<float> stat[2];
+#pragma unroll
+    for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
+    stat[0].init();
+    stat[1].init();
+    if (Is_persistent || n_block_max > 0) fa::mbarrier_wait_parity(sm.bar_q, k_tile & 1);
+    open_turns(n_block_max);
+    if constexpr (Is_overlap) {
+      if (n_block_max > 0) mainloop_overlap(acc_o, stat, m0, n_block_max, visit);
+      else release_q_early();
+    } else {
+      mainloop_plain(acc_o, stat, m0, n_block_max, visit);
+    }
+    visit += n_block_max;
+    epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o);
+    if (Is_persistent && !Tr::kSeparateO) {
+      fa::fence_proxy_async();   // the staged O's generic accesses before the next Q's async-proxy writes
+      fa::mbarrier_arrive(sm.empty_q);
+    }
+  }
+};
+
+// Intra-warpgroup overlap (FlashAttention-3 §3.2): visit i issues S_i = Q K_iᵀ, then O += P_{i−1} V_{i−1}
+// (both in the warpgroup's turn), waits for S_i only (wait_group 1) and runs its softmax while the P V
+// batch is in flight. The wait for that batch (wait_group 0), O's rescale by visit i's factor and the
+// packing of P_i come at the top of visit i + 1, after its wait for K_{i+1}: that mbarrier spin is a
+// branch, and ptxas, which schedules a wait_group freely inside a basic block (it hoisted it above the
+// softmax there: docs/hopper.md), keeps it below. Per row the arithmetic is the plain loop's,
+// O ← O·c_i + P_i V_i in the same fp32 operations and order. The softmax must not touch O
+// (softmax_tile_sm90<..., true>) nor P_{i−1}'s A fragments (a_p) before the wait. Visit i of the tile is
+// the block's visit visit0 + i (stage and parity).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
+          bool Is_persistent>
+__device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap,
+                                               Is_persistent>::mainloop_overlap(float (&acc_o)[kHeadDimV / 2],
+                                                                                OnlineSoftmaxRow<float> (&stat)[2],
+                                                                                int m0, int n_block_max, int visit0) {
+  float acc_s[kBlockN / 2];        // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
+  uint32_t a_p[kBlockN / 16][4];   // P_{i−1}: the A fragments of the P V batch in flight
+  float correction[2];             // visit i's factor for O, applied once P_{i−1} V_{i−1} has completed
+  const int row0 = m0 + warp_row + g;
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  auto stage = [&](int i) { return (visit0 + i) % kStages; };
+  auto parity = [&](int i) { return ((visit0 + i) / kStages) & 1; };
+  // visit 0: S_0 and its softmax, nothing else in flight
+  fa::mbarrier_wait_parity(sm.full_k + stage(0), parity(0));
+  our_turn();
+  gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sm.sQ + cwg * 64 * 128, sm.sK + stage(0) * Tr::kKBytes,
+                                              [&] { their_turn(n_block_max - 1); });
+  fa::mbarrier_arrive(sm.empty_k + stage(0));     // S_0 completed: K_0's stage may be refilled
+  softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
+                                                         n_block_max - 1 >= n_block_unmasked, row0,
+                                                         (n_block_max - 1) * kBlockN, t, scale_log2);
+  // P_{i−1} V_{i−1} completed (visit i − 2's stage free for V), O rescaled by c_{i−1}, P_{i−1} packed
+  auto finish_previous = [&](int i) {
+    fa::wgmma_wait_group<0>();
+    fa::wgmma_fence_operand(acc_o);
+    if (i >= 2) fa::mbarrier_arrive(sm.empty_v + stage(i - 2));
+    rescale_o_sm90<kHeadDimV>(acc_o, correction);
+    pack_p_sm90<T, kBlockN>(a_p, acc_s);
+  };
+  // Visits i ≥ 1, key tile n_block in stage s (visit i − 1 used stage sp). Masked tiles (first in the
+  // order) and unmasked ones run as two copies of the loop (the outer loop is unrolled), so `masked` is
+  // a compile-time constant in each and no branch splits the softmax.
+  int n_block = n_block_max - 2, i = 1;
+#pragma unroll
+  for (int masked = 1; masked >= 0; --masked) {
+    for (; n_block >= (masked ? n_block_unmasked : 0); --n_block, ++i) {
+      const int s = stage(i), sp = stage(i - 1), phase_p = parity(i - 1);
+      fa::mbarrier_wait_parity(sm.full_k + s, parity(i));
+      finish_previous(i);
+      our_turn();
+      auto issue_pv = [&] {  // after S_i's batch, in our turn: O += P_{i−1} V_{i−1}; then hand over
+        fa::mbarrier_wait_parity(sm.full_v + sp, phase_p);
+        issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
+        their_turn(n_block);
+      };
+      // waits for all but the last committed batch: S_i has completed, P_{i−1} V_{i−1} may be in flight
+      gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN, decltype(issue_pv), 1>(acc_s, sm.sQ + cwg * 64 * 128,
+                                                                         sm.sK + s * Tr::kKBytes, issue_pv);
+      fa::mbarrier_arrive(sm.empty_k + s);
+      softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, masked != 0,
+                                                             row0, n_block * kBlockN, t, scale_log2);
+    }
+  }
+  release_q_early();   // every S batch of the tile has completed
+  // the last P V (visit i − 1's)
+  finish_previous(i);
+  const int sp = stage(i - 1);
+  fa::mbarrier_wait_parity(sm.full_v + sp, parity(i - 1));
+  issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc_o);
+  fa::mbarrier_arrive(sm.empty_v + sp);
+}
+
+// Epilogue (consumers only): every load of the tile has landed (each was waited for) and every wgmma
+// completed; the named barrier lets sO overwrite the operand tiles once both warpgroups are past their last
+// tile (persistent: and the previous tile's TMA store has read sO: its thread waited before arriving). The
+// LSE: one row per thread (lanes t = 0, 1 of each quad: rows g, g + 8), straight to global memory.
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
+          bool Is_persistent>
+template <bool Is_tma_store>
+__device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap,
+                                               Is_persistent>::epilogue(const float (&acc_o)[kHeadDimV / 2],
+                                                                        const OnlineSoftmaxRow<float> (&stat)[2],
+                                                                        int m0, const BatchIndex& bidx, T* o,
+                                                                        float* lse, int Dv, const TensorStrides& o_s,
+                                                                        const TensorStrides& lse_s,
+                                                                        const CUtensorMap* tmap_o) const {
+  const int rows = rows_in_tile(m0, kBlockM, mask.Lq);
   fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
   float inv_l[2], lse_r[2];
   finish_rows_sm90(inv_l, lse_r, stat);
@@ -601,26 +715,105 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
     // O / l into 128B-swizzled panels of 64 columns (chunk c of row r at c ^ (r mod 8): the layout a box of
     // tmap_o reads), made visible to the async proxy, then one thread per warpgroup stores its 64 rows as
     // dv / 64 boxes (rows past Lq and columns past Dv are clipped by the copy engine) and waits until they
-    // have read shared memory (before the block exits and releases it).
+    // have read shared memory (before the block exits and releases it, or the next tile overwrites it).
+    unsigned char* sO = sm.sO;
     stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
-                                  [&](int row, int chunk) { return smem + sw128_offset<kBlockM>(row, chunk); });
+                                  [&](int row, int chunk) { return sO + sw128_offset<kBlockM>(row, chunk); });
     fa::fence_proxy_async();
     fa::named_barrier_sync(Tr::kStoreBarrier + cwg, 128);
     if (ctid % 128 == 0 && 64 * cwg < rows) {
-      tma_store_tile<kBlockM, kHeadDimV>(&tmap_o, smem + cwg * 64 * 128, m0 + 64 * cwg, bidx.b2, bidx.b1, bidx.b0);
+      tma_store_tile<kBlockM, kHeadDimV>(tmap_o, sO + cwg * 64 * 128, m0 + 64 * cwg, bidx.b2, bidx.b1, bidx.b0);
       fa::tma_store_commit();
       fa::tma_store_wait<0>();
     }
   } else {
     (void)tmap_o;  // the host passes q's map: this instantiation stores rows
-    const TensorStrides o_s{o_b0, o_b1, o_b2, o_row};
-    T* o_i = o + bidx.offset(o_s) + m0 * o_row;
-    T* sO = reinterpret_cast<T*>(smem);
+    T* o_i = o + bidx.offset(o_s) + m0 * o_s.row;
+    T* sO = reinterpret_cast<T*>(sm.sO);
     stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
                                   [&](int row, int chunk) { return sO + row * Tr::kStrideO + 8 * chunk; });
     fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
-    const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
-    store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, Tr::kConsumerThreads>(o_i, o_row, sO, rows, Dv, vec, ctid);
+    const bool vec = Dv % 8 == 0 && o_s.row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
+    store_tile<T, kBlockM, kHeadDimV, Tr::kStrideO, Tr::kConsumerThreads>(o_i, o_s.row, sO, rows, Dv, vec, ctid);
+  }
+}
+
+// Is_persistent (cuda_forward_sm90.PERSISTENT): a grid of min(work tiles, SMs) blocks, each walking the
+// static scheduler's tiles (Sm90WsScheduler): the producer and the consumers walk the same sequence, the
+// K / V ring's visits counted across tiles, one bar_q and (persistent) one empty_q phase per tile. nb12 =
+// nb1·nb2 and n_bh = nb0·nb1·nb2 (the batch entries; unused unless persistent).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
+          bool Is_tma_store = false, bool Is_persistent = false>
+__global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
+flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
+                         long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                         long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
+                         int nb12, int n_bh,
+                         const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o) {
+  using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
+  constexpr int kStages = Tr::kStages;
+
+  FA_DYNAMIC_SMEM(smem_raw);
+  // The swizzled boxes start on the pattern's repeat in the shared window (as in flash_fwd_sm90_kernel).
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  const Sm90WsSmem sm = ws_smem_layout<Tr, Is_overlap>(smem);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
+  const Sm90WsScheduler<Is_causal, Is_persistent> sched{(Lq + kBlockM - 1) / kBlockM, n_bh, nb12, nb2};
+
+  if (tid == 0) {
+    // the tensor maps (kernel parameters) into the TMA unit's cache before their first use (a hint)
+    fa::tma_prefetch(&tmap_q);
+    fa::tma_prefetch(&tmap_k);
+    fa::tma_prefetch(&tmap_v);
+    if (Is_tma_store) fa::tma_prefetch(&tmap_o);
+    fa::mbarrier_init(sm.bar_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      fa::mbarrier_init(sm.full_k + s, 1);
+      fa::mbarrier_init(sm.full_v + s, 1);
+      fa::mbarrier_init(sm.empty_k + s, Tr::kConsumerThreads);
+      if (Is_overlap) fa::mbarrier_init(sm.empty_v + s, Tr::kConsumerThreads);
+    }
+    if (Is_persistent) fa::mbarrier_init(sm.empty_q, Tr::kConsumerThreads);
+    fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any load completes on them
+  }
+  __syncthreads();              // ... and to every thread before its first wait or arrival
+
+  const Mask<Is_causal> mask(Lq, Lk);
+  int visit = 0;   // the block's K / V visits so far (ring stage and parity), across its tiles
+  if (wg == 0) {
+    // ---- producer: one elected thread of warp 0 issues the whole block's loads ----
+    fa::setmaxnreg_dec<Tr::kProducerRegs>();
+    if (tid < 32 && fa::elect_one()) {
+      for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) {
+        int m_block;
+        BatchIndex bidx;
+        sched.decode(w, m_block, bidx);
+        ws_load_tile<Tr, Is_overlap, Is_persistent, kHeadDim, kHeadDimV>(
+            sm, &tmap_q, &tmap_k, &tmap_v, m_block * kBlockM, bidx, bcast,
+            mask.n_block_max(m_block * kBlockM, kBlockM, kBlockN), k_tile, visit);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  fa::setmaxnreg_inc<Tr::kConsumerRegs>();
+  Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap, Is_persistent> consumer(
+      sm, Lq, Lk, tid, scale_log2);
+  const TensorStrides o_s{o_b0, o_b1, o_b2, o_row}, lse_s{lse_b0, lse_b1, lse_b2, 1};
+  auto run = [&](int w, int k_tile) {
+    int m_block;
+    BatchIndex bidx;
+    sched.decode(w, m_block, bidx);
+    consumer.template tile<Is_tma_store>(m_block, bidx, k_tile, visit, o, lse, Dv, o_s, lse_s, &tmap_o);
+  };
+  if constexpr (Is_persistent) {
+    for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) run(w, k_tile);
+  } else {
+    run(sched.first(), 0);   // one work tile: no loop around the consumers' code
   }
 }
 

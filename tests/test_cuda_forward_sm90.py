@@ -13,6 +13,8 @@ output is TMA-legal) giving the bits of its row stores under each schedule, the 
 output TMA cannot write, and the emulator reporting the store without its proxy fence or its wait; the
 opt-in and its errors. ``-m slow``: larger matrices.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -48,7 +50,12 @@ def expected_wgmma(tile, Lq, Lk, causal, entries):
 
 def stores_by_tma(plan):
     """Whether the plan's ws launch is the Is_tma_store instantiation (O written by TMA stores)."""
-    return plan.launches[0].name.endswith(", true>") and plan.launches[0].name.count(",") == 7
+    return plan.tile.tma and S.ws_flags(plan.launches[0].name)[0]
+
+
+def work_tiles(tile, rows, entries):
+    """(query tile, batch entry) work tiles of one launch: what a non-persistent grid has as blocks."""
+    return -(-rows // tile.block_m) * entries
 
 
 def expected_tma_stores(tile, rows, entries):
@@ -56,6 +63,11 @@ def expected_tma_stores(tile, rows, entries):
     64 rows as dv / 64 boxes."""
     per_tile = [sum(1 for w in range(tile.block_m // 64) if m0 + 64 * w < rows) for m0 in range(0, rows, tile.block_m)]
     return entries * sum(per_tile) * (tile.head_dim_v // 64)
+
+
+def _tiles_without_keys(tile, rows, Lk, causal):
+    """Query tiles of one batch entry that see no key (causal, Lq > Lk): no Q load without persistence."""
+    return sum(1 for m0 in range(0, rows, tile.block_m) if causal and min(m0 + tile.block_m, rows) - 1 + Lk - rows < 0)
 
 
 def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0, tma=None, **opts):
@@ -75,16 +87,27 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
     assert len(plan.launches) == 1 and plan.launches[0].name.startswith("flash::%s<" % kernel)
     assert len(counters) == 1
     c = counters[0]
-    if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
-        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
-        # ping-pong: per block, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
-        # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
-        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
-        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * c.blocks + 2 * tiles_visited
-    else:
-        assert c.tma_loads == 0 and c.setmaxnreg == 0
     entries = int(np.prod(_batch(q, k, v)))
     rows, group = Lq * plan.gqa_group, plan.gqa_group
+    n_work = work_tiles(plan.tile, rows, entries // group)
+    if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
+        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+        persistent = S.ws_flags(plan.launches[0].name)[1]
+        assert persistent == plan.tile.persistent
+        # persistent: min(work tiles, SMs) blocks, each walking several work tiles; else one block per tile
+        sms = S.SM_COUNT or tiles.emulator_sm_count(90)
+        assert c.blocks == (min(n_work, sms) if persistent else n_work)
+        assert not persistent or plan.launches[0].grid == (c.blocks, 1, 1)
+        # ping-pong: per work tile, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
+        # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
+        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
+        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * n_work + 2 * tiles_visited
+        # TMA loads: per work tile Q (d/64 boxes; persistent: every tile, else those with a visible key),
+        # per visited key tile K and V (d/64 + dv/64 boxes)
+        q_tiles = n_work if persistent else n_work - _tiles_without_keys(plan.tile, rows, Lk, causal) * (entries // group)
+        assert c.tma_loads == (q_tiles * plan.tile.head_dim + tiles_visited * (plan.tile.head_dim + plan.tile.head_dim_v)) // 64
+    else:
+        assert c.tma_loads == 0 and c.setmaxnreg == 0
     assert c.tma_stores == (expected_tma_stores(plan.tile, rows, entries // group) if stores_by_tma(plan) else 0)
     if plan.gqa_group == 1:
         assert counters[0].wgmma == expected_wgmma(plan.tile, Lq, Lk, causal, entries) > 0
@@ -177,8 +200,8 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
         monkeypatch.setattr(S, "OVERLAP", overlap)
         launch._clear_plans()
         tile = sm90_plan(q, k, v, causal).tile
-        assert tile.tma and tile.overlap == overlap and tile.name_expression(causal, True).endswith(
-            "%s, %s>" % (str(causal).lower(), str(overlap).lower()))
+        assert tile.tma and tile.overlap == overlap and S._ws_args(tile.name_expression(causal, True))[5:7] == [
+            str(causal).lower(), str(overlap).lower()]
         got[overlap] = run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90",
                                    schedule=schedule, seed=seed)
     launch._clear_plans()
@@ -294,6 +317,118 @@ def test_tma_store_mutations_reported(mutated_source, old, new, match):
     assert stores_by_tma(sm90_plan(q, k, v, False))
     with pytest.raises(EmulatorError, match=match):
         run_forward("emulator", q, k, v, causal=False, kernel="wgmma", arch="sm_90")
+
+
+@pytest.fixture
+def persistent(monkeypatch):
+    """run(use, sm_count, q, k, v, causal, store=True, **opts): the forward with PERSISTENT = use, the
+    persistent grid sized for ``sm_count`` SMs (None: the emulator's natural count) and USE_TMA_STORE =
+    store; returns (plan, (out, lse), counters)."""
+    from flasharray._private import launch
+
+    def run(use, sm_count, q, k, v, causal, store=True, **opts):
+        monkeypatch.setattr(S, "PERSISTENT", use)
+        monkeypatch.setattr(S, "PERSISTENT_MAX_HEAD_DIM", 256)   # d = 256 too (the default leaves it out: spills)
+        monkeypatch.setattr(S, "SM_COUNT", sm_count)
+        monkeypatch.setattr(S, "USE_TMA_STORE", store)
+        launch._clear_plans()
+        plan = sm90_plan(q, k, v, causal)
+        counters = []
+        res = run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90", counters=counters, **opts)
+        return plan, res, counters[0]
+    yield run
+    launch._clear_plans()
+
+
+# (dtype, D, Lq, Lk, causal, gqa, layout, batch): Lq off the tile (a partial last query tile), several batch
+# entries (work tiles = query tiles x entries: 4 to 9), causal with Lq > Lk (query tiles that see no key:
+# their Q still loaded, their O zero), GQA broadcast, BSHD views, d 64 / 128 (sO in its own region) and
+# 256 (sO over sQ, released after the epilogue).
+PERSIST_CASES = [
+    ("float16", 64, 200, 300, True, False, "bhsd", (1, 2)),
+    ("bfloat16", 128, 330, 200, True, False, "bhsd", (1, 2)),
+    ("float16", 64, 77, 130, False, True, "bshd", (2, 3)),
+    ("bfloat16", 128, 150, 150, False, False, "bhsd", (3, 1)),
+    ("float16", 256, 150, 100, True, False, "bhsd", (1, 2)),
+]
+# forced SM counts (1: one block walks every tile; 2, 3: uneven splits) and the natural count (one tile per
+# block), each under another emulator schedule
+PERSIST_RUNS = [(1, "random", 11), (2, "reverse", 0), (3, "forward", 0), (None, "random", 4)]
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["tma_store", "row_store"])
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa,layout,batch", PERSIST_CASES)
+def test_persistent_matches_non_persistent_bits(persistent, dtype, D, Lq, Lk, causal, gqa, layout, batch, store):
+    """The persistent ws kernel (Is_persistent: min(work tiles, SMs) blocks walking the static scheduler's
+    tiles, the K / V ring's stages and parities running across tiles, sQ handed back per tile) gives the bits
+    of one block per tile, for 1, 2, 3 and the natural number of blocks, under permuted schedules; the
+    reference rule; TMA store and row stores."""
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=D + Lq, batch=batch)
+    plan, base, c0 = persistent(False, None, q, k, v, causal, store)
+    n_work = work_tiles(plan.tile, Lq, int(np.prod(batch)))
+    assert not plan.tile.persistent and c0.blocks == n_work and stores_by_tma(plan) == store
+    assert_attention_close(base[0], q, k, v, causal=causal, lse=base[1])
+    for sm_count, schedule, seed in PERSIST_RUNS:
+        plan, got, c = persistent(True, sm_count, q, k, v, causal, store, schedule=schedule, seed=seed)
+        assert plan.tile.persistent and S.ws_flags(plan.launches[0].name) == (store, True)
+        assert c.blocks == min(n_work, sm_count or tiles.emulator_sm_count(90)) == plan.launches[0].grid[0]
+        assert (c.wgmma, c.named_barriers, c.tma_stores) == (c0.wgmma, c0.named_barriers, c0.tma_stores)
+        for a, b in zip(got, base):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("sm_count", [1, 2, 3])
+def test_persistent_counts(monkeypatch, sm_count):
+    """check()'s accounting with several tiles per block: blocks, per-tile named-barrier phases, the Q
+    boxes of every work tile, the K / V boxes per visited key tile, the TMA stores."""
+    from flasharray._private import launch
+    monkeypatch.setattr(S, "SM_COUNT", sm_count)
+    launch._clear_plans()
+    check("bfloat16", 64, 130, 77, True, tma=True)            # Lq > Lk: a query tile with no visible key
+    check("float16", 128, 200, 130, False, layout="bshd", tma=True)
+    check("float16", 64, 1, 130, True, gqa=True)              # GQA-packed rows
+    launch._clear_plans()
+
+
+def test_persistent_layout_and_names():
+    """The persistent layout (sO past the ring where it fits, else over sQ grown by whole KB) and names."""
+    assert S.persistent_layout(64, 64, 128, 128) == (True, 0)
+    assert S.persistent_layout(128, 128, 128, 128) == (True, 0)
+    assert S.persistent_layout(256, 256, 128, 64) == (False, 2048)   # Br x 8 padding elements past sQ
+    for d, bc in ((64, 128), (128, 128), (256, 64)):
+        assert S.ws_smem_bytes(d, d, 128, bc, True, True) <= tiles.smem_limit(90)
+    assert S.ws_smem_bytes(128, 128, 128, 128, True, True) == 163840 + 128 * 136 * 2 + 8 * 10 + 1024
+    t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
+    ws = S.tma_tile(t, ())
+    assert ws.persistent == S.PERSISTENT
+    assert not S.tma_tile(S.forward_tile(np.float16, 256, 256, 90, kernel="wgmma"), ()).persistent  # spills
+    name = dataclasses.replace(ws, persistent=True).name_expression(True, True)
+    assert name == "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, false, true>"
+    assert S.with_tma_store(name).endswith("true, true, true, true>") and S.ws_flags(name) == (False, True)
+    assert S.ws_flags(S.with_tma_store(name)) == (True, True)
+
+
+_NO_Q_WAIT = ("    if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.empty_q, (k_tile - 1) & 1);\n", "")
+
+
+@pytest.mark.parametrize("old,new,D,match", [
+    # the producer not waiting for the consumers to hand sQ back: the next tile's Q lands under their wgmmas
+    (*_NO_Q_WAIT, 64, "fa::wgmma reads its A operand at .* the destination of a bulk copy"),
+    (*_NO_Q_WAIT, 256, "shared memory the wgmma of warpgroup . reads .* was written between its issue"),
+    # the ring's visit count restarted per tile: stages and parities out of step with the mbarriers' phases
+    ("    visit += n_block_max;\n", "    visit = 0;\n", 64, "deadlock: thread .* waits for the phase"),
+    # sQ never handed back (d = 64: separate sO, released after the S batches; d = 256: after the epilogue)
+    ("    if (Is_persistent && Tr::kSeparateO) fa::mbarrier_arrive(sm.empty_q);\n", "", 64, "deadlock"),
+    ("      fa::mbarrier_arrive(sm.empty_q);\n    }\n", "    }\n", 256, "deadlock"),
+])
+def test_persistent_mutations_reported(mutated_source, persistent, old, new, D, match):
+    """The emulator reports a persistent kernel (one block, four work tiles) that loads the next Q without
+    sQ's hand-back, restarts the K / V ring per tile, or never hands sQ back."""
+    from flasharray.emulator import EmulatorError
+    q, k, v = make_inputs(np.float16, D, 200, 300, seed=2)
+    mutated_source(old, new)
+    with pytest.raises(EmulatorError, match=match):
+        persistent(True, 1, q, k, v, True, schedule="random", seed=1)
 
 
 def test_tma_fallback_rules():

@@ -44,10 +44,12 @@ def instantiations(dtypes, head_dims):
             ws = S.tma_tile(t, ())  # the warp-specialized TMA instantiation (no tensors to refuse it)
             assert ws.tma and ws.n_threads == 384 and ws.overlap == S.OVERLAP
             # both consumer loops: overlapped (the default) and every batch waited for (OVERLAP = False)
-            for overlap in (True, False):
-                v = dataclasses.replace(ws, overlap=overlap,
+            # one block per work tile (overlapped and not) and, overlapped, the persistent kernel (Is_persistent)
+            # (d = 256 is not taken persistent: PERSISTENT_MAX_HEAD_DIM, its consumers spill)
+            for overlap, persistent in ((True, False), (False, False), (True, True))[:3 if d <= 128 else 2]:
+                v = dataclasses.replace(ws, overlap=overlap, persistent=persistent,
                                         smem=S.ws_smem_bytes(ws.head_dim, ws.head_dim_v, ws.block_m, ws.block_n,
-                                                             overlap))
+                                                             overlap, persistent))
                 for causal in (False, True):
                     found[v.name_expression(causal, True)] = v
                     if overlap == S.OVERLAP:  # + the TMA store of O (Is_tma_store)
@@ -56,7 +58,7 @@ def instantiations(dtypes, head_dims):
 
 
 def is_tma_store(name):
-    return name.startswith("flash::flash_fwd_sm90_ws_kernel<") and name.count(",") == 7 and name.endswith("true>")
+    return name.startswith("flash::flash_fwd_sm90_ws_kernel<") and S.ws_flags(name)[0]
 
 
 def store_checks(name, t, body):
@@ -175,7 +177,8 @@ def ws_checks(name, t, body, loop):
     lps = [lp for lp in lps if sum(1 for i in expect_tx if lp.start <= i.address <= lp.end) >= 2] or lps
     producer = min(lps, key=lambda lp: lp.stats.instructions)
     boxes = sum(1 for i in tma if producer.start <= i.address <= producer.end)
-    if boxes != (t.head_dim + t.head_dim_v) // 64:
+    # persistent: Q's boxes (issued after the tile's first K, on a branch) lie inside the visit loop too
+    if boxes != (t.head_dim + t.head_dim_v) // 64 + (t.head_dim // 64 if t.persistent else 0):
         problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes,
                                                                              (t.head_dim + t.head_dim_v) // 64))
     regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1

@@ -52,11 +52,34 @@ def smem_bytes(d, dv, block_m, block_n):
     return max(loop, epilogue) + _ALIGN
 
 
-def ws_smem_bytes(d, dv, block_m, block_n, overlap=True):
+def ws_smem_bytes(d, dv, block_m, block_n, overlap=True, persistent=False):
     """Mirror of Sm90WsTraits::kSmemBytes: the layout above, then 1 + 4 x STAGES mbarriers (8 bytes; 1 + 3 x
-    STAGES without the intra-warpgroup overlap, whose K and V stages share one empty barrier)."""
-    body = smem_bytes(d, dv, block_m, block_n) - _ALIGN
-    return (body + 7) // 8 * 8 + 8 * (1 + (4 if overlap else 3) * STAGES) + _ALIGN
+    STAGES without the intra-warpgroup overlap, whose K and V stages share one empty barrier). Persistent:
+    one more mbarrier (empty_q) and O's staging region (Br x (dv + 8) elements) past the K / V ring where it
+    fits, else over Q grown by whole KB (:func:`persistent_layout`)."""
+    bars = 1 + (4 if overlap else 3) * STAGES
+    if not persistent:
+        body = smem_bytes(d, dv, block_m, block_n) - _ALIGN
+        return (body + 7) // 8 * 8 + 8 * bars + _ALIGN
+    separate, pad = persistent_layout(d, dv, block_m, block_n, overlap)
+    loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
+    return pad + loop + (_o_bytes(dv, block_m) if separate else 0) + 8 * (bars + 1) + _ALIGN
+
+
+def _o_bytes(dv, block_m):
+    return 2 * block_m * (dv + 8)
+
+
+def persistent_layout(d, dv, block_m, block_n, overlap=True):
+    """Mirror of Sm90WsTraits<..., Is_persistent = true>: (kSeparateO, kOPad). sO gets its own region when
+    the ring, it and the mbarriers fit in 227 KB (d <= 128); else it lies over sQ, which moves up by kOPad
+    bytes (a multiple of 1 KB) so that sO covers nothing of the ring."""
+    bars = 2 + (4 if overlap else 3) * STAGES
+    loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
+    o_bytes, q_bytes = _o_bytes(dv, block_m), 2 * block_m * d
+    if loop + o_bytes + 8 * bars + _ALIGN <= 227 * 1024:
+        return True, 0
+    return False, -(-max(0, o_bytes - q_bytes) // 1024) * 1024
 
 
 @dataclass(frozen=True)
@@ -64,10 +87,13 @@ class Sm90Tile(tiles.FwdTile):
     """A :class:`tiles.FwdTile` of the wgmma kernel (kernel ``"wgmma"``; threads_m = warps). ``tma``:
     the warp-specialized instantiation (``flash_fwd_sm90_ws_kernel``: a producer warpgroup issuing TMA,
     tensor maps per call), else the cp.async one (``flash_fwd_sm90_kernel``). ``overlap`` (TMA only): the
-    consumers overlap their softmax with their own P V wgmmas (the kernel's ``Is_overlap``)."""
+    consumers overlap their softmax with their own P V wgmmas (the kernel's ``Is_overlap``). ``persistent``
+    (TMA only): the kernel's ``Is_persistent`` (:data:`PERSISTENT`: a grid of at most one block per SM, each
+    walking work tiles)."""
 
     tma: bool = False
     overlap: bool = False
+    persistent: bool = False
 
     @property
     def source(self):
@@ -80,6 +106,8 @@ class Sm90Tile(tiles.FwdTile):
             name = "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
                 tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
                 "true" if causal else "false", "true" if self.overlap else "false")
+            if self.persistent:
+                name = name[:-1] + ", false, true>"
             return with_tma_store(name) if tma_store else name
         return "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
             tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
@@ -146,6 +174,18 @@ USE_TMA_STORE = True
 #: Whether the TMA kernel overlaps each consumer warpgroup's softmax with its own P V wgmmas
 #: (FlashAttention-3's intra-warpgroup overlap, docs/hopper.md; tests turn it off to compare the bits).
 OVERLAP = True
+#: Whether the TMA kernel is persistent (``Is_persistent``): a grid of min(work tiles, SMs) blocks, each walking
+#: (query tile, batch entry) work tiles of a static scheduler (causal: longest first). Tests turn it off to
+#: compare the bits, and set :data:`SM_COUNT`.
+PERSISTENT = True
+#: The SM count the persistent grid is sized for; None: the device's (CuPy: ``MultiProcessorCount``; the
+#: emulator: ``tiles.emulator_sm_count``). Tests force small counts (several tiles per block).
+SM_COUNT = None
+#: The largest padded head dim (d and dv) the persistent kernel is taken for: at 256 its consumers spill
+#: (28-116 spill stores under setmaxnreg 240: the tile loop's live state on top of the key loop's ~222
+#: registers), so d = 256 keeps one block per work tile. Tests raise it to run the d = 256 persistent kernel
+#: (O staged over sQ) on the emulator.
+PERSISTENT_MAX_HEAD_DIM = 128
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -186,10 +226,23 @@ def out_tma_legal(out):
     return why
 
 
+def _ws_args(name_expr):
+    head = "flash::flash_fwd_sm90_ws_kernel<"
+    assert name_expr.startswith(head) and name_expr.endswith(">") and name_expr.count(",") in (6, 7, 8), name_expr
+    return name_expr[len(head):-1].split(", ")
+
+
 def with_tma_store(name_expr):
-    """The ws kernel's instantiation ``name_expr`` with ``Is_tma_store`` set (its last template argument)."""
-    assert name_expr.startswith("flash::flash_fwd_sm90_ws_kernel<") and name_expr.count(",") == 6, name_expr
-    return name_expr[:-1] + ", true>"
+    """The ws kernel's instantiation ``name_expr`` with ``Is_tma_store`` set (its eighth template argument)."""
+    args = _ws_args(name_expr)
+    args[7:8] = ["true"]
+    return "flash::flash_fwd_sm90_ws_kernel<%s>" % ", ".join(args)
+
+
+def ws_flags(name_expr):
+    """(Is_tma_store, Is_persistent) of a ws kernel instantiation's name."""
+    args = _ws_args(name_expr) + ["false", "false"]
+    return args[7] == "true", args[8] == "true"
 
 
 def tma_tile(tile, arrays):
@@ -202,9 +255,18 @@ def tma_tile(tile, arrays):
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
                   ", softmax overlapped with P V" if OVERLAP else ""))
-    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, threads_m=warps,
-                               smem=ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP),
+    persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= PERSISTENT_MAX_HEAD_DIM
+    if persistent:
+        reason += ", persistent (static tile scheduler)"
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP, persistent)
+    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, persistent=persistent, threads_m=warps, smem=smem,
                                reason=reason)
+
+
+def persistent_grid(launcher, work_tiles):
+    """Blocks of a persistent launch: min(work tiles, SMs), the SMs :data:`SM_COUNT` or the device's."""
+    sms = SM_COUNT or getattr(launcher, "sm_count", None) or tiles.emulator_sm_count(launcher.arch)
+    return max(1, min(work_tiles, int(sms)))
 
 
 def _map_geometry(n_cols, rows, batch_strides, row_stride, itemsize, dims):
@@ -252,6 +314,7 @@ def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys
     gy, gz = part.grid_yz
     args = (L.Ptr(keys[3], oo), L.Ptr(keys[4], lo), L.c_int(Lq), L.c_int(Lk), L.c_int(Dv), L.c_int(part.dims[2]),
             *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
-            scale_log2, L.c_int(bcast), *maps)
-    plan_launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz), (tile.n_threads, 1, 1), args,
+            scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), *maps)
+    grid = (persistent_grid(launcher, grid_x * gy * gz), 1, 1) if tile.persistent else (grid_x, gy, gz)
+    plan_launches.append(L.Recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
                                     shared_mem=tile.smem))
