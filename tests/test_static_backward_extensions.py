@@ -52,17 +52,22 @@ def instantiations(arch, variants, causals=(False, True), ordered_variants=()):
 #: Extension subsets that spilled at the 255-register cap on sm_80 or sm_90 before the spill audit
 #: (benchmarks/spill_audit.py, docs/performance.md "Spill audit of the extension subsets"), fp16,
 #: causal: (role, head dim, kExt) — "dq" the recomputing dQ kernel, "atomic" the dK/dV kernel with
-#: atomic dQ. Softcap, dropout, ALiBi (and lengths) at head dim 128; all four at 256 (sm_80).
-#: Still spilling, not listed: the sm_90 d 256 causal dK/dV kernels with ALiBi or softcap (docs).
+#: atomic dQ, "dkv" the recomputing mode's dK/dV kernel. Softcap, dropout, ALiBi (and lengths) at
+#: head dim 128; all four at 256 (sm_80); at 256 on sm_90, ALiBi with the others in the atomic
+#: dK/dV kernel and ALiBi with lengths in the recomputing one (double-buffered: now single,
+#: ``cuda_backward._dkv_stages``).
 SPILLED = ([("dq", 128, bits) for bits in (4, 16, 18, 20, 22, 36, 48, 50, 52, 54)]
-           + [("atomic", 128, 54), ("dq", 256, 54)])
+           + [("atomic", 128, 54), ("dq", 256, 54)]
+           + [("atomic", 256, bits) for bits in (2, 18, 22, 34, 50, 54)]
+           + [("dkv", 256, bits) for bits in (34, 38, 50, 54)])
 
 
 def spilled_instantiations(arch, cases=SPILLED, dtype="float16"):
     """{source: {name_expression: BwdTiles}} of ``cases`` (role, head dim, kExt), causal."""
     found = {}
     for role, d, bits in cases:
-        plan = cuda_backward.kernel_plan(dtype, d, d, causal=True, deterministic=role == "dq", arch=arch, ext=bits)
+        plan = cuda_backward.kernel_plan(dtype, d, d, causal=True, deterministic=role != "atomic", arch=arch,
+                                         ext=bits)
         source, name, t = plan["dq" if role == "dq" else "dkv"]
         found.setdefault(source, {})[name] = t
     return found

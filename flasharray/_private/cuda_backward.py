@@ -199,7 +199,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, _b(atomic)), None)}
     if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=bool(ext))
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=bool(ext))
         plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
             _b(atomic), _b(vec), t_kv.stages, x), t_kv)
@@ -281,6 +281,23 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
 
 _OPTIONS = {"schedule", "seed", "arch", "kernel", "stages", "dq", "precision", "return_counters"}
 _INPUTS = ("dout", "q", "k", "v", "out", "lse")
+
+
+#: kExt bits of ALiBi and of the per-entry lengths (``cuda_forward.EXT_BITS``).
+ALIBI_BIT, LENGTHS_BIT = 2, 32
+
+
+def _dkv_stages(stages, atomic, causal, ext, wide):
+    """Buffers of the "tc" dK/dV kernel's streamed Q_i / dO_i tiles: ``stages`` if forced, else the
+    tile table's choice — except one buffer for the causal kernels with ALiBi above padded head dim
+    128 (``wide``) that spilled double-buffered (sm_90, the only arch whose shared memory fits two
+    buffers at d 256): the atomic one (80-192 bytes) and, with lengths, the recomputing mode's
+    (60-176 bytes). Single-buffered neither spills (docs/performance.md, "Spill audit of the
+    extension subsets"); the other subsets keep two buffers."""
+    if (stages is None and causal and ext & ALIBI_BIT and wide > 128
+            and (atomic or ext & LENGTHS_BIT)):
+        return 1
+    return stages
 
 
 #: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: ALiBi, softcap,
