@@ -64,14 +64,18 @@ def run_wgmma(p, *, deterministic=True, **opts):
     name, c = dkv[0]
     flags = template_flags(name)
     ws = name.startswith(S.WS_KERNEL)
-    assert flags[-2 if ws else -1] == deterministic, name  # ordered or not
+    assert flags[-3 if ws else -1] == deterministic, name  # ordered or not
     if ws:  # TMA boxes, no copy instruction, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
     else:
         assert c.tma_loads == 0 and c.setmaxnreg == 0
     # Is_tma_store: one TMA store per 64 columns of D and of Dv per block (dK_j, dV_j); none otherwise
     D, Dv = p.q.shape[-1], p.v.shape[-1]
-    assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-1] else 0), name
+    assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-2] else 0), name
+    # Is_dq_bulk: dQ by the dQ warp's bulk reduce-adds, no atomic anywhere
+    assert (ws and flags[-1]) == (ws and S.dq_bulk(*S.pad_head_dims(D, Dv))), name
+    if ws and flags[-1]:
+        assert c.atomics == 0, name
     if not deterministic:
         assert c.sem_waits == 0
     return grads, c
@@ -222,7 +226,10 @@ def test_ws_ordered_counts_one_wait_per_visit():
     per block two more, the dK / dV epilogue's (operands idle, staged tiles complete)."""
     p = Problem(np.float16, 64, 70, 300, causal=True, batch_q=(1, 2), batch_k=(1, 2))
     _, c = run_wgmma(p, schedule="reverse")
-    assert c.sem_waits == 12 and c.named_barriers == 24 + 2 * 6 and c.blocks == 6
+    # Is_dq_bulk (DQ_BULK): the dQ warp takes the turn (its group barrier twice per visit), the consumers keep
+    # one barrier per visit (dS^T staged)
+    visit_bars = 12 + 2 * 12 if S.DQ_BULK else 2 * 12
+    assert c.sem_waits == 12 and c.named_barriers == visit_bars + 2 * 6 and c.blocks == 6
 
 
 def test_ws_plan_maps():
@@ -244,7 +251,9 @@ def test_ws_plan_maps():
     assert sel & 7 == 1 and (sel >> 9) & 7 == 1  # q, dout: first batch dim of the map = the group entry
     assert all((sel >> (9 * m)) & 7 != 1 for m in (2, 3, 4, 5))  # k, v, dk, dv: no group
     t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
-    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48
+    # (+ the bulk dQ's buffers of Br x d floats with two mbarriers each and dq_accum's batch offset)
+    dq = S.dq_buffers(64, 64) * (64 * 64 * 4 + 16) + (8 if S.DQ_BULK else 0)
+    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48 + dq
 
 
 def test_wgmma_backward_tile():
@@ -255,14 +264,14 @@ def test_wgmma_backward_tile():
                           ordered=True)["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false, true, true>"
     assert ks["dkv"][2].n_threads == 384
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         acc_dkv=True)  # fp32 partial sums (K/V broadcast over the grid): no TMA store
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, float, 64, 128, 48, 64, 128, true, false, false>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, float, 64, 128, 48, 64, 128, true, false, false, true>"
 
 
 def test_wgmma_backward_tile_head_dim_split():
@@ -278,7 +287,7 @@ def test_wgmma_backward_tile_head_dim_split():
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true, true, false>"
     name = cb.kernel_plan(bfloat16, 40, 130, causal=False, deterministic=False, arch=90, kernel="wgmma")["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
 
@@ -370,7 +379,7 @@ def test_ws_partial_sums_keep_fragment_stores():
     plan = cb.plan(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
                    deterministic=False, kernel="wgmma", arch="sm_90")
     rec = [r for r in plan.launches if r.name.startswith(S.WS_KERNEL)]
-    assert plan.partial and rec and all(template_flags(r.name)[-1] is False and ", float," in r.name for r in rec)
+    assert plan.partial and rec and all(template_flags(r.name)[-2] is False and ", float," in r.name for r in rec)
     assert all([m.key for m in r.template if isinstance(m, launch.Map)][4:] == ["q", "dout"] for r in rec)
 
 
