@@ -408,7 +408,7 @@ def _mutant(monkeypatch, old, new):
     assert src.count(old) == 1, old
     real = launch.kernel_source
     monkeypatch.setattr(launch, "kernel_source", lambda n: src.replace(old, new) if n == S.SOURCE else real(n))
-    monkeypatch.setattr(launch, "_digest", "mutant-%x" % (hash(new) & 0xffffffff))  # a new module cache key
+    monkeypatch.setattr(launch, "_digest", "mutant-%x" % (hash((old, new)) & 0xffffffff))  # a new module cache key
 
 
 @pytest.mark.parametrize("old,new,match", [
@@ -427,6 +427,112 @@ def test_ws_tma_store_mutations_reported(monkeypatch, old, new, match):
         launch._clear_plans()  # (plans hold their kernels)
         with pytest.raises(emulator.EmulatorError, match=match):
             run_wgmma(p, deterministic=False)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
+
+
+# ---- the ws kernel's bulk dQ (Is_dq_bulk: FlashAttention-3's dQ warp and cp.reduce.async.bulk) -------------
+
+def _bulk_vs_atomic(p, deterministic, **opts):
+    """The ws kernel's gradients with the bulk dQ and with the consumers' atomics (DQ_BULK off), same inputs
+    and emulator options; both runs' counters."""
+    new, c_new = run_wgmma(p, deterministic=deterministic, **opts)
+    try:
+        S.DQ_BULK = False
+        launch._clear_plans()
+        old, c_old = run_wgmma(p, deterministic=deterministic, **opts)
+    finally:
+        S.DQ_BULK = True
+        launch._clear_plans()
+    assert c_new.atomics == 0 and c_old.atomics > 0 and c_new.tma_loads > 0 and c_old.tma_loads > 0
+    return new, old, c_new, c_old
+
+
+BULK_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", "random", 3),     # 3 key blocks per dQ element
+    (bfloat16, 128, 128, (130, 300), True, "none", "bhsd", "reverse", 0),   # causal, tails
+    (np.float16, 40, 72, (130, 200), True, "gqa", "bshd", "random", 11),    # kDQDim 48 < d 64, GQA, BSHD
+]
+BULK_SLOW = [
+    (bfloat16, 64, 128, (200, 390), False, "mqa", "bhsd", "random", 5),
+    (np.float16, 128, 64, (129, 65), True, "none", "bhsd", "forward", 0),   # Lq > Lk: rows that see no key
+    (bfloat16, 96, 96, (257, 513), True, "gqa", "bshd", "random", 7),
+]
+
+
+def _check_bulk_case(dtype, D, Dv, lengths, causal, bcast, layout, schedule, seed):
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    # ordered: the same adds in the same (key-block) order, each an fp32 round-to-nearest add: the bits of the
+    # atomic ordered mode, whatever the schedule (the atomic run under the forward schedule)
+    new, old, c_new, _ = _bulk_vs_atomic(p, True, schedule=schedule, seed=seed)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    assert c_new.sem_waits > 0
+    # plain (atomic mode): the adds in any order; dk, dv unaffected (bits), dq within the test rule
+    new, old, _, _ = _bulk_vs_atomic(p, False, schedule=schedule, seed=seed)
+    for a, b in zip(new[1:], old[1:]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    np.testing.assert_allclose(new[0].astype(np.float32), old[0].astype(np.float32), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", BULK_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_bulk_dq_matches_atomics(case):
+    """Bulk dQ against the consumers' atomics: ordered, bit-identical dq, dk, dv (same addition order) under a
+    permuted schedule; plain, the gradients against the float64 reference and dq close to the atomic run's."""
+    _check_bulk_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BULK_SLOW, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_bulk_dq_matches_atomics_more(case):
+    _check_bulk_case(*case)
+
+
+@pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 1), ("random", 2), ("random", 9)])
+def test_ws_bulk_dq_ordered_bits_identical_under_schedules(schedule, seed):
+    """Ordered bulk dQ: five key blocks add to every dQ element; the same bits under every schedule."""
+    p = Problem(np.float16, 128, 70, 600, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    base, c = run_wgmma(p, schedule="forward")
+    got, _ = run_wgmma(p, schedule=schedule, seed=seed)
+    assert c.atomics == 0
+    for a, b in zip(base, got):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_ws_bulk_dq_not_taken_by_the_head_dim_split():
+    """d or dv above 128: a Br x 256 fp32 tile does not fit beside the split's tiles: the atomics stay."""
+    assert not S.dq_bulk(256, 256) and not S.dq_bulk(128, 256) and S.dq_bulk(128, 128) and S.dq_bulk(64, 128)
+    assert S.dq_buffers(128, 128) == 2 and S.dq_buffers(64, 64) == 2 and S.dq_buffers(256, 256) == 0
+    for D in (128, 64):
+        t = S.ws_tile(S.backward_tile(None, np.float16, D, D, 90), D, D)
+        assert t.smem <= 227 * 1024
+
+
+@pytest.mark.parametrize("old,new,match,deterministic", [
+    ("        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...\n",
+     "", r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
+    ("      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
+     r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
+     True),
+    ("      fa::bulk_wait_read<0>();\n", "",
+     r"fa::bulk_wait: the source of a bulk reduce-add .* was overwritten between its issue", False),
+], ids=["no-fence", "turn-before-completion", "buffer-freed-unread"])
+def test_ws_bulk_dq_mutations_reported(monkeypatch, old, new, match, deterministic):
+    """The emulator reports the consumers' dQ stores without their fence.proxy.async, the turn passed on after
+    the bulk reduce's .read wait only (its adds still in flight: the next key block could add first), and
+    (plain mode, 4 visits per block) the buffer freed without waiting for the reduce's read (the consumers'
+    tile two visits later overwrites the source before the final wait)."""
+    from flasharray import emulator
+    p = Problem(np.float16, 64, 200, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    _mutant(monkeypatch, old, new)
+    try:
+        launch._clear_plans()
+        with pytest.raises(emulator.EmulatorError, match=match):
+            run_wgmma(p, deterministic=deterministic)
     finally:
         monkeypatch.undo()
         launch._clear_plans()
