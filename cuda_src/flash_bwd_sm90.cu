@@ -992,8 +992,11 @@ flash_bwd_sm90_ws_kernel(
                                       });
     return;
   }
-  OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row}));
-  OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row}));
+  // (Is_dq_bulk: the batch index re-read from blockIdx; carried across the loop it spilled 4/8 bytes at d = 128
+  // ordered with this epilogue, measured)
+  const BatchIndex be = Is_dq_bulk ? batch_index_reread(nb2) : b;
+  OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : be.offset({dk_b0, dk_b1, dk_b2, dk_row}));
+  OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : be.offset({dv_b0, dv_b1, dv_b2, dv_row}));
   if constexpr (sizeof(OutT) == 2)
     epilogue_dk_dv_sm90<Tr, OutT, Tr::kConsumerThreads>(
         smem_raw, acc_dk, acc_dv, dk_b + static_cast<long long>(c0) * dk_row, dk_row,
