@@ -560,6 +560,31 @@ __device__ __forceinline__ void tma_store_wait() {
     static_assert(sm90_ok<N>::value, "fa:: mbarrier and bulk copies need sm_90+");
     asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
 }
+// 1-D bulk reduce-add shared -> global, fp32 (FlashAttention-3's dQ accumulation): gmem_dst and smem_src 16-byte
+// aligned, bytes a positive multiple of 16; the source as for tma_store (fence_proxy_async before the issue,
+// unchanged until bulk_wait_read<N>() covers its group); the adds land at completion: bulk_wait<N>().
+template <class Sm90 = void>
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, int bytes) {
+    FA_SM90_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                :: "l"(gmem_dst), "r"(smem_u32(smem_src)), "r"(bytes) : "memory");
+}
+// The bulk async-group's commit (= tma_store_commit) and waits: .read (source read) and completion.
+template <class Sm90 = void>
+__device__ __forceinline__ void bulk_commit() {
+    FA_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    static_assert(N >= 0 && N <= 7, "fa::bulk_wait_read: N must be in [0, 7]");
+    static_assert(sm90_ok<N>::value, "fa:: mbarrier and bulk copies need sm_90+");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::bulk_wait: N must be in [0, 7]");
+    static_assert(sm90_ok<N>::value, "fa:: mbarrier and bulk copies need sm_90+");
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
 // Brings the tensor map into the cache ahead of its first use (a hint).
 template <class Sm90 = void>
 __device__ __forceinline__ void tma_prefetch(const CUtensorMap* tmap) {

@@ -163,11 +163,9 @@ __device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_
 // bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t + (e & 1), head dim
 // row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query block's accumulator + this lane's part of
 // DQAccumLayout::offset (see the kernels): each element adds a constant, one address then immediates.
-template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
-                                                int row, float* dqa_i) {
-  using Acc = DQAccumLayout<kDQDim>;
-  float acc_dq[kBlockM / 2];
+template <typename T, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
+                                              const unsigned char* sdS, int p) {
   fa::wgmma_fence_operand(acc_dq);
   fa::wgmma_fence();
 #pragma unroll
@@ -177,10 +175,35 @@ __device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const u
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_dq);
+}
+
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
+                                                int row, float* dqa_i) {
+  using Acc = DQAccumLayout<kDQDim>;
+  float acc_dq[kBlockM / 2];
+  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
 #pragma unroll
   for (int e = 0; e < kBlockM / 2; ++e) {
     if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
       fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
+  }
+}
+
+// Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
+// layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp has
+// released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_to_smem_sm90(const unsigned char* sK, const unsigned char* sdS, int p, int row,
+                                                float* sdq_i, uint64_t* dq_empty, int empty_parity) {
+  using Acc = DQAccumLayout<kDQDim>;
+  float acc_dq[kBlockM / 2];
+  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
+  fa::mbarrier_wait_parity(dq_empty, empty_parity);
+#pragma unroll
+  for (int e = 0; e < kBlockM / 2; ++e) {
+    if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
+      sdq_i[Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1))] = acc_dq[e];
   }
 }
 
@@ -608,9 +631,10 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 // q and dout maps in their places (unused).
 namespace fa_bwd {
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_dq_bulk = false>
 struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  static_assert(!Is_dq_bulk || !Base::kSplitD, "the bulk dQ: d, dv <= 128 (a 256-column fp32 tile does not fit)");
   static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
@@ -618,14 +642,27 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kdSBytes = kBlockN * kBlockM * 2;
   static constexpr int kdS = Base::kdS;                                   // [stage] dS^T, Bc x Br
   static constexpr int kStats = kdS + Base::kStages * kdSBytes;            // per stage: L_i·log2e, D_i
-  static constexpr int kBarOffset = kStats + Base::kStages * 2 * kBlockM * 4;
-  static constexpr int kBars = 1 + 2 * Base::kStages;                      // kv, full[stage], empty[stage]
+  // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumLayout, Br x d bytes reserved), two
+  // where they fit in the opt-in maximum (the consumers run one visit ahead of the dQ warp), else one.
+  static constexpr int kDQAcc = kStats + Base::kStages * 2 * kBlockM * 4;
+  static constexpr int kDQTileBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kSmemLimit = 227 * 1024;
+  // batch offsets (elements) in shared memory: head-dim split dq_accum's, dk's, dv's; Is_dq_bulk dq_accum's
+  static constexpr int kOffsetsBytes = Base::kSplitD ? 3 * 8 : Is_dq_bulk ? 8 : 0;
+  static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + 8 + kOffsetsBytes + Base::kAtomBytes;
+  static constexpr int kDQBufs = !Is_dq_bulk ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
+  static constexpr int kBarOffset = kDQAcc + kDQBufs * kDQTileBytes;
+  static constexpr int kBars = 1 + 2 * Base::kStages + 2 * kDQBufs;  // kv, full[stage], empty[stage], dQ full/empty
   static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
   static constexpr int kOffsetsOffset = kTurnOffset + 8;  // head-dim split: dq_accum's, dk's, dv's batch offsets
-  static constexpr int kSmemBytes = kOffsetsOffset + (Base::kSplitD ? 3 * 8 : 0) + Base::kAtomBytes;
+  static constexpr int kSmemBytes = kOffsetsOffset + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
+  static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
+  static constexpr int kDQThreads = 128 * Base::kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+  static_assert(kDQAcc % 128 == 0 && kDQTileBytes % 128 == 0, "the dQ buffers: 16-byte (bulk copy) aligned");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory within the opt-in maximum");
 };
 
 // The ws kernel's dV batch, issued between the dP^T batch's commit and its wait (gemm_qk_sm90's `issued`).
@@ -637,10 +674,48 @@ struct IssueDvSm90 {
   __device__ __forceinline__ void operator()() const { issue_rs_sm90<T, kHeadDimV, kBlockM>(acc_dv, a_p, sdO_i); }
 };
 
+// Is_dq_bulk: the dQ warp (warp 1 of the producer warpgroup, at its setmaxnreg count). Per visit (query block i
+// of group entry grp, in the consumers' order): wait until the consumers filled buffer visit mod kDQBufs
+// (dq_full: their generic stores, fenced for the async proxy, then released by the arrival); ordered, take
+// the turn at (grp, i) (the group semaphore over this warp); lane 0 adds the whole tile to the accumulator
+// with one bulk reduce-add, waits for the source's read and frees the buffer (dq_empty). Ordered, it waits
+// for the adds' completion (wait_group 0, not .read) before the post passes the turn on: the next key
+// block's adds must land after them (a post after .read alone would publish adds still in flight).
+// The accumulator of group entry 0 is dq_accum + dqa_off[0] and its counter of query block 0 *turn0 (both
+// 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read from shared
+// memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes, measured).
+template <typename Tr, int kDQDim, int kBlockM, bool kOrderedDQ>
+__device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, uint64_t* dq_full, uint64_t* dq_empty,
+                                                    float* dq_accum, const long long* dqa_off, int* const* turn0,
+                                                    long long dqa_g, int n_visits, int i_begin, int n_qblocks) {
+  const bool issuer = threadIdx.x % 32 == 0;
+  for (int visit = 0, grp = 0, i = i_begin; visit < n_visits; ++visit) {
+    const int bf = visit % Tr::kDQBufs;
+    fa::mbarrier_wait_parity(dq_full + bf, (visit / Tr::kDQBufs) & 1);
+    if constexpr (kOrderedDQ)
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, static_cast<int>(blockIdx.x), Tr::kDQBarrier, 32);
+    if (issuer) {
+      fa::bulk_reduce_add_f32(dq_accum + *dqa_off + grp * dqa_g + static_cast<long long>(i) * kBlockM * kDQDim,
+                              sdQ + bf * Tr::kDQTileBytes, kBlockM * kDQDim * 4);
+      fa::bulk_commit();
+      fa::bulk_wait_read<0>();
+      fa::mbarrier_arrive(dq_empty + bf);  // the source read: the consumers may refill the buffer
+      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on
+    }
+    if constexpr (kOrderedDQ)
+      fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kDQBarrier, 32);
+    else
+      __syncwarp();
+    const bool wrap = i + 1 == n_qblocks;
+    i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+  }
+  if (issuer) fa::bulk_wait<0>();
+}
+
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kOrderedDQ, bool Is_tma_store>
+          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -657,7 +732,7 @@ flash_bwd_sm90_ws_kernel(
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
     const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v,
     const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
-  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
@@ -686,6 +761,9 @@ flash_bwd_sm90_ws_kernel(
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);  // K_j, V_j landed
   uint64_t* full = bar_kv + 1;        // [stage]: Q_i, dO_i landed, L_i, D_i stored
   uint64_t* empty = full + kStages;   // [stage]: every consumer thread is done with the stage
+  uint64_t* dq_full = empty + kStages;      // Is_dq_bulk [buffer]: the dQ^T warpgroups stored the tile
+  uint64_t* dq_empty = dq_full + Tr::kDQBufs;  // [buffer]: the dQ warp's bulk reduce has read it
+  float* sdQ = reinterpret_cast<float*>(smem + Tr::kDQAcc);  // [buffer] one query block's dQ (DQAccumLayout)
   // Ordered dQ: the counter of (group entry 0, query block 0); (grp, i) is grp·dqa_g + i further (counters
   // and accumulator elements are both 4 bytes). Kept in shared memory, read where the leader needs it: a
   // pointer live across the consumers' loop costs the registers its peak does not have (spills at d = 128).
@@ -714,8 +792,13 @@ flash_bwd_sm90_ws_kernel(
       fa::mbarrier_init(full + s, Tr::kProducerLanes);
       fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
     }
+    for (int bf = 0; bf < Tr::kDQBufs; ++bf) {
+      fa::mbarrier_init(dq_full + bf, Tr::kDQThreads);
+      fa::mbarrier_init(dq_empty + bf, 1);
+    }
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
     if constexpr (kOrderedDQ) *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
+    if constexpr (Is_dq_bulk) const_cast<long long*>(batch_off)[0] = b.offset({dqa_b0, dqa_b1, dqa_b2, 0});
     if constexpr (Tr::kSplitD) {
       long long* off = const_cast<long long*>(batch_off);
       off[0] = b.offset({dqa_b0, dqa_b1, dqa_b2, 0}), off[1] = b.offset({dk_b0, dk_b1, dk_b2, dk_row});
@@ -758,7 +841,12 @@ flash_bwd_sm90_ws_kernel(
   if (wg == 0) {
     // ---- producer: K_j, V_j once, then the visits one stage ahead of the consumers ----
     fa::setmaxnreg_dec<flash::kWsProducerRegs>();
-    if (!loader) return;  // warps 1-3: nothing to do
+    if constexpr (Is_dq_bulk)
+      if (tid / 32 == 1)
+        dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kOrderedDQ>(reinterpret_cast<const unsigned char*>(sdQ), dq_full,
+                                                             dq_empty, dq_accum, batch_off, turn0, dqa_g, n_visits,
+                                                             i_begin, n_qblocks);
+    if (!loader) return;  // warps 1-3: nothing to do (Is_dq_bulk: warp 1 wrote dQ)
     const bool leader = fa::elect_one();
     if (n_visits > 0 && leader) {
       fa::mbarrier_arrive_expect_tx(bar_kv, Tr::kKBytes + Tr::kVBytes);
@@ -856,7 +944,7 @@ flash_bwd_sm90_ws_kernel(
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
     // the producer runs on).
     fa::fence_proxy_async();
-    if constexpr (kOrderedDQ)
+    if constexpr (kOrderedDQ && !Is_dq_bulk)
       fa::sem_wait_group(*turn0 + grp * dqa_g + i, static_cast<int>(blockIdx.x), Tr::kConsumerBarrier,
                          Tr::kConsumerThreads);
     else
@@ -865,7 +953,16 @@ flash_bwd_sm90_ws_kernel(
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
     fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
-    if (cwg < Tr::kDQWarpgroups)
+    if constexpr (Is_dq_bulk) {
+      if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup)
+        const int bf = visit % Tr::kDQBufs;
+        dq_to_smem_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, dq_row,
+                                                               sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
+                                                               dq_empty + bf, ((visit / Tr::kDQBufs) & 1) ^ 1);
+        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...
+        fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
+      }
+    } else if (cwg < Tr::kDQWarpgroups)
 #pragma unroll
       for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
         dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
@@ -873,7 +970,7 @@ flash_bwd_sm90_ws_kernel(
             (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
-    if constexpr (kOrderedDQ)
+    if constexpr (kOrderedDQ && !Is_dq_bulk)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     const bool wrap = i + 1 == n_qblocks;
     i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
@@ -895,8 +992,11 @@ flash_bwd_sm90_ws_kernel(
                                       });
     return;
   }
-  OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : b.offset({dk_b0, dk_b1, dk_b2, dk_row}));
-  OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : b.offset({dv_b0, dv_b1, dv_b2, dv_row}));
+  // (Is_dq_bulk: the batch index re-read from blockIdx; carried across the loop it spilled 4/8 bytes at d = 128
+  // ordered with this epilogue, measured)
+  const BatchIndex be = Is_dq_bulk ? batch_index_reread(nb2) : b;
+  OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : be.offset({dk_b0, dk_b1, dk_b2, dk_row}));
+  OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : be.offset({dv_b0, dv_b1, dv_b2, dv_row}));
   if constexpr (sizeof(OutT) == 2)
     epilogue_dk_dv_sm90<Tr, OutT, Tr::kConsumerThreads>(
         smem_raw, acc_dk, acc_dv, dk_b + static_cast<long long>(c0) * dk_row, dk_row,

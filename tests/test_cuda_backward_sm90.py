@@ -64,14 +64,18 @@ def run_wgmma(p, *, deterministic=True, **opts):
     name, c = dkv[0]
     flags = template_flags(name)
     ws = name.startswith(S.WS_KERNEL)
-    assert flags[-2 if ws else -1] == deterministic, name  # ordered or not
+    assert flags[-3 if ws else -1] == deterministic, name  # ordered or not
     if ws:  # TMA boxes, no copy instruction, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
     else:
         assert c.tma_loads == 0 and c.setmaxnreg == 0
     # Is_tma_store: one TMA store per 64 columns of D and of Dv per block (dK_j, dV_j); none otherwise
     D, Dv = p.q.shape[-1], p.v.shape[-1]
-    assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-1] else 0), name
+    assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-2] else 0), name
+    # Is_dq_bulk: dQ by the dQ warp's bulk reduce-adds, no atomic anywhere
+    assert (ws and flags[-1]) == (ws and S.dq_bulk(*S.pad_head_dims(D, Dv))), name
+    if ws and flags[-1]:
+        assert c.atomics == 0, name
     if not deterministic:
         assert c.sem_waits == 0
     return grads, c
@@ -222,7 +226,10 @@ def test_ws_ordered_counts_one_wait_per_visit():
     per block two more, the dK / dV epilogue's (operands idle, staged tiles complete)."""
     p = Problem(np.float16, 64, 70, 300, causal=True, batch_q=(1, 2), batch_k=(1, 2))
     _, c = run_wgmma(p, schedule="reverse")
-    assert c.sem_waits == 12 and c.named_barriers == 24 + 2 * 6 and c.blocks == 6
+    # Is_dq_bulk (DQ_BULK): the dQ warp takes the turn (its group barrier twice per visit), the consumers keep
+    # one barrier per visit (dS^T staged)
+    visit_bars = 12 + 2 * 12 if S.DQ_BULK else 2 * 12
+    assert c.sem_waits == 12 and c.named_barriers == visit_bars + 2 * 6 and c.blocks == 6
 
 
 def test_ws_plan_maps():
@@ -244,7 +251,9 @@ def test_ws_plan_maps():
     assert sel & 7 == 1 and (sel >> 9) & 7 == 1  # q, dout: first batch dim of the map = the group entry
     assert all((sel >> (9 * m)) & 7 != 1 for m in (2, 3, 4, 5))  # k, v, dk, dv: no group
     t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
-    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48
+    # (+ the bulk dQ's buffers of Br x d floats with two mbarriers each and dq_accum's batch offset)
+    dq = S.dq_buffers(64, 64) * (64 * 64 * 4 + 16) + (8 if S.DQ_BULK else 0)
+    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48 + dq
 
 
 def test_wgmma_backward_tile():
@@ -255,14 +264,14 @@ def test_wgmma_backward_tile():
                           ordered=True)["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, false, true, true>"
     assert ks["dkv"][2].n_threads == 384
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 64, 128, 48, 64, 128, true, true, true, true>"
     ks = cb.kernel_plan(np.float16, 40, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         acc_dkv=True)  # fp32 partial sums (K/V broadcast over the grid): no TMA store
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, float, 64, 128, 48, 64, 128, true, false, false>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, float, 64, 128, 48, 64, 128, true, false, false, true>"
 
 
 def test_wgmma_backward_tile_head_dim_split():
@@ -278,7 +287,7 @@ def test_wgmma_backward_tile_head_dim_split():
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
                         ordered=True)
-    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true, true>"
+    assert ks["dkv"][1] == "flash_bwd_sm90_ws_kernel<fa_half, fa_half, 256, 128, 208, 64, 64, true, true, true, false>"
     name = cb.kernel_plan(bfloat16, 40, 130, causal=False, deterministic=False, arch=90, kernel="wgmma")["dkv"][1]
     assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
 
@@ -370,7 +379,7 @@ def test_ws_partial_sums_keep_fragment_stores():
     plan = cb.plan(*p.args("emulator"), causal=True, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
                    deterministic=False, kernel="wgmma", arch="sm_90")
     rec = [r for r in plan.launches if r.name.startswith(S.WS_KERNEL)]
-    assert plan.partial and rec and all(template_flags(r.name)[-1] is False and ", float," in r.name for r in rec)
+    assert plan.partial and rec and all(template_flags(r.name)[-2] is False and ", float," in r.name for r in rec)
     assert all([m.key for m in r.template if isinstance(m, launch.Map)][4:] == ["q", "dout"] for r in rec)
 
 
@@ -399,7 +408,7 @@ def _mutant(monkeypatch, old, new):
     assert src.count(old) == 1, old
     real = launch.kernel_source
     monkeypatch.setattr(launch, "kernel_source", lambda n: src.replace(old, new) if n == S.SOURCE else real(n))
-    monkeypatch.setattr(launch, "_digest", "mutant-%x" % (hash(new) & 0xffffffff))  # a new module cache key
+    monkeypatch.setattr(launch, "_digest", "mutant-%x" % (hash((old, new)) & 0xffffffff))  # a new module cache key
 
 
 @pytest.mark.parametrize("old,new,match", [
@@ -418,6 +427,112 @@ def test_ws_tma_store_mutations_reported(monkeypatch, old, new, match):
         launch._clear_plans()  # (plans hold their kernels)
         with pytest.raises(emulator.EmulatorError, match=match):
             run_wgmma(p, deterministic=False)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
+
+
+# ---- the ws kernel's bulk dQ (Is_dq_bulk: FlashAttention-3's dQ warp and cp.reduce.async.bulk) -------------
+
+def _bulk_vs_atomic(p, deterministic, **opts):
+    """The ws kernel's gradients with the bulk dQ and with the consumers' atomics (DQ_BULK off), same inputs
+    and emulator options; both runs' counters."""
+    new, c_new = run_wgmma(p, deterministic=deterministic, **opts)
+    try:
+        S.DQ_BULK = False
+        launch._clear_plans()
+        old, c_old = run_wgmma(p, deterministic=deterministic, **opts)
+    finally:
+        S.DQ_BULK = True
+        launch._clear_plans()
+    assert c_new.atomics == 0 and c_old.atomics > 0 and c_new.tma_loads > 0 and c_old.tma_loads > 0
+    return new, old, c_new, c_old
+
+
+BULK_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", "random", 3),     # 3 key blocks per dQ element
+    (bfloat16, 128, 128, (130, 300), True, "none", "bhsd", "reverse", 0),   # causal, tails
+    (np.float16, 40, 72, (130, 200), True, "gqa", "bshd", "random", 11),    # kDQDim 48 < d 64, GQA, BSHD
+]
+BULK_SLOW = [
+    (bfloat16, 64, 128, (200, 390), False, "mqa", "bhsd", "random", 5),
+    (np.float16, 128, 64, (129, 65), True, "none", "bhsd", "forward", 0),   # Lq > Lk: rows that see no key
+    (bfloat16, 96, 96, (257, 513), True, "gqa", "bshd", "random", 7),
+]
+
+
+def _check_bulk_case(dtype, D, Dv, lengths, causal, bcast, layout, schedule, seed):
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    # ordered: the same adds in the same (key-block) order, each an fp32 round-to-nearest add: the bits of the
+    # atomic ordered mode, whatever the schedule (the atomic run under the forward schedule)
+    new, old, c_new, _ = _bulk_vs_atomic(p, True, schedule=schedule, seed=seed)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    assert c_new.sem_waits > 0
+    # plain (atomic mode): the adds in any order; dk, dv unaffected (bits), dq within the test rule
+    new, old, _, _ = _bulk_vs_atomic(p, False, schedule=schedule, seed=seed)
+    for a, b in zip(new[1:], old[1:]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    np.testing.assert_allclose(new[0].astype(np.float32), old[0].astype(np.float32), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", BULK_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_bulk_dq_matches_atomics(case):
+    """Bulk dQ against the consumers' atomics: ordered, bit-identical dq, dk, dv (same addition order) under a
+    permuted schedule; plain, the gradients against the float64 reference and dq close to the atomic run's."""
+    _check_bulk_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BULK_SLOW, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_bulk_dq_matches_atomics_more(case):
+    _check_bulk_case(*case)
+
+
+@pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 1), ("random", 2), ("random", 9)])
+def test_ws_bulk_dq_ordered_bits_identical_under_schedules(schedule, seed):
+    """Ordered bulk dQ: five key blocks add to every dQ element; the same bits under every schedule."""
+    p = Problem(np.float16, 128, 70, 600, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    base, c = run_wgmma(p, schedule="forward")
+    got, _ = run_wgmma(p, schedule=schedule, seed=seed)
+    assert c.atomics == 0
+    for a, b in zip(base, got):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_ws_bulk_dq_not_taken_by_the_head_dim_split():
+    """d or dv above 128: a Br x 256 fp32 tile does not fit beside the split's tiles: the atomics stay."""
+    assert not S.dq_bulk(256, 256) and not S.dq_bulk(128, 256) and S.dq_bulk(128, 128) and S.dq_bulk(64, 128)
+    assert S.dq_buffers(128, 128) == 2 and S.dq_buffers(64, 64) == 2 and S.dq_buffers(256, 256) == 0
+    for D in (128, 64):
+        t = S.ws_tile(S.backward_tile(None, np.float16, D, D, 90), D, D)
+        assert t.smem <= 227 * 1024
+
+
+@pytest.mark.parametrize("old,new,match,deterministic", [
+    ("        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...\n",
+     "", r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
+    ("      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
+     r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
+     True),
+    ("      fa::bulk_wait_read<0>();\n", "",
+     r"fa::bulk_wait: the source of a bulk reduce-add .* was overwritten between its issue", False),
+], ids=["no-fence", "turn-before-completion", "buffer-freed-unread"])
+def test_ws_bulk_dq_mutations_reported(monkeypatch, old, new, match, deterministic):
+    """The emulator reports the consumers' dQ stores without their fence.proxy.async, the turn passed on after
+    the bulk reduce's .read wait only (its adds still in flight: the next key block could add first), and
+    (plain mode, 4 visits per block) the buffer freed without waiting for the reduce's read (the consumers'
+    tile two visits later overwrites the source before the final wait)."""
+    from flasharray import emulator
+    p = Problem(np.float16, 64, 200, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    _mutant(monkeypatch, old, new)
+    try:
+        launch._clear_plans()
+        with pytest.raises(emulator.EmulatorError, match=match):
+            run_wgmma(p, deterministic=deterministic)
     finally:
         monkeypatch.undo()
         launch._clear_plans()

@@ -430,3 +430,155 @@ def test_gpu_matches_the_known_answers():
                                    np.int32(1024), np.int32(nbytes), np.int32(0), img, np.int32(0)),
            shared_mem=2048 + nbytes)
         assert cupy.asnumpy(img).tobytes() == box_values(arr, coords, box).tobytes(), (shape, box, coords)
+
+
+# ---- the 1-D bulk reduce-add: cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 -------------------
+# Known answers from the PTX ISA: each of the bytes / 4 floats of the source is added (fp32, round to nearest
+# even) to the global float at the same offset; the source is read as it was at the issue (the async proxy:
+# generic writes need fence.proxy.async first) and must not be written before the covering wait_group.read;
+# the adds are complete (visible) only after a wait_group without .read; addresses 16-byte aligned, size a
+# positive multiple of 16. The emulator applies the adds at completion (docs/emulator.md).
+RED_SRC = r'''
+#include "fa_port.cuh"
+
+// Every thread writes source floats i = tid, tid + blockDim.x, ... of `n` from src (ordinary stores), fences
+// unless fence == 0; thread 0 adds `bytes` from shared offset soff to dst + doff (floats), then per mode:
+// 0 wait_read<0>, wait<0>;  1 overwrite the source before the wait (error);  2 exit without a wait (error);
+// 3 wait_read<0>, record dst[doff] in obs[0], overwrite the source (legal), wait<0>, record in obs[1];
+// 4 wait_read<0>, post the semaphore without wait<0> (error);  5 wait<0>, post (correct);
+// 6 two reduces of the same source in two groups, wait<1> then wait<0>.
+__global__ void bulk_red(float* dst, const float* src, int n, int soff, int doff, int bytes, int fence, int mode,
+                         float* obs, int* sem) {
+    FA_DYNAMIC_SMEM(smem);
+    float* s = reinterpret_cast<float*>(smem + 1024);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = fa::gload(src + i);
+    if (fence) fa::fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x != 0) {
+        if (mode == 4 || mode == 5) fa::sem_post_group(sem, 1, 32);   // the group: warp 0
+        return;
+    }
+    fa::bulk_reduce_add_f32(dst + doff, smem + 1024 + soff, bytes);
+    fa::bulk_commit();
+    if (mode == 1) s[1] = 5.0f;
+    if (mode == 2) return;
+    if (mode == 6) {
+        fa::bulk_reduce_add_f32(dst + doff, smem + 1024 + soff, bytes);
+        fa::bulk_commit();
+        fa::bulk_wait<1>();
+    }
+    if (mode == 5) fa::bulk_wait<0>();
+    else fa::bulk_wait_read<0>();
+    if (mode == 3) {
+        obs[0] = fa::gload(dst + doff);
+        s[soff / 4] = -100.0f;
+    }
+    if (mode == 4 || mode == 5) {
+        fa::sem_post_group(sem, 1, 32);
+        fa::bulk_wait<0>();
+        return;
+    }
+    fa::bulk_wait<0>();
+    if (mode == 3) obs[1] = fa::gload(dst + doff);
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def red_mod():
+    return emulator.Module(RED_SRC, name_expressions=["bulk_red"])
+
+
+def run_red(red_mod, dst, src, soff=0, doff=0, nbytes=None, fence=1, mode=0, grid=1, schedule="forward", seed=0):
+    obs = np.zeros(2, np.float32)
+    sem = np.zeros(1, np.int32)
+    nbytes = src.nbytes if nbytes is None else nbytes
+    block = 64 if mode not in (4, 5) else 32   # the semaphore group: warp 0
+    red_mod.launch("bulk_red", grid, block, (dst, src, np.int32(src.size), np.int32(soff), np.int32(doff),
+                                             np.int32(nbytes), np.int32(fence), np.int32(mode), obs, sem),
+                   shared_mem=1024 + src.nbytes + 1024, schedule=schedule, seed=seed)
+    return obs, sem
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+def test_bulk_reduce_add_known_answers(red_mod, schedule, seed):
+    """fp32 adds element by element, rounded to nearest even (numpy's float32 addition); the floats before
+    and after the range keep their sentinel; a range inside the source (offset 48, 80 bytes) to dst + 4."""
+    rng = np.random.default_rng(3)
+    src = (rng.standard_normal(96) * 10.0 ** rng.integers(-3, 8, 96)).astype(np.float32)
+    dst0 = (rng.standard_normal(40) * 1e7).astype(np.float32)
+    dst = dst0.copy()
+    run_red(red_mod, dst, src, soff=48, doff=4, nbytes=80, schedule=schedule, seed=seed)
+    expect = dst0.copy()
+    expect[4:24] = dst0[4:24] + src[12:32]
+    assert dst.tobytes() == expect.tobytes()
+
+
+def test_bulk_reduce_reads_the_source_at_the_issue_and_adds_at_completion(red_mod):
+    src = np.arange(1, 33, dtype=np.float32)
+    dst = np.full(32, 0.5, np.float32)
+    obs, _ = run_red(red_mod, dst, src, mode=3)
+    assert obs.tolist() == [0.5, 1.5]   # not yet at .read; the issue-time source at completion
+    assert dst.tolist() == (src + 0.5).tolist()
+    dst = np.zeros(32, np.float32)
+    run_red(red_mod, dst, src, mode=6)  # two groups of the same source
+    assert dst.tolist() == (2 * src).tolist()
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+def test_bulk_reduce_blocks_add_concurrently(red_mod, schedule, seed):
+    """Eight blocks add into the same floats: real atomics (exact small integers: any order)."""
+    src = np.arange(64, dtype=np.float32)
+    dst = np.zeros(64, np.float32)
+    run_red(red_mod, dst, src, grid=8, schedule=schedule, seed=seed)
+    assert dst.tolist() == (8 * src).tolist()
+
+
+def test_bulk_reduce_post_after_completion(red_mod):
+    src = np.ones(32, np.float32)
+    dst = np.zeros(32, np.float32)
+    _, sem = run_red(red_mod, dst, src, mode=5)
+    assert sem[0] == 1 and dst.tolist() == src.tolist()
+
+
+RED_ERRORS = {   # (mode, fence, soff, doff, bytes): message
+    (0, 0, 0, 0, 128): r"fa::bulk_reduce_add_f32 reads shared offset 1024 .*, written by ordinary \(generic-proxy\) "
+                       r"stores since the block's last fa::fence_proxy_async\(\): the bulk reduce \(async proxy\)",
+    (1, 1, 0, 0, 128): r"fa::bulk_wait: the source of a bulk reduce-add \(fa::bulk_reduce_add_f32\) \(shared offset "
+                       r"1030 .*\) was overwritten between its issue and the cp.async.bulk.wait_group.read",
+    (2, 1, 0, 0, 128): r"thread exits with 1 bulk reduce-add\(s\) \(fa::bulk_reduce_add_f32\) whose source reads no",
+    (4, 1, 0, 0, 128): r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in "
+                       r"flight, not complete \(its source was read: .read is not completion\)",
+    (0, 1, 8, 0, 64): r"fa::bulk_reduce_add_f32: the shared source is not 16-byte aligned: shared offset 1032",
+    (0, 1, 0, 2, 64): r"fa::bulk_reduce_add_f32: the global address 0x[0-9a-f]+ is not 16-byte aligned",
+    (0, 1, 0, 0, 72): r"fa::bulk_reduce_add_f32: 72 bytes: the size must be a positive multiple of 16",
+    (0, 1, 0, 0, 0): r"fa::bulk_reduce_add_f32: 0 bytes: the size must be a positive multiple of 16",
+    (0, 1, 0, 24, 64): r"fa::bulk_reduce_add_f32 global read-modify-write .*(out of bounds|past|outside)",
+}
+
+
+@pytest.mark.parametrize("key", sorted(RED_ERRORS), ids=[str(i) for i in range(len(RED_ERRORS))])
+def test_bulk_reduce_misuse_is_a_checked_error(red_mod, key):
+    mode, fence, soff, doff, nbytes = key
+    with pytest.raises(emulator.EmulatorError, match=RED_ERRORS[key]):
+        run_red(red_mod, np.zeros(32, np.float32), np.ones(32, np.float32), soff=soff, doff=doff, nbytes=nbytes,
+                fence=fence, mode=mode)
+
+
+@requires_nvrtc
+def test_bulk_reduce_ptx_and_sass():
+    from flasharray._private import nvrtc, sass
+    r = nvrtc.compile_cubin(RED_SRC, "sm_90a", name_expressions=["bulk_red"])
+    for instr in ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.commit_group",
+                  "cp.async.bulk.wait_group.read 0", "cp.async.bulk.wait_group 0", "cp.async.bulk.wait_group 1"):
+        assert instr in r.ptx, instr
+    info = r.kernel("bulk_red")
+    assert info.spill_stores == 0 and info.spill_loads == 0
+    ok, why = sass.available()
+    if not ok:
+        pytest.skip(why)
+    ops = [i.opcode for i in sass.parse(sass.disassemble(r.cubin))[info.lowered_name]]
+    # the 1-D bulk reduce -> UBLKRED.G.S.ADD.F32.RN (one per issue), commit_group -> UTMACMDFLUSH,
+    # wait_group(.read) -> DEPBAR.LE
+    assert ops.count("UBLKRED.G.S.ADD.F32.RN") == 2, sorted(set(ops))
+    assert {"UTMACMDFLUSH", "DEPBAR.LE", "FENCE.VIEW.ASYNC.S"} <= set(ops), sorted(set(ops))

@@ -73,19 +73,24 @@ def ws_checks(name, t, d, body, loop):
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
         if op not in ops:
             problems.append("%s: no %s" % (name, op))
-    ordered = re.search(r"(true|false), (true|false)>$", name).group(1) == "true"
-    if loop.stats.ldgsts or loop.stats.bar != (2 if ordered else 1):
+    ordered, tma_store, bulk = [f == "true" for f in re.search(r"(true|false), (true|false), (true|false)>$",
+                                                               name).groups()]
+    # Is_dq_bulk: the consumers never take the turn (the dQ warp does): one barrier, no semaphore instruction
+    consumer_turn = ordered and not bulk
+    if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1):
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
     in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
     sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
-    if sem_ops != (ordered, ordered):
+    if sem_ops != (consumer_turn, consumer_turn):
         problems.append("%s: acquire load / release add in the query-block loop: %s" % (name, sem_ops))
-    # the dK / dV epilogue: Is_tma_store (the name's last flag) one TMA store per 64 columns per tensor and no
-    # global store instruction; else the 16-byte stores and no TMA store
+    if bulk:
+        problems += dq_warp_checks(name, body, loop, ordered)
+    # the dK / dV epilogue: Is_tma_store (the name's second-last flag) one TMA store per 64 columns per tensor and
+    # no global store instruction; else the 16-byte stores and no TMA store
     pd, pdv = S.pad_head_dims(*_dims(d))
     stores = sum(1 for i in body if i.base == "UTMASTG")
     stg = sum(1 for i in body if i.base == "STG")
-    if name.endswith("true>") != (stores == (pd + pdv) // 64 and stg == 0) or (stores == 0) != (stg > 0):
+    if tma_store != (stores == (pd + pdv) // 64 and stg == 0) or (stores == 0) != (stg > 0):
         problems.append("%s: %d UTMASTG, %d STG" % (name, stores, stg))
     tma = [i for i in body if i.base == "UTMALDG"]
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in tma)]
@@ -107,6 +112,43 @@ def ws_checks(name, t, d, body, loop):
     return problems, "  producer loop %d instr (%d UTMALDG, registers < %d), registers used %d, %d UTMASTG, " \
                      "%d after the loop" % (producer.stats.instructions, boxes, p_regs, regs, stores,
                                             sum(1 for i in body if i.address > loop.end))
+
+
+DQ_WARP_FIGURES = {}   # name -> the dQ warp loop's figures (printed by _check)
+
+
+def dq_warp_checks(name, body, loop, ordered):
+    """Is_dq_bulk: no float atomic (RED / ATOM .F32) anywhere; the dQ warp's loop (the loop holding the
+    UBLKRED) issues exactly one UBLKRED.G.S.ADD.F32.RN per visit, within the producer warpgroup's 24 registers,
+    ordered with the semaphore's acquire spin and release add in it (plain: none)."""
+    problems = []
+    f32_atomics = [i.opcode for i in body if i.base in ("RED", "REDG", "ATOM", "ATOMG") and ".F32" in i.opcode]
+    if f32_atomics:
+        problems.append("%s: float atomics with the bulk dQ: %s" % (name, f32_atomics[:4]))
+    blk = [i for i in body if i.base == "UBLKRED"]
+    lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in blk)]
+    if len(blk) != 1 or any(i.opcode != "UBLKRED.G.S.ADD.F32.RN" for i in blk) or not lps:
+        return problems + ["%s: %d UBLKRED (%s), %d loops hold them" % (name, len(blk), blk[:1], len(lps))]
+    # the visit loop: the smallest holding the UBLKRED and the dq_full wait (ptxas wraps the UBLKRED alone in an
+    # elect loop; the try-wait retries branch back from after the kernel's code, spanning other roles)
+    waits = [i.address for i in body if i.opcode.startswith("SYNCS.PHASECHK")]
+    lps = [lp for lp in lps if any(lp.start <= a <= lp.end for a in waits)]
+    if not lps:
+        return problems + ["%s: no loop holds the UBLKRED and an mbarrier wait" % name]
+    dq = min(lps, key=lambda lp: lp.stats.instructions)
+    if loop.start <= blk[0].address <= loop.end:
+        problems.append("%s: the UBLKRED is in the consumers' loop" % name)
+    in_dq = [i for i in body if dq.start <= i.address <= dq.end]
+    ops = [i.opcode for i in in_dq]
+    sem = ("LDG.E.STRONG.GPU" in ops, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in ops))
+    if sem != (ordered, ordered):
+        problems.append("%s: acquire load / release add in the dQ warp's loop: %s" % (name, sem))
+    regs = max((int(r[1:]) for i in in_dq for r in sass_registers(i.operands)), default=0) + 1
+    if regs > S.PRODUCER_REGS:
+        problems.append("%s: the dQ warp's loop uses registers up to R%d (%d)" % (name, regs - 1, S.PRODUCER_REGS))
+    DQ_WARP_FIGURES[name] = "  dQ warp loop %d instr (1 UBLKRED, %d DEPBAR, registers < %d)" % (
+        dq.stats.instructions, sum(1 for o in ops if o.startswith("DEPBAR")), regs)
+    return problems
 
 
 def hgmma_in(body, loop):
@@ -151,7 +193,7 @@ def _check(found):
                 if name.startswith(S.WS_KERNEL):
                     more, text = ws_checks(name, t, d, body, loop)
                     problems += more
-                    line += text
+                    line += text + DQ_WARP_FIGURES.get(name, "")
         rows.append(line)
     print("\n".join(rows))
     assert not problems, "\n".join(problems)
@@ -163,6 +205,18 @@ def test_wgmma_backward_compiles_fp16():
 
 def test_ws_backward_compiles_fp16():
     _check(ws_instantiations(np.float16, (64, 128, 256)))
+
+
+def test_ws_backward_atomic_dq_compiles_fp16():
+    """The ws kernel with the consumers' dQ atomics (DQ_BULK off: Is_dq_bulk false), the before of the bulk dQ
+    figures (d = 64, 128; d = 256 never takes the bulk dQ)."""
+    try:
+        S.DQ_BULK = False
+        found = ws_instantiations(np.float16, (64, 128))
+    finally:
+        S.DQ_BULK = True
+    assert all(name.endswith("false>") for name in found)
+    _check(found)
 
 
 @pytest.mark.slow

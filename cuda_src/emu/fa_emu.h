@@ -413,6 +413,22 @@ inline void tma_store_wait() {
     fa_emu_bulk_wait_read(N);
 }
 inline void tma_prefetch(const CUtensorMap* tmap) { fa_emu_tma_prefetch(tmap); }
+// 1-D bulk reduce-add shared -> global (fp32), in the thread's bulk async-group; bulk_wait<N> is
+// cp.async.bulk.wait_group N (completion: the adds land), bulk_wait_read<N> the .read form.
+inline void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, int bytes) {
+    fa_emu_bulk_reduce_add_f32(gmem_dst, smem_src, bytes);
+}
+inline void bulk_commit() { fa_emu_bulk_commit(); }
+template <int N>
+inline void bulk_wait_read() {
+    static_assert(N >= 0 && N <= 7, "fa::bulk_wait_read: N must be in [0, 7]");
+    fa_emu_bulk_wait_read(N);
+}
+template <int N>
+inline void bulk_wait() {
+    static_assert(N >= 0 && N <= 7, "fa::bulk_wait: N must be in [0, 7]");
+    fa_emu_bulk_wait(N);
+}
 
 // ---- Hopper (sm_90a): wgmma (the runtime rendezvouses the warpgroup, checks the asynchrony rules) ---
 // The emulator's shared address is the offset in dynamic shared memory (1024-byte aligned at 0).

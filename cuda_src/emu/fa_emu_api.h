@@ -86,6 +86,10 @@ void fa_emu_tma_store(const void* tmap, int dims, const int* coords, const void*
 void fa_emu_tma_prefetch(const void* tmap);
 void fa_emu_bulk_commit(void);
 void fa_emu_bulk_wait_read(int n);
+// cp.async.bulk.wait_group n (completion, without .read) and the 1-D bulk reduce-add
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 (its adds applied at the covering wait).
+void fa_emu_bulk_wait(int n);
+void fa_emu_bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, int bytes);
 // Named barriers (bar.sync / bar.arrive id, nthreads; docs/emulator.md): sync != 0 waits for the barrier.
 void fa_emu_named_barrier(int id, int nthreads, int sync);
 // stmatrix.sync.aligned.m8n8.x{n}{.trans}.shared.b16 (sm_90): ldmatrix's inverse, a warp collective.

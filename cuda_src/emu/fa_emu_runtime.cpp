@@ -237,6 +237,8 @@ struct TmaStore {
     uint32_t src, bytes;  // shared offset and size of the source box
     std::vector<unsigned char> snap;
     int64_t group;  // -1: not yet committed
+    int kind = 0;       // 0: TMA store (writes at the .read wait); 1: bulk reduce-add f32 (adds at completion)
+    bool read = false;  // a covering wait_group(.read) has read the source (snap is what the op applies)
 };
 
 // A named barrier (bar.sync / bar.arrive id, count): the count (set by the first arrival while it is idle),
@@ -1634,15 +1636,16 @@ void tma_load(Worker* w, void* smem_dst, const void* tmap, int dims, const int* 
 
 // The async-proxy rule: the source of a TMA store holds what the generic proxy wrote before the block's last
 // fence.proxy.async (or what copies of the async proxy wrote), and no copy in flight writes it.
-void tma_check_source(Worker* w, uint32_t off, uint64_t bytes, const char* what) {
+void tma_check_source(Worker* w, uint32_t off, uint64_t bytes, const char* what,
+                      const char* op = "the TMA store") {
     for (uint64_t i = 0; i < bytes; ++i) {
         if (w->pending[(off + i) / kGranule])
             fiber_fail(w, std::string(what) + ": the source box holds " + pending_desc(w, w->smem + off + i));
         if (w->smem[off + i] != w->async_img[off + i])
             fiber_fail(w, strf("%s reads %s, written by ordinary (generic-proxy) stores since the block's last "
-                               "fa::fence_proxy_async(): the TMA store (async proxy) may not see them; "
+                               "fa::fence_proxy_async(): %s (async proxy) may not see them; "
                                "fence.proxy.async between the writes and the store (then __syncthreads())",
-                               what, smem_desc(w, w->smem + off + i).c_str()));
+                               what, smem_desc(w, w->smem + off + i).c_str(), op));
     }
 }
 
@@ -1660,10 +1663,54 @@ void tma_store(Worker* w, const void* tmap, int dims, const int* c, const void* 
     w->cnt.tma_store_bytes += bytes;
 }
 
-// cp.async.bulk.wait_group.read n: every committed bulk group but the newest n has read its source, which
-// must be unchanged since the issue; the emulator performs the global writes here (out-of-bounds elements
-// are not written).
-void tma_wait_read(Worker* w, Fiber* f, int n) {
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [gdst], [src], bytes (PTX ISA, cp.reduce.async.bulk):
+// the 1-D bulk reduce-add. Both addresses 16-byte aligned, bytes a positive multiple of 16; the source is read
+// through the async proxy (the TMA store's fence rule) and snapshotted at the issue; the adds are applied to
+// global memory at completion (a covering cp.async.bulk.wait_group, or the thread's exit), fp32 element by
+// element in address order, each a real atomic add (other blocks add concurrently).
+void bulk_reduce_add_f32(Worker* w, float* gdst, const void* smem_src, int bytes) {
+    const char* what = "fa::bulk_reduce_add_f32";
+    if (bytes <= 0 || bytes % 16)
+        fiber_fail(w, strf("%s: %d bytes: the size must be a positive multiple of 16", what, bytes));
+    if (reinterpret_cast<uintptr_t>(gdst) & 15u)
+        fiber_fail(w, strf("%s: the global address %p is not 16-byte aligned", what, static_cast<void*>(gdst)));
+    if (!in_smem(w, smem_src, static_cast<uint64_t>(bytes)))
+        fiber_fail(w, strf("%s: the source (%d bytes) at %p is outside dynamic shared memory: %s", what, bytes,
+                           smem_src, smem_desc(w, smem_src).c_str()));
+    const uint32_t off = static_cast<uint32_t>(static_cast<const unsigned char*>(smem_src) - w->smem);
+    if (off & 15u)
+        fiber_fail(w, strf("%s: the shared source is not 16-byte aligned: %s", what, smem_desc(w, smem_src).c_str()));
+    tma_check_source(w, off, static_cast<uint64_t>(bytes), what, "the bulk reduce");
+    TmaStore st{{}, 4, off, static_cast<uint32_t>(bytes), {}, -1, 1, false};
+    st.elems.resize(static_cast<size_t>(bytes) / 4);
+    for (size_t e = 0; e < st.elems.size(); ++e)
+        st.elems[e] = TmaElem{off + 4 * static_cast<uint32_t>(e), reinterpret_cast<const unsigned char*>(gdst + e)};
+    tma_global(w, st.elems, 4, 1, "fa::bulk_reduce_add_f32 global read-modify-write");
+    st.snap.assign(w->smem + off, w->smem + off + bytes);
+    w->cur->tma_stores.push_back(std::move(st));
+}
+
+// A bulk reduce's adds (completion): each element an atomic fp32 add, in address order.
+void bulk_reduce_apply(const TmaStore& st) {
+    for (const TmaElem& e : st.elems) {
+        uint32_t* p = reinterpret_cast<uint32_t*>(const_cast<unsigned char*>(e.g));
+        float v;
+        std::memcpy(&v, st.snap.data() + (e.smem - st.src), 4);
+        uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED), nw;
+        do {
+            float f;
+            std::memcpy(&f, &old, 4);
+            f += v;
+            std::memcpy(&nw, &f, 4);
+        } while (!__atomic_compare_exchange_n(p, &old, nw, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED));
+    }
+}
+
+// cp.async.bulk.wait_group[.read] n: every committed bulk group but the newest n has read its source, which
+// must be unchanged since the issue; the emulator performs a TMA store's global writes at that read
+// (out-of-bounds elements are not written). A bulk reduce's adds wait for completion (`complete`: the wait
+// without .read), else the op stays in flight with its snapshot.
+void tma_wait_read(Worker* w, Fiber* f, int n, bool complete = false) {
     const int64_t limit = f->bulk_groups - n;
     std::vector<TmaStore> keep;
     for (TmaStore& st : f->tma_stores) {
@@ -1671,16 +1718,40 @@ void tma_wait_read(Worker* w, Fiber* f, int n) {
             keep.push_back(std::move(st));
             continue;
         }
-        for (uint32_t i = 0; i < st.bytes; ++i)
-            if (w->smem[st.src + i] != st.snap[i])
-                fiber_fail(w, strf("fa::tma_store_wait: the source of a TMA store (%s) was overwritten between its "
-                                   "issue and the fa::tma_store_wait<N>() (cp.async.bulk.wait_group.read) covering it",
-                                   smem_desc(w, w->smem + st.src + i).c_str()));
-        for (const TmaElem& e : st.elems)
-            if (e.g) std::memcpy(const_cast<unsigned char*>(e.g), st.snap.data() + (e.smem - st.src),
-                                 static_cast<size_t>(st.esize));
+        if (!st.read) {
+            for (uint32_t i = 0; i < st.bytes; ++i)
+                if (w->smem[st.src + i] != st.snap[i])
+                    fiber_fail(w, st.kind ? strf("fa::bulk_wait: the source of a bulk reduce-add "
+                                                 "(fa::bulk_reduce_add_f32) (%s) was overwritten between its issue "
+                                                 "and the cp.async.bulk.wait_group.read covering it",
+                                                 smem_desc(w, w->smem + st.src + i).c_str())
+                                          : strf("fa::tma_store_wait: the source of a TMA store (%s) was overwritten "
+                                                 "between its issue and the fa::tma_store_wait<N>() "
+                                                 "(cp.async.bulk.wait_group.read) covering it",
+                                                 smem_desc(w, w->smem + st.src + i).c_str()));
+            st.read = true;
+            if (st.kind == 0)
+                for (const TmaElem& e : st.elems)
+                    if (e.g) std::memcpy(const_cast<unsigned char*>(e.g), st.snap.data() + (e.smem - st.src),
+                                         static_cast<size_t>(st.esize));
+        }
+        if (st.kind == 1) {
+            if (complete) bulk_reduce_apply(st);
+            else keep.push_back(std::move(st));
+        }
     }
     f->tma_stores = std::move(keep);
+}
+
+// A semaphore post (release) does not publish a bulk reduce still in flight: the async proxy's global
+// writes are ordered before the post only by a cp.async.bulk.wait_group (without .read) covering them.
+void bulk_check_published(Worker* w, const char* what) {
+    for (const TmaStore& st : w->cur->tma_stores)
+        if (st.kind == 1)
+            fiber_fail(w, strf("%s: this thread has a bulk reduce-add (fa::bulk_reduce_add_f32) in flight, not "
+                               "complete%s: the release does not publish its adds (a later turn could add first); "
+                               "commit and fa::bulk_wait<0>() (cp.async.bulk.wait_group 0, not .read) before the "
+                               "post", what, st.read ? " (its source was read: .read is not completion)" : ""));
 }
 
 // =========================================================================================
@@ -1871,10 +1942,17 @@ void thread_exit(Worker* w, Fiber* f) {
     }
     f->copies.clear();
     f->copies_head = 0;
-    if (!f->tma_stores.empty())
+    size_t unread[2] = {0, 0};
+    for (const TmaStore& st : f->tma_stores) unread[st.kind] += !st.read;
+    if (unread[0])
         fiber_fail(w, strf("thread exits with %zu TMA store(s) whose source reads no fa::tma_store_wait<N>() has "
-                           "covered (commit them and wait before exiting: the shared memory goes away)",
-                           f->tma_stores.size()));
+                           "covered (commit them and wait before exiting: the shared memory goes away)", unread[0]));
+    if (unread[1])
+        fiber_fail(w, strf("thread exits with %zu bulk reduce-add(s) (fa::bulk_reduce_add_f32) whose source reads no "
+                           "fa::bulk_wait_read<N>() / fa::bulk_wait<N>() has covered (commit them and wait before "
+                           "exiting: the shared memory goes away)", unread[1]));
+    for (const TmaStore& st : f->tma_stores) bulk_reduce_apply(st);  // read reduces complete after the exit
+    f->tma_stores.clear();
     if (!f->wg_parts.empty())
         fiber_fail(w, strf("thread exits with %zu wgmma(s) in flight (no covering fa::wgmma_wait_group): their "
                            "accumulator registers are never written", f->wg_parts.size()));
@@ -2610,6 +2688,7 @@ __attribute__((noinline)) void fa_emu_sem_wait(const int* sem, int expected) {
 }
 
 __attribute__((noinline)) void fa_emu_sem_post(int* sem) {
+    bulk_check_published(W(), "fa::sem_post");
     barrier(__builtin_return_address(0), FA_EMU_BAR_PLAIN, 0);
     Worker* w = W();
     if (w->cur->tid == 0) sem_post_thread0(w, sem);
@@ -2664,6 +2743,7 @@ void fa_emu_sem_post_group(int* sem, int id, int nthreads) {
     static const char* const what = "fa::sem_post_group";
     Worker* w = W();
     nbar_check_args(w, what, id, nthreads);
+    bulk_check_published(w, what);
     const bool leader = w->cur->tid % nthreads == 0;
     sem_group_arrive(w, what, id, nthreads, leader);
     named_barrier(w, id, nthreads, true);
@@ -2713,6 +2793,10 @@ void fa_emu_bulk_commit(void) {
     ++f->bulk_groups;
 }
 void fa_emu_bulk_wait_read(int n) { tma_wait_read(W(), W()->cur, n); }
+void fa_emu_bulk_wait(int n) { tma_wait_read(W(), W()->cur, n, true); }
+void fa_emu_bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, int bytes) {
+    bulk_reduce_add_f32(W(), gmem_dst, smem_src, bytes);
+}
 void fa_emu_named_barrier(int id, int nthreads, int sync) { named_barrier(W(), id, nthreads, sync != 0); }
 void fa_emu_setmaxnreg(int inc, int n) { setmaxnreg(W(), inc != 0, n); }
 

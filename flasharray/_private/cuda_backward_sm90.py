@@ -131,6 +131,11 @@ USE_TMA = True
 #: Whether the warp-specialized kernel writes its 16-bit dK, dV by TMA stores (``Is_tma_store``; tests turn it
 #: off to run the 16-byte-store epilogue on the same inputs).
 USE_TMA_STORE = True
+#: Whether the warp-specialized kernel adds dQ FlashAttention-3's way (``Is_dq_bulk``, d and dv <= 128): the
+#: consumers store each visit's dQ tile to shared memory and a dQ warp of the producer warpgroup adds it to the
+#: accumulator with one bulk reduce-add (``cp.reduce.async.bulk ... add.f32``), taking the ordered mode's turn
+#: itself; off: the consumers' per-thread atomics (tests turn it off to compare, a GPU run to time both).
+DQ_BULK = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -138,12 +143,29 @@ _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stri
 _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
 
 
-def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N):
+def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
     1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base (a pointer, 8 bytes) and, in the
-    head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes)."""
-    return (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
+    head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes); with the bulk
+    dQ (``bulk``, default :func:`dq_bulk`) :func:`dq_buffers` fp32 tiles of Br x d and two mbarriers each."""
+    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
             + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
+    n = dq_buffers(d, dv, block_m, block_n, bulk)
+    return base + n * (block_m * d * 4 + 16) + (8 if n else 0)   # (+ dq_accum's batch offset)
+
+
+def dq_bulk(d, dv):
+    """Whether the ws kernel for padded head dims d, dv takes the bulk dQ (``Is_dq_bulk``): :data:`DQ_BULK`
+    and no head-dim split."""
+    return DQ_BULK and max(d, dv) <= SPLIT_ABOVE
+
+
+def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
+    """``Sm90BwdWsTraits::kDQBufs``: two dQ buffers where they fit in the opt-in maximum, else one (0: atomics)."""
+    if not (dq_bulk(d, dv) if bulk is None else bulk):
+        return 0
+    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 16)
+    return 2 if base + 2 * (block_m * d * 4 + 16) <= tiles.smem_limit(ARCH) else 1
 
 
 def ws_tile(tile, D, Dv):
@@ -161,11 +183,12 @@ def ws_tile(tile, D, Dv):
 
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
-    flag, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs)."""
+    flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
+    ``Is_dq_bulk``: :func:`dq_bulk`)."""
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)))
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv))))
 
 
 def _stores_by_tma(dtype, out):
