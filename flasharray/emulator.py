@@ -52,7 +52,7 @@ from flasharray._private.tensor_map import TensorMap, aligned_words as _aligned_
 __all__ = ["Module", "Kernel", "Counters", "BufferTraffic", "EmulatorError", "CompileError",
            "cache_dir", "host_compiler", "switch_cost_ns", "TensorMap", "encode_tensor_map"]
 
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _MAX_SHARED_MEM = 227 * 1024      # largest per-block shared memory of any GPU (sm_90)
 _SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _RUNTIME_SOURCES = ("emu/fa_emu_runtime.cpp", "emu/fa_emu_api.h", "emu/fa_emu_memstats.h")

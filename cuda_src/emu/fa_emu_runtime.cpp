@@ -2836,7 +2836,7 @@ uint32_t fa_emu_smem_addr(const void* p) {
 // =========================================================================================
 // C ABI: launch (Python driver)
 // =========================================================================================
-int fa_emu_abi_version(void) { return 7; }
+int fa_emu_abi_version(void) { return 8; }
 
 int fa_emu_launch(fa_emu_launch_params* p) {
     auto fail = [&](const std::string& msg) {
