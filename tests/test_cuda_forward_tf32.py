@@ -146,6 +146,17 @@ def test_tf32_wide_schedules_identical(schedule):
             np.testing.assert_array_equal(a, b)
 
 
+def test_wide_forward_with_simt_backward():
+    """d > 128: the forward on the TF32 kernel, the backward SIMT (cuda_backward_tf32 stops at 128)
+    from that forward's out and lse (natural log): 3xtf32 gradients within the float32 rule."""
+    from flasharray.testing import check_attention
+    q, k, v = make_inputs(np.float32, 160, 33, 47, Dv=192, gqa=True)
+    assert tf32_plan(q, k, v, True, "3xtf32").tile.kernel == "tf32"
+    out, vjp = fa.flash_attention_vjp(q, k, v, causal=True, backend="emulator", precision="3xtf32")
+    do = np.random.default_rng(5).standard_normal(out.shape).astype(np.float32)
+    check_attention(out, q, k, v, causal=True, dout=do, grads=vjp(do))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("D", [64, 256])
 def test_tf32_kernel_runs_its_mma(precision, D):
@@ -300,6 +311,20 @@ def test_forward_tf32_full(precision, D, lengths, causal):
     check(precision, D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
 
 
+WIDE_FULL = [(136, 136), (144, 64), (160, 160), (192, 192), (199, 199), (208, 256), (224, 128), (256, 256)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("dims", WIDE_FULL, ids=["d%d-dv%d" % x for x in WIDE_FULL])
+@pytest.mark.parametrize("lengths", [(1, 1), (17, 63), (64, 65), (129, 127)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_tf32_wide_full(precision, dims, lengths, causal):
+    D, Dv = dims
+    check_wide(precision, D, Dv, lengths[0], lengths[1], causal, gqa=D % 2 == 1,
+               layout="bshd" if D % 3 == 0 else "bhsd")
+
+
 def test_precision_benchmark_table():
     """benchmarks/precision.py's accuracy table (docs/precision.md) runs and ranks the precisions."""
     import importlib.util
@@ -436,6 +461,20 @@ def test_forward_tf32_extensions(precision, case):
     check_ext(precision, D, Lq, Lk, causal, features, **opts)
 
 
+def test_forward_tf32_wide_extensions():
+    """Extensions on a wide tile: tf32 runs the TF32 kernel at Bc 16 (five together, against the
+    brute-force specification); 3xtf32 runs the SIMT kernel (its wide kExt instantiations spilled
+    at every Bc: WIDE_EXT_BLOCK_N) and meets the float32 rule there."""
+    features = ("window", "alibi", "softcap", "dropout", "seqlens")
+    check_ext("tf32", 192, 70, 133, True, features, batch=(1, 2))
+    q, k, v = ext.make_inputs(np.float32, 160, 40, 70, batch=(1, 2))
+    kw = ext.ext_kw(features, (1, 2), 40, 70, np.float32)
+    assert tf32_plan(q, k, v, True, "tf32", ext=Extensions(**kw)).tile.block_n == cuda_forward_tf32.WIDE_EXT_BLOCK_N
+    assert tf32_plan(q, k, v, True, "3xtf32", ext=Extensions(**kw)).tile.kernel == "simt"
+    out, lse, scale = ext.run("emulator", q, k, v, True, kw, precision="3xtf32")
+    ext.check_close(out, lse, q, k, v, True, scale, kw)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_tf32_dropout_keep_mask_is_philox_and_simt(precision):
     """q = 0 (uniform P) and v = identity: out[i, j] = keep_ij / ((1 − p)·Lk), so the kept entries are
@@ -502,6 +541,17 @@ def test_tf32_extension_tiles_never_loaded():
     tf32_plan(q, k, v, True, "3xtf32").run(q, k, v, c_dense)
     kv = lambda c: sum(c[0].buffers[i].read_bytes for i in (1, 2))  # noqa: E731
     assert kv(c_ext) < kv(c_dense) / 3
+
+
+EXT_WIDE_FULL = [(D, 17, 130, c, f, {}) for D in (160, 256) for c in (False, True) for f in {e[4] for e in EXT_FULL}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(EXT_WIDE_FULL), ids=[_ext_id(c) for c in sorted(EXT_WIDE_FULL)])
+def test_forward_tf32_wide_extensions_full(case):
+    """tf32 on wide tiles (Bc 16) with every extension set of EXT_FULL."""
+    D, Lq, Lk, causal, features, opts = case
+    check_ext("tf32", D, Lq, Lk, causal, features, **opts)
 
 
 @pytest.mark.slow
