@@ -148,13 +148,16 @@ def test_tf32_wide_schedules_identical(schedule):
 
 def test_wide_forward_with_simt_backward():
     """d > 128: the forward on the TF32 kernel, the backward SIMT (cuda_backward_tf32 stops at 128)
-    from that forward's out and lse (natural log): 3xtf32 gradients within the float32 rule."""
+    from that forward's out and lse (natural log): 3xtf32 gradients within the float32 rule; the
+    default precision gives the same output."""
     from flasharray.testing import check_attention
     q, k, v = make_inputs(np.float32, 160, 33, 47, Dv=192, gqa=True)
     assert tf32_plan(q, k, v, True, "3xtf32").tile.kernel == "tf32"
     out, vjp = fa.flash_attention_vjp(q, k, v, causal=True, backend="emulator", precision="3xtf32")
     do = np.random.default_rng(5).standard_normal(out.shape).astype(np.float32)
     check_attention(out, q, k, v, causal=True, dout=do, grads=vjp(do))
+    # float32's default precision (3xtf32 on the emulator's sm_80) takes the same wide kernel
+    np.testing.assert_array_equal(fa.flash_attention(q, k, v, causal=True, backend="emulator"), out)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -207,6 +210,9 @@ def test_unsupported_shapes_fall_back_to_simt(precision):
     assert tf32_plan(q, k, v, False, precision).tile.kernel == "tf32"
     wide_ext = tf32_plan(q, k, v, False, precision, ext=Extensions(window=(4, 0))).tile
     assert (wide_ext.kernel, wide_ext.block_n) == (("tf32", 16) if precision == "tf32" else ("simt", wide_ext.block_n))
+    # sm_86/89: 3xtf32 at padded d >= 208 does not fit 99 KB at Br 64 -> SIMT; tf32 fits (Bc 16)
+    q, k, v = make_inputs(np.float32, 256, 17, 33, batch=(1, 1))
+    assert tf32_plan(q, k, v, False, precision, arch=86).tile.kernel == ("tf32" if precision == "tf32" else "simt")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

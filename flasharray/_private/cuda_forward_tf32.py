@@ -4,9 +4,15 @@
 split hi + lo, three mma per product). :func:`forward_tile` returns the tile a call uses, or None
 where the kernel does not apply — the caller then runs the SIMT kernel (exact fp32):
 
-* padded head dims d, dv (multiples of 16) at most 128, i.e. any D, Dv in 1..128 (D a multiple
+* padded head dims d, dv (multiples of 16) at most 256, i.e. any D, Dv in 1..256 (D a multiple
   of 4 with 16-byte aligned rows takes the cp.async path, anything else the element-wise loads);
+  above 128 the wide tiles (below), except 3xtf32 where Br 64 does not fit (padded d >= 208 on
+  sm_86/89) and 3xtf32 with extensions;
 * no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
+
+Wide tiles (padded d or dv > 128, docs/precision.md "Head dims above 128"): O's accumulator is dv/2
+registers per thread, so Bc is capped (:data:`WIDE_BLOCK_NS`, :data:`WIDE_BC32_MAX_DV`), 3xtf32
+splits Q only up to :data:`WIDE_QSPLIT_MAX_DV`, and extensions take Bc 16 (tf32) or SIMT (3xtf32).
 
 Extensions (docs/extensions.md: dropout, block mask, window, ALiBi, softcap, seqlens) run on the
 same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``), except a
@@ -42,6 +48,9 @@ NARROW_HEAD_DIM = 128
 #: it needed 238-255 registers and spilled 28 bytes at d 128 on sm_86; dv <= 224 at most 237).
 WIDE_BLOCK_NS = {"tf32": (32, 16), "3xtf32": (16,)}
 WIDE_BC32_MAX_DV = 224
+#: 3xtf32's Q split on wide tiles only up to this padded dv: at dv 256 it needed 250-255 registers
+#: and spilled 8 bytes at d 128 (sm_80, causal, cp.async); Q raw at dv 256 spilled nowhere.
+WIDE_QSPLIT_MAX_DV = 224
 #: Wide tiles with extensions (any kExt bit): tf32 takes Bc 16 (at Bc 32 ALiBi / the window spilled
 #: 8-32 bytes at d 64 dv 256 on sm_80); 3xtf32 runs SIMT (at Bc 16, the smallest tile, 8-80 bytes
 #: spilled on sm_80: kExt 1, 8, 16, 55, 62, 63 at dv 256, 9 at d 144 — the 3xtf32 A/B lo fragments
@@ -94,9 +103,10 @@ class Tf32Tile(tiles.FwdTile):
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
-    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, forced kernel, IO tile,
-    split-KV or KV cache). ``ext``: the call's kExt bits (the same tile, but Bc = 16 for a window
-    with a block mask: :data:`NARROW_EXT`).
+    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 256, forced kernel, IO tile,
+    split-KV or KV cache; 3xtf32 with extensions on a wide tile, or where no tile fits). ``ext``: the
+    call's kExt bits (the same tile, but Bc = 16 for a window with a block mask, :data:`NARROW_EXT`,
+    and for any extension on a wide tile).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -108,7 +118,7 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
         return None
     wide = max(d, dv) > NARROW_HEAD_DIM
     if wide and ext and precision == "3xtf32":
-        return None  # WIDE_EXT_SIMT: spilled at every tile
+        return None  # spilled even at Bc 16 (WIDE_EXT_BLOCK_N's comment): the SIMT kernel
     narrow = int(ext) & NARROW_EXT == NARROW_EXT or (wide and bool(ext))
     return _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
 
@@ -116,16 +126,18 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
 def _block_ns(precision, d, dv, narrow):
     """Bc candidates, largest first: Bc 16 for narrow calls (NARROW_EXT, extensions on a wide tile),
     the wide tiles' (WIDE_BLOCK_NS, Bc 32 up to dv WIDE_BC32_MAX_DV), else 64, 32, 16."""
+    wide = max(d, dv) > NARROW_HEAD_DIM
     if narrow:
-        return (_NARROW_BLOCK_N,)
-    if max(d, dv) > NARROW_HEAD_DIM:
+        return (WIDE_EXT_BLOCK_N if wide else _NARROW_BLOCK_N,)
+    if wide:
         return tuple(bc for bc in WIDE_BLOCK_NS[precision] if bc <= 16 or dv <= WIDE_BC32_MAX_DV)
     return (64, 32, 16)
 
 
 def _candidates(precision, d, dv, narrow):
     """(Bc, Q split) in order of the key loop's instructions per HMMA."""
-    splits = (True, False) if precision == "3xtf32" else (False,)
+    wide = max(d, dv) > NARROW_HEAD_DIM
+    splits = (True, False) if precision == "3xtf32" and not (wide and dv > WIDE_QSPLIT_MAX_DV) else (False,)
     return [(bc, qs) for bc in _block_ns(precision, d, dv, narrow) for qs in splits]
 
 
