@@ -210,7 +210,7 @@ def test_unsupported_shapes_fall_back_to_simt(precision):
     assert tf32_plan(q, k, v, False, precision).tile.kernel == "tf32"
     wide_ext = tf32_plan(q, k, v, False, precision, ext=Extensions(window=(4, 0))).tile
     assert (wide_ext.kernel, wide_ext.block_n) == (("tf32", 16) if precision == "tf32" else ("simt", wide_ext.block_n))
-    # sm_86/89: 3xtf32 at padded d >= 208 does not fit 99 KB at Br 64 -> SIMT; tf32 fits (Bc 16)
+    # sm_86/89: 3xtf32 at d = dv 256 does not fit 99 KB at Br 64 -> SIMT; tf32 fits (Bc 16)
     q, k, v = make_inputs(np.float32, 256, 17, 33, batch=(1, 1))
     assert tf32_plan(q, k, v, False, precision, arch=86).tile.kernel == ("tf32" if precision == "tf32" else "simt")
 
@@ -226,7 +226,7 @@ def test_sm75_refused(precision):
 
 def test_tile_table():
     """Every d, dv <= 256 has a tile on every sm_80+ arch within its shared memory (wide tiles: Bc
-    <= WIDE_BLOCK_NS), except 3xtf32 where Br 64 does not fit (sm_86/89 at padded d >= 208: SIMT)."""
+    <= WIDE_BLOCK_NS), except 3xtf32 where Br 64 does not fit (sm_86/89, here d > 192: SIMT)."""
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
             for d in range(1, 257, 7):

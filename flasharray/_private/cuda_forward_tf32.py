@@ -6,8 +6,8 @@ where the kernel does not apply — the caller then runs the SIMT kernel (exact 
 
 * padded head dims d, dv (multiples of 16) at most 256, i.e. any D, Dv in 1..256 (D a multiple
   of 4 with 16-byte aligned rows takes the cp.async path, anything else the element-wise loads);
-  above 128 the wide tiles (below), except 3xtf32 where Br 64 does not fit (padded d >= 208 on
-  sm_86/89) and 3xtf32 with extensions;
+  above 128 the wide tiles (below), except 3xtf32 where Br 64 does not fit (sm_86/89: d = dv
+  from padded 208) and 3xtf32 with extensions;
 * no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
 
 Wide tiles (padded d or dv > 128, docs/precision.md "Head dims above 128"): O's accumulator is dv/2
@@ -45,13 +45,13 @@ MAX_HEAD_DIM = 256
 NARROW_HEAD_DIM = 128
 #: Wide tiles' Bc candidates per precision, largest first (NVRTC: 3xtf32 at Bc 32 spilled 52-56 bytes
 #: at d = dv = 256 on sm_80, Bc 16 none; tf32 Bc 32 only up to padded dv WIDE_BC32_MAX_DV: at dv 256
-#: it needed 238-255 registers and spilled 28 bytes at d 128 on sm_86; dv <= 224 at most 237).
+#: it needed 238-255 registers and spilled 28 bytes at d 128 on sm_86; dv <= 224 at most 230).
 WIDE_BLOCK_NS = {"tf32": (32, 16), "3xtf32": (16,)}
 WIDE_BC32_MAX_DV = 224
 #: 3xtf32's Q split on wide tiles only up to this padded dv: at dv 256 it needed 250-255 registers
 #: and spilled 8 bytes at d 128 (sm_80, causal, cp.async); Q raw at dv 256 spilled nowhere.
 WIDE_QSPLIT_MAX_DV = 224
-#: Wide tiles with extensions (any kExt bit): tf32 takes Bc 16 (at Bc 32 ALiBi / the window spilled
+#: Wide tiles with extensions (any kExt bit): tf32 takes Bc 16 (at Bc 32 the window / block mask spilled
 #: 8-32 bytes at d 64 dv 256 on sm_80); 3xtf32 runs SIMT (at Bc 16, the smallest tile, 8-80 bytes
 #: spilled on sm_80: kExt 1, 8, 16, 55, 62, 63 at dv 256, 9 at d 144 — the 3xtf32 A/B lo fragments
 #: and the 128-float O accumulator leave no room for the extensions' state).
@@ -143,7 +143,8 @@ def _candidates(precision, d, dv, narrow):
 
 def _pick_tile(precision, d, dv, a, narrow):
     """The first candidate letting two blocks share an SM, else the first that fits; None (SIMT)
-    when none fits the arch's shared memory (3xtf32 at padded d >= 208 on sm_86/89)."""
+    when none fits the arch's shared memory (3xtf32 on sm_86/89 where 384 (d + 4) + 128 (dv + 4)
+    bytes exceed 99 KB, e.g. d = dv >= 208, d 256 with any dv)."""
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
     fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc, qs in _candidates(precision, d, dv, narrow)]
