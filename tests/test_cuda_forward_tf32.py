@@ -251,6 +251,9 @@ def test_tile_table():
     assert [(wide["3xtf32", d].block_n, wide["3xtf32", d].q_split) for d in (160, 224, 256)] == [
         (16, True), (16, False), (16, False)]
     assert cuda_forward_tf32.forward_tile("tf32", np.float32, 160, 160, 90).block_n == 32
+    # 3xtf32 Q split at dv 256: sm_90 only (WIDE_QSPLIT_MAX_DV_SM90; below, WIDE_QSPLIT_MAX_DV 224)
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 90).q_split
+    assert not cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 256, 80).q_split
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 86) is None
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 192, 192, 86).block_n == 16
 

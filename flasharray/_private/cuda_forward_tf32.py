@@ -48,9 +48,13 @@ NARROW_HEAD_DIM = 128
 #: it needed 238-255 registers and spilled 28 bytes at d 128 on sm_86; dv <= 224 at most 230).
 WIDE_BLOCK_NS = {"tf32": (32, 16), "3xtf32": (16,)}
 WIDE_BC32_MAX_DV = 224
-#: 3xtf32's Q split on wide tiles only up to this padded dv: at dv 256 it needed 250-255 registers
-#: and spilled 8 bytes at d 128 (sm_80, causal, cp.async); Q raw at dv 256 spilled nowhere.
+#: 3xtf32's Q split on wide tiles only up to this padded dv below sm_90: at dv 256 it needed 250-255
+#: registers and spilled 8 bytes at d 128 (sm_80, causal, cp.async). On sm_90 at every dv
+#: (WIDE_QSPLIT_MAX_DV_SM90): there Q raw spilled 20 bytes at d = dv 256 (causal, cp.async) and the
+#: split tiles d 224-256 x dv 256 need 250-252 registers, no spills; below sm_90 d 256 does not fit
+#: with the split (263 KB).
 WIDE_QSPLIT_MAX_DV = 224
+WIDE_QSPLIT_MAX_DV_SM90 = 256
 #: Wide tiles with extensions (any kExt bit): tf32 takes Bc 16 (at Bc 32 the window / block mask spilled
 #: 8-32 bytes at d 64 dv 256 on sm_80); 3xtf32 runs SIMT (at Bc 16, the smallest tile, 8-80 bytes
 #: spilled on sm_80: kExt 1, 8, 16, 55, 62, 63 at dv 256, 9 at d 144 — the 3xtf32 A/B lo fragments
@@ -134,10 +138,11 @@ def _block_ns(precision, d, dv, narrow):
     return (64, 32, 16)
 
 
-def _candidates(precision, d, dv, narrow):
-    """(Bc, Q split) in order of the key loop's instructions per HMMA."""
+def _candidates(precision, d, dv, narrow, a):
+    """(Bc, Q split) in order of the key loop's instructions per HMMA (``a``: the arch number)."""
     wide = max(d, dv) > NARROW_HEAD_DIM
-    splits = (True, False) if precision == "3xtf32" and not (wide and dv > WIDE_QSPLIT_MAX_DV) else (False,)
+    max_dv = WIDE_QSPLIT_MAX_DV_SM90 if a >= 90 else WIDE_QSPLIT_MAX_DV
+    splits = (True, False) if precision == "3xtf32" and not (wide and dv > max_dv) else (False,)
     return [(bc, qs) for bc in _block_ns(precision, d, dv, narrow) for qs in splits]
 
 
@@ -147,7 +152,7 @@ def _pick_tile(precision, d, dv, a, narrow):
     bytes exceed 99 KB, e.g. d = dv >= 208, d 256 with any dv)."""
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
-    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc, qs in _candidates(precision, d, dv, narrow)]
+    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc, qs in _candidates(precision, d, dv, narrow, a)]
     fits = [f for f in fits if f[2] <= limit]
     if not fits:
         return None
