@@ -39,9 +39,12 @@
 // shared loads per B fragment (V's row pitch dv + 4 floats ≡ 4 mod 16 words: the 32 lanes
 // (2t·pitch + g) hit 32 distinct banks).
 //
-// Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128;
-// Br = 16·kNWarps; Bc a multiple of 16. Row pitches d + 4 / dv + 4 floats: the 8 rows an ldmatrix
-// phase reads start in 8 distinct 16-byte bank groups (d/4 + 1 odd). The FLASH_EXT_PARAMS tail is
+// Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 256;
+// Br = 16·kNWarps; Bc a multiple of 16. Wide tiles (d or dv > 128, kWide): O's accumulator alone is
+// dv/2 registers per thread (128 at dv 256), so the host caps Bc (tf32 32, 3xtf32 16) and the
+// per-tile conversion and element-wise copy loops stay rolled (unrolled, the compiler batched their
+// loads and 3xtf32 spilled at d 256); d, dv <= 128 compile exactly as before. Row pitches d + 4 /
+// dv + 4 floats: the 8 rows an ldmatrix phase reads start in 8 distinct 16-byte bank groups (d/4 + 1 odd). The FLASH_EXT_PARAMS tail is
 // taken (the SIMT kernel's argument list, so the host lays out both alike); kExt (docs/extensions.md,
 // the bits of flash_ext.cuh; 0 by default: the dense instantiations keep their names and code)
 // turns its parts on, exactly as in flash_fwd.cu: the entry's lengths (seqlens), window, block mask,
@@ -83,13 +86,14 @@ struct FwdTf32Traits {
   static constexpr int kNTilesS = kBlockN / 8;   // n8 tiles across Bc (= k8 steps of P V)
   static constexpr int kNTilesO = kHeadDimV / 8; // n8 tiles across dv
   static constexpr int kKStepsS = kHeadDim / 8;  // k8 steps of Q Kᵀ
+  static constexpr bool kWide = kHeadDim > 128 || kHeadDimV > 128;  // conversion / copy loops rolled
 
   static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
   static_assert(!kQSplit || kPrec == 3, "kQSplit: 3xtf32 only (tf32 converts Q in place)");
   static_assert(kBlockM == 16 * kNWarps, "one 16-row slab per warp");
   static_assert(kBlockN % 16 == 0, "Bc: whole n16 pairs (ldmatrix.x4 of K)");
-  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
-                "d, dv: multiples of 16, at most 128");
+  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 256 && kHeadDimV <= 256,
+                "d, dv: multiples of 16, at most 256");
   static_assert(kStrideV % 16 == 4 || kStrideV % 16 == 12, "V pitch: conflict-free 32-bit B loads");
 };
 
@@ -137,25 +141,48 @@ __device__ __forceinline__ void convert_elem(float* x, int lo_plane) {
 
 // Converts exactly what this thread copied with load_tile<float, kRows, kCols, kStride, kNThreads,
 // Is_aligned> (16-byte chunks, or elements): after its cp.async wait (or the synchronous copy)
-// those values are visible to it without a barrier.
-template <int kPrec, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+// those values are visible to it without a barrier. kRolled (d or dv > 128): the loop kept rolled,
+// so the compiler does not batch the loads of several chunks while the 128-float O accumulator is
+// live (the unrolled loop spilled 3xtf32 at d 256).
+template <int kPrec, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned, bool kRolled = false>
 __device__ __forceinline__ void convert_loaded(float* tile, int lo_plane, int tid) {
-  if constexpr (Is_aligned) {
-    constexpr int kChunksPerRow = kCols / 4;
+  constexpr int kChunksPerRow = kCols / 4;
+  if constexpr (Is_aligned && kRolled) {
+#pragma unroll 1
     for (int idx = tid; idx < kRows * kChunksPerRow; idx += kNThreads)
       convert_chunk<kPrec>(tile + (idx / kChunksPerRow) * kStride + (idx % kChunksPerRow) * 4, lo_plane);
+  } else if constexpr (Is_aligned) {
+    for (int idx = tid; idx < kRows * kChunksPerRow; idx += kNThreads)
+      convert_chunk<kPrec>(tile + (idx / kChunksPerRow) * kStride + (idx % kChunksPerRow) * 4, lo_plane);
+  } else if constexpr (kRolled) {
+#pragma unroll 1
+    for (int idx = tid; idx < kRows * kCols; idx += kNThreads)
+      convert_elem<kPrec>(tile + (idx / kCols) * kStride + idx % kCols, lo_plane);
   } else {
     for (int idx = tid; idx < kRows * kCols; idx += kNThreads)
       convert_elem<kPrec>(tile + (idx / kCols) * kStride + idx % kCols, lo_plane);
   }
 }
 
+// load_tile's element-wise path (rows past rows_valid, columns past cols_valid zero-filled) with
+// the loop kept rolled: the wide tiles' key loop (d or dv > 128), where the unrolled loop's batched
+// global loads spilled 3xtf32 at dv 256 (24-56 bytes on sm_80).
+template <int kRows, int kCols, int kStride, int kNThreads>
+__device__ __forceinline__ void load_elems_rolled(float* smem, const float* gmem, long long row_stride,
+                                                  int rows_valid, int cols_valid, int tid) {
+#pragma unroll 1
+  for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
+    const int r = idx / kCols, c = idx % kCols;
+    smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(gmem + r * row_stride + c) : 0.0f;
+  }
+}
+
 // The same for a TileCopy (the aligned K_j / V_j copies of the key loop): its fixed column chunk
 // of rows r0 + p·kRowsPerPass.
-template <int kPrec, typename Copy, int kRows, int kStride>
+template <int kPrec, typename Copy, int kRows, int kStride, int kUnroll = Copy::kPasses>
 __device__ __forceinline__ void convert_copied(const Copy& copy, float* tile, int lo_plane) {
   if (Copy::kChunksPerRow != Copy::kThreadsPerRow && !copy.active) return;
-#pragma unroll
+#pragma unroll (kUnroll)
   for (int p = 0; p < Copy::kPasses; ++p) {
     if (!Copy::kEvenPasses && copy.r0 + p * Copy::kRowsPerPass >= kRows) break;
     convert_chunk<kPrec>(tile + copy.smem_offset + p * Copy::kRowsPerPass * kStride, lo_plane);
@@ -255,21 +282,25 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   // this thread copied.
   auto load_k = [&](bool full, int n0) {
     if constexpr (Is_aligned) copy_k.load(full, sK, k_base + n0 * k_row, rows_in_tile(n0, kBlockN, Lk));
+    else if constexpr (Traits::kWide) load_elems_rolled<kBlockN, kHeadDim, Traits::kStrideK, kNThreads>(
+        sK, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
     else load_tile<float, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(
         sK, k_base + n0 * k_row, k_row, rows_in_tile(n0, kBlockN, Lk), D, tid);
   };
   auto load_v = [&](bool full, int n0) {
     if constexpr (Is_aligned) copy_v.load(full, sV, v_base + n0 * v_row, rows_in_tile(n0, kBlockN, Lk));
+    else if constexpr (Traits::kWide) load_elems_rolled<kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>(
+        sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
     else load_tile<float, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(
         sV, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
   };
   auto convert_k = [&]() {
-    if constexpr (Is_aligned) convert_copied<kPrec, CopyK, kBlockN, Traits::kStrideK>(copy_k, sK, Traits::kKPlane);
-    else convert_loaded<kPrec, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false>(sK, Traits::kKPlane, tid);
+    if constexpr (Is_aligned) convert_copied<kPrec, CopyK, kBlockN, Traits::kStrideK, Traits::kWide ? 1 : CopyK::kPasses>(copy_k, sK, Traits::kKPlane);
+    else convert_loaded<kPrec, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, false, Traits::kWide>(sK, Traits::kKPlane, tid);
   };
   auto convert_v = [&]() {
-    if constexpr (Is_aligned) convert_copied<kPrec, CopyV, kBlockN, Traits::kStrideV>(copy_v, sV, Traits::kVPlane);
-    else convert_loaded<kPrec, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(sV, Traits::kVPlane, tid);
+    if constexpr (Is_aligned) convert_copied<kPrec, CopyV, kBlockN, Traits::kStrideV, Traits::kWide ? 1 : CopyV::kPasses>(copy_v, sV, Traits::kVPlane);
+    else convert_loaded<kPrec, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false, Traits::kWide>(sV, Traits::kVPlane, tid);
   };
 
   using TileS = float[kNTilesS][4];
@@ -392,7 +423,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     fa::cp_async_commit();
     if constexpr (kPrec == 1 || kQSplit) {
       fa::cp_async_wait<1>();  // Q_i (this thread's copies)
-      convert_loaded<kPrec, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(sQ, Traits::kQPlane, tid);
+      convert_loaded<kPrec, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned, Traits::kWide>(sQ, Traits::kQPlane, tid);
     }
   }
 

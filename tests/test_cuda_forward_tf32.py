@@ -104,19 +104,76 @@ def test_forward_tf32_dv_differs(precision):
     check(precision, 40, 33, 70, True, Dv=24)
 
 
+# Wide head dims (padded d or dv in 144..256, cuda_forward_tf32.WIDE_BLOCK_NS): (D, Dv, Lq, Lk, causal,
+# layout, gqa) — Dv != D both ways, D off the 16-multiples (136 -> 144), D 199 (element-wise copies,
+# the rolled loader), Lq / Lk off the tiles, causal with fully masked rows (Lq > Lk), GQA, BSHD views.
+WIDE_SUBSET = [
+    (256, 256, 17, 45, True, "bhsd", False),
+    (192, 160, 65, 40, True, "bshd", True),
+    (136, 200, 33, 70, False, "bhsd", True),
+    (199, 256, 20, 33, False, "bhsd", False),
+]
+
+
+def _wide_id(c):
+    D, Dv, Lq, Lk, causal, layout, gqa = c
+    return "d%d-dv%d-%dx%d%s-%s%s" % (D, Dv, Lq, Lk, "-causal" if causal else "", layout, "-gqa" if gqa else "")
+
+
+def check_wide(precision, D, Dv, Lq, Lk, causal, layout="bhsd", gqa=False, **opts):
+    """check() after asserting the TF32 kernel (not SIMT) serves the call at the wide tile."""
+    q, k, v = make_inputs(np.float32, D, Lq, Lk, Dv=Dv, batch=(1, 1))
+    t = tf32_plan(q, k, v, causal, precision).tile
+    assert t.kernel == "tf32" and max(t.head_dim, t.head_dim_v) > 128
+    assert t.block_n in cuda_forward_tf32.WIDE_BLOCK_NS[precision]
+    return check(precision, D, Lq, Lk, causal, Dv=Dv, layout=layout, gqa=gqa, **opts)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_tf32_kernel_runs_its_mma(precision):
+@pytest.mark.parametrize("case", WIDE_SUBSET, ids=[_wide_id(c) for c in WIDE_SUBSET])
+def test_forward_tf32_wide_head_dims(precision, case):
+    check_wide(precision, *case)
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "random"])
+def test_tf32_wide_schedules_identical(schedule):
+    """Wide tiles (rolled conversion loops, Bc 16 / 32) under permuted fiber schedules: bit-identical."""
+    for precision, D, Dv in (("3xtf32", 256, 200), ("tf32", 160, 256)):
+        q, k, v = make_inputs(np.float32, D, 77, 70, Dv=Dv)
+        ref = run_forward("emulator", q, k, v, causal=True, precision=precision)
+        got = run_forward("emulator", q, k, v, causal=True, precision=precision, schedule=schedule, seed=3)
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_wide_forward_with_simt_backward():
+    """d > 128: the forward on the TF32 kernel, the backward SIMT (cuda_backward_tf32 stops at 128)
+    from that forward's out and lse (natural log): 3xtf32 gradients within the float32 rule; the
+    default precision gives the same output."""
+    from flasharray.testing import check_attention
+    q, k, v = make_inputs(np.float32, 160, 33, 47, Dv=192, gqa=True)
+    assert tf32_plan(q, k, v, True, "3xtf32").tile.kernel == "tf32"
+    out, vjp = fa.flash_attention_vjp(q, k, v, causal=True, backend="emulator", precision="3xtf32")
+    do = np.random.default_rng(5).standard_normal(out.shape).astype(np.float32)
+    check_attention(out, q, k, v, causal=True, dout=do, grads=vjp(do))
+    # float32's default precision (3xtf32 on the emulator's sm_80) takes the same wide kernel
+    np.testing.assert_array_equal(fa.flash_attention(q, k, v, causal=True, backend="emulator"), out)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("D", [64, 256])
+def test_tf32_kernel_runs_its_mma(precision, D):
     """The TF32 kernel (not SIMT) runs: one mma per product for tf32, three for 3xtf32; every
     element of q, k, v read once per tile load (emulator bytes = the analytic count)."""
-    q, k, v = make_inputs(np.float32, 64, 64, 128, batch=(1, 1))
+    q, k, v = make_inputs(np.float32, D, 64, 128, batch=(1, 1))
     p = tf32_plan(q, k, v, False, precision)
     assert p.tile.kernel == "tf32" and p.tile.precision == precision
     counters = []
     p.run(q, k, v, counters)
-    # S: 64x128 outputs as m16n8, k 64 in k8 steps; O: 64x64, k 128 -> 4 slabs x (16·8 + 16·8) mma
+    # S: 64x128 outputs as m16n8, k D in k8 steps; O: 64xD, k 128 -> 4 slabs x (16·D/8 + 16·D/8) mma
     per_product = cuda_forward_tf32.PREC[precision]
-    assert sum(c["mma"] for c in counters) == 4 * (16 * 8 + 16 * 8) * per_product
-    reads, writes = cuda_forward.analytic_global_bytes(1, 64, 128, 64, 64, np.float32, p.tile)
+    assert sum(c["mma"] for c in counters) == 4 * (16 * D // 8 + 16 * D // 8) * per_product
+    reads, writes = cuda_forward.analytic_global_bytes(1, 64, 128, D, D, np.float32, p.tile)
     assert sum(c["global_read_bytes"] for c in counters) == reads
     assert sum(c["global_write_bytes"] for c in counters) == writes
 
@@ -144,14 +201,18 @@ def test_3xtf32_error_close_to_simt_fp32():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_unsupported_shapes_fall_back_to_simt(precision):
-    """Head dims above 128 and forced kernels run the SIMT kernel (exact fp32); extensions run the
-    TF32 kernel."""
-    q, k, v = make_inputs(np.float32, 160, 17, 33, batch=(1, 1))
-    assert tf32_plan(q, k, v, False, precision).tile.kernel == "simt"
-    check(precision if precision == "3xtf32" else "3xtf32", 160, 17, 33, False)  # SIMT meets the fp32 rule
+    """Forced kernels run the SIMT kernel (exact fp32); extensions run the TF32 kernel (up to d 128
+    both precisions; wide tiles: tf32 at Bc 16, 3xtf32 SIMT — WIDE_EXT_BLOCK_N)."""
     q, k, v = make_inputs(np.float32, 64, 17, 33, batch=(1, 1))
     assert tf32_plan(q, k, v, False, precision, kernel="simt").tile.kernel == "simt"
     assert tf32_plan(q, k, v, False, precision, ext=Extensions(window=(4, 0))).tile.kernel == "tf32"
+    q, k, v = make_inputs(np.float32, 160, 17, 33, batch=(1, 1))
+    assert tf32_plan(q, k, v, False, precision).tile.kernel == "tf32"
+    wide_ext = tf32_plan(q, k, v, False, precision, ext=Extensions(window=(4, 0))).tile
+    assert (wide_ext.kernel, wide_ext.block_n) == (("tf32", 16) if precision == "tf32" else ("simt", wide_ext.block_n))
+    # sm_86/89: 3xtf32 at d = dv 256 does not fit 99 KB at Br 64 -> SIMT; tf32 fits (Bc 16)
+    q, k, v = make_inputs(np.float32, 256, 17, 33, batch=(1, 1))
+    assert tf32_plan(q, k, v, False, precision, arch=86).tile.kernel == ("tf32" if precision == "tf32" else "simt")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -164,13 +225,19 @@ def test_sm75_refused(precision):
 
 
 def test_tile_table():
-    """Every d, dv <= 128 has a tile on every sm_80+ arch within its shared memory; above 128 none."""
+    """Every d, dv <= 256 has a tile on every sm_80+ arch within its shared memory (wide tiles: Bc
+    <= WIDE_BLOCK_NS), except 3xtf32 where Br 64 does not fit (sm_86/89, here d > 192: SIMT)."""
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
-            for d in range(1, 129, 7):
-                t = cuda_forward_tf32.forward_tile(precision, np.float32, d, 128 - d // 2, arch)
-                assert t.smem <= tiles.smem_limit(arch) and t.block_m == 64 and t.block_n in (16, 32, 64)
-            assert cuda_forward_tf32.forward_tile(precision, np.float32, 129, 64, arch) is None
+            for d in range(1, 257, 7):
+                dv = 256 - d // 2 if d > 128 else 128 - d // 2
+                t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
+                if t is None:
+                    assert (arch, precision) in ((86, "3xtf32"), (89, "3xtf32")) and d > 192
+                    continue
+                wide = max(t.head_dim, t.head_dim_v) > 128
+                block_ns = cuda_forward_tf32.WIDE_BLOCK_NS[precision] if wide else (16, 32, 64)
+                assert t.smem <= tiles.smem_limit(arch) and t.block_m == 64 and t.block_n in block_ns
             assert cuda_forward_tf32.forward_tile(precision, np.float64, 64, 64, arch) is None
     assert cuda_forward_tf32.forward_tile("tf32", np.float32, 128, 128, 86).block_n == 64
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 128, 128, 86).block_n == 32
@@ -178,6 +245,17 @@ def test_tile_table():
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 64, 80).q_split
     assert not cuda_forward_tf32.forward_tile("3xtf32", np.float32, 128, 128, 80).q_split
     assert not cuda_forward_tf32.forward_tile("tf32", np.float32, 64, 64, 80).q_split
+    # wide tiles on sm_80 (docs/precision.md's table)
+    wide = {(p, d): cuda_forward_tf32.forward_tile(p, np.float32, d, d, 80) for p in PRECISIONS for d in (160, 224, 256)}
+    assert [wide["tf32", d].block_n for d in (160, 224, 256)] == [16, 32, 16]  # Bc 32 up to dv 224
+    assert [(wide["3xtf32", d].block_n, wide["3xtf32", d].q_split) for d in (160, 224, 256)] == [
+        (16, True), (16, False), (16, False)]
+    assert cuda_forward_tf32.forward_tile("tf32", np.float32, 160, 160, 90).block_n == 32
+    # 3xtf32 Q split at dv 256: sm_90 only (WIDE_QSPLIT_MAX_DV_SM90; below, WIDE_QSPLIT_MAX_DV 224)
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 90).q_split
+    assert not cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 256, 80).q_split
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 86) is None
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 192, 192, 86).block_n == 16
 
 
 _PROBE = r"""
@@ -194,7 +272,8 @@ def test_python_smem_matches_traits():
     from flasharray._private import launch
     entries = {}
     for precision in PRECISIONS:
-        for d, dv, arch in ((16, 16, 86), (64, 64, 86), (128, 128, 86), (48, 112, 86), (64, 64, 90), (96, 32, 90)):
+        for d, dv, arch in ((16, 16, 86), (64, 64, 86), (128, 128, 86), (48, 112, 86), (64, 64, 90), (96, 32, 90),
+                            (256, 256, 80), (64, 256, 80), (200, 136, 90)):
             t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
             entries["probe_tf32<%d, %d, %d, %d, %d, %d, %s>" % (
                 t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.threads_m, cuda_forward_tf32.PREC[precision],
@@ -239,6 +318,20 @@ def test_public_api_precision():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_tf32_full(precision, D, lengths, causal):
     check(precision, D, lengths[0], lengths[1], causal, gqa=D % 2 == 1, layout="bshd" if D % 3 == 0 else "bhsd")
+
+
+WIDE_FULL = [(136, 136), (144, 64), (160, 160), (192, 192), (199, 199), (208, 256), (224, 128), (256, 256)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("dims", WIDE_FULL, ids=["d%d-dv%d" % x for x in WIDE_FULL])
+@pytest.mark.parametrize("lengths", [(1, 1), (17, 63), (64, 65), (129, 127)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_tf32_wide_full(precision, dims, lengths, causal):
+    D, Dv = dims
+    check_wide(precision, D, Dv, lengths[0], lengths[1], causal, gqa=D % 2 == 1,
+               layout="bshd" if D % 3 == 0 else "bhsd")
 
 
 def test_precision_benchmark_table():
@@ -377,6 +470,20 @@ def test_forward_tf32_extensions(precision, case):
     check_ext(precision, D, Lq, Lk, causal, features, **opts)
 
 
+def test_forward_tf32_wide_extensions():
+    """Extensions on a wide tile: tf32 runs the TF32 kernel at Bc 16 (five together, against the
+    brute-force specification); 3xtf32 runs the SIMT kernel (its wide kExt instantiations spilled
+    at every Bc: WIDE_EXT_BLOCK_N) and meets the float32 rule there."""
+    features = ("window", "alibi", "softcap", "dropout", "seqlens")
+    check_ext("tf32", 192, 70, 133, True, features, batch=(1, 2))
+    q, k, v = ext.make_inputs(np.float32, 160, 40, 70, batch=(1, 2))
+    kw = ext.ext_kw(features, (1, 2), 40, 70, np.float32)
+    assert tf32_plan(q, k, v, True, "tf32", ext=Extensions(**kw)).tile.block_n == cuda_forward_tf32.WIDE_EXT_BLOCK_N
+    assert tf32_plan(q, k, v, True, "3xtf32", ext=Extensions(**kw)).tile.kernel == "simt"
+    out, lse, scale = ext.run("emulator", q, k, v, True, kw, precision="3xtf32")
+    ext.check_close(out, lse, q, k, v, True, scale, kw)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_tf32_dropout_keep_mask_is_philox_and_simt(precision):
     """q = 0 (uniform P) and v = identity: out[i, j] = keep_ij / ((1 − p)·Lk), so the kept entries are
@@ -443,6 +550,17 @@ def test_tf32_extension_tiles_never_loaded():
     tf32_plan(q, k, v, True, "3xtf32").run(q, k, v, c_dense)
     kv = lambda c: sum(c[0].buffers[i].read_bytes for i in (1, 2))  # noqa: E731
     assert kv(c_ext) < kv(c_dense) / 3
+
+
+EXT_WIDE_FULL = [(D, 17, 130, c, f, {}) for D in (160, 256) for c in (False, True) for f in {e[4] for e in EXT_FULL}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(EXT_WIDE_FULL), ids=[_ext_id(c) for c in sorted(EXT_WIDE_FULL)])
+def test_forward_tf32_wide_extensions_full(case):
+    """tf32 on wide tiles (Bc 16) with every extension set of EXT_FULL."""
+    D, Lq, Lk, causal, features, opts = case
+    check_ext("tf32", D, Lq, Lk, causal, features, **opts)
 
 
 @pytest.mark.slow

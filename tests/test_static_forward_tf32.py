@@ -9,8 +9,10 @@ other HMMA; sm_75 is refused at compile time (fa::mma_m16n8k8_tf32 needs sm_80+)
 Default: d = dv in {64, 128} (3xtf32 on sm_80/90: Q split at 64, raw at 128), both precisions,
 (non-causal, cp.async) and (causal, element-wise loads); the extension instantiations (kExt in
 ``EXT_SETS``, each on forward_tile's tile for it: Bc 16 for a window with a block mask) at
-d 64 / 128, causal, cp.async. ``-m slow``: every padded head dim 16..128 x causal x aligned, dense
-and with ``EXT_SETS + EXT_SETS_SLOW``.
+d 64 / 128, causal, cp.async; the wide tiles (``WIDE_DEFAULT``: d, dv up to 256, dv != d) and
+tf32's wide extension tiles (Bc 16) at d 256. ``-m slow``: every padded head dim
+16..128 x causal x aligned, dense and with ``EXT_SETS + EXT_SETS_SLOW``; ``WIDE_ALL`` (every padded
+d = dv 144..256 and 12 pairs) dense x 4 flags, ``WIDE_EXT`` with the extension sets.
 """
 import numpy as np
 import pytest
@@ -39,12 +41,27 @@ EXT_SETS = (63 & ~8, 63 & ~1, 16, 1 | 8, 63)
 EXT_SETS_SLOW = (1, 8)
 
 
+#: Wide head dims (padded d or dv above 128): d = dv and pairs with dv != d both ways (O's accumulator
+#: is dv/2 registers: dv 256 with a small d is the tightest, e.g. tf32 d 128 dv 256 spilled at Bc 32).
+WIDE_DEFAULT = ((256, 256), (64, 256))
+WIDE_ALL = tuple((d, d) for d in range(144, 257, 16)) + (
+    (16, 256), (64, 256), (128, 256), (144, 256), (256, 16), (256, 64), (256, 128), (256, 144),
+    (64, 224), (128, 240), (224, 128), (200, 136))
+#: The wide extension instantiations checked by ``-m slow`` (tf32 only: 3xtf32 runs SIMT there).
+WIDE_EXT = ((144, 144), (192, 192), (208, 208), (256, 256), (16, 256), (64, 256), (128, 256), (256, 64))
+
+
 def instantiations(arch, head_dims, flags, exts=(0,)):
+    """Name expression -> tile of every (precision, head dims, kExt, flags) the library runs: head_dims
+    holds d (= dv) or (d, dv) pairs; calls that run SIMT (forward_tile None) are left out."""
     found = {}
     for precision in T.PREC:
-        for d in head_dims:
+        for hd in head_dims:
+            d, dv = hd if isinstance(hd, tuple) else (hd, hd)
             for e in exts:
-                t = T.forward_tile(precision, np.float32, d, d, arch, ext=e)
+                t = T.forward_tile(precision, np.float32, d, dv, arch, ext=e)
+                if t is None:
+                    continue
                 for causal, aligned in flags:
                     found[t.name_expression(causal, aligned, e)] = t
     return found
@@ -94,6 +111,21 @@ def test_tf32_forward_ext_compiles(arch):
     """The kExt instantiations (every extension; docs/precision.md has the figures): zero spills,
     the same HMMA per key tile."""
     _check(arch, (64, 128), [(True, True)], exts=EXT_SETS)
+
+
+@pytest.mark.parametrize("arch", DEFAULT_ARCHS)
+def test_tf32_forward_wide_compiles(arch):
+    """Wide tiles (d or dv in 129..256): zero spills, the key loop's HMMA count; tf32 with extensions
+    at Bc 16 (3xtf32 with extensions, and 3xtf32 where Br 64 does not fit sm_86/89, run SIMT)."""
+    _check(arch, WIDE_DEFAULT, [(False, True), (True, False)])
+    _check(arch, ((256, 256),), [(True, True)], exts=EXT_SETS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_forward_wide_compiles_all_head_dims(arch):
+    _check(arch, WIDE_ALL)
+    _check(arch, WIDE_EXT, [(True, True), (False, False)], exts=EXT_SETS + EXT_SETS_SLOW)
 
 
 @pytest.mark.slow

@@ -4,9 +4,15 @@
 split hi + lo, three mma per product). :func:`forward_tile` returns the tile a call uses, or None
 where the kernel does not apply — the caller then runs the SIMT kernel (exact fp32):
 
-* padded head dims d, dv (multiples of 16) at most 128, i.e. any D, Dv in 1..128 (D a multiple
+* padded head dims d, dv (multiples of 16) at most 256, i.e. any D, Dv in 1..256 (D a multiple
   of 4 with 16-byte aligned rows takes the cp.async path, anything else the element-wise loads);
+  above 128 the wide tiles (below), except 3xtf32 where Br 64 does not fit (sm_86/89: d = dv
+  from padded 208) and 3xtf32 with extensions;
 * no IO tile (``block_m``), no split-KV, no KV cache, no forced kernel family.
+
+Wide tiles (padded d or dv > 128, docs/precision.md "Head dims above 128"): O's accumulator is dv/2
+registers per thread, so Bc is capped (:data:`WIDE_BLOCK_NS`, :data:`WIDE_BC32_MAX_DV`), 3xtf32
+splits Q only up to :data:`WIDE_QSPLIT_MAX_DV`, and extensions take Bc 16 (tf32) or SIMT (3xtf32).
 
 Extensions (docs/extensions.md: dropout, block mask, window, ALiBi, softcap, seqlens) run on the
 same tiles with the kernel's ``kExt`` bits (:meth:`Tf32Tile.name_expression`'s ``ext``), except a
@@ -33,7 +39,27 @@ from .precision import check_precision_arch
 #: Kernel template argument kPrec per precision (mma per product).
 PREC = {"tf32": 1, "3xtf32": 3}
 SOURCE = "flash_fwd_tf32.cu"
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
+#: Padded head dims above this are "wide" (the O accumulator alone is dv/2 registers per thread, up to
+#: 128): Bc is capped by :data:`WIDE_BLOCK_NS` and the kernel keeps its conversion loops rolled.
+NARROW_HEAD_DIM = 128
+#: Wide tiles' Bc candidates per precision, largest first (NVRTC: 3xtf32 at Bc 32 spilled 52-56 bytes
+#: at d = dv = 256 on sm_80, Bc 16 none; tf32 Bc 32 only up to padded dv WIDE_BC32_MAX_DV: at dv 256
+#: it needed 238-255 registers and spilled 28 bytes at d 128 on sm_86; dv <= 224 at most 230).
+WIDE_BLOCK_NS = {"tf32": (32, 16), "3xtf32": (16,)}
+WIDE_BC32_MAX_DV = 224
+#: 3xtf32's Q split on wide tiles only up to this padded dv below sm_90: at dv 256 it needed 250-255
+#: registers and spilled 8 bytes at d 128 (sm_80, causal, cp.async). On sm_90 at every dv
+#: (WIDE_QSPLIT_MAX_DV_SM90): there Q raw spilled 20 bytes at d = dv 256 (causal, cp.async) and the
+#: split tiles d 224-256 x dv 256 need 250-252 registers, no spills; below sm_90 d 256 does not fit
+#: with the split (263 KB).
+WIDE_QSPLIT_MAX_DV = 224
+WIDE_QSPLIT_MAX_DV_SM90 = 256
+#: Wide tiles with extensions (any kExt bit): tf32 takes Bc 16 (at Bc 32 the window / block mask spilled
+#: 8-32 bytes at d 64 dv 256 on sm_80); 3xtf32 runs SIMT (at Bc 16, the smallest tile, 8-80 bytes
+#: spilled on sm_80: kExt 1, 8, 16, 55, 62, 63 at dv 256, 9 at d 144 — the 3xtf32 A/B lo fragments
+#: and the 128-float O accumulator leave no room for the extensions' state).
+WIDE_EXT_BLOCK_N = 16
 WARPS = 4
 BLOCK_M = 16 * WARPS
 _PAD = 4  # floats per shared-memory row
@@ -81,9 +107,10 @@ class Tf32Tile(tiles.FwdTile):
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
-    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 128, forced kernel, IO tile,
-    split-KV or KV cache). ``ext``: the call's kExt bits (the same tile, but Bc = 16 for a window
-    with a block mask: :data:`NARROW_EXT`).
+    SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 256, forced kernel, IO tile,
+    split-KV or KV cache; 3xtf32 with extensions on a wide tile, or where no tile fits). ``ext``: the
+    call's kExt bits (the same tile, but Bc = 16 for a window with a block mask, :data:`NARROW_EXT`,
+    and for any extension on a wide tile).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -93,20 +120,52 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     d, dv = tiles.pad_head_dim(head_dim), tiles.pad_head_dim(head_dim_v)
     if max(d, dv) > MAX_HEAD_DIM:
         return None
-    a = tiles.arch_number(arch)
+    wide = max(d, dv) > NARROW_HEAD_DIM
+    if wide and ext and precision == "3xtf32":
+        return None  # spilled even at Bc 16 (WIDE_EXT_BLOCK_N's comment): the SIMT kernel
+    narrow = int(ext) & NARROW_EXT == NARROW_EXT or (wide and bool(ext))
+    return _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
+
+
+def _block_ns(precision, d, dv, narrow):
+    """Bc candidates, largest first: Bc 16 for narrow calls (NARROW_EXT, extensions on a wide tile),
+    the wide tiles' (WIDE_BLOCK_NS, Bc 32 up to dv WIDE_BC32_MAX_DV), else 64, 32, 16."""
+    wide = max(d, dv) > NARROW_HEAD_DIM
+    if narrow:
+        return (WIDE_EXT_BLOCK_N if wide else _NARROW_BLOCK_N,)
+    if wide:
+        return tuple(bc for bc in WIDE_BLOCK_NS[precision] if bc <= 16 or dv <= WIDE_BC32_MAX_DV)
+    return (64, 32, 16)
+
+
+def _candidates(precision, d, dv, narrow, a):
+    """(Bc, Q split) in order of the key loop's instructions per HMMA (``a``: the arch number)."""
+    wide = max(d, dv) > NARROW_HEAD_DIM
+    max_dv = WIDE_QSPLIT_MAX_DV_SM90 if a >= 90 else WIDE_QSPLIT_MAX_DV
+    splits = (True, False) if precision == "3xtf32" and not (wide and dv > max_dv) else (False,)
+    return [(bc, qs) for bc in _block_ns(precision, d, dv, narrow) for qs in splits]
+
+
+def _pick_tile(precision, d, dv, a, narrow):
+    """The first candidate letting two blocks share an SM, else the first that fits; None (SIMT)
+    when none fits the arch's shared memory (3xtf32 on sm_86/89 where 384 (d + 4) + 128 (dv + 4)
+    bytes exceed 99 KB, e.g. d = dv >= 208, d 256 with any dv)."""
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
-    splits = (True, False) if precision == "3xtf32" else (False,)
-    narrow = int(ext) & NARROW_EXT == NARROW_EXT
-    block_ns = (_NARROW_BLOCK_N,) if narrow else (64, 32, 16)
-    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc in block_ns for qs in splits]
+    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc, qs in _candidates(precision, d, dv, narrow, a)]
     fits = [f for f in fits if f[2] <= limit]
+    if not fits:
+        return None
     two = [f for f in fits if 2 * (f[2] + _RESERVED) <= per_sm]
     bc, q_split, smem = (two or fits)[0]
+    wide = max(d, dv) > NARROW_HEAD_DIM
     reason = ("%s: Br=64 (4 warps x 1 slab), Bc=%d%s: %s%s (K/V as %s)"
               % (precision, bc, ", Q split into hi/lo planes" if q_split else "",
                  "the first (Bc, Q split) letting 2 blocks share an SM" if two else
                  "the first (Bc, Q split) that fits (one block per SM)",
-                 " of Bc 16 (a window with a block mask spills at Bc 64 / 32)" if narrow else "",
+                 " of Bc 16 (extensions on a wide tile spill at Bc 32)" if narrow and wide else
+                 " of Bc 16 (a window with a block mask spills at Bc 64 / 32)" if narrow else
+                 " of the wide tiles' Bc %s (d or dv > 128: larger Bc spill)" % (
+                     "/".join(map(str, _block_ns(precision, d, dv, False))),) if wide else "",
                  "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
     return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision, q_split)
