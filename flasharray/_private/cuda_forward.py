@@ -702,8 +702,9 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
     precision : {None, "ieee", "tf32", "3xtf32"}
         float32 only (validated by the caller, ``precision.check_precision``): "tf32" / "3xtf32"
         run ``cuda_src/flash_fwd_tf32.cu`` on TF32 tensor cores where it applies
-        (:func:`cuda_forward_tf32.forward_tile`: d, dv <= 128, dense calls without split-KV), the
-        SIMT kernel otherwise; NotImplementedError naming the arch below sm_80 (the emulator's arch
+        (:func:`cuda_forward_tf32.forward_tile`: d, dv <= 256 without split-KV or KV cache; 3xtf32
+        above 128 only without extensions and where a tile fits the arch's shared memory), the SIMT
+        kernel otherwise; NotImplementedError naming the arch below sm_80 (the emulator's arch
         is its compile target, ``arch``). None and "ieee": the SIMT kernel (exact fp32), the
         float32 default until a GPU measurement picks one. float64 (None or "ieee", IEEE fp64
         either way): ``cuda_src/flash_fwd_f64.cu`` on DMMA on sm_80+ where it applies
