@@ -9,7 +9,9 @@ atol; tf32: the derived precision.tf32_error_bound plus that fp32 term), and nai
 attention's own error for scale.
 
 --sass: the TF32 kernel's key-tile loop on sm_80, sm_86 and sm_90 (NVRTC + cuobjdump): instructions per
-HMMA, HMMA / LDSM / LDS / MUFU counts, registers, shared memory and occupancy per SM.
+HMMA, HMMA / LDSM / LDS / MUFU counts, registers, shared memory and occupancy per SM; ``--dims``
+picks the head dims (d = dv, default 64,128; e.g. 160,192,256 for the wide tiles — calls that run
+the SIMT kernel, such as 3xtf32 at d 256 on sm_86, have no row).
 
 --f64: float64 inputs, the DMMA kernel (cuda_src/flash_fwd_f64.cu) against the SIMT fp64 kernel
 (kernel="simt") on F64_SHAPES: max abs / rel error of out and max abs error of lse vs the reference.
@@ -27,7 +29,7 @@ the SASS (sm_80, sm_90; d 64, 128): useful FLOP per issued warp instruction of t
 default (deterministic) backward, the warps resident per SM, and the rates they allow at 4 issues
 per SM per clock under the pipe's cap, scaled to an H100's size — a model, not a timing.
 
-Usage: python benchmarks/precision.py [--sass | --f64 | --f64-sass | --bwd | --bwd-sass | --default] [--quick]
+Usage: python benchmarks/precision.py [--sass [--dims D,...] | --f64 | --f64-sass | --bwd | --bwd-sass | --default] [--quick]
 (docs/precision.md)
 """
 import argparse
@@ -207,8 +209,8 @@ def _compiled_loops(source, arch, found):
 
 def _tf32_fwd_found(precisions, arch, head_dims):
     from flasharray._private import cuda_forward_tf32 as T
-    return {t.name_expression(False, True): t for t in
-            (T.forward_tile(p, np.float32, d, d, arch) for p in precisions for d in head_dims)}
+    tiles = (T.forward_tile(p, np.float32, d, d, arch) for p in precisions for d in head_dims)
+    return {t.name_expression(False, True): t for t in tiles if t is not None}  # None: the call runs SIMT
 
 
 def _tf32_bwd_found(precisions, arch, head_dims):
@@ -367,10 +369,12 @@ def main(argv=None):
     ap.add_argument("--default", action="store_true",
                     help="float32's default: ieee vs 3xtf32 in the SASS issue model")
     ap.add_argument("--quick", action="store_true", help="accuracy: the first two shapes only")
+    ap.add_argument("--dims", default="64,128",
+                    help="--sass: head dims d = dv, comma-separated (up to 256; calls routed to SIMT are skipped)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.sass:
-        print(sass_table())
+        print(sass_table(head_dims=tuple(int(d) for d in args.dims.split(","))))
     elif args.default:
         print(default_model())
     elif args.f64_sass:
