@@ -332,3 +332,122 @@ def test_gpu_precision_goals_from_rows(bench):
     fp64 = rows[5].flop / 20e-3 / 1e12
     assert "fwd+bwd %.1f TFLOP/s = %.0f%% of 66.9" % (fp64, 100 * fp64 / 66.9) in lines[1]
     assert gp.fp64_peak("NVIDIA H100 PCIe") == 51.2 and gp.fp64_peak("Tesla T4") is None
+
+
+# ---- the Hopper switches (benchmarks/hopper_variants.py) and the GPU session script -------------------
+
+HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
+                   "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel")
+
+
+def test_hopper_variants_on_the_emulator(tmp_path):
+    """Every switch gets a table with at least one validated row (both dQ modes for the backward ones) and a
+    summary line; the flags are back at their defaults afterwards (the JSON's summary reads them)."""
+    import json
+    out = run("hopper_variants.py", "--emulator", "--json", str(tmp_path / "hv.json"), tmp_path=tmp_path)
+    assert "FAILED" not in out and "Error" not in out
+    tables = out.split("\n== ")[1:]
+    assert [t.split(":")[0] for t in tables] == list(HOPPER_SWITCHES)
+    for name, table in zip(HOPPER_SWITCHES, tables):
+        rows = [line for line in table.splitlines() if line.startswith("(")]
+        modes = {line.split("|")[1].strip() for line in rows}
+        assert modes == ({"fwd"} if name.startswith("fwd") else {"det", "atomic"}), (name, table)
+        assert all(float(line.split("|")[4]) > 0 for line in rows), table   # flipped / default
+    summary = out.split("summary (ratio")[1]
+    assert all(name in summary for name in HOPPER_SWITCHES)
+    data = json.loads((tmp_path / "hv.json").read_text())
+    assert {r["switch"] for r in data["rows"]} == set(HOPPER_SWITCHES) and all(r["ratio"] for r in data["rows"])
+    by_name = {s["switch"]: s for s in data["summary"]}
+    assert by_name["fwd.OVERLAP"]["default"] is True and by_name["fwd.PERSISTENT_MAX_HEAD_DIM"]["default"] == 128
+    assert by_name["bwd.DQ_BULK"]["flag"] == "cuda_backward_sm90.DQ_BULK"
+
+
+def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
+    """variant(): the flag flipped inside, restored after (also on an exception), and a plan made inside is not
+    what a call after it finds."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    hv = importlib.import_module("hopper_variants")
+    from flasharray._private import cuda_backward_sm90 as B, cuda_forward
+    (sw,) = [s for s in hv.SWITCHES if s.name == "bwd.DQ_BULK"]
+    with pytest.raises(RuntimeError):
+        with hv.variant(sw) as kernel:
+            assert kernel == "wgmma" and B.DQ_BULK is False
+            cuda_forward._PLANS["stale"] = object()
+            raise RuntimeError
+    assert B.DQ_BULK is True and "stale" not in cuda_forward._PLANS
+    (sw,) = [s for s in hv.SWITCHES if s.name == "fwd.kernel"]
+    with hv.variant(sw) as kernel:
+        assert kernel is None                    # the mma.sync kernels
+    assert hv.verdict([1.1, 1.05, 0.9]) == (1.05, "keep default") and hv.verdict([0.9])[1] == "flip"
+    assert hv.verdict([1.01, 0.99])[1] == "keep default (within 2 %)" and hv.verdict([])[0] is None
+    assert hv.verdict([1.5], dispatch=True)[1] == "wgmma faster: dispatch it"
+
+
+def test_hopper_variants_without_gpu_says_so(tmp_path):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed: the no-GPU message is not what runs")
+    except ImportError:
+        pass
+    assert "no GPU" in run("hopper_variants.py", tmp_path=tmp_path)
+
+
+SESSION = ROOT / "benchmarks" / "gpu_session.sh"
+SESSION_STEPS = ("install", "smi", "pytest", "hopper_variants", "gpu_backward", "gpu_decode", "gpu_precision",
+                 "overhead")
+
+
+def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
+    """gpu_session.sh with stub ``python`` and ``nvidia-smi`` first on PATH; (rc, summary lines, stub calls)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("python", "nvidia-smi"):
+        (stubs / name).write_text("#!/bin/sh\n%s\n" % stub_body)
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH="%s:/usr/bin:/bin" % stubs, OUT=str(tmp_path / "out"), STUB_LOG=str(tmp_path / "log"),
+               GPU_SESSION_BUDGET_S=str(budget))
+    env.pop("PYTHON", None)
+    res = subprocess.run(["bash", str(SESSION)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    log = tmp_path / "log"
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n")[1:]] if log.exists() else []
+    return res.returncode, summary, calls
+
+
+def test_gpu_session_script_parses():
+    assert subprocess.run(["bash", "-n", str(SESSION)], capture_output=True).returncode == 0
+
+
+def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
+    """With stubs every step runs (rc 0) and is logged; every script it names exists and takes the options it
+    is given (their --help), and the pytest marker expression uses setup.cfg's markers."""
+    rc, summary, calls = _session(tmp_path, 60)
+    assert rc == 0, summary
+    for i, step in enumerate(SESSION_STEPS, 1):
+        assert any(line.startswith("step %d %s: start" % (i, step)) for line in summary), summary
+        assert any(line.startswith("step %d %s: end" % (i, step)) and " rc 0 " in line for line in summary), summary
+    assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
+    scripts = [c for c in calls if c[0].startswith("benchmarks/")]
+    assert [c[0] for c in scripts] == ["benchmarks/hopper_variants.py"] + ["benchmarks/gpu.py"] * 3 + [
+        "benchmarks/overhead.py"]
+    helps = {}
+    for script, *args in scripts:
+        if script not in helps:
+            res = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+            assert res.returncode == 0, res.stderr
+            helps[script] = res.stdout
+        assert all(a in helps[script] for a in args if a.startswith("--")), (script, args)
+    (pytest_call,) = [c for c in calls if c[:2] == ["-m", "pytest"]]
+    marker = pytest_call[pytest_call.index("-m", 2) + 1]
+    assert marker == "gpu and not slow" and pytest_call[-1] == "tests/"
+    cfg = (ROOT / "setup.cfg").read_text()
+    assert "gpu: " in cfg and "slow: " in cfg
+    assert "cuda12 = " in cfg and "test =" in cfg                    # the install step's extras
+
+
+def test_gpu_session_skips_steps_past_its_budget(tmp_path):
+    rc, summary, calls = _session(tmp_path, 3)
+    assert rc == 1 and calls == []
+    assert [line.split(":")[0] for line in summary if "skipped (total budget spent" in line] == [
+        "step %d %s" % (i, s) for i, s in enumerate(SESSION_STEPS, 1)]

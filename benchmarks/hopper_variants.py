@@ -1,0 +1,392 @@
+"""Hopper (sm_90a) design switches timed on vs off: which module-level flag defaults to keep (docs/hopper.md).
+
+Each switch is a module-level flag of the opt-in Hopper kernels (``kernel="wgmma"``) whose default was chosen
+without a GPU; this script times the kernels with the flag at its default and flipped, on the same inputs:
+
+  fwd.OVERLAP                  cuda_forward_sm90.OVERLAP: each consumer warpgroup's softmax overlapped with its
+                               own P V wgmmas (off: the ping-pong between the two warpgroups alone)
+  fwd.USE_TMA_STORE            cuda_forward_sm90.USE_TMA_STORE: O by TMA stores (off: 16-byte row stores)
+  fwd.PERSISTENT               cuda_forward_sm90.PERSISTENT: persistent grid + static tile scheduler (off: one
+                               block per work tile); padded d <= PERSISTENT_MAX_HEAD_DIM only
+  fwd.PERSISTENT_MAX_HEAD_DIM  128 (default: d = 256 not persistent) vs 256 (d = 256 persistent, with spills)
+  fwd.USE_TMA                  cuda_forward_sm90.USE_TMA: the warp-specialized TMA kernel (off: cp.async kernel)
+  fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel=None, today's
+                               sm_90 dispatch): ratio > 1 means wgmma is faster, i.e. enable sm_90 dispatch
+  bwd.DQ_BULK                  cuda_backward_sm90.DQ_BULK: dQ by shared memory + one bulk reduce-add from a dQ
+                               warp (off: the consumers' fp32 atomics); padded d, dv <= 128 only
+  bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
+  bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
+  bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel=None)
+
+Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
+``atomic`` (deterministic=False). The backward's (out, lse) come from the wgmma forward with its defaults.
+
+Per switch a table: shape, mode, ms at the default, ms flipped, ratio = flipped / default (> 1: the default
+is faster), TFLOP/s of both (FLOPs as benchmarks/gpu.py: 4·B·H·N²·D, ×0.5 causal, backward ×2.5); then a
+summary line: the median ratio (and per head dim) and "keep default" (median > 1.02), "flip" (< 0.98) or
+"keep default (within 2 %)"; for the two ``kernel`` rows "wgmma faster: dispatch it", "mma.sync faster" or
+"even (within 2 %)". A switch that selects the same kernels as the default for a shape (the plans'
+launches compare equal: e.g. PERSISTENT at d = 256) is not timed for it.
+
+Shapes as benchmarks/gpu.py: batch·seqlen = 16k tokens, hidden 2048 (H = 2048 / D); default (the quick set):
+fp16, D in {64, 128, 256}, causal and not, N in {1k, 4k, 16k}; ``--full``: fp16 and bf16, N in {1k, 2k, 4k,
+8k, 16k}, longer timings. Shapes are taken N-major (every D and mask at 1k first), so that a run cut short
+by ``--max-seconds`` still covers every switch.
+
+Every variant's result is validated against the float64 reference (flasharray.testing.check_attention via
+benchmarks/gpu.py's / gpu_backward.py's ``check``: first batch entry and head) before it is timed, once per
+(dtype, D, causal, mode, variant) at the smallest N: N is no template parameter, so that covers the
+instantiation. Timing: benchmarks/gpu_timing.py (untimed first call, warm-up, CUDA events, median). Flags are
+set and restored around each variant (try/finally) with the plan caches cleared on both sides (plans are
+keyed by call signature, not by the flags).
+
+Without a GPU (or on a GPU other than sm_90) the script says so and exits 0. ``--emulator``: one tiny shape per
+switch through the CUDA emulator with arch sm_90 (CPU time, not GPU performance: exercises this script and the
+variants in CI). ``--json PATH`` writes the rows and the summary. Exit status 1 when a validation failed or a
+variant raised.
+Usage: python benchmarks/hopper_variants.py [--full] [--emulator] [--only fwd.OVERLAP,bwd.DQ_BULK]
+                                           [--seqlens 1024,4096] [--max-seconds S] [--json PATH]
+"""
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import gpu  # noqa: E402  (benchmarks/gpu.py: shapes, inputs, forward check, no-GPU message)
+import gpu_backward  # noqa: E402  (its inputs with dout, backward check, FLOP factor)
+import gpu_timing  # noqa: E402
+from flasharray._private import cuda_backward, cuda_forward, launch  # noqa: E402
+from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
+from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
+
+#: name, pass ("fwd" / "bwd"), module (None: the ``kernel=`` argument), flag, flipped value, what it answers.
+Switch = collections.namedtuple("Switch", "name kind module flag flipped question")
+SWITCHES = (
+    Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
+    Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
+    Switch("fwd.PERSISTENT", "fwd", F, "PERSISTENT", False, "persistent kernel + static scheduler"),
+    Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 256, "d = 256 persistent (spills)"),
+    Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
+    Switch("fwd.kernel", "fwd", None, "kernel", None, "wgmma vs mma.sync forward (sm_90 dispatch)"),
+    Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),
+    Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
+    Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
+    Switch("bwd.kernel", "bwd", None, "kernel", None, "wgmma vs mma.sync backward (sm_90 dispatch)"),
+)
+#: the backward's dQ modes: label -> deterministic
+MODES = {"det": True, "atomic": False}
+DTYPES = gpu.DTYPES
+HEAD_DIMS = (128, 64, 256)  # the most used first (a run cut short by --max-seconds)
+QUICK_SEQLENS = (1024, 4096, 16384)
+FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+#: (dtype, B, H, N, D, causal) of the emulator run: every switch applies to one of them
+EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False))
+KEEP_ABOVE, FLIP_BELOW = 1.02, 0.98
+WGMMA = "wgmma"
+
+#: one measured (or failed) pair; ratio = ms_flipped / ms_default; note: why it is not timed, if so
+Row = collections.namedtuple("Row", "switch mode dtype B H N D causal ms_default ms_flipped ratio "
+                                    "tflops_default tflops_flipped validated note")
+
+
+# ---- variants ----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def variant(switch):
+    """The switch flipped (None: the defaults) for the body; restored after it, plan caches cleared both sides.
+    Yields the ``kernel=`` argument of the calls."""
+    if switch is None or switch.module is None:
+        launch._clear_plans()
+        try:
+            yield switch.flipped if switch is not None else WGMMA
+        finally:
+            launch._clear_plans()
+        return
+    old = getattr(switch.module, switch.flag)
+    setattr(switch.module, switch.flag, switch.flipped)
+    launch._clear_plans()
+    try:
+        yield WGMMA
+    finally:
+        setattr(switch.module, switch.flag, old)
+        launch._clear_plans()
+
+
+class Problem:
+    """One shape's inputs (on the device: ``copies`` of q, k, v, dout for L2) and its calls."""
+
+    def __init__(self, copies, causal, device, arch):
+        self.copies, self.causal, self.device, self.arch = copies, causal, device, arch
+        q = copies[0][0]
+        self.scale, self.batch = 1.0 / math.sqrt(q.shape[-1]), q.shape[:-2]
+        self.state = None  # [(out, lse) per copy]: the wgmma forward with its defaults
+
+    def fwd_kw(self, kernel):
+        return dict(causal=self.causal, scale=self.scale, batch_shape=self.batch, device=self.device,
+                    kernel=kernel, arch=self.arch)
+
+    def forward(self, tensors, kernel):
+        return cuda_forward.forward(*tensors[:3], **self.fwd_kw(kernel))
+
+    def saved(self):
+        if self.state is None:
+            with variant(None):
+                self.state = [self.forward(t, WGMMA) for t in self.copies]
+        return self.state
+
+    def backward(self, i, kernel, deterministic):
+        q, k, v, dout = self.copies[i]
+        out, lse = self.saved()[i]
+        return cuda_backward.backward(dout, q, k, v, out, lse, deterministic=deterministic, **self.fwd_kw(kernel))
+
+    def calls(self, kind, kernel, deterministic):
+        if kind == "fwd":
+            return [lambda t=t: self.forward(t, kernel) for t in self.copies]
+        return [lambda i=i: self.backward(i, kernel, deterministic) for i in range(len(self.copies))]
+
+    def launches(self, kind, kernel, deterministic):
+        """What the plan launches (names, grids, blocks): equal for two variants = the same kernels."""
+        q, k, v, dout = self.copies[0]
+        if kind == "fwd":
+            p = cuda_forward.plan(q, k, v, **self.fwd_kw(kernel))
+        else:
+            out, lse = self.saved()[0]
+            p = cuda_backward.plan(dout, q, k, v, out, lse, deterministic=deterministic, **self.fwd_kw(kernel))
+        return tuple((r.name, r.grid, r.block) for r in p.launches)
+
+    def validate(self, kind, result):
+        """flasharray.testing's report for the result (first batch entry and head), via gpu.py's checks."""
+        if kind == "fwd":
+            return gpu.check("flasharray-wgmma", result, self.copies[0][:3], self.causal, self.device)
+        return gpu_backward.check("flasharray-wgmma-det", result, self.copies[0], self.causal, self.device)
+
+
+def measure(problem, kind, switch, deterministic, clock, timing, validated):
+    """(ms, validated now) of one variant: plan, validate (once per key in ``validated``), time."""
+    with variant(switch) as kernel:
+        fns = problem.calls(kind, kernel, deterministic)
+        key = (switch and switch.name, deterministic)
+        checked = False
+        if key not in validated:
+            report = problem.validate(kind, fns[0]())
+            if report is not None and not report.passed:
+                raise gpu.NotMeasured("validation FAILED\n%s" % report)
+            validated.add(key)
+            checked = True
+        return gpu_timing.time_ms(fns, clock, **timing).ms, checked
+
+
+def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=None, log=print):
+    """Time every applicable switch on every shape; returns the rows (failures as rows with a note)."""
+    rows, validated = [], collections.defaultdict(set)
+    for n_shape, (dt_name, Bn, H, N, D, causal) in enumerate(shapes):
+        if deadline is not None and time.monotonic() > deadline:
+            log("--max-seconds reached: %d of %d shapes measured" % (n_shape, len(shapes)))
+            break
+        label = gpu.shape_label(Bn, H, N, D, dt_name, causal)
+        problem = Problem(make_copies(Bn, H, N, D, DTYPES[dt_name]), causal, device, arch)
+        seen = validated[(dt_name, D, causal)]
+        for kind, modes in (("fwd", {"": True}), ("bwd", MODES)):
+            mine = [s for s in switches if s.kind == kind]
+            if not mine:
+                continue
+            for mode, det in modes.items():
+                base = default_launch = None
+                for sw in mine:
+                    factor = 1.0 if kind == "fwd" else gpu_backward.BWD_FACTOR
+                    flop = gpu.flops(Bn, H, N, N, D, causal, factor)
+
+                    def row(ms_d=None, ms_f=None, ok=False, note=""):
+                        ratio = ms_f / ms_d if ms_d and ms_f else None
+                        tf = lambda ms: ms and flop / (ms * 1e-3) / 1e12  # noqa: E731
+                        return Row(sw.name, mode or "fwd", dt_name, Bn, H, N, D, causal, ms_d, ms_f, ratio,
+                                   tf(ms_d), tf(ms_f), ok, note)
+                    try:
+                        if default_launch is None:
+                            with variant(None) as kernel:
+                                default_launch = problem.launches(kind, kernel, det)
+                        with variant(sw) as kernel:
+                            flipped_launch = problem.launches(kind, kernel, det)
+                        if flipped_launch == default_launch:
+                            continue  # the flag changes nothing for this shape
+                        if base is None:
+                            base = measure(problem, kind, None, det, clock, timing, seen)
+                        ms_f, ok = measure(problem, kind, sw, det, clock, timing, seen)
+                    except Exception as e:  # a failed validation, a compile error, out of memory, ...
+                        log("%-30s | %-28s | %-6s | %s" % (label, sw.name, mode or "fwd", gpu._why(e)))
+                        rows.append(row(base and base[0], note=gpu._why(e)))
+                        continue
+                    rows.append(row(base[0], ms_f, base[1] or ok))
+                    r = rows[-1]
+                    log("%-30s | %-28s | %-6s | %9.3f | %9.3f | %6.3f" % (label, sw.name, r.mode, r.ms_default,
+                                                                          r.ms_flipped, r.ratio))
+        del problem
+    return rows
+
+
+# ---- tables ------------------------------------------------------------------------------------------------
+
+def verdict(ratios, dispatch=False):
+    """(median, words) of the ratios flipped / default; ``dispatch``: the wgmma vs mma.sync switches."""
+    if not ratios:
+        return None, "no measurement"
+    med = statistics.median(ratios)
+    if med > KEEP_ABOVE:
+        return med, "wgmma faster: dispatch it" if dispatch else "keep default"
+    if med < FLIP_BELOW:
+        return med, "mma.sync faster" if dispatch else "flip"
+    return med, "even (within 2 %)" if dispatch else "keep default (within 2 %)"
+
+
+def summarize(rows, switches):
+    """One dict per switch: median ratio overall and per head dim, the verdict, counts."""
+    out = []
+    for sw in switches:
+        mine = [r for r in rows if r.switch == sw.name]
+        good = [r for r in mine if r.ratio is not None]
+        med, words = verdict([r.ratio for r in good], sw.module is None)
+        by_d = {D: statistics.median([r.ratio for r in good if r.D == D]) for D in sorted({r.D for r in good})}
+        by_mode = {m: statistics.median([r.ratio for r in good if r.mode == m])
+                   for m in sorted({r.mode for r in good})}
+        out.append(dict(switch=sw.name, flag=None if sw.module is None else "%s.%s" % (
+            sw.module.__name__.rsplit(".", 1)[-1], sw.flag),
+            default=WGMMA if sw.module is None else getattr(sw.module, sw.flag), flipped=sw.flipped,
+            question=sw.question, median_ratio=med, median_by_head_dim=by_d, median_by_mode=by_mode,
+            verdict=words, measured=len(good), failed=len(mine) - len(good)))
+    return out
+
+
+def print_tables(rows, switches, unit="TFLOP/s", scale=1.0, note=""):
+    fmt = lambda x, f="%9.3f": "-" if x is None else f % x  # noqa: E731
+    summary = summarize(rows, switches)
+    for sw, s in zip(switches, summary):
+        mine = [r for r in rows if r.switch == sw.name]
+        print()
+        print("== %s: %s (default %r, flipped %r)" % (sw.name, sw.question, s["default"], s["flipped"]))
+        if not mine:
+            print("   (no shape where it changes the kernels, or not measured)")
+        else:
+            print("%-30s | %-6s | %9s | %9s | %12s | %9s | %9s" % (
+                "shape (B,H,N,D) dtype causal", "mode", "ms dflt", "ms flip", "flip/dflt", unit + " d", unit + " f"))
+            print("-" * 106)
+            for r in mine:
+                tf = lambda x: None if x is None else x * scale  # noqa: E731
+                print("%-30s | %-6s | %9s | %9s | %12s | %9s | %9s%s" % (
+                    gpu.shape_label(r.B, r.H, r.N, r.D, r.dtype, r.causal), r.mode, fmt(r.ms_default),
+                    fmt(r.ms_flipped), fmt(r.ratio, "%.3f"), fmt(tf(r.tflops_default), "%9.2f"),
+                    fmt(tf(r.tflops_flipped), "%9.2f"), "  " + r.note.splitlines()[0] if r.note else ""))
+    print()
+    print("summary (ratio = flipped / default; > 1: the default is faster)%s:" % note)
+    for s in summary:
+        extra = ", ".join("D=%d %.3f" % kv for kv in s["median_by_head_dim"].items())
+        extra += "".join(", %s %.3f" % kv for kv in s["median_by_mode"].items() if len(s["median_by_mode"]) > 1)
+        print("  %-28s %-26s median %s of %d rows%s%s" % (
+            s["switch"], s["verdict"] + ":", "-" if s["median_ratio"] is None else "%.3f" % s["median_ratio"],
+            s["measured"], " (%s)" % extra if extra else "", ", %d FAILED" % s["failed"] if s["failed"] else ""))
+    return summary
+
+
+def write_json(path, device, rows, summary):
+    with open(path, "w") as f:
+        json.dump(dict(device=device, rows=[r._asdict() for r in rows], summary=summary), f, indent=1,
+                  default=str)
+    print("rows written to %s" % path)
+
+
+# ---- drivers -----------------------------------------------------------------------------------------------
+
+def gpu_shapes(dtypes, seqlens):
+    """N-major: (dtype, B, H, N, D, causal) with gpu.py's tokens and hidden size."""
+    for N in seqlens:
+        for dt in dtypes:
+            for D in HEAD_DIMS:
+                for causal in (False, True):
+                    yield dt, max(1, gpu.TOKENS // N), gpu.HIDDEN // D, N, D, causal
+
+
+def sm90_device():
+    """The device line when an sm_90 GPU is visible; else None (and why is printed)."""
+    if not gpu.have_gpu():
+        return None
+    import cupy as cp
+    cc = cp.cuda.Device().compute_capability
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    line = "%s (sm_%s), %d SMs, L2 %.0f MB" % (props["name"].decode(), cc, props["multiProcessorCount"],
+                                              props["l2CacheSize"] / 1e6)
+    if cc != "90":
+        print("not an sm_90 GPU (%s): the Hopper kernels do not run here; nothing to measure." % line)
+        return None
+    return line
+
+
+def select(only):
+    if not only:
+        return SWITCHES
+    names = [s.strip() for s in only.split(",") if s.strip()]
+    chosen = [s for s in SWITCHES if any(s.name == n or s.name.startswith(n + ".") or s.name.endswith("." + n)
+                                         or n == s.kind for n in names)]
+    if not chosen:
+        raise SystemExit("--only %r matches none of: %s" % (only, ", ".join(s.name for s in SWITCHES)))
+    return chosen
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="fp16 and bf16, N 1k..16k, longer timings")
+    ap.add_argument("--emulator", action="store_true", help="one tiny shape per switch on the CPU emulator (sm_90)")
+    ap.add_argument("--only", default=None, help="comma-separated switches (names, flags or fwd / bwd)")
+    ap.add_argument("--seqlens", default=None, help="comma-separated N (default: 1024,4096,16384; --full: 5 N)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new shape after this many seconds (the tables print what was measured)")
+    ap.add_argument("--json", default=None, help="write the rows and the summary to this file")
+    args = ap.parse_args(argv)
+    switches = select(args.only)
+    deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
+    if args.emulator:
+        print("emulator run (arch sm_90; CPU time, not GPU performance)")
+        make = lambda Bn, H, N, D, dtype: [gpu_backward._make_tensors(np, Bn, H, N, D, dtype)]  # noqa: E731
+        rows = run(EMULATOR_SHAPES, switches, "emulator", "sm_90", gpu_timing.PerfClock(),
+                   dict(warmup_ms=0, rep_ms=0, min_repeats=1), make, deadline)
+        device, unit, scale = "emulator (sm_90)", "GFLOP/s", 1e3
+    else:
+        device = sm90_device()
+        if device is None:
+            return 0
+        import cupy as cp
+        print("device: %s" % device)
+        l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
+
+        def make(Bn, H, N, D, dtype):
+            copies = [gpu_backward._make_tensors(cp, Bn, H, N, D, dtype)]
+            n = gpu_timing.copies_for_l2(sum(x.nbytes for x in copies[0]), l2)
+            return copies + [gpu_backward._make_tensors(cp, Bn, H, N, D, dtype, copy=i) for i in range(1, n)]
+
+        seqlens = tuple(int(n) for n in args.seqlens.split(",")) if args.seqlens else (
+            FULL_SEQLENS if args.full else QUICK_SEQLENS)
+        dtypes = tuple(DTYPES) if args.full else ("fp16",)
+        timing = {} if args.full else dict(warmup_ms=25.0, rep_ms=100.0)
+        print("%-30s | %-28s | %-6s | %9s | %9s | %6s" % ("shape (B,H,N,D) dtype causal", "switch", "mode",
+                                                          "ms dflt", "ms flip", "ratio"))
+        rows = run(list(gpu_shapes(dtypes, seqlens)), switches, "cuda", None, gpu_timing.CudaClock(), timing,
+                   make, deadline)
+        unit, scale = "TFLOP/s", 1.0
+    summary = print_tables(rows, switches, unit, scale,
+                           "; emulator CPU time: the verdicts mean nothing" if args.emulator else "")
+    if args.json:
+        write_json(args.json, device, rows, summary)
+    return 1 if any(s["failed"] for s in summary) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
