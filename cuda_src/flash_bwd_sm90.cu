@@ -239,11 +239,7 @@ __device__ __forceinline__ void stage_acc_sm90(T* sTile, const float (&acc)[N / 
 #pragma unroll
   for (int p = 0; p < N / 16; ++p) {
     uint32_t regs[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int base = 4 * (2 * p + r / 2) + 2 * (r % 2);  // n8 tile 2p + r / 2, rows g + 8(r mod 2)
-      regs[r] = fa::pack2<T>(acc[base] * mult, acc[base + 1] * mult);
-    }
+    flash::stmatrix_regs_sm90<T, N>(regs, acc, p, mult, mult);
     fa::stmatrix<4, false>(row_addr + 16 * p, regs);
   }
 }
@@ -299,11 +295,7 @@ __device__ __forceinline__ void stage_acc_sw128_sm90(unsigned char* sTile, const
 #pragma unroll
   for (int p = 0; p < N / 16; ++p) {
     uint32_t regs[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int base = 4 * (2 * p + r / 2) + 2 * (r % 2);  // n8 tile 2p + r / 2, rows g + 8(r mod 2)
-      regs[r] = fa::pack2<T>(acc[base] * mult, acc[base + 1] * mult);
-    }
+    flash::stmatrix_regs_sm90<T, N>(regs, acc, p, mult, mult);
     fa::stmatrix<4, false>(sTile + flash::sw128_offset<kRows>(row, col0 / 8 + 2 * p + m / 2), regs);
   }
 }

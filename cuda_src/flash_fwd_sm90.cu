@@ -219,11 +219,7 @@ __device__ __forceinline__ void stmatrix_o_sm90(const float (&acc_o)[kHeadDimV /
 #pragma unroll
   for (int p = 0; p < kHeadDimV / 16; ++p) {
     uint32_t regs[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int base = 4 * (2 * p + i / 2) + 2 * (i % 2);  // n8 tile 2p + i/2, rows g + 8(i mod 2)
-      regs[i] = fa::pack2<T>(acc_o[base] * inv_l[i % 2], acc_o[base + 1] * inv_l[i % 2]);
-    }
+    stmatrix_regs_sm90<T, kHeadDimV>(regs, acc_o, p, inv_l[0], inv_l[1]);
     fa::stmatrix<4, false>(at(row, 2 * p + m / 2), regs);
   }
 }

@@ -115,6 +115,20 @@ __device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, const uns
   for (int p = 0; p < kCols / 64; ++p) fa::tma_store_5d(map, 64 * p, row, b2, b1, b0, s_tile + p * kPanelRows * 128);
 }
 
+// The four registers of one stmatrix.x4 of a wgmma accumulator fragment (acc: N / 2 floats per thread): columns
+// [16p, 16p + 16), i.e. matrices rows 0-7 / 8-15 of n8 tiles 2p and 2p + 1, rounded to T after scaling rows g by
+// mult_lo and rows g + 8 by mult_hi. Shared by the forward's O / l and the backward's dK / dV epilogues.
+template <typename T, int N>
+__device__ __forceinline__ void stmatrix_regs_sm90(uint32_t (&regs)[4], const float (&acc)[N / 2], int p,
+                                                   float mult_lo, float mult_hi) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int base = 4 * (2 * p + i / 2) + 2 * (i % 2);  // n8 tile 2p + i/2, rows g + 8(i mod 2)
+    const float mult = i % 2 ? mult_hi : mult_lo;
+    regs[i] = fa::pack2<T>(acc[base] * mult, acc[base + 1] * mult);
+  }
+}
+
 // Warp-specialized kernels (384 threads, __launch_bounds__(384, 1): 168 registers at launch): the producer
 // warpgroup drops to kWsProducerRegs, the two consumer warpgroups rise to kWsConsumerRegs (setmaxnreg):
 // 24 + 2 × 240 registers per thread slot, 64,512 of the SM's 65,536 (FlashAttention-3's split).
