@@ -5,7 +5,8 @@
 // with kAtomicDQ and one warp per 16-key row tile): one block per (key block j, K/V batch entry);
 // K_j, V_j resident in shared memory; the block walks the query blocks i (and the n_group query
 // batch entries of an MQA/GQA group); P^T and dS^T are recomputed per block pair from the saved
-// LSE; dK_j, dV_j accumulate in registers (warp w: keys 16w .. 16w + 15, every column); dQ_i += dS
+// LSE; dK_j, dV_j accumulate in registers (warp w: keys 16w .. 16w + 15, every column; shared
+// memory where max(d, dv) > 128); dQ_i += dS
 // K_j by float atomics into the fragment-ordered accumulator (DQAccumLayout; the conversion pass
 // applies the scale); kOrderedDQ adds them in key-block order (fa::sem_wait / fa::sem_post on
 // DQOrderCounters, the rule of the long comment above flash_bwd_dkv_kernel): bitwise deterministic.
@@ -42,7 +43,8 @@
 // step's A fragment feeds dv/8 or d/8 n8 tiles); dS^T is stored to shared memory already converted
 // (tf32), as hi/lo planes (3xtf32, kLoPlanes) or raw (3xtf32 otherwise).
 //
-// Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 128; Bc = 16 kNWarps;
+// Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 256 (above 128 in either:
+// dK_j, dV_j accumulate in shared memory, SmemAcc, not registers); Bc = 16 kNWarps;
 // Br a multiple of 16. The FLASH_EXT_PARAMS tail is the fp16 kernel's argument list; kExt (the
 // bits of flash_ext.cuh, 0 by default: the dense instantiations keep their names and code) turns
 // on the extensions of docs/extensions.md exactly as flash_bwd_dkv_kernel does: the entry's
@@ -82,7 +84,11 @@ struct Tf32BwdSmem {
     static constexpr int kdS = kV + align16(kPlanes * kVPlane * 4);
     static constexpr int kL = kdS + align16(kPlanes * kSPlane * 4);
     static constexpr int kDelta = kL + align16(kBlockM * 4);
-    static constexpr int kBytes = kDelta + align16(kBlockM * 4);
+    // Wide head dims (max(d, dv) > 128): dK_j, dV_j in shared memory (SmemAcc), after D_i.
+    static constexpr bool kAccSmem = kHeadDim > 128 || kHeadDimV > 128;
+    static constexpr int kAccK = kDelta + align16(kBlockM * 4);
+    static constexpr int kAccV = kAccK + (kAccSmem ? kBlockN * kHeadDim * 4 : 0);
+    static constexpr int kBytes = kAccV + (kAccSmem ? kBlockN * kHeadDimV * 4 : 0);
     static_assert(kPitchD % 16 == 4 || kPitchD % 16 == 12, "pitches: conflict-free 32-bit B loads");
     static_assert(kPitchS % 16 == 4 || kPitchS % 16 == 12, "dS^T pitch: conflict-free 32-bit A loads");
 };
@@ -260,6 +266,95 @@ __device__ __forceinline__ void mma_rk(float (&acc)[kN / 8][4], const float (&c)
     }
 }
 
+// ---- dK_j, dV_j accumulators ---------------------------------------------------------------------
+//
+// d, dv <= 128: registers (float[k/8][4], C fragments of the warp's 16 rows). Wide head dims
+// (max(d, dv) > 128: (d + dv) / 2 accumulator floats per thread do not fit next to the strips):
+// shared memory, as the f64 DMMA backward keeps dV_j (flash_bwd_f64.cu) — a SmemAcc: the warp's
+// 16 x kN floats in C-fragment order, lane l's float4 of n8 tile nt at (nt · 32 + l) · 4, so only
+// the owning lane ever touches its words (no barrier; 128-bit accesses, conflict-free) and each
+// product reads and writes an n8 tile once per visit (all Br/8 k-steps in between).
+template <int kN>
+struct SmemAcc {
+    float* p;  // this lane's first float4
+};
+template <bool kSmem, int kN>
+struct AccOf {
+    using type = float[kN / 8][4];
+};
+template <int kN>
+struct AccOf<true, kN> {
+    using type = SmemAcc<kN>;
+};
+
+template <int kN>
+__device__ __forceinline__ void acc_init(float (&acc)[kN / 8][4], unsigned char*) {
+    zero_acc(acc);
+}
+template <int kN>
+__device__ __forceinline__ void acc_init(SmemAcc<kN>& acc, unsigned char* base) {
+    acc.p = reinterpret_cast<float*>(base) + ((int)threadIdx.x / 32) * 16 * kN + ((int)threadIdx.x % 32) * 4;
+#pragma unroll 1
+    for (int nt = 0; nt < kN / 8; ++nt) *reinterpret_cast<float4*>(acc.p + nt * 128) = float4{0.f, 0.f, 0.f, 0.f};
+}
+
+template <int kN>
+__device__ __forceinline__ void acc_store(float* gmem, long long row_stride, const float (&acc)[kN / 8][4], float mult,
+                                          int n_rows, int n_cols) {
+    store_acc<float>(gmem, row_stride, acc, mult, n_rows, n_cols);
+}
+template <int kN>
+__device__ __forceinline__ void acc_store(float* gmem, long long row_stride, const SmemAcc<kN>& acc, float mult,
+                                          int n_rows, int n_cols) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll 1
+    for (int n = 0; n < kN / 8; ++n) {
+        const float4 v = *reinterpret_cast<const float4*>(acc.p + n * 128);
+        const float a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = g + (e / 2) * 8, c = n * 8 + 2 * t + (e % 2);
+            if (r < n_rows && c < n_cols) fa::gstore(gmem + (long long)r * row_stride + c, a[e] * mult);
+        }
+    }
+}
+
+// acc += C · B (mma_rk) into registers, or into a SmemAcc: the Br/8 A fragments converted once,
+// then per n8 tile one 128-bit load, the k-steps, one 128-bit store.
+template <int kPrec, bool kLoPlanes, int kK, int kN>
+__device__ __forceinline__ void acc_rk(float (&acc)[kN / 8][4], const float (&c)[kK / 8][4], const float* B_s,
+                                       int b_pitch, int b_plane) {
+    mma_rk<kPrec, kLoPlanes, kK, kN>(acc, c, B_s, b_pitch, b_plane);
+}
+template <int kPrec, bool kLoPlanes, int kK, int kN>
+__device__ __forceinline__ void acc_rk(SmemAcc<kN>& acc, const float (&c)[kK / 8][4], const float* B_s, int b_pitch,
+                                       int b_plane) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const float* B_l = B_s + 2 * t * b_pitch + g;
+    uint32_t a_hi[kK / 8][4], a_lo[kK / 8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kK / 8; ++ks) {
+        const float a[4] = {c[ks][0], c[ks][2], c[ks][1], c[ks][3]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tf32_op<kPrec>(a[i], a_hi[ks][i], a_lo[ks][i]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) {
+        float4* p = reinterpret_cast<float4*>(acc.p + nt * 128);
+        const float4 v = *p;
+        float d[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int ks = 0; ks < kK / 8; ++ks) {
+            const float* b = B_l + ks * 8 * b_pitch + nt * 8;
+            uint32_t b_hi[2], b_lo[2] = {};
+            lds_op<kPrec, kLoPlanes>(b, b_plane, b_hi[0], b_lo[0]);
+            lds_op<kPrec, kLoPlanes>(b + b_pitch, b_plane, b_hi[1], b_lo[1]);
+            mma_op<kPrec>(d, a_hi[ks], a_lo[ks], b_hi, b_lo);
+        }
+        *p = float4{d[0], d[1], d[2], d[3]};
+    }
+}
+
 // ---- per block pair ------------------------------------------------------------------------------
 
 // The warp's strip: keys 16 w .. 16 w + 15 (rows) x the Br queries (columns) of S^T = K_j Q_i^T and
@@ -392,8 +487,8 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
 // at the end). This order keeps every instantiation under 255 registers without spills (measured:
 // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
 template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
-          bool kOrderedDQ, class M, class Drop>
-__device__ __forceinline__ void dkv_visit(float (&dK_acc)[kHeadDim / 8][4], float (&dV_acc)[kHeadDimV / 8][4],
+          bool kOrderedDQ, class M, class Drop, class AccK, class AccV>
+__device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
                                           const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
                                           float* dSt_s, const float* lse2_s, const float* delta_s, float* dqa_i,
                                           int* counter, float scale_log2, const M& mask, const Drop& drop, int r0,
@@ -403,7 +498,7 @@ __device__ __forceinline__ void dkv_visit(float (&dK_acc)[kHeadDim / 8][4], floa
     tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
         s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
         scale_log2, mask, drop, r0, c0 + warp * 16);
-    mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
+    acc_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
     store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
     // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
     if constexpr (kOrderedDQ)
@@ -413,7 +508,7 @@ __device__ __forceinline__ void dkv_visit(float (&dK_acc)[kHeadDim / 8][4], floa
     tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_i, dSt_s, K_s);
     if constexpr (kOrderedDQ) fa::sem_post(counter);
     else (void)counter;
-    mma_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
+    acc_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
 }
 
 }  // namespace fa_bwd
@@ -441,8 +536,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
     static_assert(kBlockN == 16 * kNWarps, "one warp per 16-key row tile of dK_j, dV_j");
     static_assert(kBlockM % 16 == 0, "Br: whole n16 pairs (ldmatrix.x4 of Q_i, dO_i)");
-    static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 128 && kHeadDimV <= 128,
-                  "d, dv: multiples of 16, at most 128");
+    static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 256 && kHeadDimV <= 256,
+                  "d, dv: multiples of 16, at most 256 (above 128: dK_j, dV_j in shared memory)");
     static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
                   "ordered dQ: query block i visited by key blocks 0 .. n(i) − 1 (no window, no block mask)");
     using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
@@ -513,10 +608,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(K_s, L::kKPlane);
     convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(V_s, L::kVPlane);
 
-    float dK_acc[kHeadDim / 8][4];   // dK_j rows c_w.., every column
-    float dV_acc[kHeadDimV / 8][4];  // dV_j rows c_w..
-    zero_acc(dK_acc);
-    zero_acc(dV_acc);
+    // dK_j rows c_w.., every column, and dV_j: registers, or shared memory (L::kAccSmem).
+    typename AccOf<L::kAccSmem, kHeadDim>::type dK_acc;
+    typename AccOf<L::kAccSmem, kHeadDimV>::type dV_acc;
+    acc_init<kHeadDim>(dK_acc, smem + L::kAccK);
+    acc_init<kHeadDimV>(dV_acc, smem + L::kAccV);
 
     // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
     int grp = 0, i = i_begin;
@@ -559,8 +655,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
 
     // -- epilogue: dK_j · scale and dV_j, rows < Lk, columns < D / Dv (zeros where no query block
     //    was visited).
-    store_acc<float>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row, dk_row, dK_acc, scale,
-                     Lk - c_w, D);
-    store_acc<float>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row, dv_row, dV_acc, 1.0f,
-                     Lk - c_w, Dv);
+    acc_store<kHeadDim>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_w * dk_row, dk_row, dK_acc,
+                        scale, Lk - c_w, D);
+    acc_store<kHeadDimV>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row, dv_row, dV_acc,
+                         1.0f, Lk - c_w, Dv);
 }

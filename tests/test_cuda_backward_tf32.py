@@ -220,6 +220,65 @@ def test_backward_tf32_full(precision, case):
     check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
 
 
+# Wide head dims (padded d or dv in 144..256: dK_j, dV_j accumulate in shared memory, Br 16):
+# (precision, D, Dv, Lq, Lk, causal, G) — d 256, 160, 192 with dv != d, an odd d (200 -> 208, dv
+# 136 -> 144, element-wise copies) with GQA, causal and not, lengths off the tiles.
+WIDE_SUBSET = [
+    ("tf32", 256, 256, 20, 37, True, 2),
+    ("tf32", 200, 136, 30, 45, False, 3),
+    ("3xtf32", 160, 160, 33, 40, False, 1),
+    ("3xtf32", 192, 64, 17, 50, True, 1),
+]
+WIDE_FULL = [(p, D, Dv, Lq, Lk, c, G) for p in PRECISIONS
+             for D, Dv in ((144, 144), (160, 96), (192, 192), (256, 256), (256, 128), (40, 232), (200, 136))
+             for Lq, Lk in ((1, 40), (33, 17), (50, 70)) for c in (False, True) for G in (1, 2)]
+
+
+def _wide_id(c):
+    return "%s-%s" % (c[0], _id(c[1:]))
+
+
+@pytest.mark.parametrize("case", WIDE_SUBSET, ids=[_wide_id(c) for c in WIDE_SUBSET])
+def test_backward_tf32_wide_head_dims(case):
+    precision, D, Dv, Lq, Lk, causal, G = case
+    check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WIDE_FULL, ids=[_wide_id(c) for c in WIDE_FULL])
+def test_backward_tf32_wide_head_dims_full(case):
+    precision, D, Dv, Lq, Lk, causal, G = case
+    check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_tf32_wide_unordered(precision):
+    """deterministic=False (plain atomics) at a wide head dim."""
+    check(precision, 176, 29, 41, True, Dv=160, G=2, deterministic=False)
+
+
+def test_backward_tf32_wide_raw_tiles_and_lo_planes():
+    """3xtf32 at d 256 on sm_86 (raw fp32 tiles, the only tile within 99 KB) and the lo-plane tile of
+    sm_90, launched directly: the same rule."""
+    q, k, v, do = make_inputs(256, 24, 40, Dv=256, G=1)
+    scale = 256 ** -0.5
+    lse, delta = kernel_inputs(q, k, v, do, False, scale)
+    for arch in (86, 90):
+        t = T.backward_tile("3xtf32", np.float32, 256, 256, arch)
+        assert t.lo_planes == (arch == 90), t
+        got = run_dkv("3xtf32", q, k, v, do, False, scale=scale, tile=t)
+        assert_gradients("3xtf32", got, q, k, v, do, False, scale, lse, delta)
+
+
+def test_wide_head_dims_with_extensions_run_simt():
+    """Wide head dims take dense calls only: with an extension the SIMT backward runs (route)."""
+    for e in (1, 2, 16, 32, 63):
+        assert T.backward_tile("tf32", np.float32, 160, 160, 80, ext=e) is None
+        assert T.backward_tile("3xtf32", np.float32, 256, 64, 90, ext=e) is None
+    _, _, _, _, _, _, _, plans = run_ext("tf32", _ext_kw(("seqlens",)), causal=False, deterministic=True, D=160)
+    assert {p[0] for p in plans} == {"simt"}, plans
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_backward_tf32_unordered_and_element_loads(precision):
     """deterministic=False (plain atomics) and the element-wise copies (D not a multiple of 4)."""
@@ -227,20 +286,21 @@ def test_backward_tf32_unordered_and_element_loads(precision):
     check(precision, 59, 33, 50, False)
 
 
-def test_backward_tf32_strided_views_through_the_api():
+@pytest.mark.parametrize("D", [32, 160])
+def test_backward_tf32_strided_views_through_the_api(D):
     """BSHD views (row stride H·D) through flash_attention_backward, k and v broadcast over the
-    query heads of a group."""
+    query heads of a group; D 160: a wide head dim (dK_j, dV_j in shared memory)."""
     rng = np.random.default_rng(4)
-    q = rng.standard_normal((2, 37, 4, 32)).astype(np.float32).transpose(0, 2, 1, 3).reshape(2, 2, 2, 37, 32)
-    k = rng.standard_normal((2, 50, 2, 32)).astype(np.float32).transpose(0, 2, 1, 3)
-    v = rng.standard_normal((2, 50, 2, 32)).astype(np.float32).transpose(0, 2, 1, 3)
+    q = rng.standard_normal((2, 37, 4, D)).astype(np.float32).transpose(0, 2, 1, 3).reshape(2, 2, 2, 37, D)
+    k = rng.standard_normal((2, 50, 2, D)).astype(np.float32).transpose(0, 2, 1, 3)
+    v = rng.standard_normal((2, 50, 2, D)).astype(np.float32).transpose(0, 2, 1, 3)
     do = rng.standard_normal(q.shape).astype(np.float32)
     kb, vb = k[:, :, None], v[:, :, None]
     out, lse = fa.flash_attention_forward(q, kb, vb, causal=True, backend="emulator", precision="3xtf32")
     dq, dk, dv = fa.flash_attention_backward(do, q, kb, vb, out, lse, causal=True, backend="emulator",
                                              precision="3xtf32")
     delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
-    assert_gradients("3xtf32", (dq, dk[:, :, 0], dv[:, :, 0]), q, k, v, do, True, 32 ** -0.5, lse, delta)
+    assert_gradients("3xtf32", (dq, dk[:, :, 0], dv[:, :, 0]), q, k, v, do, True, D ** -0.5, lse, delta)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -256,6 +316,19 @@ def test_raw_tiles_split_in_registers(precision):
     got = run_dkv(precision, q, k, v, do, True, scale=scale, tile=raw)
     lse, delta = kernel_inputs(q, k, v, do, True, scale)
     assert_gradients(precision, got, q, k, v, do, True, scale, lse, delta)
+
+
+@pytest.mark.parametrize("schedule", ["reverse", pytest.param("random", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ordered_dq_bitwise_under_schedules_wide(schedule, precision):
+    """The ordered dQ mode at wide head dims (dK_j, dV_j in shared memory): bitwise equal under a
+    permuted schedule."""
+    q, k, v, do = make_inputs(192, 40, 70, Dv=144, G=2, seed=2)
+    ref, _, c = run_api(precision, q, k, v, do, True, scale=0.07)
+    assert any(name.startswith(T.KERNEL) for name, _ in c)
+    got, _, _ = run_api(precision, q, k, v, do, True, scale=0.07, schedule=schedule, seed=5)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "random"])
@@ -296,7 +369,7 @@ def test_shared_32bit_loads_conflict_free():
     lanes = np.arange(32)
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
-            for d in range(16, 129, 16):
+            for d in range(16, 257, 16):
                 t = T.backward_tile(precision, np.float32, d, d, arch)
                 for pitch in (t.head_dim + 4, t.head_dim_v + 4, t.block_m + 4):
                     banks = (2 * (lanes % 4) * pitch + lanes // 4) % 32
@@ -322,7 +395,7 @@ def test_tiles_and_fallbacks():
     assert T.backward_tile("ieee", np.float32, 64, 64, 80) is None
     assert T.backward_tile(None, np.float32, 64, 64, 80) is None
     assert T.backward_tile("tf32", np.float16, 64, 64, 80) is None
-    assert T.backward_tile("tf32", np.float32, 160, 64, 80) is None
+    assert T.backward_tile("tf32", np.float32, 264, 64, 80) is None  # padded head dims above 256
     # extensions: half the Br up to d = 64 (registers), else the same tile
     assert T.backward_tile("3xtf32", np.float32, 64, 64, 80, ext=True).block_m == 16
     assert T.backward_tile("tf32", np.float32, 128, 128, 80, ext=True) == T.backward_tile("tf32", np.float32, 128, 128, 80)
@@ -338,20 +411,19 @@ def test_tiles_and_fallbacks():
         T.backward_tile("tf32", np.float32, 64, 64, 75)
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
-            for d in range(8, 129, 8):
+            for d in range(8, 257, 8):
                 t = T.backward_tile(precision, np.float32, d, d, arch)
                 assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
                 assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes,
                                               t.stages)
-    q, k, v, do = make_inputs(160, 17, 33, G=1, Hk=1)
-    _, _, counters = run_api("tf32", q, k, v, do, False, scale=0.1)
-    assert not any(name.startswith(T.KERNEL) for name, _ in counters)
+    # (the library's head dims end at 256: the SIMT route runs in test_wide_head_dims_with_extensions_run_simt)
 
 
 def test_smem_mirror_matches_the_kernel_layout():
     """smem_bytes (Python) equals Tf32BwdSmem::kBytes (C++) for every tile the table chooses."""
     chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.lo_planes, t.stages)
-              for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128) for dv in (16, 64, 128)
+              for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128, 160, 256)
+              for dv in (16, 64, 128, 208, 256)
               for t in [T.backward_tile(p, np.float32, d, dv, a)]}
     chosen |= {(48, 32, 32, 32, 3, False, 1), (48, 32, 32, 32, 3, False, 2)}
     assert {c[-1] for c in chosen} == {1, 2}

@@ -43,7 +43,10 @@ from .tiles_bwd import BwdTiles
 PREC = {"tf32": 1, "3xtf32": 3}
 SOURCE = "flash_bwd_tf32.cu"
 KERNEL = "flash_bwd_dkv_tf32_kernel"
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
+#: Above this padded head dim (d or dv) dK_j, dV_j accumulate in shared memory (the kernel's
+#: SmemAcc): (d + dv) / 2 floats per thread do not fit in registers next to the strips.
+REG_ACC_HEAD_DIM = 128
 _PAD = 4  # floats per shared-memory row
 #: Shared memory per SM in KB and reserved per block (as cuda_forward_tf32).
 _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
@@ -76,7 +79,8 @@ def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1):
     a16 = tiles._align16
     tiles_f = (stages * block_m * (d + _PAD), stages * block_m * (dv + _PAD), block_n * (d + _PAD),
                block_n * (dv + _PAD), block_n * (block_m + _PAD))
-    return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4)
+    acc = 4 * block_n * (d + dv) if max(d, dv) > REG_ACC_HEAD_DIM else 0  # SmemAcc dK_j, dV_j
+    return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4) + acc
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     d, dv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     if max(d, dv) > MAX_HEAD_DIM:
         return None
+    if max(d, dv) > REG_ACC_HEAD_DIM and not isinstance(ext, bool) and ext:
+        return None  # wide head dims: dense calls only (extensions run the SIMT backward)
     if precision == "3xtf32" and max(d, dv) > 64 and not isinstance(ext, bool) and ext & ~WIDE_3XTF32_EXT:
         return None  # (a bool ``ext``: call sites after the family was chosen by the bits)
     limit = tiles.smem_limit(a)
