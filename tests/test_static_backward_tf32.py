@@ -10,8 +10,10 @@ sm_75 is refused at compile time and by the host.
 
 Default: d = dv in {64, 128} plus the Dv != D shapes of test_cuda_backward_tf32.py, both
 precisions, flags (non-causal, cp.async, ordered) and (causal, element-wise, plain atomics); the
-extension instantiations (kExt in ``EXT_SETS``) at d = dv 64 / 128. ``-m slow``: every padded head
-dim 16..128 x every flag, dense and with ``EXT_SETS``.
+extension instantiations (kExt in ``EXT_SETS``) at d = dv 64 / 128; the wide head dims (padded d
+or dv in 144..256: dK_j, dV_j in shared memory, dense calls only) at ``WIDE_DEFAULT_DIMS``.
+``-m slow``: every padded head dim 16..128 x every flag, dense and with ``EXT_SETS``; every padded
+d = dv 144..256 and ``WIDE_MIXED`` x every flag.
 """
 import itertools
 
@@ -34,6 +36,13 @@ REGISTER_FILE = 64 * 1024
 #: the tests' Dv != D shapes, all flags (docs/precision.md), plus ~10%: a regression bound.
 #: The smallest head dim pays the per-visit fixed cost (P, dS, masks, copies) over few HMMA.
 MAX_PER_HMMA = {"tf32": (12.5, 8.4), "3xtf32": (8.3, 5.9)}  # (max(d, dv) = 16, larger)
+#: The same bound at wide head dims (max(d, dv) > 128; dK_j, dV_j in shared memory: a 128-bit load
+#: and store per n8 tile and product): tf32; 3xtf32 with lo planes; 3xtf32 raw tiles (sm_86/89 where
+#: the lo planes do not fit 99 KB; every fragment split after its load).
+MAX_PER_HMMA_WIDE = {"tf32": 8.4, "3xtf32": 5.1, "3xtf32 raw": 10.8}
+#: Wide shapes: the default run's, and the mixed ones of -m slow (dv != d, an odd D 200 -> 208).
+WIDE_DEFAULT_DIMS = [(256, 256), (160, 96)]
+WIDE_MIXED = [(256, 128), (128, 256), (208, 96), (40, 160), (208, 144), (144, 16)]
 
 DEFAULT_DIMS = [(64, 64), (128, 128), (40, 24), (72, 32), (32, 96), (16, 16)]
 ALL_FLAGS = list(itertools.product((False, True), repeat=3))  # causal, vec, ordered
@@ -77,6 +86,8 @@ def _ext_of(name):
 
 
 def limit(t):
+    if max(t.head_dim, t.head_dim_v) > T.REG_ACC_HEAD_DIM:
+        return MAX_PER_HMMA_WIDE[t.precision + ("" if t.lo_planes else " raw")]
     small, large = MAX_PER_HMMA[t.precision]
     return small if max(t.head_dim, t.head_dim_v) <= 16 else large
 
@@ -129,6 +140,27 @@ def test_tf32_backward_ext_compiles(arch):
     """The kExt instantiations (docs/precision.md has the figures): zero spills, the same HMMA per
     visit; d = dv 64 and 128, causal, cp.async, atomic and (ORDERED_EXT) ordered dQ."""
     _check(arch, [(64, 64), (128, 128)], [(True, True, False), (True, True, True)], exts=EXT_SETS)
+
+
+@pytest.mark.parametrize("arch", DEFAULT_ARCHS)
+def test_tf32_backward_wide_compiles(arch):
+    """Wide head dims (dK_j, dV_j in shared memory): zero spills, the visit's HMMA, the wide bound."""
+    _check(arch, WIDE_DEFAULT_DIMS, [(False, True, True), (True, False, False)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tf32_backward_wide_compiles_all_head_dims(arch):
+    _check(arch, [(d, d) for d in range(144, 257, 16)] + WIDE_MIXED, ALL_FLAGS)
+
+
+def test_wide_extensions_route_to_simt():
+    """Wide head dims take dense calls only: every kExt set returns no tile (the SIMT backward)."""
+    for arch in ARCHS:
+        for precision in T.PREC:
+            for e in EXT_SETS:
+                assert T.backward_tile(precision, np.float32, 160, 256, arch, ext=e) is None
+            assert T.backward_tile(precision, np.float32, 160, 256, arch) is not None
 
 
 @pytest.mark.slow

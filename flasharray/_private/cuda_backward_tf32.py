@@ -3,7 +3,8 @@
 The dK/dV kernel ``flash_bwd_dkv_tf32_kernel`` (always atomic dQ into the fragment-ordered
 accumulator, ordered or not) for ``precision="tf32"`` (one mma per product) and ``"3xtf32"``
 (hi/lo split, three). :func:`backward_tile` returns the tile a call uses, or None where the kernel
-does not apply (another precision or dtype, padded head dims above 128).
+does not apply (another precision or dtype, padded head dims above 256, extensions at wide head
+dims).
 
 Extensions (docs/extensions.md) run on the same tiles with the kernel's ``kExt`` bits
 (:func:`dkv_name`'s ``ext``): in the atomic dQ mode all of them; in the ordered (deterministic) mode
@@ -32,6 +33,15 @@ SM by shared memory (at most 8: the kernels need 150-255 registers), ties to the
 reloads of Q_i, dO_i); then two buffers of Q_i, dO_i (``stages`` = 2: the next visit's cp.async
 copies overlap this visit's products) where the second buffer costs no resident warps. E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
 Bc 64, d 128 Br 16 Bc 32; sm_86/89: 3xtf32 d 64 Bc 32, d 128 Bc 16.
+
+Wide head dims (padded max(d, dv) in 144..256, :data:`REG_ACC_HEAD_DIM`): (d + dv) / 2 accumulator
+floats per thread do not fit next to the strips, so dK_j, dV_j accumulate in shared memory (the
+kernel's ``SmemAcc``: Bc x (d + dv) floats more, each lane touching only its own fragments, as the
+f64 DMMA backward keeps dV_j), Br 16, the same Bc / lo-plane / stages rule. d = dv: sm_80 tf32
+Bc 32 (16 at 256), 3xtf32 Bc 32 at 144, then 16, lo planes up to 240, raw tiles at 256; sm_86/89
+tf32 Bc 32 at 144, then 16, 3xtf32 Bc 16, raw tiles from 160 (the lo planes pass 99 KB); sm_90 tf32
+Bc 64 up to 192, then 32, 3xtf32 Bc 32 up to 208, then 16, lo planes throughout. Dense calls only: with any extension (kExt != 0) the call runs the SIMT backward
+(not compiled or checked for spills at wide head dims).
 """
 from dataclasses import dataclass
 
