@@ -87,6 +87,28 @@ struct Sm90FwdTraits {
   static constexpr int kSmemBytes = (kLoopBytes > kEpilogueBytes ? kLoopBytes : kEpilogueBytes) + kAtomBytes;
 };
 
+// The key tiles one query tile visits, from the last visible one down (FlashAttention-2's order: the tiles
+// needing the element mask first). Dense (kExt = 0): n_block_max − 1 .. 0, masked at or above
+// n_block_unmasked. Extensions: KeyTileWalk's (window band from lo, block-mask tiles all False skipped,
+// masked(n) per tile: window edges and mixed blocks too).
+template <bool Is_causal, int kExt>
+struct Sm90KeyTiles {
+  KeyTileWalk<Is_causal, kExt, float> walk;
+  int n_block_max, n_block_unmasked;
+
+  __device__ __forceinline__ Sm90KeyTiles(const Mask<Is_causal, kExt>& mask, int m0, int Br, int Bc, int n_max,
+                                          int n_unmasked)
+      : walk{mask, m0, Br, Bc, kExt == 0 ? 0 : mask.n_block_min(m0, Bc)}, n_block_max(n_max),
+        n_block_unmasked(n_unmasked) {}
+  __device__ __forceinline__ int lo() const { return kExt == 0 ? 0 : walk.lo; }
+  __device__ __forceinline__ int prev(int n) const { return kExt == 0 ? n - 1 : walk.prev(n); }
+  __device__ __forceinline__ int first() const { return prev(n_block_max); }
+  __device__ __forceinline__ bool any() const { return kExt == 0 ? n_block_max > 0 : first() >= lo(); }
+  // Whether a tile follows tile n in the walk.
+  __device__ __forceinline__ bool more(int n) const { return kExt == 0 ? n > 0 : prev(n) >= lo(); }
+  __device__ __forceinline__ bool masked(int n) const { return kExt == 0 ? n >= n_block_unmasked : walk.masked(n); }
+};
+
 // P_ij rounded to T as the A fragments of O += P V_j: the fragment of k16 step ks is the accumulator of
 // S's n8 tiles 2ks, 2ks+1 (a0 row g cols 2t.., a1 row g+8, a2 / a3 the same of the second tile).
 template <typename T, int kBlockN>
@@ -139,15 +161,37 @@ __device__ __forceinline__ float update_max_select(OnlineSoftmaxRow<float>& stat
 // exp2(S·scale·log2e − m) in acc_s (l rescaled and summed per lane; the quad is reduced at the end) and
 // each row's factor for O in correction[r]. kDeferO: O is not touched (the overlapped ws loop rescales it
 // once the P V wgmmas reading it have completed: rescale_o_sm90); else each row of O is rescaled here.
-template <bool Is_causal, int kBlockN, int kHeadDimV, bool kDeferO>
+//
+// Extensions (kExt, deduced from the mask; flash_mask.cuh): softcap / ALiBi transform every score of every
+// tile first; masked tiles then test the geometry per element and the block mask once per n8 tile (its 16
+// rows x 8 columns lie in one block: block sizes are multiples of 16; the warp's 16 rows start at row0
+// rounded down to 16, as m0 and the warp's row offset are multiples of 16 and g < 8).
+template <bool Is_causal, int kBlockN, int kHeadDimV, bool kDeferO, int kExt = 0>
 __device__ __forceinline__ void softmax_tile_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
                                                   OnlineSoftmaxRow<float> (&stat)[2], float (&correction)[2],
-                                                  const Mask<Is_causal>& mask, bool masked, int row0, int n0, int t,
-                                                  float scale_log2) {
-  if (masked) {
+                                                  const Mask<Is_causal, kExt>& mask, bool masked, int row0, int n0,
+                                                  int t, float scale_log2) {
+  auto row_of = [&](int i) { return row0 + 8 * ((i % 4) >> 1); };
+  auto col_of = [&](int i) { return n0 + 8 * (i / 4) + 2 * t + (i & 1); };
+  if constexpr (Mask<Is_causal, kExt>::kScoreMod) {
 #pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i)
-      acc_s[i] = mask.apply(acc_s[i], row0 + 8 * ((i % 4) >> 1), n0 + 8 * (i / 4) + 2 * t + (i & 1));
+    for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = mask.score(acc_s[i], row_of(i), col_of(i));
+  }
+  if (masked) {
+    if constexpr (Mask<Is_causal, kExt>::kBlockMask) {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const bool block = mask.block_visible(row0 & ~15, n0 + 8 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e;
+          acc_s[i] = block && mask.is_visible_geometry(row_of(i), col_of(i)) ? acc_s[i] : -INFINITY;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = mask.apply(acc_s[i], row_of(i), col_of(i));
+    }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -179,13 +223,25 @@ __device__ __forceinline__ void softmax_tile_sm90(float (&acc_s)[kBlockN / 2], f
 }
 
 // The softmax of one key tile with O rescaled at once (the loops that wait for every wgmma batch).
-template <bool Is_causal, int kBlockN, int kHeadDimV>
+template <bool Is_causal, int kBlockN, int kHeadDimV, int kExt = 0>
 __device__ __forceinline__ void softmax_sm90(float (&acc_s)[kBlockN / 2], float (&acc_o)[kHeadDimV / 2],
-                                             OnlineSoftmaxRow<float> (&stat)[2], const Mask<Is_causal>& mask,
+                                             OnlineSoftmaxRow<float> (&stat)[2], const Mask<Is_causal, kExt>& mask,
                                              bool masked, int row0, int n0, int t, float scale_log2) {
   float correction[2];
   softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, false>(acc_s, acc_o, stat, correction, mask, masked, row0, n0, t,
                                                           scale_log2);
+}
+
+// Dropout (kExtDropout) on P_ij in acc_s, after the softmax has summed the undropped P into l: the
+// accumulator of the warp's 16 rows (from row0 rounded down to 16) is the mma.sync layout of one slab, so
+// the forward's dropout_mma applies as it is (the same keep bits as every other kernel: one Philox call per
+// row and 8 columns). Nothing without the bit.
+template <int kExt, int kBlockN>
+__device__ __forceinline__ void dropout_sm90(float (&acc_s)[kBlockN / 2], const DropoutRng& rng, int row0, int n0,
+                                             int lane) {
+  if constexpr (HasExt<kExt, kExtDropout>::value)
+    dropout_mma<1, kBlockN / 8>(reinterpret_cast<float (&)[1][kBlockN / 8][4]>(acc_s), rng, row0 & ~15, n0, lane);
+  (void)acc_s; (void)rng; (void)row0; (void)n0; (void)lane;
 }
 
 // O_i rows row0 (r = 0) and row0 + 8 (r = 1) times correction[r] (after softmax_tile_sm90<..., true>).
@@ -208,6 +264,25 @@ __device__ __forceinline__ void finish_rows_sm90(float (&inv_l)[2], float (&lse)
   }
 }
 
+// The same with the extensions of kExt: rows row0 + 8r at or past the entry's length Lq_b (seqlens) are
+// out 0 and lse −inf, and dropout's 1 / (1 − p) joins 1/l (ext_inv_sum). The dense one for kExt = 0.
+template <int kExt>
+__device__ __forceinline__ void finish_rows_sm90(float (&inv_l)[2], float (&lse)[2], const OnlineSoftmaxRow<float> (&stat)[2],
+                                                 const ExtArgs<float>& ext, int row0, int Lq_b) {
+  if constexpr (kExt == 0) {
+    (void)ext; (void)row0; (void)Lq_b;
+    finish_rows_sm90(inv_l, lse, stat);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l_total = group_allreduce_sum<4>(stat[r].l);
+      const bool live = row0 + 8 * r < Lq_b;
+      inv_l[r] = ext_inv_sum<kExt>(stat[r], l_total, live, ext);
+      lse[r] = live ? stat[r].lse(l_total) : -INFINITY;
+    }
+  }
+}
+
 // O / l rounded to T by stmatrix.x4, one per 16 columns: matrices rows 0-7 / 8-15 of n8 tiles 2p, 2p+1 of the
 // warp's 16 rows; lane l addresses row l mod 8 of matrix m = l / 8, i.e. row warp_row + 8(m mod 2) + l mod 8,
 // 16-byte chunk 2p + m / 2. `at(row, chunk)`: that chunk's address in the staged tile.
@@ -226,12 +301,14 @@ __device__ __forceinline__ void stmatrix_o_sm90(const float (&acc_o)[kHeadDimV /
 
 // Epilogue, per thread: O / l into sO, rows of kStrideO elements, and the row's LSE (lane t = 0) into sLse
 // (the cp.async kernel's). warp_row: the warp's first row in Q_i.
-template <typename T, int kHeadDimV, int kStrideO>
+// Extensions: finish_rows_sm90<kExt> (rows past the entry's Lq_b, dropout's factor); m0: the tile's first row.
+template <typename T, int kHeadDimV, int kStrideO, int kExt = 0>
 __device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&acc_o)[kHeadDimV / 2],
-                                             const OnlineSoftmaxRow<float> (&stat)[2], int warp_row, int lane) {
+                                             const OnlineSoftmaxRow<float> (&stat)[2], int warp_row, int lane,
+                                             const ExtArgs<float>& ext, int m0, int Lq_b) {
   const int g = lane >> 2, t = lane & 3;
   float inv_l[2], lse[2];
-  finish_rows_sm90(inv_l, lse, stat);
+  finish_rows_sm90<kExt>(inv_l, lse, stat, ext, m0 + warp_row + g, Lq_b);
 #pragma unroll
   for (int r = 0; r < 2; ++r)
     if (t == 0) sLse[warp_row + g + 8 * r] = lse[r];
@@ -239,7 +316,8 @@ __device__ __forceinline__ void stage_o_sm90(T* sO, float* sLse, const float (&a
                                 [&](int row, int chunk) { return sO + row * kStrideO + 8 * chunk; });
 }
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_aligned>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_aligned,
+          int kExt = 0>
 __global__ void __launch_bounds__(kBlockM / 64 * 128, 1)
 flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       T* __restrict__ o, float* __restrict__ lse,
@@ -285,9 +363,14 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   T* o_i = o + bidx.offset(o_s) + m0 * o_row;
   float* lse_i = lse + bidx.offset(lse_s) + m0;
 
-  const Mask<Is_causal> mask(Lq, Lk);
+  // Extensions: the entry's lengths (Lq stays the launch's for the stores), its mask and key tiles.
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  const int Lq_b = ext.seqlen_q<kExt>(bidx, Lq);
+  const Mask<Is_causal, kExt> mask = make_mask<Is_causal, kExt>(Lq_b, ext.seqlen_k<kExt>(bidx, Lk), ext, bidx);
   const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
   const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  const Sm90KeyTiles<Is_causal, kExt> tiles{mask, m0, kBlockM, kBlockN, n_block_max, n_block_unmasked};
+  const DropoutRng rng = ext.dropout(bidx);
 
   float acc_s[kBlockN / 2];     // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
   float acc_o[kHeadDimV / 2];   // O_i, unnormalised
@@ -309,27 +392,29 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   };
 
   // Key tiles from the last visible one down (the masked ones first); prologue: Q_i and that tile.
-  int n_block = n_block_max - 1;
-  if (n_block >= 0) {
+  int n_block = tiles.first();
+  if (n_block >= tiles.lo()) {
     load_sw128<T, kBlockM, kHeadDim, kNThreads, Is_aligned>(sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D,
                                                              false, tid);
     load_kv(false, 0, n_block);
     fa::cp_async_commit();
   }
   int stage = 0;
-  for (; n_block >= 0; --n_block) {
+  for (; n_block >= tiles.lo(); n_block = tiles.prev(n_block)) {
     fa::cp_async_wait<0>();
     // The thread's copies (and element-wise stores) of tile j are visible to the async proxy that
     // wgmma reads through; the barrier makes every thread's so, and every warpgroup has finished
     // tile j+1 (its wgmmas were waited for), so the other stage may receive tile j−1.
     fa::fence_proxy_async();
     __syncthreads();
-    if (n_block > 0) load_kv(true, stage ^ 1, n_block - 1);  // below the top tile every tile is full
+    const int next = tiles.prev(n_block);
+    if (next >= tiles.lo()) load_kv(true, stage ^ 1, next);  // below the top tile every tile is full
     fa::cp_async_commit();
 
     gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sQ + wg * 64 * 128, sK + stage * Tr::kKBytes);
-    softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
+    softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, tiles.masked(n_block),
                                                 m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+    dropout_sm90<kExt, kBlockN>(acc_s, rng, m0 + warp_row + g, n_block * kBlockN, lane);
     gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sV + stage * Tr::kVBytes);
     stage ^= 1;
   }
@@ -340,7 +425,7 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   float* sLse = reinterpret_cast<float*>(smem + Tr::kLseOffset);
   fa::cp_async_wait<0>();
   __syncthreads();
-  stage_o_sm90<T, kHeadDimV, Tr::kStrideO>(sO, sLse, acc_o, stat, warp_row, lane);
+  stage_o_sm90<T, kHeadDimV, Tr::kStrideO, kExt>(sO, sLse, acc_o, stat, warp_row, lane, ext, m0, Lq_b);
   __syncthreads();
   const int rows = rows_in_tile(m0, kBlockM, Lq);
   const bool vec = Dv % 8 == 0 && o_row % 8 == 0 && reinterpret_cast<unsigned long long>(o_i) % kCopyBytes == 0;
@@ -486,15 +571,16 @@ struct Sm90WsScheduler {
 // passes at once). Persistent: Q of the block's k-th tile after empty_q's phase k − 1 (the consumers are done
 // with sQ), issued after the first K (FlashAttention-3's order: the ring keeps streaming), and always (a tile
 // without visible keys too: one bar_q phase per tile).
-template <typename Tr, bool Is_overlap, bool Is_persistent, int kHeadDim, int kHeadDimV>
+// Extensions: the tiles of the consumers' walk (Sm90KeyTiles over the same mask geometry).
+template <typename Tr, bool Is_overlap, bool Is_persistent, int kHeadDim, int kHeadDimV, bool Is_causal, int kExt>
 __device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtensorMap* tq, const CUtensorMap* tk,
                                              const CUtensorMap* tv, int m0, const BatchIndex& bidx, int bcast,
-                                             int n_block_max, int k_tile, int& visit) {
+                                             const Sm90KeyTiles<Is_causal, kExt>& tiles, int k_tile, int& visit) {
   constexpr int kStages = Tr::kStages, kBlockM = Tr::kBlockM_, kBlockN = Tr::kBlockN_;
   auto coord = [&](int t, int i, int b) { return (bcast >> (3 * t + i)) & 1 ? 0 : b; };
   const int kb2 = coord(1, 0, bidx.b2), kb1 = coord(1, 1, bidx.b1), kb0 = coord(1, 2, bidx.b0);
   const int vb2 = coord(2, 0, bidx.b2), vb1 = coord(2, 1, bidx.b1), vb0 = coord(2, 2, bidx.b0);
-  bool q_pending = Is_persistent || n_block_max > 0;
+  bool q_pending = Is_persistent || tiles.any();
   auto load_q = [&] {
     if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.empty_q, (k_tile - 1) & 1);
     fa::mbarrier_arrive_expect_tx(sm.bar_q, Tr::kQBytes);
@@ -503,7 +589,7 @@ __device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtenso
     q_pending = false;
   };
   if (!Is_persistent && q_pending) load_q();
-  for (int n_block = n_block_max - 1; n_block >= 0; --n_block, ++visit) {
+  for (int n_block = tiles.first(); n_block >= tiles.lo(); n_block = tiles.prev(n_block), ++visit) {
     const int s = visit % kStages, phase = (visit / kStages) & 1;
     fa::mbarrier_wait_parity(sm.empty_k + s, phase ^ 1);
     fa::mbarrier_arrive_expect_tx(sm.full_k + s, Tr::kKBytes);
@@ -519,53 +605,63 @@ __device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtenso
 // The two consumer warpgroups of the ws kernel: per work tile the key loop (with or without the
 // intra-warpgroup overlap), the ping-pong turns, the epilogue.
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
-          bool Is_persistent>
+          bool Is_persistent, int kExt>
 struct Sm90WsConsumer {
   using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
+  using Tiles = Sm90KeyTiles<Is_causal, kExt>;
   static constexpr int kStages = Tr::kStages;
   Sm90WsSmem sm;
-  Mask<Is_causal> mask;
+  Mask<Is_causal, kExt> mask;   // dense: the launch's; extensions: the current tile's entry (tile())
+  ExtArgs<float> ext;
+  DropoutRng rng;               // the current tile's entry (kExtDropout)
+  int Lq, Lk;                   // the launch's lengths (rows stored: Lq)
   int cwg, ctid, warp_row, lane, g, t;
   float scale_log2;
 
-  __device__ __forceinline__ Sm90WsConsumer(const Sm90WsSmem& sm_, int Lq, int Lk, int tid, float scale_log2_)
-      : sm(sm_), mask(Lq, Lk), cwg(tid / 128 - 1), ctid(tid - 128), warp_row(cwg * 64 + ((ctid % 128) / 32) * 16),
-        lane(tid % 32), g(lane >> 2), t(lane & 3), scale_log2(scale_log2_) {}
+  __device__ __forceinline__ Sm90WsConsumer(const Sm90WsSmem& sm_, int Lq_, int Lk_, int tid, float scale_log2_,
+                                            const ExtArgs<float>& ext_)
+      : sm(sm_), mask(Lq_, Lk_), ext(ext_), Lq(Lq_), Lk(Lk_), cwg(tid / 128 - 1), ctid(tid - 128),
+        warp_row(cwg * 64 + ((ctid % 128) / 32) * 16), lane(tid % 32), g(lane >> 2), t(lane & 3),
+        scale_log2(scale_log2_) {}
 
   // Ping-pong: warpgroup 0 has the first turn of a tile (warpgroup 1's opening arrival); each warpgroup
   // takes n turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases
   // per tile (the epilogue's barrier keeps the warpgroups in the same tile).
-  __device__ __forceinline__ void open_turns(int n_block_max) const {
-    if (Tr::kPingPong && cwg == 1 && n_block_max > 0) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
+  __device__ __forceinline__ void open_turns(const Tiles& tiles) const {
+    if (Tr::kPingPong && cwg == 1 && tiles.any()) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
   }
   __device__ __forceinline__ void our_turn() const {
     if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);
   }
-  __device__ __forceinline__ void their_turn(int n_block) const {
-    if (Tr::kPingPong && (cwg == 0 || n_block > 0))
+  // more: a key tile of this work tile follows the current one (Sm90KeyTiles::more).
+  __device__ __forceinline__ void their_turn(bool more) const {
+    if (Tr::kPingPong && (cwg == 0 || more))
       fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg, Tr::kConsumerThreads);
   }
 
   // Key loop without the overlap: every wgmma batch waited for; visit v = visit0 + i in stage v mod kStages.
-  __device__ __forceinline__ void mainloop_plain(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
-                                                 int m0, int n_block_max, int visit0) {
+  // Returns the visits made (the tile's key tiles).
+  __device__ __forceinline__ int mainloop_plain(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
+                                                int m0, const Tiles& tiles, int visit0) {
     float acc_s[kBlockN / 2];
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
-    const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
-    for (int n_block = n_block_max - 1, v = visit0; n_block >= 0; --n_block, ++v) {
+    int v = visit0;
+    for (int n_block = tiles.first(); n_block >= tiles.lo(); n_block = tiles.prev(n_block), ++v) {
       const int s = v % kStages, phase = (v / kStages) & 1;
       fa::mbarrier_wait_parity(sm.full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
       our_turn();
       gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sm.sQ + cwg * 64 * 128, sm.sK + s * Tr::kKBytes,
-                                                  [&] { their_turn(n_block); });  // issued: hand over
-      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, n_block >= n_block_unmasked,
+                                                  [&] { their_turn(tiles.more(n_block)); });  // issued: hand over
+      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, tiles.masked(n_block),
                                                   m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+      dropout_sm90<kExt, kBlockN>(acc_s, rng, m0 + warp_row + g, n_block * kBlockN, lane);
       fa::mbarrier_wait_parity(sm.full_v + s, phase);   // V_j has landed
       gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sm.sV + s * Tr::kVBytes);
       fa::mbarrier_arrive(sm.empty_k + s);              // both wgmma batches on stage s completed: refill it
     }
     release_q_early();
+    return v - visit0;
   }
 
   // Separate sO (persistent): sQ is free once the tile's last S batch has completed.
@@ -573,8 +669,8 @@ struct Sm90WsConsumer {
     if (Is_persistent && Tr::kSeparateO) fa::mbarrier_arrive(sm.empty_q);
   }
 
-  __device__ __forceinline__ void mainloop_overlap(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
-                                                   int m0, int n_block_max, int visit0);
+  __device__ __forceinline__ int mainloop_overlap(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
+                                                  int m0, const Tiles& tiles, int visit0);
 
   template <bool Is_tma_store>
   __device__ __forceinline__ void epilogue(const float (&acc_o)[kHeadDimV / 2], const OnlineSoftmaxRow<float> (&stat)[2],
@@ -589,22 +685,29 @@ struct Sm90WsConsumer {
                                        int Dv, const TensorStrides& o_s, const TensorStrides& lse_s,
                                        const CUtensorMap* tmap_o) {
     const int m0 = m_block * kBlockM;
+    if constexpr (kExt != 0) {   // the entry's lengths, mask and generator
+      mask = make_mask<Is_causal, kExt>(ext.seqlen_q<kExt>(bidx, Lq), ext.seqlen_k<kExt>(bidx, Lk), ext, bidx);
+      rng = ext.dropout(bidx);
+    }
     const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+    const Tiles tiles(mask, m0, kBlockM, kBlockN, n_block_max, unmasked_key_tiles<Is_causal>(mask, m0, kBlockN,
+                                                                                            n_block_max));
     float acc_o[kHeadDimV / 2];   // O_i, unnormalised
     OnlineSoftmaxRow<float> stat[2];
 #pragma unroll
     for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
     stat[0].init();
     stat[1].init();
-    if (Is_persistent || n_block_max > 0) fa::mbarrier_wait_parity(sm.bar_q, k_tile & 1);
-    open_turns(n_block_max);
+    if (Is_persistent || tiles.any()) fa::mbarrier_wait_parity(sm.bar_q, k_tile & 1);
+    open_turns(tiles);
+    int visits = 0;
     if constexpr (Is_overlap) {
-      if (n_block_max > 0) mainloop_overlap(acc_o, stat, m0, n_block_max, visit);
+      if (tiles.any()) visits = mainloop_overlap(acc_o, stat, m0, tiles, visit);
       else release_q_early();
     } else {
-      mainloop_plain(acc_o, stat, m0, n_block_max, visit);
+      visits = mainloop_plain(acc_o, stat, m0, tiles, visit);
     }
-    visit += n_block_max;
+    visit += kExt == 0 ? n_block_max : visits;   // dense: every tile below n_block_max
     epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o);
     if (Is_persistent && !Tr::kSeparateO) {
       fa::fence_proxy_async();   // the staged O's generic accesses before the next Q's async-proxy writes
@@ -623,27 +726,27 @@ struct Sm90WsConsumer {
 // (softmax_tile_sm90<..., true>) nor P_{i−1}'s A fragments (a_p) before the wait. Visit i of the tile is
 // the block's visit visit0 + i (stage and parity).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
-          bool Is_persistent>
-__device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap,
-                                               Is_persistent>::mainloop_overlap(float (&acc_o)[kHeadDimV / 2],
+          bool Is_persistent, int kExt>
+__device__ __forceinline__ int Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap,
+                                               Is_persistent, kExt>::mainloop_overlap(float (&acc_o)[kHeadDimV / 2],
                                                                                 OnlineSoftmaxRow<float> (&stat)[2],
-                                                                                int m0, int n_block_max, int visit0) {
+                                                                                int m0, const Tiles& tiles, int visit0) {
   float acc_s[kBlockN / 2];        // S_ij, then P_ij, of the warpgroup's 64 rows (accumulator layout)
   uint32_t a_p[kBlockN / 16][4];   // P_{i−1}: the A fragments of the P V batch in flight
   float correction[2];             // visit i's factor for O, applied once P_{i−1} V_{i−1} has completed
   const int row0 = m0 + warp_row + g;
-  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
   auto stage = [&](int i) { return (visit0 + i) % kStages; };
   auto parity = [&](int i) { return ((visit0 + i) / kStages) & 1; };
   // visit 0: S_0 and its softmax, nothing else in flight
+  const int first = tiles.first();
   fa::mbarrier_wait_parity(sm.full_k + stage(0), parity(0));
   our_turn();
   gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sm.sQ + cwg * 64 * 128, sm.sK + stage(0) * Tr::kKBytes,
-                                              [&] { their_turn(n_block_max - 1); });
+                                              [&] { their_turn(tiles.more(first)); });
   fa::mbarrier_arrive(sm.empty_k + stage(0));     // S_0 completed: K_0's stage may be refilled
-  softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
-                                                         n_block_max - 1 >= n_block_unmasked, row0,
-                                                         (n_block_max - 1) * kBlockN, t, scale_log2);
+  softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, tiles.masked(first),
+                                                         row0, first * kBlockN, t, scale_log2);
+  dropout_sm90<kExt, kBlockN>(acc_s, rng, row0, first * kBlockN, lane);
   // P_{i−1} V_{i−1} completed (visit i − 2's stage free for V), O rescaled by c_{i−1}, P_{i−1} packed
   auto finish_previous = [&](int i) {
     fa::wgmma_wait_group<0>();
@@ -652,29 +755,36 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
     rescale_o_sm90<kHeadDimV>(acc_o, correction);
     pack_p_sm90<T, kBlockN>(a_p, acc_s);
   };
-  // Visits i ≥ 1, key tile n_block in stage s (visit i − 1 used stage sp). Masked tiles (first in the
-  // order) and unmasked ones run as two copies of the loop (the outer loop is unrolled), so `masked` is
-  // a compile-time constant in each and no branch splits the softmax.
-  int n_block = n_block_max - 2, i = 1;
+  // Visit i ≥ 1 of key tile n_block in stage s (visit i − 1 used stage sp).
+  auto visit = [&](int n_block, int i, bool masked) {
+    const int s = stage(i), sp = stage(i - 1), phase_p = parity(i - 1);
+    fa::mbarrier_wait_parity(sm.full_k + s, parity(i));
+    finish_previous(i);
+    our_turn();
+    auto issue_pv = [&] {  // after S_i's batch, in our turn: O += P_{i−1} V_{i−1}; then hand over
+      fa::mbarrier_wait_parity(sm.full_v + sp, phase_p);
+      issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
+      their_turn(tiles.more(n_block));
+    };
+    // waits for all but the last committed batch: S_i has completed, P_{i−1} V_{i−1} may be in flight
+    gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN, decltype(issue_pv), 1>(acc_s, sm.sQ + cwg * 64 * 128,
+                                                                       sm.sK + s * Tr::kKBytes, issue_pv);
+    fa::mbarrier_arrive(sm.empty_k + s);
+    softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, masked, row0,
+                                                           n_block * kBlockN, t, scale_log2);
+    dropout_sm90<kExt, kBlockN>(acc_s, rng, row0, n_block * kBlockN, lane);
+  };
+  int n_block = tiles.prev(first), i = 1;
+  if constexpr (kExt == 0) {
+    // Masked tiles (first in the order) and unmasked ones run as two copies of the loop (the outer loop is
+    // unrolled), so `masked` is a compile-time constant in each and no branch splits the softmax.
 #pragma unroll
-  for (int masked = 1; masked >= 0; --masked) {
-    for (; n_block >= (masked ? n_block_unmasked : 0); --n_block, ++i) {
-      const int s = stage(i), sp = stage(i - 1), phase_p = parity(i - 1);
-      fa::mbarrier_wait_parity(sm.full_k + s, parity(i));
-      finish_previous(i);
-      our_turn();
-      auto issue_pv = [&] {  // after S_i's batch, in our turn: O += P_{i−1} V_{i−1}; then hand over
-        fa::mbarrier_wait_parity(sm.full_v + sp, phase_p);
-        issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
-        their_turn(n_block);
-      };
-      // waits for all but the last committed batch: S_i has completed, P_{i−1} V_{i−1} may be in flight
-      gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN, decltype(issue_pv), 1>(acc_s, sm.sQ + cwg * 64 * 128,
-                                                                         sm.sK + s * Tr::kKBytes, issue_pv);
-      fa::mbarrier_arrive(sm.empty_k + s);
-      softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask, masked != 0,
-                                                             row0, n_block * kBlockN, t, scale_log2);
-    }
+    for (int masked = 1; masked >= 0; --masked)
+      for (; n_block >= (masked ? tiles.n_block_unmasked : 0); --n_block, ++i) visit(n_block, i, masked != 0);
+  } else {
+    // Extensions: masked tiles anywhere in the walk (window edges, mixed block-mask tiles): one loop, the
+    // mask a run-time branch.
+    for (; n_block >= tiles.lo(); n_block = tiles.prev(n_block), ++i) visit(n_block, i, tiles.masked(n_block));
   }
   release_q_early();   // every S batch of the tile has completed
   // the last P V (visit i − 1's)
@@ -685,6 +795,7 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_o);
   fa::mbarrier_arrive(sm.empty_v + sp);
+  return i;
 }
 
 // Epilogue (consumers only): every load of the tile has landed (each was waited for) and every wgmma
@@ -692,19 +803,19 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
 // tile (persistent: and the previous tile's TMA store has read sO: its thread waited before arriving). The
 // LSE: one row per thread (lanes t = 0, 1 of each quad: rows g, g + 8), straight to global memory.
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
-          bool Is_persistent>
+          bool Is_persistent, int kExt>
 template <bool Is_tma_store>
 __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap,
-                                               Is_persistent>::epilogue(const float (&acc_o)[kHeadDimV / 2],
+                                               Is_persistent, kExt>::epilogue(const float (&acc_o)[kHeadDimV / 2],
                                                                         const OnlineSoftmaxRow<float> (&stat)[2],
                                                                         int m0, const BatchIndex& bidx, T* o,
                                                                         float* lse, int Dv, const TensorStrides& o_s,
                                                                         const TensorStrides& lse_s,
                                                                         const CUtensorMap* tmap_o) const {
-  const int rows = rows_in_tile(m0, kBlockM, mask.Lq);
+  const int rows = rows_in_tile(m0, kBlockM, kExt == 0 ? mask.Lq : Lq);   // extensions: mask.Lq is the entry's
   fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
   float inv_l[2], lse_r[2];
-  finish_rows_sm90(inv_l, lse_r, stat);
+  finish_rows_sm90<kExt>(inv_l, lse_r, stat, ext, m0 + warp_row + g, mask.Lq);
   if (t < 2 && warp_row + g + 8 * t < rows)
     fa::gstore(lse + bidx.offset(lse_s) + m0 + warp_row + g + 8 * t, t == 0 ? lse_r[0] : lse_r[1]);
   if constexpr (Is_tma_store) {
@@ -738,15 +849,21 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
 // static scheduler's tiles (Sm90WsScheduler): the producer and the consumers walk the same sequence, the
 // K / V ring's visits counted across tiles, one bar_q and (persistent) one empty_q phase per tile. nb12 =
 // nb1·nb2 and n_bh = nb0·nb1·nb2 (the batch entries; unused unless persistent).
+//
+// kExt (the extensions of docs/extensions.md, flash_ext.cuh; 0 by default: the dense instantiations keep their
+// names and code): the FLASH_EXT_PARAMS tail after the maps. Per work tile the consumers build the entry's
+// mask (lengths, window, block mask, softcap, ALiBi) and dropout generator; the producer walks the same key
+// tiles from the geometry bits alone (kWalkExt: window, block mask, lengths).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
-          bool Is_tma_store = false, bool Is_persistent = false>
+          bool Is_tma_store = false, bool Is_persistent = false, int kExt = 0>
 __global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
 flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
                          long long o_b0, long long o_b1, long long o_b2, long long o_row,
                          long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
                          int nb12, int n_bh,
                          const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o) {
+                         const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o,
+                         FLASH_EXT_PARAMS(float)) {
   using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
   constexpr int kStages = Tr::kStages;
 
@@ -777,7 +894,8 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   }
   __syncthreads();              // ... and to every thread before its first wait or arrival
 
-  const Mask<Is_causal> mask(Lq, Lk);
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  constexpr int kWalkExt = kExt & (kExtWindow | kExtBlockMask | kExtSeqlens);
   int visit = 0;   // the block's K / V visits so far (ring stage and parity), across its tiles
   if (wg == 0) {
     // ---- producer: one elected thread of warp 0 issues the whole block's loads ----
@@ -787,9 +905,13 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
         int m_block;
         BatchIndex bidx;
         sched.decode(w, m_block, bidx);
-        ws_load_tile<Tr, Is_overlap, Is_persistent, kHeadDim, kHeadDimV>(
-            sm, &tmap_q, &tmap_k, &tmap_v, m_block * kBlockM, bidx, bcast,
-            mask.n_block_max(m_block * kBlockM, kBlockM, kBlockN), k_tile, visit);
+        const int m0 = m_block * kBlockM;
+        const Mask<Is_causal, kWalkExt> mask = make_mask<Is_causal, kWalkExt>(
+            ext.seqlen_q<kExt>(bidx, Lq), ext.seqlen_k<kExt>(bidx, Lk), ext, bidx);
+        const Sm90KeyTiles<Is_causal, kWalkExt> tiles(mask, m0, kBlockM, kBlockN,
+                                                      mask.n_block_max(m0, kBlockM, kBlockN), 0);
+        ws_load_tile<Tr, Is_overlap, Is_persistent, kHeadDim, kHeadDimV>(sm, &tmap_q, &tmap_k, &tmap_v, m0, bidx,
+                                                                         bcast, tiles, k_tile, visit);
       }
     }
     return;
@@ -797,8 +919,8 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
 
   // ---- consumers ----
   fa::setmaxnreg_inc<Tr::kConsumerRegs>();
-  Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap, Is_persistent> consumer(
-      sm, Lq, Lk, tid, scale_log2);
+  Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_causal, Is_overlap, Is_persistent, kExt> consumer(
+      sm, Lq, Lk, tid, scale_log2, ext);
   const TensorStrides o_s{o_b0, o_b1, o_b2, o_row}, lse_s{lse_b0, lse_b1, lse_b2, 1};
   auto run = [&](int w, int k_tile) {
     int m_block;

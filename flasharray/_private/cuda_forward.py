@@ -135,7 +135,9 @@ class ForwardPlan:
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
             packed_causal = bool(causal)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
-            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v))
+            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), 0 if self.ext is None else self.ext.bits)
+        if tile.kernel == "wgmma":
+            sm90.check_layout(tile, aligned, 0 if self.ext is None else self.ext.bits)
         n_blocks = -(-rows // tile.block_m)
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits
@@ -183,11 +185,14 @@ class ForwardPlan:
         entries = L.stand_in((batch[0],) + (1,) * (len(batch) - 1), np.int32, (4,) + (0,) * (len(batch) - 1))
         ext_tensors = [] if self.ext is None else self.ext.stand_ins
         for part in L.batch_layout(batch, list(tensors) + [entries] + ext_tensors):
+            eo, es = part.tensors[5]
             if getattr(tile, "tma", False):  # tensor maps for q, k, v (cuda_forward_sm90.add_tma_launch)
+                tail, recorded = ((_dense_ext_args(self, launcher), L.Recorded) if self.ext is None
+                                  else (self.ext.args(eo, es, part.tensors[6:]), ExtRecorded))
                 sm90.add_tma_launch(self.launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv,
-                                    scale_log2, grid_x)
+                                    scale_log2, grid_x, tail, recorded)
                 continue
-            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls), (eo, es) = part.tensors[:6]
+            (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
             gy, gz = part.grid_yz
             args = (L.Ptr(keys[0], qo), L.Ptr(keys[1], ko), L.Ptr(keys[2], vo), L.Ptr(keys[3], oo),
                     L.Ptr(keys[4], lo),
@@ -329,6 +334,8 @@ class ExtRecorded(L.Recorded):
         args = self.template.copy()
         for i, key, offset in self.slots:
             args[i] = pointer(arrays[key], offset)
+        for i, key, offset, template in self.maps:  # the wgmma forward's tensor maps
+            args[i] = self.tensor_map(arrays[key], offset, template)
         values = arrays[-1]
         for i, name in self.values:
             args[i] = values[name]
@@ -434,7 +441,7 @@ def forward_name_expression(tile, causal, aligned, split=False, packed=False, se
     packing), ``Has_seqlens_k`` (per-entry key lengths), ``Is_paged`` (K/V read through a block
     table), then ``kExt`` (the extension bits, :data:`EXT_BITS`); SIMT ``kExt``, ``Has_seqlens_k``,
     ``Is_paged``; the TF32 kernel ``kExt``."""
-    if tile.kernel == "tf32":  # kExt after kQSplit (Tf32Tile.name_expression)
+    if tile.kernel in ("tf32", "wgmma"):  # kExt after kQSplit / Is_persistent (the tiles' name_expression)
         return tile.name_expression(causal=causal, aligned=aligned, ext=ext)
     name = tile.name_expression(causal=causal, aligned=aligned)
     if tile.kernel == "simt" and (seqlens_k or paged):

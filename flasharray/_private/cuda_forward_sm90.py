@@ -2,8 +2,8 @@
 
 Opt-in: :func:`forward_tile` returns a tile only for ``kernel="wgmma"`` (nothing has run on an H100
 yet, so sm_90 calls keep the mma.sync forward by default), and only for what the kernel serves:
-sm_90, float16 / bfloat16, head dims 1..256, no extensions, no IO tile (``block_m``), no split-KV,
-no KV cache. Asking for ``kernel="wgmma"`` anywhere else is a NotImplementedError naming the reason.
+sm_90, float16 / bfloat16, head dims 1..256, the extensions of docs/extensions.md (the kernels' ``kExt``
+bits, as the mma.sync forward's), no IO tile (``block_m``), no split-KV, no KV cache. Asking for ``kernel="wgmma"`` anywhere else is a NotImplementedError naming the reason.
 
 Two instantiations: where q, k and v are TMA-legal (:func:`tma_legal`: 16-byte aligned, strides
 multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-specialized kernel
@@ -99,19 +99,23 @@ class Sm90Tile(tiles.FwdTile):
     def source(self):
         return SOURCE
 
-    def name_expression(self, causal, aligned, tma_store=False):
+    def name_expression(self, causal, aligned, tma_store=False, ext=0):
         """``tma_store`` (TMA tiles): the instantiation writing O by TMA stores (``Is_tma_store``; the
-        launch picks it where the output is TMA-legal, :func:`add_tma_launch`)."""
+        launch picks it where the output is TMA-legal, :func:`add_tma_launch`). ``ext``: the kExt bits, the
+        last template argument (only when nonzero: the dense names stay as they are)."""
         if self.tma:
             name = "flash::flash_fwd_sm90_ws_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
                 tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
                 "true" if causal else "false", "true" if self.overlap else "false")
-            if self.persistent:
-                name = name[:-1] + ", false, true>"
+            if self.persistent or ext:
+                name = name[:-1] + ", false, %s>" % ("true" if self.persistent else "false")
+            if ext:
+                name = name[:-1] + ", %d>" % ext
             return with_tma_store(name) if tma_store else name
-        return "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
+        name = "flash::flash_fwd_sm90_kernel<%s, %d, %d, %d, %d, %s, %s>" % (
             tiles._CTYPE[self.dtype], self.head_dim, self.head_dim_v, self.block_m, self.block_n,
             "true" if causal else "false", "true" if aligned else "false")
+        return name[:-1] + ", %d>" % ext if ext else name
 
     def describe(self):
         return ("wgmma kernel (sm_90a%s), Br=%d Bc=%d, %d threads (%d warpgroups), %d-stage K/V, d=%d dv=%d, "
@@ -148,7 +152,7 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if not (1 <= head_dim <= MAX_HEAD_DIM and 1 <= head_dim_v <= MAX_HEAD_DIM):
         raise _unsupported("supports head dims 1..%d, got D=%d, Dv=%d" % (MAX_HEAD_DIM, head_dim, head_dim_v))
-    others = [what for what, on in (("extensions", ext), ("block_m=%r" % (block_m,), block_m is not None),
+    others = [what for what, on in (("block_m=%r" % (block_m,), block_m is not None),
                                     ("num_splits=%r" % (num_splits,), num_splits not in (None, 1)),
                                     ("a KV cache", kv is not None)) if on]
     if others:
@@ -186,6 +190,12 @@ SM_COUNT = None
 #: registers), so d = 256 keeps one block per work tile. Tests raise it to run the d = 256 persistent kernel
 #: (O staged over sQ) on the emulator.
 PERSISTENT_MAX_HEAD_DIM = 128
+#: The same with extensions: their per-tile state on top of the persistent loop's spills the d = 128 consumers
+#: (up to 56 bytes with every feature), so calls with extensions take the persistent kernel at d <= 64 only.
+PERSISTENT_MAX_HEAD_DIM_EXT = 64
+#: The largest padded head dim at which the cp.async kernel takes extensions on rows that are not 16-byte
+#: aligned (the element-wise copy): above it the copy's registers and the extensions' spill (up to 32 bytes).
+ELEMENTWISE_MAX_HEAD_DIM_EXT = 64
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -228,7 +238,7 @@ def out_tma_legal(out):
 
 def _ws_args(name_expr):
     head = "flash::flash_fwd_sm90_ws_kernel<"
-    assert name_expr.startswith(head) and name_expr.endswith(">") and name_expr.count(",") in (6, 7, 8), name_expr
+    assert name_expr.startswith(head) and name_expr.endswith(">") and name_expr.count(",") in (6, 7, 8, 9), name_expr
     return name_expr[len(head):-1].split(", ")
 
 
@@ -245,22 +255,37 @@ def ws_flags(name_expr):
     return args[7] == "true", args[8] == "true"
 
 
-def tma_tile(tile, arrays):
+def tma_tile(tile, arrays, ext=0):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
-    :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts)."""
+    :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
+    call's kExt bits; with extensions the consumers wait for every wgmma batch (no intra-warpgroup overlap:
+    P_{j−1}'s A fragments in flight and the extensions' per-tile state do not fit 240 registers together,
+    the overlapped instantiations spill up to 200 bytes; docs/hopper.md, "Extensions")."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
     warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
+    overlap = OVERLAP and not ext
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
-                  ", softmax overlapped with P V" if OVERLAP else ""))
-    persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= PERSISTENT_MAX_HEAD_DIM
+                  ", softmax overlapped with P V" if overlap else ""))
+    persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= (
+        PERSISTENT_MAX_HEAD_DIM_EXT if ext else PERSISTENT_MAX_HEAD_DIM)
     if persistent:
         reason += ", persistent (static tile scheduler)"
-    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, OVERLAP, persistent)
-    return dataclasses.replace(tile, tma=True, overlap=OVERLAP, persistent=persistent, threads_m=warps, smem=smem,
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, overlap, persistent)
+    return dataclasses.replace(tile, tma=True, overlap=overlap, persistent=persistent, threads_m=warps, smem=smem,
                                reason=reason)
+
+
+def check_layout(tile, aligned, ext):
+    """NotImplementedError where the cp.async kernel would take extensions (``ext``: kExt bits) on rows that are
+    not 16-byte aligned above :data:`ELEMENTWISE_MAX_HEAD_DIM_EXT` (those instantiations spill)."""
+    if (ext and not aligned and not tile.tma
+            and max(tile.head_dim, tile.head_dim_v) > ELEMENTWISE_MAX_HEAD_DIM_EXT):
+        raise _unsupported("takes extensions at head dims above %d only on rows that are 16-byte aligned "
+                           "(multiples of 8 elements, aligned bases); these are not (padded head dims %d, %d)"
+                           % (ELEMENTWISE_MAX_HEAD_DIM_EXT, tile.head_dim, tile.head_dim_v))
 
 
 def persistent_grid(launcher, work_tiles):
@@ -286,12 +311,15 @@ def _map_geometry(n_cols, rows, batch_strides, row_stride, itemsize, dims):
     return extents, strides, bcast
 
 
-def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
+def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x,
+                   ext_tail, recorded=L.Recorded):
     """Record one launch of ``flash_fwd_sm90_ws_kernel`` for a :func:`launch.batch_layout` part: out and
     lse as :class:`launch.Ptr` slots, q, k, v as :class:`launch.Map` slots (the geometry and its checks
     made here, once; the address encoded per call), and the fourth map: out's (boxes of 64 columns x one
     consumer warpgroup's 64 rows) where :data:`USE_TMA_STORE` and :func:`out_tma_legal` allow the
-    ``Is_tma_store`` instantiation, else q's again (unused: the kernel stores rows)."""
+    ``Is_tma_store`` instantiation, else q's again (unused: the kernel stores rows). ``ext_tail``: the
+    FLASH_EXT_PARAMS arguments after the maps (a dense launch's zeros, or the extensions'), ``recorded`` the
+    launch's class (the forward's ExtRecorded for per-call dropout seeds)."""
     (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
     row = [L.element_strides(a)[-2] for a in tensors[:4]]
     itemsize = np.dtype(tensors[0].dtype).itemsize
@@ -314,7 +342,7 @@ def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys
     gy, gz = part.grid_yz
     args = (L.Ptr(keys[3], oo), L.Ptr(keys[4], lo), L.c_int(Lq), L.c_int(Lk), L.c_int(Dv), L.c_int(part.dims[2]),
             *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
-            scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), *maps)
+            scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), *maps, *ext_tail)
     grid = (persistent_grid(launcher, grid_x * gy * gz), 1, 1) if tile.persistent else (grid_x, gy, gz)
-    plan_launches.append(L.Recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
-                                    shared_mem=tile.smem))
+    plan_launches.append(recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
+                                  shared_mem=tile.smem))

@@ -1,0 +1,288 @@
+"""The extensions of docs/extensions.md in the Hopper wgmma forward (cuda_src/flash_fwd_sm90.cu, kExt) on
+the emulator (arch sm_90, ``kernel="wgmma"``).
+
+Each case is held to the DESIGN.md rule against the brute-force specification of
+tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dropout from
+``philox.keep_mask``) and checks that the wgmma kernel ran with the case's kExt bits. Default run: every
+feature alone and in combinations (all six at once) on the warp-specialized TMA kernel (persistent at d <= 128,
+every wgmma batch waited for), fp16 and bf16, d 64 / 59 / 128 / 200, causal and not, Lq != Lk off the tiles,
+GQA broadcast, BSHD strides; the same calls give the same bits on the ws kernel without
+the persistent scheduler (forced SM counts), with row stores instead of the TMA store, and on the cp.async
+kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is Philox's bit for bit;
+fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma counters); dense calls keep their
+instantiation names. ``-m slow``: every pair of features x dtype x causal on the ws kernel.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from flasharray._private import cuda_forward, cuda_forward_sm90 as S, philox
+from flasharray._private.extensions import Extensions
+
+from flasharray._private.dtypes import bfloat16
+
+from conftest import requires_nvrtc
+from test_cuda_forward_extensions import DTYPES, check_case, check_close, ext_kw, make_inputs, run
+
+WGMMA = dict(kernel="wgmma", arch="sm_90")
+
+
+def _plan(q, k, v, causal, kw):
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    return cuda_forward.plan(q, k, v, causal=causal, scale=0.125, batch_shape=batch, device="emulator",
+                             ext=Extensions(**kw), **WGMMA)
+
+
+# ---- the DESIGN.md rule, feature by feature ---------------------------------------------------------------
+CASES = [
+    ("fp16", 64, 70, 133, False, ("window",), {}),
+    ("fp16", 64, 133, 70, True, ("window",), {}),
+    ("fp16", 64, 70, 133, False, ("seqlens",), {}),
+    ("fp16", 59, 70, 133, False, ("softcap",), {}),
+    ("fp16", 64, 70, 133, True, ("alibi",), {"layout": "bshd"}),
+    ("fp16", 64, 70, 133, False, ("block_mask",), {}),
+    ("fp16", 64, 70, 133, True, ("dropout",), {}),
+    ("bf16", 64, 70, 133, False, ("dropout", "block_mask"), {}),
+    ("bf16", 128, 133, 70, False, ("window", "alibi"), {}),
+    ("fp16", 64, 133, 70, True, ("softcap", "seqlens"), {}),
+    ("fp16", 64, 200, 300, True, ("block_mask",), {"batch": (2, 2)}),
+    ("fp16", 128, 70, 290, True, ("window", "seqlens", "dropout"), {}),
+    ("fp16", 64, 70, 133, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
+    ("bf16", 200, 70, 150, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
+    ("fp16", 64, 33, 70, False, ("alibi", "dropout"), {"gqa": True}),
+    ("fp16", 32, 33, 47, True, ("dropout", "alibi"), {"batch": (2, 1, 2, 2)}),
+]
+
+
+def _id(case):
+    dt, D, Lq, Lk, causal, features, opts = case
+    extra = "".join("-%s%s" % (k, v) for k, v in sorted(opts.items()))
+    return "%s-d%d-%dx%d%s-%s%s" % (dt, D, Lq, Lk, "-causal" if causal else "", "+".join(features), extra)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_wgmma_extensions(case):
+    dt, D, Lq, Lk, causal, features, opts = case
+    check_case("emulator", dt, D, Lq, Lk, causal, features, **opts, **WGMMA)
+
+
+def test_plan_takes_the_ws_kernel_with_the_bits():
+    """The call runs the warp-specialized kernel with kExt = the features' bits as its last template
+    argument (persistent at d 64, every wgmma batch waited for: no intra-warpgroup overlap with extensions);
+    a dense call keeps the dense name (no kExt, overlapped)."""
+    q, k, v = make_inputs(np.float16, 64, 70, 133, batch=(2, 3))
+    kw = ext_kw(("window", "dropout"), (2, 3), 70, 133, np.float16)
+    p = _plan(q, k, v, True, kw)
+    bits = cuda_forward.EXT_BITS["window"] + cuda_forward.EXT_BITS["dropout"]
+    names = [launch.name for launch in p.launches]
+    assert p.tile.tma and p.tile.persistent and not p.tile.overlap
+    assert names == ["flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, false, true, true, %d>" % bits]
+    dense = _plan(q, k, v, True, {})
+    assert [launch.name for launch in dense.launches] == [
+        "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, true, true>"]
+
+
+# ---- the variants give the same bits ----------------------------------------------------------------------
+VARIANTS = {
+    "not-persistent": {"PERSISTENT": False},
+    "persistent-2-sms": {"SM_COUNT": 2},
+    "row-stores": {"USE_TMA_STORE": False},
+    "cp-async": {"USE_TMA": False},
+}
+BITS_CASES = [
+    ("fp16", 64, 200, 290, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens")),
+    ("bf16", 128, 150, 290, False, ("window", "block_mask", "dropout")),
+]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "%s-d%d-%s" % (c[0], c[1], "+".join(c[5])))
+def test_variants_bit_identical(monkeypatch, case, variant):
+    """The default instantiation (ws, persistent, TMA store) and each variant compute every row
+    with the same fp32 operations in the same order: identical out and lse bits."""
+    dt, D, Lq, Lk, causal, features = case
+    dtype = DTYPES[dt]
+    q, k, v = make_inputs(dtype, D, Lq, Lk, batch=(2, 2))
+    kw = ext_kw(features, (2, 2), Lq, Lk, dtype)
+    base, base_lse, scale = run("emulator", q, k, v, causal, kw, **WGMMA)
+    for name, value in VARIANTS[variant].items():
+        monkeypatch.setattr(S, name, value)
+    out, lse, _ = run("emulator", q, k, v, causal, kw, **WGMMA)
+    np.testing.assert_array_equal(out.view(np.uint16), base.view(np.uint16))
+    np.testing.assert_array_equal(lse, base_lse)
+    check_close(out, lse, q, k, v, causal, scale, kw)
+
+
+@pytest.mark.parametrize("schedule,seed", [("reverse", 0), ("random", 3)])
+def test_schedules_bit_identical(schedule, seed):
+    q, k, v = make_inputs(np.float16, 64, 150, 290, batch=(1, 2))
+    kw = ext_kw(("dropout", "block_mask", "window", "softcap"), (1, 2), 150, 290, np.float16)
+    base, _, _ = run("emulator", q, k, v, True, kw, **WGMMA)
+    other, _, _ = run("emulator", q, k, v, True, kw, schedule=schedule, seed=seed, **WGMMA)
+    np.testing.assert_array_equal(base.view(np.uint16), other.view(np.uint16))
+
+
+# ---- dropout bits, masked rows ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+def test_dropout_mask_is_philox(dt):
+    """q = 0 (uniform P) and v = identity: out[i, j] != 0 exactly where philox.keep_mask keeps (i, j)."""
+    dtype = DTYPES[dt]
+    batch, Lq, Lk = (2, 3), 170, 45
+    q = np.zeros(batch + (Lq, 48), dtype)
+    k = np.zeros(batch + (Lk, 48), dtype)
+    v = np.broadcast_to(np.eye(Lk, 48, dtype=dtype), batch + (Lk, 48))
+    p, seed, offset = 0.375, 0x123456789ABCDEF0, 41
+    out, lse, _ = run("emulator", q, k, v, False, dict(dropout_p=p, seed=seed, offset=offset), **WGMMA)
+    keep = philox.keep_mask(p, seed, offset, batch, Lq, Lk)
+    np.testing.assert_array_equal(out[..., :Lk] != 0, keep)
+    assert np.all(out[..., Lk:] == 0)
+    np.testing.assert_allclose(out[..., :Lk][keep].astype(np.float64), 1.0 / ((1 - p) * Lk), rtol=1e-2)
+    np.testing.assert_allclose(lse, np.log(Lk), rtol=1e-6)
+
+
+def test_dropout_equals_the_mma_sync_forward():
+    """The same seed drops the same entries in the wgmma and the mma.sync forward: outputs agree to the
+    rounding of the two kernels (both within the rule; here against each other, elementwise)."""
+    q, k, v = make_inputs(np.float16, 64, 150, 200, batch=(2, 2))
+    kw = ext_kw(("dropout",), (2, 2), 150, 200, np.float16)
+    a, lse_a, _ = run("emulator", q, k, v, True, kw, **WGMMA)
+    b, lse_b, _ = run("emulator", q, k, v, True, kw)
+    np.testing.assert_array_equal(a == 0, b == 0)
+    np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(lse_a, lse_b, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows():
+    """Rows that see no key (window (0, 0) with Lq > Lk; seqlens_q = 0; an all-False block row) are out 0,
+    lse -inf, no NaN; a whole work tile without keys (entry 0) too."""
+    batch, Lq, Lk = (2, 2), 150, 40
+    q, k, v = make_inputs(np.float16, 32, Lq, Lk, batch=batch)
+    bm = np.ones(batch + (10, 3), bool)
+    bm[..., 2, :] = False
+    kw = dict(window=(0, 0), seqlens_q=np.array([0, 141], np.int32), seqlens_k=np.array([40, 31], np.int32),
+              block_mask=bm, block_size=(16, 16))
+    out, lse, scale = run("emulator", q, k, v, True, kw, **WGMMA)
+    assert not np.isnan(out.astype(np.float64)).any() and not np.isnan(lse).any()
+    assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
+    assert np.all(out[1, :, 32:48] == 0) and np.all(np.isneginf(lse[1, :, 32:48]))
+    assert np.all(out[1, :, 141:] == 0) and np.all(np.isneginf(lse[1, :, 141:]))
+    check_close(out, lse, q, k, v, True, scale, kw)
+
+
+# ---- tiles never loaded (emulator counters: TMA boxes, wgmma) ---------------------------------------------------
+
+def _visited(q, k, v, kw):
+    """Key tiles loaded (TMA boxes past the work tiles' Q boxes, two per tile: K and V) and key tiles
+    computed (wgmma: d/16 + Bc/16 per tile and consumer warpgroup) of one persistent launch."""
+    counters = []
+    cuda_forward.forward(q, k, v, causal=False, scale=0.1, batch_shape=q.shape[:-2], device="emulator",
+                         ext=Extensions(**kw), counters=counters, **WGMMA)
+    (c,) = counters
+    work_tiles = -(-q.shape[-2] // S.BLOCK_M) * int(np.prod(q.shape[:-2]))
+    assert (c.tma_loads - work_tiles) % 2 == 0   # persistent: every work tile loads its Q box
+    return (c.tma_loads - work_tiles) // 2, c.wgmma // (2 * (q.shape[-1] // 16 + 128 // 16))
+
+
+def test_block_mask_and_window_skip_tiles():
+    """Visited key tiles = those of the block mask not all False and of the window band, exactly: the
+    producer loads (K, V boxes) just the tiles the consumers compute."""
+    bm_, bn = S.BLOCK_M, 128
+    Lq, Lk = 2 * bm_, 4 * bn
+    q, k, v = make_inputs(np.float16, 64, Lq, Lk, batch=(1, 1))
+    rng = np.random.default_rng(5)
+    for density in (1.0, 0.5, 0.0):
+        bm = rng.random((1, 1, 2, 4)) < density
+        assert _visited(q, k, v, dict(block_mask=bm, block_size=(bm_, bn))) == (int(bm.sum()),) * 2
+    seen = []
+    for left, right in ((-1, -1), (bn, 8), (0, 0)):
+        tiles = sum((-(-min(Lk, m0 + bm_ + right) // bn) if right >= 0 else Lk // bn)
+                    - (0 if left < 0 else max(0, m0 - left) // bn) for m0 in range(0, Lq, bm_))
+        seen.append(_visited(q, k, v, dict(window=(left, right))))
+        assert seen[-1] == (tiles, tiles)
+    assert seen[0][0] == 8 and seen[-1][0] == 2
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts,match", [({"block_m": 64}, "block_m"), ({"num_splits": 2}, "num_splits")])
+def test_still_refused_with_extensions(opts, match):
+    q, k, v = make_inputs(np.float16, 64, 70, 133, batch=(2, 3))
+    kw = ext_kw(("window",), (2, 3), 70, 133, np.float16)
+    with pytest.raises(NotImplementedError, match=match):
+        run("emulator", q, k, v, False, kw, **WGMMA, **opts)
+
+
+def test_unaligned_rows_above_64_refused_with_extensions():
+    """D = 100 (200-byte rows: not TMA-legal, element-wise copies) with extensions: NotImplementedError naming
+    the alignment (those cp.async instantiations spill); at D = 59 (padded 64) the same call runs."""
+    q, k, v = make_inputs(np.float16, 100, 70, 133, batch=(2, 3))
+    kw = ext_kw(("window",), (2, 3), 70, 133, np.float16)
+    with pytest.raises(NotImplementedError, match="16-byte aligned"):
+        run("emulator", q, k, v, False, kw, **WGMMA)
+    run("emulator", q, k, v, False, {}, **WGMMA)  # dense: the cp.async kernel takes it
+
+
+def test_persistent_only_at_64_with_extensions():
+    q, k, v = make_inputs(np.float16, 128, 70, 133, batch=(2, 3))
+    kw = ext_kw(("window",), (2, 3), 70, 133, np.float16)
+    assert not _plan(q, k, v, False, kw).tile.persistent
+    assert _plan(q, k, v, False, {}).tile.persistent
+
+
+# ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------
+STATIC_BITS = (63, 8, 16)          # every feature; the block mask and dropout alone (the heaviest single ones)
+SLOW_STATIC_BITS = tuple(range(1, 64))
+
+
+def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 256)):
+    """Names of what cuda_forward picks with extensions: the ws kernel (TMA store and row stores; persistent
+    where PERSISTENT_MAX_HEAD_DIM_EXT allows, never overlapped) and the cp.async kernel (aligned; element-wise
+    only up to ELEMENTWISE_MAX_HEAD_DIM_EXT)."""
+    found = set()
+    for dtype in dtypes:
+        for d in head_dims:
+            t = S.forward_tile(dtype, d, d, 90, kernel="wgmma", ext=1)
+            for bits in bits_list:
+                ws = S.tma_tile(t, (), bits)
+                assert not ws.overlap
+                for causal in (False, True):
+                    found.add(ws.name_expression(causal, True, ext=bits))
+                    found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))
+                    for aligned in (True, False)[:2 if d <= S.ELEMENTWISE_MAX_HEAD_DIM_EXT else 1]:
+                        found.add(t.name_expression(causal, aligned, ext=bits))
+    return sorted(found)
+
+
+def _no_spills(names):
+    from flasharray._private import launch, nvrtc
+    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", names, options=["--use_fast_math"])
+    bad = ["%s: %d regs, spills %d/%d, stack %d" % (n, k.registers, k.spill_stores, k.spill_loads, k.stack_frame)
+           for n, k in ((n, res.kernel(n)) for n in names) if k.spill_stores or k.spill_loads or k.stack_frame]
+    assert not bad, "\n".join(bad)
+
+
+@requires_nvrtc
+def test_ext_instantiations_zero_spills():
+    _no_spills(ext_instantiations(STATIC_BITS))
+
+
+@pytest.mark.slow
+@requires_nvrtc
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+def test_every_ext_subset_zero_spills(dtype):
+    _no_spills(ext_instantiations(SLOW_STATIC_BITS, (dtype,)))
+
+
+# ---- -m slow: every pair of features x dtype x causal -----------------------------------------------------------
+FEATURES = ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens")
+SLOW = [(dt, pair, causal) for dt in ("fp16", "bf16") for pair in itertools.combinations(FEATURES, 2)
+        for causal in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dt,pair,causal", SLOW, ids=["%s-%s%s" % (d, "+".join(p), "-causal" if c else "")
+                                                      for d, p, c in SLOW])
+def test_wgmma_extension_pairs_full(dt, pair, causal):
+    check_case("emulator", dt, 64, 150, 290, causal, pair, **WGMMA)
