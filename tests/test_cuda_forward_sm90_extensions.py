@@ -3,14 +3,16 @@ the emulator (arch sm_90, ``kernel="wgmma"``).
 
 Each case is held to the DESIGN.md rule against the brute-force specification of
 tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dropout from
-``philox.keep_mask``) and checks that the wgmma kernel ran with the case's kExt bits. Default run: every
-feature alone and in combinations (all six at once) on the warp-specialized TMA kernel (persistent at d <= 128,
-every wgmma batch waited for), fp16 and bf16, d 64 / 59 / 128 / 200, causal and not, Lq != Lk off the tiles,
-GQA broadcast, BSHD strides; the same calls give the same bits on the ws kernel without
-the persistent scheduler (forced SM counts), with row stores instead of the TMA store, and on the cp.async
-kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is Philox's bit for bit;
-fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma counters); dense calls keep their
-instantiation names. ``-m slow``: every pair of features x dtype x causal on the ws kernel.
+``philox.keep_mask``); ``test_plan_takes_the_ws_kernel_with_the_bits`` checks the instantiation the plan
+launches. Default run: every feature alone and in combinations (all six at once) on the warp-specialized TMA
+kernel (overlapped and persistent to d 128 with window / seqlens alone; with the other features every wgmma
+batch waited for, persistent to d 64), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk
+off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on the ws kernel
+without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA store,
+and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
+Philox's bit for bit; fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma
+counters); the refusals; zero spills in the instantiations the tile table picks. ``-m slow``: every pair of
+features x dtype x causal, every kExt subset compiled.
 """
 import itertools
 
@@ -69,8 +71,8 @@ def test_wgmma_extensions(case):
 
 def test_plan_takes_the_ws_kernel_with_the_bits():
     """The call runs the warp-specialized kernel with kExt = the features' bits as its last template
-    argument (persistent at d 64, every wgmma batch waited for: no intra-warpgroup overlap with extensions);
-    a dense call keeps the dense name (no kExt, overlapped)."""
+    argument (persistent at d 64; every wgmma batch waited for with dropout: no intra-warpgroup overlap);
+    window and seqlens alone keep the overlap; a dense call keeps the dense name (no kExt, overlapped)."""
     q, k, v = make_inputs(np.float16, 64, 70, 133, batch=(2, 3))
     kw = ext_kw(("window", "dropout"), (2, 3), 70, 133, np.float16)
     p = _plan(q, k, v, True, kw)
@@ -78,6 +80,10 @@ def test_plan_takes_the_ws_kernel_with_the_bits():
     names = [launch.name for launch in p.launches]
     assert p.tile.tma and p.tile.persistent and not p.tile.overlap
     assert names == ["flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, false, true, true, %d>" % bits]
+    light = _plan(q, k, v, True, ext_kw(("window", "seqlens"), (2, 3), 70, 133, np.float16))
+    assert light.tile.overlap and light.tile.persistent
+    assert light.launches[0].name.endswith(", true, true, true, true, %d>" % (cuda_forward.EXT_BITS["window"] +
+                                                                            cuda_forward.EXT_BITS["seqlens"]))
     dense = _plan(q, k, v, True, {})
     assert [launch.name for launch in dense.launches] == [
         "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, true, true>"]
@@ -85,6 +91,7 @@ def test_plan_takes_the_ws_kernel_with_the_bits():
 
 # ---- the variants give the same bits ----------------------------------------------------------------------
 VARIANTS = {
+    "no-overlap": {"OVERLAP": False},   # the geometry case's; the others run without the overlap anyway
     "not-persistent": {"PERSISTENT": False},
     "persistent-2-sms": {"SM_COUNT": 2},
     "row-stores": {"USE_TMA_STORE": False},
@@ -93,6 +100,7 @@ VARIANTS = {
 BITS_CASES = [
     ("fp16", 64, 200, 290, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens")),
     ("bf16", 128, 150, 290, False, ("window", "block_mask", "dropout")),
+    ("fp16", 128, 200, 290, True, ("window", "seqlens")),   # overlapped, persistent
 ]
 
 
@@ -224,29 +232,31 @@ def test_unaligned_rows_above_64_refused_with_extensions():
     run("emulator", q, k, v, False, {}, **WGMMA)  # dense: the cp.async kernel takes it
 
 
-def test_persistent_only_at_64_with_extensions():
+def test_persistent_only_at_64_with_extensions_beyond_the_geometry():
+    """ALiBi, softcap, block mask, dropout: persistent at d <= 64 only; window / seqlens like dense calls."""
     q, k, v = make_inputs(np.float16, 128, 70, 133, batch=(2, 3))
-    kw = ext_kw(("window",), (2, 3), 70, 133, np.float16)
-    assert not _plan(q, k, v, False, kw).tile.persistent
+    assert not _plan(q, k, v, False, ext_kw(("alibi",), (2, 3), 70, 133, np.float16)).tile.persistent
+    assert _plan(q, k, v, False, ext_kw(("window",), (2, 3), 70, 133, np.float16)).tile.persistent
     assert _plan(q, k, v, False, {}).tile.persistent
 
 
 # ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------
-STATIC_BITS = (63, 8, 16)          # every feature; the block mask and dropout alone (the heaviest single ones)
+STATIC_BITS = (63, 8, 16, 33)      # every feature; the block mask, dropout alone (the heaviest single ones);
+                                   # window + seqlens (overlapped, persistent to d 128)
 SLOW_STATIC_BITS = tuple(range(1, 64))
 
 
 def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 256)):
-    """Names of what cuda_forward picks with extensions: the ws kernel (TMA store and row stores; persistent
-    where PERSISTENT_MAX_HEAD_DIM_EXT allows, never overlapped) and the cp.async kernel (aligned; element-wise
-    only up to ELEMENTWISE_MAX_HEAD_DIM_EXT)."""
+    """Names of what cuda_forward picks with extensions: the ws kernel (TMA store and row stores; overlapped and
+    persistent as tma_tile decides) and the cp.async kernel (aligned; element-wise only up to
+    ELEMENTWISE_MAX_HEAD_DIM_EXT)."""
     found = set()
     for dtype in dtypes:
         for d in head_dims:
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma", ext=1)
             for bits in bits_list:
                 ws = S.tma_tile(t, (), bits)
-                assert not ws.overlap
+                assert ws.overlap == (bits & ~S.GEOMETRY_EXT == 0)
                 for causal in (False, True):
                     found.add(ws.name_expression(causal, True, ext=bits))
                     found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))

@@ -156,7 +156,7 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
                                     ("num_splits=%r" % (num_splits,), num_splits not in (None, 1)),
                                     ("a KV cache", kv is not None)) if on]
     if others:
-        raise _unsupported("runs dense calls only: no %s" % ", ".join(others))
+        raise _unsupported("runs without IO tiles, split-KV and the KV cache: no %s" % ", ".join(others))
     d, dv = pad_head_dim(head_dim), pad_head_dim(head_dim_v)
     bc = 128 if max(d, dv) <= 128 else 64
     smem = smem_bytes(d, dv, BLOCK_M, bc)
@@ -190,8 +190,13 @@ SM_COUNT = None
 #: registers), so d = 256 keeps one block per work tile. Tests raise it to run the d = 256 persistent kernel
 #: (O staged over sQ) on the emulator.
 PERSISTENT_MAX_HEAD_DIM = 128
-#: The same with extensions: their per-tile state on top of the persistent loop's spills the d = 128 consumers
-#: (up to 56 bytes with every feature), so calls with extensions take the persistent kernel at d <= 64 only.
+#: kExt bits that change only which scores are visible (window, seqlens: a few integers per tile, no per-score
+#: state): with only these the ws kernel keeps the intra-warpgroup overlap and PERSISTENT_MAX_HEAD_DIM, as dense
+#: calls do (zero spills in every such instantiation).
+GEOMETRY_EXT = 1 | 32
+#: With any other extension (ALiBi, softcap, block mask, dropout): the largest padded head dim taking the persistent
+#: kernel. Their per-tile state on top of the persistent loop's spills the d = 128 consumers (up to 56 bytes with
+#: every feature).
 PERSISTENT_MAX_HEAD_DIM_EXT = 64
 #: The largest padded head dim at which the cp.async kernel takes extensions on rows that are not 16-byte
 #: aligned (the element-wise copy): above it the copy's registers and the extensions' spill (up to 32 bytes).
@@ -258,19 +263,21 @@ def ws_flags(name_expr):
 def tma_tile(tile, arrays, ext=0):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
-    call's kExt bits; with extensions the consumers wait for every wgmma batch (no intra-warpgroup overlap:
-    P_{j−1}'s A fragments in flight and the extensions' per-tile state do not fit 240 registers together,
-    the overlapped instantiations spill up to 200 bytes; docs/hopper.md, "Extensions")."""
+    call's kExt bits; with extensions beyond :data:`GEOMETRY_EXT` the consumers wait for every wgmma batch (no
+    intra-warpgroup overlap: P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240
+    registers together, the overlapped instantiations spill up to 204 bytes) and the kernel is persistent up to
+    :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions")."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
     warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
-    overlap = OVERLAP and not ext
+    heavy = bool(ext & ~GEOMETRY_EXT)
+    overlap = OVERLAP and not heavy
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
                   ", softmax overlapped with P V" if overlap else ""))
     persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= (
-        PERSISTENT_MAX_HEAD_DIM_EXT if ext else PERSISTENT_MAX_HEAD_DIM)
+        PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
     if persistent:
         reason += ", persistent (static tile scheduler)"
     smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, overlap, persistent)
