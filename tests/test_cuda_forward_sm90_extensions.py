@@ -25,6 +25,7 @@ from flasharray._private.extensions import Extensions
 from flasharray._private.dtypes import bfloat16
 
 from conftest import requires_nvrtc
+from test_gpu_sm90 import requires_sm90
 from test_cuda_forward_extensions import CASES as MMA_CASES, DTYPES, check_case, check_close, ext_kw, make_inputs, run
 
 WGMMA = dict(kernel="wgmma", arch="sm_90")
@@ -274,6 +275,19 @@ def test_ext_instantiations_zero_spills():
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 def test_every_ext_subset_zero_spills(dtype):
     _no_spills(ext_instantiations(SLOW_STATIC_BITS, (dtype,)))
+
+
+# ---- on an sm_90 GPU (-m gpu: benchmarks/gpu_session.sh runs these; skipped with the reason elsewhere) ----------
+GPU_CASES = [c for c in CASES if c[1] in (128, 200) or len(c[5]) == 6 or c[6].get("gqa")]
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_id(c) for c in GPU_CASES])
+def test_wgmma_extensions_gpu(case):
+    """The same bodies through CuPy on the GPU (the driver-encoded maps, the sm_90a cubins)."""
+    dt, D, Lq, Lk, causal, features, opts = case
+    check_case("cuda", dt, D, Lq, Lk, causal, features, kernel="wgmma", **opts)
 
 
 # ---- -m slow: every pair of features x dtype x causal -----------------------------------------------------------
