@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 import pytest
 
-from flasharray._private import cuda_forward, cuda_forward_sm90 as S, philox
+from flasharray._private import cuda_forward, cuda_forward_sm90 as S, launch, philox
 from flasharray._private.extensions import Extensions
 
 from flasharray._private.dtypes import bfloat16
@@ -96,21 +96,43 @@ BITS_CASES = [
 ]
 
 
+@pytest.fixture
+def fresh_plans():
+    """Plans are cached by call signature, not by the modules' flags: cleared when the flags change and again
+    after the test (after monkeypatch has restored them)."""
+    launch._clear_plans()
+    yield launch._clear_plans
+    launch._clear_plans()
+
+
+def _launches(q, k, v, causal, kw):
+    p = _plan(q, k, v, causal, kw)
+    return [(r.name, r.grid) for r in p.launches], p.tile.block_n
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "%s-d%d-%s" % (c[0], c[1], "+".join(c[5])))
-def test_variants_bit_identical(monkeypatch, case, variant):
-    """The default instantiation (ws, persistent, TMA store) and each variant compute every row
-    with the same fp32 operations in the same order: identical out and lse bits."""
+def test_variants_bit_identical(monkeypatch, fresh_plans, case, variant):
+    """The default instantiation and each variant compute every row with the same fp32 operations in the same
+    order where their key tiles are equal: identical out and lse bits (the cp.async kernel at d 128 takes Bc 64
+    with extensions: within the rule). A variant that launches the default's kernels for the case (the overlap
+    switch where extensions turn it off; the SM count of a kernel that is not persistent) is skipped."""
     dt, D, Lq, Lk, causal, features = case
     dtype = DTYPES[dt]
     q, k, v = make_inputs(dtype, D, Lq, Lk, batch=(2, 2))
     kw = ext_kw(features, (2, 2), Lq, Lk, dtype)
     base, base_lse, scale = run("emulator", q, k, v, causal, kw, **WGMMA)
+    base_launches, base_bc = _launches(q, k, v, causal, kw)
     for name, value in VARIANTS[variant].items():
         monkeypatch.setattr(S, name, value)
+    fresh_plans()
+    launches, bc = _launches(q, k, v, causal, kw)
+    if launches == base_launches:
+        pytest.skip("%s launches the default's kernels here" % variant)
     out, lse, _ = run("emulator", q, k, v, causal, kw, **WGMMA)
-    np.testing.assert_array_equal(out.view(np.uint16), base.view(np.uint16))
-    np.testing.assert_array_equal(lse, base_lse)
+    if bc == base_bc:
+        np.testing.assert_array_equal(out.view(np.uint16), base.view(np.uint16))
+        np.testing.assert_array_equal(lse, base_lse)
     check_close(out, lse, q, k, v, causal, scale, kw)
 
 
@@ -214,14 +236,26 @@ def test_still_refused_with_extensions(opts, match):
         run("emulator", q, k, v, False, kw, **WGMMA, **opts)
 
 
-def test_unaligned_rows_above_64_refused_with_extensions():
-    """D = 100 (200-byte rows: not TMA-legal, element-wise copies) with extensions: NotImplementedError naming
-    the alignment (those cp.async instantiations spill); at D = 59 (padded 64) the same call runs."""
-    q, k, v = make_inputs(np.float16, 100, 70, 133, batch=(2, 3))
-    kw = ext_kw(("window",), (2, 3), 70, 133, np.float16)
+def test_unaligned_rows_above_128_refused_with_extensions():
+    """D = 150 (300-byte rows: not TMA-legal, element-wise copies) with extensions: NotImplementedError naming
+    the alignment (those cp.async instantiations spill); the dense call runs."""
+    q, k, v = make_inputs(np.float16, 150, 70, 133, batch=(1, 2))
+    kw = ext_kw(("window",), (1, 2), 70, 133, np.float16)
     with pytest.raises(NotImplementedError, match="16-byte aligned"):
         run("emulator", q, k, v, False, kw, **WGMMA)
     run("emulator", q, k, v, False, {}, **WGMMA)  # dense: the cp.async kernel takes it
+
+
+def test_cp_async_tile_with_extensions_at_128():
+    """The cp.async kernel takes Bc 64 with extensions at padded d 128 (Bc 128 spills), and runs them on
+    element-wise copies too (D = 100: 200-byte rows)."""
+    q, k, v = make_inputs(np.float16, 100, 70, 133, batch=(2, 3))
+    kw = ext_kw(("window", "block_mask", "dropout"), (2, 3), 70, 133, np.float16)
+    p = _plan(q, k, v, True, kw)
+    assert not p.tile.tma and p.tile.block_n == S.CP_ASYNC_EXT_BLOCK_N
+    assert p.launches[0].name.startswith("flash::flash_fwd_sm90_kernel<fa_half, 128, 128, 128, 64, true, false, ")
+    check_case("emulator", "fp16", 100, 70, 133, True, ("window", "block_mask", "dropout"), **WGMMA)
+    assert _plan(q, k, v, True, {}).tile.block_n == 128
 
 
 def test_persistent_only_at_64_with_extensions_beyond_the_geometry():
@@ -253,7 +287,7 @@ def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 256)
                     found.add(ws.name_expression(causal, True, ext=bits))
                     found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))
                     for aligned in (True, False)[:2 if d <= S.ELEMENTWISE_MAX_HEAD_DIM_EXT else 1]:
-                        found.add(t.name_expression(causal, aligned, ext=bits))
+                        found.add(S.cp_async_ext_tile(t, aligned, bits).name_expression(causal, aligned, ext=bits))
     return sorted(found)
 
 

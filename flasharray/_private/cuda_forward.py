@@ -136,8 +136,8 @@ class ForwardPlan:
             packed_causal = bool(causal)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
             tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), 0 if self.ext is None else self.ext.bits)
-        if tile.kernel == "wgmma":
-            sm90.check_layout(tile, aligned, 0 if self.ext is None else self.ext.bits)
+        if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)
+            tile = self.tile = sm90.cp_async_ext_tile(tile, aligned, 0 if self.ext is None else self.ext.bits)
         n_blocks = -(-rows // tile.block_m)
         self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
         self.blocks = int(np.prod(batch)) * n_blocks * splits

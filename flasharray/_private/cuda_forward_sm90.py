@@ -199,8 +199,11 @@ GEOMETRY_EXT = 1 | 32
 #: every feature).
 PERSISTENT_MAX_HEAD_DIM_EXT = 64
 #: The largest padded head dim at which the cp.async kernel takes extensions on rows that are not 16-byte
-#: aligned (the element-wise copy): above it the copy's registers and the extensions' spill (up to 32 bytes).
-ELEMENTWISE_MAX_HEAD_DIM_EXT = 64
+#: aligned (the element-wise copy): at 256 the copy's registers and the extensions' spill (8-32 bytes).
+ELEMENTWISE_MAX_HEAD_DIM_EXT = 128
+#: Bc of the cp.async kernel with extensions at padded d 128 (Bc 128 spilled 4 bytes with window + ALiBi +
+#: block mask + dropout, causal; and the element-wise copy more): 64, zero spills at 164-215 registers.
+CP_ASYNC_EXT_BLOCK_N = 64
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -285,14 +288,23 @@ def tma_tile(tile, arrays, ext=0):
                                reason=reason)
 
 
-def check_layout(tile, aligned, ext):
-    """NotImplementedError where the cp.async kernel would take extensions (``ext``: kExt bits) on rows that are
-    not 16-byte aligned above :data:`ELEMENTWISE_MAX_HEAD_DIM_EXT` (those instantiations spill)."""
-    if (ext and not aligned and not tile.tma
-            and max(tile.head_dim, tile.head_dim_v) > ELEMENTWISE_MAX_HEAD_DIM_EXT):
+def cp_async_ext_tile(tile, aligned, ext):
+    """The cp.async kernel's tile for a call with extensions (``ext``: kExt bits): Bc
+    :data:`CP_ASYNC_EXT_BLOCK_N` at padded d 128; NotImplementedError on rows that are not 16-byte aligned above
+    :data:`ELEMENTWISE_MAX_HEAD_DIM_EXT` (those instantiations spill). ``tile`` itself otherwise (dense calls,
+    the ws kernel, d 64)."""
+    d = max(tile.head_dim, tile.head_dim_v)
+    if not ext or tile.tma:
+        return tile
+    if not aligned and d > ELEMENTWISE_MAX_HEAD_DIM_EXT:
         raise _unsupported("takes extensions at head dims above %d only on rows that are 16-byte aligned "
                            "(multiples of 8 elements, aligned bases); these are not (padded head dims %d, %d)"
                            % (ELEMENTWISE_MAX_HEAD_DIM_EXT, tile.head_dim, tile.head_dim_v))
+    if d != 128 or tile.block_n == CP_ASYNC_EXT_BLOCK_N:
+        return tile
+    bc = CP_ASYNC_EXT_BLOCK_N
+    return dataclasses.replace(tile, block_n=bc, smem=smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc),
+                               reason=tile.reason.replace("Bc=%d" % tile.block_n, "Bc=%d (extensions)" % bc))
 
 
 def persistent_grid(launcher, work_tiles):
