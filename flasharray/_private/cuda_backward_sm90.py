@@ -7,7 +7,8 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on sm_90 (the emulator:
 ``arch="sm_90"``); nothing picks it automatically (no H100 has run it). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
-head dims above 256, extensions, ``dq="recompute"``.
+head dims above 256, ``dq="recompute"``, and the deterministic mode with a window or a block mask
+(:data:`ORDERED_EXT`; ``deterministic=False`` runs them).
 
 Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
 warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
@@ -48,8 +49,13 @@ STAGES = 2
 MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
-#: kExt bits the ordered dQ mode takes: none (the kernel runs dense calls only).
-ORDERED_EXT = 0
+#: kExt bits (``cuda_forward.EXT_BITS``) of the extensions (docs/extensions.md; docs/hopper.md, "Backward with
+#: extensions"): window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32.
+EXT_WINDOW, EXT_BLOCK_MASK, EXT_LENGTHS = 1, 8, 32
+#: kExt bits the ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
+#: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them
+#: later, a block mask skips some).
+ORDERED_EXT = 2 | 4 | 16 | 32
 _ALIGN = 1024
 
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (as the forward).
@@ -99,8 +105,6 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     Dv = D if Dv is None else Dv
     if not (1 <= D <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
         raise _unsupported("supports head dims 1..%d, got D=%d, Dv=%d" % (MAX_HEAD_DIM, D, Dv))
-    if ext:
-        raise _unsupported("runs dense calls only: no extensions")
     d, dv = pad_head_dims(D, Dv)
     split = is_split(D, Dv)
     block_n = BLOCK_N_SPLIT if split else BLOCK_N
@@ -114,13 +118,26 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, out=None):
     """Name expression of the wgmma dK/dV kernel: ``dtype`` / ``out`` the element and output C types
-    (``out`` AccT for partial sums), ``pD`` the head dim padded to 16 (the accumulator's, kDQDim)."""
-    if ext:
-        raise ValueError("flasharray: the wgmma backward takes no extensions (kExt=%d)" % ext)
+    (``out`` AccT for partial sums), ``pD`` the head dim padded to 16 (the accumulator's, kDQDim), ``ext`` the
+    kExt bits (a trailing template argument only when not 0: the dense names are unchanged)."""
+    check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s%s>" % (
         KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(vec), b(ordered))
+        b(causal), b(vec), b(ordered), ", %d" % ext if ext else "")
+
+
+def check_ext(ext, ordered):
+    """ValueError where the kernels' static_asserts would refuse the kExt bits ``ext``: the ordered mode only
+    with :data:`ORDERED_EXT` (the host runs the others with ``deterministic=False`` only: ``_kernel_choice``)."""
+    if ordered and ext & ~ORDERED_EXT:
+        raise ValueError("flasharray: the wgmma backward's ordered dQ takes no window or block mask (kExt=%d)" % ext)
+
+
+def ws_takes(ext):
+    """Whether the warp-specialized kernel takes the kExt bits ``ext``: all but the lengths, whose rows past
+    Lq_b / Lk_b the TMA boxes would read (the spec never reads them; the cp.async kernel's copies zero-fill them)."""
+    return not ext & EXT_LENGTHS
 
 
 # ---- the TMA / warp-specialized instantiation (flash_bwd_sm90_ws_kernel) ---------------------------------
@@ -168,9 +185,10 @@ def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     return 2 if base + 2 * (block_m * d * 4 + 16) <= tiles.smem_limit(ARCH) else 1
 
 
-def ws_tile(tile, D, Dv):
+def ws_tile(tile, D, Dv, ext=0):
     """The :class:`BwdTiles` of ``flash_bwd_sm90_ws_kernel`` for the cp.async kernel's ``tile`` (head dims
-    D, Dv): one more (producer) warpgroup, dS^T double-buffered, the mbarriers."""
+    D, Dv; ``ext`` the kExt bits: no bulk dQ buffers with extensions): one more (producer) warpgroup, dS^T
+    double-buffered, the mbarriers."""
     import dataclasses
     d, dv = pad_head_dims(D, Dv)
     reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
@@ -178,17 +196,23 @@ def ws_tile(tile, D, Dv):
               % (tile.block_m, tile.block_n, PRODUCER_REGS, "half of d, dv" if is_split(D, Dv) else "64 keys",
                  CONSUMER_REGS, d, dv, STAGES))
     return dataclasses.replace(tile, n_threads=tile.n_threads + 128,
-                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n), reason=reason)
+                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv) and not ext),
+                               reason=reason)
 
 
-def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
+def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
     flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
-    ``Is_dq_bulk``: :func:`dq_bulk`)."""
+    ``Is_dq_bulk``: :func:`dq_bulk`, never with extensions; ``ext``: the kExt bits, :func:`ws_takes`, appended
+    only when not 0)."""
+    check_ext(ext, ordered)
+    if not ws_takes(ext):
+        raise ValueError("flasharray: the warp-specialized wgmma backward takes no lengths (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv))))
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext),
+        ", %d" % ext if ext else "")
 
 
 def _stores_by_tma(dtype, out):
