@@ -57,12 +57,19 @@
 // element-wise layout) and flash_bwd_sm90_ws_kernel (below: a producer warpgroup issuing TMA boxes onto
 // mbarriers, setmaxnreg; both dQ modes, where the tensors fit tensor maps).
 //
+// Extensions (docs/extensions.md; docs/hopper.md, "Backward with extensions"): both kernels take `int kExt` as
+// their last template argument (default 0: the dense instantiations keep their names and code). The entry's
+// lengths, window and block mask narrow the visited query blocks (QueryTileWalk; the host launches one query
+// batch entry per block); P^T and dS^T come from flash_bwd_ext.cuh's ext_p_ds once dP^T is complete
+// (ext_pt_dst_sm90), with the dropout bits of flash_bwd.cu's S^T strips (dropout_bits_t: the accumulator's
+// layout is that strip's). Atomic dQ only (no bulk dQ), ordered with ALiBi / softcap / dropout / lengths.
+//
 // Not yet: overlap of one batch's wgmmas with the
-// next step's math (every batch is waited for before its result is used), extensions, head dims above 256,
-// the recompute dQ mode, the head-dim split without its duplicated S^T / dP^T.
+// next step's math (every batch is waited for before its result is used), head dims above 256, the recompute
+// dQ mode, the head-dim split without its duplicated S^T / dP^T, extensions in the head-dim split.
 //
 // Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
-// tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
+// tma_sel and four tensor maps), the extension tail FLASH_EXT_PARAMS(float) included.
 #include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
 #include "flash_bwd_ext.cuh"      // kExt != 0: ext_p_ds, BwdDropout, dropout_bits_t, QueryTileWalk
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
@@ -229,41 +236,75 @@ __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim 
 
 // Extensions (kExt != 0; docs/hopper.md, "Backward with extensions"): P^T and dS^T of one visit element by
 // element once dP^T is complete (ext_p_ds: the score's softcap and ALiBi, the mask, the softcap's 1 − tanh², the
-// dropout factor Z): acc_s (S^T, unscaled) becomes P^T ∘ Z, the A operand of dV += (P ∘ Z)^T dO_i, and acc_dp
-// (dP^T) becomes dS^T. The warp's fragment is flash_bwd.cu's S^T strip (16 keys x Br queries, m16n8 layout:
-// acc[4j + e] is key key0 + 8((e % 4) >> 1), query r0 + 8j + 2t + (e & 1)), so dropout_bits_t gives its keep
-// bits as it stands (bit e of keep[j]; ext_keep_sm90, drawn before the visit's products: the Philox calls'
-// registers are then not live with S^T and dP^T — with them after dP^T, d = 128 spilled 44-64 bytes).
-// key0 = c0 + key_row.
-template <int kBlockM, class M, class Drop>
+// dropout factor Z): acc_dp (dP^T) becomes dS^T, and P^T ∘ Z, the A operand of dV += (P ∘ Z)^T dO_i, goes
+// straight to its rounded fragments a_p (k16 step by k16 step, so that the float P^T dies as it is made: the
+// consumers' registers are within a few of their ceiling at d = 128). The warp's fragment is flash_bwd.cu's S^T
+// strip (16 keys x Br queries, m16n8 layout: acc[4j + e] is key key0 + 8((e % 4) >> 1), query r0 + 8j + 2t +
+// (e & 1)), so dropout_bits_t gives its keep bits as it stands (bit e of keep[j]; ext_keep_sm90, drawn before
+// the visit's products: the Philox calls' registers are then not live with S^T and dP^T). key0 = c0 + key_row.
+// The block mask is looked up once per n8 tile (16 keys from a multiple of 16 by 8 queries from a multiple of 8 lie
+// in one block: block sizes are multiples of 16), not per element: ext_p_ds gets `geo`, the mask without
+// kExtBlockMask (the same state otherwise), and a tile outside the mask gets P = dS = 0 (selects: a score the
+// row's lse never saw may overflow exp2). Per element the 32 lookups of a visit were in flight together and
+// their addresses cost ~40 registers.
+template <typename T, int kBlockM, class M, class G, class Drop>
 __device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], float (&acc_dp)[kBlockM / 2],
-                                                const uint32_t (&keep)[kBlockM / 8], const float* lse2_s,
-                                                const float* delta_s, float scale_log2, const M& mask,
-                                                const Drop& drop, int r0, int key0, int lane) {
-  const int t = lane & 3;
+                                                uint32_t (&a_p)[kBlockM / 16][4], const uint32_t (&keep)[kBlockM / 8],
+                                                const float* lse2_s, const float* delta_s, float scale_log2,
+                                                const M& mask, const G& geo, const Drop& drop, int r0, int key0,
+                                                int lane) {
+  const int g = lane >> 2, t = lane & 3;
   constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
-  (void)keep; (void)drop;
+  (void)keep; (void)drop; (void)g;
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j) {
     const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
     const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+    const bool in_block = mask.block_visible(r0 + 8 * j, key0 - g);  // (true without a block mask)
 #pragma unroll
     for (int e = 4 * j; e < 4 * j + 4; ++e) {
       float z = 1.0f;  // Z = keep / (1 − p)
       if constexpr (kDropout) z = (keep[j] >> (e % 4)) & 1u ? drop.scale : 0.0f;
-      ext_p_ds(acc_s[e], acc_dp[e], e & 1 ? lse2.y : lse2.x, e & 1 ? delta2.y : delta2.x, z, scale_log2, mask,
+      ext_p_ds(acc_s[e], acc_dp[e], e & 1 ? lse2.y : lse2.x, e & 1 ? delta2.y : delta2.x, z, scale_log2, geo,
                r0 + 8 * j + 2 * t + (e & 1), key0 + 8 * ((e % 4) >> 1));
+      if constexpr (M::kBlockMask) acc_s[e] = in_block ? acc_s[e] : 0.0f, acc_dp[e] = in_block ? acc_dp[e] : 0.0f;
     }
+    if (j % 2 == 1)  // n8 tiles j − 1, j: k16 step j / 2 of P^T
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a_p[j / 2][r] = fa::pack2<T>(acc_s[8 * (j / 2) + 2 * r], acc_s[8 * (j / 2) + 2 * r + 1]);
   }
 }
 
-// Dropout's keep bits of the warp's S^T strip for query block r0 (dropout_bits_t: keys key0 − g .. + 15, a
-// multiple of 16, by the Br queries); nothing without kExtDropout.
+// The mask without its block mask (ext_pt_dst_sm90's per-element one): the same members but bm .. block_k.
+template <bool C, int E>
+__device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
+  flash::Mask<C, E & ~flash::kExtBlockMask, float> out(m.Lq, m.Lk);
+  out.window_left = m.window_left, out.window_right = m.window_right;
+  out.softcap = m.softcap, out.inv_softcap = m.inv_softcap, out.slope = m.slope;
+  return out;
+}
+
+// The lane index read again where it is used (a volatile read of %laneid): the loop-invariant values derived
+// from it (dropout_bits_t's shuffle sources and counters) are then recomputed per visit rather than kept live
+// across the query-block loop, which at the consumers' register ceiling spilled them. The emulator reads
+// threadIdx.
+__device__ __forceinline__ int lane_reread() {
+#if defined(__CUDA_ARCH__)
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return static_cast<int>(lane);
+#else
+  return static_cast<int>(threadIdx.x % 32);
+#endif
+}
+
+// Dropout's keep bits of the warp's S^T strip for query block r0 (dropout_bits_t: keys k16 .. + 15, k16 = the
+// warp's first key, a multiple of 16, by the Br queries); nothing without kExtDropout.
 template <int kBlockM, bool kDropout>
 __device__ __forceinline__ void ext_keep_sm90(uint32_t (&keep)[kBlockM / 8], const BwdDropout<kDropout, float>& drop,
-                                              int r0, int key0, int lane) {
-  if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, key0 - (lane >> 2), lane);
-  (void)keep; (void)drop; (void)r0; (void)key0; (void)lane;
+                                              int r0, int k16) {
+  if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, k16, lane_reread());
+  (void)keep; (void)drop; (void)r0; (void)k16;
 }
 
 // Epilogue step 1, per warp: its 16 rows of an accumulator tile (rows warp_row.. of the staged tile, columns
@@ -410,6 +451,30 @@ __device__ __forceinline__ void epilogue_dk_dv_tma_sm90(unsigned char* sKV, cons
   }
 }
 
+// Lengths in the ws kernel: rows [r_lo, kRows) of a kRows x kCols 128B-swizzled tile (64-column panels kRows·128
+// bytes apart) set to zero by nthreads threads (etid: this one's index): the rows past the entry's Lq_b or Lk_b,
+// which the TMA boxes (bounded by the launch's Lq, Lk) brought in. A row's 16-byte chunks stay in its own 128
+// bytes of each panel whatever the swizzle, so whole rows are zeroed without it.
+template <int kRows, int kCols>
+__device__ __forceinline__ void zero_rows_sw128(unsigned char* tile, int r_lo, int etid, int nthreads) {
+  constexpr int kChunks = kCols / 8;  // 16-byte chunks per row, over the panels
+  r_lo = r_lo < 0 ? 0 : r_lo;
+  for (int idx = etid; idx < (kRows - r_lo) * kChunks; idx += nthreads) {
+    const int r = r_lo + idx / kChunks, c = idx % kChunks;
+    *reinterpret_cast<uint4*>(tile + (c / 8) * kRows * 128 + r * 128 + (c % 8) * 16) = uint4{0u, 0u, 0u, 0u};
+  }
+}
+
+// Both tiles of a pair (K_j, V_j or Q_i, dO_i: kRows rows, kCols / kColsV columns) zeroed from row r_lo by the
+// ws kernel's consumers (etid: the thread's index among them), made visible to the wgmmas of both warpgroups.
+template <typename Tr, int kRows, int kCols, int kColsV>
+__device__ __forceinline__ void zero_past_sm90(unsigned char* tile, unsigned char* tile_v, int r_lo, int etid) {
+  zero_rows_sw128<kRows, kCols>(tile, r_lo, etid, Tr::kConsumerThreads);
+  zero_rows_sw128<kRows, kColsV>(tile_v, r_lo, etid, Tr::kConsumerThreads);
+  fa::fence_proxy_async();  // the generic zeros visible to the wgmmas (async proxy) ...
+  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);  // ... of both warpgroups
+}
+
 // The query blocks key block c0 visits: i from i_begin to end − 1 (the query batch entries of the group outer),
 // n_visits in all. Dense: from the first block that sees the key block (causal) to the last. With extensions
 // (kExt != 0; the host launches them with n_group = 1) QueryTileWalk's: the entry's lengths, the causal / window
@@ -480,7 +545,6 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
   const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
   const auto mask = flash::make_mask<Is_causal, kExt, float>(Lq_b, Lk_b, ext, b);
-  const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
   const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
   // Visits (query batch entry grp of the group, query block i): i from the first block that sees key
@@ -568,7 +632,9 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     //    gemm_qk_sm90 with Q and K swapped).
     const int r0 = i * kBlockM;
     uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
-    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row, lane);
+    // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * Tr::kWgKeys * 128, sQ_i);
 
@@ -590,8 +656,6 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     // -- dP^T = V_j dO_i^T (SS, both K-major).
     float acc_dp[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + wg * Tr::kWgKeys * 128, sdO_i);
-    if constexpr (kExt != 0)
-      ext_pt_dst_sm90<kBlockM>(acc_s, acc_dp, keep, lse2_s, delta_s, scale_log2, mask, drop, r0, c0 + key_row, lane);
 
     // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T; P^T and dS^T rounded to the A fragments of
     //    dV += P^T dO_i and dK += dS^T Q_i, and dS^T staged for dQ: word r of k16 step ks is (key
@@ -606,12 +670,15 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 #pragma unroll
         for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
       }
+    } else {
+      ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
+                                  r0, c0 + key_row, lane);
     }
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        if constexpr (kExt == 0) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
         // (head-dim split: both warpgroups hold all of dS^T; each stores half of its columns)
         if (!Tr::kSplitD || ks / (kBlockM / 32) == wg)
@@ -803,8 +870,6 @@ flash_bwd_sm90_ws_kernel(
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
   static_assert(kExt == 0 || !Is_dq_bulk, "extensions: the consumers' dQ atomics (the dQ warp walks dense visits)");
-  static_assert((kExt & flash::kExtSeqlens) == 0,
-                "lengths: the cp.async kernel (TMA boxes would read the rows past Lq_b / Lk_b, which are never read)");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
   // the host lays out the cp.async kernel's arguments for both.
   (void)q; (void)q_b0; (void)q_b1; (void)q_b2; (void)q_g; (void)q_row; (void)k; (void)k_b0; (void)k_b1;
@@ -845,9 +910,11 @@ flash_bwd_sm90_ws_kernel(
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
   const BatchIndex b = BatchIndex::from_grid(nb2);
-  // Extensions (the cp.async kernel's; no lengths here: Lq, Lk are the entry's).
+  // Extensions (the cp.async kernel's). With lengths the boxes still bring rows up to Lq, Lk: the consumers zero
+  // those at or past the entry's Lq_b, Lk_b before any product reads them (zero_rows_sw128).
   const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
-  const auto mask = flash::make_mask<Is_causal, kExt, float>(Lq, Lk, ext, b);
+  const auto mask = flash::make_mask<Is_causal, kExt, float>(ext.template seqlen_q<kExt>(b, Lq),
+                                                             ext.template seqlen_k<kExt>(b, Lk), ext, b);
   const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
   int i_begin, n_qblocks, n_visits;
   query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group, i_begin, n_qblocks, n_visits);
@@ -894,7 +961,7 @@ flash_bwd_sm90_ws_kernel(
     fa::mbarrier_wait_parity(empty + s, ((visit / kStages) & 1) ^ 1);
     const int r0 = i_v * kBlockM;
     load_row_stats_exp<kBlockM, 32>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM, lse_b + grp_v * l_g,
-                                    delta_b + grp_v * d_g, r0, Lq);
+                                    delta_b + grp_v * d_g, r0, mask.Lq);
     if (leader) {
       fa::mbarrier_arrive_expect_tx(full + s, Tr::kQBytes + Tr::kdOBytes);
       flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q_grp ? grp_v : q0, q1, q2,
@@ -935,7 +1002,6 @@ flash_bwd_sm90_ws_kernel(
 
   // ---- consumers ----
   fa::setmaxnreg_inc<flash::kWsConsumerRegs>();
-  const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
   const int cwg = wg - 1;  // keys [64 cwg, 64 cwg + 64) of K_j (head-dim split: all 64, head-dim half cwg)
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
@@ -955,6 +1021,9 @@ flash_bwd_sm90_ws_kernel(
 #pragma unroll
   for (int e = 0; e < Tr::kDvN / 2; ++e) acc_dv[e] = 0.0f;
   if (n_visits > 0) fa::mbarrier_wait_parity(bar_kv, 0);  // K_j, V_j landed
+  constexpr bool kLengths = flash::HasExt<kExt, flash::kExtSeqlens>::value;
+  if (kLengths && n_visits > 0 && c0 + kBlockN > mask.Lk)  // keys past Lk_b
+    zero_past_sm90<Tr, kBlockN, kHeadDim, kHeadDimV>(sK, sV, mask.Lk - c0, tid - 128);
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -966,10 +1035,15 @@ flash_bwd_sm90_ws_kernel(
     const float* lse2_s = stats + s * 2 * kBlockM;
     const float* delta_s = lse2_s + kBlockM;
     fa::mbarrier_wait_parity(full + s, phase);  // Q_i, dO_i landed (async proxy, as wgmma reads), L_i, D_i stored
+    if (kLengths && r0 + kBlockM > mask.Lq)  // queries past Lq_b
+      zero_past_sm90<Tr, kBlockM, kHeadDim, kHeadDimV>(sQ + s * Tr::kQBytes, sdO + s * Tr::kdOBytes, mask.Lq - r0,
+                                                       tid - 128);
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
     uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
-    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row, lane);
+    // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
@@ -1012,11 +1086,8 @@ flash_bwd_sm90_ws_kernel(
       }
     } else {
       flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
-      ext_pt_dst_sm90<kBlockM>(acc_s, acc_dp, keep, lse2_s, delta_s, scale_log2, mask, drop, r0, c0 + key_row, lane);
-#pragma unroll
-      for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+      ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
+                                  r0, c0 + key_row, lane);
     }
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)

@@ -494,9 +494,14 @@ class BackwardPlan:
         if self.kernel == "wgmma" and vec and (self.ordered or not deterministic):
             sm90 = _family_module("wgmma")
             tile = sm90.backward_tile(self.precision, self.dtype, D, Dv, arch)
-            tma = (sm90.USE_TMA and sm90.ws_takes(0 if self.ext is None else self.ext.bits)
+            bits = 0 if self.ext is None else self.ext.bits
+            tma = (sm90.USE_TMA and sm90.ext_refusal(bits, D, Dv, True) is None
                    and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None for part in plans_b))
         self.tma = tma
+        if self.kernel == "wgmma" and self.ext is not None:  # extension sets a kernel spills with: refused
+            why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
+            if why:
+                raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) " + why)
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
                          ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,

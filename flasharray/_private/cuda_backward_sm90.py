@@ -49,10 +49,8 @@ STAGES = 2
 MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
-#: kExt bits (``cuda_forward.EXT_BITS``) of the extensions (docs/extensions.md; docs/hopper.md, "Backward with
-#: extensions"): window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32.
-EXT_WINDOW, EXT_BLOCK_MASK, EXT_LENGTHS = 1, 8, 32
-#: kExt bits the ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
+#: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
+#: ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
 #: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them
 #: later, a block mask skips some).
 ORDERED_EXT = 2 | 4 | 16 | 32
@@ -134,10 +132,39 @@ def check_ext(ext, ordered):
         raise ValueError("flasharray: the wgmma backward's ordered dQ takes no window or block mask (kExt=%d)" % ext)
 
 
-def ws_takes(ext):
-    """Whether the warp-specialized kernel takes the kExt bits ``ext``: all but the lengths, whose rows past
-    Lq_b / Lk_b the TMA boxes would read (the spec never reads them; the cp.async kernel's copies zero-fill them)."""
-    return not ext & EXT_LENGTHS
+#: Extension subsets whose instantiations spill on sm_90a (registers at the ceiling: the consumers' 240 in the ws
+#: kernel, 255 in the cp.async one; audited for every subset, fp16 and bf16, causal and not, both dQ modes —
+#: tests/test_cuda_backward_sm90_extensions.py's static checks): per (kernel, padded head dim) the minimal kExt
+#: subsets refused; a call whose bits contain one raises NotImplementedError naming it (docs/hopper.md, "Backward
+#: with extensions").
+#: Head dim 64: the ws kernel runs all 63 sets, the cp.async kernel all without softcap + dropout together. Head
+#: dim 128 (the dense loops already at 235 of 240 / 251 of 255 registers): the ws kernel takes subsets of window,
+#: ALiBi, block mask, lengths but ALiBi + block mask + lengths, the cp.async kernel the window alone.
+EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
+              ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
+
+
+def _bit_names(bits):
+    from .cuda_forward import EXT_BITS
+    return "+".join(n for n, b in EXT_BITS.items() if bits & b)
+
+
+def ext_refusal(ext, D, Dv, ws):
+    """None where the wgmma kernel (``ws``: the warp-specialized one, else the cp.async one) runs the kExt bits
+    ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError)."""
+    if not ext:
+        return None
+    d, dv = pad_head_dims(D, Dv)
+    if d != dv or d > SPLIT_ABOVE:
+        return ("runs extensions with D and Dv both padded to 64 or both to 128 only (got D=%d, Dv=%d: the "
+                "head-dim split and mixed tiles are not audited for them)" % (D, Dv))
+    kind = "ws" if ws else "cp.async"
+    for m in EXT_SPILLS[(kind, d)]:
+        if ext & m == m:
+            return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
+                    "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
+                                         _bit_names(ext)))
+    return None
 
 
 # ---- the TMA / warp-specialized instantiation (flash_bwd_sm90_ws_kernel) ---------------------------------
@@ -203,11 +230,9 @@ def ws_tile(tile, D, Dv, ext=0):
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
     flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
-    ``Is_dq_bulk``: :func:`dq_bulk`, never with extensions; ``ext``: the kExt bits, :func:`ws_takes`, appended
-    only when not 0)."""
+    ``Is_dq_bulk``: :func:`dq_bulk`, never with extensions; ``ext``: the kExt bits, appended only when
+    not 0)."""
     check_ext(ext, ordered)
-    if not ws_takes(ext):
-        raise ValueError("flasharray: the warp-specialized wgmma backward takes no lengths (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
