@@ -275,6 +275,19 @@ __device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], flo
   }
 }
 
+// The block's Mask: the entry's lengths (ExtArgs::seqlen_q / _k) with extensions; dense, Mask(Lq, Lk) with the
+// dense kernel's calls only (reading Lq through seqlen_q<0>, or any extra inlined call, changed the code
+// generated for some dense ws and head-dim split instantiations: their SASS is kept bit for bit).
+template <bool Is_causal, int kExt>
+__device__ __forceinline__ flash::Mask<Is_causal, kExt, float> entry_mask_sm90(const flash::ExtArgs<float>& ext,
+                                                                               const BatchIndex& b, int Lq, int Lk) {
+  if constexpr (kExt != 0)
+    return flash::make_mask<Is_causal, kExt, float>(ext.template seqlen_q<kExt>(b, Lq),
+                                                    ext.template seqlen_k<kExt>(b, Lk), ext, b);
+  else
+    return flash::make_mask<Is_causal, kExt, float>(Lq, Lk, ext, b);
+}
+
 // The mask without its block mask (ext_pt_dst_sm90's per-element one): the same members but bm .. block_k.
 template <bool C, int E>
 __device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
@@ -479,17 +492,19 @@ __device__ __forceinline__ void zero_past_sm90(unsigned char* tile, unsigned cha
 // n_visits in all. Dense: from the first block that sees the key block (causal) to the last. With extensions
 // (kExt != 0; the host launches them with n_group = 1) QueryTileWalk's: the entry's lengths, the causal / window
 // band, query blocks whose block-mask blocks are all False skipped (the loops step by walk.next).
+struct QueryVisits {
+  int i_begin, end, n_visits;
+};
 template <int kExt, int kBlockM, class M>
-__device__ __forceinline__ void query_visits_sm90(const QueryTileWalk<M>& walk, int Lq, int n_group, int& i_begin,
-                                                  int& end, int& n_visits) {
-  i_begin = walk.mask.m_block_min(walk.n0, kBlockM);
-  end = (Lq + kBlockM - 1) / kBlockM;
+__device__ __forceinline__ QueryVisits query_visits_sm90(const QueryTileWalk<M>& walk, int Lq, int n_group) {
+  const int i_begin = walk.mask.m_block_min(walk.n0, kBlockM);
   if constexpr (kExt != 0) {
-    end = walk.end();
-    i_begin = walk.next(i_begin - 1, end);
-    n_visits = walk.count(i_begin, end);
+    const int end = walk.end();
+    const int first = walk.next(i_begin - 1, end);
+    return {first, end, walk.count(first, end)};
   } else {
-    n_visits = (end > i_begin ? end - i_begin : 0) * n_group;
+    const int end = (Lq + kBlockM - 1) / kBlockM;
+    return {i_begin, end, (end > i_begin ? end - i_begin : 0) * n_group};
   }
 }
 
@@ -543,14 +558,15 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   // gradients are zeros), window, block mask, softcap, ALiBi (the mask), dropout. kExt = 0: Lq_b = Lq,
   // Lk_b = Lk, the dense mask.
   const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
-  const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+  int Lq_b = Lq, Lk_b = Lk;  // (dense: no ExtArgs call, entry_mask_sm90's rule)
+  if constexpr (kExt != 0) Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
   const auto mask = flash::make_mask<Is_causal, kExt, float>(Lq_b, Lk_b, ext, b);
   const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
   // Visits (query batch entry grp of the group, query block i): i from the first block that sees key
   // block j (causal) to Tr − 1, grp outer (extensions: query_visits_sm90).
-  int i_begin, n_qblocks, n_visits;
-  query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group, i_begin, n_qblocks, n_visits);
+  const QueryVisits visits = query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group);
+  const int i_begin = visits.i_begin, n_qblocks = visits.end, n_visits = visits.n_visits;
   const T* q_b = q + b.offset({q_b0, q_b1, q_b2, q_row});
   const T* do_b = dout + b.offset({do_b0, do_b1, do_b2, do_row});
   const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
@@ -913,11 +929,10 @@ flash_bwd_sm90_ws_kernel(
   // Extensions (the cp.async kernel's). With lengths the boxes still bring rows up to Lq, Lk: the consumers zero
   // those at or past the entry's Lq_b, Lk_b before any product reads them (zero_rows_sw128).
   const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
-  const auto mask = flash::make_mask<Is_causal, kExt, float>(ext.template seqlen_q<kExt>(b, Lq),
-                                                             ext.template seqlen_k<kExt>(b, Lk), ext, b);
+  const auto mask = entry_mask_sm90<Is_causal, kExt>(ext, b, Lq, Lk);
   const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
-  int i_begin, n_qblocks, n_visits;
-  query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group, i_begin, n_qblocks, n_visits);
+  const QueryVisits visits = query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group);
+  const int i_begin = visits.i_begin, n_qblocks = visits.end, n_visits = visits.n_visits;
   auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
   const DQOrderCounters<kBlockM, kDQDim> order{Lq};
 

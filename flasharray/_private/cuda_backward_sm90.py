@@ -7,8 +7,10 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on sm_90 (the emulator:
 ``arch="sm_90"``); nothing picks it automatically (no H100 has run it). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
-head dims above 256, ``dq="recompute"``, and the deterministic mode with a window or a block mask
-(:data:`ORDERED_EXT`; ``deterministic=False`` runs them).
+head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the deterministic mode
+with a window or a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs them), the sets whose
+instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims above 128 or padded differently.
+Extensions (docs/hopper.md, "Backward with extensions"): both kernels, their ``kExt`` appended last to the names.
 
 Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
 warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
