@@ -57,13 +57,21 @@
 // element-wise layout) and flash_bwd_sm90_ws_kernel (below: a producer warpgroup issuing TMA boxes onto
 // mbarriers, setmaxnreg; both dQ modes, where the tensors fit tensor maps).
 //
+// Extensions (docs/extensions.md; docs/hopper.md, "Backward with extensions"): both kernels take `int kExt` as
+// their last template argument (default 0: the dense instantiations keep their names and code). The entry's
+// lengths, window and block mask narrow the visited query blocks (QueryTileWalk; the host launches one query
+// batch entry per block); P^T and dS^T come from flash_bwd_ext.cuh's ext_p_ds once dP^T is complete
+// (ext_pt_dst_sm90), with the dropout bits of flash_bwd.cu's S^T strips (dropout_bits_t: the accumulator's
+// layout is that strip's). Atomic dQ only (no bulk dQ), ordered with ALiBi / softcap / dropout / lengths.
+//
 // Not yet: overlap of one batch's wgmmas with the
-// next step's math (every batch is waited for before its result is used), extensions, head dims above 256,
-// the recompute dQ mode, the head-dim split without its duplicated S^T / dP^T.
+// next step's math (every batch is waited for before its result is used), head dims above 256, the recompute
+// dQ mode, the head-dim split without its duplicated S^T / dP^T, extensions in the head-dim split.
 //
 // Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
-// tma_sel and four tensor maps); the extension tail is accepted and unused (dense calls only).
+// tma_sel and four tensor maps), the extension tail FLASH_EXT_PARAMS(float) included.
 #include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
+#include "flash_bwd_ext.cuh"      // kExt != 0: ext_p_ds, BwdDropout, dropout_bits_t, QueryTileWalk
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
 #include "flash_fwd_copy.cuh"     // flash::store_tile: the epilogue's coalesced 16-byte stores
 #include "flash_sm90_common.cuh"  // sw128 layout, load_sw128, wgmma wrappers, gemm_qk_sm90, tma_load_tile
@@ -226,6 +234,92 @@ __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim 
   }
 }
 
+// Extensions (kExt != 0; docs/hopper.md, "Backward with extensions"): P^T and dS^T of one visit element by
+// element once dP^T is complete (ext_p_ds: the score's softcap and ALiBi, the mask, the softcap's 1 − tanh², the
+// dropout factor Z): acc_dp (dP^T) becomes dS^T, and P^T ∘ Z, the A operand of dV += (P ∘ Z)^T dO_i, goes
+// straight to its rounded fragments a_p (k16 step by k16 step, so that the float P^T dies as it is made: the
+// consumers' registers are within a few of their ceiling at d = 128). The warp's fragment is flash_bwd.cu's S^T
+// strip (16 keys x Br queries, m16n8 layout: acc[4j + e] is key key0 + 8((e % 4) >> 1), query r0 + 8j + 2t +
+// (e & 1)), so dropout_bits_t gives its keep bits as it stands (bit e of keep[j]; ext_keep_sm90, drawn before
+// the visit's products: the Philox calls' registers are then not live with S^T and dP^T). key0 = c0 + key_row.
+// The block mask is looked up once per n8 tile (16 keys from a multiple of 16 by 8 queries from a multiple of 8 lie
+// in one block: block sizes are multiples of 16), not per element: ext_p_ds gets `geo`, the mask without
+// kExtBlockMask (the same state otherwise), and a tile outside the mask gets P = dS = 0 (selects: a score the
+// row's lse never saw may overflow exp2). Per element the 32 lookups of a visit were in flight together and
+// their addresses cost ~40 registers.
+template <typename T, int kBlockM, class M, class G, class Drop>
+__device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], float (&acc_dp)[kBlockM / 2],
+                                                uint32_t (&a_p)[kBlockM / 16][4], const uint32_t (&keep)[kBlockM / 8],
+                                                const float* lse2_s, const float* delta_s, float scale_log2,
+                                                const M& mask, const G& geo, const Drop& drop, int r0, int key0,
+                                                int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
+  (void)keep; (void)drop; (void)g;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j) {
+    const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+    const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+    const bool in_block = mask.block_visible(r0 + 8 * j, key0 - g);  // (true without a block mask)
+#pragma unroll
+    for (int e = 4 * j; e < 4 * j + 4; ++e) {
+      float z = 1.0f;  // Z = keep / (1 − p)
+      if constexpr (kDropout) z = (keep[j] >> (e % 4)) & 1u ? drop.scale : 0.0f;
+      ext_p_ds(acc_s[e], acc_dp[e], e & 1 ? lse2.y : lse2.x, e & 1 ? delta2.y : delta2.x, z, scale_log2, geo,
+               r0 + 8 * j + 2 * t + (e & 1), key0 + 8 * ((e % 4) >> 1));
+      if constexpr (M::kBlockMask) acc_s[e] = in_block ? acc_s[e] : 0.0f, acc_dp[e] = in_block ? acc_dp[e] : 0.0f;
+    }
+    if (j % 2 == 1)  // n8 tiles j − 1, j: k16 step j / 2 of P^T
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a_p[j / 2][r] = fa::pack2<T>(acc_s[8 * (j / 2) + 2 * r], acc_s[8 * (j / 2) + 2 * r + 1]);
+  }
+}
+
+// The block's Mask: the entry's lengths (ExtArgs::seqlen_q / _k) with extensions; dense, Mask(Lq, Lk) with the
+// dense kernel's calls only (reading Lq through seqlen_q<0>, or any extra inlined call, changed the code
+// generated for some dense ws and head-dim split instantiations: their SASS is kept bit for bit).
+template <bool Is_causal, int kExt>
+__device__ __forceinline__ flash::Mask<Is_causal, kExt, float> entry_mask_sm90(const flash::ExtArgs<float>& ext,
+                                                                               const BatchIndex& b, int Lq, int Lk) {
+  if constexpr (kExt != 0)
+    return flash::make_mask<Is_causal, kExt, float>(ext.template seqlen_q<kExt>(b, Lq),
+                                                    ext.template seqlen_k<kExt>(b, Lk), ext, b);
+  else
+    return flash::make_mask<Is_causal, kExt, float>(Lq, Lk, ext, b);
+}
+
+// The mask without its block mask (ext_pt_dst_sm90's per-element one): the same members but bm .. block_k.
+template <bool C, int E>
+__device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
+  flash::Mask<C, E & ~flash::kExtBlockMask, float> out(m.Lq, m.Lk);
+  out.window_left = m.window_left, out.window_right = m.window_right;
+  out.softcap = m.softcap, out.inv_softcap = m.inv_softcap, out.slope = m.slope;
+  return out;
+}
+
+// The lane index read again where it is used (a volatile read of %laneid): the loop-invariant values derived
+// from it (dropout_bits_t's shuffle sources and counters) are then recomputed per visit rather than kept live
+// across the query-block loop, which at the consumers' register ceiling spilled them. The emulator reads
+// threadIdx.
+__device__ __forceinline__ int lane_reread() {
+#if defined(__CUDA_ARCH__)
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return static_cast<int>(lane);
+#else
+  return static_cast<int>(threadIdx.x % 32);
+#endif
+}
+
+// Dropout's keep bits of the warp's S^T strip for query block r0 (dropout_bits_t: keys k16 .. + 15, k16 = the
+// warp's first key, a multiple of 16, by the Br queries); nothing without kExtDropout.
+template <int kBlockM, bool kDropout>
+__device__ __forceinline__ void ext_keep_sm90(uint32_t (&keep)[kBlockM / 8], const BwdDropout<kDropout, float>& drop,
+                                              int r0, int k16) {
+  if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, k16, lane_reread());
+  (void)keep; (void)drop; (void)r0; (void)k16;
+}
+
 // Epilogue step 1, per warp: its 16 rows of an accumulator tile (rows warp_row.. of the staged tile, columns
 // col0 .. col0 + N) times mult, rounded to T (as FromAcc: round to nearest even), into sTile (pitch kStride
 // elements) by stmatrix.x4, one per 16 columns: matrices rows 0-7 / 8-15 of n8 tiles 2p, 2p + 1, lane l
@@ -370,11 +464,55 @@ __device__ __forceinline__ void epilogue_dk_dv_tma_sm90(unsigned char* sKV, cons
   }
 }
 
+// Lengths in the ws kernel: rows [r_lo, kRows) of a kRows x kCols 128B-swizzled tile (64-column panels kRows·128
+// bytes apart) set to zero by nthreads threads (etid: this one's index): the rows past the entry's Lq_b or Lk_b,
+// which the TMA boxes (bounded by the launch's Lq, Lk) brought in. A row's 16-byte chunks stay in its own 128
+// bytes of each panel whatever the swizzle, so whole rows are zeroed without it.
+template <int kRows, int kCols>
+__device__ __forceinline__ void zero_rows_sw128(unsigned char* tile, int r_lo, int etid, int nthreads) {
+  constexpr int kChunks = kCols / 8;  // 16-byte chunks per row, over the panels
+  r_lo = r_lo < 0 ? 0 : r_lo;
+  for (int idx = etid; idx < (kRows - r_lo) * kChunks; idx += nthreads) {
+    const int r = r_lo + idx / kChunks, c = idx % kChunks;
+    *reinterpret_cast<uint4*>(tile + (c / 8) * kRows * 128 + r * 128 + (c % 8) * 16) = uint4{0u, 0u, 0u, 0u};
+  }
+}
+
+// Both tiles of a pair (K_j, V_j or Q_i, dO_i: kRows rows, kCols / kColsV columns) zeroed from row r_lo by the
+// ws kernel's consumers (etid: the thread's index among them), made visible to the wgmmas of both warpgroups.
+template <typename Tr, int kRows, int kCols, int kColsV>
+__device__ __forceinline__ void zero_past_sm90(unsigned char* tile, unsigned char* tile_v, int r_lo, int etid) {
+  zero_rows_sw128<kRows, kCols>(tile, r_lo, etid, Tr::kConsumerThreads);
+  zero_rows_sw128<kRows, kColsV>(tile_v, r_lo, etid, Tr::kConsumerThreads);
+  fa::fence_proxy_async();  // the generic zeros visible to the wgmmas (async proxy) ...
+  fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);  // ... of both warpgroups
+}
+
+// The query blocks key block c0 visits: i from i_begin to end − 1 (the query batch entries of the group outer),
+// n_visits in all. Dense: from the first block that sees the key block (causal) to the last. With extensions
+// (kExt != 0; the host launches them with n_group = 1) QueryTileWalk's: the entry's lengths, the causal / window
+// band, query blocks whose block-mask blocks are all False skipped (the loops step by walk.next).
+struct QueryVisits {
+  int i_begin, end, n_visits;
+};
+template <int kExt, int kBlockM, class M>
+__device__ __forceinline__ QueryVisits query_visits_sm90(const QueryTileWalk<M>& walk, int Lq, int n_group) {
+  const int i_begin = walk.mask.m_block_min(walk.n0, kBlockM);
+  if constexpr (kExt != 0) {
+    const int end = walk.end();
+    const int first = walk.next(i_begin - 1, end);
+    return {first, end, walk.count(first, end)};
+  } else {
+    const int end = (Lq + kBlockM - 1) / kBlockM;
+    return {i_begin, end, (end > i_begin ? end - i_begin : 0) * n_group};
+  }
+}
+
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kVec, bool kOrderedDQ>
+          bool Is_causal, bool kVec, bool kOrderedDQ, int kExt = 0>
 __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1) flash_bwd_sm90_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -391,11 +529,9 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   using Acc = DQAccumLayout<kDQDim>;
   constexpr int kNThreads = Tr::kNThreads;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
-  (void)dqa_row; (void)ext_seqlens_q; (void)ext_seqlens_k; (void)ext_e_b0; (void)ext_e_b1; (void)ext_e_b2;
-  (void)ext_window_left; (void)ext_window_right; (void)ext_softcap; (void)ext_alibi; (void)ext_alibi_b0;
-  (void)ext_alibi_b1; (void)ext_alibi_b2; (void)ext_alibi_scale; (void)ext_block_mask; (void)ext_bm_b0;
-  (void)ext_bm_b1; (void)ext_bm_b2; (void)ext_bm_row; (void)ext_bm_col; (void)ext_block_q; (void)ext_block_k;
-  (void)ext_seed_lo; (void)ext_seed_hi; (void)ext_offset;
+  (void)dqa_row;
+  static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
+                "ordered dQ: query block i visited by key blocks 0 .. n_max(i) in turn (no window, no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // Swizzled tiles start on the pattern's repeat in the shared window (flash_fwd_sm90.cu's rule).
@@ -418,13 +554,19 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
   const float scale_log2 = scale * flash::kLog2e;
   const BatchIndex b = BatchIndex::from_grid(nb2);
-  const flash::Mask<Is_causal> mask(Lq, Lk);
+  // Extensions: the entry's lengths Lq_b, Lk_b (rows and keys past them are zero-filled, never read; their
+  // gradients are zeros), window, block mask, softcap, ALiBi (the mask), dropout. kExt = 0: Lq_b = Lq,
+  // Lk_b = Lk, the dense mask.
+  const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  int Lq_b = Lq, Lk_b = Lk;  // (dense: no ExtArgs call, entry_mask_sm90's rule)
+  if constexpr (kExt != 0) Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+  const auto mask = flash::make_mask<Is_causal, kExt, float>(Lq_b, Lk_b, ext, b);
+  const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
 
   // Visits (query batch entry grp of the group, query block i): i from the first block that sees key
-  // block j (causal) to Tr − 1, grp outer.
-  const int i_begin = mask.m_block_min(c0, kBlockM);
-  const int n_qblocks = (Lq + kBlockM - 1) / kBlockM;
-  const int n_visits = (n_qblocks > i_begin ? n_qblocks - i_begin : 0) * n_group;
+  // block j (causal) to Tr − 1, grp outer (extensions: query_visits_sm90).
+  const QueryVisits visits = query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group);
+  const int i_begin = visits.i_begin, n_qblocks = visits.end, n_visits = visits.n_visits;
   const T* q_b = q + b.offset({q_b0, q_b1, q_b2, q_row});
   const T* do_b = dout + b.offset({do_b0, do_b1, do_b2, do_row});
   const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
@@ -448,11 +590,11 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   auto load_query_block = [&](int grp, int i, int s) {
     const int r0 = i * kBlockM;
     flash::load_sw128<T, kBlockM, kHeadDim, kNThreads, kVec>(sQ + s * Tr::kQBytes, q_b + grp * q_g + r0 * q_row, q_row,
-                                                      Lq - r0, D, false, tid);
+                                                      Lq_b - r0, D, false, tid);
     flash::load_sw128<T, kBlockM, kHeadDimV, kNThreads, kVec>(sdO + s * Tr::kdOBytes, do_b + grp * do_g + r0 * do_row,
-                                                       do_row, Lq - r0, Dv, false, tid);
+                                                       do_row, Lq_b - r0, Dv, false, tid);
     load_row_stats_exp<kBlockM, kNThreads>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM,
-                                           lse_b + grp * l_g, delta_b + grp * d_g, r0, Lq);
+                                           lse_b + grp * l_g, delta_b + grp * d_g, r0, Lq_b);
   };
 
   // Head-dim split: dk's and dv's batch offsets through shared memory to the epilogue (the ws kernel's
@@ -465,9 +607,9 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 
   // -- prologue: K_j, V_j (resident) and the first query block.
   flash::load_sw128<T, kBlockN, kHeadDim, kNThreads, kVec>(sK, k + b.offset({k_b0, k_b1, k_b2, k_row}) + c0 * k_row, k_row,
-                                                    Lk - c0, D, false, tid);
+                                                    Lk_b - c0, D, false, tid);
   flash::load_sw128<T, kBlockN, kHeadDimV, kNThreads, kVec>(sV, v + b.offset({v_b0, v_b1, v_b2, v_row}) + c0 * v_row,
-                                                     v_row, Lk - c0, Dv, false, tid);
+                                                     v_row, Lk_b - c0, Dv, false, tid);
   if (n_visits > 0) load_query_block(0, i_begin, 0);
   fa::cp_async_commit();
 
@@ -486,7 +628,9 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   for (int visit = 0; visit < n_visits; ++visit) {
     const int s = visit & 1;
     const bool wrap = i + 1 == n_qblocks;
-    const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+    int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+    // Extensions: one query batch entry per block (grp stays 0), block-mask tiles skipped.
+    if constexpr (kExt != 0) i_n = walk.next(i, n_qblocks), grp_n = 0;
     const unsigned char* sQ_i = sQ + s * Tr::kQBytes;
     const unsigned char* sdO_i = sdO + s * Tr::kdOBytes;
     const float* lse2_s = stats + s * 2 * kBlockM;
@@ -502,20 +646,27 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
+    const int r0 = i * kBlockM;
+    uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
+    // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * Tr::kWgKeys * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
-    const int r0 = i * kBlockM;
+    //    (Extensions: after dP^T, ext_pt_dst_sm90.)
+    if constexpr (kExt == 0) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
 #pragma unroll
-      for (int e = 4 * j; e < 4 * j + 4; ++e) {
-        const int col = 8 * j + 2 * t + (e & 1);
-        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
-        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+        for (int e = 4 * j; e < 4 * j + 4; ++e) {
+          const int col = 8 * j + 2 * t + (e & 1);
+          const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+          acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+        }
       }
     }
     // -- dP^T = V_j dO_i^T (SS, both K-major).
@@ -528,17 +679,22 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     //    2ks + r / 2 of that key's swizzled row. (dP^T waited for before dV is issued: P^T's float and
     //    rounded copies are never live together with dP^T in flight — 16 registers less at the peak.)
     uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+    if constexpr (kExt == 0) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
-      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+        for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+      }
+    } else {
+      ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
+                                  r0, c0 + key_row, lane);
     }
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        if constexpr (kExt == 0) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
         // (head-dim split: both warpgroups hold all of dS^T; each stores half of its columns)
         if (!Tr::kSplitD || ks / (kBlockM / 32) == wg)
@@ -707,7 +863,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk>
+          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -729,16 +885,15 @@ flash_bwd_sm90_ws_kernel(
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
+  static_assert(kExt == 0 || !Is_dq_bulk, "extensions: the consumers' dQ atomics (the dQ warp walks dense visits)");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
   // the host lays out the cp.async kernel's arguments for both.
   (void)q; (void)q_b0; (void)q_b1; (void)q_b2; (void)q_g; (void)q_row; (void)k; (void)k_b0; (void)k_b1;
   (void)k_b2; (void)k_row; (void)v; (void)v_b0; (void)v_b1; (void)v_b2; (void)v_row; (void)dout; (void)do_b0;
   (void)do_b1; (void)do_b2; (void)do_g; (void)do_row;
-  (void)dqa_row; (void)ext_seqlens_q; (void)ext_seqlens_k; (void)ext_e_b0; (void)ext_e_b1; (void)ext_e_b2;
-  (void)ext_window_left; (void)ext_window_right; (void)ext_softcap; (void)ext_alibi; (void)ext_alibi_b0;
-  (void)ext_alibi_b1; (void)ext_alibi_b2; (void)ext_alibi_scale; (void)ext_block_mask; (void)ext_bm_b0;
-  (void)ext_bm_b1; (void)ext_bm_b2; (void)ext_bm_row; (void)ext_bm_col; (void)ext_block_q; (void)ext_block_k;
-  (void)ext_seed_lo; (void)ext_seed_hi; (void)ext_offset;
+  (void)dqa_row;
+  static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
+                "ordered dQ: query block i visited by key blocks 0 .. n_max(i) in turn (no window, no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // The swizzled boxes start on the pattern's repeat in the shared window (as in the cp.async kernel).
@@ -771,10 +926,13 @@ flash_bwd_sm90_ws_kernel(
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
   const BatchIndex b = BatchIndex::from_grid(nb2);
-  const flash::Mask<Is_causal> mask(Lq, Lk);
-  const int i_begin = mask.m_block_min(c0, kBlockM);
-  const int n_qblocks = (Lq + kBlockM - 1) / kBlockM;
-  const int n_visits = (n_qblocks > i_begin ? n_qblocks - i_begin : 0) * n_group;
+  // Extensions (the cp.async kernel's). With lengths the boxes still bring rows up to Lq, Lk: the consumers zero
+  // those at or past the entry's Lq_b, Lk_b before any product reads them (zero_rows_sw128).
+  const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+  const auto mask = entry_mask_sm90<Is_causal, kExt>(ext, b, Lq, Lk);
+  const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
+  const QueryVisits visits = query_visits_sm90<kExt, kBlockM>(walk, Lq, n_group);
+  const int i_begin = visits.i_begin, n_qblocks = visits.end, n_visits = visits.n_visits;
   auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
   const DQOrderCounters<kBlockM, kDQDim> order{Lq};
 
@@ -818,7 +976,7 @@ flash_bwd_sm90_ws_kernel(
     fa::mbarrier_wait_parity(empty + s, ((visit / kStages) & 1) ^ 1);
     const int r0 = i_v * kBlockM;
     load_row_stats_exp<kBlockM, 32>(stats + s * 2 * kBlockM, stats + (s * 2 + 1) * kBlockM, lse_b + grp_v * l_g,
-                                    delta_b + grp_v * d_g, r0, Lq);
+                                    delta_b + grp_v * d_g, r0, mask.Lq);
     if (leader) {
       fa::mbarrier_arrive_expect_tx(full + s, Tr::kQBytes + Tr::kdOBytes);
       flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q_grp ? grp_v : q0, q1, q2,
@@ -847,8 +1005,12 @@ flash_bwd_sm90_ws_kernel(
     }
     for (int visit = 0, grp = 0, i = i_begin; visit < n_visits; ++visit) {
       produce(visit, grp, i, leader);
-      const bool wrap = i + 1 == n_qblocks;
-      i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+      if constexpr (kExt != 0) {
+        i = walk.next(i, n_qblocks);  // one group entry (the consumers' order)
+      } else {
+        const bool wrap = i + 1 == n_qblocks;
+        i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+      }
     }
     return;
   }
@@ -874,6 +1036,9 @@ flash_bwd_sm90_ws_kernel(
 #pragma unroll
   for (int e = 0; e < Tr::kDvN / 2; ++e) acc_dv[e] = 0.0f;
   if (n_visits > 0) fa::mbarrier_wait_parity(bar_kv, 0);  // K_j, V_j landed
+  constexpr bool kLengths = flash::HasExt<kExt, flash::kExtSeqlens>::value;
+  if (kLengths && n_visits > 0 && c0 + kBlockN > mask.Lk)  // keys past Lk_b
+    zero_past_sm90<Tr, kBlockN, kHeadDim, kHeadDimV>(sK, sV, mask.Lk - c0, tid - 128);
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -885,42 +1050,59 @@ flash_bwd_sm90_ws_kernel(
     const float* lse2_s = stats + s * 2 * kBlockM;
     const float* delta_s = lse2_s + kBlockM;
     fa::mbarrier_wait_parity(full + s, phase);  // Q_i, dO_i landed (async proxy, as wgmma reads), L_i, D_i stored
+    if (kLengths && r0 + kBlockM > mask.Lq)  // queries past Lq_b
+      zero_past_sm90<Tr, kBlockM, kHeadDim, kHeadDimV>(sQ + s * Tr::kQBytes, sdO + s * Tr::kdOBytes, mask.Lq - r0,
+                                                       tid - 128);
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
+    uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
+    // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+    //    (Extensions: P^T and dS^T together once dP^T is complete, ext_pt_dst_sm90; the dV batch then goes with
+    //    the dK one.)
+    if constexpr (kExt == 0) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
 #pragma unroll
-      for (int e = 4 * j; e < 4 * j + 4; ++e) {
-        const int col = 8 * j + 2 * t + (e & 1);
-        const int key = c0 + key_row + 8 * ((e % 4) >> 1);
-        acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+        for (int e = 4 * j; e < 4 * j + 4; ++e) {
+          const int col = 8 * j + 2 * t + (e & 1);
+          const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+          acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+        }
       }
     }
     // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
     //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
     //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
     uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
     float acc_dp[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
-                                                                    IssueDv{acc_dv, a_p, sdO_i + do_panel});
+    if constexpr (kExt == 0) {
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+      flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
+                                                                      IssueDv{acc_dv, a_p, sdO_i + do_panel});
 
-    // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
-    //    staged for dQ (the cp.async kernel's layout), then the dK batch.
+      // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
+      //    staged for dQ (the cp.async kernel's layout), then the dK batch.
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
-      for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+        for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+      }
+    } else {
+      flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
+      ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
+                                  r0, c0 + key_row, lane);
     }
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks)
@@ -930,7 +1112,10 @@ flash_bwd_sm90_ws_kernel(
         if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
           *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
-    issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
+    if constexpr (kExt == 0)
+      issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
+    else
+      issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
     // wgmma reads it: the consumers' named barrier (the producer is not in it). Ordered: the same barrier
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
@@ -964,8 +1149,12 @@ flash_bwd_sm90_ws_kernel(
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ && !Is_dq_bulk)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
-    const bool wrap = i + 1 == n_qblocks;
-    i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+    if constexpr (kExt != 0) {
+      i = walk.next(i, n_qblocks);  // one group entry: grp stays 0; block-mask tiles skipped
+    } else {
+      const bool wrap = i + 1 == n_qblocks;
+      i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+    }
   }
 
   // -- epilogue: dK_j·scale and dV_j (keys < Lk, columns < D / Dv); its barriers are the consumers' named

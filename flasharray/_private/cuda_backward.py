@@ -215,8 +215,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
         if tma and kernel == "wgmma":  # the warp-specialized TMA kernel (both atomic dQ modes)
-            plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv, ordered),
-                           module.ws_tile(t_kv, D, Dv))
+            plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv, ordered, ext),
+                           module.ws_tile(t_kv, D, Dv, ext))
         else:
             plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
                                                           **({"ext": ext} if ext else {}),
@@ -332,6 +332,11 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
         if dq == "recompute":
             raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs the atomic and "
                                       "ordered dQ modes only, not dq='recompute'")
+        sm90 = _family_module(kernel)
+        if ext and deterministic and ext & ~sm90.ORDERED_EXT:
+            raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs a window or a block "
+                                      "mask with deterministic=False only (its ordered dQ mode counts key blocks "
+                                      "0 .. n_max(i) per query block; no recomputing dQ kernel on wgmma)")
         _family_module(kernel).backward_tile(precision, dtype, D, Dv, arch, ext=ext)
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:
@@ -489,9 +494,14 @@ class BackwardPlan:
         if self.kernel == "wgmma" and vec and (self.ordered or not deterministic):
             sm90 = _family_module("wgmma")
             tile = sm90.backward_tile(self.precision, self.dtype, D, Dv, arch)
-            tma = sm90.USE_TMA and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None
-                                       for part in plans_b)
+            bits = 0 if self.ext is None else self.ext.bits
+            tma = (sm90.USE_TMA and sm90.ext_refusal(bits, D, Dv, True) is None
+                   and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None for part in plans_b))
         self.tma = tma
+        if self.kernel == "wgmma" and self.ext is not None:  # extension sets a kernel spills with: refused
+            why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
+            if why:
+                raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) " + why)
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
                          ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,

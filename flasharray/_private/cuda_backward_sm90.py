@@ -7,7 +7,10 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on sm_90 (the emulator:
 ``arch="sm_90"``); nothing picks it automatically (no H100 has run it). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
-head dims above 256, extensions, ``dq="recompute"``.
+head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the deterministic mode
+with a window or a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs them), the sets whose
+instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims above 128 or padded differently.
+Extensions (docs/hopper.md, "Backward with extensions"): both kernels, their ``kExt`` appended last to the names.
 
 Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
 warp-specialized kernel ``flash_bwd_sm90_ws_kernel``
@@ -48,8 +51,11 @@ STAGES = 2
 MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
-#: kExt bits the ordered dQ mode takes: none (the kernel runs dense calls only).
-ORDERED_EXT = 0
+#: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
+#: ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
+#: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them
+#: later, a block mask skips some).
+ORDERED_EXT = 2 | 4 | 16 | 32
 _ALIGN = 1024
 
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (as the forward).
@@ -99,8 +105,6 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     Dv = D if Dv is None else Dv
     if not (1 <= D <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
         raise _unsupported("supports head dims 1..%d, got D=%d, Dv=%d" % (MAX_HEAD_DIM, D, Dv))
-    if ext:
-        raise _unsupported("runs dense calls only: no extensions")
     d, dv = pad_head_dims(D, Dv)
     split = is_split(D, Dv)
     block_n = BLOCK_N_SPLIT if split else BLOCK_N
@@ -114,13 +118,55 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, out=None):
     """Name expression of the wgmma dK/dV kernel: ``dtype`` / ``out`` the element and output C types
-    (``out`` AccT for partial sums), ``pD`` the head dim padded to 16 (the accumulator's, kDQDim)."""
-    if ext:
-        raise ValueError("flasharray: the wgmma backward takes no extensions (kExt=%d)" % ext)
+    (``out`` AccT for partial sums), ``pD`` the head dim padded to 16 (the accumulator's, kDQDim), ``ext`` the
+    kExt bits (a trailing template argument only when not 0: the dense names are unchanged)."""
+    check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s%s>" % (
         KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(vec), b(ordered))
+        b(causal), b(vec), b(ordered), ", %d" % ext if ext else "")
+
+
+def check_ext(ext, ordered):
+    """ValueError where the kernels' static_asserts would refuse the kExt bits ``ext``: the ordered mode only
+    with :data:`ORDERED_EXT` (the host runs the others with ``deterministic=False`` only: ``_kernel_choice``)."""
+    if ordered and ext & ~ORDERED_EXT:
+        raise ValueError("flasharray: the wgmma backward's ordered dQ takes no window or block mask (kExt=%d)" % ext)
+
+
+#: Extension subsets whose instantiations spill on sm_90a (registers at the ceiling: the consumers' 240 in the ws
+#: kernel, 255 in the cp.async one; audited for every subset, fp16 and bf16, causal and not, both dQ modes —
+#: tests/test_cuda_backward_sm90_extensions.py's static checks): per (kernel, padded head dim) the minimal kExt
+#: subsets refused; a call whose bits contain one raises NotImplementedError naming it (docs/hopper.md, "Backward
+#: with extensions").
+#: Head dim 64: the ws kernel runs all 63 sets, the cp.async kernel all without softcap + dropout together. Head
+#: dim 128 (the dense loops already at 235 of 240 / 251 of 255 registers): the ws kernel takes subsets of window,
+#: ALiBi, block mask, lengths but ALiBi + block mask + lengths, the cp.async kernel the window alone.
+EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
+              ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
+
+
+def _bit_names(bits):
+    from .cuda_forward import EXT_BITS
+    return "+".join(n for n, b in EXT_BITS.items() if bits & b)
+
+
+def ext_refusal(ext, D, Dv, ws):
+    """None where the wgmma kernel (``ws``: the warp-specialized one, else the cp.async one) runs the kExt bits
+    ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError)."""
+    if not ext:
+        return None
+    d, dv = pad_head_dims(D, Dv)
+    if d != dv or d > SPLIT_ABOVE:
+        return ("runs extensions with D and Dv both padded to 64 or both to 128 only (got D=%d, Dv=%d: the "
+                "head-dim split and mixed tiles are not audited for them)" % (D, Dv))
+    kind = "ws" if ws else "cp.async"
+    for m in EXT_SPILLS[(kind, d)]:
+        if ext & m == m:
+            return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
+                    "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
+                                         _bit_names(ext)))
+    return None
 
 
 # ---- the TMA / warp-specialized instantiation (flash_bwd_sm90_ws_kernel) ---------------------------------
@@ -168,9 +214,10 @@ def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     return 2 if base + 2 * (block_m * d * 4 + 16) <= tiles.smem_limit(ARCH) else 1
 
 
-def ws_tile(tile, D, Dv):
+def ws_tile(tile, D, Dv, ext=0):
     """The :class:`BwdTiles` of ``flash_bwd_sm90_ws_kernel`` for the cp.async kernel's ``tile`` (head dims
-    D, Dv): one more (producer) warpgroup, dS^T double-buffered, the mbarriers."""
+    D, Dv; ``ext`` the kExt bits: no bulk dQ buffers with extensions): one more (producer) warpgroup, dS^T
+    double-buffered, the mbarriers."""
     import dataclasses
     d, dv = pad_head_dims(D, Dv)
     reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
@@ -178,17 +225,21 @@ def ws_tile(tile, D, Dv):
               % (tile.block_m, tile.block_n, PRODUCER_REGS, "half of d, dv" if is_split(D, Dv) else "64 keys",
                  CONSUMER_REGS, d, dv, STAGES))
     return dataclasses.replace(tile, n_threads=tile.n_threads + 128,
-                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n), reason=reason)
+                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv) and not ext),
+                               reason=reason)
 
 
-def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False):
+def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
     flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
-    ``Is_dq_bulk``: :func:`dq_bulk`)."""
+    ``Is_dq_bulk``: :func:`dq_bulk`, never with extensions; ``ext``: the kExt bits, appended only when
+    not 0)."""
+    check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s>" % (
+    return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv))))
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext),
+        ", %d" % ext if ext else "")
 
 
 def _stores_by_tma(dtype, out):

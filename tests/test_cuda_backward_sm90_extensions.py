@@ -1,0 +1,317 @@
+"""The extensions of docs/extensions.md on the Hopper wgmma backward (cuda_src/flash_bwd_sm90.cu, ``kExt``).
+
+Every case runs the forward on the emulator (the mma.sync kernels), then
+``cuda_backward.backward(..., kernel="wgmma", arch="sm_90", ext=...)`` and checks dq, dk, dv with the DESIGN.md
+rule against ``flasharray.reference.attention_backward`` given the same keywords (``testing.check_attention``, as
+tests/test_cuda_backward_extensions.py, whose ``features`` give the keyword values: with dropout the reference
+applies the same Philox mask). Each asserts which dK/dV kernel ran — the warp-specialized TMA one, or the cp.async
+one (``USE_TMA`` off) — and that its name ends in the call's kExt bits.
+
+Default: each feature alone and combinations (all six at once), causal and not, Lq != Lk off the tiles, GQA, head
+dims 64 and 128, both dQ modes, both kernels; the ordered mode bitwise under the ``reverse`` and ``random``
+schedules; the gradients close to the mma.sync backward's on sm_80 (the same dropout bits); with lengths, NaN in
+the padding never read (both kernels: the ws kernel zeroes what its boxes bring past Lq_b / Lk_b); the refusals;
+static: the dense names unchanged, and the refusal table (``EXT_SPILLS``) against ptxas (a sample; ``-m slow``:
+every subset). ``-m slow``: a larger matrix.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+import flasharray as fa
+from flasharray import testing as fa_testing
+from flasharray._private import cuda_backward as cb
+from flasharray._private import cuda_backward_sm90 as S
+from flasharray._private import cuda_forward, extensions, launch, nvrtc
+from flasharray._private.dtypes import bfloat16
+from conftest import requires_nvrtc
+from test_cuda_backward_extensions import features
+
+BITS = cuda_forward.EXT_BITS
+ALL = ("window", "alibi", "softcap", "seqlens", "block_mask", "dropout")
+NAME_BIT = {"window": BITS["window"], "alibi": BITS["alibi"], "softcap": BITS["softcap"],
+            "seqlens": BITS["seqlens"], "block_mask": BITS["block_mask"], "dropout": BITS["dropout"]}
+
+
+def bits_of(names):
+    return sum(NAME_BIT[n] for n in names)
+
+
+def kw_of(names, B, H, Lq, Lk, seed=1):
+    """The extension keywords of ``names`` (block size (16, 32), a random block mask, seqlens shortening one
+    entry's queries and the other's keys)."""
+    all_kw = features(B, H, Lq, Lk, np.random.default_rng(seed))
+    out = {}
+    for n in names:
+        out.update(all_kw[n])
+    return out
+
+
+def problem(dtype, D, Lq, Lk, B=2, H=2, Hk=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype)
+                 for s in ((B, H, Lq, D), (B, Hk, Lk, D), (B, Hk, Lk, D), (B, H, Lq, D)))
+
+
+def backward(q, k, v, dout, out, lse, kw, *, causal, deterministic, **opts):
+    """cuda_backward.backward with the keywords ``kw`` validated as the API does: (dq, dk, dv, counters)."""
+    B, H, Lq, D = q.shape
+    ext = extensions.from_options(kw, kind="numpy", batch_shape=(B, H), Lq=Lq, Lk=k.shape[-2], acc=np.float32)
+    return cb.backward(dout, q, k, v, out, lse, causal=causal, scale=1.0 / np.sqrt(D), batch_shape=(B, H),
+                       device="emulator", deterministic=deterministic, ext=ext, return_counters=True, **opts)
+
+
+def dkv_launch(counters):
+    found = [(n, c) for n, c in counters if n.startswith((S.KERNEL, S.WS_KERNEL))]
+    assert len(found) == 1, [n for n, _ in counters]
+    return found[0]
+
+
+def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, Hk=2, tma=True, check=True,
+             inputs=None, **opts):
+    """Forward (emulator, sm_80) + the wgmma backward; checked against the reference. Returns the grads."""
+    q, k, v, dout = problem(dtype, D, Lq, Lk, H=H, Hk=Hk) if inputs is None else inputs
+    kw = kw_of(names, 2, H, Lq, Lk)
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", **kw)
+    res = backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=deterministic, kernel="wgmma",
+                   arch="sm_90", **opts)
+    grads, (name, c) = res[:3], dkv_launch(res[3])
+    assert name.endswith(", %d>" % bits_of(names)), name
+    assert name.startswith(S.WS_KERNEL if tma else S.KERNEL + "<"), name
+    assert c.atomics > 0 or c.blocks == 0, name  # dQ by the consumers' atomics (no bulk dQ with extensions)
+    if check:
+        report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
+        assert report.passed, str(report)
+    return grads
+
+
+@pytest.fixture
+def cp_async(monkeypatch):
+    """The cp.async kernel on inputs the ws kernel would take (USE_TMA off)."""
+    monkeypatch.setattr(S, "USE_TMA", False)
+    launch._clear_plans()
+    yield
+    launch._clear_plans()
+
+
+SINGLE = [((f,), np.float16, causal, det) for f, causal, det in
+          [("window", True, False), ("alibi", False, True), ("softcap", True, True), ("seqlens", False, True),
+           ("block_mask", True, False), ("dropout", False, True)]]
+COMBOS = [
+    (("window", "block_mask", "alibi"), bfloat16, False, False),
+    (("softcap", "dropout", "seqlens"), np.float16, True, True),
+    (ALL, np.float16, True, False),
+]
+# The cp.async kernel at head dim 64 runs everything but softcap + dropout together (EXT_SPILLS).
+ALL_BUT_SOFTCAP = (("window", "alibi", "seqlens", "block_mask", "dropout"), np.float16, True, False)
+
+
+def _id(case):
+    names, dt, causal, det = case[:4]
+    return "%s-%s%s-%s%s" % ("+".join(names), np.dtype(dt).name, "-causal" if causal else "",
+                             "ordered" if det else "atomic", "".join("-%s" % x for x in case[4:]))
+
+
+@pytest.mark.parametrize("case", SINGLE + COMBOS, ids=_id)
+def test_extension_ws_kernel(case):
+    names, dt, causal, det = case
+    run_case(dt, names, causal=causal, deterministic=det)
+
+
+@pytest.mark.parametrize("case", [SINGLE[0], SINGLE[3], SINGLE[5], COMBOS[0], ALL_BUT_SOFTCAP], ids=_id)
+def test_extension_cp_async_kernel(case, cp_async):
+    names, dt, causal, det = case
+    run_case(dt, names, causal=causal, deterministic=det, tma=False)
+
+
+D128 = [  # the head dim 128 cases (sets EXT_SPILLS leaves to each kernel)
+    (("alibi", "seqlens"), np.float16, True, True, "ws"),
+    (("window", "block_mask", "alibi"), bfloat16, False, False, "ws"),
+    (("window", "seqlens"), np.float16, True, False, "ws"),
+    (("window",), bfloat16, True, False, "cp.async"),
+]
+
+
+@pytest.mark.parametrize("case", D128, ids=_id)
+def test_extension_head_dim_128(case, monkeypatch):
+    names, dt, causal, det, kind = case
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    run_case(dt, names, causal=causal, deterministic=det, D=128, Lq=70, Lk=140, tma=kind == "ws")
+
+
+@pytest.mark.parametrize("det", [True, False], ids=["ordered", "atomic"])
+def test_gqa_lq_above_lk(det):
+    """K/V broadcast over 4 query heads (partial sums reduced), Lq > Lk off the tiles (rows without keys)."""
+    names = ("alibi", "dropout") if det else ("window", "alibi", "dropout")
+    run_case(np.float16, names, causal=True, deterministic=det, H=4, Hk=1, Lq=150, Lk=77)
+
+
+@pytest.mark.parametrize("kind", ["ws", "cp.async"])
+def test_ordered_bits_identical_under_schedules(kind, monkeypatch):
+    """Ordered dQ with the features it takes (the cp.async kernel: not softcap with dropout, EXT_SPILLS): the same
+    bits under the reverse and random (seeds 3, 11) schedules, 3 key blocks adding to each dQ element."""
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    names = ("alibi", "softcap", "dropout", "seqlens") if kind == "ws" else ("alibi", "dropout", "seqlens")
+    inputs = problem(np.float16, 64, 70, 300)
+    base = run_case(np.float16, names, causal=False, deterministic=True, Lq=70, Lk=300, tma=kind == "ws",
+                    inputs=inputs)
+    for schedule, seed in (("reverse", 0), ("random", 3), ("random", 11)):
+        again = run_case(np.float16, names, causal=False, deterministic=True, Lq=70, Lk=300, tma=kind == "ws",
+                         inputs=inputs, check=False, schedule=schedule, seed=seed)
+        for a, b in zip(base, again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
+
+
+def test_dropout_bits_as_the_mma_sync_backward():
+    """The same dropout (Philox counters of docs/extensions.md) as the mma.sync backward: gradients close to
+    kernel "tc" on sm_80 for the same seed / offset, and far from another seed's."""
+    names, Lq, Lk = ("dropout", "softcap"), 100, 150
+    q, k, v, dout = problem(np.float16, 64, Lq, Lk)
+    kw = kw_of(names, 2, 2, Lq, Lk)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **kw)
+    ours = backward(q, k, v, dout, out, lse, kw, causal=False, deterministic=False, kernel="wgmma", arch="sm_90")
+    tc = backward(q, k, v, dout, out, lse, kw, causal=False, deterministic=False, arch="sm_80")
+    other = backward(q, k, v, dout, out, lse, dict(kw, seed=kw["seed"] + 1), causal=False, deterministic=False,
+                     kernel="wgmma", arch="sm_90")
+    for a, b, c in zip(ours[:3], tc[:3], other[:3]):
+        a, b, c = (x.astype(np.float32) for x in (a, b, c))
+        tol = 2e-2 * np.abs(b).max()
+        np.testing.assert_allclose(a, b, atol=tol, rtol=0)
+        assert np.abs(c - b).max() > 10 * tol
+
+
+@pytest.mark.parametrize("kind", ["ws", "cp.async"])
+def test_lengths_never_read_past_the_entry(kind, monkeypatch):
+    """NaN in q, k, v, dout past each entry's seqlens: the gradients are those of zeros there (bit for bit), and
+    exactly zero in the padding (the ws kernel's boxes bring the rows in; its consumers zero them)."""
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    Lq, Lk = 100, 150
+    kw = kw_of(("seqlens", "alibi"), 2, 2, Lq, Lk)
+    sq, sk = kw["seqlens_q"], kw["seqlens_k"]
+    clean = problem(np.float16, 64, Lq, Lk)
+    for a in clean:
+        for e in range(2):
+            a[e, :, (sq if a.shape[-2] == Lq else sk)[e]:] = 0
+    out, lse = fa.flash_attention_forward(*clean[:3], backend="emulator", **kw)
+    ref = backward(*clean, out, lse, kw, causal=True, deterministic=True, kernel="wgmma", arch="sm_90")
+    dirty = [a.copy() for a in clean]
+    for a in dirty:
+        for e in range(2):
+            a[e, :, (sq if a.shape[-2] == Lq else sk)[e]:] = np.nan
+    got = backward(*dirty, out, lse, kw, causal=True, deterministic=True, kernel="wgmma", arch="sm_90")
+    assert dkv_launch(got[3])[0].startswith(S.WS_KERNEL if kind == "ws" else S.KERNEL + "<")
+    for a, b in zip(got[:3], ref[:3]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    for e in range(2):
+        assert not got[0][e, :, sq[e]:].any() and not got[1][e, :, sk[e]:].any()
+
+
+@pytest.mark.parametrize("names,D,Dv,det,match", [
+    (("window",), 64, 64, True, "window or a block mask with deterministic=False"),
+    (("block_mask",), 64, 64, True, "window or a block mask with deterministic=False"),
+    (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
+    (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
+    (("softcap",), 128, 128, False, "softcap together at head dim 128 on its cp.async kernel.*spills"),
+    (("alibi", "seqlens", "block_mask"), 128, 128, False, "spills"),
+])
+def test_refused(names, D, Dv, det, match):
+    q, k, v, dout = problem(np.float16, D, 40, 60, B=2)
+    if Dv != D:
+        v = np.random.default_rng(1).standard_normal(k.shape[:-1] + (Dv,)).astype(np.float16)
+        dout = np.random.default_rng(2).standard_normal(q.shape[:-1] + (Dv,)).astype(np.float16)
+    kw = kw_of(names, 2, 2, 40, 60)
+    out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **kw)
+    with pytest.raises(NotImplementedError, match="kernel='wgmma'.*" + match):
+        backward(q, k, v, dout, out, lse, kw, causal=False, deterministic=det, kernel="wgmma", arch="sm_90")
+
+
+def test_spilling_sets_refused():
+    """Every (kernel, head dim) subset EXT_SPILLS lists is refused by name, its subsets that are not listed run."""
+    for (kind, d), subsets in S.EXT_SPILLS.items():
+        for m in subsets:
+            why = S.ext_refusal(m, d, d, kind == "ws")
+            assert why is not None and "spills" in why, (kind, d, m)
+            assert S.ext_refusal(m | BITS["alibi"], d, d, kind == "ws") is not None
+
+
+def test_dense_names_unchanged():
+    """kExt = 0 adds nothing to the names (the dense instantiations keep their names and, docs/hopper.md, their
+    SASS); an extension set appends it last."""
+    tile = S.backward_tile(None, np.float16, 64, 64, 90)
+    assert S.dkv_name(tile, None, 64, 64, True, True, False, dtype="fa_half") == \
+        "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 64, 64, 64, 128, true, true, false>"
+    assert S.dkv_name(tile, None, 64, 64, True, True, False, ext=63, dtype="fa_half").endswith(", false, 63>")
+    assert S.ws_name(tile, 64, 64, False, "fa_half").endswith("false, false, true, true>")
+    assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, false, 2>")  # no bulk dQ
+    with pytest.raises(ValueError, match="ordered"):
+        S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1)
+
+
+# ---- static: the refusal table against ptxas -------------------------------------------------------------------
+
+def instantiations(dtypes, dims, subsets, kinds=("ws", "cp.async")):
+    """{name: (kind, d, bits)} of every extension instantiation a call can launch for these sets (both dQ modes,
+    causal and not), those EXT_SPILLS refuses left out."""
+    found = {}
+    for dt, d, bits, causal, ordered, kind in itertools.product(dtypes, dims, subsets, (False, True),
+                                                                 (False, True), kinds):
+        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, d, d, kind == "ws"):
+            continue
+        ks = cb.kernel_plan(dt, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma", ordered=ordered,
+                            ext=bits, tma=kind == "ws")
+        found[ks["dkv"][1]] = (kind, d, bits)
+    return found
+
+
+def check_no_spills(found):
+    src = launch.kernel_source(S.SOURCE)
+    names = sorted(found)
+    problems = []
+    for i in range(0, len(names), 12):
+        res = nvrtc.compile_cubin(src, "sm_90a", names[i:i + 12], options=["--use_fast_math"])
+        for n in names[i:i + 12]:
+            k = res.kernel(n)
+            if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
+                problems.append("%s: spills %d/%d stack %d" % (n, k.spill_stores, k.spill_loads, k.stack_frame))
+        problems += [line for line in res.log.splitlines() if "C7508" in line or "serializ" in line.lower()]
+    assert not problems, "\n".join(problems)
+
+
+@requires_nvrtc
+def test_extension_instantiations_do_not_spill():
+    """A sample of the sets EXT_SPILLS leaves to the kernels (fp16, each feature alone, head dims 64 and 128,
+    both kernels, both dQ modes, causal and not) compiles for sm_90a without spills."""
+    singles = [b for b in BITS.values()]
+    check_no_spills(instantiations((np.float16,), (64, 128), singles))
+
+
+@requires_nvrtc
+@pytest.mark.slow
+def test_every_extension_instantiation_does_not_spill():
+    """Every subset of the six, fp16 and bf16, head dims 64 and 128, both kernels, both dQ modes, causal and not:
+    those EXT_SPILLS does not refuse compile without spills (the audit behind the table; ~10 min)."""
+    check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64)))
+
+
+# ---- -m slow: more shapes --------------------------------------------------------------------------------------
+
+SLOW = [(names, dt, causal, det, D, kind)
+        for names in (("window",), ("alibi", "dropout"), ("block_mask", "seqlens"), ("softcap", "window"), ALL)
+        for dt in (np.float16, bfloat16) for causal in (False, True) for det in (False, True)
+        for D in (64, 128) for kind in ("ws", "cp.async")
+        if not (det and bits_of(names) & ~S.ORDERED_EXT)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=_id)
+def test_extension_matrix(case, monkeypatch):
+    names, dt, causal, det, D, kind = case
+    if S.ext_refusal(bits_of(names), D, D, kind == "ws"):
+        pytest.skip("refused (EXT_SPILLS)")
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=129, Lk=200, tma=kind == "ws")
