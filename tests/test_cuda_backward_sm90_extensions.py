@@ -315,3 +315,18 @@ def test_extension_matrix(case, monkeypatch):
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()
     run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=129, Lk=200, tma=kind == "ws")
+
+
+@pytest.mark.parametrize("names,causal,det", [(ALL, True, False), (("alibi", "dropout", "seqlens"), False, True)],
+                         ids=["all-causal-atomic", "alibi+dropout+seqlens-ordered"])
+def test_wgmma_forward_then_wgmma_backward(names, causal, det):
+    """Both passes on the Hopper kernels (the forward's out and lse from flash_fwd_sm90.cu with the same kExt):
+    the gradients within the rule, as after the mma.sync forward."""
+    q, k, v, dout = problem(np.float16, 64, 100, 150)
+    kw = kw_of(names, 2, 2, 100, 150)
+    ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, 2), Lq=100, Lk=150, acc=np.float32)
+    out, lse = cuda_forward.forward(q, k, v, causal=causal, scale=1.0 / 8.0, batch_shape=(2, 2), device="emulator",
+                                    ext=ext, kernel="wgmma", arch="sm_90")
+    grads = backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=det, kernel="wgmma", arch="sm_90")[:3]
+    report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
+    assert report.passed, str(report)
