@@ -74,6 +74,8 @@ def test_plan_takes_the_ws_kernel_with_the_bits():
     assert names == ["flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, false, true, true, %d>" % bits]
     light = _plan(q, k, v, True, ext_kw(("window", "seqlens"), (2, 3), 70, 133, np.float16))
     assert light.tile.overlap and light.tile.persistent
+    score = _plan(q, k, v, True, ext_kw(("alibi", "softcap"), (2, 3), 70, 133, np.float16))
+    assert score.tile.overlap and score.tile.persistent   # d 64
     assert light.launches[0].name.endswith(", true, true, true, true, %d>" % (cuda_forward.EXT_BITS["window"] +
                                                                             cuda_forward.EXT_BITS["seqlens"]))
     dense = _plan(q, k, v, True, {})
@@ -93,6 +95,7 @@ BITS_CASES = [
     ("fp16", 64, 200, 290, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens")),
     ("bf16", 128, 150, 290, False, ("window", "block_mask", "dropout")),
     ("fp16", 128, 200, 290, True, ("window", "seqlens")),   # overlapped, persistent
+    ("bf16", 128, 150, 290, True, ("alibi", "softcap")),   # overlapped, not persistent
 ]
 
 
@@ -259,16 +262,22 @@ def test_cp_async_tile_with_extensions_at_128():
 
 
 def test_persistent_only_at_64_with_extensions_beyond_the_geometry():
-    """ALiBi, softcap, block mask, dropout: persistent at d <= 64 only; window / seqlens like dense calls."""
+    """ALiBi, softcap, block mask, dropout: persistent at d <= 64 only; window / seqlens like dense calls; ALiBi
+    and softcap keep the overlap to d 128, the block mask and dropout never."""
     q, k, v = make_inputs(np.float16, 128, 70, 133, batch=(2, 3))
-    assert not _plan(q, k, v, False, ext_kw(("alibi",), (2, 3), 70, 133, np.float16)).tile.persistent
+    alibi = _plan(q, k, v, False, ext_kw(("alibi",), (2, 3), 70, 133, np.float16)).tile
+    assert alibi.overlap and not alibi.persistent
+    assert not _plan(q, k, v, False, ext_kw(("dropout",), (2, 3), 70, 133, np.float16)).tile.overlap
+    q2, k2, v2 = make_inputs(np.float16, 200, 70, 133, batch=(2, 3))
+    assert not _plan(q2, k2, v2, False, ext_kw(("softcap",), (2, 3), 70, 133, np.float16)).tile.overlap
     assert _plan(q, k, v, False, ext_kw(("window",), (2, 3), 70, 133, np.float16)).tile.persistent
     assert _plan(q, k, v, False, {}).tile.persistent
 
 
 # ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------
-STATIC_BITS = (63, 8, 16, 33)      # every feature; the block mask, dropout alone (the heaviest single ones);
-                                   # window + seqlens (overlapped, persistent to d 128)
+STATIC_BITS = (63, 8, 16, 33, 38)  # every feature; the block mask, dropout alone (the heaviest single ones);
+                                   # window + seqlens (overlapped, persistent to d 128); ALiBi + softcap +
+                                   # seqlens (overlapped to d 128, persistent to d 64)
 SLOW_STATIC_BITS = tuple(range(1, 64))
 
 
@@ -282,7 +291,8 @@ def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 256)
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma", ext=1)
             for bits in bits_list:
                 ws = S.tma_tile(t, (), bits)
-                assert ws.overlap == (bits & ~S.GEOMETRY_EXT == 0)
+                assert ws.overlap == (bits & ~S.GEOMETRY_EXT == 0 or
+                                      (bits & ~(S.GEOMETRY_EXT | S.SCORE_EXT) == 0 and d <= 128))
                 for causal in (False, True):
                     found.add(ws.name_expression(causal, True, ext=bits))
                     found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))

@@ -194,6 +194,12 @@ PERSISTENT_MAX_HEAD_DIM = 128
 #: state): with only these the ws kernel keeps the intra-warpgroup overlap and PERSISTENT_MAX_HEAD_DIM, as dense
 #: calls do (zero spills in every such instantiation).
 GEOMETRY_EXT = 1 | 32
+#: kExt bits that transform each score (ALiBi, softcap: a slope or a cap per tile, an FMA or a tanh per score): with
+#: these (and geometry bits) the overlap is kept up to padded d :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, the kernel
+#: persistent up to PERSISTENT_MAX_HEAD_DIM_EXT (zero spills; persistent at d 128 they spilled 8-12 bytes, at
+#: d 256 softcap + seqlens causal 4).
+SCORE_EXT = 2 | 4
+SCORE_EXT_OVERLAP_MAX_HEAD_DIM = 128
 #: With any other extension (ALiBi, softcap, block mask, dropout): the largest padded head dim taking the persistent
 #: kernel. Their per-tile state on top of the persistent loop's spills the d = 128 consumers (up to 56 bytes with
 #: every feature).
@@ -266,21 +272,22 @@ def ws_flags(name_expr):
 def tma_tile(tile, arrays, ext=0):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
-    call's kExt bits; with extensions beyond :data:`GEOMETRY_EXT` the consumers wait for every wgmma batch (no
-    intra-warpgroup overlap: P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240
-    registers together, the overlapped instantiations spill up to 204 bytes) and the kernel is persistent up to
-    :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions")."""
+    call's kExt bits; with the block mask or dropout (and with ALiBi or softcap above
+    :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`) the consumers wait for every wgmma batch (no intra-warpgroup overlap:
+    P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240 registers together, the
+    overlapped instantiations spill up to 204 bytes); with any extension beyond :data:`GEOMETRY_EXT` the kernel is
+    persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions")."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
     warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
+    d = max(tile.head_dim, tile.head_dim_v)
     heavy = bool(ext & ~GEOMETRY_EXT)
-    overlap = OVERLAP and not heavy
+    overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
                   ", softmax overlapped with P V" if overlap else ""))
-    persistent = PERSISTENT and max(tile.head_dim, tile.head_dim_v) <= (
-        PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
+    persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
     if persistent:
         reason += ", persistent (static tile scheduler)"
     smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, overlap, persistent)
