@@ -107,6 +107,35 @@ struct Sm90KeyTiles {
   // Whether a tile follows tile n in the walk.
   __device__ __forceinline__ bool more(int n) const { return kExt == 0 ? n > 0 : prev(n) >= lo(); }
   __device__ __forceinline__ bool masked(int n) const { return kExt == 0 ? n >= n_block_unmasked : walk.masked(n); }
+
+  // Calls f(n, next, masked) for each tile n of the walk in order (next: the tile after it, below lo() when none).
+  // With the block mask each tile's cover is read once (prev / more / masked would read it up to three times:
+  // every consumer thread reads the mask's bytes of a tile's blocks per call).
+  template <class F>
+  __device__ __forceinline__ void for_each(F f) const {
+    if constexpr (!HasExt<kExt, kExtBlockMask>::value) {
+      for (int n = first(); n >= lo(); n = prev(n)) f(n, prev(n), masked(n));
+    } else {
+      BlockCover cover;
+      for (int n = prev_cover(n_block_max, cover); n >= lo();) {
+        BlockCover next_cover;
+        const int next = prev_cover(n, next_cover);
+        f(n, next, cover == kCoverSome || walk.mask.needs_mask(walk.m0, n * walk.Bc, walk.Br, walk.Bc));
+        n = next;
+        cover = next_cover;
+      }
+    }
+  }
+
+ private:
+  // KeyTileWalk::prev with the found tile's block cover.
+  __device__ __forceinline__ int prev_cover(int n, BlockCover& cover) const {
+    for (--n; n >= lo(); --n) {
+      cover = walk.mask.block_cover(walk.m0, n * walk.Bc, walk.Br, walk.Bc);
+      if (cover != kCoverNone) break;
+    }
+    return n;
+  }
 };
 
 // P_ij rounded to T as the A fragments of O += P V_j: the fragment of k16 step ks is the accumulator of
@@ -647,19 +676,20 @@ struct Sm90WsConsumer {
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) acc_s[i] = 0.0f;
     int v = visit0;
-    for (int n_block = tiles.first(); n_block >= tiles.lo(); n_block = tiles.prev(n_block), ++v) {
+    tiles.for_each([&](int n_block, int next, bool masked) {
       const int s = v % kStages, phase = (v / kStages) & 1;
       fa::mbarrier_wait_parity(sm.full_k + s, phase);   // K_j has landed (TMA: async proxy, as wgmma's reads)
       our_turn();
       gemm_qk_sm90<T, kHeadDim, kBlockM, kBlockN>(acc_s, sm.sQ + cwg * 64 * 128, sm.sK + s * Tr::kKBytes,
-                                                  [&] { their_turn(tiles.more(n_block)); });  // issued: hand over
-      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, tiles.masked(n_block),
-                                                  m0 + warp_row + g, n_block * kBlockN, t, scale_log2);
+                                                  [&] { their_turn(next >= tiles.lo()); });  // issued: hand over
+      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, masked, m0 + warp_row + g,
+                                                  n_block * kBlockN, t, scale_log2);
       dropout_sm90<kExt, kBlockN>(acc_s, rng, m0 + warp_row + g, n_block * kBlockN, lane);
       fa::mbarrier_wait_parity(sm.full_v + s, phase);   // V_j has landed
       gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sm.sV + s * Tr::kVBytes);
       fa::mbarrier_arrive(sm.empty_k + s);              // both wgmma batches on stage s completed: refill it
-    }
+      ++v;
+    });
     release_q_early();
     return v - visit0;
   }
