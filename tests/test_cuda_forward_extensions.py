@@ -248,15 +248,20 @@ def test_fully_masked_rows(dt, kernel):
 @pytest.mark.parametrize("dt,kernel", [("fp16", None), ("bf16", None), ("fp32", None), ("fp64", None),
                                        ("fp16", "simt")])
 def test_dropout_mask_is_philox(dt, kernel):
+    check_dropout_is_philox(dt, kernel=kernel)
+
+
+def check_dropout_is_philox(dt, Lq=70, **opts):
     """q = 0 (uniform P over the keys) and v = identity: out[i, j] = keep_ij / ((1 − p)·Lk), so the
-    kept entries are exactly out != 0 — compared with philox.keep_mask bit for bit."""
+    kept entries are exactly out != 0 — compared with philox.keep_mask bit for bit (``opts``: the
+    forward's kernel options)."""
     dtype = DTYPES[dt]
-    batch, Lq, Lk = (2, 3), 70, 45
+    batch, Lk = (2, 3), 45
     q = np.zeros(batch + (Lq, 48), dtype)
     k = np.zeros(batch + (Lk, 48), dtype)
     v = np.broadcast_to(np.eye(Lk, 48, dtype=dtype), batch + (Lk, 48))
     p, seed, offset = 0.375, 0x123456789ABCDEF0, 41
-    out, lse, _ = run("emulator", q, k, v, False, dict(dropout_p=p, seed=seed, offset=offset), kernel=kernel)
+    out, lse, _ = run("emulator", q, k, v, False, dict(dropout_p=p, seed=seed, offset=offset), **opts)
     keep = philox.keep_mask(p, seed, offset, batch, Lq, Lk)
     np.testing.assert_array_equal(out[..., :Lk] != 0, keep)
     assert np.all(out[..., Lk:] == 0)

@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 import pytest
 
-from flasharray._private import cuda_forward, cuda_forward_sm90 as S, launch, philox
+from flasharray._private import cuda_forward, cuda_forward_sm90 as S, launch
 from flasharray._private.extensions import Extensions
 
 from flasharray._private.dtypes import bfloat16
@@ -27,6 +27,7 @@ from flasharray._private.dtypes import bfloat16
 from conftest import requires_nvrtc
 from test_gpu_sm90 import requires_sm90
 from test_cuda_forward_extensions import CASES as MMA_CASES, DTYPES, check_case, check_close, ext_kw, make_inputs, run
+from test_cuda_forward_extensions import check_dropout_is_philox
 
 WGMMA = dict(kernel="wgmma", arch="sm_90")
 
@@ -152,19 +153,9 @@ def test_schedules_bit_identical(schedule, seed):
 
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 def test_dropout_mask_is_philox(dt):
-    """q = 0 (uniform P) and v = identity: out[i, j] != 0 exactly where philox.keep_mask keeps (i, j)."""
-    dtype = DTYPES[dt]
-    batch, Lq, Lk = (2, 3), 170, 45
-    q = np.zeros(batch + (Lq, 48), dtype)
-    k = np.zeros(batch + (Lk, 48), dtype)
-    v = np.broadcast_to(np.eye(Lk, 48, dtype=dtype), batch + (Lk, 48))
-    p, seed, offset = 0.375, 0x123456789ABCDEF0, 41
-    out, lse, _ = run("emulator", q, k, v, False, dict(dropout_p=p, seed=seed, offset=offset), **WGMMA)
-    keep = philox.keep_mask(p, seed, offset, batch, Lq, Lk)
-    np.testing.assert_array_equal(out[..., :Lk] != 0, keep)
-    assert np.all(out[..., Lk:] == 0)
-    np.testing.assert_allclose(out[..., :Lk][keep].astype(np.float64), 1.0 / ((1 - p) * Lk), rtol=1e-2)
-    np.testing.assert_allclose(lse, np.log(Lk), rtol=1e-6)
+    """q = 0 (uniform P) and v = identity: out[i, j] != 0 exactly where philox.keep_mask keeps (i, j); Lq 170:
+    two work tiles of 128 rows."""
+    check_dropout_is_philox(dt, Lq=170, **WGMMA)
 
 
 def test_dropout_equals_the_mma_sync_forward():
