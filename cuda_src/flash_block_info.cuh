@@ -15,6 +15,16 @@ namespace flash {
 // Integer ceiling division for non-negative operands.
 __device__ __forceinline__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The query tile block x of n_m computes. Causal blocks take the tiles longest first: with the
+// diagonal (bottom-right aligned) tile m sees about m + 1 key tiles, and blocks are dispatched in
+// increasing x, so in-order tiles leave the longest ones for the end of the grid (its last wave
+// runs a few long blocks on an otherwise idle GPU). Reversed, the short tiles fill the tail
+// (FlashAttention-3's order; the persistent Hopper scheduler does the same). Not causal: in order.
+template <bool Is_causal>
+__device__ __forceinline__ int query_tile(int x, int n_m) {
+  return Is_causal ? n_m - 1 - x : x;
+}
+
 // Element strides of one tensor: three merged batch dims and the row (sequence) dim.
 struct TensorStrides {
   long long b0, b1, b2, row;

@@ -129,9 +129,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int g = lane >> 2;  // fragment row group
   const int t = lane & 3;   // thread in group: fragment columns 2t, 2t + 1
   const int warp_row0 = warp * Traits::kRowsPerWarp;    // first row of this warp's slabs in Q_i
-  // Split-KV: block x is query tile x % Tr of split x / Tr (dense: query tile x, one split).
-  const int n_m_blocks = Is_split ? ceil_div(Lq, kBlockM) : 1;
-  const int m_block = Is_split ? static_cast<int>(blockIdx.x) % n_m_blocks : static_cast<int>(blockIdx.x);
+  // Split-KV: block x is query tile x % Tr of split x / Tr (dense: query tile x, one split; causal:
+  // longest first, query_tile).
+  const int n_m_blocks = Is_split ? ceil_div(Lq, kBlockM) : static_cast<int>(gridDim.x);
+  const int m_block = query_tile<Is_causal>(Is_split ? static_cast<int>(blockIdx.x) % n_m_blocks
+                                                     : static_cast<int>(blockIdx.x), n_m_blocks);
   const int m0 = m_block * kBlockM;  // first query row of Q_i
 
   // ---- where this block's tensors live --------------------------------------------------------

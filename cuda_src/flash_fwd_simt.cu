@@ -68,7 +68,7 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int tid = static_cast<int>(threadIdx.x);
   const int tm = tid / kThreadsN;  // row group: rows tm·TM .. tm·TM + TM − 1
   const int tn = tid % kThreadsN;  // lane in the row group: columns tn, tn + kThreadsN, ...
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;  // first query row of Q_i
+  const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;  // first query row of Q_i
 
   // ---- where this block's tensors live --------------------------------------------------------
   const BatchIndex bidx = BatchIndex::from_grid(nb2);

@@ -380,7 +380,7 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int warp_row = wg * 64 + ((tid % 128) / 32) * 16;  // first of the warp's 16 rows
   const int lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
+  const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;
 
   const BatchIndex bidx = BatchIndex::from_grid(nb2);
   const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
@@ -561,8 +561,8 @@ __device__ __forceinline__ Sm90WsSmem ws_smem_layout(unsigned char* smem) {
   return s;
 }
 
-// Work tiles: (query tile m_block, batch entry). Not persistent: one per block, blockIdx.x and the grid's
-// y / z. Persistent (static scheduler): work tile w = blockIdx.x + k·gridDim.x, k = 0, 1, ..., over a linear
+// Work tiles: (query tile m_block, batch entry). Not persistent: one per block, blockIdx.x (causal: longest
+// first, query_tile) and the grid's y / z. Persistent (static scheduler): work tile w = blockIdx.x + k·gridDim.x, k = 0, 1, ..., over a linear
 // order of n_m query tiles × n_bh batch entries. Causal: longest first — query tiles from the last one down
 // (bottom-right alignment: the last sees the most keys), all batch entries of one query tile together, so
 // the first tiles of every block are the longest (FlashAttention-3's load balance); not causal: batch
@@ -575,7 +575,7 @@ struct Sm90WsScheduler {
   __device__ __forceinline__ bool valid(int w) const { return Is_persistent ? w < n_m * n_bh : w == first(); }
   __device__ __forceinline__ void decode(int w, int& m_block, BatchIndex& b) const {
     if constexpr (!Is_persistent) {
-      m_block = w;
+      m_block = query_tile<Is_causal>(w, n_m);
       b = BatchIndex::from_grid(nb2);
       return;
     }

@@ -233,7 +233,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
   const int warp_row0 = warp * 16;
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockM;
+  const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;
 
   const BatchIndex bidx = BatchIndex::from_grid(nb2);
   const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
