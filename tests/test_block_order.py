@@ -1,13 +1,16 @@
 """Causal forwards take their query tiles longest first (flash::query_tile), and the schedule model
 of benchmarks/schedule.py that predicts what this is worth."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flasharray import emulator
-from flasharray._private import launch
+from flasharray._private import launch, sass
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,3 +68,15 @@ def test_longest_first_never_worse_on_the_benchmark_shapes(n, block_m, block_n):
     heads = (s.TOKENS // n) * 16
     in_order, longest_first = s.efficiencies(n, heads, block_m, block_n, 264, 1.0)
     assert 0 < in_order <= longest_first <= 1.0
+
+
+@pytest.mark.skipif(not sass.available()[0], reason="SASS report unavailable: %s" % (sass.available()[1],))
+def test_schedule_script_prints_the_table(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule.py"), "--head-dims", "128"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 128 |")]
+    assert len(rows) == 6                                    # N 512 .. 16k
+    assert rows[-1][2].strip() == "64 x 64"                  # the sm_90 D 128 tile
+    assert all(float(r[7]) <= float(r[8]) for r in rows)     # longest first never worse
