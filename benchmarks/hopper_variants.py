@@ -17,6 +17,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel=None)
+  mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides kernel=None): the
+                               128 x 32 tile at 64 < d <= 128 non-causal (off: the 64 x 64 tile)
 
 Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
 ``atomic`` (deterministic=False). The backward's (out, lse) come from the wgmma forward with its defaults.
@@ -66,12 +68,15 @@ sys.path.insert(0, HERE)
 import gpu  # noqa: E402  (benchmarks/gpu.py: shapes, inputs, forward check, no-GPU message)
 import gpu_backward  # noqa: E402  (its inputs with dout, backward check, FLOP factor)
 import gpu_timing  # noqa: E402
-from flasharray._private import cuda_backward, cuda_forward, launch  # noqa: E402
+from flasharray._private import cuda_backward, cuda_forward, launch, tiles  # noqa: E402
 from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
 from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
 
-#: name, pass ("fwd" / "bwd"), module (None: the ``kernel=`` argument), flag, flipped value, what it answers.
-Switch = collections.namedtuple("Switch", "name kind module flag flipped question")
+WGMMA = "wgmma"
+#: name, pass ("fwd" / "bwd"), module (None: the ``kernel=`` argument), flag, flipped value, what it answers,
+#: and the ``kernel=`` argument of the calls both sides of a module flag are timed with (the Hopper kernels,
+#: or None: the mma.sync kernels' own switch).
+Switch = collections.namedtuple("Switch", "name kind module flag flipped question base", defaults=(WGMMA,))
 SWITCHES = (
     Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
     Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
@@ -83,6 +88,7 @@ SWITCHES = (
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("bwd.kernel", "bwd", None, "kernel", None, "wgmma vs mma.sync backward (sm_90 dispatch)"),
+    Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d 128: 128 x 32 tile vs 64 x 64", None),
 )
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
@@ -91,9 +97,8 @@ HEAD_DIMS = (128, 64, 256)  # the most used first (a run cut short by --max-seco
 QUICK_SEQLENS = (1024, 4096, 16384)
 FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 #: (dtype, B, H, N, D, causal) of the emulator run: every switch applies to one of them
-EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False))
+EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
 KEEP_ABOVE, FLIP_BELOW = 1.02, 0.98
-WGMMA = "wgmma"
 
 #: one measured (or failed) pair; ratio = ms_flipped / ms_default; note: why it is not timed, if so
 Row = collections.namedtuple("Row", "switch mode dtype B H N D causal ms_default ms_flipped ratio "
@@ -103,13 +108,13 @@ Row = collections.namedtuple("Row", "switch mode dtype B H N D causal ms_default
 # ---- variants ----------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def variant(switch):
-    """The switch flipped (None: the defaults) for the body; restored after it, plan caches cleared both sides.
-    Yields the ``kernel=`` argument of the calls."""
+def variant(switch, base=WGMMA):
+    """The switch flipped (None: the defaults, calls with ``kernel=base``) for the body; restored after it, plan
+    caches cleared both sides. Yields the ``kernel=`` argument of the calls."""
     if switch is None or switch.module is None:
         launch._clear_plans()
         try:
-            yield switch.flipped if switch is not None else WGMMA
+            yield switch.flipped if switch is not None else base
         finally:
             launch._clear_plans()
         return
@@ -117,7 +122,7 @@ def variant(switch):
     setattr(switch.module, switch.flag, switch.flipped)
     launch._clear_plans()
     try:
-        yield WGMMA
+        yield switch.base
     finally:
         setattr(switch.module, switch.flag, old)
         launch._clear_plans()
@@ -172,11 +177,12 @@ class Problem:
         return gpu_backward.check("flasharray-wgmma-det", result, self.copies[0], self.causal, self.device)
 
 
-def measure(problem, kind, switch, deterministic, clock, timing, validated):
-    """(ms, validated now) of one variant: plan, validate (once per key in ``validated``), time."""
-    with variant(switch) as kernel:
+def measure(problem, kind, switch, deterministic, clock, timing, validated, base=WGMMA):
+    """(ms, validated now) of one variant: plan, validate (once per key in ``validated``), time. ``switch``
+    None: the defaults, called with ``kernel=base``."""
+    with variant(switch, base) as kernel:
         fns = problem.calls(kind, kernel, deterministic)
-        key = (switch and switch.name, deterministic)
+        key = (switch.name if switch else base, deterministic)
         checked = False
         if key not in validated:
             report = problem.validate(kind, fns[0]())
@@ -202,7 +208,7 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
             if not mine:
                 continue
             for mode, det in modes.items():
-                base = default_launch = None
+                bases, default_launches = {}, {}  # by the switch's base kernel
                 for sw in mine:
                     factor = 1.0 if kind == "fwd" else gpu_backward.BWD_FACTOR
                     flop = gpu.flops(Bn, H, N, N, D, causal, factor)
@@ -212,16 +218,17 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
                         tf = lambda ms: ms and flop / (ms * 1e-3) / 1e12  # noqa: E731
                         return Row(sw.name, mode or "fwd", dt_name, Bn, H, N, D, causal, ms_d, ms_f, ratio,
                                    tf(ms_d), tf(ms_f), ok, note)
+                    base = bases.get(sw.base)
                     try:
-                        if default_launch is None:
-                            with variant(None) as kernel:
-                                default_launch = problem.launches(kind, kernel, det)
+                        if sw.base not in default_launches:
+                            with variant(None, sw.base) as kernel:
+                                default_launches[sw.base] = problem.launches(kind, kernel, det)
                         with variant(sw) as kernel:
                             flipped_launch = problem.launches(kind, kernel, det)
-                        if flipped_launch == default_launch:
+                        if flipped_launch == default_launches[sw.base]:
                             continue  # the flag changes nothing for this shape
                         if base is None:
-                            base = measure(problem, kind, None, det, clock, timing, seen)
+                            base = bases[sw.base] = measure(problem, kind, None, det, clock, timing, seen, sw.base)
                         ms_f, ok = measure(problem, kind, sw, det, clock, timing, seen)
                     except Exception as e:  # a failed validation, a compile error, out of memory, ...
                         log("%-30s | %-28s | %-6s | %s" % (label, sw.name, mode or "fwd", gpu._why(e)))

@@ -337,7 +337,7 @@ def test_gpu_precision_goals_from_rows(bench):
 # ---- the Hopper switches (benchmarks/hopper_variants.py) and the GPU session script -------------------
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
-                   "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel")
+                   "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel", "mma.WIDE_ROWS")
 
 
 def test_hopper_variants_on_the_emulator(tmp_path):
@@ -351,7 +351,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     for name, table in zip(HOPPER_SWITCHES, tables):
         rows = [line for line in table.splitlines() if line.startswith("(")]
         modes = {line.split("|")[1].strip() for line in rows}
-        assert modes == ({"fwd"} if name.startswith("fwd") else {"det", "atomic"}), (name, table)
+        assert modes == ({"det", "atomic"} if name.startswith("bwd") else {"fwd"}), (name, table)
         assert all(float(line.split("|")[4]) > 0 for line in rows), table   # flipped / default
     summary = out.split("summary (ratio")[1]
     assert all(name in summary for name in HOPPER_SWITCHES)
@@ -360,6 +360,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     by_name = {s["switch"]: s for s in data["summary"]}
     assert by_name["fwd.OVERLAP"]["default"] is True and by_name["fwd.PERSISTENT_MAX_HEAD_DIM"]["default"] == 128
     assert by_name["bwd.DQ_BULK"]["flag"] == "cuda_backward_sm90.DQ_BULK"
+    assert by_name["mma.WIDE_ROWS"]["flag"] == "tiles.WIDE_ROWS" and by_name["mma.WIDE_ROWS"]["default"] is True
 
 
 def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
@@ -367,7 +368,7 @@ def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
     what a call after it finds."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     hv = importlib.import_module("hopper_variants")
-    from flasharray._private import cuda_backward_sm90 as B, cuda_forward
+    from flasharray._private import cuda_backward_sm90 as B, cuda_forward, tiles
     (sw,) = [s for s in hv.SWITCHES if s.name == "bwd.DQ_BULK"]
     with pytest.raises(RuntimeError):
         with hv.variant(sw) as kernel:
@@ -378,6 +379,12 @@ def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
     (sw,) = [s for s in hv.SWITCHES if s.name == "fwd.kernel"]
     with hv.variant(sw) as kernel:
         assert kernel is None                    # the mma.sync kernels
+    (sw,) = [s for s in hv.SWITCHES if s.name == "mma.WIDE_ROWS"]
+    with hv.variant(sw) as kernel:               # the mma.sync forward's own switch: both sides kernel=None
+        assert kernel is None and tiles.WIDE_ROWS is False
+    assert tiles.WIDE_ROWS is True
+    with hv.variant(None, None) as kernel:
+        assert kernel is None
     assert hv.verdict([1.1, 1.05, 0.9]) == (1.05, "keep default") and hv.verdict([0.9])[1] == "flip"
     assert hv.verdict([1.01, 0.99])[1] == "keep default (within 2 %)" and hv.verdict([])[0] is None
     assert hv.verdict([1.5], dispatch=True)[1] == "wgmma faster: dispatch it"

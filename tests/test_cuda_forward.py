@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from flasharray._private import cuda_forward, cuda_forward_f64, tiles
+from flasharray._private import cuda_forward, cuda_forward_f64, launch, tiles
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import assert_attention_close
 
@@ -204,7 +204,7 @@ def test_forward_schedules_identical(dt, D, arch):
         np.testing.assert_array_equal(got[1], ref[1])
 
 
-@pytest.mark.parametrize("dt,D,Lq,Lk", [("fp16", 64, 130, 200), ("bf16", 128, 64, 65),
+@pytest.mark.parametrize("dt,D,Lq,Lk", [("fp16", 64, 130, 200), ("bf16", 128, 64, 65), ("fp16", 128, 130, 200),
                                        ("fp32", 59, 70, 33), ("fp64", 32, 33, 100)])
 def test_forward_counters_match_analytic(dt, D, Lq, Lk):
     """Emulator byte counters of a non-causal forward equal the tiling's analytic count:
@@ -213,12 +213,66 @@ def test_forward_counters_match_analytic(dt, D, Lq, Lk):
     q, k, v = make_inputs(dtype, D, Lq, Lk)
     counters = []
     run_forward("emulator", q, k, v, causal=False, counters=counters)
-    # float64 runs the DMMA kernel on the emulator's sm_80 (cuda_forward_f64), the others kernel_for's
-    tile = cuda_forward_f64.forward_tile(None, dtype, D, D, tiles.EMULATOR_ARCH) or \
-        cuda_forward.kernel_for(dtype, D, D, tiles.EMULATOR_ARCH)
+    # float64 runs the DMMA kernel on the emulator's sm_80 (cuda_forward_f64), fp16 D 128 over 64 rows the
+    # wide-row tile (K and V read once per 128 query rows), the others the table's
+    table = cuda_forward.kernel_for(dtype, D, D, tiles.EMULATOR_ARCH)
+    tile = cuda_forward_f64.forward_tile(None, dtype, D, D, tiles.EMULATOR_ARCH) or cuda_forward.kernel_for(
+        dtype, D, D, tiles.EMULATOR_ARCH, wide=cuda_forward.wide_rows(table, False, True, Lq, None))
+    if (dt, D, Lq) == ("fp16", 128, 130):
+        assert (tile.block_m, tile.block_n) == (128, 32)
     reads, writes = cuda_forward.analytic_global_bytes(2, Lq, Lk, D, D, dtype, tile)
     assert sum(c["global_read_bytes"] for c in counters) == reads
     assert sum(c["global_write_bytes"] for c in counters) == writes
+
+
+# ---- the wide-row tile (tiles.WIDE_ROWS: Br = 128, Bc = 32 at 64 < d <= 128) ------------------------
+
+def _plan(q, k, v, causal, **opts):
+    return cuda_forward.plan(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, batch_shape=q.shape[:-2],
+                             device="emulator", **opts)
+
+
+@pytest.mark.parametrize("dt,D,Dv,Lq,Lk,layout,gqa", [("fp16", 128, 128, 257, 128, "bhsd", False),
+                                                     ("bf16", 96, 128, 130, 203, "bshd", True),
+                                                     ("fp16", 80, 48, 65, 33, "bhsd", False)])
+def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
+    """Non-causal, aligned, > 64 query rows, 64 < d <= 128: the plan takes the 128 x 32 tile (two slabs
+    per warp) and meets the rule; reverse / random schedules give its bits (no missing barrier)."""
+    q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa)
+    t = _plan(q, k, v, False).tile
+    assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core", 128, 32, 4, 2)
+    ref = check_case("emulator", DTYPES[dt], D, Lq, Lk, False, Dv=Dv, layout=layout, gqa=gqa)
+    for schedule, seed in (("reverse", 0), ("random", 3)):
+        got = run_forward("emulator", q, k, v, causal=False, schedule=schedule, seed=seed)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])
+
+
+def test_forward_wide_row_tile_where_it_applies(monkeypatch):
+    """Causal, unaligned rows, <= 64 query rows, extensions, d outside (64, 128], sm_75 and
+    WIDE_ROWS = False keep the table's tile."""
+    from flasharray._private.extensions import Extensions
+    q, k, v = make_inputs(np.float16, 128, 200, 200)
+    assert _plan(q, k, v, False).tile.block_m == 128
+    assert _plan(q, k, v, True).tile.block_m == 64                       # causal
+    assert _plan(q[..., :64, :], k, v, False).tile.block_m == 64         # 64 rows
+    assert _plan(q, k, v, False, arch=75).tile.block_n == 64             # sm_75: not taken
+    ext = Extensions(window=(50, 50))
+    assert _plan(q, k, v, False, ext=ext).tile.block_m == 64             # extensions
+    q59, k59, v59 = make_inputs(np.float16, 59, 200, 200)
+    assert _plan(q59, k59, v59, False).tile.block_m == 128               # d <= 64: the table's 128 x 64
+    assert _plan(q59, k59, v59, False).tile.block_n == 64
+    qu, ku, vu = make_inputs(np.float16, 120, 200, 200)                  # 240-byte rows: aligned
+    assert _plan(qu, ku, vu, False).tile.block_m == 128
+    qo, ko, vo = make_inputs(np.float16, 100, 200, 200)                  # 200-byte rows: not aligned
+    assert _plan(qo, ko, vo, False).tile.block_m == 64
+    monkeypatch.setattr(tiles, "WIDE_ROWS", False)
+    launch._clear_plans()
+    try:
+        assert _plan(q, k, v, False).tile.block_m == 64
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
 
 
 @pytest.mark.parametrize("dt,Lq,Lk", [("fp16", 256, 256), ("fp16", 300, 40), ("fp32", 40, 300),

@@ -130,3 +130,55 @@ def test_python_smem_matches_traits():
         out = np.zeros(1, np.int32)
         mod.launch(expr, (1,), (32,), (out,))
         assert int(out[0]) == smem, expr
+
+
+# ---- the wide-row tile (tiles.WIDE_ROWS: Br = 128, Bc = 32 at 64 < d <= 128) -----------------------------
+#: The variants a wide-row plan can launch (cuda_forward.wide_rows: non-causal, aligned, no extensions,
+#: no paged cache): dense, split-KV, per-entry key lengths (KV cache), split + lengths.
+WIDE_VARIANTS = (dict(), dict(split=True), dict(seqlens_k=True), dict(split=True, seqlens_k=True))
+
+
+def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
+    from flasharray._private import cuda_forward
+    names = {}
+    for dt in dtypes:
+        if not tiles.tensor_cores_available(dt, arch):
+            continue
+        for d, dv in pairs:
+            t = tiles.forward_tile(dt, d, dv, arch, wide=True)
+            if t.block_m != 128 or max(t.head_dim, t.head_dim_v) <= 64:
+                continue  # the table's tile (sm_75: two stages do not fit; d <= 64: its own 128 x 64)
+            assert (t.block_n, t.stages) == (32, 2)
+            for flags in WIDE_VARIANTS:
+                names[cuda_forward.forward_name_expression(t, False, True, **flags)] = t
+    return names
+
+
+def _check_wide(arch, pairs, dtypes=("float16", "bfloat16")):
+    names = wide_instantiations(arch, pairs, dtypes)
+    if not names:
+        assert arch == 75, "the wide-row tile fits every arch but sm_75"
+        return
+    res = nvrtc.compile_cubin(launch.kernel_source("flash_fwd.cu"), "sm_%d" % arch, sorted(names),
+                              options=["--use_fast_math"])
+    problems = []
+    for name, t in names.items():
+        k = res.kernel(name)
+        if k.spill_stores or k.spill_loads or k.stack_frame or k.registers > 255:
+            problems.append("%s: %d registers, spills %d/%d" % (name, k.registers, k.spill_stores, k.spill_loads))
+        if t.smem > tiles.smem_limit(arch):
+            problems.append("%s: %d bytes smem" % (name, t.smem))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
+def test_wide_row_tile_compiles_without_spills(arch):
+    _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", tiles.ARCHS)
+def test_wide_row_tile_every_head_dim_pair(arch):
+    dims = range(16, 129, 16)
+    _check_wide(arch, [(d, dv) for d in dims for dv in dims if max(d, dv) > 64], ("float16",))
+    _check_wide(arch, [(d, d) for d in dims if d > 64], ("bfloat16",))

@@ -71,11 +71,17 @@ def _cupy_cache_dir():
 
 
 def kernel_choice(dtype, head_dim, arch, head_dim_v=None):
-    """One line: which forward kernel and tile (dtype, head dim, arch) gets, and why."""
+    """Which forward kernel and tile (dtype, head dim, arch) gets, and why; a second line when
+    long non-causal calls take the wide-row tile (``tiles.WIDE_ROWS``)."""
     try:
-        return tiles.forward_tile(dtype, head_dim, head_dim_v, arch).describe()
+        t = tiles.forward_tile(dtype, head_dim, head_dim_v, arch)
+        wide = tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True)
     except NotImplementedError as e:
         return str(e)
+    line = t.describe()
+    if wide != t:
+        line += "\n      (non-causal, aligned rows, > 64 rows, no extensions: %s)" % wide.describe()
+    return line
 
 
 def _emulator_compiler():

@@ -153,7 +153,8 @@ _TC_CANDIDATES = [
                         "K/V double-buffered"),
     (64, 128, 64, 4, 1, "d <= 64, small-smem fallback: single-buffered K/V"),
     (128, 64, 64, 4, 2, "64 < d <= 128: Br=64, Bc=64, 4 warps x 1 slab; O (64 fp32/lane) + S (32/lane) "
-                        "~182 regs (Br=128 would need Bc=32 and 242 regs); K/V double-buffered"),
+                        "~182 regs; K/V double-buffered (causal, unaligned, short or extension calls; "
+                        "long non-causal ones take the wide-row tile)"),
     (128, 64, 64, 4, 1, "64 < d <= 128 on sm_75 (64 KB smem): single-buffered K/V"),
     (256, 64, 32, 4, 2, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
                         "~240 regs without spills; K/V double-buffered (99 KB: fits sm_86/89 exactly)"),
@@ -168,6 +169,25 @@ _TC_EXT_CANDIDATES = [
                        "with the extensions' registers); K/V double-buffered"),
     (64, 64, 64, 4, 1, "d <= 64 with extensions, small-smem fallback: single-buffered K/V"),
 ]
+
+#: Wide-row tensor-core tiles for 64 < d <= 128 (``forward_tile(..., wide=True)``): Br = 128 as
+#: FlashAttention-2's forward, 4 warps x 2 slabs, so each K/V fragment a warp loads feeds 2 mma
+#: (ldmatrix per HMMA 0.56 -> 0.375) and each K/V tile loaded serves twice the query rows (half the
+#: L2 -> SM traffic); Bc = 32 keeps O (64 fp32/lane) + S (16/lane) at 240-255 registers without
+#: spills (Bc = 64 spilled 136 bytes). Shared memory 68 KB: 2 blocks (8 warps) per A100 SM where
+#: the 64 x 64 tile's 85 KB fits one. Taken by the forward plan where it compiles without spills
+#: (tests/test_static_forward.py, ``-m slow``: sm_80-90, every d, dv pair): non-causal (causal keeps
+#: the square 64 x 64 tile, as FlashAttention-2 on sm_86/89), 16-byte aligned rows (the element-wise
+#: copies spilled 64 bytes), no extensions, no paged KV cache (12-60 bytes on sm_90), more than 64
+#: query rows (fewer: the 64-row tile computes fewer idle rows), sm_80+ (sm_75: one K/V stage only
+#: at d 128, and its split variants spilled). WIDE_ROWS = False turns it off.
+_TC_WIDE_CANDIDATES = [
+    (128, 128, 32, 4, 2, "64 < d <= 128, non-causal, > 64 rows: Br=128, Bc=32, 4 warps x 2 slabs as "
+                         "FlashAttention-2 (each K/V fragment feeds 2 mma, K/V re-read half as often); "
+                         "~240-255 regs; K/V double-buffered"),
+]
+#: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
+WIDE_ROWS = True
 
 #: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
 #: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
@@ -202,13 +222,16 @@ _SIMT_CANDIDATES = {
 }
 
 
-def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False):
+def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
+                 wide=False):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
     where the arch has them (fp16: sm_75+, bf16: sm_80+), SIMT otherwise. ``block_m`` (384 or
     512, tensor cores only) picks one of the :data:`IO_TILES` instead of the table. ``ext``: the
     kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
+    ``wide``: the call qualifies for the wide-row tiles (:data:`_TC_WIDE_CANDIDATES`: non-causal,
+    aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit.
     Raises NotImplementedError for head dims above 256.
     """
     name = dtype_name(dtype)
@@ -229,7 +252,9 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
             br, bc, warps, stages, reason = IO_TILES[block_m]
             return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
                            reason, stages)
-        for max_hd, br, bc, warps, stages, reason in (_TC_EXT_CANDIDATES if ext else []) + _TC_CANDIDATES:
+        wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
+        for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
+                                                      (_TC_WIDE_CANDIDATES if wide else []) + _TC_CANDIDATES):
             smem = tc_smem(d, dv, br, bc, stages)
             if hd <= max_hd and smem <= limit:
                 return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason, stages)
