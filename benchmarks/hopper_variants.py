@@ -18,7 +18,7 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel=None)
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides kernel=None): the
-                               128 x 32 tile at 64 < d <= 128 non-causal (off: the 64 x 64 tile)
+                               128 x 32 tiles at d > 64 non-causal (off: the table's 64 x 64 / 64 x 32)
 
 Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
 ``atomic`` (deterministic=False). The backward's (out, lse) come from the wgmma forward with its defaults.
@@ -88,7 +88,7 @@ SWITCHES = (
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("bwd.kernel", "bwd", None, "kernel", None, "wgmma vs mma.sync backward (sm_90 dispatch)"),
-    Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d 128: 128 x 32 tile vs 64 x 64", None),
+    Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's", None),
 )
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}

@@ -234,13 +234,17 @@ def _plan(q, k, v, causal, **opts):
 
 @pytest.mark.parametrize("dt,D,Dv,Lq,Lk,layout,gqa", [("fp16", 128, 128, 257, 128, "bhsd", False),
                                                      ("bf16", 96, 128, 130, 203, "bshd", True),
-                                                     ("fp16", 80, 48, 65, 33, "bhsd", False)])
+                                                     ("fp16", 80, 48, 65, 33, "bhsd", False),
+                                                     ("bf16", 256, 256, 130, 100, "bhsd", True),
+                                                     ("fp16", 200, 136, 97, 70, "bshd", False)])
 def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
-    """Non-causal, aligned, > 64 query rows, 64 < d <= 128: the plan takes the 128 x 32 tile (two slabs
-    per warp) and meets the rule; reverse / random schedules give its bits (no missing barrier)."""
+    """Non-causal, aligned, > 64 query rows: the plan takes the 128 x 32 tile (64 < d <= 128: 4 warps x 2
+    slabs; 128 < d <= 256: 8 warps x 1 slab) and meets the rule; reverse / random schedules give its bits
+    (no missing barrier)."""
     q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa)
     t = _plan(q, k, v, False).tile
-    assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core", 128, 32, 4, 2)
+    warps = 4 if max(D, Dv) <= 128 else 8
+    assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core", 128, 32, warps, 2)
     ref = check_case("emulator", DTYPES[dt], D, Lq, Lk, False, Dv=Dv, layout=layout, gqa=gqa)
     for schedule, seed in (("reverse", 0), ("random", 3)):
         got = run_forward("emulator", q, k, v, causal=False, schedule=schedule, seed=seed)
@@ -266,6 +270,10 @@ def test_forward_wide_row_tile_where_it_applies(monkeypatch):
     assert _plan(qu, ku, vu, False).tile.block_m == 128
     qo, ko, vo = make_inputs(np.float16, 100, 200, 200)                  # 200-byte rows: not aligned
     assert _plan(qo, ko, vo, False).tile.block_m == 64
+    q2, k2, v2 = make_inputs(np.float16, 256, 200, 200)
+    assert _plan(q2, k2, v2, False).tile.threads_m == 8                 # d 256: the 8-warp tile
+    assert _plan(q2, k2, v2, False, arch=86).tile.block_m == 64          # 132 KB: not on sm_86 / 89
+    assert _plan(q2, k2, v2, True).tile.block_m == 64                   # causal
     monkeypatch.setattr(tiles, "WIDE_ROWS", False)
     launch._clear_plans()
     try:

@@ -148,7 +148,7 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
             t = tiles.forward_tile(dt, d, dv, arch, wide=True)
             if t.block_m != 128 or max(t.head_dim, t.head_dim_v) <= 64:
                 continue  # the table's tile (sm_75: two stages do not fit; d <= 64: its own 128 x 64)
-            assert (t.block_n, t.stages) == (32, 2)
+            assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if max(t.head_dim, t.head_dim_v) <= 128 else 8)
             for flags in WIDE_VARIANTS:
                 names[cuda_forward.forward_name_expression(t, False, True, **flags)] = t
     return names
@@ -173,12 +173,12 @@ def _check_wide(arch, pairs, dtypes=("float16", "bfloat16")):
 
 @pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
 def test_wide_row_tile_compiles_without_spills(arch):
-    _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128)])
+    _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128), (256, 256), (192, 64), (144, 16)])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiles.ARCHS)
 def test_wide_row_tile_every_head_dim_pair(arch):
-    dims = range(16, 129, 16)
+    dims = range(16, 257, 16)
     _check_wide(arch, [(d, dv) for d in dims for dv in dims if max(d, dv) > 64], ("float16",))
     _check_wide(arch, [(d, d) for d in dims if d > 64], ("bfloat16",))

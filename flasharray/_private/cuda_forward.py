@@ -54,7 +54,7 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
     ext : bool
         The call has extensions (the kernels' kExt != 0; d <= 64 then runs a one-slab tile).
     wide : bool
-        The call qualifies for the wide-row tiles (``tiles.WIDE_ROWS``: 64 < d <= 128, non-causal,
+        The call qualifies for the wide-row tiles (``tiles.WIDE_ROWS``: d > 64, non-causal,
         16-byte aligned rows, more than 64 query rows, no extensions): :func:`wide_rows`.
     """
     return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide)

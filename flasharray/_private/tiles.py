@@ -170,7 +170,7 @@ _TC_EXT_CANDIDATES = [
     (64, 64, 64, 4, 1, "d <= 64 with extensions, small-smem fallback: single-buffered K/V"),
 ]
 
-#: Wide-row tensor-core tiles for 64 < d <= 128 (``forward_tile(..., wide=True)``): Br = 128 as
+#: Wide-row tensor-core tiles for d > 64 (``forward_tile(..., wide=True)``). 64 < d <= 128: Br = 128 as
 #: FlashAttention-2's forward, 4 warps x 2 slabs, so each K/V fragment a warp loads feeds 2 mma
 #: (ldmatrix per HMMA 0.56 -> 0.375) and each K/V tile loaded serves twice the query rows (half the
 #: L2 -> SM traffic); Bc = 32 keeps O (64 fp32/lane) + S (16/lane) at 240-255 registers without
@@ -180,11 +180,20 @@ _TC_EXT_CANDIDATES = [
 #: the square 64 x 64 tile, as FlashAttention-2 on sm_86/89), 16-byte aligned rows (the element-wise
 #: copies spilled 64 bytes), no extensions, no paged KV cache (12-60 bytes on sm_90), more than 64
 #: query rows (fewer: the 64-row tile computes fewer idle rows), sm_80+ (sm_75: one K/V stage only
-#: at d 128, and its split variants spilled). WIDE_ROWS = False turns it off.
+#: at d 128, and its split variants spilled). 128 < d <= 256: Br = 128, Bc = 32 with 8 warps x 1 slab
+#: (FlashAttention-2's d 256 forward also runs 8 warps x 128 rows): the same registers per thread as the
+#: 4-warp 64 x 32 tile, the copies split over 256 threads (4.54 -> 4.23 instructions per HMMA), K/V
+#: loads halved, 132 KB at d = dv = 256: one 8-warp block per A100 SM where 64 x 32 (99 KB) fit one
+#: 4-warp block; on an H100 one 8-warp block instead of two 4-warp ones; sm_86/89 only where it fits
+#: (smaller d, dv). Same conditions; zero spills in all 3,390 instantiations audited (paged included).
+#: WIDE_ROWS = False turns both off.
 _TC_WIDE_CANDIDATES = [
     (128, 128, 32, 4, 2, "64 < d <= 128, non-causal, > 64 rows: Br=128, Bc=32, 4 warps x 2 slabs as "
                          "FlashAttention-2 (each K/V fragment feeds 2 mma, K/V re-read half as often); "
                          "~240-255 regs; K/V double-buffered"),
+    (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows: Br=128, Bc=32, 8 warps x 1 slab as "
+                         "FlashAttention-2's 8-warp d 256 tile (K/V re-read half as often, the copies "
+                         "split over 256 threads); ~236-250 regs; 132 KB at d = dv = 256 (sm_80, sm_90)"),
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
 WIDE_ROWS = True
