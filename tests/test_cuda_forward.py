@@ -252,13 +252,35 @@ def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
         np.testing.assert_array_equal(got[1], ref[1])
 
 
+@pytest.mark.parametrize("dt,D,Lq,Lk,batch", [("fp16", 128, 257, 300, (1, 2)), ("bf16", 256, 130, 100, (1, 2)),
+                                             ("fp16", 112, 40, 100, (1, 2, 4))])
+def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
+    """Causal on sm_80 (tiles.WIDE_CAUSAL_ARCHS): the wide tiles, also with Lq > Lk (rows that see no key) and
+    GQA-packed (4 query heads x 40 rows = 160 packed rows: the Is_packed variant); reverse schedule bits."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(batch + (Lq, D)).astype(DTYPES[dt])
+    k, v = (rng.standard_normal(batch[:2] + (1,) * (len(batch) - 2) + (Lk, D)).astype(DTYPES[dt]) for _ in "kv")
+    t = _plan(q, k, v, True).tile
+    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)
+    out, lse = run_forward("emulator", q, k, v, causal=True)
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    got = run_forward("emulator", q, k, v, causal=True, schedule="reverse")
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+    if len(batch) > 2:
+        p = _plan(q, k, v, True)
+        assert p.gqa_group == 4 and p.launches[0].name.endswith("true, true, false, true>")  # Is_packed
+
+
 def test_forward_wide_row_tile_where_it_applies(monkeypatch):
-    """Causal, unaligned rows, <= 64 query rows, extensions, d outside (64, 128], sm_75 and
+    """Causal (but on sm_80), unaligned rows, <= 64 query rows, extensions, d <= 64, sm_75 and
     WIDE_ROWS = False keep the table's tile."""
     from flasharray._private.extensions import Extensions
     q, k, v = make_inputs(np.float16, 128, 200, 200)
     assert _plan(q, k, v, False).tile.block_m == 128
-    assert _plan(q, k, v, True).tile.block_m == 64                       # causal
+    assert _plan(q, k, v, True, arch=90).tile.block_m == 64              # causal (sm_90: same occupancy)
+    assert _plan(q, k, v, True, arch=86).tile.block_m == 64
+    assert _plan(q, k, v, True).tile.block_m == 128                      # causal on sm_80: 2 blocks per SM
     assert _plan(q[..., :64, :], k, v, False).tile.block_m == 64         # 64 rows
     assert _plan(q, k, v, False, arch=75).tile.block_n == 64             # sm_75: not taken
     ext = Extensions(window=(50, 50))
@@ -273,7 +295,8 @@ def test_forward_wide_row_tile_where_it_applies(monkeypatch):
     q2, k2, v2 = make_inputs(np.float16, 256, 200, 200)
     assert _plan(q2, k2, v2, False).tile.threads_m == 8                 # d 256: the 8-warp tile
     assert _plan(q2, k2, v2, False, arch=86).tile.block_m == 64          # 132 KB: not on sm_86 / 89
-    assert _plan(q2, k2, v2, True).tile.block_m == 64                   # causal
+    assert _plan(q2, k2, v2, True, arch=90).tile.block_m == 64          # causal
+    assert _plan(q2, k2, v2, True).tile.threads_m == 8                  # causal on sm_80
     monkeypatch.setattr(tiles, "WIDE_ROWS", False)
     launch._clear_plans()
     try:
@@ -395,7 +418,7 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
     out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda",
                                     precision="ieee" if dt == "fp32" else None)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
-    tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80)
+    tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80, wide=True)  # causal, 70 rows: sm_80's wide tile
     assert log and all(name == tile.name_expression(True, True) and smem == tile.smem for name, smem, _ in log)
     if tile.needs_opt_in:
         assert all(optin >= tile.smem for _, _, optin in log)

@@ -151,6 +151,10 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
             assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if max(t.head_dim, t.head_dim_v) <= 128 else 8)
             for flags in WIDE_VARIANTS:
                 names[cuda_forward.forward_name_expression(t, False, True, **flags)] = t
+            if arch in tiles.WIDE_CAUSAL_ARCHS:  # causal too, with GQA packing (Is_packed)
+                for flags in WIDE_VARIANTS + (dict(packed=True), dict(split=True, packed=True),
+                                              dict(packed=True, seqlens_k=True)):
+                    names[cuda_forward.forward_name_expression(t, True, True, **flags)] = t
     return names
 
 

@@ -80,7 +80,8 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None):
         return str(e)
     line = t.describe()
     if wide != t:
-        line += "\n      (non-causal, aligned rows, > 64 rows, no extensions: %s)" % wide.describe()
+        causal = "causal or not" if tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS else "non-causal"
+        line += "\n      (%s, aligned rows, > 64 rows, no extensions: %s)" % (causal, wide.describe())
     return line
 
 

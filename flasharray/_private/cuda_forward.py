@@ -60,13 +60,15 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
     return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide)
 
 
-def wide_rows(tile, causal, aligned, rows, ext, kv=None):
+def wide_rows(tile, causal, aligned, rows, ext, kv=None, arch=tiles.EMULATOR_ARCH):
     """Whether a call on the table's ``tile`` qualifies for the wide-row tiles (``tiles.WIDE_ROWS``):
-    the mma.sync kernel of the table (no IO tile), non-causal, 16-byte aligned rows, more than 64
-    query rows (after GQA packing), no extensions, no paged KV cache: the instantiations audited free
-    of spills (the paged ones spilled 12-60 bytes on sm_90; docs/performance.md)."""
-    return (tile.kernel == "tensor_core" and tile.block_m == 64 and not causal and aligned and rows > 64
-            and ext is None and not (kv is not None and kv.paged))
+    the mma.sync kernel of the table (no IO tile), non-causal (causal too on ``tiles.WIDE_CAUSAL_ARCHS``),
+    16-byte aligned rows, more than 64 query rows (after GQA packing), no extensions, no paged KV cache:
+    the instantiations audited free of spills (the paged ones spilled 12-60 bytes on sm_90;
+    docs/performance.md)."""
+    return (tile.kernel == "tensor_core" and tile.block_m == 64 and aligned and rows > 64 and ext is None
+            and (not causal or tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS)
+            and not (kv is not None and kv.paged))
 
 
 def _is_aligned(arrays):
@@ -147,7 +149,7 @@ class ForwardPlan:
             rows = q_k.shape[-2]
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
             packed_causal = bool(causal)
-        if block_m is None and wide_rows(tile, causal, aligned, rows, self.ext, kv):
+        if block_m is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, launcher.arch):
             tile = self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, wide=True)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
             tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), 0 if self.ext is None else self.ext.bits)

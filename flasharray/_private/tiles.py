@@ -177,7 +177,7 @@ _TC_EXT_CANDIDATES = [
 #: spills (Bc = 64 spilled 136 bytes). Shared memory 68 KB: 2 blocks (8 warps) per A100 SM where
 #: the 64 x 64 tile's 85 KB fits one. Taken by the forward plan where it compiles without spills
 #: (tests/test_static_forward.py, ``-m slow``: sm_80-90, every d, dv pair): non-causal (causal keeps
-#: the square 64 x 64 tile, as FlashAttention-2 on sm_86/89), 16-byte aligned rows (the element-wise
+#: the square 64 x 64 tile, as FlashAttention-2 on sm_86/89, but on WIDE_CAUSAL_ARCHS), 16-byte aligned rows (the element-wise
 #: copies spilled 64 bytes), no extensions, no paged KV cache (12-60 bytes on sm_90), more than 64
 #: query rows (fewer: the 64-row tile computes fewer idle rows), sm_80+ (sm_75: one K/V stage only
 #: at d 128, and its split variants spilled). 128 < d <= 256: Br = 128, Bc = 32 with 8 warps x 1 slab
@@ -197,6 +197,12 @@ _TC_WIDE_CANDIDATES = [
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
 WIDE_ROWS = True
+#: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
+#: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
+#: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
+#: Elsewhere the warps per SM are the same and causal keeps the square tile: a 128-row tile computes
+#: twice the masked diagonal (64 instead of 32 wasted keys per row: +6% of the work at N = 1k, +0.4% at 16k).
+WIDE_CAUSAL_ARCHS = (80,)
 
 #: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
 #: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
