@@ -272,6 +272,24 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
         assert p.gqa_group == 4 and p.launches[0].name.endswith("true, true, false, true>")  # Is_packed
 
 
+def test_forward_two_blocks_per_sm_at_small_head_dims():
+    """d <= 64 (tiles.TWO_BLOCKS_MAX_HEAD_DIM): on sm_86/89 (100 KB per SM) the single-buffered 128 x 64 tile,
+    two blocks per SM; sm_80/90 (two fit anyway) and sm_75 (neither does) keep the double-buffered one, as do
+    extensions. The sm_86 kernel meets the rule and gives the same bits under a reverse schedule."""
+    for arch, stages in ((75, 2), (80, 2), (86, 1), (89, 1), (90, 2)):
+        t = tiles.forward_tile("float16", 64, 64, arch)
+        assert (t.block_m, t.block_n, t.stages) == (128, 64, stages), arch
+    assert tiles.forward_tile("float16", 32, 32, 86).stages == 2           # 30 KB: two fit double-buffered
+    assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
+    q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
+    assert _plan(q, k, v, True, arch=86).tile.stages == 1
+    out, lse = run_forward("emulator", q, k, v, causal=True, arch=86)
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    got = run_forward("emulator", q, k, v, causal=True, arch=86, schedule="reverse")
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+
+
 def test_forward_wide_row_tile_where_it_applies(monkeypatch):
     """Causal (but on sm_80), unaligned rows, <= 64 query rows, extensions, d <= 64, sm_75 and
     WIDE_ROWS = False keep the table's tile."""

@@ -237,6 +237,25 @@ _SIMT_CANDIDATES = {
 }
 
 
+#: Shared memory per SM and reserved per block, bytes (the occupancy rules of sass.ARCH_LIMITS).
+SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * KB, 90: 228 * KB}
+#: Up to this padded head dim the tensor-core table prefers a candidate that lets two blocks share an
+#: SM (FlashAttention-2's single-buffered K/V on sm_86/89: "we get 2 CTAs per SM"): on sm_86/89
+#: (100 KB per SM) d <= 64's double-buffered 128 x 64 tile (54 KB) runs one 4-warp block per SM, the
+#: single-buffered one (36 KB) two, at 6.25 instead of 5.80 instructions per HMMA (a second barrier per
+#: tile); sm_80/90 keep the double-buffered tile (two blocks fit), sm_75 too (neither lets two). Only
+#: the stage count changes (the same Br, Bc, warps).
+#: Above d 64, and with extensions (their one-slab tile lets two blocks fit but on sm_75), the choice
+#: stays by the order of the table (the wide-row tiles raise occupancy above d 64).
+TWO_BLOCKS_MAX_HEAD_DIM = 64
+
+
+def _two_blocks_fit(smem, arch):
+    a = arch_number(arch)
+    per_sm = SMEM_PER_SM.get(a, smem_limit(a))
+    return 2 * (smem + (KB if a >= 80 else 0)) <= per_sm
+
+
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
                  wide=False):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
@@ -268,11 +287,15 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
             return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
-        for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
-                                                      (_TC_WIDE_CANDIDATES if wide else []) + _TC_CANDIDATES):
-            smem = tc_smem(d, dv, br, bc, stages)
-            if hd <= max_hd and smem <= limit:
-                return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason, stages)
+        fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
+                for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
+                                                              (_TC_WIDE_CANDIDATES if wide else []) + _TC_CANDIDATES)
+                if hd <= max_hd and tc_smem(d, dv, br, bc, stages) <= limit]
+        if hd <= TWO_BLOCKS_MAX_HEAD_DIM and not ext:  # the first tile's shape, single-buffered if two then fit
+            fits = [f for f in fits if f[:3] == fits[0][:3] and _two_blocks_fit(f[5], arch)] or fits
+        if fits:
+            br, bc, warps, stages, reason, smem = fits[0]
+            return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, smem, reason, stages)
     else:
         elem, acc = itemsize(name), (8 if name == "float64" else 4)
         for max_hd, br, bc, tm, tn, reason in _SIMT_CANDIDATES[acc]:
