@@ -273,13 +273,18 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
 
 
 def test_forward_two_blocks_per_sm_at_small_head_dims():
-    """d <= 64 (tiles.TWO_BLOCKS_MAX_HEAD_DIM): on sm_86/89 (100 KB per SM) the single-buffered 128 x 64 tile,
-    two blocks per SM; sm_80/90 (two fit anyway) and sm_75 (neither does) keep the double-buffered one, as do
-    extensions. The sm_86 kernel meets the rule and gives the same bits under a reverse schedule."""
+    """d <= 128 (tiles.TWO_BLOCKS_MAX_HEAD_DIM): a single-buffered tile where that lets two blocks share an SM and
+    the double-buffered one does not (sm_86/89 d <= 112, sm_80 d 128's square tile); sm_90 (two fit anyway) and
+    sm_75 (neither does) keep theirs, as do extensions. The sm_86 d 64 and sm_80 d 128 kernels meet the rule
+    and give the same bits under a reverse schedule."""
     for arch, stages in ((75, 2), (80, 2), (86, 1), (89, 1), (90, 2)):
         t = tiles.forward_tile("float16", 64, 64, arch)
         assert (t.block_m, t.block_n, t.stages) == (128, 64, stages), arch
     assert tiles.forward_tile("float16", 32, 32, 86).stages == 2           # 30 KB: two fit double-buffered
+    for arch, d, stages in ((80, 128, 1), (80, 112, 2), (86, 96, 1), (86, 128, 2), (90, 128, 2), (75, 80, 2)):
+        t = tiles.forward_tile("float16", d, d, arch)                      # the square tile up to d 128
+        assert (t.block_m, t.block_n, t.stages) == (64, 64, stages), (arch, d)
+    assert tiles.forward_tile("float16", 128, 128, 80, wide=True).stages == 2  # the wide tile: two fit
     assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
     q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
     assert _plan(q, k, v, True, arch=86).tile.stages == 1
@@ -288,6 +293,12 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     got = run_forward("emulator", q, k, v, causal=True, arch=86, schedule="reverse")
     np.testing.assert_array_equal(got[0], out)
     np.testing.assert_array_equal(got[1], lse)
+    q, k, v = make_inputs(np.float16, 128, 40, 200)                      # 40 rows: not the wide tile
+    assert _plan(q, k, v, False).tile.stages == 1
+    out, lse = run_forward("emulator", q, k, v, causal=False)
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)
+    got = run_forward("emulator", q, k, v, causal=False, schedule="reverse")
+    np.testing.assert_array_equal(got[0], out)
 
 
 def test_forward_wide_row_tile_where_it_applies(monkeypatch):

@@ -243,11 +243,12 @@ SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * 
 #: SM (FlashAttention-2's single-buffered K/V on sm_86/89: "we get 2 CTAs per SM"): on sm_86/89
 #: (100 KB per SM) d <= 64's double-buffered 128 x 64 tile (54 KB) runs one 4-warp block per SM, the
 #: single-buffered one (36 KB) two, at 6.25 instead of 5.80 instructions per HMMA (a second barrier per
-#: tile); sm_80/90 keep the double-buffered tile (two blocks fit), sm_75 too (neither lets two). Only
-#: the stage count changes (the same Br, Bc, warps).
-#: Above d 64, and with extensions (their one-slab tile lets two blocks fit but on sm_75), the choice
-#: stays by the order of the table (the wide-row tiles raise occupancy above d 64).
-TWO_BLOCKS_MAX_HEAD_DIM = 64
+#: tile); so do the square 64 x 64 tile at 64 < d <= 112 there (40-46 KB single-buffered) and at d 128
+#: on sm_80 (85 KB: one block; 51 KB: three). sm_90 keeps the double-buffered tiles (two fit), sm_75 too
+#: (neither lets two), as does sm_86/89 at d 128 (51 KB + 1 KB reserved: 104 KB for two). Only the stage
+#: count changes (the same Br, Bc, warps): the wide-row tiles, which come first where they apply, stay.
+#: With extensions (their one-slab tile lets two blocks fit but on sm_75) the order of the table stands.
+TWO_BLOCKS_MAX_HEAD_DIM = 128
 
 
 def _two_blocks_fit(smem, arch):
