@@ -285,6 +285,7 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
         t = tiles.forward_tile("float16", d, d, arch)                      # the square tile up to d 128
         assert (t.block_m, t.block_n, t.stages) == (64, 64, stages), (arch, d)
     assert tiles.forward_tile("float16", 128, 128, 80, wide=True).stages == 2  # the wide tile: two fit
+    assert tiles.forward_tile("float16", 128, 128, 80, two_blocks=False).stages == 2  # paged caches
     assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
     q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
     assert _plan(q, k, v, True, arch=86).tile.stages == 1

@@ -23,9 +23,9 @@ def kvcache_names(arch):
         if not tiles.tensor_cores_available(dt, arch):
             continue
         for d, dv in ((64, 64), (256, 256), (40, 24)):
-            t = tiles.forward_tile(dt, d, dv, arch)
             for aligned in ((True, False) if d == 40 else (True,)):
                 for paged in (False, True):
+                    t = tiles.forward_tile(dt, d, dv, arch, two_blocks=not paged)  # as the plan picks it
                     for split in (False, True):
                         for causal, packed in ((False, False), (True, False), (True, True)):
                             name = cuda_forward.forward_name_expression(t, causal, aligned, split, packed,
@@ -49,12 +49,13 @@ def test_kvcache_kernels_compile_without_spills(arch):
 def test_paged_key_loop_keeps_the_planned_copy():
     """The paged tensor-core forward's key-tile loop (fp16, sm_80, whole, not causal, d 64/128/256):
     no nested copy loop (the per-chunk load_tile_paged copy had two), the dense plan's cp.async
-    count, one block-table load per key tile (K_j and V_j share the page lookup) and instructions
-    per HMMA within issue 9's dense targets (docs/performance.md: 6.02 / 5.02 / 4.63, was 14.2 /
-    12.9 / 12.6)."""
+    count, one block-table load per key tile (K_j and V_j share the page lookup: paged caches keep the
+    double-buffered ring, tiles.forward_tile(two_blocks=False)) and instructions per HMMA within issue 9's
+    dense targets (docs/performance.md: 6.02 / 5.02 / 4.63, was 14.2 / 12.9 / 12.6)."""
     found = {}
     for d in (64, 128, 256):
-        t = tiles.forward_tile("float16", d, d, 80)
+        t = tiles.forward_tile("float16", d, d, 80, two_blocks=False)   # the plan's tile for a paged cache
+        assert t.stages == 2
         found[cuda_forward.forward_name_expression(t, False, True, seqlens_k=True, paged=True)] = t
     res = nvrtc.compile_cubin(launch.kernel_source("flash_fwd.cu"), "sm_80", list(found), options=["--use_fast_math"])
     functions = sass.parse(sass.disassemble(res.cubin))

@@ -37,7 +37,7 @@ def _acc_dtype(dtype):
 
 
 def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-               wide=False):
+               wide=False, two_blocks=True):
     """The :class:`~flasharray._private.tiles.FwdTile` a forward call would use.
 
     Parameters
@@ -56,8 +56,12 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
     wide : bool
         The call qualifies for the wide-row tiles (``tiles.WIDE_ROWS``: d > 64, non-causal,
         16-byte aligned rows, more than 64 query rows, no extensions): :func:`wide_rows`.
+    two_blocks : bool
+        Single-buffer where that lets two blocks share an SM (``tiles.TWO_BLOCKS_MAX_HEAD_DIM``);
+        False for a paged KV cache.
     """
-    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide)
+    return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide,
+                              two_blocks=two_blocks)
 
 
 def wide_rows(tile, causal, aligned, rows, ext, kv=None, arch=tiles.EMULATOR_ARCH):
@@ -120,7 +124,8 @@ class ForwardPlan:
         self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, **tc) or \
             tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
             f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
-            kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None)
+            kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None,
+                       two_blocks=not (kv is not None and kv.paged))
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))
         self.out_shape = self.batch_shape + (Lq, Dv)

@@ -247,7 +247,9 @@ SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * 
 #: on sm_80 (85 KB: one block; 51 KB: three). sm_90 keeps the double-buffered tiles (two fit), sm_75 too
 #: (neither lets two), as does sm_86/89 at d 128 (51 KB + 1 KB reserved: 104 KB for two). Only the stage
 #: count changes (the same Br, Bc, warps): the wide-row tiles, which come first where they apply, stay.
-#: With extensions (their one-slab tile lets two blocks fit but on sm_75) the order of the table stands.
+#: With extensions (their one-slab tile lets two blocks fit but on sm_75) the order of the table stands,
+#: and for paged KV caches (single-buffered, K_j and V_j look their pages up separately: sm_80 d 128's
+#: paged loop went 5.02 -> 5.57 instructions per HMMA, over issue 9's 5.5).
 TWO_BLOCKS_MAX_HEAD_DIM = 128
 
 
@@ -258,7 +260,7 @@ def _two_blocks_fit(smem, arch):
 
 
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-                 wide=False):
+                 wide=False, two_blocks=True):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
@@ -267,6 +269,8 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
     kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
     ``wide``: the call qualifies for the wide-row tiles (:data:`_TC_WIDE_CANDIDATES`: non-causal,
     aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit.
+    ``two_blocks``: single-buffer where that lets two blocks share an SM (:data:`TWO_BLOCKS_MAX_HEAD_DIM`;
+    False for paged KV caches, whose double-buffered ring shares one page lookup between K_j and V_j).
     Raises NotImplementedError for head dims above 256.
     """
     name = dtype_name(dtype)
@@ -292,7 +296,7 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               (_TC_WIDE_CANDIDATES if wide else []) + _TC_CANDIDATES)
                 if hd <= max_hd and tc_smem(d, dv, br, bc, stages) <= limit]
-        if hd <= TWO_BLOCKS_MAX_HEAD_DIM and not ext:  # the first tile's shape, single-buffered if two then fit
+        if two_blocks and hd <= TWO_BLOCKS_MAX_HEAD_DIM and not ext:  # single-buffered if two then fit
             fits = [f for f in fits if f[:3] == fits[0][:3] and _two_blocks_fit(f[5], arch)] or fits
         if fits:
             br, bc, warps, stages, reason, smem = fits[0]
