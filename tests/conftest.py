@@ -1,4 +1,6 @@
 """Shared fixtures: fixed seeds, dtype parameters and input builders used by every test file."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,21 @@ def make_qkv(shape_q, shape_k, shape_v, dtype, seed=0, layout="bhsd"):
         else:
             arrays.append(rng.standard_normal(shape).astype(dtype))
     return tuple(arrays)
+
+
+@contextlib.contextmanager
+def flag_set(module, name, value):
+    """``module.name = value`` for the body, restored after it; the plan caches cleared on both sides
+    (plans are keyed by call signature, not by module flags)."""
+    from flasharray._private import launch
+    old = getattr(module, name)
+    setattr(module, name, value)
+    launch._clear_plans()
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+        launch._clear_plans()
 
 
 def gpu_available():

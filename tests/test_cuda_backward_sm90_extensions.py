@@ -25,7 +25,7 @@ from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import cuda_forward, extensions, launch, nvrtc
 from flasharray._private.dtypes import bfloat16
-from conftest import requires_nvrtc
+from conftest import flag_set, requires_nvrtc
 from test_cuda_backward_extensions import features
 
 BITS = cuda_forward.EXT_BITS
@@ -87,12 +87,10 @@ def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, 
 
 
 @pytest.fixture
-def cp_async(monkeypatch):
+def cp_async():
     """The cp.async kernel on inputs the ws kernel would take (USE_TMA off)."""
-    monkeypatch.setattr(S, "USE_TMA", False)
-    launch._clear_plans()
-    yield
-    launch._clear_plans()
+    with flag_set(S, "USE_TMA", False):
+        yield
 
 
 SINGLE = [((f,), np.float16, causal, det) for f, causal, det in

@@ -17,7 +17,7 @@ from flasharray._private import cuda_forward, cuda_forward_f64, launch, tiles
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import assert_attention_close
 
-from conftest import gpu_available
+from conftest import flag_set, gpu_available
 
 DTYPES = {"fp16": np.float16, "bf16": bfloat16, "fp32": np.float32, "fp64": np.float64}
 HEAD_DIMS = [16, 32, 59, 64, 96, 128, 256]
@@ -302,7 +302,7 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     np.testing.assert_array_equal(got[0], out)
 
 
-def test_forward_wide_row_tile_where_it_applies(monkeypatch):
+def test_forward_wide_row_tile_where_it_applies():
     """Causal (but on sm_80), unaligned rows, <= 64 query rows, extensions, d <= 64, sm_75 and
     WIDE_ROWS = False keep the table's tile."""
     from flasharray._private.extensions import Extensions
@@ -327,13 +327,8 @@ def test_forward_wide_row_tile_where_it_applies(monkeypatch):
     assert _plan(q2, k2, v2, False, arch=86).tile.block_m == 64          # 132 KB: not on sm_86 / 89
     assert _plan(q2, k2, v2, True, arch=90).tile.block_m == 64          # causal
     assert _plan(q2, k2, v2, True).tile.threads_m == 8                  # causal on sm_80
-    monkeypatch.setattr(tiles, "WIDE_ROWS", False)
-    launch._clear_plans()
-    try:
+    with flag_set(tiles, "WIDE_ROWS", False):
         assert _plan(q, k, v, False).tile.block_m == 64
-    finally:
-        monkeypatch.undo()
-        launch._clear_plans()
 
 
 @pytest.mark.parametrize("dt,Lq,Lk", [("fp16", 256, 256), ("fp16", 300, 40), ("fp32", 40, 300),

@@ -22,6 +22,7 @@ from flasharray._private import cuda_forward, cuda_forward_sm90 as S, tiles
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import assert_attention_close
 
+from conftest import flag_set
 from test_cuda_forward import make_inputs, run_forward
 
 DTYPES = {"float16": np.float16, "bfloat16": bfloat16}
@@ -139,13 +140,10 @@ def test_wgmma_forward_matches_reference(dtype, D, Lq, Lk, causal, layout, gqa):
 
 
 @pytest.fixture
-def cp_async_kernel(monkeypatch):
+def cp_async_kernel():
     """kernel="wgmma" with TMA turned off: the cp.async kernel on the layouts TMA would take."""
-    from flasharray._private import launch
-    monkeypatch.setattr(S, "USE_TMA", False)
-    launch._clear_plans()
-    yield
-    launch._clear_plans()
+    with flag_set(S, "USE_TMA", False):
+        yield
 
 
 @pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", [SUBSET[1], SUBSET[3]])
