@@ -39,6 +39,10 @@ shapes run through the emulator (CPU time; no PyTorch).
 float64, forward, backward and both, against PyTorch's memory-efficient and math backends, then
 the issue's goals from the measured rows).
 Usage: python benchmarks/gpu.py [--quick] [--emulator] [--backward] [--decode] [--precision] [--plot gpu.png]
+Narrowing the forward / backward tables (a short GPU session): ``--dtypes fp16``, ``--head-dims 64,128``,
+``--seqlens 1024,4096,16384``, ``--causal both|no|yes``, ``--impls flasharray,torch-flash,...`` (row names;
+with ``--backward`` those of either table) and ``--validate-max-n 4096`` (larger N are timed, not validated:
+the float64 reference of one head at N 16k takes seconds on the CPU, and the kernels are the same).
 """
 import argparse
 import collections
@@ -306,38 +310,108 @@ def _why(e):
 
 
 def measure(name, impl, copies, causal, check, clock):
-    """Validate then time one implementation on one shape; ``copies``: input sets to cycle through.
-    Returns ``(ms, peak bytes)``, None when unavailable; raises NotMeasured when validation fails."""
+    """Validate then time one implementation on one shape; ``copies``: input sets to cycle through;
+    ``check`` None: not validated. Returns ``(ms, peak bytes)``, None when unavailable; raises
+    NotMeasured when validation fails."""
     fns = [impl.make(tensors, causal, "cuda") for tensors in copies]
     if fns[0] is None:
         return None
-    report = check(name, fns[0](), copies[0], causal, "cuda")
+    report = check and check(name, fns[0](), copies[0], causal, "cuda")
     if report is not None and not report.passed:
         raise NotMeasured("validation FAILED\n%s" % report)
     return gpu_timing.time_ms(fns, clock).ms, peak_bytes(fns[0])
 
 
-def shapes(quick, dtypes=DTYPES, seqlens=SEQLENS):
-    """(dtype name, D, causal, N) of FlashAttention-2's benchmark; the first 3 N when quick."""
-    for dt_name in dtypes:
-        for D in HEAD_DIMS:
-            for causal in (False, True):
-                for N in (seqlens[:3] if quick else seqlens):
+#: What a table covers (``--dtypes``, ``--head-dims``, ``--seqlens``, ``--causal``, ``--impls``,
+#: ``--validate-max-n``): names of dtypes, head dims, N, causal flags, row names (None: every row of
+#: the script), and the largest N whose rows are validated (None: every row).
+Selection = collections.namedtuple("Selection", "dtypes head_dims seqlens causal impls validate_max_n",
+                                   defaults=(tuple(DTYPES), HEAD_DIMS, SEQLENS, (False, True), None, None))
+
+
+def add_selection_args(ap, dtypes=DTYPES, seqlens=SEQLENS):
+    """The options that narrow a table (gpu.py, gpu_backward.py, gpu_precision.py: ``dtypes`` and
+    ``seqlens`` its defaults)."""
+    ap.add_argument("--dtypes", default=None, help="comma-separated, of %s (default: all)" % ",".join(dtypes))
+    ap.add_argument("--head-dims", default=None, help="comma-separated D (default: %s)"
+                    % ",".join(map(str, HEAD_DIMS)))
+    ap.add_argument("--seqlens", default=None, help="comma-separated N (default: %s; --quick: the first 3)"
+                    % ",".join(map(str, seqlens)))
+    ap.add_argument("--causal", choices=("both", "no", "yes"), default="both")
+    ap.add_argument("--impls", default=None, help="comma-separated row names (default: every row); with "
+                    "--backward, the names of either table")
+    ap.add_argument("--validate-max-n", type=int, default=None,
+                    help="validate rows only up to this N (the float64 reference of one head takes seconds at "
+                    "N 16k on the CPU; larger N runs the instantiations validated at smaller N)")
+
+
+#: the options of :func:`add_selection_args`
+SELECTION_OPTIONS = ("--dtypes", "--head-dims", "--seqlens", "--causal", "--impls", "--validate-max-n")
+
+
+def _without_option(argv, option):
+    """``argv`` without ``option`` and its value (``--opt value`` or ``--opt=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def _csv(text, convert=str):
+    return tuple(convert(x) for x in text.split(",") if x.strip())
+
+
+def selection_from(ap, args, known_impls, all_dtypes=DTYPES, all_seqlens=SEQLENS):
+    """The Selection of parsed ``args`` (defaults: ``all_dtypes``, ``all_seqlens``, the first 3 with
+    ``--quick``); ``ap.error`` names an unknown dtype, a bad number or a row name not in ``known_impls``."""
+    try:
+        dtypes = _csv(args.dtypes) if args.dtypes else tuple(all_dtypes)
+        head_dims = _csv(args.head_dims, int) if args.head_dims else HEAD_DIMS
+        seqlens = _csv(args.seqlens, int) if args.seqlens else (all_seqlens[:3] if args.quick else all_seqlens)
+    except ValueError as e:
+        ap.error("--head-dims and --seqlens take comma-separated integers (%s)" % e)
+    bad = [d for d in dtypes if d not in all_dtypes]
+    if bad:
+        ap.error("--dtypes: unknown %s (choose from %s)" % (",".join(bad), ",".join(all_dtypes)))
+    impls = _csv(args.impls) if args.impls else None
+    bad = [n for n in impls or () if n not in known_impls]
+    if bad:
+        ap.error("--impls: unknown %s (rows: %s)" % (",".join(bad), ",".join(sorted(known_impls))))
+    causal = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    return Selection(dtypes, head_dims, seqlens, causal, impls, args.validate_max_n)
+
+
+def shapes(select=Selection()):
+    """(dtype name, D, causal, N) of FlashAttention-2's benchmark, narrowed by ``select``."""
+    for dt_name in select.dtypes:
+        for D in select.head_dims:
+            for causal in select.causal:
+                for N in select.seqlens:
                     yield dt_name, D, causal, N
 
 
-def run_gpu(quick, impls, make_tensors, check, dtypes=DTYPES, seqlens=SEQLENS):
-    """Validate, time and print every shape × implementation; returns the rows.
+def run_gpu(impls, make_tensors, check, select=Selection(), dtypes=DTYPES):
+    """Validate, time and print every shape × implementation of ``select``; returns the rows.
     ``make_tensors(xp, B, H, N, D, dtype, copy)`` makes one set of inputs; ``dtypes``: {label:
-    dtype}; ``seqlens``: the N of the table."""
+    dtype}."""
     import cupy as cp
+    if select.impls is not None:
+        impls = {name: impl for name, impl in impls.items() if name in select.impls}
+    if select.validate_max_n is not None:
+        print("rows with N > %d are timed without validation (the same instantiations are validated at "
+              "smaller N)" % select.validate_max_n)
     props = cp.cuda.runtime.getDeviceProperties(0)
     print("device: %s (sm_%s), L2 %.0f MB" % (props["name"].decode(), cp.cuda.Device().compute_capability,
                                                props["l2CacheSize"] / 1e6))
     clock = gpu_timing.CudaClock()
     print_header("TFLOP/s")
     rows = []
-    for dt_name, D, causal, N in shapes(quick, dtypes, seqlens):
+    for dt_name, D, causal, N in shapes(select):
         B, H, dtype = max(1, TOKENS // N), HIDDEN // D, dtypes[dt_name]
         copies = [make_tensors(cp, B, H, N, D, dtype)]
         n = gpu_timing.copies_for_l2(sum(x.nbytes for x in copies[0]), props["l2CacheSize"])
@@ -345,7 +419,8 @@ def run_gpu(quick, impls, make_tensors, check, dtypes=DTYPES, seqlens=SEQLENS):
         shape_rows = []
         for name, impl in impls.items():
             try:
-                measured = measure(name, impl, copies, causal, check, clock)
+                validate = select.validate_max_n is None or N <= select.validate_max_n
+                measured = measure(name, impl, copies, causal, check if validate else None, clock)
             except Exception as e:  # out of memory for materialized attention at large N, no kernel, ...
                 print("%-30s | %-32s | %s" % (shape_label(B, H, N, D, dt_name, causal), name, _why(e)))
                 continue
@@ -633,7 +708,9 @@ def plot_tflops(rows, impl_names, path):
     print("plot saved to %s" % path)
 
 
-def main(argv=None):
+def main(argv=None, known_impls=None):
+    """``known_impls``: the row names ``--impls`` may give (default: this table's, or with
+    ``--backward`` both tables')."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N up to 2048 only")
     ap.add_argument("--emulator", action="store_true", help="run a tiny shape on the CPU emulator")
@@ -644,29 +721,36 @@ def main(argv=None):
                     help="the decoding / GQA inference shapes against PyTorch's flash backend instead")
     ap.add_argument("--precision", action="store_true",
                     help="float32 (each precision) and float64 rows instead (benchmarks/gpu_precision.py)")
+    add_selection_args(ap)
     args = ap.parse_args(argv)
+    narrowed = [opt for opt in SELECTION_OPTIONS if getattr(args, opt[2:].replace("-", "_")) not in (None, "both")]
+    if args.decode and narrowed:
+        ap.error("%s: only for the forward / backward / precision tables, not with --decode" % narrowed[0])
     if args.precision:
         if args.decode or args.backward or args.plot:
-            ap.error("--precision takes only --quick and --emulator (it times forward and backward)")
+            ap.error("--precision takes only --quick, --emulator and the table's narrowing options (it times "
+                     "forward and backward)")
         import gpu_precision
-        return gpu_precision.main(["--quick"] * args.quick + ["--emulator"] * args.emulator)
+        return gpu_precision.main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--precision"])
     if args.decode:
         if args.backward or args.quick or args.plot:
             ap.error("--decode takes only --emulator")
         return main_decode(args.emulator)
     if args.backward:
-        status = main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--backward"])
         import gpu_backward
-        bwd_argv = ["--quick"] * args.quick + ["--emulator"] * args.emulator
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--backward"]
+        selection_from(ap, args, set(IMPLS) | set(gpu_backward.IMPLS))  # unknown names fail before anything runs
+        status = main(rest, known_impls=set(IMPLS) | set(gpu_backward.IMPLS))
+        bwd_argv = _without_option(rest, "--plot")
         if args.plot:
             root, ext = os.path.splitext(args.plot)
             bwd_argv += ["--plot", root + "_backward" + (ext or ".png")]
-        return status or gpu_backward.main(bwd_argv)
+        return status or gpu_backward.main(bwd_argv, known_impls=set(IMPLS) | set(gpu_backward.IMPLS))
     if args.emulator:
         return 0 if run_emulator(IMPLS, ["flasharray"], _make_tensors, check) else 1
     if not have_gpu():
         return 0
-    rows = run_gpu(args.quick, IMPLS, _make_tensors, check)
+    rows = run_gpu(IMPLS, _make_tensors, check, selection_from(ap, args, known_impls or IMPLS))
     if args.plot and rows:
         plot_tflops(rows, IMPLS, args.plot)
     return 0

@@ -28,6 +28,8 @@ flasharray's gradients are validated on the first batch entry / head against the
 Without a GPU the script says so and exits 0; ``--emulator`` runs one tiny shape through the CUDA
 emulator (validates the kernels and this script; CPU time, not GPU performance).
 Usage: python benchmarks/gpu_backward.py [--quick] [--emulator] [--plot gpu_backward.png]
+       [--dtypes fp16] [--head-dims 64,128] [--seqlens 1024,16384] [--causal both|no|yes]
+       [--impls flasharray-det,torch-flash] [--validate-max-n 4096]   (as benchmarks/gpu.py)
 """
 import argparse
 import math
@@ -223,17 +225,21 @@ def _make_tensors(xp, B, H, N, D, dtype, copy=0):
     return q, k, v, dout
 
 
-def main(argv=None):
+def main(argv=None, known_impls=None):
+    """``known_impls``: the row names ``--impls`` may give (default: this table's; gpu.py --backward
+    passes both tables' names)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N up to 2048 only")
     ap.add_argument("--emulator", action="store_true", help="run a tiny shape on the CPU emulator")
     ap.add_argument("--plot", default=None, help="save a TFLOP/s plot to this file")
+    fwd_bench.add_selection_args(ap)
     args = ap.parse_args(argv)
+    select = fwd_bench.selection_from(ap, args, known_impls or IMPLS)
     if args.emulator:
         return 0 if fwd_bench.run_emulator(IMPLS, FLASHARRAY, _make_tensors, check) else 1
     if not fwd_bench.have_gpu():
         return 0
-    rows = fwd_bench.run_gpu(args.quick, IMPLS, _make_tensors, check)
+    rows = fwd_bench.run_gpu(IMPLS, _make_tensors, check, select)
     if args.plot and rows:
         fwd_bench.plot_tflops(rows, IMPLS, args.plot)
     return 0

@@ -25,6 +25,7 @@ After the table, issue 12's goals from the measured rows, per shape:
 Without a GPU the script says so and exits 0; ``--emulator`` runs one tiny shape per dtype through
 the CUDA emulator (validates the kernels and this script; CPU time, not GPU performance).
 Usage: python benchmarks/gpu_precision.py [--quick] [--emulator]     (also: gpu.py --precision)
+       and benchmarks/gpu.py's narrowing options (--dtypes fp32,fp64 --head-dims 64 --seqlens 4096 ...)
 """
 import argparse
 import math
@@ -227,14 +228,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N up to 4096 only")
     ap.add_argument("--emulator", action="store_true", help="run a tiny shape on the CPU emulator")
+    fwd_bench.add_selection_args(ap, DTYPES, SEQLENS)
     args = ap.parse_args(argv)
+    select = fwd_bench.selection_from(ap, args, IMPLS, DTYPES, SEQLENS)
     if args.emulator:
         ok = fwd_bench.run_emulator(IMPLS, FLASHARRAY, gpu_backward._make_tensors, check, dtypes=DTYPES)
         return 0 if ok else 1
     if not fwd_bench.have_gpu():
         return 0
     import cupy as cp
-    rows = fwd_bench.run_gpu(args.quick, IMPLS, gpu_backward._make_tensors, check, dtypes=DTYPES, seqlens=SEQLENS)
+    rows = fwd_bench.run_gpu(IMPLS, gpu_backward._make_tensors, check, select, dtypes=DTYPES)
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print("\nissue 12's goals, measured on %s:" % name)
     print("\n".join(goals(rows, name)) or "  (no rows)")

@@ -10,8 +10,9 @@
 # the total, and the script goes on past a failed step; it exits 0 when every step ran and passed, else 1.
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
-# GPU_SESSION_<STEP>_S per-step budgets (STEP: SMI, INSTALL, PYTEST, VARIANTS, BACKWARD, DECODE, PRECISION,
-# OVERHEAD; defaults below).
+# GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, PYTEST, BACKWARD, DECODE, PYTEST_SM90,
+# PRECISION, VARIANTS, OVERHEAD; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,6 +31,7 @@ fi
 START=$(date +%s)
 FAILED=0
 STEP=0
+LAST_RC=0
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -56,6 +58,7 @@ run_step() {
     if [ "$limit" -lt 5 ]; then
         log "step $STEP $name: skipped (total budget spent: ${left}s left of ${TOTAL}s)"
         FAILED=1
+        LAST_RC=skipped
         return 0
     fi
     t0=$(date +%s)
@@ -71,6 +74,7 @@ run_step() {
     if [ "$rc" -ne 0 ]; then
         FAILED=1
     fi
+    LAST_RC=$rc
     return 0
 }
 
@@ -101,6 +105,30 @@ except Exception as e:
 EOF
 }
 
+smoke() {
+    # One small forward + backward through the public API on the GPU, against the float64 reference:
+    # when this fails nothing after it can mean anything, so the session stops there (a short call).
+    "$PY" - <<'EOF'
+import sys, time
+import numpy as np
+import cupy as cp
+import flasharray as fa
+from flasharray.testing import check_attention
+t0 = time.time()
+rng = np.random.default_rng(0)
+q, k, v, do = (cp.asarray(rng.standard_normal((1, 2, 256, 64)).astype(np.float16)) for _ in range(4))
+ok = True
+for causal in (False, True):
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal)
+    grads = fa.flash_attention_backward(do, q, k, v, out, lse, causal=causal)
+    report = check_attention(out, q, k, v, causal=causal, dout=do, grads=grads)
+    print("causal=%s: %s" % (causal, "passed" if report.passed else "FAILED\n%s" % report))
+    ok &= report.passed
+print("smoke: %s in %.1f s" % ("passed" if ok else "FAILED", time.time() - t0))
+sys.exit(0 if ok else 1)
+EOF
+}
+
 install() {
     # CuPy for CUDA 12 (setup.cfg's extra "cuda12") and pytest, NVRTC, the CUDA headers ("test").
     if "$PY" -c "import cupy, pytest" >/dev/null 2>&1; then
@@ -113,31 +141,55 @@ install() {
 : >"$SUMMARY"
 log "gpu_session: $(date -u '+%Y-%m-%d %H:%M:%S') UTC, total budget ${TOTAL}s, python $PY, out $OUT_DIR, git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
-VARIANTS_S=${GPU_SESSION_VARIANTS_S:-180}
-export PY
-export -f versions install   # run by `timeout` through bash -c
+VARIANTS_S=${GPU_SESSION_VARIANTS_S:-90}
+export PY PYTHONUNBUFFERED=1   # a step killed by its timeout keeps the rows it printed
+export -f versions install smoke   # run by `timeout` through bash -c
+# pytest: in parallel where pytest-xdist is installed (the emulator builds and NVRTC compiles are CPU-bound);
+# a hung kernel fails its test after 120 s where pytest-timeout is installed
+PYTEST_ARGS=(-q -p no:cacheprovider -m "gpu and not slow" --maxfail=5 -rfE --tb=short)
+if "$PY" -c "import xdist" >/dev/null 2>&1; then
+    PYTEST_ARGS+=(-n "${GPU_SESSION_PYTEST_WORKERS:-12}")
+fi
+if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
+    PYTEST_ARGS+=(--timeout 120 --timeout-method thread)
+fi
+# the forward / backward table: fp16, D 64 / 128, N 1k / 4k / 16k, causal and not; flasharray (mma.sync, wgmma)
+# against FlashAttention-2 (PyTorch's flash backend) and cuDNN; N 16k runs the instantiations validated at 4k
+TABLE_ARGS=(--dtypes fp16 --head-dims 64,128 --seqlens 1024,4096,16384 --validate-max-n 4096
+    --impls "flasharray,flasharray-wgmma,torch-flash,torch-cudnn,flasharray-det,flasharray-atomic,\
+flasharray-fwdbwd,flasharray-wgmma-det,flasharray-wgmma-fwdbwd,torch-flash-fwdbwd,torch-cudnn-fwdbwd")
 # (0) CuPy / pytest when missing (a machine without the registry: the step fails, the rest still runs)
 run_step install "${GPU_SESSION_INSTALL_S:-120}" bash -c install
 # (1) what machine, which versions
-run_step smi "${GPU_SESSION_SMI_S:-30}" bash -c versions
-# (2) correctness on the GPU: every gpu test but the slow matrices (stops after 5 failures)
-run_step pytest "${GPU_SESSION_PYTEST_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not slow" \
-    --maxfail=5 -rfE --junitxml="$OUT_DIR/junit.xml" tests/
-# (3) the Hopper switches on vs off (stops starting shapes 30 s before its budget, so its tables print)
+run_step smi "${GPU_SESSION_SMI_S:-20}" bash -c versions
+# (2) one forward + backward on the GPU against the reference; nothing else runs when it fails
+run_step smoke "${GPU_SESSION_SMOKE_S:-60}" bash -c smoke
+if [ "$LAST_RC" != 0 ] && [ "${GPU_SESSION_GO_ON:-0}" != 1 ]; then
+    log "gpu_session: the smoke step failed: stopping (GPU_SESSION_GO_ON=1 runs the rest anyway)"
+    exit 1
+fi
+# (3) correctness on the GPU: every gpu test but the slow matrices and the Hopper kernels (stops after 5 failures)
+run_step pytest "${GPU_SESSION_PYTEST_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]}" \
+    --junitxml="$OUT_DIR/junit.xml" --ignore=tests/test_gpu_sm90.py tests/
+# (4) forward and backward tables against FlashAttention-2 and cuDNN
+run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py --backward "${TABLE_ARGS[@]}"
+# (5) decoding / GQA shapes against FlashAttention-2
+run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode
+# (6) the Hopper kernels against the reference and the emulator
+run_step pytest_sm90 "${GPU_SESSION_PYTEST_SM90_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]}" \
+    --junitxml="$OUT_DIR/junit_sm90.xml" tests/test_gpu_sm90.py
+# (7) float32 precisions and float64 (D 64 / 128, N 4096, not causal)
+run_step gpu_precision "${GPU_SESSION_PRECISION_S:-40}" "$PY" benchmarks/gpu.py --precision --seqlens 4096 \
+    --causal no
+# (8) the Hopper switches on vs off (stops starting shapes 30 s before its budget, so its tables print)
 left=$(remaining)
 if [ "$left" -lt "$VARIANTS_S" ]; then
     VARIANTS_S=$left
 fi
 run_step hopper_variants "$VARIANTS_S" "$PY" benchmarks/hopper_variants.py \
     --max-seconds "$((VARIANTS_S > 60 ? VARIANTS_S - 30 : VARIANTS_S / 2))" --json "$OUT_DIR/hopper_variants.json"
-# (4) forward and backward tables against PyTorch / FlashAttention-2 (N up to 2048)
-run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-90}" "$PY" benchmarks/gpu.py --quick --backward
-# (5) decoding / GQA shapes against FlashAttention-2
-run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode
-# (6) float32 precisions and float64 (N up to 4096)
-run_step gpu_precision "${GPU_SESSION_PRECISION_S:-45}" "$PY" benchmarks/gpu.py --precision --quick
-# (7) host overhead per call on the GPU
-run_step overhead "${GPU_SESSION_OVERHEAD_S:-30}" "$PY" benchmarks/overhead.py --device cuda
+# (9) host overhead per call on the GPU
+run_step overhead "${GPU_SESSION_OVERHEAD_S:-20}" "$PY" benchmarks/overhead.py --device cuda
 
 log "gpu_session: done after $(($(date +%s) - START))s of ${TOTAL}s, $([ "$FAILED" -eq 0 ] && echo 'every step passed' || echo 'some step failed, timed out or was skipped')"
 exit "$FAILED"

@@ -202,6 +202,41 @@ def test_ratios_to_flashattention2_and_the_fastest_torch_backend(bench):
     assert gpu.with_ratios([row("flasharray", "fwd", "", 2.0)])[0][-2:] == (None, None)
 
 
+def test_table_selection_narrows_the_shapes(bench):
+    """--dtypes / --head-dims / --seqlens / --causal narrow the table; --quick keeps the first 3 N."""
+    gpu, _ = bench
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    gpu.add_selection_args(ap)
+    parse = lambda *a: gpu.selection_from(ap, ap.parse_args(list(a)), gpu.IMPLS)  # noqa: E731
+    full = list(gpu.shapes(parse()))
+    assert len(full) == len(gpu.DTYPES) * len(gpu.HEAD_DIMS) * 2 * len(gpu.SEQLENS)
+    assert {n for *_, n in gpu.shapes(parse("--quick"))} == set(gpu.SEQLENS[:3])
+    sel = parse("--dtypes", "fp16", "--head-dims", "128,256", "--seqlens", "4096,16384", "--causal", "yes",
+                "--impls", "flasharray,torch-flash", "--validate-max-n", "4096")
+    assert list(gpu.shapes(sel)) == [("fp16", d, True, n) for d in (128, 256) for n in (4096, 16384)]
+    assert (sel.impls, sel.validate_max_n) == (("flasharray", "torch-flash"), 4096)
+    for bad in (["--dtypes", "fp8"], ["--seqlens", "1k"], ["--impls", "flasharray-det"], ["--head-dims", "x"]):
+        with pytest.raises(SystemExit) as e:
+            parse(*bad)
+        assert e.value.code == 2, bad
+
+
+def test_backward_option_checks_row_names_of_both_tables(bench):
+    gpu, _ = bench
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--backward", "--impls", "flasharray,no-such-row"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--decode", "--seqlens", "1024"])
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--precision", "--dtypes", "fp16"])  # the precision table's dtypes are fp32, fp64
+    assert e.value.code == 2
+    assert gpu._without_option(["--quick", "--plot", "a.png", "--plot=b.png", "--seqlens", "1"], "--plot") == [
+        "--quick", "--seqlens", "1"]
+
+
 def test_input_copies_cover_twice_the_l2(bench):
     _, gpu_timing = bench
     assert gpu_timing.copies_for_l2(201e6, 50e6) == 1  # FlashAttention-2's shapes: q, k, v > 2 × L2
