@@ -53,7 +53,8 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384)
 PRECISIONS = ("ieee", "3xtf32", "tf32")
 TF32 = ("3xtf32", "tf32")
 #: float32's default precision (precision=None) on the sm_80+ GPUs these rows need: docs/precision.md
-DEFAULT_FP32 = FLOAT32_TC_DEFAULT
+#: (FLOAT32_TC_DEFAULT None: IEEE)
+DEFAULT_FP32 = FLOAT32_TC_DEFAULT or "ieee"
 KIND_SUFFIX = {"fwd": "", "bwd": "-bwd", "fwdbwd": "-fwdbwd"}
 FACTORS = {"fwd": 1.0, "bwd": gpu_backward.BWD_FACTOR, "fwdbwd": gpu_backward.FWDBWD_FACTOR}
 #: FP64 tensor-core peak TFLOP/s (dense DMMA) by device-name substring, first match wins.

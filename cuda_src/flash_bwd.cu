@@ -269,7 +269,8 @@ using namespace fa_bwd;
 // kOrderedDQ (the deterministic mode): the atomic dQ in a fixed order. Key block n adds dS K_j to
 // query block i's accumulator only when key blocks 0 .. n-1 have added theirs (fa::sem_wait on
 // query block i's counter until it equals n, fa::sem_post after), so every float sum of dQ runs
-// n = 0, 1, 2, ... whatever the block timing: bitwise reproducible with 5 products per block pair
+// n = 0, 1, 2, ... whatever the block timing (causal without lengths: descending, n_max(i), ..., 1,
+// 0, with block x computing key block Tc - 1 - x; DQOrder): bitwise reproducible with 5 products per block pair
 // (the separate dQ kernel recomputes S and dP: 7). The visitors of query block i are exactly key
 // blocks 0 .. n_max(i) (dense and causal: key block n starts at m_block_min, nondecreasing in n,
 // and visits every query block from there; so with the extensions that keep the visits — lengths,
@@ -337,7 +338,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const int g = lane / 4, t = lane % 4;  // mma C layout: rows g, g + 8; columns 2t, 2t + 1
     const int wm = warp / kSplit, wn = warp % kSplit;  // this warp's dK/dV row tile and slice
     const bool own_dK = wn < kSplitK, own_dV = wn < kSplitV;  // warp-uniform
-    const int c0 = (int)blockIdx.x * kBlockN;          // first key of K_j
+    // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+    using Order = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+    const Order dq_order = Order::make();
+    const int c0 = dq_order.n * kBlockN;               // first key of K_j
     const float scale_log2 = scale * flash::kLog2e;
     // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never
     // read; their gradients are written as zeros), window, block mask, softcap, ALiBi, dropout.
@@ -433,7 +437,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
                 // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
                 if constexpr (kOrderedDQ)
-                    fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
+                    fa::sem_wait(order.counter(dqa_entry(grp), i),
+                                 dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
                 else
                     __syncthreads();
                 // dQ first: dV's and dK's dO_i / Q_i fragments are then loaded after the barrier,
@@ -469,7 +474,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                 warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            Q_s + wn * kColsK, L::kPitchD);
             // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn).
-            if constexpr (kOrderedDQ) fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
+            if constexpr (kOrderedDQ)
+                fa::sem_wait(order.counter(dqa_entry(grp), i),
+                             dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
             if (kAtomicDQ)
                 atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
                                                                      dSt_s, K_s);

@@ -35,18 +35,17 @@ template <bool C, int E, typename A> struct MaskExt<flash::Mask<C, E, A>> { stat
 // P ∘ (dP ∘ Z − D_i) ∘ (1 − tanh²). P = exp(score − L_i) with the forward's score (softcap, then
 // ALiBi): lse2 = L_i·log2 e (tensor cores: +inf for rows that see no key or lie past Lq_b, so P = 0;
 // SIMT: −inf there, tested). z = Z (1 without dropout: folded away).
-// kPrecise: the softcap's tanh of the forward kernel that made L_i (Mask::cap: the fp32 SIMT
-// forward takes the precise tanh, every other kernel the fast one), so that P is recomputed from the
-// very same score on a GPU.
-template <bool kPrecise = false, class M, typename AccT>
+// The softcap's tanh is Mask::cap's, the forward's (every kernel takes the same precise one), so P
+// is recomputed from the very same score on a GPU.
+template <class M, typename AccT>
 __device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delta, AccT z, AccT scale_log2,
                                          const M& mask, int row, int col) {
     const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
-    const AccT p = on ? flash::exp2_acc(mask.template score<kPrecise>(s, row, col) * scale_log2 - lse2) : AccT(0);
+    const AccT p = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
     AccT ds = p * (dp * z - delta);
     if constexpr (M::kSoftcap) {
         // d(softcap·tanh(s / softcap)) / ds = 1 − tanh², tanh recomputed from the raw score.
-        const AccT th = mask.template cap<kPrecise>(s) * mask.inv_softcap;
+        const AccT th = mask.cap(s) * mask.inv_softcap;
         ds *= AccT(1) - th * th;
     }
     dp = ds;
@@ -57,12 +56,12 @@ __device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delt
 // of dQ_i += dS K_j; dS = f ∘ (dP ∘ Z − D_i)): same inputs and P as ext_p_ds, so the dQ kernel can
 // finish the score's transform before dP exists. The product is associated differently from
 // ext_p_ds's (float rounding only).
-template <bool kPrecise = false, class M, typename AccT>
+template <class M, typename AccT>
 __device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2, const M& mask, int row, int col) {
     const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
-    AccT f = on ? flash::exp2_acc(mask.template score<kPrecise>(s, row, col) * scale_log2 - lse2) : AccT(0);
+    AccT f = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
     if constexpr (M::kSoftcap) {
-        const AccT th = mask.template cap<kPrecise>(s) * mask.inv_softcap;
+        const AccT th = mask.cap(s) * mask.inv_softcap;
         f *= AccT(1) - th * th;
     }
     return f;

@@ -475,7 +475,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
+    // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+    using Order = DQOrder<kIsCausal && kOrderedDQ>;
+    const Order dq_order = Order::make();
+    const int c0 = dq_order.n * kBlockN;       // first key of K_j
     const int kw = warp * 8 * kMT;             // the warp's first key in K_j
     const double scale_log2 = scale * flash::kLog2eD;
     const Mask<kIsCausal, 0, double> mask(Lq, Lk);
@@ -570,7 +573,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
         store_ds<Tr>(dS_s, ds, kw);
         // Barrier: dS complete before warps read its rows for dQ (ordered: and our turn).
         if constexpr (kOrderedDQ)
-            fa::sem_wait(order.counter(dqa_entry(grp), i), (int)blockIdx.x);
+            fa::sem_wait(order.counter(dqa_entry(grp), i),
+                         dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
         else
             __syncthreads();
         atomic_dq_f64<Tr, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);

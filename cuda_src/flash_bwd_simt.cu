@@ -265,9 +265,8 @@ __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const 
             } else {
                 AccT z = AccT(1);  // dropout's Z = keep / (1 − p)
                 if constexpr (flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value) z = drop.z(r0 + r, c0 + c);
-                // The fp32 forward's precise softcap tanh (flash_fwd_simt.cu: score<T is float>; float
-                // is the only 4-byte T). sv becomes P o Z, dv dS.
-                ext_p_ds<sizeof(T) == 4>(sv, dv, lse2, delta, z, scale_log2, mask, r0 + r, c0 + c);
+                // sv becomes P o Z, dv dS.
+                ext_p_ds(sv, dv, lse2, delta, z, scale_log2, mask, r0 + r, c0 + c);
             }
             if (kStoreP) P_s[r * L::kPitchS + c] = sv;
             dS_s[r * L::kPitchS + c] = dv;

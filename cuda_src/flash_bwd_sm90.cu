@@ -551,7 +551,10 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = wg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
-  const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
+  // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+  using Order = DQOrder<Is_causal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+  const Order dq_order = Order::make();
+  const int c0 = dq_order.n * kBlockN;
   const float scale_log2 = scale * flash::kLog2e;
   const BatchIndex b = BatchIndex::from_grid(nb2);
   // Extensions: the entry's lengths Lq_b, Lk_b (rows and keys past them are zero-filled, never read; their
@@ -707,7 +710,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     // also our turn for query block i — sem_wait ends in a block barrier).
     fa::fence_proxy_async();
     if constexpr (kOrderedDQ)
-      fa::sem_wait(order.counter(dqa_entry(grp), i), static_cast<int>(blockIdx.x));
+      fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
     else
       __syncthreads();
     // dV, dK complete (they ran during the barrier) before the dQ batch: the A fragments of P^T and dS^T
@@ -797,12 +800,13 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kSmemLimit = 227 * 1024;
   // batch offsets (elements) in shared memory: head-dim split dq_accum's, dk's, dv's; Is_dq_bulk dq_accum's
   static constexpr int kOffsetsBytes = Base::kSplitD ? 3 * 8 : Is_dq_bulk ? 8 : 0;
-  static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + 8 + kOffsetsBytes + Base::kAtomBytes;
+  static constexpr int kTurnBytes = 24;  // ordered dQ: the counters' base (a pointer), DQOrder's key block, Tc, Lk - Lq
+  static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + kTurnBytes + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kDQBufs = !Is_dq_bulk ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
   static constexpr int kBarOffset = kDQAcc + kDQBufs * kDQTileBytes;
   static constexpr int kBars = 1 + 2 * Base::kStages + 2 * kDQBufs;  // kv, full[stage], empty[stage], dQ full/empty
   static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
-  static constexpr int kOffsetsOffset = kTurnOffset + 8;  // head-dim split: dq_accum's, dk's, dv's batch offsets
+  static constexpr int kOffsetsOffset = kTurnOffset + kTurnBytes;  // head-dim split: dq_accum's, dk's, dv's batch offsets
   static constexpr int kSmemBytes = kOffsetsOffset + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
@@ -822,6 +826,15 @@ struct IssueDvSm90 {
   __device__ __forceinline__ void operator()() const { issue_rs_sm90<T, kHeadDimV, kBlockM>(acc_dv, a_p, sdO_i); }
 };
 
+// The dQ warp's turn at query block i (DQOrder::turn), its key block, Tc and the mask's causal offset read from
+// shared memory after the counters' base at the wait (at 24 registers, the three live across the loop spilled
+// 8 bytes; read from blockIdx / gridDim there, 12).
+template <class Order, int kBlockM, int kBlockN>
+__device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
+  const int* a = reinterpret_cast<const int*>(turn0 + 1);
+  return Order{a[0], a[1]}.turn(i, kBlockM, kBlockN, a[2]);
+}
+
 // Is_dq_bulk: the dQ warp (warp 1 of the producer warpgroup, at its setmaxnreg count). Per visit (query block i
 // of group entry grp, in the consumers' order): wait until the consumers filled buffer visit mod kDQBufs
 // (dq_full: their generic stores, fenced for the async proxy, then released by the arrival); ordered, take
@@ -832,7 +845,7 @@ struct IssueDvSm90 {
 // The accumulator of group entry 0 is dq_accum + dqa_off[0] and its counter of query block 0 *turn0 (both
 // 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read from shared
 // memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes, measured).
-template <typename Tr, int kDQDim, int kBlockM, bool kOrderedDQ>
+template <typename Tr, int kDQDim, int kBlockM, int kBlockN, bool kOrderedDQ, class Order>
 __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, uint64_t* dq_full, uint64_t* dq_empty,
                                                     float* dq_accum, const long long* dqa_off, int* const* turn0,
                                                     long long dqa_g, int n_visits, int i_begin, int n_qblocks) {
@@ -841,7 +854,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
     const int bf = visit % Tr::kDQBufs;
     fa::mbarrier_wait_parity(dq_full + bf, (visit / Tr::kDQBufs) & 1);
     if constexpr (kOrderedDQ)
-      fa::sem_wait_group(*turn0 + grp * dqa_g + i, static_cast<int>(blockIdx.x), Tr::kDQBarrier, 32);
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
     if (issuer) {
       fa::bulk_reduce_add_f32(dq_accum + *dqa_off + grp * dqa_g + static_cast<long long>(i) * kBlockM * kDQDim,
                               sdQ + bf * Tr::kDQTileBytes, kBlockM * kDQDim * 4);
@@ -924,7 +937,10 @@ flash_bwd_sm90_ws_kernel(
   const int tid = static_cast<int>(threadIdx.x);
   // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int c0 = static_cast<int>(blockIdx.x) * kBlockN;
+  // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+  using Order = DQOrder<Is_causal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+  const Order dq_order = Order::make();
+  const int c0 = dq_order.n * kBlockN;
   const BatchIndex b = BatchIndex::from_grid(nb2);
   // Extensions (the cp.async kernel's). With lengths the boxes still bring rows up to Lq, Lk: the consumers zero
   // those at or past the entry's Lq_b, Lk_b before any product reads them (zero_rows_sw128).
@@ -947,7 +963,11 @@ flash_bwd_sm90_ws_kernel(
       fa::mbarrier_init(dq_empty + bf, 1);
     }
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
-    if constexpr (kOrderedDQ) *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
+    if constexpr (kOrderedDQ) {
+      *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
+      int* turn_args = const_cast<int*>(reinterpret_cast<const int*>(turn0 + 1));  // dq_turn's
+      turn_args[0] = dq_order.n, turn_args[1] = dq_order.tc, turn_args[2] = mask.causal_offset;
+    }
     if constexpr (Is_dq_bulk) const_cast<long long*>(batch_off)[0] = b.offset({dqa_b0, dqa_b1, dqa_b2, 0});
     if constexpr (Tr::kSplitD) {
       long long* off = const_cast<long long*>(batch_off);
@@ -993,9 +1013,9 @@ flash_bwd_sm90_ws_kernel(
     fa::setmaxnreg_dec<flash::kWsProducerRegs>();
     if constexpr (Is_dq_bulk)
       if (tid / 32 == 1)
-        dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kOrderedDQ>(reinterpret_cast<const unsigned char*>(sdQ), dq_full,
-                                                             dq_empty, dq_accum, batch_off, turn0, dqa_g, n_visits,
-                                                             i_begin, n_qblocks);
+        dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order>(
+            reinterpret_cast<const unsigned char*>(sdQ), dq_full, dq_empty, dq_accum, batch_off, turn0, dqa_g,
+            n_visits, i_begin, n_qblocks);
     if (!loader) return;  // warps 1-3: nothing to do (Is_dq_bulk: warp 1 wrote dQ)
     const bool leader = fa::elect_one();
     if (n_visits > 0 && leader) {
@@ -1122,8 +1142,8 @@ flash_bwd_sm90_ws_kernel(
     // the producer runs on).
     fa::fence_proxy_async();
     if constexpr (kOrderedDQ && !Is_dq_bulk)
-      fa::sem_wait_group(*turn0 + grp * dqa_g + i, static_cast<int>(blockIdx.x), Tr::kConsumerBarrier,
-                         Tr::kConsumerThreads);
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset),
+                         Tr::kConsumerBarrier, Tr::kConsumerThreads);
     else
       fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
     fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read

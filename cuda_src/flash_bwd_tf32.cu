@@ -390,7 +390,7 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
             } else {
                 float z = 1.0f;  // dropout's Z = keep / (1 − p)
                 if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
-                ext_p_ds<true>(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
+                ext_p_ds(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
                                scale_log2, mask, r0 + r + e % 2, c);
             }
         }
@@ -483,16 +483,16 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
 // One block pair (query block i, key block j) for the calling warp (keys 16 w..), Q_i, dO_i, L_i,
 // D_i in shared memory and visible to every warp: the scores, then dV_j += P^T dO_i (P^T dies),
 // dS^T to shared memory, dQ_i += dS K_j by atomics into dqa_i (ordered: waiting for `counter` to
-// reach this block's turn, posting it after), then dK_j += dS^T Q_i (the scale of dK applied once,
-// at the end). This order keeps every instantiation under 255 registers without spills (measured:
+// reach this block's turn `turn` (DQOrder), posting it after), then dK_j += dS^T Q_i (the scale of
+// dK applied once, at the end). This order keeps every instantiation under 255 registers without spills (measured:
 // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
 template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
           bool kOrderedDQ, class M, class Drop, class AccK, class AccV>
 __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
                                           const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
                                           float* dSt_s, const float* lse2_s, const float* delta_s, float* dqa_i,
-                                          int* counter, float scale_log2, const M& mask, const Drop& drop, int r0,
-                                          int c0) {
+                                          int* counter, int turn, float scale_log2, const M& mask, const Drop& drop,
+                                          int r0, int c0) {
     const int warp = (int)threadIdx.x / 32;
     float s[kBlockM / 8][4], ds[kBlockM / 8][4];  // P^T, dS^T of the warp's 16 keys (C layout)
     tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
@@ -502,7 +502,7 @@ __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
     store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
     // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
     if constexpr (kOrderedDQ)
-        fa::sem_wait(counter, (int)blockIdx.x);
+        fa::sem_wait(counter, turn);
     else
         __syncthreads();
     tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_i, dSt_s, K_s);
@@ -554,7 +554,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32;
-    const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
+    // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+    using Order = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+    const Order dq_order = Order::make();
+    const int c0 = dq_order.n * kBlockN;       // first key of K_j
     const int c_w = c0 + warp * 16;            // first key of this warp's rows
     const float scale_log2 = scale * flash::kLog2e;
     // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never read;
@@ -646,7 +649,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
 
         dkv_visit<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kOrderedDQ>(
             dK_acc, dV_acc, K_s, V_s, Q_s, dO_s, dSt_s, lse2_s, delta_s, dqa_entry(grp) + (long long)r0 * kHeadDim,
-            kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr, scale_log2, mask, drop, r0, c0);
+            kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr,
+            dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset), scale_log2, mask, drop, r0, c0);
 
         i = i_n, grp = grp_n;
     }

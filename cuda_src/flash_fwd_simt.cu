@@ -206,7 +206,7 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
       for (int b = 0; b < TN; ++b) {
         AccT s = acc_s[a][b];
-        if constexpr (Mask<Is_causal, kExt, AccT>::kScoreMod) s = mask.template score<IsSame<T, float>::value>(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
+        if constexpr (Mask<Is_causal, kExt, AccT>::kScoreMod) s = mask.score(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
         s *= scale_log2;
         if (tile_masked) s = mask.apply(s, m0 + tm * TM + a, n0 + b * kThreadsN + tn);
         acc_s[a][b] = s;

@@ -53,8 +53,7 @@
 // (dropout_mma, the same Philox counter per element as every kernel). The S accumulator here is
 // the m16n8k16 kernels' C layout (acc_s[nt][i] = S[g + 8(i/2)][8nt + 2t + i%2]: m16n8k8 has the
 // same C fragment), so their per-fragment code applies unchanged with one slab per warp. Softcap
-// takes the precise tanh (Mask::cap<true>, as the fp32 SIMT kernels: fast tanh's ~2^-11 relative
-// error is far above what 3xtf32 keeps); flash_bwd_tf32.cu recomputes P with the same one.
+// takes Mask::cap's precise tanh, as every kernel; flash_bwd_tf32.cu recomputes P with the same one.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
@@ -342,7 +341,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
       for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          acc_s[nt][i] = mask.template score<true>(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2),
+          acc_s[nt][i] = mask.score(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2),
                                                    n0 + 8 * nt + 2 * t + (i % 2));
     }
     if (tile_masked) {

@@ -1,11 +1,13 @@
-"""The softcap's tanh is the same in a forward kernel and the backward kernels that recompute its P.
+"""The softcap's tanh is the same precise one in every forward kernel and the backward kernels that
+recompute its P.
 
-``--use_fast_math`` turns ``tanhf`` into MUFU.TANH (~2⁻¹¹ relative error): fine for the fp16/bf16
-tensor-core kernels (their scores are rounded to 16 bits for P·V anyway), far too coarse for fp32,
-whose SIMT kernels take a precise tanh (``Mask::cap<true>``). The backward recomputes
-``P = exp(score − lse)`` from the forward's lse: on a GPU it must use the very same tanh, or P
-differs from the forward's by the tanh error. The emulator computes both tanh forms nearly exactly,
-so only the SASS shows a mismatch: this test pins it (NVRTC, no GPU).
+``--use_fast_math`` turns ``tanhf`` into MUFU.TANH (~2⁻¹¹ relative error). That was once thought fine
+for the fp16/bf16 tensor-core kernels (their scores are rounded to 16 bits for P·V anyway), but their
+fp32 lse is held to fp32's rule: on an H200 it was 6.2e-6 off with a bound of 3.4e-6. So every kernel
+takes ``Mask::cap``'s precise tanh (``expm1f``). The backward recomputes ``P = exp(score − lse)``
+from the forward's lse: on a GPU it must use the very same tanh, or P differs from the forward's by
+the tanh error. The emulator computes both tanh forms nearly exactly, so only the SASS shows a
+mismatch: this test pins it (NVRTC, no GPU).
 """
 import pytest
 
@@ -28,7 +30,7 @@ def uses_mufu_tanh(source, name, arch="sm_80"):
     return found
 
 
-@pytest.mark.parametrize("dtype, expect_fast", [("float32", False), ("float16", True)])
+@pytest.mark.parametrize("dtype, expect_fast", [("float32", False), ("float16", False)])
 def test_backward_recomputes_p_with_the_forwards_tanh(dtype, expect_fast):
     tile = cuda_forward.kernel_for(dtype, 64, 64, 80, ext=True)
     fwd_name = cuda_forward.forward_name_expression(tile, False, True, ext=SOFTCAP)

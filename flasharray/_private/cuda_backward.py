@@ -733,7 +733,7 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
         ext = None
     launcher = launch.make_launcher(device, schedule=schedule, seed=seed,
                                     arch=arch if device == "emulator" else None)
-    precision = effective_precision(precision, q.dtype,   # float32 None -> "3xtf32" on sm_80+
+    precision = effective_precision(precision, q.dtype,   # float32 None: FLOAT32_TC_DEFAULT
                                     tiles.arch_number(arch) if arch is not None else launcher.arch)
     key = signature((dout, q, k, v, out, lse),
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),

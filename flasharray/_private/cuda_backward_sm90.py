@@ -189,13 +189,18 @@ _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stri
 _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
 
 
+#: ``Sm90BwdWsTraits::kTurnBytes``: the ordered dQ mode's counter base and the dQ warp's turn arguments.
+TURN_BYTES = 24
+
+
 def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
-    1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base (a pointer, 8 bytes) and, in the
+    1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base and turn (a pointer and three ints: DQOrder's
+    key block, Tc, Lk - Lq; 24 bytes) and, in the
     head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes); with the bulk
     dQ (``bulk``, default :func:`dq_bulk`) :func:`dq_buffers` fp32 tiles of Br x d and two mbarriers each."""
-    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 8
-            + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
+    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
+            + TURN_BYTES + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
     n = dq_buffers(d, dv, block_m, block_n, bulk)
     return base + n * (block_m * d * 4 + 16) + (8 if n else 0)   # (+ dq_accum's batch offset)
 
@@ -210,7 +215,8 @@ def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """``Sm90BwdWsTraits::kDQBufs``: two dQ buffers where they fit in the opt-in maximum, else one (0: atomics)."""
     if not (dq_bulk(d, dv) if bulk is None else bulk):
         return 0
-    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES) + 16)
+    base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
+            + TURN_BYTES + 8)
     return 2 if base + 2 * (block_m * d * 4 + 16) <= tiles.smem_limit(ARCH) else 1
 
 

@@ -569,7 +569,7 @@ def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None,
     elif kv is not None:
         raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
-    precision = effective_precision(precision, q.dtype, launcher.arch)  # float32 None -> "3xtf32" on sm_80+
+    precision = effective_precision(precision, q.dtype, launcher.arch)  # float32 None: FLOAT32_TC_DEFAULT
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
                                 num_splits, pack_gqa, kv, None if ext is None else ext.static_key(), precision))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
