@@ -10,14 +10,15 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                block per work tile); padded d <= PERSISTENT_MAX_HEAD_DIM only
   fwd.PERSISTENT_MAX_HEAD_DIM  128 (default: d = 256 not persistent) vs 256 (d = 256 persistent, with spills)
   fwd.USE_TMA                  cuda_forward_sm90.USE_TMA: the warp-specialized TMA kernel (off: cp.async kernel)
-  fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel=None, today's
-                               sm_90 dispatch): ratio > 1 means wgmma is faster, i.e. enable sm_90 dispatch
+  fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel="tensor_core"):
+                               ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
   bwd.DQ_BULK                  cuda_backward_sm90.DQ_BULK: dQ by shared memory + one bulk reduce-add from a dQ
                                warp (off: the consumers' fp32 atomics); padded d, dv <= 128 only
   bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
-  bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel=None)
-  mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides kernel=None): the
+  bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
+  mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
+                               kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
                                128 x 32 tiles at d > 64 non-causal (off: the table's 64 x 64 / 64 x 32)
 
 Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
@@ -73,9 +74,11 @@ from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
 from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
 
 WGMMA = "wgmma"
+MMA_FWD, MMA_BWD = "tensor_core", "tc"  # the mma.sync forward and backward, named (kernel=None is wgmma on sm_90)
 #: name, pass ("fwd" / "bwd"), module (None: the ``kernel=`` argument), flag, flipped value, what it answers,
 #: and the ``kernel=`` argument of the calls both sides of a module flag are timed with (the Hopper kernels,
-#: or None: the mma.sync kernels' own switch).
+#: or MMA_FWD: the mma.sync forward's own switch). The ``kernel`` switches' flipped side names the mma.sync
+#: kernels (kernel=None on sm_90 is the wgmma one: cuda_forward_sm90.AUTO_DISPATCH).
 Switch = collections.namedtuple("Switch", "name kind module flag flipped question base", defaults=(WGMMA,))
 SWITCHES = (
     Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
@@ -83,12 +86,13 @@ SWITCHES = (
     Switch("fwd.PERSISTENT", "fwd", F, "PERSISTENT", False, "persistent kernel + static scheduler"),
     Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 256, "d = 256 persistent (spills)"),
     Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
-    Switch("fwd.kernel", "fwd", None, "kernel", None, "wgmma vs mma.sync forward (sm_90 dispatch)"),
+    Switch("fwd.kernel", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward (sm_90 dispatch)"),
     Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
-    Switch("bwd.kernel", "bwd", None, "kernel", None, "wgmma vs mma.sync backward (sm_90 dispatch)"),
-    Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's", None),
+    Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
+    Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
+           MMA_FWD),
 )
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}

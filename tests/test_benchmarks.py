@@ -412,15 +412,25 @@ def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
             cuda_forward._PLANS["stale"] = object()
             raise RuntimeError
     assert B.DQ_BULK is True and "stale" not in cuda_forward._PLANS
+    # the mma.sync kernels, named: kernel=None on sm_90 is the wgmma one
+    kernels = {s.name: s.flipped for s in hv.SWITCHES if s.module is None}
+    assert kernels == {"fwd.kernel": "tensor_core", "bwd.kernel": "tc"}
     (sw,) = [s for s in hv.SWITCHES if s.name == "fwd.kernel"]
     with hv.variant(sw) as kernel:
-        assert kernel is None                    # the mma.sync kernels
+        assert kernel == "tensor_core"
     (sw,) = [s for s in hv.SWITCHES if s.name == "mma.WIDE_ROWS"]
-    with hv.variant(sw) as kernel:               # the mma.sync forward's own switch: both sides kernel=None
-        assert kernel is None and tiles.WIDE_ROWS is False
+    with hv.variant(sw) as kernel:               # the mma.sync forward's own switch: both sides kernel="tensor_core"
+        assert kernel == "tensor_core" and tiles.WIDE_ROWS is False
     assert tiles.WIDE_ROWS is True
-    with hv.variant(None, None) as kernel:
-        assert kernel is None
+    with hv.variant(None, sw.base) as kernel:
+        assert kernel == "tensor_core"
+    from conftest import flag_set
+    q = np.zeros((1, 1, 128, 128), np.float16)    # both sides of mma.WIDE_ROWS plan the mma.sync forward on sm_90
+    for flag in (True, False):
+        with flag_set(tiles, "WIDE_ROWS", flag):
+            p = cuda_forward.plan(q, q, q, causal=False, scale=1.0, batch_shape=(1, 1), device="emulator",
+                                  arch="sm_90", kernel=sw.base)
+            assert p.tile.kernel == "tensor_core" and p.tile.block_m == (128 if flag else 64)
     assert hv.verdict([1.1, 1.05, 0.9]) == (1.05, "keep default") and hv.verdict([0.9])[1] == "flip"
     assert hv.verdict([1.01, 0.99])[1] == "keep default (within 2 %)" and hv.verdict([])[0] is None
     assert hv.verdict([1.5], dispatch=True)[1] == "wgmma faster: dispatch it"

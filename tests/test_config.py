@@ -41,6 +41,20 @@ def test_kernel_choice_names_the_wide_row_tile():
     from flasharray._private import config
     two = config.kernel_choice("float16", 128, 80).splitlines()
     assert len(two) == 2 and "Br=64 Bc=64" in two[0] and "Br=128 Bc=32" in two[1] and "causal or not" in two[1]
-    assert "non-causal" in config.kernel_choice("float16", 128, 90).splitlines()[1]
+    assert "non-causal" in config.kernel_choice("float16", 128, 90).splitlines()[-1]   # sm_90: the mma.sync one's
     assert len(config.kernel_choice("float16", 128, 75).splitlines()) == 1   # sm_75: the table's tile only
     assert len(config.kernel_choice("float16", 64, 80).splitlines()) == 1
+
+
+def test_kernel_choice_names_the_wgmma_kernel_on_sm90():
+    """sm_90 fp16 / bf16: the wgmma kernel first (forward and backward), then the mma.sync tiles the calls it does
+    not serve keep; AUTO_DISPATCH off, float32 or another arch: no wgmma line."""
+    from conftest import flag_set
+    from flasharray._private import config, cuda_forward_sm90
+    lines = config.kernel_choice("bfloat16", 64, 90).splitlines()
+    assert lines[0].startswith("wgmma kernel") and "backward: wgmma" in lines[0]
+    assert "extensions, split-KV" in lines[1] and "tensor_core" in lines[1]
+    assert "wgmma" not in config.kernel_choice("float16", 64, 80)
+    assert "wgmma" not in config.kernel_choice("float32", 64, 90)
+    with flag_set(cuda_forward_sm90, "AUTO_DISPATCH", False):
+        assert "wgmma" not in config.kernel_choice("float16", 64, 90)

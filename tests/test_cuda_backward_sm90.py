@@ -292,12 +292,47 @@ def test_wgmma_backward_tile_head_dim_split():
     assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
 
 
-def test_default_unchanged_on_sm90():
-    """Without kernel="wgmma" sm_90 keeps the mma.sync backward."""
-    p = Problem(np.float16, 64, 16, 16, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+def _auto_kernel(dtype=np.float16, D=64, arch="sm_90", ext=None, **kw):
+    p = Problem(dtype, D, 16, 16, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    return cb.plan(*p.args("emulator"), causal=False, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
+                   arch=arch, ext=ext, **kw).kernel
+
+
+@pytest.mark.parametrize("dtype,D", [(np.float16, 64), (bfloat16, 128), (np.float16, 256)])
+def test_dispatched_on_sm90_by_default(dtype, D):
+    """kernel=None on sm_90 plans the wgmma backward for fp16 / bf16, both dQ modes (deterministic: ordered);
+    sm_80 and kernel="tc" keep the mma.sync backward."""
+    assert _auto_kernel(dtype, D) == "wgmma"
+    assert _auto_kernel(dtype, D, deterministic=False) == "wgmma"
+    assert _auto_kernel(dtype, D, arch="sm_80") == "tc"
+    assert _auto_kernel(dtype, D, kernel="tc") == "tc"
+    p = Problem(dtype, D, 16, 16, causal=False, batch_q=(1, 1), batch_k=(1, 1))
     plan = cb.plan(*p.args("emulator"), causal=False, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
                    arch="sm_90")
-    assert plan.kernel == "tc"
+    assert plan.dq_mode == "ordered"
+
+
+def test_not_dispatched_where_it_does_not_serve(monkeypatch):
+    """float32, extensions, dq="recompute", AUTO_DISPATCH off and CUDA without NVRTC's sm_90a keep the choice."""
+    from conftest import flag_set
+    from flasharray._private import cuda_forward_sm90 as F
+    from flasharray._private.extensions import Extensions
+    assert _auto_kernel(np.float32) == "tf32"
+    assert _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"
+    assert _auto_kernel(dq="recompute") == "tc"
+    with flag_set(F, "AUTO_DISPATCH", False):
+        assert _auto_kernel() == "tc"
+    assert cb.auto_wgmma(np.float16, 90, None, 64, 64, device="emulator")
+    assert not cb.auto_wgmma(np.float16, 90, None, 300, 64)
+    monkeypatch.setattr(F, "nvrtc_sm90a", lambda: False)
+    assert not cb.auto_wgmma(np.float16, 90, None, 64, 64, device="cuda")
+    assert cb._kernel_choice(np.dtype(np.float16), 90, None, None, 64, 64, device="cuda") == "tc"
+
+
+def test_dispatched_backward_runs_on_the_emulator():
+    """One small kernel=None backward on the emulator's sm_90 (the wgmma kernels), against the reference."""
+    p = Problem(np.float16, 64, 64, 64, causal=False, batch_q=(1, 2), batch_k=(1, 2))
+    check(p, run_backward("emulator", p, arch="sm_90"))
 
 
 @pytest.mark.parametrize("dtype,D,arch,kw,match", [

@@ -304,11 +304,11 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
 
 def test_forward_wide_row_tile_where_it_applies():
     """Causal (but on sm_80), unaligned rows, <= 64 query rows, extensions, d <= 64, sm_75 and
-    WIDE_ROWS = False keep the table's tile."""
+    WIDE_ROWS = False keep the table's tile (sm_90: the mma.sync forward, ``kernel="tensor_core"``)."""
     from flasharray._private.extensions import Extensions
     q, k, v = make_inputs(np.float16, 128, 200, 200)
     assert _plan(q, k, v, False).tile.block_m == 128
-    assert _plan(q, k, v, True, arch=90).tile.block_m == 64              # causal (sm_90: same occupancy)
+    assert _plan(q, k, v, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal (same occupancy)
     assert _plan(q, k, v, True, arch=86).tile.block_m == 64
     assert _plan(q, k, v, True).tile.block_m == 128                      # causal on sm_80: 2 blocks per SM
     assert _plan(q[..., :64, :], k, v, False).tile.block_m == 64         # 64 rows
@@ -325,7 +325,7 @@ def test_forward_wide_row_tile_where_it_applies():
     q2, k2, v2 = make_inputs(np.float16, 256, 200, 200)
     assert _plan(q2, k2, v2, False).tile.threads_m == 8                 # d 256: the 8-warp tile
     assert _plan(q2, k2, v2, False, arch=86).tile.block_m == 64          # 132 KB: not on sm_86 / 89
-    assert _plan(q2, k2, v2, True, arch=90).tile.block_m == 64          # causal
+    assert _plan(q2, k2, v2, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal
     assert _plan(q2, k2, v2, True).tile.threads_m == 8                  # causal on sm_80
     with flag_set(tiles, "WIDE_ROWS", False):
         assert _plan(q, k, v, False).tile.block_m == 64

@@ -490,14 +490,66 @@ def test_tile_table():
     assert t.smem == 16384 + 2 * (16384 + 32768) + 1024
 
 
-def test_opt_in_only():
-    """Without kernel="wgmma" nothing changes: sm_90 keeps the mma.sync forward."""
-    assert S.forward_tile(np.float16, 64, 64, 90) is None
-    assert S.forward_tile(np.float16, 64, 64, 90, kernel="tensor_core") is None
+def _auto_plan(q, k, v, arch="sm_90", **kw):
+    return cuda_forward.plan(q, k, v, causal=False, scale=q.shape[-1] ** -0.5, batch_shape=_batch(q, k, v),
+                             device="emulator", arch=arch, **kw)
+
+
+@pytest.mark.parametrize("dtype,D,Dv", [(np.float16, 64, 64), (bfloat16, 128, 128), (np.float16, 200, 96)])
+def test_dispatched_on_sm90_by_default(dtype, D, Dv):
+    """kernel=None on sm_90 plans the wgmma forward (fp16 / bf16, dense); sm_80 and "tensor_core" keep mma.sync."""
+    assert S.forward_tile(dtype, D, Dv, 90).kernel == "wgmma"
+    assert S.forward_tile(dtype, D, Dv, 80) is None
+    assert S.forward_tile(dtype, D, Dv, 90, kernel="tensor_core") is None
+    q, k, v = make_inputs(dtype, D, 8, 8, Dv=Dv)
+    assert _auto_plan(q, k, v).tile.kernel == "wgmma"
+    assert _auto_plan(q, k, v, kernel="tensor_core").tile.kernel == "tensor_core"
+    assert _auto_plan(q, k, v, arch="sm_80").tile.kernel == "tensor_core"
+
+
+def test_not_dispatched_where_it_does_not_serve():
+    """float32, extensions, block_m, num_splits, a KV cache and AUTO_DISPATCH off keep the previous choice."""
+    from flasharray._private.extensions import Extensions
+    assert S.forward_tile(np.float32, 64, 64, 90) is None
+    assert S.forward_tile(np.float16, 64, 64, 90, ext=1) is None
+    assert S.forward_tile(np.float16, 64, 64, 90, block_m=384) is None
+    assert S.forward_tile(np.float16, 64, 64, 90, num_splits=2) is None
+    assert S.forward_tile(np.float16, 64, 64, 90, kv=cuda_forward.KVLayout(False, 64)) is None
+    assert S.forward_tile(np.float16, 300, 64, 90) is None
     q, k, v = make_inputs(np.float16, 64, 8, 8)
-    plan = cuda_forward.plan(q, k, v, causal=False, scale=0.125, batch_shape=_batch(q, k, v), device="emulator",
-                             arch="sm_90")
-    assert plan.tile.kernel == "tensor_core"
+    assert _auto_plan(q, k, v, ext=Extensions(window=(2, 2))).tile.kernel == "tensor_core"
+    assert _auto_plan(q, k, v, num_splits=2).tile.kernel == "tensor_core"
+    assert _auto_plan(*(x.astype(np.float32) for x in (q, k, v))).tile.kernel != "wgmma"
+    with flag_set(S, "AUTO_DISPATCH", False):
+        assert S.forward_tile(np.float16, 64, 64, 90) is None
+        assert _auto_plan(q, k, v).tile.kernel == "tensor_core"
+
+
+def test_decoding_keeps_split_kv():
+    """Where the mma.sync plan splits the keys (decoding: one query, long caches) kernel=None keeps it; without a
+    split (short keys) the wgmma forward takes the call."""
+    q, k, v = make_inputs(np.float16, 64, 1, 4096)
+    p = _auto_plan(q, k, v)
+    assert p.tile.kernel == "tensor_core" and p.num_splits > 1
+    q, k, v = make_inputs(np.float16, 64, 1, 64)
+    p = _auto_plan(q, k, v)
+    assert p.tile.kernel == "wgmma" and p.num_splits == 1
+
+
+def test_cuda_dispatch_needs_nvrtc_sm90a(monkeypatch):
+    """On CUDA the wgmma kernels are taken only where NVRTC compiles sm_90a; the emulator needs no NVRTC."""
+    monkeypatch.setattr(S, "nvrtc_sm90a", lambda: False)
+    assert S.forward_tile(np.float16, 64, 64, 90, device="cuda") is None
+    assert S.forward_tile(np.float16, 64, 64, 90, device="emulator").kernel == "wgmma"
+    monkeypatch.setattr(S, "nvrtc_sm90a", lambda: True)
+    assert S.forward_tile(np.float16, 64, 64, 90, device="cuda").kernel == "wgmma"
+
+
+def test_dispatched_forward_runs_on_the_emulator():
+    """One small kernel=None forward on the emulator's sm_90: the wgmma kernel, against the reference."""
+    q, k, v = make_inputs(np.float16, 64, 64, 64)
+    out, lse = run_forward("emulator", q, k, v, causal=False, arch="sm_90")
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)
 
 
 @pytest.mark.parametrize("args,kw,match", [

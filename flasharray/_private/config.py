@@ -70,19 +70,26 @@ def _cupy_cache_dir():
     return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
 
 
-def kernel_choice(dtype, head_dim, arch, head_dim_v=None):
-    """Which forward kernel and tile (dtype, head dim, arch) gets, and why; a second line when
-    long non-causal calls take the wide-row tile (``tiles.WIDE_ROWS``)."""
+def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
+    """Which forward kernel and tile (dtype, head dim, arch) gets, and why; a line for long non-causal
+    calls taking the wide-row tile (``tiles.WIDE_ROWS``). On sm_90 the wgmma kernel first where
+    ``kernel=None`` takes it (``cuda_forward_sm90.auto_tile``; ``device`` "cuda": only where NVRTC compiles
+    sm_90a), then the mma.sync tiles the calls it does not serve keep."""
+    from . import cuda_forward_sm90
     try:
         t = tiles.forward_tile(dtype, head_dim, head_dim_v, arch)
         wide = tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True)
     except NotImplementedError as e:
         return str(e)
-    line = t.describe()
+    lines = [t.describe()]
     if wide != t:
         causal = "causal or not" if tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS else "non-causal"
-        line += "\n      (%s, aligned rows, > 64 rows, no extensions: %s)" % (causal, wide.describe())
-    return line
+        lines.append("(%s, aligned rows, > 64 rows, no extensions: %s)" % (causal, wide.describe()))
+    auto = cuda_forward_sm90.auto_tile(dtype, head_dim, head_dim_v, arch, device)
+    if auto is not None:
+        lines[0] = "(extensions, split-KV decoding, KV cache, block_m: %s)" % lines[0]
+        lines.insert(0, "%s; backward: wgmma too (dq='recompute', extensions: tc)" % auto.describe())
+    return "\n      ".join(lines)
 
 
 def _emulator_compiler():
@@ -132,14 +139,15 @@ def show_config(file=None, dtype=None, head_dim=None, arch=None):
         p("  emulator      unavailable (%s)" % e)
     p("emulator CXX    %s" % _emulator_compiler())
     p("forward kernel choices")
+    device = "cuda" if devices else None  # sm_90's wgmma kernels need NVRTC's sm_90a on a CUDA device
     if dtype is not None or head_dim is not None or arch is not None:
         dt = dtype if dtype is not None else "float16"
         hd = head_dim if head_dim is not None else 64
         a = arch if arch is not None else (devices[0][2] if devices else tiles.EMULATOR_ARCH)
-        p("  sm_%d %s d=%d: %s" % (tiles.arch_number(a), tiles.dtype_name(dt), hd, kernel_choice(dt, hd, a)))
+        p("  sm_%d %s d=%d: %s" % (tiles.arch_number(a), tiles.dtype_name(dt), hd, kernel_choice(dt, hd, a, None, device)))
         return
     archs = sorted({cc for _, _, cc in devices}) or list(tiles.ARCHS)
     for a in archs:
         for dt in ("float16", "bfloat16", "float32", "float64"):
             for hd in (64, 128, 256):
-                p("  sm_%d %-8s d=%-3d %s" % (a, dt, hd, kernel_choice(dt, hd, a)))
+                p("  sm_%d %-8s d=%-3d %s" % (a, dt, hd, kernel_choice(dt, hd, a, None, device)))

@@ -129,8 +129,9 @@ def _b(flag):
 #: the family does not apply: the SIMT kernels run) and ``dkv_name(tile, precision, pD, pDv,
 #: causal, vec, ordered)``.
 FAMILIES = {"tf32": "cuda_backward_tf32", "f64": "cuda_backward_f64",
-            # Hopper fp16 / bf16 on wgmma (issue 13): opt-in only, kernel="wgmma" on sm_90 (never chosen by
-            # family_tile); its module's backward_tile raises NotImplementedError where it cannot run.
+            # Hopper fp16 / bf16 on wgmma (issue 13): kernel="wgmma" on sm_90, and kernel=None there where
+            # auto_wgmma says so (never chosen by family_tile); its module's backward_tile raises
+            # NotImplementedError where it cannot run.
             "wgmma": "cuda_backward_sm90"}
 #: Kernel families sharing the atomic-dQ passes (DQAccumLayout accumulator, ordered mode, convert).
 TC_FAMILIES = ("tc",) + tuple(FAMILIES)
@@ -319,15 +320,34 @@ def _family_orders(kernel, bits, head_dim=0):
     return kernel in FAMILIES and not bits & ~getattr(_family_module(kernel), "ORDERED_EXT", 0)
 
 
-def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq=None, deterministic=False):
+def auto_wgmma(dtype, arch, precision=None, D=0, Dv=0, ext=False, dq=None, device=None):
+    """Whether ``kernel=None`` takes the wgmma backward: on sm_90 where ``cuda_forward_sm90.auto_dispatch``
+    allows it (its ``AUTO_DISPATCH``; on CUDA, NVRTC compiling sm_90a) and ``cuda_backward_sm90.backward_tile``
+    serves the call (float16 / bfloat16, head dims 1..256), with no extensions and ``dq`` not "recompute"
+    (those keep "tc"). Deterministic calls run its ordered dQ mode."""
+    sm90 = _family_module("wgmma")
+    if ext or dq == "recompute" or not _fwd().sm90.auto_dispatch(arch, device):
+        return False
+    try:
+        sm90.backward_tile(precision, dtype, D, Dv, arch)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq=None, deterministic=False,
+                   device=None):
     """The kernel family of a plan: ``kernel`` when forced, else a float32 / float64 tensor-core
     family where it applies (:func:`family_tile`; not with ``dq="recompute"``, which those
     families do not run, nor deterministic with extensions its ordered mode does not take), else
+    "wgmma" on sm_90 where :func:`auto_wgmma` says so (``device``: the launcher's), else
     :func:`default_kernel`."""
     if kernel is None and dq != "recompute":
         fam = family_tile(dtype, precision, D, Dv, arch, ext)
         if fam is not None and (not (ext and deterministic) or _family_orders(fam[0], ext)):
             return fam[0]
+        if auto_wgmma(dtype, arch, precision, D, Dv, ext, dq, device):
+            return "wgmma"
     if kernel == "wgmma":  # the Hopper backward: NotImplementedError naming why where it cannot run
         if dq == "recompute":
             raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs the atomic and "
@@ -366,7 +386,7 @@ class BackwardPlan:
         arch = tiles.arch_number(arch) if arch is not None else launcher.arch
         self.precision = precision
         self.kernel = _kernel_choice(dtype, arch, kernel, precision, q.shape[-1], v.shape[-1],
-                                     _fwd().ext_bits(ext), dq, deterministic)
+                                     _fwd().ext_bits(ext), dq, deterministic, launcher.device)
         self.batch_shape = tuple(int(b) for b in batch_shape)
         # Extensions (docs/extensions.md): the forward's _ExtPlan (kExt bits, stand-ins walked with
         # the batch, the argument tail, per-call arrays and seed/offset); None for a dense plan.
@@ -768,9 +788,9 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, det
         atomics in any order into an AccT dQ accumulator plus a conversion pass.
     **opts
         ``schedule``, ``seed`` (emulator fiber schedule), ``arch`` (tile table's target,
-        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc", "simt", "wgmma" (sm_90 fp16/bf16, opt-in), "tf32",
-        "f64"; default tensor cores for fp16/bf16, and for float32 / float64 where
-        :func:`family_tile` applies), ``precision`` (None, "ieee", "tf32", "3xtf32", validated by
+        default the device's, ``sm_80`` for the emulator), ``kernel`` ("tc" (the mma.sync kernels), "simt", "wgmma" (sm_90 fp16/bf16),
+        "tf32", "f64"; default tensor cores for fp16/bf16 — "wgmma" on sm_90 where :func:`auto_wgmma` says so,
+        else "tc" —, and for float32 / float64 where :func:`family_tile` applies), ``precision`` (None, "ieee", "tf32", "3xtf32", validated by
         the caller: float32 "tf32" / "3xtf32" run the TF32 tensor-core backward, float64 the DMMA
         one on sm_80+; otherwise the SIMT kernels), ``stages`` (1 or 2: force single- or double-buffered
         streamed tiles in the tensor-core kernels), ``dq`` ("ordered" or "recompute": force the

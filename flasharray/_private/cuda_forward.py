@@ -120,12 +120,15 @@ class ForwardPlan:
         # float64 (precision None / "ieee"): the DMMA kernel on sm_80+ where it applies, else SIMT.
         tc = dict(kernel=kernel, block_m=block_m, ext=0 if self.ext is None else self.ext.bits, num_splits=num_splits,
                   kv=kv)
-        # kernel="wgmma": the Hopper forward (opt-in; NotImplementedError where it cannot run).
-        self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, **tc) or \
-            tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
-            f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
-            kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m, ext=self.ext is not None,
-                       two_blocks=not (kv is not None and kv.paged))
+        # kernel="wgmma": the Hopper forward (NotImplementedError where it cannot run); kernel=None on sm_90: the
+        # same where it serves the call (cuda_forward_sm90.auto_tile), kept below unless the mma.sync plan splits.
+        self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, device=launcher.device, **tc)
+        auto = self.tile if kernel is None else None
+        if self.tile is None or auto is not None:
+            self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
+                f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
+                kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
+                           ext=self.ext is not None, two_blocks=not (kv is not None and kv.paged))
         self.copy = tuple(_needs_copy(a) for a in (q, k, v))
         q, k, v = (L.kernel_ready(a) for a in (q, k, v))
         self.out_shape = self.batch_shape + (Lq, Dv)
@@ -141,27 +144,16 @@ class ForwardPlan:
             return
         out = L.stand_in(self.out_shape, self.dtype)
         lse = L.stand_in(self.lse_shape, acc)
-        tile = self.tile
         aligned = _is_aligned((q, k, v))
-        # GQA packing: the query heads sharing a K/V head become rows of one block (a re-view of
-        # q, out and lse: same memory, same pointers; only shapes and strides change).
-        batch, q_k, out_k, lse_k, rows = self.batch_shape, q, out, lse, Lq
-        packed = None if pack_gqa is False or self.ext is not None else gqa_packing(
-            q, k, v, out, lse, self.batch_shape, causal, tile)
-        packed_causal = False  # the kernel's Is_packed: the mask at each row's query position
-        if packed is not None:
-            batch, (q_k, out_k, lse_k), self.gqa_group = packed
-            rows = q_k.shape[-2]
-            causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
-            packed_causal = bool(causal)
-        if block_m is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, launcher.arch):
-            tile = self.tile = kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, wide=True)
-        if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
-            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), 0 if self.ext is None else self.ext.bits)
-        if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)
-            tile = self.tile = sm90.cp_async_ext_tile(tile, aligned, 0 if self.ext is None else self.ext.bits)
-        n_blocks = -(-rows // tile.block_m)
-        self.num_splits = splits = self._split_count(num_splits, int(np.prod(batch)) * n_blocks, Lk, block_m)
+        call = (q, k, v, out, lse, causal, pack_gqa, aligned, dict(kernel=kernel, block_m=block_m,
+                                                                    num_splits=num_splits))
+        layout = self._layout(*call)
+        if auto is not None and layout[-1] == 1:  # kernel=None on sm_90: wgmma where the mma.sync plan does not split
+            self.tile = auto
+            layout = self._layout(*call)
+        tile = self.tile
+        batch, (q_k, out_k, lse_k), rows, causal, packed_causal, n_blocks, splits = layout
+        self.num_splits = splits
         self.blocks = int(np.prod(batch)) * n_blocks * splits
         name_expr = forward_name_expression(tile, bool(causal), aligned, split=splits > 1, packed=packed_causal,
                                             seqlens_k=kv is not None, paged=kv is not None and kv.paged,
@@ -181,6 +173,34 @@ class ForwardPlan:
         else:
             self._add_forward(launcher, name_expr, batch, (q_k, k, v, out_k, lse_k), (0, 1, 2, 3, 4),
                               rows, Lk, D, Dv, scale_log2, n_blocks)
+
+    def _layout(self, q, k, v, out, lse, causal, pack_gqa, aligned, opts):
+        """The launch geometry on ``self.tile`` (its wide-row, TMA or cp.async variant set in ``self.tile``):
+        ``(batch, (q, out, lse) as the kernel walks them, rows, causal, packed_causal, query tiles, key splits)``.
+        ``opts``: the call's ``kernel``, ``block_m``, ``num_splits``."""
+        tile, kv, arch, Lq = self.tile, self.kv, self.launcher.arch, q.shape[-2]
+        D, Dv, Lk = q.shape[-1], v.shape[-1], (k.shape[-2] if kv is None else kv.Lk)
+        bits = 0 if self.ext is None else self.ext.bits
+        # GQA packing: the query heads sharing a K/V head become rows of one block (a re-view of
+        # q, out and lse: same memory, same pointers; only shapes and strides change).
+        batch, q_k, out_k, lse_k, rows = self.batch_shape, q, out, lse, Lq
+        packed = None if pack_gqa is False or self.ext is not None else gqa_packing(
+            q, k, v, out, lse, self.batch_shape, causal, tile)
+        packed_causal, self.gqa_group = False, 1  # Is_packed: the mask at each row's query position
+        if packed is not None:
+            batch, (q_k, out_k, lse_k), self.gqa_group = packed
+            rows = q_k.shape[-2]
+            causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
+            packed_causal = bool(causal)
+        if opts["block_m"] is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, arch):
+            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True)
+        if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
+            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), bits)
+        if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)
+            tile = self.tile = sm90.cp_async_ext_tile(tile, aligned, bits)
+        n_blocks = -(-rows // tile.block_m)
+        splits = self._split_count(opts["num_splits"], int(np.prod(batch)) * n_blocks, Lk, opts["block_m"])
+        return batch, (q_k, out_k, lse_k), rows, causal, packed_causal, n_blocks, splits
 
     def _split_count(self, num_splits, blocks, Lk, block_m=None):
         """Key splits: ``num_splits`` when given, else :func:`tiles.auto_num_splits` for ``blocks``
@@ -705,8 +725,10 @@ def forward(q, k, v, *, causal, scale, batch_shape, device, counters=None, kerne
     device : {"cuda", "emulator"}
     counters : list, optional
         Emulator only: the counters (dict) of every launch are appended.
-    kernel : {None, "tensor_core", "simt"}
-        Force a kernel family (None: tensor cores for fp16/bf16 where the arch has them).
+    kernel : {None, "tensor_core", "simt", "wgmma"}
+        Force a kernel family (None: tensor cores for fp16/bf16 where the arch has them: on sm_90 the
+        wgmma kernel where it serves the call, ``cuda_forward_sm90.auto_tile``, else the mma.sync one,
+        which "tensor_core" forces).
     arch : optional
         Emulator only: the compute capability whose tile table to use (default sm_80).
     block_m : {None, 384, 512}

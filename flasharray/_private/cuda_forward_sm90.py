@@ -1,9 +1,11 @@
 """Tiles of the Hopper forward on wgmma (``cuda_src/flash_fwd_sm90.cu``, issue 13; docs/hopper.md).
 
-Opt-in: :func:`forward_tile` returns a tile only for ``kernel="wgmma"`` (nothing has run on an H100
-yet, so sm_90 calls keep the mma.sync forward by default), and only for what the kernel serves:
-sm_90, float16 / bfloat16, head dims 1..256, the extensions of docs/extensions.md (the kernels' ``kExt``
-bits, as the mma.sync forward's), no IO tile (``block_m``), no split-KV, no KV cache. Asking for ``kernel="wgmma"`` anywhere else is a NotImplementedError naming the reason.
+The default on sm_90 (:data:`AUTO_DISPATCH`, docs/hopper.md "Automatic sm_90 dispatch": 1.2-2.5x the mma.sync
+forward on an H200): :func:`forward_tile` returns the tile for ``kernel=None`` where the kernel serves a dense call
+(float16 / bfloat16, head dims 1..256, no extensions, no IO tile, no split-KV, no KV cache; on CUDA only where
+NVRTC compiles sm_90a, :func:`auto_dispatch`), None elsewhere (the mma.sync chain; ``kernel="tensor_core"``
+forces it). ``kernel="wgmma"`` also takes the extensions of docs/extensions.md (the kernels' ``kExt`` bits, as
+the mma.sync forward's); asking for it where the kernel cannot run is a NotImplementedError naming the reason.
 
 Two instantiations: where q, k and v are TMA-legal (:func:`tma_legal`: 16-byte aligned, strides
 multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-specialized kernel
@@ -141,10 +143,39 @@ def check_arch_and_dtype(arch, dtype, unsupported):
     return a
 
 
+#: Whether ``kernel=None`` on sm_90 takes the wgmma kernels where they serve the call (this forward: dense
+#: float16 / bfloat16 calls, :func:`forward_tile`; the backward: ``cuda_backward._kernel_choice``). False: the
+#: mma.sync kernels, as before the H200 measurements (docs/hopper.md, "Automatic sm_90 dispatch"). Plans are
+#: cached by signature: clear them (``launch._clear_plans()``) after changing it.
+AUTO_DISPATCH = True
+
+
+def nvrtc_sm90a():
+    """Whether NVRTC (12.0 or newer: the ``sm_90a`` target) can compile the arch-specific sources here."""
+    from . import nvrtc
+    try:
+        return nvrtc.available()[0] and nvrtc.version() >= (12, 0)
+    except Exception:  # noqa: BLE001 -- a broken NVRTC: the mma.sync kernels
+        return False
+
+
+def auto_dispatch(arch, device=None):
+    """Whether ``kernel=None`` calls on ``arch`` may take the wgmma kernels: :data:`AUTO_DISPATCH` on sm_90 and,
+    on CUDA (``device == "cuda"``), NVRTC able to compile sm_90a (:func:`nvrtc_sm90a`; the emulator needs no
+    NVRTC, its arch is the ``arch=`` argument)."""
+    if not AUTO_DISPATCH or tiles.arch_number(arch) != ARCH:
+        return False
+    return device != "cuda" or nvrtc_sm90a()
+
+
 def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False, num_splits=None,
-                 kv=None):
-    """The :class:`Sm90Tile` for a call with ``kernel="wgmma"``; None for any other ``kernel`` (the
-    default chain picks the kernel). NotImplementedError where the wgmma kernel cannot run."""
+                 kv=None, device=None):
+    """The :class:`Sm90Tile` for a call with ``kernel="wgmma"`` (NotImplementedError where the wgmma kernel
+    cannot run); for ``kernel=None`` the tile where it serves the call (:func:`auto_tile`), else None; None for
+    any other ``kernel``. ``device``: the launcher's ("cuda", "emulator")."""
+    if kernel is None:
+        return auto_tile(dtype, head_dim, head_dim_v, arch, device, block_m=block_m, ext=ext,
+                         num_splits=num_splits, kv=kv)
     if kernel != KERNEL:
         return None
     a = check_arch_and_dtype(arch, dtype, _unsupported)
@@ -165,6 +196,19 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
               % (bc, "S and O accumulators 64 + %d registers" % (dv // 2) if bc == 128
                  else "the O accumulator takes %d registers" % (dv // 2)))
     return Sm90Tile(KERNEL, name, d, dv, BLOCK_M, bc, BLOCK_M // 16, 32, smem, reason, STAGES)
+
+
+def auto_tile(dtype, head_dim, head_dim_v, arch, device=None, **call):
+    """``kernel=None``: the wgmma tile where :func:`auto_dispatch` allows it and the kernel serves a dense call
+    (float16 / bfloat16, head dims 1..256, no ``block_m``, split-KV or KV cache); else None (the mma.sync chain).
+    Extensions keep the mma.sync forward (the wgmma ones are verified on the emulator only). ``cuda_forward``
+    keeps the mma.sync plan where it would split the keys (decoding)."""
+    if not auto_dispatch(arch, device) or call.get("ext") or tiles.dtype_name(dtype) not in ("float16", "bfloat16"):
+        return None
+    try:
+        return forward_tile(dtype, head_dim, head_dim_v, arch, kernel=KERNEL, **call)
+    except NotImplementedError:
+        return None
 
 
 # ---- the TMA / warp-specialized instantiation (flash_fwd_sm90_ws_kernel) ---------------------------------
