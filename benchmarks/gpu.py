@@ -13,6 +13,8 @@ else PyTorch's flash backend) and to the fastest PyTorch backend, time_ref / tim
 
 Implementations (``IMPLS``: name -> Impl(make, kind, flops factor, role)):
   flasharray     flasharray._private.cuda_forward.forward (this project's kernels)
+  flasharray-mma  the same with kernel="tensor_core": the mma.sync forward (flash_fwd.cu; the default on
+                 every GPU but sm_90, where the default is the wgmma one)
   flasharray-wgmma  the same with kernel="wgmma": the Hopper forward (flash_fwd_sm90.cu), sm_90 only
   cupy-naive     S = q kᵀ, softmax, P v with CuPy (S and P materialized); CuPy 14 computes batched
                  fp16 matmuls in fp32 and rejects batched bf16 ones, so torch-math is the fairer
@@ -127,11 +129,16 @@ def from_torch(t):
 
 # ---- implementations -----------------------------------------------------------------------------
 
-def _make_flasharray(tensors, causal, device):
+def _make_flasharray(tensors, causal, device, kernel=None):
     q, k, v = tensors
     scale = 1.0 / math.sqrt(q.shape[-1])
     return lambda: cuda_forward.forward(q, k, v, causal=causal, scale=scale, batch_shape=q.shape[:-2],
-                                        device=device)
+                                        device=device, kernel=kernel)
+
+
+def _make_flasharray_mma(tensors, causal, device):
+    """The mma.sync forward forced (kernel="tensor_core"): the default on sm_90 is the wgmma one."""
+    return _make_flasharray(tensors, causal, device, kernel="tensor_core")
 
 
 def _make_flasharray_wgmma(tensors, causal, device):
@@ -216,8 +223,8 @@ def _make_torch(name):
     return make
 
 
-IMPLS = {"flasharray": Impl(_make_flasharray), "flasharray-wgmma": Impl(_make_flasharray_wgmma),
-         "cupy-naive": Impl(_make_cupy_naive)}
+IMPLS = {"flasharray": Impl(_make_flasharray), "flasharray-mma": Impl(_make_flasharray_mma),
+         "flasharray-wgmma": Impl(_make_flasharray_wgmma), "cupy-naive": Impl(_make_cupy_naive)}
 IMPLS.update((name, Impl(_make_torch(name), role=role)) for name, (_, role) in TORCH_ROWS.items())
 
 

@@ -10,6 +10,8 @@ Rows (backward: time of the backward given the forward's saved state; fwdbwd: fo
                         in key-block order (ordered), fp32/fp64 the separate dQ kernel
   flasharray-det-recompute  deterministic with the separate dQ kernel (dq="recompute": S, dP again)
   flasharray-atomic     cuda_backward.backward(deterministic=False): fp32 atomics for dQ, any order
+  flasharray-mma-det, -mma-atomic   the same two with the mma.sync kernels forced (kernel "tensor_core"
+                        forward, "tc" backward): on sm_90 the default rows run the wgmma kernels
   flasharray-fwdbwd     cuda_forward.forward + the deterministic backward
   flasharray-dropout-det, -dropout-det-recompute, -dropout-atomic   the three backward modes with
                         dropout (p 0.1; the forward's saved state with the same mask): fp16/bf16
@@ -52,6 +54,8 @@ FWDBWD_FACTOR = 3.5
 FLASHARRAY = ("flasharray-det", "flasharray-det-recompute", "flasharray-atomic", "flasharray-fwdbwd",
               "flasharray-dropout-det", "flasharray-dropout-det-recompute", "flasharray-dropout-atomic")
 WGMMA = ("flasharray-wgmma-det", "flasharray-wgmma-atomic", "flasharray-wgmma-fwdbwd")  # sm_90 GPUs only
+#: the mma.sync kernels forced (kernel "tensor_core" forward, "tc" backward): on sm_90 the default is wgmma
+MMA = ("flasharray-mma-det", "flasharray-mma-atomic")
 
 
 # ---- implementations: make((q, k, v, dout), causal, device) -> callable or None ------------------
@@ -72,22 +76,25 @@ def _ext(q, k, ext_kw):
                                    batch_shape=q.shape[:-2], Lq=q.shape[-2], Lk=k.shape[-2], acc=np.dtype(np.float32))
 
 
-def _flash_state(q, k, v, causal, device, ext_kw=None):
+def _flash_state(q, k, v, causal, device, ext_kw=None, kernel=None):
     return cuda_forward.forward(q, k, v, causal=causal, scale=_scale(q), batch_shape=q.shape[:-2],
-                                device=device, ext=_ext(q, k, ext_kw))
+                                device=device, ext=_ext(q, k, ext_kw), kernel=kernel)
 
 
-def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True, dq=None, ext_kw=None):
+def _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic=True, dq=None, ext_kw=None, kernel=None):
     return cuda_backward.backward(dout, q, k, v, out, lse, causal=causal, scale=_scale(q),
                                   batch_shape=q.shape[:-2], device=device, deterministic=deterministic, dq=dq,
-                                  ext=_ext(q, k, ext_kw))
+                                  ext=_ext(q, k, ext_kw), kernel=kernel)
 
 
-def _make_flash_bwd(deterministic, dq=None, ext_kw=None):
+def _make_flash_bwd(deterministic, dq=None, ext_kw=None, mma=False):
+    """``mma``: the mma.sync kernels forced (forward "tensor_core", backward "tc")."""
+    fwd_kernel, bwd_kernel = ("tensor_core", "tc") if mma else (None, None)
+
     def make(tensors, causal, device):
         q, k, v, dout = tensors
-        out, lse = _flash_state(q, k, v, causal, device, ext_kw)
-        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic, dq, ext_kw)
+        out, lse = _flash_state(q, k, v, causal, device, ext_kw, fwd_kernel)
+        return lambda: _flash_backward(q, k, v, dout, out, lse, causal, device, deterministic, dq, ext_kw, bwd_kernel)
     return make
 
 
@@ -190,6 +197,8 @@ IMPLS = {
     "flasharray-det": Impl(_make_flash_bwd(True), "bwd", BWD_FACTOR),
     "flasharray-det-recompute": Impl(_make_flash_bwd(True, "recompute"), "bwd", BWD_FACTOR),
     "flasharray-atomic": Impl(_make_flash_bwd(False), "bwd", BWD_FACTOR),
+    "flasharray-mma-det": Impl(_make_flash_bwd(True, mma=True), "bwd", BWD_FACTOR),
+    "flasharray-mma-atomic": Impl(_make_flash_bwd(False, mma=True), "bwd", BWD_FACTOR),
     "flasharray-fwdbwd": Impl(_make_flash_fwdbwd, "fwdbwd", FWDBWD_FACTOR),
     "flasharray-dropout-det": Impl(_make_flash_bwd(True, ext_kw=DROPOUT), "bwd", BWD_FACTOR),
     "flasharray-dropout-det-recompute": Impl(_make_flash_bwd(True, "recompute", DROPOUT), "bwd", BWD_FACTOR),
@@ -208,11 +217,11 @@ for _name, (_, _role) in fwd_bench.TORCH_ROWS.items():
 def check(name, grads, tensors, causal, device):
     """flasharray's gradients (first batch entry / head) vs the float64 reference; None for the
     other rows (PyTorch and the naive baseline are trusted)."""
-    if name not in FLASHARRAY + WGMMA:
+    if name not in FLASHARRAY + WGMMA + MMA:
         return None
     q, k, v, dout = tensors
     ext_kw = DROPOUT if "-dropout-" in name else {}
-    out, _ = _flash_state(q, k, v, causal, device, ext_kw)
+    out, _ = _flash_state(q, k, v, causal, device, ext_kw, "tensor_core" if name in MMA else None)
     first = lambda x: x[:1, :1]  # noqa: E731  (the dropout mask of entry (0, 0) is the same for the slice)
     return check_attention(first(out), first(q), first(k), first(v), causal=causal, scale=_scale(q),
                            dout=first(dout), grads=tuple(first(g) for g in grads), **ext_kw)
