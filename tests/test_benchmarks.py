@@ -446,8 +446,8 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
-SESSION_STEPS = ("install", "smi", "pytest", "hopper_variants", "gpu_backward", "gpu_decode", "gpu_precision",
-                 "overhead")
+SESSION_STEPS = ("install", "smi", "smoke", "pytest", "gpu_backward", "gpu_decode", "pytest_sm90", "gpu_precision",
+                 "hopper_variants", "overhead")
 
 
 def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
@@ -464,7 +464,9 @@ def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LO
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     log = tmp_path / "log"
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n")[1:]] if log.exists() else []
-    return res.returncode, summary, calls
+    probes = [c for c in calls if c[0] == "-c"]  # the script's `python -c "import xdist"` and the like
+    assert all(c[1].startswith("import ") for c in probes), probes
+    return res.returncode, summary, [c for c in calls if c[0] != "-c"]
 
 
 def test_gpu_session_script_parses():
@@ -481,8 +483,8 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
         assert any(line.startswith("step %d %s: end" % (i, step)) and " rc 0 " in line for line in summary), summary
     assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
-    assert [c[0] for c in scripts] == ["benchmarks/hopper_variants.py"] + ["benchmarks/gpu.py"] * 3 + [
-        "benchmarks/overhead.py"]
+    assert [c[0] for c in scripts] == ["benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py",
+                                                                    "benchmarks/overhead.py"]
     helps = {}
     for script, *args in scripts:
         if script not in helps:
@@ -491,9 +493,13 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
             assert res.returncode == 0, res.stderr
             helps[script] = res.stdout
         assert all(a in helps[script] for a in args if a.startswith("--")), (script, args)
-    (pytest_call,) = [c for c in calls if c[:2] == ["-m", "pytest"]]
-    marker = pytest_call[pytest_call.index("-m", 2) + 1]
-    assert marker == "gpu and not slow" and pytest_call[-1] == "tests/"
+    pytest_calls = [c for c in calls if c[:2] == ["-m", "pytest"]]
+    assert [c[-1] for c in pytest_calls] == ["tests/", "tests/test_gpu_sm90.py"]
+    for pytest_call in pytest_calls:
+        marker = pytest_call[pytest_call.index("-m", 2) + 1]
+        assert marker == "gpu and not slow" and "-n" in pytest_call and "--timeout" in pytest_call
+    assert "--ignore=tests/test_gpu_sm90.py" in pytest_calls[0]
+    assert len([c for c in calls if c[:1] == ["-"]]) == 2  # smi's and smoke's `python -` (scripts on stdin)
     cfg = (ROOT / "setup.cfg").read_text()
     assert "gpu: " in cfg and "slow: " in cfg
     assert "cuda12 = " in cfg and "test =" in cfg                    # the install step's extras
