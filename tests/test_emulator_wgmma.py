@@ -378,7 +378,7 @@ def _gpu_launcher():
 
     def launch(name, threads, args, smem):
         dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        module.get_function(r.kernel(name).lowered_name)((1, 1, 1), (threads, 1, 1), tuple(dev), shared_mem=smem)
+        module.get_function(r.lowered_names[name])((1, 1, 1), (threads, 1, 1), tuple(dev), shared_mem=smem)
         out = args[4]
         out[...] = cupy.asnumpy(dev[4])   # the output array, in place as on the emulator
     return launch
