@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command for a short GPU session (an H100 for ~15 minutes of device time; docs/hopper.md,
-# "On the first H100 session"). Run from anywhere:
+# "GPU sessions"). Run from anywhere:
 #
 #     bash benchmarks/gpu_session.sh
 #

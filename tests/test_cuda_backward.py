@@ -65,7 +65,7 @@ class Problem:
 
 def run_backward(device, p, *, deterministic=True, **opts):
     """cuda_backward.backward on the problem; float32 runs precision="ieee" (the SIMT kernels this
-    file tests) unless a test passes another: its sm_80+ default, 3xtf32, is
+    file tests; also the default) unless a test passes another: the TF32 kernels are
     tests/test_cuda_backward_tf32.py's."""
     if np.dtype(p.dtype) == np.float32:
         opts.setdefault("precision", "ieee")

@@ -48,8 +48,8 @@ def make_inputs(dtype, D, Lq, Lk, *, Dv=None, layout="bhsd", gqa=False, seed=0, 
 
 def run_forward(device, q, k, v, *, causal, scale=None, **opts):
     """Call cuda_forward.forward the way the public API does (batch dims already aligned). float32
-    runs precision="ieee" here (the SIMT kernel this file tests) unless a test passes another: its
-    default on sm_80+, 3xtf32, is tests/test_cuda_forward_tf32.py's."""
+    runs precision="ieee" here (the SIMT kernel this file tests; also the default) unless a test passes
+    another: the TF32 kernels are tests/test_cuda_forward_tf32.py's."""
     if np.dtype(q.dtype) == np.float32:
         opts.setdefault("precision", "ieee")
     batch_shape = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
