@@ -91,3 +91,25 @@ ptxas info    : Function properties for _Z6helperv
     assert list(ks) == ["_Z1kPf"]
     k = ks["_Z1kPf"]
     assert (k.registers, k.spill_stores, k.spill_loads, k.stack_frame, k.static_smem, k.cmem) == (40, 8, 4, 16, 2048, 360)
+
+
+def test_cuda13_wheel_layout_is_found(tmp_path, monkeypatch):
+    """The CUDA 13 nvidia-cuda-nvrtc wheel keeps libnvrtc in nvidia/cu13/lib (the cu12 one in
+    nvidia/cuda_nvrtc/lib), the runtime headers in nvidia/cu13/include."""
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    inc = tmp_path / "nvidia" / "cu13" / "include"
+    lib.mkdir(parents=True)
+    inc.mkdir(parents=True)
+    (lib / "libnvrtc.so.13").write_bytes(b"")
+    (inc / "cuda_fp16.h").write_text("")
+    monkeypatch.delenv("FLASHARRAY_NVRTC", raising=False)
+    monkeypatch.setattr(nvrtc.sys, "path", [str(tmp_path)])
+    assert nvrtc.find_libnvrtc() == str(lib / "libnvrtc.so.13")
+    assert nvrtc.cuda_include_dirs()[0] == str(inc)
+
+
+def test_builtins_preload_is_a_no_op_without_them(tmp_path):
+    """_preload_builtins loads libnvrtc-builtins from beside libnvrtc only where it exists (here: not)."""
+    (tmp_path / "libnvrtc.so.13").write_bytes(b"")
+    nvrtc._preload_builtins(str(tmp_path / "libnvrtc.so.13"))   # nothing to load, nothing raised
+    nvrtc._preload_builtins("libnvrtc.so")                       # a bare soname: the loader's business

@@ -14,7 +14,9 @@ architecture with zero spills and registers / shared memory within the limits.
 the flasharray ``cuda_src/`` directory and the CUDA headers (``cuda_fp16.h`` etc., from the
 ``nvidia-cuda-runtime-cu12`` wheel or ``$CUDA_PATH/include``) to the include path.
 libnvrtc is looked up in ``$FLASHARRAY_NVRTC`` (a file path), the ``nvidia-cuda-nvrtc-cu12``
-wheel, ``$CUDA_PATH/lib64``, then the system loader.
+wheel, the CUDA 13 ``nvidia-cuda-nvrtc`` wheel (``nvidia/cu13/lib``; its builtins library is
+preloaded from beside it, which that wheel's libnvrtc does not find by itself), ``$CUDA_PATH/lib64``,
+then the system loader.
 """
 import ctypes
 import ctypes.util
@@ -87,10 +89,10 @@ def find_libnvrtc():
     if env:
         return env if os.path.exists(env) else None
     for d in _site_dirs():
-        lib = Path(d) / "nvidia" / "cuda_nvrtc" / "lib"
-        for name in ("libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"):
-            if (lib / name).exists():
-                return str(lib / name)
+        for lib in (Path(d) / "nvidia" / "cuda_nvrtc" / "lib", Path(d) / "nvidia" / "cu13" / "lib"):
+            for name in ("libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"):
+                if (lib / name).exists():
+                    return str(lib / name)
     for var in ("CUDA_PATH", "CUDA_HOME"):
         root = os.environ.get(var)
         if root:
@@ -106,8 +108,9 @@ def cuda_include_dirs():
     """Directories holding the CUDA headers NVRTC needs (``cuda_fp16.h``, ``cuda_bf16.h``)."""
     out = []
     for d in _site_dirs():
-        inc = Path(d) / "nvidia" / "cuda_runtime" / "include"
-        if (inc / "cuda_fp16.h").exists():
+        incs = [Path(d) / "nvidia" / "cuda_runtime" / "include", Path(d) / "nvidia" / "cu13" / "include"]
+        inc = next((i for i in incs if (i / "cuda_fp16.h").exists()), None)
+        if inc is not None:
             out.append(str(inc))
             break
     for var in ("CUDA_PATH", "CUDA_HOME"):
@@ -122,6 +125,19 @@ def cuda_include_dirs():
 _lib = None
 
 
+def _preload_builtins(path):
+    """Load ``libnvrtc-builtins.so.*`` from beside ``path`` (RTLD_GLOBAL), where there is one: NVRTC
+    opens it by name at its first compile, and a wheel's lib folder is not on the loader's path
+    (CUDA 13's wheel: "failed to open libnvrtc-builtins.so.13.0")."""
+    if not os.path.isabs(path):  # a soname: the system loader finds what goes with it
+        return
+    folder = Path(path).parent
+    for cand in sorted(folder.glob("libnvrtc-builtins.so.*")):
+        if ".alt." not in cand.name:
+            ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            return
+
+
 def _load():
     global _lib
     if _lib is not None:
@@ -131,6 +147,7 @@ def _load():
         raise NvrtcError("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu12, or set $FLASHARRAY_NVRTC "
                          "to the library's path")
     try:
+        _preload_builtins(path)
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise NvrtcError("cannot load libnvrtc from %s: %s" % (path, e)) from None
