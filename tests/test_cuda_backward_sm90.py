@@ -253,7 +253,9 @@ def test_ws_plan_maps():
     t = S.ws_tile(S.backward_tile(None, np.float16, 40, 40, 90), 40, 40)
     # (+ the bulk dQ's buffers of Br x d floats with two mbarriers each and dq_accum's batch offset)
     dq = S.dq_buffers(64, 64) * (64 * 64 * 4 + 16) + (8 if S.DQ_BULK else 0)
-    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == S.smem_bytes(64, 64) + 128 * 64 * 2 + 48 + dq
+    # (+ the ordered mode's turn slot: the counters' base and DQOrder's three ints, S.TURN_BYTES)
+    assert t.n_threads == 384 and t.smem == S.ws_smem_bytes(64, 64) == (
+        S.smem_bytes(64, 64) + 128 * 64 * 2 + 40 + S.TURN_BYTES + dq)
 
 
 def test_wgmma_backward_tile():
@@ -282,7 +284,7 @@ def test_wgmma_backward_tile_head_dim_split():
     # (the cp.async kernel: + dk's and dv's batch offsets for the epilogue, 16 bytes; the ws kernel has its own)
     assert t.smem == S.smem_bytes(256, 256, 64, 64) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 2 * 2 * 64 * 4 + 1024 + 16
     w = S.ws_tile(t, 256, 256)
-    assert w.n_threads == 384 and w.smem == t.smem - 16 + 64 * 64 * 2 + 48 + 24 <= 227 * 1024
+    assert w.n_threads == 384 and w.smem == t.smem - 16 + 64 * 64 * 2 + 40 + S.TURN_BYTES + 24 <= 227 * 1024
     assert S.pad_head_dims(200, 72) == (256, 128) and S.pad_head_dims(40, 130) == (128, 256)
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
@@ -317,7 +319,8 @@ def test_not_dispatched_where_it_does_not_serve(monkeypatch):
     from conftest import flag_set
     from flasharray._private import cuda_forward_sm90 as F
     from flasharray._private.extensions import Extensions
-    assert _auto_kernel(np.float32) == "tf32"
+    assert _auto_kernel(np.float32) == "simt"  # float32's default precision: ieee
+    assert _auto_kernel(np.float32, precision="3xtf32") == "tf32"
     assert _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"
     assert _auto_kernel(dq="recompute") == "tc"
     with flag_set(F, "AUTO_DISPATCH", False):
