@@ -153,11 +153,12 @@ fi
 if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
     PYTEST_ARGS+=(--timeout 120 --timeout-method thread)
 fi
-# the forward / backward table: fp16, D 64 / 128, N 1k / 4k / 16k, causal and not; flasharray (mma.sync, wgmma)
-# against FlashAttention-2 (PyTorch's flash backend) and cuDNN; N 16k runs the instantiations validated at 4k
+# the forward / backward table: fp16, D 64 / 128, N 1k / 4k / 16k, causal and not; flasharray (the default: wgmma
+# on sm_90) and its mma.sync kernels (-mma rows) against FlashAttention-2 (PyTorch's flash backend) and cuDNN;
+# N 16k runs the instantiations validated at 4k
 TABLE_ARGS=(--dtypes fp16 --head-dims 64,128 --seqlens 1024,4096,16384 --validate-max-n 4096
-    --impls "flasharray,flasharray-wgmma,torch-flash,torch-cudnn,flasharray-det,flasharray-atomic,\
-flasharray-fwdbwd,flasharray-wgmma-det,flasharray-wgmma-fwdbwd,torch-flash-fwdbwd,torch-cudnn-fwdbwd")
+    --impls "flasharray,flasharray-mma,torch-flash,torch-cudnn,flasharray-det,flasharray-atomic,flasharray-mma-det,\
+flasharray-mma-atomic,flasharray-fwdbwd,torch-flash-fwdbwd,torch-cudnn-fwdbwd")
 # (0) CuPy / pytest when missing (a machine without the registry: the step fails, the rest still runs)
 run_step install "${GPU_SESSION_INSTALL_S:-120}" bash -c install
 # (1) what machine, which versions
