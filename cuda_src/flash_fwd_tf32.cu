@@ -391,6 +391,37 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 
   // O_i += P_ij V_j, k permuted within each k8 step: mma k = t ↔ key 2t, mma k = t + 4 ↔ key 2t + 1.
   auto gemm_pv = [&](const TileS& acc_s) {
+    if constexpr (kPrec == 3 && kHeadDimV <= 128) {
+      // 3xtf32: the tile's A fragments first, then per n8 tile of O one zeroed fragment summed over the
+      // tile's k8 steps inside the mma, added to O in fp32. The tensor cores do not round their sums to
+      // nearest (truncation: Fasi et al. 2021, V100 to A100); summed inside the mma over every key, O was
+      // up to 6x the float32 rule's bound at N 4096 on an H200 (docs/precision.md). Per key tile, the
+      // truncation stays within the tile and the running sum is rounded to nearest (the emulator's model,
+      // FLASHARRAY_EMULATOR_MMA_SUM=truncate, reproduces both). dv > 128 keeps the old sum: the fragment
+      // spilled 44-140 bytes there at 255 registers.
+      uint32_t a_hi[kNTilesS][4], a_lo[kNTilesS][4];
+#pragma unroll
+      for (int ks = 0; ks < kNTilesS; ++ks) {
+        const float p[4] = {acc_s[ks][0], acc_s[ks][2], acc_s[ks][1], acc_s[ks][3]};  // a0..a3
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tf32_operand<kPrec>(p[i], a_hi[ks][i], a_lo[ks][i]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < kNTilesS; ++ks) {
+          const float* b = sV + v_lane + ks * 8 * Traits::kStrideV + dt * 8;
+          const uint32_t b_hi[2] = {__float_as_uint(b[0]), __float_as_uint(b[Traits::kStrideV])};
+          const uint32_t b_lo[2] = {__float_as_uint(b[Traits::kVPlane]),
+                                    __float_as_uint(b[Traits::kVPlane + Traits::kStrideV])};
+          mma_tf32<kPrec>(t, a_hi[ks], a_lo[ks], b_hi, b_lo);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_o[dt][i] += t[i];
+      }
+      return;
+    }
 #pragma unroll
     for (int ks = 0; ks < kNTilesS; ++ks) {
       uint32_t a_hi[4], a_lo[4] = {};

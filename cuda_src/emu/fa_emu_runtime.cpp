@@ -770,9 +770,29 @@ void gather_mma_tf32(const Fiber& f, int l, double (&A)[16][16], double (&B)[16]
     B[t + 4][g] = tf32_val(f.b[1]);
 }
 
+// Whether eval_mma_f32 rounds its sums toward zero instead of to nearest: a model of the tensor
+// cores' truncated sums (Fasi et al. 2021 for V100..A100; on an H200, 3xtf32's O, dK, dV errors grew
+// with N as only truncation explains: docs/precision.md), for experiments:
+// FLASHARRAY_EMULATOR_MMA_SUM=truncate. Read once per process; the default is round to nearest.
+static bool mma_sum_truncates() {
+    static const bool on = [] {
+        const char* v = std::getenv("FLASHARRAY_EMULATOR_MMA_SUM");
+        return v != nullptr && std::string(v) == "truncate";
+    }();
+    return on;
+}
+
+// s rounded to fp32: to nearest, or toward zero (mma_sum_truncates).
+static float round_mma_sum(double s) {
+    float f = static_cast<float>(s);
+    if (mma_sum_truncates() && std::isfinite(f) && std::fabs(static_cast<double>(f)) > std::fabs(s))
+        f = std::nextafter(f, 0.0f);
+    return f;
+}
+
 // m16n8k16 (f16, bf16) and m16n8k8 (tf32), fp32 accumulators c0..c3 = C[g][2t], C[g][2t+1],
 // C[g+8][2t], C[g+8][2t+1]. Products of f16/bf16/tf32 values (<= 11-bit significands) are exact in
-// float64; they and c are summed in float64 in k order and rounded once to fp32.
+// float64; they and c are summed in float64 in k order and rounded once to fp32 (round_mma_sum).
 void eval_mma_f32(Fiber* lanes, int dtype) {
     double A[16][16], B[16][8], C[16][8];
     const int K = dtype == FA_EMU_TF32 ? 8 : 16;
@@ -789,7 +809,7 @@ void eval_mma_f32(Fiber* lanes, int dtype) {
         for (int j = 0; j < 8; ++j) {
             double s = C[i][j];
             for (int k = 0; k < K; ++k) s += A[i][k] * B[k][j];  // products exact in float64
-            D[i][j] = static_cast<float>(s);                    // one rounding to fp32
+            D[i][j] = round_mma_sum(s);                         // one rounding to fp32
         }
     }
     for (int l = 0; l < 32; ++l) {
