@@ -601,6 +601,7 @@ class Module:
             workers = int(os.environ.get("FLASHARRAY_EMULATOR_THREADS", "0")) or _usable_cores()
         if stack_kb is None:
             stack_kb = int(os.environ.get("FLASHARRAY_EMULATOR_STACK_KB", "256"))
+        _check_mma_sum_env()
         name_b = name_expression.encode()
         p = _LaunchParams()
         p.kernel_name = name_b
@@ -740,6 +741,18 @@ def _dim3(v, what):
     if not 1 <= len(v) <= 3 or any(x < 1 for x in v):
         raise ValueError("%s must be 1 to 3 positive ints, got %r" % (what, v))
     return v + (1,) * (3 - len(v))
+
+
+#: ``$FLASHARRAY_EMULATOR_MMA_SUM``: how an mma's fp32 sum is rounded (docs/emulator.md, *Settings*).
+MMA_SUM_MODES = ("nearest", "truncate")
+
+
+def _check_mma_sum_env():
+    """A ValueError naming ``$FLASHARRAY_EMULATOR_MMA_SUM`` and its value when it is set to neither mode
+    (the runtime would quietly round to nearest)."""
+    value = os.environ.get("FLASHARRAY_EMULATOR_MMA_SUM")
+    if value is not None and value not in MMA_SUM_MODES:
+        raise ValueError("$FLASHARRAY_EMULATOR_MMA_SUM must be one of %s, got %r" % (", ".join(MMA_SUM_MODES), value))
 
 
 def _usable_cores():

@@ -608,3 +608,11 @@ def test_3xtf32_forward_under_truncated_mma_sums():
     truncated, ok_truncated = run(FLASHARRAY_EMULATOR_MMA_SUM="truncate")
     assert nearest != truncated
     assert ok_nearest == ok_truncated == b"PASSED"
+
+
+def test_mma_sum_mode_is_validated(monkeypatch):
+    """An unknown $FLASHARRAY_EMULATOR_MMA_SUM is a ValueError naming it (the runtime would round to nearest)."""
+    q, k, v = make_inputs(np.float32, 32, 8, 8)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_MMA_SUM", "trunc")
+    with pytest.raises(ValueError, match=r"FLASHARRAY_EMULATOR_MMA_SUM must be one of nearest, truncate, got 'trunc'"):
+        run_forward("emulator", q, k, v, causal=False, precision="3xtf32")
