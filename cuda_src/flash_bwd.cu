@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     const int wm = warp / kSplit, wn = warp % kSplit;  // this warp's dK/dV row tile and slice
     const bool own_dK = wn < kSplitK, own_dV = wn < kSplitV;  // warp-uniform
     // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
-    using Order = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
     const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;               // first key of K_j
     const float scale_log2 = scale * flash::kLog2e;

@@ -160,6 +160,10 @@ struct DQOrder {
     }
 };
 
+// The DQOrder of a kernel: descending for the ordered causal mode without per-entry lengths.
+template <bool kIsCausal, bool kOrderedDQ, int kExt>
+using DQOrderOf = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+
 // Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
 __host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 

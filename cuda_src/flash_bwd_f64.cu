@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
-    using Order = DQOrder<kIsCausal && kOrderedDQ>;
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, 0>;
     const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;       // first key of K_j
     const int kw = warp * 8 * kMT;             // the warp's first key in K_j

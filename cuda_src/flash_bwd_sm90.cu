@@ -552,7 +552,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = wg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
   // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
-  using Order = DQOrder<Is_causal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+  using Order = DQOrderOf<Is_causal, kOrderedDQ, kExt>;
   const Order dq_order = Order::make();
   const int c0 = dq_order.n * kBlockN;
   const float scale_log2 = scale * flash::kLog2e;
@@ -938,7 +938,7 @@ flash_bwd_sm90_ws_kernel(
   // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
-  using Order = DQOrder<Is_causal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+  using Order = DQOrderOf<Is_causal, kOrderedDQ, kExt>;
   const Order dq_order = Order::make();
   const int c0 = dq_order.n * kBlockN;
   const BatchIndex b = BatchIndex::from_grid(nb2);

@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32;
     // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
-    using Order = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
     const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;       // first key of K_j
     const int c_w = c0 + warp * 16;            // first key of this warp's rows
