@@ -99,6 +99,11 @@ def forward_breakdown(q, k, v, backend, number, repeat):
         handle = plan.launcher.handle
         parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: [
             rec(pointer, handles) for handles in [tuple(map(handle, arrays))] for rec in plan.launches]
+        if backend == "cuda":  # the launch as CuPy's RawKernel makes it: every argument converted per call
+            handles = tuple(map(handle, arrays))
+            calls = [(rec.call, rec.grid, rec.block, rec.arguments(pointer, handles)) for rec in plan.launches]
+            parts["  compare: the same by RawKernel (%d arguments)" % len(calls[0][3])] = lambda: [
+                call(grid, block, args) for call, grid, block, args in calls]
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     if isinstance(q, np.ndarray) and plan is not None:
         # NumPy-only cost inside the parts above (CuPy: a field read each): the key's alignment
@@ -145,9 +150,6 @@ def backward_breakdown(q, k, v, do, backend, number, repeat):
         lambda: carve(allocations)
     parts["bind pointers + launch (%d)" % len(plan.launches)] = lambda: plan.replay(handles)
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
-    slots = plan.replay.slots
-    times["  of which binding %d pointers" % len(slots)] = per_call_us(lambda: launcher.pointers(handles, slots),
-                                                                      number, repeat)
     if isinstance(q, np.ndarray):
         n = 2 * len(arrays)  # the key's alignment checks and the handles, one each per input
         times["NumPy address lookups (%d), within the above" % n] = _numpy_lookups_us(q, len(arrays), len(arrays),
@@ -208,12 +210,18 @@ def run_null(number, repeat):
           % (fa.__version__, SHAPE, timer, repeat, number))
     report("cached call (same signature as the previous call)", cached, TARGETS_US)
     report("uncached call (validation + planning every time)", cold)
+    report_breakdowns(cached, parts, bparts, kparts)
+    return cached
+
+
+def report_breakdowns(cached, parts, bparts, kparts):
+    """The forward, backward and KV-cache breakdowns, each with the rest of its whole call's time
+    (``cached``: µs per call by name; parts whose name starts with a space or "N" are within others)."""
     for name, p in (("forward", parts), ("backward", bparts), ("kvcache (Lq=1, 1 new)", kparts)):
         if not p:
             continue
         p["rest (call layers)"] = cached[name] - sum(us for part, us in p.items() if part[0] not in " N")
         report("%s, cached: breakdown" % name, p)
-    return cached
 
 
 def run_cuda(number, repeat):
@@ -231,6 +239,11 @@ def run_cuda(number, repeat):
     report("per call", rows, {"forward: end to end": 30.0})
     if torch_rows:
         report("PyTorch SDPA, same inputs", torch_rows)
+    # where the host time goes (each part timed alone, no synchronisation: launches queue up)
+    report_breakdowns({name: rows[name + ": host"] for name in fns},
+                      forward_breakdown(q, k, v, "cuda", number, repeat),
+                      backward_breakdown(q, k, v, do, "cuda", number, repeat),
+                      kvcache_breakdown(q, k, v, "cuda", number, repeat))
     return rows
 
 

@@ -458,7 +458,8 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
     from flasharray._private import launch
     from test_cuda_forward import _fake_cupy
     log, arrays = [], []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
+    fake = _fake_cupy(log, arrays)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
     monkeypatch.setattr(launch, "_launchers", {})
     p = Problem(DTYPE_NAMES[dt], D, 70, 90, causal=True, bcast="gqa")
@@ -471,6 +472,7 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
                           ordered=cb.dq_mode(deterministic, cb.default_kernel(p.dtype, 80), None) == "ordered")
     launched = {name: (smem, optin) for name, smem, optin in log}
     assert set(launched) == {name for _, name, _ in plan.values()}
+    assert fake.driver_launches == [name for name, _, _ in log]  # every launch through launchKernel
     for _, name, t in plan.values():
         smem, optin = launched[name]
         assert smem == (t.smem if t else 0) and optin >= smem

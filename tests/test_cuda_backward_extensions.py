@@ -171,6 +171,33 @@ def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, **opts):
     return result, plan
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cupy_launch_path_with_fake_cupy(monkeypatch, deterministic):
+    """The CUDA backward with dropout (per-call seed and offset in every launch's kernel-parameter
+    block, kernel.Replay) against the CuPy stand-in of tests/test_cuda_forward.py: two calls of
+    one plan, each bitwise the emulator path's (argument tuples)."""
+    import sys
+    from flasharray._private import launch
+    from test_cuda_forward import _fake_cupy
+    log, arrays = [], []
+    cupy = _fake_cupy(log, arrays)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((2, 2, 40, 32)).astype(np.float16) for _ in range(4))
+    for seed, offset in ((1, 0), (9, 5)):
+        kw = {"dropout_p": 0.2, "seed": seed, "offset": offset}
+        out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", causal=True, **kw)
+        arrays += [dout, q, k, v, out, lse]
+        ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, 2), Lq=40, Lk=40, acc=np.dtype(np.float32))
+        call = dict(causal=True, scale=32 ** -0.5, batch_shape=(2, 2), ext=ext, deterministic=deterministic)
+        got = cuda_backward.backward(dout, q, k, v, out, lse, device="cuda", **call)
+        ref = cuda_backward.backward(dout, q, k, v, out, lse, device="emulator", **call)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, ref))
+    assert log and cupy.driver_launches == [name for name, _, _ in log]
+
+
 @pytest.mark.parametrize("names, D, mode", [
     (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
     (("alibi",), 256, "recompute"), (("window",), 32, "recompute"), (("block_mask", "dropout"), 32, "recompute")],

@@ -363,13 +363,20 @@ def test_forward_tensor_cores_used():
 def _fake_cupy(log, arrays):
     """A stand-in for the parts of CuPy the CUDA launch path touches, backed by the emulator.
 
-    RawModule / get_function / RawKernel.max_dynamic_shared_size_bytes / kernel(grid, block, args,
-    shared_mem=...) follow CuPy's documented API; a launch asking for more than 48 KB of dynamic
-    shared memory without the opt-in fails, as cuLaunchKernel would. Arrays stay NumPy. Array
-    arguments arrive as device addresses (``numpy.uint64``, what the launcher passes for a
-    ``T*``); the stand-in maps each back to the memory of the array that holds it (``arrays``:
-    the inputs, plus everything ``cupy.empty`` allocates) so the emulator can check the accesses.
+    RawModule / get_function / RawKernel.max_dynamic_shared_size_bytes / RawKernel.kernel.ptr /
+    kernel(grid, block, args, shared_mem=...) / cuda.driver.launchKernel / cuda.get_current_stream /
+    cuda.runtime.memGetInfo follow CuPy's documented API; a launch asking for more than 48 KB of
+    dynamic shared memory without the opt-in fails, as cuLaunchKernel would, and so does a driver
+    launch on a thread that made no runtime call first (no current context). Arrays stay NumPy.
+    Array arguments arrive as device addresses (``numpy.uint64``, what the launcher passes for a
+    ``T*``; in a kernel-parameter block, 8 bytes); the stand-in maps each back to the memory of the
+    array that holds it (``arrays``: the inputs, plus everything ``cupy.empty`` allocates) so the
+    emulator can check the accesses. ``launchKernel`` reads each argument from the ``kernelParams``
+    array by the kernel's parameter types (the emulator's signature): bytes the library packed
+    wrongly reach the emulator as wrong values, or fail its checks.
     """
+    import ctypes
+    import threading
     import types
     from flasharray import emulator
     from flasharray._private.launch import flat_view
@@ -387,19 +394,42 @@ def _fake_cupy(log, arrays):
         arrays.append(np.empty(*a, **kw))
         return arrays[-1]
 
+    functions, ready, driver_launches = {}, threading.local(), []
+
     class RawKernel:
         def __init__(self, module, name):
             self._module, self._name = module, name
             self.max_dynamic_shared_size_bytes = 48 * 1024
+            self.kernel = types.SimpleNamespace(ptr=0x1000 + len(functions))
+            functions[self.kernel.ptr] = self
 
         def __call__(self, grid, block, args, shared_mem=0):
             assert isinstance(grid, tuple) and isinstance(block, tuple) and isinstance(args, tuple)
+            self._run(grid, block, tuple(buffer_at(int(x)) if isinstance(x, np.uint64) else x for x in args),
+                      shared_mem)
+
+        def _run(self, grid, block, args, shared_mem):
             if shared_mem > self.max_dynamic_shared_size_bytes:
                 raise RuntimeError("CUDA_ERROR_INVALID_VALUE: %d bytes of dynamic shared memory without "
                                    "the opt-in" % shared_mem)
             log.append((self._name, shared_mem, self.max_dynamic_shared_size_bytes))
-            args = tuple(buffer_at(int(x)) if isinstance(x, np.uint64) else x for x in args)
             self._module.launch(self._name, grid, block, args, shared_mem=shared_mem)
+
+    def read_argument(address, code):
+        if code.startswith("*"):
+            return buffer_at(ctypes.c_uint64.from_address(address).value)
+        dtype = {c: n for n, c in emulator._DTYPE_CODES.items()}[code]
+        return np.frombuffer(ctypes.string_at(address, np.dtype(dtype).itemsize), dtype)[0]
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, shared_mem, stream, kernel_params, extra):
+        assert extra == 0 and stream == 0 and isinstance(kernel_params, int)
+        if not getattr(ready, "context", False):
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: no current context on this thread")
+        fn = functions[f]
+        driver_launches.append(fn._name)
+        sig = fn._module._sigs[fn._name]
+        argv = (ctypes.c_uint64 * len(sig)).from_address(kernel_params)
+        fn._run((gx, gy, gz), (bx, by, bz), tuple(read_argument(argv[i], c) for i, c in enumerate(sig)), shared_mem)
 
     class RawModule:
         def __init__(self, code=None, options=(), name_expressions=None):
@@ -419,34 +449,73 @@ def _fake_cupy(log, arrays):
         def __init__(self, device_id=None):
             assert device_id in (None, 0)
 
+    def mem_get_info():
+        ready.context = True
+        return 0, 0
+
     cupy = types.ModuleType("cupy")
     cupy.RawModule = RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    cupy.cuda = types.SimpleNamespace(
+        Device=Device, runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=mem_get_info),
+        driver=types.SimpleNamespace(launchKernel=launch_kernel),
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     cupy.empty, cupy.lib = empty, np.lib
     cupy.ascontiguousarray = lambda a: empty(a.shape, a.dtype).__setitem__(Ellipsis, a) or arrays[-1]
+    cupy.driver_launches = driver_launches  # what came through launchKernel (plans: all of it)
     return cupy
 
 
 @pytest.mark.parametrize("dt,D", [("fp16", 128), ("fp32", 64)])
 def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
     """The device="cuda" code path (CupyLauncher: RawModule options, name expressions, the
-    >48 KB opt-in, launch arguments) run end to end against a CuPy stand-in backed by the emulator."""
+    >48 KB opt-in, the kernel-parameter block read back by the kernel's parameter types) run end
+    to end against a CuPy stand-in backed by the emulator."""
     import sys
     from flasharray._private import launch
     log, arrays = [], []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
+    fake = _fake_cupy(log, arrays)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
     monkeypatch.setattr(launch, "_launchers", {})
     q, k, v = make_inputs(DTYPES[dt], D, 70, 90, gqa=True)
     arrays += [q, k, v]
     batch_shape = q.shape[:-2]
-    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape, device="cuda",
-                                    precision="ieee" if dt == "fp32" else None)
-    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    for _ in range(2):  # planned, then the plan replayed: the block's slots rewritten
+        out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape,
+                                        device="cuda", precision="ieee" if dt == "fp32" else None)
+        assert_attention_close(out, q, k, v, causal=True, lse=lse)
     tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80, wide=True)  # causal, 70 rows: sm_80's wide tile
     assert log and all(name == tile.name_expression(True, True) and smem == tile.smem for name, smem, _ in log)
+    assert fake.driver_launches == [name for name, _, _ in log]  # every launch through launchKernel
     if tile.needs_opt_in:
         assert all(optin >= tile.smem for _, _, optin in log)
+
+
+def test_cupy_launch_path_binds_the_context_per_thread(monkeypatch):
+    """The driver's launch needs the thread's context current: a call from a new thread makes the
+    runtime call that binds it first (the stand-in refuses a launch on a thread without one)."""
+    import sys
+    import threading
+    from flasharray._private import launch
+    log, arrays = [], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, arrays))
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    q, k, v = make_inputs(np.float16, 64, 40, 40)
+    arrays += [q, k, v]
+    results = []
+
+    def call():
+        results.append(cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=q.shape[:-2],
+                                            device="cuda"))
+
+    for _ in range(2):
+        t = threading.Thread(target=call)
+        t.start()
+        t.join()
+    assert len(results) == 2 and len(log) == 2
+    for out, lse in results:
+        assert_attention_close(out, q, k, v, causal=False, lse=lse)
 
 
 # ---- the full product (slow) -----------------------------------------------------------------------

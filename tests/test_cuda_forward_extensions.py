@@ -411,10 +411,15 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt):
     kw["seqlens_k"] = None  # the plan's own array of Lk stands in
     arrays += [q, k, v] + [a for a in kw.values() if isinstance(a, np.ndarray)]
     scale = 0.125
-    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=scale, batch_shape=batch, device="cuda",
-                                    ext=Extensions(**kw), **_ieee(dtype))
-    check_close(out, lse, q, k, v, True, scale, kw)
+    for seed, offset in ((1, 0), (7, 3)):  # one plan: the per-call seed and offset slots rewritten
+        kw.update(seed=seed, offset=offset)
+        call = dict(causal=True, scale=scale, batch_shape=batch, ext=Extensions(**kw), **_ieee(dtype))
+        out, lse = cuda_forward.forward(q, k, v, device="cuda", **call)
+        check_close(out, lse, q, k, v, True, scale, kw)
+        ref_out, ref_lse = cuda_forward.forward(q, k, v, device="emulator", **call)  # argument tuples
+        assert out.tobytes() == ref_out.tobytes() and lse.tobytes() == ref_lse.tobytes()
     assert log and all(name.endswith(", 63>") for name, _, _ in log)
+    assert cupy.driver_launches == [name for name, _, _ in log]
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])

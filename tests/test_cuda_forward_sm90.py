@@ -459,21 +459,24 @@ def test_tensor_map_template_matches_the_encoder():
 
 
 def test_null_launches_bind_tensor_maps():
-    """The host path of a TMA plan (launch.null_launches: the CUDA path's binding, no driver): four
-    128-byte by-value maps per launch at the arrays' addresses (q, k, v, and out: the TMA store)."""
+    """The host path of a TMA plan (launch.null_launches: the CUDA path's kernel-parameter block, no
+    driver): four 128-byte by-value maps per launch, 64-byte aligned in the block, encoded at the
+    arrays' addresses (q, k, v, and out: the TMA store), and out's and lse's pointer slots."""
     from flasharray._private import launch
     q, k, v = make_inputs(np.float16, 64, 70, 130)
     with launch.null_launches():
         plan = sm90_plan(q, k, v, True)
         assert plan.tile.tma
         rec = plan.launches[0]
-        assert [a.key for a in rec.template if isinstance(a, launch.Map)] == [0, 1, 2, 3]  # + out's (TMA store)
-        seen = []
-        rec.call = lambda grid, block, args: seen.append(args)
-        out, _ = plan.run(q, k, v)
-    maps = [a for a in seen[0] if isinstance(a, np.void)]
-    assert len(maps) == 4 and all(m.nbytes == 128 for m in maps)
-    assert [int(np.frombuffer(m.tobytes(), np.uint64)[1]) for m in maps] == [x.ctypes.data for x in (q, k, v, out)]
+        where = [i for i, a in enumerate(rec.template) if isinstance(a, launch.Map)]
+        assert [rec.template[i].key for i in where] == [0, 1, 2, 3]  # + out's (TMA store)
+        out, lse = plan.run(q, k, v)
+    block = rec.packed.block
+    assert all((block.base + block.offsets[i]) % 64 == 0 for i in where)
+    maps = [np.frombuffer(block.argument(i, 128), np.uint64) for i in where]
+    assert [int(m[1]) for m in maps] == [x.ctypes.data for x in (q, k, v, out)]
+    assert [int(np.frombuffer(block.argument(i, 8), np.uint64)[0]) for i, _, _ in rec.slots] == [
+        out.ctypes.data, lse.ctypes.data]
 
 
 def test_tile_table():

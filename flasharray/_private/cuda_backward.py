@@ -442,8 +442,6 @@ class BackwardPlan:
         order = kept + scratch
         slots = () if self.ext is None else tuple(sorted(_fwd().EXT_SLOTS.values()))
         self.replay = launch.Replay(self.launcher, self.launches, _INPUTS + tuple(order) + slots)
-        # Per-call scalars of an extension plan (dropout's seed, offset): constants set before a replay.
-        self.values = tuple((i, c.name) for i, c in enumerate(self.replay.consts) if isinstance(c, _fwd().Val))
         self.grads = operator.itemgetter(*[order.index(n) for n in returned])  # -> (dq, dk, dv)
         self.reductions = tuple(reductions.get(n) for n in returned)
         self.reduce = bool(reductions)
@@ -589,13 +587,10 @@ class BackwardPlan:
         if self.copies:
             dout, q, k, v, out, lse = self._copy_inputs([dout, q, k, v, out, lse])
         handle = launcher.handle
-        values = self.ext.values(ext)
-        for i, name in self.values:
-            self.replay.consts[i] = values[name]
         arrays, handles = launcher.carve(self.allocations)
         extra = [handle(a) if a is not None else None for a in self.ext.arrays(ext)]
         self.replay([handle(dout), handle(q), handle(k), handle(v), handle(out), handle(lse)] + handles + extra,
-                    counters)
+                    counters, self.ext.values(ext))
         if self.reduce:
             return tuple(g if r is None else _reduce(g, *r, self.dtype)
                          for g, r in zip(self.grads(arrays), self.reductions))

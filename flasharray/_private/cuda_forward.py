@@ -229,10 +229,10 @@ class ForwardPlan:
         for part in L.batch_layout(batch, list(tensors) + [entries] + ext_tensors):
             eo, es = part.tensors[5]
             if getattr(tile, "tma", False):  # tensor maps for q, k, v (cuda_forward_sm90.add_tma_launch)
-                tail, recorded = ((_dense_ext_args(self, launcher), L.Recorded) if self.ext is None
-                                  else (self.ext.args(eo, es, part.tensors[6:]), ExtRecorded))
+                tail = (_dense_ext_args(self, launcher) if self.ext is None
+                        else self.ext.args(eo, es, part.tensors[6:]))
                 sm90.add_tma_launch(self.launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv,
-                                    scale_log2, grid_x, tail, recorded)
+                                    scale_log2, grid_x, tail)
                 continue
             (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
             gy, gz = part.grid_yz
@@ -249,14 +249,9 @@ class ForwardPlan:
                 args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
             elif tile.kernel == "simt":
                 args += self._kv_args(launcher, eo, es)
-            if self.ext is None:
-                args += _dense_ext_args(self, launcher)
-                self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
-                                                (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
-            else:
-                args += self.ext.args(eo, es, part.tensors[6:])
-                self.launches.append(ExtRecorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
-                                                 (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
+            args += _dense_ext_args(self, launcher) if self.ext is None else self.ext.args(eo, es, part.tensors[6:])
+            self.launches.append(L.Recorded(launcher, tile.source, name_expr, (grid_x, gy, gz),
+                                            (tile.n_threads, 1, 1), args, shared_mem=tile.smem))
 
     def _kv_args(self, launcher, entry0, entry_strides):
         """The tensor-core and SIMT kernels' trailing KV-cache arguments: seqlens_k, block_table (array slots
@@ -310,7 +305,7 @@ class ForwardPlan:
 
     def _launch(self, arrays, counters, values=None):
         """Every launch with ``arrays`` bound (and, extension plans, the per-call ``values`` as the
-        last slot: :class:`ExtRecorded`); returns arrays 3 and 4 (out, lse)."""
+        last slot: the :class:`launch.Val` slots); returns arrays 3 and 4 (out, lse)."""
         handle = self.launcher.handle
         pointer, handles = self.launcher.pointer, tuple(None if a is None else handle(a) for a in arrays)
         if values is not None:
@@ -353,35 +348,8 @@ def _dense_ext_args(plan, launcher):
     return plan._no_ext
 
 
-class Val:
-    """Placeholder for a per-call scalar argument of an :class:`ExtRecorded` launch (seed, offset)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name):
-        self.name = name
-
-
-class ExtRecorded(L.Recorded):
-    """A :class:`launch.Recorded` whose :class:`Val` slots take per-call scalars too: the last entry
-    of the handles tuple is a dict of them (:meth:`ForwardPlan._launch`)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, launcher, source_name, name_expr, grid, block, args, shared_mem=0):
-        super().__init__(launcher, source_name, name_expr, grid, block, args, shared_mem)
-        self.values = tuple((i, a.name) for i, a in enumerate(args) if isinstance(a, Val))
-
-    def __call__(self, pointer, arrays):
-        args = self.template.copy()
-        for i, key, offset in self.slots:
-            args[i] = pointer(arrays[key], offset)
-        for i, key, offset, template in self.maps:  # the wgmma forward's tensor maps
-            args[i] = self.tensor_map(arrays[key], offset, template)
-        values = arrays[-1]
-        for i, name in self.values:
-            args[i] = values[name]
-        return self.call(self.grid, self.block, tuple(args))
+#: Placeholder for a per-call scalar argument (dropout's seed, offset): :class:`launch.Val`.
+Val = L.Val
 
 
 def _non_negative(a):

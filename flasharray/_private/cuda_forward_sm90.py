@@ -382,14 +382,14 @@ def _map_geometry(n_cols, rows, batch_strides, row_stride, itemsize, dims):
 
 
 def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x,
-                   ext_tail, recorded=L.Recorded):
+                   ext_tail):
     """Record one launch of ``flash_fwd_sm90_ws_kernel`` for a :func:`launch.batch_layout` part: out and
     lse as :class:`launch.Ptr` slots, q, k, v as :class:`launch.Map` slots (the geometry and its checks
     made here, once; the address encoded per call), and the fourth map: out's (boxes of 64 columns x one
     consumer warpgroup's 64 rows) where :data:`USE_TMA_STORE` and :func:`out_tma_legal` allow the
     ``Is_tma_store`` instantiation, else q's again (unused: the kernel stores rows). ``ext_tail``: the
-    FLASH_EXT_PARAMS arguments after the maps (a dense launch's zeros, or the extensions'), ``recorded`` the
-    launch's class (the forward's ExtRecorded for per-call dropout seeds)."""
+    FLASH_EXT_PARAMS arguments after the maps (a dense launch's zeros, or the extensions', whose per-call
+    dropout seeds are :class:`launch.Val` slots)."""
     (qo, qs), (ko, ks), (vo, vs), (oo, os_), (lo, ls) = part.tensors[:5]
     row = [L.element_strides(a)[-2] for a in tensors[:4]]
     itemsize = np.dtype(tensors[0].dtype).itemsize
@@ -414,5 +414,5 @@ def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys
             *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
             scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), *maps, *ext_tail)
     grid = (persistent_grid(launcher, grid_x * gy * gz), 1, 1) if tile.persistent else (grid_x, gy, gz)
-    plan_launches.append(recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
-                                  shared_mem=tile.smem))
+    plan_launches.append(L.Recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
+                                    shared_mem=tile.smem))

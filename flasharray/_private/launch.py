@@ -21,13 +21,20 @@ Public helpers (stable API, used by ``cuda_forward`` and ``cuda_backward``):
     ``launcher.launch(source_name, name_expr, grid, block, args, shared_mem=0)`` → counters
     (a dict, emulator) or None (CUDA). ``launcher.arch`` is the compute capability as an int.
 ``Recorded(launcher, source, name_expr, grid, block, args, shared_mem)``, ``Ptr(key, offset)``,
-``Map(key, offset, template)``
+``Map(key, offset, template)``, ``Val(name, dtype)``
     a launch prepared once (plans): array arguments are ``Ptr`` slots bound per call; ``Map`` slots
-    are by-value ``CUtensorMap`` arguments (TMA) encoded per call from the array's address.
+    are by-value ``CUtensorMap`` arguments (TMA) encoded per call from the array's address; ``Val``
+    slots the call's scalars (dropout's seed and offset).
 ``Replay(launcher, recorded, keys)``
     several recorded launches sharing their arrays: each distinct ``Ptr`` slot is bound once per
     call (``launcher.pointers``), each distinct ``Map`` slot encoded once per call
     (``launcher.tensor_map``), and every argument tuple gathered in one step.
+``ArgBlock(template)``, ``Packed(launcher, recorded)``
+    CUDA (and the no-op launcher that measures its host work): no argument tuples. A launch's
+    arguments live in one ``kernelParams`` block, constants written at planning; per call only the
+    slots are written (an address per ``Ptr``, the encoding of a ``Map`` in place, a ``Val``) and
+    the driver's ``cuLaunchKernel`` is called (``cupy.cuda.driver.launchKernel``, on the current
+    stream) — CuPy's ``RawKernel`` converts every argument to a C value per call (~0.5 µs each).
 ``launcher.carve(allocations)``
     new allocations cut into several arrays, with their handles (on CUDA addresses computed from
     the allocation's; on the emulator exact views, as it checks every access).
@@ -180,8 +187,21 @@ class Launcher:
 
     device = None
     arch = None
+    #: Whether plans launch through kernel-parameter blocks (:class:`Packed`: :meth:`kernel_launch`,
+    #: :meth:`encode_map`) rather than argument tuples (:meth:`function`).
+    packs = False
 
     def function(self, source_name, name_expr, shared_mem=0):
+        raise NotImplementedError
+
+    def kernel_launch(self, rec, params):
+        """``launch()``: launch :class:`Recorded` ``rec``'s kernel (grid, block, shared memory) with the
+        kernel-parameter array at host address ``params`` (:class:`ArgBlock`), on the current stream."""
+        raise NotImplementedError
+
+    def encode_map(self, template, dest, dest_address, address):
+        """Encode ``template`` (:class:`tensor_map.TiledTemplate`) for global ``address`` into the 16
+        words ``dest`` (at host address ``dest_address``) of a kernel-parameter block."""
         raise NotImplementedError
 
     def pointer(self, a, offset=0):
@@ -244,12 +264,14 @@ class CupyLauncher(Launcher):
     """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached)."""
 
     device = "cuda"
+    packs = True
     _modules = {}
 
     def __init__(self, device_id=None):
         import cupy  # lazy: importing flasharray never needs a GPU
         self._cupy = cupy
         dev = cupy.cuda.Device(device_id)
+        self._tls = threading.local()
         self.device_id = dev.id
         self.arch = int(dev.compute_capability)
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
@@ -297,6 +319,32 @@ class CupyLauncher(Launcher):
             fn(grid, block, args, shared_mem=shared_mem)
 
         return call
+
+    def kernel_launch(self, rec, params):
+        # The driver's launch, as CuPy's RawKernel makes it (cupy/cuda/function.pyx: cuLaunchKernel
+        # on the current stream, the calling thread's context made current first), without its
+        # conversion of every argument to a C value per call: ~0.5 us each, 60 arguments here.
+        fn = self._function(rec.source, rec.name)  # resolved (and opted in) by rec.call already
+        cuda = self._cupy.cuda
+        launch = functools.partial(cuda.driver.launchKernel, fn.kernel.ptr, *(max(1, g) for g in rec.grid),
+                                   *(max(1, b) for b in rec.block), rec.shared_mem)
+        stream, ready, tls = cuda.get_current_stream, self._context_ready, self._tls
+
+        def go():
+            if not getattr(tls, "ready", False):
+                ready()
+            launch(stream().ptr, params, 0)
+
+        return go
+
+    def _context_ready(self):
+        """Once per thread: a runtime call binds the device's primary context to the thread (CuPy's
+        ``runtime._ensure_context``), which the driver's launch needs."""
+        self._cupy.cuda.runtime.memGetInfo()
+        self._tls.ready = True
+
+    def encode_map(self, template, dest, dest_address, address):
+        template.driver_encode(dest_address, address)
 
     def handle(self, a):
         return device_address(a), a.itemsize
@@ -412,10 +460,22 @@ class NullLauncher(EmulatorLauncher):
 
     pointer = CupyLauncher.pointer
     pointers = CupyLauncher.pointers
+    packs = True
+
+    def kernel_launch(self, rec, params):
+        return _no_launch
+
+    def encode_map(self, template, dest, dest_address, address):
+        # the emulator's words at the CUDA path's address: the per-call encoding work without a driver
+        template.emulator_encode(dest, address)
 
     def tensor_map(self, h, offset, template):
         # the emulator's words at the CUDA path's address: the per-call encoding work without a driver
         return template.emulator_arg(h[0] + offset * h[1])
+
+
+def _no_launch():
+    return None
 
 
 _launchers = {}
@@ -503,32 +563,66 @@ class Map:
         return "Map(%r, %d, box=%r)" % (self.key, self.offset, self.template.box_dim)
 
 
+class Val:
+    """Placeholder for a per-call scalar argument (dropout's seed and offset) of a :class:`Recorded`
+    launch: ``values[name]`` of the call, a ``dtype`` scalar (the last entry of the handles of a
+    :class:`Recorded` call; the ``values`` of a :class:`Replay` call)."""
+
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name, dtype=np.uint32):
+        self.name = name
+        self.dtype = np.dtype(dtype)
+
+
 class Recorded:
     """One kernel launch prepared once: the function resolved, grid/block fixed, every scalar
     argument built; only the :class:`Ptr` slots are bound per call (``pointer(handles[key],
-    offset)``, the handles from ``launcher.handle`` once per array and call), and the :class:`Map`
-    slots, if any (``launcher.tensor_map(handles[key], offset, template)``)."""
+    offset)``, the handles from ``launcher.handle`` once per array and call), the :class:`Map`
+    slots, if any (``launcher.tensor_map(handles[key], offset, template)``), and the :class:`Val`
+    slots (the call's scalars: the last entry of ``handles`` is then a dict of them).
 
-    __slots__ = ("name", "call", "grid", "block", "template", "slots", "maps", "tensor_map")
+    On CUDA the launch goes through :attr:`packed` (:class:`Packed`: the arguments' bytes kept in
+    one kernel-parameter block, only the slots rewritten per call); elsewhere an argument tuple is
+    built per call for ``call`` (the emulator checks every argument against the kernel's types)."""
+
+    __slots__ = ("name", "source", "call", "grid", "block", "shared_mem", "template", "slots", "maps", "values",
+                 "tensor_map", "packed")
 
     def __init__(self, launcher, source_name, name_expr, grid, block, args, shared_mem=0):
         self.name = name_expr
+        self.source = source_name
         self.call = launcher.function(source_name, name_expr, shared_mem)
         self.grid = tuple(int(x) for x in grid)
         self.block = tuple(int(x) for x in block) if isinstance(block, tuple) else (int(block), 1, 1)
+        self.shared_mem = int(shared_mem)
         self.template = list(args)
         self.slots = tuple((i, a.key, a.offset) for i, a in enumerate(args) if isinstance(a, Ptr))
         self.maps = tuple((i, a.key, a.offset, a.template) for i, a in enumerate(args) if isinstance(a, Map))
+        self.values = tuple((i, a.name) for i, a in enumerate(args) if isinstance(a, Val))
         self.tensor_map = launcher.tensor_map if self.maps else None
+        self.packed = launcher if launcher.packs else None  # made at the first call (a Replay makes its own)
 
     def __call__(self, pointer, arrays):
+        packed = self.packed
+        if packed is not None:
+            if not isinstance(packed, Packed):
+                packed = self.packed = Packed(packed, self)
+            return packed(arrays, arrays[-1] if self.values else None)
+        return self.call(self.grid, self.block, self.arguments(pointer, arrays))
+
+    def arguments(self, pointer, arrays):
+        """The argument tuple of a call with the handles ``arrays`` (:meth:`call`'s third argument)."""
         args = self.template.copy()
         for i, key, offset in self.slots:
             args[i] = pointer(arrays[key], offset)
-        if self.maps:
-            for i, key, offset, template in self.maps:
-                args[i] = self.tensor_map(arrays[key], offset, template)
-        return self.call(self.grid, self.block, tuple(args))
+        for i, key, offset, template in self.maps:
+            args[i] = self.tensor_map(arrays[key], offset, template)
+        if self.values:
+            values = arrays[-1]
+            for i, name in self.values:
+                args[i] = values[name]
+        return tuple(args)
 
 
 class Replay:
@@ -538,6 +632,7 @@ class Replay:
     ``Ptr(key, offset)`` of all the launches is bound once per call (``launcher.pointers``: on
     CUDA one ``numpy.uint64`` per slot, however many launches use it) and each launch's argument
     tuple is gathered from the bound pointers and the constants by one ``operator.itemgetter``.
+    On CUDA each launch goes through its own :class:`Packed` block instead (no argument tuples).
     """
 
     def __init__(self, launcher, recorded, keys):
@@ -561,24 +656,138 @@ class Replay:
         self.slots = tuple(slots)
         self.maps = tuple(maps)
         self.consts = consts
+        self.values = tuple((i, c.name) for i, c in enumerate(consts) if isinstance(c, Val))
         self.names = [rec.name for rec in recorded]
         self.launches = [(rec.call, rec.grid, rec.block, _gather([base[kind] + i for kind, i in where]))
                          for rec, where in zip(recorded, gathers)]
+        self.packed = ([Packed(launcher, rec, index.__getitem__) for rec in recorded]
+                       if launcher.packs else None)
 
-    def __call__(self, handles, counters=None):
+    def __call__(self, handles, counters=None, values=None):
         """Launch every recorded launch with the arrays of ``handles`` (``launcher.handle`` of each
-        array, in the order of ``keys``); ``counters``: ``(name, counters)`` appended per launch.
+        array, in the order of ``keys``) and the per-call scalars ``values`` (a dict, for the
+        :class:`Val` slots); ``counters``: ``(name, counters)`` appended per launch.
         :class:`Map` slots are encoded once per call (``launcher.tensor_map``)."""
+        if self.packed is not None:
+            for packed in self.packed:
+                packed(handles, values)
+            return
         args = self._pointers(handles, self.slots)
         if self.maps:
             args = list(args) + [self._tensor_map(handles[i], offset, template) for i, offset, template in self.maps]
-        args = args + self.consts
+        consts = self.consts
+        if self.values:
+            consts = consts.copy()
+            for i, name in self.values:
+                consts[i] = values[name]
+        args = args + consts
         if counters is None:
             for call, grid, block, gather in self.launches:
                 call(grid, block, gather(args))
             return
         for name, (call, grid, block, gather) in zip(self.names, self.launches):
             counters.append((name, call(grid, block, gather(args))))
+
+
+# ---- kernel-parameter blocks (CUDA) ---------------------------------------------------------------------
+
+def _arg_bytes(a):
+    """The bytes by-value argument ``a`` (a template's constant) passes: a NumPy scalar's own (exactly
+    the kernel parameter's: the emulator checks the same templates), Python scalars as CuPy passes
+    them (int and float as 64-bit)."""
+    if isinstance(a, np.generic):
+        return a.tobytes()
+    if isinstance(a, bool):
+        return np.bool_(a).tobytes()
+    if isinstance(a, int):
+        return np.int64(a).tobytes()
+    if isinstance(a, float):
+        return np.float64(a).tobytes()
+    raise TypeError("flasharray: kernel argument of type %s has no by-value bytes" % type(a).__name__)
+
+
+class ArgBlock:
+    """The ``kernelParams`` of one prepared launch (``cuLaunchKernel``): every argument's bytes in one
+    host buffer, at 8-byte aligned offsets (64 for arguments over 8 bytes: a ``CUtensorMap``'s
+    alignment, which its encoder needs), and :attr:`params`, the address of the array of their
+    addresses. The constants are written once; a call rewrites only its slots (:class:`Packed`).
+    The driver copies the arguments at the launch, so the block may be rewritten after it returns.
+    """
+
+    __slots__ = ("offsets", "raw", "base", "words", "argv", "params")
+
+    def __init__(self, template):
+        offsets, constants, end = [], [], 0
+        for a in template:
+            kind = type(a)
+            data = None if kind in (Ptr, Map, Val) else _arg_bytes(a)
+            size = len(data) if data is not None else 8 if kind is Ptr else 128 if kind is Map else a.dtype.itemsize
+            align = 64 if size > 8 else 8
+            end = -(-end // align) * align
+            offsets.append(end)
+            if data is not None:
+                constants.append((end, data))
+            end += -(-size // 8) * 8
+        self.offsets = tuple(offsets)
+        buffer = bytearray(end)
+        for off, data in constants:
+            buffer[off:off + len(data)] = data
+        self.raw = np.zeros(end + 64, np.uint8)
+        start = -self.raw.ctypes.data % 64
+        self.base = self.raw.ctypes.data + start
+        self.raw[start:start + end] = np.frombuffer(bytes(buffer), np.uint8)
+        self.words = self.raw[start:start + end].view(np.uint64)  # the pointer slots: one word each
+        self.argv = np.array([self.base + off for off in offsets] or [0], dtype=np.uint64)
+        self.params = self.argv.ctypes.data
+
+    def word(self, i):
+        """Index in :attr:`words` of argument ``i`` (8-byte aligned)."""
+        return self.offsets[i] // 8
+
+    def scalar(self, i, dtype):
+        """A one-element ``dtype`` view of argument ``i``'s bytes (``view[0] = value`` sets it)."""
+        return self.words[self.word(i):].view(np.uint8)[:np.dtype(dtype).itemsize].view(dtype)
+
+    def argument(self, i, nbytes):
+        """The ``nbytes`` bytes of argument ``i``, as they are now (tests, diagnostics)."""
+        off = self.offsets[i]
+        return self.words.view(np.uint8)[off:off + nbytes].tobytes()
+
+
+class Packed:
+    """One :class:`Recorded` launch through an :class:`ArgBlock`: per call the array addresses of its
+    :class:`Ptr` slots (one word each), its :class:`Map` slots (encoded in place) and its
+    :class:`Val` slots are written, and the kernel launched (``launcher.kernel_launch``: one
+    ``cuLaunchKernel`` on CUDA) — no argument objects, no per-argument conversion. ``index``
+    maps a slot's key to its position in the call's handles (:class:`Replay`; default: the key
+    itself). A lock makes concurrent calls of one plan take turns over the block."""
+
+    __slots__ = ("name", "block", "ptrs", "maps", "vals", "launch", "encode", "lock")
+
+    def __init__(self, launcher, rec, index=None):
+        index = index or (lambda key: key)
+        block = self.block = ArgBlock(rec.template)
+        self.name = rec.name
+        self.ptrs = tuple((block.word(i), index(key), offset) for i, key, offset in rec.slots)
+        self.maps = tuple((block.words[block.word(i):block.word(i) + 16], block.base + block.offsets[i], index(key),
+                           offset, template) for i, key, offset, template in rec.maps)
+        self.vals = tuple((block.scalar(i, rec.template[i].dtype), name) for i, name in rec.values)
+        self.launch = launcher.kernel_launch(rec, block.params)
+        self.encode = launcher.encode_map
+        self.lock = threading.Lock()
+
+    def __call__(self, handles, values=None):
+        words = self.block.words
+        with self.lock:
+            for w, i, offset in self.ptrs:
+                h = handles[i]
+                words[w] = h[0] + offset * h[1]
+            for dest, dest_address, i, offset, template in self.maps:
+                h = handles[i]
+                self.encode(template, dest, dest_address, h[0] + offset * h[1])
+            for view, name in self.vals:
+                view[0] = values[name]
+            self.launch()
 
 
 def _gather(indices):

@@ -247,6 +247,14 @@ class TiledTemplate:
 
     def driver_arg(self, address):
         """The driver's encoding for ``address`` (16-byte aligned), as a by-value argument (``numpy.void``)."""
+        words = aligned_words()
+        self.driver_encode(words.ctypes.data, address)
+        return words.view(np.dtype((np.void, 128)))[0]
+
+    def driver_encode(self, dest, address):
+        """Encode the map for global ``address`` (16-byte aligned) with the driver's
+        ``cuTensorMapEncodeTiled`` into the 128 bytes at host address ``dest`` (64-byte aligned: a
+        kernel-parameter block's slot, :class:`launch.ArgBlock`)."""
         if address % 16:
             raise ValueError("global address 0x%x is not 16-byte aligned" % address)
         if self._driver_args is None:
@@ -261,10 +269,14 @@ class TiledTemplate:
         if _libcuda is None:
             _libcuda = ctypes.CDLL("libcuda.so.1")
             _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
-        words = aligned_words()
-        rc = _libcuda.cuTensorMapEncodeTiled(ctypes.c_void_p(words.ctypes.data), dtype_code, rank,
+        rc = _libcuda.cuTensorMapEncodeTiled(ctypes.c_void_p(dest), dtype_code, rank,
                                              ctypes.c_void_p(address), dims, strides, box, elems, ctypes.c_int(0),
                                              ctypes.c_int(swizzle_enum), ctypes.c_int(0), ctypes.c_int(0))
         if rc != 0:
             raise RuntimeError("cuTensorMapEncodeTiled failed with CUresult %d" % rc)
-        return words.view(np.dtype((np.void, 128)))[0]
+
+    def emulator_encode(self, dest_words, address):
+        """The emulator's 16 words for ``address`` written into ``dest_words`` (a uint64 array's slice:
+        the host work of :meth:`driver_encode` without a driver, for host-overhead measurements)."""
+        dest_words[:] = self._words
+        dest_words[1] = address
