@@ -43,8 +43,8 @@
 // step's A fragment feeds dv/8 or d/8 n8 tiles); dS^T is stored to shared memory already converted
 // (tf32), as hi/lo planes (3xtf32, kLoPlanes) or raw (3xtf32 otherwise).
 //
-// Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 256 (above 128 in either:
-// dK_j, dV_j accumulate in shared memory, SmemAcc, not registers); Bc = 16 kNWarps;
+// Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 256 (above 128 in either, and
+// 3xtf32 at every d: dK_j, dV_j accumulate in shared memory, SmemAcc, not registers); Bc = 16 kNWarps;
 // Br a multiple of 16. The FLASH_EXT_PARAMS tail is the fp16 kernel's argument list; kExt (the
 // bits of flash_ext.cuh, 0 by default: the dense instantiations keep their names and code) turns
 // on the extensions of docs/extensions.md exactly as flash_bwd_dkv_kernel does: the entry's
@@ -84,8 +84,8 @@ struct Tf32BwdSmem {
     static constexpr int kdS = kV + align16(kPlanes * kVPlane * 4);
     static constexpr int kL = kdS + align16(kPlanes * kSPlane * 4);
     static constexpr int kDelta = kL + align16(kBlockM * 4);
-    // Wide head dims (max(d, dv) > 128): dK_j, dV_j in shared memory (SmemAcc), after D_i.
-    static constexpr bool kAccSmem = kHeadDim > 128 || kHeadDimV > 128;
+    // Wide head dims (max(d, dv) > 128) and 3xtf32: dK_j, dV_j in shared memory (SmemAcc), after D_i.
+    static constexpr bool kAccSmem = kHeadDim > 128 || kHeadDimV > 128 || kPrec == 3;
     static constexpr int kAccK = kDelta + align16(kBlockM * 4);
     static constexpr int kAccV = kAccK + (kAccSmem ? kBlockN * kHeadDim * 4 : 0);
     static constexpr int kBytes = kAccV + (kAccSmem ? kBlockN * kHeadDimV * 4 : 0);
@@ -268,12 +268,16 @@ __device__ __forceinline__ void mma_rk(float (&acc)[kN / 8][4], const float (&c)
 
 // ---- dK_j, dV_j accumulators ---------------------------------------------------------------------
 //
-// d, dv <= 128: registers (float[k/8][4], C fragments of the warp's 16 rows). Wide head dims
-// (max(d, dv) > 128: (d + dv) / 2 accumulator floats per thread do not fit next to the strips):
-// shared memory, as the f64 DMMA backward keeps dV_j (flash_bwd_f64.cu) — a SmemAcc: the warp's
-// 16 x kN floats in C-fragment order, lane l's float4 of n8 tile nt at (nt · 32 + l) · 4, so only
-// the owning lane ever touches its words (no barrier; 128-bit accesses, conflict-free) and each
-// product reads and writes an n8 tile once per visit (all Br/8 k-steps in between).
+// tf32, d, dv <= 128: registers (float[k/8][4], C fragments of the warp's 16 rows). Wide head dims
+// (max(d, dv) > 128: (d + dv) / 2 accumulator floats per thread do not fit next to the strips) and
+// 3xtf32 at every head dim: shared memory, as the f64 DMMA backward keeps dV_j (flash_bwd_f64.cu) —
+// a SmemAcc: the warp's 16 x kN floats in C-fragment order, lane l's float4 of n8 tile nt at
+// (nt · 32 + l) · 4, so only the owning lane ever touches its words (no barrier; 128-bit accesses,
+// conflict-free) and each product reads and writes an n8 tile once per visit (all Br/8 k-steps in
+// between). 3xtf32 sums a visit's k-steps in a zeroed fragment, added to the running sum in fp32:
+// the tensor cores truncate their sums (docs/precision.md, *Default*), so a running sum kept inside
+// the mma across every query tile drifts by an ulp of itself per mma, growing with Lq; 3xtf32's
+// dK, dV failed the float32 rule that way on an H200 (N 512-4096) in registers.
 template <int kN>
 struct SmemAcc {
     float* p;  // this lane's first float4
@@ -320,7 +324,8 @@ __device__ __forceinline__ void acc_store(float* gmem, long long row_stride, con
 }
 
 // acc += C · B (mma_rk) into registers, or into a SmemAcc: the Br/8 A fragments converted once,
-// then per n8 tile one 128-bit load, the k-steps, one 128-bit store.
+// then per n8 tile one 128-bit load, the k-steps, one 128-bit store (3xtf32: the k-steps into a
+// zeroed fragment, then the load and 4 FADD).
 template <int kPrec, bool kLoPlanes, int kK, int kN>
 __device__ __forceinline__ void acc_rk(float (&acc)[kN / 8][4], const float (&c)[kK / 8][4], const float* B_s,
                                        int b_pitch, int b_plane) {
@@ -341,7 +346,9 @@ __device__ __forceinline__ void acc_rk(SmemAcc<kN>& acc, const float (&c)[kK / 8
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt) {
         float4* p = reinterpret_cast<float4*>(acc.p + nt * 128);
-        const float4 v = *p;
+        // 3xtf32: a zeroed fragment, added after (above); tf32 (its own, looser bound) sums in place.
+        constexpr bool kFlush = kPrec == 3;
+        float4 v = kFlush ? float4{0.f, 0.f, 0.f, 0.f} : *p;
         float d[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int ks = 0; ks < kK / 8; ++ks) {
@@ -350,6 +357,10 @@ __device__ __forceinline__ void acc_rk(SmemAcc<kN>& acc, const float (&c)[kK / 8
             lds_op<kPrec, kLoPlanes>(b, b_plane, b_hi[0], b_lo[0]);
             lds_op<kPrec, kLoPlanes>(b + b_pitch, b_plane, b_hi[1], b_lo[1]);
             mma_op<kPrec>(d, a_hi[ks], a_lo[ks], b_hi, b_lo);
+        }
+        if (kFlush) {
+            v = *p;
+            d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
         }
         *p = float4{d[0], d[1], d[2], d[3]};
     }

@@ -34,6 +34,12 @@ reloads of Q_i, dO_i); then two buffers of Q_i, dO_i (``stages`` = 2: the next v
 copies overlap this visit's products) where the second buffer costs no resident warps. E.g. sm_80: tf32 d 64 Br 64 Bc 64, d 128 Br 16 Bc 32; 3xtf32 d 64 Br 32
 Bc 64, d 128 Br 16 Bc 32; sm_86/89: 3xtf32 d 64 Bc 32, d 128 Bc 16.
 
+3xtf32 keeps dK_j, dV_j in shared memory at every head dim (``acc_in_smem``, the kernel's
+``SmemAcc`` below), each visit's k-steps summed in a zeroed fragment and added in fp32: the tensor
+cores truncate their sums, and a running sum kept inside the mma over every query tile failed the
+float32 rule on an H200 (docs/precision.md, *Default*). The Bc x (d + dv) floats cost resident warps
+at some shapes (sm_90 d 128: 4 -> 2; sm_80 d 96: 4 -> 2, d 32: 8 -> 6).
+
 Wide head dims (padded max(d, dv) in 144..256, :data:`REG_ACC_HEAD_DIM`): (d + dv) / 2 accumulator
 floats per thread do not fit next to the strips, so dK_j, dV_j accumulate in shared memory (the
 kernel's ``SmemAcc``: Bc x (d + dv) floats more, each lane touching only its own fragments, as the
@@ -82,6 +88,12 @@ def block_m(precision, d, dv):
     return 32 if m <= 64 else 16
 
 
+def acc_in_smem(precision, d, dv):
+    """Mirror of ``Tf32BwdSmem::kAccSmem``: dK_j, dV_j in shared memory (wide head dims; 3xtf32 always,
+    each visit summed in a zeroed fragment and added in fp32: the tensor cores truncate their sums)."""
+    return max(d, dv) > REG_ACC_HEAD_DIM or precision == "3xtf32"
+
+
 def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1):
     """Mirror of ``Tf32BwdSmem::kBytes``: planes x (stages x Q_i, stages x dO_i, K_j, V_j, dS^T),
     then L_i, D_i."""
@@ -89,7 +101,7 @@ def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1):
     a16 = tiles._align16
     tiles_f = (stages * block_m * (d + _PAD), stages * block_m * (dv + _PAD), block_n * (d + _PAD),
                block_n * (dv + _PAD), block_n * (block_m + _PAD))
-    acc = 4 * block_n * (d + dv) if max(d, dv) > REG_ACC_HEAD_DIM else 0  # SmemAcc dK_j, dV_j
+    acc = 4 * block_n * (d + dv) if acc_in_smem(precision, d, dv) else 0  # SmemAcc dK_j, dV_j
     return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4) + acc
 
 
