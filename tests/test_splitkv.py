@@ -14,6 +14,8 @@ one pass over K and V per KV head for Lq = 1, against G passes unpacked. Causal 
 Lq > 1 (``Is_packed``: each row masked at its query position) is exact across query tiles that
 span two heads.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -165,6 +167,22 @@ def test_auto_count_keeps_256_keys_per_split():
     assert 0.8 * 132 <= a(1, 132, 10 ** 6, 64) <= tiles.MAX_SPLITS   # one block: (almost) every SM
 
 
+def test_split_slots_count_two_blocks_per_sm_where_they_fit():
+    """Decoding sizes its splits for the blocks that share an SM (FlashAttention-2: 2 x the SMs): the
+    128-thread tensor-core tiles whose shared memory fits twice; one per SM otherwise."""
+    def decode_plan(arch, D, Lk=32768, H=32):
+        q, k = np.zeros((1, H, 1, D), np.float16), np.zeros((1, H, Lk, D), np.float16)
+        return the_plan(q, k, k, False, arch=arch)
+    p = decode_plan(90, 128)
+    assert p.tile.n_threads == 128 and 2 * (p.tile.smem + 1024) <= 228 * 1024
+    assert tiles.split_slots(p.tile, 90, 132) == 264
+    assert p.num_splits == tiles.auto_num_splits(32, 264, 32768, p.tile.block_n) == 7  # 224 blocks, was 4 (128)
+    p86 = decode_plan(86, 128)
+    assert 2 * (p86.tile.smem + 1024) > 100 * 1024 and tiles.split_slots(p86.tile, 86, 72) == 72
+    eight_warps = dataclasses.replace(p.tile, threads_m=8)  # 256 threads: their registers fill the register file
+    assert tiles.split_slots(eight_warps, 90, 132) == 132
+
+
 def test_emulator_sm_counts():
     assert tiles.emulator_sm_count(80) == 108 and tiles.emulator_sm_count("sm_90") == 132
     assert tiles.emulator_sm_count(75) == 40 and tiles.emulator_sm_count(100) == 132
@@ -175,7 +193,8 @@ def test_auto_split_follows_the_heuristic(arch):
     """Decoding 2 heads over 2000 keys: far fewer blocks than SMs, so the key range is split."""
     q, k, v = qkv(np.float16, (1, 2, 1, 64), (1, 2, 2000, 64))
     p = the_plan(q, k, v, False, arch=arch)
-    expect = tiles.auto_num_splits(2, tiles.emulator_sm_count(arch), 2000, p.tile.block_n)
+    expect = tiles.auto_num_splits(2, tiles.split_slots(p.tile, arch, tiles.emulator_sm_count(arch)), 2000,
+                                   p.tile.block_n)
     assert p.num_splits == expect > 1 and expect <= -(-2000 // tiles.MIN_KEYS_PER_SPLIT)
     assert p.sm_count == tiles.emulator_sm_count(arch)
     check(q, k, v, False, arch=arch)
@@ -333,7 +352,7 @@ def test_cupy_path_reads_the_sm_count(monkeypatch):
     bs = q.shape[:-2]
     p = cuda_forward.plan(q, k, v, causal=False, scale=0.125, batch_shape=bs, device="cuda")
     assert p.sm_count == 16 and p.gqa_group == 2
-    assert p.num_splits == tiles.auto_num_splits(1, 16, 1000, p.tile.block_n) > 1
+    assert p.num_splits == tiles.auto_num_splits(1, tiles.split_slots(p.tile, 80, 16), 1000, p.tile.block_n) > 1
     out, lse = cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=bs, device="cuda")
     assert_attention_close(out, q, k, v, causal=False, lse=lse, scale=0.125)
     assert any("flash_fwd_combine_kernel" in name for name, _, _ in log)

@@ -204,8 +204,9 @@ class ForwardPlan:
 
     def _split_count(self, num_splits, blocks, Lk, block_m=None):
         """Key splits: ``num_splits`` when given, else :func:`tiles.auto_num_splits` for ``blocks``
-        (batch entries × query tiles) on this device's SMs (the IO tiles, ``block_m``, are for the
-        dense algorithm's traffic: one split unless forced). The SIMT kernels do not split."""
+        (batch entries × query tiles) on this device's block slots (:func:`tiles.split_slots`: the SMs,
+        twice where two blocks of the tile share one; the IO tiles, ``block_m``, are for the dense
+        algorithm's traffic: one split unless forced). The SIMT kernels do not split."""
         if self.tile.kernel != "tensor_core":
             if num_splits not in (None, 1):
                 raise NotImplementedError(
@@ -217,7 +218,8 @@ class ForwardPlan:
             return num_splits
         if block_m is not None:
             return 1
-        return tiles.auto_num_splits(blocks, self.sm_count, Lk, self.tile.block_n)
+        return tiles.auto_num_splits(blocks, tiles.split_slots(self.tile, self.launcher.arch, self.sm_count), Lk,
+                                     self.tile.block_n)
 
     def _add_forward(self, launcher, name_expr, batch, tensors, keys, Lq, Lk, D, Dv, scale_log2, grid_x):
         tile = self.tile

@@ -380,6 +380,17 @@ def num_splits_heuristic(blocks, sm_count, n_key_tiles, max_splits=MAX_SPLITS):
     return next(s for s, e in rated if e >= SPLIT_EFFICIENCY * best)
 
 
+def split_slots(tile, arch, sm_count):
+    """The block slots one wave of a split-KV forward has: ``sm_count`` x 2 where two blocks of ``tile``
+    share an SM (at most 128 threads: their 200-255 registers per thread fill half the register file;
+    and two blocks' shared memory fits), else x 1. FlashAttention-2 sizes its splits for 2 x the SM count
+    (its 128-thread split kernel); a memory-bound decode wants the second block's loads in flight: with
+    one slot per SM, B 1 x H 32 over 32k keys took 4 splits (128 blocks, one per SM) and ran at 1.16x
+    FlashAttention-2's time on an H200 (docs/gpu_h200.md), which takes 8."""
+    two = tile.n_threads <= 128 and _two_blocks_fit(tile.smem, arch)
+    return int(sm_count) * (2 if two else 1)
+
+
 def auto_num_splits(blocks, sm_count, Lk, block_n):
     """The automatic split count of a forward: :func:`num_splits_heuristic` over the ceil(Lk / Bc)
     key tiles, at most ceil(Lk / ``MIN_KEYS_PER_SPLIT``) splits (so no split runs fewer than
