@@ -10,8 +10,9 @@
 // Symbols and shapes (d, dv rounded up to multiples of 16, zero-filled past D, Dv):
 //   Q_i  Br × d   shared (sQ)            K_j  Bc × d   shared (sK)
 //   V_j  Bc × dv  shared (sV)            P_ij Br × Bc  shared (sP, AccT; exchanged inside a warp)
-//   S_ij Br × Bc  registers: TM × TN per thread
-//   O_i  Br × dv  registers: TM × dv/kThreadsN per thread (AccT)
+//   S_ij Br × Bc  registers: TM × TN per thread (columns tn, tn + kThreadsN, ...)
+//   O_i  Br × dv  registers: TM × TE per thread (AccT; TE = dv/kThreadsN consecutive columns
+//                 tn·TE .., so each key's V_j chunk is one or two 16-byte loads where TE allows)
 //   m_i, l_i      registers: TM per thread (l_i partial over the thread's columns)
 // Output: O (Lq × Dv, element type) and LSE (Lq, AccT, natural log).
 //
@@ -35,6 +36,23 @@
 #include "flash_ext.cuh"
 
 namespace flash {
+
+// dst[0 .. kN) = src[0 .. kN) in AccT: 16-byte loads where kN elements are whole 16-byte vectors (src
+// then 16-byte aligned: the callers' runs start at multiples of kN elements in 16-byte aligned rows),
+// 8-byte loads where whole 8-byte ones, else element by element.
+template <int kN, typename AccT, typename T>
+__device__ __forceinline__ void load_run(AccT (&dst)[kN], const T* src) {
+  constexpr int kBytes = kN * (int)sizeof(T);
+  constexpr int kUnit = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : (int)sizeof(T);
+  constexpr int kPer = kUnit / (int)sizeof(T);
+  struct alignas(kUnit) Unit { T v[kPer]; };
+#pragma unroll
+  for (int u = 0; u < kN / kPer; ++u) {
+    const Unit x = reinterpret_cast<const Unit*>(src)[u];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) dst[u * kPer + i] = to_acc<AccT>(x.v[i]);
+  }
+}
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
           bool Is_causal, bool Is_aligned, int kExt = 0, bool Has_seqlens_k = false, bool Is_paged = false>
@@ -236,17 +254,24 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // and read by all of them below.
     __syncwarp(0xffffffffu);
 
-    // -- O_i += P_ij V_j --
-#pragma unroll 4
-    for (int c = 0; c < kBlockN; ++c) {
-      AccT p[TM];
+    // -- O_i += P_ij V_j, keys ascending: per kPVec keys one 16-byte load of each of the thread's
+    //    P rows (its row group reads the same vector: a broadcast), then per key its TE columns of
+    //    V_j (load_run: 16-byte loads where they are whole vectors) --
+    constexpr int kPVec = Traits::kPVec;
+#pragma unroll 2
+    for (int c0 = 0; c0 < kBlockN; c0 += kPVec) {
+      Vec16<AccT> p[TM];
 #pragma unroll
-      for (int a = 0; a < TM; ++a) p[a] = sP[(tm * TM + a) * Traits::kStrideP + c];
+      for (int a = 0; a < TM; ++a)
+        p[a] = *reinterpret_cast<const Vec16<AccT>*>(sP + (tm * TM + a) * Traits::kStrideP + c0);
 #pragma unroll
-      for (int e = 0; e < TE; ++e) {
-        const AccT ve = to_acc<AccT>(sV[c * Traits::kStrideV + e * kThreadsN + tn]);
+      for (int cc = 0; cc < kPVec; ++cc) {
+        AccT ve[TE];
+        load_run<TE>(ve, sV + (c0 + cc) * Traits::kStrideV + tn * TE);
 #pragma unroll
-        for (int a = 0; a < TM; ++a) acc_o[a][e] += p[a] * ve;
+        for (int e = 0; e < TE; ++e)
+#pragma unroll
+          for (int a = 0; a < TM; ++a) acc_o[a][e] += p[a].v[cc] * ve[e];
       }
     }
     // Warp barrier: every lane has read this row group's P_ij before the next iteration
@@ -265,7 +290,7 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     if (row < Lq) {
 #pragma unroll
       for (int e = 0; e < TE; ++e) {
-        const int col = e * kThreadsN + tn;
+        const int col = tn * TE + e;
         if (col < Dv) fa::gstore(o_i + (tm * TM + a) * o_row + col, from_acc<T>(acc_o[a][e] * inv_l));
       }
       if (tn == 0) fa::gstore(lse_i + tm * TM + a, live ? stat[a].lse(l_total) : neg_inf<AccT>());

@@ -162,7 +162,12 @@ struct FwdSimtTraits {
   static constexpr int kStrideQ = kHeadDim + kSmemPad;
   static constexpr int kStrideK = kHeadDim + kSmemPad;
   static constexpr int kStrideV = kHeadDimV + kSmemPad;
-  static constexpr int kStrideP = kBlockN + 1;  // P_ij row (AccT); +1 spreads row groups over banks
+  // P_ij rows (AccT), unpadded: 16-byte aligned for the P V product's vector loads (each row group
+  // reads its own rows: broadcasts). The two row groups of a warp store P rows TM·Bc apart, the same
+  // banks for fp32 (2 wavefronts per store, TM·TN stores per key tile); a 16-byte pad would spread
+  // them but cost sm_80's fp32 d 128 tile its third block per SM (54.0 + 1 KB x 3 > 164 KB).
+  static constexpr int kPVec = kCopyBytes / (int)sizeof(AccT);
+  static constexpr int kStrideP = kBlockN;
 
   static constexpr int kSmemQOffset = 0;
   static constexpr int kSmemKOffset = kSmemQOffset + Align16<kBlockM * kStrideQ * (int)sizeof(T)>::value;
@@ -183,6 +188,7 @@ struct FwdSimtTraits {
   static_assert(kHeadDim % kElemsPerCopy == 0, "d must be whole 16-byte vectors");
   static_assert(((kStrideK * (int)sizeof(T) / kCopyBytes) & 1) == 1,
                 "padded K row length in 16-byte units must be odd for conflict-free vector reads");
+  static_assert(kBlockN % kPVec == 0, "P_ij rows are read in whole 16-byte vectors");
 };
 
 }  // namespace flash

@@ -162,11 +162,11 @@ def _host_values(c):
     if c.kind == "numpy":
         table = None if not c.paged else np.asarray(c.block_table, dtype=np.int64)
         return np.asarray(c.seqlens, dtype=np.int64), table
+    if not c.paged:  # one copy, no concatenation kernel
+        return c.seqlens.get().astype(np.int64), None
     import cupy
-    parts = [c.seqlens] + ([c.block_table.ravel()] if c.paged else [])
-    flat = cupy.concatenate(parts).get().astype(np.int64)
-    table = flat[c.B:].reshape(c.block_table.shape) if c.paged else None
-    return flat[:c.B], table
+    flat = cupy.concatenate([c.seqlens, c.block_table.ravel()]).get().astype(np.int64)
+    return flat[:c.B], flat[c.B:].reshape(c.block_table.shape)
 
 
 #: cache_seqlens of at most this many entries are range-checked as Python ints (for a few entries

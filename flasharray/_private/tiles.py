@@ -135,10 +135,10 @@ def tc_smem(d, dv, block_m, block_n, stages=1, elem=2):
 
 
 def simt_smem(d, dv, block_m, block_n, elem, acc):
-    """sQ, sK, sV as above (element type) plus sP (Br × (Bc + 1), accumulation type)."""
+    """sQ, sK, sV as above (element type) plus sP (Br × Bc, accumulation type)."""
     pad = 16 // elem
     return (_align16(block_m * (d + pad) * elem) + _align16(block_n * (d + pad) * elem)
-            + _align16(block_n * (dv + pad) * elem) + _align16(block_m * (block_n + 1) * acc))
+            + _align16(block_n * (dv + pad) * elem) + _align16(block_m * block_n * acc))
 
 
 # ---- the table -----------------------------------------------------------------------------------
