@@ -212,11 +212,14 @@ IO_TILES = {
 }
 
 # SIMT: 8 row groups × 16 lanes = 128 threads unless noted; TM = Br/8 rows and TN = Bc/16
-# columns of S per thread. Candidates by (accumulator bytes, max padded head dim).
+# columns of S per thread. Candidates by (accumulator bytes, max padded head dim); a candidate in
+# :data:`_SIMT_MIN_BLOCKS` is taken only where that many of its blocks fit an SM's shared memory.
 _SIMT_CANDIDATES = {
     4: [  # fp32 (and fp16/bf16 fallback), fp32 accumulation
         (32, 32, 64, 8, 16, "d <= 32: Br=32, Bc=64 (4×4 S per thread)"),
-        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32 (4×2 S, 4×4 O per thread)"),
+        (64, 32, 64, 8, 16, "d <= 64 where four blocks' shared memory fits an SM (sm_90: 228 KB): Br=32, "
+                            "Bc=64 (4×4 S, 4×4 O per thread; 51 KB)"),
+        (64, 32, 32, 8, 16, "d <= 64: Br=32, Bc=32 (4×2 S, 4×4 O per thread; 30 KB)"),
         (128, 32, 32, 8, 16, "d <= 128: Br=32 halves K/V re-reads vs Br=16; 55 KB fp32 smem "
                              "with the opt-in; O is 4×8 per thread"),
         (128, 16, 32, 8, 16, "d <= 128, small-smem fallback: Br=16"),
@@ -235,6 +238,13 @@ _SIMT_CANDIDATES = {
         (256, 8, 8, 8, 8, "d <= 256 on sm_75 (64 KB smem): 64 threads, Br=8, Bc=8"),
     ],
 }
+#: SIMT candidates (max padded head dim, Br, Bc) taken only where this many blocks fit an SM by
+#: shared memory. fp32 d <= 64 at Bc 64: 16% fewer instructions per FMA than Bc 32 (the 4×4 S
+#: micro-tile: 8 vector loads per 64 FMA instead of 6 per 32; est. 1.86 -> 1.56 on sm_90, 1.82 ->
+#: 1.52 on sm_80, benchmarks/sass.py --simt) at 51 KB: on sm_90 (228 KB) the 3 blocks per SM its
+#: registers allow either way; on sm_80 (164 KB) 3 where Bc 32 runs 4 (16 warps: kept), on
+#: sm_86/89 (100 KB) and sm_75 (64 KB) one where Bc 32 runs three and two.
+_SIMT_MIN_BLOCKS = {(64, 32, 64): 4}
 
 
 #: Shared memory per SM and reserved per block, bytes (the occupancy rules of sass.ARCH_LIMITS).
@@ -305,11 +315,19 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
         elem, acc = itemsize(name), (8 if name == "float64" else 4)
         for max_hd, br, bc, tm, tn, reason in _SIMT_CANDIDATES[acc]:
             smem = simt_smem(d, dv, br, bc, elem, acc)
-            if hd <= max_hd and smem <= limit:
+            if hd <= max_hd and smem <= limit and _simt_fits((max_hd, br, bc), smem, arch):
                 return FwdTile("simt", name, d, dv, br, bc, tm, tn, smem, reason)
     raise NotImplementedError(  # pragma: no cover - every (dtype, d <= 256, arch) has a tile
         "flasharray: no forward tile fits %s d=%d dv=%d in %d bytes of shared memory on sm_%d"
         % (name, d, dv, limit, arch_number(arch)))
+
+
+def _simt_fits(candidate, smem, arch):
+    """Whether a SIMT candidate (max_hd, Br, Bc, ...) with ``smem`` bytes meets its
+    :data:`_SIMT_MIN_BLOCKS` (blocks per SM by shared memory, 1 KB reserved each on sm_80+)."""
+    need = _SIMT_MIN_BLOCKS.get(candidate[:3], 1)
+    a = arch_number(arch)
+    return need == 1 or need * (smem + (KB if a >= 80 else 0)) <= SMEM_PER_SM.get(a, smem_limit(a))
 
 
 def table(archs=ARCHS, head_dims=(16, 32, 64, 96, 128, 256),
