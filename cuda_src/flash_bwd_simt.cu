@@ -11,7 +11,12 @@
 //     while the block walks the query blocks i (and the query batch entries of the MQA/GQA group
 //     that share K_j, V_j): dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i * scale, accumulated in
 //     registers, written once. With kAtomicDQ it also adds dS_ij K_j * scale into an AccT dQ
-//     accumulator with atomics (fast, not bitwise reproducible).
+//     accumulator with atomics (fast, not bitwise reproducible); with kOrderedDQ too the same
+//     atomics in key-block order (fa::sem_wait / fa::sem_post on one int counter per query block,
+//     stored after the entry's Lq accumulator rows: the host adds ceil(Tr / D) rows; the preprocess
+//     clears them with the accumulator): bitwise reproducible with the atomic mode's 5 products
+//     (the dQ kernel below recomputes S and dP: 7). The order is flash_bwd_common.cuh's DQOrder
+//     (descending key blocks for causal without per-entry lengths), as in the tensor-core kernels.
 //   flash_bwd_dq_simt_kernel (deterministic dQ): one block per (query block i, batch); Q_i, dO_i
 //     stay in shared memory while the block walks the key blocks j, recomputing P_ij and dS_ij:
 //     dQ_i += dS_ij K_j * scale in registers, written once. No atomics: bitwise reproducible.
@@ -333,7 +338,7 @@ using namespace fa_bwd;
 // query batch entries that share this K_j, V_j (MQA/GQA) are walked inside the block, so dK_j and
 // dV_j are summed over them in registers, in a fixed order.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
-          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ, int kExt = 0>
+          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ, int kExt = 0, bool kOrderedDQ = false>
 __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -364,8 +369,12 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
     AccT* lse2_s = reinterpret_cast<AccT*>(smem + L::kL);  // Br
     AccT* delta_s = reinterpret_cast<AccT*>(smem + L::kDelta);  // Br
 
+    static_assert(kAtomicDQ || !kOrderedDQ, "the ordered dQ mode orders the atomic mode's atomics");
     const BatchIndex b = BatchIndex::from_grid(nb2);
-    const int c0 = (int)blockIdx.x * kBlockN;  // first key of K_j
+    // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
+    const Order dq_order = Order::make();
+    const int c0 = dq_order.n * kBlockN;  // first key of K_j
     const AccT scale_log2 = scale * flash::log2e_acc(AccT(0));
     // Extensions (as in flash_bwd.cu): the entry's lengths Lq_b, Lk_b, the mask, dropout; without
     // them Lq_b = Lq, Lk_b = Lk and the dense mask.
@@ -418,11 +427,16 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
             // -- dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i   (dK times scale at the end)
             accumulate<DV, kBlockM, L::kPitchS, L::kPitchDv>(dV_acc, P_s, dO_s);
             accumulate<DK, kBlockM, L::kPitchS, L::kPitchD>(dK_acc, dS_s, Q_s);
-            // -- atomic mode: dQ_i += dS_ij K_j * scale, straight into the AccT accumulator.
-            if constexpr (kAtomicDQ)
+            // -- atomic mode: dQ_i += dS_ij K_j * scale, straight into the AccT accumulator (ordered:
+            //    after the key blocks before this one in DQOrder's order, then the next one's turn).
+            if constexpr (kAtomicDQ) {
+                AccT* dqa = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)g * dqa_g;
+                int* turn = reinterpret_cast<int*>(dqa + (long long)Lq * dqa_row) + i;  // kOrderedDQ only
+                if constexpr (kOrderedDQ) fa::sem_wait(turn, dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
                 atomic_dq<typename Prod::DQ, kBlockN, L::kPitchS, L::kPitchD>(
-                    dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)g * dqa_g + (long long)r0 * dqa_row,
-                    dqa_row, dS_s, K_s, scale, Lq - r0, D);
+                    dqa + (long long)r0 * dqa_row, dqa_row, dS_s, K_s, scale, Lq - r0, D);
+                if constexpr (kOrderedDQ) fa::sem_post(turn);
+            }
         }
     }
 

@@ -262,8 +262,13 @@ def test_backward_bad_options():
         run_backward("emulator", p, kernel="tc")
     with pytest.raises(ValueError, match=r"option 'dq' must be one of 'ordered', 'recompute', got 'fast'"):
         run_backward("emulator", p, dq="fast")
-    with pytest.raises(ValueError, match=r"option dq='ordered' needs the tensor-core kernels"):
-        run_backward("emulator", p, dq="ordered")                     # float32: SIMT
+    assert cb.plan(*p.args("emulator"), causal=False, scale=0.25, batch_shape=p.batch_shape, device="emulator",
+                   dq="ordered").dq_mode == "ordered"                 # float32: SIMT orders too
+    import types
+    from flasharray._private.cuda_forward import EXT_BITS as extensions_bits
+    window = types.SimpleNamespace(bits=extensions_bits["window"])  # a plan's extensions (_ExtPlan): their kExt bits
+    with pytest.raises(ValueError, match=r"option dq='ordered' needs no window or block mask"):
+        cb.dq_mode(True, "simt", window, "ordered")
     with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):
         run_backward("emulator", Problem(np.float16, 16, 4, 4, causal=False), deterministic=False, dq="recompute")
 
@@ -287,24 +292,26 @@ def test_deterministic_bitwise_under_schedules(dt, dq):
 
 
 def _dkv_counters(counters):
-    (c,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_kernel")]
+    (c,) = [c for name, c in counters if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_simt_kernel"))]
     return c
 
 
+@pytest.mark.parametrize("dt", ["fp16", "fp32"])
 @pytest.mark.parametrize("causal,lengths", [(False, (300, 200)), (True, (300, 200)), (True, (100, 260))])
-def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths):
-    """The ordered mode (the fp16/bf16 default): one wait and one post per visited (key block,
-    query block) pair. On one worker in block order no wait ever blocks, so each block waits
-    only for blocks with a smaller index (fa::sem_wait's rule: no deadlock on a GPU, however few
-    blocks are resident); in reverse order most waits block (the emulator starts the earlier
-    blocks) and dQ is bitwise the same: every sum runs in key-block order. Several query heads
-    share each K/V head (GQA: each keeps its own counters)."""
-    p = Problem(np.float16, 64, *lengths, causal=causal, bcast="gqa")
+def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, dt):
+    """The ordered mode (the default of the tensor-core kernels and of the SIMT kernel: fp32): one
+    wait and one post per visited (key block, query block) pair. On one worker in block order no
+    wait ever blocks, so each block waits only for blocks with a smaller index (fa::sem_wait's rule:
+    no deadlock on a GPU, however few blocks are resident); in reverse order most waits block (the
+    emulator starts the earlier blocks) and dQ is bitwise the same: every sum runs in key-block
+    order. Several query heads share each K/V head (GQA: each keeps its own counters)."""
+    dtype = DTYPE_NAMES[dt]
+    p = Problem(dtype, 64, *lengths, causal=causal, bcast="gqa")
     monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
     *ref, counters = run_backward("emulator", p, return_counters=True)
     check(p, ref)
     c = _dkv_counters(counters)
-    t_kv = cb.kernel_plan(np.float16, 64, 64, causal=causal, deterministic=True, arch=80, ordered=True)["dkv"][2]
+    t_kv = cb.kernel_plan(dtype, 64, 64, causal=causal, deterministic=True, arch=80, ordered=True)["dkv"][2]
     B = int(np.prod(p.batch_shape))
     assert c.sem_waits == B * cb.visited_query_blocks(*lengths, causal, t_kv) > 0
     assert c.sem_blocked == 0
@@ -316,18 +323,22 @@ def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths):
             assert a.tobytes() == b.tobytes(), workers
 
 
-def test_ordered_and_recomputed_dq_agree():
+@pytest.mark.parametrize("dt,D,kernels", [
+    ("fp16", 128, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_kernel", "flash_bwd_convert_dq_tc_kernel"]),
+    ("fp32", 64, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_simt_kernel", "flash_bwd_convert_dq_kernel"])])
+def test_ordered_and_recomputed_dq_agree(dt, D, kernels):
     """The two deterministic modes compute the same gradients (dK, dV: the same kernel code; dQ: a
     different summation order, both within the test rule); the ordered mode launches the atomic
-    mode's kernels (preprocess clearing the accumulator and counters, dK/dV, convert)."""
-    p = Problem(np.float16, 128, 150, 190, causal=True)
+    mode's kernels (preprocess clearing the accumulator and counters, dK/dV, convert). SIMT: the
+    atomic dK/dV kernel's 5 products instead of 7 (no dQ kernel recomputing S and dP)."""
+    p = Problem(DTYPE_NAMES[dt], D, 150, 190, causal=True)
     *ordered, counters = run_backward("emulator", p, return_counters=True)
     recomputed = run_backward("emulator", p, dq="recompute")
     check(p, ordered)
     check(p, recomputed)
     assert ordered[1].tobytes() == recomputed[1].tobytes() and ordered[2].tobytes() == recomputed[2].tobytes()
     names = [name.split("<")[0] for name, _ in counters]
-    assert names == ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_kernel", "flash_bwd_convert_dq_tc_kernel"]
+    assert names == kernels
     assert counters[1][0].endswith(", true>")  # kOrderedDQ
 
 
@@ -354,14 +365,19 @@ def measured_traffic(dtype, D, Lq, Lk, causal, deterministic, dq=None):
 
 def test_analytic_traffic_by_hand():
     """The model on a case small enough to count by hand: fp32, B=1, Lq=Lk=D=Dv=16, one block
-    each way (SIMT tiles are 64 x 64 on sm_80), deterministic."""
+    each way (SIMT tiles are 64 x 64 on sm_80), deterministic: the recomputing dQ kernel, and the
+    ordered atomics (the default: one accumulator row more for the counter, one wait and post)."""
     s, a, L, D = 4, 4, 16, 16
     read = 2 * L * D * s                       # preprocess: dO, O
     read += 2 * L * D * s + (2 * L * D * s + 2 * L * a)   # dK/dV: K, V; Q, dO, L, D (one visit)
-    read += (2 * L * D * s + 2 * L * a) + 2 * L * D * s   # dQ: Q, dO, L, D; K, V (one visit)
-    write = L * a + 2 * L * D * s + L * D * s  # D; dK, dV; dQ
-    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, precision="ieee") == (read, write)
-    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, arch=75) == (read, write)  # no TF32: IEEE
+    write = L * a + 2 * L * D * s              # D; dK, dV
+    r_read = read + (2 * L * D * s + 2 * L * a) + 2 * L * D * s   # dQ: Q, dO, L, D; K, V (one visit)
+    r_write = write + L * D * s                                  # dQ
+    for kw in ({"precision": "ieee"}, {"arch": 75}):  # (sm_75: no TF32, IEEE)
+        assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, dq="recompute", **kw) == (r_read, r_write)
+    o_read = read + L * D * a + 8 + L * D * a                     # atomics (read-modify-write), wait + post, convert
+    o_write = write + (L + 1) * D * a + L * D * a + 4 + L * D * s  # clear (+ the counter's row), atomics, post, dQ
+    assert cb.analytic_global_bytes(1, L, L, D, D, np.float32, precision="ieee") == (o_read, o_write)
 
 
 @pytest.mark.parametrize("dt,D,deterministic,dq", [("fp16", 64, True, None), ("fp16", 64, True, "recompute"),

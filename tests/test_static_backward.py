@@ -77,9 +77,9 @@ def instantiations(arch, full=False):
     for dt, D, Dv, causal, det, kernel, acc_dkv, acc_dq in _configs(arch, full):
         if (kernel or ("tc" if canonical_dtype(dt).itemsize == 2 else "simt")) == "tc" and dt == "bfloat16" and arch < 80:
             continue  # bf16 has no tensor cores before sm_80 (the driver raises NotImplementedError)
-        tc = (kernel or cb.default_kernel(canonical_dtype(dt), arch)) == "tc"
-        # deterministic tensor-core runs: ordered atomics (the default) and the recomputing dQ kernel
-        modes = (True, False) if det and tc else (False,)
+        orders = (kernel or cb.default_kernel(canonical_dtype(dt), arch)) in ("tc", "simt")
+        # deterministic runs: ordered atomics (the default) and the recomputing dQ kernel
+        modes = (True, False) if det and orders else (False,)
         for stages, ordered in itertools.product(
                 [None] + ([1] if (dt, D, causal) in FORCED_ONE_STAGE and arch == tiles_bwd.EMULATOR_ARCH else []),
                 modes):
@@ -122,6 +122,7 @@ def test_backward_compiles_without_spills(arch):
     rows = _check_arch(arch)
     assert any("flash_bwd_dkv_kernel<fa_half" in r for r in rows)
     assert any("flash_bwd_dq_simt_kernel<double" in r for r in rows)
+    assert any("flash_bwd_dkv_simt_kernel<float" in r and ", true> " in r for r in rows)  # ordered SIMT
 
 
 @requires_nvrtc

@@ -1,8 +1,8 @@
 """Static checks of the backward kernels with extensions (kExt != 0) with NVRTC (no GPU).
 
 Tensor cores and SIMT (fp16, bf16, fp32, fp64 with each arch's kernel choice) x head dim {64, 128, 256} x causal, deterministic (dK/dV + dQ kernels),
-atomic (dK/dV with atomic dQ) and ordered (fp16 / bf16 tensor cores: the atomic dQ in key-block
-order, with the bits it takes), with all six extension bits (the heaviest variant) — ordered:
+atomic (dK/dV with atomic dQ) and ordered (fp16 / bf16 tensor cores and SIMT: the atomic dQ in
+key-block order, with the bits it takes), with all six extension bits (the heaviest variant) — ordered:
 lengths, ALiBi, softcap and dropout — compiles with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
 register file. Default: sm_80, all bits, causal (~1 min of NVRTC: CI time); ``-m slow``: non-causal,
@@ -29,7 +29,7 @@ pytestmark = requires_nvrtc
 def instantiations(arch, variants, causals=(False, True), ordered_variants=()):
     """{source: {name_expression: BwdTiles}} of the backward's extension variants: ``variants`` in
     the deterministic (dQ kernel) and atomic modes, ``ordered_variants`` in the ordered dQ mode
-    (fp16 / bf16 on tensor cores)."""
+    (the fp16 / bf16 tensor cores and the SIMT kernels)."""
     found = {}
     modes = [(bits, det, False) for bits in variants for det in (True, False)]
     modes += [(bits, True, True) for bits in ordered_variants]
@@ -37,8 +37,8 @@ def instantiations(arch, variants, causals=(False, True), ordered_variants=()):
         for d in (64, 128, 256):
             for causal in causals:
                 for bits, det, ordered in modes:
-                    if ordered and (cuda_backward.default_kernel(dt, arch) != "tc"
-                                    or not cuda_backward._family_orders("tc", bits, d)):
+                    kernel = cuda_backward.default_kernel(dt, arch)
+                    if ordered and not cuda_backward._family_orders(kernel, bits, d):
                         continue
                     plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=det, arch=arch,
                                                      ext=bits, ordered=ordered)

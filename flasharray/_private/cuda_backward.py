@@ -189,9 +189,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     T, A = _CTYPE[dtype], _CTYPE[acc]
     kernel = kernel or default_kernel(dtype, arch)
     wide = tiles.pad_head_dim(max(D, Dv))
-    if ordered and (kernel not in TC_FAMILIES or (ext and not _family_orders(kernel, ext, wide))):
-        raise ValueError("flasharray: the ordered dQ mode needs the tensor-core kernels, no window or block mask "
-                         "(nor ALiBi above head dim 128) (kernel %r, kExt %d)" % (kernel, ext))
+    if ordered and (kernel not in ORDERED_KERNELS or (ext and not _family_orders(kernel, ext, wide))):
+        raise ValueError("flasharray: the ordered dQ mode needs no window or block mask (nor ALiBi above head dim "
+                         "128 on the fp16/bf16 tensor cores) (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
@@ -227,8 +227,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
             T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, _b(causal),
-            _b(not deterministic), x), t_kv)
-        if deterministic:
+            _b(atomic), x), t_kv)
+        if not atomic:
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
             plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s%s" % (
                 T, A, out_q, pD, pDv, t_q.block_m, t_q.block_n, t_q.n_threads, _b(causal), x), t_q)
@@ -238,21 +238,22 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s%s>" % (
             out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0), ", double" if A == "double" else ""),
             None)
-    elif not deterministic and not acc_dq:
+    elif atomic and (not acc_dq or ordered):
+        # (ordered: the accumulator holds the counters after its Lq rows, so a broadcast q's dQ is
+        # converted to its own AccT buffer before the sums over broadcast dims)
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_kernel<%s, %s, %d, %d>" % (
-            T, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK), None)
+            out_q, A, tiles.ROW_THREADS, tiles.ROWS_PER_BLOCK), None)
     return plan
 
 
 def dq_accum_rows(Lq, kernel, t_kv, D=None, ordered=False):
     """Rows of the atomic modes' dQ accumulator per batch entry: Lq (SIMT, row-major) or Lq rounded
     up to the dK/dV kernel's query block (tensor cores: DQAccumLayout, no bounds tests); ordered
-    mode: plus ``ceil(Tr / D)`` rows of the padded head dim ``D`` holding the Tr int32 counters
-    (``DQOrderCounters``)."""
-    if kernel not in TC_FAMILIES:
-        return Lq
+    mode: plus ``ceil(Tr / D)`` rows of ``D`` elements (the padded head dim on tensor cores, the head
+    dim on SIMT) holding the Tr int32 counters (``DQOrderCounters``; SIMT: after row Lq)."""
     Tr = -(-Lq // t_kv.block_m)
-    return Tr * t_kv.block_m + (-(-Tr // D) if ordered else 0)
+    counters = -(-Tr // D) if ordered else 0
+    return (Tr * t_kv.block_m if kernel in TC_FAMILIES else Lq) + counters
 
 
 DQ_MODES = ("ordered", "recompute")
@@ -261,8 +262,9 @@ DQ_MODES = ("ordered", "recompute")
 def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     """How dQ is made: "atomic" (``deterministic=False``); deterministic: "ordered" (the atomic
     mode's kernels adding in key-block order: 5 products per block pair, the default where it
-    applies: the tensor-core families, with no extension or those :func:`_family_orders` takes) or
-    "recompute" (the separate dQ kernel: 7 products; fp16/bf16 tensor cores and SIMT).
+    applies: the tensor-core families and the SIMT kernel, with no extension or those
+    :func:`_family_orders` takes) or "recompute" (the separate dQ kernel: 7 products; fp16/bf16
+    tensor cores and SIMT).
     ``requested``: force "ordered" or "recompute" (the ``dq`` option); ``head_dim``: the larger
     padded head dim (:func:`_family_orders`)."""
     if requested is not None and requested not in DQ_MODES:
@@ -271,11 +273,11 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
         if requested is not None:
             raise ValueError("flasharray: option 'dq'=%r needs deterministic=True" % (requested,))
         return "atomic"
-    can_order = kernel in TC_FAMILIES and (ext is None or _family_orders(kernel, ext.bits, head_dim))
+    can_order = kernel in ORDERED_KERNELS and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
         names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
-        raise ValueError("flasharray: option dq='ordered' needs the tensor-core kernels, no window or block mask "
-                         "(nor ALiBi above head dim 128) (this call: kernel %r, head dim %d, extensions %s)"
+        raise ValueError("flasharray: option dq='ordered' needs no window or block mask (nor ALiBi above head "
+                         "dim 128 on the fp16/bf16 tensor cores) (this call: kernel %r, head dim %d, extensions %s)"
                          % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
 
@@ -308,6 +310,11 @@ def _dkv_stages(stages, atomic, causal, ext, wide):
 #: 36-88 bytes at the register cap on sm_75 / sm_86 / sm_90 (causal; its atomic and dQ-kernel ones do not).
 TC_ORDERED_EXT = 2 | 4 | 16 | 32
 TC_ORDERED_EXT_WIDE = TC_ORDERED_EXT & ~2
+#: kExt bits the SIMT kernel takes in the ordered dQ mode: the same set (a window or a block mask
+#: leaves some key blocks out of a query block's visitors, which the turn count does not know).
+SIMT_ORDERED_EXT = TC_ORDERED_EXT
+#: Kernels with an ordered dQ mode (the atomic mode's dK/dV kernel adding dQ in key-block order).
+ORDERED_KERNELS = TC_FAMILIES + ("simt",)
 
 
 def _family_orders(kernel, bits, head_dim=0):
@@ -317,6 +324,8 @@ def _family_orders(kernel, bits, head_dim=0):
     one)."""
     if kernel == "tc":
         return not bits & ~(TC_ORDERED_EXT if head_dim <= 128 else TC_ORDERED_EXT_WIDE)
+    if kernel == "simt":
+        return not bits & ~SIMT_ORDERED_EXT
     return kernel in FAMILIES and not bits & ~getattr(_family_module(kernel), "ORDERED_EXT", 0)
 
 
@@ -461,8 +470,9 @@ class BackwardPlan:
                     else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
-        else:
-            bufs["dqacc"] = (full + (Lq, D), acc)
+        else:  # SIMT: row-major (ordered: + the counters' rows)
+            t_kv = tiles.simt_tiles("dkv", self.dtype, D, Dv, arch)
+            bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, D, self.ordered), D), acc)
         dims = [i for i in range(nb) if full[i] > 1]
         self.q_bcast = any(t["q"].shape[i] == 1 for i in dims)
         # q broadcast along a batch dim: dQ goes to an AccT buffer of the full batch, summed afterwards.
@@ -483,7 +493,8 @@ class BackwardPlan:
 
     def _record(self, runner, t, unused, *, causal, scale, deterministic, arch, stages):
         """Plan the batch splits and record the three passes' launches."""
-        self.dq_name = "dqacc" if not deterministic and self.q_bcast and self.kernel not in TC_FAMILIES else "dq"
+        self.dq_name = ("dqacc" if not deterministic and self.q_bcast and self.kernel not in TC_FAMILIES
+                        and not self.ordered else "dq")
         self.tma = False  # the warp-specialized TMA dK/dV kernel (kernel "wgmma", set below)
         full, nb = self.batch_shape, len(self.batch_shape)
         if 0 in full:
@@ -726,7 +737,7 @@ class _Passes:
                 self.runner.launch(src, name, (-(-self.Lq // t_kv.block_m), nb1 * nb2, nb0), tiles.ROW_THREADS,
                                    [*self._arg("dqacc", off, sa, row=False), *self._arg("dq", off, sa),
                                     i32(self.Lq), i32(self.D), i32(nb2), self.scale_arg])
-            elif not self.q_bcast:
+            elif "convert" in self.ks:  # SIMT: dQ not summed over broadcast dims from the accumulator itself
                 src, name, _ = self.ks["convert"]
                 self.runner.launch(src, name, (-(-self.Lq // tiles.ROWS_PER_BLOCK), nb1 * nb2, nb0),
                                    tiles.ROW_THREADS,
@@ -895,9 +906,14 @@ def analytic_global_bytes(B, Lq, Lk, D, Dv, dtype, *, causal=False, deterministi
         read += Lq * -(-D // 8) * 8 * a                            # convert
         write += Lq * D * s
     else:
-        write += Lq * D * a                                      # clear the accumulator
+        t_kv = plan["dkv"][2]
+        write += dq_accum_rows(Lq, kernel, t_kv, D, mode == "ordered") * D * a  # clear (+ counters)
         read += q_rows * D * a                                   # atomics (read-modify-write)
         write += q_rows * D * a
+        if mode == "ordered":
+            q_blocks = visited_query_blocks(Lq, Lk, causal, t_kv)
+            read += q_blocks * 8                                 # per pair: wait, post (int32)
+            write += q_blocks * 4
         read += Lq * D * a                                       # convert
         write += Lq * D * s
     return B * read, B * write
