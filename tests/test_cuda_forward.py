@@ -491,6 +491,26 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
         assert all(optin >= tile.smem for _, _, optin in log)
 
 
+def test_cupy_launch_path_without_packed_launches(monkeypatch):
+    """launch.PACKED_LAUNCHES = False (a switch for a GPU's verdict): plans launch through CuPy's
+    RawKernel with argument tuples, with the same results."""
+    import sys
+    from flasharray._private import launch
+    log, arrays = [], []
+    fake = _fake_cupy(log, arrays)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(launch.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(launch, "_launchers", {})
+    monkeypatch.setattr(launch, "PACKED_LAUNCHES", False)
+    launch._clear_plans()
+    q, k, v = make_inputs(np.float16, 64, 40, 50)
+    arrays += [q, k, v]
+    out, lse = cuda_forward.forward(q, k, v, causal=True, scale=0.125, batch_shape=q.shape[:-2], device="cuda")
+    assert_attention_close(out, q, k, v, causal=True, lse=lse, scale=0.125)
+    assert log and not fake.driver_launches
+    launch._clear_plans()
+
+
 def test_cupy_launch_path_binds_the_context_per_thread(monkeypatch):
     """The driver's launch needs the thread's context current: a call from a new thread makes the
     runtime call that binds it first (the stand-in refuses a launch on a thread without one)."""

@@ -246,6 +246,12 @@ class Launcher:
         raise NotImplementedError
 
 
+#: Whether CUDA plans launch through kernel-parameter blocks (:class:`Packed`: one ``cuLaunchKernel`` with
+#: the prepared argument bytes) rather than CuPy's ``RawKernel`` with an argument tuple (each argument
+#: converted per call, ~0.5 µs). A switch for a GPU's verdict: plans made after it changes follow it
+#: (``_clear_plans()`` drops the cached ones).
+PACKED_LAUNCHES = True
+
 #: Sources whose kernels use arch-specific features (wgmma, setmaxnreg: ``sm_90a``), by device arch:
 #: the NVRTC target to compile them for. CuPy's RawModule compiles for the plain arch it adds
 #: itself (``-arch=sm_90``), which those wrappers refuse, so the CuPy path compiles them with
@@ -264,8 +270,11 @@ class CupyLauncher(Launcher):
     """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached)."""
 
     device = "cuda"
-    packs = True
     _modules = {}
+
+    @property
+    def packs(self):
+        return PACKED_LAUNCHES
 
     def __init__(self, device_id=None):
         import cupy  # lazy: importing flasharray never needs a GPU
