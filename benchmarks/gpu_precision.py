@@ -5,6 +5,8 @@ FLOPs as benchmarks/gpu.py and gpu_backward.py: 4·B·H·N²·D per forward, ×2
 ×0.5 causal):
   flasharray-<p>, -<p>-bwd, -<p>-fwdbwd   p = ieee (float32: the SIMT kernels; float64: DMMA on
                                           sm_80+), 3xtf32, tf32 (float32 only); deterministic backward
+  flasharray-ieee-recompute-bwd, -fwdbwd  ieee with dq="recompute" (the dQ kernel recomputing S and dP,
+                                          7 products) beside the default ordered dQ (5)
   torch-mem-eff, -bwd, -fwdbwd            PyTorch SDPA, memory-efficient backend (it refuses float64)
   torch-math, -bwd, -fwdbwd               PyTorch SDPA, math backend (S and P materialized)
 Shapes: batch·seqlen = 16k tokens, hidden 2048, D ∈ {64, 128}, causal and not, N 1k–16k, float32
@@ -22,6 +24,7 @@ After the table, issue 12's goals from the measured rows, per shape:
   tf32 fwd+bwd TFLOP/s                                          goal >= 150 (H100, D 128, N >= 4k)
   float64 fwd+bwd, % of the GPU's FP64 tensor-core peak         goal >= 40 (N >= 4k)
   ieee float32 backward TFLOP/s / its forward's                 goal >= 0.8
+  ieee backward, ordered dQ vs the recomputing dQ kernel        speedup (expected ~1.3)
 Without a GPU the script says so and exits 0; ``--emulator`` runs one tiny shape per dtype through
 the CUDA emulator (validates the kernels and this script; CPU time, not GPU performance).
 Usage: python benchmarks/gpu_precision.py [--quick] [--emulator]     (also: gpu.py --precision)
@@ -56,6 +59,14 @@ TF32 = ("3xtf32", "tf32")
 #: (FLOAT32_TC_DEFAULT None: IEEE)
 DEFAULT_FP32 = FLOAT32_TC_DEFAULT or "ieee"
 KIND_SUFFIX = {"fwd": "", "bwd": "-bwd", "fwdbwd": "-fwdbwd"}
+#: Backward variants with rows of their own: name -> (precision, cuda_backward options). ieee-recompute:
+#: the SIMT backward's recomputing dQ kernel (7 products), beside the default ordered dQ (5).
+VARIANTS = {"ieee-recompute": ("ieee", {"dq": "recompute"})}
+
+
+def _variant(precision):
+    """(precision, backward options) of a row's precision part (a :data:`VARIANTS` name or a precision)."""
+    return VARIANTS.get(precision, (precision, {}))
 FACTORS = {"fwd": 1.0, "bwd": gpu_backward.BWD_FACTOR, "fwdbwd": gpu_backward.FWDBWD_FACTOR}
 #: FP64 tensor-core peak TFLOP/s (dense DMMA) by device-name substring, first match wins.
 FP64_TC_PEAK = (("H100 PCIe", 51.2), ("H100 NVL", 60.0), ("GH200", 66.9), ("H100", 66.9), ("H200", 66.9),
@@ -69,18 +80,20 @@ def row_name(impl, precision, kind):
 def _make_flasharray(precision, kind):
     """flasharray's forward, backward or both for (q, k, v, dout) at ``precision``; None where the
     precision does not apply to the dtype (tf32 with float64)."""
+    base, bwd_opts = _variant(precision)
+
     def make(tensors, causal, device):
         q, k, v, dout = tensors
-        if precision in TF32 and q.dtype != np.float32:
+        if base in TF32 and q.dtype != np.float32:
             return None
         kw = dict(causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), batch_shape=q.shape[:-2], device=device,
-                  precision=precision)
+                  precision=base)
 
         def fwd():
             return cuda_forward.forward(q, k, v, **kw)
 
         def bwd(out, lse):
-            return cuda_backward.backward(dout, q, k, v, out, lse, **kw)
+            return cuda_backward.backward(dout, q, k, v, out, lse, **kw, **bwd_opts)
         if kind == "fwd":
             return fwd
         if kind == "bwd":
@@ -100,7 +113,7 @@ def _make_torch(name, kind):
 def impls():
     out = {}
     for kind in ("fwd", "bwd", "fwdbwd"):
-        for p in PRECISIONS:
+        for p in PRECISIONS + (tuple(VARIANTS) if kind != "fwd" else ()):
             out[row_name("flasharray", p, kind)] = Impl(_make_flasharray(p, kind), kind, FACTORS[kind])
         for name in ("torch-mem-eff", "torch-math"):
             out[row_name(name, None, kind)] = Impl(_make_torch(name, kind), kind, FACTORS[kind], "torch")
@@ -164,6 +177,7 @@ def check(name, result, tensors, causal, device):
     if not name.startswith("flasharray"):
         return None
     precision, kind = parse(name)
+    precision = _variant(precision)[0]
     q, k, v, dout = (_host(x[:1, :1]) for x in tensors)
     if kind == "fwd":
         out, lse = (_host(x[:1, :1]) for x in result)
@@ -215,6 +229,9 @@ def goals(rows, device_name=""):
             f, b = get(row_name("flasharray", "ieee", "fwd")), get(row_name("flasharray", "ieee", "bwd"))
             if f and b:
                 parts.append("ieee bwd/fwd TFLOP/s %.2f (goal >= 0.8)" % (tflops(b) / tflops(f)))
+            rb = get(row_name("flasharray", "ieee-recompute", "bwd"))
+            if b and rb:
+                parts.append("ieee bwd ordered dQ %.2fx the recomputing dQ kernel" % (rb.ms / b.ms))
         else:
             fb = get(row_name("flasharray", "ieee", "fwdbwd"))
             if fb:

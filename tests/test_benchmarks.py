@@ -325,7 +325,7 @@ def test_decode_tensors_share_pytorch_and_flasharray_gqa(bench):
 def test_gpu_precision_on_the_emulator(tmp_path):
     out = run("gpu.py", "--precision", "--emulator", tmp_path=tmp_path)
     assert "FAILED" not in out
-    for name in ("flasharray-ieee", "flasharray-3xtf32-bwd", "flasharray-tf32-fwdbwd"):
+    for name in ("flasharray-ieee", "flasharray-3xtf32-bwd", "flasharray-tf32-fwdbwd", "flasharray-ieee-recompute-bwd"):
         assert "fp32              | %s " % name in out
     assert "fp64              | flasharray-ieee-fwdbwd" in out
     assert "fp64              | flasharray-tf32" not in out  # tf32 does not apply to float64
@@ -356,7 +356,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
     rows = [row("fp32", "flasharray-3xtf32-fwdbwd", "fwdbwd", 10.0), row("fp32", "torch-mem-eff-fwdbwd", "fwdbwd", 25.0),
             row("fp32", "flasharray-ieee", "fwd", 2.0), row("fp32", "flasharray-ieee-bwd", "bwd", 8.0),
             row("fp32", "flasharray-tf32-fwdbwd", "fwdbwd", 1.0), row("fp64", "flasharray-ieee-fwdbwd", "fwdbwd", 20.0),
-            row("fp32", "flasharray-ieee-fwdbwd", "fwdbwd", 30.0)]
+            row("fp32", "flasharray-ieee-fwdbwd", "fwdbwd", 30.0), row("fp32", "flasharray-ieee-recompute-bwd", "bwd", 10.0)]
     assert gp.DEFAULT_FP32 == "ieee"
     monkeypatch.setattr(gp, "DEFAULT_FP32", "3xtf32")  # the goals of a tensor-core default
     lines = gp.goals(rows, "NVIDIA H100 80GB HBM3")
@@ -365,6 +365,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
     tf32 = rows[4].flop / 1e-3 / 1e12
     assert "tf32 fwd+bwd %.1f TFLOP/s" % tf32 in lines[0]
     assert "ieee bwd/fwd TFLOP/s %.2f" % ((2.5 / 8.0) / (1 / 2.0)) in lines[0]
+    assert "ieee bwd ordered dQ 1.25x the recomputing dQ kernel" in lines[0]
     fp64 = rows[5].flop / 20e-3 / 1e12
     assert "fwd+bwd %.1f TFLOP/s = %.0f%% of 66.9" % (fp64, 100 * fp64 / 66.9) in lines[1]
     assert gp.fp64_peak("NVIDIA H100 PCIe") == 51.2 and gp.fp64_peak("Tesla T4") is None
