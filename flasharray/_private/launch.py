@@ -61,6 +61,7 @@ import itertools
 import math
 import operator
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -715,6 +716,69 @@ def _arg_bytes(a):
     raise TypeError("flasharray: kernel argument of type %s has no by-value bytes" % type(a).__name__)
 
 
+def _slot_bytes(kind, a):
+    """Bytes of a :class:`Ptr` (8), :class:`Map` (128) or :class:`Val` (its dtype's) slot."""
+    return 8 if kind is Ptr else 128 if kind is Map else a.dtype.itemsize
+
+
+def _next_offset(end, size):
+    """Where an argument of ``size`` bytes goes after ``end``: 8-byte aligned, 64 over 8 bytes."""
+    align = 64 if size > 8 else 8
+    return -(-end // align) * align
+
+
+def _pack_generic(template):
+    """(offsets, end, bytes) of a template, argument by argument (any by-value type :func:`_arg_bytes` takes)."""
+    offsets, constants, end = [], [], 0
+    for a in template:
+        kind = type(a)
+        data = None if kind in (Ptr, Map, Val) else _arg_bytes(a)
+        size = len(data) if data is not None else _slot_bytes(kind, a)
+        end = _next_offset(end, size)
+        offsets.append(end)
+        if data is not None:
+            constants.append((end, data))
+        end += -(-size // 8) * 8
+    buffer = bytearray(end)
+    for off, data in constants:
+        buffer[off:off + len(data)] = data
+    return tuple(offsets), end, bytes(buffer)
+
+
+#: struct codes of the by-value argument types (Python int / float / bool as CuPy passes them).
+_STRUCT_CODES = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I",
+                 np.int64: "q", np.uint64: "Q", np.float16: "e", np.float32: "f", np.float64: "d", np.bool_: "?",
+                 int: "q", float: "d", bool: "?"}
+_LAYOUTS = {}
+
+
+def _layout_of(template):
+    """``(offsets, end, struct format, indices of the constants)`` for a template's argument kinds
+    (cached per kinds: plans of one kernel share it), or None when an argument has no struct code
+    (then :func:`_pack_generic`). The same layout as :func:`_pack_generic`'s."""
+    kinds = tuple([(type(a), a.dtype.itemsize) if type(a) is Val else type(a) for a in template])
+    layout = _LAYOUTS.get(kinds)
+    if layout is None:
+        if not all(k in _STRUCT_CODES or k in (Ptr, Map) or type(k) is tuple for k in kinds):
+            return None
+        offsets, fmt, where, end = [], ["<"], [], 0
+        for i, k in enumerate(kinds):
+            code = _STRUCT_CODES.get(k) if type(k) is not tuple else None
+            size = struct.calcsize("<" + code) if code else k[1] if type(k) is tuple else _slot_bytes(k, None)
+            at = _next_offset(end, size)
+            fmt.append("%dx" % (at - end) if at > end else "")
+            offsets.append(at)
+            if code:
+                fmt.append(code)
+                where.append(i)
+            else:
+                fmt.append("%dx" % size)
+            end = at + -(-size // 8) * 8
+            fmt.append("%dx" % (end - at - size) if end > at + size else "")
+        layout = _LAYOUTS[kinds] = (tuple(offsets), end, "".join(fmt), tuple(where))
+    return layout
+
+
 class ArgBlock:
     """The ``kernelParams`` of one prepared launch (``cuLaunchKernel``): every argument's bytes in one
     host buffer, at 8-byte aligned offsets (64 for arguments over 8 bytes: a ``CUtensorMap``'s
@@ -726,25 +790,17 @@ class ArgBlock:
     __slots__ = ("offsets", "raw", "base", "words", "argv", "params")
 
     def __init__(self, template):
-        offsets, constants, end = [], [], 0
-        for a in template:
-            kind = type(a)
-            data = None if kind in (Ptr, Map, Val) else _arg_bytes(a)
-            size = len(data) if data is not None else 8 if kind is Ptr else 128 if kind is Map else a.dtype.itemsize
-            align = 64 if size > 8 else 8
-            end = -(-end // align) * align
-            offsets.append(end)
-            if data is not None:
-                constants.append((end, data))
-            end += -(-size // 8) * 8
-        self.offsets = tuple(offsets)
-        buffer = bytearray(end)
-        for off, data in constants:
-            buffer[off:off + len(data)] = data
+        layout = _layout_of(template)
+        if layout is not None:  # the constants packed by one struct call
+            offsets, end, fmt, where = layout
+            data = struct.pack(fmt, *[template[i] for i in where])
+        else:
+            offsets, end, data = _pack_generic(template)
+        self.offsets = offsets
         self.raw = np.zeros(end + 64, np.uint8)
         start = -self.raw.ctypes.data % 64
         self.base = self.raw.ctypes.data + start
-        self.raw[start:start + end] = np.frombuffer(bytes(buffer), np.uint8)
+        self.raw[start:start + end] = np.frombuffer(data, np.uint8)
         self.words = self.raw[start:start + end].view(np.uint64)  # the pointer slots: one word each
         self.argv = np.array([self.base + off for off in offsets] or [0], dtype=np.uint64)
         self.params = self.argv.ctypes.data
