@@ -153,12 +153,12 @@ def test_block_mask_tiles_never_loaded():
     assert reads["diag"] == (full_q // 2, full_k // 2)  # half of the tile pairs: never loaded
 
 
-def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, **opts):
-    """The fp16 CUDA backward on the emulator with extension keywords kw (checked against the
-    reference); ``opts``: cuda_backward.backward's (schedule, seed, dq). (grads, plan)."""
+def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, dtype=np.float16, **opts):
+    """The CUDA backward (fp16: tensor cores; fp32: SIMT) on the emulator with extension keywords kw
+    (checked against the reference); ``opts``: cuda_backward.backward's (schedule, seed, dq). (grads, plan)."""
     rng = np.random.default_rng(data_seed)
-    q, dout = (rng.standard_normal((2, H, Lq, D)).astype(np.float16) for _ in range(2))
-    k, v = (rng.standard_normal((2, Hk, Lk, D)).astype(np.float16) for _ in range(2))
+    q, dout = (rng.standard_normal((2, H, Lq, D)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((2, Hk, Lk, D)).astype(dtype) for _ in range(2))
     args = dict(causal=True, scale=D ** -0.5)
     out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **args, **kw)
     ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, H), Lq=Lq, Lk=Lk, acc=np.dtype(np.float32))
@@ -219,21 +219,23 @@ def test_deterministic_ext_dq_mode(names, D, mode):
 
 def _dkv_counters(grads_and_counters):
     *grads, counters = grads_and_counters
-    (c,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_kernel")]
+    (c,) = [c for name, c in counters if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_simt_kernel"))]
     return grads, c
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["fp16", "fp32-simt"])
 @pytest.mark.parametrize("H, Hk", [(2, 2), (4, 1)], ids=["mha", "mqa"])
-def test_ordered_dq_with_extensions_bitwise_under_schedules(monkeypatch, H, Hk):
-    """The ordered dQ mode with lengths, ALiBi and dropout (causal, 7 key blocks, short entries, and
-    K/V broadcast over the query heads): the reference's rule; one worker in block order never
-    blocks in fa::sem_wait (each block waits only for smaller indices), in reverse order waits
-    block, and dq, dk, dv are the same bits under reverse and random schedules."""
+def test_ordered_dq_with_extensions_bitwise_under_schedules(monkeypatch, H, Hk, dtype):
+    """The ordered dQ mode (tensor cores; fp32: the SIMT kernel) with lengths, ALiBi and dropout (causal,
+    7 key blocks, short entries, and K/V broadcast over the query heads): the reference's rule; one
+    worker in block order never blocks in fa::sem_wait (each block waits only for smaller indices), in
+    reverse order waits block, and dq, dk, dv are the same bits under reverse and random schedules."""
     kw = kw_of(("alibi", "dropout", "seqlens"), H=H, Lq=100, Lk=420)
-    shape = dict(H=H, Hk=Hk, Lq=100, Lk=420, return_counters=True)
+    shape = dict(H=H, Hk=Hk, Lq=100, Lk=420, return_counters=True, dtype=dtype)
     monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
     (base, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
-    assert plan.dq_mode == "ordered" and any("flash_bwd_dkv_kernel" in n and ", true>" in n for n in plan.replay.names)
+    assert plan.dq_mode == "ordered" and any(n.startswith("flash_bwd_dkv_") and ", true>" in n
+                                             for n in plan.replay.names)
     assert c.sem_waits > 0 and c.sem_blocked == 0
     for workers, schedule, seed in (("1", "reverse", 0), ("2", "reverse", 0), ("2", "random", 3), ("2", "random", 11)):
         monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
