@@ -153,8 +153,9 @@ def test_backward_k_and_v_broadcast_differently():
 
 
 def test_backward_query_broadcast():
-    """q broadcast over a batch dim that k, v have: dq is summed over it."""
-    for dt, det in ((np.float16, True), (np.float16, False), (np.float64, False)):
+    """q broadcast over a batch dim that k, v have: dq is summed over it (fp32 deterministic: the SIMT
+    ordered mode, its accumulator converted to an AccT buffer before the sum)."""
+    for dt, det in ((np.float16, True), (np.float16, False), (np.float64, False), (np.float32, True)):
         p = Problem(dt, 64, 40, 70, causal=False, batch_q=(1, 3), batch_k=(2, 3))
         check(p, run_backward("emulator", p, deterministic=det))
 

@@ -37,6 +37,7 @@ EXTRA = (
     [(dt, D, Dv, True, True, None, False, False) for dt in ("float16", "float32") for D, Dv in ((64, 32), (32, 96), (16, 192))]
     + [("float32", 32, 32, True, det, None, True, False) for det in (True, False)]      # k, v broadcast differently
     + [("float16", 64, 64, False, True, None, False, True), ("float64", 64, 64, False, False, None, False, True)]
+    + [("float32", 64, 64, False, True, None, False, True)]                             # q broadcast, SIMT ordered
     + [("float16", 64, 64, False, False, None, False, True)]                            # q broadcast, atomic dQ
     + [("float16", D, D, True, False, None, False, False) for D in (59, 80, 40)]         # padded dQ accumulator
     + [("float16", 32, 32, True, True, None, False, False)]                             # many batch dims
