@@ -80,6 +80,9 @@ def calls(backend, q, k, v, do):
             return kv(q1, k_cache, v_cache, seqlens, k_new=k1, v_new=v1, backend=backend)
         kvcache_call.arrays = (q1, k_cache, v_cache, seqlens, k1, v1, None)  # kvcache_breakdown
         fns["kvcache (Lq=1, 1 new)"] = kvcache_call
+        # the same without the values' check (no device->host copy: no synchronisation on a GPU)
+        fns["kvcache, check_values=False"] = lambda: kv(q1, k_cache, v_cache, seqlens, k_new=k1, v_new=v1,
+                                                        backend=backend, check_values=False)
     return fns
 
 
@@ -163,7 +166,7 @@ def kvcache_breakdown(q, k, v, backend, number, repeat):
     from flasharray._private import cuda_forward, kvcache
     fn = calls(backend, q, k, v, None)["kvcache (Lq=1, 1 new)"]
     fn()
-    arrays, flags = fn.arrays, (True, None, False, None, None)  # causal, scale, return_lse, num_splits, precision
+    arrays, flags = fn.arrays, (True, None, False, None, None, True)  # causal, scale, return_lse, num_splits, precision, check_values
     key = kvcache._call_key(arrays, flags, backend)
     entry = kvcache._CALLS[key]
     c = entry.rebind(*arrays)

@@ -362,6 +362,23 @@ def test_flags_are_checked():
         fa.flash_attention_with_kvcache(*case.args(), return_lse="yes")
     with pytest.raises(ValueError, match="'scale' must be finite and positive"):
         fa.flash_attention_with_kvcache(*case.args(), scale=-1.0)
+    with pytest.raises(TypeError, match="'check_values' must be a bool, got str"):
+        fa.flash_attention_with_kvcache(*case.args(), check_values="no")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_check_values_false_reads_nothing_back(monkeypatch, paged):
+    """check_values=False on a kernel backend: cache_seqlens and block_table are never brought to the
+    host (the append indexes on the arrays' device, the kernel reads the lengths there), and a call with
+    valid values writes the same caches and returns the same bits as a checked one."""
+    runs = []
+    for check in (True, False):
+        case = Case(np.float16, 1, 1, (5, 0, 33), paged=paged, D=40, seed=3)
+        if not check:
+            monkeypatch.setattr(kvcache, "_host_values", lambda c: pytest.fail("values read back"))
+        out, lse = run_and_check(case, True, "emulator", check_values=check)
+        runs.append((out, lse, case.k_cache, case.v_cache))
+    assert all(_same_bytes(a, b) for a, b in zip(*runs))
 
 
 # -- kernel backends: the CUDA forward kernels on views of a contiguous cache ---------------------
@@ -654,6 +671,12 @@ def test_cupy_glue_without_a_gpu(monkeypatch, paged):
     assert copies == [(3 + (case.block_table.size if paged else 0),)]   # seqlens (and table) in one transfer
     assert seen == [([7, 3, 23], case.block_table.tolist() if paged else None, "plan", "cupy")]
     assert _same_bytes(case.k_cache, case.expected_caches(before)[0])   # written in place on the device
+    # check_values=False: no transfer at all; the same write and kernel call
+    case.k_cache[...], case.v_cache[...] = before["k_cache"], before["v_cache"]
+    copies.clear(), seen.clear()
+    fa.flash_attention_with_kvcache(*args[:4], **args[4], check_values=False)
+    assert copies == [] and seen == [([7, 3, 23], case.block_table.tolist() if paged else None, "plan", "cupy")]
+    assert _same_bytes(case.k_cache, case.expected_caches(before)[0])
 
 
 # -- bigger problems ------------------------------------------------------------------------------

@@ -215,10 +215,11 @@ SLICE_WRITE_ENTRIES = 2
 
 def _write_new(c, seqlens):
     """k_new/v_new into the cache at logical rows cache_seqlens[b] + t (``seqlens``: their host
-    values), by slices for a few entries of a contiguous cache, else by array indexing."""
+    values, or None: not read back), by slices for a few entries of a contiguous cache whose values
+    are on the host, else by array indexing (on the arrays' device)."""
     if c.L_new == 0 or c.B == 0:
         return
-    if not c.paged and c.B <= SLICE_WRITE_ENTRIES:
+    if not c.paged and c.B <= SLICE_WRITE_ENTRIES and seqlens is not None:
         for b, start in enumerate(seqlens.tolist()):
             c.k_cache[b, :, start:start + c.L_new] = c.k_new[b]
             c.v_cache[b, :, start:start + c.L_new] = c.v_new[b]
@@ -396,7 +397,7 @@ def _attend_kernel(c):
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
                                  block_table=None, causal=True, scale=None, return_lse=False,
-                                 backend=None, num_splits=None, precision=None):
+                                 backend=None, num_splits=None, precision=None, check_values=True):
     """Attention over a KV cache for incremental decoding; appends ``k_new``/``v_new`` in place.
 
     For each entry ``b`` of the first batch dim: writes ``k_new[b]``, ``v_new[b]`` into the cache
@@ -442,6 +443,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
         Validated as for :func:`flash_attention_forward` (a precision that does not apply to the
         dtype is a ``ValueError``); the KV-cache forward computes float32 in IEEE arithmetic
         whatever its value (the TF32 kernel has no KV-cache variant yet: docs/precision.md).
+    check_values : bool, default True
+        Check the values of ``cache_seqlens`` (and the pages of ``block_table`` an entry touches)
+        before anything is written, raising ``ValueError`` for one out of range. For CuPy arrays
+        that is a device→host copy, which synchronises with the GPU every call. ``False`` skips it:
+        nothing is read back, so a decoding loop's calls queue up behind the GPU's work; values out
+        of range are then undefined behaviour (out-of-bounds reads and writes), as in
+        FlashAttention-2. The cpu backend reads the values either way (it computes on the host).
 
     Returns
     -------
@@ -453,11 +461,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
     -----
     Everything is validated before anything is written: a refused call leaves the cache as it was.
     For CuPy arrays the values of ``cache_seqlens`` (and ``block_table``) are checked on the host,
-    which costs one small device→host copy (a synchronisation) per call. Inputs other than the
-    cache are never modified. See ``docs/kvcache.md`` for what each backend does.
+    which costs one small device→host copy (a synchronisation) per call (``check_values=False``
+    skips it). Inputs other than the cache are never modified. See ``docs/kvcache.md`` for what
+    each backend does.
     """
     arrays = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    flags = (causal, scale, return_lse, num_splits, precision)
+    flags = (causal, scale, return_lse, num_splits, precision, check_values)
     key = _call_key(arrays, flags, backend)
     entry = _CALLS.get(key)
     if entry is None:
@@ -467,9 +476,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
                 _CALLS.pop(next(iter(_CALLS)))
             _CALLS[key] = entry
     c = entry.rebind(*arrays)
+    if c.kernel and not c.check_values:  # nothing read back: the append and the kernel read the device's
+        _write_new(c, None)
+        out, lse = _attend_kernel(c)
+        return (out, lse) if c.return_lse else out
     # The values of cache_seqlens and block_table change from call to call: checked every time.
     seqlens, table = _host_values(c)
-    lengths = _check_values(c, seqlens, table)
+    lengths = _check_values(c, seqlens, table) if c.check_values else seqlens + c.L_new
     _write_new(c, seqlens)
     if c.kernel:
         out, lse = _attend_kernel(c)
@@ -519,13 +532,15 @@ def _call_key(arrays, flags, backend):
 def _validate(arrays, flags, backend):
     """The validated call (:class:`_KVCall`, arrays dropped) for this signature; raises for a
     refused one before anything is written."""
-    causal, scale, return_lse, num_splits, precision = flags
+    causal, scale, return_lse, num_splits, precision, check_values = flags
     return_lse = val.check_flag("return_lse", return_lse)
+    check_values = val.check_flag("check_values", check_values)
     q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table = arrays
     c = _KVCall(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend)
     check_precision(precision, c.dtype)  # accepted; the KV-cache forward is IEEE (no TF32 variant)
     c.num_splits = _check_num_splits(num_splits, c.backend)
     c.return_lse = return_lse
+    c.check_values = check_values
     c.kernel = _uses_kernel(c)
     c.memo = {}  # forward_kvcache keeps its plan here
     if c.kernel:  # planned now: what the kernel refuses is refused before anything is written
