@@ -177,17 +177,21 @@ def kvcache_breakdown(q, k, v, backend, number, repeat):
     parts = {"signature key": lambda: kvcache._call_key(arrays, flags, backend),
              "cache lookup": lambda: kvcache._CALLS.get(key),
              "bind the arrays to the validated call": lambda: entry.rebind(*arrays),
-             "cache_seqlens to the host, check values": lambda: kvcache._check_values(c, *kvcache._host_values(c)),
-             "append k_new, v_new": lambda: kvcache._write_new(c, seqlens),
-             "key counts for the kernel": lambda: c.seqlens + np.int32(c.L_new),
-             "forward_kvcache (plan kept)": lambda: cuda_forward.forward_kvcache(
+             "cache_seqlens to the host, check values": lambda: kvcache._check_values(c, *kvcache._host_values(c))}
+    if c.append is not None:  # one launch: k_new, v_new into the cache and the key counts
+        parts["append kernel (new keys, key counts)"] = lambda: kvcache._append(c)
+    else:
+        parts["append k_new, v_new"] = lambda: kvcache._write_new(c, seqlens)
+        parts["key counts for the kernel"] = lambda: c.seqlens + np.int32(c.L_new)
+    parts.update({"forward_kvcache (plan kept)": lambda: cuda_forward.forward_kvcache(
                  c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal, scale=c.scale,
-                 device=c.backend, num_splits=c.num_splits, memo=c.memo)}
+                 device=c.backend, num_splits=c.num_splits, memo=c.memo)})
     times = {name: per_call_us(fn, number, repeat) for name, fn in parts.items()}
     if isinstance(q, np.ndarray):
         # the key's alignment checks of q and the caches; handles of q, k_cache, v_cache, out, lse
-        # and the key counts
-        times["  of which NumPy address lookups (9)"] = _numpy_lookups_us(q, 3, 6, number, repeat)
+        # and the key counts (+ the append's 6)
+        n = 6 + (6 if c.append is not None else 0)
+        times["  of which NumPy address lookups (%d)" % (3 + n)] = _numpy_lookups_us(q, 3, n, number, repeat)
     return times
 
 

@@ -366,6 +366,23 @@ def test_flags_are_checked():
         fa.flash_attention_with_kvcache(*case.args(), check_values="no")
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_append_kernel_writes_the_new_keys(monkeypatch, paged, layout):
+    """Kernel backends: k_new, v_new go into the cache by one flash_kv_append_kernel launch (every entry,
+    head and new row; paged through the block table; strided caches), which also makes the key counts the
+    forward reads: the array-indexing write is not used. New rows whose elements are not contiguous keep
+    the array-indexing write."""
+    monkeypatch.setattr(kvcache, "_write_new", lambda c, s: pytest.fail("array-indexing write used"))
+    case = Case(np.float16, 2, 3, (5, 0, 30), heads="gqa", paged=paged, layout=layout, D=40, seed=5)
+    run_and_check(case, True, "emulator")
+    monkeypatch.undo()
+    case = Case(np.float16, 2, 3, (5, 0, 30), paged=paged, D=40, seed=6)
+    case.k_new = np.asfortranarray(case.k_new)  # head dim strided: the append kernel does not apply
+    monkeypatch.setattr(kvcache, "_append", lambda c: pytest.fail("append kernel used"))
+    run_and_check(case, True, "emulator")
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_check_values_false_reads_nothing_back(monkeypatch, paged):
     """check_values=False on a kernel backend: cache_seqlens and block_table are never brought to the
@@ -652,7 +669,8 @@ def _numpy_backed_cupy(monkeypatch, copies):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_cupy_glue_without_a_gpu(monkeypatch, paged):
     """The CuPy-only steps — one device→host copy of cache_seqlens (and block_table), the write by
-    device-side indexing, the plan made during validation, one kernel call with the device arrays —
+    device-side indexing (where the append kernel does not apply), the plan made during validation, one
+    kernel call with the device arrays —
     against a NumPy-backed CuPy stand-in (the kernel call itself recorded, not run)."""
     copies = []
     dev = _numpy_backed_cupy(monkeypatch, copies)
@@ -661,6 +679,7 @@ def test_cupy_glue_without_a_gpu(monkeypatch, paged):
     args = [dev(x) for x in case.args()] + [{n: dev(x) for n, x in case.kwargs().items() if x is not None}]
     seen, planned = [], []
     monkeypatch.setattr(kvcache, "_uses_kernel", lambda c: c.backend == "cuda")
+    monkeypatch.setattr(kvcache, "_append_plan", lambda c: None)  # the indexed write (the append kernel: emulator tests)
     monkeypatch.setattr(cuda_forward, "_kvcache_plan", lambda *a, **kw: planned.append(kw["device"]) or "plan")
     monkeypatch.setattr(cuda_forward, "forward_kvcache",
                         lambda q, k, v, lengths, table, memo, **kw: seen.append(

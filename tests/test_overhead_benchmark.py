@@ -33,8 +33,9 @@ def test_null_mode_prints_every_row_without_running_a_kernel(overhead, monkeypat
                 "rest (call layers)", "target <= 15", "target <= 25", "backward, cached: breakdown",
                 "handles of the 6 inputs", "allocate 5 buffers (2 allocations)", "bind pointers + launch (3)",
                 "kvcache (Lq=1, 1 new), cached: breakdown",
-                "cache_seqlens to the host, check values", "append k_new, v_new", "forward_kvcache (plan kept)",
-                "NumPy address lookups (9)", "wall time"):
+                "cache_seqlens to the host, check values", "append kernel (new keys, key counts)",
+                "forward_kvcache (plan kept)", "kvcache, check_values=False",
+                "NumPy address lookups (15)", "wall time"):
         assert row in out, row
     # Plans made under the no-op launcher do not survive it.
     assert not cuda_forward._PLANS and not api._CACHE and not kvcache._CALLS

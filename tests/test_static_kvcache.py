@@ -112,3 +112,17 @@ def test_simt_paged_key_loop_keeps_the_planned_copy():
         chunks = 2 * t.block_n * t.head_dim * tiles.itemsize(t.dtype) // 16   # 16-byte chunks of K_j and V_j
         assert (loop.nested, loop.stats.ldg) == (2, 1), name
         assert loop.stats.ldgsts == chunks // t.n_threads, name
+
+
+@pytest.mark.parametrize("arch", [75, 80, 90])
+def test_append_kernel_compiles_without_spills(arch):
+    """flash_kv_append_kernel (kvcache.py's one-launch append of k_new, v_new and the key counts), every
+    element type: zero spills, no local stack, no static shared memory."""
+    from flasharray._private import kvcache
+    names = ["flash_kv_append_kernel<%s>" % t for t in kvcache._APPEND_CTYPES.values()]
+    res = nvrtc.compile_cubin(launch.kernel_source(kvcache.APPEND_SOURCE), "sm_%d" % arch, names,
+                              options=["--use_fast_math"])
+    for name in names:
+        k = res.kernel(name)
+        assert (k.spill_stores, k.spill_loads, k.stack_frame, k.static_smem) == (0, 0, 0, 0), name
+        assert k.registers * kvcache.APPEND_THREADS <= 64 * 1024

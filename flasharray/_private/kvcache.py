@@ -385,14 +385,53 @@ def _register_clear():
 _register_clear()
 
 
-def _attend_kernel(c):
+def _attend_kernel(c, lengths):
     """:func:`cuda_forward.forward_kvcache` over the whole cache: entry b sees its first
-    ``cache_seqlens[b] + L_new`` keys, contiguous or through its row of the block table (pages read
-    in place); one forward launch (+ the split-KV combine) whatever the lengths."""
+    ``lengths[b] = cache_seqlens[b] + L_new`` keys (int32 (B,) on the arrays' device), contiguous or
+    through its row of the block table (pages read in place); one forward launch (+ the split-KV
+    combine) whatever the lengths."""
     from . import cuda_forward
-    lengths = c.seqlens + np.int32(c.L_new)  # int32 (B,): the values were checked in range
     return cuda_forward.forward_kvcache(c.q, c.k_cache, c.v_cache, lengths, c.block_table, causal=c.causal,
                                         scale=c.scale, device=c.backend, num_splits=c.num_splits, memo=c.memo)
+
+
+# ---- the append kernel (kernel backends) ---------------------------------------------------------
+APPEND_SOURCE = "flash_kv_append.cu"
+APPEND_THREADS = 64
+_APPEND_CTYPES = {"float16": "fa_half", "bfloat16": "fa_bf16", "float32": "float", "float64": "double"}
+
+
+def _append_plan(c):
+    """The append's launch (``flash_kv_append_kernel``: k_new, v_new into the cache and the key counts
+    ``cache_seqlens + L_new``, every entry in one launch), prepared at validation as a
+    :class:`launch.Recorded` whose array slots are keyed by argument name; None where the writes stay
+    with array indexing (no new keys, or a head dim whose elements are not contiguous)."""
+    from . import launch as L
+    arrays = (c.k_cache, c.v_cache, c.k_new, c.v_new)
+    if c.L_new == 0 or c.B == 0 or any(L.element_strides(a)[-1] != 1 for a in arrays):
+        return None
+    launcher = L.make_launcher(c.backend, schedule="forward", seed=0)
+    strides = [tuple(L.c_longlong(x) for x in L.element_strides(a)[:3]) for a in arrays]
+    table_row = L.element_strides(c.block_table)[0] if c.paged else 0
+    args = (L.Ptr("k_cache"), *strides[0], L.Ptr("v_cache"), *strides[1], L.Ptr("k_new"), *strides[2],
+            L.Ptr("v_new"), *strides[3], L.Ptr("seqlens"), L.Ptr("lengths"), L.Ptr("table" if c.paged else "seqlens"),
+            L.c_longlong(table_row), L.c_int(c.page_size), L.c_int(c.L_new), L.c_int(c.D), L.c_int(c.Dv),
+            L.c_int(1 if c.paged else 0))
+    name = "flash_kv_append_kernel<%s>" % _APPEND_CTYPES[np.dtype(c.dtype).name]
+    return launcher, L.Recorded(launcher, APPEND_SOURCE, name, (c.L_new, c.H_kv, c.B), (APPEND_THREADS, 1, 1), args)
+
+
+def _append(c):
+    """Run the prepared append for this call's arrays; returns the key counts (int32 (B,), new)."""
+    launcher, rec = c.append
+    lengths = launcher.empty((c.B,), np.int32)
+    h = launcher.handle
+    handles = {"k_cache": h(c.k_cache), "v_cache": h(c.v_cache), "k_new": h(c.k_new), "v_new": h(c.v_new),
+               "seqlens": h(c.seqlens), "lengths": h(lengths)}
+    if c.paged:
+        handles["table"] = h(c.block_table)
+    rec(launcher.pointer, handles)
+    return lengths
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
@@ -476,20 +515,32 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=No
                 _CALLS.pop(next(iter(_CALLS)))
             _CALLS[key] = entry
     c = entry.rebind(*arrays)
-    if c.kernel and not c.check_values:  # nothing read back: the append and the kernel read the device's
-        _write_new(c, None)
-        out, lse = _attend_kernel(c)
-        return (out, lse) if c.return_lse else out
+    if c.kernel:
+        return _kernel_call(c)
     # The values of cache_seqlens and block_table change from call to call: checked every time.
     seqlens, table = _host_values(c)
     lengths = _check_values(c, seqlens, table) if c.check_values else seqlens + c.L_new
     _write_new(c, seqlens)
-    if c.kernel:
-        out, lse = _attend_kernel(c)
-    elif not c.paged:
+    if not c.paged:
         out, lse = _attend_contiguous(c, lengths)
     else:
         out, lse = _attend_paged_cpu(c, lengths, table)
+    return (out, lse) if c.return_lse else out
+
+
+def _kernel_call(c):
+    """A call on the kernel backends: the values checked on the host (unless ``check_values=False``:
+    nothing read back), the append kernel (new keys and the key counts, one launch), the forward."""
+    seqlens = None
+    if c.check_values:  # the values of cache_seqlens and block_table change from call to call
+        seqlens, table = _host_values(c)
+        _check_values(c, seqlens, table)
+    if c.append is not None:
+        lengths = _append(c)
+    else:
+        _write_new(c, seqlens)
+        lengths = c.seqlens + np.int32(c.L_new)  # int32 (B,), on the arrays' device
+    out, lse = _attend_kernel(c, lengths)
     return (out, lse) if c.return_lse else out
 
 
@@ -543,6 +594,7 @@ def _validate(arrays, flags, backend):
     c.check_values = check_values
     c.kernel = _uses_kernel(c)
     c.memo = {}  # forward_kvcache keeps its plan here
+    c.append = _append_plan(c) if c.kernel else None
     if c.kernel:  # planned now: what the kernel refuses is refused before anything is written
         from . import cuda_forward
         c.memo["plan"] = cuda_forward._kvcache_plan(c.q, c.k_cache, c.v_cache, c.block_table, causal=c.causal,
