@@ -10,8 +10,8 @@
 # the total, and the script goes on past a failed step; it exits 0 when every step ran and passed, else 1.
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
-# GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, PYTEST, BACKWARD, DECODE, PYTEST_SM90,
-# PRECISION, VARIANTS, OVERHEAD; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, DECODE, PYTEST_SM90,
+# PRECISION, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -169,6 +169,8 @@ if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != skipped ] && [ "${GPU_SESSION_GO_ON:-0
     log "gpu_session: the smoke step failed: stopping (GPU_SESSION_GO_ON=1 runs the rest anyway)"
     exit 1
 fi
+# (2b) host overhead per call (the packed kernel launch of 2026-11-27: first measured here)
+run_step overhead "${GPU_SESSION_OVERHEAD_S:-20}" "$PY" benchmarks/overhead.py --device cuda
 # (3) correctness on the GPU: every gpu test but the slow matrices and the Hopper kernels (stops after 5 failures)
 run_step pytest "${GPU_SESSION_PYTEST_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     --junitxml="$OUT_DIR/junit.xml" --ignore=tests/test_gpu_sm90.py tests/
@@ -189,8 +191,6 @@ if [ "$left" -lt "$VARIANTS_S" ]; then
 fi
 run_step hopper_variants "$VARIANTS_S" "$PY" benchmarks/hopper_variants.py \
     --max-seconds "$((VARIANTS_S > 60 ? VARIANTS_S - 30 : VARIANTS_S / 2))" --json "$OUT_DIR/hopper_variants.json"
-# (9) host overhead per call on the GPU
-run_step overhead "${GPU_SESSION_OVERHEAD_S:-20}" "$PY" benchmarks/overhead.py --device cuda
 
 log "gpu_session: done after $(($(date +%s) - START))s of ${TOTAL}s, $([ "$FAILED" -eq 0 ] && echo 'every step passed' || echo 'some step failed, timed out or was skipped')"
 exit "$FAILED"
