@@ -11,8 +11,8 @@
 //   Q_i  Br × d   shared (sQ)            K_j  Bc × d   shared (sK)
 //   V_j  Bc × dv  shared (sV)            P_ij Br × Bc  shared (sP, AccT; exchanged inside a warp)
 //   S_ij Br × Bc  registers: TM × TN per thread (columns tn, tn + kThreadsN, ...)
-//   O_i  Br × dv  registers: TM × TE per thread (AccT; TE = dv/kThreadsN consecutive columns
-//                 tn·TE .., so each key's V_j chunk is one or two 16-byte loads where TE allows)
+//   O_i  Br × dv  registers: TM × TE per thread (AccT; TE = dv/kThreadsN columns in runs of one
+//                 16-byte vector where TE allows, ColRuns: each key's V_j values are 16-byte loads)
 //   m_i, l_i      registers: TM per thread (l_i partial over the thread's columns)
 // Output: O (Lq × Dv, element type) and LSE (Lq, AccT, natural log).
 //
@@ -37,21 +37,43 @@
 
 namespace flash {
 
-// dst[0 .. kN) = src[0 .. kN) in AccT: 16-byte loads where kN elements are whole 16-byte vectors (src
-// then 16-byte aligned: the callers' runs start at multiples of kN elements in 16-byte aligned rows),
-// 8-byte loads where whole 8-byte ones, else element by element.
+// A thread's TE columns of O_i (and of V_j in P V): TE / kRun runs of kRun consecutive columns, run r of
+// lane tn at column (r·kThreadsN + tn)·kRun, kRun elements being one 16-byte vector where TE allows (else
+// 8 bytes, else one element). A row group's lanes then read consecutive vectors of a V_j row (conflict-
+// free) and store consecutive vectors of an O_i row (whole 32-byte sectors).
+template <typename T, int TE, int kThreadsN>
+struct ColRuns {
+  static constexpr int kV16 = 16 / (int)sizeof(T), kV8 = 8 / (int)sizeof(T);
+  static constexpr int kRun = TE % kV16 == 0 ? kV16 : (kV8 >= 1 && TE % kV8 == 0) ? kV8 : 1;
+  static constexpr int kRuns = TE / kRun;
+  static __device__ __forceinline__ int col(int r, int tn) { return (r * kThreadsN + tn) * kRun; }
+};
+
+// dst[0 .. kN) = src[0 .. kN) in AccT by one kN-element load (src aligned to it: a ColRuns run).
 template <int kN, typename AccT, typename T>
-__device__ __forceinline__ void load_run(AccT (&dst)[kN], const T* src) {
+__device__ __forceinline__ void load_run(AccT* dst, const T* src) {
+  struct alignas(kN * sizeof(T)) Unit { T v[kN]; };
+  const Unit x = *reinterpret_cast<const Unit*>(src);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) dst[i] = to_acc<AccT>(x.v[i]);
+}
+
+// dst[0 .. min(n, kN)) = src[0 .. kN) * mult as T: one kN-element store where all kN are stored and dst
+// is aligned to it (a ColRuns run of an aligned row), else element by element.
+template <int kN, typename T, typename AccT>
+__device__ __forceinline__ void store_run(T* dst, const AccT* src, AccT mult, int n) {
   constexpr int kBytes = kN * (int)sizeof(T);
-  constexpr int kUnit = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : (int)sizeof(T);
-  constexpr int kPer = kUnit / (int)sizeof(T);
-  struct alignas(kUnit) Unit { T v[kPer]; };
+  if (kN > 1 && n >= kN && reinterpret_cast<unsigned long long>(dst) % kBytes == 0) {
+    struct alignas(kBytes) Unit { T v[kN]; };
+    Unit x;
 #pragma unroll
-  for (int u = 0; u < kN / kPer; ++u) {
-    const Unit x = reinterpret_cast<const Unit*>(src)[u];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) dst[u * kPer + i] = to_acc<AccT>(x.v[i]);
+    for (int i = 0; i < kN; ++i) x.v[i] = from_acc<T>(src[i] * mult);
+    fa::gstore(reinterpret_cast<Unit*>(dst), x);
+    return;
   }
+#pragma unroll
+  for (int e = 0; e < kN; ++e)
+    if (e < n) fa::gstore(dst + e, from_acc<T>(src[e] * mult));
 }
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kThreadsM, int kThreadsN,
@@ -256,8 +278,9 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 
     // -- O_i += P_ij V_j, keys ascending: per kPVec keys one 16-byte load of each of the thread's
     //    P rows (its row group reads the same vector: a broadcast), then per key its TE columns of
-    //    V_j (load_run: 16-byte loads where they are whole vectors) --
+    //    V_j (ColRuns: 16-byte loads where they are whole vectors) --
     constexpr int kPVec = Traits::kPVec;
+    using Runs = ColRuns<T, TE, kThreadsN>;
 #pragma unroll 2
     for (int c0 = 0; c0 < kBlockN; c0 += kPVec) {
       Vec16<AccT> p[TM];
@@ -267,7 +290,9 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
       for (int cc = 0; cc < kPVec; ++cc) {
         AccT ve[TE];
-        load_run<TE>(ve, sV + (c0 + cc) * Traits::kStrideV + tn * TE);
+#pragma unroll
+        for (int r = 0; r < Runs::kRuns; ++r)
+          load_run<Runs::kRun>(ve + r * Runs::kRun, sV + (c0 + cc) * Traits::kStrideV + Runs::col(r, tn));
 #pragma unroll
         for (int e = 0; e < TE; ++e)
 #pragma unroll
@@ -288,11 +313,11 @@ flash_fwd_simt_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     const AccT inv_l = ext_inv_sum<kExt>(stat[a], l_total, live, ext);
     const int row = m0 + tm * TM + a;
     if (row < Lq) {
+      using Runs = ColRuns<T, TE, kThreadsN>;
 #pragma unroll
-      for (int e = 0; e < TE; ++e) {
-        const int col = tn * TE + e;
-        if (col < Dv) fa::gstore(o_i + (tm * TM + a) * o_row + col, from_acc<T>(acc_o[a][e] * inv_l));
-      }
+      for (int r = 0; r < Runs::kRuns; ++r)
+        store_run<Runs::kRun>(o_i + (tm * TM + a) * o_row + Runs::col(r, tn), acc_o[a] + r * Runs::kRun, inv_l,
+                              Dv - Runs::col(r, tn));
       if (tn == 0) fa::gstore(lse_i + tm * TM + a, live ? stat[a].lse(l_total) : neg_inf<AccT>());
     }
   }

@@ -158,3 +158,19 @@ def test_forward_epilogue_stores_whole_sectors(monkeypatch, dtype, D, Lq, splits
     assert o.write_sectors_ideal > 0 and l.write_sectors_ideal > 0
     assert o.write_sector_efficiency == 1.0
     assert l.write_sector_efficiency == 1.0
+
+
+@pytest.mark.parametrize("dtype,D", [("float32", 40), ("float32", 64), ("float32", 128), ("float64", 64)])
+def test_simt_forward_stores_whole_sectors(dtype, D):
+    """The SIMT forward's O epilogue (flash_fwd_simt.cu, ColRuns): a row group's lanes store consecutive
+    16-byte runs of an O row (or consecutive elements where the head dim allows no vector), so every store
+    fills whole 32-byte sectors of CuPy's 256-byte aligned output."""
+    from flasharray._private import cuda_forward
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 96, D)).astype(dtype)
+    k = rng.standard_normal((1, 2, 64, D)).astype(dtype)
+    counters = []
+    cuda_forward.forward(q, k, k, causal=False, scale=D ** -0.5, batch_shape=(1, 2), device="emulator",
+                         counters=counters, precision="ieee")
+    o = counters[0].buffers[3]
+    assert o.write_sectors_ideal > 0 and o.write_sector_efficiency == 1.0
