@@ -701,51 +701,13 @@ class Replay:
 
 # ---- kernel-parameter blocks (CUDA) ---------------------------------------------------------------------
 
-def _arg_bytes(a):
-    """The bytes by-value argument ``a`` (a template's constant) passes: a NumPy scalar's own (exactly
-    the kernel parameter's: the emulator checks the same templates), Python scalars as CuPy passes
-    them (int and float as 64-bit)."""
-    if isinstance(a, np.generic):
-        return a.tobytes()
-    if isinstance(a, bool):
-        return np.bool_(a).tobytes()
-    if isinstance(a, int):
-        return np.int64(a).tobytes()
-    if isinstance(a, float):
-        return np.float64(a).tobytes()
-    raise TypeError("flasharray: kernel argument of type %s has no by-value bytes" % type(a).__name__)
-
-
 def _slot_bytes(kind, a):
     """Bytes of a :class:`Ptr` (8), :class:`Map` (128) or :class:`Val` (its dtype's) slot."""
     return 8 if kind is Ptr else 128 if kind is Map else a.dtype.itemsize
 
 
-def _next_offset(end, size):
-    """Where an argument of ``size`` bytes goes after ``end``: 8-byte aligned, 64 over 8 bytes."""
-    align = 64 if size > 8 else 8
-    return -(-end // align) * align
-
-
-def _pack_generic(template):
-    """(offsets, end, bytes) of a template, argument by argument (any by-value type :func:`_arg_bytes` takes)."""
-    offsets, constants, end = [], [], 0
-    for a in template:
-        kind = type(a)
-        data = None if kind in (Ptr, Map, Val) else _arg_bytes(a)
-        size = len(data) if data is not None else _slot_bytes(kind, a)
-        end = _next_offset(end, size)
-        offsets.append(end)
-        if data is not None:
-            constants.append((end, data))
-        end += -(-size // 8) * 8
-    buffer = bytearray(end)
-    for off, data in constants:
-        buffer[off:off + len(data)] = data
-    return tuple(offsets), end, bytes(buffer)
-
-
-#: struct codes of the by-value argument types (Python int / float / bool as CuPy passes them).
+#: struct codes of the by-value argument types (Python int / float / bool as CuPy passes them: 64-bit);
+#: other NumPy scalar types (bfloat16) are packed as their bytes.
 _STRUCT_CODES = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I",
                  np.int64: "q", np.uint64: "Q", np.float16: "e", np.float32: "f", np.float64: "d", np.bool_: "?",
                  int: "q", float: "d", bool: "?"}
@@ -753,29 +715,29 @@ _LAYOUTS = {}
 
 
 def _layout_of(template):
-    """``(offsets, end, struct format, indices of the constants)`` for a template's argument kinds
-    (cached per kinds: plans of one kernel share it), or None when an argument has no struct code
-    (then :func:`_pack_generic`). The same layout as :func:`_pack_generic`'s."""
-    kinds = tuple([(type(a), a.dtype.itemsize) if type(a) is Val else type(a) for a in template])
+    """``(offsets, end, struct format, indices of the constants, those passed as bytes)`` of a template,
+    cached per argument kinds (plans of one kernel share it): every argument at an 8-byte aligned offset,
+    64 for one over 8 bytes (a CUtensorMap, whose encoder needs it); the slots (Ptr, Map, Val) zeros."""
+    kinds = tuple([(Val, a.dtype.itemsize) if type(a) is Val else type(a) for a in template])
     layout = _LAYOUTS.get(kinds)
     if layout is None:
-        if not all(k in _STRUCT_CODES or k in (Ptr, Map) or type(k) is tuple for k in kinds):
-            return None
-        offsets, fmt, where, end = [], ["<"], [], 0
+        offsets, fmt, where, as_bytes, end = [], ["<"], [], [], 0
         for i, k in enumerate(kinds):
-            code = _STRUCT_CODES.get(k) if type(k) is not tuple else None
+            code = None if k in (Ptr, Map) or type(k) is tuple else _STRUCT_CODES.get(k)
+            if code is None and not (k in (Ptr, Map) or type(k) is tuple):
+                if not (isinstance(k, type) and issubclass(k, np.generic)):
+                    raise TypeError("flasharray: kernel argument of type %s has no by-value bytes" % k.__name__)
+                code = "%ds" % np.dtype(k).itemsize
+                as_bytes.append(len(where))
             size = struct.calcsize("<" + code) if code else k[1] if type(k) is tuple else _slot_bytes(k, None)
-            at = _next_offset(end, size)
-            fmt.append("%dx" % (at - end) if at > end else "")
+            at = -(-end // (64 if size > 8 else 8)) * (64 if size > 8 else 8)
             offsets.append(at)
             if code:
-                fmt.append(code)
                 where.append(i)
-            else:
-                fmt.append("%dx" % size)
+            fmt.append("%dx%s" % (at - end, code or "%dx" % size))
             end = at + -(-size // 8) * 8
-            fmt.append("%dx" % (end - at - size) if end > at + size else "")
-        layout = _LAYOUTS[kinds] = (tuple(offsets), end, "".join(fmt), tuple(where))
+            fmt.append("%dx" % (end - at - size))
+        layout = _LAYOUTS[kinds] = (tuple(offsets), end, "".join(fmt), tuple(where), tuple(as_bytes))
     return layout
 
 
@@ -790,12 +752,11 @@ class ArgBlock:
     __slots__ = ("offsets", "raw", "base", "words", "argv", "params")
 
     def __init__(self, template):
-        layout = _layout_of(template)
-        if layout is not None:  # the constants packed by one struct call
-            offsets, end, fmt, where = layout
-            data = struct.pack(fmt, *[template[i] for i in where])
-        else:
-            offsets, end, data = _pack_generic(template)
+        offsets, end, fmt, where, as_bytes = _layout_of(template)
+        values = [template[i] for i in where]
+        for j in as_bytes:
+            values[j] = values[j].tobytes()
+        data = struct.pack(fmt, *values)  # the constants, in one call
         self.offsets = offsets
         self.raw = np.zeros(end + 64, np.uint8)
         start = -self.raw.ctypes.data % 64
