@@ -676,7 +676,7 @@ def _marshal(i, a, code, kname):
             raise TypeError("%s: a CUtensorMap parameter takes a TensorMap encoded for a NumPy array "
                             "(flasharray.emulator.encode_tensor_map), and a TensorMap only such a parameter; "
                             "got %s for %s" % (where, type(a).__name__, _ctype_name(code)))
-        words = _aligned_words()   # passed by value: a 64-byte aligned copy
+        words = _aligned_words()   # passed by value: a 128-byte aligned copy
         words[:] = a.words
         return (ctypes.c_uint64 * 16).from_address(words.ctypes.data), words
     if code.startswith("?"):

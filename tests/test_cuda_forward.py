@@ -492,7 +492,7 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
 
 
 def test_arg_block_layouts():
-    """launch.ArgBlock: every argument at an 8-byte aligned offset (64 for a 128-byte CUtensorMap), its
+    """launch.ArgBlock: every argument at an 8-byte aligned offset (128 for a 128-byte CUtensorMap), its
     bytes those of its NumPy scalar (Python int / float / bool: 64-bit, as CuPy passes them; types without
     a struct code, bfloat16, as their bytes), the slots zeros until written; an argument with no by-value
     bytes is a TypeError."""
@@ -512,7 +512,7 @@ def test_arg_block_layouts():
     assert block.offsets == offsets and block.words.view(np.uint8).tobytes() == bytes(data)
     assert data[8:12] == np.int32(5).tobytes() and data[72:80] == np.int64(3).tobytes()
     assert data[128:256] == bytes(128)  # the Map slot: zeros until encoded
-    assert block.base % 64 == 0 and [int(a) - block.base for a in block.argv] == list(offsets)
+    assert block.base % 128 == 0 and [int(a) - block.base for a in block.argv] == list(offsets)
     block.scalar(7, np.uint32)[0] = 0xDEADBEEF
     assert block.argument(7, 4) == np.uint32(0xDEADBEEF).tobytes()
     assert block.argument(17, 2) == ml_dtypes.bfloat16(1.0).tobytes()

@@ -472,7 +472,7 @@ def test_null_launches_bind_tensor_maps():
         assert [rec.template[i].key for i in where] == [0, 1, 2, 3]  # + out's (TMA store)
         out, lse = plan.run(q, k, v)
     block = rec.packed.block
-    assert all((block.base + block.offsets[i]) % 64 == 0 for i in where)
+    assert all((block.base + block.offsets[i]) % 128 == 0 for i in where)
     maps = [np.frombuffer(block.argument(i, 128), np.uint64) for i in where]
     assert [int(m[1]) for m in maps] == [x.ctypes.data for x in (q, k, v, out)]
     assert [int(np.frombuffer(block.argument(i, 8), np.uint64)[0]) for i, _, _ in rec.slots] == [

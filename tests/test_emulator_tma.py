@@ -6,7 +6,8 @@ dimension fastest; out-of-bounds elements (any coordinate, negative included) ar
 swizzle of W bytes (the inner box is one W-byte row) the 16-byte chunk c of the row at shared
 address a is stored at chunk c ^ f(r), r = (a / W) % 8, f = r (128B), (r >> 1) & 3 (64B),
 (r >> 2) & 1 (32B) — the patterns of tests/test_emulator_wgmma.py. A TMA store writes the box's
-in-bounds elements only. docs/emulator.md, "Hopper: TMA", states the rules."""
+in-bounds elements only. The inner coordinate times the element size is a multiple of 16 bytes (not in
+the ISA's text: the GPU's rule, docs/emulator.md). docs/emulator.md, "Hopper: TMA", states the rules."""
 import re
 
 import ml_dtypes
@@ -79,7 +80,7 @@ __global__ void load_store(const __grid_constant__ CUtensorMap src, const __grid
 // selects fa::fence_proxy_async() in every thread before the barrier; thread 0 stores the box with
 // TMA at (d0, d1). bug: 1 overwrites the source between the store and its wait, 2 exits without the
 // wait, 3 stores two boxes in two groups and waits with N = 1 first (correct), 4 stores from a
-// box that is 64 bytes off the 128-byte alignment.
+// box that is 64 bytes off the 128-byte alignment, 5 stores at inner coordinate d0 + 1 (4 bytes off 16).
 __global__ void store_2d(const __grid_constant__ CUtensorMap dst, int d0, int d1, int box_bytes, float v, int fence,
                          int bug) {
     FA_DYNAMIC_SMEM(smem);
@@ -88,7 +89,7 @@ __global__ void store_2d(const __grid_constant__ CUtensorMap dst, int d0, int d1
     if (fence) fa::fence_proxy_async();
     __syncthreads();
     if (threadIdx.x != 0) return;
-    fa::tma_store_2d(&dst, d0, d1, bug == 4 ? smem + 1024 + 64 : smem + 1024);
+    fa::tma_store_2d(&dst, d0 + (bug == 5), d1, bug == 4 ? smem + 1024 + 64 : smem + 1024);
     fa::tma_store_commit();
     if (bug == 3) {
         fa::tma_store_2d(&dst, d0 + 8, d1, box);
@@ -104,7 +105,7 @@ __global__ void store_2d(const __grid_constant__ CUtensorMap dst, int d0, int d1
 
 // Misuse of a load on request: 1 a rank-2 load through a rank-3 map, 2 a box not 128-byte aligned,
 // 3 a box past the end of shared memory, 4 an mbarrier without fence_mbarrier_init, 5 ldmatrix of the
-// box while the load is in flight.
+// box while the load is in flight, 6 inner coordinate 4 (8 bytes: not a multiple of 16).
 __global__ void load_misuse(const __grid_constant__ CUtensorMap src, int bug) {
     FA_DYNAMIC_SMEM(smem);
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
@@ -114,7 +115,7 @@ __global__ void load_misuse(const __grid_constant__ CUtensorMap src, int bug) {
         fa::mbarrier_arrive_expect_tx(bar, 2048);
         unsigned char* box = smem + (bug == 2 ? 1024 + 16 : bug == 3 ? 4096 - 128 : 1024);
         if (bug == 1) fa::tma_load_2d(box, &src, 0, 0, bar);
-        else fa::tma_load_3d(box, &src, 0, 0, 0, bar);
+        else fa::tma_load_3d(box, &src, bug == 6 ? 4 : 0, 0, 0, bar);
     }
     __syncwarp();
     if (bug == 5) {
@@ -178,12 +179,12 @@ def run_load(mod, arr, box, coords, swizzle=0, box_off=1024, schedule="forward",
 
 
 LOADS = [   # shape (C order), dtype, box (innermost first), coordinates (innermost first)
-    ((100,), np.float32, (16,), (90,)),                        # runs past the end
-    ((37, 56), np.float16, (24, 8), (-5, 33)),                 # negative inner coordinate, past the rows
-    ((9, 48), np.uint8, (32, 4), (20, -2)),
+    ((100,), np.float32, (16,), (92,)),                        # runs past the end
+    ((37, 56), np.float16, (24, 8), (-8, 33)),                 # negative inner coordinate, past the rows
+    ((9, 48), np.uint8, (32, 4), (32, -2)),
     ((5, 6, 24), np.float32, (8, 4, 3), (12, 3, 3)),
-    ((3, 4, 5, 16), ml_dtypes.bfloat16, (8, 2, 3, 2), (9, -1, 3, 1)),
-    ((2, 3, 2, 3, 8), np.float64, (2, 2, 2, 2, 2), (7, 1, 1, 2, 0)),
+    ((3, 4, 5, 16), ml_dtypes.bfloat16, (8, 2, 3, 2), (8, -1, 3, 1)),
+    ((2, 3, 2, 3, 8), np.float64, (2, 2, 2, 2, 2), (6, 1, 1, 2, 0)),
     ((2, 3, 2, 3, 8), np.float64, (4, 3, 2, 3, 2), (0, 0, 0, 0, 0)),   # the whole tensor
     ((40, 64), np.float32, (8, 5), (-100, 1000)),               # entirely out of bounds: all zeros
 ]
@@ -218,8 +219,8 @@ def test_swizzled_load_known_answers(mod, w, dtype, base, schedule, seed):
 def test_padded_global_strides(mod):
     """A 2-D view with a row pitch of 48 floats, described by global_dim/global_strides."""
     big = (np.arange(20 * 48) + 1).astype(np.float32).reshape(20, 48)
-    img, _ = run_load(mod, big, (8, 6), (30, 16), global_dim=(35, 20), global_strides=(48 * 4,))
-    assert img.tobytes() == box_values(big, (30, 16), (8, 6), global_dim=(35, 20)).tobytes()
+    img, _ = run_load(mod, big, (8, 6), (28, 16), global_dim=(35, 20), global_strides=(48 * 4,))
+    assert img.tobytes() == box_values(big, (28, 16), (8, 6), global_dim=(35, 20)).tobytes()
 
 
 @pytest.mark.parametrize("schedule,seed", SCHEDULES)
@@ -266,6 +267,8 @@ STORE_ERRORS = {
             r"issue and the fa::tma_store_wait<N>\(\)",
     (2, 1): r"thread exits with 1 TMA store\(s\) whose source reads no fa::tma_store_wait<N>\(\) has covered",
     (4, 1): r"fa::tma_store: the shared-memory box is not 128-byte aligned: shared offset 1088",
+    (5, 1): r"fa::tma_store: inner coordinate 5 x 4-byte elements = 20 bytes, not a multiple of 16: the GPU raises "
+            r"an illegal instruction",
 }
 
 
@@ -291,6 +294,8 @@ LOAD_ERRORS = {
        r"visible to the async proxy",
     5: r"fa::ldmatrix reads shared offset 1024 .*the destination of a bulk copy \(fa::tma_load, 2048 bytes\) issued "
        r"by thread 0 that has not completed on its mbarrier at shared offset 0",
+    6: r"fa::tma_load: inner coordinate 4 x 2-byte elements = 8 bytes, not a multiple of 16: the GPU raises an "
+       r"illegal instruction",
 }
 
 
@@ -367,7 +372,7 @@ def test_encoder_accepts_the_limits():
     """Legal corner values: rank 5, box 256, strides that are multiples of 16, L2 promotion 256B."""
     m = encode_tensor_map(np.zeros((2, 2, 2, 2, 256), np.uint8), (256, 1, 2, 1, 2), l2_promotion=3)
     assert m.box_bytes == 1024 and m.global_dim == (256, 2, 2, 2, 2) and m.global_strides == (256, 512, 1024, 2048)
-    assert m.words.ctypes.data % 64 == 0 and m.kernel_arg().nbytes == 128
+    assert m.words.ctypes.data % 128 == 0 and m.kernel_arg().nbytes == 128
     m = encode_tensor_map(np.zeros((8, 64), np.float16), (64, 8), swizzle=128)
     assert m.box_bytes == 1024 and m.swizzle == 128
 
@@ -414,7 +419,9 @@ def test_below_sm90_is_a_compile_error_at_the_use():
 def test_gpu_matches_the_known_answers(shape, dtype, box, coords):
     """The same loads on an H100/H200 with driver-encoded maps (skipped without an sm_90 GPU), one case per
     test: an illegal instruction poisons the process's context, so the first failing case is the one to read
-    (on an H200, 2026-11-27, one of them raised cudaErrorIllegalInstruction)."""
+    (on an H200, 2026-11-27, the cases then at inner byte offsets 360 and -10 raised
+    cudaErrorIllegalInstruction: the inner coordinates are now 16-byte multiples, and the emulator reports the
+    others, test_load_misuse_is_a_checked_error)."""
     import cupy
     from flasharray._private import nvrtc
     if cupy.cuda.Device().compute_capability != "90":

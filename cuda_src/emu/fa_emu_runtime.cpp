@@ -1638,9 +1638,23 @@ uint32_t tma_smem(Worker* w, const void* p, uint64_t bytes, const char* what) {
     return off;
 }
 
+// The box's first inner element: its byte offset c0 * element size a multiple of 16. Not in the PTX ISA's
+// text, but the hardware's: on an H200 (2026-11-27) the loads at inner offsets of 360, -10 and 20 bytes raised
+// cudaErrorIllegalInstruction, while the library's (inner coordinate 0) ran; Triton found the same
+// (triton-lang/triton#7385: "the TMA read address after applying the coordinates has to be 16-byte aligned").
+// Strides are multiples of 16 and the address 16-byte aligned, so only the inner coordinate can break it.
+void tma_check_inner(Worker* w, const TmaMap& m, const int* c, const char* what) {
+    const int64_t offset = static_cast<int64_t>(c[0]) * m.esize;
+    if (offset % 16)
+        fiber_fail(w, strf("%s: inner coordinate %d x %d-byte elements = %lld bytes, not a multiple of 16: the GPU "
+                           "raises an illegal instruction (the box's first inner element must be 16-byte aligned)",
+                           what, c[0], m.esize, static_cast<long long>(offset)));
+}
+
 void tma_load(Worker* w, void* smem_dst, const void* tmap, int dims, const int* c, const void* bar) {
     const char* what = "fa::tma_load";
     const TmaMap m = tma_decode(w, tmap, dims, what);
+    tma_check_inner(w, m, c, what);
     const uint64_t bytes = m.box_bytes();
     const uint32_t off = tma_smem(w, smem_dst, bytes, what);
     bulk_check_dst(w, static_cast<unsigned char*>(smem_dst), static_cast<int>(bytes), what);
@@ -1672,6 +1686,7 @@ void tma_check_source(Worker* w, uint32_t off, uint64_t bytes, const char* what,
 void tma_store(Worker* w, const void* tmap, int dims, const int* c, const void* smem_src) {
     const char* what = "fa::tma_store";
     const TmaMap m = tma_decode(w, tmap, dims, what);
+    tma_check_inner(w, m, c, what);
     const uint64_t bytes = m.box_bytes();
     const uint32_t off = tma_smem(w, smem_src, bytes, what);
     tma_check_source(w, off, bytes, what);

@@ -714,10 +714,14 @@ _STRUCT_CODES = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.
 _LAYOUTS = {}
 
 
+_MAP_ALIGN = 128   # host alignment of a CUtensorMap's bytes (CUDA 13's CUtensorMap; 12.x needs 64)
+
+
 def _layout_of(template):
     """``(offsets, end, struct format, indices of the constants, those passed as bytes)`` of a template,
     cached per argument kinds (plans of one kernel share it): every argument at an 8-byte aligned offset,
-    64 for one over 8 bytes (a CUtensorMap, whose encoder needs it); the slots (Ptr, Map, Val) zeros."""
+    128 for one over 8 bytes (a CUtensorMap: its encoder writes it there, CUDA 13 documents 128-byte
+    alignment, 12.x 64); the slots (Ptr, Map, Val) zeros."""
     kinds = tuple([(Val, a.dtype.itemsize) if type(a) is Val else type(a) for a in template])
     layout = _LAYOUTS.get(kinds)
     if layout is None:
@@ -730,7 +734,8 @@ def _layout_of(template):
                 code = "%ds" % np.dtype(k).itemsize
                 as_bytes.append(len(where))
             size = struct.calcsize("<" + code) if code else k[1] if type(k) is tuple else _slot_bytes(k, None)
-            at = -(-end // (64 if size > 8 else 8)) * (64 if size > 8 else 8)
+            align = _MAP_ALIGN if size > 8 else 8
+            at = -(-end // align) * align
             offsets.append(at)
             if code:
                 where.append(i)
@@ -743,7 +748,7 @@ def _layout_of(template):
 
 class ArgBlock:
     """The ``kernelParams`` of one prepared launch (``cuLaunchKernel``): every argument's bytes in one
-    host buffer, at 8-byte aligned offsets (64 for arguments over 8 bytes: a ``CUtensorMap``'s
+    host buffer, at 8-byte aligned offsets (128 for arguments over 8 bytes: a ``CUtensorMap``'s
     alignment, which its encoder needs), and :attr:`params`, the address of the array of their
     addresses. The constants are written once; a call rewrites only its slots (:class:`Packed`).
     The driver copies the arguments at the launch, so the block may be rewritten after it returns.
@@ -758,8 +763,8 @@ class ArgBlock:
             values[j] = values[j].tobytes()
         data = struct.pack(fmt, *values)  # the constants, in one call
         self.offsets = offsets
-        self.raw = np.zeros(end + 64, np.uint8)
-        start = -self.raw.ctypes.data % 64
+        self.raw = np.zeros(end + _MAP_ALIGN, np.uint8)
+        start = -self.raw.ctypes.data % _MAP_ALIGN
         self.base = self.raw.ctypes.data + start
         self.raw[start:start + end] = np.frombuffer(data, np.uint8)
         self.words = self.raw[start:start + end].view(np.uint64)  # the pointer slots: one word each

@@ -90,9 +90,10 @@ def _check(rank, itemsize, address, global_dim, global_strides, box_dim, element
 
 
 def aligned_words():
-    """16 zeroed uint64 at a 64-byte aligned address (the alignment of a CUtensorMap)."""
-    raw = np.zeros(24, np.uint64)
-    skip = (-raw.ctypes.data % 64) // 8
+    """16 zeroed uint64 at a 128-byte aligned address (a CUtensorMap's alignment: 128 bytes in CUDA 13's
+    headers, 64 in 12.x's; the driver's encoder writes there)."""
+    raw = np.zeros(32, np.uint64)
+    skip = (-raw.ctypes.data % 128) // 8
     return raw[skip:skip + 16]
 
 
