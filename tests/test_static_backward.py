@@ -146,6 +146,23 @@ def test_backward_tile_table_fits_every_arch():
                     assert t.reason
 
 
+def test_backward_128_key_tile():
+    """The dK/dV kernel's 128-key x 32-query tile (tiles_bwd.TC_WIDE_KEYS) at padded head dims in
+    TC_WIDE_KEY_DIMS with one above 64, where its shared memory fits; not with extensions, not at d 64
+    (128 x 64 there), not at d 112 (it spills), not on sm_75 (shared memory); the dQ kernel unchanged."""
+    for arch, d, dv, ext, expect in (("sm_80", 128, 128, False, (32, 128, 2)), ("sm_90", 96, 128, False, (32, 128, 2)),
+                                     ("sm_86", 80, 80, False, (32, 128, 2)), ("sm_80", 128, 64, False, (32, 128, 2)),
+                                     ("sm_86", 128, 128, False, (64, 64, 1)), ("sm_80", 112, 112, False, (64, 128, 2)),
+                                     ("sm_80", 64, 64, False, (64, 128, 2)), ("sm_80", 128, 128, True, (64, 64, 2)),
+                                     ("sm_75", 128, 128, False, (32, 64, 1))):
+        t = tiles_bwd.tc_tiles("dkv", d, dv, arch, ext=ext)
+        assert (t.block_m, t.block_n, t.stages) == expect, (arch, d, dv, ext, t)
+        assert t.n_threads == 256 and t.smem == tiles_bwd.tc_smem("dkv", d, dv, t.block_m, t.block_n, t.stages)
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, "sm_80", stages=1).stages == 1
+    t = tiles_bwd.tc_tiles("dq", 128, 128, "sm_80")
+    assert (t.block_m, t.block_n) == (128, 64)
+
+
 _PROBE = r"""
 #include "flash_bwd_simt.cu"
 #include "flash_bwd.cu"

@@ -97,6 +97,29 @@ TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4
                  (32, 32, 8), (32, 32, 4), (32, 16, 8), (32, 16, 4), (16, 16, 4), (16, 16, 2))
 
 
+# The dK/dV kernel's 128-key tile at head dims above 64 (FlashAttention-2 keeps 128 keys per block
+# there too): 32 query rows per visit (one warp per 16 keys holds its 16 x 32 score strip and its
+# D + Dv columns of dK_j, dV_j in registers, <= 128 floats); against 64 x 64 it reads each Q_i, dO_i
+# tile for twice the keys and adds half the dQ atomics per product. The padded head dims whose
+# instantiations compile without spills on sm_80 / sm_90 (112 spills: tests/test_static_backward.py).
+TC_WIDE_KEYS = (128, 32, 8)            # (Bc, Br, warps)
+TC_WIDE_KEY_DIMS = (64, 80, 96, 128)
+
+
+def _wide_keys(D, Dv, limit, stages):
+    """The 128-key dK/dV tile for padded head dims D, Dv, or None where it does not apply or fit."""
+    if D not in TC_WIDE_KEY_DIMS or Dv not in TC_WIDE_KEY_DIMS or max(D, Dv) <= 64:
+        return None
+    Bc, Br, warps = TC_WIDE_KEYS
+    for st in ((2, 1) if stages is None else (stages,)):
+        smem = tc_smem("dkv", D, Dv, Br, Bc, st)
+        if smem <= limit:
+            why = ("128 keys x 32 queries (%d accumulator floats per lane); %d buffer(s) of the streamed tiles: "
+                   "%d B of shared memory fit the limit %d B" % ((D + Dv) // 2, st, smem, limit))
+            return BwdTiles(Br, Bc, 32 * warps, smem, why, st)
+    return None
+
+
 def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2):
     """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j (the streamed pair ``stages`` times: Q_i, dO_i
     for "dkv", K_j, V_j for "dq"), then P^T and dS^T (dkv) or dS (dq), L_i, D_i."""
@@ -142,6 +165,9 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
+    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and not ext else None
+    if wide is not None:
+        return wide
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
     # 160) get more accumulator registers (the static checks confirm there are no spills).
     for budget in (TC_ACC_REGS,) + TC_ACC_REGS_FALLBACK:
