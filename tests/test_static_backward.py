@@ -146,15 +146,18 @@ def test_backward_tile_table_fits_every_arch():
                     assert t.reason
 
 
-def test_backward_128_key_tile():
-    """The dK/dV kernel's 128-key x 32-query tile (tiles_bwd.TC_WIDE_KEYS) at padded head dims in
-    TC_WIDE_KEY_DIMS with one above 64, where its shared memory fits; not with extensions, not at d 64
-    (128 x 64 there), not at d 112 (it spills), not on sm_75 (shared memory); the dQ kernel unchanged."""
+def test_backward_wide_key_tiles():
+    """The dK/dV kernel's wide-key tiles (tiles_bwd.TC_WIDE_KEYS): 128 keys x 32 queries at padded head
+    dims 64-128 with one above 64, 64 x 32 at d 256, where their shared memory fits; not with extensions,
+    not at d 64 (128 x 64 there), d 112 or 192 (they spill), not on sm_75 (shared memory); the dQ kernel
+    unchanged."""
     for arch, d, dv, ext, expect in (("sm_80", 128, 128, False, (32, 128, 2)), ("sm_90", 96, 128, False, (32, 128, 2)),
                                      ("sm_86", 80, 80, False, (32, 128, 2)), ("sm_80", 128, 64, False, (32, 128, 2)),
                                      ("sm_86", 128, 128, False, (64, 64, 1)), ("sm_80", 112, 112, False, (64, 128, 2)),
                                      ("sm_80", 64, 64, False, (64, 128, 2)), ("sm_80", 128, 128, True, (64, 64, 2)),
-                                     ("sm_75", 128, 128, False, (32, 64, 1))):
+                                     ("sm_75", 128, 128, False, (32, 64, 1)), ("sm_80", 256, 256, False, (32, 64, 2)),
+                                     ("sm_90", 256, 256, False, (32, 64, 2)), ("sm_86", 256, 256, False, (32, 32, 1)),
+                                     ("sm_80", 192, 192, False, (64, 32, 2)), ("sm_80", 256, 256, True, (64, 32, 1))):
         t = tiles_bwd.tc_tiles("dkv", d, dv, arch, ext=ext)
         assert (t.block_m, t.block_n, t.stages) == expect, (arch, d, dv, ext, t)
         assert t.n_threads == 256 and t.smem == tiles_bwd.tc_smem("dkv", d, dv, t.block_m, t.block_n, t.stages)

@@ -97,26 +97,29 @@ TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4
                  (32, 32, 8), (32, 32, 4), (32, 16, 8), (32, 16, 4), (16, 16, 4), (16, 16, 2))
 
 
-# The dK/dV kernel's 128-key tile at head dims above 64 (FlashAttention-2 keeps 128 keys per block
-# there too): 32 query rows per visit (one warp per 16 keys holds its 16 x 32 score strip and its
-# D + Dv columns of dK_j, dV_j in registers, <= 128 floats); against 64 x 64 it reads each Q_i, dO_i
-# tile for twice the keys and adds half the dQ atomics per product. The padded head dims whose
-# instantiations compile without spills on sm_80 / sm_90 (112 spills: tests/test_static_backward.py).
-TC_WIDE_KEYS = (128, 32, 8)            # (Bc, Br, warps)
-TC_WIDE_KEY_DIMS = (64, 80, 96, 128)
+# The dK/dV kernel's wide-key tiles: more keys per block than the candidates below give at head dims
+# above 64, with 32 query rows per visit — (Bc, Br, warps, the padded head dims D and Dv both in `dims`,
+# one of them above `above`). At d 80-128, 128 x 32 (FlashAttention-2 keeps 128 keys there too; one
+# warp per 16 keys holds its 16 x 32 score strip and the D + Dv columns of dK_j, dV_j: <= 128 floats);
+# at d 256, 64 x 32 (two warps per 16 keys, half the columns each). Against 64 x 64 (d 128) and
+# 32 x 64 (d 256) each Q_i, dO_i tile serves twice the keys and each visit adds half the dQ atomics per
+# product. The head dims are those whose instantiations compile without spills on sm_80 / sm_86 /
+# sm_90 (d 112 spilled at 128 x 32; d 192, 224 and 256 / 128 at 64 x 32: tests/test_static_backward.py).
+TC_WIDE_KEYS = ((128, 32, 8, (64, 80, 96, 128), 64), (64, 32, 8, (256,), 128))
 
 
 def _wide_keys(D, Dv, limit, stages):
-    """The 128-key dK/dV tile for padded head dims D, Dv, or None where it does not apply or fit."""
-    if D not in TC_WIDE_KEY_DIMS or Dv not in TC_WIDE_KEY_DIMS or max(D, Dv) <= 64:
-        return None
-    Bc, Br, warps = TC_WIDE_KEYS
-    for st in ((2, 1) if stages is None else (stages,)):
-        smem = tc_smem("dkv", D, Dv, Br, Bc, st)
-        if smem <= limit:
-            why = ("128 keys x 32 queries (%d accumulator floats per lane); %d buffer(s) of the streamed tiles: "
-                   "%d B of shared memory fit the limit %d B" % ((D + Dv) // 2, st, smem, limit))
-            return BwdTiles(Br, Bc, 32 * warps, smem, why, st)
+    """The wide-key dK/dV tile for padded head dims D, Dv, or None where none applies or fits."""
+    for Bc, Br, warps, dims, above in TC_WIDE_KEYS:
+        if D not in dims or Dv not in dims or max(D, Dv) <= above:
+            continue
+        for st in ((2, 1) if stages is None else (stages,)):
+            smem = tc_smem("dkv", D, Dv, Br, Bc, st)
+            if smem <= limit:
+                floats = (D + Dv) // 2 // (warps // (Bc // 16))
+                why = ("%d keys x %d queries (%d accumulator floats per lane); %d buffer(s) of the streamed "
+                       "tiles: %d B of shared memory fit the limit %d B" % (Bc, Br, floats, st, smem, limit))
+                return BwdTiles(Br, Bc, 32 * warps, smem, why, st)
     return None
 
 
