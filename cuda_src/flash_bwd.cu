@@ -435,9 +435,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                                                           wm, 0, scale_log2, mask, drop, r0, c0);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
-                // Ordered: dV_j += P^T dO_i before the turn's wait (tensor-core work while the turn comes;
-                // P^T's registers free during dQ).
-                if constexpr (kOrderedDQ) warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
+                // Ordered: dV_j += P^T dO_i and dK_j += dS^T Q_i before the turn's wait (tensor-core work
+                // while the turn comes; P^T's and dS^T's registers free during dQ).
+                if constexpr (kOrderedDQ) {
+                    warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
+                    warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
+                }
                 // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
                 if constexpr (kOrderedDQ)
                     fa::sem_wait(order.counter(dqa_entry(grp), i),
@@ -452,7 +455,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                 if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
             }
             if (!kOrderedDQ) warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
-            warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
+            if (!kOrderedDQ) warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
         } else {
             // -- S^T, dP^T in 16 x kW strips spread over the warps; P^T, dS^T to shared memory.
 #pragma unroll

@@ -341,6 +341,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                                             n0 + 8 * nt + 2 * t + (i % 2));
       }
     }
+    // The rows' new maxima first; O_i is rescaled only when some row of the warp has a new one (a
+    // factor of exactly 1 elsewhere: skipping it changes no bit). Past the first key tiles a row's
+    // max rarely moves, and the rescale is kHeadDimV / 2 multiplies per row and lane.
+    float correction[kSlabs][kRowsPerLane];
+    bool moved = false;
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -350,12 +355,24 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int nt = 0; nt < kNTilesS; ++nt)
           tile_max = fmaxf(tile_max, fmaxf(acc_s[sl][nt][2 * r], acc_s[sl][nt][2 * r + 1]));
         tile_max = group_allreduce_max<kQuad>(tile_max);  // the quad holding the row
-        const float correction = stat[sl][r].update_max(tile_max * scale_log2);
+        correction[sl][r] = stat[sl][r].update_max(tile_max * scale_log2);
+        moved |= correction[sl][r] != 1.0f;
+      }
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-        for (int dt = 0; dt < kNTilesO; ++dt) {
-          acc_o[sl][dt][2 * r] *= correction;
-          acc_o[sl][dt][2 * r + 1] *= correction;
-        }
+      for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; ++r)
+#pragma unroll
+          for (int dt = 0; dt < kNTilesO; ++dt) {
+            acc_o[sl][dt][2 * r] *= correction[sl][r];
+            acc_o[sl][dt][2 * r + 1] *= correction[sl][r];
+          }
+    }
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+      for (int r = 0; r < kRowsPerLane; ++r) {
         const float m_sub = stat[sl][r].max_for_exp();
 #pragma unroll
         for (int nt = 0; nt < kNTilesS; ++nt)

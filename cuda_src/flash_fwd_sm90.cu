@@ -273,9 +273,11 @@ __device__ __forceinline__ void dropout_sm90(float (&acc_s)[kBlockN / 2], const 
   (void)acc_s; (void)rng; (void)row0; (void)n0; (void)lane;
 }
 
-// O_i rows row0 (r = 0) and row0 + 8 (r = 1) times correction[r] (after softmax_tile_sm90<..., true>).
+// O_i rows row0 (r = 0) and row0 + 8 (r = 1) times correction[r] (after softmax_tile_sm90<..., true>),
+// skipped when no row of the warp got a new max (every factor exactly 1: no bit changes).
 template <int kHeadDimV>
 __device__ __forceinline__ void rescale_o_sm90(float (&acc_o)[kHeadDimV / 2], const float (&correction)[2]) {
+  if (!__any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) return;
 #pragma unroll
   for (int j = 0; j < kHeadDimV / 8; ++j)
 #pragma unroll

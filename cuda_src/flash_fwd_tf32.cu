@@ -365,18 +365,25 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
             acc_s[nt][i] = mask.apply(acc_s[nt][i], m0 + warp_row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));
       }
     }
+    // O_i rescaled only when some row of the warp got a new max (flash_fwd.cu: factors of exactly 1 skipped);
+    // with extensions always (3xtf32 with lengths, ALiBi, softcap, dropout spilled 8 bytes at d 128 with the test)
+    float correction[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tile_max = acc_s[0][2 * r];
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt) tile_max = fmaxf(tile_max, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
       tile_max = group_allreduce_max<kQuad>(tile_max);
-      const float correction = stat[r].update_max(tile_max * scale_log2);
+      correction[r] = stat[r].update_max(tile_max * scale_log2);
+    }
+    if (kExt != 0 || __any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) {
 #pragma unroll
-      for (int dt = 0; dt < kNTilesO; ++dt) {
-        acc_o[dt][2 * r] *= correction;
-        acc_o[dt][2 * r + 1] *= correction;
-      }
+      for (int dt = 0; dt < kNTilesO; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_o[dt][i] *= correction[i / 2];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
       const float m_sub = stat[r].max_for_exp();
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt)

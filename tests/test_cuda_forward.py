@@ -252,6 +252,33 @@ def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
         np.testing.assert_array_equal(got[1], ref[1])
 
 
+@pytest.mark.parametrize("order", ["grows", "first", "random"])
+@pytest.mark.parametrize("D,Lq,causal", [(128, 130, False), (64, 70, True)])
+def test_forward_rescale_only_when_a_max_moves(order, D, Lq, causal):
+    """O_i is rescaled only when some row of the warp gets a new max (flash_fwd.cu softmax_step; a factor
+    of exactly 1 elsewhere): keys whose scores grow in the visiting order (last key tile first: every tile
+    moves every row's max), keys whose largest scores lie in the first visited tile (no later tile moves
+    any), and random keys (some warps, some tiles) all meet the rule, with the same bits under the
+    reverse and random schedules."""
+    rng = np.random.default_rng(7)
+    Lk = 300
+    u = rng.standard_normal(D).astype(np.float32)
+    q = (np.abs(rng.standard_normal((1, 2, Lq, 1))) * u + 0.1 * rng.standard_normal((1, 2, Lq, D))).astype(np.float16)
+    j = np.arange(Lk, dtype=np.float32)[:, None]
+    growth = {"grows": 1.0 + 2.0 * (Lk - 1 - j) / Lk, "first": 1.0 + 2.0 * j / Lk, "random": None}[order]
+    k = rng.standard_normal((1, 2, Lk, D)).astype(np.float32)
+    if growth is not None:
+        k = growth * u / np.sqrt(D) * 4.0 + 0.05 * k
+    k = k.astype(np.float16)
+    v = rng.standard_normal((1, 2, Lk, D)).astype(np.float16)
+    out, lse = run_forward("emulator", q, k, v, causal=causal)
+    assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    for schedule, seed in (("reverse", 0), ("random", 5)):
+        got = run_forward("emulator", q, k, v, causal=causal, schedule=schedule, seed=seed)
+        np.testing.assert_array_equal(got[0], out)
+        np.testing.assert_array_equal(got[1], lse)
+
+
 @pytest.mark.parametrize("dt,D,Lq,Lk,batch", [("fp16", 128, 257, 300, (1, 2)), ("bf16", 256, 130, 100, (1, 2)),
                                              ("fp16", 112, 40, 100, (1, 2, 4))])
 def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
