@@ -187,7 +187,11 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
 
   // Mask (tiles crossing the diagonal or the sequence end), online softmax of rows g, g + 8:
   // acc_s[mt][nt][e] = S[8·mt + g][8·nt + 2t + e]; P_ij replaces S_ij (unnormalised).
+  // O_i is rescaled only when some row of the warp got a new max (a factor of exactly 1 elsewhere: no bit
+  // changes; flash_fwd.cu).
   auto softmax_step = [&](bool tile_masked, TileS& acc_s, int n0) {
+    double correction[kMT];
+    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       if (tile_masked) {
@@ -201,12 +205,20 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt) tile_max = max_acc(tile_max, max_acc(acc_s[mt][nt][0], acc_s[mt][nt][1]));
       tile_max = group_allreduce_max<kQuad>(tile_max);
-      const double correction = stat[mt].update_max(tile_max * scale_log2);
+      correction[mt] = stat[mt].update_max(tile_max * scale_log2);
+      moved |= correction[mt] != 1.0;
+    }
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int dt = 0; dt < kNTilesO; ++dt) {
-        acc_o[mt][dt][0] *= correction;
-        acc_o[mt][dt][1] *= correction;
-      }
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kNTilesO; ++dt) {
+          acc_o[mt][dt][0] *= correction[mt];
+          acc_o[mt][dt][1] *= correction[mt];
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
       const double m_sub = stat[mt].max_for_exp();
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt)

@@ -253,24 +253,25 @@ def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
 
 
 @pytest.mark.parametrize("order", ["grows", "first", "random"])
-@pytest.mark.parametrize("D,Lq,causal", [(128, 130, False), (64, 70, True)])
-def test_forward_rescale_only_when_a_max_moves(order, D, Lq, causal):
+@pytest.mark.parametrize("dtype,D,Lq,causal", [(np.float16, 128, 130, False), (np.float16, 64, 70, True),
+                                               (np.float64, 64, 70, False)])
+def test_forward_rescale_only_when_a_max_moves(order, dtype, D, Lq, causal):
     """O_i is rescaled only when some row of the warp gets a new max (flash_fwd.cu softmax_step; a factor
     of exactly 1 elsewhere): keys whose scores grow in the visiting order (last key tile first: every tile
     moves every row's max), keys whose largest scores lie in the first visited tile (no later tile moves
     any), and random keys (some warps, some tiles) all meet the rule, with the same bits under the
-    reverse and random schedules."""
+    reverse and random schedules (fp16: the mma.sync kernel; fp64: the DMMA one)."""
     rng = np.random.default_rng(7)
     Lk = 300
     u = rng.standard_normal(D).astype(np.float32)
-    q = (np.abs(rng.standard_normal((1, 2, Lq, 1))) * u + 0.1 * rng.standard_normal((1, 2, Lq, D))).astype(np.float16)
+    q = (np.abs(rng.standard_normal((1, 2, Lq, 1))) * u + 0.1 * rng.standard_normal((1, 2, Lq, D))).astype(dtype)
     j = np.arange(Lk, dtype=np.float32)[:, None]
     growth = {"grows": 1.0 + 2.0 * (Lk - 1 - j) / Lk, "first": 1.0 + 2.0 * j / Lk, "random": None}[order]
     k = rng.standard_normal((1, 2, Lk, D)).astype(np.float32)
     if growth is not None:
         k = growth * u / np.sqrt(D) * 4.0 + 0.05 * k
-    k = k.astype(np.float16)
-    v = rng.standard_normal((1, 2, Lk, D)).astype(np.float16)
+    k = k.astype(dtype)
+    v = rng.standard_normal((1, 2, Lk, D)).astype(dtype)
     out, lse = run_forward("emulator", q, k, v, causal=causal)
     assert_attention_close(out, q, k, v, causal=causal, lse=lse)
     for schedule, seed in (("reverse", 0), ("random", 5)):
