@@ -20,6 +20,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
                                128 x 32 tiles at d > 64 non-causal (off: the table's 64 x 64 / 64 x 32)
+  mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
+                               kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
+                               at d 128, 32 x 64 at d 256)
 
 Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
 ``atomic`` (deterministic=False). The backward's (out, lse) come from the wgmma forward with its defaults.
@@ -69,7 +72,7 @@ sys.path.insert(0, HERE)
 import gpu  # noqa: E402  (benchmarks/gpu.py: shapes, inputs, forward check, no-GPU message)
 import gpu_backward  # noqa: E402  (its inputs with dout, backward check, FLOP factor)
 import gpu_timing  # noqa: E402
-from flasharray._private import cuda_backward, cuda_forward, launch, tiles  # noqa: E402
+from flasharray._private import cuda_backward, cuda_forward, launch, tiles, tiles_bwd  # noqa: E402
 from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
 from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
 
@@ -93,6 +96,8 @@ SWITCHES = (
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),
+    Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
+           "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
 )
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}

@@ -106,6 +106,9 @@ TC_CANDIDATES = ((128, 64, 8), (64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4
 # product. The head dims are those whose instantiations compile without spills on sm_80 / sm_86 /
 # sm_90 (d 112 spilled at 128 x 32; d 192, 224 and 256 / 128 at 64 x 32: tests/test_static_backward.py).
 TC_WIDE_KEYS = ((128, 32, 8, (64, 80, 96, 128), 64), (64, 32, 8, (256,), 128))
+#: False: the candidates below only (the tiles before the wide-key ones; benchmarks/hopper_variants.py times
+#: both as ``mma.WIDE_KEYS``). Plans are cached: flip it before planning, or clear them (launch._clear_plans).
+WIDE_KEYS = True
 
 
 def _wide_keys(D, Dv, limit, stages):
@@ -168,7 +171,7 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and not ext else None
+    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and not ext and WIDE_KEYS else None
     if wide is not None:
         return wide
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
