@@ -41,7 +41,9 @@ __host__ __device__ constexpr int column_slices(int kCols, int kSplit) {
 // Shared-memory layout in bytes; flasharray/_private/tiles_bwd.py (tc_smem) mirrors it.
 // kStages = 2 double-buffers the streamed tiles (Q_i, dO_i in the dK/dV kernel; K_j, V_j in the
 // dQ kernel) so the next block's cp.async copies overlap this block's math.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool kDKV, int kStages>
+// kNoPt: the dK/dV kernel with one warp per 16-key row tile (kScoresInRegs) keeps P^T in registers and
+// needs no P^T buffer.
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool kDKV, int kStages, bool kNoPt = false>
 struct TcSmem {
     static_assert(kStages == 1 || kStages == 2, "one or two buffers for the streamed tiles");
     static constexpr int kElem = 2;  // fp16 / bf16
@@ -61,7 +63,7 @@ struct TcSmem {
     static constexpr int kK = kdO + align16(kStagesQ * kdOStage * kElem);        // K_j  Bc x D (x kStagesK)
     static constexpr int kV = kK + align16(kStagesK * kKStage * kElem);          // V_j  Bc x Dv
     static constexpr int kP = kV + align16(kStagesK * kVStage * kElem);          // P^T  (dkv only)
-    static constexpr int kdS = kP + (kDKV ? align16(kScoreRows * kPitchS * kElem) : 0);  // dS^T / dS
+    static constexpr int kdS = kP + (kDKV && !kNoPt ? align16(kScoreRows * kPitchS * kElem) : 0);  // dS^T / dS
     static constexpr int kL = kdS + align16(kScoreRows * kPitchS * kElem);       // L_i*log2e  Br
     static constexpr int kDelta = kL + align16(kBlockM * 4);                      // D_i  Br
     static constexpr int kBytes = kDelta + align16(kBlockM * 4);
@@ -321,14 +323,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     static_assert(!kOrderedDQ || (kAtomicDQ && (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0),
                   "ordered dQ: the atomic mode's accumulator, query block i visited by key blocks 0 .. n_max(i) "
                   "(no window, no block mask)");
-    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages>;
+    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, kScoresInRegs>;
 
     FA_DYNAMIC_SMEM(smem);
     T* Q_buf = reinterpret_cast<T*>(smem + L::kQ);           // kStages x (Br x D)
     T* dO_buf = reinterpret_cast<T*>(smem + L::kdO);         // kStages x (Br x Dv)
     T* K_s = reinterpret_cast<T*>(smem + L::kK);             // Bc x D
     T* V_s = reinterpret_cast<T*>(smem + L::kV);             // Bc x Dv
-    T* Pt_s = reinterpret_cast<T*>(smem + L::kP);            // P_ij^T  Bc x Br
+    T* Pt_s = reinterpret_cast<T*>(smem + L::kP);            // P_ij^T  Bc x Br (none with kScoresInRegs)
     T* dSt_s = reinterpret_cast<T*>(smem + L::kdS);          // dS_ij^T Bc x Br
     float* lse2_s = reinterpret_cast<float*>(smem + L::kL);  // L_i * log2 e   Br
     float* delta_s = reinterpret_cast<float*>(smem + L::kDelta);  // D_i       Br

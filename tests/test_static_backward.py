@@ -153,14 +153,14 @@ def test_backward_wide_key_tiles():
     unchanged."""
     for arch, d, dv, ext, expect in (("sm_80", 128, 128, False, (32, 128, 2)), ("sm_90", 96, 128, False, (32, 128, 2)),
                                      ("sm_86", 80, 80, False, (32, 128, 2)), ("sm_80", 128, 64, False, (32, 128, 2)),
-                                     ("sm_86", 128, 128, False, (64, 64, 1)), ("sm_80", 112, 112, False, (64, 128, 2)),
+                                     ("sm_86", 128, 128, False, (32, 128, 1)), ("sm_80", 112, 112, False, (64, 128, 2)),
                                      ("sm_80", 64, 64, False, (64, 128, 2)), ("sm_80", 128, 128, True, (64, 64, 2)),
                                      ("sm_75", 128, 128, False, (32, 64, 1)), ("sm_80", 256, 256, False, (32, 64, 2)),
                                      ("sm_90", 256, 256, False, (32, 64, 2)), ("sm_86", 256, 256, False, (32, 32, 1)),
                                      ("sm_80", 192, 192, False, (64, 32, 2)), ("sm_80", 256, 256, True, (64, 32, 1))):
         t = tiles_bwd.tc_tiles("dkv", d, dv, arch, ext=ext)
         assert (t.block_m, t.block_n, t.stages) == expect, (arch, d, dv, ext, t)
-        assert t.n_threads == 256 and t.smem == tiles_bwd.tc_smem("dkv", d, dv, t.block_m, t.block_n, t.stages)
+        assert t.n_threads == 256 and t.smem == tiles_bwd.tc_smem("dkv", d, dv, t.block_m, t.block_n, t.stages, warps=8)
     assert tiles_bwd.tc_tiles("dkv", 128, 128, "sm_80", stages=1).stages == 1
     t = tiles_bwd.tc_tiles("dq", 128, 128, "sm_80")
     assert (t.block_m, t.block_n) == (128, 64)
@@ -173,9 +173,9 @@ template <typename T, typename AccT, int D, int DV, int BM, int BN, bool DKV>
 __global__ void probe_simt(int* out) {
   if (threadIdx.x == 0) fa::gstore(out, fa_bwd::SimtSmem<T, AccT, D, DV, BM, BN, DKV>::kBytes);
 }
-template <int D, int DV, int BM, int BN, bool DKV, int ST>
+template <int D, int DV, int BM, int BN, bool DKV, int ST, bool NOPT>
 __global__ void probe_tc(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::TcSmem<D, DV, BM, BN, DKV, ST>::kBytes);
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::TcSmem<D, DV, BM, BN, DKV, ST, NOPT>::kBytes);
 }
 """
 
@@ -187,13 +187,15 @@ def test_python_smem_matches_layouts():
     entries = {}
     for arch in tiles_bwd.ARCHS:
         for dt in ctype:
-            for d, dv in ((16, 16), (64, 32), (96, 96), (256, 256)):
+            for d, dv in ((16, 16), (64, 32), (96, 96), (128, 128), (256, 256)):
                 for kern in ("dkv", "dq"):
                     if dt == "float16":
                         for stages in (1, 2):
                             t = tiles_bwd.tc_tiles(kern, d, dv, arch, stages)
-                            expr = "probe_tc<%d, %d, %d, %d, %s, %d>" % (
-                                d, dv, t.block_m, t.block_n, "true" if kern == "dkv" else "false", stages)
+                            no_pt = kern == "dkv" and t.n_threads // 32 == t.block_n // 16  # P^T in registers
+                            expr = "probe_tc<%d, %d, %d, %d, %s, %d, %s>" % (
+                                d, dv, t.block_m, t.block_n, "true" if kern == "dkv" else "false", stages,
+                                "true" if no_pt else "false")
                             entries[expr] = t.smem
                     t = tiles_bwd.simt_tiles(kern, dt, d, dv, arch)
                     expr = "probe_simt<%s, %s, %d, %d, %d, %d, %s>" % (*ctype[dt], d, dv, t.block_m, t.block_n,

@@ -117,7 +117,7 @@ def _wide_keys(D, Dv, limit, stages):
         if D not in dims or Dv not in dims or max(D, Dv) <= above:
             continue
         for st in ((2, 1) if stages is None else (stages,)):
-            smem = tc_smem("dkv", D, Dv, Br, Bc, st)
+            smem = tc_smem("dkv", D, Dv, Br, Bc, st, warps=warps)
             if smem <= limit:
                 floats = (D + Dv) // 2 // (warps // (Bc // 16))
                 why = ("%d keys x %d queries (%d accumulator floats per lane); %d buffer(s) of the streamed "
@@ -126,14 +126,16 @@ def _wide_keys(D, Dv, limit, stages):
     return None
 
 
-def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2):
+def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2, warps=None):
     """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j (the streamed pair ``stages`` times: Q_i, dO_i
-    for "dkv", K_j, V_j for "dq"), then P^T and dS^T (dkv) or dS (dq), L_i, D_i."""
+    for "dkv", K_j, V_j for "dq"), then P^T and dS^T (dkv) or dS (dq), L_i, D_i. The dK/dV kernel
+    with one warp per 16-key row tile (``warps`` == Bc / 16: P^T stays in registers) has no P^T."""
     sq, sk = (stages, 1) if kernel == "dkv" else (1, stages)
     q = _align16(sq * Br * (D + TC_PAD) * itemsize) + _align16(sq * Br * (Dv + TC_PAD) * itemsize)
     kv = _align16(sk * Bc * (D + TC_PAD) * itemsize) + _align16(sk * Bc * (Dv + TC_PAD) * itemsize)
     if kernel == "dkv":
-        scores = 2 * _align16(Bc * (Br + TC_PAD) * itemsize)   # P^T, dS^T: Bc x Br
+        no_pt = warps is not None and warps == Bc // 16
+        scores = (1 if no_pt else 2) * _align16(Bc * (Br + TC_PAD) * itemsize)   # P^T, dS^T: Bc x Br
     else:
         scores = _align16(Br * (Bc + TC_PAD) * itemsize)       # dS: Br x Bc
     return q + kv + scores + 2 * _align16(Br * 4)
@@ -190,7 +192,7 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
             if floats > budget:
                 continue
             for st in ((2, 1) if stages is None else (stages,)):
-                smem = tc_smem(kernel, D, Dv, Br, Bc, st)
+                smem = tc_smem(kernel, D, Dv, Br, Bc, st, warps=warps)
                 if smem <= limit:
                     why = ("largest (Bc, Br) whose %d accumulator floats per lane fit %d; %d buffer(s) of "
                            "the streamed tiles: %d B of shared memory fit the sm_%d limit %d B"
