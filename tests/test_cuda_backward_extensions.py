@@ -97,6 +97,23 @@ def test_backward_extension(case):
     run_case(np, DTYPES[dt], kw_of(names), causal=causal, deterministic=det)
 
 
+@pytest.mark.parametrize("D, causal, det", [(128, False, True), (128, True, False), (96, True, True), (256, False, True)])
+def test_seqlens_on_the_wide_key_tiles(D, causal, det):
+    """Per-entry lengths alone keep the dK/dV kernel's wide-key tile (tiles_bwd.WIDE_KEYS_EXT: 128 keys x 32
+    queries at d 96 / 128, 64 x 32 at d 256, sm_80): the plan takes it, and out / dq / dk / dv meet the rule with
+    entries shorter than the tiles and Lq != Lk; other bits keep the candidates' tiles (dropout: 64 keys)."""
+    from flasharray._private import tiles_bwd
+    bits = cuda_backward._fwd().EXT_BITS
+    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80, ext=bits["seqlens"],
+                                  ordered=det)["dkv"][2]
+    assert (t.block_n, t.block_m) == ((64, 32) if D == 256 else (128, 32))
+    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80, ext=bits["dropout"])
+    assert t["dkv"][2].block_n <= 64 and tiles_bwd.WIDE_KEYS_EXT == (0, bits["seqlens"])
+    Lq, Lk = 150, 290
+    run_case(np, np.float16, kw_of(("seqlens",), Lq=Lq, Lk=Lk), causal=causal, deterministic=det, Lq=Lq, Lk=Lk,
+             D=D, H=1, Hk=1)
+
+
 @pytest.mark.parametrize("det", [True, False], ids=["det", "atomic"])
 def test_gqa_and_lq_above_lk(det):
     """K/V broadcast over the query heads (partial sums reduced), Lq > Lk, window + ALiBi + dropout."""

@@ -102,6 +102,14 @@ def test_backward_extension_variants_compile_without_spills(arch):
     _check_arch(arch, (ALL,), causals=(True,))
 
 
+@pytest.mark.parametrize("arch", [80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow),
+                                  pytest.param(90, marks=pytest.mark.slow)])
+def test_backward_lengths_compile_without_spills(arch):
+    # per-entry lengths alone: the fp16 / bf16 dK/dV kernel's wide-key tiles (tiles_bwd.WIDE_KEYS_EXT), every mode
+    lengths = cuda_forward.EXT_BITS["seqlens"]
+    _check_arch(arch, (lengths,), ordered_variants=(lengths,))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
 def test_backward_extension_variants_compile_without_spills_slow(arch):

@@ -200,7 +200,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, _b(atomic)), None)}
     if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=bool(ext))
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext)
         plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
             _b(atomic), _b(vec), t_kv.stages, x), t_kv)
@@ -464,7 +464,8 @@ class BackwardPlan:
         if deterministic:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
-            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=self.ext is not None) if self.kernel == "tc"
+            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits)
+                    if self.kernel == "tc"
                     else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
                     if self.kernel == "wgmma"
                     else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])

@@ -109,6 +109,9 @@ TC_WIDE_KEYS = ((128, 32, 8, (64, 80, 96, 128), 64), (64, 32, 8, (256,), 128))
 #: False: the candidates below only (the tiles before the wide-key ones; benchmarks/hopper_variants.py times
 #: both as ``mma.WIDE_KEYS``). Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 WIDE_KEYS = True
+#: The extension bits (kExt) the wide-key tiles take: per-entry lengths alone (compiled without spills on
+#: sm_80 / sm_86 / sm_90 in every mode; dropout, ALiBi and some pairs spilled 16-80 bytes).
+WIDE_KEYS_EXT = (0, 32)
 
 
 def _wide_keys(D, Dv, limit, stages):
@@ -167,13 +170,14 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
     copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
-    forces one of them. ``ext``: the kernels carry extensions (kExt != 0); the dK/dV kernel then
-    takes no Bc = 128 tile (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys holding
-    its whole score strip in registers, spilled 4-16 bytes on sm_80).
+    forces one of them. ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
+    kernel takes no Bc = 128 candidate (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys
+    holding its whole score strip in registers, spilled 4-16 bytes on sm_80), and the wide-key tiles only
+    with the bits of :data:`WIDE_KEYS_EXT`.
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and not ext and WIDE_KEYS else None
+    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and int(ext) in WIDE_KEYS_EXT and WIDE_KEYS else None
     if wide is not None:
         return wide
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
