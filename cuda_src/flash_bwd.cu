@@ -437,27 +437,28 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                                                           wm, 0, scale_log2, mask, drop, r0, c0);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
-                // Ordered: dV_j += P^T dO_i and dK_j += dS^T Q_i before the turn's wait (tensor-core work
-                // while the turn comes; P^T's and dS^T's registers free during dQ).
+                // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
                 if constexpr (kOrderedDQ) {
+                    // dV_j += P^T dO_i and dK_j += dS^T Q_i before the turn's wait (tensor-core work while
+                    // the turn comes; P^T's and dS^T's registers free during dQ).
                     warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
                     warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
-                }
-                // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
-                if constexpr (kOrderedDQ)
                     fa::sem_wait(order.counter(dqa_entry(grp), i),
                                  dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
-                else
+                } else {
                     __syncthreads();
-                // dQ first: dV's and dK's dO_i / Q_i fragments are then loaded after the barrier,
-                // not held across the dQ product (ptxas overlaps products across the barrier,
-                // past the 255-register cap at D = 64).
+                }
+                // Atomic mode: dQ first, dV's and dK's dO_i / Q_i fragments then loaded after the barrier,
+                // not held across the dQ product (ptxas overlaps products across the barrier, past the
+                // 255-register cap at D = 64).
                 atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
                                                                      dSt_s, K_s);
                 if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
             }
-            if (!kOrderedDQ) warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
-            if (!kOrderedDQ) warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
+            if constexpr (!kOrderedDQ) {
+                warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
+                warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
+            }
         } else {
             // -- S^T, dP^T in 16 x kW strips spread over the warps; P^T, dS^T to shared memory.
 #pragma unroll
