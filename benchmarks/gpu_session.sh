@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, DECODE, PYTEST_SM90,
-# PRECISION, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -184,7 +184,10 @@ run_step pytest_sm90 "${GPU_SESSION_PYTEST_SM90_S:-100}" "$PY" -m pytest "${PYTE
 # (7) float32 precisions and float64 (D 64 / 128, N 4096, not causal)
 run_step gpu_precision "${GPU_SESSION_PRECISION_S:-40}" "$PY" benchmarks/gpu.py --precision --seqlens 4096 \
     --causal no
-# (8) the Hopper switches on vs off (stops starting shapes 30 s before its budget, so its tables print)
+# (8) extension calls: wgmma vs mma.sync with dropout / a window (sm_90's dispatch of them: AUTO_EXT)
+run_step hopper_ext "${GPU_SESSION_EXT_S:-60}" "$PY" benchmarks/hopper_variants.py --only ext --seqlens 1024,4096 \
+    --max-seconds "$((${GPU_SESSION_EXT_S:-60} / 2))" --json "$OUT_DIR/hopper_ext.json"
+# (9) the Hopper switches on vs off (stops starting shapes 30 s before its budget, so its tables print)
 left=$(remaining)
 if [ "$left" -lt "$VARIANTS_S" ]; then
     VARIANTS_S=$left

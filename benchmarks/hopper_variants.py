@@ -24,6 +24,16 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
                                at d 128, 32 x 64 at d 256)
 
+Extension switches (``--only ext``; not in the default run): the same wgmma-vs-mma.sync comparison with an
+extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of extension calls
+(``cuda_forward_sm90.AUTO_EXT``, ``cuda_backward_sm90.AUTO_EXT``):
+
+  fwd.kernel.dropout / bwd.kernel.dropout   dropout_p 0.1
+  fwd.kernel.window / bwd.kernel.window     window (255, 0) (the backward in the atomic dQ mode only: the wgmma
+                                            ordered mode takes no window)
+
+A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
+
 Backward switches are timed in both dQ modes: ``det`` (deterministic=True: key-block-ordered atomics) and
 ``atomic`` (deterministic=False). The backward's (out, lse) come from the wgmma forward with its defaults.
 
@@ -50,7 +60,7 @@ Without a GPU (or on a GPU other than sm_90) the script says so and exits 0. ``-
 switch through the CUDA emulator with arch sm_90 (CPU time, not GPU performance: exercises this script and the
 variants in CI). ``--json PATH`` writes the rows and the summary. Exit status 1 when a validation failed or a
 variant raised.
-Usage: python benchmarks/hopper_variants.py [--full] [--emulator] [--only fwd.OVERLAP,bwd.DQ_BULK]
+Usage: python benchmarks/hopper_variants.py [--full] [--emulator] [--only fwd.OVERLAP,bwd.DQ_BULK | --only ext]
                                            [--seqlens 1024,4096] [--max-seconds S] [--json PATH]
 """
 import argparse
@@ -73,6 +83,7 @@ import gpu  # noqa: E402  (benchmarks/gpu.py: shapes, inputs, forward check, no-
 import gpu_backward  # noqa: E402  (its inputs with dout, backward check, FLOP factor)
 import gpu_timing  # noqa: E402
 from flasharray._private import cuda_backward, cuda_forward, launch, tiles, tiles_bwd  # noqa: E402
+from flasharray.testing import check_attention  # noqa: E402
 from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
 from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
 
@@ -82,7 +93,8 @@ MMA_FWD, MMA_BWD = "tensor_core", "tc"  # the mma.sync forward and backward, nam
 #: and the ``kernel=`` argument of the calls both sides of a module flag are timed with (the Hopper kernels,
 #: or MMA_FWD: the mma.sync forward's own switch). The ``kernel`` switches' flipped side names the mma.sync
 #: kernels (kernel=None on sm_90 is the wgmma one: cuda_forward_sm90.AUTO_DISPATCH).
-Switch = collections.namedtuple("Switch", "name kind module flag flipped question base", defaults=(WGMMA,))
+Switch = collections.namedtuple("Switch", "name kind module flag flipped question base ext modes",
+                                defaults=(WGMMA, "", None))
 SWITCHES = (
     Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
     Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
@@ -99,6 +111,24 @@ SWITCHES = (
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
 )
+#: The extension calls' switches (``--only ext``; not in the default run): the wgmma kernels against the mma.sync
+#: ones with an extension (``ext``: a key of :data:`EXT_SETS`), both sides called with it; ``modes`` limits the
+#: backward's dQ modes (the wgmma ordered mode takes no window). A shape whose call one side refuses
+#: (NotImplementedError while planning: e.g. the wgmma backward's refused sets at d 128, docs/hopper.md) is
+#: left out with a line saying why. Answers whether sm_90's dispatch should take the wgmma kernels for these
+#: calls too (``cuda_forward_sm90.AUTO_EXT``, ``cuda_backward_sm90.AUTO_EXT``).
+EXT_SWITCHES = (
+    Switch("fwd.kernel.dropout", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward, dropout p 0.1",
+           ext="dropout"),
+    Switch("fwd.kernel.window", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward, window (255, 0)",
+           ext="window"),
+    Switch("bwd.kernel.dropout", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, dropout p 0.1",
+           ext="dropout"),
+    Switch("bwd.kernel.window", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, window (255, 0)",
+           ext="window", modes=("atomic",)),
+)
+#: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
+EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0))}
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
 DTYPES = gpu.DTYPES
@@ -140,15 +170,17 @@ def variant(switch, base=WGMMA):
 class Problem:
     """One shape's inputs (on the device: ``copies`` of q, k, v, dout for L2) and its calls."""
 
-    def __init__(self, copies, causal, device, arch):
+    def __init__(self, copies, causal, device, arch, ext=""):
         self.copies, self.causal, self.device, self.arch = copies, causal, device, arch
         q = copies[0][0]
         self.scale, self.batch = 1.0 / math.sqrt(q.shape[-1]), q.shape[:-2]
+        self.ext_kw = EXT_SETS[ext]  # the calls' extension keywords (EXT_SWITCHES)
+        self.ext = gpu_backward._ext(q, copies[0][1], self.ext_kw)
         self.state = None  # [(out, lse) per copy]: the wgmma forward with its defaults
 
     def fwd_kw(self, kernel):
         return dict(causal=self.causal, scale=self.scale, batch_shape=self.batch, device=self.device,
-                    kernel=kernel, arch=self.arch)
+                    kernel=kernel, arch=self.arch, ext=self.ext)
 
     def forward(self, tensors, kernel):
         return cuda_forward.forward(*tensors[:3], **self.fwd_kw(kernel))
@@ -180,10 +212,19 @@ class Problem:
         return tuple((r.name, r.grid, r.block) for r in p.launches)
 
     def validate(self, kind, result):
-        """flasharray.testing's report for the result (first batch entry and head), via gpu.py's checks."""
+        """flasharray.testing's report for the result (first batch entry and head; with the extension keywords:
+        dropout's mask of entry (0, 0) is the same in the slice), via gpu.py's checks for dense calls."""
+        if not self.ext_kw:
+            if kind == "fwd":
+                return gpu.check("flasharray-wgmma", result, self.copies[0][:3], self.causal, self.device)
+            return gpu_backward.check("flasharray-wgmma-det", result, self.copies[0], self.causal, self.device)
+        first = lambda x: x[:1, :1]  # noqa: E731
+        q, k, v, dout = (first(x) for x in self.copies[0])
         if kind == "fwd":
-            return gpu.check("flasharray-wgmma", result, self.copies[0][:3], self.causal, self.device)
-        return gpu_backward.check("flasharray-wgmma-det", result, self.copies[0], self.causal, self.device)
+            return check_attention(first(result[0]), q, k, v, causal=self.causal, scale=self.scale, **self.ext_kw)
+        out = first(self.saved()[0][0])
+        return check_attention(out, q, k, v, causal=self.causal, scale=self.scale, dout=dout,
+                               grads=tuple(first(g) for g in result[:3]), **self.ext_kw)
 
 
 def measure(problem, kind, switch, deterministic, clock, timing, validated, base=WGMMA):
@@ -191,7 +232,7 @@ def measure(problem, kind, switch, deterministic, clock, timing, validated, base
     None: the defaults, called with ``kernel=base``."""
     with variant(switch, base) as kernel:
         fns = problem.calls(kind, kernel, deterministic)
-        key = (switch.name if switch else base, deterministic)
+        key = (switch.name if switch else base, deterministic, tuple(sorted(problem.ext_kw)))
         checked = False
         if key not in validated:
             report = problem.validate(kind, fns[0]())
@@ -210,15 +251,19 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
             log("--max-seconds reached: %d of %d shapes measured" % (n_shape, len(shapes)))
             break
         label = gpu.shape_label(Bn, H, N, D, dt_name, causal)
-        problem = Problem(make_copies(Bn, H, N, D, DTYPES[dt_name]), causal, device, arch)
+        copies = make_copies(Bn, H, N, D, DTYPES[dt_name])
+        problems = {e: Problem(copies, causal, device, arch, e) for e in sorted({s.ext for s in switches})}
         seen = validated[(dt_name, D, causal)]
         for kind, modes in (("fwd", {"": True}), ("bwd", MODES)):
             mine = [s for s in switches if s.kind == kind]
             if not mine:
                 continue
             for mode, det in modes.items():
-                bases, default_launches = {}, {}  # by the switch's base kernel
+                bases, default_launches = {}, {}  # by the switch's (base kernel, extension set)
                 for sw in mine:
+                    if sw.modes is not None and mode not in sw.modes:
+                        continue
+                    problem, key = problems[sw.ext], (sw.base, sw.ext)
                     factor = 1.0 if kind == "fwd" else gpu_backward.BWD_FACTOR
                     flop = gpu.flops(Bn, H, N, N, D, causal, factor)
 
@@ -227,17 +272,23 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
                         tf = lambda ms: ms and flop / (ms * 1e-3) / 1e12  # noqa: E731
                         return Row(sw.name, mode or "fwd", dt_name, Bn, H, N, D, causal, ms_d, ms_f, ratio,
                                    tf(ms_d), tf(ms_f), ok, note)
-                    base = bases.get(sw.base)
+                    base = bases.get(key)
                     try:
-                        if sw.base not in default_launches:
-                            with variant(None, sw.base) as kernel:
-                                default_launches[sw.base] = problem.launches(kind, kernel, det)
-                        with variant(sw) as kernel:
-                            flipped_launch = problem.launches(kind, kernel, det)
-                        if flipped_launch == default_launches[sw.base]:
+                        try:
+                            if key not in default_launches:
+                                with variant(None, sw.base) as kernel:
+                                    default_launches[key] = problem.launches(kind, kernel, det)
+                            with variant(sw) as kernel:
+                                flipped_launch = problem.launches(kind, kernel, det)
+                        except NotImplementedError as e:
+                            if not sw.ext:
+                                raise
+                            log("%-30s | %-28s | %-6s | not run: %s" % (label, sw.name, mode or "fwd", gpu._why(e)))
+                            continue  # a kernel refuses this extension call (e.g. spilling sets at d 128)
+                        if flipped_launch == default_launches[key]:
                             continue  # the flag changes nothing for this shape
                         if base is None:
-                            base = bases[sw.base] = measure(problem, kind, None, det, clock, timing, seen, sw.base)
+                            base = bases[key] = measure(problem, kind, None, det, clock, timing, seen, sw.base)
                         ms_f, ok = measure(problem, kind, sw, det, clock, timing, seen)
                     except Exception as e:  # a failed validation, a compile error, out of memory, ...
                         log("%-30s | %-28s | %-6s | %s" % (label, sw.name, mode or "fwd", gpu._why(e)))
@@ -247,7 +298,7 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
                     r = rows[-1]
                     log("%-30s | %-28s | %-6s | %9.3f | %9.3f | %6.3f" % (label, sw.name, r.mode, r.ms_default,
                                                                           r.ms_flipped, r.ratio))
-        del problem
+        del problems, copies
     return rows
 
 
@@ -347,13 +398,17 @@ def sm90_device():
 
 
 def select(only):
+    """The switches ``--only`` names (names, their prefixes or last parts, fwd / bwd, "ext": every extension
+    switch); default: every switch but the extension ones."""
     if not only:
         return SWITCHES
     names = [s.strip() for s in only.split(",") if s.strip()]
-    chosen = [s for s in SWITCHES if any(s.name == n or s.name.startswith(n + ".") or s.name.endswith("." + n)
-                                         or n == s.kind for n in names)]
+    chosen = [s for s in SWITCHES + EXT_SWITCHES
+              if any(s.name == n or s.name.startswith(n + ".") or s.name.endswith("." + n)
+                     or (n == s.kind and not s.ext) or (n == "ext" and s.ext) for n in names)]
     if not chosen:
-        raise SystemExit("--only %r matches none of: %s" % (only, ", ".join(s.name for s in SWITCHES)))
+        raise SystemExit("--only %r matches none of: ext, %s" % (only, ", ".join(s.name for s in SWITCHES
+                                                                               + EXT_SWITCHES)))
     return chosen
 
 

@@ -403,6 +403,24 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     assert by_name["mma.WIDE_KEYS"]["flag"] == "tiles_bwd.WIDE_KEYS" and by_name["mma.WIDE_KEYS"]["default"] is True
 
 
+def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
+    """``--only ext``: the four extension switches (not in the default run), each with validated rows where both
+    sides plan the call (the window's backward only in the atomic dQ mode) and a line naming the refusal where
+    the wgmma backward does not take it (dropout at d 128, the head-dim split)."""
+    import json
+    out = run("hopper_variants.py", "--emulator", "--only", "ext", "--json", str(tmp_path / "hx.json"),
+              tmp_path=tmp_path)
+    assert "FAILED" not in out
+    tables = out.split("\n== ")[1:]
+    names = ["fwd.kernel.dropout", "fwd.kernel.window", "bwd.kernel.dropout", "bwd.kernel.window"]
+    assert [t.split(":")[0] for t in tables] == names
+    rows = json.loads((tmp_path / "hx.json").read_text())["rows"]
+    assert {r["switch"] for r in rows} == set(names) and all(r["ratio"] and r["validated"] for r in rows)
+    assert {r["mode"] for r in rows if r["switch"] == "bwd.kernel.window"} == {"atomic"}
+    assert {r["mode"] for r in rows if r["switch"] == "bwd.kernel.dropout"} == {"det", "atomic"}
+    assert "bwd.kernel.dropout           | det    | not run: NotImplementedError" in out
+
+
 def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
     """variant(): the flag flipped inside, restored after (also on an exception), and a plan made inside is not
     what a call after it finds."""
@@ -457,7 +475,7 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
 SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "gpu_decode", "pytest_sm90",
-                 "gpu_precision", "hopper_variants")
+                 "gpu_precision", "hopper_ext", "hopper_variants")
 
 
 def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
@@ -494,7 +512,8 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
     assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
     assert [c[0] for c in scripts] == ["benchmarks/overhead.py"] + ["benchmarks/gpu.py"] * 3 + [
-        "benchmarks/hopper_variants.py"]
+        "benchmarks/hopper_variants.py"] * 2
+    assert "ext" in scripts[-2] and "--only" not in scripts[-1]
     helps = {}
     for script, *args in scripts:
         if script not in helps:

@@ -19,8 +19,9 @@ import pytest
 
 from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
-from flasharray._private import launch
+from flasharray._private import cuda_forward, launch
 from flasharray._private.dtypes import bfloat16
+from flasharray.testing import check_attention
 from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
 
 
@@ -321,7 +322,7 @@ def test_not_dispatched_where_it_does_not_serve(monkeypatch):
     from flasharray._private.extensions import Extensions
     assert _auto_kernel(np.float32) == "simt"  # float32's default precision: ieee
     assert _auto_kernel(np.float32, precision="3xtf32") == "tf32"
-    assert _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"
+    assert not S.AUTO_EXT and _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"
     assert _auto_kernel(dq="recompute") == "tc"
     with flag_set(F, "AUTO_DISPATCH", False):
         assert _auto_kernel() == "tc"
@@ -330,6 +331,31 @@ def test_not_dispatched_where_it_does_not_serve(monkeypatch):
     monkeypatch.setattr(F, "nvrtc_sm90a", lambda: False)
     assert not cb.auto_wgmma(np.float16, 90, None, 64, 64, device="cuda")
     assert cb._kernel_choice(np.dtype(np.float16), 90, None, None, 64, 64, device="cuda") == "tc"
+
+
+def test_extensions_dispatched_with_auto_ext():
+    """cuda_backward_sm90.AUTO_EXT on: kernel=None on sm_90 takes the wgmma backward for extension bits both of its
+    kernels run (auto_ext), in the dQ modes that take them; the others keep "tc". The gradients meet the rule."""
+    from conftest import flag_set
+    from flasharray._private.extensions import Extensions
+    drop = Extensions(dropout_p=0.2, seed=5, offset=1)
+    with flag_set(S, "AUTO_EXT", True):
+        assert _auto_kernel(np.float16, 64, ext=drop) == "wgmma"
+        assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
+        assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2))) == "tc"  # ordered mode: no window
+        assert _auto_kernel(np.float16, 64, ext=Extensions(softcap=3.0, dropout_p=0.2)) == "tc"  # cp.async spills
+        assert _auto_kernel(np.float16, 128, ext=drop) == "tc"  # refused at d 128
+        assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none
+        assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
+        q, k, v, dout = (np.random.default_rng(i).standard_normal((1, 2, 70, 64)).astype(np.float16)
+                         for i in range(4))
+        kw = dict(dropout_p=0.2, seed=5, offset=1)
+        common = dict(causal=True, scale=0.125, batch_shape=(1, 2), device="emulator", arch="sm_90", ext=drop)
+        out, lse = cuda_forward.forward(q, k, v, **common)
+        assert cb.plan(dout, q, k, v, out, lse, **common).kernel == "wgmma"
+        grads = cb.backward(dout, q, k, v, out, lse, **common)
+        report = check_attention(out, q, k, v, causal=True, dout=dout, grads=grads, **kw)
+        assert report.passed, str(report)
 
 
 def test_dispatched_backward_runs_on_the_emulator():

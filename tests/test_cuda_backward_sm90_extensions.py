@@ -26,6 +26,7 @@ from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import cuda_forward, extensions, launch, nvrtc
 from flasharray._private.dtypes import bfloat16
 from conftest import flag_set, requires_nvrtc
+from test_gpu_sm90 import requires_sm90
 from test_cuda_backward_extensions import features
 
 BITS = cuda_forward.EXT_BITS
@@ -54,12 +55,24 @@ def problem(dtype, D, Lq, Lk, B=2, H=2, Hk=2, seed=0):
                  for s in ((B, H, Lq, D), (B, Hk, Lk, D), (B, Hk, Lk, D), (B, H, Lq, D)))
 
 
-def backward(q, k, v, dout, out, lse, kw, *, causal, deterministic, **opts):
-    """cuda_backward.backward with the keywords ``kw`` validated as the API does: (dq, dk, dv, counters)."""
+def backward(q, k, v, dout, out, lse, kw, *, causal, deterministic, device="emulator", **opts):
+    """cuda_backward.backward with the keywords ``kw`` validated as the API does: (dq, dk, dv, counters) on the
+    host. ``device`` "cuda": every array (and the keywords' arrays) copied to the GPU first; the counters are then
+    (name, None) per launch of the plan."""
     B, H, Lq, D = q.shape
-    ext = extensions.from_options(kw, kind="numpy", batch_shape=(B, H), Lq=Lq, Lk=k.shape[-2], acc=np.float32)
-    return cb.backward(dout, q, k, v, out, lse, causal=causal, scale=1.0 / np.sqrt(D), batch_shape=(B, H),
-                       device="emulator", deterministic=deterministic, ext=ext, return_counters=True, **opts)
+    xp = np
+    if device == "cuda":
+        import cupy as xp
+    dev = lambda a: xp.asarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
+    ext = extensions.from_options({n: dev(a) for n, a in kw.items()}, kind="numpy" if xp is np else "cupy",
+                                  batch_shape=(B, H), Lq=Lq, Lk=k.shape[-2], acc=np.float32)
+    args = [dev(a) for a in (dout, q, k, v, out, lse)]
+    common = dict(causal=causal, scale=1.0 / np.sqrt(D), batch_shape=(B, H), device=device,
+                  deterministic=deterministic, ext=ext, **opts)
+    if device == "emulator":
+        return cb.backward(*args, return_counters=True, **common)
+    launches = [(r.name, None) for r in cb.plan(*args, **common).launches]
+    return tuple(g.get() for g in cb.backward(*args, **common)[:3]) + (launches,)
 
 
 def dkv_launch(counters):
@@ -69,17 +82,18 @@ def dkv_launch(counters):
 
 
 def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, Hk=2, tma=True, check=True,
-             inputs=None, **opts):
-    """Forward (emulator, sm_80) + the wgmma backward; checked against the reference. Returns the grads."""
+             inputs=None, device="emulator", **opts):
+    """Forward (emulator, sm_80) + the wgmma backward on ``device`` (the emulator, or an sm_90 GPU through
+    CuPy); checked against the reference. Returns the grads."""
     q, k, v, dout = problem(dtype, D, Lq, Lk, H=H, Hk=Hk) if inputs is None else inputs
     kw = kw_of(names, 2, H, Lq, Lk)
     out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", **kw)
     res = backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=deterministic, kernel="wgmma",
-                   arch="sm_90", **opts)
+                   arch="sm_90", device=device, **opts)
     grads, (name, c) = res[:3], dkv_launch(res[3])
     assert name.endswith(", %d>" % bits_of(names)), name
     assert name.startswith(S.WS_KERNEL if tma else S.KERNEL + "<"), name
-    assert c.atomics > 0 or c.blocks == 0, name  # dQ by the consumers' atomics (no bulk dQ with extensions)
+    assert c is None or c.atomics > 0 or c.blocks == 0, name  # dQ by the consumers' atomics (no bulk dQ here)
     if check:
         report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
         assert report.passed, str(report)
@@ -313,6 +327,47 @@ def test_extension_matrix(case, monkeypatch):
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()
     run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=129, Lk=200, tma=kind == "ws")
+
+
+# ---- on an sm_90 GPU (-m gpu: benchmarks/gpu_session.sh runs these; skipped with the reason elsewhere) ----------
+# Each feature alone, the combinations, head dim 128's sets, GQA with Lq > Lk, both kernels, both dQ modes: the
+# bodies above through CuPy (driver-encoded maps, sm_90a cubins), held to the same rule. What the GPU adds to the
+# emulator: the hardware's own wgmma / TMA / mbarrier behaviour with the extensions' instructions in the loop.
+GPU_CASES = ([c + (64, "ws") for c in SINGLE + COMBOS] + [c + ("cp.async",) for c in
+             [c + (64,) for c in (SINGLE[0], SINGLE[3], SINGLE[5], COMBOS[0], ALL_BUT_SOFTCAP)]]
+             + [c[:4] + (128, c[4]) for c in D128])
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=_id)
+def test_extension_gpu(case, monkeypatch):
+    names, dt, causal, det, D, kind = case
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=100 if D == 64 else 70, Lk=150 if D == 64 else 140,
+             tma=kind == "ws", device="cuda")
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("det", [True, False], ids=["ordered", "atomic"])
+def test_extension_gpu_gqa_lq_above_lk(det):
+    names = ("alibi", "dropout") if det else ("window", "alibi", "dropout")
+    run_case(np.float16, names, causal=True, deterministic=det, H=4, Hk=1, Lq=150, Lk=77, device="cuda")
+
+
+@pytest.mark.gpu
+@requires_sm90
+def test_extension_gpu_ordered_bits_repeat():
+    """The ordered dQ with extensions: three GPU runs give the same bits."""
+    names = ("alibi", "softcap", "dropout", "seqlens")
+    inputs = problem(np.float16, 64, 70, 300)
+    runs = [run_case(np.float16, names, causal=False, deterministic=True, Lq=70, Lk=300, inputs=inputs,
+                     device="cuda", check=i == 0) for i in range(3)]
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 @pytest.mark.parametrize("names,causal,det", [(ALL, True, False), (("alibi", "dropout", "seqlens"), False, True)],

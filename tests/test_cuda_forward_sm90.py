@@ -513,21 +513,46 @@ def test_dispatched_on_sm90_by_default(dtype, D, Dv):
 
 
 def test_not_dispatched_where_it_does_not_serve():
-    """float32, extensions, block_m, num_splits, a KV cache and AUTO_DISPATCH off keep the previous choice."""
+    """float32, extensions with AUTO_EXT off, block_m, num_splits, a KV cache and AUTO_DISPATCH off keep the
+    previous choice."""
     from flasharray._private.extensions import Extensions
     assert S.forward_tile(np.float32, 64, 64, 90) is None
-    assert S.forward_tile(np.float16, 64, 64, 90, ext=1) is None
+    with flag_set(S, "AUTO_EXT", False):
+        assert S.forward_tile(np.float16, 64, 64, 90, ext=1) is None
+        q, k, v = make_inputs(np.float16, 64, 8, 8)
+        assert _auto_plan(q, k, v, ext=Extensions(window=(2, 2))).tile.kernel == "tensor_core"
     assert S.forward_tile(np.float16, 64, 64, 90, block_m=384) is None
     assert S.forward_tile(np.float16, 64, 64, 90, num_splits=2) is None
     assert S.forward_tile(np.float16, 64, 64, 90, kv=cuda_forward.KVLayout(False, 64)) is None
     assert S.forward_tile(np.float16, 300, 64, 90) is None
     q, k, v = make_inputs(np.float16, 64, 8, 8)
-    assert _auto_plan(q, k, v, ext=Extensions(window=(2, 2))).tile.kernel == "tensor_core"
     assert _auto_plan(q, k, v, num_splits=2).tile.kernel == "tensor_core"
     assert _auto_plan(*(x.astype(np.float32) for x in (q, k, v))).tile.kernel != "wgmma"
     with flag_set(S, "AUTO_DISPATCH", False):
         assert S.forward_tile(np.float16, 64, 64, 90) is None
         assert _auto_plan(q, k, v).tile.kernel == "tensor_core"
+
+
+@pytest.mark.parametrize("D,causal", [(64, True), (128, False), (195, True)])
+def test_extensions_dispatched_on_sm90(D, causal):
+    """kernel=None on sm_90 with extensions (AUTO_EXT): the wgmma forward (its ws kernel on 16-byte rows), the
+    reference's result; rows not 16-byte aligned at padded d 256, which the wgmma kernel refuses with
+    extensions, fall back to the mma.sync forward (``kernel="wgmma"`` there is the NotImplementedError)."""
+    from flasharray._private import extensions
+    q, k, v = make_inputs(np.float16, D, 70, 90, seed=D)
+    ext = dict(window=(20, 5), softcap=8.0, dropout_p=0.2, seed=7, offset=3)
+    ex = extensions.from_options(ext, kind="numpy", batch_shape=_batch(q, k, v), Lq=70, Lk=90, acc=np.dtype(np.float32))
+    plan = cuda_forward.plan(q, k, v, causal=causal, scale=D ** -0.5, batch_shape=_batch(q, k, v),
+                             device="emulator", arch="sm_90", ext=ex)
+    assert plan.tile.kernel == ("tensor_core" if D % 8 else "wgmma"), plan.tile.describe()
+    assert D % 8 or plan.tile.tma
+    out, lse = cuda_forward.forward(q, k, v, causal=causal, scale=D ** -0.5, batch_shape=_batch(q, k, v),
+                                    device="emulator", arch="sm_90", ext=ex)
+    assert_attention_close(out, q, k, v, causal=causal, lse=lse, **ext)
+    if D % 8:
+        with pytest.raises(NotImplementedError, match="16-byte aligned"):
+            cuda_forward.plan(q, k, v, causal=causal, scale=D ** -0.5, batch_shape=_batch(q, k, v),
+                              device="emulator", arch="sm_90", ext=ex, kernel="wgmma")
 
 
 def test_decoding_keeps_split_kv():

@@ -329,13 +329,16 @@ def _family_orders(kernel, bits, head_dim=0):
     return kernel in FAMILIES and not bits & ~getattr(_family_module(kernel), "ORDERED_EXT", 0)
 
 
-def auto_wgmma(dtype, arch, precision=None, D=0, Dv=0, ext=False, dq=None, device=None):
+def auto_wgmma(dtype, arch, precision=None, D=0, Dv=0, ext=False, dq=None, device=None, deterministic=False):
     """Whether ``kernel=None`` takes the wgmma backward: on sm_90 where ``cuda_forward_sm90.auto_dispatch``
     allows it (its ``AUTO_DISPATCH``; on CUDA, NVRTC compiling sm_90a) and ``cuda_backward_sm90.backward_tile``
-    serves the call (float16 / bfloat16, head dims 1..256), with no extensions and ``dq`` not "recompute"
-    (those keep "tc"). Deterministic calls run its ordered dQ mode."""
+    serves the call (float16 / bfloat16, head dims 1..256), with ``dq`` not "recompute" and no extensions but
+    where ``cuda_backward_sm90.auto_ext`` allows them (its ``AUTO_EXT``, off; the others keep "tc").
+    Deterministic calls run its ordered dQ mode."""
     sm90 = _family_module("wgmma")
-    if ext or dq == "recompute" or not _fwd().sm90.auto_dispatch(arch, device):
+    if dq == "recompute" or not _fwd().sm90.auto_dispatch(arch, device):
+        return False
+    if ext and not sm90.auto_ext(int(ext), D, Dv, deterministic):
         return False
     try:
         sm90.backward_tile(precision, dtype, D, Dv, arch)
@@ -355,7 +358,7 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
         fam = family_tile(dtype, precision, D, Dv, arch, ext)
         if fam is not None and (not (ext and deterministic) or _family_orders(fam[0], ext)):
             return fam[0]
-        if auto_wgmma(dtype, arch, precision, D, Dv, ext, dq, device):
+        if auto_wgmma(dtype, arch, precision, D, Dv, ext, dq, device, deterministic):
             return "wgmma"
     if kernel == "wgmma":  # the Hopper backward: NotImplementedError naming why where it cannot run
         if dq == "recompute":

@@ -51,6 +51,12 @@ STAGES = 2
 MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
+#: Whether ``kernel=None`` on sm_90 (``cuda_backward.auto_wgmma``) takes this backward for calls with extensions too,
+#: where both of its kernels run the call's bits (:func:`auto_ext`). Off: their instantiations have run on the
+#: emulator only (no GPU yet; ``tests/test_cuda_backward_sm90_extensions.py::test_extension_gpu`` and the GPU
+#: session's ``hopper_variants.py --only ext`` are the checks that would turn it on); extension calls keep the
+#: mma.sync backward (kernel "tc").
+AUTO_EXT = False
 #: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
 #: ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
 #: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them
@@ -149,6 +155,14 @@ EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
 def _bit_names(bits):
     from .cuda_forward import EXT_BITS
     return "+".join(n for n, b in EXT_BITS.items() if bits & b)
+
+
+def auto_ext(ext, D, Dv, deterministic):
+    """Whether ``kernel=None`` may take this backward for a call with the kExt bits ``ext``: :data:`AUTO_EXT`, the
+    dQ mode takes them (:data:`ORDERED_EXT` when deterministic) and neither kernel refuses them
+    (:func:`ext_refusal`: which kernel runs depends on the layout, known only while planning)."""
+    return (AUTO_EXT and not (deterministic and ext & ~ORDERED_EXT)
+            and ext_refusal(ext, D, Dv, True) is None and ext_refusal(ext, D, Dv, False) is None)
 
 
 def ext_refusal(ext, D, Dv, ws):

@@ -149,8 +149,7 @@ class ForwardPlan:
                                                                     num_splits=num_splits))
         layout = self._layout(*call)
         if auto is not None and layout[-1] == 1:  # kernel=None on sm_90: wgmma where the mma.sync plan does not split
-            self.tile = auto
-            layout = self._layout(*call)
+            layout = self._auto_layout(auto, call, layout)
         tile = self.tile
         batch, (q_k, out_k, lse_k), rows, causal, packed_causal, n_blocks, splits = layout
         self.num_splits = splits
@@ -173,6 +172,18 @@ class ForwardPlan:
         else:
             self._add_forward(launcher, name_expr, batch, (q_k, k, v, out_k, lse_k), (0, 1, 2, 3, 4),
                               rows, Lk, D, Dv, scale_log2, n_blocks)
+
+    def _auto_layout(self, auto, call, fallback):
+        """``kernel=None`` on sm_90: the wgmma tile ``auto`` and its layout, or the mma.sync plan's (``self.tile``
+        and ``fallback``, kept) where the wgmma kernel refuses the layout (extensions on rows not 16-byte aligned
+        at padded d 256: ``cuda_forward_sm90.cp_async_ext_tile``)."""
+        kept = self.tile, self.gqa_group
+        self.tile = auto
+        try:
+            return self._layout(*call)
+        except NotImplementedError:
+            self.tile, self.gqa_group = kept
+            return fallback
 
     def _layout(self, q, k, v, out, lse, causal, pack_gqa, aligned, opts):
         """The launch geometry on ``self.tile`` (its wide-row, TMA or cp.async variant set in ``self.tile``):

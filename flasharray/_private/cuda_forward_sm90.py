@@ -1,11 +1,11 @@
 """Tiles of the Hopper forward on wgmma (``cuda_src/flash_fwd_sm90.cu``, issue 13; docs/hopper.md).
 
 The default on sm_90 (:data:`AUTO_DISPATCH`, docs/hopper.md "Automatic sm_90 dispatch": 1.2-2.5x the mma.sync
-forward on an H200): :func:`forward_tile` returns the tile for ``kernel=None`` where the kernel serves a dense call
-(float16 / bfloat16, head dims 1..256, no extensions, no IO tile, no split-KV, no KV cache; on CUDA only where
-NVRTC compiles sm_90a, :func:`auto_dispatch`), None elsewhere (the mma.sync chain; ``kernel="tensor_core"``
-forces it). ``kernel="wgmma"`` also takes the extensions of docs/extensions.md (the kernels' ``kExt`` bits, as
-the mma.sync forward's); asking for it where the kernel cannot run is a NotImplementedError naming the reason.
+forward on an H200): :func:`forward_tile` returns the tile for ``kernel=None`` where the kernel serves the call
+(float16 / bfloat16, head dims 1..256, no IO tile, no split-KV, no KV cache; on CUDA only where NVRTC compiles
+sm_90a, :func:`auto_dispatch`), None elsewhere (the mma.sync chain; ``kernel="tensor_core"`` forces it). It takes
+the extensions of docs/extensions.md (the kernels' ``kExt`` bits, as the mma.sync forward's; :data:`AUTO_EXT`);
+asking for ``kernel="wgmma"`` where the kernel cannot run is a NotImplementedError naming the reason.
 
 Two instantiations: where q, k and v are TMA-legal (:func:`tma_legal`: 16-byte aligned, strides
 multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-specialized kernel
@@ -148,6 +148,13 @@ def check_arch_and_dtype(arch, dtype, unsupported):
 #: mma.sync kernels, as before the H200 measurements (docs/hopper.md, "Automatic sm_90 dispatch"). Plans are
 #: cached by signature: clear them (``launch._clear_plans()``) after changing it.
 AUTO_DISPATCH = True
+#: Whether that dispatch includes calls with extensions (the ``kExt`` bits: window, ALiBi, softcap, block mask,
+#: dropout, lengths). The wgmma forward's extension instantiations passed on an H200
+#: (``tests/test_cuda_forward_sm90_extensions.py::test_wgmma_extensions_gpu``, every feature among its cases,
+#: docs/gpu_h200.md call 2); where a layout refuses them (rows not 16-byte aligned at padded d 256) the plan
+#: falls back to the mma.sync forward. False: extension calls keep the mma.sync forward (the GPU session's
+#: ``hopper_variants.py`` row ``fwd.kernel.dropout`` / ``.window`` times both).
+AUTO_EXT = True
 
 
 def nvrtc_sm90a():
@@ -201,9 +208,10 @@ def forward_tile(dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None
 def auto_tile(dtype, head_dim, head_dim_v, arch, device=None, **call):
     """``kernel=None``: the wgmma tile where :func:`auto_dispatch` allows it and the kernel serves a dense call
     (float16 / bfloat16, head dims 1..256, no ``block_m``, split-KV or KV cache); else None (the mma.sync chain).
-    Extensions keep the mma.sync forward (the wgmma ones are verified on the emulator only). ``cuda_forward``
-    keeps the mma.sync plan where it would split the keys (decoding)."""
-    if not auto_dispatch(arch, device) or call.get("ext") or tiles.dtype_name(dtype) not in ("float16", "bfloat16"):
+    Calls with extensions too where :data:`AUTO_EXT`. ``cuda_forward`` keeps the mma.sync plan where it would
+    split the keys (decoding) or where the wgmma layout refuses the call (extensions on unaligned rows at d 256)."""
+    if (not auto_dispatch(arch, device) or (call.get("ext") and not AUTO_EXT)
+            or tiles.dtype_name(dtype) not in ("float16", "bfloat16")):
         return None
     try:
         return forward_tile(dtype, head_dim, head_dim_v, arch, kernel=KERNEL, **call)
