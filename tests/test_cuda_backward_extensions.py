@@ -107,11 +107,53 @@ def test_seqlens_on_the_wide_key_tiles(D, causal, det):
     t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80, ext=bits["seqlens"],
                                   ordered=det)["dkv"][2]
     assert (t.block_n, t.block_m) == ((64, 32) if D == 256 else (128, 32))
-    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80, ext=bits["dropout"])
+    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
+                                  ext=bits["dropout"] | bits["seqlens"])
     assert t["dkv"][2].block_n <= 64 and tiles_bwd.WIDE_KEYS_EXT == (0, bits["seqlens"])
     Lq, Lk = 150, 290
     run_case(np, np.float16, kw_of(("seqlens",), Lq=Lq, Lk=Lk), causal=causal, deterministic=det, Lq=Lq, Lk=Lk,
              D=D, H=1, Hk=1)
+
+
+@pytest.mark.parametrize("names, D, causal, mode", [
+    (("softcap",), 128, True, "recompute"), (("softcap",), 96, False, "ordered"), (("softcap",), 256, True, "atomic"),
+    (("dropout",), 128, False, "ordered"), (("dropout",), 128, True, "atomic"), (("dropout",), 256, False, "ordered"),
+    (("dropout",), 80, True, "atomic")])
+def test_softcap_and_dropout_on_the_wide_key_tiles(names, D, causal, mode):
+    """Softcap alone (every dQ mode) and dropout alone (the atomic modes, not d 96) keep the wide-key dK/dV tile
+    (tiles_bwd.WIDE_KEYS_EXT_BY_MODE; sm_80: 128 keys x 32 queries at d 80-128, 64 x 32 at d 256): the plan takes
+    it, and the gradients meet the rule (dropout: the forward's Philox mask) with Lq != Lk off the tiles; dropout
+    in the recomputing mode, at d 96, or with lengths keeps the candidates' tiles."""
+    from flasharray._private import tiles_bwd
+    bits = sum(cuda_backward._fwd().EXT_BITS[n] for n in names)
+    det = mode != "atomic"
+    wide = (64, 32) if D == 256 else (128, 32)
+    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=det, arch=80, ext=bits,
+                                  ordered=mode == "ordered")["dkv"][2]
+    assert (t.block_n, t.block_m) == wide
+    if "dropout" in names:
+        assert tiles_bwd.tc_tiles("dkv", D, D, "sm_80", ext=bits, mode="recompute").block_n < wide[0]
+        assert tiles_bwd.tc_tiles("dkv", 96, 96, "sm_80", ext=bits, mode=mode).block_n < 128
+    Lq, Lk = 150, 290
+    rng = np.random.default_rng(D)
+    q, dout = (rng.standard_normal((1, 1, Lq, D)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, Lk, D)).astype(np.float16) for _ in range(2))
+    kw = kw_of(names, B=1, H=1, Lq=Lq, Lk=Lk)
+    out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", **kw)
+    common = dict(causal=causal, scale=D ** -0.5, batch_shape=(1, 1), device="emulator", deterministic=det,
+                  ext=ext_of(kw, Lq=Lq, Lk=Lk), dq="recompute" if mode == "recompute" else None)
+    plan = cuda_backward.plan(dout, q, k, v, out, lse, **common)
+    assert plan.dq_mode == mode
+    assert any(r.name.startswith("flash_bwd_dkv_kernel<fa_half, fa_half, %d, %d, %d, %d," % (D, D, *wide[::-1]))
+               for r in plan.launches), [r.name for r in plan.launches]
+    grads = cuda_backward.backward(dout, q, k, v, out, lse, **common)
+    report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
+    assert report.passed, str(report)
+
+
+def ext_of(kw, B=1, H=1, Lq=40, Lk=40):
+    from flasharray._private import extensions
+    return extensions.from_options(kw, kind="numpy", batch_shape=(B, H), Lq=Lq, Lk=Lk, acc=np.dtype(np.float32))
 
 
 @pytest.mark.parametrize("det", [True, False], ids=["det", "atomic"])

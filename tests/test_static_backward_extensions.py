@@ -110,6 +110,32 @@ def test_backward_lengths_compile_without_spills(arch):
     _check_arch(arch, (lengths,), ordered_variants=(lengths,))
 
 
+def wide_key_ext_instantiations(arch, dtypes=("float16",)):
+    """{source: {name: BwdTiles}} of the dK/dV kernels tiles_bwd.WIDE_KEYS_EXT_BY_MODE puts on the wide-key tiles:
+    each set in each of its dQ modes at each of its head dims (d = dv), causal and not; asserts each is the
+    wide-key tile."""
+    from flasharray._private import tiles_bwd
+    found = {}
+    for bits, (modes, dims) in tiles_bwd.WIDE_KEYS_EXT_BY_MODE.items():
+        for dt in dtypes:
+            for d in dims:
+                for mode in modes:
+                    for causal in (False, True):
+                        plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=mode != "atomic",
+                                                         arch=arch, ext=bits, ordered=mode == "ordered")
+                        source, name, t = plan["dkv"]
+                        assert t.block_m == 32 and t.block_n >= 32 * (1 + (d < 256)), (name, t)
+                        found.setdefault(source, {})[name] = t
+    return found
+
+
+@pytest.mark.parametrize("arch", [80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow),
+                                  pytest.param(90, marks=pytest.mark.slow)])
+def test_backward_wide_key_extension_sets_compile_without_spills(arch):
+    # softcap alone (every mode) and dropout alone (atomic modes) on the fp16 / bf16 wide-key tiles
+    _check(arch, wide_key_ext_instantiations(arch, ("float16",) if arch == 80 else ("float16", "bfloat16")))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
 def test_backward_extension_variants_compile_without_spills_slow(arch):

@@ -200,7 +200,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     plan = {"preprocess": ("flash_bwd_preprocess.cu", "flash_bwd_preprocess_kernel<%s, %s, %d, %s>" % (
         T, A, tiles.ROW_THREADS, _b(atomic)), None)}
     if kernel == "tc":
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext)
+        mode = "ordered" if ordered else "atomic" if atomic else "recompute"
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode)
         plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
             T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
             _b(atomic), _b(vec), t_kv.stages, x), t_kv)
@@ -467,7 +468,8 @@ class BackwardPlan:
         if deterministic:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
-            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits)
+            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits,
+                                   mode=self.dq_mode)
                     if self.kernel == "tc"
                     else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
                     if self.kernel == "wgmma"

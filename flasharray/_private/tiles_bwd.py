@@ -109,9 +109,29 @@ TC_WIDE_KEYS = ((128, 32, 8, (64, 80, 96, 128), 64), (64, 32, 8, (256,), 128))
 #: False: the candidates below only (the tiles before the wide-key ones; benchmarks/hopper_variants.py times
 #: both as ``mma.WIDE_KEYS``). Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 WIDE_KEYS = True
-#: The extension bits (kExt) the wide-key tiles take: per-entry lengths alone (compiled without spills on
-#: sm_80 / sm_86 / sm_90 in every mode; dropout, ALiBi and some pairs spilled 16-80 bytes).
+#: The extension bits (kExt) the wide-key tiles take in every dQ mode at every head dim they serve: per-entry
+#: lengths alone (compiled without spills on sm_80 / sm_86 / sm_90 in every mode; ALiBi and some pairs spilled
+#: 16-80 bytes).
 WIDE_KEYS_EXT = (0, 32)
+#: More sets, each with the dQ modes (``cuda_backward.dq_mode``'s names) and padded head dims (d = dv) where every
+#: instantiation compiled without spills (NVRTC audit of 2026-11-27: fp16 and bf16, sm_80 / 86 / 89 / 90, causal
+#: and not; docs/performance.md, "Fourteenth session"): softcap alone everywhere; dropout alone in the modes that
+#: add dQ in the dK/dV kernel (plain and ordered atomics), not at d 96 (the plain atomic kernel spilled 24 bytes,
+#: non-causal, sm_80 / 86 / 89) — the recomputing mode's dK/dV kernel spilled 16-80 bytes on sm_90 at d 128.
+#: Dropout with lengths (20 bytes, sm_80 d 128 atomic), softcap with lengths (28, sm_90 d 256 atomic) and a
+#: window (12, sm_90 d 128 atomic) spilled and keep the candidates' tiles.
+WIDE_KEYS_EXT_BY_MODE = {4: (("atomic", "ordered", "recompute"), (80, 96, 128, 256)),
+                         16: (("atomic", "ordered"), (80, 128, 256))}
+
+
+def wide_keys_take(ext, D, Dv, mode=None):
+    """Whether the dK/dV kernel with the kExt bits ``ext`` may take the wide-key tiles at padded head dims D, Dv
+    in the dQ ``mode`` ("atomic", "ordered", "recompute"; None: a mode not known, only :data:`WIDE_KEYS_EXT`)."""
+    ext = int(ext)
+    if ext in WIDE_KEYS_EXT:
+        return True
+    modes, dims = WIDE_KEYS_EXT_BY_MODE.get(ext, ((), ()))
+    return mode in modes and D == Dv and D in dims
 
 
 def _wide_keys(D, Dv, limit, stages):
@@ -165,7 +185,7 @@ def tc_split(kernel, D, Dv, Br, Bc, warps):
     return tuple(splits)
 
 
-def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
+def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None):
     """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq").
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
@@ -173,11 +193,13 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False):
     forces one of them. ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
     kernel takes no Bc = 128 candidate (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys
     holding its whole score strip in registers, spilled 4-16 bytes on sm_80), and the wide-key tiles only
-    with the bits of :data:`WIDE_KEYS_EXT`.
+    where :func:`wide_keys_take` allows the bits in the dQ ``mode`` (:data:`WIDE_KEYS_EXT`,
+    :data:`WIDE_KEYS_EXT_BY_MODE`).
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    wide = _wide_keys(D, Dv, limit, stages) if kernel == "dkv" and int(ext) in WIDE_KEYS_EXT and WIDE_KEYS else None
+    wide = (_wide_keys(D, Dv, limit, stages) if kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode)
+            else None)
     if wide is not None:
         return wide
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
