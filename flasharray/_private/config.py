@@ -75,7 +75,7 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
     calls taking the wide-row tile (``tiles.WIDE_ROWS``). On sm_90 the wgmma kernel first where
     ``kernel=None`` takes it (``cuda_forward_sm90.auto_tile``; ``device`` "cuda": only where NVRTC compiles
     sm_90a), then the mma.sync tiles the calls it does not serve keep."""
-    from . import cuda_forward_sm90
+    from . import cuda_backward_sm90, cuda_forward_sm90
     try:
         t = tiles.forward_tile(dtype, head_dim, head_dim_v, arch)
         wide = tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True)
@@ -87,8 +87,10 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
         lines.append("(%s, aligned rows, > 64 rows, no extensions: %s)" % (causal, wide.describe()))
     auto = cuda_forward_sm90.auto_tile(dtype, head_dim, head_dim_v, arch, device)
     if auto is not None:
-        lines[0] = "(extensions, split-KV decoding, KV cache, block_m: %s)" % lines[0]
-        lines.insert(0, "%s; backward: wgmma too (dq='recompute', extensions: tc)" % auto.describe())
+        ext = ("extensions on rows not 16-byte aligned at d 256" if cuda_forward_sm90.AUTO_EXT else "extensions")
+        lines[0] = "(%s, split-KV decoding, KV cache, block_m: %s)" % (ext, lines[0])
+        lines.insert(0, "%s; backward: wgmma too (dq='recompute', extensions%s: tc)" % (
+            auto.describe(), " its kernels do not both take" if cuda_backward_sm90.AUTO_EXT else ""))
     return "\n      ".join(lines)
 
 
