@@ -274,10 +274,11 @@ using namespace fa_bwd;
 // n = 0, 1, 2, ... whatever the block timing (causal without lengths: descending, n_max(i), ..., 1,
 // 0, with block x computing key block Tc - 1 - x; DQOrder): bitwise reproducible with 5 products per block pair
 // (the separate dQ kernel recomputes S and dP: 7). The visitors of query block i are exactly key
-// blocks 0 .. n_max(i) (dense and causal: key block n starts at m_block_min, nondecreasing in n,
-// and visits every query block from there; so with the extensions that keep the visits — lengths,
-// ALiBi, softcap, dropout — not with a window, whose first visitor of i is not block 0, or a block
-// mask, whose holes skip visits), so counting visits is counting key blocks. A block
+// blocks n_lo(i) .. n_max(i) (dense and causal: n_lo = 0, key block n starts at m_block_min,
+// nondecreasing in n, and visits every query block from there; so with the extensions that keep the
+// visits — lengths, ALiBi, softcap, dropout; a window: n_lo(i) its left edge's key block, DQOrder's
+// turn(i, Br, Bc, mask) — not with a block mask, whose holes skip visits), so counting visits is
+// counting key blocks. A block
 // waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
 // (fa::sem_wait's rule: no deadlock however few blocks are resident). The counters are the
 // DQOrderCounters ints after each batch entry's ceil(Lq / Br) * Br x D floats, cleared with them.
@@ -320,9 +321,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                   "P^T, dS^T in registers need the warp's strip to span all of Br and its dK_j, dV_j rows");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
-    static_assert(!kOrderedDQ || (kAtomicDQ && (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0),
-                  "ordered dQ: the atomic mode's accumulator, query block i visited by key blocks 0 .. n_max(i) "
-                  "(no window, no block mask)");
+    static_assert(!kOrderedDQ || (kAtomicDQ && (kExt & flash::kExtBlockMask) == 0),
+                  "ordered dQ: the atomic mode's accumulator, query block i visited by key blocks n_lo(i) .. n_max(i) "
+                  "(no block mask)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, kScoresInRegs>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -444,7 +445,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                     warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
                     warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
                     fa::sem_wait(order.counter(dqa_entry(grp), i),
-                                 dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
+                                 dq_order.turn(i, kBlockM, kBlockN, mask));
                 } else {
                     __syncthreads();
                 }
@@ -485,7 +486,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn).
             if constexpr (kOrderedDQ)
                 fa::sem_wait(order.counter(dqa_entry(grp), i),
-                             dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
+                             dq_order.turn(i, kBlockM, kBlockN, mask));
             if (kAtomicDQ)
                 atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
                                                                      dSt_s, K_s);

@@ -139,6 +139,12 @@ struct DQOrderCounters {
 // block Tc - 1 - x, so a block still waits only for blocks dispatched before it (fa::sem_wait's
 // rule). Lengths (kExtSeqlens) keep the ascending order: their entries' key blocks past Lk_b visit
 // nothing, which this count does not know.
+// A window (kExtWindow; the "tc" kernel's turn(i, Br, Bc, mask)) moves the first visitor of query block i
+// from key block 0 to the window's left edge, n_lo(i) = mask.n_block_min(i Br, Bc) = first_key(i Br) / Bc:
+// key block n visits i iff m_block_max of its columns passes i, i.e. i Br + causal_offset - left < (n+1) Bc,
+// i.e. n >= n_lo(i) — the same inequality (the visitors of i stay one contiguous run of key blocks). So the
+// ascending turn is n - n_lo(i); the descending one (causal) is unchanged: with causal the window's right
+// edge never binds, and the visitors above n are still n + 1 .. n_max(i).
 template <bool kDescending>
 struct DQOrder {
     int n;   // the key block this block computes
@@ -157,6 +163,14 @@ struct DQOrder {
             const int visitors = lim <= 0 ? 0 : flash::imin(tc, (lim + Bc - 1) / Bc);
             return visitors - 1 - n;
         }
+    }
+    // The turn with the call's mask: the window's first visitor of query block i subtracted in the ascending
+    // order (a Mask without a window: n_block_min is 0, the turn above).
+    template <class MaskT>
+    __device__ __forceinline__ int turn(int i, int Br, int Bc, const MaskT& mask) const {
+        const int t = turn(i, Br, Bc, mask.causal_offset);
+        if constexpr (!kDescending && MaskT::kWindow) return t - mask.n_block_min(i * Br, Bc);
+        return t;
     }
 };
 

@@ -268,8 +268,10 @@ def test_backward_bad_options():
     import types
     from flasharray._private.cuda_forward import EXT_BITS as extensions_bits
     window = types.SimpleNamespace(bits=extensions_bits["window"])  # a plan's extensions (_ExtPlan): their kExt bits
-    with pytest.raises(ValueError, match=r"option dq='ordered' needs no window or block mask"):
-        cb.dq_mode(True, "simt", window, "ordered")
+    block_mask = types.SimpleNamespace(bits=extensions_bits["block_mask"])
+    with pytest.raises(ValueError, match=r"option dq='ordered' needs no block mask \(nor a window on the wgmma"):
+        cb.dq_mode(True, "simt", block_mask, "ordered")
+    assert cb.dq_mode(True, "tc", window) == cb.dq_mode(True, "simt", window) == "ordered"
     with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):
         run_backward("emulator", Problem(np.float16, 16, 4, 4, causal=False), deterministic=False, dq="recompute")
 

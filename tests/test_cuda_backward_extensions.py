@@ -212,13 +212,13 @@ def test_block_mask_tiles_never_loaded():
     assert reads["diag"] == (full_q // 2, full_k // 2)  # half of the tile pairs: never loaded
 
 
-def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, dtype=np.float16, **opts):
+def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, dtype=np.float16, causal=True, **opts):
     """The CUDA backward (fp16: tensor cores; fp32: SIMT) on the emulator with extension keywords kw
     (checked against the reference); ``opts``: cuda_backward.backward's (schedule, seed, dq). (grads, plan)."""
     rng = np.random.default_rng(data_seed)
     q, dout = (rng.standard_normal((2, H, Lq, D)).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal((2, Hk, Lk, D)).astype(dtype) for _ in range(2))
-    args = dict(causal=True, scale=D ** -0.5)
+    args = dict(causal=causal, scale=D ** -0.5)
     out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **args, **kw)
     ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, H), Lq=Lq, Lk=Lk, acc=np.dtype(np.float32))
     call = dict(batch_shape=(2, H), device="emulator", ext=ext, **args)
@@ -259,18 +259,19 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, deterministic):
 
 @pytest.mark.parametrize("names, D, mode", [
     (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
-    (("alibi",), 256, "recompute"), (("window",), 32, "recompute"), (("block_mask", "dropout"), 32, "recompute")],
+    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")],
     ids=["ordered-exts", "ordered-d256", "alibi-d256", "window", "block_mask"])
 def test_deterministic_ext_dq_mode(names, D, mode):
     """deterministic=True with extensions on the fp16 tensor cores: the ordered dQ mode (the atomic
     mode's 5 products, adding in key-block order) with lengths, ALiBi, softcap, dropout (above head
-    dim 128 without ALiBi: those instantiations spill); the recomputing dQ kernel with a window or a
-    block mask (whose visits break the order's counting). Checked against the reference."""
+    dim 128 without ALiBi: those instantiations spill) and a window (its first visitor of each query block
+    known to the kernel); the recomputing dQ kernel with a block mask (whose holes break the order's
+    counting). Checked against the reference."""
     kw = kw_of(names, Lq=40, Lk=60)
     _, plan = _ext_backward(kw, Lq=40, Lk=60, D=D)
     assert plan.dq_mode == mode
     if mode == "recompute":
-        with pytest.raises(ValueError, match="dq='ordered' needs no window or block mask "
+        with pytest.raises(ValueError, match="dq='ordered' needs no block mask "
                                              ".*this call: kernel 'tc', head dim %d, extensions %s"
                                              % (D, ", ".join(names))):
             _ext_backward(kw, Lq=40, Lk=60, D=D, dq="ordered")
@@ -305,6 +306,49 @@ def test_ordered_dq_with_extensions_bitwise_under_schedules(monkeypatch, H, Hk, 
             np.testing.assert_array_equal(a, b)
 
 
+WINDOWS = [  # (keywords, causal, H, Hk, Lq, Lk, D): the ordered dQ mode's window cases
+    (dict(window=(20, 5)), False, 2, 2, 150, 290, 64),          # ascending, first visitor > 0, both edges
+    (dict(window=(70, 0)), True, 2, 2, 290, 290, 64),           # causal: descending, unchanged turns
+    (dict(window=(3, 0)), True, 4, 1, 200, 330, 32),            # tiny band, MQA partial sums, Lq < Lk
+    (dict(window=(40, 40), alibi=True, dropout=True), False, 2, 2, 150, 77, 128),  # Lq > Lk, rows past keys
+    (dict(window=(100, -1), seqlens=True), True, 2, 2, 150, 290, 64),  # lengths: ascending under causal
+    (dict(window=(-1, 30), softcap=True), False, 2, 2, 130, 200, 256),  # right edge only; d 256 (wide set)
+    (dict(window=(20, 5)), False, 2, 2, 150, 290, 64, np.float32),       # the SIMT kernel (float32 ieee)
+    (dict(window=(50, 0), dropout=True), True, 4, 1, 200, 130, 40, np.float64),  # SIMT fp64, causal, MQA
+]
+
+
+def _window_kw(case):
+    kw, causal, H, Hk, Lq, Lk, D = case[:7]
+    out = {"window": kw["window"]}
+    for name in ("alibi", "dropout", "seqlens", "softcap"):
+        if kw.get(name):
+            out.update(kw_of((name,), H=H, Lq=Lq, Lk=Lk))
+    return out
+
+
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "-".join(
+    [("w%s,%s" % c[0]["window"])] + [n for n in c[0] if n != "window"] + ["causal" if c[1] else "full", "d%d" % c[6]]
+    + [np.dtype(c[7]).name if len(c) > 7 else "float16"]))
+def test_ordered_dq_with_a_window(monkeypatch, case):
+    """A window in the deterministic default: the ordered dQ mode (no recomputing dQ kernel), key block n taking
+    its turn at query block i after the window's first visitor n_lo(i) (ascending) or after the visitors above it
+    (causal, descending); the reference's rule, and the same bits under reverse and random schedules (blocks that
+    wait, no deadlock) on one and two workers."""
+    _, causal, H, Hk, Lq, Lk, D = case[:7]
+    kw = _window_kw(case)
+    shape = dict(H=H, Hk=Hk, Lq=Lq, Lk=Lk, D=D, causal=causal, return_counters=True,
+                 dtype=case[7] if len(case) > 7 else np.float16)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (base, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert plan.dq_mode == "ordered" and c.sem_waits > 0 and c.sem_blocked == 0
+    for workers, schedule, seed in (("1", "reverse", 0), ("2", "random", 3)):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
+        for a, b in zip(base, got):
+            np.testing.assert_array_equal(a, b)
+
+
 SIMT = [(("window", "alibi"), "fp32", True, True), (("softcap", "dropout"), "fp64", False, False),
         (("seqlens", "block_mask"), "fp32", False, False), (("dropout", "seqlens"), "fp64", True, True)]
 
@@ -328,7 +372,8 @@ def test_backward_extension_simt_bf16_sm75():
                                    arch="sm_75", ext=ext)
     p = cuda_backward.plan(dout, q, k, v, out, lse, **opts, batch_shape=(2, 2), device="emulator", arch="sm_75",
                            ext=ext)
-    assert all("simt" in n for n in p.replay.names if "dkv" in n or "_dq_" in n)
+    computing = [n for n in p.replay.names if n.startswith(("flash_bwd_dkv", "flash_bwd_dq_"))]
+    assert computing and all("simt" in n for n in computing) and p.dq_mode == "ordered"  # the window: ordered too
     report = fa_testing.check_attention(out, q, k, v, dout=dout, grads=grads, **opts, **kw)
     assert report.passed, str(report)
 

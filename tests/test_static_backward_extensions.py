@@ -21,6 +21,7 @@ ALL = sum(cuda_forward.EXT_BITS.values())
 #: without ALiBi)
 ORDERED = cuda_backward.TC_ORDERED_EXT
 ORDERED_WIDE = cuda_backward.TC_ORDERED_EXT_WIDE
+SIMT_ORDERED = cuda_backward.SIMT_ORDERED_EXT
 SCORE_ONLY = cuda_forward.EXT_BITS["window"] | cuda_forward.EXT_BITS["alibi"] | cuda_forward.EXT_BITS["softcap"]
 
 pytestmark = requires_nvrtc
@@ -73,7 +74,7 @@ def spilled_instantiations(arch, cases=SPILLED, dtype="float16"):
     return found
 
 
-def _check_arch(arch, variants, causals=(False, True), ordered_variants=(ORDERED, ORDERED_WIDE)):
+def _check_arch(arch, variants, causals=(False, True), ordered_variants=(ORDERED, ORDERED_WIDE, SIMT_ORDERED)):
     _check(arch, instantiations(arch, variants, causals, ordered_variants))
 
 

@@ -190,8 +190,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     kernel = kernel or default_kernel(dtype, arch)
     wide = tiles.pad_head_dim(max(D, Dv))
     if ordered and (kernel not in ORDERED_KERNELS or (ext and not _family_orders(kernel, ext, wide))):
-        raise ValueError("flasharray: the ordered dQ mode needs no window or block mask (nor ALiBi above head dim "
-                         "128 on the fp16/bf16 tensor cores) (kernel %r, kExt %d)" % (kernel, ext))
+        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor a window on the wgmma, TF32 and "
+                         "float64 tensor-core kernels, nor ALiBi above head dim 128 on the fp16/bf16 ones) (kernel %r, "
+                         "kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
@@ -277,8 +278,9 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     can_order = kernel in ORDERED_KERNELS and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
         names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
-        raise ValueError("flasharray: option dq='ordered' needs no window or block mask (nor ALiBi above head "
-                         "dim 128 on the fp16/bf16 tensor cores) (this call: kernel %r, head dim %d, extensions %s)"
+        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor a window on the wgmma, TF32 and "
+                         "float64 tensor-core kernels, nor ALiBi above head dim 128 on the fp16/bf16 ones) (this call: "
+                         "kernel %r, head dim %d, extensions %s)"
                          % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
 
@@ -304,15 +306,16 @@ def _dkv_stages(stages, atomic, causal, ext, wide):
     return stages
 
 
-#: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: ALiBi, softcap,
-#: dropout, lengths — those that keep query block i's visitors key blocks 0 .. n_max(i) (a window
-#: starts them later, a block mask skips some): the same set as the TF32 kernel's. Above padded
-#: head dim 128 without ALiBi (:data:`TC_ORDERED_EXT_WIDE`): its ordered d 256 instantiations spill
-#: 36-88 bytes at the register cap on sm_75 / sm_86 / sm_90 (causal; its atomic and dQ-kernel ones do not).
-TC_ORDERED_EXT = 2 | 4 | 16 | 32
+#: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: window, ALiBi, softcap,
+#: dropout, lengths — those that keep query block i's visitors one contiguous run of key blocks whose first
+#: one the kernel knows: 0, or with a window the window's left edge (``DQOrder::turn(i, Br, Bc, mask)``,
+#: cuda_src/flash_bwd_common.cuh); not a block mask, whose holes skip visits. Above padded head dim 128
+#: without ALiBi (:data:`TC_ORDERED_EXT_WIDE`): its ordered d 256 instantiations spill 36-88 bytes at the
+#: register cap on sm_75 / sm_86 / sm_90 (causal; its atomic and dQ-kernel ones do not).
+TC_ORDERED_EXT = 1 | 2 | 4 | 16 | 32
 TC_ORDERED_EXT_WIDE = TC_ORDERED_EXT & ~2
-#: kExt bits the SIMT kernel takes in the ordered dQ mode: the same set (a window or a block mask
-#: leaves some key blocks out of a query block's visitors, which the turn count does not know).
+#: kExt bits the SIMT kernel takes in the ordered dQ mode: the same set (its key blocks walk the query blocks by
+#: the same ``QueryTileWalk`` and take their turns by the same ``DQOrder::turn(i, Br, Bc, mask)``).
 SIMT_ORDERED_EXT = TC_ORDERED_EXT
 #: Kernels with an ordered dQ mode (the atomic mode's dK/dV kernel adding dQ in key-block order).
 ORDERED_KERNELS = TC_FAMILIES + ("simt",)
