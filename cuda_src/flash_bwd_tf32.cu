@@ -549,8 +549,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(kBlockM % 16 == 0, "Br: whole n16 pairs (ldmatrix.x4 of Q_i, dO_i)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 256 && kHeadDimV <= 256,
                   "d, dv: multiples of 16, at most 256 (above 128: dK_j, dV_j in shared memory)");
-    static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
-                  "ordered dQ: query block i visited by key blocks 0 .. n(i) − 1 (no window, no block mask)");
+    static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
+                  "ordered dQ: query block i visited by key blocks n_lo(i) .. n(i) − 1 (no block mask)");
     using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
     (void)dqa_row;
 
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         dkv_visit<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kOrderedDQ>(
             dK_acc, dV_acc, K_s, V_s, Q_s, dO_s, dSt_s, lse2_s, delta_s, dqa_entry(grp) + (long long)r0 * kHeadDim,
             kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr,
-            dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset), scale_log2, mask, drop, r0, c0);
+            dq_order.turn(i, kBlockM, kBlockN, mask), scale_log2, mask, drop, r0, c0);
 
         i = i_n, grp = grp_n;
     }

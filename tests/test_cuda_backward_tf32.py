@@ -537,16 +537,19 @@ def _ext_kw(names, Lq=37, Lk=53):
 
 
 # (features, causal, deterministic): every feature; all six (atomic); the ordered dQ mode with the
-# features it takes (lengths, ALiBi, softcap, dropout), window / block mask deterministic → SIMT.
+# features it takes (window, lengths, ALiBi, softcap, dropout), a block mask deterministic → SIMT.
 EXT_CASES = [
     (("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), True, False),
     (("alibi", "softcap", "dropout", "seqlens"), True, True),
     (("window", "block_mask"), False, False),
     (("softcap",), False, True),
+    (("window", "seqlens"), False, True),
+    (("window", "block_mask"), True, True),
 ]
 TF32_EXT_CASES = [
     (("window", "block_mask", "dropout", "seqlens"), True, False),
     (("dropout", "seqlens"), False, True),
+    (("window", "dropout"), True, True),
 ]
 ALL_EXT = [((f,), c, d) for f in ("window", "alibi", "softcap", "seqlens", "block_mask", "dropout")
            for c in (False, True) for d in (False, True)]
@@ -561,7 +564,7 @@ def _check_ext(precision, case, D=16):
     names, causal, det = case
     kw = _ext_kw(names)
     q, k, v, do, out, lse, grads, plans = run_ext(precision, kw, causal=causal, deterministic=det, D=D)
-    ordered_ok = not ({"window", "block_mask"} & set(names))
+    ordered_ok = "block_mask" not in names
     if det and not ordered_ok:
         assert plans == {("simt", "recompute")}, plans
     else:
@@ -572,7 +575,7 @@ def _check_ext(precision, case, D=16):
         assert report.passed, str(report)
     else:
         delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
-        # window / block mask with the ordered dQ ran the IEEE SIMT backward: no tf32 rounding there
+        # a block mask with the deterministic mode ran the IEEE SIMT backward: no tf32 rounding there
         assert_gradients_ext(grads, q, k, v, do, causal, scale, kw, np.asarray(lse, np.float32), delta,
                              rounded=not (det and not ordered_ok))
 
@@ -587,10 +590,12 @@ def test_backward_tf32_extensions(case):
     _check_ext("tf32", case)
 
 
-def test_ext_ordered_dq_bitwise_under_schedules():
-    """The ordered dQ mode with extensions (lengths, dropout, ALiBi): bitwise equal under a permuted
-    schedule."""
-    kw = _ext_kw(("alibi", "dropout", "seqlens"), Lq=70, Lk=90)
+@pytest.mark.parametrize("names", [("alibi", "dropout", "seqlens"), ("window", "alibi")], ids=["alibi-dropout-lengths",
+                                                                                            "window-alibi"])
+def test_ext_ordered_dq_bitwise_under_schedules(names):
+    """The ordered dQ mode with extensions (lengths, dropout, ALiBi; a window: its first visitor of each query
+    block the window's left edge): bitwise equal under a permuted schedule."""
+    kw = _ext_kw(names, Lq=70, Lk=90)
     rng = np.random.default_rng(3)
     q, k, v, do = (rng.standard_normal((2, 2, n, 32)).astype(np.float32) for n in (70, 90, 90, 70))
     out, lse = fa.flash_attention_forward(q, k, v, causal=True, backend="emulator", precision="3xtf32", **kw)

@@ -190,9 +190,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     kernel = kernel or default_kernel(dtype, arch)
     wide = tiles.pad_head_dim(max(D, Dv))
     if ordered and (kernel not in ORDERED_KERNELS or (ext and not _family_orders(kernel, ext, wide))):
-        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor a window on the wgmma, TF32 and "
-                         "float64 tensor-core kernels, nor ALiBi above head dim 128 on the fp16/bf16 ones) (kernel %r, "
-                         "kExt %d)" % (kernel, ext))
+        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor a window on the wgmma kernels, "
+                         "nor ALiBi above head dim 128 on the fp16/bf16 mma.sync ones) (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
@@ -278,9 +277,9 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     can_order = kernel in ORDERED_KERNELS and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
         names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
-        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor a window on the wgmma, TF32 and "
-                         "float64 tensor-core kernels, nor ALiBi above head dim 128 on the fp16/bf16 ones) (this call: "
-                         "kernel %r, head dim %d, extensions %s)"
+        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor a window on the wgmma kernels, "
+                         "nor ALiBi above head dim 128 on the fp16/bf16 mma.sync ones) (this call: kernel %r, head dim "
+                         "%d, extensions %s)"
                          % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
 

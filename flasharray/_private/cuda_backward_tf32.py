@@ -8,9 +8,10 @@ dims).
 
 Extensions (docs/extensions.md) run on the same tiles with the kernel's ``kExt`` bits
 (:func:`dkv_name`'s ``ext``): in the atomic dQ mode all of them; in the ordered (deterministic) mode
-those in :data:`ORDERED_EXT` — the ordered counters need the key blocks visiting query block i to be
-0 .. n(i) − 1 in order, which a window (first visitor n_min(i)) or a block mask (holes) breaks; a
-deterministic call with either runs the SIMT kernels (cuda_backward.dq_mode).
+those in :data:`ORDERED_EXT` — the ordered counters need the key blocks visiting query block i to be one
+contiguous run whose first one the kernel knows (0, or a window's left edge: ``DQOrder::turn(i, Br, Bc,
+mask)``), which a block mask (holes) breaks; a deterministic call with one runs the SIMT kernels
+(cuda_backward.dq_mode).
 
 Work split: kNWarps = Bc / 16 warps, warp w owning keys 16 w.. of dK_j, dV_j in registers (every
 column) and the 16 x Br strips of S^T, dP^T (P^T, dS^T as float C fragments). Registers bound Br:
@@ -75,9 +76,9 @@ _MAX_WARPS_PER_SM = 8
 #: (tests/test_static_backward_tf32.py).
 WIDE_3XTF32_EXT = 1 | 16 | 32
 
-#: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: alibi, softcap, dropout, seqlens
-#: (every query block's visitors stay key blocks 0 .. n(i) − 1); not window (1), block mask (8).
-ORDERED_EXT = 2 | 4 | 16 | 32
+#: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
+#: (every query block's visitors stay one run of key blocks n_lo(i) .. n(i) − 1); not the block mask (8).
+ORDERED_EXT = 1 | 2 | 4 | 16 | 32
 
 
 def block_m(precision, d, dv):
@@ -170,7 +171,7 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
     """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`); ``ext``:
     the kExt bits (0: the dense name; ordered only with bits of :data:`ORDERED_EXT`)."""
     if ordered and ext & ~ORDERED_EXT:
-        raise ValueError("flasharray: the TF32 ordered dQ mode takes no window or block mask (kExt=%d)" % ext)
+        raise ValueError("flasharray: the TF32 ordered dQ mode takes no block mask (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
     lo = getattr(tile, "lo_planes", True)
     return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d%s>" % (
