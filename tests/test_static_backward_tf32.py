@@ -61,10 +61,10 @@ def instantiations(arch, dims, flags, exts=(0,)):
     for precision in T.PREC:
         for D, Dv in dims:
             for e in exts:
-                t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e)
-                if t is None:  # T.WIDE_3XTF32_EXT: those calls run the SIMT backward
-                    continue
                 for causal, vec, ordered in flags:
+                    t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e, vec=vec)
+                    if t is None:  # T.WIDE_3XTF32_EXT: those calls run the SIMT backward
+                        continue
                     if ordered and e & ~T.ORDERED_EXT:
                         continue
                     found[T.dkv_name(t, precision, t.head_dim, t.head_dim_v, causal, vec, ordered, e)] = t
@@ -175,6 +175,20 @@ def test_tf32_backward_ext_compiles_all_head_dims(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tf32_backward_compiles_all_head_dims(arch):
     _check(arch, [(d, d) for d in range(16, 129, 16)], ALL_FLAGS)
+
+
+def test_elementwise_extension_calls_at_d128_on_sm90_take_two_warps():
+    """sm_90, padded max(d, dv) above ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90, extensions, rows on the element-wise copies:
+    Bc 32 (2 warps; 4 spilled); the 16-byte copies, no extensions, other archs or head dims keep their tiles."""
+    from flasharray._private import cuda_backward
+    assert T.backward_tile("tf32", np.float32, 128, 128, 90, ext=16, vec=False).block_n == 32
+    assert T.backward_tile("tf32", np.float32, 128, 128, 90, ext=16, vec=True).block_n == 64
+    assert T.backward_tile("tf32", np.float32, 128, 128, 90, ext=0, vec=False).block_n == 64
+    assert T.backward_tile("tf32", np.float32, 96, 96, 90, ext=16, vec=False).block_n == \
+        T.backward_tile("tf32", np.float32, 96, 96, 90, ext=16).block_n
+    plan = cuda_backward.kernel_plan(np.float32, 128, 128, causal=True, deterministic=False, arch=90,
+                                     precision="tf32", kernel="tf32", ext=16, vec=False)
+    assert plan["dkv"][2].block_n == 32 and ", 16, 32, 2, 1, true, false," in plan["dkv"][1]
 
 
 def test_sm75_refused():

@@ -212,7 +212,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                 t_q.stages, x), t_q)
     elif kernel in FAMILIES:
         module = _family_module(kernel)
-        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=bool(ext))
+        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=bool(ext),
+                                    **({"vec": vec} if kernel == "tf32" else {}))
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))

@@ -116,11 +116,18 @@ class Tf32BwdTiles(BwdTiles):
     lo_planes: bool = True
 
 
-def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
+#: Above this padded max(d, dv), calls with extensions whose rows take the element-wise copies (``vec`` False) keep
+#: Bc <= 32 on sm_90: the 4-warp tf32 instantiations spilled 4-20 bytes at d 128 there (dropout, causal; window +
+#: ALiBi + softcap + dropout + lengths; atomic dQ; tests/test_static_backward_tf32.py, ``-m slow``); 2 warps do not.
+ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 = 112
+
+
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
     (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, 3xtf32 above d 64
     with extensions outside :data:`WIDE_3XTF32_EXT`). ``ext``: the call's kExt bits, or a bool (max(d,
     dv) <= 64 with extensions: half the Br, else the same tile; tests/test_static_backward_tf32.py).
+    ``vec``: the rows take the 16-byte copies (False: element-wise, :data:`ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90`).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -143,6 +150,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
         for bc in (64, 32, 16):
             if precision == "3xtf32" and max(d, dv) > 112 and bc > 32:
                 continue  # 4 warps spill 32-96 bytes on sm_90 (causal, plain atomics); 2 do not
+            if (ext and not vec and a == 90 and max(d, dv) > ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 and bc > 32):
+                continue  # element-wise copies with extensions: 4 warps spilled 4-20 bytes at d 128
             smem = smem_bytes(d, dv, br, bc, precision, lo)
             if smem > limit:
                 continue
