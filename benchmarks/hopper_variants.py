@@ -83,9 +83,9 @@ import gpu  # noqa: E402  (benchmarks/gpu.py: shapes, inputs, forward check, no-
 import gpu_backward  # noqa: E402  (its inputs with dout, backward check, FLOP factor)
 import gpu_timing  # noqa: E402
 from flasharray._private import cuda_backward, cuda_forward, launch, tiles, tiles_bwd  # noqa: E402
-from flasharray.testing import check_attention  # noqa: E402
 from flasharray._private import cuda_backward_sm90 as B  # noqa: E402
 from flasharray._private import cuda_forward_sm90 as F  # noqa: E402
+from flasharray.testing import check_attention  # noqa: E402
 
 WGMMA = "wgmma"
 MMA_FWD, MMA_BWD = "tensor_core", "tc"  # the mma.sync forward and backward, named (kernel=None is wgmma on sm_90)
