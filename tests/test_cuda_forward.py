@@ -548,6 +548,86 @@ def test_arg_block_layouts():
         L.ArgBlock([np.int32(1), "x"])
 
 
+class _MapLauncher:
+    """A packing launcher for :class:`launch.Packed` whose map encoder is ``encode(words, address)``;
+    counts the encodings."""
+
+    def __new__(cls, encode):
+        from flasharray._private import launch as L
+
+        class Launcher(L.NullLauncher):
+            encodes = 0
+
+            def encode_map(self, template, dest, dest_address, address):
+                type(self).encodes += 1
+                encode(dest, address)
+
+        return Launcher()
+
+
+def _map_packed(launcher):
+    """A :class:`launch.Packed` of a launch with a pointer (array 0) and a tensor map (array 1, 8
+    elements in), and its map's 16 words."""
+    from flasharray._private import launch as L, tensor_map
+    tmpl = tensor_map.TiledTemplate(np.float16, (64, 40), (128,), (64, 128), 128)
+    rec = L.Recorded(launcher, "flash_fwd.cu", "k", (1, 1, 1), (32, 1, 1), [L.Ptr(0), L.Map(1, 8, tmpl)])
+    packed = L.Packed(launcher, rec)
+    return packed, packed.block.words[16:32], tmpl
+
+
+@pytest.mark.parametrize("layout", ["plain", "emulator"])
+def test_packed_tensor_maps_write_the_address_word(layout):
+    """A map whose encodings differ only in one word holding the address itself (the driver's layout,
+    checked per template at the plan's first call; the emulator's) is encoded once: a call writes its
+    address there, and the 16 words equal a fresh encoding at that address."""
+    from flasharray._private import launch as L
+    if layout == "plain":
+        def encode(words, address):
+            words[:] = np.arange(100, 116, dtype=np.uint64)
+            words[5] = address
+        launcher = _MapLauncher(encode)
+    else:
+        launcher = L.NullLauncher()
+        encode = None
+    packed, words, tmpl = _map_packed(launcher)
+    assert packed.map_ptrs == ((packed.block.word(1) + (5 if layout == "plain" else 1), 1, 8),)
+    assert packed.maps == ()
+    encodes = getattr(launcher, "encodes", None)
+    for base in (0x7000_0000, 0x7000_1000, 0x6000_0100):
+        packed([(0x1000, 2), (base, 2)])
+        expect = np.zeros(16, np.uint64)
+        (encode or (lambda w, a: tmpl.emulator_encode(w, a)))(expect, base + 16)
+        assert np.array_equal(words, expect) and int(packed.block.words[0]) == 0x1000
+    if encodes is not None:
+        assert launcher.encodes == encodes  # no encoding per call
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        packed([(0x1000, 2), (0x7000_0008, 2)])
+
+
+@pytest.mark.parametrize("layout", ["two words", "shifted", "refuses"])
+def test_packed_tensor_maps_encoded_per_call_otherwise(layout):
+    """An encoder that writes the address in two words, or not as itself, or refuses the probe
+    addresses, keeps the per-call encoding (launch.Launcher.map_address_word is None)."""
+    def encode(words, address):
+        if layout == "refuses" and address != 0x7000_0010:
+            raise RuntimeError("cuTensorMapEncodeTiled failed with CUresult 1")
+        words[:] = 7
+        words[3] = address >> 4 if layout == "shifted" else address
+        if layout == "two words":
+            words[9] = address ^ 1
+    launcher = _MapLauncher(encode)
+    if layout == "refuses":
+        from flasharray._private import launch as L
+        assert launcher.map_address_word(_map_packed(L.NullLauncher())[2]) is None
+        return
+    packed, words, _ = _map_packed(launcher)
+    assert packed.map_ptrs == () and len(packed.maps) == 1
+    before = launcher.encodes
+    packed([(0x1000, 2), (0x7000_0000, 2)])
+    assert launcher.encodes == before + 1 and int(words[3]) == (0x7000_0010 >> 4 if layout == "shifted"
+                                                                else 0x7000_0010)
+
+
 def test_cupy_launch_path_without_packed_launches(monkeypatch):
     """launch.PACKED_LAUNCHES = False (a switch for a GPU's verdict): plans launch through CuPy's
     RawKernel with argument tuples, with the same results."""

@@ -205,6 +205,30 @@ class Launcher:
         words ``dest`` (at host address ``dest_address``) of a kernel-parameter block."""
         raise NotImplementedError
 
+    def map_address_word(self, template):
+        """Index (0-15) of the one word of ``template``'s encoded map that holds the global address, or
+        None. Found by encoding the map (:meth:`encode_map`) at three addresses: the encodings must
+        differ in that word alone, which must hold each address itself — then a call can write the
+        address there (:class:`Packed`) instead of encoding the map again (``cuTensorMapEncodeTiled``
+        through ctypes: ~2-3 µs a map). An encoder that lays the address out otherwise gets None, and
+        every call encodes. The CUtensorMap layout is the driver's (undocumented): hence the check, per
+        template, on the encoder at hand."""
+        words = np.zeros(16 * 4 + 8, np.uint64)
+        start = -words.ctypes.data % _MAP_ALIGN // 8
+        slots = [words[start + 16 * j:start + 16 * (j + 1)] for j in range(3)]
+        try:
+            for dest, address in zip(slots, _PROBE_ADDRESSES):
+                self.encode_map(template, dest, dest.ctypes.data, address)
+        except (RuntimeError, ValueError):  # an encoder that refuses an address it cannot check
+            return None
+        differ = np.flatnonzero((slots[0] != slots[1]) | (slots[0] != slots[2]))
+        if len(differ) != 1:
+            return None
+        w = int(differ[0])
+        if [int(dest[w]) for dest in slots] != list(_PROBE_ADDRESSES):
+            return None
+        return w
+
     def pointer(self, a, offset=0):
         raise NotImplementedError
 
@@ -746,6 +770,11 @@ def _layout_of(template):
     return layout
 
 
+#: The global addresses :meth:`Launcher.map_address_word` encodes a map at (16-byte aligned, every
+#: byte of the three different).
+_PROBE_ADDRESSES = (0x7F1234567890, 0x5A0B0C0D0E10, 0x3C4D5E6F7A80)
+
+
 class ArgBlock:
     """The ``kernelParams`` of one prepared launch (``cuLaunchKernel``): every argument's bytes in one
     host buffer, at 8-byte aligned offsets (128 for arguments over 8 bytes: a ``CUtensorMap``'s
@@ -787,21 +816,30 @@ class ArgBlock:
 
 class Packed:
     """One :class:`Recorded` launch through an :class:`ArgBlock`: per call the array addresses of its
-    :class:`Ptr` slots (one word each), its :class:`Map` slots (encoded in place) and its
-    :class:`Val` slots are written, and the kernel launched (``launcher.kernel_launch``: one
+    :class:`Ptr` slots (one word each), its :class:`Map` slots (the address word where
+    :meth:`Launcher.map_address_word` found one: the map is encoded once, here; else encoded in
+    place per call) and its :class:`Val` slots are written, and the kernel launched (``launcher.kernel_launch``: one
     ``cuLaunchKernel`` on CUDA) — no argument objects, no per-argument conversion. ``index``
     maps a slot's key to its position in the call's handles (:class:`Replay`; default: the key
     itself). A lock makes concurrent calls of one plan take turns over the block."""
 
-    __slots__ = ("name", "block", "ptrs", "maps", "vals", "launch", "encode", "lock")
+    __slots__ = ("name", "block", "ptrs", "maps", "map_ptrs", "vals", "launch", "encode", "lock")
 
     def __init__(self, launcher, rec, index=None):
         index = index or (lambda key: key)
         block = self.block = ArgBlock(rec.template)
         self.name = rec.name
         self.ptrs = tuple((block.word(i), index(key), offset) for i, key, offset in rec.slots)
-        self.maps = tuple((block.words[block.word(i):block.word(i) + 16], block.base + block.offsets[i], index(key),
-                           offset, template) for i, key, offset, template in rec.maps)
+        maps, map_ptrs = [], []
+        for i, key, offset, template in rec.maps:
+            dest, dest_address = block.words[block.word(i):block.word(i) + 16], block.base + block.offsets[i]
+            w = launcher.map_address_word(template)
+            if w is None:  # encoded per call
+                maps.append((dest, dest_address, index(key), offset, template))
+            else:  # encoded once here; a call writes the address word
+                launcher.encode_map(template, dest, dest_address, _PROBE_ADDRESSES[0])
+                map_ptrs.append((block.word(i) + w, index(key), offset))
+        self.maps, self.map_ptrs = tuple(maps), tuple(map_ptrs)
         self.vals = tuple((block.scalar(i, rec.template[i].dtype), name) for i, name in rec.values)
         self.launch = launcher.kernel_launch(rec, block.params)
         self.encode = launcher.encode_map
@@ -813,6 +851,12 @@ class Packed:
             for w, i, offset in self.ptrs:
                 h = handles[i]
                 words[w] = h[0] + offset * h[1]
+            for w, i, offset in self.map_ptrs:
+                h = handles[i]
+                address = h[0] + offset * h[1]
+                if address % 16:
+                    raise ValueError("global address 0x%x of a tensor map is not 16-byte aligned" % address)
+                words[w] = address
             for dest, dest_address, i, offset, template in self.maps:
                 h = handles[i]
                 self.encode(template, dest, dest_address, h[0] + offset * h[1])
