@@ -50,11 +50,13 @@ def test_kernel_choice_names_the_wgmma_kernel_on_sm90():
     """sm_90 fp16 / bf16: the wgmma kernel first (forward and backward), then the mma.sync tiles the calls it does
     not serve keep; AUTO_DISPATCH off, float32 or another arch: no wgmma line."""
     from conftest import flag_set
-    from flasharray._private import config, cuda_forward_sm90
+    from flasharray._private import config, cuda_backward_sm90, cuda_forward_sm90
     lines = config.kernel_choice("bfloat16", 64, 90).splitlines()
     assert lines[0].startswith("wgmma kernel") and "backward: wgmma" in lines[0]
     assert "extensions on rows not 16-byte aligned at d 256, split-KV" in lines[1] and "tensor_core" in lines[1]
-    assert "(dq='recompute', extensions: tc)" in lines[0]
+    assert "(dq='recompute', extensions its kernels or the dQ mode do not take: tc)" in lines[0]
+    with flag_set(cuda_backward_sm90, "AUTO_EXT", False):
+        assert "(dq='recompute', extensions: tc)" in config.kernel_choice("bfloat16", 64, 90).splitlines()[0]
     with flag_set(cuda_forward_sm90, "AUTO_EXT", False):
         assert "(extensions, split-KV" in config.kernel_choice("bfloat16", 64, 90).splitlines()[1]
     assert "wgmma" not in config.kernel_choice("float16", 64, 80)

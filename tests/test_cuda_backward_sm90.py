@@ -322,7 +322,9 @@ def test_not_dispatched_where_it_does_not_serve(monkeypatch):
     from flasharray._private.extensions import Extensions
     assert _auto_kernel(np.float32) == "simt"  # float32's default precision: ieee
     assert _auto_kernel(np.float32, precision="3xtf32") == "tf32"
-    assert not S.AUTO_EXT and _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"
+    assert S.AUTO_EXT and _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"  # deterministic: no wgmma window
+    with flag_set(S, "AUTO_EXT", False):
+        assert _auto_kernel(ext=Extensions(dropout_p=0.2, seed=5, offset=1)) == "tc"
     assert _auto_kernel(dq="recompute") == "tc"
     with flag_set(F, "AUTO_DISPATCH", False):
         assert _auto_kernel() == "tc"

@@ -90,7 +90,7 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
         ext = ("extensions on rows not 16-byte aligned at d 256" if cuda_forward_sm90.AUTO_EXT else "extensions")
         lines[0] = "(%s, split-KV decoding, KV cache, block_m: %s)" % (ext, lines[0])
         lines.insert(0, "%s; backward: wgmma too (dq='recompute', extensions%s: tc)" % (
-            auto.describe(), " its kernels do not both take" if cuda_backward_sm90.AUTO_EXT else ""))
+            auto.describe(), " its kernels or the dQ mode do not take" if cuda_backward_sm90.AUTO_EXT else ""))
     return "\n      ".join(lines)
 
 

@@ -337,7 +337,7 @@ def auto_wgmma(dtype, arch, precision=None, D=0, Dv=0, ext=False, dq=None, devic
     """Whether ``kernel=None`` takes the wgmma backward: on sm_90 where ``cuda_forward_sm90.auto_dispatch``
     allows it (its ``AUTO_DISPATCH``; on CUDA, NVRTC compiling sm_90a) and ``cuda_backward_sm90.backward_tile``
     serves the call (float16 / bfloat16, head dims 1..256), with ``dq`` not "recompute" and no extensions but
-    where ``cuda_backward_sm90.auto_ext`` allows them (its ``AUTO_EXT``, off; the others keep "tc").
+    where ``cuda_backward_sm90.auto_ext`` allows them (its ``AUTO_EXT``, on; the others keep "tc").
     Deterministic calls run its ordered dQ mode."""
     sm90 = _family_module("wgmma")
     if dq == "recompute" or not _fwd().sm90.auto_dispatch(arch, device):

@@ -52,11 +52,11 @@ MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
 #: Whether ``kernel=None`` on sm_90 (``cuda_backward.auto_wgmma``) takes this backward for calls with extensions too,
-#: where both of its kernels run the call's bits (:func:`auto_ext`). Off: their instantiations have run on the
-#: emulator only (no GPU yet; ``tests/test_cuda_backward_sm90_extensions.py::test_extension_gpu`` and the GPU
-#: session's ``hopper_variants.py --only ext`` are the checks that would turn it on); extension calls keep the
-#: mma.sync backward (kernel "tc").
-AUTO_EXT = False
+#: where both of its kernels run the call's bits (:func:`auto_ext`). On since 2026-11-27 (fifteenth session): on an
+#: H200 ``tests/test_cuda_backward_sm90_extensions.py::test_extension_gpu`` passed (18 cases) and the wgmma backward
+#: ran 1.5-2.0x the mma.sync one with dropout, 1.3-1.4x with a window (``hopper_variants.py --only ext``,
+#: docs/gpu_h200.md); the other extension calls keep the mma.sync backward (kernel "tc").
+AUTO_EXT = True
 #: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
 #: ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
 #: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them

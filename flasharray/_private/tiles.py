@@ -356,7 +356,10 @@ SPLIT_OCCUPANCY = 0.8
 #: partial results and the combine launch cost (FlashAttention-2 counts 128-256-key blocks).
 MIN_KEYS_PER_SPLIT = 256
 #: The smallest split count whose wave efficiency is within this fraction of the best one wins.
-SPLIT_EFFICIENCY = 0.85
+#: FlashAttention-2 takes 85 %; measured on an H200 (docs/gpu_h200.md, third session) a decode's time
+#: follows the wave efficiency of its blocks on the slots closely (B 1, H 32, 32k keys: 7 splits, 85 %,
+#: 1.16x FlashAttention-2's time; 8 splits, 97 %, 1.08x; 10 splits, 61 %, 1.50x), so 95 %.
+SPLIT_EFFICIENCY = 0.95
 
 
 def emulator_sm_count(arch):
@@ -381,9 +384,10 @@ def num_splits_heuristic(blocks, sm_count, n_key_tiles, max_splits=MAX_SPLITS):
     from 1 to min(max_splits, sm_count, n_key_tiles) is rated by the wave efficiency of the
     ``blocks · s`` blocks it launches; a count that gives every split as many tiles as s − 1 does
     (ceil(n / s) = ceil(n / (s−1)): only an empty split more) is skipped; the smallest count within
-    ``SPLIT_EFFICIENCY`` (85%) of the best efficiency wins — more splits mean more partial results
-    to write and merge for no better SM use. (FlashAttention-2's rule, ``num_splits_heuristic``.)
-    E.g. 32 heads decoding on 132 SMs: 4 splits (128 blocks, 97%); 48 on 108: 2 (89%), not 3 (67%).
+    ``SPLIT_EFFICIENCY`` (95%) of the best efficiency wins — more splits mean more partial results
+    to write and merge for no better SM use. (FlashAttention-2's rule, ``num_splits_heuristic``, which
+    takes 85%.) E.g. 32 heads decoding on 132 slots: 4 splits (128 blocks, 97%); on 264 slots: 8 (256
+    blocks, 97%), not 7 (85%); 48 on 108: 9 (432 blocks, 4 full waves), not 2 (89%) or 3 (67%).
     """
     blocks, sm_count, n_key_tiles = int(blocks), int(sm_count), int(n_key_tiles)
     if blocks <= 0 or n_key_tiles <= 1 or blocks >= SPLIT_OCCUPANCY * sm_count:
