@@ -123,6 +123,9 @@ class ForwardPlan:
         # kernel="wgmma": the Hopper forward (NotImplementedError where it cannot run); kernel=None on sm_90: the
         # same where it serves the call (cuda_forward_sm90.auto_tile), kept below unless the mma.sync plan splits.
         self.tile = sm90.forward_tile(self.dtype, D, Dv, launcher.arch, device=launcher.device, **tc)
+        if kernel is None and self.tile is not None and not sm90.auto_serves_window(getattr(ext, "window", None),
+                                                                                     self.tile):
+            self.tile = None  # a short window at d <= 64: the mma.sync forward
         auto = self.tile if kernel is None else None
         if self.tile is None or auto is not None:
             self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \

@@ -155,6 +155,23 @@ AUTO_DISPATCH = True
 #: falls back to the mma.sync forward. False: extension calls keep the mma.sync forward (the GPU session's
 #: ``hopper_variants.py`` row ``fwd.kernel.dropout`` / ``.window`` times both).
 AUTO_EXT = True
+#: That dispatch leaves to the mma.sync forward the calls with a window of at most this many keys per query row
+#: (left + right + 1, both bounded) at padded head dims (d and dv) up to :data:`SHORT_WINDOW_MAX_HEAD_DIM`. On an
+#: H200 a (255, 0) window at d 64 ran 1.3-1.4x faster on mma.sync (N 1k and 4k, causal or not; at d 128 wgmma
+#: was 1.1-1.2x faster; docs/gpu_h200.md, third session): each 128-row query tile visits 3-4 key tiles, too few
+#: to amortize the warp-specialized kernel's prologue and epilogue at d 64. 384 keys (at most 4 key tiles of 128
+#: per query tile) covers the measured 256; between that and an unbounded window (wgmma 1.4x at d 64) it is not
+#: measured.
+SHORT_WINDOW_KEYS = 384
+SHORT_WINDOW_MAX_HEAD_DIM = 64
+
+
+def auto_serves_window(window, tile):
+    """Whether ``kernel=None``'s wgmma ``tile`` serves a call with ``window`` (``(left, right)``, −1 unbounded, or
+    None): False for a short window (:data:`SHORT_WINDOW_KEYS`) at small head dims, where mma.sync is faster."""
+    if window is None or min(window) < 0 or max(tile.head_dim, tile.head_dim_v) > SHORT_WINDOW_MAX_HEAD_DIM:
+        return True
+    return window[0] + window[1] + 1 > SHORT_WINDOW_KEYS
 
 
 def nvrtc_sm90a():
