@@ -69,6 +69,26 @@ def test_float32_default_is_ieee(cc, expected):
     assert effective_precision("ieee", F64, cc) == "ieee"
 
 
+@pytest.mark.parametrize("cc", [80, (8, 6), 89, 90])
+def test_float32_forward_default_is_3xtf32_for_dense_calls_up_to_d128(cc):
+    """The CUDA forward's float32 None on sm_80+: 3xtf32 for dense calls (no extensions, no KV cache) at D, Dv <=
+    128 (it met the rule and ran 1.9x ieee on an H200); ieee above, with extensions or a KV cache, below sm_80,
+    and for the backward (effective_precision); explicit values and other dtypes unchanged."""
+    from flasharray._private.precision import FLOAT32_FWD_DEFAULT, effective_forward_precision
+    assert FLOAT32_FWD_DEFAULT == "3xtf32"
+    assert effective_forward_precision(None, F32, cc, 128, 128, dense=True) == "3xtf32"
+    assert effective_forward_precision(None, F32, cc, 1, 64, dense=True) == "3xtf32"
+    assert effective_forward_precision(None, F32, cc, 129, 64, dense=True) is None
+    assert effective_forward_precision(None, F32, cc, 64, 256, dense=True) is None
+    assert effective_forward_precision(None, F32, cc, 64, 64, dense=False) is None
+    assert effective_forward_precision(None, F32, 75, 64, 64, dense=True) is None
+    assert effective_precision(None, F32, cc) is None
+    for precision in ("ieee", "tf32", "3xtf32"):
+        assert effective_forward_precision(precision, F32, cc, 64, 64, dense=True) == precision
+    for dtype in (F16, BF16, F64):
+        assert effective_forward_precision(None, dtype, cc, 64, 64, dense=True) is None
+
+
 # ---- the option on the public functions (api.py) ------------------------------------------------------
 
 def _qkv(dtype, L=9, D=16):
@@ -136,8 +156,9 @@ def test_backward_precision_changes_the_kernel():
 
 
 def test_forward_precision_changes_the_kernel():
-    """tf32 and 3xtf32 differ from ieee (the TF32 kernel ran); the default is ieee on sm_80 (the
-    emulator's) and sm_75; the cached call signature keys on precision."""
+    """tf32 and 3xtf32 differ from ieee (the TF32 kernel ran); the forward's default is 3xtf32 on sm_80 (the
+    emulator's: FLOAT32_FWD_DEFAULT, a dense call at D 32) and ieee on sm_75; the cached call signature keys on
+    precision."""
     import flasharray as fa
     from flasharray._private import cuda_forward
     q, k, v = _qkv(F32, L=33, D=32)
@@ -145,7 +166,7 @@ def test_forward_precision_changes_the_kernel():
     tf32 = fa.flash_attention(q, k, v, backend="emulator", precision="tf32")
     x3 = fa.flash_attention(q, k, v, backend="emulator", precision="3xtf32")
     assert np.abs(ieee - tf32).max() > 1e-5 and np.abs(ieee - x3).max() > 0
-    np.testing.assert_array_equal(fa.flash_attention(q, k, v, backend="emulator"), ieee)  # default: ieee
+    np.testing.assert_array_equal(fa.flash_attention(q, k, v, backend="emulator"), x3)  # default: 3xtf32
     kw = dict(causal=False, scale=32 ** -0.5, batch_shape=q.shape[:-2], device="emulator", arch="sm_75")
     on75 = cuda_forward.forward(q, k, v, **kw)[0]
     np.testing.assert_array_equal(on75, cuda_forward.forward(q, k, v, precision="ieee", **kw)[0])

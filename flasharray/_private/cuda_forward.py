@@ -18,7 +18,7 @@ from . import cuda_forward_tf32 as tf32
 from . import launch as L
 from . import philox
 from . import tiles
-from .precision import effective_precision
+from .precision import effective_forward_precision
 
 #: The kExt bits of cuda_src/flash_ext.cuh, by Extensions.features() name.
 EXT_BITS = {"window": 1, "alibi": 2, "softcap": 4, "block_mask": 8, "dropout": 16, "seqlens": 32}
@@ -573,7 +573,9 @@ def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None,
     elif kv is not None:
         raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
-    precision = effective_precision(precision, q.dtype, launcher.arch)  # float32 None: FLOAT32_TC_DEFAULT
+    # float32 None: FLOAT32_FWD_DEFAULT (3xtf32) for dense calls at D, Dv <= 128 on sm_80+, else FLOAT32_TC_DEFAULT
+    precision = effective_forward_precision(precision, q.dtype, launcher.arch, q.shape[-1], v.shape[-1],
+                                            dense=ext is None and kv is None)
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
                                 num_splits, pack_gqa, kv, None if ext is None else ext.static_key(), precision))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,

@@ -77,15 +77,40 @@ def check_precision_arch(precision, compute_capability):
 FLOAT32_TC_DEFAULT = None
 
 
+#: float32's default precision for the CUDA **forward** of dense calls (no extensions, no KV cache) at head dims
+#: D, Dv <= :data:`FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM` on sm_80+: "3xtf32". Measured on an H200 (docs/gpu_h200.md,
+#: third session): it met the DESIGN.md rule at D 64 and 128 (N 512-4096, causal or not; out at most 0.77 of its
+#: bound) after the per-key-tile sums of the truncating mma (docs/precision.md), and ran 1.9x the ieee forward
+#: (D 64: 9.6 vs 18.0 ms; D 128: 10.3 vs 19.1). Its backward is no faster than ieee's (D 64) or 2.7x slower (D
+#: 128), so the backward's default stays :data:`FLOAT32_TC_DEFAULT`; at D 256 it broke the rule (dv > 128 keeps
+#: the sum inside the mma); with extensions it has not run on a GPU.
+FLOAT32_FWD_DEFAULT = "3xtf32"
+FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM = 128
+
+
+def effective_forward_precision(precision, dtype, compute_capability, head_dim, head_dim_v, dense):
+    """:func:`effective_precision` for a CUDA-backend forward: float32's None on sm_80+ becomes
+    :data:`FLOAT32_FWD_DEFAULT` where the call is ``dense`` (no extensions, no KV cache) and ``head_dim``,
+    ``head_dim_v`` are at most :data:`FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM`; otherwise as :func:`effective_precision`."""
+    p = effective_precision(precision, dtype, compute_capability)
+    if (precision is not None or p is not None or not dense or canonical_dtype(dtype) != np.dtype(np.float32)
+            or max(int(head_dim), int(head_dim_v)) > FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM or _cc(compute_capability) < 80):
+        return p
+    return FLOAT32_FWD_DEFAULT
+
+
+def _cc(compute_capability):
+    cc = compute_capability
+    return cc[0] * 10 + cc[1] if isinstance(cc, tuple) else int(cc)
+
+
 def effective_precision(precision, dtype, compute_capability):
     """The precision a CUDA-backend call with ``precision`` (already validated) runs: None becomes
     :data:`FLOAT32_TC_DEFAULT` (None: IEEE) for float32 on sm_80+ (``compute_capability`` e.g. 80 or (8, 0));
     everything else is returned unchanged (float32 below sm_80 and float64 keep None, i.e. IEEE)."""
     if precision is not None or canonical_dtype(dtype) != np.dtype(np.float32):
         return precision
-    cc = compute_capability
-    cc = cc[0] * 10 + cc[1] if isinstance(cc, tuple) else int(cc)
-    return FLOAT32_TC_DEFAULT if cc >= 80 else None
+    return FLOAT32_TC_DEFAULT if _cc(compute_capability) >= 80 else None
 
 
 #: Unit roundoff of tf32 (10 explicit mantissa bits, cvt.rna round-to-nearest): |cvt(x) − x| <= u|x|.
