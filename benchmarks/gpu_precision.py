@@ -47,17 +47,19 @@ from gpu import Impl  # noqa: E402
 from flasharray import reference  # noqa: E402
 from flasharray._private import cuda_backward, cuda_forward  # noqa: E402
 from flasharray._private.dtypes import ATOL  # noqa: E402
-from flasharray._private.precision import (FLOAT32_TC_DEFAULT, tf32_backward_reference,  # noqa: E402
-                                           tf32_error_bound, tf32_gradient_bound)
+from flasharray._private.precision import (FLOAT32_FWD_DEFAULT, FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM,  # noqa: E402
+                                           FLOAT32_TC_DEFAULT, tf32_backward_reference, tf32_error_bound,
+                                           tf32_gradient_bound)
 from flasharray.testing import Check, AttentionReport, check_attention  # noqa: E402
 
 DTYPES = {"fp32": np.float32, "fp64": np.float64}
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 PRECISIONS = ("ieee", "3xtf32", "tf32")
 TF32 = ("3xtf32", "tf32")
-#: float32's default precision (precision=None) on the sm_80+ GPUs these rows need: docs/precision.md
-#: (FLOAT32_TC_DEFAULT None: IEEE)
+#: float32's default precision (precision=None) on the sm_80+ GPUs these rows need (docs/precision.md): the
+#: backward's (FLOAT32_TC_DEFAULT None: IEEE), and the forward's of these dense calls up to D 128
 DEFAULT_FP32 = FLOAT32_TC_DEFAULT or "ieee"
+DEFAULT_FP32_FWD = FLOAT32_FWD_DEFAULT
 KIND_SUFFIX = {"fwd": "", "bwd": "-bwd", "fwdbwd": "-fwdbwd"}
 #: Backward variants with rows of their own: name -> (precision, cuda_backward options). ieee-recompute:
 #: the SIMT backward's recomputing dQ kernel (7 products), beside the default ordered dQ (5).
@@ -207,6 +209,29 @@ def fp64_peak(device_name):
     return None
 
 
+def default_ms(get, D):
+    """``(label, ms)`` of float32's default forward + backward at head dim ``D`` from the rows (``get(impl)``): the
+    forward's default precision (3xtf32 up to D 128) plus the backward's (ieee); one fwdbwd row where both are the
+    same precision; None when a row is missing."""
+    fwd = DEFAULT_FP32_FWD if D <= FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM else DEFAULT_FP32
+    if fwd == DEFAULT_FP32:
+        row = get(row_name("flasharray", fwd, "fwdbwd"))
+        return (fwd, row.ms) if row else None
+    f, b = get(row_name("flasharray", fwd, "fwd")), get(row_name("flasharray", DEFAULT_FP32, "bwd"))
+    return ("%s forward + %s backward" % (fwd, DEFAULT_FP32), f.ms + b.ms) if f and b else None
+
+
+def _default_goals(get, D):
+    """The float32 default's goal lines: fwd+bwd against PyTorch's memory-efficient backend, and against ieee."""
+    mine, theirs, ieee = default_ms(get, D), get("torch-mem-eff-fwdbwd"), get(row_name("flasharray", "ieee", "fwdbwd"))
+    parts = []
+    if mine and theirs:
+        parts.append("default (%s) fwd+bwd %.2fx torch-mem-eff (goal >= 2)" % (mine[0], theirs.ms / mine[1]))
+    if mine and ieee and mine[0] != "ieee":
+        parts.append("default (%s) fwd+bwd %.2fx ieee (the default's premise: > 1)" % (mine[0], ieee.ms / mine[1]))
+    return parts
+
+
 def goals(rows, device_name=""):
     """Lines of issue 12's goals per shape (dtype, D, causal, N), from whatever rows were measured."""
     by = {(r.dtype, r.D, r.causal, r.N, r.impl): r for r in rows}
@@ -217,12 +242,7 @@ def goals(rows, device_name=""):
         get = lambda impl: by.get((dt, D, causal, N, impl))  # noqa: E731
         parts = []
         if dt == "fp32":
-            mine, theirs = get(row_name("flasharray", DEFAULT_FP32, "fwdbwd")), get("torch-mem-eff-fwdbwd")
-            if mine and theirs:
-                parts.append("default (%s) fwd+bwd %.2fx torch-mem-eff (goal >= 2)" % (DEFAULT_FP32, theirs.ms / mine.ms))
-            ieee = get(row_name("flasharray", "ieee", "fwdbwd"))
-            if mine and ieee and DEFAULT_FP32 != "ieee":
-                parts.append("default (%s) fwd+bwd %.2fx ieee (the default's premise: > 1)" % (DEFAULT_FP32, ieee.ms / mine.ms))
+            parts += _default_goals(get, D)
             tf = get(row_name("flasharray", "tf32", "fwdbwd"))
             if tf:
                 parts.append("tf32 fwd+bwd %.1f TFLOP/s (goal >= 150 at D 128, N >= 4k)" % tflops(tf))

@@ -357,8 +357,15 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
             row("fp32", "flasharray-ieee", "fwd", 2.0), row("fp32", "flasharray-ieee-bwd", "bwd", 8.0),
             row("fp32", "flasharray-tf32-fwdbwd", "fwdbwd", 1.0), row("fp64", "flasharray-ieee-fwdbwd", "fwdbwd", 20.0),
             row("fp32", "flasharray-ieee-fwdbwd", "fwdbwd", 30.0), row("fp32", "flasharray-ieee-recompute-bwd", "bwd", 10.0)]
-    assert gp.DEFAULT_FP32 == "ieee"
-    monkeypatch.setattr(gp, "DEFAULT_FP32", "3xtf32")  # the goals of a tensor-core default
+    assert gp.DEFAULT_FP32 == "ieee" and gp.DEFAULT_FP32_FWD == "3xtf32"
+    rows.append(row("fp32", "flasharray-3xtf32", "fwd", 1.5))
+    lines = gp.goals(rows, "NVIDIA H100 80GB HBM3")   # the default: the 3xtf32 forward + the ieee backward
+    assert "default (3xtf32 forward + ieee backward) fwd+bwd %.2fx torch-mem-eff" % (25.0 / 9.5) in lines[0]
+    assert "default (3xtf32 forward + ieee backward) fwd+bwd %.2fx ieee" % (30.0 / 9.5) in lines[0]
+    monkeypatch.setattr(gp, "DEFAULT_FP32_FWD", "ieee")  # an ieee default: its fwdbwd row
+    assert "default (ieee) fwd+bwd %.2fx torch-mem-eff" % (25.0 / 30.0) in gp.goals(rows)[0]
+    monkeypatch.setattr(gp, "DEFAULT_FP32", "3xtf32")  # a tensor-core default in both directions
+    monkeypatch.setattr(gp, "DEFAULT_FP32_FWD", "3xtf32")
     lines = gp.goals(rows, "NVIDIA H100 80GB HBM3")
     assert "default (3xtf32) fwd+bwd 2.50x torch-mem-eff" in lines[0]
     assert "default (3xtf32) fwd+bwd 3.00x ieee" in lines[0]

@@ -184,3 +184,31 @@ def test_varlen_accepts_precision():
     c = fa.flash_attention_varlen(q, k, v, cu, cu, backend="emulator", precision="ieee")
     np.testing.assert_array_equal(b, c)
     assert np.abs(a - b).max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,causal,gqa", [(64, True, False), (128, False, True), (96, True, True)])
+def test_float32_default_forward_on_the_gpu(D, causal, gqa):
+    """On an sm_80+ GPU float32's default forward (dense, D <= 128) runs the 3xtf32 kernel and meets the
+    DESIGN.md rule, its gradients (the default ieee backward from its out and lse) too."""
+    from conftest import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA device visible to CuPy")
+    import cupy as cp
+    import flasharray as fa
+    from flasharray._private import cuda_forward
+    from flasharray.testing import check_attention
+    if int(cp.cuda.Device().compute_capability) < 80:
+        pytest.skip("3xtf32 needs sm_80+")
+    rng = np.random.default_rng(D)
+    hk = 1 if gqa else 4
+    q, dout = (rng.standard_normal((2, 4, 1000, D)).astype(F32) for _ in range(2))
+    k, v = (rng.standard_normal((2, hk, 1000, D)).astype(F32) for _ in range(2))
+    g = [cp.asarray(x) for x in (q, k, v, dout)]
+    kb, vb = (cp.broadcast_to(x, (2, 4, 1000, D)) for x in g[1:3])
+    plan = cuda_forward.plan(g[0], kb, vb, causal=causal, scale=D ** -0.5, batch_shape=(2, 4), device="cuda")
+    assert plan.tile.kernel == "tf32" and plan.tile.precision == "3xtf32", plan.tile.describe()
+    out, lse = fa.flash_attention_forward(*g[:3], causal=causal)
+    grads = fa.flash_attention_backward(g[3], *g[:3], out, lse, causal=causal)
+    report = check_attention(out, q, k, v, causal=causal, lse=lse, dout=dout, grads=grads)
+    assert report.passed, report
