@@ -41,8 +41,9 @@
 // dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
 // the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
 // Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
-// so are those dQ columns). kOrderedDQ: key block n adds only after key blocks 0 .. n − 1 have
-// (fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
+// so are those dQ columns). kOrderedDQ: key block n adds only after key blocks 0 .. n − 1 have (with a
+// window n_lo(i) .. n − 1, its left edge's first visitor: DQOrder::turn with the mask; a block mask is
+// refused) (fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
 // bitwise reproducible.
 //
 // Shared memory (1024-byte aligned pieces; the dynamic base rounded up to 1024 bytes on the GPU as in
@@ -530,8 +531,8 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   constexpr int kNThreads = Tr::kNThreads;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   (void)dqa_row;
-  static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
-                "ordered dQ: query block i visited by key blocks 0 .. n_max(i) in turn (no window, no block mask)");
+  static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
+                "ordered dQ: query block i visited by key blocks n_lo(i) .. n_max(i) in turn (no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // Swizzled tiles start on the pattern's repeat in the shared window (flash_fwd_sm90.cu's rule).
@@ -710,7 +711,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     // also our turn for query block i — sem_wait ends in a block barrier).
     fa::fence_proxy_async();
     if constexpr (kOrderedDQ)
-      fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
+      fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
     else
       __syncthreads();
     // dV, dK complete (they ran during the barrier) before the dQ batch: the A fragments of P^T and dS^T
@@ -828,7 +829,8 @@ struct IssueDvSm90 {
 
 // The dQ warp's turn at query block i (DQOrder::turn), its key block, Tc and the mask's causal offset read from
 // shared memory after the counters' base at the wait (at 24 registers, the three live across the loop spilled
-// 8 bytes; read from blockIdx / gridDim there, 12).
+// 8 bytes; read from blockIdx / gridDim there, 12). No window: the bulk dQ runs dense calls only (the host's
+// rule, cuda_backward_sm90.ws_name; the kernel's static_assert).
 template <class Order, int kBlockM, int kBlockN>
 __device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
   const int* a = reinterpret_cast<const int*>(turn0 + 1);
@@ -905,8 +907,8 @@ flash_bwd_sm90_ws_kernel(
   (void)k_b2; (void)k_row; (void)v; (void)v_b0; (void)v_b1; (void)v_b2; (void)v_row; (void)dout; (void)do_b0;
   (void)do_b1; (void)do_b2; (void)do_g; (void)do_row;
   (void)dqa_row;
-  static_assert(!kOrderedDQ || (kExt & (flash::kExtWindow | flash::kExtBlockMask)) == 0,
-                "ordered dQ: query block i visited by key blocks 0 .. n_max(i) in turn (no window, no block mask)");
+  static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
+                "ordered dQ: query block i visited by key blocks n_lo(i) .. n_max(i) in turn (no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // The swizzled boxes start on the pattern's repeat in the shared window (as in the cp.async kernel).
@@ -1142,7 +1144,7 @@ flash_bwd_sm90_ws_kernel(
     // the producer runs on).
     fa::fence_proxy_async();
     if constexpr (kOrderedDQ && !Is_dq_bulk)
-      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset),
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_order.turn(i, kBlockM, kBlockN, mask),
                          Tr::kConsumerBarrier, Tr::kConsumerThreads);
     else
       fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);

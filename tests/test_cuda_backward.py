@@ -269,7 +269,7 @@ def test_backward_bad_options():
     from flasharray._private.cuda_forward import EXT_BITS as extensions_bits
     window = types.SimpleNamespace(bits=extensions_bits["window"])  # a plan's extensions (_ExtPlan): their kExt bits
     block_mask = types.SimpleNamespace(bits=extensions_bits["block_mask"])
-    with pytest.raises(ValueError, match=r"option dq='ordered' needs no block mask \(nor a window on the wgmma kernels"):
+    with pytest.raises(ValueError, match=r"option dq='ordered' needs no block mask \(nor ALiBi above head dim 128"):
         cb.dq_mode(True, "simt", block_mask, "ordered")
     assert cb.dq_mode(True, "tc", window) == cb.dq_mode(True, "simt", window) == "ordered"
     with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):

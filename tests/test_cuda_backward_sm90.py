@@ -322,7 +322,7 @@ def test_not_dispatched_where_it_does_not_serve(monkeypatch):
     from flasharray._private.extensions import Extensions
     assert _auto_kernel(np.float32) == "simt"  # float32's default precision: ieee
     assert _auto_kernel(np.float32, precision="3xtf32") == "tf32"
-    assert S.AUTO_EXT and _auto_kernel(ext=Extensions(window=(2, 2))) == "tc"  # deterministic: no wgmma window
+    assert S.AUTO_EXT and _auto_kernel(ext=Extensions(block_mask=np.ones((1, 1), bool), block_size=(16, 16))) == "tc"
     with flag_set(S, "AUTO_EXT", False):
         assert _auto_kernel(ext=Extensions(dropout_p=0.2, seed=5, offset=1)) == "tc"
     assert _auto_kernel(dq="recompute") == "tc"
@@ -344,7 +344,7 @@ def test_extensions_dispatched_with_auto_ext():
     with flag_set(S, "AUTO_EXT", True):
         assert _auto_kernel(np.float16, 64, ext=drop) == "wgmma"
         assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
-        assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2))) == "tc"  # ordered mode: no window
+        assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2))) == "wgmma"  # ordered, window's turn
         assert _auto_kernel(np.float16, 64, ext=Extensions(softcap=3.0, dropout_p=0.2)) == "tc"  # cp.async spills
         assert _auto_kernel(np.float16, 128, ext=drop) == "tc"  # refused at d 128
         assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none

@@ -177,6 +177,29 @@ def test_ordered_bits_identical_under_schedules(kind, monkeypatch):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
 
 
+@pytest.mark.parametrize("kind", ["ws", "cp.async"])
+@pytest.mark.parametrize("names,causal,D", [(("window",), False, 64), (("window",), True, 64),
+                                            (("window", "seqlens"), True, 64), (("window", "alibi", "dropout"), False, 64),
+                                            (("window",), False, 128)],
+                         ids=["window", "window-causal", "window+seqlens-causal", "window+alibi+dropout", "window-d128"])
+def test_ordered_window(kind, names, causal, D, monkeypatch):
+    """The ordered dQ with a window (DQOrder::turn with the mask: query block i's first visitor is the window's
+    left edge's key block, ascending; causal without lengths descending, unchanged; the ws kernel's dQ warp reads
+    the left edge from shared memory): the reference's gradients, and the same bits under the reverse and random
+    schedules (a wrong turn is a deadlock the emulator reports). Lk 300 over Lq 70: most query blocks' first
+    visitor is past key block 0."""
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    inputs = problem(np.float16, D, 70, 300)
+    base = run_case(np.float16, names, causal=causal, deterministic=True, D=D, Lq=70, Lk=300, tma=kind == "ws",
+                    inputs=inputs)
+    for schedule, seed in (("reverse", 0), ("random", 5)):
+        again = run_case(np.float16, names, causal=causal, deterministic=True, D=D, Lq=70, Lk=300, tma=kind == "ws",
+                         inputs=inputs, check=False, schedule=schedule, seed=seed)
+        for a, b in zip(base, again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
+
+
 def test_dropout_bits_as_the_mma_sync_backward():
     """The same dropout (Philox counters of docs/extensions.md) as the mma.sync backward: gradients close to
     kernel "tc" on sm_80 for the same seed / offset, and far from another seed's."""
@@ -223,8 +246,7 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("names,D,Dv,det,match", [
-    (("window",), 64, 64, True, "window or a block mask with deterministic=False"),
-    (("block_mask",), 64, 64, True, "window or a block mask with deterministic=False"),
+    (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
     (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
     (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
     (("softcap",), 128, 128, False, "softcap together at head dim 128 on its cp.async kernel.*spills"),
@@ -259,8 +281,9 @@ def test_dense_names_unchanged():
     assert S.dkv_name(tile, None, 64, 64, True, True, False, ext=63, dtype="fa_half").endswith(", false, 63>")
     assert S.ws_name(tile, 64, 64, False, "fa_half").endswith("false, false, true, true>")
     assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, false, 2>")  # no bulk dQ
+    assert S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1).endswith("false, true, true, false, 1>")
     with pytest.raises(ValueError, match="ordered"):
-        S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1)
+        S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=8)
 
 
 # ---- static: the refusal table against ptxas -------------------------------------------------------------------
@@ -368,6 +391,21 @@ def test_extension_gpu_ordered_bits_repeat():
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("kind,D", [("ws", 64), ("cp.async", 64), ("ws", 128)])
+def test_extension_gpu_ordered_window(kind, D, monkeypatch):
+    """The ordered dQ with a window (its left edge's turn) on the GPU: the reference's gradients, and the same bits
+    in a second run."""
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    inputs = problem(np.float16, D, 70, 300)
+    runs = [run_case(np.float16, ("window", "seqlens") if D == 64 else ("window",), causal=False, deterministic=True,
+                     D=D, Lq=70, Lk=300, inputs=inputs, tma=kind == "ws", device="cuda", check=i == 0) for i in range(2)]
+    for a, b in zip(*runs):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 @pytest.mark.parametrize("names,causal,det", [(ALL, True, False), (("alibi", "dropout", "seqlens"), False, True)],

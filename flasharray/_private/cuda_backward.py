@@ -171,8 +171,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
-    modes). ``ordered``: the deterministic mode by ordered atomics (tensor cores; no window or block
-    mask: :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
+    modes). ``ordered``: the deterministic mode by ordered atomics (no block mask: :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
     irrelevant).
     ``kernel``: "tc", "simt", or a float32 / float64 tensor-core family of :data:`FAMILIES` ("tf32"
     with ``precision`` "tf32" / "3xtf32", "f64"), which runs the atomic modes only (default:
@@ -190,8 +189,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     kernel = kernel or default_kernel(dtype, arch)
     wide = tiles.pad_head_dim(max(D, Dv))
     if ordered and (kernel not in ORDERED_KERNELS or (ext and not _family_orders(kernel, ext, wide))):
-        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor a window on the wgmma kernels, "
-                         "nor ALiBi above head dim 128 on the fp16/bf16 mma.sync ones) (kernel %r, kExt %d)" % (kernel, ext))
+        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor ALiBi above head dim 128 on the "
+                         "fp16/bf16 mma.sync ones) (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
@@ -278,8 +277,8 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     can_order = kernel in ORDERED_KERNELS and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
         names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
-        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor a window on the wgmma kernels, "
-                         "nor ALiBi above head dim 128 on the fp16/bf16 mma.sync ones) (this call: kernel %r, head dim "
+        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor ALiBi above head dim 128 on the "
+                         "fp16/bf16 mma.sync ones) (this call: kernel %r, head dim "
                          "%d, extensions %s)"
                          % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
@@ -370,9 +369,9 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
                                       "ordered dQ modes only, not dq='recompute'")
         sm90 = _family_module(kernel)
         if ext and deterministic and ext & ~sm90.ORDERED_EXT:
-            raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs a window or a block "
-                                      "mask with deterministic=False only (its ordered dQ mode counts key blocks "
-                                      "0 .. n_max(i) per query block; no recomputing dQ kernel on wgmma)")
+            raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs a block mask with "
+                                      "deterministic=False only (its ordered dQ mode counts key blocks "
+                                      "n_lo(i) .. n_max(i) per query block; no recomputing dQ kernel on wgmma)")
         _family_module(kernel).backward_tile(precision, dtype, D, Dv, arch, ext=ext)
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:

@@ -4,11 +4,11 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 ``DQAccumLayout`` accumulator, in key-block order when deterministic) as a family of
 ``cuda_backward.FAMILIES``: the preprocess and conversion passes are the tensor-core backward's.
 
-Opt-in, like the forward's: ``cuda_backward.backward(..., kernel="wgmma")`` on sm_90 (the emulator:
-``arch="sm_90"``); nothing picks it automatically (no H100 has run it). Where it cannot run,
+``kernel=None`` on sm_90 takes it where it serves the call (``cuda_backward.auto_wgmma``, :func:`auto_ext`);
+``kernel="wgmma"`` asks for it (the emulator: ``arch="sm_90"``). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
 head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the deterministic mode
-with a window or a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs them), the sets whose
+with a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs it), the sets whose
 instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims above 128 or padded differently.
 Extensions (docs/hopper.md, "Backward with extensions"): both kernels, their ``kExt`` appended last to the names.
 
@@ -58,10 +58,10 @@ SPLIT_ABOVE = 128
 #: docs/gpu_h200.md); the other extension calls keep the mma.sync backward (kernel "tc").
 AUTO_EXT = True
 #: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
-#: ordered dQ mode takes: ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
-#: query block i's visitors key blocks 0 .. n_max(i), whose turns the ordered counters count (a window starts them
-#: later, a block mask skips some).
-ORDERED_EXT = 2 | 4 | 16 | 32
+#: ordered dQ mode takes: window, ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
+#: query block i's visitors one run of key blocks n_lo(i) .. n_max(i), whose turns the ordered counters count (a
+#: window's n_lo(i) is its left edge's key block: ``DQOrder::turn`` with the mask; a block mask skips some).
+ORDERED_EXT = 1 | 2 | 4 | 16 | 32
 _ALIGN = 1024
 
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (as the forward).
@@ -137,7 +137,7 @@ def check_ext(ext, ordered):
     """ValueError where the kernels' static_asserts would refuse the kExt bits ``ext``: the ordered mode only
     with :data:`ORDERED_EXT` (the host runs the others with ``deterministic=False`` only: ``_kernel_choice``)."""
     if ordered and ext & ~ORDERED_EXT:
-        raise ValueError("flasharray: the wgmma backward's ordered dQ takes no window or block mask (kExt=%d)" % ext)
+        raise ValueError("flasharray: the wgmma backward's ordered dQ takes no block mask (kExt=%d)" % ext)
 
 
 #: Extension subsets whose instantiations spill on sm_90a (registers at the ceiling: the consumers' 240 in the ws
