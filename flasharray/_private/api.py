@@ -310,8 +310,10 @@ def flash_attention_forward(q, k, v, *, causal=False, scale=None, backend=None, 
         ``"3xtf32"`` (each operand split into two tf32 parts, three tensor-core products: close
         to fp32). tf32/3xtf32 need sm_80 or newer (``NotImplementedError`` naming the arch;
         the emulator's arch is its compile target, sm_80); calls the TF32 kernel does not serve
-        (head dims above 128, extensions, split-KV) run the SIMT kernel. The float32 default is
-        ``"ieee"`` until a GPU measurement chooses. The cpu backend accepts every value and
+        (head dims above 128, extensions, split-KV) run the SIMT kernel. The float32 default
+        (``None``) on the CUDA backend: ``"3xtf32"`` for dense calls (no extensions, no KV cache)
+        with D, Dv <= 128 on sm_80+ (it met the test rule and ran 1.9x ``"ieee"`` on an H200),
+        ``"ieee"`` otherwise and for every backward. The cpu backend accepts every value and
         computes in IEEE fp32 / fp64. A value not applying to the dtype is a ``ValueError``.
 
     Returns
