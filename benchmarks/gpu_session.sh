@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, DECODE, PYTEST_SM90,
-# PRECISION, EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, FP64, EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -182,9 +182,13 @@ run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --deco
 # (6) the Hopper kernels against the reference and the emulator
 run_step pytest_sm90 "${GPU_SESSION_PYTEST_SM90_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]}" \
     --junitxml="$OUT_DIR/junit_sm90.xml" tests/test_gpu_sm90.py
-# (7) float32 precisions and float64 (D 64 / 128, N 4096, not causal)
-run_step gpu_precision "${GPU_SESSION_PRECISION_S:-40}" "$PY" benchmarks/gpu.py --precision --seqlens 4096 \
+# (7) float32 precisions (D 64 / 128, N 4096, not causal)
+run_step gpu_precision "${GPU_SESSION_PRECISION_S:-40}" "$PY" benchmarks/gpu.py --precision --dtypes fp32 --seqlens 4096 \
     --causal no
+# (7b) float64 on DMMA (D 64, N 4096, not causal): issue 12's "40 % of the FP64 tensor-core peak" (the fp32 rows
+# used the whole step before reaching it in both earlier sessions)
+run_step gpu_fp64 "${GPU_SESSION_FP64_S:-30}" "$PY" benchmarks/gpu.py --precision --dtypes fp64 --head-dims 64 \
+    --seqlens 4096 --causal no
 # (8) extension calls: wgmma vs mma.sync with dropout / a window (sm_90's dispatch of them: AUTO_EXT)
 run_step hopper_ext "${GPU_SESSION_EXT_S:-60}" "$PY" benchmarks/hopper_variants.py --only ext --seqlens 1024,4096 \
     --max-seconds "$((${GPU_SESSION_EXT_S:-60} / 2))" --json "$OUT_DIR/hopper_ext.json"

@@ -482,7 +482,7 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
 SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "gpu_decode", "pytest_sm90",
-                 "gpu_precision", "hopper_ext", "hopper_variants")
+                 "gpu_precision", "gpu_fp64", "hopper_ext", "hopper_variants")
 
 
 def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
@@ -518,7 +518,7 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
         assert any(line.startswith("step %d %s: end" % (i, step)) and " rc 0 " in line for line in summary), summary
     assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
-    assert [c[0] for c in scripts] == ["benchmarks/overhead.py"] + ["benchmarks/gpu.py"] * 3 + [
+    assert [c[0] for c in scripts] == ["benchmarks/overhead.py"] + ["benchmarks/gpu.py"] * 4 + [
         "benchmarks/hopper_variants.py"] * 2
     assert "ext" in scripts[-2] and "--only" not in scripts[-1]
     helps = {}
