@@ -29,8 +29,10 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
 (``cuda_forward_sm90.AUTO_EXT``, ``cuda_backward_sm90.AUTO_EXT``):
 
   fwd.kernel.dropout / bwd.kernel.dropout   dropout_p 0.1
-  fwd.kernel.window / bwd.kernel.window     window (255, 0) (the backward in the atomic dQ mode only: the wgmma
-                                            ordered mode takes no window)
+  fwd.kernel.window / bwd.kernel.window     window (255, 0) (both dQ modes: the wgmma ordered mode takes a window
+                                            since the fifteenth session)
+  fwd.kernel.window1k                       window (1023, 0): where a longer window leaves the mma.sync forward
+                                            that sm_90 keeps for windows of <= 384 keys at d <= 64
 
 A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
 
@@ -113,7 +115,7 @@ SWITCHES = (
 )
 #: The extension calls' switches (``--only ext``; not in the default run): the wgmma kernels against the mma.sync
 #: ones with an extension (``ext``: a key of :data:`EXT_SETS`), both sides called with it; ``modes`` limits the
-#: backward's dQ modes (the wgmma ordered mode takes no window). A shape whose call one side refuses
+#: backward's dQ modes. A shape whose call one side refuses
 #: (NotImplementedError while planning: e.g. the wgmma backward's refused sets at d 128, docs/hopper.md) is
 #: left out with a line saying why. Answers whether sm_90's dispatch should take the wgmma kernels for these
 #: calls too (``cuda_forward_sm90.AUTO_EXT``, ``cuda_backward_sm90.AUTO_EXT``).
@@ -122,13 +124,16 @@ EXT_SWITCHES = (
            ext="dropout"),
     Switch("fwd.kernel.window", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward, window (255, 0)",
            ext="window"),
+    Switch("fwd.kernel.window1k", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward, window (1023, 0)",
+           ext="window1k"),
     Switch("bwd.kernel.dropout", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, dropout p 0.1",
            ext="dropout"),
     Switch("bwd.kernel.window", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, window (255, 0)",
-           ext="window", modes=("atomic",)),
+           ext="window"),
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
-EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0))}
+EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),
+            "window1k": dict(window=(1023, 0))}
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
 DTYPES = gpu.DTYPES
