@@ -178,10 +178,10 @@ def test_ordered_bits_identical_under_schedules(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["ws", "cp.async"])
-@pytest.mark.parametrize("names,causal,D", [(("window",), False, 64), (("window",), True, 64),
-                                            (("window", "seqlens"), True, 64), (("window", "alibi", "dropout"), False, 64),
-                                            (("window",), False, 128)],
-                         ids=["window", "window-causal", "window+seqlens-causal", "window+alibi+dropout", "window-d128"])
+@pytest.mark.parametrize("names,causal,D", [
+    (("window",), False, 64), (("window",), True, 64), (("window", "seqlens"), True, 64),
+    (("window", "alibi", "dropout"), False, 64), (("window",), False, 128)],
+    ids=["window", "window-causal", "window+seqlens-causal", "window+alibi+dropout", "window-d128"])
 def test_ordered_window(kind, names, causal, D, monkeypatch):
     """The ordered dQ with a window (DQOrder::turn with the mask: query block i's first visitor is the window's
     left edge's key block, ascending; causal without lengths descending, unchanged; the ws kernel's dQ warp reads
@@ -402,8 +402,9 @@ def test_extension_gpu_ordered_window(kind, D, monkeypatch):
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()
     inputs = problem(np.float16, D, 70, 300)
-    runs = [run_case(np.float16, ("window", "seqlens") if D == 64 else ("window",), causal=False, deterministic=True,
-                     D=D, Lq=70, Lk=300, inputs=inputs, tma=kind == "ws", device="cuda", check=i == 0) for i in range(2)]
+    names = ("window", "seqlens") if D == 64 else ("window",)
+    runs = [run_case(np.float16, names, causal=False, deterministic=True, D=D, Lq=70, Lk=300, inputs=inputs,
+                     tma=kind == "ws", device="cuda", check=i == 0) for i in range(2)]
     for a, b in zip(*runs):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 

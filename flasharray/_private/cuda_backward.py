@@ -171,8 +171,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
-    modes). ``ordered``: the deterministic mode by ordered atomics (no block mask: :func:`dq_mode`): the atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then
-    irrelevant).
+    modes). ``ordered``: the deterministic mode by ordered atomics (no block mask: :func:`dq_mode`): the
+    atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then irrelevant).
     ``kernel``: "tc", "simt", or a float32 / float64 tensor-core family of :data:`FAMILIES` ("tf32"
     with ``precision`` "tf32" / "3xtf32", "f64"), which runs the atomic modes only (default:
     :func:`default_kernel`); ``acc_dkv`` / ``acc_dq``: dK/dV or dQ
