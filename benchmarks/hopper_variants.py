@@ -20,6 +20,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
                                128 x 32 tiles at d > 64 non-causal (off: the table's 64 x 64 / 64 x 32)
+  mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS with sm_90 added: the same wide-row tiles for causal
+                               calls on sm_90 (the default keeps the square tile there; causal rows only)
   mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
                                kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
                                at d 128, 32 x 64 at d 256)
@@ -110,6 +112,9 @@ SWITCHES = (
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),
+    Switch("mma.WIDE_CAUSAL", "fwd", tiles, "WIDE_CAUSAL_ARCHS", (80, 90),
+           "mma.sync causal d > 64 on sm_90: the wide-row tiles too (0.82-0.86x FA2 causal on the square tile)",
+           MMA_FWD),
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
 )
@@ -141,7 +146,8 @@ HEAD_DIMS = (128, 64, 256)  # the most used first (a run cut short by --max-seco
 QUICK_SEQLENS = (1024, 4096, 16384)
 FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 #: (dtype, B, H, N, D, causal) of the emulator run: every switch applies to one of them
-EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
+EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False),
+                   ("fp16", 1, 1, 80, 80, True))
 KEEP_ABOVE, FLIP_BELOW = 1.02, 0.98
 
 #: one measured (or failed) pair; ratio = ms_flipped / ms_default; note: why it is not timed, if so

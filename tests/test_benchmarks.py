@@ -382,7 +382,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
                    "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel", "mma.WIDE_ROWS",
-                   "mma.WIDE_KEYS")
+                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS")
 
 
 def test_hopper_variants_on_the_emulator(tmp_path):
