@@ -139,8 +139,8 @@ struct DQOrderCounters {
 // block Tc - 1 - x, so a block still waits only for blocks dispatched before it (fa::sem_wait's
 // rule). Lengths (kExtSeqlens) keep the ascending order: their entries' key blocks past Lk_b visit
 // nothing, which this count does not know.
-// A window (kExtWindow; turn(i, Br, Bc, mask), called by the mma.sync, TF32 and SIMT dK/dV kernels) moves the first visitor of query block i
-// from key block 0 to the window's left edge, n_lo(i) = mask.n_block_min(i Br, Bc) = first_key(i Br) / Bc:
+// A window (kExtWindow; turn(i, Br, Bc, mask), called by the mma.sync, TF32, SIMT and wgmma dK/dV kernels)
+// moves the first visitor of query block i from key block 0 to the window's left edge, n_lo(i) = mask.n_block_min(i Br, Bc) = first_key(i Br) / Bc:
 // key block n visits i iff m_block_max of its columns passes i, i.e. i Br + causal_offset - left < (n+1) Bc,
 // i.e. n >= n_lo(i) — the same inequality (the visitors of i stay one contiguous run of key blocks). So the
 // ascending turn is n - n_lo(i); the descending one (causal) is unchanged: with causal the window's right

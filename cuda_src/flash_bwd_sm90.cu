@@ -41,9 +41,9 @@
 // dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
 // the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
 // Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
-// so are those dQ columns). kOrderedDQ: key block n adds only after key blocks 0 .. n − 1 have (with a
-// window n_lo(i) .. n − 1, its left edge's first visitor: DQOrder::turn with the mask; a block mask is
-// refused) (fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
+// so are those dQ columns). kOrderedDQ: key block n adds only after key blocks n_lo(i) .. n − 1 have
+// (n_lo(i) = 0, or with a window its left edge's key block: DQOrder::turn with the mask; a block mask is
+// refused; fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
 // bitwise reproducible.
 //
 // Shared memory (1024-byte aligned pieces; the dynamic base rounded up to 1024 bytes on the GPU as in

@@ -92,8 +92,8 @@ def effective_forward_precision(precision, dtype, compute_capability, head_dim, 
     """:func:`effective_precision` for a CUDA-backend forward: float32's None on sm_80+ becomes
     :data:`FLOAT32_FWD_DEFAULT` where the call is ``dense`` (no extensions, no KV cache) and ``head_dim``,
     ``head_dim_v`` are at most :data:`FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM`; otherwise as :func:`effective_precision`."""
-    p = effective_precision(precision, dtype, compute_capability)
-    if (precision is not None or p is not None or not dense or canonical_dtype(dtype) != np.dtype(np.float32)
+    p = effective_precision(precision, dtype, compute_capability)  # an explicit value: returned as it is
+    if (p is not None or not dense or canonical_dtype(dtype) != np.dtype(np.float32)
             or max(int(head_dim), int(head_dim_v)) > FLOAT32_FWD_DEFAULT_MAX_HEAD_DIM or _cc(compute_capability) < 80):
         return p
     return FLOAT32_FWD_DEFAULT
