@@ -113,3 +113,57 @@ def test_builtins_preload_is_a_no_op_without_them(tmp_path):
     (tmp_path / "libnvrtc.so.13").write_bytes(b"")
     nvrtc._preload_builtins(str(tmp_path / "libnvrtc.so.13"))   # nothing to load, nothing raised
     nvrtc._preload_builtins("libnvrtc.so")                       # a bare soname: the loader's business
+
+
+def _sass_lines(cubin):
+    from flasharray._private import sass
+    return [ln.split("/*")[-2] for ln in sass.disassemble(cubin).splitlines() if ln.count("/*") >= 2]
+
+
+@pytest.mark.skipif(not __import__("flasharray._private.sass", fromlist=["available"]).available()[0],
+                    reason="needs the disassembler wheels")
+def test_split_compile_gives_the_same_code():
+    """Programs of several kernels compile with ``-split-compile=0`` (every CPU): the same instructions
+    and resources as on one thread."""
+    src = (KERNELS / "port_wrappers.cu").read_text()
+    names = ["port_wrappers<fa_half>", "port_wrappers<fa_bf16>"]
+    lib = nvrtc._load()
+    base = ["--gpu-architecture=sm_80", "-Xptxas=-v", "--std=c++17", "-I" + str(nvrtc.cuda_src_dir())]
+    base += ["-I" + d for d in nvrtc.cuda_include_dirs()]
+    one = nvrtc._compile(lib, src, "sm_80", names, base)
+    split = nvrtc._compile(lib, src, "sm_80", names, base + ["-split-compile=0"])
+    assert _sass_lines(one.cubin) == _sass_lines(split.cubin) and len(_sass_lines(one.cubin)) > 100
+    for n in names:
+        assert one.kernel(n).registers == split.kernel(n).registers
+
+
+def test_split_compile_falls_back_where_nvrtc_lacks_it(monkeypatch):
+    """An NVRTC that rejects ``-split-compile`` (INVALID_OPTION) compiles the program on one thread, and
+    later programs no longer ask for it."""
+    calls = []
+    real = nvrtc._compile
+
+    def old_nvrtc(lib, source, arch, names, opts):
+        calls.append(any(o.startswith("-split-compile") for o in opts))
+        if calls[-1]:
+            raise nvrtc.NvrtcError("NVRTC failed to compile for %s (NVRTC_ERROR_INVALID_OPTION):\n" % arch,
+                                   "nvrtc: error: unrecognized option -split-compile=0 found\n")
+        return real(lib, source, arch, names, opts)
+
+    monkeypatch.setattr(nvrtc, "_compile", old_nvrtc)
+    monkeypatch.setattr(nvrtc, "_split_compile_ok", True)
+    names = ["port_wrappers<fa_half>", "port_wrappers<fa_bf16>"]
+    src = (KERNELS / "port_wrappers.cu").read_text()
+    r = nvrtc.compile_cubin(src, "sm_80", name_expressions=names)
+    assert r.kernel(names[0]).registers > 0 and calls == [True, False]
+    nvrtc.compile_cubin(src, "sm_80", name_expressions=names)
+    assert calls == [True, False, False] and nvrtc._split_compile_ok is False
+
+
+def test_split_compile_keeps_real_errors(monkeypatch):
+    """A program that does not compile reports its own error, not the fallback's."""
+    monkeypatch.setattr(nvrtc, "_split_compile_ok", True)
+    with pytest.raises(nvrtc.NvrtcError, match="undefined"):
+        nvrtc.compile_cubin("template <int N> __global__ void k() { undefined_thing(); }", "sm_80",
+                            name_expressions=["k<1>", "k<2>"])
+    assert nvrtc._split_compile_ok is True

@@ -263,6 +263,29 @@ def compile_cubin(source, arch, name_expressions=(), options=(), include_dirs=()
     opts += ["-I" + str(d) for d in include_dirs]
     opts += ["-I" + d for d in cuda_include_dirs()]
     opts += list(options)
+    if len(name_expressions) > 1 and _split_compile_ok:
+        # Several kernels: NVVM and ptxas optimize them on every CPU (identical code: the cubins of the
+        # static checks' programs hash the same with and without it; about 1.35x faster on 2 cores).
+        try:
+            return _compile(lib, source, arch, name_expressions, opts + ["-split-compile=0"])
+        except NvrtcError as e:
+            if "INVALID_OPTION" not in str(e) and "split-compile" not in e.log:
+                raise
+            _disable_split_compile()  # an NVRTC without the option: compile on one thread
+    return _compile(lib, source, arch, name_expressions, opts)
+
+
+#: False once an NVRTC rejected ``-split-compile`` (older than 12.x releases that have it).
+_split_compile_ok = True
+
+
+def _disable_split_compile():
+    global _split_compile_ok
+    _split_compile_ok = False
+
+
+def _compile(lib, source, arch, name_expressions, opts):
+    """One NVRTC program: ``source`` with ``name_expressions`` under the full option list ``opts``."""
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"flasharray.cu", 0, None, None),
            "nvrtcCreateProgram")
