@@ -3,7 +3,7 @@
 // Kernels include this header and use only what it provides beyond plain C++:
 //   element types      fa_half (= __half), fa_bf16 (= __nv_bfloat16)
 //   conversions        fa::to_float(x), fa::from_float<T>(f) (round to nearest even),
-//                      fa::pack2<T>(lo, hi) -> uint32_t (lo in bits 0-15)
+//                      fa::pack2<T>(lo, hi) -> uint32_t (lo in bits 0-15), fa::unpack2<T>(w) -> float2
 //   tensor cores       fa::mma_m16n8k16<T>(d, a, b, c), T in {fa_half, fa_bf16}
 //                      fa::mma_m16n8k8_tf32(d, a, b, c) (fp32 bit patterns, low 13 bits ignored),
 //                      fa::mma_m8n8k4_f64(d, a, b, c) (DMMA); both sm_80+
@@ -124,6 +124,16 @@ template <> __device__ __forceinline__ uint32_t pack2<fa_half>(float lo, float h
 template <> __device__ __forceinline__ uint32_t pack2<fa_bf16>(float lo, float hi) {
     return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
            (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+// pack2's inverse: the two 16-bit values of a register as floats (exact), lo in .x.
+template <class T> __device__ __forceinline__ float2 unpack2(uint32_t w);
+template <> __device__ __forceinline__ float2 unpack2<fa_half>(uint32_t w) {
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+}
+template <> __device__ __forceinline__ float2 unpack2<fa_bf16>(uint32_t w) {
+    // bf16 is the upper half of a float: a shift and a mask, no conversion instruction.
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
 // ---- tensor cores: D = A * B + C, m16n8k16, A row-major, B column-major, fp32 accumulate ----

@@ -120,6 +120,59 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     c_to_a<T, kW / 16>(dS_a, dp);
 }
 
+// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel, dense calls): the warp's 32 keys (32 wk..) by kSQ
+// queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly as dkv_scores computes
+// them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS).
+// S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
+// that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
+// spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
+// 320 MMA instead of 144).
+template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M>
+__device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, const T* V_s, const T* Q_s,
+                                            const T* dO_s, const float* lse2_s, const float* delta_s, int wk,
+                                            int wq, float scale_log2, const M& mask, int r0, int c0) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int k0 = 32 * wk, q0 = kSQ * wq;
+    float p[2][kSQ / 8][4];  // S^T, then P^T (C layout; two 16-key m tiles)
+    zero_acc(p[0]); zero_acc(p[1]);
+    warp_mma_m<T, 2, kHeadDim, kSQ, false, false>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * L::kPitchD,
+                                                  L::kPitchD);
+#pragma unroll
+    for (int nt = 0; nt < kSQ / 8; ++nt) {
+        const int r = q0 + nt * 8 + 2 * t;  // this lane's query columns r, r + 1
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                p[mt][nt][e] = p_from_score(p[mt][nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
+                                            mask.is_visible(r0 + r + e % 2, c0 + k0 + 16 * mt + g + (e / 2) * 8));
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        uint32_t a[kSQ / 16][4];
+        c_to_a<T, kSQ / 16>(a, p[mt]);
+        store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        float dp[1][kSQ / 8][4];  // dP^T of m tile mt
+        zero_acc(dp[0]);
+        warp_mma_m<T, 1, kHeadDimV, kSQ, false, false>(dp, V_s + (k0 + 16 * mt) * L::kPitchDv, L::kPitchDv,
+                                                       dO_s + q0 * L::kPitchDv, L::kPitchDv);
+#pragma unroll
+        for (int nt = 0; nt < kSQ / 8; ++nt) {
+            const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + q0 + nt * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp[0][nt][e] = p[mt][nt][e] * (dp[0][nt][e] - (e % 2 ? delta_r.y : delta_r.x));
+        }
+        uint32_t a[kSQ / 16][4];
+        c_to_a<T, kSQ / 16>(a, dp[0]);
+        store_a<T, kSQ / 16>(dSt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
+    }
+}
+
 // dQ kernel: queries qt*16 .. +15 (rows) by keys k0 .. k0 + kW - 1 (columns) of S = Q_i K_j^T and
 // dP = dO_i V_j^T, then dS = P o (dP - D_i) (L_i, D_i per row).
 template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, class M, class Drop>
@@ -524,6 +577,185 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_w * dv_row + wn * kColsV,
                             dv_row, dV_acc, 1.0f, Lk - c_w, Dv - wn * kColsV);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, kExt = 0):
+// Bc = 32 kWK keys, 8 warps. Each product runs on 32-row warp tiles, so each ldmatrix feeds more MMAs
+// than the row-tile kernel above (one warp per 16 keys: 16 x Br strips), whose products are bound by
+// shared-memory reads (0.65 ldmatrix.x4 per MMA at d 128, 4 cycles each against ~2 per MMA):
+//   S^T, dP^T   kWK x kWQ warps, each 32 keys x Br / kWQ queries (A = K_j / V_j rows, B = Q_i / dO_i rows);
+//               P^T and dS^T go to shared memory (Bc x Br each);
+//   dV_j, dK_j  kWK x kWQ warps, each 32 keys x D / kWQ (Dv / kWQ) columns, A = P^T / dS^T from shared
+//               memory, B = dO_i / Q_i — dK_j, dV_j stay in registers (every visit, as above);
+//   dQ_i        Br / 32 x 8 / (Br / 32) warps, each 32 queries x 32 columns (one DQAccumLayout tile per
+//               16 rows: the warp-wide atomics of the kernel above), computed before the ordered mode's
+//               turn, so that only the atomics wait for it.
+// Same grid, same visits (causal: from m_block_min; GQA: n_group entries), same accumulator and counters,
+// same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel.
+template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
+          bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ>
+__global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kernel(
+    const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
+    const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
+    const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
+    const T* __restrict__ dout, long long do_b0, long long do_b1, long long do_b2, long long do_g, long long do_row,
+    const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
+    const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
+    float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
+    long long dqa_row /* = kHeadDim (DQAccumLayout); unused */,
+    OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
+    OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
+    int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float)) {
+    constexpr int kNWarps = 8, kNThreads = 256;
+    constexpr int kWK = kBlockN / 32;                // warps along the keys (scores, dK_j / dV_j)
+    constexpr int kWQ = kNWarps / kWK;               // ... along the queries (scores) / columns (dK, dV)
+    constexpr int kSQ = kBlockM / kWQ;               // queries per warp's score tile
+    constexpr int kCK = kHeadDim / kWQ, kCV = kHeadDimV / kWQ;  // dK_j / dV_j columns per warp
+    constexpr int kQW = kBlockM / 32;                // dQ: warps along the queries
+    using A = DQAccumLayout<kHeadDim>;
+    static_assert(kBlockN % 32 == 0 && kNWarps % kWK == 0 && kBlockM % (16 * kWQ) == 0 && kSQ % 16 == 0,
+                  "grid layout: 32-key warp tiles, score tiles of whole n16 steps");
+    static_assert(kCK % 16 == 0 && kCV % 16 == 0, "grid layout: dK / dV column slices of whole n16 steps");
+    static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim / (kNWarps / kQW) == A::kDQCols,
+                  "grid layout: each warp's dQ tile is 32 rows of one DQAccumLayout column tile");
+    using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
+
+    FA_DYNAMIC_SMEM(smem);
+    T* Q_buf = reinterpret_cast<T*>(smem + L::kQ);
+    T* dO_buf = reinterpret_cast<T*>(smem + L::kdO);
+    T* K_s = reinterpret_cast<T*>(smem + L::kK);
+    T* V_s = reinterpret_cast<T*>(smem + L::kV);
+    T* Pt_s = reinterpret_cast<T*>(smem + L::kP);             // P_ij^T  Bc x Br
+    T* dSt_s = reinterpret_cast<T*>(smem + L::kdS);           // dS_ij^T Bc x Br
+    float* lse2_s = reinterpret_cast<float*>(smem + L::kL);
+    float* delta_s = reinterpret_cast<float*>(smem + L::kDelta);
+
+    const BatchIndex b = BatchIndex::from_grid(nb2);
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wk = warp / kWQ, wq = warp % kWQ;        // scores and dK/dV: keys 32 wk.., queries / columns
+    const int wr = warp / (kNWarps / kQW), wc = warp % (kNWarps / kQW);  // dQ: rows 32 wr.., column tile wc
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, 0>;
+    const Order dq_order = Order::make();
+    const int c0 = dq_order.n * kBlockN;
+    const float scale_log2 = scale * flash::kLog2e;
+    const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
+    const auto mask = flash::make_mask<kIsCausal, 0, float>(Lq, Lk, ext, b);
+    const int i_begin = mask.m_block_min(c0, kBlockM);
+    const int Tr = (Lq + kBlockM - 1) / kBlockM;
+    const int n_visits = (Tr > i_begin ? Tr - i_begin : 0) * n_group;
+    auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g; };
+    const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
+    auto load_query_block = [&](int grp, int i, int buf) {
+        const int r0 = i * kBlockM;
+        load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+            Q_buf + buf * L::kQStage,
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+        load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+            dO_buf + buf * L::kdOStage,
+            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
+            do_row, Lq - r0, Dv);
+    };
+
+    load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+    load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    if (n_visits > 0) load_query_block(0, i_begin, 0);
+    fa::cp_async_commit();
+
+    float dK_acc[2][kCK / 8][4];  // dK_j rows 32 wk.., columns kCK wq..
+    float dV_acc[2][kCV / 8][4];
+    zero_acc(dK_acc[0]); zero_acc(dK_acc[1]);
+    zero_acc(dV_acc[0]); zero_acc(dV_acc[1]);
+
+    int grp = 0, i = i_begin;
+    for (int visit = 0; visit < n_visits; ++visit) {
+        const int r0 = i * kBlockM;
+        const bool wrap = i + 1 == Tr;
+        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        const int buf = kStages == 2 ? visit % 2 : 0;
+        const T* Q_s = Q_buf + buf * L::kQStage;
+        const T* dO_s = dO_buf + buf * L::kdOStage;
+        // Barrier: every warp is done with the previous visit (its Q_i / dO_i buffer, P^T, dS^T, L_i, D_i).
+        __syncthreads();
+        // Two buffers: the next visit's copies start here. One buffer: they started in the previous visit,
+        // once its last product had read Q_i, dO_i (below), overlapping its dQ product and atomics.
+        const bool prefetch = kStages == 2 && visit + 1 < n_visits;
+        if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);
+        fa::cp_async_commit();
+        load_row_stats_exp<kBlockM, kNThreads>(
+            lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
+            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+        if (prefetch)
+            fa::cp_async_wait<1>();
+        else
+            fa::cp_async_wait<0>();
+        // Barrier: the copies and L_i, D_i are visible to every warp.
+        __syncthreads();
+        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse2_s, delta_s, wk, wq,
+                                                    scale_log2, mask, r0, c0);
+        // Barrier: P^T and dS^T complete before warps read them across score tiles.
+        __syncthreads();
+        warp_mma_m<T, 2, kBlockM, kCV, false, true>(dV_acc, Pt_s + 32 * wk * L::kPitchS, L::kPitchS,
+                                                    dO_s + wq * kCV, L::kPitchDv);
+        warp_mma_m<T, 2, kBlockM, kCK, false, true>(dK_acc, dSt_s + 32 * wk * L::kPitchS, L::kPitchS,
+                                                    Q_s + wq * kCK, L::kPitchD);
+        if (kStages == 1 && visit + 1 < n_visits) {
+            // Barrier: every warp is done reading Q_i, dO_i; the next visit's copies overlap dQ.
+            __syncthreads();
+            load_query_block(grp_n, i_n, 0);
+            fa::cp_async_commit();
+        }
+        float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., columns kDQCols wc.. (dS K_j, unscaled)
+        zero_acc(dq[0]); zero_acc(dq[1]);
+        warp_mma_m<T, 2, kBlockN, A::kDQCols, true, true>(dq, dSt_s + 32 * wr, L::kPitchS,
+                                                          K_s + wc * A::kDQCols, L::kPitchD);
+        float* dqa_i = dqa_entry(grp) + (long long)r0 * kHeadDim;
+        if constexpr (kOrderedDQ) fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float* dst = dqa_i + ((2 * wr + mt) * A::kColTiles + wc) * A::kTileFloats + lane;
+#pragma unroll
+            for (int n = 0; n < A::kDQCols / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) fa::atomic_add(dst + (n * 4 + e) * 32, dq[mt][n][e]);
+        }
+        if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+        i = i_n, grp = grp_n;
+    }
+
+    fa::cp_async_wait<0>();
+    // -- epilogue: dK_j * scale and dV_j (rows < Lk, columns < D / Dv).
+    const int c_w = 32 * wk;  // first key of this warp's rows
+    if constexpr (kVecLoad && sizeof(OutT) == 2) {
+        OutT* dK_s = reinterpret_cast<OutT*>(K_s);
+        OutT* dV_s = reinterpret_cast<OutT*>(V_s);
+        // Barrier: every warp is done reading K_j, V_j.
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            stage_acc<OutT>(dK_s + (c_w + 16 * mt) * L::kPitchD + wq * kCK, L::kPitchD, dK_acc[mt], scale);
+            stage_acc<OutT>(dV_s + (c_w + 16 * mt) * L::kPitchDv + wq * kCV, L::kPitchDv, dV_acc[mt], 1.0f);
+        }
+        // Barrier: the staged tiles are complete before threads read whole rows of them.
+        __syncthreads();
+        store_tile_vec<OutT, kBlockN, kHeadDim, L::kPitchD, kNThreads>(
+            dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c0 * dk_row, dk_row, dK_s, Lk - c0, D);
+        store_tile_vec<OutT, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(
+            dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c0 * dv_row, dv_row, dV_s, Lk - c0, Dv);
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int c_m = c0 + c_w + 16 * mt;
+            store_acc<OutT>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}) + (long long)c_m * dk_row + wq * kCK,
+                            dk_row, dK_acc[mt], scale, Lk - c_m, D - wq * kCK);
+            store_acc<OutT>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}) + (long long)c_m * dv_row + wq * kCV,
+                            dv_row, dV_acc[mt], 1.0f, Lk - c_m, Dv - wq * kCV);
+        }
+    }
+    (void)g; (void)t;
 }
 
 // ---------------------------------------------------------------------------------------------

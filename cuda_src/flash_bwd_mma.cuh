@@ -140,6 +140,40 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, 
     }
 }
 
+// acc (16 kMT x kN) += A (16 kMT x kK) * B (kK x kN), both operands in shared memory (layouts as
+// warp_mma): kMT m16 tiles per warp, so each B fragment (one ldmatrix.x4: two n8 tiles of a k16 step)
+// feeds 2 kMT MMAs instead of 2 — the grid-layout dK/dV kernel's products (flash_bwd_dkv_grid_kernel:
+// 32 x 32 warp tiles, 0.5 ldmatrix per MMA where a 16-row strip of the same product needs 0.75).
+template <typename T, int kMT, int kK, int kN, bool kATrans, bool kBTrans>
+__device__ __forceinline__ void warp_mma_m(float (&acc)[kMT][kN / 8][4], const T* A_s, int a_pitch,
+                                           const T* B_s, int b_pitch) {
+    static_assert(kK % 16 == 0 && kN % 16 == 0, "warp_mma_m: k16 steps and pairs of n8 tiles");
+    const int lane = (int)threadIdx.x % 32;
+    const int mat = lane / 8, mrow = lane % 8;
+    const T* A_l = kATrans ? A_s + (mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8
+                           : A_s + (lane % 16) * a_pitch + (lane / 16) * 8;
+    const T* B_l = B_s + b_lane_offset<kBTrans>(b_pitch);
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+            fa::ldmatrix<4, kATrans>(a[mt], A_l + (kATrans ? ks * 16 * a_pitch + mt * 16 : (mt * 16) * a_pitch + ks * 16));
+#pragma unroll
+        for (int n0 = 0; n0 < kN; n0 += 16) {
+            uint32_t b[4];
+            fa::ldmatrix<4, kBTrans>(b, B_l + (kBTrans ? ks * 16 * b_pitch + n0 : n0 * b_pitch + ks * 16));
+            const uint32_t b_lo[2] = {b[0], b[1]};
+            const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                fa::mma_m16n8k16<T>(acc[mt][n0 / 8], a[mt], b_lo, acc[mt][n0 / 8]);
+                fa::mma_m16n8k16<T>(acc[mt][n0 / 8 + 1], a[mt], b_hi, acc[mt][n0 / 8 + 1]);
+            }
+        }
+    }
+}
+
 // Round a 16 x (16 kK) C-layout accumulator (kK k16 steps = 2 kK n8 tiles) to A fragments.
 template <typename T, int kK>
 __device__ __forceinline__ void c_to_a(uint32_t (&a)[kK][4], const float (&c)[2 * kK][4]) {

@@ -295,7 +295,8 @@ def test_deterministic_bitwise_under_schedules(dt, dq):
 
 
 def _dkv_counters(counters):
-    (c,) = [c for name, c in counters if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_simt_kernel"))]
+    (c,) = [c for name, c in counters
+            if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_dkv_simt_kernel"))]
     return c
 
 
@@ -327,7 +328,7 @@ def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, 
 
 
 @pytest.mark.parametrize("dt,D,kernels", [
-    ("fp16", 128, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_kernel", "flash_bwd_convert_dq_tc_kernel"]),
+    ("fp16", 128, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_convert_dq_tc_kernel"]),
     ("fp32", 64, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_simt_kernel", "flash_bwd_convert_dq_kernel"])])
 def test_ordered_and_recomputed_dq_agree(dt, D, kernels):
     """The two deterministic modes compute the same gradients (dK, dV: the same kernel code; dQ: a

@@ -279,7 +279,8 @@ def test_deterministic_ext_dq_mode(names, D, mode):
 
 def _dkv_counters(grads_and_counters):
     *grads, counters = grads_and_counters
-    (c,) = [c for name, c in counters if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_simt_kernel"))]
+    (c,) = [c for name, c in counters
+            if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_dkv_simt_kernel"))]
     return grads, c
 
 

@@ -251,6 +251,15 @@ template <> inline uint32_t pack2<fa_bf16>(float lo, float hi) {
     return static_cast<uint32_t>(fa_emu::f32_to_bf16_bits(lo)) |
            (static_cast<uint32_t>(fa_emu::f32_to_bf16_bits(hi)) << 16);
 }
+template <class T> inline float2 unpack2(uint32_t w);
+template <> inline float2 unpack2<fa_half>(uint32_t w) {
+    return {fa_emu::f16_bits_to_f32(static_cast<uint16_t>(w & 0xffffu)),
+            fa_emu::f16_bits_to_f32(static_cast<uint16_t>(w >> 16))};
+}
+template <> inline float2 unpack2<fa_bf16>(uint32_t w) {
+    return {fa_emu::bf16_bits_to_f32(static_cast<uint16_t>(w & 0xffffu)),
+            fa_emu::bf16_bits_to_f32(static_cast<uint16_t>(w >> 16))};
+}
 
 template <class T>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {

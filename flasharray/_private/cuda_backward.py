@@ -201,9 +201,13 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     if kernel == "tc":
         mode = "ordered" if ordered else "atomic" if atomic else "recompute"
         t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode)
-        plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
-            T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
-            _b(atomic), _b(vec), t_kv.stages, x), t_kv)
+        if t_kv.layout == "grid":  # dense, atomic or ordered (tiles_bwd.grid_tile)
+            plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_grid_kernel<%s, %s, %d, %d, %d, %d, %s, %s, %d, %s>" % (
+                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, _b(causal), _b(vec), t_kv.stages, _b(ordered)), t_kv)
+        else:
+            plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
+                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
+                _b(atomic), _b(vec), t_kv.stages, x), t_kv)
         if not atomic:
             t_q = tiles.tc_tiles("dq", D, Dv, arch, stages)
             plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d%s" % (

@@ -29,6 +29,7 @@ class BwdTiles:
     smem: int
     reason: str
     stages: int = 1   # buffers of the streamed tiles (tensor-core kernels: 2 = cp.async prefetch)
+    layout: str = "rows"  # tensor-core dK/dV kernel: "rows" (flash_bwd_dkv_kernel), "grid" (..._grid_kernel)
 
     @property
     def needs_opt_in(self):
@@ -149,6 +150,39 @@ def _wide_keys(D, Dv, limit, stages):
     return None
 
 
+# The grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; FlashAttention-2's warp grid): 8 warps on 32-row
+# warp tiles of every product — 0.45 ldmatrix.x4 per MMA where the row-tile kernel (one warp per 16 keys)
+# needs 0.60-0.65: its products are bound by shared-memory reads (4 cycles per ldmatrix.x4 against about 2
+# per MMA). Padded head dim d = dv -> Br (Bc = 128): d 128 takes 64 queries (each warp's dQ tile 32 rows x 32
+# columns), d 64 takes 128. Dense calls (kExt = 0) in the atomic and ordered dQ modes (the recomputing mode's
+# dK/dV kernel adds no dQ), one buffer of Q_i, dO_i (the next visit's copies start once the last product read
+# them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and do not fit sm_80's
+# 163 KB), on the arches whose shared memory fits it (sm_80, sm_87, sm_90: 138.5-141 KB; not sm_75 / 86 / 89).
+GRID_TILES = {128: 64, 64: 128}
+GRID_BLOCK_N = 128
+#: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
+#: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
+GRID_LAYOUT = True
+
+
+def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None):
+    """The grid-layout dK/dV tile for padded head dims D, Dv, or None where it does not apply (head dims
+    other than d = dv in :data:`GRID_TILES`, extensions, the recomputing or an unknown dQ ``mode``, two
+    buffers forced, shared memory over the arch's limit, :data:`GRID_LAYOUT` off)."""
+    if not GRID_LAYOUT or ext or mode not in ("atomic", "ordered") or stages not in (None, 1):
+        return None
+    if D != Dv or D not in GRID_TILES:
+        return None
+    Br, Bc = GRID_TILES[D], GRID_BLOCK_N
+    smem = tc_smem("dkv", D, Dv, Br, Bc, 1)
+    limit = smem_limit(arch)
+    if smem > limit:
+        return None
+    why = ("grid layout: %d keys x %d queries, 8 warps on 32-row warp tiles (0.45 ldmatrix per MMA); one buffer "
+           "of Q_i, dO_i: %d B of shared memory fit the limit %d B" % (Bc, Br, smem, limit))
+    return BwdTiles(Br, Bc, 256, smem, why, 1, "grid")
+
+
 def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2, warps=None):
     """Bytes of ``TcSmem``: Q_i, dO_i, K_j, V_j (the streamed pair ``stages`` times: Q_i, dO_i
     for "dkv", K_j, V_j for "dq"), then P^T and dS^T (dkv) or dS (dq), L_i, D_i. The dK/dV kernel
@@ -190,7 +224,8 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None):
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
     copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
-    forces one of them. ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
+    forces one of them. The dK/dV kernel of a dense call in the atomic or ordered dQ ``mode`` takes the
+    grid layout where :func:`grid_tile` gives one. ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
     kernel takes no Bc = 128 candidate (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys
     holding its whole score strip in registers, spilled 4-16 bytes on sm_80), and the wide-key tiles only
     where :func:`wide_keys_take` allows the bits in the dQ ``mode`` (:data:`WIDE_KEYS_EXT`,
@@ -198,6 +233,9 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None):
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
+    grid = grid_tile(D, Dv, arch, stages, ext, mode) if kernel == "dkv" else None
+    if grid is not None:
+        return grid
     wide = (_wide_keys(D, Dv, limit, stages) if kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode)
             else None)
     if wide is not None:
