@@ -25,6 +25,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
                                kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
                                at d 128, 32 x 64 at d 256)
+  mma.GRID_LAYOUT              tiles_bwd.GRID_LAYOUT, the mma.sync backward's (both sides kernel="tc"): the
+                               grid-layout dK/dV kernel (FlashAttention-2's warp grid, 0.5 ldmatrix per MMA) at
+                               d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
 
 Extension switches (``--only ext``; not in the default run): the same wgmma-vs-mma.sync comparison with an
 extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of extension calls
@@ -117,6 +120,8 @@ SWITCHES = (
            MMA_FWD),
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
+    Switch("mma.GRID_LAYOUT", "bwd", tiles_bwd, "GRID_LAYOUT", False,
+           "mma.sync backward d 64 / 128: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
 )
 #: The extension calls' switches (``--only ext``; not in the default run): the wgmma kernels against the mma.sync
 #: ones with an extension (``ext``: a key of :data:`EXT_SETS`), both sides called with it; ``modes`` limits the

@@ -382,7 +382,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
                    "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel", "mma.WIDE_ROWS",
-                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS")
+                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT")
 
 
 def test_hopper_variants_on_the_emulator(tmp_path):
@@ -396,7 +396,8 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     for name, table in zip(HOPPER_SWITCHES, tables):
         rows = [line for line in table.splitlines() if line.startswith("(")]
         modes = {line.split("|")[1].strip() for line in rows}
-        assert modes == ({"det", "atomic"} if name.startswith("bwd") or name == "mma.WIDE_KEYS" else {"fwd"}), \
+        assert modes == ({"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT")
+                         else {"fwd"}), \
             (name, table)
         assert all(float(line.split("|")[4]) > 0 for line in rows), table   # flipped / default
     summary = out.split("summary (ratio")[1]
@@ -408,6 +409,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     assert by_name["bwd.DQ_BULK"]["flag"] == "cuda_backward_sm90.DQ_BULK"
     assert by_name["mma.WIDE_ROWS"]["flag"] == "tiles.WIDE_ROWS" and by_name["mma.WIDE_ROWS"]["default"] is True
     assert by_name["mma.WIDE_KEYS"]["flag"] == "tiles_bwd.WIDE_KEYS" and by_name["mma.WIDE_KEYS"]["default"] is True
+    assert by_name["mma.GRID_LAYOUT"]["flag"] == "tiles_bwd.GRID_LAYOUT" and by_name["mma.GRID_LAYOUT"]["default"] is True
 
 
 def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
@@ -467,6 +469,10 @@ def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
         assert kernel == "tc" and tiles_bwd.WIDE_KEYS is False
         assert tiles_bwd.tc_tiles("dkv", 128, 128, "sm_90").block_n == 64
     assert tiles_bwd.WIDE_KEYS is True and tiles_bwd.tc_tiles("dkv", 128, 128, "sm_90").block_n == 128
+    (sw,) = [s for s in hv.SWITCHES if s.name == "mma.GRID_LAYOUT"]
+    with hv.variant(sw) as kernel:               # the row-tile dK/dV kernel in the atomic modes
+        assert kernel == "tc" and tiles_bwd.tc_tiles("dkv", 128, 128, "sm_90", mode="ordered").layout == "rows"
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, "sm_90", mode="ordered").layout == "grid"
     assert hv.verdict([1.1, 1.05, 0.9]) == (1.05, "keep default") and hv.verdict([0.9])[1] == "flip"
     assert hv.verdict([1.01, 0.99])[1] == "keep default (within 2 %)" and hv.verdict([])[0] is None
     assert hv.verdict([1.5], dispatch=True)[1] == "wgmma faster: dispatch it"

@@ -17,7 +17,7 @@ from flasharray._private import cuda_forward
 from flasharray._private import tiles_bwd
 from flasharray._private.dtypes import accumulation_dtype, bfloat16, canonical_dtype
 
-from conftest import make_qkv, requires_gpu
+from conftest import flag_set, make_qkv, requires_gpu
 
 DIMS = (16, 32, 59, 64, 96, 128, 256)
 LENGTHS = ((1, 1), (17, 63), (64, 64), (65, 127), (128, 257), (257, 128), (113, 203))
@@ -325,6 +325,33 @@ def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, 
         assert _dkv_counters(counters).sem_blocked > 0
         for a, b in zip(ref, got):
             assert a.tobytes() == b.tobytes(), workers
+
+
+@pytest.mark.parametrize("causal,deterministic", [(True, True), (False, False)])
+def test_grid_layout_kernel(causal, deterministic):
+    """The grid-layout dK/dV kernel (tiles_bwd.grid_tile: FlashAttention-2's warp grid, d 64 / 128, atomic and
+    ordered dQ) serves dense tensor-core calls on sm_80 / sm_90. Its dK, dV are bitwise those of the row-tile
+    kernel (the same P^T, dS^T and the same k16 steps in query order, only more per visit); its dQ meets the rule,
+    and in the ordered mode runs bitwise the same under every block schedule (one buffer of Q_i, dO_i refilled
+    while dQ is added: the refill waits for every warp's last read)."""
+    p = Problem(np.float16, 128, 200, 300, causal=causal, bcast="gqa")
+    for arch, mode in ((80, deterministic), (90, deterministic), (80, not deterministic)):
+        plan = cb.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=mode, arch=arch, ordered=mode)
+        assert plan["dkv"][1].startswith("flash_bwd_dkv_grid_kernel<fa_half, fa_half, 128, 128, 64, 128, ")
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 86, mode="ordered").layout == "rows"      # 99 KB: no room
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, mode="recompute").layout == "rows"
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=4, mode="ordered").layout == "rows"
+    *grid, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    assert any(name.startswith("flash_bwd_dkv_grid_kernel") for name, _ in counters)
+    check(p, grid)
+    with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+        *rows, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    assert any(name.startswith("flash_bwd_dkv_kernel") for name, _ in counters)
+    assert grid[1].tobytes() == rows[1].tobytes() and grid[2].tobytes() == rows[2].tobytes()
+    if deterministic:
+        for schedule, seed in (("reverse", 0), ("random", 3)):
+            got = run_backward("emulator", p, schedule=schedule, seed=seed)
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(grid, got)), schedule
 
 
 @pytest.mark.parametrize("dt,D,kernels", [
