@@ -496,6 +496,27 @@ def test_backward_gpu_matches_emulator():
         np.testing.assert_allclose(a.astype(np.float32), b, rtol=0, atol=4 * ulp)
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_gpu_grid_layout(D):
+    """The grid-layout dK/dV kernel on the device (kernel="tc": sm_90's default is the wgmma backward): the rule
+    in both dQ modes, the ordered mode bitwise the same over runs, and dK, dV bitwise the row-tile kernel's."""
+    import cupy
+    arch = int(cupy.cuda.Device().compute_capability)
+    if tiles_bwd.grid_tile(D, D, arch, mode="ordered") is None:
+        pytest.skip("the grid layout does not apply on sm_%d (shared memory)" % arch)
+    p = Problem(np.float16, D, 300, 500, causal=True, bcast="gqa")
+    ref = run_backward("cuda", p, kernel="tc")
+    check(p, ref)
+    for _ in range(2):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, run_backward("cuda", p, kernel="tc")))
+    check(p, run_backward("cuda", p, kernel="tc", deterministic=False))
+    with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+        rows = run_backward("cuda", p, kernel="tc")
+    assert ref[1].tobytes() == rows[1].tobytes() and ref[2].tobytes() == rows[2].tobytes()
+
+
 # ---- the device="cuda" launch path without a GPU ---------------------------------------------------
 @pytest.mark.parametrize("dt,D,deterministic", [("fp16", 128, True), ("fp32", 64, False)])
 def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D, deterministic):
