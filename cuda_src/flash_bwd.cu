@@ -120,7 +120,7 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     c_to_a<T, kW / 16>(dS_a, dp);
 }
 
-// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel, dense calls): the warp's 32 keys (32 wk..) by kSQ
+// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or per-entry lengths): the warp's 32 keys (32 wk..) by kSQ
 // queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly as dkv_scores computes
 // them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS).
 // S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
@@ -580,7 +580,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, kExt = 0):
+// dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, or with per-entry
+// lengths alone: kExt = 0 or kExtSeqlens):
 // Bc = 32 kWK keys, 8 warps. Each product runs on 32-row warp tiles, so each ldmatrix feeds more MMAs
 // than the row-tile kernel above (one warp per 16 keys: 16 x Br strips), whose products are bound by
 // shared-memory reads (0.65 ldmatrix.x4 per MMA at d 128, 4 cycles each against ~2 per MMA):
@@ -594,7 +595,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 // Same grid, same visits (causal: from m_block_min; GQA: n_group entries), same accumulator and counters,
 // same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ>
+          bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ, int kExt = 0>
 __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -619,6 +620,8 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     static_assert(kCK % 16 == 0 && kCV % 16 == 0, "grid layout: dK / dV column slices of whole n16 steps");
     static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim / (kNWarps / kQW) == A::kDQCols,
                   "grid layout: each warp's dQ tile is 32 rows of one DQAccumLayout column tile");
+    static_assert((kExt & ~flash::kExtSeqlens) == 0 && (kExt == 0 || kVecLoad),
+                  "grid layout: dense calls, or per-entry lengths alone with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -636,14 +639,18 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     const int g = lane / 4, t = lane % 4;
     const int wk = warp / kWQ, wq = warp % kWQ;        // scores and dK/dV: keys 32 wk.., queries / columns
     const int wr = warp / (kNWarps / kQW), wc = warp % (kNWarps / kQW);  // dQ: rows 32 wr.., column tile wc
-    using Order = DQOrderOf<kIsCausal, kOrderedDQ, 0>;
+    using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
     const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;
     const float scale_log2 = scale * flash::kLog2e;
     const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
-    const auto mask = flash::make_mask<kIsCausal, 0, float>(Lq, Lk, ext, b);
+    // Per-entry lengths (kExt = kExtSeqlens): rows / keys past them zero-filled, never visited, their gradients
+    // written as zeros; the host launches such calls with n_group = 1.
+    const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
+    const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
     const int i_begin = mask.m_block_min(c0, kBlockM);
-    const int Tr = (Lq + kBlockM - 1) / kBlockM;
+    const int Tr = kExt != 0 ? QueryTileWalk<decltype(mask)>{mask, c0, kBlockM, kBlockN}.end()
+                             : (Lq + kBlockM - 1) / kBlockM;
     const int n_visits = (Tr > i_begin ? Tr - i_begin : 0) * n_group;
     auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g; };
     const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
@@ -651,17 +658,17 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         const int r0 = i * kBlockM;
         load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
             Q_buf + buf * L::kQStage,
-            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq - r0, D);
+            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
         load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
             dO_buf + buf * L::kdOStage,
             dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
-            do_row, Lq - r0, Dv);
+            do_row, Lq_b - r0, Dv);
     };
 
     load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
+        K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     if (n_visits > 0) load_query_block(0, i_begin, 0);
     fa::cp_async_commit();
 
@@ -674,7 +681,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
-        const int i_n = wrap ? i_begin : i + 1, grp_n = wrap ? grp + 1 : grp;
+        const int i_n = wrap ? i_begin : i + 1, grp_n = kExt != 0 ? 0 : wrap ? grp + 1 : grp;
         const int buf = kStages == 2 ? visit % 2 : 0;
         const T* Q_s = Q_buf + buf * L::kQStage;
         const T* dO_s = dO_buf + buf * L::kdOStage;
@@ -687,7 +694,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         fa::cp_async_commit();
         load_row_stats_exp<kBlockM, kNThreads>(
             lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
+            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq_b);
         if (prefetch)
             fa::cp_async_wait<1>();
         else

@@ -100,13 +100,20 @@ def test_backward_extension(case):
 @pytest.mark.parametrize("D, causal, det", [(128, False, True), (128, True, False), (96, True, True), (256, False, True)])
 def test_seqlens_on_the_wide_key_tiles(D, causal, det):
     """Per-entry lengths alone keep the dK/dV kernel's wide-key tile (tiles_bwd.WIDE_KEYS_EXT: 128 keys x 32
-    queries at d 96 / 128, 64 x 32 at d 256, sm_80): the plan takes it, and out / dq / dk / dv meet the rule with
-    entries shorter than the tiles and Lq != Lk; other bits keep the candidates' tiles (dropout: 64 keys)."""
+    queries at d 96, 64 x 32 at d 256, sm_80) and at d 128 the grid layout (tiles_bwd.GRID_EXT: 128 x 64, 16-byte
+    row copies; element-wise ones keep the wide-key tile): the plan takes it, and out / dq / dk / dv meet the rule
+    with entries shorter than the tiles and Lq != Lk; other bits keep the candidates' tiles (dropout: 64 keys)."""
     from flasharray._private import tiles_bwd
     bits = cuda_backward._fwd().EXT_BITS
-    t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80, ext=bits["seqlens"],
-                                  ordered=det)["dkv"][2]
-    assert (t.block_n, t.block_m) == ((64, 32) if D == 256 else (128, 32))
+    plan = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
+                                     ext=bits["seqlens"], ordered=det)
+    t = plan["dkv"][2]
+    assert (t.block_n, t.block_m) == {256: (64, 32), 128: (128, 64)}.get(D, (128, 32))
+    assert (t.layout == "grid") == (D == 128) and ", %d" % bits["seqlens"] in plan["dkv"][1]
+    if D == 128:
+        t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
+                                      ext=bits["seqlens"], ordered=det, vec=False)["dkv"][2]
+        assert (t.layout, t.block_n, t.block_m) == ("rows", 128, 32)
     t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
                                   ext=bits["dropout"] | bits["seqlens"])
     assert t["dkv"][2].block_n <= 64 and tiles_bwd.WIDE_KEYS_EXT == (0, bits["seqlens"])
@@ -303,6 +310,25 @@ def test_ordered_dq_with_extensions_bitwise_under_schedules(monkeypatch, H, Hk, 
         got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
         if schedule == "reverse":
             assert c.sem_blocked > 0
+        for a, b in zip(base, got):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
+    """Per-entry lengths alone at d 128 run the grid-layout dK/dV kernel (tiles_bwd.GRID_EXT) in the ordered mode:
+    the rule with entries shorter than the tiles (key blocks past an entry's keys write zeros), waits only on
+    earlier blocks, and the same bits under reverse and random schedules."""
+    kw = kw_of(("seqlens",), H=2, Lq=150, Lk=330)
+    shape = dict(H=2, Hk=2, Lq=150, Lk=330, D=128, causal=causal, return_counters=True)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (base, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert plan.dq_mode == "ordered"
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") and n.endswith(", true, 32>") for n in plan.replay.names)
+    assert c.sem_waits > 0 and c.sem_blocked == 0
+    for workers, schedule, seed in (("2", "reverse", 0), ("2", "random", 5)):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
         for a, b in zip(base, got):
             np.testing.assert_array_equal(a, b)
 

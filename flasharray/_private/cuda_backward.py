@@ -113,6 +113,16 @@ class _Runner:
 
 # ---------------------------------------------------------------------------------------------
 # Arrays
+def _vec_rows(t, nb, dtype):
+    """Whether the tensor-core kernels copy q, k, v, dout by 16-byte cp.async chunks (every row, row stride and
+    batch stride a multiple of 16 bytes, the arrays 16-byte aligned), else element by element."""
+    c = 16 // dtype.itemsize  # elements per 16-byte cp.async chunk
+    q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
+    return (q.shape[-1] % c == 0 and v.shape[-1] % c == 0
+            and all(_rs(a) % c == 0 and _aligned16(a) for a in (q, k, v, dout))
+            and all(x % c == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+
+
 def _aligned16(a):
     return launch.device_address(a) % 16 == 0
 
@@ -200,10 +210,12 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         T, A, tiles.ROW_THREADS, _b(atomic)), None)}
     if kernel == "tc":
         mode = "ordered" if ordered else "atomic" if atomic else "recompute"
-        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode)
-        if t_kv.layout == "grid":  # dense, atomic or ordered (tiles_bwd.grid_tile)
-            plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_grid_kernel<%s, %s, %d, %d, %d, %d, %s, %s, %d, %s>" % (
-                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, _b(causal), _b(vec), t_kv.stages, _b(ordered)), t_kv)
+        t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode,
+                              vec=vec)
+        if t_kv.layout == "grid":  # dense or lengths, atomic or ordered (tiles_bwd.grid_tile)
+            plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_grid_kernel<%s, %s, %d, %d, %d, %d, %s, %s, %d, %s%s>" % (
+                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, _b(causal), _b(vec), t_kv.stages, _b(ordered),
+                ", %d" % ext if ext else ""), t_kv)
         else:
             plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
                 T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
@@ -475,7 +487,7 @@ class BackwardPlan:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
             t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits,
-                                   mode=self.dq_mode)
+                                   mode=self.dq_mode, vec=_vec_rows(t, nb, dtype))
                     if self.kernel == "tc"
                     else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
                     if self.kernel == "wgmma"
@@ -523,11 +535,7 @@ class BackwardPlan:
         sizes_b, strides_b = _merge([full[i] for i in self.grid_b],
                                     {n: [_batch_strides(t[n], nb)[i] if t[n].ndim > 1 else 0 for i in self.grid_b]
                                      for n in names_b})
-        c = 16 // self.dtype.itemsize  # elements per 16-byte cp.async chunk
-        vec = self.kernel in TC_FAMILIES and (
-            D % c == 0 and Dv % c == 0
-            and all(_rs(a) % c == 0 and _aligned16(a) for a in (q, k, v, dout))
-            and all(x % c == 0 for a in (q, k, v, dout) for x in _batch_strides(a, nb)))
+        vec = self.kernel in TC_FAMILIES and _vec_rows(t, nb, self.dtype)
         plans_b = _launch_plans(sizes_b, strides_b)
         # kernel "wgmma", atomic dQ (plain or ordered): the warp-specialized TMA kernel where every launch's
         # q, dout, k, v fit tensor maps (cuda_backward_sm90.tma_args), else the cp.async kernel.

@@ -151,25 +151,32 @@ def _wide_keys(D, Dv, limit, stages):
 
 
 # The grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; FlashAttention-2's warp grid): 8 warps on 32-row
-# warp tiles of every product — 0.45 ldmatrix.x4 per MMA where the row-tile kernel (one warp per 16 keys)
-# needs 0.60-0.65: its products are bound by shared-memory reads (4 cycles per ldmatrix.x4 against about 2
-# per MMA). Padded head dim d = dv -> Br (Bc = 128): d 128 takes 64 queries (each warp's dQ tile 32 rows x 32
-# columns), d 64 takes 128. Dense calls (kExt = 0) in the atomic and ordered dQ modes (the recomputing mode's
-# dK/dV kernel adds no dQ), one buffer of Q_i, dO_i (the next visit's copies start once the last product read
-# them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and do not fit sm_80's
-# 163 KB), on the arches whose shared memory fits it (sm_80, sm_87, sm_90: 138.5-141 KB; not sm_75 / 86 / 89).
+# warp tiles of every product — 0.5 ldmatrix.x4 per MMA where the row-tile kernel (one warp per 16 keys) needs
+# 0.60-0.65: its products are bound by shared-memory reads (4 cycles per ldmatrix.x4 against about 2 per MMA).
+# Padded head dim d = dv -> Br (Bc = 128): d 128 takes 64 queries (each warp's dQ tile 32 rows x 32 columns),
+# d 64 takes 128. Dense calls (kExt = 0), or per-entry lengths alone (GRID_EXT), in the atomic and ordered dQ
+# modes (the recomputing mode's dK/dV kernel adds no dQ); one buffer of Q_i, dO_i (the next visit's copies start
+# once the last product read them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and
+# do not fit sm_80's 163 KB); on the arches whose shared memory fits it (sm_80, sm_90: 138.5-141 KB; not sm_75 /
+# 86 / 89). docs/cuda_backward.md, "The grid layout".
 GRID_TILES = {128: 64, 64: 128}
+#: kExt bits the grid layout takes besides dense calls: per-entry lengths alone, with 16-byte row copies (with
+#: element-wise copies the sm_90 d 128 atomic kernel spilled 32 bytes).
+GRID_EXT = (32,)
 GRID_BLOCK_N = 128
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
 
 
-def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None):
+def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     """The grid-layout dK/dV tile for padded head dims D, Dv, or None where it does not apply (head dims
-    other than d = dv in :data:`GRID_TILES`, extensions, the recomputing or an unknown dQ ``mode``, two
-    buffers forced, shared memory over the arch's limit, :data:`GRID_LAYOUT` off)."""
-    if not GRID_LAYOUT or ext or mode not in ("atomic", "ordered") or stages not in (None, 1):
+    other than d = dv in :data:`GRID_TILES`, extensions but :data:`GRID_EXT` with 16-byte row copies (``vec``),
+    the recomputing or an unknown dQ ``mode``, two buffers forced, shared memory over the arch's limit,
+    :data:`GRID_LAYOUT` off)."""
+    if not GRID_LAYOUT or mode not in ("atomic", "ordered") or stages not in (None, 1):
+        return None
+    if ext and (isinstance(ext, bool) or int(ext) not in GRID_EXT or not vec):
         return None
     if D != Dv or D not in GRID_TILES:
         return None
@@ -219,13 +226,13 @@ def tc_split(kernel, D, Dv, Br, Bc, warps):
     return tuple(splits)
 
 
-def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None):
+def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq").
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
     copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
     forces one of them. The dK/dV kernel of a dense call in the atomic or ordered dQ ``mode`` takes the
-    grid layout where :func:`grid_tile` gives one. ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
+    grid layout where :func:`grid_tile` gives one (``vec``: the rows take 16-byte copies). ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
     kernel takes no Bc = 128 candidate (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys
     holding its whole score strip in registers, spilled 4-16 bytes on sm_80), and the wide-key tiles only
     where :func:`wide_keys_take` allows the bits in the dQ ``mode`` (:data:`WIDE_KEYS_EXT`,
@@ -233,7 +240,7 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None):
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    grid = grid_tile(D, Dv, arch, stages, ext, mode) if kernel == "dkv" else None
+    grid = grid_tile(D, Dv, arch, stages, ext, mode, vec) if kernel == "dkv" else None
     if grid is not None:
         return grid
     wide = (_wide_keys(D, Dv, limit, stages) if kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode)
