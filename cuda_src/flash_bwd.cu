@@ -122,14 +122,15 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
 
 // Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or per-entry lengths): the warp's 32 keys (32 wk..) by kSQ
 // queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly as dkv_scores computes
-// them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS).
+// them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS). lse_s
+// holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
 // S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
 // that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
 // spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
 // 320 MMA instead of 144).
 template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M>
 __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, const T* V_s, const T* Q_s,
-                                            const T* dO_s, const float* lse2_s, const float* delta_s, int wk,
+                                            const T* dO_s, const float* lse_s, const float* delta_s, int wk,
                                             int wq, float scale_log2, const M& mask, int r0, int c0) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int k0 = 32 * wk, q0 = kSQ * wq;
@@ -140,7 +141,8 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
 #pragma unroll
     for (int nt = 0; nt < kSQ / 8; ++nt) {
         const int r = q0 + nt * 8 + 2 * t;  // this lane's query columns r, r + 1
-        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
+        const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
+        const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -620,6 +622,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     static_assert(kCK % 16 == 0 && kCV % 16 == 0, "grid layout: dK / dV column slices of whole n16 steps");
     static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim / (kNWarps / kQW) == A::kDQCols,
                   "grid layout: each warp's dQ tile is 32 rows of one DQAccumLayout column tile");
+    static_assert(kStages == 1 && kBlockM <= 128, "grid layout: one buffer of Q_i, dO_i, refilled during dQ");
     static_assert((kExt & ~flash::kExtSeqlens) == 0 && (kExt == 0 || kVecLoad),
                   "grid layout: dense calls, or per-entry lengths alone with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
@@ -631,7 +634,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     T* V_s = reinterpret_cast<T*>(smem + L::kV);
     T* Pt_s = reinterpret_cast<T*>(smem + L::kP);             // P_ij^T  Bc x Br
     T* dSt_s = reinterpret_cast<T*>(smem + L::kdS);           // dS_ij^T Bc x Br
-    float* lse2_s = reinterpret_cast<float*>(smem + L::kL);
+    float* lse_s = reinterpret_cast<float*>(smem + L::kL);     // L_i (raw)  Br
     float* delta_s = reinterpret_cast<float*>(smem + L::kDelta);
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
@@ -654,22 +657,31 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     const int n_visits = (Tr > i_begin ? Tr - i_begin : 0) * n_group;
     auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g; };
     const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
-    auto load_query_block = [&](int grp, int i, int buf) {
+    // Q_i, dO_i and the raw L_i, D_i of query block i of group entry grp (cp.async; L_i, D_i as 4-byte copies by
+    // threads 0 .. Br - 1 and 128 .. 127 + Br, zero past the entry's rows, read by grid_scores through lse2_of:
+    // with zero-filled Q_i, dO_i rows a zero L_i gives P = 1 there and dS = 0, no term in dK_j, dV_j or dQ_i).
+    auto load_query_block = [&](int grp, int i) {
         const int r0 = i * kBlockM;
         load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-            Q_buf + buf * L::kQStage,
-            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
+            Q_buf, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row,
+            Lq_b - r0, D);
         load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-            dO_buf + buf * L::kdOStage,
-            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
+            dO_buf, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
             do_row, Lq_b - r0, Dv);
+        const int r = (int)threadIdx.x % 128;
+        if (r < kBlockM) {
+            const bool in = r0 + r < Lq_b, is_lse = threadIdx.x < 128;
+            const float* src = is_lse ? lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g
+                                      : delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g;
+            fa::cp_async<4>((is_lse ? lse_s : delta_s) + r, in ? src + r0 + r : src, in ? 4 : 0);
+        }
     };
 
     load_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
         K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
-    if (n_visits > 0) load_query_block(0, i_begin, 0);
+    if (n_visits > 0) load_query_block(0, i_begin);
     fa::cp_async_commit();
 
     float dK_acc[2][kCK / 8][4];  // dK_j rows 32 wk.., columns kCK wq..
@@ -682,26 +694,15 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
         const int i_n = wrap ? i_begin : i + 1, grp_n = kExt != 0 ? 0 : wrap ? grp + 1 : grp;
-        const int buf = kStages == 2 ? visit % 2 : 0;
-        const T* Q_s = Q_buf + buf * L::kQStage;
-        const T* dO_s = dO_buf + buf * L::kdOStage;
-        // Barrier: every warp is done with the previous visit (its Q_i / dO_i buffer, P^T, dS^T, L_i, D_i).
+        const T* Q_s = Q_buf;
+        const T* dO_s = dO_buf;
+        // This visit's Q_i, dO_i, L_i, D_i: copies started in the prologue or in the previous visit, once its
+        // last product had read them (below), overlapping its dQ product, atomics and turn.
+        fa::cp_async_wait<0>();
+        // Barrier: every thread's copies are visible to every warp (and every warp is done with the previous
+        // visit's P^T, dS^T).
         __syncthreads();
-        // Two buffers: the next visit's copies start here. One buffer: they started in the previous visit,
-        // once its last product had read Q_i, dO_i (below), overlapping its dQ product and atomics.
-        const bool prefetch = kStages == 2 && visit + 1 < n_visits;
-        if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);
-        fa::cp_async_commit();
-        load_row_stats_exp<kBlockM, kNThreads>(
-            lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq_b);
-        if (prefetch)
-            fa::cp_async_wait<1>();
-        else
-            fa::cp_async_wait<0>();
-        // Barrier: the copies and L_i, D_i are visible to every warp.
-        __syncthreads();
-        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse2_s, delta_s, wk, wq,
+        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s, delta_s, wk, wq,
                                                     scale_log2, mask, r0, c0);
         // Barrier: P^T and dS^T complete before warps read them across score tiles.
         __syncthreads();
@@ -709,10 +710,10 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
                                                     dO_s + wq * kCV, L::kPitchDv);
         warp_mma_m<T, 2, kBlockM, kCK, false, true>(dK_acc, dSt_s + 32 * wk * L::kPitchS, L::kPitchS,
                                                     Q_s + wq * kCK, L::kPitchD);
-        if (kStages == 1 && visit + 1 < n_visits) {
-            // Barrier: every warp is done reading Q_i, dO_i; the next visit's copies overlap dQ.
+        if (visit + 1 < n_visits) {
+            // Barrier: every warp is done reading Q_i, dO_i, L_i, D_i; the next visit's copies overlap dQ.
             __syncthreads();
-            load_query_block(grp_n, i_n, 0);
+            load_query_block(grp_n, i_n);
             fa::cp_async_commit();
         }
         float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., columns kDQCols wc.. (dS K_j, unscaled)

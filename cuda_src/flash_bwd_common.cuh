@@ -72,6 +72,11 @@ __device__ __forceinline__ void load_row_stats(AccT* lse2_s, AccT* delta_s, cons
 // Compile-time trip count (rows tid, tid + kNThreads, ...: usually one, for threads < kBlockM), so
 // no run-time loop (which the compiler unrolls 4x plus a remainder) sits in the dK/dV kernel's
 // query-block loop.
+// L_i * log2 e as load_row_stats_exp stores it, from the raw L_i: +inf for a row that saw no key (-inf).
+__device__ __forceinline__ float lse2_of(float l) {
+    return l == flash::neg_inf<float>() ? INFINITY : l * flash::kLog2e;
+}
+
 template <int kBlockM, int kNThreads>
 __device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s, const float* lse,
                                                    const float* delta, int r0, int Lq) {
@@ -81,7 +86,7 @@ __device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s
         if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
         const bool in = r0 + r < Lq;
         const float l = in ? fa::gload(lse + r0 + r) : flash::neg_inf<float>();
-        lse2_s[r] = l == flash::neg_inf<float>() ? INFINITY : l * flash::kLog2e;
+        lse2_s[r] = lse2_of(l);
         delta_s[r] = in ? fa::gload(delta + r0 + r) : 0.0f;
     }
 }
