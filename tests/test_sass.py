@@ -32,15 +32,15 @@ requires_sass = pytest.mark.skipif(not SASS_OK, reason="SASS report unavailable:
 #: (the epilogue's staging, the unrolled row statistics; occupancy unchanged) are justified there.
 BASELINE = {
     ("fwd", 64, 80): (5.88, 216), ("bwd_dkv", 64, 80): (4.20, 215),
-    ("bwd_dq", 64, 80): (4.93, 182), ("bwd_dkv_atomic", 64, 80): (3.72, 243),
+    ("bwd_dq", 64, 80): (4.93, 182), ("bwd_dkv_atomic", 64, 80): (3.83, 241),
     ("fwd", 128, 80): (4.91, 239), ("bwd_dkv", 128, 80): (3.52, 245),
-    ("bwd_dq", 128, 80): (3.66, 196), ("bwd_dkv_atomic", 128, 80): (3.02, 253),
+    ("bwd_dq", 128, 80): (3.66, 196), ("bwd_dkv_atomic", 128, 80): (3.08, 244),
     ("fwd", 256, 80): (4.27, 232), ("bwd_dkv", 256, 80): (3.59, 244),
     ("bwd_dq", 256, 80): (3.20, 190), ("bwd_dkv_atomic", 256, 80): (3.56, 253),
     ("fwd", 64, 90): (5.88, 221), ("bwd_dkv", 64, 90): (4.19, 236),
-    ("bwd_dq", 64, 90): (4.44, 180), ("bwd_dkv_atomic", 64, 90): (3.68, 249),
+    ("bwd_dq", 64, 90): (4.44, 180), ("bwd_dkv_atomic", 64, 90): (3.78, 254),
     ("fwd", 128, 90): (4.91, 241), ("bwd_dkv", 128, 90): (3.52, 246),
-    ("bwd_dq", 128, 90): (3.18, 214), ("bwd_dkv_atomic", 128, 90): (2.94, 249),
+    ("bwd_dq", 128, 90): (3.18, 214), ("bwd_dkv_atomic", 128, 90): (2.99, 245),
     ("fwd", 256, 90): (4.27, 241), ("bwd_dkv", 256, 90): (3.60, 243),
     ("bwd_dq", 256, 90): (3.09, 192), ("bwd_dkv_atomic", 256, 90): (3.49, 255),
     # fwd D 128: the wide-row tile (128 x 32, two slabs per warp; was 64 x 64 at 4.80 / 168): +0.04
@@ -57,10 +57,11 @@ BASELINE = {
     # bwd_dkv_atomic / _ordered D 64 and 128 on sm_80 / sm_90: the grid-layout kernel (tiles_bwd.grid_tile; 128 keys
     # x 128 / 64 queries, 320 HMMA per loop; was the row-tile kernel at 4.12 / 225, 4.36 / 232 (d 64) and 3.54 / 251,
     # 3.78 / 248 (d 128) on sm_80, 3.99 / 238, 4.31 / 235 and 3.41 / 250, 3.72 / 249 on sm_90): 0.5 ldmatrix per
-    # HMMA instead of 0.60-0.65 (test_grid_layout_ldmatrix_per_hmma)
-    ("bwd_dkv_ordered", 64, 80): (3.80, 246), ("bwd_dkv_ordered", 128, 80): (3.12, 249),
-    ("bwd_dkv_ordered", 256, 80): (3.83, 254), ("bwd_dkv_ordered", 64, 90): (3.83, 245),
-    ("bwd_dkv_ordered", 128, 90): (3.10, 245), ("bwd_dkv_ordered", 256, 90): (3.85, 240),
+    # HMMA instead of 0.60-0.65 (test_grid_layout_ldmatrix_per_hmma); its loop also issues the next visit's L_i, D_i
+    # copies (+0.05-0.14 per HMMA against the first version, no row-statistics load waited for per visit)
+    ("bwd_dkv_ordered", 64, 80): (3.93, 243), ("bwd_dkv_ordered", 128, 80): (3.21, 247),
+    ("bwd_dkv_ordered", 256, 80): (3.83, 254), ("bwd_dkv_ordered", 64, 90): (3.97, 246),
+    ("bwd_dkv_ordered", 128, 90): (3.19, 245), ("bwd_dkv_ordered", 256, 90): (3.85, 240),
 }
 MARGIN = 1.02
 
