@@ -120,7 +120,7 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     c_to_a<T, kW / 16>(dS_a, dp);
 }
 
-// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or per-entry lengths): the warp's 32 keys (32 wk..) by kSQ
+// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap): the warp's 32 keys (32 wk..) by kSQ
 // queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly as dkv_scores computes
 // them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS). lse_s
 // holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
@@ -138,23 +138,51 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
     zero_acc(p[0]); zero_acc(p[1]);
     warp_mma_m<T, 2, kHeadDim, kSQ, false, false>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * L::kPitchD,
                                                   L::kPitchD);
+    if constexpr (!M::kSoftcap) {
+        // P^T in place (with extensions: the forward's score — ALiBi — and visibility — lengths, window).
 #pragma unroll
-    for (int nt = 0; nt < kSQ / 8; ++nt) {
-        const int r = q0 + nt * 8 + 2 * t;  // this lane's query columns r, r + 1
-        const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
-        const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
+        for (int nt = 0; nt < kSQ / 8; ++nt) {
+            const int r = q0 + nt * 8 + 2 * t;  // this lane's query columns r, r + 1
+            const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
+            const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                p[mt][nt][e] = p_from_score(p[mt][nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
-                                            mask.is_visible(r0 + r + e % 2, c0 + k0 + 16 * mt + g + (e / 2) * 8));
-    }
+                for (int e = 0; e < 4; ++e) {
+                    const int row = r0 + r + e % 2, col = c0 + k0 + 16 * mt + g + (e / 2) * 8;
+                    if constexpr (!M::kScoreMod)  // dense, lengths, window: visibility only
+                        p[mt][nt][e] = p_from_score(p[mt][nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
+                                                    mask.is_visible(row, col));
+                    else
+                        p[mt][nt][e] = ext_ds_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2, mask, row, col);
+                }
+        }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-        uint32_t a[kSQ / 16][4];
-        c_to_a<T, kSQ / 16>(a, p[mt]);
-        store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
+        for (int mt = 0; mt < 2; ++mt) {
+            uint32_t a[kSQ / 16][4];
+            c_to_a<T, kSQ / 16>(a, p[mt]);
+            store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
+        }
+    } else {
+        // Softcap: P^T stored one m tile at a time, its factor of dS, f = P o (1 - tanh^2), kept in place
+        // (ext_p_factor: ext_ds_factor's P and f).
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float pm[kSQ / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < kSQ / 8; ++nt) {
+                const int r = q0 + nt * 8 + 2 * t;
+                const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
+                const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    pm[nt][e] = ext_p_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2, mask, r0 + r + e % 2,
+                                             c0 + k0 + 16 * mt + g + (e / 2) * 8);
+            }
+            uint32_t a[kSQ / 16][4];
+            c_to_a<T, kSQ / 16>(a, pm);
+            store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
+        }
     }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -623,8 +651,8 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim / (kNWarps / kQW) == A::kDQCols,
                   "grid layout: each warp's dQ tile is 32 rows of one DQAccumLayout column tile");
     static_assert(kStages == 1 && kBlockM <= 128, "grid layout: one buffer of Q_i, dO_i, refilled during dQ");
-    static_assert((kExt & ~flash::kExtSeqlens) == 0 && (kExt == 0 || kVecLoad),
-                  "grid layout: dense calls, or per-entry lengths alone with 16-byte row copies (tiles_bwd.GRID_EXT)");
+    static_assert((kExt & (flash::kExtDropout | flash::kExtBlockMask)) == 0 && (kExt == 0 || kVecLoad),
+                  "grid layout: no dropout, no block mask; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
 
     FA_DYNAMIC_SMEM(smem);

@@ -56,14 +56,25 @@ __device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delt
 // of dQ_i += dS K_j; dS = f ∘ (dP ∘ Z − D_i)): same inputs and P as ext_p_ds, so the dQ kernel can
 // finish the score's transform before dP exists. The product is associated differently from
 // ext_p_ds's (float rounding only).
+// P (returned) and, in s, the factor of dS that depends on the score, f = P ∘ (1 − tanh²) (f = P without
+// softcap): the grid-layout dK/dV kernel stores P^T for dV_j and keeps f for dS (no dropout there).
 template <class M, typename AccT>
-__device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2, const M& mask, int row, int col) {
+__device__ __forceinline__ AccT ext_p_factor(AccT& s, AccT lse2, AccT scale_log2, const M& mask, int row, int col) {
     const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
-    AccT f = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
+    const AccT p = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
+    AccT f = p;
     if constexpr (M::kSoftcap) {
         const AccT th = mask.cap(s) * mask.inv_softcap;
         f *= AccT(1) - th * th;
     }
+    s = f;
+    return p;
+}
+
+template <class M, typename AccT>
+__device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2, const M& mask, int row, int col) {
+    AccT f = s;
+    (void)ext_p_factor(f, lse2, scale_log2, mask, row, col);
     return f;
 }
 

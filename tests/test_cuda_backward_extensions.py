@@ -230,7 +230,8 @@ def _ext_backward(kw, *, H=2, Hk=2, Lq=150, Lk=170, D=32, data_seed=5, dtype=np.
     ext = extensions.from_options(kw, kind="numpy", batch_shape=(2, H), Lq=Lq, Lk=Lk, acc=np.dtype(np.float32))
     call = dict(batch_shape=(2, H), device="emulator", ext=ext, **args)
     result = cuda_backward.backward(dout, q, k, v, out, lse, **call, **opts)
-    plan = cuda_backward.plan(dout, q, k, v, out, lse, **call, **{n: o for n, o in opts.items() if n == "dq"})
+    plan = cuda_backward.plan(dout, q, k, v, out, lse, **call,
+                              **{n: o for n, o in opts.items() if n in ("dq", "deterministic")})
     grads = result[:3] if opts.get("return_counters") else result
     report = fa_testing.check_attention(out, q, k, v, dout=dout, grads=grads, **args, **kw)
     assert report.passed, str(report)
@@ -330,6 +331,33 @@ def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
         monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
         got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
         for a, b in zip(base, got):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("names, D, causal, det", [
+    (("softcap",), 128, True, True), (("alibi", "window"), 128, False, False), (("window", "seqlens"), 64, True, True),
+    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False)])
+def test_extensions_on_the_grid_layout(monkeypatch, names, D, causal, det):
+    """Window, ALiBi, softcap and lengths (tiles_bwd.GRID_EXT; not the d-128 sets that spilled) run the grid-layout
+    dK/dV kernel: the rule in both dQ modes; without softcap dK, dV are bitwise the row-tile kernel's (the same P
+    and dS = P o (dP - D_i)); with softcap dS = f o (dP - D_i), f = P o (1 - tanh^2) (float association only);
+    the ordered mode gives the same bits under a reversed schedule."""
+    from conftest import flag_set
+    from flasharray._private import tiles_bwd
+    kw = kw_of(names, H=2, Lq=150, Lk=330)
+    shape = dict(H=2, Hk=2, Lq=150, Lk=330, D=D, causal=causal, return_counters=True, deterministic=det)
+    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
+    with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+        (rows, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
+    if "softcap" not in names:
+        np.testing.assert_array_equal(grid[1], rows[1])
+        np.testing.assert_array_equal(grid[2], rows[2])
+    if det:
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "2")
+        got, c = _dkv_counters(_ext_backward(kw, schedule="reverse", **shape)[0])
+        for a, b in zip(grid, got):
             np.testing.assert_array_equal(a, b)
 
 

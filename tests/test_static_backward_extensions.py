@@ -114,7 +114,8 @@ def test_backward_lengths_compile_without_spills(arch):
 def wide_key_ext_instantiations(arch, dtypes=("float16",)):
     """{source: {name: BwdTiles}} of the dK/dV kernels tiles_bwd.WIDE_KEYS_EXT_BY_MODE puts on the wide-key tiles:
     each set in each of its dQ modes at each of its head dims (d = dv), causal and not; asserts each is the
-    wide-key tile."""
+    wide-key tile, or the grid layout where that takes the set (tiles_bwd.grid_tile: softcap at d 128 in the
+    atomic modes)."""
     from flasharray._private import tiles_bwd
     found = {}
     for bits, (modes, dims) in tiles_bwd.WIDE_KEYS_EXT_BY_MODE.items():
@@ -125,7 +126,10 @@ def wide_key_ext_instantiations(arch, dtypes=("float16",)):
                         plan = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=mode != "atomic",
                                                          arch=arch, ext=bits, ordered=mode == "ordered")
                         source, name, t = plan["dkv"]
-                        assert t.block_m == 32 and t.block_n >= 32 * (1 + (d < 256)), (name, t)
+                        if t.layout == "grid":
+                            assert tiles_bwd.grid_tile(d, d, arch, ext=bits, mode=mode) == t, (name, t)
+                        else:
+                            assert t.block_m == 32 and t.block_n >= 32 * (1 + (d < 256)), (name, t)
                         found.setdefault(source, {})[name] = t
     return found
 
@@ -158,3 +162,37 @@ def test_backward_extension_subsets_that_spilled_slow(arch, dtype):
     if dtype == "float16" and arch in (80, 90):
         pytest.skip("the default test")
     _check(arch, spilled_instantiations(arch, dtype=dtype))
+
+
+def grid_ext_instantiations(arch, dtypes=("float16",), dims=(64, 128), causals=(False, True), partial=(False,)):
+    """{source: {name: BwdTiles}} of the grid-layout dK/dV kernels with extensions (tiles_bwd.GRID_EXT, less
+    tiles_bwd.GRID_EXT_SPILLED): every allowed set of window / ALiBi / softcap / lengths at ``dims``, both dQ
+    modes; ``partial``: also the float-output (broadcast K/V partial sums) instantiations."""
+    import itertools
+    from flasharray._private import tiles_bwd
+    sets = [b for b in range(1, tiles_bwd.GRID_EXT + 1) if not b & ~tiles_bwd.GRID_EXT]
+    found = {}
+    for dt, d, causal, ordered, acc in itertools.product(dtypes, dims, causals, (False, True), partial):
+        for bits in sets:
+            if tiles_bwd.grid_tile(d, d, arch, ext=bits, mode="ordered" if ordered else "atomic") is None:
+                continue
+            source, name, t = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=ordered, arch=arch,
+                                                        ext=bits, ordered=ordered, acc_dkv=acc)["dkv"]
+            assert name.startswith("flash_bwd_dkv_grid_kernel<") and t.layout == "grid", name
+            found.setdefault(source, {})[name] = t
+    return found
+
+
+def test_grid_layout_extension_sets_compile_without_spills():
+    # every set the grid layout takes at d 128 (where sets spilled), causal (most of the spills), fp16, sm_80
+    found = grid_ext_instantiations(80, dims=(128,), causals=(True,))
+    assert len(found["flash_bwd.cu"]) == 2 * 10   # both modes x the 15 sets less 5 spilled
+    _check(80, found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_grid_layout_extension_sets_compile_without_spills_slow(arch, dtype):
+    # the whole audit of tiles_bwd.GRID_EXT_SPILLED: d 64 and 128, causal or not, T and float outputs
+    _check(arch, grid_ext_instantiations(arch, (dtype,), partial=(False, True)))

@@ -154,15 +154,19 @@ def _wide_keys(D, Dv, limit, stages):
 # warp tiles of every product — 0.5 ldmatrix.x4 per MMA where the row-tile kernel (one warp per 16 keys) needs
 # 0.60-0.65: its products are bound by shared-memory reads (4 cycles per ldmatrix.x4 against about 2 per MMA).
 # Padded head dim d = dv -> Br (Bc = 128): d 128 takes 64 queries (each warp's dQ tile 32 rows x 32 columns),
-# d 64 takes 128. Dense calls (kExt = 0), or per-entry lengths alone (GRID_EXT), in the atomic and ordered dQ
+# d 64 takes 128. Dense calls (kExt = 0), or window / ALiBi / softcap / lengths (GRID_EXT), in the atomic and ordered dQ
 # modes (the recomputing mode's dK/dV kernel adds no dQ); one buffer of Q_i, dO_i (the next visit's copies start
 # once the last product read them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and
 # do not fit sm_80's 163 KB); on the arches whose shared memory fits it (sm_80, sm_90: 138.5-141 KB; not sm_75 /
 # 86 / 89). docs/cuda_backward.md, "The grid layout".
 GRID_TILES = {128: 64, 64: 128}
-#: kExt bits the grid layout takes besides dense calls: per-entry lengths alone, with 16-byte row copies (with
-#: element-wise copies the sm_90 d 128 atomic kernel spilled 32 bytes).
-GRID_EXT = (32,)
+#: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
+#: with lengths on sm_90): any set of window, ALiBi, softcap and lengths (no dropout: its keep bits beside the
+#: 255-register kernel; no block mask: the ordered turns count visits) — but the sets whose d 128 instantiations
+#: spilled in the NVRTC audit of 2026-11-27 (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 /
+#: sm_90: 8-56 bytes, causal mostly) in :data:`GRID_EXT_SPILLED`; at d 64 every set compiled without spills.
+GRID_EXT = 1 | 2 | 4 | 32
+GRID_EXT_SPILLED = {128: (1, 2, 1 | 32, 2 | 32, 1 | 2 | 32)}
 GRID_BLOCK_N = 128
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
@@ -176,7 +180,8 @@ def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     :data:`GRID_LAYOUT` off)."""
     if not GRID_LAYOUT or mode not in ("atomic", "ordered") or stages not in (None, 1):
         return None
-    if ext and (isinstance(ext, bool) or int(ext) not in GRID_EXT or not vec):
+    if ext and (isinstance(ext, bool) or int(ext) & ~GRID_EXT or int(ext) in GRID_EXT_SPILLED.get(D, ())
+                or not vec):
         return None
     if D != Dv or D not in GRID_TILES:
         return None
