@@ -15,7 +15,9 @@
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
-//                      `expected`, another adds 1 after its writes (sm_70+; usage rule below)
+//                      `expected`, another adds 1 after its writes (sm_70+; usage rule below);
+//                      fa::sem_acquire(sem, expected), fa::sem_release(sem): their halves by one thread,
+//                      paired with the caller's own __syncthreads() (work in between)
 //                      fa::sem_wait_group(sem, expected, id, nthreads), fa::sem_post_group(sem, id, nthreads):
 //                      the same for the nthreads consecutive threads of named barrier `id` only
 //                      (warp-specialized kernels: the consumers order themselves, the producer never joins)
@@ -329,11 +331,18 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     return v;
 }
 
-__device__ __forceinline__ void sem_wait(const int* sem, int expected) {
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
-        while (ld_acquire_gpu(sem) != expected) {
-        }
+// sem_acquire / sem_release: the calling thread's halves of sem_wait / sem_post, for kernels that put work
+// between a poll and the barrier that extends it (or between a barrier and the post): sem_wait is thread 0's
+// sem_acquire then __syncthreads(); sem_post is __syncthreads() then thread 0's sem_release. The caller keeps
+// the same pairing: a __syncthreads() after sem_acquire before any other thread relies on the turn, and one
+// between the block's writes and sem_release.
+__device__ __forceinline__ void sem_acquire(const int* sem, int expected) {
+    while (ld_acquire_gpu(sem) != expected) {
     }
+}
+
+__device__ __forceinline__ void sem_wait(const int* sem, int expected) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) sem_acquire(sem, expected);
     __syncthreads();
 }
 
@@ -345,11 +354,13 @@ __device__ __forceinline__ void sem_wait(const int* sem, int expected) {
 // __threadfence() + atomicAdd: __threadfence() is fence.sc.gpu, a sequentially consistent fence
 // the pattern does not need, while a release add orders exactly the earlier writes; `red` (no
 // return value) also lets the waiter's spin be the only round trip.
+__device__ __forceinline__ void sem_release(int* sem) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
+}
+
 __device__ __forceinline__ void sem_post(int* sem) {
     __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
-    }
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) sem_release(sem);
 }
 
 // Group-wide variants: the same wait and post for a group of `nthreads` consecutive threads (linear thread

@@ -718,6 +718,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     zero_acc(dV_acc[0]); zero_acc(dV_acc[1]);
 
     int grp = 0, i = i_begin;
+    int* posted = nullptr;  // ordered: the counter of the previous visit, posted after the next barrier
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
@@ -728,8 +729,12 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // last product had read them (below), overlapping its dQ product, atomics and turn.
         fa::cp_async_wait<0>();
         // Barrier: every thread's copies are visible to every warp (and every warp is done with the previous
-        // visit's P^T, dS^T).
+        // visit's P^T, dS^T and has issued its dQ atomics).
         __syncthreads();
+        // Ordered: thread 0 posts the previous visit's turn (fa::sem_post's two halves: this barrier followed every
+        // thread's atomics), its release overlapping the other warps' work instead of holding a barrier.
+        if constexpr (kOrderedDQ)
+            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
         grid_scores<T, L, kSQ, kHeadDim, kHeadDimV>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s, delta_s, wk, wq,
                                                     scale_log2, mask, r0, c0);
         // Barrier: P^T and dS^T complete before warps read them across score tiles.
@@ -744,12 +749,17 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
             load_query_block(grp_n, i_n);
             fa::cp_async_commit();
         }
+        // Ordered: fa::sem_wait in its two halves — thread 0 polls for the turn now, while the other warps run
+        // their dQ products; the barrier after them extends what it acquired to the block.
+        if constexpr (kOrderedDQ)
+            if (threadIdx.x == 0) fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
         float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., columns kDQCols wc.. (dS K_j, unscaled)
         zero_acc(dq[0]); zero_acc(dq[1]);
         warp_mma_m<T, 2, kBlockN, A::kDQCols, true, true>(dq, dSt_s + 32 * wr, L::kPitchS,
                                                           K_s + wc * A::kDQCols, L::kPitchD);
         float* dqa_i = dqa_entry(grp) + (long long)r0 * kHeadDim;
-        if constexpr (kOrderedDQ) fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+        // Barrier: our turn, for every thread.
+        if constexpr (kOrderedDQ) __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             float* dst = dqa_i + ((2 * wr + mt) * A::kColTiles + wc) * A::kTileFloats + lane;
@@ -758,9 +768,12 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
 #pragma unroll
                 for (int e = 0; e < 4; ++e) fa::atomic_add(dst + (n * 4 + e) * 32, dq[mt][n][e]);
         }
-        if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+        if constexpr (kOrderedDQ) posted = order.counter(dqa_entry(grp), i);  // released after the next barrier
         i = i_n, grp = grp_n;
     }
+    // Ordered: the last visit's post (fa::sem_post).
+    if constexpr (kOrderedDQ)
+        if (n_visits > 0) fa::sem_post(posted);
 
     fa::cp_async_wait<0>();
     // -- epilogue: dK_j * scale and dV_j (rows < Lk, columns < D / Dv).

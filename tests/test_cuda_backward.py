@@ -340,7 +340,9 @@ def test_grid_layout_kernel(causal, deterministic):
         assert plan["dkv"][1].startswith("flash_bwd_dkv_grid_kernel<fa_half, fa_half, 128, 128, 64, 128, ")
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 86, mode="ordered").layout == "rows"      # 99 KB: no room
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, mode="recompute").layout == "rows"
-    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=4, mode="ordered").layout == "rows"
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=16, mode="ordered").layout == "rows"    # dropout
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=1, mode="ordered").layout == "rows"     # spilled set
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=4, mode="ordered").layout == "grid"     # softcap
     *grid, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
     assert any(name.startswith("flash_bwd_dkv_grid_kernel") for name, _ in counters)
     check(p, grid)

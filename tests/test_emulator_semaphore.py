@@ -60,11 +60,29 @@ __global__ void wait_at(const int* sem, long long byte_offset, int expected) {
     fa::sem_wait(reinterpret_cast<const int*>(reinterpret_cast<const char*>(sem) + byte_offset), expected);
 }
 
+// fa::sem_wait / fa::sem_post in their halves (the grid-layout dK/dV kernel's ordered dQ): thread 0 polls
+// while the block works, a barrier extends the turn, the atomics, and the post after the next tile's barrier.
+__global__ void tiles_split(int* sem, float* acc, const float* x, float* work, int M) {
+    const int n = blockIdx.x, h = blockIdx.y, N = gridDim.x, D = blockDim.x, t = threadIdx.x;
+    int* posted = nullptr;
+    for (int m = 0; m < M; ++m) {
+        __syncthreads();
+        if (m > 0 && t == 0) fa::sem_release(posted);
+        int* s = sem + h * M + m;
+        if (t == 0) fa::sem_acquire(s, n);
+        fa::gstore(work + (h * N + n) * D + t, fa::gload(work + (h * N + n) * D + t) + 1.0f);  // work meanwhile
+        __syncthreads();
+        fa::atomic_add(acc + (h * M + m) * D + t, fa::gload(x + ((h * N + n) * M + m) * D + t));
+        posted = s;
+    }
+    fa::sem_post(posted);
+}
+
 __global__ void post_at(int* sem, long long byte_offset) {
     fa::sem_post(reinterpret_cast<int*>(reinterpret_cast<char*>(sem) + byte_offset));
 }
 '''
-NAMES = ["chain", "tiles", "stalls", "trap_while_waiting", "wait_at", "post_at"]
+NAMES = ["chain", "tiles", "tiles_split", "stalls", "trap_while_waiting", "wait_at", "post_at"]
 SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2), ("random", 3)]
 
 
@@ -141,6 +159,24 @@ def test_per_tile_semaphores_accumulate_in_key_block_order(mod, schedule, seed, 
 # ---- errors ---------------------------------------------------------------------------------------
 def os_threads():
     return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+def test_split_halves_accumulate_in_key_block_order(mod, schedule, seed, workers):
+    """fa::sem_acquire by thread 0 with work before the barrier, fa::sem_release after the next tile's barrier
+    (the grid-layout dK/dV kernel's ordered dQ): every (h, m) sums its key blocks in order 0 .. N-1, bitwise."""
+    H, N, M, D = 2, 5, 4, 32
+    x = spread(np.random.default_rng(11), (H, N, M, D))
+    sem, acc = np.zeros((H, M), np.int32), np.zeros((H, M, D), np.float32)
+    work = np.zeros((H, N, D), np.float32)
+    c = mod.launch("tiles_split", (N, H), D, (sem, acc, x, work, np.int32(M)), schedule=schedule, seed=seed,
+                   workers=workers)
+    expect = np.stack([sequential_sum(x[h]) for h in range(H)])
+    assert acc.tobytes() == expect.tobytes() and np.all(sem == N) and np.all(work == M)
+    assert c.sem_waits == H * N * M
+    if schedule == "reverse":
+        assert c.sem_blocked > 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -345,6 +345,9 @@ inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
 // block's barrier around it, as the GPU branch does.
 inline void sem_wait(const int* sem, int expected) { fa_emu_sem_wait(sem, expected); }
 inline void sem_post(int* sem) { fa_emu_sem_post(sem); }
+// The calling thread's halves (the kernel's own barriers around them, as on the GPU).
+inline void sem_acquire(const int* sem, int expected) { fa_emu_sem_acquire(sem, expected); }
+inline void sem_release(int* sem) { fa_emu_sem_release(sem); }
 // Group-wide (the nthreads threads of named barrier id): the runtime picks the leader as the GPU branch does.
 inline void sem_wait_group(const int* sem, int expected, int id, int nthreads) {
     fa_emu_sem_wait_group(sem, expected, id, nthreads);

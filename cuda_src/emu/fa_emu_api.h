@@ -59,6 +59,10 @@ void fa_emu_atomic_add_f64(double* p, double v);
 // dispatched. sem_post: the block's barrier, then thread 0 adds 1 (release) and wakes waiters.
 FA_EMU_CONVERGENT void fa_emu_sem_wait(const int* sem, int expected);
 FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem);
+// Their halves by the calling thread (fa::sem_acquire / fa::sem_release; the kernel puts its own barriers
+// around them): the wait suspends the block as sem_wait's does; the post adds 1 (release) and wakes waiters.
+void fa_emu_sem_acquire(const int* sem, int expected);
+void fa_emu_sem_release(int* sem);
 // Group semaphores (fa::sem_wait_group / fa::sem_post_group): the same over the nthreads threads of named
 // barrier `id` (bar.sync id, nthreads) instead of the block; the leader is the participant whose linear
 // thread index is a multiple of nthreads. A short wait suspends only the leader's fiber (the group waits at

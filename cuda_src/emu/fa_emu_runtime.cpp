@@ -2729,6 +2729,13 @@ __attribute__((noinline)) void fa_emu_sem_post(int* sem) {
     if (w->cur->tid == 0) sem_post_thread0(w, sem);
 }
 
+void fa_emu_sem_acquire(const int* sem, int expected) { sem_wait_thread0(W(), sem, expected); }
+
+void fa_emu_sem_release(int* sem) {
+    bulk_check_published(W(), "fa::sem_release");
+    sem_post_thread0(W(), sem);
+}
+
 // Group semaphores: the leader (the participant whose linear thread index is a multiple of nthreads) polls or
 // posts; the named barrier `id` over the nthreads participants orders the rest. The leader's short wait is a
 // fiber state (WAIT_SEM, resolved by sem_poll), not a blocked block: the threads outside the group run on.
