@@ -173,7 +173,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
               % (precision, br, max(d, dv), bc, bc // 16,
                  "operands as tf32 planes" if precision == "tf32" else
                  "hi+lo planes" if lo else "raw fp32 tiles split in registers", stages, warps))
-    return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, stages, precision, d, dv, lo)
+    return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, stages, precision=precision, head_dim=d, head_dim_v=dv,
+                        lo_planes=lo)
 
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):

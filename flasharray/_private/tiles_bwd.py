@@ -29,11 +29,19 @@ class BwdTiles:
     smem: int
     reason: str
     stages: int = 1   # buffers of the streamed tiles (tensor-core kernels: 2 = cp.async prefetch)
-    layout: str = "rows"  # tensor-core dK/dV kernel: "rows" (flash_bwd_dkv_kernel), "grid" (..._grid_kernel)
+    #: the tensor-core dK/dV kernel's warp layout (a class attribute, no field: subclasses keep their positional
+    #: fields): "rows" (flash_bwd_dkv_kernel); :class:`GridBwdTiles`: "grid" (flash_bwd_dkv_grid_kernel)
+    layout = "rows"
 
     @property
     def needs_opt_in(self):
         return self.smem > DEFAULT_SMEM
+
+
+@dataclass(frozen=True)
+class GridBwdTiles(BwdTiles):
+    """A dK/dV tile of the grid-layout kernel (:func:`grid_tile`)."""
+    layout = "grid"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,9 +198,9 @@ def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     limit = smem_limit(arch)
     if smem > limit:
         return None
-    why = ("grid layout: %d keys x %d queries, 8 warps on 32-row warp tiles (0.45 ldmatrix per MMA); one buffer "
+    why = ("grid layout: %d keys x %d queries, 8 warps on 32-row warp tiles (0.5 ldmatrix per MMA); one buffer "
            "of Q_i, dO_i: %d B of shared memory fit the limit %d B" % (Bc, Br, smem, limit))
-    return BwdTiles(Br, Bc, 256, smem, why, 1, "grid")
+    return GridBwdTiles(Br, Bc, 256, smem, why, 1)
 
 
 def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2, warps=None):
