@@ -610,8 +610,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, or with per-entry
-// lengths alone: kExt = 0 or kExtSeqlens):
+// dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, or with window,
+// ALiBi, softcap and per-entry lengths: tiles_bwd.GRID_EXT; no dropout, no block mask):
 // Bc = 32 kWK keys, 8 warps. Each product runs on 32-row warp tiles, so each ldmatrix feeds more MMAs
 // than the row-tile kernel above (one warp per 16 keys: 16 x Br strips), whose products are bound by
 // shared-memory reads (0.65 ldmatrix.x4 per MMA at d 128, 4 cycles each against ~2 per MMA):
@@ -623,7 +623,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 //               16 rows: the warp-wide atomics of the kernel above), computed before the ordered mode's
 //               turn, so that only the atomics wait for it.
 // Same grid, same visits (causal: from m_block_min; GQA: n_group entries), same accumulator and counters,
-// same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel.
+// same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel (softcap:
+// dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ, int kExt = 0>
 __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kernel(
@@ -667,7 +668,6 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
     const int wk = warp / kWQ, wq = warp % kWQ;        // scores and dK/dV: keys 32 wk.., queries / columns
     const int wr = warp / (kNWarps / kQW), wc = warp % (kNWarps / kQW);  // dQ: rows 32 wr.., column tile wc
     using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
@@ -752,7 +752,8 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // Ordered: fa::sem_wait in its two halves — thread 0 polls for the turn now, while the other warps run
         // their dQ products; the barrier after them extends what it acquired to the block.
         if constexpr (kOrderedDQ)
-            if (threadIdx.x == 0) fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+            if (threadIdx.x == 0)
+                fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
         float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., columns kDQCols wc.. (dS K_j, unscaled)
         zero_acc(dq[0]); zero_acc(dq[1]);
         warp_mma_m<T, 2, kBlockN, A::kDQCols, true, true>(dq, dSt_s + 32 * wr, L::kPitchS,
@@ -804,7 +805,6 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
                             dv_row, dV_acc[mt], 1.0f, Lk - c_m, Dv - wq * kCV);
         }
     }
-    (void)g; (void)t;
 }
 
 // ---------------------------------------------------------------------------------------------
