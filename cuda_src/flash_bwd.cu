@@ -482,6 +482,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 
     // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
     int grp = 0, i = i_begin;
+    int* posted = nullptr;  // ordered: the counter of the previous visit, posted after the next barrier
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
@@ -495,8 +496,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         const T* Q_s = Q_buf + buf * L::kQStage;     // Q_i  Br x D
         const T* dO_s = dO_buf + buf * L::kdOStage;  // dO_i Br x Dv
         // Barrier: every warp is done with the previous visit: its Q_i/dO_i buffer (about to be
-        // refilled), P^T_s, dS^T_s, L_i and D_i.
+        // refilled), P^T_s, dS^T_s, L_i and D_i, and has issued its dQ atomics.
         __syncthreads();
+        // Ordered: thread 0 posts the previous visit's turn (fa::sem_post's second half: this barrier followed
+        // every thread's atomics), its release fence overlapping the other warps' copies instead of a barrier.
+        if constexpr (kOrderedDQ)
+            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
         const bool prefetch = kStages == 2 && visit + 1 < n_visits;
         if (kStages == 1) load_query_block(grp, i, 0);
         if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's math
@@ -521,23 +526,24 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                                                           wm, 0, scale_log2, mask, drop, r0, c0);
             if (kAtomicDQ) {
                 store_a<T, kBlockM / 16>(dSt_s + wm * 16 * L::kPitchS, L::kPitchS, dS_a);
-                // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
                 if constexpr (kOrderedDQ) {
                     // dV_j += P^T dO_i and dK_j += dS^T Q_i before the turn's wait (tensor-core work while
-                    // the turn comes; P^T's and dS^T's registers free during dQ).
+                    // the turn comes; P^T's and dS^T's registers free during dQ); then fa::sem_wait's first
+                    // half, thread 0's poll, which the barrier below extends to the block. (Polling before
+                    // the products, for other warps to overlap it, took 12-112 bytes of spills.)
                     warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
                     warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
-                    fa::sem_wait(order.counter(dqa_entry(grp), i),
-                                 dq_order.turn(i, kBlockM, kBlockN, mask));
-                } else {
-                    __syncthreads();
+                    if (threadIdx.x == 0)
+                        fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
                 }
+                // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
+                __syncthreads();
                 // Atomic mode: dQ first, dV's and dK's dO_i / Q_i fragments then loaded after the barrier,
                 // not held across the dQ product (ptxas overlaps products across the barrier, past the
                 // 255-register cap at D = 64).
                 atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
                                                                      dSt_s, K_s);
-                if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+                if constexpr (kOrderedDQ) posted = order.counter(dqa_entry(grp), i);  // released after the next barrier
             }
             if constexpr (!kOrderedDQ) {
                 warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
@@ -566,17 +572,23 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             if (own_dK)
                 warp_mma<T, kBlockM, kColsK, false, true>(dK_acc, dSt_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            Q_s + wn * kColsK, L::kPitchD);
-            // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn).
-            if constexpr (kOrderedDQ)
-                fa::sem_wait(order.counter(dqa_entry(grp), i),
-                             dq_order.turn(i, kBlockM, kBlockN, mask));
+            // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn, fa::sem_wait's halves:
+            //    thread 0's poll, then the barrier extending it to the block).
+            if constexpr (kOrderedDQ) {
+                if (threadIdx.x == 0)
+                    fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+                __syncthreads();
+            }
             if (kAtomicDQ)
                 atomic_dq<T, L, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_entry(grp) + (long long)r0 * kHeadDim,
                                                                      dSt_s, K_s);
-            if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+            if constexpr (kOrderedDQ) posted = order.counter(dqa_entry(grp), i);  // released after the next barrier
         }
         i = i_n, grp = grp_n;
     }
+    // Ordered: the last visit's post (fa::sem_post).
+    if constexpr (kOrderedDQ)
+        if (n_visits > 0) fa::sem_post(posted);
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 

@@ -327,6 +327,33 @@ def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, 
             assert a.tobytes() == b.tobytes(), workers
 
 
+@pytest.mark.parametrize("D,per_visit", [(128, 3), (256, 4)])
+def test_row_tile_ordered_dq(monkeypatch, D, per_visit):
+    """The row-tile dK/dV kernel's ordered dQ (sm_75 / 86 / 89, head dims other than the grid layout's, dropout):
+    fa::sem_wait's halves around the dV_j, dK_j products (thread 0 polls, the turn's barrier extends it) and
+    fa::sem_post's release by thread 0 after the next visit's first barrier, so a visit holds 3 barriers (D 128:
+    P^T, dS^T in registers; was 4) or 4 (D 256: through shared memory; was 5), plus 3 per block (the last post's,
+    the epilogue's 2; every block visits some query block here).
+    One wait per visit, none blocked in block order on one worker; bitwise the same under reverse and random
+    schedules, where the waits block."""
+    p = Problem(np.float16, D, 150, 200, causal=True, bcast="gqa")
+    with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+        *ref, counters = run_backward("emulator", p, return_counters=True)
+        check(p, ref)
+        assert any(name.startswith("flash_bwd_dkv_kernel<") for name, _ in counters)
+        c = _dkv_counters(counters)
+        t_kv = cb.kernel_plan(np.float16, D, D, causal=True, deterministic=True, arch=80, ordered=True)["dkv"][2]
+        visits = int(np.prod(p.batch_shape)) * cb.visited_query_blocks(150, 200, True, t_kv)
+        assert c.sem_waits == visits > 0 and c.sem_blocked == 0
+        assert c.barriers == per_visit * visits + 3 * c.blocks
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "2")
+        for schedule, seed in (("reverse", 0), ("random", 3)):
+            *got, counters = run_backward("emulator", p, schedule=schedule, seed=seed, return_counters=True)
+            assert _dkv_counters(counters).sem_blocked > 0
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, got)), schedule
+
+
 @pytest.mark.parametrize("causal,deterministic", [(True, True), (False, False)])
 def test_grid_layout_kernel(causal, deterministic):
     """The grid-layout dK/dV kernel (tiles_bwd.grid_tile: FlashAttention-2's warp grid, d 64 / 128, atomic and
