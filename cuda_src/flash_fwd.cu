@@ -441,10 +441,15 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   if constexpr (kStages == 1) {
     // One buffer each for K_j and V_j (FlashAttention-2's pipeline): V_j is fetched while
     // S_ij = Q_i K_jᵀ runs, K_{j−1} while the softmax and P_ij V_j run. Two barriers per tile.
+    // The first tile's V_j comes with Q_i and K_j: only that tile can be partial (the sequence's last), so
+    // the loop's V_j copies are whole tiles with no row checks (per-pass row indices held in registers
+    // through the loop spilled the 128 x 64 tile at d 128).
+    const int n_first = n_block;
     if (n_block >= (kMinVaries ? split_block_min : 0)) {
       load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
       load_k(false, sK, n_block * kBlockN);
+      load_v(false, sV, n_block * kBlockN);
       fa::cp_async_commit();
     }
     auto iteration = [&](bool masked, int n_block, int next) {
@@ -453,7 +458,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
       // reading V_{j+1} (previous iteration), so sV may be overwritten.
       __syncthreads();
-      load_v(!masked, sV, n0);  // full rows unless masked: the partial last tile is a masked one
+      if (n_block != n_first) load_v(true, sV, n0);  // a whole tile (the first one's came with K_j)
       fa::cp_async_commit();
 
       TileS acc_s;

@@ -219,13 +219,13 @@ def test_forward_counters_match_analytic(dt, D, Lq, Lk):
     tile = cuda_forward_f64.forward_tile(None, dtype, D, D, tiles.EMULATOR_ARCH) or cuda_forward.kernel_for(
         dtype, D, D, tiles.EMULATOR_ARCH, wide=cuda_forward.wide_rows(table, False, True, Lq, None))
     if (dt, D, Lq) == ("fp16", 128, 130):
-        assert (tile.block_m, tile.block_n) == (128, 32)
+        assert (tile.block_m, tile.block_n, tile.stages) == (128, 64, 1)
     reads, writes = cuda_forward.analytic_global_bytes(2, Lq, Lk, D, D, dtype, tile)
     assert sum(c["global_read_bytes"] for c in counters) == reads
     assert sum(c["global_write_bytes"] for c in counters) == writes
 
 
-# ---- the wide-row tile (tiles.WIDE_ROWS: Br = 128, Bc = 32 at 64 < d <= 128) ------------------------
+# ---- the wide-row tiles (tiles.WIDE_ROWS: Br = 128; at 64 < d <= 128 Bc = 64 where two blocks fit) ------
 
 def _plan(q, k, v, causal, **opts):
     return cuda_forward.plan(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, batch_shape=q.shape[:-2],
@@ -238,13 +238,14 @@ def _plan(q, k, v, causal, **opts):
                                                      ("bf16", 256, 256, 130, 100, "bhsd", True),
                                                      ("fp16", 200, 136, 97, 70, "bshd", False)])
 def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
-    """Non-causal, aligned, > 64 query rows: the plan takes the 128 x 32 tile (64 < d <= 128: 4 warps x 2
-    slabs; 128 < d <= 256: 8 warps x 1 slab) and meets the rule; reverse / random schedules give its bits
-    (no missing barrier)."""
+    """Non-causal, aligned, > 64 query rows: the plan takes a 128-row tile (64 < d <= 128 on the emulator's sm_80:
+    FlashAttention-2's 128 x 64, 4 warps x 2 slabs, single-buffered K/V, where d >= dv, else 128 x 32; 128 < d <=
+    256: 128 x 32, 8 warps x 1 slab) and meets the rule; reverse / random schedules give its bits (no missing
+    barrier)."""
     q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa)
     t = _plan(q, k, v, False).tile
-    warps = 4 if max(D, Dv) <= 128 else 8
-    assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core", 128, 32, warps, 2)
+    want = (128, 64, 4, 1) if max(D, Dv) <= 128 and D >= Dv else (128, 32, 4 if max(D, Dv) <= 128 else 8, 2)
+    assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core",) + want
     ref = check_case("emulator", DTYPES[dt], D, Lq, Lk, False, Dv=Dv, layout=layout, gqa=gqa)
     for schedule, seed in (("reverse", 0), ("random", 3)):
         got = run_forward("emulator", q, k, v, causal=False, schedule=schedule, seed=seed)
@@ -289,7 +290,7 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
     q = rng.standard_normal(batch + (Lq, D)).astype(DTYPES[dt])
     k, v = (rng.standard_normal(batch[:2] + (1,) * (len(batch) - 2) + (Lk, D)).astype(DTYPES[dt]) for _ in "kv")
     t = _plan(q, k, v, True).tile
-    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)
+    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)  # causal: not 128 x 64
     out, lse = run_forward("emulator", q, k, v, causal=True)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
     got = run_forward("emulator", q, k, v, causal=True, schedule="reverse")
@@ -312,7 +313,10 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     for arch, d, stages in ((80, 128, 1), (80, 112, 2), (86, 96, 1), (86, 128, 2), (90, 128, 2), (75, 80, 2)):
         t = tiles.forward_tile("float16", d, d, arch)                      # the square tile up to d 128
         assert (t.block_m, t.block_n, t.stages) == (64, 64, stages), (arch, d)
-    assert tiles.forward_tile("float16", 128, 128, 80, wide=True).stages == 2  # the wide tile: two fit
+    t = tiles.forward_tile("float16", 128, 128, 80, wide=True)        # the wide tile: two single-buffered fit
+    assert (t.block_n, t.stages) == (64, 1)
+    t = tiles.forward_tile("float16", 128, 128, 86, wide=True)        # sm_86: one does; the 128 x 32 tile
+    assert (t.block_n, t.stages) == (32, 2)
     assert tiles.forward_tile("float16", 128, 128, 80, two_blocks=False).stages == 2  # paged caches
     assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
     q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
@@ -512,7 +516,7 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, dt, D):
         out, lse = cuda_forward.forward(q, k, v, causal=True, scale=D ** -0.5, batch_shape=batch_shape,
                                         device="cuda", precision="ieee" if dt == "fp32" else None)
         assert_attention_close(out, q, k, v, causal=True, lse=lse)
-    tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80, wide=True)  # causal, 70 rows: sm_80's wide tile
+    tile = cuda_forward.kernel_for(DTYPES[dt], D, D, 80, wide=True, causal=True)  # causal, 70 rows: sm_80's wide tile
     assert log and all(name == tile.name_expression(True, True) and smem == tile.smem for name, smem, _ in log)
     assert fake.driver_launches == [name for name, _, _ in log]  # every launch through launchKernel
     if tile.needs_opt_in:

@@ -132,7 +132,7 @@ def test_python_smem_matches_traits():
         assert int(out[0]) == smem, expr
 
 
-# ---- the wide-row tile (tiles.WIDE_ROWS: Br = 128, Bc = 32 at 64 < d <= 128) -----------------------------
+# ---- the wide-row tiles (tiles.WIDE_ROWS: Br = 128; Bc = 64 single-buffered where two blocks fit, else 32) ---
 #: The variants a wide-row plan can launch (cuda_forward.wide_rows: non-causal, aligned, no extensions,
 #: no paged cache): dense, split-KV, per-entry key lengths (KV cache), split + lengths.
 WIDE_VARIANTS = (dict(), dict(split=True), dict(seqlens_k=True), dict(split=True, seqlens_k=True))
@@ -148,13 +148,19 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
             t = tiles.forward_tile(dt, d, dv, arch, wide=True)
             if t.block_m != 128 or max(t.head_dim, t.head_dim_v) <= 64:
                 continue  # the table's tile (sm_75: two stages do not fit; d <= 64: its own 128 x 64)
-            assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if max(t.head_dim, t.head_dim_v) <= 128 else 8)
+            hd = max(t.head_dim, t.head_dim_v)
+            if hd <= 128 and t.head_dim >= t.head_dim_v and tiles._two_blocks_fit(t.smem, arch):
+                assert (t.block_n, t.stages, t.threads_m) == (64, 1, 4)   # FlashAttention-2's 128 x 64
+            else:
+                assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if hd <= 128 else 8)
             for flags in WIDE_VARIANTS:
                 names[cuda_forward.forward_name_expression(t, False, True, **flags)] = t
-            if arch in tiles.WIDE_CAUSAL_ARCHS:  # causal too, with GQA packing (Is_packed)
+            if arch in tiles.WIDE_CAUSAL_ARCHS:  # causal too (128 x 32), with GQA packing (Is_packed)
+                tc = tiles.forward_tile(dt, d, dv, arch, wide=True, causal=True)
+                assert (tc.block_m, tc.block_n, tc.stages) == (128, 32, 2)
                 for flags in WIDE_VARIANTS + (dict(packed=True), dict(split=True, packed=True),
                                               dict(packed=True, seqlens_k=True)):
-                    names[cuda_forward.forward_name_expression(t, True, True, **flags)] = t
+                    names[cuda_forward.forward_name_expression(tc, True, True, **flags)] = tc
     return names
 
 

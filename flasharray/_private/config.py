@@ -79,12 +79,14 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
     try:
         t = tiles.forward_tile(dtype, head_dim, head_dim_v, arch)
         wide = tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True)
+        wide_causal = (tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True, causal=True)
+                       if tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS else t)
     except NotImplementedError as e:
         return str(e)
     lines = [t.describe()]
-    if wide != t:
-        causal = "causal or not" if tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS else "non-causal"
-        lines.append("(%s, aligned rows, > 64 rows, no extensions: %s)" % (causal, wide.describe()))
+    for which, tile in (("causal or not" if wide_causal == wide else "non-causal", wide), ("causal", wide_causal)):
+        if tile != t and (which == "causal") <= (wide_causal != wide):
+            lines.append("(%s, aligned rows, > 64 rows, no extensions: %s)" % (which, tile.describe()))
     auto = cuda_forward_sm90.auto_tile(dtype, head_dim, head_dim_v, arch, device)
     if auto is not None:
         ext = ("extensions on rows not 16-byte aligned at d 256" if cuda_forward_sm90.AUTO_EXT else "extensions")

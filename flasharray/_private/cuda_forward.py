@@ -37,7 +37,7 @@ def _acc_dtype(dtype):
 
 
 def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-               wide=False, two_blocks=True):
+               wide=False, two_blocks=True, causal=False):
     """The :class:`~flasharray._private.tiles.FwdTile` a forward call would use.
 
     Parameters
@@ -59,9 +59,11 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
     two_blocks : bool
         Single-buffer where that lets two blocks share an SM (``tiles.TWO_BLOCKS_MAX_HEAD_DIM``);
         False for a paged KV cache.
+    causal : bool
+        The call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls: ``tiles.WIDE_BC64``).
     """
     return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide,
-                              two_blocks=two_blocks)
+                              two_blocks=two_blocks, causal=causal)
 
 
 def wide_rows(tile, causal, aligned, rows, ext, kv=None, arch=tiles.EMULATOR_ARCH):
@@ -207,7 +209,7 @@ class ForwardPlan:
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
             packed_causal = bool(causal)
         if opts["block_m"] is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, arch):
-            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True)
+            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True, causal=causal)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
             tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), bits)
         if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)

@@ -358,7 +358,8 @@ class KernelSpec:
 
 def _forward_spec(dtype, d, arch, causal):
     # the wide-row tile where a long call takes it (non-causal; causal on tiles.WIDE_CAUSAL_ARCHS)
-    t = tiles.forward_tile(dtype, d, d, arch, wide=not causal or tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS)
+    t = tiles.forward_tile(dtype, d, d, arch, wide=not causal or tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS,
+                           causal=causal)
     if t.kernel != "tensor_core":
         return []
     return [KernelSpec("fwd", dtype, d, arch, t.source, t.name_expression(causal, True), t.n_threads, t.smem)]

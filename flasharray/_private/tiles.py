@@ -188,7 +188,12 @@ _TC_EXT_CANDIDATES = [
 #: (smaller d, dv). Same conditions; zero spills in all 3,390 instantiations audited (paged included).
 #: WIDE_ROWS = False turns both off.
 _TC_WIDE_CANDIDATES = [
-    (128, 128, 32, 4, 2, "64 < d <= 128, non-causal, > 64 rows: Br=128, Bc=32, 4 warps x 2 slabs as "
+    (128, 128, 64, 4, 1, "64 < d <= 128, d >= dv, non-causal, > 64 rows, where two blocks fit an SM (sm_80, sm_90): "
+                         "Br=128, Bc=64, 4 warps x 2 slabs, single-buffered K/V: FlashAttention-2's d 128 "
+                         "forward tile on A100 / H100 (each K/V fragment feeds 2 mma, half the per-tile "
+                         "softmax and barrier work of Bc=32); 255 regs"),
+    (128, 128, 32, 4, 2, "64 < d <= 128, non-causal (causal on WIDE_CAUSAL_ARCHS), > 64 rows, where 128 x 64 does "
+                         "not apply: Br=128, Bc=32, 4 warps x 2 slabs as "
                          "FlashAttention-2 (each K/V fragment feeds 2 mma, K/V re-read half as often); "
                          "~240-255 regs; K/V double-buffered"),
     (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows: Br=128, Bc=32, 8 warps x 1 slab as "
@@ -197,6 +202,16 @@ _TC_WIDE_CANDIDATES = [
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
 WIDE_ROWS = True
+#: (Br, Bc) of the wide candidate taken only by non-causal calls with padded d >= dv where two of its blocks fit an
+#: SM's shared memory (:func:`_wide_bc64_applies`): the single-buffered 128 x 64 tile (69.6 KB at d 128) runs at 255
+#: registers, two 4-warp blocks on sm_80 / sm_90, one on sm_86 / 89 (100 KB) at d 96-128, which keep the
+#: double-buffered 128 x 32 tile; causal variants (split, GQA-packed, key lengths) and pairs with d < dv spilled
+#: 8-164 bytes in the NVRTC audit (docs/performance.md, "Seventeenth session").
+WIDE_BC64 = (128, 64)
+
+
+def _wide_bc64_applies(d, dv, causal, smem, arch):
+    return not causal and d >= dv and _two_blocks_fit(smem, arch)
 #: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
 #: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
 #: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
@@ -270,7 +285,7 @@ def _two_blocks_fit(smem, arch):
 
 
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-                 wide=False, two_blocks=True):
+                 wide=False, two_blocks=True, causal=False):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
@@ -278,7 +293,8 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
     512, tensor cores only) picks one of the :data:`IO_TILES` instead of the table. ``ext``: the
     kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
     ``wide``: the call qualifies for the wide-row tiles (:data:`_TC_WIDE_CANDIDATES`: non-causal,
-    aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit.
+    aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit; ``causal``:
+    the call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only, :data:`WIDE_BC64`).
     ``two_blocks``: single-buffer where that lets two blocks share an SM (:data:`TWO_BLOCKS_MAX_HEAD_DIM`;
     False for paged KV caches, whose double-buffered ring shares one page lookup between K_j and V_j).
     Raises NotImplementedError for head dims above 256.
@@ -302,9 +318,11 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
             return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
+        wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else []) if c[1:3] != WIDE_BC64
+                           or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch)]
         fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
-                                                              (_TC_WIDE_CANDIDATES if wide else []) + _TC_CANDIDATES)
+                                                              wide_candidates + _TC_CANDIDATES)
                 if hd <= max_hd and tc_smem(d, dv, br, bc, stages) <= limit]
         if two_blocks and hd <= TWO_BLOCKS_MAX_HEAD_DIM and not ext:  # single-buffered if two then fit
             fits = [f for f in fits if f[:3] == fits[0][:3] and _two_blocks_fit(f[5], arch)] or fits
