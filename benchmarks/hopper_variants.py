@@ -20,6 +20,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
                                128 x 32 tiles at d > 64 non-causal (off: the table's 64 x 64 / 64 x 32)
+  mma.WIDE_BC64                tiles.WIDE_BC64, the mma.sync forward's (both sides kernel="tensor_core"): at
+                               64 < d <= 128 non-causal FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
+                               double-buffered)
   mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS with sm_90 added: the same wide-row tiles for causal
                                calls on sm_90 (the default keeps the square tile there; causal rows only)
   mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
@@ -115,6 +118,8 @@ SWITCHES = (
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),
+    Switch("mma.WIDE_BC64", "fwd", tiles, "WIDE_BC64", False,
+           "mma.sync d 80-128 non-causal: 128 x 64 single-buffered vs 128 x 32 double-buffered", MMA_FWD),
     Switch("mma.WIDE_CAUSAL", "fwd", tiles, "WIDE_CAUSAL_ARCHS", (80, 90),
            "mma.sync causal d > 64 on sm_90: the wide-row tiles too (0.82-0.86x FA2 causal on the square tile)",
            MMA_FWD),

@@ -382,7 +382,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
                    "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel", "mma.WIDE_ROWS",
-                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT")
+                   "mma.WIDE_BC64", "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT")
 
 
 def test_hopper_variants_on_the_emulator(tmp_path):
@@ -408,6 +408,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     assert by_name["fwd.OVERLAP"]["default"] is True and by_name["fwd.PERSISTENT_MAX_HEAD_DIM"]["default"] == 128
     assert by_name["bwd.DQ_BULK"]["flag"] == "cuda_backward_sm90.DQ_BULK"
     assert by_name["mma.WIDE_ROWS"]["flag"] == "tiles.WIDE_ROWS" and by_name["mma.WIDE_ROWS"]["default"] is True
+    assert by_name["mma.WIDE_BC64"]["flag"] == "tiles.WIDE_BC64" and by_name["mma.WIDE_BC64"]["default"] is True
     assert by_name["mma.WIDE_KEYS"]["flag"] == "tiles_bwd.WIDE_KEYS" and by_name["mma.WIDE_KEYS"]["default"] is True
     assert by_name["mma.GRID_LAYOUT"]["flag"] == "tiles_bwd.GRID_LAYOUT" and by_name["mma.GRID_LAYOUT"]["default"] is True
 
@@ -463,6 +464,13 @@ def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):
             p = cuda_forward.plan(q, q, q, causal=False, scale=1.0, batch_shape=(1, 1), device="emulator",
                                   arch="sm_90", kernel=sw.base)
             assert p.tile.kernel == "tensor_core" and p.tile.block_m == (128 if flag else 64)
+    (sw,) = [s for s in hv.SWITCHES if s.name == "mma.WIDE_BC64"]
+    for on in (False, True):                      # FlashAttention-2's 128 x 64 tile against 128 x 32
+        with hv.variant(sw if not on else None, sw.base) as kernel:
+            p = cuda_forward.plan(q, q, q, causal=False, scale=1.0, batch_shape=(1, 1), device="emulator",
+                                  arch="sm_90", kernel=kernel)
+            assert (p.tile.block_m, p.tile.block_n, p.tile.stages) == ((128, 64, 1) if on else (128, 32, 2))
+    assert tiles.WIDE_BC64 is True
     from flasharray._private import tiles_bwd
     (sw,) = [s for s in hv.SWITCHES if s.name == "mma.WIDE_KEYS"]
     with hv.variant(sw) as kernel:               # the mma.sync backward's own switch: both sides kernel="tc"

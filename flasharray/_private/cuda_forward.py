@@ -60,7 +60,7 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
         Single-buffer where that lets two blocks share an SM (``tiles.TWO_BLOCKS_MAX_HEAD_DIM``);
         False for a paged KV cache.
     causal : bool
-        The call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls: ``tiles.WIDE_BC64``).
+        The call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only: ``tiles.WIDE_BC64``).
     """
     return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide,
                               two_blocks=two_blocks, causal=causal)

@@ -202,16 +202,17 @@ _TC_WIDE_CANDIDATES = [
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
 WIDE_ROWS = True
-#: (Br, Bc) of the wide candidate taken only by non-causal calls with padded d >= dv where two of its blocks fit an
-#: SM's shared memory (:func:`_wide_bc64_applies`): the single-buffered 128 x 64 tile (69.6 KB at d 128) runs at 255
-#: registers, two 4-warp blocks on sm_80 / sm_90, one on sm_86 / 89 (100 KB) at d 96-128, which keep the
-#: double-buffered 128 x 32 tile; causal variants (split, GQA-packed, key lengths) and pairs with d < dv spilled
-#: 8-164 bytes in the NVRTC audit (docs/performance.md, "Seventeenth session").
-WIDE_BC64 = (128, 64)
+#: The wide candidate with Bc = 64 (the single-buffered 128 x 64 tile, 69.6 KB at d 128, 255 registers) is taken only
+#: by non-causal calls with padded d >= dv where two of its blocks fit an SM's shared memory
+#: (:func:`_wide_bc64_applies`): two 4-warp blocks on sm_80 / sm_90; sm_86 / 89 (100 KB) at d 96-128 keep the
+#: double-buffered 128 x 32 tile (one block either way); causal variants (split, GQA-packed, key lengths) and pairs
+#: with d < dv spilled 8-164 bytes in the NVRTC audit (docs/performance.md, "Seventeenth session"). False: 128 x 32
+#: everywhere (a switch for the GPU's verdict, ``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64``).
+WIDE_BC64 = True
 
 
 def _wide_bc64_applies(d, dv, causal, smem, arch):
-    return not causal and d >= dv and _two_blocks_fit(smem, arch)
+    return WIDE_BC64 and not causal and d >= dv and _two_blocks_fit(smem, arch)
 #: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
 #: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
 #: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
@@ -294,7 +295,7 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
     kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
     ``wide``: the call qualifies for the wide-row tiles (:data:`_TC_WIDE_CANDIDATES`: non-causal,
     aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit; ``causal``:
-    the call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only, :data:`WIDE_BC64`).
+    the call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only: :data:`WIDE_BC64`).
     ``two_blocks``: single-buffer where that lets two blocks share an SM (:data:`TWO_BLOCKS_MAX_HEAD_DIM`;
     False for paged KV caches, whose double-buffered ring shares one page lookup between K_j and V_j).
     Raises NotImplementedError for head dims above 256.
@@ -318,8 +319,8 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
             return FwdTile("tensor_core", name, d, dv, br, bc, warps, 32, tc_smem(d, dv, br, bc, stages),
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
-        wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else []) if c[1:3] != WIDE_BC64
-                           or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch)]
+        wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else [])
+                           if c[2] != 64 or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch)]
         fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               wide_candidates + _TC_CANDIDATES)
