@@ -251,11 +251,15 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
   };
 
   // ---- prologue: Q_i and the last key tile in flight ---------------------------------------------
+  // The first tile's V_j comes with K_j: only that tile can be partial, so the loop's V_j copies are whole tiles
+  // (no row checks; flash_fwd.cu's single-buffered loop).
   int n_block = n_block_max - 1;
+  const int n_first = n_block;
   if (n_block >= 0) {
     load_tile<double, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
         sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, tid);
     load_k(false, n_block * kBlockN);
+    load_v(false, n_block * kBlockN);
     fa::cp_async_commit();
   }
 
@@ -267,7 +271,7 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
     // Barrier: K_j (and Q_i) landed for every thread's copies; every warp has finished reading
     // V_{j+1}, so sV may be overwritten.
     __syncthreads();
-    load_v(!masked, n0);
+    if (n_block != n_first) load_v(true, n0);  // a whole tile (the first one's came with K_j)
     fa::cp_async_commit();
 
     TileS acc_s;

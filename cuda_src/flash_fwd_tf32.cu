@@ -451,12 +451,18 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   // ---- prologue: Q_i (converted / split once, unless 3xtf32 splits it per k8 step) and the last key
   // tile in flight ------------------------------------------------------------------------------------
   // The first tile (below walk.lo when no key is visible: no loop).
+  // Dense tiles up to d 128 (kVFirst): the first tile's V_j comes with K_j — only that tile can be partial, so the
+  // loop's V_j copies are whole tiles (no row checks; flash_fwd.cu's single-buffered loop). With extensions or
+  // the wide tiles that order spilled 16-48 bytes (window + block mask at d 128, d 64 / dv 256): V_j per tile.
+  constexpr bool kVFirst = kExt == 0 && !Traits::kWide;
   int n_block = kExt == 0 ? n_block_max - 1 : walk.prev(n_block_max);
+  const int n_first = n_block;
   if (n_block >= (kExt == 0 ? 0 : walk.lo)) {
     load_tile<float, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
         sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
     fa::cp_async_commit();
     load_k(false, n_block * kBlockN);
+    if constexpr (kVFirst) load_v(false, n_block * kBlockN);
     fa::cp_async_commit();
     if constexpr (kPrec == 1 || kQSplit) {
       fa::cp_async_wait<1>();  // Q_i (this thread's copies)
@@ -478,7 +484,12 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
     // Barrier: K_j (and Q_i) copied and converted by every thread; every warp has finished reading
     // V_{j+1}, so sV may be overwritten.
     __syncthreads();
-    load_v(!masked, n0);
+    if constexpr (kVFirst) {
+      if (n_block != n_first) load_v(true, n0);  // a whole tile (the first one's came with K_j)
+    } else {
+      (void)n_first;
+      load_v(!masked, n0);
+    }
     fa::cp_async_commit();
 
     TileS acc_s;
