@@ -287,3 +287,35 @@ def test_quick_subset_within_regression_limits():
 @pytest.mark.slow
 def test_full_matrix_within_regression_limits():
     _check_limits(sass.report(sass.kernel_specs(**sass.FULL)))
+
+
+#: Single-buffered forward tiles (kStages = 1), fp16, non-causal, aligned: (arch, d) -> (tile, instructions per HMMA
+#: of the key loop, registers). The loop copies whole V_j tiles (the first tile's V_j comes with K_j in the prologue:
+#: docs/performance.md, "Seventeenth session"); with a row-checked V_j copy these were 6.31 / 216 (sm_86 d 64) and
+#: 5.40 / 182 (sm_80 d 128, the square tile of short calls), and the 128 x 64 tile spilled.
+SINGLE_BUFFERED = {(86, 64): ((128, 64), 5.95, 210), (80, 128): ((64, 64), 4.90, 184),
+                   (80, 129): ((128, 64), 4.06, 255)}
+
+
+@requires_sass
+def test_single_buffered_forward_within_limits():
+    """The single-buffered forward loops (sm_86 / 89 at d <= 112, sm_80's short-call square tile at d 128, the
+    128 x 64 wide tile at d 128) stay within 2 % of their instructions per HMMA and registers, without spills
+    (d 129 in the table: the wide tile at d 128)."""
+    from flasharray._private import tiles
+    specs, limits = [], []
+    for (arch, key), ((br, bc), per_hmma, registers) in SINGLE_BUFFERED.items():
+        d = min(key, 128)
+        t = tiles.forward_tile("float16", d, d, arch, wide=key > 128)
+        assert (t.block_m, t.block_n, t.stages) == (br, bc, 1), (arch, key)
+        specs.append(sass.KernelSpec("fwd", "float16", d, arch, t.source, t.name_expression(False, True), t.n_threads,
+                                     t.smem))
+        limits.append((per_hmma, registers))
+    problems = []
+    for r, (per_hmma, registers) in zip(sass.report(specs), limits):
+        if r.loop is None or r.loop.per_hmma > per_hmma * MARGIN or r.registers > math.ceil(registers * MARGIN) \
+                or r.spill_bytes:
+            problems.append("%s sm_%d: %s per HMMA, %d registers, %d bytes of spills (limits %.2f, %d)" % (
+                r.spec.name, r.spec.arch, "-" if r.loop is None else "%.2f" % r.loop.per_hmma, r.registers,
+                r.spill_bytes, per_hmma * MARGIN, math.ceil(registers * MARGIN)))
+    assert not problems, "\n".join(problems)
