@@ -727,3 +727,42 @@ def test_forward_gpu_matches_emulator():
     gpu = run_forward("cuda", q, k, v, causal=True)
     np.testing.assert_allclose(gpu[0].get().astype(np.float32), emu[0].astype(np.float32), rtol=0, atol=2e-3)
     np.testing.assert_allclose(gpu[1].get(), emu[1], rtol=1e-5, atol=1e-5)
+
+
+#: The mma.sync forward's tiles on any GPU (kernel="tensor_core": sm_90 would take the wgmma kernel): (dt, D, Dv, Lq,
+#: Lk, causal) -> the tile (Br, Bc, stages) the plan takes on sm_80 / sm_90. d 128 / 96 non-causal: the single-
+#: buffered 128 x 64 tile (its loop copies whole V tiles, the first one in the prologue; Lk 300 / 203 end in a
+#: partial tile), d < dv and causal ones: 128 x 32, <= 64 rows: the square tile.
+MMA_GPU_CASES = [("fp16", 128, 128, 257, 300, False), ("bf16", 96, 96, 200, 203, False),
+                 ("fp16", 64, 128, 130, 77, False), ("fp16", 128, 128, 200, 333, True),
+                 ("bf16", 128, 128, 40, 200, False)]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dt,D,Dv,Lq,Lk,causal", MMA_GPU_CASES)
+def test_forward_gpu_mma_tiles(dt, D, Dv, Lq, Lk, causal):
+    """The mma.sync tiles (FlashAttention-2's 128 x 64 where it applies) on the device: the rule, and the GPU's
+    output within a few ulps of the emulator's on the same kernel."""
+    import cupy
+    q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv)
+    out, lse = check_case("cuda", DTYPES[dt], D, Lq, Lk, causal, Dv=Dv, kernel="tensor_core")
+    arch = int(cupy.cuda.Device().compute_capability)      # the emulator plans the device's tile
+    emu = run_forward("emulator", q, k, v, causal=causal, kernel="tensor_core", arch=arch)
+    ref = emu[0].astype(np.float32)   # a few ulps of the output's scale (the mma's summation order is unspecified)
+    ulp = float(np.finfo(np.float16).eps if dt == "fp16" else 2.0 ** -7) * float(np.abs(ref).max())
+    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=0, atol=4 * ulp)
+    np.testing.assert_allclose(lse, emu[1], rtol=1e-5, atol=1e-5)
+
+
+def test_mma_gpu_cases_take_their_tiles():
+    """The tiles MMA_GPU_CASES exercise, as the plan takes them on sm_80 and sm_90 (emulator planning, no GPU)."""
+    want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), None, (64, 64, None)]
+    for (dt, D, Dv, Lq, Lk, causal), w in zip(MMA_GPU_CASES, want):
+        q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv)
+        for arch in (80, 90):
+            t = _plan(q, k, v, causal, arch=arch, kernel="tensor_core").tile
+            if w is None:   # causal: 128 x 32 on sm_80 (WIDE_CAUSAL_ARCHS), the square tile on sm_90
+                assert (t.block_m, t.block_n) == ((128, 32) if arch == 80 else (64, 64)), (arch, t)
+            else:
+                assert (t.block_m, t.block_n) == w[:2] and (w[2] is None or t.stages == w[2]), (arch, t)
