@@ -84,8 +84,10 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
     except NotImplementedError as e:
         return str(e)
     lines = [t.describe()]
-    for which, tile in (("causal or not" if wide_causal == wide else "non-causal", wide), ("causal", wide_causal)):
-        if tile != t and (which == "causal") <= (wide_causal != wide):
+    # the wide-row tiles of long calls: one line when causal calls take the same one, else one each
+    shown = [("causal or not", wide)] if wide_causal == wide else [("non-causal", wide), ("causal", wide_causal)]
+    for which, tile in shown:
+        if tile != t:
             lines.append("(%s, aligned rows, > 64 rows, no extensions: %s)" % (which, tile.describe()))
     auto = cuda_forward_sm90.auto_tile(dtype, head_dim, head_dim_v, arch, device)
     if auto is not None:

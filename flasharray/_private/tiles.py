@@ -210,9 +210,6 @@ WIDE_ROWS = True
 #: everywhere (a switch for the GPU's verdict, ``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64``).
 WIDE_BC64 = True
 
-
-def _wide_bc64_applies(d, dv, causal, smem, arch):
-    return WIDE_BC64 and not causal and d >= dv and _two_blocks_fit(smem, arch)
 #: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
 #: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
 #: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
@@ -283,6 +280,11 @@ def _two_blocks_fit(smem, arch):
     a = arch_number(arch)
     per_sm = SMEM_PER_SM.get(a, smem_limit(a))
     return 2 * (smem + (KB if a >= 80 else 0)) <= per_sm
+
+
+def _wide_bc64_applies(d, dv, causal, smem, arch):
+    """Whether the single-buffered 128 x 64 wide tile (``smem`` bytes at padded d, dv) serves a call: :data:`WIDE_BC64`."""
+    return WIDE_BC64 and not causal and d >= dv and _two_blocks_fit(smem, arch)
 
 
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
