@@ -11,7 +11,8 @@
 //                      (x ~ hi + lo, both tf32: the 3xTF32 operands); sm_80+
 //   shared -> regs     fa::ldmatrix<N, Trans>(r, smem_row_addr), N in {1, 2, 4}
 //   global -> shared   fa::cp_async<Bytes>(smem_dst, gmem_src, src_bytes), Bytes in {4, 8, 16},
-//                      fa::cp_async_commit(), fa::cp_async_wait<N>()
+//                      fa::cp_async_commit(), fa::cp_async_wait<N>(); fa::kSyncCopy: true where
+//                      cp_async is a plain load and store (sm_75; below)
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
@@ -264,6 +265,23 @@ __device__ __forceinline__ void ldmatrix(uint32_t (&r)[N], const void* smem_row_
 }
 
 // ---- cp.async: Bytes copied global -> shared, bytes past src_bytes zero-filled --------
+// kSyncCopy: sm_75 has no cp.async, and fa::cp_async there is a load and a store. A store waits for
+// its load, so a copy loop whose chunks each branch on a run-time src_bytes (whole, partial, none)
+// pays one global round trip per chunk. Copy loops therefore give threads whose chunks are whole a
+// separate path where src_bytes is 16 or 0 at compile time: the partial-chunk branch folds away and
+// the compiler issues every chunk's load before the first store. The emulator takes that path too
+// (fa_emu.h), so the code sm_75 runs is code the emulator checks.
+#if __CUDA_ARCH__ >= 800
+constexpr bool kSyncCopy = false;
+#else
+constexpr bool kSyncCopy = true;
+#endif
+
+// The word a Bytes-byte chunk is copied as (sm_75's fallback).
+template <int Bytes> struct ChunkWord { using type = uint4; };
+template <> struct ChunkWord<8> { using type = uint2; };
+template <> struct ChunkWord<4> { using type = uint32_t; };
+
 template <int Bytes>
 __device__ __forceinline__ void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");
@@ -278,18 +296,17 @@ __device__ __forceinline__ void cp_async(void* smem_dst, const void* gmem_src, i
                      :: "r"(dst), "l"(gmem_src), "n"(Bytes), "r"(src_bytes) : "memory");
     }
 #else
-    // sm_75 has no cp.async: a plain synchronous copy with the same zero-fill contract.
-    unsigned char* d = static_cast<unsigned char*>(smem_dst);
-    const unsigned char* s = static_cast<const unsigned char*>(gmem_src);
+    // sm_75 has no cp.async: a plain synchronous copy with the same zero-fill contract (a whole
+    // chunk and a missing one are one vector load / store; a partial one, rare, a rolled byte loop).
+    using V = typename ChunkWord<Bytes>::type;
     if (src_bytes >= Bytes) {
-        if constexpr (Bytes == 16) {
-            *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
-        } else if constexpr (Bytes == 8) {
-            *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s);
-        } else {
-            *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s);
-        }
+        *reinterpret_cast<V*>(smem_dst) = *reinterpret_cast<const V*>(gmem_src);
+    } else if (src_bytes <= 0) {
+        *reinterpret_cast<V*>(smem_dst) = V{};
     } else {
+        unsigned char* d = static_cast<unsigned char*>(smem_dst);
+        const unsigned char* s = static_cast<const unsigned char*>(gmem_src);
+#pragma unroll 1
         for (int i = 0; i < Bytes; ++i) d[i] = i < src_bytes ? s[i] : static_cast<unsigned char>(0);
     }
 #endif

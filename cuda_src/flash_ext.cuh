@@ -36,6 +36,8 @@ constexpr int kExtDropout = 16;   // dropout on P (Philox4x32-10)
 constexpr int kExtSeqlens = 32;   // per-entry lengths seqlens_q / seqlens_k (first batch dim)
 
 template <int kExt, int kBit> struct HasExt { static constexpr bool value = (kExt & kBit) != 0; };
+// How many extensions kExt enables.
+__host__ __device__ constexpr int ext_count(int ext) { return ext == 0 ? 0 : (ext & 1) + ext_count(ext >> 1); }
 
 // The argument tail of every kernel taking kExt, in this order.
 #define FLASH_EXT_PARAMS(AccT)                                                                        \

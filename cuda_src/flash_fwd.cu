@@ -210,8 +210,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
   // K_j / V_j (rows n0 .. n0+Bc of this batch entry) → one shared-memory stage. Aligned rows:
   // per-thread copy plans (TileCopy), made once here, outside the key loop.
-  using CopyK = TileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>;
-  using CopyV = TileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>;
+  // sm_75: whole chunks' loads in flight together (TileCopy's kWholePath), except at d 256 with four or
+  // more extensions, where their registers spilled 12-44 bytes
+  constexpr bool kWholeCopies = kHeadDim <= 128 || ext_count(kExt) <= 3;
+  using CopyK = TileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads, kWholeCopies>;
+  using CopyV = TileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, kWholeCopies>;
   const CopyK copy_k(k_row, D, tid);
   const CopyV copy_v(v_row, Dv, tid);
   // Paged K/V with aligned rows: the same plans, each 16-row group's page looked up once per tile
@@ -220,8 +223,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   // keep load_tile_paged (element-wise, a lookup per element's row). Dense: Absent, no code.
   constexpr bool kPagedCopy = Is_paged && Is_aligned;
   using Pages = typename Pick<kPagedCopy, PageTable, Absent>::type;
-  using PagedK = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads>, Absent>::type;
-  using PagedV = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads>, Absent>::type;
+  using PagedK = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDim, Traits::kStrideK, kNThreads,
+                                                          kWholeCopies>, Absent>::type;
+  using PagedV = typename Pick<kPagedCopy, PagedTileCopy<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads,
+                                                          kWholeCopies>, Absent>::type;
   const Pages pages(table, page_size);
   const PagedK paged_k(k_row, D, tid);
   const PagedV paged_v(v_row, Dv, tid);

@@ -37,6 +37,20 @@ __device__ __forceinline__ void load_tile_rows(T* smem, RowPtr row_ptr, const T*
     static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
     constexpr int kChunksPerRow = kCols / kElemsPerCopy;
     constexpr int kChunks = kRows * kChunksPerRow;
+    if (fa::kSyncCopy && cols_valid >= kCols) {
+      // sm_75 (fa::kSyncCopy), every chunk whole: a compile-time byte count (16 or 0) and a
+      // compile-time trip count, so the thread's loads are all issued before its first store
+      constexpr int kIters = (kChunks + kNThreads - 1) / kNThreads;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int idx = tid + it * kNThreads;
+        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kElemsPerCopy;
+        const bool in = r < rows_valid;
+        if (kChunks % kNThreads == 0 || idx < kChunks)
+          fa::cp_async<kCopyBytes>(smem + r * kStride + c, in ? row_ptr(r) + c : fallback, in ? kCopyBytes : 0);
+      }
+      return;
+    }
     for (int idx = tid; idx < kChunks; idx += kNThreads) {
       const int r = idx / kChunksPerRow;
       const int c = (idx % kChunksPerRow) * kElemsPerCopy;
@@ -111,7 +125,10 @@ namespace flash {
 // pointer plus p·(kRowsPerPass rows). The passes are fully unrolled (compile-time trip count),
 // so no loop with a run-time start appears in the key loop. When the chunks per row are not a
 // power of two (d = 48, 80, 96, ...) the lanes past the row's last chunk copy nothing.
-template <typename T, int kRows, int kCols, int kStride, int kNThreads>
+//
+// kWholePath (sm_75, fa::kSyncCopy): threads whose chunk is whole take load()'s separate path; a kernel
+// turns it off where the chunks' registers in flight would spill.
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool kWholePath = true>
 struct TileCopy {
   static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
   static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
@@ -150,6 +167,19 @@ struct TileCopy {
   // always exists).
   __device__ __forceinline__ void load(bool full, T* smem_tile, const T* gmem_tile, int rows_valid) const {
     if (kChunksPerRow != kThreadsPerRow && !active) return;
+    // fa::kSyncCopy (sm_75): a thread whose chunk is whole (or absent) copies with a byte count known
+    // at compile time, so its passes' loads are all issued before the first store
+    if (fa::kSyncCopy && kWholePath && bytes == kCopyBytes)
+      passes<kCopyBytes>(full, smem_tile, gmem_tile, rows_valid);
+    else if (fa::kSyncCopy && kWholePath && bytes == 0)
+      passes<0>(full, smem_tile, gmem_tile, rows_valid);
+    else
+      passes<-1>(full, smem_tile, gmem_tile, rows_valid);
+  }
+
+  // kBytes: the chunk's bytes when the caller tested them (kCopyBytes or 0), else -1 (run time)
+  template <int kBytes>
+  __device__ __forceinline__ void passes(bool full, T* smem_tile, const T* gmem_tile, int rows_valid) const {
     const T* src = gmem_tile + src_offset;
     const long long pass_stride = kRowsPerPass * row_stride;
     T* dst = smem_tile + smem_offset;
@@ -158,7 +188,8 @@ struct TileCopy {
       const int r = r0 + p * kRowsPerPass;
       if (!kEvenPasses && r >= kRows) break;
       const bool row_ok = full || r < rows_valid;
-      fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, row_ok ? src : gmem_tile, row_ok ? bytes : 0);
+      const int n = row_ok ? (kBytes >= 0 ? kBytes : bytes) : 0;
+      fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, row_ok ? src : gmem_tile, n);
       // A running pointer (one 64-bit add per pass) rather than src + p·pass_stride: the products
       // would be hoisted out of the key loop into kPasses 64-bit registers per tile.
       src += pass_stride;
@@ -247,7 +278,7 @@ struct PageTable {
 // one shuffle of the group's start per pass; fewer (d = 128: 8, d = 256: 4), one per group and a
 // running pointer across the group's passes, as TileCopy's. Every lane of the warp calls load()
 // (the shuffles), lanes without a chunk then copy nothing.
-template <typename T, int kRows, int kCols, int kStride, int kNThreads>
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool kWholePath = true>
 struct PagedTileCopy {
   using Plan = TileCopy<T, kRows, kCols, kStride, kNThreads>;
   static constexpr int kGroupRows = 16;
@@ -285,6 +316,20 @@ struct PagedTileCopy {
   // address is a row of a looked-up page or of page 0, which exists).
   __device__ __forceinline__ void load(bool full, T* smem_tile, const T* base, long long page_stride, PageSpan span,
                                        int rows_valid) const {
+    // fa::kSyncCopy (sm_75): whole (or absent) chunks with a compile-time byte count, as TileCopy's
+    if (fa::kSyncCopy && kWholePath && bytes == kCopyBytes)
+      passes<kCopyBytes>(full, smem_tile, base, page_stride, span, rows_valid);
+    else if (fa::kSyncCopy && kWholePath && bytes == 0)
+      passes<0>(full, smem_tile, base, page_stride, span, rows_valid);
+    else
+      passes<-1>(full, smem_tile, base, page_stride, span, rows_valid);
+  }
+
+  // kBytes: the chunk's bytes when the caller tested them (kCopyBytes or 0), else -1 (run time)
+  template <int kBytes>
+  __device__ __forceinline__ void passes(bool full, T* smem_tile, const T* base, long long page_stride, PageSpan span,
+                                         int rows_valid) const {
+    const int whole = kBytes >= 0 ? kBytes : bytes;
     // lane g: the byte offset of group g's first row from base (page and row are >= 0: unsigned
     // widening). Offsets, not addresses, are shuffled: base + offset keeps the source a read-only
     // global pointer (LDG, predicated byte copies on sm_75; a shuffled address would be generic).
@@ -305,7 +350,7 @@ struct PagedTileCopy {
         const T* src = group_of(r0 / kGroupRows + p * (kRowsPerPass / kGroupRows));
         const bool row_ok = full || r < rows_valid;
         if (copies && (Plan::kEvenPasses || r < kRows))
-          fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? bytes : 0);
+          fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? whole : 0);
       }
     } else {
       constexpr int kPassesPerGroup = kGroupRows / kRowsPerPass;
@@ -317,7 +362,7 @@ struct PagedTileCopy {
         for (int q = 0; q < kPassesPerGroup; ++q) {
           const int p = g * kPassesPerGroup + q;
           const bool row_ok = full || r0 + p * kRowsPerPass < rows_valid;
-          if (copies) fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? bytes : 0);
+          if (copies) fa::cp_async<kCopyBytes>(dst + p * kRowsPerPass * kStride, src, row_ok ? whole : 0);
           src += pass_stride;  // a running pointer, as TileCopy's
         }
       }

@@ -155,6 +155,15 @@ def test_key_loop_counts_each_category():
     assert (lp.nested, lp.nested_hmma) == (1, 1)
 
 
+def test_ldg128_run_counts_loads_between_shared_stores():
+    """ldg128_run: the longest run of 16-byte global loads with no shared store between them (narrower
+    loads and other instructions neither count nor break a run)."""
+    ops = ["LDG.E.128.CONSTANT.SYS", "STS.128", "LDG.E.128.CONSTANT.SYS", "IADD3", "LDG.E.U8.CONSTANT.SYS",
+           "LDG.E.128.CONSTANT.SYS", "LDG.E.128.CONSTANT.SYS", "STS.U8", "LDG.E.128.CONSTANT.SYS"]
+    stats = sass.LoopStats.count([sass.Instruction(16 * i, op) for i, op in enumerate(ops)])
+    assert (stats.ldg128_run, stats.ldg, stats.sts) == (3, 6, 2)
+
+
 def test_key_loop_tie_picks_the_leaner_loop():
     lp = sass.key_loop(sass.parse(NVDISASM)["_Z3fwdv"])
     assert (lp.start, lp.end, lp.stats.instructions, lp.stats.hmma) == (0x60, 0x80, 3, 2)
@@ -318,4 +327,24 @@ def test_single_buffered_forward_within_limits():
             problems.append("%s sm_%d: %s per HMMA, %d registers, %d bytes of spills (limits %.2f, %d)" % (
                 r.spec.name, r.spec.arch, "-" if r.loop is None else "%.2f" % r.loop.per_hmma, r.registers,
                 r.spill_bytes, per_hmma * MARGIN, math.ceil(registers * MARGIN)))
+    assert not problems, "\n".join(problems)
+
+
+# sm_75's K / V tile copies per thread (passes of TileCopy: Bc rows / (threads / 16-byte chunks per row))
+SM75_FORWARD_PASSES = {64: 4, 128: 8, 256: 4}
+
+
+@requires_sass
+def test_sm75_forward_copies_issue_their_loads_together():
+    """sm_75 has no cp.async: fa::cp_async is a load and a store. The forward's key loop issues every pass
+    of a tile copy's loads before the first store (fa::kSyncCopy's whole-chunk path), rather than one
+    global round trip per 16-byte chunk, and stays within issue 9's instructions per HMMA without spills."""
+    specs = sass.kernel_specs(archs=(75,), dtypes=("float16",), head_dims=tuple(SM75_FORWARD_PASSES), roles=("fwd",))
+    problems = []
+    for r in sass.report(specs):
+        passes = SM75_FORWARD_PASSES[r.spec.head_dim]
+        if r.loop is None or r.loop.stats.ldg128_run < passes or r.loop.per_hmma > r.target or r.spill_bytes:
+            problems.append("%s: %s loads in a row (want >= %d), %s per HMMA (target %s), %d bytes of spills" % (
+                r.spec.name, "-" if r.loop is None else r.loop.stats.ldg128_run, passes,
+                "-" if r.loop is None else "%.2f" % r.loop.per_hmma, r.target, r.spill_bytes))
     assert not problems, "\n".join(problems)

@@ -314,6 +314,9 @@ inline void stmatrix(void* smem_row_addr, const uint32_t (&r)[N]) {
 // elect.sync (sm_90): true in exactly one lane of `mask` (the lowest), a warp collective over the mask.
 inline bool elect_one(unsigned mask = 0xffffffffu) { return fa_emu_elect(mask) != 0; }
 
+// fa_port.cuh's kSyncCopy: true here, so that the emulator runs the copy loops' sm_75 path (threads
+// with whole chunks separate); the copies it issues are the same either way.
+constexpr bool kSyncCopy = true;
 template <int Bytes>
 inline void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");

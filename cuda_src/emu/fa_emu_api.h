@@ -49,6 +49,9 @@ void fa_emu_ldmatrix(int n, int trans, uint32_t* r, const void* smem_row_addr);
 void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes);
 void fa_emu_cp_async_commit(void);
 void fa_emu_cp_async_wait(int n);
+// Whether the calling thread has a cp.async to smem_dst issued and not yet completed by a wait
+// (fa::ChunkStage's check that a staged chunk lands before the wait covering it).
+int fa_emu_cp_async_pending(const void* smem_dst);
 void fa_emu_gcheck(const void* p, size_t size, int is_write);
 void fa_emu_atomic_add_f32(float* p, float v);
 void fa_emu_atomic_add_f64(double* p, double v);

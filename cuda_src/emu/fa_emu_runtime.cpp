@@ -2678,6 +2678,13 @@ void fa_emu_cp_async_wait(int n) {
     }
 }
 
+int fa_emu_cp_async_pending(const void* smem_dst) {
+    const Fiber* f = W()->cur;
+    for (size_t k = f->copies_head; k < f->copies.size(); ++k)
+        if (f->copies[k].dst == smem_dst) return 1;
+    return 0;
+}
+
 void fa_emu_gcheck(const void* p, size_t size, int is_write) {
     Worker* w = W();
     gcheck(w, p, size, is_write ? 1 : 0, is_write ? "fa::gstore" : "fa::gload");

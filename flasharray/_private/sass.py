@@ -171,6 +171,8 @@ class LoopStats:
     lds128: int = 0
     sts64: int = 0
     sts128: int = 0
+    ldg128_run: int = 0   # the most 16-byte global loads in a row with no shared store between them:
+                          # sm_75's copies (no cp.async) have that many loads in flight at once
 
     @property
     def per_hmma(self):
@@ -190,16 +192,22 @@ class LoopStats:
     @classmethod
     def count(cls, instructions):
         counts = dict.fromkeys((f.name for f in dataclasses.fields(cls)), 0)
+        run = 0
         for ins in instructions:
             counts["instructions"] += 1
             column = CATEGORIES.get(ins.base)
             if column:
                 counts[column] += 1
+            width = ins.opcode.split(".")[1:]
             if column in ("lds", "sts"):
-                width = ins.opcode.split(".")[1:]
                 for bits in ("64", "128"):
                     if bits in width:
                         counts[column + bits] += 1
+            if column == "sts":
+                run = 0
+            elif column == "ldg" and "128" in width:
+                run += 1
+                counts["ldg128_run"] = max(counts["ldg128_run"], run)
         return cls(**counts)
 
 
