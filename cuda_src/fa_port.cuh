@@ -12,7 +12,8 @@
 //   shared -> regs     fa::ldmatrix<N, Trans>(r, smem_row_addr), N in {1, 2, 4}
 //   global -> shared   fa::cp_async<Bytes>(smem_dst, gmem_src, src_bytes), Bytes in {4, 8, 16},
 //                      fa::cp_async_commit(), fa::cp_async_wait<N>(); fa::kSyncCopy: true where
-//                      cp_async is a plain load and store (sm_75; below)
+//                      cp_async is a plain load and store (sm_75; below); fa::ChunkStage<N>: whole
+//                      chunks staged now, landed later (cp.async on sm_80+, registers on sm_75)
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
@@ -311,6 +312,29 @@ __device__ __forceinline__ void cp_async(void* smem_dst, const void* gmem_src, i
     }
 #endif
 }
+
+// ---- staged chunk copies: read now, written to shared memory later (sm_75's pipelining) ----------
+// fa::ChunkStage<N> st; st.stage(i, smem_dst, gmem_src, src_bytes) for chunks i < N (a compile-time
+// index after unrolling; whole 16-byte chunks only: src_bytes 16 or 0), work, then st.land(i, smem_dst)
+// for each staged chunk before the cp_async_wait that the chunks' readers wait on (cp_async_commit after
+// the stages, as for cp_async). The destination must be free from stage() on. sm_80+: stage() is fa::cp_async<16> (the copy is
+// asynchronous already) and land() nothing. sm_75: stage() loads the chunk into registers and land()
+// stores it, so the loads' latency hides behind the work in between (N · 4 registers held through it).
+template <int N>
+struct ChunkStage {
+#if __CUDA_ARCH__ >= 800
+    __device__ __forceinline__ void stage(int, void* smem_dst, const void* gmem_src, int src_bytes) {
+        cp_async<16>(smem_dst, gmem_src, src_bytes);
+    }
+    __device__ __forceinline__ void land(int, void*) const {}
+#else
+    uint4 v[N];
+    __device__ __forceinline__ void stage(int i, void*, const void* gmem_src, int src_bytes) {
+        v[i] = src_bytes >= 16 ? *reinterpret_cast<const uint4*>(gmem_src) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ void land(int i, void* smem_dst) const { *reinterpret_cast<uint4*>(smem_dst) = v[i]; }
+#endif
+};
 
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800

@@ -259,6 +259,28 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       load_tile<T, kBlockN, kHeadDimV, Traits::kStrideV, kNThreads, false>(
           sV_dst, v_base + n0 * v_row, v_row, rows_in_tile(n0, kBlockN, Lk), Dv, tid);
   };
+  // The single-buffered loop's whole-tile copies in two halves (TileCopy::stage / land, fa::ChunkStage):
+  // on sm_75 the loads are issued at stage_* and the stores at land_*, after the GEMM in between; on
+  // sm_80+, for paged or unaligned rows, with extensions and at d > 128, stage_* is load_*(true, ...) and
+  // land_* nothing (sm_75: the staged chunks' registers spilled 8-280 bytes in 229 of the 756 extension
+  // variants at d 80-128, and 188 bytes in the 64 x 16 tile of d 256).
+  constexpr bool kStagedCopy = Is_aligned && !Is_paged && kExt == 0 && kHeadDim <= 128 && kHeadDimV <= 128;
+  using StageK = typename CopyK::Stage;
+  using StageV = typename CopyV::Stage;
+  auto stage_k = [&](StageK& st, T* sK_dst, int n0) {
+    if constexpr (kStagedCopy) copy_k.stage(st, sK_dst, k_base + n0 * k_row);
+    else load_k(true, sK_dst, n0);
+  };
+  auto stage_v = [&](StageV& st, T* sV_dst, int n0) {
+    if constexpr (kStagedCopy) copy_v.stage(st, sV_dst, v_base + n0 * v_row);
+    else load_v(true, sV_dst, n0);
+  };
+  auto land_k = [&](StageK& st, T* sK_dst) {
+    if constexpr (kStagedCopy) copy_k.land(st, sK_dst);
+  };
+  auto land_v = [&](StageV& st, T* sV_dst) {
+    if constexpr (kStagedCopy) copy_v.land(st, sV_dst);
+  };
   // Paged K_j and V_j together (the two-stage ring): one page lookup for both.
   auto load_kv_paged = [&](bool full, T* sK_dst, T* sV_dst, int n0) {
     if constexpr (kPagedCopy) {
@@ -463,24 +485,29 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       // Barrier: Q_i and K_j have landed for every thread's copies, and every warp has finished
       // reading V_{j+1} (previous iteration), so sV may be overwritten.
       __syncthreads();
-      if (n_block != n_first) load_v(true, sV, n0);  // a whole tile (the first one's came with K_j)
+      const bool new_v = n_block != n_first;  // a whole tile (the first one's came with K_j)
+      StageV st_v;
+      if (new_v) stage_v(st_v, sV, n0);
       fa::cp_async_commit();
 
       TileS acc_s;
       gemm_qk(acc_s, sK);
+      if (new_v) land_v(st_v, sV);
 
       fa::cp_async_wait<0>();
       // Barrier: V_j has landed for every thread's copies, and every warp has finished reading
       // K_j, so sK may receive K_{j−1} while we do the softmax and P_ij V_j.
       __syncthreads();
       // The next tile (the one below, or the walk's next): always a full tile.
-      if (kExt == 0 ? n_block > (kMinVaries ? split_block_min : 0) : next >= walk.lo)
-        load_k(true, sK, kExt == 0 ? n0 - kBlockN : next * kBlockN);
+      const bool more = kExt == 0 ? n_block > (kMinVaries ? split_block_min : 0) : next >= walk.lo;
+      StageK st_k;
+      if (more) stage_k(st_k, sK, kExt == 0 ? n0 - kBlockN : next * kBlockN);
       fa::cp_async_commit();
 
       softmax_step(masked, acc_s, n0);
       drop(acc_s, n0);
       gemm_pv(acc_s, sV);
+      if (more) land_k(st_k, sK);
     };
     if constexpr (kExt == 0) {
       for (; n_block >= (kMinVaries ? split_block_min : 0); --n_block) iteration(n_block >= n_block_unmasked, n_block, 0);

@@ -177,6 +177,38 @@ struct TileCopy {
       passes<-1>(full, smem_tile, gmem_tile, rows_valid);
   }
 
+  // A whole tile (every row exists) in two halves, for the pipelined loop of sm_75 (fa::ChunkStage):
+  // stage() reads it, land() writes it to smem_tile, and the caller's work in between hides the loads.
+  // Threads whose chunk is not whole (the head dim ends inside it or before it) copy at stage() and land
+  // nothing. sm_80+: stage() is load(true, ...) and land() nothing.
+  using Stage = fa::ChunkStage<kPasses>;
+  __device__ __forceinline__ bool staged() const { return fa::kSyncCopy && kWholePath && bytes == kCopyBytes; }
+  __device__ __forceinline__ void stage(Stage& st, T* smem_tile, const T* gmem_tile) const {
+    if (kChunksPerRow != kThreadsPerRow && !active) return;
+    if (!staged()) {
+      load(true, smem_tile, gmem_tile, kRows);
+      return;
+    }
+    const T* src = gmem_tile + src_offset;
+    const long long pass_stride = kRowsPerPass * row_stride;
+    T* dst = smem_tile + smem_offset;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      if (!kEvenPasses && r0 + p * kRowsPerPass >= kRows) break;
+      st.stage(p, dst + p * kRowsPerPass * kStride, src, kCopyBytes);
+      src += pass_stride;
+    }
+  }
+  __device__ __forceinline__ void land(Stage& st, T* smem_tile) const {
+    if ((kChunksPerRow != kThreadsPerRow && !active) || !staged()) return;
+    T* dst = smem_tile + smem_offset;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      if (!kEvenPasses && r0 + p * kRowsPerPass >= kRows) break;
+      st.land(p, dst + p * kRowsPerPass * kStride);
+    }
+  }
+
   // kBytes: the chunk's bytes when the caller tested them (kCopyBytes or 0), else -1 (run time)
   template <int kBytes>
   __device__ __forceinline__ void passes(bool full, T* smem_tile, const T* gmem_tile, int rows_valid) const {

@@ -143,7 +143,7 @@ def test_every_port_wrapper_runs_on_the_emulator():
         out64 = np.zeros(2, np.float64)
         c = mod.launch("port_wrappers<%s>" % name, 2, 32, (out, out64, x, np.int32(200)), shared_mem=512)
         assert np.all(np.isfinite(out)) and c.mma == 2 and c.ldmatrix == 8 and c.shuffles == 2 * 7
-        assert c.cp_async == 2 * 32 * 3 and c.atomics == 2 * 32 * 3 and c.syncwarps == 2 and c.barriers == 4
+        assert c.cp_async == 2 * 32 * 4 and c.atomics == 2 * 32 * 3 and c.syncwarps == 2 and c.barriers == 6
         assert out64[1] == 32 * (0 + 32 + 2) + 32 * (1 + 32 + 2)   # blockIdx.x + blockDim.x + gridDim.x
 
 

@@ -9,7 +9,7 @@ from flasharray import emulator
 
 KERNELS = Path(__file__).parent / "kernels"
 NAMES = ["global_read_oob", "global_write_oob", "global_misaligned", "write_read_only", "cp_async_src_oob",
-         "cp_async_dst_oob", "cp_async_misaligned", "ldmatrix_bad_row", "raw_shared_oob", "early_exit_barrier",
+         "cp_async_dst_oob", "cp_async_misaligned", "stage_land_after_wait", "stage_never_landed", "stage_partial_chunk", "ldmatrix_bad_row", "raw_shared_oob", "early_exit_barrier",
          "divergent_barrier", "shuffle_missing_lanes", "shuffle_exited_lanes", "shuffle_source_outside_mask",
          "shuffle_half_masks", "mma_partial_warp", "stack_overflow", "int_div_zero", "trap_kernel", "args_kernel"]
 
@@ -66,6 +66,16 @@ def test_cp_async_destination_outside_shared_memory(mod):
     x = np.zeros(4, np.float32)
     raises(mod, "cp_async_dst_oob", 1, 1, (x, np.int32(64)), r"destination .* outside shared memory: shared offset 1024 "
            r"\(dynamic shared memory is 1024 bytes\)", shared_mem=1024)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("stage_land_after_wait", r"fa::ChunkStage::land: after the cp_async_wait that completed the chunk"),
+    ("stage_never_landed", r"fa::ChunkStage: a staged chunk never landed"),
+    ("stage_partial_chunk", r"fa::ChunkStage::stage: src_bytes must be 16 or 0")])
+def test_chunk_stage_misuse(mod, name, match):
+    """What sm_75's staged copies need and the emulator's cp.async would not show: each staged chunk lands,
+    before the wait that completes it, and is whole."""
+    raises(mod, name, 1, 1, (np.zeros(4, np.float32),), match, shared_mem=256)
 
 
 def test_cp_async_misaligned_destination(mod):

@@ -28,7 +28,7 @@ def mod():
     names = ["shfl_test<%d, %s>" % (k, t) for k in range(4) for t in SHFL_TYPES]
     names += [_ldm_name(n, tr) for n, tr in LDM_VARIANTS]
     names += ["mma_test<fa_half>", "mma_test<fa_bf16>", "cp_async_test<4>", "cp_async_test<8>",
-              "cp_async_test<16>", "wait_group_test", "vote_test"]
+              "cp_async_test<16>", "wait_group_test", "chunk_stage_test", "vote_test"]
     return emulator.Module((KERNELS / "warp_ops.cu").read_text(), name_expressions=names)
 
 
@@ -267,6 +267,20 @@ def test_cp_async_copies_and_zero_fills(mod, nbytes):
     assert c.cp_async == n and c.cp_async_bytes == n * nbytes
     assert c.global_read_bytes == int(src_bytes.sum()) + 4 * n   # + the src_bytes array itself
     assert c.buffers[1].read_bytes == int(src_bytes.sum())
+
+
+def test_chunk_stage_copies_whole_chunks_and_zero_fills(mod):
+    """fa::ChunkStage (sm_75's staged copies, cp.async on the emulator): staged chunks arrive at their
+    destinations once landed and waited for; a chunk staged with src_bytes 0 is zeros and reads nothing."""
+    n, shift = 32, 3
+    src = aligned_empty((4 * n + shift) * 16, np.uint8)
+    src[:] = np.random.default_rng(1).integers(0, 256, src.size)
+    out = np.zeros(n * 64, np.uint8)
+    c = mod.launch("chunk_stage_test", 1, n, (out, src, np.int32(shift)), shared_mem=n * 64)
+    expect = src[shift * 16:].reshape(n, 4, 16).copy()
+    expect[1::2, 2] = 0
+    np.testing.assert_array_equal(out.reshape(n, 4, 16), expect)
+    assert c.cp_async == 4 * n and c.buffers[1].read_bytes == (4 * n - n // 2) * 16
 
 
 def test_cp_async_wait_group_completes_oldest_groups_only(mod):

@@ -348,3 +348,34 @@ def test_sm75_forward_copies_issue_their_loads_together():
                 r.spec.name, "-" if r.loop is None else r.loop.stats.ldg128_run, passes,
                 "-" if r.loop is None else "%.2f" % r.loop.per_hmma, r.target, r.spill_bytes))
     assert not problems, "\n".join(problems)
+
+
+def _hmma_between_loads_and_stores(body, loop):
+    """For each run of 16-byte global loads in the loop (no shared store between them), the HMMAs issued
+    after the run's last load and before the next shared store: the work that hides the loads' latency
+    when the store must wait for them (sm_75). The smallest over the runs of >= 4 loads."""
+    ins = [i for i in body if loop.start <= i.address <= loop.end]
+    gaps, run, hmma = [], 0, 0
+    for i in ins:
+        if i.base == "LDG" and ".128" in i.opcode:
+            run, hmma = run + 1, 0
+        elif i.base == "HMMA":
+            hmma += 1
+        elif i.base == "STS" and run:
+            if run >= 4:
+                gaps.append(hmma)
+            run = 0
+    return min(gaps) if gaps else 0
+
+
+@requires_sass
+def test_sm75_single_buffered_forward_stages_its_tiles():
+    """sm_75, d 128 (single-buffered 64 x 64): K_{j-1} and V_j are staged (fa::ChunkStage): their loads are
+    issued before a GEMM and their stores after it, >= 64 HMMAs later (of the 128 per GEMM and warp)."""
+    from flasharray._private import launch, nvrtc
+    spec, = sass.kernel_specs(archs=(75,), dtypes=("float16",), head_dims=(128,), roles=("fwd",))
+    res = nvrtc.compile_cubin(launch.kernel_source(spec.source), "sm_75", [spec.name], options=["--use_fast_math"])
+    body = sass.parse(sass.disassemble(res.cubin))[res.kernel(spec.name).lowered_name]
+    loop = sass.key_loop(body)
+    assert _hmma_between_loads_and_stores(body, loop) >= 64
+    assert res.kernel(spec.name).spill_stores == 0

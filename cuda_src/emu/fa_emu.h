@@ -322,6 +322,32 @@ inline void cp_async(void* smem_dst, const void* gmem_src, int src_bytes) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "fa::cp_async: Bytes must be 4, 8 or 16");
     fa_emu_cp_async(smem_dst, gmem_src, Bytes, src_bytes);
 }
+// fa_port.cuh's ChunkStage: stage() issues the cp.async (as sm_80+ does: a read of the destination before
+// the covering wait is an error) and land() checks what sm_75 needs: the chunk was staged at that
+// destination, is landed once, and before the cp_async_wait that completes it; every staged chunk lands.
+template <int N>
+struct ChunkStage {
+    void* dst[N] = {};
+    void stage(int i, void* smem_dst, const void* gmem_src, int src_bytes) {
+        if (i < 0 || i >= N) fa_emu_trap("fa::ChunkStage::stage: chunk index out of range");
+        if (src_bytes != 0 && src_bytes != 16) fa_emu_trap("fa::ChunkStage::stage: src_bytes must be 16 or 0");
+        if (dst[i]) fa_emu_trap("fa::ChunkStage::stage: chunk staged again before it landed");
+        fa_emu_cp_async(smem_dst, gmem_src, 16, src_bytes);
+        dst[i] = smem_dst;
+    }
+    void land(int i, void* smem_dst) {
+        if (i < 0 || i >= N || dst[i] != smem_dst)
+            fa_emu_trap("fa::ChunkStage::land: no chunk staged at this index and destination");
+        if (!fa_emu_cp_async_pending(smem_dst))
+            fa_emu_trap("fa::ChunkStage::land: after the cp_async_wait that completed the chunk (sm_75 writes "
+                        "it at land)");
+        dst[i] = nullptr;
+    }
+    ~ChunkStage() {
+        for (int i = 0; i < N; ++i)
+            if (dst[i]) fa_emu_trap("fa::ChunkStage: a staged chunk never landed (sm_75 would not write it)");
+    }
+};
 inline void cp_async_commit() { fa_emu_cp_async_commit(); }
 template <int N>
 inline void cp_async_wait() {

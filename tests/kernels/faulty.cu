@@ -28,6 +28,36 @@ __global__ void cp_async_src_oob(float* out, const float* in, int n) {
     (void)out; (void)n;
 }
 
+// fa::ChunkStage misuse: landed after the wait that completed it (sm_75 would store after the readers
+// waited), a chunk never landed, a partial chunk staged.
+__global__ void stage_land_after_wait(const float* in) {
+    FA_DYNAMIC_SMEM(smem);
+    fa::ChunkStage<1> st;
+    st.stage(0, smem, in, 16);
+    fa::cp_async_commit();
+    fa::cp_async_wait<0>();
+    st.land(0, smem);
+}
+
+__global__ void stage_never_landed(const float* in) {
+    FA_DYNAMIC_SMEM(smem);
+    fa::ChunkStage<2> st;
+    st.stage(0, smem, in, 16);
+    st.stage(1, smem + 16, in, 16);
+    fa::cp_async_commit();
+    st.land(0, smem);
+    fa::cp_async_wait<0>();
+}
+
+__global__ void stage_partial_chunk(const float* in) {
+    FA_DYNAMIC_SMEM(smem);
+    fa::ChunkStage<1> st;
+    st.stage(0, smem, in, 8);
+    fa::cp_async_commit();
+    st.land(0, smem);
+    fa::cp_async_wait<0>();
+}
+
 __global__ void cp_async_dst_oob(const float* in, int slot) {
     FA_DYNAMIC_SMEM(smem);
     fa::cp_async<16>(smem + 16 * slot, in, 16);

@@ -29,6 +29,12 @@ port_wrappers(float* __restrict__ out, double* __restrict__ out64, const T* __re
     fa::cp_async<4>(tile + lane * 8 + 4, in, 4);
     fa::cp_async_commit();
     fa::cp_async_wait<0>();
+    __syncthreads();   // a staged copy (cp.async from sm_80; a load now and a store at land before)
+    fa::ChunkStage<1> st;
+    st.stage(0, tile + lane * 8, valid == 16 ? in + lane * 8 : in, valid == 16 ? 16 : 0);
+    fa::cp_async_commit();
+    st.land(0, tile + lane * 8);
+    fa::cp_async_wait<0>();
     float v = d[0] + d[1] + d[2] + d[3] + static_cast<float>(x1[0] & 0xff) + static_cast<float>(t2[1] >> 24);
     v += __shfl_sync(0xffffffffu, v, 0);
     v += __shfl_xor_sync(0xffffffffu, v, 1, 16);

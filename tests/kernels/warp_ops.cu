@@ -58,6 +58,30 @@ __global__ void cp_async_test(unsigned char* out, const unsigned char* src, cons
     for (int i = 0; i < Bytes; ++i) fa::gstore(out + from * Bytes + i, smem[from * Bytes + i]);
 }
 
+// fa::ChunkStage: each thread stages 4 chunks of 16 bytes (chunk i of thread t at 16 (4t + i) in shared
+// memory, from src chunk (4t + i) + shift; thread t's chunk 2 is absent when t is odd: src_bytes 0, zeros),
+// does work in between (a slot of another thread it writes to out[0]), lands them, waits, and every thread
+// reads back another thread's chunks.
+__global__ void chunk_stage_test(unsigned char* out, const unsigned char* src, int shift) {
+    FA_DYNAMIC_SMEM(smem);
+    const int t = threadIdx.x, n = blockDim.x;
+    for (int i = 0; i < 64; ++i) smem[t * 64 + i] = 0xAB;   // a pattern the copies must replace
+    __syncthreads();
+    fa::ChunkStage<4> st;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const bool absent = i == 2 && t % 2 == 1;
+        st.stage(i, smem + (4 * t + i) * 16, src + (4 * t + i + shift) * 16, absent ? 0 : 16);
+    }
+    fa::cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.land(i, smem + (4 * t + i) * 16);
+    fa::cp_async_wait<0>();
+    __syncthreads();
+    const int from = (t + 5) % n;
+    for (int i = 0; i < 64; ++i) fa::gstore(out + from * 64 + i, smem[from * 64 + i]);
+}
+
 // Three commit groups of one 4-byte copy each into s[3t + g]; records what the thread sees in
 // its own three slots before any wait and after wait<2>, wait<1>, wait<0>.
 __global__ void wait_group_test(float* out, const float* src) {
