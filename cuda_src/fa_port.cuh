@@ -13,7 +13,9 @@
 //   global -> shared   fa::cp_async<Bytes>(smem_dst, gmem_src, src_bytes), Bytes in {4, 8, 16},
 //                      fa::cp_async_commit(), fa::cp_async_wait<N>(); fa::kSyncCopy: true where
 //                      cp_async is a plain load and store (sm_75; below); fa::ChunkStage<N>: whole
-//                      chunks staged now, landed later (cp.async on sm_80+, registers on sm_75)
+//                      chunks staged now, landed later (cp.async on sm_80+, registers on sm_75);
+//                      fa::ChunkPrefetch<N>: chunks fetched early, put when the destination is free
+//                      (registers on sm_75; sm_80+: the cp.async at put)
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
@@ -333,6 +335,31 @@ struct ChunkStage {
         v[i] = src_bytes >= 16 ? *reinterpret_cast<const uint4*>(gmem_src) : make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ void land(int i, void* smem_dst) const { *reinterpret_cast<uint4*>(smem_dst) = v[i]; }
+#endif
+};
+
+// ---- prefetched chunk copies: read early, copied when the destination is free (sm_75) -------------
+// fa::ChunkPrefetch<N> pf; pf.fetch(i, gmem_src, src_bytes) for chunks i < N (compile-time index, whole
+// chunks: src_bytes 16 or 0) while the destination is still in use, then, once it is free,
+// pf.put(i, smem_dst, gmem_src, src_bytes) with the same source and count, and cp_async_commit /
+// cp_async_wait as for cp_async. sm_80+: fetch() nothing, put() fa::cp_async<16> (the copy a kernel
+// would issue there anyway). sm_75: fetch() loads into registers, put() stores them, so the loads'
+// latency hides behind the work between the two.
+template <int N>
+struct ChunkPrefetch {
+#if __CUDA_ARCH__ >= 800
+    __device__ __forceinline__ void fetch(int, const void*, int) {}
+    __device__ __forceinline__ void put(int, void* smem_dst, const void* gmem_src, int src_bytes) const {
+        cp_async<16>(smem_dst, gmem_src, src_bytes);
+    }
+#else
+    uint4 v[N];
+    __device__ __forceinline__ void fetch(int i, const void* gmem_src, int src_bytes) {
+        v[i] = src_bytes >= 16 ? *reinterpret_cast<const uint4*>(gmem_src) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ void put(int i, void* smem_dst, const void*, int) const {
+        *reinterpret_cast<uint4*>(smem_dst) = v[i];
+    }
 #endif
 };
 

@@ -455,16 +455,50 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g;
     };
     const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
+    // Query block i of group entry grp: Q_i, dO_i in global memory.
+    auto q_block = [&](int grp, int i) {
+        return q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)(i * kBlockM) * q_row;
+    };
+    auto do_block = [&](int grp, int i) {
+        return dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)(i * kBlockM) * do_row;
+    };
     // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads).
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
         load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
-            Q_buf + buf * L::kQStage,
-            q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
+            Q_buf + buf * L::kQStage, q_block(grp, i), q_row, Lq_b - r0, D);
         load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
-            dO_buf + buf * L::kdOStage,
-            dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
-            do_row, Lq_b - r0, Dv);
+            dO_buf + buf * L::kdOStage, do_block(grp, i), do_row, Lq_b - r0, Dv);
+    };
+    // sm_75 (fa::kSyncCopy), single-buffered, dense: the next visit's Q_i, dO_i, L_i, D_i fetched during this
+    // visit's math and put into shared memory at the next visit's start (fa::ChunkPrefetch, RowStats: loads
+    // into registers, then stores), not loaded with the whole block waiting. Elsewhere load_query_block and
+    // load_row_stats_exp (the emulator, whose kSyncCopy is true, runs the sm_75 path; its ChunkPrefetch::put
+    // is the cp.async of load_query_block).
+    // Only where a thread's chunks are one column of rows (kNThreads a multiple of the chunks per row: d 16,
+    // 32, 64, 128, 256): at d 80 the other chunk order took the ordered kernel to 255 registers and 16 bytes
+    // of spills.
+    constexpr bool kPrefetchQ = fa::kSyncCopy && kStages == 1 && kExt == 0 && kVecLoad &&
+                                kNThreads % (kHeadDim / 8) == 0 && kNThreads % (kHeadDimV / 8) == 0;
+    TilePrefetch<T, kBlockM, kHeadDim, L::kPitchD, kNThreads> q_pf;
+    TilePrefetch<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads> do_pf;
+    auto lse_entry = [&](int grp) { return lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g; };
+    auto delta_entry = [&](int grp) { return delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g; };
+    RowStats<kBlockM, kNThreads> stats_pf;  // kPrefetchQ: the next visit's L_i, D_i
+    auto fetch_query_block = [&](int grp, int i) {
+        const int r0 = i * kBlockM;
+        stats_pf.fetch(lse_entry(grp), delta_entry(grp), r0, Lq_b);
+        fetch_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(q_pf, Q_buf, q_block(grp, i), q_row,
+                                                                            Lq_b - r0, D);
+        fetch_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(do_pf, dO_buf, do_block(grp, i),
+                                                                              do_row, Lq_b - r0, Dv);
+    };
+    auto put_query_block = [&](int grp, int i) {
+        const int r0 = i * kBlockM;
+        put_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(q_pf, Q_buf, q_block(grp, i), q_row,
+                                                                          Lq_b - r0, D);
+        put_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(do_pf, dO_buf, do_block(grp, i), do_row,
+                                                                            Lq_b - r0, Dv);
     };
 
     // -- prologue: K_j, V_j (and, double-buffered, the first Q_i, dO_i) into shared memory.
@@ -473,6 +507,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);
+    if (kPrefetchQ && n_visits > 0) fetch_query_block(0, i_begin);
     fa::cp_async_commit();
 
     float dK_acc[kColsK / 8][4];  // dK_j rows 16 wm.., columns kColsK wn..
@@ -503,12 +538,16 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         if constexpr (kOrderedDQ)
             if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
         const bool prefetch = kStages == 2 && visit + 1 < n_visits;
-        if (kStages == 1) load_query_block(grp, i, 0);
+        if (kPrefetchQ)
+            put_query_block(grp, i);
+        else if (kStages == 1)
+            load_query_block(grp, i, 0);
         if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's math
         fa::cp_async_commit();
-        load_row_stats_exp<kBlockM, kNThreads>(
-            lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
-            delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq_b);
+        if (kPrefetchQ)
+            stats_pf.put(lse2_s, delta_s);
+        else
+            load_row_stats_exp<kBlockM, kNThreads>(lse2_s, delta_s, lse_entry(grp), delta_entry(grp), r0, Lq_b);
         // This thread's copies of this visit's Q_i, dO_i (first time also K_j, V_j) landed; the
         // newest group (the prefetch) may still be in flight.
         if (prefetch)
@@ -517,6 +556,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             fa::cp_async_wait<0>();
         // Barrier: every thread's copies and L_i, D_i are visible to every warp.
         __syncthreads();
+        if (kPrefetchQ && visit + 1 < n_visits) fetch_query_block(grp_n, i_n);  // put at the next visit's start
 
         if constexpr (kScoresInRegs) {
             // -- the warp's strip covers every query of its 16 keys: P^T, dS^T stay in registers as
@@ -923,6 +963,45 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         k_load += (long long)j_first * k_step;
         v_load += (long long)j_first * v_step;
     }
+    // sm_75 (fa::kSyncCopy), single-buffered, dense: the next key block's K_j, V_j fetched during this
+    // block's math and put into shared memory at the next block's start (fa::ChunkPrefetch), as the dK/dV
+    // kernel's query blocks; elsewhere load_key_block.
+    constexpr bool kPrefetchK = fa::kSyncCopy && kStages == 1 && kExt == 0 && kVecLoad &&
+                                kNThreads % (kHeadDim / 8) == 0 && kNThreads % (kHeadDimV / 8) == 0;
+    TilePrefetch<T, kBlockN, kHeadDim, L::kPitchD, kNThreads> k_pf;
+    TilePrefetch<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads> v_pf;
+    auto fetch_key_block = [&](int j, const T* k_j, const T* v_j) {
+        const int c0 = j * kBlockN;
+        fetch_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(k_pf, K_buf, k_j, k_row, Lk_b - c0, D);
+        fetch_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(v_pf, V_buf, v_j, v_row, Lk_b - c0, Dv);
+    };
+    auto put_key_block = [&](int j, const T* k_j, const T* v_j) {
+        const int c0 = j * kBlockN;
+        put_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(k_pf, K_buf, k_j, k_row, Lk_b - c0, D);
+        put_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(v_pf, V_buf, v_j, v_row, Lk_b - c0, Dv);
+    };
+    if (kPrefetchK && Tc > j_first) fetch_key_block(j_first, k_load, v_load);
+    // sm_75, double-buffered, dense: the next key block staged (fa::ChunkStage) into the free buffer at the
+    // block's start and landed at its end, so its loads overlap the block's math (elsewhere the cp.async at
+    // the start, as load_key_block).
+    constexpr bool kStageNextK = fa::kSyncCopy && kStages == 2 && kExt == 0 && kVecLoad &&
+                                 kNThreads % (kHeadDim / 8) == 0 && kNThreads % (kHeadDimV / 8) == 0;
+    using KStage = TileStage<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>;
+    using VStage = TileStage<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>;
+    auto stage_key_block = [&](KStage& k_st, VStage& v_st, int j, const T* k_j, const T* v_j, int buf) {
+        const int c0 = j * kBlockN;
+        stage_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(k_st, K_buf + buf * L::kKStage, k_j, k_row,
+                                                                   Lk_b - c0, D);
+        stage_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(v_st, V_buf + buf * L::kVStage, v_j, v_row,
+                                                                     Lk_b - c0, Dv);
+    };
+    auto land_key_block = [&](KStage& k_st, VStage& v_st, int j, const T* k_j, const T* v_j, int buf) {
+        const int c0 = j * kBlockN;
+        land_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(k_st, K_buf + buf * L::kKStage, k_j, k_row,
+                                                                  Lk_b - c0, D);
+        land_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(v_st, V_buf + buf * L::kVStage, v_j, v_row,
+                                                                    Lk_b - c0, Dv);
+    };
 
     int visit = 0;  // visits so far (= j without extensions): the double buffer's parity
     for (int j = j_first; j < Tc; ++visit) {
@@ -939,8 +1018,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             k_load = k_b + (long long)(kStages == 2 ? j_next : j) * k_step;
             v_load = v_b + (long long)(kStages == 2 ? j_next : j) * v_step;
         }
-        if (kStages == 1) load_key_block(j, k_load, v_load, 0);
-        if (prefetch) load_key_block(j_next, k_load, v_load, buf ^ 1);  // overlaps this block's math
+        if (kPrefetchK)
+            put_key_block(j, k_load, v_load);
+        else if (kStages == 1)
+            load_key_block(j, k_load, v_load, 0);
+        KStage k_st;
+        VStage v_st;
+        const T* const k_next = k_load;
+        const T* const v_next = v_load;
+        if (prefetch) {  // overlaps this block's math
+            if constexpr (kStageNextK)
+                stage_key_block(k_st, v_st, j_next, k_next, v_next, buf ^ 1);
+            else
+                load_key_block(j_next, k_load, v_load, buf ^ 1);
+        }
         k_load += k_step;
         v_load += v_step;
         fa::cp_async_commit();
@@ -952,6 +1043,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             fa::cp_async_wait<0>();
         // Barrier: every thread's copies are visible to every warp.
         __syncthreads();
+        if (kPrefetchK && j_next < Tc) fetch_key_block(j_next, k_load, v_load);  // put at the next block's start
 
         if constexpr (kScoresInRegs) {
             // -- the warp's strip covers every key of its 16 queries: dS stays in registers as the
@@ -980,6 +1072,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                 warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            K_s + wn * kColsQ, L::kPitchD);
         }
+        if (kStageNextK && prefetch) land_key_block(k_st, v_st, j_next, k_next, v_next, buf ^ 1);
         j = j_next;
     }
 

@@ -77,6 +77,35 @@ __device__ __forceinline__ float lse2_of(float l) {
     return l == flash::neg_inf<float>() ? INFINITY : l * flash::kLog2e;
 }
 
+// load_row_stats_exp (below) in two halves: fetch reads this thread's L_i, D_i into registers, put stores them
+// (lse2, D_i) into shared memory (sm_75's single-buffered backward fetches the next visit's during this
+// visit's math, fa::ChunkPrefetch's pattern with plain loads).
+template <int kBlockM, int kNThreads>
+struct RowStats {
+    static constexpr int kIters = (kBlockM + kNThreads - 1) / kNThreads;
+    float l[kIters], d[kIters];
+
+    __device__ __forceinline__ void fetch(const float* lse, const float* delta, int r0, int Lq) {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int r = (int)threadIdx.x + it * kNThreads;
+            if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
+            const bool in = r0 + r < Lq;
+            l[it] = in ? fa::gload(lse + r0 + r) : flash::neg_inf<float>();
+            d[it] = in ? fa::gload(delta + r0 + r) : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void put(float* lse2_s, float* delta_s) const {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int r = (int)threadIdx.x + it * kNThreads;
+            if (kBlockM % kNThreads != 0 && r >= kBlockM) break;
+            lse2_s[r] = lse2_of(l[it]);
+            delta_s[r] = d[it];
+        }
+    }
+};
+
 template <int kBlockM, int kNThreads>
 __device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s, const float* lse,
                                                    const float* delta, int r0, int Lq) {

@@ -23,19 +23,22 @@ constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned
 
 __host__ __device__ constexpr int ceil_div_c(int a, int b) { return (a + b - 1) / b; }
 
-// Copy a kRows x kCols tile (row stride row_stride elements) into shared memory with pitch kPitch,
-// zero-filling rows >= n_rows and columns >= n_cols. kVec: 16-byte cp.async chunks (caller
-// guarantees 16-byte aligned rows and n_cols % 8 == 0); else element loads.
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
-__device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long row_stride,
-                                             int n_rows, int n_cols) {
-    const int tid = (int)threadIdx.x;
-    if (kVec) {
-        constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
-        static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
-        constexpr int kChunksPerRow = kCols / kChunk;
-        constexpr int kChunks = kRows * kChunksPerRow;
-        constexpr int kIters = ceil_div_c(kChunks, kNThreads);
+// The 16-byte chunks of a kRows x kCols tile (row stride row_stride elements; shared pitch kPitch) that
+// thread threadIdx.x copies: f(it, smem_dst, gmem_src, src_bytes) for it < TileChunks::kIters, src_bytes 16,
+// or 0 (zero fill) for rows >= n_rows and columns >= n_cols, the source then the tile origin (never read).
+// The caller guarantees 16-byte aligned rows and n_cols % 8 == 0.
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
+struct TileChunks {
+    static constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
+    static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
+    static constexpr int kChunksPerRow = kCols / kChunk;
+    static constexpr int kChunks = kRows * kChunksPerRow;
+    static constexpr int kIters = ceil_div_c(kChunks, kNThreads);
+
+    template <typename F>
+    __device__ __forceinline__ static void each(T* smem, const T* gmem, long long row_stride, int n_rows,
+                                                int n_cols, F&& f) {
+        const int tid = (int)threadIdx.x;
         if constexpr (kNThreads % kChunksPerRow == 0) {
             // A thread always copies the same column chunk, of rows r_t, r_t + kRowStep, ...: one
             // address computation, then constant offsets per chunk.
@@ -50,8 +53,7 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
                 const int r = r_t + it * kRowStep;
                 if (kChunks % kNThreads == 0 || r < kRows) {
                     const bool in = col_in && r < n_rows;
-                    // Out-of-range chunks copy 0 bytes (zero fill) from the tile origin, never read.
-                    fa::cp_async<16>(dst + it * kRowStep * kPitch, in ? src : gmem, in ? 16 : 0);
+                    f(it, dst + it * kRowStep * kPitch, in ? src : gmem, in ? 16 : 0);
                 }
                 // A running pointer (one 64-bit add per pass), not src + it * pass_stride: that
                 // costs a 64-bit multiply-add and a byte scaling per chunk.
@@ -64,18 +66,77 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
                 const int r = e / kChunksPerRow, c = (e % kChunksPerRow) * kChunk;
                 if (kChunks % kNThreads == 0 || e < kChunks) {
                     const bool in = r < n_rows && c < n_cols;
-                    fa::cp_async<16>(smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem,
-                                     in ? 16 : 0);
+                    f(it, smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem, in ? 16 : 0);
                 }
             }
         }
+    }
+};
+
+// Copy a kRows x kCols tile (row stride row_stride elements) into shared memory with pitch kPitch,
+// zero-filling rows >= n_rows and columns >= n_cols. kVec: 16-byte cp.async chunks (TileChunks; the
+// caller guarantees 16-byte aligned rows and n_cols % 8 == 0); else element loads.
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
+__device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long row_stride,
+                                             int n_rows, int n_cols) {
+    if (kVec) {
+        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+            smem, gmem, row_stride, n_rows, n_cols,
+            [](int, T* dst, const T* src, int bytes) { fa::cp_async<16>(dst, src, bytes); });
     } else {
+        const int tid = (int)threadIdx.x;
         for (int e = tid; e < kRows * kCols; e += kNThreads) {
             const int r = e / kCols, c = e % kCols;
             smem[r * kPitch + c] =
                 (r < n_rows && c < n_cols) ? fa::gload(gmem + (long long)r * row_stride + c) : FromAcc<T>::convert(0.0f);
         }
     }
+}
+
+// load_tile_tc's 16-byte copies (kVec) as a staged pair for a free buffer (fa::ChunkStage): stage_tile_tc, then
+// land_tile_tc with the same arguments after other work; sm_75 loads at stage and stores at land, sm_80+ issues
+// the cp.async at stage (land: nothing).
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
+using TileStage = fa::ChunkStage<TileChunks<T, kRows, kCols, kPitch, kNThreads>::kIters>;
+
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, class S>
+__device__ __forceinline__ void stage_tile_tc(S& st, T* smem, const T* gmem, long long row_stride, int n_rows,
+                                              int n_cols) {
+    TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+        smem, gmem, row_stride, n_rows, n_cols, [&](int it, T* dst, const T* src, int bytes) { st.stage(it, dst, src, bytes); });
+}
+
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, class S>
+__device__ __forceinline__ void land_tile_tc(S& st, T* smem, const T* gmem, long long row_stride, int n_rows,
+                                             int n_cols) {
+    TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+        smem, gmem, row_stride, n_rows, n_cols, [&](int it, T* dst, const T*, int) { st.land(it, dst); });
+}
+
+// load_tile_tc in two halves for a tile whose buffer is still in use (sm_75's prefetch, fa::ChunkPrefetch):
+// fetch_tile_tc reads the chunks (sm_75: into registers; elsewhere nothing), put_tile_tc, with the same
+// arguments once the buffer is free, writes them (sm_75: the registers; elsewhere load_tile_tc's copies).
+// !kVec: fetch nothing, put = load_tile_tc. (fetch takes the buffer only to name the same chunks.)
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
+using TilePrefetch = fa::ChunkPrefetch<TileChunks<T, kRows, kCols, kPitch, kNThreads>::kIters>;
+
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec, class P>
+__device__ __forceinline__ void fetch_tile_tc(P& pf, T* smem, const T* gmem, long long row_stride, int n_rows,
+                                              int n_cols) {
+    if constexpr (kVec)
+        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+            smem, gmem, row_stride, n_rows, n_cols, [&](int it, T*, const T* src, int bytes) { pf.fetch(it, src, bytes); });
+}
+
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec, class P>
+__device__ __forceinline__ void put_tile_tc(P& pf, T* smem, const T* gmem, long long row_stride, int n_rows,
+                                            int n_cols) {
+    if constexpr (kVec)
+        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+            smem, gmem, row_stride, n_rows, n_cols,
+            [&](int it, T* dst, const T* src, int bytes) { pf.put(it, dst, src, bytes); });
+    else
+        load_tile_tc<T, kRows, kCols, kPitch, kNThreads, false>(smem, gmem, row_stride, n_rows, n_cols);
 }
 
 template <int kN>

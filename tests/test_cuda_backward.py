@@ -253,6 +253,26 @@ def test_backward_sm75_tiles():
         run_backward("emulator", p, arch="sm_75", kernel="tc")
 
 
+@pytest.mark.parametrize("D,lengths,causal,bcast", [(64, (150, 200), False, "gqa"), (128, (100, 190), True, "none")])
+def test_backward_sm75_prefetched_tiles(D, lengths, causal, bcast):
+    """sm_75's dense backward fetches the next visit's tiles during this visit's math (fa::ChunkPrefetch: the
+    dK/dV kernel's Q_i, dO_i, L_i, D_i; the dQ kernel's K_j, V_j, or, double-buffered at d 64, staged into its
+    second buffer): the rule holds in the ordered (default), atomic and recompute dQ modes, and reverse /
+    random schedules give the same bits (the emulator checks each prefetched chunk is put, from the source
+    it was fetched from, and each staged chunk lands before its wait)."""
+    plan = cb.kernel_plan(np.float16, D, D, causal=causal, deterministic=True, arch=75)
+    assert (plan["dkv"][2].stages, plan["dq"][2].stages) == (1, 2 if D == 64 else 1)
+    p = Problem(np.float16, D, *lengths, causal=causal, bcast=bcast)
+    for opts in ({}, {"deterministic": False}, {"dq": "recompute"}):
+        ref = run_backward("emulator", p, arch="sm_75", **opts)
+        check(p, ref)
+        if opts.get("deterministic", True):
+            for schedule, seed in (("reverse", 0), ("random", 5)):
+                got = run_backward("emulator", p, arch="sm_75", schedule=schedule, seed=seed, **opts)
+                for a, b in zip(got[:3], ref[:3]):
+                    np.testing.assert_array_equal(a, b)
+
+
 def test_backward_bad_options():
     p = Problem(np.float32, 16, 4, 4, causal=False)
     with pytest.raises(TypeError, match="unexpected"):

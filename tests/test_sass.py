@@ -379,3 +379,21 @@ def test_sm75_single_buffered_forward_stages_its_tiles():
     loop = sass.key_loop(body)
     assert _hmma_between_loads_and_stores(body, loop) >= 64
     assert res.kernel(spec.name).spill_stores == 0
+
+
+@requires_sass
+@pytest.mark.parametrize("role", ["bwd_dkv", "bwd_dq", "bwd_dkv_atomic", "bwd_dkv_ordered"])
+def test_sm75_backward_prefetches_its_tiles(role):
+    """sm_75's dense backward loops (d 64 / 128 / 256) fetch the next visit's tiles during the visit's math
+    (fa::ChunkPrefetch; the dQ kernel's second buffer at d 64: fa::ChunkStage): >= 32 HMMAs between the
+    16-byte loads and the next shared store (0 when each load fed a store at once), without spills."""
+    from flasharray._private import launch, nvrtc
+    problems = []
+    for spec in sass.kernel_specs(archs=(75,), dtypes=("float16",), head_dims=(64, 128, 256), roles=(role,)):
+        res = nvrtc.compile_cubin(launch.kernel_source(spec.source), "sm_75", [spec.name], options=["--use_fast_math"])
+        body = sass.parse(sass.disassemble(res.cubin))[res.kernel(spec.name).lowered_name]
+        gap, info = _hmma_between_loads_and_stores(body, sass.key_loop(body)), res.kernel(spec.name)
+        if gap < 32 or info.spill_stores or info.spill_loads:
+            problems.append("%s: %d HMMAs between loads and stores, %d + %d bytes of spills" % (
+                spec.name, gap, info.spill_stores, info.spill_loads))
+    assert not problems, "\n".join(problems)

@@ -348,6 +348,33 @@ struct ChunkStage {
             if (dst[i]) fa_emu_trap("fa::ChunkStage: a staged chunk never landed (sm_75 would not write it)");
     }
 };
+// fa_port.cuh's ChunkPrefetch: fetch() records the source, put() issues the cp.async (as sm_80+ does) after
+// checking what sm_75 needs: the chunk was fetched from that source with that count (16 or 0), is put once,
+// and every fetched chunk is put.
+template <int N>
+struct ChunkPrefetch {
+    const void* src[N] = {};
+    int bytes[N] = {};
+    bool fetched[N] = {};
+    void fetch(int i, const void* gmem_src, int src_bytes) {
+        if (i < 0 || i >= N) fa_emu_trap("fa::ChunkPrefetch::fetch: chunk index out of range");
+        if (src_bytes != 0 && src_bytes != 16) fa_emu_trap("fa::ChunkPrefetch::fetch: src_bytes must be 16 or 0");
+        if (fetched[i]) fa_emu_trap("fa::ChunkPrefetch::fetch: chunk fetched again before it was put");
+        src[i] = gmem_src, bytes[i] = src_bytes, fetched[i] = true;
+    }
+    void put(int i, void* smem_dst, const void* gmem_src, int src_bytes) {
+        if (i < 0 || i >= N || !fetched[i])
+            fa_emu_trap("fa::ChunkPrefetch::put: chunk not fetched (sm_75 would store stale registers)");
+        if (src[i] != gmem_src || bytes[i] != src_bytes)
+            fa_emu_trap("fa::ChunkPrefetch::put: source or byte count differs from the fetch");
+        fetched[i] = false;
+        fa_emu_cp_async(smem_dst, gmem_src, 16, src_bytes);
+    }
+    ~ChunkPrefetch() {
+        for (int i = 0; i < N; ++i)
+            if (fetched[i]) fa_emu_trap("fa::ChunkPrefetch: a fetched chunk was never put");
+    }
+};
 inline void cp_async_commit() { fa_emu_cp_async_commit(); }
 template <int N>
 inline void cp_async_wait() {
