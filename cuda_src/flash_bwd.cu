@@ -485,20 +485,17 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     auto lse_entry = [&](int grp) { return lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g; };
     auto delta_entry = [&](int grp) { return delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g; };
     RowStats<kBlockM, kNThreads> stats_pf;  // kPrefetchQ: the next visit's L_i, D_i
-    auto fetch_query_block = [&](int grp, int i) {
+    // put = false: fetch query block i of entry grp (during the previous visit); true: put it (the same block)
+    auto prefetch_query_block = [&](bool put, int grp, int i) {
         const int r0 = i * kBlockM;
-        stats_pf.fetch(lse_entry(grp), delta_entry(grp), r0, Lq_b);
-        fetch_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(q_pf, Q_buf, q_block(grp, i), q_row,
-                                                                            Lq_b - r0, D);
-        fetch_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(do_pf, dO_buf, do_block(grp, i),
-                                                                              do_row, Lq_b - r0, Dv);
-    };
-    auto put_query_block = [&](int grp, int i) {
-        const int r0 = i * kBlockM;
-        put_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(q_pf, Q_buf, q_block(grp, i), q_row,
-                                                                          Lq_b - r0, D);
-        put_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(do_pf, dO_buf, do_block(grp, i), do_row,
-                                                                            Lq_b - r0, Dv);
+        if (put)
+            stats_pf.put(lse2_s, delta_s);
+        else
+            stats_pf.fetch(lse_entry(grp), delta_entry(grp), r0, Lq_b);
+        prefetch_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(q_pf, put, Q_buf, q_block(grp, i), q_row,
+                                                                               Lq_b - r0, D);
+        prefetch_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(do_pf, put, dO_buf, do_block(grp, i),
+                                                                                 do_row, Lq_b - r0, Dv);
     };
 
     // -- prologue: K_j, V_j (and, double-buffered, the first Q_i, dO_i) into shared memory.
@@ -507,7 +504,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     load_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);
-    if (kPrefetchQ && n_visits > 0) fetch_query_block(0, i_begin);
+    if (kPrefetchQ && n_visits > 0) prefetch_query_block(false, 0, i_begin);
     fa::cp_async_commit();
 
     float dK_acc[kColsK / 8][4];  // dK_j rows 16 wm.., columns kColsK wn..
@@ -539,14 +536,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
         const bool prefetch = kStages == 2 && visit + 1 < n_visits;
         if (kPrefetchQ)
-            put_query_block(grp, i);
+            prefetch_query_block(true, grp, i);
         else if (kStages == 1)
             load_query_block(grp, i, 0);
         if (prefetch) load_query_block(grp_n, i_n, buf ^ 1);  // overlaps this visit's math
         fa::cp_async_commit();
-        if (kPrefetchQ)
-            stats_pf.put(lse2_s, delta_s);
-        else
+        if (!kPrefetchQ)
             load_row_stats_exp<kBlockM, kNThreads>(lse2_s, delta_s, lse_entry(grp), delta_entry(grp), r0, Lq_b);
         // This thread's copies of this visit's Q_i, dO_i (first time also K_j, V_j) landed; the
         // newest group (the prefetch) may still be in flight.
@@ -556,7 +551,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             fa::cp_async_wait<0>();
         // Barrier: every thread's copies and L_i, D_i are visible to every warp.
         __syncthreads();
-        if (kPrefetchQ && visit + 1 < n_visits) fetch_query_block(grp_n, i_n);  // put at the next visit's start
+        if (kPrefetchQ && visit + 1 < n_visits) prefetch_query_block(false, grp_n, i_n);  // put at the next visit's start
 
         if constexpr (kScoresInRegs) {
             // -- the warp's strip covers every query of its 16 keys: P^T, dS^T stay in registers as
@@ -970,17 +965,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                                 kNThreads % (kHeadDim / 8) == 0 && kNThreads % (kHeadDimV / 8) == 0;
     TilePrefetch<T, kBlockN, kHeadDim, L::kPitchD, kNThreads> k_pf;
     TilePrefetch<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads> v_pf;
-    auto fetch_key_block = [&](int j, const T* k_j, const T* v_j) {
+    // put = false: fetch key block j (during the previous block); true: put it (the same block)
+    auto prefetch_key_block = [&](bool put, int j, const T* k_j, const T* v_j) {
         const int c0 = j * kBlockN;
-        fetch_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(k_pf, K_buf, k_j, k_row, Lk_b - c0, D);
-        fetch_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(v_pf, V_buf, v_j, v_row, Lk_b - c0, Dv);
+        prefetch_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(k_pf, put, K_buf, k_j, k_row, Lk_b - c0, D);
+        prefetch_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(v_pf, put, V_buf, v_j, v_row, Lk_b - c0,
+                                                                                 Dv);
     };
-    auto put_key_block = [&](int j, const T* k_j, const T* v_j) {
-        const int c0 = j * kBlockN;
-        put_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(k_pf, K_buf, k_j, k_row, Lk_b - c0, D);
-        put_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(v_pf, V_buf, v_j, v_row, Lk_b - c0, Dv);
-    };
-    if (kPrefetchK && Tc > j_first) fetch_key_block(j_first, k_load, v_load);
+    if (kPrefetchK && Tc > j_first) prefetch_key_block(false, j_first, k_load, v_load);
     // sm_75, double-buffered, dense: the next key block staged (fa::ChunkStage) into the free buffer at the
     // block's start and landed at its end, so its loads overlap the block's math (elsewhere the cp.async at
     // the start, as load_key_block).
@@ -988,19 +980,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                                  kNThreads % (kHeadDim / 8) == 0 && kNThreads % (kHeadDimV / 8) == 0;
     using KStage = TileStage<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>;
     using VStage = TileStage<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>;
-    auto stage_key_block = [&](KStage& k_st, VStage& v_st, int j, const T* k_j, const T* v_j, int buf) {
+    // land = false: stage key block j into buffer buf (free); true: land it (the same block)
+    auto stage_key_block = [&](bool land, KStage& k_st, VStage& v_st, int j, const T* k_j, const T* v_j, int buf) {
         const int c0 = j * kBlockN;
-        stage_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(k_st, K_buf + buf * L::kKStage, k_j, k_row,
+        stage_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(k_st, land, K_buf + buf * L::kKStage, k_j, k_row,
                                                                    Lk_b - c0, D);
-        stage_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(v_st, V_buf + buf * L::kVStage, v_j, v_row,
+        stage_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(v_st, land, V_buf + buf * L::kVStage, v_j, v_row,
                                                                      Lk_b - c0, Dv);
-    };
-    auto land_key_block = [&](KStage& k_st, VStage& v_st, int j, const T* k_j, const T* v_j, int buf) {
-        const int c0 = j * kBlockN;
-        land_tile_tc<T, kBlockN, kHeadDim, L::kPitchD, kNThreads>(k_st, K_buf + buf * L::kKStage, k_j, k_row,
-                                                                  Lk_b - c0, D);
-        land_tile_tc<T, kBlockN, kHeadDimV, L::kPitchDv, kNThreads>(v_st, V_buf + buf * L::kVStage, v_j, v_row,
-                                                                    Lk_b - c0, Dv);
     };
 
     int visit = 0;  // visits so far (= j without extensions): the double buffer's parity
@@ -1019,7 +1005,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             v_load = v_b + (long long)(kStages == 2 ? j_next : j) * v_step;
         }
         if (kPrefetchK)
-            put_key_block(j, k_load, v_load);
+            prefetch_key_block(true, j, k_load, v_load);
         else if (kStages == 1)
             load_key_block(j, k_load, v_load, 0);
         KStage k_st;
@@ -1028,7 +1014,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
         const T* const v_next = v_load;
         if (prefetch) {  // overlaps this block's math
             if constexpr (kStageNextK)
-                stage_key_block(k_st, v_st, j_next, k_next, v_next, buf ^ 1);
+                stage_key_block(false, k_st, v_st, j_next, k_next, v_next, buf ^ 1);
             else
                 load_key_block(j_next, k_load, v_load, buf ^ 1);
         }
@@ -1043,7 +1029,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
             fa::cp_async_wait<0>();
         // Barrier: every thread's copies are visible to every warp.
         __syncthreads();
-        if (kPrefetchK && j_next < Tc) fetch_key_block(j_next, k_load, v_load);  // put at the next block's start
+        if (kPrefetchK && j_next < Tc) prefetch_key_block(false, j_next, k_load, v_load);  // put at the next block's start
 
         if constexpr (kScoresInRegs) {
             // -- the warp's strip covers every key of its 16 queries: dS stays in registers as the
@@ -1072,7 +1058,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dq_ke
                 warp_mma<T, kBlockN, kColsQ, false, true>(dQ_acc, dS_s + wm * 16 * L::kPitchS, L::kPitchS,
                                                            K_s + wn * kColsQ, L::kPitchD);
         }
-        if (kStageNextK && prefetch) land_key_block(k_st, v_st, j_next, k_next, v_next, buf ^ 1);
+        if (kStageNextK && prefetch) stage_key_block(true, k_st, v_st, j_next, k_next, v_next, buf ^ 1);
         j = j_next;
     }
 

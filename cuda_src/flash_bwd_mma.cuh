@@ -93,50 +93,45 @@ __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long r
     }
 }
 
-// load_tile_tc's 16-byte copies (kVec) as a staged pair for a free buffer (fa::ChunkStage): stage_tile_tc, then
-// land_tile_tc with the same arguments after other work; sm_75 loads at stage and stores at land, sm_80+ issues
-// the cp.async at stage (land: nothing).
+// load_tile_tc's 16-byte copies (kVec) as a staged pair for a free buffer (fa::ChunkStage): stage_tile_tc with
+// land = false, then, after other work, with land = true and the same arguments; sm_75 loads at the first and
+// stores at the second, sm_80+ issues the cp.async at the first (the second: nothing).
 template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
 using TileStage = fa::ChunkStage<TileChunks<T, kRows, kCols, kPitch, kNThreads>::kIters>;
 
 template <typename T, int kRows, int kCols, int kPitch, int kNThreads, class S>
-__device__ __forceinline__ void stage_tile_tc(S& st, T* smem, const T* gmem, long long row_stride, int n_rows,
-                                              int n_cols) {
-    TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
-        smem, gmem, row_stride, n_rows, n_cols, [&](int it, T* dst, const T* src, int bytes) { st.stage(it, dst, src, bytes); });
-}
-
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads, class S>
-__device__ __forceinline__ void land_tile_tc(S& st, T* smem, const T* gmem, long long row_stride, int n_rows,
-                                             int n_cols) {
-    TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
-        smem, gmem, row_stride, n_rows, n_cols, [&](int it, T* dst, const T*, int) { st.land(it, dst); });
+__device__ __forceinline__ void stage_tile_tc(S& st, bool land, T* smem, const T* gmem, long long row_stride,
+                                              int n_rows, int n_cols) {
+    TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(smem, gmem, row_stride, n_rows, n_cols,
+                                                         [&](int it, T* dst, const T* src, int bytes) {
+                                                             if (land)
+                                                                 st.land(it, dst);
+                                                             else
+                                                                 st.stage(it, dst, src, bytes);
+                                                         });
 }
 
 // load_tile_tc in two halves for a tile whose buffer is still in use (sm_75's prefetch, fa::ChunkPrefetch):
-// fetch_tile_tc reads the chunks (sm_75: into registers; elsewhere nothing), put_tile_tc, with the same
-// arguments once the buffer is free, writes them (sm_75: the registers; elsewhere load_tile_tc's copies).
-// !kVec: fetch nothing, put = load_tile_tc. (fetch takes the buffer only to name the same chunks.)
+// prefetch_tile_tc with put = false reads the chunks (sm_75: into registers; elsewhere nothing), then, once
+// the buffer is free, with put = true and the same arguments writes them (sm_75: the registers; elsewhere
+// load_tile_tc's copies). !kVec: nothing, then load_tile_tc.
 template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
 using TilePrefetch = fa::ChunkPrefetch<TileChunks<T, kRows, kCols, kPitch, kNThreads>::kIters>;
 
 template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec, class P>
-__device__ __forceinline__ void fetch_tile_tc(P& pf, T* smem, const T* gmem, long long row_stride, int n_rows,
-                                              int n_cols) {
-    if constexpr (kVec)
-        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
-            smem, gmem, row_stride, n_rows, n_cols, [&](int it, T*, const T* src, int bytes) { pf.fetch(it, src, bytes); });
-}
-
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec, class P>
-__device__ __forceinline__ void put_tile_tc(P& pf, T* smem, const T* gmem, long long row_stride, int n_rows,
-                                            int n_cols) {
-    if constexpr (kVec)
-        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
-            smem, gmem, row_stride, n_rows, n_cols,
-            [&](int it, T* dst, const T* src, int bytes) { pf.put(it, dst, src, bytes); });
-    else
+__device__ __forceinline__ void prefetch_tile_tc(P& pf, bool put, T* smem, const T* gmem, long long row_stride,
+                                                 int n_rows, int n_cols) {
+    if constexpr (kVec) {
+        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(smem, gmem, row_stride, n_rows, n_cols,
+                                                             [&](int it, T* dst, const T* src, int bytes) {
+                                                                 if (put)
+                                                                     pf.put(it, dst, src, bytes);
+                                                                 else
+                                                                     pf.fetch(it, src, bytes);
+                                                             });
+    } else if (put) {
         load_tile_tc<T, kRows, kCols, kPitch, kNThreads, false>(smem, gmem, row_stride, n_rows, n_cols);
+    }
 }
 
 template <int kN>
