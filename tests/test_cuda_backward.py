@@ -273,6 +273,18 @@ def test_backward_sm75_prefetched_tiles(D, lengths, causal, bcast):
                     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("D,lengths,causal,bcast", [(64, (150, 200), False, "gqa"), (128, (100, 190), True, "none"),
+                                                   (80, (70, 130), True, "none")])
+def test_backward_gpu_sm75_code(D, lengths, causal, bcast):
+    """sm_75's backward on a newer GPU (arch=75: sm_75's tiles and PTX, compiled by the driver for the GPU; the
+    prefetched and staged copies as loads and stores): the rule in the ordered, atomic and recompute modes."""
+    p = Problem(np.float16, D, *lengths, causal=causal, bcast=bcast)
+    for opts in ({}, {"deterministic": False}, {"dq": "recompute"}):
+        check(p, run_backward("cuda", p, arch="sm_75", **opts))
+
+
 def test_backward_bad_options():
     p = Problem(np.float32, 16, 4, 4, causal=False)
     with pytest.raises(TypeError, match="unexpected"):

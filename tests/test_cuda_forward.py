@@ -755,6 +755,47 @@ def test_forward_gpu_mma_tiles(dt, D, Dv, Lq, Lk, causal):
     np.testing.assert_allclose(lse, emu[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("D,Lq,Lk,causal,gqa", [(64, 200, 300, False, True), (128, 130, 257, True, False),
+                                                (96, 100, 190, False, False), (256, 70, 90, True, False),
+                                                (59, 65, 127, False, False)])
+def test_forward_gpu_sm75_code(D, Lq, Lk, causal, gqa):
+    """sm_75's code on a newer GPU (arch=75: sm_75's tiles and PTX, which the driver compiles for the GPU:
+    fa::cp_async as loads and stores, the staged K / V copies, m16n8k8 MMAs): the rule, and the emulator's
+    output for sm_75 within a few ulps."""
+    out, lse = check_case("cuda", np.float16, D, Lq, Lk, causal, gqa=gqa, arch=75)
+    q, k, v = make_inputs(np.float16, D, Lq, Lk, gqa=gqa)
+    emu = run_forward("emulator", q, k, v, causal=causal, arch=75)
+    ref = emu[0].astype(np.float32)
+    ulp = float(np.finfo(np.float16).eps) * float(np.abs(ref).max())
+    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=0, atol=4 * ulp)
+    np.testing.assert_allclose(lse, emu[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_forward_gpu_newer_arch_is_an_error():
+    """arch newer than the GPU's cannot run (its PTX would not load): a ValueError naming both."""
+    import cupy
+    arch = int(cupy.cuda.Device().compute_capability)
+    q, k, v = make_inputs(np.float16, 64, 8, 8)
+    with pytest.raises(ValueError, match="needs a GPU of that architecture or newer"):
+        run_forward("cuda", q, k, v, causal=False, arch=arch + 10)
+
+
+def test_sm75_ptx_is_what_an_older_arch_launch_loads():
+    """What CupyLauncher(arch=75) loads on a newer GPU (no GPU needed): the PTX NVRTC gives for sm_75, whose
+    copies are loads and stores (no cp.async) and whose MMAs are m16n8k8."""
+    from flasharray._private import launch, nvrtc
+    if not nvrtc.available()[0]:
+        pytest.skip("NVRTC unavailable")
+    t = cuda_forward.kernel_for(np.float16, 128, 128, 75)
+    name = t.name_expression(False, True)
+    ptx = nvrtc.compile_cubin(launch.kernel_source(t.source), "sm_75", [name], options=launch.cuda_compile_options()).ptx
+    assert ".target sm_75" in ptx and "cp.async" not in ptx and "mma.sync.aligned.m16n8k8" in ptx
+
+
 def test_mma_gpu_cases_take_their_tiles():
     """The tiles MMA_GPU_CASES exercise, as the plan takes them on sm_80 and sm_90 (emulator planning, no GPU)."""
     want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), None, (64, 64, None)]

@@ -777,8 +777,7 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
     from .cuda_forward import cached, ext_bits, signature
     if not ext_bits(ext):
         ext = None
-    launcher = launch.make_launcher(device, schedule=schedule, seed=seed,
-                                    arch=arch if device == "emulator" else None)
+    launcher = launch.make_launcher(device, schedule=schedule, seed=seed, arch=arch)
     precision = effective_precision(precision, q.dtype,   # float32 None: FLOAT32_TC_DEFAULT
                                     tiles.arch_number(arch) if arch is not None else launcher.arch)
     key = signature((dout, q, k, v, out, lse),

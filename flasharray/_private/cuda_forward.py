@@ -574,7 +574,7 @@ def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None,
         ext = None
     elif kv is not None:
         raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
-    launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch if device == "emulator" else None)
+    launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch)
     # float32 None: FLOAT32_FWD_DEFAULT (3xtf32) for dense calls at D, Dv <= 128 on sm_80+, else FLOAT32_TC_DEFAULT
     precision = effective_forward_precision(precision, q.dtype, launcher.arch, q.shape[-1], v.shape[-1],
                                             dense=ext is None and kv is None)
@@ -609,7 +609,7 @@ def kvcache_kernel(dtype, head_dim, head_dim_v, device, arch=None):
     """Whether :func:`forward_kvcache` runs for this dtype and head dims on ``device``: the
     tensor-core forward (float16 from sm_75, bfloat16 from sm_80) and the SIMT one (every dtype)
     both read per-entry key counts and block tables, so it always does."""
-    launcher = L.make_launcher(device, arch=arch if device == "emulator" else None)
+    launcher = L.make_launcher(device, arch=arch)
     return kernel_for(dtype, head_dim, head_dim_v, launcher.arch).kernel in ("tensor_core", "simt")
 
 

@@ -292,7 +292,13 @@ def cubin_cache_dir():
 
 
 class CupyLauncher(Launcher):
-    """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached)."""
+    """CuPy + NVRTC; launches on CuPy's current stream (read at each launch, never cached).
+
+    ``arch`` older than the GPU's (e.g. 75 on an H100): plans take that architecture's tiles and every
+    kernel is compiled to its PTX (``__CUDA_ARCH__`` = 750: no cp.async, m16n8k8 MMAs, fa::kSyncCopy),
+    which the driver compiles for the GPU — the older architecture's code paths on real hardware, for
+    their correctness (not their speed). A newer ``arch`` than the GPU's is a ``ValueError``.
+    """
 
     device = "cuda"
     _modules = {}
@@ -301,25 +307,33 @@ class CupyLauncher(Launcher):
     def packs(self):
         return PACKED_LAUNCHES
 
-    def __init__(self, device_id=None):
+    def __init__(self, device_id=None, arch=None):
         import cupy  # lazy: importing flasharray never needs a GPU
         self._cupy = cupy
         dev = cupy.cuda.Device(device_id)
         self._tls = threading.local()
         self.device_id = dev.id
         self.arch = int(dev.compute_capability)
+        self.ptx_arch = None  # the older architecture whose PTX runs here
+        if arch is not None and int(arch) != self.arch:
+            if int(arch) > self.arch:
+                raise ValueError("flasharray: arch=sm_%d needs a GPU of that architecture or newer; this one is "
+                                 "sm_%d" % (int(arch), self.arch))
+            self.arch = self.ptx_arch = int(arch)
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
     def xp(self):
         return self._cupy
 
     def _function(self, source_name, name_expr):
-        key = (self.device_id, source_name, source_digest(), name_expr)
+        key = (self.device_id, self.ptx_arch, source_name, source_digest(), name_expr)
         with _lock:
             fn = self._modules.get(key)
             if fn is None:
                 target = ARCH_SPECIFIC.get(source_name, {}).get(self.arch)
-                if target is not None:
+                if self.ptx_arch is not None:
+                    fn = self._arch_specific(source_name, name_expr, "sm_%d" % self.ptx_arch, ptx=True)
+                elif target is not None:
                     fn = self._arch_specific(source_name, name_expr, target)
                 else:
                     mod = self._cupy.RawModule(code=kernel_source(source_name), options=cuda_compile_options(),
@@ -328,17 +342,19 @@ class CupyLauncher(Launcher):
                 self._modules[key] = fn
         return fn
 
-    def _arch_specific(self, source_name, name_expr, target):
+    def _arch_specific(self, source_name, name_expr, target, ptx=False):
         """The kernel ``name_expr`` compiled by :mod:`nvrtc` for ``target`` (e.g. ``sm_90a``) with the
-        CuPy path's options, its cubin cached by source digest and name, loaded by CuPy."""
+        CuPy path's options, its cubin (``ptx``: its PTX, which the driver compiles for the GPU) cached by
+        source digest and name, loaded by CuPy."""
         from . import nvrtc
         tag = hashlib.sha256(("%s|%s|%s" % (source_name, name_expr, target)).encode()).hexdigest()[:16]
-        path = cubin_cache_dir() / ("%s-%s-%s.cubin" % (source_digest(), target, tag))
+        path = cubin_cache_dir() / ("%s-%s-%s.%s" % (source_digest(), target, tag, "ptx" if ptx else "cubin"))
         lowered = path.with_suffix(".name")
         if not (path.exists() and lowered.exists()):
             res = nvrtc.compile_cubin(kernel_source(source_name), target, [name_expr], options=cuda_compile_options())
             path.parent.mkdir(parents=True, exist_ok=True)
-            for dst, data in ((lowered, res.lowered_names[name_expr].encode()), (path, res.cubin)):
+            binary = res.ptx.encode() if ptx else res.cubin
+            for dst, data in ((lowered, res.lowered_names[name_expr].encode()), (path, binary)):
                 tmp = dst.with_suffix(".tmp%d" % os.getpid())
                 tmp.write_bytes(data)
                 os.replace(tmp, dst)
@@ -520,12 +536,14 @@ _serial = itertools.count()
 def make_launcher(device, schedule="forward", seed=0, arch=None, **_ignored):
     """The launcher for ``device`` ("cuda": CuPy's current device; "emulator"), shared per process.
 
-    ``schedule``/``seed`` are the emulator's fiber schedule; ``arch`` picks its tile table.
+    ``schedule``/``seed`` are the emulator's fiber schedule; ``arch`` picks its tile table (on CUDA an
+    older architecture than the GPU's runs that architecture's code: :class:`CupyLauncher`).
     """
     if device == "cuda":
         import cupy
-        key = ("cuda", cupy.cuda.runtime.getDevice())
-        make = lambda: CupyLauncher(key[1])  # noqa: E731
+        from .tiles import arch_number
+        key = ("cuda", cupy.cuda.runtime.getDevice(), None if arch is None else arch_number(arch))
+        make = lambda: CupyLauncher(key[1], arch=key[2])  # noqa: E731
     elif device == "emulator":
         schedule = schedule or "forward"
         seed = 0 if seed is None else seed
