@@ -52,6 +52,19 @@ def gpu_available():
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
 
 
+class older_arch_ptx:
+    """Context manager for GPU tests running an older architecture's PTX (``arch=75`` on a newer GPU): a driver
+    older than NVRTC's PTX version cannot load it, which skips the test with the driver's message."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if err is not None and "UNSUPPORTED_PTX_VERSION" in str(err):
+            pytest.skip("the driver cannot load NVRTC's PTX: %s" % err)
+        return False
+
+
 def _nvrtc_status():
     from flasharray._private import nvrtc
     ok, why = nvrtc.available()
