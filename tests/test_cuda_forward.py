@@ -303,9 +303,9 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
 
 def test_forward_two_blocks_per_sm_at_small_head_dims():
     """d <= 128 (tiles.TWO_BLOCKS_MAX_HEAD_DIM): a single-buffered tile where that lets two blocks share an SM and
-    the double-buffered one does not (sm_86/89 d <= 112, sm_80 d 128's square tile); sm_90 (two fit anyway) and
-    sm_75 (neither does) keep theirs, as do extensions. The sm_86 d 64 and sm_80 d 128 kernels meet the rule
-    and give the same bits under a reverse schedule."""
+    the double-buffered one does not (sm_86/89 d <= 112, the wide 128 x 32 tile too; sm_80 d 128's square tile);
+    sm_90 (two fit anyway) and sm_75 (neither does) keep theirs, as do extensions. The sm_86 d 64, sm_86 d 96 (wide)
+    and sm_80 d 128 kernels meet the rule and give the same bits under a reverse or random schedule."""
     for arch, stages in ((75, 2), (80, 2), (86, 1), (89, 1), (90, 2)):
         t = tiles.forward_tile("float16", 64, 64, arch)
         assert (t.block_m, t.block_n, t.stages) == (128, 64, stages), arch
@@ -317,6 +317,10 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     assert (t.block_n, t.stages) == (64, 1)
     t = tiles.forward_tile("float16", 128, 128, 86, wide=True)        # sm_86: one does; the 128 x 32 tile
     assert (t.block_n, t.stages) == (32, 2)
+    for arch, d, dv in ((86, 96, 96), (89, 112, 112), (86, 128, 64)):  # two single-buffered 128 x 32 blocks fit
+        t = tiles.forward_tile("float16", d, dv, arch, wide=True)
+        assert (t.block_m, t.block_n, t.stages) == (128, 32, 1), (arch, d, dv)
+    assert tiles.forward_tile("float16", 96, 96, 80, wide=True, causal=True).stages == 2  # sm_80: two fit anyway
     assert tiles.forward_tile("float16", 128, 128, 80, two_blocks=False).stages == 2  # paged caches
     assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
     q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
@@ -324,6 +328,13 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     out, lse = run_forward("emulator", q, k, v, causal=True, arch=86)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
     got = run_forward("emulator", q, k, v, causal=True, arch=86, schedule="reverse")
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+    q, k, v = make_inputs(np.float16, 96, 150, 200, layout="bshd")      # sm_86 d 96: the 128 x 32 wide tile
+    assert (_plan(q, k, v, False, arch=86).tile.block_m, _plan(q, k, v, False, arch=86).tile.stages) == (128, 1)
+    out, lse = run_forward("emulator", q, k, v, causal=False, arch=86)
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)
+    got = run_forward("emulator", q, k, v, causal=False, arch=86, schedule="random", seed=2)
     np.testing.assert_array_equal(got[0], out)
     np.testing.assert_array_equal(got[1], lse)
     q, k, v = make_inputs(np.float16, 128, 40, 200)                      # 40 rows: not the wide tile

@@ -149,8 +149,12 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
             if t.block_m != 128 or max(t.head_dim, t.head_dim_v) <= 64:
                 continue  # the table's tile (sm_75: two stages do not fit; d <= 64: its own 128 x 64)
             hd = max(t.head_dim, t.head_dim_v)
-            if hd <= 128 and t.head_dim >= t.head_dim_v and tiles._two_blocks_fit(t.smem, arch):
+            two_fit = {(bc, st): tiles._two_blocks_fit(tiles.tc_smem(t.head_dim, t.head_dim_v, 128, bc, st), arch)
+                       for bc, st in ((64, 1), (32, 2), (32, 1))}
+            if hd <= 128 and t.head_dim >= t.head_dim_v and two_fit[64, 1]:
                 assert (t.block_n, t.stages, t.threads_m) == (64, 1, 4)   # FlashAttention-2's 128 x 64
+            elif hd <= 128 and two_fit[32, 1] and not two_fit[32, 2]:
+                assert (t.block_n, t.stages, t.threads_m) == (32, 1, 4)   # sm_86/89: two single-buffered blocks
             else:
                 assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if hd <= 128 else 8)
             for flags in WIDE_VARIANTS:
