@@ -201,7 +201,14 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   //   Q (A, x4):        rows 16·slab + l%16,              k offset 8·(l/16)
   //   K (B, x4, 2 n8):  rows 8·(l/16) + l%8 of the n16 pair, k offset 8·((l/8)%2)
   //   V (B, x4.trans):  rows (l%8) + 8·((l/8)%2) of the k16 step, dv offset 8·(l/16)
-  const T* sQ_lane = sQ + (warp_row0 + lane % 16) * Traits::kStrideQ + (lane / 16) * 8;
+  // Swizzled sQ (Traits::kSwizzleQ): the lane's chunk 2·ks + l/16 of a row r ≡ l (mod 8) sits at chunk
+  // (2·ks + l/16) ^ (l % 8) = 8·(ks / 4) + ((2·(ks % 4) + l/16) ^ (l % 8)): one row address per ks % 4.
+  constexpr int kQLanes = Traits::kSwizzleQ ? 4 : 1;
+  const T* sQ_lane[kQLanes];
+#pragma unroll
+  for (int k4 = 0; k4 < kQLanes; ++k4)
+    sQ_lane[k4] = sQ + (warp_row0 + lane % 16) * Traits::kStrideQ +
+                  (Traits::kSwizzleQ ? ((2 * k4 + lane / 16) ^ (lane % 8)) : lane / 16) * 8;
   const int k_lane = ((lane / 16) * 8 + lane % 8) * Traits::kStrideK + ((lane / 8) % 2) * 8;
   const int v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * Traits::kStrideV + (lane / 16) * 8;
 
@@ -305,7 +312,9 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       uint32_t a_q[kSlabs][4];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
-        fa::ldmatrix<4, false>(a_q[sl], sQ_lane + sl * Traits::kMmaM * Traits::kStrideQ + ks * Traits::kMmaK);
+        fa::ldmatrix<4, false>(a_q[sl], Traits::kSwizzleQ
+                                            ? sQ_lane[ks % kQLanes] + sl * Traits::kMmaM * Traits::kStrideQ + ks / 4 * 64
+                                            : sQ_lane[0] + sl * Traits::kMmaM * Traits::kStrideQ + ks * Traits::kMmaK);
 #pragma unroll
       for (int np = 0; np < kNTilesS / 2; ++np) {
         uint32_t b_k[4];  // B fragments of n8 tiles 2np (b_k[0..1]) and 2np+1 (b_k[2..3])
@@ -473,7 +482,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // through the loop spilled the 128 x 64 tile at d 128).
     const int n_first = n_block;
     if (n_block >= (kMinVaries ? split_block_min : 0)) {
-      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned, Traits::kSwizzleQ>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
       load_k(false, sK, n_block * kBlockN);
       load_v(false, sV, n_block * kBlockN);
@@ -523,7 +532,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // is computed. One barrier per tile.
     static_assert(kStages == 2, "kStages must be 1 or 2");
     if (n_block >= (kMinVaries ? split_block_min : 0)) {
-      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned>(
+      load_tile<T, kBlockM, kHeadDim, Traits::kStrideQ, kNThreads, Is_aligned, Traits::kSwizzleQ>(
           sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq_b), D, tid);
       if constexpr (kPagedCopy) {
         load_kv_paged(false, sK, sV, n_block * kBlockN);

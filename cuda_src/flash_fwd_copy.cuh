@@ -29,9 +29,20 @@ __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * nex
 // and columns at or past cols_valid are zero-filled. Aligned: cp.async 16-byte chunks (a chunk with
 // nothing to read still gets the valid fallback address and src_bytes = 0, so it is not read);
 // otherwise element-wise.
-template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned, typename RowPtr>
+// kSwizzle: element c of row r is stored at column c ^ 8·(r mod 8) (16-byte chunk c/8 at chunk c/8 ^ (r mod 8);
+// kCols a multiple of 64, rows unpadded: FwdTensorCoreTraits::kSwizzleQ).
+template <int kStride, bool kSwizzle, typename T>
+__device__ __forceinline__ T* smem_at(T* smem, int r, int c) {
+  if constexpr (kSwizzle) return smem + r * kStride + (c ^ ((r & 7) * 8));
+  return smem + r * kStride + c;
+}
+
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned, bool kSwizzle = false,
+          typename RowPtr>
 __device__ __forceinline__ void load_tile_rows(T* smem, RowPtr row_ptr, const T* fallback, int rows_valid,
                                                int cols_valid, int tid) {
+  static_assert(!kSwizzle || (kCols % 64 == 0 && kStride == kCols && sizeof(T) == 2),
+                "a swizzled tile has unpadded 16-bit rows of whole 8-chunk groups");
   if constexpr (Is_aligned) {
     constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);
     static_assert(kCols % kElemsPerCopy == 0, "tile width must be whole 16-byte chunks");
@@ -47,7 +58,8 @@ __device__ __forceinline__ void load_tile_rows(T* smem, RowPtr row_ptr, const T*
         const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kElemsPerCopy;
         const bool in = r < rows_valid;
         if (kChunks % kNThreads == 0 || idx < kChunks)
-          fa::cp_async<kCopyBytes>(smem + r * kStride + c, in ? row_ptr(r) + c : fallback, in ? kCopyBytes : 0);
+          fa::cp_async<kCopyBytes>(smem_at<kStride, kSwizzle>(smem, r, c), in ? row_ptr(r) + c : fallback,
+                                   in ? kCopyBytes : 0);
       }
       return;
     }
@@ -58,23 +70,24 @@ __device__ __forceinline__ void load_tile_rows(T* smem, RowPtr row_ptr, const T*
       elems = elems < 0 ? 0 : (elems > kElemsPerCopy ? kElemsPerCopy : elems);
       if (r >= rows_valid) elems = 0;
       const T* src = elems > 0 ? row_ptr(r) + c : fallback;
-      fa::cp_async<kCopyBytes>(smem + r * kStride + c, src, elems * static_cast<int>(sizeof(T)));
+      fa::cp_async<kCopyBytes>(smem_at<kStride, kSwizzle>(smem, r, c), src, elems * static_cast<int>(sizeof(T)));
     }
   } else {
     constexpr int kElems = kRows * kCols;
     for (int idx = tid; idx < kElems; idx += kNThreads) {
       const int r = idx / kCols;
       const int c = idx % kCols;
-      smem[r * kStride + c] = (r < rows_valid && c < cols_valid) ? fa::gload(row_ptr(r) + c) : zero_value<T>();
+      *smem_at<kStride, kSwizzle>(smem, r, c) =
+          (r < rows_valid && c < cols_valid) ? fa::gload(row_ptr(r) + c) : zero_value<T>();
     }
   }
 }
 
 // A tile of rows at a fixed row stride from gmem (row 0 of the tile always exists).
-template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned>
+template <typename T, int kRows, int kCols, int kStride, int kNThreads, bool Is_aligned, bool kSwizzle = false>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, long long row_stride,
                                           int rows_valid, int cols_valid, int tid) {
-  load_tile_rows<T, kRows, kCols, kStride, kNThreads, Is_aligned>(
+  load_tile_rows<T, kRows, kCols, kStride, kNThreads, Is_aligned, kSwizzle>(
       smem, [&](int r) { return gmem + r * row_stride; }, gmem, rows_valid, cols_valid, tid);
 }
 

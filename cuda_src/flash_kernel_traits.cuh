@@ -85,7 +85,12 @@ struct FwdTensorCoreTraits {
   static constexpr int kSlabsPerWarp = kRowsPerWarp / kMmaM;      // 16-row mma slabs per warp
   static constexpr int kElemsPerCopy = kCopyBytes / sizeof(T);    // 8 halves per 16 bytes
   static constexpr int kSmemPad = kElemsPerCopy;                  // one 16-byte chunk per row
-  static constexpr int kStrideQ = kHeadDim + kSmemPad;            // sQ, sK row stride (elements)
+  // kSwizzleQ: sQ's rows unpadded, chunk c of row r stored at chunk c ^ (r mod 8) (also conflict-free
+  // for ldmatrix: an 8-row phase reads one chunk column, which lands in 8 distinct chunks). Only the
+  // single-buffered 128 x 32 tile at d = 64·k takes it: sm_86/89's wide tile, where the 2 KB saved
+  // (d 128: 50 KB instead of 51) let two blocks share the 100 KB SM (tiles.tc_smem mirrors this rule).
+  static constexpr bool kSwizzleQ = kStages == 1 && kBlockM == 128 && kBlockN == 32 && kHeadDim % 64 == 0;
+  static constexpr int kStrideQ = kSwizzleQ ? kHeadDim : kHeadDim + kSmemPad;  // sQ row stride (elements)
   static constexpr int kStrideK = kHeadDim + kSmemPad;
   static constexpr int kStrideV = kHeadDimV + kSmemPad;
 
@@ -128,7 +133,8 @@ struct FwdTensorCoreTraits {
   static_assert(kHeadDimV % (2 * kMmaN) == 0, "V_j is read two n8 tiles per ldmatrix.x4.trans");
   static_assert((kStrideQ * (int)sizeof(T)) % kCopyBytes == 0 && (kStrideV * (int)sizeof(T)) % kCopyBytes == 0,
                 "smem rows must stay 16-byte aligned for cp.async and ldmatrix");
-  static_assert(((kStrideQ * (int)sizeof(T) / kCopyBytes) & 1) == 1 &&
+  static_assert((kSwizzleQ || ((kStrideQ * (int)sizeof(T) / kCopyBytes) & 1) == 1) &&
+                ((kStrideK * (int)sizeof(T) / kCopyBytes) & 1) == 1 &&
                 ((kStrideV * (int)sizeof(T) / kCopyBytes) & 1) == 1,
                 "padded row length in 16-byte units must be odd for conflict-free ldmatrix");
 };

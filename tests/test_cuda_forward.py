@@ -315,8 +315,8 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
         assert (t.block_m, t.block_n, t.stages) == (64, 64, stages), (arch, d)
     t = tiles.forward_tile("float16", 128, 128, 80, wide=True)        # the wide tile: two single-buffered fit
     assert (t.block_n, t.stages) == (64, 1)
-    t = tiles.forward_tile("float16", 128, 128, 86, wide=True)        # sm_86: one does; the 128 x 32 tile
-    assert (t.block_n, t.stages) == (32, 2)
+    t = tiles.forward_tile("float16", 128, 128, 86, wide=True)        # sm_86: one does; 128 x 32 with sQ swizzled
+    assert (t.block_n, t.stages, t.smem) == (32, 1, 50176)
     for arch, d, dv in ((86, 96, 96), (89, 112, 112), (86, 128, 64)):  # two single-buffered 128 x 32 blocks fit
         t = tiles.forward_tile("float16", d, dv, arch, wide=True)
         assert (t.block_m, t.block_n, t.stages) == (128, 32, 1), (arch, d, dv)
@@ -343,6 +343,31 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     assert_attention_close(out, q, k, v, causal=False, lse=lse)
     got = run_forward("emulator", q, k, v, causal=False, schedule="reverse")
     np.testing.assert_array_equal(got[0], out)
+
+
+@pytest.mark.parametrize("D,Dv,Lq,Lk,gqa", [(128, 128, 150, 200, False), (120, 64, 257, 70, True)])
+def test_forward_swizzled_q_tile(D, Dv, Lq, Lk, gqa):
+    """sm_86/89's wide tile at padded d 128 (tiles.swizzled_q, FwdTensorCoreTraits::kSwizzleQ): 128 x 32
+    single-buffered with sQ unpadded and XOR-swizzled, 50 KB at d = dv = 128, so two blocks share the 100 KB SM.
+    It meets the rule (D 120: the partial chunk of every row zero-filled through the swizzle; Lq tails), gives the
+    same bits under reverse / random schedules, and every ldmatrix and cp.async is conflict-free (shared-memory
+    wavefronts = the ideal; on the padded layout too)."""
+    q, k, v = make_inputs(np.float16, D, Lq, Lk, Dv=Dv, gqa=gqa)
+    t = _plan(q, k, v, False, arch=86).tile
+    assert (t.block_m, t.block_n, t.stages) == (128, 32, 1) and tiles.swizzled_q(t.head_dim, 128, 32, 1)
+    assert tiles._two_blocks_fit(t.smem, 86) and not tiles._two_blocks_fit(tiles.tc_smem(128, 128, 128, 32, 2), 86)
+    assert tiles.tc_smem(128, 128, 128, 32, 1) == 50176            # 51 KB padded: two would need 104 KB
+    counters = []
+    out, lse = run_forward("emulator", q, k, v, causal=False, arch=86, counters=counters)
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)
+    for c in counters:
+        assert c.ldmatrix_wavefronts == c.ldmatrix_wavefronts_ideal > 0, c.ldmatrix_conflict_factor
+        if D % 64 == 0:  # (D 120: the zero-filled last chunk of a row counts above the ideal, swizzled or not)
+            assert c.cp_async_smem_wavefronts == c.cp_async_smem_wavefronts_ideal > 0
+    for schedule, seed in (("reverse", 0), ("random", 4)):
+        got = run_forward("emulator", q, k, v, causal=False, arch=86, schedule=schedule, seed=seed)
+        np.testing.assert_array_equal(got[0], out)
+        np.testing.assert_array_equal(got[1], lse)
 
 
 def test_forward_wide_row_tile_where_it_applies():

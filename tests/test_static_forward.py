@@ -116,7 +116,9 @@ def test_python_smem_matches_traits():
     from flasharray import emulator
     ctype = {"float16": "fa_half", "bfloat16": "fa_bf16", "float32": "float", "float64": "double"}
     entries = {}
-    for arch, dt, hd, t in tiles.table(head_dims=(16, 48, 64, 128, 256)):
+    wide = [(a, "float16", d, tiles.forward_tile("float16", d, dv, a, wide=True))  # sm_86/89 d 128: sQ swizzled
+            for a in tiles.ARCHS for d, dv in ((96, 96), (128, 128), (128, 64))]
+    for arch, dt, hd, t in tiles.table(head_dims=(16, 48, 64, 128, 256)) + wide:
         if t.kernel == "tensor_core":
             expr = "probe_tc<%s, %d, %d, %d, %d, %d, %d>" % (ctype[dt], t.head_dim, t.head_dim_v, t.block_m,
                                                             t.block_n, t.threads_m, t.stages)

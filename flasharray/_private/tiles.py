@@ -127,10 +127,18 @@ class FwdTile:
 
 # ---- shared-memory formulas (mirror flash_kernel_traits.cuh) -----------------------------------
 
+def swizzled_q(d, block_m, block_n, stages):
+    """Whether the tensor-core forward stores sQ unpadded and XOR-swizzled (``FwdTensorCoreTraits::kSwizzleQ``):
+    the single-buffered 128 x 32 tile at d a multiple of 64 (sm_86/89's wide tile: two blocks per 100 KB SM at d 128)."""
+    return stages == 1 and block_m == 128 and block_n == 32 and d % 64 == 0
+
+
 def tc_smem(d, dv, block_m, block_n, stages=1, elem=2):
-    """sQ (Br × d), ``stages`` × sK (Bc × d) and sV (Bc × dv), rows padded by one 16-byte chunk."""
+    """sQ (Br × d), ``stages`` × sK (Bc × d) and sV (Bc × dv), rows padded by one 16-byte chunk (sQ's not where
+    :func:`swizzled_q`)."""
     pad = 16 // elem
-    return (_align16(block_m * (d + pad) * elem) + stages * _align16(block_n * (d + pad) * elem)
+    q_pad = 0 if swizzled_q(d, block_m, block_n, stages) else pad
+    return (_align16(block_m * (d + q_pad) * elem) + stages * _align16(block_n * (d + pad) * elem)
             + stages * _align16(block_n * (dv + pad) * elem))
 
 
