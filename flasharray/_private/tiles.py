@@ -195,8 +195,11 @@ _TC_EXT_CANDIDATES = [
 #: 4-warp block; on an H100 one 8-warp block instead of two 4-warp ones; sm_86/89 only where it fits
 #: (smaller d, dv). Same conditions; zero spills in all 3,390 instantiations audited (paged included).
 #: Where two double-buffered 128 x 32 blocks do not fit an SM but two single-buffered ones do (sm_86/89 at padded
-#: d <= 112, and d, dv pairs up to 52 KB), :data:`TWO_BLOCKS_MAX_HEAD_DIM`'s rule takes the single-buffered 128 x 32:
-#: 8 warps per SM instead of 4 (zero spills: 72 fp16 sm_86 instantiations, dense / split / key lengths).
+#: d 96-128), :data:`TWO_BLOCKS_MAX_HEAD_DIM`'s rule takes the single-buffered 128 x 32: 8 warps per SM instead of 4.
+#: At d a multiple of 64 its sQ is unpadded and XOR-swizzled (:func:`swizzled_q`): 50 KB at d = dv = 128 where the
+#: padded rows took 51 KB, and two blocks need 2 x (50 + 1 reserved) = 100 KB, the SM's whole shared memory. Zero
+#: spills, at most 252 registers: 240 sm_86 / 89 instantiations (fp16, bf16; every d, dv pair; dense / split / key
+#: lengths).
 #: WIDE_ROWS = False turns them off.
 _TC_WIDE_CANDIDATES = [
     (128, 128, 64, 4, 1, "64 < d <= 128, d >= dv, non-causal, > 64 rows, where two blocks fit an SM (sm_80, sm_90): "
@@ -220,7 +223,7 @@ WIDE_ROWS = True
 #: The wide candidate with Bc = 64 (the single-buffered 128 x 64 tile, 69.6 KB at d 128, 255 registers) is taken only
 #: by non-causal calls with padded d >= dv where two of its blocks fit an SM's shared memory
 #: (:func:`_wide_bc64_applies`): two 4-warp blocks on sm_80 / sm_90; sm_86 / 89 (100 KB) at d 96-128 take 128 x 32
-#: (single-buffered at d 96-112: two blocks; double-buffered at d 128: one block either way); causal variants (split, GQA-packed, key lengths) and pairs
+#: (single-buffered: two blocks; at d 128 with sQ swizzled); causal variants (split, GQA-packed, key lengths) and pairs
 #: with d < dv spilled 8-164 bytes in the NVRTC audit (docs/performance.md, "Seventeenth session"). False: 128 x 32
 #: everywhere (a switch for the GPU's verdict, ``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64``).
 WIDE_BC64 = True
@@ -283,9 +286,9 @@ SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * 
 #: single-buffered one (36 KB) two, at 6.25 instead of 5.80 instructions per HMMA (a second barrier per
 #: tile); so do the square 64 x 64 tile at 64 < d <= 112 there (40-46 KB single-buffered) and at d 128
 #: on sm_80 (85 KB: one block; 51 KB: three). sm_90 keeps the double-buffered tiles (two fit), sm_75 too
-#: (neither lets two), as does sm_86/89 at d 128 (51 KB + 1 KB reserved: 104 KB for two). Only the stage
-#: count changes (the same Br, Bc, warps), also for the wide-row 128 x 32 tile (sm_86/89 at d 96-112: 53-61 KB
-#: double-buffered, 40-46 KB single-buffered).
+#: (neither lets two), as does sm_86/89's square tile at d 128 (51 KB + 1 KB reserved: 104 KB for two). Only the
+#: stage count changes (the same Br, Bc, warps), also for the wide-row 128 x 32 tile (sm_86/89 at d 96-128: 53-68 KB
+#: double-buffered, 40-50 KB single-buffered, sQ swizzled at d 128).
 #: With extensions (their one-slab tile lets two blocks fit but on sm_75) the order of the table stands,
 #: and for paged KV caches (single-buffered, K_j and V_j look their pages up separately: sm_80 d 128's
 #: paged loop went 5.02 -> 5.57 instructions per HMMA, over issue 9's 5.5).
