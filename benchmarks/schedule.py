@@ -74,7 +74,8 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|")
     for r in sass.report(specs):
         d, slots = r.spec.head_dim, sms * r.occupancy.blocks
-        t = tiles.forward_tile("float16", d, d, args.arch, wide=args.arch in tiles.WIDE_CAUSAL_ARCHS, causal=True)
+        t = tiles.forward_tile("float16", d, d, args.arch, wide=tiles.causal_takes_wide("float16", d, d, args.arch),
+                               causal=True)
         for n in SEQLENS:
             heads = (TOKENS // n) * (HIDDEN // d)
             a, b = efficiencies(n, heads, t.block_m, t.block_n, slots, args.overhead)

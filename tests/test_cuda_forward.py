@@ -281,23 +281,27 @@ def test_forward_rescale_only_when_a_max_moves(order, dtype, D, Lq, causal):
         np.testing.assert_array_equal(got[1], lse)
 
 
-@pytest.mark.parametrize("dt,D,Lq,Lk,batch", [("fp16", 128, 257, 300, (1, 2)), ("bf16", 256, 130, 100, (1, 2)),
-                                             ("fp16", 112, 40, 100, (1, 2, 4))])
-def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch):
-    """Causal on sm_80 (tiles.WIDE_CAUSAL_ARCHS): the wide tiles, also with Lq > Lk (rows that see no key) and
-    GQA-packed (4 query heads x 40 rows = 160 packed rows: the Is_packed variant); reverse schedule bits."""
+@pytest.mark.parametrize("dt,D,Lq,Lk,batch,arch", [("fp16", 128, 257, 300, (1, 2), 80), ("bf16", 256, 130, 100, (1, 2), 80),
+                                                  ("fp16", 112, 40, 100, (1, 2, 4), 80),
+                                                  ("bf16", 128, 40, 100, (1, 2, 4), 86), ("fp16", 120, 150, 70, (1, 2), 89)])
+def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch, arch):
+    """Causal on sm_80 (tiles.WIDE_CAUSAL_ARCHS) and on sm_86/89 at padded d 128 (tiles.causal_takes_wide: two blocks of
+    the swizzled single-buffered 128 x 32 tile per SM where the square tile runs one): the wide tiles, also with Lq > Lk
+    (rows that see no key) and GQA-packed (4 query heads x 40 rows = 160 packed rows: the Is_packed variant); reverse
+    schedule bits."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal(batch + (Lq, D)).astype(DTYPES[dt])
     k, v = (rng.standard_normal(batch[:2] + (1,) * (len(batch) - 2) + (Lk, D)).astype(DTYPES[dt]) for _ in "kv")
-    t = _plan(q, k, v, True).tile
+    t = _plan(q, k, v, True, arch=arch).tile
     assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)  # causal: not 128 x 64
-    out, lse = run_forward("emulator", q, k, v, causal=True)
+    assert t.stages == (2 if arch == 80 else 1)
+    out, lse = run_forward("emulator", q, k, v, causal=True, arch=arch)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
-    got = run_forward("emulator", q, k, v, causal=True, schedule="reverse")
+    got = run_forward("emulator", q, k, v, causal=True, arch=arch, schedule="reverse")
     np.testing.assert_array_equal(got[0], out)
     np.testing.assert_array_equal(got[1], lse)
     if len(batch) > 2:
-        p = _plan(q, k, v, True)
+        p = _plan(q, k, v, True, arch=arch)
         assert p.gqa_group == 4 and p.launches[0].name.endswith("true, true, false, true>")  # Is_packed
 
 
@@ -377,7 +381,10 @@ def test_forward_wide_row_tile_where_it_applies():
     q, k, v = make_inputs(np.float16, 128, 200, 200)
     assert _plan(q, k, v, False).tile.block_m == 128
     assert _plan(q, k, v, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal (same occupancy)
-    assert _plan(q, k, v, True, arch=86).tile.block_m == 64
+    assert _plan(q, k, v, True, arch=86).tile.block_m == 128              # sm_86 d 128: two wide blocks, one square
+    q96, k96, v96 = make_inputs(np.float16, 96, 200, 200)
+    assert _plan(q96, k96, v96, True, arch=86).tile.block_m == 64        # d 96: two square blocks fit already
+    assert not tiles.causal_takes_wide("float16", 96, 96, 86) and tiles.causal_takes_wide("float16", 128, 128, 89)
     assert _plan(q, k, v, True).tile.block_m == 128                      # causal on sm_80: 2 blocks per SM
     assert _plan(q[..., :64, :], k, v, False).tile.block_m == 64         # 64 rows
     assert _plan(q, k, v, False, arch=75).tile.block_n == 64             # sm_75: not taken

@@ -80,7 +80,7 @@ def kernel_choice(dtype, head_dim, arch, head_dim_v=None, device=None):
         t = tiles.forward_tile(dtype, head_dim, head_dim_v, arch)
         wide = tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True)
         wide_causal = (tiles.forward_tile(dtype, head_dim, head_dim_v, arch, wide=True, causal=True)
-                       if tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS else t)
+                       if tiles.causal_takes_wide(dtype, head_dim, head_dim_v, arch) else t)
     except NotImplementedError as e:
         return str(e)
     lines = [t.describe()]

@@ -68,13 +68,13 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
 
 def wide_rows(tile, causal, aligned, rows, ext, kv=None, arch=tiles.EMULATOR_ARCH):
     """Whether a call on the table's ``tile`` qualifies for the wide-row tiles (``tiles.WIDE_ROWS``):
-    the mma.sync kernel of the table (no IO tile), non-causal (causal too on ``tiles.WIDE_CAUSAL_ARCHS``),
+    the mma.sync kernel of the table (no IO tile), non-causal (causal too where ``tiles.causal_takes_wide``),
     16-byte aligned rows, more than 64 query rows (after GQA packing), no extensions, no paged KV cache:
     the instantiations audited free of spills (the paged ones spilled 12-60 bytes on sm_90;
     docs/performance.md)."""
     return (tile.kernel == "tensor_core" and tile.block_m == 64 and aligned and rows > 64 and ext is None
-            and (not causal or tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS)
-            and not (kv is not None and kv.paged))
+            and not (kv is not None and kv.paged)
+            and (not causal or tiles.causal_takes_wide(tile.dtype, tile.head_dim, tile.head_dim_v, arch)))
 
 
 def _is_aligned(arrays):

@@ -365,8 +365,8 @@ class KernelSpec:
 
 
 def _forward_spec(dtype, d, arch, causal):
-    # the wide-row tile where a long call takes it (non-causal; causal on tiles.WIDE_CAUSAL_ARCHS)
-    t = tiles.forward_tile(dtype, d, d, arch, wide=not causal or tiles.arch_number(arch) in tiles.WIDE_CAUSAL_ARCHS,
+    # the wide-row tile where a long call takes it (non-causal; causal where tiles.causal_takes_wide)
+    t = tiles.forward_tile(dtype, d, d, arch, wide=not causal or tiles.causal_takes_wide(dtype, d, d, arch),
                            causal=causal)
     if t.kernel != "tensor_core":
         return []

@@ -235,6 +235,22 @@ WIDE_BC64 = True
 #: twice the masked diagonal (64 instead of 32 wasted keys per row: +6% of the work at N = 1k, +0.4% at 16k).
 WIDE_CAUSAL_ARCHS = (80,)
 
+
+def causal_takes_wide(dtype, head_dim, head_dim_v, arch):
+    """Whether a causal call (unpadded ``head_dim``, ``head_dim_v``) takes the wide-row tiles where a long non-causal
+    one would: on :data:`WIDE_CAUSAL_ARCHS`, and wherever the square tile runs one block per SM and the wide one two
+    (sm_86/89 at d = dv = 128: 64 x 64 double-buffered, 85 KB, one 4-warp block; 128 x 32 single-buffered with sQ
+    swizzled, 50 KB, two; FlashAttention-2 runs two 64 x 64 blocks there in 48 KB, unpadded)."""
+    a = arch_number(arch)
+    if not WIDE_ROWS or a < 80:
+        return False
+    if a in WIDE_CAUSAL_ARCHS:
+        return True
+    square = forward_tile(dtype, head_dim, head_dim_v, a, causal=True)
+    wide = forward_tile(dtype, head_dim, head_dim_v, a, wide=True, causal=True)
+    return (square.kernel == "tensor_core" and wide.block_m == 128 and not _two_blocks_fit(square.smem, a)
+            and _two_blocks_fit(wide.smem, a))
+
 #: IO-oriented tensor-core tiles (benchmarks/io.py): large Br cuts K/V re-reads (HBM traffic
 #: ~ N²·d/Br, the paper's Θ(N²d²/M)) at the price of fewer thread blocks. Not chosen by default.
 IO_TILES = {
