@@ -231,8 +231,9 @@ WIDE_BC64 = True
 #: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
 #: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
 #: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
-#: Elsewhere the warps per SM are the same and causal keeps the square tile: a 128-row tile computes
-#: twice the masked diagonal (64 instead of 32 wasted keys per row: +6% of the work at N = 1k, +0.4% at 16k).
+#: Elsewhere causal keeps the square tile where the warps per SM are the same: a 128-row tile computes
+#: twice the masked diagonal (64 instead of 32 wasted keys per row: +6% of the work at N = 1k, +0.4% at 16k);
+#: :func:`causal_takes_wide` adds the head dims where the wide tile doubles them (sm_86/89 at d 128).
 WIDE_CAUSAL_ARCHS = (80,)
 
 
