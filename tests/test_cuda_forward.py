@@ -819,6 +819,28 @@ def test_forward_gpu_sm75_code(D, Lq, Lk, causal, gqa):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("D,Dv,Lq,Lk,causal,gqa", [(128, 128, 300, 257, False, False), (128, 128, 200, 333, True, True),
+                                                   (96, 96, 130, 190, False, False), (120, 64, 257, 70, False, True)])
+def test_forward_gpu_sm86_code(D, Dv, Lq, Lk, causal, gqa):
+    """sm_86/89's wide tiles on a newer GPU (arch=86: sm_86's tiles and PTX): the single-buffered 128 x 32 tile, with sQ
+    XOR-swizzled at padded d 128 (tiles.swizzled_q), causal too at d 128 (tiles.causal_takes_wide). The rule, and the
+    emulator's sm_86 output within a few ulps: the swizzle reads on hardware what it wrote."""
+    from flasharray._private import tiles
+    q, k, v = make_inputs(np.float16, D, Lq, Lk, Dv=Dv, gqa=gqa)
+    t = _plan(q, k, v, causal, arch=86).tile
+    assert (t.block_m, t.block_n, t.stages) == (128, 32, 1)
+    with older_arch_ptx():
+        out, lse = check_case("cuda", np.float16, D, Lq, Lk, causal, Dv=Dv, gqa=gqa, arch=86)
+    emu = run_forward("emulator", q, k, v, causal=causal, arch=86)
+    ref = emu[0].astype(np.float32)
+    ulp = float(np.finfo(np.float16).eps) * float(np.abs(ref).max())
+    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=0, atol=4 * ulp)
+    np.testing.assert_allclose(lse, emu[1], rtol=1e-5, atol=1e-5)
+    assert tiles.swizzled_q(t.head_dim, 128, 32, 1) == (t.head_dim == 128)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_forward_gpu_newer_arch_is_an_error():
     """arch newer than the GPU's cannot run (its PTX would not load): a ValueError naming both."""
     import cupy
