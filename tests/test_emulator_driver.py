@@ -1,4 +1,5 @@
 """flasharray.emulator as a driver: compile + cache, launch geometry, schedules, counters, options."""
+import json
 from pathlib import Path
 
 import ml_dtypes
@@ -123,6 +124,29 @@ def test_cache_reuses_and_invalidates_on_header_change(tmp_path, monkeypatch):
     (inc / "value.cuh").write_text("constexpr float kValue = 3.0f;\n")
     emulator.Module(src, ["k"], include_dirs=[inc]).launch("k", 1, 1, (out,))
     assert out[0] == 3.0
+
+
+def test_gcc_modules_read_the_precompiled_port_header(tmp_path, monkeypatch):
+    """With GCC every module reads fa_port.cuh (and the emulator's headers) from one precompiled header per flags
+    (the module's dependency list then lacks them: GCC did not open them); FLASHARRAY_EMULATOR_PCH=0 parses them
+    per module. The results are the same."""
+    if emulator._compiler().family != "gcc":
+        pytest.skip("precompiled headers are made for GCC only (%s)" % emulator._compiler().describe())
+    src = '#include "fa_port.cuh"\n// %s\n__global__ void k(float* p) { fa::gstore(p, 2.5f * fa::gload(p)); }\n' % tmp_path
+    deps, outs = {}, {}
+    for pch in ("1", "0"):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_PCH", pch)
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_CACHE", str(tmp_path / ("cache" + pch)))
+        out = np.ones(1, np.float32)
+        emulator.Module(src, ["k"]).launch("k", 1, 1, (out,))
+        outs[pch] = out[0]
+        (meta,) = (tmp_path / ("cache" + pch)).glob("mod-*/deps.json")
+        deps[pch] = {Path(p).name for p in json.loads(meta.read_text())["deps"]}
+    assert outs == {"1": 2.5, "0": 2.5}
+    assert len(list((tmp_path / "cache1").glob("pch-*/fa_port.cuh.gch"))) == 1
+    assert not list((tmp_path / "cache0").glob("pch-*"))
+    assert "fa_port.cuh" in deps["0"] and "fa_emu.h" in deps["0"]
+    assert "fa_port.cuh" not in deps["1"] and "fa_emu.h" not in deps["1"]
 
 
 def test_default_cache_dir(monkeypatch):
