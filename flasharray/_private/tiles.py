@@ -211,9 +211,9 @@ _TC_WIDE_CANDIDATES = [
                          "FlashAttention-2 (each K/V fragment feeds 2 mma, K/V re-read half as often); "
                          "~240-255 regs; K/V double-buffered"),
     (128, 128, 32, 4, 1, "64 < d <= 128 where two blocks of the double-buffered 128 x 32 tile do not fit an SM but "
-                         "two single-buffered ones do (sm_86/89 at padded d <= 112: 40-46 KB): Br=128, Bc=32, "
-                         "4 warps x 2 slabs, single-buffered K/V as FlashAttention-2 on sm_86/89 (2 blocks per SM); "
-                         "~205-250 regs"),
+                         "two single-buffered ones do (sm_86/89 at padded d 96-128: 40-50 KB, sQ unpadded and "
+                         "XOR-swizzled at d 128): Br=128, Bc=32, 4 warps x 2 slabs, single-buffered K/V as "
+                         "FlashAttention-2 on sm_86/89 (2 blocks per SM); ~205-250 regs"),
     (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows: Br=128, Bc=32, 8 warps x 1 slab as "
                          "FlashAttention-2's 8-warp d 256 tile (K/V re-read half as often, the copies "
                          "split over 256 threads); ~236-250 regs; 132 KB at d = dv = 256 (sm_80, sm_90)"),
