@@ -170,8 +170,10 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
     return names
 
 
-def _check_wide(arch, pairs, dtypes=("float16", "bfloat16")):
-    names = wide_instantiations(arch, pairs, dtypes)
+def _check_wide(arch, pairs, dtypes=("float16", "bfloat16"), bf16_pairs=None):
+    names = wide_instantiations(arch, pairs, [dt for dt in dtypes if dt != "bfloat16" or bf16_pairs is None])
+    if bf16_pairs is not None and "bfloat16" in dtypes:
+        names.update(wide_instantiations(arch, bf16_pairs, ("bfloat16",)))
     if not names:
         assert arch == 75, "the wide-row tile fits every arch but sm_75"
         return
@@ -189,7 +191,9 @@ def _check_wide(arch, pairs, dtypes=("float16", "bfloat16")):
 
 @pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
 def test_wide_row_tile_compiles_without_spills(arch):
-    _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128), (256, 256), (192, 64), (144, 16)])
+    # bf16 (the same code with another mma type) at the two pairs of the default tiles; -m slow: every pair
+    _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128), (256, 256), (192, 64), (144, 16)],
+                bf16_pairs=[(128, 128), (256, 256)])
 
 
 @pytest.mark.slow
