@@ -225,6 +225,27 @@ def test_extensions_emulator(case):
     check_case("emulator", dt, D, Lq, Lk, causal, features, **opts)
 
 
+@pytest.mark.parametrize("arch,D,features", [(86, 96, ("window", "softcap", "dropout")),
+                                              (80, 128, ("alibi", "seqlens", "block_mask"))])
+def test_extensions_on_two_blocks_per_sm(arch, D, features):
+    """Extension calls above d 64 take the single-buffered square tile where only it lets two blocks share an SM
+    (tiles.TWO_BLOCKS_MAX_HEAD_DIM; sm_86/89 at d 80-112, sm_80 at d 128): the rule, and the same bits under a
+    reverse schedule. At d <= 64 and on sm_75 the extensions' tiles stay as they were."""
+    from flasharray._private import tiles
+    assert tiles.forward_tile("float16", D, D, arch, ext=True).stages == 1
+    assert tiles.forward_tile("float16", D, D, arch).stages == 1 or arch == 80   # sm_80 d 128 dense: 128 x 64
+    assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2       # the one-slab tile: two fit
+    assert tiles.forward_tile("float16", 80, 80, 75, ext=True).stages == 2
+    assert tiles.forward_tile("float16", D, D, 90, ext=True).stages == 2         # two double-buffered fit
+    check_case("emulator", "fp16", D, 70, 133, True, features, arch=arch)
+    q, k, v = make_inputs(np.float16, D, 70, 133, batch=(2, 3))
+    kw = ext_kw(features, (2, 3), 70, 133, np.float16)
+    a = run("emulator", q, k, v, True, kw, arch=arch)
+    b = run("emulator", q, k, v, True, kw, arch=arch, schedule="reverse")
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
 @pytest.mark.parametrize("dt,kernel", [("fp16", None), ("bf16", None), ("fp32", None), ("fp64", None)])
 def test_fully_masked_rows(dt, kernel):
     """Rows that see no key (window (0, 0) above the diagonal with Lq > Lk; seqlens_q = 0; an all-False

@@ -306,8 +306,10 @@ SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * 
 #: (neither lets two), as does sm_86/89's square tile at d 128 (51 KB + 1 KB reserved: 104 KB for two). Only the
 #: stage count changes (the same Br, Bc, warps), also for the wide-row 128 x 32 tile (sm_86/89 at d 96-128: 53-68 KB
 #: double-buffered, 40-50 KB single-buffered, sQ swizzled at d 128).
-#: With extensions (their one-slab tile lets two blocks fit but on sm_75) the order of the table stands,
-#: and for paged KV caches (single-buffered, K_j and V_j look their pages up separately: sm_80 d 128's
+#: With extensions the same above d 64 on sm_80+ (sm_86/89 at d 80-112, sm_80 at d 128: the square tile
+#: single-buffered; zero spills in every extension subset audited), while at d <= 64 their one-slab tile lets two
+#: blocks fit but on sm_75 and the order of the table stands there (sm_75's single-buffered loop stages its copies
+#: only without extensions); and for paged KV caches (single-buffered, K_j and V_j look their pages up separately: sm_80 d 128's
 #: paged loop went 5.02 -> 5.57 instructions per HMMA, over issue 9's 5.5).
 TWO_BLOCKS_MAX_HEAD_DIM = 128
 
@@ -363,7 +365,8 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               wide_candidates + _TC_CANDIDATES)
                 if hd <= max_hd and tc_smem(d, dv, br, bc, stages) <= limit]
-        if two_blocks and hd <= TWO_BLOCKS_MAX_HEAD_DIM and not ext:  # single-buffered if two then fit
+        if two_blocks and hd <= TWO_BLOCKS_MAX_HEAD_DIM and (not ext or (hd > 64 and arch_number(arch) >= 80)):
+            # single-buffered if two then fit (extension calls: the table's tiles above d 64, on cp.async archs)
             fits = [f for f in fits if f[:3] == fits[0][:3] and _two_blocks_fit(f[5], arch)] or fits
         if fits:
             br, bc, warps, stages, reason, smem = fits[0]
