@@ -21,14 +21,14 @@ VARIANTS = (ALL, cuda_forward.EXT_BITS["dropout"],
 pytestmark = requires_nvrtc
 
 
-def instantiations(arch):
+def instantiations(arch, dtypes=DTYPES, head_dims=(64, 256), variants=VARIANTS):
     """{source: {name_expression: FwdTile}} of the extension variants on ``arch``."""
     found = {}
-    for dt in DTYPES:
-        for d in (64, 256):
+    for dt in dtypes:
+        for d in head_dims:
             t = tiles.forward_tile(dt, d, d, arch, ext=True)
             for causal in (False, True):
-                for bits in VARIANTS:
+                for bits in variants:
                     name = cuda_forward.forward_name_expression(t, causal, True, ext=bits)
                     found.setdefault(t.source, {})[name] = t
                 if t.kernel == "tensor_core":
@@ -37,9 +37,9 @@ def instantiations(arch):
     return found
 
 
-def _check_arch(arch):
+def _check_arch(arch, **which):
     rows, problems = [], []
-    for source, items in instantiations(arch).items():
+    for source, items in instantiations(arch, **which).items():
         res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
                                   options=["--use_fast_math"])
         for name, t in sorted(items.items()):
@@ -65,6 +65,15 @@ def test_extension_variants_compile_without_spills(arch):
 @pytest.mark.parametrize("arch", [86, 89, 90])
 def test_extension_variants_compile_without_spills_slow(arch):
     _check_arch(arch)
+    _check_arch(arch, head_dims=(96, 128))
+
+
+@pytest.mark.parametrize("arch,d", [(86, 96), (80, 128)])
+def test_single_buffered_extension_tiles_compile_without_spills(arch, d):
+    """The square tile single-buffered for extension calls where that fits two blocks per SM (tiles.forward_tile's
+    two-blocks rule): every extension at once (and split-KV), fp16."""
+    assert tiles.forward_tile("float16", d, d, arch, ext=True).stages == 1
+    _check_arch(arch, dtypes=("float16",), head_dims=(d,), variants=(ALL,))
 
 
 def test_ext_bits_match_header():
