@@ -159,11 +159,13 @@ _TC_CANDIDATES = [
     (64, 128, 64, 4, 2, "d <= 64: Br=128, Bc=64, 4 warps x 2 slabs as FlashAttention-2 (K/V re-read "
                         "half as often as with Br=64, each K/V fragment feeds 2 mma; ~223 regs); "
                         "K/V double-buffered"),
-    (64, 128, 64, 4, 1, "d <= 64, small-smem fallback: single-buffered K/V"),
+    (64, 128, 64, 4, 1, "d <= 64, single-buffered K/V: where only that lets two blocks share an SM "
+                        "(sm_86/89: 36 KB instead of 54; TWO_BLOCKS_MAX_HEAD_DIM), or where two stages do not fit"),
     (128, 64, 64, 4, 2, "64 < d <= 128: Br=64, Bc=64, 4 warps x 1 slab; O (64 fp32/lane) + S (32/lane) "
                         "~182 regs; K/V double-buffered (causal, unaligned, short or extension calls; "
                         "long non-causal ones take the wide-row tile)"),
-    (128, 64, 64, 4, 1, "64 < d <= 128 on sm_75 (64 KB smem): single-buffered K/V"),
+    (128, 64, 64, 4, 1, "64 < d <= 128, single-buffered K/V: on sm_75 (64 KB smem), and where only that lets two "
+                        "blocks share an SM (sm_86/89 at d <= 112, sm_80 at d 128; TWO_BLOCKS_MAX_HEAD_DIM)"),
     (256, 64, 32, 4, 2, "128 < d <= 256: O alone is 128 fp32/lane, so Bc=32 keeps S at 16/lane and "
                         "~240 regs without spills; K/V double-buffered (99 KB: fits sm_86/89 exactly)"),
     (256, 64, 16, 4, 1, "128 < d <= 256 on sm_75 (64 KB smem): Bc=16, single-buffered K/V"),
