@@ -807,10 +807,16 @@ def test_forward_gpu_sm75_code(D, Lq, Lk, causal, gqa):
     """sm_75's code on a newer GPU (arch=75: sm_75's tiles and PTX, which the driver compiles for the GPU:
     fa::cp_async as loads and stores, the staged K / V copies, m16n8k8 MMAs): the rule, and the emulator's
     output for sm_75 within a few ulps."""
+    _gpu_matches_emulator(75, D, D, Lq, Lk, causal, gqa)
+
+
+def _gpu_matches_emulator(arch, D, Dv, Lq, Lk, causal, gqa):
+    """An older arch's code on the GPU (arch=: its tiles and NVRTC's PTX for it) meets the rule and gives the
+    emulator's output for that arch within a few fp16 ulps (the lse within 1e-5)."""
     with older_arch_ptx():
-        out, lse = check_case("cuda", np.float16, D, Lq, Lk, causal, gqa=gqa, arch=75)
-    q, k, v = make_inputs(np.float16, D, Lq, Lk, gqa=gqa)
-    emu = run_forward("emulator", q, k, v, causal=causal, arch=75)
+        out, lse = check_case("cuda", np.float16, D, Lq, Lk, causal, Dv=Dv, gqa=gqa, arch=arch)
+    q, k, v = make_inputs(np.float16, D, Lq, Lk, Dv=Dv, gqa=gqa)
+    emu = run_forward("emulator", q, k, v, causal=causal, arch=arch)
     ref = emu[0].astype(np.float32)
     ulp = float(np.finfo(np.float16).eps) * float(np.abs(ref).max())
     np.testing.assert_allclose(out.astype(np.float32), ref, rtol=0, atol=4 * ulp)
@@ -825,18 +831,11 @@ def test_forward_gpu_sm86_code(D, Dv, Lq, Lk, causal, gqa):
     """sm_86/89's wide tiles on a newer GPU (arch=86: sm_86's tiles and PTX): the single-buffered 128 x 32 tile, with sQ
     XOR-swizzled at padded d 128 (tiles.swizzled_q), causal too at d 128 (tiles.causal_takes_wide). The rule, and the
     emulator's sm_86 output within a few ulps: the swizzle reads on hardware what it wrote."""
-    from flasharray._private import tiles
     q, k, v = make_inputs(np.float16, D, Lq, Lk, Dv=Dv, gqa=gqa)
     t = _plan(q, k, v, causal, arch=86).tile
     assert (t.block_m, t.block_n, t.stages) == (128, 32, 1)
-    with older_arch_ptx():
-        out, lse = check_case("cuda", np.float16, D, Lq, Lk, causal, Dv=Dv, gqa=gqa, arch=86)
-    emu = run_forward("emulator", q, k, v, causal=causal, arch=86)
-    ref = emu[0].astype(np.float32)
-    ulp = float(np.finfo(np.float16).eps) * float(np.abs(ref).max())
-    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=0, atol=4 * ulp)
-    np.testing.assert_allclose(lse, emu[1], rtol=1e-5, atol=1e-5)
     assert tiles.swizzled_q(t.head_dim, 128, 32, 1) == (t.head_dim == 128)
+    _gpu_matches_emulator(86, D, Dv, Lq, Lk, causal, gqa)
 
 
 @pytest.mark.gpu

@@ -311,8 +311,8 @@ SMEM_PER_SM = {75: 64 * KB, 80: 164 * KB, 86: 100 * KB, 87: 164 * KB, 89: 100 * 
 #: With extensions the same above d 64 on sm_80+ (sm_86/89 at d 80-112, sm_80 at d 128: the square tile
 #: single-buffered; zero spills in every extension subset audited), while at d <= 64 their one-slab tile lets two
 #: blocks fit but on sm_75 and the order of the table stands there (sm_75's single-buffered loop stages its copies
-#: only without extensions); and for paged KV caches (single-buffered, K_j and V_j look their pages up separately: sm_80 d 128's
-#: paged loop went 5.02 -> 5.57 instructions per HMMA, over issue 9's 5.5).
+#: only without extensions); and for paged KV caches (single-buffered, K_j and V_j look their pages up separately:
+#: sm_80 d 128's paged loop went 5.02 -> 5.57 instructions per HMMA, over issue 9's 5.5).
 TWO_BLOCKS_MAX_HEAD_DIM = 128
 
 
