@@ -23,8 +23,10 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_BC64                tiles.WIDE_BC64, the mma.sync forward's (both sides kernel="tensor_core"): at
                                64 < d <= 128 non-causal FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
                                double-buffered)
-  mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS with sm_90 added: the same wide-row tiles for causal
-                               calls on sm_90 (the default keeps the square tile there; causal rows only)
+  mma.WIDE_BC64_CAUSAL         tiles.WIDE_BC64_CAUSAL (both sides kernel="tensor_core"): causal calls at 64 < d = dv
+                               <= 128 on FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32 double-buffered)
+  mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS without sm_90: causal calls on sm_90 keep the square tile
+                               (the default: the wide-row tiles at d <= 128, as non-causal calls; causal rows only)
   mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
                                kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
                                at d 128, 32 x 64 at d 256)
@@ -120,9 +122,10 @@ SWITCHES = (
            MMA_FWD),
     Switch("mma.WIDE_BC64", "fwd", tiles, "WIDE_BC64", False,
            "mma.sync d 80-128 non-causal: 128 x 64 single-buffered vs 128 x 32 double-buffered", MMA_FWD),
-    Switch("mma.WIDE_CAUSAL", "fwd", tiles, "WIDE_CAUSAL_ARCHS", (80, 90),
-           "mma.sync causal d > 64 on sm_90: the wide-row tiles too (0.82-0.86x FA2 causal on the square tile)",
-           MMA_FWD),
+    Switch("mma.WIDE_BC64_CAUSAL", "fwd", tiles, "WIDE_BC64_CAUSAL", False,
+           "mma.sync d 80-128 causal (d = dv): 128 x 64 single-buffered vs 128 x 32 double-buffered", MMA_FWD),
+    Switch("mma.WIDE_CAUSAL", "fwd", tiles, "WIDE_CAUSAL_ARCHS", {80: tiles.MAX_HEAD_DIM},
+           "mma.sync causal 64 < d <= 128 on sm_90: the wide-row tiles vs the square one", MMA_FWD),
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
     Switch("mma.GRID_LAYOUT", "bwd", tiles_bwd, "GRID_LAYOUT", False,
@@ -158,7 +161,7 @@ FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 #: (dtype, B, H, N, D, causal) of the emulator run: every switch applies to one of them
 EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
-EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_CAUSAL",)}
+EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL")}
 KEEP_ABOVE, FLIP_BELOW = 1.02, 0.98
 
 #: one measured (or failed) pair; ratio = ms_flipped / ms_default; note: why it is not timed, if so

@@ -39,13 +39,16 @@ def test_cli_without_command_prints_help_and_survives_a_closed_pipe():
 
 def test_kernel_choice_names_the_wide_row_tile():
     from flasharray._private import config
-    three = config.kernel_choice("float16", 128, 80).splitlines()
+    two = config.kernel_choice("float16", 128, 80).splitlines()         # d = dv: 128 x 64 causal or not
+    assert len(two) == 2 and "Br=64 Bc=64" in two[0]
+    assert "(causal or not," in two[1] and "Br=128 Bc=64" in two[1] and "1-stage" in two[1]
+    three = config.kernel_choice("float16", 128, 80, head_dim_v=64).splitlines()  # d > dv: causal calls 128 x 32
     assert len(three) == 3 and "Br=64 Bc=64" in three[0]
     assert "(non-causal," in three[1] and "Br=128 Bc=64" in three[1] and "1-stage" in three[1]
     assert "(causal," in three[2] and "Br=128 Bc=32" in three[2]
     two = config.kernel_choice("float16", 256, 80).splitlines()     # d 256: one wide tile, causal or not
     assert len(two) == 2 and "Br=128 Bc=32" in two[1] and "causal or not" in two[1]
-    assert "non-causal" in config.kernel_choice("float16", 128, 90).splitlines()[-1]   # sm_90: the mma.sync one's
+    assert "causal or not" in config.kernel_choice("float16", 128, 90).splitlines()[-1]  # sm_90: the mma.sync one's
     assert len(config.kernel_choice("float16", 128, 75).splitlines()) == 1   # sm_75: the table's tile only
     assert len(config.kernel_choice("float16", 64, 80).splitlines()) == 1
 

@@ -292,8 +292,8 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch, arch):
     rng = np.random.default_rng(0)
     q = rng.standard_normal(batch + (Lq, D)).astype(DTYPES[dt])
     k, v = (rng.standard_normal(batch[:2] + (1,) * (len(batch) - 2) + (Lk, D)).astype(DTYPES[dt]) for _ in "kv")
-    t = _plan(q, k, v, True, arch=arch).tile
-    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)  # causal: not 128 x 64
+    t = _plan(q, k, v, True, arch=arch).tile  # 128 x 32: sm_86 / 89, d 256, GQA-packed or split (Lq 257, 2 heads)
+    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)
     assert t.stages == (2 if arch == 80 else 1)
     out, lse = run_forward("emulator", q, k, v, causal=True, arch=arch)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
@@ -303,6 +303,40 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch, arch):
     if len(batch) > 2:
         p = _plan(q, k, v, True, arch=arch)
         assert p.gqa_group == 4 and p.launches[0].name.endswith("true, true, false, true>")  # Is_packed
+
+
+@pytest.mark.parametrize("dt,D,Lq,Lk,layout,arch", [("fp16", 128, 257, 300, "bhsd", 80), ("bf16", 96, 300, 200, "bhsd", 90),
+                                                   ("fp16", 120, 130, 330, "bshd", 80)])
+def test_forward_wide_bc64_causal(dt, D, Lq, Lk, layout, arch):
+    """Causal calls on sm_80 / sm_90 with d = dv run FlashAttention-2's 128 x 64 single-buffered tile
+    (tiles.WIDE_BC64_CAUSAL) in the plain instantiation: Lq > Lk (rows that see no key) and Lq < Lk (the
+    diagonal inside a key tile), the rule, and the same bits under reverse and random schedules. A split-KV,
+    GQA-packed or key-lengths call, d != dv, or the switch off keep the 128 x 32 tile (whose variants compile
+    without spills)."""
+    kern = dict(kernel="tensor_core") if arch == 90 else {}
+    q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, layout=layout)
+    p = _plan(q, k, v, True, arch=arch, num_splits=1, **kern)
+    assert (p.tile.block_m, p.tile.block_n, p.tile.stages, p.tile.threads_m) == (128, 64, 1, 4)
+    out, lse = run_forward("emulator", q, k, v, causal=True, arch=arch, num_splits=1, **kern)
+    assert_attention_close(out, q, k, v, causal=True, lse=lse)
+    for schedule, seed in (("reverse", 0), ("random", 2)):
+        got = run_forward("emulator", q, k, v, causal=True, arch=arch, num_splits=1, schedule=schedule, seed=seed,
+                          **kern)
+        np.testing.assert_array_equal(got[0], out)
+        np.testing.assert_array_equal(got[1], lse)
+    # where 128 x 32 stays: an automatic split (3 query tiles x 2 heads on 108 / 132 SMs, Lk >= 300), a forced one
+    auto = _plan(q, k, v, True, arch=arch, **kern)
+    assert (auto.num_splits > 1) == (Lk >= 300) and auto.tile.block_n == (32 if Lk >= 300 else 64)
+    t = _plan(q, k, v, True, arch=arch, num_splits=2, **kern).tile
+    assert (t.block_m, t.block_n) == (128, 32)
+    with flag_set(tiles, "WIDE_BC64_CAUSAL", False):
+        assert _plan(q, k, v, True, arch=arch, num_splits=1, **kern).tile.block_n == 32
+    qg, kg, vg = make_inputs(DTYPES[dt], D, 40, Lk, gqa=True, batch=(1, 4))   # GQA-packed: 160 rows, Is_packed
+    pg = _plan(qg, kg, vg, True, arch=arch, num_splits=1, **kern)
+    assert pg.gqa_group == 4 and (pg.tile.block_m, pg.tile.block_n) == (128, 32)
+    qv, kv_, vv = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=64)                    # d > dv
+    assert _plan(qv, kv_, vv, True, arch=arch, num_splits=1, **kern).tile.block_n == 32
+    assert _plan(qv, kv_, vv, False, arch=arch, num_splits=1, **kern).tile.block_n == 64   # non-causal: d >= dv
 
 
 def test_forward_two_blocks_per_sm_at_small_head_dims():
@@ -324,7 +358,8 @@ def test_forward_two_blocks_per_sm_at_small_head_dims():
     for arch, d, dv in ((86, 96, 96), (89, 112, 112), (86, 128, 64)):  # two single-buffered 128 x 32 blocks fit
         t = tiles.forward_tile("float16", d, dv, arch, wide=True)
         assert (t.block_m, t.block_n, t.stages) == (128, 32, 1), (arch, d, dv)
-    assert tiles.forward_tile("float16", 96, 96, 80, wide=True, causal=True).stages == 2  # sm_80: two fit anyway
+    t = tiles.forward_tile("float16", 96, 96, 80, wide=True, causal=True, plain=False)  # a causal variant: 128 x 32,
+    assert (t.block_n, t.stages) == (32, 2)                                                # sm_80: two fit anyway
     assert tiles.forward_tile("float16", 128, 128, 80, two_blocks=False).stages == 2  # paged caches
     assert tiles.forward_tile("float16", 64, 64, 86, ext=True).stages == 2  # the extensions' 64 x 64 tile
     q, k, v = make_inputs(np.float16, 64, 150, 200, gqa=True)
@@ -375,12 +410,13 @@ def test_forward_swizzled_q_tile(D, Dv, Lq, Lk, gqa):
 
 
 def test_forward_wide_row_tile_where_it_applies():
-    """Causal (but on sm_80), unaligned rows, <= 64 query rows, extensions, d <= 64, sm_75 and
-    WIDE_ROWS = False keep the table's tile (sm_90: the mma.sync forward, ``kernel="tensor_core"``)."""
+    """Causal (but on sm_80 / sm_90 and where tiles.causal_takes_wide), unaligned rows, <= 64 query rows, extensions,
+    d <= 64, sm_75 and WIDE_ROWS = False keep the table's tile (sm_90: the mma.sync forward, ``kernel="tensor_core"``)."""
     from flasharray._private.extensions import Extensions
     q, k, v = make_inputs(np.float16, 128, 200, 200)
     assert _plan(q, k, v, False).tile.block_m == 128
-    assert _plan(q, k, v, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal (same occupancy)
+    assert _plan(q, k, v, True, arch=90, kernel="tensor_core").tile.block_m == 128  # causal (measured on an H200)
+    assert _plan(q, k, v, True, arch=89).tile.block_m == 128             # sm_89 d 128: two wide blocks, one square
     assert _plan(q, k, v, True, arch=86).tile.block_m == 128              # sm_86 d 128: two wide blocks, one square
     q96, k96, v96 = make_inputs(np.float16, 96, 200, 200)
     assert _plan(q96, k96, v96, True, arch=86).tile.block_m == 64        # d 96: two square blocks fit already
@@ -400,8 +436,11 @@ def test_forward_wide_row_tile_where_it_applies():
     q2, k2, v2 = make_inputs(np.float16, 256, 200, 200)
     assert _plan(q2, k2, v2, False).tile.threads_m == 8                 # d 256: the 8-warp tile
     assert _plan(q2, k2, v2, False, arch=86).tile.block_m == 64          # 132 KB: not on sm_86 / 89
-    assert _plan(q2, k2, v2, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal
+    assert _plan(q2, k2, v2, True, arch=90, kernel="tensor_core").tile.block_m == 64  # causal on sm_90: d <= 128
     assert _plan(q2, k2, v2, True).tile.threads_m == 8                  # causal on sm_80
+    assert _plan(q2, k2, v2, True, arch=86).tile.block_m == 64          # causal on sm_86 (one block either way)
+    with flag_set(tiles, "WIDE_CAUSAL_ARCHS", {80: 256}):
+        assert _plan(q, k, v, True, arch=90, kernel="tensor_core").tile.block_m == 64
     with flag_set(tiles, "WIDE_ROWS", False):
         assert _plan(q, k, v, False).tile.block_m == 64
 
@@ -775,10 +814,12 @@ def test_forward_gpu_matches_emulator():
 #: The mma.sync forward's tiles on any GPU (kernel="tensor_core": sm_90 would take the wgmma kernel): (dt, D, Dv, Lq,
 #: Lk, causal) -> the tile (Br, Bc, stages) the plan takes on sm_80 / sm_90. d 128 / 96 non-causal: the single-
 #: buffered 128 x 64 tile (its loop copies whole V tiles, the first one in the prologue; Lk 300 / 203 end in a
-#: partial tile), d < dv and causal ones: 128 x 32, <= 64 rows: the square tile.
+#: partial tile), causal too where it runs unsplit (Lk < 256: tiles.WIDE_BC64_CAUSAL; Lq > Lk: rows that see no key),
+#: d < dv and split causal calls: 128 x 32, <= 64 rows: the square tile.
 MMA_GPU_CASES = [("fp16", 128, 128, 257, 300, False), ("bf16", 96, 96, 200, 203, False),
                  ("fp16", 64, 128, 130, 77, False), ("fp16", 128, 128, 200, 333, True),
-                 ("bf16", 128, 128, 40, 200, False)]
+                 ("bf16", 128, 128, 40, 200, False), ("fp16", 128, 128, 300, 200, True),
+                 ("bf16", 96, 96, 130, 250, True)]
 
 
 @pytest.mark.gpu
@@ -863,12 +904,10 @@ def test_sm75_ptx_is_what_an_older_arch_launch_loads():
 
 def test_mma_gpu_cases_take_their_tiles():
     """The tiles MMA_GPU_CASES exercise, as the plan takes them on sm_80 and sm_90 (emulator planning, no GPU)."""
-    want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), None, (64, 64, None)]
+    want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), (128, 32, 2), (64, 64, None), (128, 64, 1), (128, 64, 1)]
+    assert len(want) == len(MMA_GPU_CASES)
     for (dt, D, Dv, Lq, Lk, causal), w in zip(MMA_GPU_CASES, want):
         q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv)
         for arch in (80, 90):
             t = _plan(q, k, v, causal, arch=arch, kernel="tensor_core").tile
-            if w is None:   # causal: 128 x 32 on sm_80 (WIDE_CAUSAL_ARCHS), the square tile on sm_90
-                assert (t.block_m, t.block_n) == ((128, 32) if arch == 80 else (64, 64)), (arch, t)
-            else:
-                assert (t.block_m, t.block_n) == w[:2] and (w[2] is None or t.stages == w[2]), (arch, t)
+            assert (t.block_m, t.block_n) == w[:2] and (w[2] is None or t.stages == w[2]), (arch, t)

@@ -19,7 +19,9 @@ import os
 
 import pytest
 
-from flasharray._private import sass
+from flasharray._private import sass, tiles
+
+from conftest import flag_set
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SASS_OK, SASS_WHY = sass.available()
@@ -212,10 +214,14 @@ def test_kernel_specs_reuse_the_tile_tables():
     specs = sass.kernel_specs(**sass.QUICK)
     assert [(s.role, s.head_dim) for s in specs] == [(r, d) for d in (64, 128) for r in sass.ROLES]
     fwd128 = specs[len(sass.ROLES)]
-    # non-causal: the wide-row tile a long call launches (tiles.WIDE_ROWS); causal: the table's square tile
+    # the wide-row tile a long call launches (tiles.WIDE_ROWS), causal or not on sm_90 (tiles.WIDE_CAUSAL_ARCHS)
     assert fwd128.name == "flash::flash_fwd_kernel<fa_half, 128, 128, 128, 64, 4, 1, false, true>"
     assert (fwd128.threads, fwd128.smem) == (128, 69632)
     causal128 = sass.kernel_specs(**sass.QUICK, causal=True)[len(sass.ROLES)]
+    assert causal128.name == "flash::flash_fwd_kernel<fa_half, 128, 128, 128, 64, 4, 1, true, true>"
+    assert (causal128.threads, causal128.smem) == (128, 69632)
+    with flag_set(tiles, "WIDE_CAUSAL_ARCHS", {80: 256}):            # the square tile where the wide one is not taken
+        causal128 = sass.kernel_specs(**sass.QUICK, causal=True)[len(sass.ROLES)]
     assert causal128.name == "flash::flash_fwd_kernel<fa_half, 128, 128, 64, 64, 4, 2, true, true>"
     assert (causal128.threads, causal128.smem) == (128, 87040)
     assert all(s.source == "flash_bwd.cu" for s in specs if s.role != "fwd")

@@ -161,12 +161,18 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
                 assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if hd <= 128 else 8)
             for flags in WIDE_VARIANTS:
                 names[cuda_forward.forward_name_expression(t, False, True, **flags)] = t
-            if tiles.causal_takes_wide(dt, d, dv, arch):  # causal too (128 x 32), with GQA packing (Is_packed)
+            if tiles.causal_takes_wide(dt, d, dv, arch):  # causal too, its variants with GQA packing (Is_packed)
                 tc = tiles.forward_tile(dt, d, dv, arch, wide=True, causal=True)
-                assert (tc.block_m, tc.block_n, tc.stages) == (128, 32, 2 if arch in tiles.WIDE_CAUSAL_ARCHS else 1)
-                for flags in WIDE_VARIANTS + (dict(packed=True), dict(split=True, packed=True),
-                                              dict(packed=True, seqlens_k=True)):
-                    names[cuda_forward.forward_name_expression(tc, True, True, **flags)] = tc
+                tv = tiles.forward_tile(dt, d, dv, arch, wide=True, causal=True, plain=False)
+                if hd <= 128 and t.head_dim == t.head_dim_v and two_fit[64, 1]:  # the plain one: 128 x 64 (d = dv)
+                    assert (tc.block_n, tc.stages) == (64, 1)
+                else:
+                    assert tc == tv
+                assert (tv.block_m, tv.block_n, tv.stages) == (128, 32, 2 if arch in tiles.WIDE_CAUSAL_ARCHS else 1)
+                names[cuda_forward.forward_name_expression(tc, True, True)] = tc
+                for flags in WIDE_VARIANTS[1:] + (dict(packed=True), dict(split=True, packed=True),
+                                                  dict(packed=True, seqlens_k=True)):
+                    names[cuda_forward.forward_name_expression(tv, True, True, **flags)] = tv
     return names
 
 

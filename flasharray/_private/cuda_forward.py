@@ -37,7 +37,7 @@ def _acc_dtype(dtype):
 
 
 def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-               wide=False, two_blocks=True, causal=False):
+               wide=False, two_blocks=True, causal=False, plain=True):
     """The :class:`~flasharray._private.tiles.FwdTile` a forward call would use.
 
     Parameters
@@ -60,10 +60,13 @@ def kernel_for(dtype, head_dim, head_dim_v=None, arch=tiles.EMULATOR_ARCH, kerne
         Single-buffer where that lets two blocks share an SM (``tiles.TWO_BLOCKS_MAX_HEAD_DIM``);
         False for a paged KV cache.
     causal : bool
-        The call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only: ``tiles.WIDE_BC64``).
+        The call is causal (the single-buffered 128 x 64 wide tile: ``tiles.WIDE_BC64``, ``tiles.WIDE_BC64_CAUSAL``).
+    plain : bool
+        The call runs the plain instantiation (no split-KV, GQA packing or key lengths); False: a causal call keeps
+        the 128 x 32 wide tile.
     """
     return tiles.forward_tile(dtype, head_dim, head_dim_v, arch, kernel=kernel, block_m=block_m, ext=ext, wide=wide,
-                              two_blocks=two_blocks, causal=causal)
+                              two_blocks=two_blocks, causal=causal, plain=plain)
 
 
 def wide_rows(tile, causal, aligned, rows, ext, kv=None, arch=tiles.EMULATOR_ARCH):
@@ -208,14 +211,21 @@ class ForwardPlan:
             rows = q_k.shape[-2]
             causal = causal and Lq > 1  # Lq = 1: the one query sees every key, causal or not
             packed_causal = bool(causal)
-        if opts["block_m"] is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, arch):
-            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True, causal=causal)
+        wide = opts["block_m"] is None and wide_rows(tile, causal, aligned, rows, self.ext, kv, arch)
+        if wide:
+            plain = not packed_causal and kv is None and opts["num_splits"] in (None, 1)
+            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True, causal=causal,
+                                          plain=plain)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
             tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), bits)
         if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)
             tile = self.tile = sm90.cp_async_ext_tile(tile, aligned, bits)
         n_blocks = -(-rows // tile.block_m)
         splits = self._split_count(opts["num_splits"], int(np.prod(batch)) * n_blocks, Lk, opts["block_m"])
+        if wide and causal and splits > 1 and tile.block_n == 64:  # a causal split: 128 x 32 (128 x 64's spilled)
+            tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True, causal=True,
+                                          plain=False)
+            splits = self._split_count(opts["num_splits"], int(np.prod(batch)) * n_blocks, Lk, opts["block_m"])
         return batch, (q_k, out_k, lse_k), rows, causal, packed_causal, n_blocks, splits
 
     def _split_count(self, num_splits, blocks, Lk, block_m=None):

@@ -204,7 +204,8 @@ _TC_EXT_CANDIDATES = [
 #: lengths).
 #: WIDE_ROWS = False turns them off.
 _TC_WIDE_CANDIDATES = [
-    (128, 128, 64, 4, 1, "64 < d <= 128, d >= dv, non-causal, > 64 rows, where two blocks fit an SM (sm_80, sm_90): "
+    (128, 128, 64, 4, 1, "64 < d <= 128, d >= dv (causal: d = dv, no split / packing / key lengths), > 64 rows, "
+                         "where two blocks fit an SM (sm_80, sm_90): "
                          "Br=128, Bc=64, 4 warps x 2 slabs, single-buffered K/V: FlashAttention-2's d 128 "
                          "forward tile on A100 / H100 (each K/V fragment feeds 2 mma, half the per-tile "
                          "softmax and barrier work of Bc=32); 255 regs"),
@@ -229,25 +230,35 @@ WIDE_ROWS = True
 #: with d < dv spilled 8-164 bytes in the NVRTC audit (docs/performance.md, "Seventeenth session"). False: 128 x 32
 #: everywhere (a switch for the GPU's verdict, ``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64``).
 WIDE_BC64 = True
+#: Causal calls on :data:`WIDE_CAUSAL_ARCHS` take the 128 x 64 tile too where padded d = dv and the call runs the plain
+#: causal instantiation (no split-KV, GQA packing or key lengths: ``forward_tile(plain=False)`` for those): FlashAttention-2
+#: runs it causal or not. The plain causal instantiations compile without spills on sm_80 / sm_90 (fp16, bf16, every
+#: padded d = dv 72-128: 254-255 registers); the causal variants spilled 16-80 bytes, and on sm_80 the pairs (120-128,
+#: 104-112) 16 (docs/performance.md, "Twentieth session"). False: causal calls keep 128 x 32 (``mma.WIDE_BC64_CAUSAL``).
+WIDE_BC64_CAUSAL = True
 
-#: Archs where causal calls take the wide-row tiles too: where they double the warps per SM. sm_80
-#: (A100, A30: 164 KB of shared memory per SM): the square 64 x 64 tile (85 KB) and the 64 x 32 one at
-#: d 256 (99 KB) fit one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB).
+#: Archs where causal calls take the wide-row tiles too, each up to a padded head dim (max(d, dv)). sm_80 (A100, A30:
+#: 164 KB of shared memory per SM), every d: the square 64 x 64 tile (85 KB) and the 64 x 32 one at d 256 (99 KB) fit
+#: one 4-warp block, the wide ones two 4-warp blocks (68 KB) / one 8-warp block (132 KB). sm_90, d <= 128: measured on
+#: an H100 (twentieth session, mma.sync forward, fp16, causal, N 1k-16k): at d 128 the wide tiles ran 1.22-1.27x the
+#: square one (128 x 64: 0.88 ms against 1.11 at N 4k, FlashAttention-2 ~0.92 on the same GPUs), at d 256 0.91-0.98x
+#: (the 8-warp 128 x 32 tile against two 4-warp square blocks): the square tile stays there.
 #: Elsewhere causal keeps the square tile where the warps per SM are the same: a 128-row tile computes
 #: twice the masked diagonal (64 instead of 32 wasted keys per row: +6% of the work at N = 1k, +0.4% at 16k);
 #: :func:`causal_takes_wide` adds the head dims where the wide tile doubles them (sm_86/89 at d 128).
-WIDE_CAUSAL_ARCHS = (80,)
+WIDE_CAUSAL_ARCHS = {80: MAX_HEAD_DIM, 90: 128}
 
 
 def causal_takes_wide(dtype, head_dim, head_dim_v, arch):
     """Whether a causal call (unpadded ``head_dim``, ``head_dim_v``) takes the wide-row tiles where a long non-causal
-    one would: on :data:`WIDE_CAUSAL_ARCHS`, and wherever the square tile runs one block per SM and the wide one two
+    one would: on :data:`WIDE_CAUSAL_ARCHS` (up to its head dim), and wherever the square tile runs one block per SM and the wide one two
     (sm_86/89 at d = dv = 128: 64 x 64 double-buffered, 85 KB, one 4-warp block; 128 x 32 single-buffered with sQ
     swizzled, 50 KB, two; FlashAttention-2 runs two 64 x 64 blocks there in 48 KB, unpadded)."""
     a = arch_number(arch)
     if not WIDE_ROWS or a < 80:
         return False
-    if a in WIDE_CAUSAL_ARCHS:
+    hd = max(pad_head_dim(head_dim), pad_head_dim(head_dim if head_dim_v is None else head_dim_v))
+    if hd <= WIDE_CAUSAL_ARCHS.get(a, 0):
         return True
     square = forward_tile(dtype, head_dim, head_dim_v, a, causal=True)
     wide = forward_tile(dtype, head_dim, head_dim_v, a, wide=True, causal=True)
@@ -322,13 +333,16 @@ def _two_blocks_fit(smem, arch):
     return 2 * (smem + (KB if a >= 80 else 0)) <= per_sm
 
 
-def _wide_bc64_applies(d, dv, causal, smem, arch):
-    """Whether the single-buffered 128 x 64 wide tile (``smem`` bytes at padded d, dv) serves a call: :data:`WIDE_BC64`."""
-    return WIDE_BC64 and not causal and d >= dv and _two_blocks_fit(smem, arch)
+def _wide_bc64_applies(d, dv, causal, smem, arch, plain=True):
+    """Whether the single-buffered 128 x 64 wide tile (``smem`` bytes at padded d, dv) serves a call: :data:`WIDE_BC64`
+    (causal: :data:`WIDE_BC64_CAUSAL`, d = dv and the ``plain`` instantiation only)."""
+    if not (WIDE_BC64 and d >= dv and _two_blocks_fit(smem, arch)):
+        return False
+    return not causal or (WIDE_BC64_CAUSAL and plain and d == dv)
 
 
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
-                 wide=False, two_blocks=True, causal=False):
+                 wide=False, two_blocks=True, causal=False, plain=True):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
 
     ``kernel`` forces "tensor_core" or "simt"; by default tensor cores are used for fp16/bf16
@@ -337,8 +351,9 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
     kernel has extensions (kExt != 0): d <= 64 takes a one-slab tile (:data:`_TC_EXT_CANDIDATES`).
     ``wide``: the call qualifies for the wide-row tiles (:data:`_TC_WIDE_CANDIDATES`: non-causal,
     aligned, > 64 rows, no extensions; the caller decides), taken where :data:`WIDE_ROWS` and they fit; ``causal``:
-    the call is causal (the single-buffered 128 x 64 wide tile serves non-causal calls only: :data:`WIDE_BC64`).
-    ``two_blocks``: single-buffer where that lets two blocks share an SM (:data:`TWO_BLOCKS_MAX_HEAD_DIM`;
+    the call is causal (the single-buffered 128 x 64 wide tile serves causal calls where :data:`WIDE_BC64_CAUSAL`
+    allows); ``plain``: the call runs the plain instantiation (no split-KV, GQA packing or key lengths; False: a causal
+    call keeps the 128 x 32 wide tile, whose variants compile without spills). ``two_blocks``: single-buffer where that lets two blocks share an SM (:data:`TWO_BLOCKS_MAX_HEAD_DIM`;
     False for paged KV caches, whose double-buffered ring shares one page lookup between K_j and V_j).
     Raises NotImplementedError for head dims above 256.
     """
@@ -362,7 +377,7 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
         wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else [])
-                           if c[2] != 64 or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch)]
+                           if c[2] != 64 or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch, plain)]
         fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               wide_candidates + _TC_CANDIDATES)
