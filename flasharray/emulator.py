@@ -132,6 +132,13 @@ class Counters:
     :attr:`store_sector_efficiency` are their ratios, and ``buffers`` has them per array.
     ``cp_async_smem_wavefronts`` counts the shared-memory wavefronts of the ``cp.async``
     destinations (phases of 8 lanes for 16-byte copies) against one per 128 bytes.
+    ``cp_async_lines`` and ``cp_async_sectors`` model what an H100 measured for the copies (LDGSTS:
+    docs/gpu_h200.md, *Fourth GPU session*; docs/emulator.md). ``cp_async_lines`` counts the distinct 128-byte
+    shared-memory lines each phase's destinations touch (ideal: one per 128 bytes). ``cp_async_sectors`` counts the
+    distinct (32-byte global sector, 32-byte shared slot) pairs the copied bytes form (ideal: one per 32 source
+    bytes). Rows padded to 272 bytes cost 1.5x the sectors (24 against 16 per two-row instruction) and ~1.9x the
+    lines. Unpadded or XOR-swizzled rows cost the ideal (:attr:`cp_async_line_factor`,
+    :attr:`cp_async_sector_factor`).
 
     ``sem_waits`` counts ``fa::sem_wait`` calls (one per block and call), ``sem_blocked`` those
     that found the counter short of the expected value and suspended their block.
@@ -186,6 +193,10 @@ class Counters:
     stmatrix: int = 0
     elects: int = 0
     setmaxnreg: int = 0
+    cp_async_lines: int = 0
+    cp_async_lines_ideal: int = 0
+    cp_async_sectors: int = 0
+    cp_async_sectors_ideal: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -201,6 +212,17 @@ class Counters:
     def cp_async_conflict_factor(self):
         """Shared wavefronts of the cp.async destinations over the conflict-free count."""
         return _ratio(self.cp_async_smem_wavefronts, self.cp_async_smem_wavefronts_ideal)
+
+    @property
+    def cp_async_line_factor(self):
+        """128-byte shared lines of the cp.async phases over the ideal count (1.0: rows 128-byte aligned)."""
+        return _ratio(self.cp_async_lines, self.cp_async_lines_ideal)
+
+    @property
+    def cp_async_sector_factor(self):
+        """(global sector, shared slot) pairs of the cp.async copies over the source's sectors (1.0: each sector
+        lands in one 32-byte slot)."""
+        return _ratio(self.cp_async_sectors, self.cp_async_sectors_ideal)
 
     @property
     def ldmatrix_conflict_factor(self):
@@ -231,7 +253,8 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "cp_async_smem_wavefronts", "cp_async_smem_wavefronts_ideal", "sem_waits", "sem_blocked",
                    "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma",
                    "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers",
-                   "stmatrix", "elects", "setmaxnreg")
+                   "stmatrix", "elects", "setmaxnreg", "cp_async_lines", "cp_async_lines_ideal", "cp_async_sectors",
+                   "cp_async_sectors_ideal")
 
 
 class _Counters(ctypes.Structure):

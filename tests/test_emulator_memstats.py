@@ -20,6 +20,18 @@ __global__ void two_phases(float* y, const float* x) {
     }
 }
 __global__ void accumulate(float* y, int stride) { fa::atomic_add(y + threadIdx.x * stride, 1.0f); }
+__global__ void cp_rows(float* y, const float* x, int pitch_bytes, int swizzle) {
+    // a warp copies two 256-byte rows, 16 lanes per row (the kernels' tile copies), into rows pitch_bytes apart;
+    // swizzle: 16-byte chunk c of row r at chunk c ^ (r mod 8) (FlashAttention-2's layout)
+    FA_DYNAMIC_SMEM(smem);
+    const int t = threadIdx.x, r = t / 16, c = t % 16;
+    const int cs = swizzle ? (c ^ (r % 8)) : c;
+    fa::cp_async<16>(smem + r * pitch_bytes + 16 * cs, x + 64 * r + 4 * c, 16);
+    fa::cp_async_commit();
+    fa::cp_async_wait<0>();
+    __syncthreads();
+    fa::gstore(y + t, *reinterpret_cast<const float*>(smem + r * pitch_bytes + 16 * cs));
+}
 __global__ void cp16(float* y, const float* x, int pitch_words) {
     FA_DYNAMIC_SMEM(smem);
     float* s = reinterpret_cast<float*>(smem);
@@ -35,7 +47,7 @@ __global__ void cp16(float* y, const float* x, int pitch_words) {
 
 @pytest.fixture(scope="module")
 def mod():
-    return emulator.Module(SRC, ["strided", "two_phases", "accumulate", "cp16"])
+    return emulator.Module(SRC, ["strided", "two_phases", "accumulate", "cp16", "cp_rows"])
 
 
 def aligned(n, dtype=np.float32, value=0):
@@ -97,9 +109,29 @@ def test_cp_async_destination_bank_conflicts(mod, pitch_words, degree):
     assert (c.gld_sectors, c.gld_sectors_ideal) == (16, 16)      # the sources are contiguous
 
 
+@pytest.mark.parametrize("pitch,swizzle,lines,sectors", [(256, 0, 4, 16), (272, 0, 6, 24), (256, 1, 4, 16),
+                                                         (384, 0, 4, 16), (288, 0, 6, 16)])
+def test_cp_async_lines_and_sectors(mod, pitch, swizzle, lines, sectors):
+    """The model of an H100's cp.async (LDGSTS) cost: two 256-byte rows per warp instruction. Unpadded (256-byte)
+    rows, XOR-swizzled ones and 128-byte-aligned padding cost the ideal, 4 lines and 16 sectors. Rows padded by
+    16 bytes (272: the kernels' padded rows at d 128) put row 1 across 128-byte lines (2 per phase: 6 lines) and
+    at 16 mod 32, where each global sector's two halves land in two 32-byte slots (24 sectors, as measured). A
+    32-byte pad (288) crosses lines but keeps each sector in one slot. The bank-conflict counter sees none of
+    this: every case is conflict-free for plain stores."""
+    x, y = aligned(128, value=3), aligned(32)
+    c = mod.launch("cp_rows", 1, 32, (y, x, np.int32(pitch), np.int32(swizzle)), shared_mem=2 * pitch)
+    np.testing.assert_array_equal(y, 3)
+    assert (c.cp_async_lines, c.cp_async_lines_ideal) == (lines, 4)
+    assert (c.cp_async_sectors, c.cp_async_sectors_ideal) == (sectors, 16)
+    assert c.cp_async_sector_factor == sectors / 16 and c.cp_async_line_factor == lines / 4
+    assert c.cp_async_smem_wavefronts == c.cp_async_smem_wavefronts_ideal == 4
+    assert (c.gld_sectors, c.gld_sectors_ideal) == (16, 16)
+
+
 def test_flash_kernels_coalescing_does_not_regress():
     """Today's figures of the tensor-core kernels (docs/performance.md) as floors: loads ≥ 0.9 of
-    ideal sectors, cp.async destinations conflict-free, O and LSE stores 1.0 (16-byte rows through
+    ideal sectors, cp.async destinations conflict-free (and their copies into padded rows at most 1.6x the sectors
+    and 1.9x the 128-byte lines of the ideal: docs/emulator.md), O and LSE stores 1.0 (16-byte rows through
     shared memory into outputs the emulator launcher allocates 256-byte aligned, as CuPy's are).
     The backward, every dQ mode: every array
     any of its launches writes — dK, dV, dQ (16-byte rows through shared memory), the atomic
@@ -113,6 +145,7 @@ def test_flash_kernels_coalescing_does_not_regress():
                                     device="emulator", counters=fwd)
     (c,) = fwd
     assert c.load_sector_efficiency >= 0.9 and c.cp_async_conflict_factor == 1
+    assert c.cp_async_sector_factor <= 1.6 and c.cp_async_line_factor <= 1.9  # padded rows (an H100: 1.5x sectors)
     assert c.buffers[3].write_sector_efficiency == 1.0          # O
     assert c.buffers[4].write_sector_efficiency == 1.0          # LSE
     assert out.ctypes.data % 256 == 0 and lse.ctypes.data % 256 == 0
@@ -124,6 +157,7 @@ def test_flash_kernels_coalescing_does_not_regress():
         assert ("flash_bwd_convert_dq_tc_kernel" in names) != (dq == "recompute"), names
         for name, c in bwd:
             assert c.cp_async_conflict_factor == 1, name
+            assert c.cp_async_sector_factor <= 1.6 and c.cp_async_line_factor <= 1.9, name
             if "dkv" in name or "dq_kernel" in name:
                 assert c.load_sector_efficiency >= 0.9, name
             assert c.store_sector_efficiency >= 0.95, name

@@ -145,6 +145,9 @@ typedef struct fa_emu_counters {
     uint64_t tma_stores, tma_store_bytes;   // fa::tma_store_* calls and their box bytes
     uint64_t named_barriers;                // completed named barriers (bar.sync/bar.arrive id, count)
     uint64_t stmatrix, elects, setmaxnreg;  // warp stmatrix / elect.sync; warpgroup setmaxnreg completions
+    // cp.async copies (fa_emu_memstats.h's model of an H100's LDGSTS): 128-byte shared lines per phase and
+    // (global sector, 32-byte shared slot) pairs, each with the ideal count
+    uint64_t cp_async_lines, cp_async_lines_ideal, cp_async_sectors, cp_async_sectors_ideal;
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

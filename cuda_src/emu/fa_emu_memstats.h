@@ -13,6 +13,17 @@
 //   shared wavefronts   per phase (32 lanes for ≤ 4-byte accesses, 16 for 8-byte, 8 for 16-byte),
 //                       the largest number of distinct words any bank holds; ideal:
 //                       ceil(unique bytes / 128), i.e. one wavefront per 128 bytes
+//
+// cp.async copies (kind kCopy: each lane's shared destination with its global source) have two more
+// costs, a model of what Nsight Compute measured on an H100 (docs/gpu_h200.md, "Fourth GPU session";
+// LDGSTS, 16-byte chunks, two 256-byte rows per warp instruction). Rows padded to 272 bytes took
+// 24 global sectors and ~8.5 shared wavefronts per instruction. Unpadded 256-byte rows took 16 and 3.8.
+// FlashAttention-2's XOR-swizzled rows took 16 and 4.0. The model gives 24 / 7.5, 16 / 4 and 16 / 4:
+//   copy lines          per phase, the distinct 128-byte shared-memory lines the destinations touch;
+//                       ideal: ceil(unique destination bytes / 128)
+//   copy sectors        the distinct pairs (32-byte global sector, 32-byte shared-memory slot) the copied
+//                       bytes form: a sector whose bytes land in two slots is requested twice; ideal:
+//                       ceil(unique source bytes / 32)
 #pragma once
 
 #include <algorithm>
@@ -22,12 +33,13 @@
 
 namespace fa_emu_stats {
 
-enum Kind : uint32_t { kGlobalRead = 0, kGlobalWrite = 1, kSharedWrite = 2 };
+enum Kind : uint32_t { kGlobalRead = 0, kGlobalWrite = 1, kSharedWrite = 2, kCopy = 3 };
 
 struct Access {
     uint64_t addr;
     uint32_t size;
     uint32_t lane;
+    uint64_t src = 0;  // kCopy: the global source of the size bytes at addr (shared)
 };
 
 struct Key {
@@ -49,6 +61,7 @@ struct KeyHash {
 
 struct Cost {
     uint64_t actual = 0, ideal = 0;
+    uint64_t actual2 = 0, ideal2 = 0;  // kCopy: copy sectors (actual, ideal: copy lines)
 };
 
 // Byte ranges of the group merged: the bytes actually requested (a repeated address is a broadcast).
@@ -101,12 +114,47 @@ inline Cost shared_wavefronts(std::vector<Access>& acc) {
     return c;
 }
 
+// kCopy: copy lines (actual, ideal) and copy sectors (actual2, ideal2), the header's model.
+inline Cost copy_costs(std::vector<Access>& acc) {
+    Cost c;
+    uint32_t size = 0;
+    for (const Access& a : acc) size = std::max(size, a.size);
+    const uint32_t lanes_per_phase = size > 8 ? 8 : size > 4 ? 16 : 32;
+    for (uint32_t phase = 0; phase < 32 / lanes_per_phase; ++phase) {
+        std::vector<uint64_t> lines;
+        for (const Access& a : acc)
+            if (a.lane / lanes_per_phase == phase)
+                for (uint64_t l = a.addr / 128; l <= (a.addr + a.size - 1) / 128; ++l) lines.push_back(l);
+        std::sort(lines.begin(), lines.end());
+        c.actual += std::unique(lines.begin(), lines.end()) - lines.begin();
+    }
+    std::vector<std::pair<uint64_t, uint64_t>> pairs;  // (global sector, shared slot) of every copied byte run
+    for (const Access& a : acc)
+        for (uint32_t b = 0; b < a.size;) {
+            const uint64_t g = a.src + b, d = a.addr + b;
+            const uint32_t run = static_cast<uint32_t>(std::min<uint64_t>({32 - g % 32, 32 - d % 32, a.size - b}));
+            pairs.emplace_back(g / 32, d / 32);
+            b += run;
+        }
+    std::sort(pairs.begin(), pairs.end());
+    c.actual2 = std::unique(pairs.begin(), pairs.end()) - pairs.begin();
+    std::vector<Access> dst(acc), src(acc);
+    for (Access& a : src) a.addr = a.src;
+    uint64_t unique_dst = 0, unique_src = 0;
+    for (const auto& r : merged_ranges(dst)) unique_dst += r.second - r.first;
+    for (const auto& r : merged_ranges(src)) unique_src += r.second - r.first;
+    c.ideal = (unique_dst + 127) / 128;
+    c.ideal2 = (unique_src + 31) / 32;
+    return c;
+}
+
 // The accesses of one block since its last barrier, grouped into warp instructions.
 class Recorder {
   public:
-    void record(uint64_t site, uint32_t occurrence, int warp, int lane, Kind kind, uint64_t addr, uint32_t size) {
+    void record(uint64_t site, uint32_t occurrence, int warp, int lane, Kind kind, uint64_t addr, uint32_t size,
+                uint64_t src = 0) {
         Key key{site, occurrence, static_cast<uint32_t>(warp) << 2 | kind};
-        groups_[key].push_back(Access{addr, size, static_cast<uint32_t>(lane)});
+        groups_[key].push_back(Access{addr, size, static_cast<uint32_t>(lane), src});
     }
 
     // Evaluates and clears every group; visit(kind, first address, cost) receives each one.
@@ -115,7 +163,9 @@ class Recorder {
         for (auto& kv : groups_) {
             const Kind kind = static_cast<Kind>(kv.first.warp_kind & 3u);
             const uint64_t first = kv.second.front().addr;
-            const Cost cost = kind == kSharedWrite ? shared_wavefronts(kv.second) : global_sectors(kv.second);
+            const Cost cost = kind == kCopy          ? copy_costs(kv.second)
+                              : kind == kSharedWrite ? shared_wavefronts(kv.second)
+                                                     : global_sectors(kv.second);
             visit(kind, first, cost);
         }
         groups_.clear();

@@ -557,11 +557,12 @@ void gcheck(Worker* w, const void* p, size_t n, int kind /*0 read,1 write,2 rmw*
 }
 
 // One thread's access, filed under its warp instruction (see fa_emu_memstats.h).
-void mem_record(Worker* w, void* site, fa_emu_stats::Kind kind, const void* p, size_t n) {
+void mem_record(Worker* w, void* site, fa_emu_stats::Kind kind, const void* p, size_t n, const void* src = nullptr) {
     Fiber* f = w->cur;
     const uint64_t s = reinterpret_cast<uint64_t>(site);
     const uint32_t k = f->site_count[s << 2 | kind]++;
-    w->stats.record(s, k, f->warp, f->lane, kind, reinterpret_cast<uint64_t>(p), static_cast<uint32_t>(n));
+    w->stats.record(s, k, f->warp, f->lane, kind, reinterpret_cast<uint64_t>(p), static_cast<uint32_t>(n),
+                    reinterpret_cast<uint64_t>(src));
 }
 
 // Evaluates every warp instruction recorded since the last barrier (all lanes have issued theirs).
@@ -570,6 +571,13 @@ void mem_flush(Worker* w) {
         if (kind == fa_emu_stats::kSharedWrite) {
             w->cnt.cp_async_smem_wavefronts += c.actual;
             w->cnt.cp_async_smem_wavefronts_ideal += c.ideal;
+            return;
+        }
+        if (kind == fa_emu_stats::kCopy) {
+            w->cnt.cp_async_lines += c.actual;
+            w->cnt.cp_async_lines_ideal += c.ideal;
+            w->cnt.cp_async_sectors += c.actual2;
+            w->cnt.cp_async_sectors_ideal += c.ideal2;
             return;
         }
         const bool write = kind == fa_emu_stats::kGlobalWrite;
@@ -2641,6 +2649,10 @@ void fa_emu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_
                                cp_size));
         gcheck(w, gmem_src, static_cast<size_t>(src_bytes), 0, "fa::cp_async global read");
         mem_record(w, __builtin_return_address(0), fa_emu_stats::kGlobalRead, gmem_src, src_bytes);
+        // the destination as an offset into the block's dynamic shared memory (lines and slots counted from its base,
+        // taken as 128-byte aligned; the Hopper kernels round it up to 1024 bytes themselves)
+        mem_record(w, __builtin_return_address(0), fa_emu_stats::kCopy, reinterpret_cast<const void*>(dst - w->smem),
+                   src_bytes, gmem_src);
     }
     mem_record(w, __builtin_return_address(0), fa_emu_stats::kSharedWrite, dst, cp_size);
     const size_t g0 = (dst - w->smem) / kGranule;
@@ -2960,6 +2972,10 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.stmatrix += w.cnt.stmatrix;
         total.elects += w.cnt.elects;
         total.setmaxnreg += w.cnt.setmaxnreg;
+        total.cp_async_lines += w.cnt.cp_async_lines;
+        total.cp_async_lines_ideal += w.cnt.cp_async_lines_ideal;
+        total.cp_async_sectors += w.cnt.cp_async_sectors;
+        total.cp_async_sectors_ideal += w.cnt.cp_async_sectors_ideal;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
