@@ -24,7 +24,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                64 < d <= 128 non-causal FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
                                double-buffered)
   mma.WIDE_BC64_CAUSAL         tiles.WIDE_BC64_CAUSAL (both sides kernel="tensor_core"): causal calls at 64 < d = dv
-                               <= 128 on FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32 double-buffered)
+                               <= 128 on FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
+                               double-buffered)
   mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS without sm_90: causal calls on sm_90 keep the square tile
                                (the default: the wide-row tiles at d <= 128, as non-causal calls; causal rows only)
   mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
@@ -33,6 +34,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.GRID_LAYOUT              tiles_bwd.GRID_LAYOUT, the mma.sync backward's (both sides kernel="tc"): the
                                grid-layout dK/dV kernel (FlashAttention-2's warp grid, 0.5 ldmatrix per MMA) at
                                d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
+  mma.GRID_SWIZZLE             tiles_bwd.GRID_SWIZZLE (both sides kernel="tc"): the grid kernel's Q_i, dO_i unpadded
+                               and XOR-swizzled (off: padded rows, whose copies an H100 read at 1.5x the sectors)
 
 Extension switches (``--only ext``; not in the default run): the same wgmma-vs-mma.sync comparison with an
 extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of extension calls
@@ -130,6 +133,8 @@ SWITCHES = (
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
     Switch("mma.GRID_LAYOUT", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "mma.sync backward d 64 / 128: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
+    Switch("mma.GRID_SWIZZLE", "bwd", tiles_bwd, "GRID_SWIZZLE", False,
+           "mma.sync grid-layout backward: Q_i, dO_i XOR-swizzled vs padded rows", MMA_BWD),
 )
 #: The extension calls' switches (``--only ext``; not in the default run): the wgmma kernels against the mma.sync
 #: ones with an extension (``ext``: a key of :data:`EXT_SETS`), both sides called with it; ``modes`` limits the

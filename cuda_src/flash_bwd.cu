@@ -128,16 +128,17 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
 // that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
 // spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
 // 320 MMA instead of 144).
-template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M>
+template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M, bool kSwz = false>
 __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, const T* V_s, const T* Q_s,
                                             const T* dO_s, const float* lse_s, const float* delta_s, int wk,
                                             int wq, float scale_log2, const M& mask, int r0, int c0) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int k0 = 32 * wk, q0 = kSQ * wq;
+    constexpr int kQD = kSwz ? kHeadDim : L::kPitchD, kQDv = kSwz ? kHeadDimV : L::kPitchDv;  // Q_i / dO_i pitches
     float p[2][kSQ / 8][4];  // S^T, then P^T (C layout; two 16-key m tiles)
     zero_acc(p[0]); zero_acc(p[1]);
-    warp_mma_m<T, 2, kHeadDim, kSQ, false, false>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * L::kPitchD,
-                                                  L::kPitchD);
+    warp_mma_m<T, 2, kHeadDim, kSQ, false, false, false, kSwz>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * kQD,
+                                                               kQD);
     if constexpr (!M::kSoftcap) {
         // P^T in place (with extensions: the forward's score — ALiBi — and visibility — lengths, window).
 #pragma unroll
@@ -188,8 +189,8 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
     for (int mt = 0; mt < 2; ++mt) {
         float dp[1][kSQ / 8][4];  // dP^T of m tile mt
         zero_acc(dp[0]);
-        warp_mma_m<T, 1, kHeadDimV, kSQ, false, false>(dp, V_s + (k0 + 16 * mt) * L::kPitchDv, L::kPitchDv,
-                                                       dO_s + q0 * L::kPitchDv, L::kPitchDv);
+        warp_mma_m<T, 1, kHeadDimV, kSQ, false, false, false, kSwz>(dp, V_s + (k0 + 16 * mt) * L::kPitchDv,
+                                                                    L::kPitchDv, dO_s + q0 * kQDv, kQDv);
 #pragma unroll
         for (int nt = 0; nt < kSQ / 8; ++nt) {
             const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + q0 + nt * 8 + 2 * t);
@@ -673,7 +674,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 // same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel (softcap:
 // dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ, int kExt = 0>
+          bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ, int kExt = 0, bool kSwizzle = false>
 __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -702,6 +703,11 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     static_assert((kExt & (flash::kExtDropout | flash::kExtBlockMask)) == 0 && (kExt == 0 || kVecLoad),
                   "grid layout: no dropout, no block mask; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
+    // kSwizzle: Q_i and dO_i, the tiles copied every visit, unpadded and XOR-swizzled (swz_chunk_offset) in their
+    // padded buffers; K_j, V_j (copied once per block) keep the padded rows
+    static_assert(!kSwizzle || (kVecLoad && kHeadDim % 64 == 0 && kHeadDimV % 64 == 0),
+                  "grid layout: swizzled tiles need 16-byte row copies and head dims of whole 128-byte lines");
+    constexpr int kSD = kSwizzle ? kHeadDim : L::kPitchD, kSDv = kSwizzle ? kHeadDimV : L::kPitchDv;  // Q_i, dO_i
 
     FA_DYNAMIC_SMEM(smem);
     T* Q_buf = reinterpret_cast<T*>(smem + L::kQ);
@@ -737,10 +743,10 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     // with zero-filled Q_i, dO_i rows a zero L_i gives P = 1 there and dS = 0, no term in dK_j, dV_j or dQ_i).
     auto load_query_block = [&](int grp, int i) {
         const int r0 = i * kBlockM;
-        load_tile_tc<T, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+        load_tile_tc<T, kBlockM, kHeadDim, kSD, kNThreads, kVecLoad, kSwizzle>(
             Q_buf, q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row,
             Lq_b - r0, D);
-        load_tile_tc<T, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+        load_tile_tc<T, kBlockM, kHeadDimV, kSDv, kNThreads, kVecLoad, kSwizzle>(
             dO_buf, dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row,
             do_row, Lq_b - r0, Dv);
         const int r = (int)threadIdx.x % 128;
@@ -782,14 +788,17 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // thread's atomics), its release overlapping the other warps' work instead of holding a barrier.
         if constexpr (kOrderedDQ)
             if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
-        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s, delta_s, wk, wq,
-                                                    scale_log2, mask, r0, c0);
+        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV, decltype(mask), kSwizzle>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s,
+                                                                              delta_s, wk, wq, scale_log2, mask, r0, c0);
         // Barrier: P^T and dS^T complete before warps read them across score tiles.
         __syncthreads();
-        warp_mma_m<T, 2, kBlockM, kCV, false, true>(dV_acc, Pt_s + 32 * wk * L::kPitchS, L::kPitchS,
-                                                    dO_s + wq * kCV, L::kPitchDv);
-        warp_mma_m<T, 2, kBlockM, kCK, false, true>(dK_acc, dSt_s + 32 * wk * L::kPitchS, L::kPitchS,
-                                                    Q_s + wq * kCK, L::kPitchD);
+        // (swizzled: the column origin apart from the tile, LaneCols)
+        warp_mma_m<T, 2, kBlockM, kCV, false, true, false, kSwizzle>(dV_acc, Pt_s + 32 * wk * L::kPitchS, L::kPitchS,
+                                                                     dO_s + (kSwizzle ? 0 : wq * kCV), kSDv, 0,
+                                                                     kSwizzle ? wq * kCV : 0);
+        warp_mma_m<T, 2, kBlockM, kCK, false, true, false, kSwizzle>(dK_acc, dSt_s + 32 * wk * L::kPitchS, L::kPitchS,
+                                                                     Q_s + (kSwizzle ? 0 : wq * kCK), kSD, 0,
+                                                                     kSwizzle ? wq * kCK : 0);
         if (visit + 1 < n_visits) {
             // Barrier: every warp is done reading Q_i, dO_i, L_i, D_i; the next visit's copies overlap dQ.
             __syncthreads();

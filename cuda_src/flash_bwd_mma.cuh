@@ -21,19 +21,34 @@ namespace fa_bwd {
 
 constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned, banks rotate
 
+// Swizzled tiles (kSwz, the grid-layout kernel's Q_i, dO_i, K_j, V_j): rows unpadded (pitch = the head dim, a
+// multiple of 64 elements: 128-byte lines), 16-byte chunk c of row r stored at chunk c ^ (r mod 8) within its
+// group of 8 — FlashAttention-2's layout. The copies then fill whole 128-byte lines (the H100 read the padded rows'
+// copies at 1.5x the global sectors: docs/emulator.md, "What the copies cost on an H100"), and each ldmatrix phase
+// (8 rows r..r+7 of one chunk column) still hits 8 distinct 16-byte bank groups.
+// The element offset of chunk `chunk` (8 elements) of row r in a swizzled tile of pitch `pitch`.
+__device__ __forceinline__ int swz_chunk_offset(int r, int chunk, int pitch) {
+    return r * pitch + ((chunk & ~7) | ((chunk ^ r) & 7)) * 8;
+}
+
 __host__ __device__ constexpr int ceil_div_c(int a, int b) { return (a + b - 1) / b; }
 
 // The 16-byte chunks of a kRows x kCols tile (row stride row_stride elements; shared pitch kPitch) that
 // thread threadIdx.x copies: f(it, smem_dst, gmem_src, src_bytes) for it < TileChunks::kIters, src_bytes 16,
 // or 0 (zero fill) for rows >= n_rows and columns >= n_cols, the source then the tile origin (never read).
 // The caller guarantees 16-byte aligned rows and n_cols % 8 == 0.
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads>
+// kSwz: the destination is a swizzled tile (swz_chunk_offset; the rows a thread copies are 8 apart, so its chunk's
+// place is one per-thread offset).
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kSwz = false>
 struct TileChunks {
     static constexpr int kChunk = 16 / (int)sizeof(T);  // elements per 16-byte copy
     static_assert(kCols % kChunk == 0, "tile width must be whole 16-byte chunks");
     static constexpr int kChunksPerRow = kCols / kChunk;
     static constexpr int kChunks = kRows * kChunksPerRow;
     static constexpr int kIters = ceil_div_c(kChunks, kNThreads);
+    static_assert(!kSwz || (kPitch == kCols && kCols % 64 == 0 && sizeof(T) == 2 && kNThreads % kChunksPerRow == 0 &&
+                            (kNThreads / kChunksPerRow) % 8 == 0),
+                  "a swizzled tile: unpadded 16-bit rows of whole 8-chunk groups, each thread's rows 8 apart");
 
     template <typename F>
     __device__ __forceinline__ static void each(T* smem, const T* gmem, long long row_stride, int n_rows,
@@ -47,7 +62,11 @@ struct TileChunks {
             const bool col_in = c < n_cols;
             const T* src = gmem + (long long)r_t * row_stride + c;
             const long long pass_stride = kRowStep * row_stride;
-            T* dst = smem + r_t * kPitch + c;
+            T* dst;
+            if constexpr (kSwz)
+                dst = smem + swz_chunk_offset(r_t, c / kChunk, kPitch);
+            else
+                dst = smem + r_t * kPitch + c;
 #pragma unroll
             for (int it = 0; it < kIters; ++it) {
                 const int r = r_t + it * kRowStep;
@@ -60,6 +79,7 @@ struct TileChunks {
                 src += pass_stride;
             }
         } else {
+            static_assert(!kSwz, "a swizzled tile: each thread copies one column chunk");
 #pragma unroll
             for (int it = 0; it < kIters; ++it) {
                 const int e = tid + it * kNThreads;
@@ -76,11 +96,12 @@ struct TileChunks {
 // Copy a kRows x kCols tile (row stride row_stride elements) into shared memory with pitch kPitch,
 // zero-filling rows >= n_rows and columns >= n_cols. kVec: 16-byte cp.async chunks (TileChunks; the
 // caller guarantees 16-byte aligned rows and n_cols % 8 == 0); else element loads.
-template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec>
+template <typename T, int kRows, int kCols, int kPitch, int kNThreads, bool kVec, bool kSwz = false>
 __device__ __forceinline__ void load_tile_tc(T* smem, const T* gmem, long long row_stride,
                                              int n_rows, int n_cols) {
+    static_assert(!kSwz || kVec, "a swizzled tile is copied in 16-byte chunks");
     if (kVec) {
-        TileChunks<T, kRows, kCols, kPitch, kNThreads>::each(
+        TileChunks<T, kRows, kCols, kPitch, kNThreads, kSwz>::each(
             smem, gmem, row_stride, n_rows, n_cols,
             [](int, T* dst, const T* src, int bytes) { fa::cp_async<16>(dst, src, bytes); });
     } else {
@@ -196,29 +217,75 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, 
     }
 }
 
+// One lane's ldmatrix addresses in an operand tile: the row r_lane it addresses (its 8x8 matrix's row; the rows a
+// call adds are multiples of 8) and the 16-byte chunk lane_chunk (0 or 1) its matrix adds, from the tile's column
+// origin col0. at(c) is the element offset of the chunk c (even, a compile-time count) chunks further: plain,
+// r_lane * pitch + col0 + 8 (lane_chunk + c); swizzled (kSwz: swz_chunk_offset), the same chunk at its swizzled
+// place — one XOR with a constant per c mod 8, provided col0's chunk index within its group of 8 and the c of a call
+// use disjoint bits (col0 a multiple of the call's column extent, a power of two: the grid kernel's warp slices).
+template <typename T, bool kSwz>
+struct LaneCols {
+    const T* p;   // plain: the lane's first element; swizzled: its row at col0's group of 8 chunks
+    unsigned z;   // swizzled: the lane's chunk within the group, XOR its row's swizzle (r_lane mod 8)
+    __device__ __forceinline__ LaneCols(const T* tile, int r_lane, int lane_chunk, int col0, int pitch) {
+        if constexpr (kSwz) {
+            p = tile + r_lane * pitch + ((col0 / 8) & ~7) * 8;
+            z = static_cast<unsigned>((col0 / 8) ^ lane_chunk ^ r_lane) & 7u;
+        } else {
+            p = tile + r_lane * pitch + col0 + lane_chunk * 8;
+            z = 0;
+        }
+    }
+    __device__ __forceinline__ const T* at(int c) const {
+        if constexpr (kSwz) return p + ((z ^ static_cast<unsigned>(c & 7)) * 8u) + (c & ~7) * 8;
+        return p + c * 8;
+    }
+};
+
 // acc (16 kMT x kN) += A (16 kMT x kK) * B (kK x kN), both operands in shared memory (layouts as
 // warp_mma): kMT m16 tiles per warp, so each B fragment (one ldmatrix.x4: two n8 tiles of a k16 step)
 // feeds 2 kMT MMAs instead of 2 — the grid-layout dK/dV kernel's products (flash_bwd_dkv_grid_kernel:
 // 32 x 32 warp tiles, 0.5 ldmatrix per MMA where a 16-row strip of the same product needs 0.75).
-template <typename T, int kMT, int kK, int kN, bool kATrans, bool kBTrans>
+// A_s, B_s: the operands' first rows and (plain) columns; a_col0, b_col0: a swizzled operand's first column (kSwzA,
+// kSwzB: LaneCols; a plain one has its column in the pointer and 0 here).
+template <typename T, int kMT, int kK, int kN, bool kATrans, bool kBTrans, bool kSwzA = false, bool kSwzB = false>
 __device__ __forceinline__ void warp_mma_m(float (&acc)[kMT][kN / 8][4], const T* A_s, int a_pitch,
-                                           const T* B_s, int b_pitch) {
+                                           const T* B_s, int b_pitch, int a_col0 = 0, int b_col0 = 0) {
     static_assert(kK % 16 == 0 && kN % 16 == 0, "warp_mma_m: k16 steps and pairs of n8 tiles");
     const int lane = (int)threadIdx.x % 32;
     const int mat = lane / 8, mrow = lane % 8;
+    // !kATrans matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15): row lane % 16;
+    // kATrans (stored rows are k): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
+    // plain operands: one lane pointer plus immediate offsets (a_col0, b_col0 in the pointer: the callers pass 0);
+    // swizzled ones: LaneCols
     const T* A_l = kATrans ? A_s + (mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8
                            : A_s + (lane % 16) * a_pitch + (lane / 16) * 8;
     const T* B_l = B_s + b_lane_offset<kBTrans>(b_pitch);
+    const LaneCols<T, kSwzA> a_sw = kATrans ? LaneCols<T, kSwzA>(A_s, mrow + (mat / 2) * 8, mat % 2, a_col0, a_pitch)
+                                            : LaneCols<T, kSwzA>(A_s, lane % 16, lane / 16, a_col0, a_pitch);
+    const LaneCols<T, kSwzB> b_sw = kBTrans ? LaneCols<T, kSwzB>(B_s, mrow + (mat % 2) * 8, mat / 2, b_col0, b_pitch)
+                                            : LaneCols<T, kSwzB>(B_s, mrow + (mat / 2) * 8, mat % 2, b_col0, b_pitch);
 #pragma unroll
     for (int ks = 0; ks < kK / 16; ++ks) {
         uint32_t a[kMT][4];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-            fa::ldmatrix<4, kATrans>(a[mt], A_l + (kATrans ? ks * 16 * a_pitch + mt * 16 : (mt * 16) * a_pitch + ks * 16));
+        for (int mt = 0; mt < kMT; ++mt) {
+            const T* a_addr;
+            if constexpr (kSwzA)
+                a_addr = kATrans ? a_sw.at(2 * mt) + ks * 16 * a_pitch : a_sw.at(2 * ks) + (mt * 16) * a_pitch;
+            else
+                a_addr = A_l + (kATrans ? ks * 16 * a_pitch + mt * 16 : (mt * 16) * a_pitch + ks * 16);
+            fa::ldmatrix<4, kATrans>(a[mt], a_addr);
+        }
 #pragma unroll
         for (int n0 = 0; n0 < kN; n0 += 16) {
             uint32_t b[4];
-            fa::ldmatrix<4, kBTrans>(b, B_l + (kBTrans ? ks * 16 * b_pitch + n0 : n0 * b_pitch + ks * 16));
+            const T* b_addr;
+            if constexpr (kSwzB)
+                b_addr = kBTrans ? b_sw.at(n0 / 8) + ks * 16 * b_pitch : b_sw.at(2 * ks) + n0 * b_pitch;
+            else
+                b_addr = B_l + (kBTrans ? ks * 16 * b_pitch + n0 : n0 * b_pitch + ks * 16);
+            fa::ldmatrix<4, kBTrans>(b, b_addr);
             const uint32_t b_lo[2] = {b[0], b[1]};
             const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll

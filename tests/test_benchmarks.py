@@ -382,7 +382,8 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM", "fwd.USE_TMA",
                    "fwd.kernel", "bwd.DQ_BULK", "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.kernel", "mma.WIDE_ROWS",
-                   "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT")
+                   "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT",
+                   "mma.GRID_SWIZZLE")
 
 
 def test_hopper_variants_on_the_emulator(tmp_path):
@@ -396,7 +397,8 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     for name, table in zip(HOPPER_SWITCHES, tables):
         rows = [line for line in table.splitlines() if line.startswith("(")]
         modes = {line.split("|")[1].strip() for line in rows}
-        assert modes == ({"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT")
+        assert modes == ({"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT",
+                                                                                   "mma.GRID_SWIZZLE")
                          else {"fwd"}), \
             (name, table)
         assert all(float(line.split("|")[4]) > 0 for line in rows), table   # flipped / default
@@ -413,6 +415,8 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     assert by_name["mma.WIDE_CAUSAL"]["flag"] == "tiles.WIDE_CAUSAL_ARCHS"
     assert by_name["mma.WIDE_KEYS"]["flag"] == "tiles_bwd.WIDE_KEYS" and by_name["mma.WIDE_KEYS"]["default"] is True
     assert by_name["mma.GRID_LAYOUT"]["flag"] == "tiles_bwd.GRID_LAYOUT" and by_name["mma.GRID_LAYOUT"]["default"] is True
+    assert by_name["mma.GRID_SWIZZLE"]["flag"] == "tiles_bwd.GRID_SWIZZLE"
+    assert by_name["mma.GRID_SWIZZLE"]["default"] is True
 
 
 def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
@@ -498,8 +502,8 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
-SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "gpu_decode", "pytest_sm90",
-                 "gpu_precision", "gpu_fp64", "hopper_ext", "hopper_variants")
+SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "mma_verdicts", "gpu_decode",
+                 "pytest_sm90", "gpu_precision", "gpu_fp64", "hopper_ext", "hopper_variants")
 
 
 def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
@@ -535,9 +539,9 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path):
         assert any(line.startswith("step %d %s: end" % (i, step)) and " rc 0 " in line for line in summary), summary
     assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
-    assert [c[0] for c in scripts] == ["benchmarks/overhead.py"] + ["benchmarks/gpu.py"] * 4 + [
-        "benchmarks/hopper_variants.py"] * 2
-    assert "ext" in scripts[-2] and "--only" not in scripts[-1]
+    assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py", "benchmarks/hopper_variants.py"] + [
+        "benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
+    assert "mma.GRID_SWIZZLE" in scripts[2] and "ext" in scripts[-2] and "--only" not in scripts[-1]
     helps = {}
     for script, *args in scripts:
         if script not in helps:

@@ -6,6 +6,7 @@ reference backward with the DESIGN.md rule (3x the naive-precision error for gra
 ``flasharray.testing``). The inputs are read-only, so a kernel writing into one fails.
 The same bodies run with ``device="cuda"`` under the ``gpu`` marker.
 """
+import functools
 import itertools
 
 import numpy as np
@@ -417,6 +418,57 @@ def test_grid_layout_kernel(causal, deterministic):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(grid, got)), schedule
 
 
+def _aligned_copy(a):
+    """A read-only copy of ``a`` (same shape and strides when contiguous) whose data starts on a 256-byte boundary."""
+    raw = np.empty(a.nbytes + 256, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    b = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    b[...] = a
+    b.flags.writeable = False
+    return b
+
+
+@pytest.mark.parametrize("D,causal,deterministic,bcast", [(128, False, True, "gqa"), (64, True, False, "none")])
+def test_grid_layout_swizzled_query_tiles(D, causal, deterministic, bcast):
+    """tiles_bwd.GRID_SWIZZLE: the grid kernel's Q_i, dO_i unpadded and XOR-swizzled. The gradients are bitwise
+    those of the padded rows (the same products on the same values; the ordered mode also under reverse and random
+    schedules). The copies reach the emulator's model of an H100's cost: cp_async_sectors at 1.5x the ideal with padded
+    rows, near 1 with the swizzle (K_j, V_j, copied once per block, stay padded). ldmatrix stays conflict-free. Rows not
+    16-byte aligned (element-wise copies) and softcap (whose swizzled instantiations spilled) keep the padded rows."""
+    p = Problem(np.float16, D, 520, 200, causal=causal, bcast=bcast)   # many visits per key block
+    for name in ("q", "k", "v", "dout"):  # 256-byte aligned, as CuPy's arrays (sector counts assume it)
+        setattr(p, name, _aligned_copy(getattr(p, name)))
+    plan = cb.kernel_plan(np.float16, D, D, causal=causal, deterministic=deterministic, arch=90,
+                          ordered=deterministic)
+    assert plan["dkv"][1].endswith(", 0, true>") and plan["dkv"][2].swizzle
+    plan_of = functools.partial(cb.kernel_plan, np.float16, D, D, causal=causal, deterministic=True, arch=90,
+                                ordered=True)
+    assert plan_of(ext=32)["dkv"][1].endswith(", 32, true>")   # lengths: swizzled too
+    assert plan_of(ext=4)["dkv"][1].endswith(", 4>")           # softcap: padded (swizzled, it spilled)
+    unaligned = plan_of(vec=False)["dkv"]
+    assert unaligned[1].startswith("flash_bwd_dkv_grid_kernel") and not unaligned[2].swizzle
+    *swz, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    with flag_set(tiles_bwd, "GRID_SWIZZLE", False):
+        assert not plan_of()["dkv"][2].swizzle
+        *padded, counters_p = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
+    check(p, swz)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(swz, padded))
+    (c,) = [c for name, c in counters if name.startswith("flash_bwd_dkv_grid_kernel")]
+    (cp,) = [c for name, c in counters_p if name.startswith("flash_bwd_dkv_grid_kernel")]
+    # what stays above 1 with the swizzle is K_j, V_j's share (padded, copied once per block; causal: fewer visits)
+    assert cp.cp_async_sector_factor > 1.45 and cp.cp_async_line_factor > 1.8
+    assert c.cp_async_sector_factor < cp.cp_async_sector_factor - 0.3
+    assert c.cp_async_line_factor < cp.cp_async_line_factor - 0.5
+    if not causal:
+        assert c.cp_async_sector_factor < 1.05 and c.cp_async_line_factor < 1.1
+    assert c.ldmatrix_conflict_factor == cp.ldmatrix_conflict_factor == 1.0
+    assert c.cp_async_conflict_factor == 1.0
+    if deterministic:
+        for schedule, seed in (("reverse", 0), ("random", 5)):
+            got = run_backward("emulator", p, schedule=schedule, seed=seed)
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(swz, got)), schedule
+
+
 @pytest.mark.parametrize("dt,D,kernels", [
     ("fp16", 128, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_convert_dq_tc_kernel"]),
     ("fp32", 64, ["flash_bwd_preprocess_kernel", "flash_bwd_dkv_simt_kernel", "flash_bwd_convert_dq_kernel"])])
@@ -433,7 +485,7 @@ def test_ordered_and_recomputed_dq_agree(dt, D, kernels):
     assert ordered[1].tobytes() == recomputed[1].tobytes() and ordered[2].tobytes() == recomputed[2].tobytes()
     names = [name.split("<")[0] for name, _ in counters]
     assert names == kernels
-    assert counters[1][0].endswith(", true>")  # kOrderedDQ
+    assert counters[1][0].endswith(", true, 0, true>")  # kOrderedDQ, kExt, kSwizzle
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp64"])

@@ -325,7 +325,8 @@ def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
     monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
     (base, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
     assert plan.dq_mode == "ordered"
-    assert any(n.startswith("flash_bwd_dkv_grid_kernel") and n.endswith(", true, 32>") for n in plan.replay.names)
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") and n.endswith(", true, 32, true>")  # ordered, kExt, kSwizzle
+               for n in plan.replay.names)
     assert c.sem_waits > 0 and c.sem_blocked == 0
     for workers, schedule, seed in (("2", "reverse", 0), ("2", "random", 5)):
         monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)

@@ -213,9 +213,10 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode,
                               vec=vec)
         if t_kv.layout == "grid":  # dense or lengths, atomic or ordered (tiles_bwd.grid_tile)
+            tail = ", %d, true" % ext if t_kv.swizzle else ", %d" % ext if ext else ""   # kExt, kSwizzle
             plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_grid_kernel<%s, %s, %d, %d, %d, %d, %s, %s, %d, %s%s>" % (
-                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, _b(causal), _b(vec), t_kv.stages, _b(ordered),
-                ", %d" % ext if ext else ""), t_kv)
+                T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, _b(causal), _b(vec), t_kv.stages, _b(ordered), tail),
+                t_kv)
         else:
             plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
                 T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),

@@ -40,7 +40,9 @@ class BwdTiles:
 
 @dataclass(frozen=True)
 class GridBwdTiles(BwdTiles):
-    """A dK/dV tile of the grid-layout kernel (:func:`grid_tile`)."""
+    """A dK/dV tile of the grid-layout kernel (:func:`grid_tile`); ``swizzle``: Q_i, dO_i XOR-swizzled
+    (:data:`GRID_SWIZZLE`)."""
+    swizzle: bool = False
     layout = "grid"
 
 
@@ -179,6 +181,17 @@ GRID_BLOCK_N = 128
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
+#: The grid kernel's Q_i and dO_i — the tiles it copies every visit — unpadded and XOR-swizzled (16-byte chunk c of
+#: row r at c ^ (r mod 8): FlashAttention-2's layout; flash_bwd_mma.cuh, swz_chunk_offset), where rows are copied
+#: in 16-byte chunks. On an H100 the padded rows' copies read 24 global sectors per warp instruction where 16 hold
+#: the data, and took ~2x the shared wavefronts (docs/gpu_h200.md, "Fourth GPU session"; the emulator's
+#: cp_async_sectors). K_j, V_j, copied once per block, keep the padded rows: swizzling them too spilled 8 bytes at
+#: d 128. Taken by dense calls and the extension sets of :data:`GRID_SWIZZLE_EXT`: zero spills there (sm_80 / sm_90,
+#: fp16 / bf16, d 64 / 128, causal or not, both dQ modes), instructions per HMMA within ±2 % (docs/performance.md,
+#: "Twentieth session"); every set with softcap spilled 8-112 bytes swizzled and keeps the padded rows. False: the
+#: padded rows everywhere (``benchmarks/hopper_variants.py``'s ``mma.GRID_SWIZZLE``).
+GRID_SWIZZLE = True
+GRID_SWIZZLE_EXT = GRID_EXT & ~4
 
 
 def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
@@ -200,7 +213,10 @@ def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
         return None
     why = ("grid layout: %d keys x %d queries, 8 warps on 32-row warp tiles (0.5 ldmatrix per MMA); one buffer "
            "of Q_i, dO_i: %d B of shared memory fit the limit %d B" % (Bc, Br, smem, limit))
-    return GridBwdTiles(Br, Bc, 256, smem, why, 1)
+    swizzle = GRID_SWIZZLE and vec and not (int(ext) & ~GRID_SWIZZLE_EXT)
+    if swizzle:
+        why += "; Q_i, dO_i XOR-swizzled (GRID_SWIZZLE)"
+    return GridBwdTiles(Br, Bc, 256, smem, why, 1, swizzle)
 
 
 def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2, warps=None):
