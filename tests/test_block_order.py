@@ -78,5 +78,5 @@ def test_schedule_script_prints_the_table(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 128 |")]
     assert len(rows) == 6                                    # N 512 .. 16k
-    assert rows[-1][2].strip() == "64 x 64"                  # the sm_90 D 128 tile
+    assert rows[-1][2].strip() == "128 x 64"                 # the sm_90 D 128 causal tile (tiles.WIDE_BC64_CAUSAL)
     assert all(float(r[7]) <= float(r[8]) for r in rows)     # longest first never worse
