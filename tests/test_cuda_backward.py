@@ -436,7 +436,7 @@ def test_grid_layout_swizzled_query_tiles(D, causal, deterministic, bcast):
     rows, near 1 with the swizzle (K_j, V_j, copied once per block, stay padded). ldmatrix stays conflict-free. Rows not
     16-byte aligned (element-wise copies) and softcap (whose swizzled instantiations spilled) keep the padded rows."""
     p = Problem(np.float16, D, 520, 200, causal=causal, bcast=bcast)   # many visits per key block
-    for name in ("q", "k", "v", "dout"):  # 256-byte aligned, as CuPy's arrays (sector counts assume it)
+    for name in ("q", "k", "v", "dout", "out", "lse"):  # 256-byte aligned, as CuPy's arrays (sector counts assume it)
         setattr(p, name, _aligned_copy(getattr(p, name)))
     plan = cb.kernel_plan(np.float16, D, D, causal=causal, deterministic=deterministic, arch=90,
                           ordered=deterministic)

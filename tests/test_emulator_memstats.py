@@ -50,6 +50,15 @@ def mod():
     return emulator.Module(SRC, ["strided", "two_phases", "accumulate", "cp16", "cp_rows"])
 
 
+def aligned_array(a):
+    """A copy of ``a`` (C-contiguous) whose data starts on a 256-byte boundary."""
+    raw = np.empty(a.nbytes + 256, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    b = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    b[...] = a
+    return b
+
+
 def aligned(n, dtype=np.float32, value=0):
     """A 1-D array whose data starts on a 256-byte boundary (sector counts assume it)."""
     raw = np.empty(n * np.dtype(dtype).itemsize + 256, np.uint8)
@@ -139,7 +148,9 @@ def test_flash_kernels_coalescing_does_not_regress():
     its clear, D — at ≥ 0.95 (measured 1.00)."""
     from flasharray._private import cuda_backward, cuda_forward
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 1, 128, 64)).astype(np.float16) for _ in range(3))
+    # inputs 256-byte aligned as CuPy's are: the copies' sector counts depend on the sources' alignment (a NumPy
+    # array at 16 mod 32 bytes splits every sector of a swizzled copy across two 32-byte slots)
+    q, k, v = (aligned_array(rng.standard_normal((1, 1, 128, 64)).astype(np.float16)) for _ in range(3))
     fwd = []
     out, lse = cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=(1, 1),
                                     device="emulator", counters=fwd)
@@ -148,9 +159,9 @@ def test_flash_kernels_coalescing_does_not_regress():
     assert c.cp_async_sector_factor <= 1.6 and c.cp_async_line_factor <= 1.9  # padded rows (an H100: 1.5x sectors)
     assert c.buffers[3].write_sector_efficiency == 1.0          # O
     assert c.buffers[4].write_sector_efficiency == 1.0          # LSE
-    assert out.ctypes.data % 256 == 0 and lse.ctypes.data % 256 == 0
+    assert out.ctypes.data % 256 == 0 and lse.ctypes.data % 256 == 0 and q.ctypes.data % 256 == 0
     for deterministic, dq in ((True, "ordered"), (True, "recompute"), (False, None)):
-        *_, bwd = cuda_backward.backward(np.ones_like(out), q, k, v, out, lse, causal=False, scale=0.125,
+        *_, bwd = cuda_backward.backward(aligned_array(np.ones_like(out)), q, k, v, out, lse, causal=False, scale=0.125,
                                          batch_shape=(1, 1), device="emulator", return_counters=True,
                                          deterministic=deterministic, dq=dq)
         names = [name.split("<")[0] for name, _ in bwd]
