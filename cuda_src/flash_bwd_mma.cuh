@@ -21,7 +21,7 @@ namespace fa_bwd {
 
 constexpr int kTcPad = 8;  // elements of row padding: rows stay 16-byte aligned, banks rotate
 
-// Swizzled tiles (kSwz, the grid-layout kernel's Q_i, dO_i, K_j, V_j): rows unpadded (pitch = the head dim, a
+// Swizzled tiles (kSwz, the grid-layout kernel's Q_i, dO_i: tiles_bwd.GRID_SWIZZLE): rows unpadded (pitch = the head dim, a
 // multiple of 64 elements: 128-byte lines), 16-byte chunk c of row r stored at chunk c ^ (r mod 8) within its
 // group of 8 — FlashAttention-2's layout. The copies then fill whole 128-byte lines (the H100 read the padded rows'
 // copies at 1.5x the global sectors: docs/emulator.md, "What the copies cost on an H100"), and each ldmatrix phase
@@ -217,28 +217,24 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kN / 8][4], const T* A_s, 
     }
 }
 
-// One lane's ldmatrix addresses in an operand tile: the row r_lane it addresses (its 8x8 matrix's row; the rows a
-// call adds are multiples of 8) and the 16-byte chunk lane_chunk (0 or 1) its matrix adds, from the tile's column
-// origin col0. at(c) is the element offset of the chunk c (even, a compile-time count) chunks further: plain,
-// r_lane * pitch + col0 + 8 (lane_chunk + c); swizzled (kSwz: swz_chunk_offset), the same chunk at its swizzled
-// place — one XOR with a constant per c mod 8, provided col0's chunk index within its group of 8 and the c of a call
-// use disjoint bits (col0 a multiple of the call's column extent, a power of two: the grid kernel's warp slices).
+// One lane's ldmatrix addresses in a swizzled operand tile (swz_chunk_offset): the row r_lane it addresses (its 8x8
+// matrix's row; the rows a call adds are multiples of 8) and the 16-byte chunk lane_chunk (0 or 1) its matrix adds,
+// from the tile's column origin col0. at(c) is the lane's chunk c (even, a compile-time count) chunks further, at its
+// swizzled place: one XOR with a constant per c mod 8, provided col0's chunk index within its group of 8 and the c of
+// a call use disjoint bits (col0 a multiple of the call's column extent, a power of two: the grid kernel's warp
+// slices). kSwz = false: nothing (a plain operand keeps warp_mma_m's lane pointer and immediate offsets).
 template <typename T, bool kSwz>
 struct LaneCols {
-    const T* p;   // plain: the lane's first element; swizzled: its row at col0's group of 8 chunks
-    unsigned z;   // swizzled: the lane's chunk within the group, XOR its row's swizzle (r_lane mod 8)
+    const T* p = nullptr;  // the lane's row at col0's group of 8 chunks
+    unsigned z = 0;        // the lane's chunk within the group, XOR its row's swizzle (r_lane mod 8)
     __device__ __forceinline__ LaneCols(const T* tile, int r_lane, int lane_chunk, int col0, int pitch) {
         if constexpr (kSwz) {
             p = tile + r_lane * pitch + ((col0 / 8) & ~7) * 8;
             z = static_cast<unsigned>((col0 / 8) ^ lane_chunk ^ r_lane) & 7u;
-        } else {
-            p = tile + r_lane * pitch + col0 + lane_chunk * 8;
-            z = 0;
         }
     }
     __device__ __forceinline__ const T* at(int c) const {
-        if constexpr (kSwz) return p + ((z ^ static_cast<unsigned>(c & 7)) * 8u) + (c & ~7) * 8;
-        return p + c * 8;
+        return p + ((z ^ static_cast<unsigned>(c & 7)) * 8u) + (c & ~7) * 8;
     }
 };
 
@@ -256,7 +252,7 @@ __device__ __forceinline__ void warp_mma_m(float (&acc)[kMT][kN / 8][4], const T
     const int mat = lane / 8, mrow = lane % 8;
     // !kATrans matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15): row lane % 16;
     // kATrans (stored rows are k): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
-    // plain operands: one lane pointer plus immediate offsets (a_col0, b_col0 in the pointer: the callers pass 0);
+    // plain operands: one lane pointer plus immediate offsets (their columns in the pointer, a_col0 = b_col0 = 0);
     // swizzled ones: LaneCols
     const T* A_l = kATrans ? A_s + (mrow + (mat / 2) * 8) * a_pitch + (mat % 2) * 8
                            : A_s + (lane % 16) * a_pitch + (lane / 16) * 8;
