@@ -164,6 +164,13 @@ def _dmma_key_loop(sass, body):
     return loop, dmma(loop)
 
 
+def _fp64_pipe(i):
+    """An fp64 instruction other than DMMA: on sm_80+ these share the DMMA's dispatch port, so each
+    one takes a tensor-core issue slot (the softmax's cost in the DMMA kernels)."""
+    return i.base in ("DFMA", "DADD", "DMUL", "DSETP", "DMNMX") or (
+        i.base in ("FRND", "F2I", "I2F", "F2F") and "F64" in i.opcode)
+
+
 def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     from flasharray._private import cuda_forward_f64 as F
     from flasharray._private import launch, nvrtc, sass
@@ -171,7 +178,7 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     if not ok:
         return "SASS unavailable: %s" % why
     lines = ["| arch | d = dv | Br x Bc | regs | smem KB | occupancy (blocks, warps / SM) | key-loop instr | DMMA | "
-             "instr / DMMA | LDS | DFMA | BAR |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "instr / DMMA | LDS | DFMA | other fp64 / DMMA | BAR |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
         found = {}
         for d in head_dims:
@@ -187,10 +194,12 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
             s = lp.stats
             op = dmma[0].opcode + (dmma[0].operands.split()[0] if dmma[0].operands[:1] == "x" else "")
-            dfma = sum(1 for i in body if i.base == "DFMA" and lp.start <= i.address <= lp.end)
-            lines.append("| sm_%d | %d | %d x %d | %d | %.1f | %d, %d (%s) | %d | %d `%s` | %.2f | %d (%d LDS.128) | %d | %d |" % (
+            loop = [i for i in body if lp.start <= i.address <= lp.end]
+            dfma = sum(1 for i in loop if i.base == "DFMA")
+            fp64 = sum(1 for i in loop if _fp64_pipe(i))
+            lines.append("| sm_%d | %d | %d x %d | %d | %.1f | %d, %d (%s) | %d | %d `%s` | %.2f | %d (%d LDS.128) | %d | %.2f | %d |" % (
                 arch, t.head_dim, t.block_m, t.block_n, k.registers, t.smem / 1024, occ.blocks, occ.warps, occ.limiter,
-                s.instructions, len(dmma), op, s.instructions / len(dmma), s.lds, s.lds128, dfma, s.bar))
+                s.instructions, len(dmma), op, s.instructions / len(dmma), s.lds, s.lds128, dfma, fp64 / len(dmma), s.bar))
     return "\n".join(lines)
 
 

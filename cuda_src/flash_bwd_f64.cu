@@ -84,7 +84,8 @@ struct BwdF64Traits {
     // and dV_j together would take more than 128 of the thread's registers: ptxas then spills.
     static constexpr bool kDVSmem = kMT * (kHeadDim + kHeadDimV) > 128;
     static constexpr int kdV = kDelta + align16(kStages * kRowStage * 8);    // dV_j       Bc × dv
-    static constexpr int kBytes = kdV + (kDVSmem ? align16(kBlockN * kPitchDv * 8) : 0);
+    static constexpr int kExpTab = kdV + (kDVSmem ? align16(kBlockN * kPitchDv * 8) : 0);  // 2^(j/16)
+    static constexpr int kBytes = kExpTab + flash::kExp2TableBytes;
 
     static_assert(kBlockN == 8 * kMT * kNWarps && (kMT == 1 || kMT == 2), "Bc = 8·kMT·warps, kMT in {1, 2}");
     static_assert(kBlockM % 16 == 0, "Br: whole 16-row dQ tiles");
@@ -108,9 +109,11 @@ __device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
 // Two doubles from shared memory (one 16-byte load).
 __device__ __forceinline__ Dbl2 lds2(const double* p) { return *reinterpret_cast<const Dbl2*>(p); }
 
-// 2^x for the softmax weights: exp2_nonpositive on its domain (x <= 1023.5); x > 1024 -> +inf
-// (as exp2); NaN stays NaN.
-__device__ __forceinline__ double exp2_weight(double x) { return flash::exp2_nonpositive(x > 1024.0 ? 1024.0 : x); }
+// 2^x for the softmax weights: exp2_nonpositive (its table at exp_tab) on its domain
+// (x < 1023 + 31/32); x >= 1024 -> +inf (as exp2); NaN stays NaN.
+__device__ __forceinline__ double exp2_weight(double x, const double* exp_tab) {
+    return flash::exp2_nonpositive(x > 1024.0 ? 1024.0 : x, exp_tab);
+}
 
 template <int kMT, int kN>
 __device__ __forceinline__ void zero_f64(double (&acc)[kMT][kN][2]) {
@@ -210,8 +213,8 @@ __device__ __forceinline__ void gemm_rab_smem(double* C_l, const double (&a)[kMT
 // past Lq need no test: their L_i·log2e is +inf, so P = 0).
 template <class Tr, bool kMasked, class M>
 __device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
-                                         const double* lse2_s, const double* delta_s, double scale_log2,
-                                         const M& mask, int r0, int key_w) {
+                                         const double* lse2_s, const double* delta_s, const double* exp_tab,
+                                         double scale_log2, const M& mask, int r0, int key_w) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < Tr::kNT; ++nt) {
@@ -222,7 +225,7 @@ __device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kMT][Tr::kNT][2], doubl
             for (int e = 0; e < 2; ++e) {
                 double x = s[mt][nt][e];
                 if constexpr (kMasked) x = mask.apply(x, r0 + 8 * nt + 2 * t + e, key_w + 8 * mt + g);
-                const double p = exp2_weight(fma(x, scale_log2, -lse2.v[e]));
+                const double p = exp2_weight(fma(x, scale_log2, -lse2.v[e]), exp_tab);
                 dp[mt][nt][e] = p * (dp[mt][nt][e] - delta.v[e]);  // dS^T
                 s[mt][nt][e] = p;                                     // P^T
             }
@@ -234,15 +237,16 @@ template <class Tr, class M>
 __device__ __forceinline__ void scores_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
                                            const double* K_l, const double* V_l, const double* Q_l,
                                            const double* dO_l, const double* lse2_s, const double* delta_s,
-                                           double scale_log2, const M& mask, bool masked, int r0, int key_w) {
+                                           const double* exp_tab, double scale_log2, const M& mask, bool masked,
+                                           int r0, int key_w) {
     zero_f64(s);
     zero_f64(dp);
     gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDim, Tr::kPitchD>(s, K_l, Q_l);
     gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDimV, Tr::kPitchDv>(dp, V_l, dO_l);
     if (masked)
-        p_ds_f64<Tr, true>(s, dp, lse2_s, delta_s, scale_log2, mask, r0, key_w);
+        p_ds_f64<Tr, true>(s, dp, lse2_s, delta_s, exp_tab, scale_log2, mask, r0, key_w);
     else
-        p_ds_f64<Tr, false>(s, dp, lse2_s, delta_s, scale_log2, mask, r0, key_w);
+        p_ds_f64<Tr, false>(s, dp, lse2_s, delta_s, exp_tab, scale_log2, mask, r0, key_w);
 }
 
 // dQ_i += dS K_j with double atomics into query block i's accumulator dqa_i (DQAccumLayout:
@@ -471,6 +475,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     double* dS_s = reinterpret_cast<double*>(smem + Tr::kdS);       // dS   Br × Bc
     double* lse2_buf = reinterpret_cast<double*>(smem + Tr::kL);    // L_i·log2e  Br × kStages
     double* delta_buf = reinterpret_cast<double*>(smem + Tr::kDelta);  // D_i    Br × kStages
+    double* exp_tab = reinterpret_cast<double*>(smem + Tr::kExpTab);   // exp2_nonpositive's table
+    flash::exp2_table_fill(exp_tab, (int)threadIdx.x);                  // read after the first visit's barrier
 
     const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
@@ -562,7 +568,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
         __syncthreads();
 
         double p[kMT][kNT][2], ds[kMT][kNT][2];
-        scores_f64<Tr>(p, ds, K_l, V_l, Q_s + Q_l, dO_s + dO_l, lse2_s, delta_s, scale_log2, mask,
+        scores_f64<Tr>(p, ds, K_l, V_l, Q_s + Q_l, dO_s + dO_l, lse2_s, delta_s, exp_tab, scale_log2, mask,
                        mask.needs_mask(r0, c0, kBlockM, kBlockN), r0, c0 + kw);
         // dV_j += P^T dO_i first (P^T dies before dQ's registers are live; the barrier below keeps
         // ptxas from overlapping the products).

@@ -10,8 +10,8 @@
 // the tiles crossing the causal diagonal or the sequence end pay for the mask. Everything is IEEE
 // fp64: every product is a DMMA (fp64 fused multiply-add chains, fp64 accumulation), the online
 // softmax runs in double (log2(e) folded into the scale by one fma per score; the weights by
-// flash_f64_exp.cuh's exp2_nonpositive, as accurate as exp2(double) on their range at under half
-// its instructions; the row statistics by exp2 / log2(double) as in the SIMT fp64 kernel), O_i is
+// flash_f64_exp.cuh's exp2_nonpositive, more accurate than exp2(double) on their range at under a third
+// of its instructions, its 2^(j/16) table in shared memory after V_j; the row statistics by exp2 / log2(double) as in the SIMT fp64 kernel), O_i is
 // divided by l_i once; fp64 out and fp64 LSE (natural log).
 //
 // Fragments (docs/emulator.md, m8n8k4 f64; g = lane / 4, t = lane % 4):
@@ -61,7 +61,8 @@ struct FwdF64Traits {
   static constexpr int kSmemQOffset = 0;
   static constexpr int kSmemKOffset = Align16<kBlockM * kStrideQ * 8>::value;
   static constexpr int kSmemVOffset = kSmemKOffset + Align16<kBlockN * kStrideK * 8>::value;
-  static constexpr int kSmemBytes = kSmemVOffset + Align16<kBlockN * kStrideV * 8>::value;
+  static constexpr int kSmemTableOffset = kSmemVOffset + Align16<kBlockN * kStrideV * 8>::value;  // 2^(j/16)
+  static constexpr int kSmemBytes = kSmemTableOffset + kExp2TableBytes;
   static constexpr int kMTiles = 2;               // m8 tiles per warp (rows g, g + 8 of its slab)
   static constexpr int kNTilesS = kBlockN / 8;    // n8 tiles across Bc (= k8 groups of P V)
   static constexpr int kNTilesO = kHeadDimV / 8;  // n8 tiles across dv
@@ -83,10 +84,7 @@ __device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
 // Two doubles from shared memory (one 16-byte load).
 __device__ __forceinline__ Vec16<double> lds2(const double* p) { return *reinterpret_cast<const Vec16<double>*>(p); }
 
-// kFastExp: the weights by exp2_nonpositive (flash_f64_exp.cuh), else by exp2(double) — the host
-// takes the latter only where the short routine's schedule costs spills (sm_90, dv > 112).
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned,
-          bool kFastExp = true>
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k, const double* __restrict__ v,
                      double* __restrict__ o, double* __restrict__ lse,
@@ -108,12 +106,14 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
   double* sQ = reinterpret_cast<double*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d
   double* sK = reinterpret_cast<double*>(smem + Traits::kSmemKOffset);  // K_j  Bc × d
   double* sV = reinterpret_cast<double*>(smem + Traits::kSmemVOffset);  // V_j  Bc × dv
+  double* sTab = reinterpret_cast<double*>(smem + Traits::kSmemTableOffset);  // exp2_nonpositive's table
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
   const int warp_row0 = warp * 16;
   const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;
+  exp2_table_fill(sTab, tid);  // read after the key loop's first barrier
 
   const BatchIndex bidx = BatchIndex::from_grid(nb2);
   const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
@@ -225,7 +225,7 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const double x = fma(acc_s[mt][nt][e], scale_log2, -m_sub);
-          const double p = kFastExp ? exp2_nonpositive(x) : exp2(x);
+          const double p = exp2_nonpositive(x, sTab);
           stat[mt].l += p;
           acc_s[mt][nt][e] = p;
         }

@@ -25,6 +25,7 @@ tests/test_static_backward_f64.py for every tile this table can return):
 """
 from . import tiles, tiles_bwd
 from .cuda_backward_tf32 import _MAX_WARPS_PER_SM, _RESERVED, _SM_SMEM_KB
+from .cuda_forward_f64 import EXP2_TABLE_BYTES
 
 SOURCE = "flash_bwd_f64.cu"
 MAX_HEAD_DIM = 128
@@ -39,11 +40,11 @@ def dv_in_smem(d, dv, block_n, warps):
 def smem_bytes(d, dv, block_m, block_n, warps, stages=1):
     """Mirror of BwdF64Traits::kBytes: ``stages`` x (Q_i, dO_i) (rows padded by 2 doubles), K_j, V_j
     (padded by 2), dS (padded by 8), ``stages`` x (L_i, D_i), and dV_j where :func:`dv_in_smem`; each
-    region 16-byte aligned."""
+    region 16-byte aligned; then exp2_nonpositive's table (flash_f64_exp.cuh)."""
     a16 = tiles._align16
     return (a16(stages * block_m * (d + 2) * 8) + a16(stages * block_m * (dv + 2) * 8) + a16(block_n * (d + 2) * 8)
             + a16(block_n * (dv + 2) * 8) + a16(block_m * (block_n + 8) * 8) + 2 * a16(stages * block_m * 8)
-            + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0))
+            + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0) + EXP2_TABLE_BYTES)
 
 
 def register_warps(block_m, block_n, warps):

@@ -17,8 +17,8 @@ Bc = 8 (d = 128 on sm_86/89, whose 99 KB per block hold no Bc = 16 tile). Bc is 
 dv > 64: O_i (dv/2 doubles per thread) and S_ij (Bc/2) share the register file (Bc = 32 at d = 128
 spills). E.g. sm_80: d <= 32 Bc 64, d 64 Bc 32, d 128 Bc 16 (one block per SM: 101 KB); sm_90:
 d <= 64 Bc 64, d 128 Bc 16 (two per SM); sm_86/89: d 64 Bc 32, d 128 Bc 8. A GPU measurement may
-revise this. The softmax weights use the kernel's short exp2 (``flash_f64_exp.cuh``) except on
-sm_90 at dv > 112, where its schedule spills and ``exp2(double)`` is taken (``fast_exp``).
+revise this. The softmax weights use the kernel's short exp2 (``flash_f64_exp.cuh``, a 256-byte table in
+shared memory).
 """
 from dataclasses import dataclass
 
@@ -32,32 +32,33 @@ BLOCK_M = 16 * WARPS
 #: Shared memory per SM in KB (sass.ARCH_LIMITS; unknown arch: its block limit) and reserved per block.
 _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
+#: flash_f64_exp.cuh's kExp2TableBytes: 2^(j/16) as hi + lo doubles, j = 0..15.
+EXP2_TABLE_BYTES = 256
 
 
 def smem_bytes(d, dv, block_m, block_n):
     """Mirror of FwdF64Traits::kSmemBytes: sQ + sK + sV (rows padded by 8, 8 and 2 doubles), each
-    16-byte aligned."""
+    16-byte aligned, then exp2_nonpositive's table (flash_f64_exp.cuh: 32 doubles)."""
     a16 = tiles._align16
-    return a16(block_m * (d + 8) * 8) + a16(block_n * (d + 8) * 8) + a16(block_n * (dv + 2) * 8)
+    return a16(block_m * (d + 8) * 8) + a16(block_n * (d + 8) * 8) + a16(block_n * (dv + 2) * 8) + EXP2_TABLE_BYTES
 
 
 @dataclass(frozen=True)
 class F64Tile(tiles.FwdTile):
     """A :class:`tiles.FwdTile` of the DMMA kernel (kernel ``"f64"``; threads_m = warps)."""
-    fast_exp: bool = True   # kFastExp: softmax weights by exp2_nonpositive (else exp2(double))
 
     @property
     def source(self):
         return SOURCE
 
     def name_expression(self, causal, aligned):
-        return "flash::flash_fwd_f64_kernel<%d, %d, %d, %d, %d, %s, %s%s>" % (
+        return "flash::flash_fwd_f64_kernel<%d, %d, %d, %d, %d, %s, %s>" % (
             self.head_dim, self.head_dim_v, self.block_m, self.block_n, self.threads_m,
-            "true" if causal else "false", "true" if aligned else "false", "" if self.fast_exp else ", false")
+            "true" if causal else "false", "true" if aligned else "false")
 
     def describe(self):
-        return ("f64 kernel (DMMA%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
-            "" if self.fast_exp else ", exp2(double)", self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
+        return ("f64 kernel (DMMA), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
+            self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
             self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
 
 
@@ -89,7 +90,4 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     reason = "fp64 DMMA (m8n8k4): Br=64 (4 warps x 16 rows), Bc=%d: %s" % (
         bc, "the first Bc letting 2 blocks share an SM" if shared else "the first Bc that fits (one block per SM)"
         if fits else "Bc = 16 does not fit (one block per SM)")
-    # sm_90's ptxas spills the short exp's schedule at dv > 112 (Bc 16: 255 registers, 32-40 bytes of
-    # spills); exp2(double) fits there (248-250 registers) and beats Bc 8 (5.2 vs 6.0 instr/DMMA).
-    fast_exp = not (a >= 90 and dv > 112)
-    return F64Tile("f64", "float64", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, fast_exp)
+    return F64Tile("f64", "float64", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1)
