@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, DECODE, PYTEST_SM90,
-# PRECISION, FP64, EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, FP64 (steps 7b and 7c each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -192,6 +192,13 @@ run_step gpu_precision "${GPU_SESSION_PRECISION_S:-40}" "$PY" benchmarks/gpu.py 
 # used the whole step before reaching it in both earlier sessions)
 run_step gpu_fp64 "${GPU_SESSION_FP64_S:-30}" "$PY" benchmarks/gpu.py --precision --dtypes fp64 --head-dims 64 \
     --seqlens 4096 --causal no
+# (7c) the same with the DMMA backward's Br = 16 tile at d 64 (cuda_backward_f64.WIDE_QUERY off: the
+# twenty-first session's Br = 32 against the tile it replaced; compare the backward rows with step 7b's)
+run_step gpu_fp64_br16 "${GPU_SESSION_FP64_S:-30}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
+from flasharray._private import cuda_backward_f64
+cuda_backward_f64.WIDE_QUERY = False
+import gpu
+sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
 # (8) extension calls: wgmma vs mma.sync with dropout / a window (sm_90's dispatch of them: AUTO_EXT)
 run_step hopper_ext "${GPU_SESSION_EXT_S:-60}" "$PY" benchmarks/hopper_variants.py --only ext --seqlens 1024,4096 \
     --max-seconds "$((${GPU_SESSION_EXT_S:-60} / 2))" --json "$OUT_DIR/hopper_ext.json"

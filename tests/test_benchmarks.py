@@ -503,7 +503,7 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
 SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "mma_verdicts", "gpu_decode",
-                 "pytest_sm90", "gpu_precision", "gpu_fp64", "hopper_ext", "hopper_variants")
+                 "pytest_sm90", "gpu_precision", "gpu_fp64", "gpu_fp64_br16", "hopper_ext", "hopper_variants")
 
 
 def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):

@@ -199,6 +199,32 @@ def test_other_arch_tiles(arch):
     p.check(launch_f64(p, arch=arch))
 
 
+@pytest.mark.parametrize("D, Dv, arch", [(64, 64, 90), (40, 64, 90), (64, 48, 80), (64, 64, 86)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_query_tile(D, Dv, arch, causal):
+    """96 < d + dv <= 128 (cuda_backward_f64.WIDE_QUERY): Br = 32, so that the dQ product's four 16 x 32 tiles
+    keep the 4 warps busy (Br = 16 idled two); sm_90 keeps both buffers, sm_80 / 86 one (their resident warps).
+    Gradients within the rule in both dQ modes (Lq not a multiple of 32, a partial key block), the ordered
+    mode bitwise under a reverse schedule."""
+    t = F.backward_tile(None, np.float64, D, Dv, arch)
+    assert (t.block_m, t.block_n, t.n_threads, t.stages) == (32, 32, 128, 2 if arch == 90 else 1)
+    p = Inputs(D, 77, 70, Dv=Dv, G=2, causal=causal)
+    ref = launch_f64(p, arch=arch)
+    p.check(ref)
+    for a, b in zip(ref, launch_f64(p, arch=arch, schedule="reverse")):
+        assert a.tobytes() == b.tobytes()
+    p.check(launch_f64(p, arch=arch, ordered=False))
+
+
+def test_wide_query_switch(monkeypatch):
+    """WIDE_QUERY off: the Br = 16 tile (both buffers on sm_80 / 90) at d = dv = 64; d + dv <= 96 keeps Br = 32."""
+    monkeypatch.setattr(F, "WIDE_QUERY", False)
+    for arch in (80, 90):
+        t = F.backward_tile(None, np.float64, 64, 64, arch)
+        assert (t.block_m, t.block_n, t.stages) == (16, 32, 2)
+    assert F.backward_tile(None, np.float64, 48, 48, 80).block_m == 32
+
+
 SCHEDULES = [("reverse", 0), ("random", 1), ("random", 2)]
 
 
@@ -432,7 +458,7 @@ def test_tile_table():
                 assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages)
                 # two buffers exactly where they fit without costing resident warps
                 one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s) for s in (1, 2))
-                cap = F.register_warps(t.block_m, t.block_n, warps)
+                cap = F.register_warps(t.block_m, t.block_n, warps, pd, pdv)
                 assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps, cap)
                                            >= F.resident_warps(arch, one, warps, cap))
         assert F.backward_tile("ieee", np.float64, 64, 64, arch) == F.backward_tile(None, np.float64, 64, 64, arch)
@@ -445,9 +471,9 @@ def test_tile_table():
     assert F.backward_tile(None, np.float64, 128, 128, 86).n_threads == 64  # 99 KB per block
     assert F.dkv_name(F.backward_tile(None, np.float64, 40, 24, 80), None, 48, 32, True, False, True) == \
         "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true, 1>"
-    # sm_80: d = dv = 128 keeps one buffer (two would exceed 163 KB), d = dv = 32 too (two would cost
-    # the second block: 8 -> 4 warps); sm_90 double-buffers both.
-    assert [F.backward_tile(None, np.float64, d, d, 80).stages for d in (16, 32, 64, 128)] == [2, 1, 2, 1]
+    # sm_80: d = dv = 128 keeps one buffer (two would exceed 163 KB), d = dv = 32 and 64 too (two would
+    # cost the second block: 8 -> 4 warps); sm_90 double-buffers them.
+    assert [F.backward_tile(None, np.float64, d, d, 80).stages for d in (16, 32, 64, 128)] == [2, 1, 1, 1]
     assert [F.backward_tile(None, np.float64, d, d, 90).stages for d in (16, 32, 64, 128)] == [2, 2, 2, 2]
 
 

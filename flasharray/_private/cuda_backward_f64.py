@@ -47,13 +47,13 @@ def smem_bytes(d, dv, block_m, block_n, warps, stages=1):
             + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0) + EXP2_TABLE_BYTES)
 
 
-def register_warps(block_m, block_n, warps):
+def register_warps(block_m, block_n, warps, d, dv):
     """Warps per SM the register file holds, the cap of :func:`resident_warps`: the TF32 backward's
-    8 (169-255 registers per thread), 12 for the Br = 32, kMT = 1 tiles (d, dv <= 64, d + dv <= 96),
-    where ptxas fits some instantiations in 156-168 registers (d = dv = 48 with cp.async copies on
-    sm_90: 12 warps). tests/test_static_backward_f64.py checks the resulting choice against the
-    occupancy at the measured registers."""
-    return 12 if block_m == 32 and block_n == 8 * warps else _MAX_WARPS_PER_SM
+    8 (169-255 registers per thread), 12 for the Br = 32, kMT = 1 tiles at d + dv <= 96, where
+    ptxas fits some instantiations in 156-168 registers (d = dv = 48 with cp.async copies on sm_90:
+    12 warps; sm_90's Br = 32 tiles at d + dv <= 128 take 212-255). tests/test_static_backward_f64.py
+    checks the resulting choice against the occupancy at the measured registers."""
+    return 12 if block_m == 32 and block_n == 8 * warps and d + dv <= 96 else _MAX_WARPS_PER_SM
 
 
 def resident_warps(arch, smem, warps, cap=_MAX_WARPS_PER_SM):
@@ -68,9 +68,19 @@ def stages_for(d, dv, block_m, block_n, warps, arch):
     visit's products) where the second buffer fits and costs no resident warps, else 1."""
     one = smem_bytes(d, dv, block_m, block_n, warps)
     two = smem_bytes(d, dv, block_m, block_n, warps, 2)
-    cap = register_warps(block_m, block_n, warps)
+    cap = register_warps(block_m, block_n, warps, d, dv)
     return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps, cap) >= resident_warps(
         arch, one, warps, cap) else 1
+
+
+#: Tiles at 96 < d + dv <= 128 (max(d, dv) <= 64) take Br = 32 queries per visit (else 16, the choice before the
+#: twenty-first session). At d = 64 the dQ product is 16 x 32 tiles dealt to the 4 warps (DQAccumLayout): Br = 16
+#: gives two tiles, so two warps wait through every dQ phase, and a visit's critical path is 192 DMMA for 16 query
+#: rows; Br = 32 gives four, 320 DMMA for 32 rows (-17 % per row). It also halves the barriers and the ordered-dQ
+#: turns per DMMA. sm_90 keeps both buffers of Q_i, dO_i and 8 warps per SM (242-254 registers, no spills;
+#: 5.05 -> 4.80 instructions per DMMA); sm_80 and sm_86/89 keep their resident warps and drop the second buffer
+#: (two 110 KB blocks do not fit). Not yet timed on a GPU: benchmarks/gpu_session.sh's step gpu_fp64_br16.
+WIDE_QUERY = True
 
 
 def _candidates(d, dv):
@@ -78,7 +88,7 @@ def _candidates(d, dv):
     if max(d, dv) <= 32:
         return [(32, 2, 4)]
     if max(d, dv) <= 64:
-        return [(32, 1, 4)] if d + dv <= 96 else [(16, 1, 4)]
+        return [(32, 1, 4)] if d + dv <= 96 or WIDE_QUERY else [(16, 1, 4)]
     return [(16, 1, 4), (16, 1, 2)]
 
 
@@ -105,7 +115,7 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
                       "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)"
                       % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps)
                          else "", a, limit, stages, smem, resident_warps(a, smem, warps,
-                                                                         register_warps(br, bc, warps))))
+                                                                         register_warps(br, bc, warps, d, dv))))
             return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, stages)
     return None
 
