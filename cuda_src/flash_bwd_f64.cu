@@ -249,32 +249,50 @@ __device__ __forceinline__ void scores_f64(double (&s)[Tr::kMT][Tr::kNT][2], dou
         p_ds_f64<Tr, false>(s, dp, lse2_s, delta_s, exp_tab, scale_log2, mask, r0, key_w);
 }
 
+// n8 tiles per dQ work unit (kUnitN8 consecutive n8 tiles of one 16 × kDQCols tile; the units are dealt
+// round-robin to the warps): the divisor of kDQCols / 8 that puts the fewest n8 tiles on the busiest warp;
+// ties take the larger unit (fewer rounds of the unit loop, fewer reloads of the dS fragments). Whole tiles
+// as units left warps idle at d = 16, 32 (2 tiles for 4 warps: 1 and 2 n8 tiles per warp instead of 2
+// and 4), 48, 80 and 96 (3 instead of 4).
+template <int kTiles, int kN8, int kWarps>
+__host__ __device__ constexpr int dq_unit_n8() {
+    int best = kN8, best_cost = 1 << 30;
+    for (int unit = 1; unit <= kN8; ++unit) {
+        if (kN8 % unit != 0) continue;
+        const int cost = (kTiles * (kN8 / unit) + kWarps - 1) / kWarps * unit;
+        if (cost <= best_cost) best = unit, best_cost = cost;
+    }
+    return best;
+}
+
 // dQ_i += dS K_j with double atomics into query block i's accumulator dqa_i (DQAccumLayout:
-// 16 × kDQCols tiles dealt round-robin to the warps, each atomic a warp-wide 256 contiguous bytes).
-// A tile is done kNGroup n8 tiles at a time (fewer live accumulators next to dK_j, dV_j; each
-// pass reloads the dS fragments).
-template <class Tr, int kNGroup>
+// 16 × kDQCols tiles, each atomic a warp-wide 256 contiguous bytes), in work units of kUnitN8 n8 tiles of
+// one tile (dq_unit_n8) dealt round-robin to the warps. A unit is done kNGroup n8 tiles at a time (fewer
+// live accumulators next to dK_j, dV_j; each pass reloads the dS fragments).
+template <class Tr, int kUnitN8, int kNGroup>
 __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s, const double* K_s) {
     using A = DQAccumLayout<Tr::kHeadDim>;
-    constexpr int kTiles = (Tr::kBlockM / 16) * A::kColTiles;
-    static_assert((A::kDQCols / 8) % kNGroup == 0, "whole groups of n8 tiles");
+    constexpr int kUnitsPerTile = A::kDQCols / 8 / kUnitN8;
+    constexpr int kUnits = (Tr::kBlockM / 16) * A::kColTiles * kUnitsPerTile;
+    static_assert((A::kDQCols / 8) % kUnitN8 == 0 && kUnitN8 % kNGroup == 0, "whole units, whole groups");
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // Not unrolled: with a partial last round (kTiles % warps != 0) ptxas hoisted the second tile's
+    // Not unrolled: with a partial last round (kUnits % warps != 0) ptxas hoisted the second unit's
     // loads past the guard and spilled (d = 48, Br = 32; d = 96, 112 on 2 warps).
 #pragma unroll 1
-    for (int it = 0; it < ceil_div_c(kTiles, Tr::kNWarps); ++it) {
-        const int tt = warp + it * Tr::kNWarps;
-        if (kTiles % Tr::kNWarps != 0 && tt >= kTiles) break;
+    for (int it = 0; it < ceil_div_c(kUnits, Tr::kNWarps); ++it) {
+        const int u = warp + it * Tr::kNWarps;
+        if (kUnits % Tr::kNWarps != 0 && u >= kUnits) break;
+        const int tt = u / kUnitsPerTile, u0 = u % kUnitsPerTile * kUnitN8;  // tile, its first n8 tile
         const int tm = tt / A::kColTiles, tn = tt % A::kColTiles;
         // dS rows 16tm + g (+ 8), keys 8kc + 2t, +1 at columns (8kc + 2t) ^ sw (store_ds's swizzle,
         // sw = 4·((g / 2) mod 4)) = 8·(kc ^ hi) + lo: one base pointer for even kc, one for odd.
         const int sw = 4 * ((g >> 1) & 3), lo = (2 * t) ^ (sw & 7), hi = sw >> 3;
         const double* A_even = dS_s + (16 * tm + g) * Tr::kPitchS + lo + 8 * hi;
         const double* A_odd = A_even - 16 * hi;
-        const double* B_l = K_s + 2 * t * Tr::kPitchD + tn * A::kDQCols + g;
-        double* dst = dqa_i + tt * A::kTileFloats + lane;
+        const double* B_l = K_s + 2 * t * Tr::kPitchD + tn * A::kDQCols + 8 * u0 + g;  // the unit's n8 tiles
+        double* dst = dqa_i + tt * A::kTileFloats + u0 * 4 * 32 + lane;
 #pragma unroll
-        for (int n0 = 0; n0 < A::kDQCols / 8; n0 += kNGroup) {
+        for (int n0 = 0; n0 < kUnitN8; n0 += kNGroup) {
             double acc[2][kNGroup][2];
             zero_f64(acc);
 #pragma unroll
@@ -463,8 +481,10 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, double scale, FLASH_EXT_PARAMS(double)) {
     using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr int kNThreads = Tr::kNThreads, kMT = Tr::kMT, kNT = Tr::kNT;
-    // n8 tiles of dQ per atomic pass: 2 where dK_j, dV_j take 128 registers or more, else a whole tile.
-    constexpr int kDQGroup = kMT * (kHeadDim + kHeadDimV) >= 256 ? 1 : DQAccumLayout<kHeadDim>::kDQCols / 8;
+    // dQ's work units (dq_unit_n8) and n8 tiles per pass: 1 where dK_j, dV_j take 128 registers or more.
+    using DQA = DQAccumLayout<kHeadDim>;
+    constexpr int kDQUnit = dq_unit_n8<(kBlockM / 16) * DQA::kColTiles, DQA::kDQCols / 8, kNWarps>();
+    constexpr int kDQGroup = kMT * (kHeadDim + kHeadDimV) >= 256 ? 1 : kDQUnit;
     (void)dqa_row;
 
     FA_DYNAMIC_SMEM(smem);
@@ -583,7 +603,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
                          dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
         else
             __syncthreads();
-        atomic_dq_f64<Tr, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
+        atomic_dq_f64<Tr, kDQUnit, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
         if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
         // dK_j += dS^T Q_i (scale applied once, at the end).
         gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Q_s + Qb_l);

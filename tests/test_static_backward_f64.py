@@ -35,12 +35,16 @@ DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}
 # The element copies' loops sit inside the visit loop (counted once). With the double-buffered
 # Q_i / dO_i / L_i / D_i (kStages = 2: the next visit's addresses, the buffer index, L_i·log2e
 # converted in shared memory) 2-5% above the one-buffer kernel's (16, 16: 9.15 -> 9.34). Twenty-first session:
-# the table exp (flash_f64_exp.cuh) -1 to -4 % everywhere, and (64, 64) 5.54 / 7.07 -> 5.10 / 5.85 by Br = 32.
+# the table exp (flash_f64_exp.cuh) -1 to -4 % everywhere, and (64, 64) 5.54 / 7.07 -> 5.10 / 5.85 by Br = 32;
+# then dQ in units of fewer n8 tiles where whole tiles left warps idle (dq_unit_n8: d 16, 32, 48, 80, 96). That
+# takes DMMA off the busiest warp (d 16: 192 -> 160 per visit) and the loop body holds fewer of them, so the
+# ratio rose there (16, 16: 9.19 -> 10.57) while the busiest warp's instructions per visit fell or rose less
+# than its DMMA fell (d 16: 1533 -> 1477; d 96: 1172 -> 1256 for 256 -> 240 DMMA; docs/performance.md).
 MEASURED = {
-    (16, 16): (9.19, 10.89), (32, 32): (5.75, 6.52), (48, 48): (6.08, 7.35), (64, 64): (5.10, 5.85),
-    (80, 80): (5.66, 7.25), (96, 96): (4.70, 5.84), (112, 112): (4.99, 6.15), (128, 128): (4.58, 5.33),
-    (128, 16): (5.25, 6.68), (16, 128): (5.98, 7.74), (64, 128): (4.86, 5.89), (128, 64): (4.77, 5.82),
-    (32, 64): (5.49, 6.66), (64, 32): (5.48, 6.55), (48, 80): (6.07, 7.82), (80, 48): (6.26, 7.95),
+    (16, 16): (10.57, 12.64), (32, 32): (6.45, 7.34), (48, 48): (6.36, 7.73), (64, 64): (5.10, 5.85),
+    (80, 80): (6.02, 7.75), (96, 96): (5.39, 6.71), (112, 112): (4.99, 6.15), (128, 128): (4.58, 5.33),
+    (128, 16): (5.25, 6.68), (16, 128): (6.34, 8.29), (64, 128): (5.12, 6.40), (128, 64): (4.77, 5.82),
+    (32, 64): (5.92, 7.25), (64, 32): (5.48, 6.55), (48, 80): (6.07, 7.82), (80, 48): (6.76, 8.63),
 }
 LIMIT = {k: tuple(round(x * 1.05, 2) for x in v) for k, v in MEASURED.items()}
 
@@ -61,11 +65,11 @@ def dmma_key_loop(body):
 
 def expected_dmma(t, d, dv):
     """DMMA instructions of one visit and warp: S^T, dP^T (kMT m8 x Br/8 n8 tiles x (d + dv)/4 k4
-    steps), dV, dK (kMT x (d + dv)/8 x Br/4), and one dQ tile's code (2 m8 x kDQCols/8 x Bc/4; a
-    warp's several tiles run it in a loop)."""
+    steps), dV, dK (kMT x (d + dv)/8 x Br/4), and one dQ work unit's code (2 m8 x dq_unit_n8 n8 tiles x
+    Bc/4; a warp's several units run it in a loop)."""
     mt = t.block_n * 4 // t.n_threads  # kMT = Bc / (8 warps)
-    dq_cols = 32 if d % 32 == 0 else 16
-    return mt * (t.block_m // 8) * (d + dv) // 4 + mt * (d + dv) // 8 * t.block_m // 4 + 2 * dq_cols // 8 * t.block_n // 4
+    unit = F.dq_unit_n8(t.block_m, d, t.n_threads // 32)
+    return mt * (t.block_m // 8) * (d + dv) // 4 + mt * (d + dv) // 8 * t.block_m // 4 + 2 * unit * t.block_n // 4
 
 
 def instantiations(arch, pairs):

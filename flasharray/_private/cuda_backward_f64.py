@@ -92,6 +92,16 @@ def _candidates(d, dv):
     return [(16, 1, 4), (16, 1, 2)]
 
 
+def dq_unit_n8(block_m, d, warps):
+    """Mirror of flash_bwd_f64.cu's dq_unit_n8: n8 tiles per dQ work unit (units of one 16 x kDQCols tile of
+    DQAccumLayout, dealt round-robin to the warps): the divisor of kDQCols / 8 putting the fewest n8 tiles on
+    the busiest warp, ties to the larger unit."""
+    cols = 32 if d % 32 == 0 else 16
+    tiles, n8 = block_m // 16 * (d // cols), cols // 8
+    costs = [(-(-(tiles * (n8 // u)) // warps) * u, -u) for u in range(1, n8 + 1) if n8 % u == 0]
+    return -min(costs)[1]
+
+
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     """The :class:`tiles_bwd.BwdTiles` of ``flash_bwd_dkv_f64_kernel`` for a float64 call on sm_80+,
     or None (the SIMT backward runs)."""
