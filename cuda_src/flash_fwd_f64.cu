@@ -205,7 +205,7 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt) tile_max = max_acc(tile_max, max_acc(acc_s[mt][nt][0], acc_s[mt][nt][1]));
       tile_max = group_allreduce_max<kQuad>(tile_max);
-      correction[mt] = stat[mt].update_max(tile_max * scale_log2);
+      correction[mt] = stat[mt].update_max(tile_max * scale_log2, [&](double x) { return exp2_nonpositive(x, sTab); });
       moved |= correction[mt] != 1.0;
     }
     if (__any_sync(0xffffffffu, moved)) {

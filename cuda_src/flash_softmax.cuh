@@ -80,9 +80,15 @@ struct OnlineSoftmaxRow {
   // Returns the factor exp2(m_old − m_new) by which the caller rescales its O_i row;
   // l_i is rescaled here.
   __device__ __forceinline__ AccT update_max(AccT tile_max) {
+    return update_max(tile_max, [](AccT x) { return exp2_acc(x); });
+  }
+
+  // The same with the caller's 2^x for x <= 0 (the DMMA kernels' flash_f64_exp.cuh routine).
+  template <class Exp2>
+  __device__ __forceinline__ AccT update_max(AccT tile_max, const Exp2& exp2_nonpositive) {
     const AccT m_new = max_acc(m, tile_max);
     // Both -inf: the row has seen nothing visible yet; any factor works, avoid NaN.
-    const AccT correction = (m_new == neg_inf<AccT>()) ? AccT(1) : exp2_acc(m - m_new);
+    const AccT correction = (m_new == neg_inf<AccT>()) ? AccT(1) : exp2_nonpositive(m - m_new);
     m = m_new;
     l *= correction;
     return correction;
