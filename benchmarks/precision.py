@@ -17,6 +17,11 @@ the SIMT kernel, such as 3xtf32 at d 256 on sm_86, have no row).
 (kernel="simt") on F64_SHAPES: max abs / rel error of out and max abs error of lse vs the reference.
 --f64-sass: the DMMA kernel's key-tile loop (the loop with the most DMMA) on sm_80/86/89/90.
 
+--f64-bwd-sass: the DMMA dK/dV kernel (cuda_src/flash_bwd_f64.cu) per visit of a query block on sm_80/86/90
+(non-causal, cp.async, ordered dQ; d = dv 16 .. 128): the busiest warp's instructions and DMMA, its dQ unit loop
+counted as often as it runs (cuda_backward_f64.dq_unit_n8: rounds of units per warp), their ratio, the other fp64
+instructions per DMMA, registers, buffers and occupancy.
+
 --bwd: float32 gradients per precision (ieee: the SIMT backward; 3xtf32 / tf32: the TF32 dK/dV
 kernel, cuda_src/flash_bwd_tf32.cu) on the emulator vs the float64 reference on BWD_SHAPES: max
 abs error of dq, dk, dv, the largest relative to max(1, |ref|), and naive float32's error.
@@ -29,7 +34,8 @@ the SASS (sm_80, sm_90; d 64, 128): useful FLOP per issued warp instruction of t
 default (deterministic) backward, the warps resident per SM, and the rates they allow at 4 issues
 per SM per clock under the pipe's cap, scaled to an H100's size — a model, not a timing.
 
-Usage: python benchmarks/precision.py [--sass [--dims D,...] | --f64 | --f64-sass | --bwd | --bwd-sass | --default] [--quick]
+Usage: python benchmarks/precision.py [--sass [--dims D,...] | --f64 | --f64-sass | --f64-bwd-sass | --bwd | --bwd-sass |
+       --default] [--quick]
 (docs/precision.md)
 """
 import argparse
@@ -203,6 +209,50 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     return "\n".join(lines)
 
 
+def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 112, 128)):
+    """The DMMA backward's busiest warp per visit: the query-block loop, with the dQ unit loop nested in it
+    counted ``rounds`` times (ceil(units / warps))."""
+    from flasharray._private import cuda_backward_f64 as B
+    from flasharray._private import launch, nvrtc, sass
+    ok, why = sass.available()
+    if not ok:
+        return "SASS unavailable: %s" % why
+    lines = ["| arch | d = dv | Br x Bc (warps), buffers | regs | occupancy (warps / SM) | dQ unit (n8), rounds | "
+             "busiest warp: instr, DMMA per visit | instr / DMMA | other fp64 / DMMA |", "|---|---|---|---|---|---|---|---|---|"]
+    for arch in archs:
+        found = {}
+        for d in head_dims:
+            t = B.backward_tile(None, np.float64, d, d, arch)
+            found[B.dkv_name(t, None, d, d, False, True, True)] = (t, d)
+        res = nvrtc.compile_cubin(launch.kernel_source(B.SOURCE), "sm_%d" % arch, list(found),
+                                  options=["--use_fast_math"])
+        fns = sass.parse(sass.disassemble(res.cubin))
+        for name, (t, d) in found.items():
+            k = res.kernel(name)
+            body = fns[k.lowered_name]
+            warps = t.n_threads // 32
+            unit = B.dq_unit_n8(t.block_m, d, warps)
+            cols = 32 if d % 32 == 0 else 16
+            rounds = -(-(t.block_m // 16 * (d // cols) * (cols // 8 // unit)) // warps)
+
+            def count(lp, pred=lambda i: True):
+                return sum(1 for i in body if lp.start <= i.address <= lp.end and pred(i))
+            is_dmma = lambda i: i.base == "DMMA"  # noqa: E731
+            loops = sass.loops(body)
+            outer = max(loops, key=lambda lp: count(lp, is_dmma))
+            inner = [lp for lp in loops if outer.start < lp.start and lp.end < outer.end and count(lp, is_dmma)]
+            instr, dmma, fp64 = count(outer), count(outer, is_dmma), count(outer, _fp64_pipe)
+            for lp in inner:  # the dQ unit loop: once in the body, rounds times per visit
+                instr += (rounds - 1) * count(lp)
+                dmma += (rounds - 1) * count(lp, is_dmma)
+                fp64 += (rounds - 1) * count(lp, _fp64_pipe)
+            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
+            lines.append("| sm_%d | %d | %d x %d (%d), %d | %d | %d | %d, %d | %d, %d | %.2f | %.2f |" % (
+                arch, d, t.block_m, t.block_n, warps, t.stages, k.registers, occ.warps, unit, rounds, instr, dmma,
+                instr / dmma, fp64 / dmma))
+    return "\n".join(lines)
+
+
 def _compiled_loops(source, arch, found):
     """NVRTC-compile the instantiations ``found`` ({name expression: tile}) of ``source`` for
     ``arch``; [(tile, kernel info, key loop (the loop with the most HMMA), occupancy)]."""
@@ -373,6 +423,7 @@ def main(argv=None):
     ap.add_argument("--sass", action="store_true", help="the TF32 kernel's SASS figures instead")
     ap.add_argument("--f64", action="store_true", help="float64: the DMMA kernel's accuracy vs the SIMT kernel's")
     ap.add_argument("--f64-sass", action="store_true", help="the DMMA kernel's SASS figures")
+    ap.add_argument("--f64-bwd-sass", action="store_true", help="the DMMA backward's busiest warp per visit (SASS)")
     ap.add_argument("--bwd", action="store_true", help="float32 gradients per precision vs float64")
     ap.add_argument("--bwd-sass", action="store_true", help="the TF32 dK/dV kernel's SASS figures")
     ap.add_argument("--default", action="store_true",
@@ -388,6 +439,8 @@ def main(argv=None):
         print(default_model())
     elif args.f64_sass:
         print(f64_sass_table())
+    elif args.f64_bwd_sass:
+        print(f64_bwd_sass_table())
     elif args.bwd_sass:
         print(bwd_sass_table())
     elif args.bwd:

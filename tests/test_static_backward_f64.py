@@ -156,3 +156,21 @@ def test_sm75_refused():
     with pytest.raises(Exception, match="needs sm_80"):
         nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_75", [F.dkv_name(t, None, 64, 64, False, True, True)])
     assert F.backward_tile(None, np.float64, 64, 64, 75) is None
+
+
+@pytest.mark.skipif(not SASS_OK, reason=str(SASS_WHY))
+def test_busiest_warp_per_visit():
+    """benchmarks/precision.py --f64-bwd-sass: the dQ work units take the idle warps' share off the busiest one.
+    Per visit on sm_90 every warp runs S^T, dP^T, dV, dK: 128 DMMA at d 16 (Br 32, Bc 64, kMT 2), 256 at d 64
+    (Br 32, Bc 32, kMT 1); then its dQ units, 2 m8 x unit n8 x Bc/4 DMMA each: d 16 one unit of one n8 tile
+    (32; whole 16 x 16 tiles gave two warps 64 and two none: 192 on the busiest), d 64 one whole 16 x 32 tile
+    (64)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "precision.py"
+    spec = importlib.util.spec_from_file_location("precision_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [r.split("|")[1:-1] for r in bench.f64_bwd_sass_table(archs=(90,), head_dims=(16, 64)).splitlines()[2:]]
+    got = {int(r[1]): (r[5].strip(), int(r[6].split(",")[1])) for r in rows}
+    assert got == {16: ("1, 1", 160), 64: ("4, 1", 320)}, got
