@@ -38,9 +38,9 @@ DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}
 # the table exp (flash_f64_exp.cuh) -1 to -4 % everywhere, and (64, 64) 5.54 / 7.07 -> 5.10 / 5.85 by Br = 32;
 # then dQ in units of fewer n8 tiles where whole tiles left warps idle (dq_unit_n8: d 16, 32, 48, 80, 96). That
 # takes DMMA off the busiest warp (d 16: 192 -> 160 per visit) and the loop body holds fewer of them, so the
-# ratio rose there (16, 16: 9.19 -> 10.57) while the busiest warp's instructions per visit fell or rose less
-# than its DMMA fell (sm_80 d 16: 1533 -> 1477 for 192 -> 160 DMMA; sm_90 d 96: 1172 -> 1256 for 256 -> 240;
-# docs/performance.md).
+# ratio rose there (16, 16: 9.19 -> 10.57), while the busiest warp's DMMA per visit fell 6-17 % and its
+# instructions moved -7 to +7 % (sm_80 d 16: 1533 -> 1477 for 192 -> 160 DMMA; sm_90 d 96: 1172 -> 1256 for
+# 256 -> 240; docs/performance.md).
 MEASURED = {
     (16, 16): (10.57, 12.64), (32, 32): (6.45, 7.34), (48, 48): (6.36, 7.73), (64, 64): (5.10, 5.85),
     (80, 80): (6.02, 7.75), (96, 96): (5.39, 6.71), (112, 112): (4.99, 6.15), (128, 128): (4.58, 5.33),
