@@ -179,7 +179,7 @@ def _fp64_pipe(i):
 
 def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     from flasharray._private import cuda_forward_f64 as F
-    from flasharray._private import launch, nvrtc, sass
+    from flasharray._private import sass
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
@@ -190,12 +190,7 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
         for d in head_dims:
             t = F.forward_tile(None, np.float64, d, d, arch)
             found[t.name_expression(False, True)] = t
-        res = nvrtc.compile_cubin(launch.kernel_source(F.SOURCE), "sm_%d" % arch, list(found),
-                                  options=["--use_fast_math"])
-        fns = sass.parse(sass.disassemble(res.cubin))
-        for name, t in found.items():
-            k = res.kernel(name)
-            body = fns[k.lowered_name]
+        for (k, body), t in zip(_compiled(F.SOURCE, arch, found), found.values()):
             lp, dmma = _dmma_key_loop(sass, body)
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
             s = lp.stats
@@ -209,11 +204,23 @@ def f64_sass_table(archs=(80, 86, 89, 90), head_dims=(16, 32, 64, 128)):
     return "\n".join(lines)
 
 
+def _busiest_warp(sass, body, rounds):
+    """(instructions, DMMA, other fp64) of one visit of the DMMA backward's busiest warp: the query-block loop
+    (the loop with the most DMMA), the dQ unit loop nested in it counted ``rounds`` times."""
+    def count(lp, pred=lambda i: True):
+        return sum(1 for i in body if lp.start <= i.address <= lp.end and pred(i))
+    is_dmma = lambda i: i.base == "DMMA"  # noqa: E731
+    loops = sass.loops(body)
+    outer = max(loops, key=lambda lp: count(lp, is_dmma))
+    inner = [lp for lp in loops if outer.start < lp.start and lp.end < outer.end and count(lp, is_dmma)]
+    return tuple(count(outer, pred) + sum((rounds - 1) * count(lp, pred) for lp in inner)
+                 for pred in (lambda i: True, is_dmma, _fp64_pipe))
+
+
 def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 112, 128)):
-    """The DMMA backward's busiest warp per visit: the query-block loop, with the dQ unit loop nested in it
-    counted ``rounds`` times (ceil(units / warps))."""
+    """The DMMA backward's busiest warp per visit (:func:`_busiest_warp`, ``rounds`` = ceil(dQ units / warps))."""
     from flasharray._private import cuda_backward_f64 as B
-    from flasharray._private import launch, nvrtc, sass
+    from flasharray._private import sass
     ok, why = sass.available()
     if not ok:
         return "SASS unavailable: %s" % why
@@ -224,28 +231,10 @@ def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 11
         for d in head_dims:
             t = B.backward_tile(None, np.float64, d, d, arch)
             found[B.dkv_name(t, None, d, d, False, True, True)] = (t, d)
-        res = nvrtc.compile_cubin(launch.kernel_source(B.SOURCE), "sm_%d" % arch, list(found),
-                                  options=["--use_fast_math"])
-        fns = sass.parse(sass.disassemble(res.cubin))
-        for name, (t, d) in found.items():
-            k = res.kernel(name)
-            body = fns[k.lowered_name]
+        for (k, body), (t, d) in zip(_compiled(B.SOURCE, arch, found), found.values()):
             warps = t.n_threads // 32
-            unit = B.dq_unit_n8(t.block_m, d, warps)
-            cols = 32 if d % 32 == 0 else 16
-            rounds = -(-(t.block_m // 16 * (d // cols) * (cols // 8 // unit)) // warps)
-
-            def count(lp, pred=lambda i: True):
-                return sum(1 for i in body if lp.start <= i.address <= lp.end and pred(i))
-            is_dmma = lambda i: i.base == "DMMA"  # noqa: E731
-            loops = sass.loops(body)
-            outer = max(loops, key=lambda lp: count(lp, is_dmma))
-            inner = [lp for lp in loops if outer.start < lp.start and lp.end < outer.end and count(lp, is_dmma)]
-            instr, dmma, fp64 = count(outer), count(outer, is_dmma), count(outer, _fp64_pipe)
-            for lp in inner:  # the dQ unit loop: once in the body, rounds times per visit
-                instr += (rounds - 1) * count(lp)
-                dmma += (rounds - 1) * count(lp, is_dmma)
-                fp64 += (rounds - 1) * count(lp, _fp64_pipe)
+            unit, rounds = B.dq_unit_n8(t.block_m, d, warps), B.dq_rounds(t.block_m, d, warps)
+            instr, dmma, fp64 = _busiest_warp(sass, body, rounds)
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
             lines.append("| sm_%d | %d | %d x %d (%d), %d | %d | %d | %d, %d | %d, %d | %.2f | %.2f |" % (
                 arch, d, t.block_m, t.block_n, warps, t.stages, k.registers, occ.warps, unit, rounds, instr, dmma,
@@ -253,17 +242,21 @@ def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 11
     return "\n".join(lines)
 
 
+def _compiled(source, arch, names):
+    """NVRTC-compile the instantiations ``names`` (name expressions) of ``source`` for ``arch``; [(kernel info,
+    its SASS body)] in their order."""
+    from flasharray._private import launch, nvrtc, sass
+    res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(names), options=["--use_fast_math"])
+    fns = sass.parse(sass.disassemble(res.cubin))
+    return [(res.kernel(n), fns[res.kernel(n).lowered_name]) for n in names]
+
+
 def _compiled_loops(source, arch, found):
     """NVRTC-compile the instantiations ``found`` ({name expression: tile}) of ``source`` for
     ``arch``; [(tile, kernel info, key loop (the loop with the most HMMA), occupancy)]."""
-    from flasharray._private import launch, nvrtc, sass
-    res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(found), options=["--use_fast_math"])
-    fns = sass.parse(sass.disassemble(res.cubin))
-    out = []
-    for name, t in found.items():
-        k = res.kernel(name)
-        out.append((t, k, sass.key_loop(fns[k.lowered_name]), sass.occupancy(arch, k.registers, t.n_threads, t.smem)))
-    return out
+    from flasharray._private import sass
+    return [(t, k, sass.key_loop(body), sass.occupancy(arch, k.registers, t.n_threads, t.smem))
+            for (k, body), t in zip(_compiled(source, arch, found), found.values())]
 
 
 def _tf32_fwd_found(precisions, arch, head_dims):

@@ -92,14 +92,25 @@ def _candidates(d, dv):
     return [(16, 1, 4), (16, 1, 2)]
 
 
+def _dq_tiles(block_m, d):
+    """DQAccumLayout's 16 x kDQCols tiles of a query block, and n8 tiles per tile."""
+    cols = 32 if d % 32 == 0 else 16
+    return block_m // 16 * (d // cols), cols // 8
+
+
 def dq_unit_n8(block_m, d, warps):
     """Mirror of flash_bwd_f64.cu's dq_unit_n8: n8 tiles per dQ work unit (units of one 16 x kDQCols tile of
     DQAccumLayout, dealt round-robin to the warps): the divisor of kDQCols / 8 putting the fewest n8 tiles on
     the busiest warp, ties to the larger unit."""
-    cols = 32 if d % 32 == 0 else 16
-    tiles, n8 = block_m // 16 * (d // cols), cols // 8
+    tiles, n8 = _dq_tiles(block_m, d)
     costs = [(-(-(tiles * (n8 // u)) // warps) * u, -u) for u in range(1, n8 + 1) if n8 % u == 0]
     return -min(costs)[1]
+
+
+def dq_rounds(block_m, d, warps):
+    """Rounds of atomic_dq_f64's unit loop on the busiest warp: ceil(units / warps)."""
+    tiles, n8 = _dq_tiles(block_m, d)
+    return -(-(tiles * (n8 // dq_unit_n8(block_m, d, warps))) // warps)
 
 
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
