@@ -9,6 +9,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   fwd.PERSISTENT               cuda_forward_sm90.PERSISTENT: persistent grid + static tile scheduler (off: one
                                block per work tile); padded d <= PERSISTENT_MAX_HEAD_DIM only
   fwd.PERSISTENT_MAX_HEAD_DIM  128 (default: d = 256 not persistent) vs 256 (d = 256 persistent, with spills)
+  fwd.CAUSAL_PAIRS             cuda_forward_sm90.CAUSAL_PAIRS: the persistent kernel's causal tiles paired (m and
+                               n_m - 1 - m on one block) in L2 groups of entries (off: longest first, every entry
+                               of a query tile together); causal rows only
   fwd.USE_TMA                  cuda_forward_sm90.USE_TMA: the warp-specialized TMA kernel (off: cp.async kernel)
   fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel="tensor_core"):
                                ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
@@ -115,6 +118,8 @@ SWITCHES = (
     Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
     Switch("fwd.PERSISTENT", "fwd", F, "PERSISTENT", False, "persistent kernel + static scheduler"),
     Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 256, "d = 256 persistent (spills)"),
+    Switch("fwd.CAUSAL_PAIRS", "fwd", F, "CAUSAL_PAIRS", False,
+           "persistent causal order: paired tiles in L2 groups vs longest first"),
     Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("fwd.kernel", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward (sm_90 dispatch)"),
     Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),
@@ -166,7 +171,11 @@ FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 #: (dtype, B, H, N, D, causal) of the emulator run: every switch applies to one of them
 EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
-EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL")}
+EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
+                       ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS",)}
+#: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,
+#: the causal pairs' condition
+EMULATOR_SM_COUNT = 2
 KEEP_ABOVE, FLIP_BELOW = 1.02, 0.98
 
 #: one measured (or failed) pair; ratio = ms_flipped / ms_default; note: why it is not timed, if so
@@ -232,14 +241,16 @@ class Problem:
         return [lambda i=i: self.backward(i, kernel, deterministic) for i in range(len(self.copies))]
 
     def launches(self, kind, kernel, deterministic):
-        """What the plan launches (names, grids, blocks): equal for two variants = the same kernels."""
+        """What the plan launches (names, grids, blocks, scalar arguments): equal for two variants = the same
+        work (a switch may change an argument only: fwd.CAUSAL_PAIRS's ``group``)."""
         q, k, v, dout = self.copies[0]
         if kind == "fwd":
             p = cuda_forward.plan(q, k, v, **self.fwd_kw(kernel))
         else:
             out, lse = self.saved()[0]
             p = cuda_backward.plan(dout, q, k, v, out, lse, deterministic=deterministic, **self.fwd_kw(kernel))
-        return tuple((r.name, r.grid, r.block) for r in p.launches)
+        return tuple((r.name, r.grid, r.block, tuple(int(a) for a in r.template if isinstance(a, np.integer)))
+                     for r in p.launches)
 
     def validate(self, kind, result):
         """flasharray.testing's report for the result (first batch entry and head; with the extension keywords:
@@ -456,6 +467,7 @@ def main(argv=None):
     deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
     if args.emulator:
         print("emulator run (arch sm_90; CPU time, not GPU performance)")
+        F.SM_COUNT = F.SM_COUNT or EMULATOR_SM_COUNT
         make = lambda Bn, H, N, D, dtype: [gpu_backward._make_tensors(np, Bn, H, N, D, dtype)]  # noqa: E731
         timing, own = dict(warmup_ms=0, rep_ms=0, min_repeats=1), set().union(*EMULATOR_SHAPES_FOR.values())
         rows = run(EMULATOR_SHAPES, [s for s in switches if s.name not in own], "emulator", "sm_90",

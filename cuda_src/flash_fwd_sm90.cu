@@ -564,17 +564,37 @@ __device__ __forceinline__ Sm90WsSmem ws_smem_layout(unsigned char* smem) {
 }
 
 // Work tiles: (query tile m_block, batch entry). Not persistent: one per block, blockIdx.x (causal: longest
-// first, query_tile) and the grid's y / z. Persistent (static scheduler): work tile w = blockIdx.x + k·gridDim.x, k = 0, 1, ..., over a linear
-// order of n_m query tiles × n_bh batch entries. Causal: longest first — query tiles from the last one down
-// (bottom-right alignment: the last sees the most keys), all batch entries of one query tile together, so
-// the first tiles of every block are the longest (FlashAttention-3's load balance); not causal: batch
-// entry outer, query tile inner (neighbouring blocks share one entry's K and V).
-template <bool Is_causal, bool Is_persistent>
+// first, query_tile) and the grid's y / z. Persistent (static scheduler): the block's k-th tile is w = blockIdx.x +
+// k·gridDim.x (k = 0, 1, ...) of a linear order of n_m query tiles × n_bh batch entries (paired: below):
+// * not causal: batch entry outer, query tile inner (neighbouring blocks share one entry's K and V);
+// * causal, group == 0: longest first — query tiles from the last one down (bottom-right alignment: the last
+//   sees the most keys), all batch entries of one query tile together (FlashAttention-3's load balance);
+// * causal, group > 0 (kPairs: dense calls — with every extension the producer's walk spilled 16 bytes at its 24
+//   registers —, where the host finds every block two tiles or more: cuda_forward_sm90.causal_group):
+//   **paired tiles in L2 groups**. Query tiles m and n_m − 1 − m of one entry see n_m + 1 key tiles together
+//   (bottom-right: m + 1 and n_m − m), so the pairs cost alike and the blocks take whole pairs round-robin
+//   (the block's tiles k = 2j, 2j + 1 are pair blockIdx.x + j·gridDim.x, its long tile first; w counts the
+//   tiles of the paired order: pair u holds w = 2u, 2u + 1). Pairs are
+//   ordered by group of `group` entries (the host sizes it so that the group's K and V fit in L2), pair index,
+//   then entry: the blocks running at once read the K / V of about two groups, where longest-first order had
+//   them read gridDim.x different entries'. An odd n_m leaves each entry's middle tile, paired across
+//   entries after all pairs (the last unit can hold one tile). decode() is mirrored by causal_pair_tile.
+template <bool Is_causal, bool Is_persistent, bool kPairs = false>
 struct Sm90WsScheduler {
-  int n_m, n_bh, nb12, nb2;
-  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x); }
-  __device__ __forceinline__ int step() const { return Is_persistent ? static_cast<int>(gridDim.x) : n_bh; }
-  __device__ __forceinline__ bool valid(int w) const { return Is_persistent ? w < n_m * n_bh : w == first(); }
+  int n_m, n_bh, nb12, nb2, group;
+  __device__ __forceinline__ bool is_paired() const { return kPairs && Is_causal && Is_persistent && group > 0; }
+  // w: the block's first tile (paired: its position in the paired order, pair blockIdx.x's long tile)
+  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x) << (is_paired() ? 1 : 0); }
+  // the block's tile after w, its k-th (paired: from the long tile of a pair to the short one, then to the long
+  // tile of the pair gridDim.x further)
+  __device__ __forceinline__ int next(int w, int k) const {
+    if (is_paired()) return k & 1 ? w + 2 * static_cast<int>(gridDim.x) - 1 : w + 1;
+    return w + (Is_persistent ? static_cast<int>(gridDim.x) : n_bh);
+  }
+  __device__ __forceinline__ bool valid(int w) const {
+    if constexpr (!Is_persistent) return w == first();
+    return w < n_m * n_bh;
+  }
   __device__ __forceinline__ void decode(int w, int& m_block, BatchIndex& b) const {
     if constexpr (!Is_persistent) {
       m_block = query_tile<Is_causal>(w, n_m);
@@ -582,7 +602,18 @@ struct Sm90WsScheduler {
       return;
     }
     int bh;
-    if (Is_causal) {
+    if (is_paired()) {
+      const int pairs = n_m >> 1, u = w >> 1;
+      if (u < pairs * n_bh) {   // pair p of entry bh: tiles n_m − 1 − p, then p
+        const int g = u / (pairs * group), e0 = g * group, in_g = min(group, n_bh - e0), r = u - g * pairs * group;
+        const int p = r / in_g;
+        bh = e0 + r - p * in_g;
+        m_block = w & 1 ? p : n_m - 1 - p;
+      } else {                  // the middle tiles of an odd n_m
+        bh = w - 2 * pairs * n_bh;
+        m_block = pairs;
+      }
+    } else if (Is_causal) {
       m_block = n_m - 1 - w / n_bh;
       bh = w % n_bh;
     } else {
@@ -880,7 +911,8 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
 // Is_persistent (cuda_forward_sm90.PERSISTENT): a grid of min(work tiles, SMs) blocks, each walking the
 // static scheduler's tiles (Sm90WsScheduler): the producer and the consumers walk the same sequence, the
 // K / V ring's visits counted across tiles, one bar_q and (persistent) one empty_q phase per tile. nb12 =
-// nb1·nb2 and n_bh = nb0·nb1·nb2 (the batch entries; unused unless persistent).
+// nb1·nb2 and n_bh = nb0·nb1·nb2 (the batch entries; unused unless persistent); group: the causal scheduler's
+// entries per L2 group (0: longest first; unused unless causal and persistent).
 //
 // kExt (the extensions of docs/extensions.md, flash_ext.cuh; 0 by default: the dense instantiations keep their
 // names and code): the FLASH_EXT_PARAMS tail after the maps. Per work tile the consumers build the entry's
@@ -892,7 +924,7 @@ __global__ void __launch_bounds__(128 + kBlockM / 64 * 128, 1)
 flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int Lk, int Dv, int nb2,
                          long long o_b0, long long o_b1, long long o_b2, long long o_row,
                          long long lse_b0, long long lse_b1, long long lse_b2, float scale_log2, int bcast,
-                         int nb12, int n_bh,
+                         int nb12, int n_bh, int group,
                          const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o,
                          FLASH_EXT_PARAMS(float)) {
@@ -906,7 +938,7 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   const Sm90WsSmem sm = ws_smem_layout<Tr, Is_overlap>(smem);
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
-  const Sm90WsScheduler<Is_causal, Is_persistent> sched{(Lq + kBlockM - 1) / kBlockM, n_bh, nb12, nb2};
+  const Sm90WsScheduler<Is_causal, Is_persistent, kExt == 0> sched{(Lq + kBlockM - 1) / kBlockM, n_bh, nb12, nb2, group};
 
   if (tid == 0) {
     // the tensor maps (kernel parameters) into the TMA unit's cache before their first use (a hint)
@@ -933,7 +965,7 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
     // ---- producer: one elected thread of warp 0 issues the whole block's loads ----
     fa::setmaxnreg_dec<Tr::kProducerRegs>();
     if (tid < 32 && fa::elect_one()) {
-      for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) {
+      for (int w = sched.first(), k_tile = 0; sched.valid(w); w = sched.next(w, k_tile), ++k_tile) {
         int m_block;
         BatchIndex bidx;
         sched.decode(w, m_block, bidx);
@@ -961,7 +993,7 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
     consumer.template tile<Is_tma_store>(m_block, bidx, k_tile, visit, o, lse, Dv, o_s, lse_s, &tmap_o);
   };
   if constexpr (Is_persistent) {
-    for (int w = sched.first(), k_tile = 0; sched.valid(w); w += sched.step(), ++k_tile) run(w, k_tile);
+    for (int w = sched.first(), k_tile = 0; sched.valid(w); w = sched.next(w, k_tile), ++k_tile) run(w, k_tile);
   } else {
     run(sched.first(), 0);   // one work tile: no loop around the consumers' code
   }

@@ -375,6 +375,80 @@ def test_persistent_matches_non_persistent_bits(persistent, dtype, D, Lq, Lk, ca
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def _group_arg(plan):
+    """The ``group`` argument (Sm90WsScheduler: 0 is the longest-first order) of a plan's ws launch."""
+    launch = plan.launches[0]
+    assert launch.name.startswith("flash::flash_fwd_sm90_ws_kernel<")
+    return int(launch.template[17])
+
+
+# (D, Lq, Lk, batch, group bytes): odd and even query tiles per entry (middle tiles paired across entries), Lq > Lk
+# (tiles that see no key), groups of 1 and 2 entries with a smaller last group (3 and 5 entries)
+PAIR_CASES = [
+    (64, 330, 330, (1, 3), 1),              # n_m = 3, groups of 1
+    (128, 260, 200, (5, 1), 2 * 200 * 256 * 2),  # n_m = 3 (Lq > Lk), groups of 2: 2, 2, 1
+    (64, 256, 400, (2, 2), 1 << 30),        # n_m = 2, one group
+]
+
+
+@pytest.mark.parametrize("D,Lq,Lk,batch,group_bytes", PAIR_CASES)
+def test_persistent_causal_pairs(persistent, monkeypatch, D, Lq, Lk, batch, group_bytes):
+    """The causal persistent order of paired tiles in L2 groups (Sm90WsScheduler with group > 0: query tiles m and
+    n_m - 1 - m of one entry on one block, pairs round-robin by group, pair index, entry; odd n_m's middle tiles
+    paired across entries) gives the bits of one block per tile, under permuted schedules, for SM counts that give
+    every block two tiles or more; the launch carries the group its K / V bytes allow, and 0 (longest first) when
+    a block would get one tile or with CAUSAL_PAIRS off."""
+    monkeypatch.setattr(S, "CAUSAL_GROUP_BYTES", group_bytes)
+    q, k, v = make_inputs(DTYPES["float16"], D, Lq, Lk, seed=D + Lq, batch=batch)
+    _, base, _ = persistent(False, None, q, k, v, True)
+    n_bh, n_work = int(np.prod(batch)), -(-Lq // 128) * int(np.prod(batch))
+    group = max(1, min(n_bh, group_bytes // (Lk * 2 * D * 2)))
+    for sm_count, schedule, seed in ((1, "random", 3), (2, "reverse", 0), (n_work // 2, "random", 5)):
+        plan, got, c = persistent(True, sm_count, q, k, v, True, schedule=schedule, seed=seed)
+        assert plan.tile.persistent and _group_arg(plan) == group and c.blocks == sm_count
+        for a, b in zip(got, base):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    plan, got, _ = persistent(True, n_work // 2 + 1, q, k, v, True)   # a block with one tile: longest first
+    assert _group_arg(plan) == 0
+    monkeypatch.setattr(S, "CAUSAL_PAIRS", False)
+    plan, got, _ = persistent(True, 1, q, k, v, True)
+    assert _group_arg(plan) == 0
+    for a, b in zip(got, base):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_causal_pair_order():
+    """causal_pair_tiles (the host mirror of the paired order): every (query tile, entry) exactly once over the
+    blocks; each block's pairs cost alike (n_m + 1 key tiles with bottom-right alignment at Lq = Lk), so the
+    busiest block carries at most one pair more than the average; the blocks' k-th tiles cover few groups."""
+    for n_m, n_bh, grid, group in ((8, 256, 132, 40), (32, 64, 132, 10), (128, 16, 132, 2), (7, 5, 3, 2),
+                                   (9, 3, 4, 1), (1, 9, 4, 3), (2, 2, 2, 1)):
+        lists = [S.causal_pair_tiles(b, grid, n_m, n_bh, group) for b in range(grid)]
+        seen = sorted(t for tl in lists for t in tl)
+        assert seen == [(m, e) for m in range(n_m) for e in range(n_bh)], (n_m, n_bh, grid, group)
+        cost = [sum(m + 1 for m, _ in tl) for tl in lists]
+        assert max(cost) <= sum(cost) / grid + n_m + 1, (n_m, n_bh, grid, group)
+        if n_m % 2 == 0 and n_m * n_bh >= 4 * grid:   # the first pairs of every block: at most two groups
+            firsts = {e // group for tl in lists for _, e in tl[:2]}
+            assert len(firsts) <= 2 + grid // (n_m // 2 * group), (n_m, n_bh, grid, group)
+    # the old order (longest first, every entry of a query tile together) at (4, 16, 4096) on 132 SMs: 64 entries
+    # run at once; paired in groups of 10, about 16 (docs/hopper.md)
+    lists = [S.causal_pair_tiles(b, 132, 32, 64, 10) for b in range(132)]
+    assert len({e for tl in lists for _, e in tl[:1]}) <= 20
+
+
+def test_causal_group_rule(monkeypatch):
+    """causal_group: 0 with fewer than two tiles per block or CAUSAL_PAIRS off; else the entries whose K and V
+    fit CAUSAL_GROUP_BYTES, at least 1, at most every entry."""
+    mb = 1 << 20
+    assert S.causal_group(263, 132, 16, 4096, 128, 128, 2) == 0
+    assert S.causal_group(264, 132, 64, 4096, 128, 128, 2) == S.CAUSAL_GROUP_BYTES // (2 * mb)
+    assert S.causal_group(2048, 132, 16, 65536, 256, 256, 2) == 1
+    assert S.causal_group(2048, 132, 256, 64, 64, 64, 2) == 256
+    monkeypatch.setattr(S, "CAUSAL_PAIRS", False)
+    assert S.causal_group(2048, 132, 64, 4096, 128, 128, 2) == 0
+
+
 @pytest.mark.parametrize("sm_count", [1, 2, 3])
 def test_persistent_counts(monkeypatch, sm_count):
     """check()'s accounting with several tiles per block: blocks, per-tile named-barrier phases, the Q

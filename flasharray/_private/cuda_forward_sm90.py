@@ -248,8 +248,8 @@ USE_TMA_STORE = True
 #: (FlashAttention-3's intra-warpgroup overlap, docs/hopper.md; tests turn it off to compare the bits).
 OVERLAP = True
 #: Whether the TMA kernel is persistent (``Is_persistent``): a grid of min(work tiles, SMs) blocks, each walking
-#: (query tile, batch entry) work tiles of a static scheduler (causal: longest first). Tests turn it off to
-#: compare the bits, and set :data:`SM_COUNT`.
+#: (query tile, batch entry) work tiles of a static scheduler (causal: longest first, or paired in L2 groups:
+#: :func:`causal_group`). Tests turn it off to compare the bits, and set :data:`SM_COUNT`.
 PERSISTENT = True
 #: The SM count the persistent grid is sized for; None: the device's (CuPy: ``MultiProcessorCount``; the
 #: emulator: ``tiles.emulator_sm_count``). Tests force small counts (several tiles per block).
@@ -383,6 +383,51 @@ def cp_async_ext_tile(tile, aligned, ext):
                                reason=tile.reason.replace("Bc=%d" % tile.block_n, "Bc=%d (extensions)" % bc))
 
 
+#: Whether the persistent kernel's causal calls take the paired order in L2 groups (:func:`causal_group`; off: the
+#: longest-first order of every block's tiles, the scheduler before the twenty-second session). A
+#: ``hopper_variants.py`` switch (``fwd.CAUSAL_PAIRS``): not yet timed on a GPU.
+CAUSAL_PAIRS = True
+#: Bytes of K and V (all key rows of one batch entry, d + dv columns) one L2 group of the paired causal order
+#: may hold: the blocks running at once read about two groups, within an H100's / H200's 50 MB L2.
+CAUSAL_GROUP_BYTES = 20 << 20
+
+
+def paired_causal(name_expr):
+    """Whether a ws kernel instantiation walks the paired causal order when its launch passes ``group`` > 0:
+    causal, persistent and dense (kExt = 0: with the extensions' key walk the producer spilled)."""
+    args = _ws_args(name_expr)
+    return args[5] == "true" and ws_flags(name_expr)[1] and len(args) < 10
+
+
+def causal_group(work_tiles, grid, n_bh, Lk, d, dv, itemsize):
+    """The ``group`` argument of a causal persistent launch (Sm90WsScheduler): 0 (longest-first order) unless
+    :data:`CAUSAL_PAIRS` and every block gets two work tiles or more (``work_tiles >= 2 * grid``: with fewer,
+    a block's pair costs n_m + 1 key tiles where one tile per block costs at most n_m); else the batch
+    entries per L2 group, as many as :data:`CAUSAL_GROUP_BYTES` of K and V hold (at least 1, at most n_bh)."""
+    if not CAUSAL_PAIRS or work_tiles < 2 * grid:
+        return 0
+    return max(1, min(n_bh, CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize)))
+
+
+def causal_pair_tiles(block, grid, n_m, n_bh, group):
+    """Host mirror of Sm90WsScheduler (first, next, valid, decode) for a causal persistent launch with ``group``
+    > 0: the (query tile, batch entry) work tiles of ``block`` of ``grid``, in its order."""
+    out, w, k, pairs = [], 2 * block, 0, n_m >> 1
+    while w < n_m * n_bh:
+        u = w >> 1
+        if u < pairs * n_bh:   # pair p of entry e: tiles n_m - 1 - p, then p
+            g = u // (pairs * group)
+            e0 = g * group
+            in_g = min(group, n_bh - e0)
+            r = u - g * pairs * group
+            p = r // in_g
+            out.append((p if w & 1 else n_m - 1 - p, e0 + r - p * in_g))
+        else:                  # the middle tiles of an odd n_m
+            out.append((pairs, w - 2 * pairs * n_bh))
+        w, k = (w + 2 * grid - 1 if k & 1 else w + 1), k + 1
+    return out
+
+
 def persistent_grid(launcher, work_tiles):
     """Blocks of a persistent launch: min(work tiles, SMs), the SMs :data:`SM_COUNT` or the device's."""
     sms = SM_COUNT or getattr(launcher, "sm_count", None) or tiles.emulator_sm_count(launcher.arch)
@@ -435,9 +480,11 @@ def add_tma_launch(plan_launches, launcher, tile, name_expr, part, tensors, keys
     else:
         maps.append(maps[0])
     gy, gz = part.grid_yz
+    grid = (persistent_grid(launcher, grid_x * gy * gz), 1, 1) if tile.persistent else (grid_x, gy, gz)
+    group = causal_group(grid_x * gy * gz, grid[0], gy * gz, Lk, tile.head_dim, tile.head_dim_v,
+                         itemsize) if paired_causal(name_expr) else 0
     args = (L.Ptr(keys[3], oo), L.Ptr(keys[4], lo), L.c_int(Lq), L.c_int(Lk), L.c_int(Dv), L.c_int(part.dims[2]),
             *(L.c_longlong(s) for s in os_), L.c_longlong(row[3]), *(L.c_longlong(s) for s in ls),
-            scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), *maps, *ext_tail)
-    grid = (persistent_grid(launcher, grid_x * gy * gz), 1, 1) if tile.persistent else (grid_x, gy, gz)
+            scale_log2, L.c_int(bcast), L.c_int(gy), L.c_int(gy * gz), L.c_int(group), *maps, *ext_tail)
     plan_launches.append(L.Recorded(launcher, tile.source, name_expr, grid, (tile.n_threads, 1, 1), args,
                                     shared_mem=tile.smem))
