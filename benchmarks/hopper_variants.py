@@ -19,6 +19,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                warp (off: the consumers' fp32 atomics); padded d, dv <= 128 only
   bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
+  bwd.KV_REGS                  cuda_backward_sm90.KV_REGS: the ws kernel at d = dv = 64 holds K_j, V_j in registers,
+                               the A of S^T and dP^T (RS wgmma; off: SS, both operands from shared memory)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -125,6 +127,7 @@ SWITCHES = (
     Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
+    Switch("bwd.KV_REGS", "bwd", B, "KV_REGS", False, "d = 64: K_j, V_j in registers (RS) vs shared memory (SS)"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

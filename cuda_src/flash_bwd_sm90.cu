@@ -878,7 +878,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0>
+          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1061,6 +1061,18 @@ flash_bwd_sm90_ws_kernel(
   constexpr bool kLengths = flash::HasExt<kExt, flash::kExtSeqlens>::value;
   if (kLengths && n_visits > 0 && c0 + kBlockN > mask.Lk)  // keys past Lk_b
     zero_past_sm90<Tr, kBlockN, kHeadDim, kHeadDimV>(sK, sV, mask.Lk - c0, tid - 128);
+  // kKVRegs (d = dv = 64, dense): the warpgroup's 64 rows of K_j and V_j as the register A of S^T and dP^T (RS
+  // wgmma; 32 registers, read once per block): each visit's S^T / dP^T batches then read only Q_i / dO_i from
+  // shared memory, where SS read the K_j / V_j panels again per wgmma (32 KB of a visit's ~190 KB).
+  constexpr bool kKVRegs = kKVRegsOn && kExt == 0 && !Tr::kSplitD && kHeadDim == 64 && kHeadDimV == 64;
+  uint32_t a_k[kKVRegs ? kHeadDim / 16 : 1][4], a_v[kKVRegs ? kHeadDimV / 16 : 1][4];
+  if constexpr (kKVRegs) {
+    if (n_visits > 0) {
+      const int row0 = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16;
+      flash::load_a_frags_sm90<kBlockN, kHeadDim>(a_k, sK, row0, lane);
+      flash::load_a_frags_sm90<kBlockN, kHeadDimV>(a_v, sV, row0, lane);
+    }
+  }
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -1082,7 +1094,10 @@ flash_bwd_sm90_ws_kernel(
     const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
     if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
     float acc_s[kBlockM / 2];
-    flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
+    if constexpr (kKVRegs)
+      flash::gemm_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
+    else
+      flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
     // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
     //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
@@ -1110,8 +1125,12 @@ flash_bwd_sm90_ws_kernel(
       for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
         for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-      flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
-                                                                      IssueDv{acc_dv, a_p, sdO_i + do_panel});
+      if constexpr (kKVRegs)
+        flash::gemm_qk_rs_sm90<T, kHeadDimV, kBlockM, IssueDv, 1>(acc_dp, a_v, sdO_i,
+                                                                 IssueDv{acc_dv, a_p, sdO_i + do_panel});
+      else
+        flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
+                                                                        IssueDv{acc_dv, a_p, sdO_i + do_panel});
 
       // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
       //    staged for dQ (the cp.async kernel's layout), then the dK batch.

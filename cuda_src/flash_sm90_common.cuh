@@ -96,6 +96,35 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
   fa::wgmma_fence_operand(acc_s);
 }
 
+// The wgmma register-A fragments (m64nNk16, 16-bit: per warp the mma.sync m16n8k16 A layout, warp w of the
+// warpgroup holding rows 16w .. 16w + 15) of 64 rows of a 128B-swizzled tile (kRows rows per panel), every k16 step
+// of kCols columns, by ldmatrix.x4: lane l addresses row row0 + l % 8 + 8·((l / 8) % 2) (row0: the warp's first
+// row) at chunk 2·ks + l / 16, so a[ks][r] holds (row g or g + 8, columns 16 ks + 2t or 16 ks + 8 + 2t).
+template <int kRows, int kCols>
+__device__ __forceinline__ void load_a_frags_sm90(uint32_t (&a)[kCols / 16][4], const unsigned char* s_tile, int row0,
+                                                  int lane) {
+  const int r = row0 + (lane & 7) + (lane & 8);
+#pragma unroll
+  for (int ks = 0; ks < kCols / 16; ++ks) fa::ldmatrix<4, false>(a[ks], s_tile + sw128_offset<kRows>(r, 2 * ks + (lane >> 4)));
+}
+
+// gemm_qk_sm90 with A from registers (RS): acc_s = A · Bᵀ, A the k16 steps' register fragments (load_a_frags_sm90),
+// B the K-major kBlockN-row tile sB.
+template <typename T, int kHeadDim, int kBlockN, typename Issued = NoOp, int kPending = 0>
+__device__ __forceinline__ void gemm_qk_rs_sm90(float (&acc_s)[kBlockN / 2], const uint32_t (&a)[kHeadDim / 16][4],
+                                                const unsigned char* sB, Issued issued = Issued()) {
+  fa::wgmma_fence_operand(acc_s);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_rs<T, kBlockN, false>(acc_s, a[ks], sw128_desc(sB + (ks / 4) * kBlockN * 128 + (ks % 4) * 32, 16),
+                                ks > 0 ? 1 : 0);
+  fa::wgmma_commit_group();
+  issued();
+  fa::wgmma_wait_group<kPending>();
+  fa::wgmma_fence_operand(acc_s);
+}
+
 // One tile (kRows × kCols, 64-column panels kRows·128 bytes apart) as kCols/64 TMA boxes onto `bar`.
 template <int kRows, int kCols>
 __device__ __forceinline__ void tma_load_tile(unsigned char* s_tile, const CUtensorMap* map, int row, int b2,

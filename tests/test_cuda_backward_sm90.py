@@ -55,7 +55,9 @@ def template_flags(name):
     return [a == "true" for a in args[i:]]
 
 
-def run_wgmma(p, *, deterministic=True, **opts):
+def run_wgmma(p, *, deterministic=True, dkv_names=None, **opts):
+    """The wgmma backward on the emulator: (dq, dk, dv), the dK/dV kernel's counters (``dkv_names``: a list the
+    kernel's name is appended to)."""
     res = run_backward("emulator", p, deterministic=deterministic, kernel="wgmma", arch="sm_90",
                        return_counters=True, **opts)
     grads, counters = res[:3], res[3]
@@ -63,7 +65,9 @@ def run_wgmma(p, *, deterministic=True, **opts):
     dkv = [(n, c) for n, c in counters if n.startswith((S.KERNEL, S.WS_KERNEL))]
     assert len(dkv) == 1, names
     name, c = dkv[0]
-    flags = template_flags(name)
+    if dkv_names is not None:
+        dkv_names.append(name)
+    flags = template_flags(name.replace(", 0, false>", ">"))  # (kKVRegsOn = false: KV_REGS off)
     ws = name.startswith(S.WS_KERNEL)
     assert flags[-3 if ws else -1] == deterministic, name  # ordered or not
     if ws:  # TMA boxes, no copy instruction, registers moved
@@ -392,6 +396,48 @@ def _flag_off(flag, p, deterministic, **opts):
         setattr(S, flag, True)
         launch._clear_plans()
     return new, old, c_new, c_old
+
+
+KV_REGS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, "random", 3),   # 3 key blocks per dQ element
+    (bfloat16, 48, 64, (130, 200), True, "gqa", "bshd", False, "reverse", 0),   # padded 64, GQA, BSHD, tails
+    (np.float16, 64, 40, (129, 65), True, "none", "bhsd", True, "random", 7),   # Lq > Lk, dv padded to 64
+]
+
+
+@pytest.mark.parametrize("case", KV_REGS_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_kv_regs_bits_match_smem_operands(case):
+    """KV_REGS: the ws kernel at padded d = dv = 64 with K_j, V_j as register A fragments (ldmatrix once per block;
+    S^T, dP^T by RS wgmma) gives the bits of the SS kernel (kKVRegsOn = false: both operands from shared memory)
+    under a permuted schedule, both dQ modes; the names say which (ws_kv_regs)."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    names = []
+    new, old, c_new, c_old = _flag_off("KV_REGS", p, det, schedule=schedule, seed=seed, dkv_names=names)
+    assert [S.ws_kv_regs(n) for n in names] == [True, False], names
+    assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+
+
+def test_kv_regs_only_at_64():
+    """ws_kv_regs / kv_regs: padded d = dv = 64 without extensions; names with kKVRegsOn = false only where the flag
+    changes the code."""
+    assert S.kv_regs(64, 64) and S.kv_regs(40, 33) and not S.kv_regs(64, 128) and not S.kv_regs(128, 128)
+    assert not S.kv_regs(64, 64, ext=2)
+    t, t128 = S.backward_tile(None, np.float16, 64, 64, 90), S.backward_tile(None, np.float16, 128, 128, 90)
+    name, name128 = S.ws_name(t, 64, 64, True, "fa_half"), S.ws_name(t128, 128, 128, True, "fa_half")
+    assert S.ws_kv_regs(name) and not S.ws_kv_regs(name128)
+    assert not S.ws_kv_regs(S.ws_name(t, 64, 64, True, "fa_half", ext=2))
+    try:
+        S.KV_REGS = False
+        off = S.ws_name(t, 64, 64, True, "fa_half")
+        assert off == name[:-1] + ", 0, false>" and not S.ws_kv_regs(off)
+        assert S.ws_name(t128, 128, 128, True, "fa_half") == name128   # no code change there: the same name
+    finally:
+        S.KV_REGS = True
 
 
 def _tma_store_vs_16_byte(p, deterministic, **opts):

@@ -319,6 +319,7 @@ BWD_VARIANTS = {
     "ws_atomic_dq": dict(DQ_BULK=False),
     "ws_16_byte_store": dict(USE_TMA_STORE=False),
     "cp_async": dict(USE_TMA=False),
+    "ws_kv_smem": dict(KV_REGS=False),   # d = dv = 64: K_j, V_j read from shared memory (SS), not registers
 }
 
 
@@ -342,10 +343,11 @@ def expect_backward_kernel(plan, p, deterministic):
     names = [r.name for r in plan.launches if r.name.startswith((B.KERNEL, B.WS_KERNEL))]
     assert names, [r.name for r in plan.launches]
     for name in names:
-        flags = template_flags(name)
+        flags = template_flags(name.replace(", 0, false>", ">"))   # (kKVRegsOn = false: KV_REGS off)
         if ws:
             assert name.startswith(B.WS_KERNEL) and flags[-3:] == [
                 deterministic, B.USE_TMA_STORE and not plan.partial, B.dq_bulk(*B.pad_head_dims(D, Dv))], name
+            assert B.ws_kv_regs(name) == (B.KV_REGS and B.kv_regs(D, Dv)), name
         else:
             assert name.startswith(B.KERNEL) and flags[-1] == deterministic, name
 

@@ -181,8 +181,12 @@ def _check(found):
                     name, len(in_loop), len(hgmma_in(body, None)), per_wg))
             else:
                 rs = [i for i in in_loop if i.operands.split(",")[1].strip().startswith("R")]
-                if len(rs) != 2 * (t.block_m // 16):
-                    problems.append("%s: %d RS HGMMA, expected %d" % (name, len(rs), 2 * (t.block_m // 16)))
+                # dV, dK from register A (P^T, dS^T); the ws kernel at d = dv = 64 also S^T, dP^T (K_j, V_j in
+                # registers: kKVRegs, unless the name turns it off)
+                kv = name.startswith(S.WS_KERNEL) and S.ws_kv_regs(name)
+                want = 2 * (t.block_m // 16) + (pd // 16 + pdv // 16 if kv else 0)
+                if len(rs) != want:
+                    problems.append("%s: %d RS HGMMA, expected %d" % (name, len(rs), want))
                 # m16n8k16-equivalents per warp and visit: an HGMMA 64xNx16 is N/8 of them per warp
                 eq = sum(int(re.search(r"64x(\d+)x16", i.opcode + i.operands).group(1)) // 8 for i in in_loop)
                 line += "  loop %d instr, %d HGMMA (%d SS + %d RS), %d m16n8k16-eq (%.2f instr each), %d BAR, " \

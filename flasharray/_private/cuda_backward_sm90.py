@@ -196,6 +196,11 @@ USE_TMA_STORE = True
 #: accumulator with one bulk reduce-add (``cp.reduce.async.bulk ... add.f32``), taking the ordered mode's turn
 #: itself; off: the consumers' per-thread atomics (tests turn it off to compare, a GPU run to time both).
 DQ_BULK = True
+#: Whether the warp-specialized kernel at padded d = dv = 64 (dense calls) keeps its warpgroup's rows of K_j and V_j
+#: in registers as the A operand of S^T = K_j Q_i^T and dP^T = V_j dO_i^T (RS wgmma, ``kKVRegsOn``; off: both
+#: read from shared memory per wgmma, SS). Twenty-second session; a ``hopper_variants.py`` switch
+#: (``bwd.KV_REGS``), not yet timed on a GPU.
+KV_REGS = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -256,10 +261,25 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
+    kv_off = not KV_REGS and kv_regs(pD, pDv, ext)   # kKVRegsOn = false: named only where it changes the code
+    tail = (", %d" % ext if ext or kv_off else "") + (", false" if kv_off else "")
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext),
-        ", %d" % ext if ext else "")
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext), tail)
+
+
+def ws_kv_regs(name_expr):
+    """Whether a ws kernel instantiation (its name) holds K_j, V_j in registers (``kKVRegs``): padded d = dv = 64,
+    kExt = 0 and ``kKVRegsOn`` (the thirteenth template argument, true unless named)."""
+    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
+    ext = int(args[11]) if len(args) > 11 else 0
+    return (int(args[2]), int(args[3])) == (64, 64) and not ext and (len(args) < 13 or args[12] == "true")
+
+
+def kv_regs(D, Dv, ext=0):
+    """Whether the ws kernel for head dims D, Dv holds K_j, V_j in registers where :data:`KV_REGS` (its
+    ``kKVRegs``: padded d = dv = 64, no extensions)."""
+    return not ext and pad_head_dims(D, Dv) == (64, 64)
 
 
 def _stores_by_tma(dtype, out):
