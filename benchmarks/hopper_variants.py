@@ -41,6 +41,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
   mma.GRID_SWIZZLE             tiles_bwd.GRID_SWIZZLE (both sides kernel="tc"): the grid kernel's Q_i, dO_i unpadded
                                and XOR-swizzled (off: padded rows, whose copies an H100 read at 1.5x the sectors)
+  mma.CAUSAL_GROUPS            tiles.CAUSAL_GROUPS (both sides kernel="tensor_core"): causal dense grids in the grouped
+                               longest-first order (off: entry by entry); causal rows only
 
 Extension switches (``--only ext``; not in the default run): the same wgmma-vs-mma.sync comparison with an
 extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of extension calls
@@ -143,6 +145,8 @@ SWITCHES = (
            "mma.sync backward d 64 / 128: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
     Switch("mma.GRID_SWIZZLE", "bwd", tiles_bwd, "GRID_SWIZZLE", False,
            "mma.sync grid-layout backward: Q_i, dO_i XOR-swizzled vs padded rows", MMA_BWD),
+    Switch("mma.CAUSAL_GROUPS", "fwd", tiles, "CAUSAL_GROUPS", False,
+           "mma.sync causal forward: grouped longest-first grid order vs entry by entry", MMA_FWD),
 )
 #: The extension calls' switches (``--only ext``; not in the default run): the wgmma kernels against the mma.sync
 #: ones with an extension (``ext``: a key of :data:`EXT_SETS`), both sides called with it; ``modes`` limits the
@@ -175,7 +179,7 @@ FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
 EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
-                       ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS",)}
+                       ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS")}
 #: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,
 #: the causal pairs' condition
 EMULATOR_SM_COUNT = 2

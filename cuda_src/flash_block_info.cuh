@@ -49,6 +49,59 @@ struct BatchIndex {
   }
 };
 
+// Causal dense grids of one block per (query tile, batch entry) — grid (n_m, nb1·nb2, nb0), whose blocks the
+// hardware starts in increasing L = x + n_m·(y + gridDim.y·z), the next where one ends — with n_groups > 0: block
+// L takes the L-th tile of a grouped longest-first order. The entries (e = y + gridDim.y·z) form n_groups groups
+// of consecutive entries, sizes within one of each other (the larger first); group by group, the query tiles from
+// the last one down (the longest: bottom-right alignment), the group's entries inner. Longest first within a group
+// keeps the SMs evenly busy; the groups bound the K / V the running blocks read (the host sizes them:
+// tiles.causal_groups). Otherwise (n_groups = 0, not causal, or a variant that keeps its grid: Is_groupable
+// false) query_tile's order, entry by entry, and from_grid.
+// grid_tile_at: the same for block (x, y, z) (ctaid_reread's, where the caller needs the tile late: ptxas
+// re-reads blockIdx where used, but keeps what a division made of it live).
+template <bool Is_causal, bool Is_groupable>
+__device__ __forceinline__ void grid_tile_at(int x, int y, int z, int n_m, int nb2, int n_groups, int& m_block,
+                                             BatchIndex& b) {
+  const int ny = static_cast<int>(gridDim.y), n_e = ny * static_cast<int>(gridDim.z);
+  if (!(Is_causal && Is_groupable) || n_groups <= 0) {
+    m_block = query_tile<Is_causal>(x, n_m);
+    b.b0 = z, b.b1 = y / nb2, b.b2 = y % nb2;   // BatchIndex::from_grid
+    return;
+  }
+  const int groups = n_groups < n_e ? n_groups : n_e;
+  const int L = x + n_m * (y + ny * z);
+  const int base = n_e / groups, big = n_e % groups;  // groups 0 .. big − 1 hold base + 1 entries
+  const int big_tiles = big * (base + 1) * n_m;
+  const bool in_big = L < big_tiles;
+  const int size = in_big ? base + 1 : base;
+  const int e0 = in_big ? L / (size * n_m) * size : big * (base + 1) + (L - big_tiles) / (size * n_m) * size;
+  const int within = L - e0 * n_m, level = within / size, e = e0 + within - level * size;
+  m_block = n_m - 1 - level;
+  b.b0 = e / ny;
+  b.b1 = (e - b.b0 * ny) / nb2;
+  b.b2 = (e - b.b0 * ny) % nb2;
+}
+
+template <bool Is_causal, bool Is_groupable>
+__device__ __forceinline__ void grid_tile(int n_m, int nb2, int n_groups, int& m_block, BatchIndex& b) {
+  grid_tile_at<Is_causal, Is_groupable>(static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                                        static_cast<int>(blockIdx.z), n_m, nb2, n_groups, m_block, b);
+}
+
+// blockIdx read through volatile moves (the device compiler cannot reuse an earlier read, so values derived from
+// it are recomputed where they are used instead of held in registers; the emulator: blockIdx).
+__device__ __forceinline__ void ctaid_reread(int& x, int& y, int& z) {
+#if defined(__CUDA_ARCH__)
+  unsigned ux, uy, uz;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(ux));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(uy));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(uz));
+  x = static_cast<int>(ux), y = static_cast<int>(uy), z = static_cast<int>(uz);
+#else
+  x = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y), z = static_cast<int>(blockIdx.z);
+#endif
+}
+
 // The rows [row_begin, row_begin + rows_valid) of a tile of kRows rows starting at row_begin
 // that exist in a sequence of length seq_len (the rest are zero-filled when loaded and never
 // stored).

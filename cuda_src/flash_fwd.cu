@@ -104,7 +104,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long v_b0, long long v_b1, long long v_b2, long long v_row,
                  long long o_b0, long long o_b1, long long o_b2, long long o_row,
                  long long lse_b0, long long lse_b1, long long lse_b2,
-                 float scale_log2, int rows_per_group,
+                 float scale_log2, int rows_per_group, int causal_groups,
                  const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
                  long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
                  long long k_page, long long v_page, FLASH_EXT_PARAMS(float)) {
@@ -130,14 +130,19 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int t = lane & 3;   // thread in group: fragment columns 2t, 2t + 1
   const int warp_row0 = warp * Traits::kRowsPerWarp;    // first row of this warp's slabs in Q_i
   // Split-KV: block x is query tile x % Tr of split x / Tr (dense: query tile x, one split; causal:
-  // longest first, query_tile).
+  // longest first, query_tile). Causal dense calls (no split, packing, cache or extension) with
+  // causal_groups > 0: the grouped longest-first order over the whole grid (grid_tile).
   const int n_m_blocks = Is_split ? ceil_div(Lq, kBlockM) : static_cast<int>(gridDim.x);
-  const int m_block = query_tile<Is_causal>(Is_split ? static_cast<int>(blockIdx.x) % n_m_blocks
-                                                     : static_cast<int>(blockIdx.x), n_m_blocks);
+  int m_block;
+  BatchIndex bidx;  // ---- where this block's tensors live
+  if constexpr (Is_split) {
+    m_block = query_tile<Is_causal>(static_cast<int>(blockIdx.x) % n_m_blocks, n_m_blocks);
+    bidx = BatchIndex::from_grid(nb2);
+  } else {
+    grid_tile<Is_causal, !Is_packed && !Has_seqlens_k && kExt == 0>(n_m_blocks, nb2, causal_groups, m_block, bidx);
+  }
   const int m0 = m_block * kBlockM;  // first query row of Q_i
 
-  // ---- where this block's tensors live --------------------------------------------------------
-  const BatchIndex bidx = BatchIndex::from_grid(nb2);
   // Per-entry key lengths (KV cache): this block's entry e = b0·e_b0 + b1·e_b1 + b2·e_b2 sees
   // seqlens_k[e] keys; from here on Lk is that count (mask, tail tile, split ranges). Paged K/V:
   // the entry's row of the block table (k, v are then the page pools: batch strides = head
@@ -590,6 +595,17 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const long long slab = static_cast<long long>(static_cast<int>(blockIdx.x) / ceil_div(Lq, kBlockM)) * Lq;
     o_i += slab * o_row;
     lse_i += slab;
+  }
+  // The grouped causal order: the tile's coordinates decoded again here from a re-read blockIdx (kept from the
+  // start, they spilled 44 bytes at 255 registers: sm_90's causal 128 x 64 tile at d 96).
+  constexpr bool kGroupable = Is_causal && !Is_split && !Is_packed && !Has_seqlens_k && kExt == 0;
+  if constexpr (kGroupable) {
+    int cx, cy, cz, m_e;
+    BatchIndex b_e;
+    ctaid_reread(cx, cy, cz);
+    grid_tile_at<Is_causal, true>(cx, cy, cz, static_cast<int>(gridDim.x), nb2, causal_groups, m_e, b_e);
+    o_i = o + b_e.offset(o_s) + m_e * kBlockM * o_row;
+    lse_i = lse + b_e.offset(lse_s) + m_e * kBlockM;
   }
   constexpr bool kStageO = !Is_split && Traits::kStageO;
   T* sO = reinterpret_cast<T*>(smem);                                       // O_i  Br × dv (kStageO)

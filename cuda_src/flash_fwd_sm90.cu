@@ -358,13 +358,13 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long v_b0, long long v_b1, long long v_b2, long long v_row,
                       long long o_b0, long long o_b1, long long o_b2, long long o_row,
                       long long lse_b0, long long lse_b1, long long lse_b2,
-                      float scale_log2, int rows_per_group,
+                      float scale_log2, int rows_per_group, int causal_groups,
                       const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
                       long long e_b0, long long e_b1, long long e_b2, long long table_row, int page_size,
                       long long k_page, long long v_page, FLASH_EXT_PARAMS(float)) {
   using Tr = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
   constexpr int kNThreads = Tr::kNThreads;
-  (void)rows_per_group; (void)seqlens_k; (void)block_table; (void)e_b0; (void)e_b1; (void)e_b2;
+  (void)rows_per_group; (void)causal_groups; (void)seqlens_k; (void)block_table; (void)e_b0; (void)e_b1; (void)e_b2;
   (void)table_row; (void)page_size; (void)k_page; (void)v_page;
 
   FA_DYNAMIC_SMEM(smem_raw);

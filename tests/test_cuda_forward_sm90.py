@@ -398,7 +398,7 @@ def test_persistent_causal_pairs(persistent, monkeypatch, D, Lq, Lk, batch, grou
     paired across entries) gives the bits of one block per tile, under permuted schedules, for SM counts that give
     every block two tiles or more; the launch carries the group its K / V bytes allow, and 0 (longest first) when
     a block would get one tile or with CAUSAL_PAIRS off."""
-    monkeypatch.setattr(S, "CAUSAL_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(tiles, "CAUSAL_GROUP_BYTES", group_bytes)
     q, k, v = make_inputs(DTYPES["float16"], D, Lq, Lk, seed=D + Lq, batch=batch)
     _, base, _ = persistent(False, None, q, k, v, True)
     n_bh, n_work = int(np.prod(batch)), -(-Lq // 128) * int(np.prod(batch))
@@ -442,7 +442,7 @@ def test_causal_group_rule(monkeypatch):
     fit CAUSAL_GROUP_BYTES, at least 1, at most every entry."""
     mb = 1 << 20
     assert S.causal_group(263, 132, 16, 4096, 128, 128, 2) == 0
-    assert S.causal_group(264, 132, 64, 4096, 128, 128, 2) == S.CAUSAL_GROUP_BYTES // (2 * mb)
+    assert S.causal_group(264, 132, 64, 4096, 128, 128, 2) == tiles.CAUSAL_GROUP_BYTES // (2 * mb)
     assert S.causal_group(2048, 132, 16, 65536, 256, 256, 2) == 1
     assert S.causal_group(2048, 132, 256, 64, 64, 64, 2) == 256
     monkeypatch.setattr(S, "CAUSAL_PAIRS", False)

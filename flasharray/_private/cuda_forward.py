@@ -167,6 +167,9 @@ class ForwardPlan:
                                             ext=0 if self.ext is None else self.ext.bits)
         scale_log2 = L.c_scalar(float(scale) * math.log2(math.e), acc)
         self.rows_per_group = Lq  # the kernel's query positions: row mod Lq (only Is_packed reads it)
+        # causal dense calls on the mma.sync kernel: the grouped longest-first order (tiles.causal_groups)
+        self._grouped = (tile.kernel == "tensor_core" and bool(causal) and splits == 1 and not packed_causal
+                         and kv is None and self.ext is None)
         if splits > 1:
             # Partial results (*batch, splits, rows, Dv) and (*batch, splits, rows), fp32: the
             # kernel's o / lse arguments (arrays 5 and 6 of run), merged into out / lse by
@@ -274,7 +277,11 @@ class ForwardPlan:
                     *(L.c_longlong(s) for s in ls),
                     scale_log2)
             if tile.kernel in ("tensor_core", "wgmma"):  # the wgmma kernel takes flash_fwd_kernel's arguments
-                args += (L.c_int(self.rows_per_group),) + self._kv_args(launcher, eo, es)
+                groups = tiles.causal_groups(grid_x, gy * gz, Lk, tile.head_dim, tile.head_dim_v,
+                                             np.dtype(self.dtype).itemsize,
+                                             tiles.split_slots(tile, launcher.arch, self.sm_count)) \
+                    if self._grouped else 0
+                args += (L.c_int(self.rows_per_group), L.c_int(groups)) + self._kv_args(launcher, eo, es)
             elif tile.kernel == "simt":
                 args += self._kv_args(launcher, eo, es)
             args += _dense_ext_args(self, launcher) if self.ext is None else self.ext.args(eo, es, part.tensors[6:])

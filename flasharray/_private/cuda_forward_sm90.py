@@ -387,9 +387,6 @@ def cp_async_ext_tile(tile, aligned, ext):
 #: longest-first order of every block's tiles, the scheduler before the twenty-second session). A
 #: ``hopper_variants.py`` switch (``fwd.CAUSAL_PAIRS``): not yet timed on a GPU.
 CAUSAL_PAIRS = True
-#: Bytes of K and V (all key rows of one batch entry, d + dv columns) one L2 group of the paired causal order
-#: may hold: the blocks running at once read about two groups, within an H100's / H200's 50 MB L2.
-CAUSAL_GROUP_BYTES = 20 << 20
 
 
 def paired_causal(name_expr):
@@ -403,10 +400,11 @@ def causal_group(work_tiles, grid, n_bh, Lk, d, dv, itemsize):
     """The ``group`` argument of a causal persistent launch (Sm90WsScheduler): 0 (longest-first order) unless
     :data:`CAUSAL_PAIRS` and every block gets two work tiles or more (``work_tiles >= 2 * grid``: with fewer,
     a block's pair costs n_m + 1 key tiles where one tile per block costs at most n_m); else the batch
-    entries per L2 group, as many as :data:`CAUSAL_GROUP_BYTES` of K and V hold (at least 1, at most n_bh)."""
+    entries per L2 group, as many as ``tiles.CAUSAL_GROUP_BYTES`` of K and V hold (at least 1, at most n_bh: the
+    blocks running at once read about two groups, within an H100's / H200's 50 MB L2)."""
     if not CAUSAL_PAIRS or work_tiles < 2 * grid:
         return 0
-    return max(1, min(n_bh, CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize)))
+    return max(1, min(n_bh, tiles.CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize)))
 
 
 def causal_pair_tiles(block, grid, n_m, n_bh, group):

@@ -479,6 +479,49 @@ def num_splits_heuristic(blocks, sm_count, n_key_tiles, max_splits=MAX_SPLITS):
     return next(s for s, e in rated if e >= SPLIT_EFFICIENCY * best)
 
 
+#: Whether causal dense calls on the tensor-core forward walk the grouped longest-first order (the kernel's
+#: ``causal_groups`` argument, :func:`causal_groups`; off: entry by entry, each entry's longest tile first).
+#: Twenty-second session; a ``hopper_variants.py`` switch (``mma.CAUSAL_GROUPS``), not yet timed on a GPU.
+CAUSAL_GROUPS = True
+#: Bytes of K and V (all key rows of a batch entry, d + dv columns) one group of a causal order may hold: the
+#: tensor-core forward's groups here, the persistent wgmma forward's pairs (cuda_forward_sm90.causal_group).
+CAUSAL_GROUP_BYTES = 20 << 20
+
+
+def causal_groups(n_m, entries, Lk, d, dv, itemsize, slots):
+    """The tensor-core forward's ``causal_groups`` argument (flash_block_info.cuh, ``grid_tile``) for a causal
+    dense grid of ``n_m`` query tiles x ``entries`` batch entries on ``slots`` concurrent blocks
+    (:func:`split_slots`): 0 (entry by entry) unless :data:`CAUSAL_GROUPS` and n_m > 1; else entries //
+    (entries per group), a group being at least the entries whose K and V fit :data:`CAUSAL_GROUP_BYTES` and at
+    least 2·slots / n_m entries (groups then differ by at most one entry). The hardware starts blocks in grid
+    order, the next where one ends, so each group's longest tiles start while the previous group drains; a
+    group of about two waves of work keeps its longest tile from outlasting the rest (a list-scheduling model at
+    B·N = 16k, d 64-128, N 1k-16k: the busiest SM 1.003-1.015 x the mean, where entry by entry gave 1.005-1.075;
+    docs/performance.md, twenty-second session)."""
+    if not CAUSAL_GROUPS or n_m < 2 or entries < 1:
+        return 0
+    per_group = max(1, CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize), -(-2 * slots // n_m))
+    return max(1, entries // per_group)
+
+
+def grid_tile_order(n_m, entries, n_groups):
+    """Host mirror of flash_block_info.cuh's grid_tile: the (query tile, entry) of each linear block index L =
+    x + n_m·e of a causal grid, in dispatch order (n_groups = 0: entry by entry, longest first)."""
+    if n_groups <= 0:
+        return [(n_m - 1 - x, e) for e in range(entries) for x in range(n_m)]
+    groups = min(n_groups, entries)
+    base, big = divmod(entries, groups)
+    big_tiles = big * (base + 1) * n_m
+    out = []
+    for L in range(n_m * entries):
+        size = base + 1 if L < big_tiles else base
+        e0 = L // (size * n_m) * size if L < big_tiles else big * (base + 1) + (L - big_tiles) // (size * n_m) * size
+        within = L - e0 * n_m
+        level = within // size
+        out.append((n_m - 1 - level, e0 + within - level * size))
+    return out
+
+
 def split_slots(tile, arch, sm_count):
     """The block slots one wave of a split-KV forward has: ``sm_count`` x 2 where two blocks of ``tile``
     share an SM (at most 128 threads: their 200-255 registers per thread fill half the register file;
