@@ -273,7 +273,7 @@ def ws_kv_regs(name_expr):
     kExt = 0 and ``kKVRegsOn`` (the thirteenth template argument, true unless named)."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     ext = int(args[11]) if len(args) > 11 else 0
-    return (int(args[2]), int(args[3])) == (64, 64) and not ext and (len(args) < 13 or args[12] == "true")
+    return kv_regs(int(args[2]), int(args[3]), ext) and (len(args) < 13 or args[12] == "true")
 
 
 def kv_regs(D, Dv, ext=0):

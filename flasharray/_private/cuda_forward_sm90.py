@@ -404,7 +404,7 @@ def causal_group(work_tiles, grid, n_bh, Lk, d, dv, itemsize):
     blocks running at once read about two groups, within an H100's / H200's 50 MB L2)."""
     if not CAUSAL_PAIRS or work_tiles < 2 * grid:
         return 0
-    return max(1, min(n_bh, tiles.CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize)))
+    return min(n_bh, tiles.l2_group_entries(Lk, d, dv, itemsize))
 
 
 def causal_pair_tiles(block, grid, n_m, n_bh, group):

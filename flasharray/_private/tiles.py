@@ -488,6 +488,11 @@ CAUSAL_GROUPS = True
 CAUSAL_GROUP_BYTES = 20 << 20
 
 
+def l2_group_entries(Lk, d, dv, itemsize):
+    """Batch entries whose K and V (Lk rows, d + dv columns) fit :data:`CAUSAL_GROUP_BYTES`, at least 1."""
+    return max(1, CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize))
+
+
 def causal_groups(n_m, entries, Lk, d, dv, itemsize, slots):
     """The tensor-core forward's ``causal_groups`` argument (flash_block_info.cuh, ``grid_tile``) for a causal
     dense grid of ``n_m`` query tiles x ``entries`` batch entries on ``slots`` concurrent blocks
@@ -500,7 +505,7 @@ def causal_groups(n_m, entries, Lk, d, dv, itemsize, slots):
     docs/performance.md, twenty-second session)."""
     if not CAUSAL_GROUPS or n_m < 2 or entries < 1:
         return 0
-    per_group = max(1, CAUSAL_GROUP_BYTES // max(1, Lk * (d + dv) * itemsize), -(-2 * slots // n_m))
+    per_group = max(l2_group_entries(Lk, d, dv, itemsize), -(-2 * slots // n_m))
     return max(1, entries // per_group)
 
 
