@@ -12,6 +12,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   fwd.CAUSAL_PAIRS             cuda_forward_sm90.CAUSAL_PAIRS: the persistent kernel's causal tiles paired (m and
                                n_m - 1 - m on one block) in L2 groups of entries (off: longest first, every entry
                                of a query tile together); causal rows only
+  fwd.WIDE_KEYS                cuda_forward_sm90.WIDE_KEYS: the ws kernel's key tiles of 192 / 176 at padded d = dv
+                               64 / 128, dense non-causal calls (off: 128); non-causal rows only
   fwd.USE_TMA                  cuda_forward_sm90.USE_TMA: the warp-specialized TMA kernel (off: cp.async kernel)
   fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel="tensor_core"):
                                ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
@@ -124,6 +126,7 @@ SWITCHES = (
     Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 256, "d = 256 persistent (spills)"),
     Switch("fwd.CAUSAL_PAIRS", "fwd", F, "CAUSAL_PAIRS", False,
            "persistent causal order: paired tiles in L2 groups vs longest first"),
+    Switch("fwd.WIDE_KEYS", "fwd", F, "WIDE_KEYS", False, "non-causal d 64 / 128: key tiles of 192 / 176 vs 128"),
     Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("fwd.kernel", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward (sm_90 dispatch)"),
     Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),

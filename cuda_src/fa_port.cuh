@@ -800,8 +800,11 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 #define FA_WG_D32(i) FA_WG_D8(i), FA_WG_D8(i + 8), FA_WG_D8(i + 16), FA_WG_D8(i + 24)
 #define FA_WG_D_64 FA_WG_D32(0)
 #define FA_WG_D_128 FA_WG_D32(0), FA_WG_D32(32)
+#define FA_WG_D_176 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D8(64), FA_WG_D8(72), FA_WG_D8(80)
+#define FA_WG_D_192 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D32(64)
 #define FA_WG_D_256 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D32(64), FA_WG_D32(96)
-// The register list {%0, ..., %(N/2-1)} and the operand numbers after it, per N.
+// The register list {%0, ..., %(N/2-1)} and the operand numbers after it, per N (the N of the S wgmma: Bc;
+// of the O wgmma: dv).
 #define FA_WG_ACC_64 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -818,6 +821,28 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 #define FA_WG_SS_P_128 "setp.ne.b32 p, %66, 0;\n\t"
 #define FA_WG_RS_128 "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"  // a0-a3, desc-b, scale-d (p = %69 != 0), trans-b
 #define FA_WG_RS_P_128 "setp.ne.b32 p, %69, 0;\n\t"
+#define FA_WG_ACC_176 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87}, "
+#define FA_WG_SS_176 "%88, %89, p, 1, 1, %91, %92;\n"  // desc-a, desc-b, scale-d (p = %90 != 0), trans-a, trans-b
+#define FA_WG_SS_P_176 "setp.ne.b32 p, %90, 0;\n\t"
+#define FA_WG_RS_176 "{%88, %89, %90, %91}, %92, p, 1, 1, %94;\n"  // a0-a3, desc-b, scale-d (p = %93 != 0), trans-b
+#define FA_WG_RS_P_176 "setp.ne.b32 p, %93, 0;\n\t"
+#define FA_WG_ACC_192 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+#define FA_WG_SS_192 "%96, %97, p, 1, 1, %99, %100;\n"  // desc-a, desc-b, scale-d (p = %98 != 0), trans-a, trans-b
+#define FA_WG_SS_P_192 "setp.ne.b32 p, %98, 0;\n\t"
+#define FA_WG_RS_192 "{%96, %97, %98, %99}, %100, p, 1, 1, %102;\n"  // a0-a3, desc-b, scale-d (p = %101 != 0), trans-b
+#define FA_WG_RS_P_192 "setp.ne.b32 p, %101, 0;\n\t"
 #define FA_WG_ACC_256 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -851,13 +876,18 @@ template <int N, class T> struct Wgmma;
     };
 FA_WGMMA_DEFINE(64, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(128, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(176, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(192, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(256, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(64, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(128, fa_bf16, ".bf16.bf16")
+FA_WGMMA_DEFINE(176, fa_bf16, ".bf16.bf16")
+FA_WGMMA_DEFINE(192, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(256, fa_bf16, ".bf16.bf16")
 
 #define FA_WGMMA_CHECK(N)                                                                                     \
-    static_assert(N == 64 || N == 128 || N == 256, "fa::wgmma on the GPU: N must be 64, 128 or 256");         \
+    static_assert(N == 64 || N == 128 || N == 176 || N == 192 || N == 256,                                    \
+                  "fa::wgmma on the GPU: N must be 64, 128, 176, 192 or 256");                                \
     static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
 
 // D (+)= A B, m64nNk16: scale_d 0 ignores the accumulator's input (D = A B), 1 accumulates. TransA /
@@ -892,21 +922,33 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
 #undef FA_WG_D32
 #undef FA_WG_D_64
 #undef FA_WG_D_128
+#undef FA_WG_D_176
+#undef FA_WG_D_192
 #undef FA_WG_D_256
 #undef FA_WG_ACC_64
 #undef FA_WG_ACC_128
+#undef FA_WG_ACC_176
+#undef FA_WG_ACC_192
 #undef FA_WG_ACC_256
 #undef FA_WG_SS_64
 #undef FA_WG_SS_128
+#undef FA_WG_SS_176
+#undef FA_WG_SS_192
 #undef FA_WG_SS_256
 #undef FA_WG_SS_P_64
 #undef FA_WG_SS_P_128
+#undef FA_WG_SS_P_176
+#undef FA_WG_SS_P_192
 #undef FA_WG_SS_P_256
 #undef FA_WG_RS_64
 #undef FA_WG_RS_128
+#undef FA_WG_RS_176
+#undef FA_WG_RS_192
 #undef FA_WG_RS_256
 #undef FA_WG_RS_P_64
 #undef FA_WG_RS_P_128
+#undef FA_WG_RS_P_176
+#undef FA_WG_RS_P_192
 #undef FA_WG_RS_P_256
 #undef FA_SM90A_ASM
 #undef FA_WGMMA_ARCH_OK

@@ -102,6 +102,15 @@ __device__ __forceinline__ void ctaid_reread(int& x, int& y, int& z) {
 #endif
 }
 
+// x itself, through a volatile move the device compiler cannot see through: what is derived from the result is
+// recomputed, not taken from registers holding what was derived from x before (the emulator: x).
+__device__ __forceinline__ int opaque_int(int x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+#endif
+  return x;
+}
+
 // The rows [row_begin, row_begin + rows_valid) of a tile of kRows rows starting at row_begin
 // that exist in a sequence of length seq_len (the rest are zero-filled when loaded and never
 // stored).

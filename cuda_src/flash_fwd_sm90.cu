@@ -65,7 +65,8 @@ template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 struct Sm90FwdTraits {
   static_assert(sizeof(T) == 2, "the wgmma forward takes 16-bit inputs");
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups of 64 rows");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "Bc is the N of the S wgmma: 64, 128 or 256");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192 || kBlockN == 256,
+                "Bc is the N of the S wgmma: 64, 128, 176, 192 or 256 (the wide key tiles: a multiple of 16, the k of P V)");
   static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "dv is the N of the O wgmma");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "d: whole 128-byte swizzle panels");
   static constexpr int kWarpgroups = kBlockM / 64;
@@ -503,13 +504,17 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kOBytes = kBlockM * Base::kStrideO * 2;
   static constexpr int kSmemLimit = 227 * 1024;
   // Persistent: sO in its own region past the K / V ring where it fits (the next tile's Q may land while
-  // the epilogue runs), else (d = 256) over sQ, grown downwards by kOPad bytes so that it covers nothing
-  // of the ring (the producer keeps streaming K / V during the epilogue; Q waits for it). Not persistent:
-  // sO over the (then idle) Q / K / V space from offset 0, as before.
+  // the epilogue runs); else over the V stage of the tile's last visit where one stage holds it (kOOverV: d 128
+  // on the wide key tile, FlashAttention-3's aliasing of O with V; the consumers arrive on that stage's empty
+  // barrier only once the epilogue has read sO, so the producer's next V there waits for it, while the next
+  // tile's Q and first K land during the epilogue); else (d = 256) over sQ, grown downwards by kOPad bytes so
+  // that it covers nothing of the ring (the producer keeps streaming K / V during the epilogue; Q waits for it).
+  // Not persistent: sO over the (then idle) Q / K / V space from offset 0, as before.
   static constexpr bool kSeparateO = Is_persistent &&
                                      Base::kLoopBytes + kOBytes + kBars * 8 + Base::kAtomBytes <= kSmemLimit;
-  static constexpr int kOPad = Is_persistent && !kSeparateO && kOBytes > Base::kQBytes
-                                   ? (kOBytes - Base::kQBytes + 1023) / 1024 * 1024 : 0;
+  static constexpr bool kOOverV = Is_persistent && !kSeparateO && kOBytes <= Base::kVBytes;
+  static constexpr bool kOOverQ = Is_persistent && !kSeparateO && !kOOverV;
+  static constexpr int kOPad = kOOverQ && kOBytes > Base::kQBytes ? (kOBytes - Base::kQBytes + 1023) / 1024 * 1024 : 0;
   static constexpr int kQOffset = kOPad;
   static constexpr int kKOffset = kOPad + Base::kKOffset;
   static constexpr int kVOffset = kOPad + Base::kVOffset;
@@ -519,7 +524,7 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
                                                                                               : Base::kEpilogueBytes) + 7) / 8 * 8;
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
   static_assert(kSmemBytes <= kSmemLimit, "shared memory");
-  static_assert(!Is_persistent || kSeparateO || kOBytes <= kOPad + Base::kQBytes, "aliased sO covers sQ only");
+  static_assert(!kOOverQ || kOBytes <= kOPad + Base::kQBytes, "aliased sO covers sQ only");
   static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
   // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas (overlapped: its S and
   // P V wgmmas) only in its turn, named barrier kTurnBarrier + c (its 128 threads sync, the other
@@ -544,7 +549,7 @@ struct Sm90WsSmem {
   uint64_t* full_v;   // [kStages]: V_j landed
   uint64_t* empty_k;  // [kStages]: every consumer thread is done with K_j (not overlapped: with the stage)
   uint64_t* empty_v;  // [kStages]: ... done with V_j (not overlapped: empty_k)
-  uint64_t* empty_q;  // persistent: every consumer thread is done with sQ (and, aliased, with sO)
+  uint64_t* empty_q;  // persistent: every consumer thread is done with sQ (and, aliased over it, with sO)
 };
 
 template <typename Tr, bool Is_overlap>
@@ -672,6 +677,8 @@ struct Sm90WsConsumer {
   using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
   using Tiles = Sm90KeyTiles<Is_causal, kExt>;
   static constexpr int kStages = Tr::kStages;
+  static_assert(!Tr::kOOverV || (!Is_causal && kExt == 0),
+                "sO over the last visit's V stage needs a visit in every work tile: dense, non-causal (Lk >= 1)");
   Sm90WsSmem sm;
   Mask<Is_causal, kExt> mask;   // dense: the launch's; extensions: the current tile's entry (tile())
   ExtArgs<float> ext;
@@ -720,16 +727,17 @@ struct Sm90WsConsumer {
       dropout_sm90<kExt, kBlockN>(acc_s, rng, m0 + warp_row + g, n_block * kBlockN, lane);
       fa::mbarrier_wait_parity(sm.full_v + s, phase);   // V_j has landed
       gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sm.sV + s * Tr::kVBytes);
-      fa::mbarrier_arrive(sm.empty_k + s);              // both wgmma batches on stage s completed: refill it
-      ++v;
+      if (!Tr::kOOverV || next >= tiles.lo())
+        fa::mbarrier_arrive(sm.empty_k + s);            // both wgmma batches on stage s completed: refill it
+      ++v;                                              // (kOOverV: the last visit's stage after the epilogue)
     });
     release_q_early();
     return v - visit0;
   }
 
-  // Separate sO (persistent): sQ is free once the tile's last S batch has completed.
+  // sO not over sQ (persistent): sQ is free once the tile's last S batch has completed.
   __device__ __forceinline__ void release_q_early() const {
-    if (Is_persistent && Tr::kSeparateO) fa::mbarrier_arrive(sm.empty_q);
+    if (Is_persistent && !Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);
   }
 
   __device__ __forceinline__ int mainloop_overlap(float (&acc_o)[kHeadDimV / 2], OnlineSoftmaxRow<float> (&stat)[2],
@@ -739,7 +747,7 @@ struct Sm90WsConsumer {
   __device__ __forceinline__ void epilogue(const float (&acc_o)[kHeadDimV / 2], const OnlineSoftmaxRow<float> (&stat)[2],
                                            int m0, const BatchIndex& bidx, T* o, float* lse, int Dv,
                                            const TensorStrides& o_s, const TensorStrides& lse_s,
-                                           const CUtensorMap* tmap_o) const;
+                                           const CUtensorMap* tmap_o, unsigned char* sO_base) const;
 
   // One work tile: Q_i waited for (its bar_q phase k_tile), the key loop, the epilogue; visit advanced by
   // the tile's key tiles. Aliased sO (persistent): sQ released after the epilogue.
@@ -771,11 +779,13 @@ struct Sm90WsConsumer {
       visits = mainloop_plain(acc_o, stat, m0, tiles, visit);
     }
     visit += kExt == 0 ? n_block_max : visits;   // dense: every tile below n_block_max
-    epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o);
-    if (Is_persistent && !Tr::kSeparateO) {
-      fa::fence_proxy_async();   // the staged O's generic accesses before the next Q's async-proxy writes
-      fa::mbarrier_arrive(sm.empty_q);
-    }
+    const int last_stage = (visit - 1) % kStages;   // kOOverV: the tile has visits (non-causal, dense, Lk >= 1)
+    epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o,
+                           Tr::kOOverV ? sm.sV + last_stage * Tr::kVBytes : sm.sO);
+    if (Tr::kOOverV || Tr::kOOverQ)
+      fa::fence_proxy_async();   // the staged O's generic accesses before the async-proxy writes of the next loads
+    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + last_stage);   // the V stage sO lay over may be refilled
+    if (Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);
   }
 };
 
@@ -857,7 +867,7 @@ __device__ __forceinline__ int Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, k
   issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_o);
-  fa::mbarrier_arrive(sm.empty_v + sp);
+  if (!Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + sp);   // kOOverV: after the epilogue (tile())
   return i;
 }
 
@@ -874,8 +884,14 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
                                                                         int m0, const BatchIndex& bidx, T* o,
                                                                         float* lse, int Dv, const TensorStrides& o_s,
                                                                         const TensorStrides& lse_s,
-                                                                        const CUtensorMap* tmap_o) const {
+                                                                        const CUtensorMap* tmap_o,
+                                                                        unsigned char* sO_base) const {
   const int rows = rows_in_tile(m0, kBlockM, kExt == 0 ? mask.Lq : Lq);   // extensions: mask.Lq is the entry's
+  // The thread's coordinates, re-read in the persistent kernel (its epilogue runs once per work tile: what ptxas
+  // derives from them would otherwise be hoisted out of the tile loop and held through the key loop).
+  const int tid = Is_persistent ? opaque_int(ctid) : ctid;
+  const int lane = tid % 32, g = lane >> 2, t = lane & 3, cwg = tid / 128, ctid = tid;
+  const int warp_row = cwg * 64 + ((tid % 128) / 32) * 16;
   fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
   float inv_l[2], lse_r[2];
   finish_rows_sm90<kExt>(inv_l, lse_r, stat, ext, m0 + warp_row + g, mask.Lq);
@@ -886,7 +902,7 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
     // tmap_o reads), made visible to the async proxy, then one thread per warpgroup stores its 64 rows as
     // dv / 64 boxes (rows past Lq and columns past Dv are clipped by the copy engine) and waits until they
     // have read shared memory (before the block exits and releases it, or the next tile overwrites it).
-    unsigned char* sO = sm.sO;
+    unsigned char* sO = sO_base;
     stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
                                   [&](int row, int chunk) { return sO + sw128_offset<kBlockM>(row, chunk); });
     fa::fence_proxy_async();
@@ -899,7 +915,7 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
   } else {
     (void)tmap_o;  // the host passes q's map: this instantiation stores rows
     T* o_i = o + bidx.offset(o_s) + m0 * o_s.row;
-    T* sO = reinterpret_cast<T*>(sm.sO);
+    T* sO = reinterpret_cast<T*>(sO_base);
     stmatrix_o_sm90<T, kHeadDimV>(acc_o, inv_l, warp_row, lane,
                                   [&](int row, int chunk) { return sO + row * Tr::kStrideO + 8 * chunk; });
     fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);

@@ -182,6 +182,7 @@ OVERLAP_CASES = [
     ("bfloat16", 128, 200, 130, True, False),
     ("float16", 64, 33, 100, False, False),
     ("bfloat16", 256, 65, 300, False, False),
+    ("bfloat16", 128, 70, 400, False, False),   # WIDE_KEYS: three key tiles of 176 (the last one 48 keys)
 ]
 
 
@@ -206,6 +207,38 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
     for a, b in zip(got[True], got[False]):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     assert_attention_close(got[True][0], q, k, v, causal=causal, lse=got[True][1])
+
+
+# (dtype, D, Lq, Lk, layout, gqa): several wide key tiles and a partial last one (400 = 2 x 192 + 16, 353 = 2 x 176
+# + 1), exactly one tile (176), padded head dims (48 -> 64, 120 -> 128), BSHD views, GQA broadcast.
+WIDE_CASES = [
+    ("float16", 64, 150, 400, "bhsd", False),
+    ("bfloat16", 48, 70, 192, "bshd", True),
+    ("bfloat16", 128, 130, 353, "bhsd", False),
+    ("float16", 120, 40, 176, "bshd", False),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Lq,Lk,layout,gqa", WIDE_CASES)
+def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
+    """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 run the ws kernel on key tiles of 192 / 176
+    (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); the same
+    call causal, with Dv != D or with WIDE_KEYS off keeps Bc 128 (and meets the rule); permuted emulator
+    schedules give the same bits."""
+    out, lse = check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=0)
+    tile = sm90_plan(q, k, v, False).tile
+    assert tile.block_n == S.WIDE_BLOCK_N[tile.head_dim] and "WIDE_KEYS" in tile.describe()
+    assert sm90_plan(q, k, v, True).tile.block_n == 128
+    dv = 100 if tile.head_dim == 64 else 40   # the other padded head dim
+    assert sm90_plan(q, k, make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=dv, seed=0)[2], False).tile.block_n == 128
+    for schedule, seed in (("reverse", 0), ("random", 3)):
+        got = run_forward("emulator", q, k, v, causal=False, kernel="wgmma", arch="sm_90", schedule=schedule, seed=seed)
+        for a, b in zip(got, (out, lse)):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    with flag_set(S, "WIDE_KEYS", False):
+        assert sm90_plan(q, k, v, False).tile.block_n == 128
+        check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
 
 
 @pytest.fixture
@@ -286,13 +319,16 @@ def test_out_tma_legal_rules():
 
 @pytest.fixture
 def mutated_source(monkeypatch):
-    """mutate(old, new): the emulator compiles cuda_src/flash_fwd_sm90.cu with ``old`` (present once) replaced."""
+    """mutate(old, new, [old2, new2, ...]): the emulator compiles cuda_src/flash_fwd_sm90.cu with ``old`` (present
+    once) replaced, and each further pair."""
     from flasharray._private import launch
     text, digest = launch.kernel_source(S.SOURCE), launch.source_digest()
 
-    def mutate(old, new):
-        assert text.count(old) == 1, old
-        patched = text.replace(old, new)
+    def mutate(old, new, *more):
+        patched = text
+        for o, n in zip((old,) + more[::2], (new,) + more[1::2]):
+            assert patched.count(o) == 1, o
+            patched = patched.replace(o, n)
         monkeypatch.setattr(launch, "kernel_source", lambda name: patched if name == S.SOURCE else text)
         monkeypatch.setattr(launch, "source_digest", lambda: digest + "-mutant-%x" % hash(patched))
         launch._clear_plans()
@@ -340,15 +376,18 @@ def persistent(monkeypatch):
 
 # (dtype, D, Lq, Lk, causal, gqa, layout, batch): Lq off the tile (a partial last query tile), several batch
 # entries (work tiles = query tiles x entries: 4 to 9), causal with Lq > Lk (query tiles that see no key:
-# their Q still loaded, their O zero), GQA broadcast, BSHD views, d 64 / 128 (sO in its own region) and
-# 256 (sO over sQ, released after the epilogue).
+# their Q still loaded, their O zero), GQA broadcast, BSHD views, d 64 / 128 (sO in its own region; non-causal
+# d 128 on the wide key tile: over the V stage of the tile's last visit, released after the epilogue) and 256 (sO
+# over sQ, released after the epilogue).
 PERSIST_CASES = [
     ("float16", 64, 200, 300, True, False, "bhsd", (1, 2)),
     ("bfloat16", 128, 330, 200, True, False, "bhsd", (1, 2)),
     ("float16", 64, 77, 130, False, True, "bshd", (2, 3)),
     ("bfloat16", 128, 150, 150, False, False, "bhsd", (3, 1)),
     ("float16", 256, 150, 100, True, False, "bhsd", (1, 2)),
-]
+    ("float16", 64, 150, 400, False, False, "bhsd", (2, 1)),   # WIDE_KEYS: key tiles of 192 (the last one 16 keys)
+    ("bfloat16", 128, 200, 400, False, False, "bshd", (1, 2)),  # ... of 176: sO over the last visit's V stage,
+]                                                               # three visits a tile (the stage alternates)
 # forced SM counts (1: one block walks every tile; 2, 3: uneven splits) and the natural count (one tile per
 # block), each under another emulator schedule
 PERSIST_RUNS = [(1, "random", 11), (2, "reverse", 0), (3, "forward", 0), (None, "random", 4)]
@@ -467,11 +506,13 @@ def test_persistent_layout_and_names():
     assert S.persistent_layout(64, 64, 128, 128) == (True, 0)
     assert S.persistent_layout(128, 128, 128, 128) == (True, 0)
     assert S.persistent_layout(256, 256, 128, 64) == (False, 2048)   # Br x 8 padding elements past sQ
-    for d, bc in ((64, 128), (128, 128), (256, 64)):
+    assert S.persistent_layout(64, 64, 128, 192) == (True, 0)
+    assert S.persistent_layout(128, 128, 128, 176) == (False, 0)  # the wide key tile: sO over a V stage
+    for d, bc in ((64, 128), (128, 128), (256, 64), (64, 192), (128, 176)):
         assert S.ws_smem_bytes(d, d, 128, bc, True, True) <= tiles.smem_limit(90)
     assert S.ws_smem_bytes(128, 128, 128, 128, True, True) == 163840 + 128 * 136 * 2 + 8 * 10 + 1024
     t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
-    ws = S.tma_tile(t, ())
+    ws = S.tma_tile(t, (), causal=True)
     assert ws.persistent == S.PERSISTENT
     assert not S.tma_tile(S.forward_tile(np.float16, 256, 256, 90, kernel="wgmma"), ()).persistent  # spills
     name = dataclasses.replace(ws, persistent=True).name_expression(True, True)
@@ -492,8 +533,8 @@ _NO_Q_WAIT = ("    if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.
     # the ring's visit count restarted per tile: stages and parities out of step with the mbarriers' phases
     ("    visit += kExt == 0 ? n_block_max : visits;", "    visit = 0;", 64, "deadlock: thread .* waits for the phase"),
     # sQ never handed back (d = 64: separate sO, released after the S batches; d = 256: after the epilogue)
-    ("    if (Is_persistent && Tr::kSeparateO) fa::mbarrier_arrive(sm.empty_q);\n", "", 64, "deadlock"),
-    ("      fa::mbarrier_arrive(sm.empty_q);\n    }\n", "    }\n", 256, "deadlock"),
+    ("    if (Is_persistent && !Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);\n", "", 64, "deadlock"),
+    ("    if (Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);\n", "", 256, "deadlock"),
 ])
 def test_persistent_mutations_reported(mutated_source, persistent, old, new, D, match):
     """The emulator reports a persistent kernel (one block, four work tiles) that loads the next Q without
@@ -503,6 +544,28 @@ def test_persistent_mutations_reported(mutated_source, persistent, old, new, D, 
     mutated_source(old, new)
     with pytest.raises(EmulatorError, match=match):
         persistent(True, 1, q, k, v, True, schedule="random", seed=1)
+
+
+_LAST_V = "    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + last_stage);   // the V stage sO lay over may be refilled\n"
+
+
+@pytest.mark.parametrize("old,new,match", [
+    # the V stage under sO never handed back: the producer waits for it forever
+    (_LAST_V, "", "deadlock"),
+    # handed back with the last P V, before the epilogue: the producer's next V is in flight under the staged O
+    ("  if (!Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + sp);", "  fa::mbarrier_arrive(sm.empty_v + sp);",
+     "fa::stmatrix writes shared offset .* the destination of a bulk copy"),
+])
+def test_o_over_v_mutations_reported(mutated_source, persistent, old, new, match):
+    """sO over the V stage of the tile's last visit (d 128 on the wide key tile, persistent, one block walking
+    four work tiles): the emulator reports the stage never handed back, or handed back before the epilogue (in
+    the forward schedule, where the next V's copy is still in flight when the epilogue writes sO; where it has
+    landed before, the emulator does not see the overwrite: docs/hopper.md, "Wide key tiles")."""
+    from flasharray.emulator import EmulatorError
+    q, k, v = make_inputs(np.float16, 128, 200, 400, seed=2, batch=(1, 2))
+    mutated_source(old, new, *(() if old == _LAST_V else (_LAST_V, "")))
+    with pytest.raises(EmulatorError, match=match):
+        persistent(True, 1, q, k, v, False, schedule="forward" if old != _LAST_V else "random", seed=1)
 
 
 def test_tma_fallback_rules():
@@ -756,7 +819,7 @@ def test_cupy_path_compiles_sm90a_and_loads_the_cubin(monkeypatch, tmp_path):
     assert loaded[2] == ("code", ("flash_bwd_convert_dq_kernel<float, float, 128, 4>",))
     # the warp-specialized TMA instantiation: the same sm_90a path; its tensor maps are the driver's
     # encoding per call (cuTensorMapEncodeTiled at the array's address + offset, stood in for here)
-    ws = S.tma_tile(t, ())
+    ws = S.tma_tile(t, (), causal=True)
     ws_name = ws.name_expression(True, True)
     launcher._function(ws.source, ws_name)
     (kind, path), (_, lowered) = loaded[4:6]

@@ -176,6 +176,7 @@ FWD_VARIANTS = {
     "persistent_sm1": dict(SM_COUNT=1),
     "persistent_sm3": dict(SM_COUNT=3),
     "persistent_d256": dict(PERSISTENT_MAX_HEAD_DIM=256),  # spills at d = 256 (not the default), still correct
+    "narrow_keys": dict(WIDE_KEYS=False),   # non-causal d 64 / 128 on key tiles of 128, not 192 / 176
 }
 
 
@@ -243,6 +244,7 @@ FWD_SHAPES = [
     ("float16", 40, 1, 257, True, "bhsd", True, (2, 4)),
     ("bfloat16", 72, 1, 130, False, "bshd", True, (1, 4)),
     ("float16", 59, 20, 70, True, "bhsd", False, (1, 2)),
+    ("float16", 64, 150, 420, False, "bhsd", False, (2, 2)),   # WIDE_KEYS: key tiles of 192, the last of 36
 ]
 FWD_EMULATOR = [  # (variant, *shape): each variant family once, small
     ("cp_async", "bfloat16", 64, 130, 77, True, "bhsd", False, (1, 2)),
@@ -254,7 +256,8 @@ FWD_EMULATOR = [  # (variant, *shape): each variant family once, small
 ]
 FWD_GPU = ([(v,) + s for v in ("cp_async", "ws", "ws_no_overlap", "row_store", "non_persistent") for s in FWD_SHAPES]
            + [(v,) + s for v in ("persistent_sm1", "persistent_sm3") for s in FWD_SHAPES if s[1] <= 128 and s[1] % 8 == 0]
-           + [("persistent_d256",) + s for s in FWD_SHAPES if s[1] == 256])
+           + [("persistent_d256",) + s for s in FWD_SHAPES if s[1] == 256]
+           + [("narrow_keys",) + s for s in FWD_SHAPES if not s[4] and s[1] <= 128 and s[1] % 8 == 0])
 FWD_SLOW = [(v, dt, D, Lq, Lk, causal, "bshd" if D == 128 else "bhsd", D == 64, (2, 4))
             for v in ("ws", "cp_async", "row_store", "ws_no_overlap") for dt in DTYPES for D in (64, 128, 256)
             for Lq, Lk in ((1000, 1500), (2048, 2048)) for causal in (False, True)]

@@ -41,16 +41,18 @@ def instantiations(dtypes, head_dims):
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma")
             for causal, aligned in FLAGS:
                 found[t.name_expression(causal, aligned)] = t
-            ws = S.tma_tile(t, ())  # the warp-specialized TMA instantiation (no tensors to refuse it)
-            assert ws.tma and ws.n_threads == 384 and ws.overlap == S.OVERLAP
             # both consumer loops: overlapped (the default) and every batch waited for (OVERLAP = False)
             # one block per work tile (overlapped and not) and, overlapped, the persistent kernel (Is_persistent)
             # (d = 256 is not taken persistent: PERSISTENT_MAX_HEAD_DIM, its consumers spill)
             for overlap, persistent in ((True, False), (False, False), (True, True))[:3 if d <= 128 else 2]:
-                v = dataclasses.replace(ws, overlap=overlap, persistent=persistent,
-                                        smem=S.ws_smem_bytes(ws.head_dim, ws.head_dim_v, ws.block_m, ws.block_n,
-                                                             overlap, persistent))
                 for causal in (False, True):
+                    # the warp-specialized TMA instantiation (no tensors to refuse it); non-causal: the wide
+                    # key tile (WIDE_KEYS) at d 64 / 128
+                    ws = S.tma_tile(t, (), causal=causal)
+                    assert ws.tma and ws.n_threads == 384 and ws.overlap == S.OVERLAP
+                    v = dataclasses.replace(ws, overlap=overlap, persistent=persistent,
+                                            smem=S.ws_smem_bytes(ws.head_dim, ws.head_dim_v, ws.block_m, ws.block_n,
+                                                                 overlap, persistent))
                     found[v.name_expression(causal, True)] = v
                     if overlap == S.OVERLAP:  # + the TMA store of O (Is_tma_store)
                         found[v.name_expression(causal, True, tma_store=True)] = v

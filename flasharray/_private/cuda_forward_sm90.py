@@ -74,13 +74,16 @@ def _o_bytes(dv, block_m):
 
 def persistent_layout(d, dv, block_m, block_n, overlap=True):
     """Mirror of Sm90WsTraits<..., Is_persistent = true>: (kSeparateO, kOPad). sO gets its own region when
-    the ring, it and the mbarriers fit in 227 KB (d <= 128); else it lies over sQ, which moves up by kOPad
-    bytes (a multiple of 1 KB) so that sO covers nothing of the ring."""
+    the ring, it and the mbarriers fit in 227 KB (d <= 128 on key tiles of 128); else it lies over the V stage of
+    a tile's last visit where one stage holds it (kOOverV: d 128 on the wide key tile; kOPad 0), else over sQ,
+    which moves up by kOPad bytes (a multiple of 1 KB) so that sO covers nothing of the ring (d 256)."""
     bars = 2 + (4 if overlap else 3) * STAGES
     loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
-    o_bytes, q_bytes = _o_bytes(dv, block_m), 2 * block_m * d
+    o_bytes, q_bytes, v_bytes = _o_bytes(dv, block_m), 2 * block_m * d, 2 * block_n * dv
     if loop + o_bytes + 8 * bars + _ALIGN <= 227 * 1024:
         return True, 0
+    if o_bytes <= v_bytes:
+        return False, 0
     return False, -(-max(0, o_bytes - q_bytes) // 1024) * 1024
 
 
@@ -279,6 +282,15 @@ ELEMENTWISE_MAX_HEAD_DIM_EXT = 128
 #: Bc of the cp.async kernel with extensions at padded d 128 (Bc 128 spilled 4 bytes with window + ALiBi +
 #: block mask + dropout, causal; and the element-wise copy more): 64, zero spills at 164-215 registers.
 CP_ASYNC_EXT_BLOCK_N = 64
+#: The ws kernel's key tile for dense, non-causal calls at padded d = dv (FlashAttention-3's sm_90 tiles: 128 x 176
+#: at d 128; at d 64, where FA3 runs 192 x 192 on three consumer warpgroups, 128 x 192 on our two): Bc = 176 /
+#: 192 instead of 128 spreads each key tile's fixed work (the O rescale, the row max and sum shuffles, the mbarrier
+#: waits and ping-pong turns) over 1.4 / 1.5x the scores. Causal calls (FA3: 128) and calls with extensions
+#: (their per-tile state) keep Bc = 128; so does the cp.async kernel. False: Bc = 128 everywhere
+#: (``hopper_variants.py``'s ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before
+#: planning, or clear them (launch._clear_plans).
+WIDE_KEYS = True
+WIDE_BLOCK_N = {64: 192, 128: 176}
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -338,7 +350,15 @@ def ws_flags(name_expr):
     return args[7] == "true", args[8] == "true"
 
 
-def tma_tile(tile, arrays, ext=0):
+def wide_block_n(tile, ext=0, causal=False):
+    """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0), non-causal calls at
+    padded d = dv where :data:`WIDE_KEYS`, else ``tile.block_n``."""
+    if not WIDE_KEYS or ext or causal or tile.head_dim != tile.head_dim_v:
+        return tile.block_n
+    return WIDE_BLOCK_N.get(tile.head_dim, tile.block_n)
+
+
+def tma_tile(tile, arrays, ext=0, causal=False):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
     call's kExt bits; with the block mask or dropout (and with ALiBi or softcap above
@@ -352,16 +372,17 @@ def tma_tile(tile, arrays, ext=0):
     d = max(tile.head_dim, tile.head_dim_v)
     heavy = bool(ext & ~GEOMETRY_EXT)
     overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
-    reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d, "
+    bc = wide_block_n(tile, ext, causal)
+    reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
-                  PRODUCER_REGS, CONSUMER_REGS, tile.block_n, STAGES,
+                  PRODUCER_REGS, CONSUMER_REGS, bc, " (WIDE_KEYS)" if bc != tile.block_n else "", STAGES,
                   ", softmax overlapped with P V" if overlap else ""))
     persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
     if persistent:
         reason += ", persistent (static tile scheduler)"
-    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, tile.block_n, overlap, persistent)
-    return dataclasses.replace(tile, tma=True, overlap=overlap, persistent=persistent, threads_m=warps, smem=smem,
-                               reason=reason)
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent)
+    return dataclasses.replace(tile, block_n=bc, tma=True, overlap=overlap, persistent=persistent, threads_m=warps,
+                               smem=smem, reason=reason)
 
 
 def cp_async_ext_tile(tile, aligned, ext):
