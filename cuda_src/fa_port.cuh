@@ -799,6 +799,7 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
     "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FA_WG_D32(i) FA_WG_D8(i), FA_WG_D8(i + 8), FA_WG_D8(i + 16), FA_WG_D8(i + 24)
 #define FA_WG_D_64 FA_WG_D32(0)
+#define FA_WG_D_80 FA_WG_D32(0), FA_WG_D8(32)
 #define FA_WG_D_128 FA_WG_D32(0), FA_WG_D32(32)
 #define FA_WG_D_176 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D8(64), FA_WG_D8(72), FA_WG_D8(80)
 #define FA_WG_D_192 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D32(64)
@@ -812,6 +813,14 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 #define FA_WG_SS_P_64 "setp.ne.b32 p, %34, 0;\n\t"
 #define FA_WG_RS_64 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"  // a0-a3, desc-b, scale-d (p = %37 != 0), trans-b
 #define FA_WG_RS_P_64 "setp.ne.b32 p, %37, 0;\n\t"
+#define FA_WG_ACC_80 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39}, "
+#define FA_WG_SS_80 "%40, %41, p, 1, 1, %43, %44;\n"  // desc-a, desc-b, scale-d (p = %42 != 0), trans-a, trans-b
+#define FA_WG_SS_P_80 "setp.ne.b32 p, %42, 0;\n\t"
+#define FA_WG_RS_80 "{%40, %41, %42, %43}, %44, p, 1, 1, %46;\n"  // a0-a3, desc-b, scale-d (p = %45 != 0), trans-b
+#define FA_WG_RS_P_80 "setp.ne.b32 p, %45, 0;\n\t"
 #define FA_WG_ACC_128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -875,19 +884,21 @@ template <int N, class T> struct Wgmma;
         }                                                                                                       \
     };
 FA_WGMMA_DEFINE(64, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(80, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(128, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(176, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(192, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(256, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(64, fa_bf16, ".bf16.bf16")
+FA_WGMMA_DEFINE(80, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(128, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(176, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(192, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(256, fa_bf16, ".bf16.bf16")
 
 #define FA_WGMMA_CHECK(N)                                                                                     \
-    static_assert(N == 64 || N == 128 || N == 176 || N == 192 || N == 256,                                    \
-                  "fa::wgmma on the GPU: N must be 64, 128, 176, 192 or 256");                                \
+    static_assert(N == 64 || N == 80 || N == 128 || N == 176 || N == 192 || N == 256,                         \
+                  "fa::wgmma on the GPU: N must be 64, 80, 128, 176, 192 or 256");                            \
     static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
 
 // D (+)= A B, m64nNk16: scale_d 0 ignores the accumulator's input (D = A B), 1 accumulates. TransA /
@@ -921,31 +932,37 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
 #undef FA_WG_D8
 #undef FA_WG_D32
 #undef FA_WG_D_64
+#undef FA_WG_D_80
 #undef FA_WG_D_128
 #undef FA_WG_D_176
 #undef FA_WG_D_192
 #undef FA_WG_D_256
 #undef FA_WG_ACC_64
+#undef FA_WG_ACC_80
 #undef FA_WG_ACC_128
 #undef FA_WG_ACC_176
 #undef FA_WG_ACC_192
 #undef FA_WG_ACC_256
 #undef FA_WG_SS_64
+#undef FA_WG_SS_80
 #undef FA_WG_SS_128
 #undef FA_WG_SS_176
 #undef FA_WG_SS_192
 #undef FA_WG_SS_256
 #undef FA_WG_SS_P_64
+#undef FA_WG_SS_P_80
 #undef FA_WG_SS_P_128
 #undef FA_WG_SS_P_176
 #undef FA_WG_SS_P_192
 #undef FA_WG_SS_P_256
 #undef FA_WG_RS_64
+#undef FA_WG_RS_80
 #undef FA_WG_RS_128
 #undef FA_WG_RS_176
 #undef FA_WG_RS_192
 #undef FA_WG_RS_256
 #undef FA_WG_RS_P_64
+#undef FA_WG_RS_P_80
 #undef FA_WG_RS_P_128
 #undef FA_WG_RS_P_176
 #undef FA_WG_RS_P_192

@@ -210,35 +210,42 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
 
 
 # (dtype, D, Lq, Lk, layout, gqa): several wide key tiles and a partial last one (400 = 2 x 192 + 16, 353 = 2 x 176
-# + 1), exactly one tile (176), padded head dims (48 -> 64, 120 -> 128), BSHD views, GQA broadcast.
+# + 1, 300 = 3 x 80 + 60), exactly one tile (176), padded head dims (48 -> 64, 120 -> 128, 200 -> 256), BSHD views,
+# GQA broadcast.
 WIDE_CASES = [
     ("float16", 64, 150, 400, "bhsd", False),
     ("bfloat16", 48, 70, 192, "bshd", True),
     ("bfloat16", 128, 130, 353, "bhsd", False),
     ("float16", 120, 40, 176, "bshd", False),
+    ("bfloat16", 200, 65, 300, "bhsd", False),
 ]
 
 
 @pytest.mark.parametrize("dtype,D,Lq,Lk,layout,gqa", WIDE_CASES)
 def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
-    """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 run the ws kernel on key tiles of 192 / 176
-    (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); the same
-    call causal, with Dv != D or with WIDE_KEYS off keeps Bc 128 (and meets the rule); permuted emulator
-    schedules give the same bits."""
+    """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 / 256 run the ws kernel on key tiles of 192 / 176
+    / 80 (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); the same
+    call causal, with Dv != D or with WIDE_KEYS off keeps the table's Bc (and meets the rule); d 256 persistent
+    keeps it too (that layout does not fit); permuted emulator schedules give the same bits."""
     out, lse = check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
     q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=0)
     tile = sm90_plan(q, k, v, False).tile
-    assert tile.block_n == S.WIDE_BLOCK_N[tile.head_dim] and "WIDE_KEYS" in tile.describe()
-    assert sm90_plan(q, k, v, True).tile.block_n == 128
-    dv = 100 if tile.head_dim == 64 else 40   # the other padded head dim
-    assert sm90_plan(q, k, make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=dv, seed=0)[2], False).tile.block_n == 128
+    narrow = S.forward_tile(q.dtype, D, D, 90, kernel="wgmma").block_n
+    assert tile.block_n == S.WIDE_BLOCK_N[tile.head_dim] != narrow and "WIDE_KEYS" in tile.describe()
+    assert sm90_plan(q, k, v, True).tile.block_n == narrow
+    dv = 100 if tile.head_dim == 64 else 40   # another padded head dim
+    v2 = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=dv, seed=0)[2]
+    assert sm90_plan(q, k, v2, False).tile.block_n == S.forward_tile(q.dtype, D, dv, 90, kernel="wgmma").block_n
     for schedule, seed in (("reverse", 0), ("random", 3)):
         got = run_forward("emulator", q, k, v, causal=False, kernel="wgmma", arch="sm_90", schedule=schedule, seed=seed)
         for a, b in zip(got, (out, lse)):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     with flag_set(S, "WIDE_KEYS", False):
-        assert sm90_plan(q, k, v, False).tile.block_n == 128
+        assert sm90_plan(q, k, v, False).tile.block_n == narrow
         check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
+    if tile.head_dim == 256:
+        with flag_set(S, "PERSISTENT_MAX_HEAD_DIM", 256):
+            assert sm90_plan(q, k, v, False).tile.block_n == narrow
 
 
 @pytest.fixture

@@ -290,7 +290,7 @@ CP_ASYNC_EXT_BLOCK_N = 64
 #: (``hopper_variants.py``'s ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before
 #: planning, or clear them (launch._clear_plans).
 WIDE_KEYS = True
-WIDE_BLOCK_N = {64: 192, 128: 176}
+WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -350,12 +350,15 @@ def ws_flags(name_expr):
     return args[7] == "true", args[8] == "true"
 
 
-def wide_block_n(tile, ext=0, causal=False):
+def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False):
     """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0), non-causal calls at
-    padded d = dv where :data:`WIDE_KEYS`, else ``tile.block_n``."""
+    padded d = dv where :data:`WIDE_KEYS` and the layout fits the shared memory (d 256 persistent does not: its
+    sO lies over sQ), else ``tile.block_n``."""
     if not WIDE_KEYS or ext or causal or tile.head_dim != tile.head_dim_v:
         return tile.block_n
-    return WIDE_BLOCK_N.get(tile.head_dim, tile.block_n)
+    bc = WIDE_BLOCK_N.get(tile.head_dim, tile.block_n)
+    fits = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent) <= tiles.smem_limit(ARCH)
+    return bc if fits else tile.block_n
 
 
 def tma_tile(tile, arrays, ext=0, causal=False):
@@ -372,12 +375,12 @@ def tma_tile(tile, arrays, ext=0, causal=False):
     d = max(tile.head_dim, tile.head_dim_v)
     heavy = bool(ext & ~GEOMETRY_EXT)
     overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
-    bc = wide_block_n(tile, ext, causal)
+    persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
+    bc = wide_block_n(tile, ext, causal, overlap, persistent)
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, bc, " (WIDE_KEYS)" if bc != tile.block_n else "", STAGES,
                   ", softmax overlapped with P V" if overlap else ""))
-    persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
     if persistent:
         reason += ", persistent (static tile scheduler)"
     smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent)
