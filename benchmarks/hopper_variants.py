@@ -182,7 +182,8 @@ FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False), ("fp16", 1, 1, 128, 128, False))
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
 EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
-                       ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS")}
+                       ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS"),
+                       ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS",)}   # one key tile of 176 (N 128 keeps 128)
 #: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,
 #: the causal pairs' condition
 EMULATOR_SM_COUNT = 2

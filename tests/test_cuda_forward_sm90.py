@@ -209,13 +209,13 @@ def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal
     assert_attention_close(got[True][0], q, k, v, causal=causal, lse=got[True][1])
 
 
-# (dtype, D, Lq, Lk, layout, gqa): several wide key tiles and a partial last one (400 = 2 x 192 + 16, 353 = 2 x 176
-# + 1, 300 = 3 x 80 + 60), exactly one tile (176), padded head dims (48 -> 64, 120 -> 128, 200 -> 256), BSHD views,
+# (dtype, D, Lq, Lk, layout, gqa): several wide key tiles and a partial last one (380 = 192 + 188, 340 = 176 + 164,
+# 300 = 3 x 80 + 60), exactly one tile (192, 176), padded head dims (48 -> 64, 120 -> 128, 200 -> 256), BSHD views,
 # GQA broadcast.
 WIDE_CASES = [
-    ("float16", 64, 150, 400, "bhsd", False),
+    ("float16", 64, 150, 380, "bhsd", False),
     ("bfloat16", 48, 70, 192, "bshd", True),
-    ("bfloat16", 128, 130, 353, "bhsd", False),
+    ("bfloat16", 128, 130, 340, "bhsd", False),
     ("float16", 120, 40, 176, "bshd", False),
     ("bfloat16", 200, 65, 300, "bhsd", False),
 ]
@@ -224,15 +224,20 @@ WIDE_CASES = [
 @pytest.mark.parametrize("dtype,D,Lq,Lk,layout,gqa", WIDE_CASES)
 def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 / 256 run the ws kernel on key tiles of 192 / 176
-    / 80 (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); the same
-    call causal, with Dv != D or with WIDE_KEYS off keeps the table's Bc (and meets the rule); d 256 persistent
-    keeps it too (that layout does not fit); permuted emulator schedules give the same bits."""
+    / 80 (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); causal
+    calls too at d 256 (Lq < Lk and Lq > Lk), else the table's Bc; the call with Dv != D or with WIDE_KEYS off
+    keeps the table's Bc (and meets the rule); d 256 persistent keeps it too (that layout does not fit); permuted
+    emulator schedules give the same bits."""
     out, lse = check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
     q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=0)
     tile = sm90_plan(q, k, v, False).tile
     narrow = S.forward_tile(q.dtype, D, D, 90, kernel="wgmma").block_n
     assert tile.block_n == S.WIDE_BLOCK_N[tile.head_dim] != narrow and "WIDE_KEYS" in tile.describe()
-    assert sm90_plan(q, k, v, True).tile.block_n == narrow
+    causal_bc = sm90_plan(q, k, v, True).tile.block_n
+    assert causal_bc == (tile.block_n if tile.head_dim in S.WIDE_CAUSAL else narrow)
+    if tile.head_dim in S.WIDE_CAUSAL:   # d 256: causal too (masked tiles across the diagonal, Lq < Lk here)
+        check(dtype, D, Lq, Lk, True, layout=layout, gqa=gqa, tma=True)
+        check(dtype, D, Lk + 50, Lk, True, layout=layout, gqa=gqa, tma=True)   # Lq > Lk: rows that see no key
     dv = 100 if tile.head_dim == 64 else 40   # another padded head dim
     v2 = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=dv, seed=0)[2]
     assert sm90_plan(q, k, v2, False).tile.block_n == S.forward_tile(q.dtype, D, dv, 90, kernel="wgmma").block_n
@@ -246,6 +251,22 @@ def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     if tile.head_dim == 256:
         with flag_set(S, "PERSISTENT_MAX_HEAD_DIM", 256):
             assert sm90_plan(q, k, v, False).tile.block_n == narrow
+
+
+def test_wide_key_tiles_rule():
+    """The wide tile where its padded keys, at its cost per key, come cheaper than the table tile's: not at N 512
+    or 1k at d 64 (6 x 192 = 1152 keys for 1024), at every N from 512 at d 128 and 256; causal at d 256 only;
+    never with extensions or at d != dv."""
+    def bc(d, Lk, **kw):
+        t = S.forward_tile(np.float16, d, d, 90, kernel="wgmma")
+        return S.tma_tile(t, (), Lk=Lk, **kw).block_n
+    assert [bc(64, n) for n in (512, 1024, 2048, 4096, 380, 192, 200)] == [128, 128, 192, 192, 192, 192, 128]
+    assert [bc(128, n) for n in (512, 1024, 16384, 128, 176, 340, 353)] == [176, 176, 176, 128, 176, 176, 128]
+    assert [bc(256, n) for n in (512, 1024, 64, 80, 300)] == [80, 80, 64, 80, 80]
+    assert bc(128, 4096, causal=True) == 128 and bc(128, 4096, ext=1) == 128 and bc(64, 4096, causal=True) == 128
+    assert bc(256, 4096, causal=True) == 80   # FlashAttention-3's d 256 tile, causal or not
+    t = S.forward_tile(np.float16, 128, 64, 90, kernel="wgmma")
+    assert S.tma_tile(t, (), Lk=4096).block_n == 128
 
 
 @pytest.fixture
@@ -392,7 +413,7 @@ PERSIST_CASES = [
     ("float16", 64, 77, 130, False, True, "bshd", (2, 3)),
     ("bfloat16", 128, 150, 150, False, False, "bhsd", (3, 1)),
     ("float16", 256, 150, 100, True, False, "bhsd", (1, 2)),
-    ("float16", 64, 150, 400, False, False, "bhsd", (2, 1)),   # WIDE_KEYS: key tiles of 192 (the last one 16 keys)
+    ("float16", 64, 150, 370, False, False, "bhsd", (2, 1)),   # WIDE_KEYS: key tiles of 192 (the last one 178 keys)
     ("bfloat16", 128, 200, 400, False, False, "bshd", (1, 2)),  # ... of 176: sO over the last visit's V stage,
 ]                                                               # three visits a tile (the stage alternates)
 # forced SM counts (1: one block walks every tile; 2, 3: uneven splits) and the natural count (one tile per

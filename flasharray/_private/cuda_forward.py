@@ -220,7 +220,7 @@ class ForwardPlan:
             tile = self.tile = kernel_for(self.dtype, D, Dv, arch, kernel=opts["kernel"], wide=True, causal=causal,
                                           plain=plain)
         if tile.kernel == "wgmma" and aligned:  # the TMA / warp-specialized instantiation where legal
-            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), bits, causal)
+            tile = self.tile = sm90.tma_tile(tile, (q_k, k, v), bits, causal, Lk)
         if tile.kernel == "wgmma":  # the cp.async kernel's tile with extensions (or NotImplementedError)
             tile = self.tile = sm90.cp_async_ext_tile(tile, aligned, bits)
         n_blocks = -(-rows // tile.block_m)

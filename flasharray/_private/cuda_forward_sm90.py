@@ -20,7 +20,8 @@ writes O by TMA stores through a fourth map (``Is_tma_store``) where :data:`USE_
 Head dims are padded to 64, 128 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma,
 which the GPU takes as 64, 128 or 256) and zero-filled past D / Dv. Tiles: two consumer warpgroups
 (Br = 128, 256 threads); Bc = 128 for head dims up to 128 (S and O accumulators 64 + 64 registers),
-Bc = 64 at 256 (O takes 128 registers). Shared memory: Q, two K stages and two V stages, each
+Bc = 64 at 256 (O takes 128 registers); the ws kernel's dense non-causal calls take wider key tiles, 192 / 176 / 80
+at padded d = dv 64 / 128 / 256 (:data:`WIDE_KEYS`). Shared memory: Q, two K stages and two V stages, each
 128B-swizzled, plus 1 KB for aligning the dynamic base to the swizzle repeat on the GPU.
 """
 import dataclasses
@@ -283,14 +284,23 @@ ELEMENTWISE_MAX_HEAD_DIM_EXT = 128
 #: block mask + dropout, causal; and the element-wise copy more): 64, zero spills at 164-215 registers.
 CP_ASYNC_EXT_BLOCK_N = 64
 #: The ws kernel's key tile for dense, non-causal calls at padded d = dv (FlashAttention-3's sm_90 tiles: 128 x 176
-#: at d 128; at d 64, where FA3 runs 192 x 192 on three consumer warpgroups, 128 x 192 on our two): Bc = 176 /
-#: 192 instead of 128 spreads each key tile's fixed work (the O rescale, the row max and sum shuffles, the mbarrier
-#: waits and ping-pong turns) over 1.4 / 1.5x the scores. Causal calls (FA3: 128) and calls with extensions
-#: (their per-tile state) keep Bc = 128; so does the cp.async kernel. False: Bc = 128 everywhere
-#: (``hopper_variants.py``'s ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before
-#: planning, or clear them (launch._clear_plans).
+#: at d 128, 128 x 80 at d 256; at d 64, where FA3 runs 192 x 192 on three consumer warpgroups, 128 x 192 on our
+#: two): Bc = 176 / 192 / 80 instead of 128 / 128 / 64 spreads each key tile's fixed work (the O rescale, the row
+#: max and sum shuffles, the mbarrier waits and ping-pong turns) over 1.25-1.5x the scores: 11-14 % fewer
+#: instructions per key in the SASS (docs/hopper.md, "Wide key tiles"). Causal calls (FA3: the narrow tiles too)
+#: and calls with extensions (their per-tile state) keep the table's Bc; so does the cp.async kernel, and d 256
+#: persistent (that layout does not fit). False: the table's Bc everywhere (``hopper_variants.py``'s
+#: ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before planning, or clear them
+#: (launch._clear_plans).
 WIDE_KEYS = True
 WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
+#: The wide tile's instructions per key over the table tile's (the unmasked loops' SASS, docs/hopper.md): a call
+#: takes the wide tile where its keys rounded up to whole wide tiles, at this cost, come cheaper than rounded up to
+#: whole table tiles (N 1k at d 64: 6 x 192 = 1152 keys for 1024, so it keeps 128; at d 128: 6 x 176 = 1056).
+WIDE_KEY_COST = {64: 454 / 508, 128: 513 / 577, 256: 496 / 574}
+#: Padded head dims whose causal calls take the wide tile too (FlashAttention-3: 128 x 80 at d 256 causal or not; 128
+#: keys at d 64 / 128 causal). Not persistent at d 256, so no work tile lacks a visit where sO would lie over V.
+WIDE_CAUSAL = (256,)
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
@@ -350,25 +360,30 @@ def ws_flags(name_expr):
     return args[7] == "true", args[8] == "true"
 
 
-def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False):
-    """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0), non-causal calls at
-    padded d = dv where :data:`WIDE_KEYS` and the layout fits the shared memory (d 256 persistent does not: its
-    sO lies over sQ), else ``tile.block_n``."""
-    if not WIDE_KEYS or ext or causal or tile.head_dim != tile.head_dim_v:
+def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False, Lk=None):
+    """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0) calls at padded d = dv,
+    non-causal (causal at :data:`WIDE_CAUSAL`), where :data:`WIDE_KEYS`, the layout fits the shared memory (d 256
+    persistent does not: its sO lies over sQ) and, for ``Lk`` keys, the wide tiles' padded keys cost less
+    (:data:`WIDE_KEY_COST`); else ``tile.block_n``."""
+    if (not WIDE_KEYS or ext or (causal and tile.head_dim not in WIDE_CAUSAL) or tile.head_dim != tile.head_dim_v
+            or tile.head_dim not in WIDE_BLOCK_N):
         return tile.block_n
-    bc = WIDE_BLOCK_N.get(tile.head_dim, tile.block_n)
-    fits = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent) <= tiles.smem_limit(ARCH)
-    return bc if fits else tile.block_n
+    bc, nb = WIDE_BLOCK_N[tile.head_dim], tile.block_n
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent)
+    fits = smem <= tiles.smem_limit(ARCH)
+    cheaper = Lk is None or -(-Lk // bc) * bc * WIDE_KEY_COST[tile.head_dim] < -(-Lk // nb) * nb
+    return bc if fits and cheaper else nb
 
 
-def tma_tile(tile, arrays, ext=0, causal=False):
+def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
     call's kExt bits; with the block mask or dropout (and with ALiBi or softcap above
     :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`) the consumers wait for every wgmma batch (no intra-warpgroup overlap:
     P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240 registers together, the
     overlapped instantiations spill up to 204 bytes); with any extension beyond :data:`GEOMETRY_EXT` the kernel is
-    persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions")."""
+    persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions"). ``causal`` and ``Lk``
+    (the keys; None: any) choose the key tile (:func:`wide_block_n`)."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
     warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
@@ -376,7 +391,7 @@ def tma_tile(tile, arrays, ext=0, causal=False):
     heavy = bool(ext & ~GEOMETRY_EXT)
     overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
     persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
-    bc = wide_block_n(tile, ext, causal, overlap, persistent)
+    bc = wide_block_n(tile, ext, causal, overlap, persistent, Lk)
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
                   PRODUCER_REGS, CONSUMER_REGS, bc, " (WIDE_KEYS)" if bc != tile.block_n else "", STAGES,
