@@ -8,7 +8,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   fwd.USE_TMA_STORE            cuda_forward_sm90.USE_TMA_STORE: O by TMA stores (off: 16-byte row stores)
   fwd.PERSISTENT               cuda_forward_sm90.PERSISTENT: persistent grid + static tile scheduler (off: one
                                block per work tile); padded d <= PERSISTENT_MAX_HEAD_DIM only
-  fwd.PERSISTENT_MAX_HEAD_DIM  128 (default: d = 256 not persistent) vs 256 (d = 256 persistent, with spills)
+  fwd.PERSISTENT_MAX_HEAD_DIM  256 (default: d = 256 persistent, zero spills since the twenty-third session) vs 128
+                               (d = 256 one block per work tile)
   fwd.CAUSAL_PAIRS             cuda_forward_sm90.CAUSAL_PAIRS: the persistent kernel's causal tiles paired (m and
                                n_m - 1 - m on one block) in L2 groups of entries (off: longest first, every entry
                                of a query tile together); causal rows only
@@ -123,7 +124,8 @@ SWITCHES = (
     Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
     Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
     Switch("fwd.PERSISTENT", "fwd", F, "PERSISTENT", False, "persistent kernel + static scheduler"),
-    Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 256, "d = 256 persistent (spills)"),
+    Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 128,
+           "d = 256 persistent vs one block per work tile"),
     Switch("fwd.CAUSAL_PAIRS", "fwd", F, "CAUSAL_PAIRS", False,
            "persistent causal order: paired tiles in L2 groups vs longest first"),
     Switch("fwd.WIDE_KEYS", "fwd", F, "WIDE_KEYS", False, "non-causal d 64 / 128: key tiles of 192 / 176 vs 128"),

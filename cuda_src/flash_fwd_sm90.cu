@@ -499,22 +499,23 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   static constexpr int kBlockM_ = kBlockM, kBlockN_ = kBlockN;
   // mbarriers: Q, then full_k, full_v, empty_k per stage and, overlapped, empty_v per stage (K_j is released
-  // when its S batch completes, V_j a step later); persistent: empty_q (sQ free for the next tile's Q).
-  static constexpr int kBars = 1 + (Is_overlap ? 4 : 3) * Base::kStages + (Is_persistent ? 1 : 0);
+  // when its S batch completes, V_j a step later); persistent: empty_q (sQ free for the next tile's Q) and, with
+  // sO over the V ring (kOOverV), empty_o (the epilogue done with sO: the next tile's V may land).
+  static constexpr int kBarsBase = 1 + (Is_overlap ? 4 : 3) * Base::kStages + (Is_persistent ? 1 : 0);
   // The O staging region: the row stores' padded rows (the TMA store's swizzled panels, Br·dv·2 bytes, fit).
   static constexpr int kOBytes = kBlockM * Base::kStrideO * 2;
   static constexpr int kSmemLimit = 227 * 1024;
   // Persistent: sO in its own region past the K / V ring where it fits (the next tile's Q may land while
-  // the epilogue runs); else over the V stage of the tile's last visit where one stage holds it (kOOverV: d 128
-  // on the wide key tile, FlashAttention-3's aliasing of O with V; the consumers arrive on that stage's empty
-  // barrier only once the epilogue has read sO, so the producer's next V there waits for it, while the next
-  // tile's Q and first K land during the epilogue); else (d = 256) over sQ, grown downwards by kOPad bytes so
-  // that it covers nothing of the ring (the producer keeps streaming K / V during the epilogue; Q waits for it).
-  // Not persistent: sO over the (then idle) Q / K / V space from offset 0, as before.
+  // the epilogue runs); else over the V ring where it holds sO (kOOverV: the wide key tiles at d 128 / 256,
+  // FlashAttention-3's aliasing of O with V): the producer issues a tile's first V only once the previous tile's
+  // epilogue is done with sO (empty_o), while the next tile's Q and first K land during the epilogue; else over
+  // sQ, grown downwards by kOPad bytes so that it covers nothing of the ring (the producer keeps streaming K / V
+  // during the epilogue; Q waits for it). Not persistent: sO over the (then idle) Q / K / V space from offset 0.
   static constexpr bool kSeparateO = Is_persistent &&
-                                     Base::kLoopBytes + kOBytes + kBars * 8 + Base::kAtomBytes <= kSmemLimit;
-  static constexpr bool kOOverV = Is_persistent && !kSeparateO && kOBytes <= Base::kVBytes;
+                                     Base::kLoopBytes + kOBytes + kBarsBase * 8 + Base::kAtomBytes <= kSmemLimit;
+  static constexpr bool kOOverV = Is_persistent && !kSeparateO && kOBytes <= Base::kStages * Base::kVBytes;
   static constexpr bool kOOverQ = Is_persistent && !kSeparateO && !kOOverV;
+  static constexpr int kBars = kBarsBase + (kOOverV ? 1 : 0);
   static constexpr int kOPad = kOOverQ && kOBytes > Base::kQBytes ? (kOBytes - Base::kQBytes + 1023) / 1024 * 1024 : 0;
   static constexpr int kQOffset = kOPad;
   static constexpr int kKOffset = kOPad + Base::kKOffset;
@@ -551,6 +552,7 @@ struct Sm90WsSmem {
   uint64_t* empty_k;  // [kStages]: every consumer thread is done with K_j (not overlapped: with the stage)
   uint64_t* empty_v;  // [kStages]: ... done with V_j (not overlapped: empty_k)
   uint64_t* empty_q;  // persistent: every consumer thread is done with sQ (and, aliased over it, with sO)
+  uint64_t* empty_o;  // sO over the V ring (kOOverV): every consumer thread is done with the tile's sO
 };
 
 template <typename Tr, bool Is_overlap>
@@ -566,6 +568,7 @@ __device__ __forceinline__ Sm90WsSmem ws_smem_layout(unsigned char* smem) {
   s.empty_k = s.full_v + Tr::kStages;
   s.empty_v = Is_overlap ? s.empty_k + Tr::kStages : s.empty_k;
   s.empty_q = s.empty_v + Tr::kStages;
+  s.empty_o = s.empty_q + 1;
   return s;
 }
 
@@ -664,6 +667,8 @@ __device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtenso
     tma_load_tile<kBlockN, kHeadDim>(sm.sK + s * Tr::kKBytes, tk, n_block * kBlockN, kb2, kb1, kb0, sm.full_k + s);
     if (Is_persistent && q_pending) load_q();
     if (Is_overlap) fa::mbarrier_wait_parity(sm.empty_v + s, phase ^ 1);
+    if (Tr::kOOverV && k_tile > 0 && n_block == tiles.first())   // the previous tile's sO lies over the V ring
+      fa::mbarrier_wait_parity(sm.empty_o, (k_tile - 1) & 1);
     fa::mbarrier_arrive_expect_tx(sm.full_v + s, Tr::kVBytes);
     tma_load_tile<kBlockN, kHeadDimV>(sm.sV + s * Tr::kVBytes, tv, n_block * kBlockN, vb2, vb1, vb0, sm.full_v + s);
   }
@@ -678,8 +683,6 @@ struct Sm90WsConsumer {
   using Tr = Sm90WsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_overlap, Is_persistent>;
   using Tiles = Sm90KeyTiles<Is_causal, kExt>;
   static constexpr int kStages = Tr::kStages;
-  static_assert(!Tr::kOOverV || (!Is_causal && kExt == 0),
-                "sO over the last visit's V stage needs a visit in every work tile: dense, non-causal (Lk >= 1)");
   Sm90WsSmem sm;
   Mask<Is_causal, kExt> mask;   // dense: the launch's; extensions: the current tile's entry (tile())
   ExtArgs<float> ext;
@@ -728,9 +731,8 @@ struct Sm90WsConsumer {
       dropout_sm90<kExt, kBlockN>(acc_s, rng, m0 + warp_row + g, n_block * kBlockN, lane);
       fa::mbarrier_wait_parity(sm.full_v + s, phase);   // V_j has landed
       gemm_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, acc_s, sm.sV + s * Tr::kVBytes);
-      if (!Tr::kOOverV || next >= tiles.lo())
-        fa::mbarrier_arrive(sm.empty_k + s);            // both wgmma batches on stage s completed: refill it
-      ++v;                                              // (kOOverV: the last visit's stage after the epilogue)
+      fa::mbarrier_arrive(sm.empty_k + s);              // both wgmma batches on stage s completed: refill it
+      ++v;
     });
     release_q_early();
     return v - visit0;
@@ -780,12 +782,10 @@ struct Sm90WsConsumer {
       visits = mainloop_plain(acc_o, stat, m0, tiles, visit);
     }
     visit += kExt == 0 ? n_block_max : visits;   // dense: every tile below n_block_max
-    const int last_stage = (visit - 1) % kStages;   // kOOverV: the tile has visits (non-causal, dense, Lk >= 1)
-    epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o,
-                           Tr::kOOverV ? sm.sV + last_stage * Tr::kVBytes : sm.sO);
+    epilogue<Is_tma_store>(acc_o, stat, m0, bidx, o, lse, Dv, o_s, lse_s, tmap_o, Tr::kOOverV ? sm.sV : sm.sO);
     if (Tr::kOOverV || Tr::kOOverQ)
       fa::fence_proxy_async();   // the staged O's generic accesses before the async-proxy writes of the next loads
-    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + last_stage);   // the V stage sO lay over may be refilled
+    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_o);   // the next tile's first V may land on sO
     if (Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);
   }
 };
@@ -868,7 +868,7 @@ __device__ __forceinline__ int Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, k
   issue_pv_sm90<T, kHeadDimV, kBlockN>(acc_o, a_p, sm.sV + sp * Tr::kVBytes);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_o);
-  if (!Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + sp);   // kOOverV: after the epilogue (tile())
+  fa::mbarrier_arrive(sm.empty_v + sp);
   return i;
 }
 
@@ -971,6 +971,7 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
       if (Is_overlap) fa::mbarrier_init(sm.empty_v + s, Tr::kConsumerThreads);
     }
     if (Is_persistent) fa::mbarrier_init(sm.empty_q, Tr::kConsumerThreads);
+    if (Tr::kOOverV) fa::mbarrier_init(sm.empty_o, Tr::kConsumerThreads);
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any load completes on them
   }
   __syncthreads();              // ... and to every thread before its first wait or arrival

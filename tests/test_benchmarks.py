@@ -408,7 +408,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     data = json.loads((tmp_path / "hv.json").read_text())
     assert {r["switch"] for r in data["rows"]} == set(HOPPER_SWITCHES) and all(r["ratio"] for r in data["rows"])
     by_name = {s["switch"]: s for s in data["summary"]}
-    assert by_name["fwd.OVERLAP"]["default"] is True and by_name["fwd.PERSISTENT_MAX_HEAD_DIM"]["default"] == 128
+    assert by_name["fwd.OVERLAP"]["default"] is True and by_name["fwd.PERSISTENT_MAX_HEAD_DIM"]["default"] == 256
     assert by_name["bwd.DQ_BULK"]["flag"] == "cuda_backward_sm90.DQ_BULK"
     assert by_name["mma.WIDE_ROWS"]["flag"] == "tiles.WIDE_ROWS" and by_name["mma.WIDE_ROWS"]["default"] is True
     assert by_name["mma.WIDE_BC64"]["flag"] == "tiles.WIDE_BC64" and by_name["mma.WIDE_BC64"]["default"] is True

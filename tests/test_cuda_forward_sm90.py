@@ -226,8 +226,7 @@ def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 / 256 run the ws kernel on key tiles of 192 / 176
     / 80 (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); causal
     calls too at d 256 (Lq < Lk and Lq > Lk), else the table's Bc; the call with Dv != D or with WIDE_KEYS off
-    keeps the table's Bc (and meets the rule); d 256 persistent keeps it too (that layout does not fit); permuted
-    emulator schedules give the same bits."""
+    keeps the table's Bc (and meets the rule); permuted emulator schedules give the same bits."""
     out, lse = check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
     q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=0)
     tile = sm90_plan(q, k, v, False).tile
@@ -248,9 +247,6 @@ def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     with flag_set(S, "WIDE_KEYS", False):
         assert sm90_plan(q, k, v, False).tile.block_n == narrow
         check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
-    if tile.head_dim == 256:
-        with flag_set(S, "PERSISTENT_MAX_HEAD_DIM", 256):
-            assert sm90_plan(q, k, v, False).tile.block_n == narrow
 
 
 def test_wide_key_tiles_rule():
@@ -413,6 +409,7 @@ PERSIST_CASES = [
     ("float16", 64, 77, 130, False, True, "bshd", (2, 3)),
     ("bfloat16", 128, 150, 150, False, False, "bhsd", (3, 1)),
     ("float16", 256, 150, 100, True, False, "bhsd", (1, 2)),
+    ("bfloat16", 256, 300, 100, True, False, "bhsd", (1, 1)),   # sO over the V ring; query tile 0 sees no key
     ("float16", 64, 150, 370, False, False, "bhsd", (2, 1)),   # WIDE_KEYS: key tiles of 192 (the last one 178 keys)
     ("bfloat16", 128, 200, 400, False, False, "bshd", (1, 2)),  # ... of 176: sO over the last visit's V stage,
 ]                                                               # three visits a tile (the stage alternates)
@@ -535,14 +532,15 @@ def test_persistent_layout_and_names():
     assert S.persistent_layout(128, 128, 128, 128) == (True, 0)
     assert S.persistent_layout(256, 256, 128, 64) == (False, 2048)   # Br x 8 padding elements past sQ
     assert S.persistent_layout(64, 64, 128, 192) == (True, 0)
-    assert S.persistent_layout(128, 128, 128, 176) == (False, 0)  # the wide key tile: sO over a V stage
-    for d, bc in ((64, 128), (128, 128), (256, 64), (64, 192), (128, 176)):
+    assert S.persistent_layout(128, 128, 128, 176) == (False, 0)  # the wide key tiles: sO over the V ring
+    assert S.persistent_layout(256, 256, 128, 80) == (False, 0)
+    for d, bc in ((64, 128), (128, 128), (256, 64), (64, 192), (128, 176), (256, 80)):
         assert S.ws_smem_bytes(d, d, 128, bc, True, True) <= tiles.smem_limit(90)
     assert S.ws_smem_bytes(128, 128, 128, 128, True, True) == 163840 + 128 * 136 * 2 + 8 * 10 + 1024
     t = S.forward_tile(np.float16, 64, 64, 90, kernel="wgmma")
     ws = S.tma_tile(t, (), causal=True)
     assert ws.persistent == S.PERSISTENT
-    assert not S.tma_tile(S.forward_tile(np.float16, 256, 256, 90, kernel="wgmma"), ()).persistent  # spills
+    assert S.tma_tile(S.forward_tile(np.float16, 256, 256, 90, kernel="wgmma"), ()).persistent  # zero spills now
     name = dataclasses.replace(ws, persistent=True).name_expression(True, True)
     assert name == "flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, false, true>"
     assert S.with_tma_store(name).endswith("true, true, true, true>") and S.ws_flags(name) == (False, True)
@@ -564,36 +562,41 @@ _NO_Q_WAIT = ("    if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.
     ("    if (Is_persistent && !Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);\n", "", 64, "deadlock"),
     ("    if (Tr::kOOverQ) fa::mbarrier_arrive(sm.empty_q);\n", "", 256, "deadlock"),
 ])
-def test_persistent_mutations_reported(mutated_source, persistent, old, new, D, match):
+def test_persistent_mutations_reported(monkeypatch, mutated_source, persistent, old, new, D, match):
     """The emulator reports a persistent kernel (one block, four work tiles) that loads the next Q without
-    sQ's hand-back, restarts the K / V ring per tile, or never hands sQ back."""
+    sQ's hand-back, restarts the K / V ring per tile, or never hands sQ back (d 256: on key tiles of 64, sO over
+    sQ)."""
     from flasharray.emulator import EmulatorError
+    monkeypatch.setattr(S, "WIDE_KEYS", D != 256)
     q, k, v = make_inputs(np.float16, D, 200, 300, seed=2)
     mutated_source(old, new)
     with pytest.raises(EmulatorError, match=match):
         persistent(True, 1, q, k, v, True, schedule="random", seed=1)
 
 
-_LAST_V = "    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + last_stage);   // the V stage sO lay over may be refilled\n"
+_EMPTY_O = "    if (Tr::kOOverV) fa::mbarrier_arrive(sm.empty_o);   // the next tile's first V may land on sO\n"
+_EMPTY_O_WAIT = ("    if (Tr::kOOverV && k_tile > 0 && n_block == tiles.first())   // the previous tile's sO lies over "
+                 "the V ring\n      fa::mbarrier_wait_parity(sm.empty_o, (k_tile - 1) & 1);\n")
 
 
-@pytest.mark.parametrize("old,new,match", [
-    # the V stage under sO never handed back: the producer waits for it forever
-    (_LAST_V, "", "deadlock"),
-    # handed back with the last P V, before the epilogue: the producer's next V is in flight under the staged O
-    ("  if (!Tr::kOOverV) fa::mbarrier_arrive(sm.empty_v + sp);", "  fa::mbarrier_arrive(sm.empty_v + sp);",
-     "fa::stmatrix writes shared offset .* the destination of a bulk copy"),
+@pytest.mark.parametrize("D,old,new,match", [
+    # the consumers never hand sO back: the producer waits for empty_o forever
+    (128, _EMPTY_O, "", "deadlock"),
+    # the producer loads a tile's first V without the wait: it lands under the previous tile's staged O
+    (128, _EMPTY_O_WAIT, "", "fa::stmatrix writes shared offset .* the destination of a bulk copy"),
+    (256, _EMPTY_O_WAIT, "", "fa::stmatrix writes shared offset .* the destination of a bulk copy"),
 ])
-def test_o_over_v_mutations_reported(mutated_source, persistent, old, new, match):
-    """sO over the V stage of the tile's last visit (d 128 on the wide key tile, persistent, one block walking
-    four work tiles): the emulator reports the stage never handed back, or handed back before the epilogue (in
-    the forward schedule, where the next V's copy is still in flight when the epilogue writes sO; where it has
-    landed before, the emulator does not see the overwrite: docs/hopper.md, "Wide key tiles")."""
+def test_o_over_v_mutations_reported(mutated_source, persistent, D, old, new, match):
+    """sO over the V ring (the wide key tiles at d 128 / 256, persistent, one block walking four work tiles): the
+    emulator reports sO never handed back, or a tile's first V loaded without waiting for it (in the forward
+    schedule, where that copy is still in flight when the epilogue writes sO; where it has landed before, the
+    emulator does not see the overwrite: docs/hopper.md, "Wide key tiles")."""
     from flasharray.emulator import EmulatorError
-    q, k, v = make_inputs(np.float16, 128, 200, 400, seed=2, batch=(1, 2))
-    mutated_source(old, new, *(() if old == _LAST_V else (_LAST_V, "")))
+    q, k, v = make_inputs(np.float16, D, 200, 400, seed=2, batch=(1, 2))
+    mutated_source(old, new)
     with pytest.raises(EmulatorError, match=match):
-        persistent(True, 1, q, k, v, False, schedule="forward" if old != _LAST_V else "random", seed=1)
+        persistent(True, 1, q, k, v, False, schedule="forward" if new == "" and old != _EMPTY_O else "random",
+                   seed=1)
 
 
 def test_tma_fallback_rules():

@@ -175,8 +175,8 @@ FWD_VARIANTS = {
     "non_persistent": dict(PERSISTENT=False),
     "persistent_sm1": dict(SM_COUNT=1),
     "persistent_sm3": dict(SM_COUNT=3),
-    "persistent_d256": dict(PERSISTENT_MAX_HEAD_DIM=256),  # spills at d = 256 (not the default), still correct
-    "narrow_keys": dict(WIDE_KEYS=False),   # non-causal d 64 / 128 on key tiles of 128, not 192 / 176
+    "narrow_keys": dict(WIDE_KEYS=False),   # key tiles of 128 / 64, not 192 / 176 / 80 (d 256 persistent: sO over sQ)
+    "d256_not_persistent": dict(PERSISTENT_MAX_HEAD_DIM=128),   # d = 256 one block per work tile
 }
 
 
@@ -256,8 +256,8 @@ FWD_EMULATOR = [  # (variant, *shape): each variant family once, small
 ]
 FWD_GPU = ([(v,) + s for v in ("cp_async", "ws", "ws_no_overlap", "row_store", "non_persistent") for s in FWD_SHAPES]
            + [(v,) + s for v in ("persistent_sm1", "persistent_sm3") for s in FWD_SHAPES if s[1] <= 128 and s[1] % 8 == 0]
-           + [("persistent_d256",) + s for s in FWD_SHAPES if s[1] == 256]
-           + [("narrow_keys",) + s for s in FWD_SHAPES if not s[4] and s[1] <= 128 and s[1] % 8 == 0])
+           + [("d256_not_persistent",) + s for s in FWD_SHAPES if s[1] == 256]
+           + [("narrow_keys",) + s for s in FWD_SHAPES if (not s[4] or s[1] == 256) and s[1] % 8 == 0])
 FWD_SLOW = [(v, dt, D, Lq, Lk, causal, "bshd" if D == 128 else "bhsd", D == 64, (2, 4))
             for v in ("ws", "cp_async", "row_store", "ws_no_overlap") for dt in DTYPES for D in (64, 128, 256)
             for Lq, Lk in ((1000, 1500), (2048, 2048)) for causal in (False, True)]

@@ -43,8 +43,7 @@ def instantiations(dtypes, head_dims):
                 found[t.name_expression(causal, aligned)] = t
             # both consumer loops: overlapped (the default) and every batch waited for (OVERLAP = False)
             # one block per work tile (overlapped and not) and, overlapped, the persistent kernel (Is_persistent)
-            # (d = 256 is not taken persistent: PERSISTENT_MAX_HEAD_DIM, its consumers spill)
-            for overlap, persistent in ((True, False), (False, False), (True, True))[:3 if d <= 128 else 2]:
+            for overlap, persistent in ((True, False), (False, False), (True, True)):
                 for causal in (False, True):
                     # the warp-specialized TMA instantiation (no tensors to refuse it); non-causal: the wide
                     # key tile (WIDE_KEYS) at d 64 / 128

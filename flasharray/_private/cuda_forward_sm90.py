@@ -66,7 +66,8 @@ def ws_smem_bytes(d, dv, block_m, block_n, overlap=True, persistent=False):
         return (body + 7) // 8 * 8 + 8 * bars + _ALIGN
     separate, pad = persistent_layout(d, dv, block_m, block_n, overlap)
     loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
-    return pad + loop + (_o_bytes(dv, block_m) if separate else 0) + 8 * (bars + 1) + _ALIGN
+    over_v = not separate and _o_bytes(dv, block_m) <= STAGES * 2 * block_n * dv   # + empty_o
+    return pad + loop + (_o_bytes(dv, block_m) if separate else 0) + 8 * (bars + 1 + over_v) + _ALIGN
 
 
 def _o_bytes(dv, block_m):
@@ -75,15 +76,15 @@ def _o_bytes(dv, block_m):
 
 def persistent_layout(d, dv, block_m, block_n, overlap=True):
     """Mirror of Sm90WsTraits<..., Is_persistent = true>: (kSeparateO, kOPad). sO gets its own region when
-    the ring, it and the mbarriers fit in 227 KB (d <= 128 on key tiles of 128); else it lies over the V stage of
-    a tile's last visit where one stage holds it (kOOverV: d 128 on the wide key tile; kOPad 0), else over sQ,
-    which moves up by kOPad bytes (a multiple of 1 KB) so that sO covers nothing of the ring (d 256)."""
+    the ring, it and the mbarriers fit in 227 KB (d <= 128 on key tiles of 128, d 64 on the wide one); else it
+    lies over the V ring where that holds it (kOOverV: the wide key tiles at d 128 / 256; kOPad 0), else over sQ,
+    which moves up by kOPad bytes (a multiple of 1 KB) so that sO covers nothing of the ring (d 256, Bc 64)."""
     bars = 2 + (4 if overlap else 3) * STAGES
     loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
     o_bytes, q_bytes, v_bytes = _o_bytes(dv, block_m), 2 * block_m * d, 2 * block_n * dv
     if loop + o_bytes + 8 * bars + _ALIGN <= 227 * 1024:
         return True, 0
-    if o_bytes <= v_bytes:
+    if o_bytes <= STAGES * v_bytes:
         return False, 0
     return False, -(-max(0, o_bytes - q_bytes) // 1024) * 1024
 
@@ -258,11 +259,13 @@ PERSISTENT = True
 #: The SM count the persistent grid is sized for; None: the device's (CuPy: ``MultiProcessorCount``; the
 #: emulator: ``tiles.emulator_sm_count``). Tests force small counts (several tiles per block).
 SM_COUNT = None
-#: The largest padded head dim (d and dv) the persistent kernel is taken for: at 256 its consumers spill
-#: (28-116 spill stores under setmaxnreg 240: the tile loop's live state on top of the key loop's ~222
-#: registers), so d = 256 keeps one block per work tile. Tests raise it to run the d = 256 persistent kernel
-#: (O staged over sQ) on the emulator.
-PERSISTENT_MAX_HEAD_DIM = 128
+#: The largest padded head dim (d and dv) the persistent kernel is taken for: every one since the twenty-third
+#: session. At 256 its consumers spilled 28-116 stores under setmaxnreg 240 (measured 1.07x slower than one block
+#: per work tile); that was the epilogue's per-thread addresses, hoisted out of the tile loop and held through the
+#: key loop, which the epilogue now recomputes per tile (``opaque_int``): zero spills, sO over the V ring on the
+#: wide key tile (over sQ on Bc 64). 128: d = 256 one block per work tile (``hopper_variants.py``'s
+#: ``fwd.PERSISTENT_MAX_HEAD_DIM``).
+PERSISTENT_MAX_HEAD_DIM = 256
 #: kExt bits that change only which scores are visible (window, seqlens: a few integers per tile, no per-score
 #: state): with only these the ws kernel keeps the intra-warpgroup overlap and PERSISTENT_MAX_HEAD_DIM, as dense
 #: calls do (zero spills in every such instantiation).
@@ -288,8 +291,7 @@ CP_ASYNC_EXT_BLOCK_N = 64
 #: two): Bc = 176 / 192 / 80 instead of 128 / 128 / 64 spreads each key tile's fixed work (the O rescale, the row
 #: max and sum shuffles, the mbarrier waits and ping-pong turns) over 1.25-1.5x the scores: 11-14 % fewer
 #: instructions per key in the SASS (docs/hopper.md, "Wide key tiles"). Causal calls (FA3: the narrow tiles too)
-#: and calls with extensions (their per-tile state) keep the table's Bc; so does the cp.async kernel, and d 256
-#: persistent (that layout does not fit). False: the table's Bc everywhere (``hopper_variants.py``'s
+#: and calls with extensions (their per-tile state) keep the table's Bc; so does the cp.async kernel. False: the table's Bc everywhere (``hopper_variants.py``'s
 #: ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before planning, or clear them
 #: (launch._clear_plans).
 WIDE_KEYS = True
