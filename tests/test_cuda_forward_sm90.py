@@ -386,7 +386,7 @@ def persistent(monkeypatch):
 
     def run(use, sm_count, q, k, v, causal, store=True, **opts):
         monkeypatch.setattr(S, "PERSISTENT", use)
-        monkeypatch.setattr(S, "PERSISTENT_MAX_HEAD_DIM", 256)   # d = 256 too (the default leaves it out: spills)
+        monkeypatch.setattr(S, "PERSISTENT_CAUSAL_MAX_HEAD_DIM", 256)   # causal d = 256 too (the default keeps it out)
         monkeypatch.setattr(S, "SM_COUNT", sm_count)
         monkeypatch.setattr(S, "USE_TMA_STORE", store)
         launch._clear_plans()

@@ -177,6 +177,7 @@ FWD_VARIANTS = {
     "persistent_sm3": dict(SM_COUNT=3),
     "narrow_keys": dict(WIDE_KEYS=False),   # key tiles of 128 / 64, not 192 / 176 / 80 (d 256 persistent: sO over sQ)
     "d256_not_persistent": dict(PERSISTENT_MAX_HEAD_DIM=128),   # d = 256 one block per work tile
+    "d256_causal_persistent": dict(PERSISTENT_CAUSAL_MAX_HEAD_DIM=256),   # causal d = 256 persistent (not the default)
 }
 
 
@@ -185,7 +186,7 @@ def forward_plan(device, q, k, v, causal):
                              device=device, arch="sm_90", kernel="wgmma")
 
 
-def expect_forward_kernel(plan, q, k, v):
+def expect_forward_kernel(plan, q, k, v, causal):
     """The plan launches the instantiation the flags select for these arrays (its name, its grid)."""
     (rec,) = plan.launches
     tma = F.USE_TMA and F.tma_legal((q, k, v)) is None
@@ -193,7 +194,8 @@ def expect_forward_kernel(plan, q, k, v):
     if not tma:
         assert rec.name.startswith("flash::flash_fwd_sm90_kernel<"), rec.name
         return
-    persistent = F.PERSISTENT and max(plan.tile.head_dim, plan.tile.head_dim_v) <= F.PERSISTENT_MAX_HEAD_DIM
+    limit = min(F.PERSISTENT_MAX_HEAD_DIM, F.PERSISTENT_CAUSAL_MAX_HEAD_DIM) if causal else F.PERSISTENT_MAX_HEAD_DIM
+    persistent = F.PERSISTENT and max(plan.tile.head_dim, plan.tile.head_dim_v) <= limit
     store = F.USE_TMA_STORE and v.shape[-1] % 8 == 0  # the library's contiguous out: 16-byte rows
     assert plan.tile.overlap == F.OVERLAP and F.ws_flags(rec.name) == (store, persistent), rec.name
     if persistent:
@@ -210,7 +212,7 @@ def forward_body(device, q, k, v, causal, vs_emulator=True):
     """Plan (the variant's kernel), run, the reference rule; against the emulator (GPU: tolerance; emulator
     device: a reversed schedule, bits). Returns (out, lse) on the host."""
     dev = to_device(device, q, k, v)
-    expect_forward_kernel(forward_plan(device, *dev, causal), *dev)
+    expect_forward_kernel(forward_plan(device, *dev, causal), *dev, causal)
     out, lse = run_fwd(device, *dev, causal)
     assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype and lse.shape == q.shape[:-1]
     assert_attention_close(out, q, k, v, causal=causal, lse=lse)
@@ -257,6 +259,7 @@ FWD_EMULATOR = [  # (variant, *shape): each variant family once, small
 FWD_GPU = ([(v,) + s for v in ("cp_async", "ws", "ws_no_overlap", "row_store", "non_persistent") for s in FWD_SHAPES]
            + [(v,) + s for v in ("persistent_sm1", "persistent_sm3") for s in FWD_SHAPES if s[1] <= 128 and s[1] % 8 == 0]
            + [("d256_not_persistent",) + s for s in FWD_SHAPES if s[1] == 256]
+           + [("d256_causal_persistent",) + s for s in FWD_SHAPES if s[1] == 256 and s[4]]
            + [("narrow_keys",) + s for s in FWD_SHAPES if (not s[4] or s[1] == 256) and s[1] % 8 == 0])
 FWD_SLOW = [(v, dt, D, Lq, Lk, causal, "bshd" if D == 128 else "bhsd", D == 64, (2, 4))
             for v in ("ws", "cp_async", "row_store", "ws_no_overlap") for dt in DTYPES for D in (64, 128, 256)

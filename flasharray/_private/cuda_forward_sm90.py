@@ -266,6 +266,10 @@ SM_COUNT = None
 #: wide key tile (over sQ on Bc 64). 128: d = 256 one block per work tile (``hopper_variants.py``'s
 #: ``fwd.PERSISTENT_MAX_HEAD_DIM``).
 PERSISTENT_MAX_HEAD_DIM = 256
+#: The same for causal calls: 128. At d 256 the causal persistent kernel's unmasked key loop came out 14 % longer
+#: than one block per work tile's (640 / 681 against 561 / 600 instructions on key tiles of 64 / 80, consumers at
+#: 230-238 registers), where non-causal it is shorter (584 against 620); so causal d 256 keeps one block per tile.
+PERSISTENT_CAUSAL_MAX_HEAD_DIM = 128
 #: kExt bits that change only which scores are visible (window, seqlens: a few integers per tile, no per-score
 #: state): with only these the ws kernel keeps the intra-warpgroup overlap and PERSISTENT_MAX_HEAD_DIM, as dense
 #: calls do (zero spills in every such instantiation).
@@ -392,7 +396,8 @@ def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     d = max(tile.head_dim, tile.head_dim_v)
     heavy = bool(ext & ~GEOMETRY_EXT)
     overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
-    persistent = PERSISTENT and d <= (PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM)
+    limit = PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM
+    persistent = PERSISTENT and d <= (min(limit, PERSISTENT_CAUSAL_MAX_HEAD_DIM) if causal else limit)
     bc = wide_block_n(tile, ext, causal, overlap, persistent, Lk)
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
