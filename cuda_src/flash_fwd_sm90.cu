@@ -68,7 +68,8 @@ struct Sm90FwdTraits {
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192 ||
                     kBlockN == 256,
                 "Bc is the N of the S wgmma: 64, 80, 128, 176, 192 or 256 (wide key tiles: multiples of 16, the k of P V)");
-  static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "dv is the N of the O wgmma");
+  static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 192 || kHeadDimV == 256,
+                "dv is the N of the O wgmma: 64, 128, 192 or 256");
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "d: whole 128-byte swizzle panels");
   static constexpr int kWarpgroups = kBlockM / 64;
   static constexpr int kNThreads = kWarpgroups * 128;

@@ -20,13 +20,20 @@ __device__ __forceinline__ int sw128_offset(int r, int chunk) {
 // A kRows × kCols tile (row r of global memory at g_tile + r·row_stride) into its swizzled layout;
 // rows at or past rows_valid and columns at or past cols_valid zero-filled. Aligned (16-byte rows):
 // thread tid copies chunk tid mod (kCols/8) of rows tid / (kCols/8) + p·(rows per pass) by cp.async
-// (the caller commits, waits, fences the proxy and syncs); full: every row exists (the row test folds
-// away). Otherwise element-wise, synchronous.
+// (the caller commits, waits, fences the proxy and syncs); where kCols/8 chunks do not divide the threads
+// (kCols 192), one 64-column panel after the other. full: every row exists (the row test folds away).
+// Otherwise element-wise, synchronous.
 template <typename T, int kRows, int kCols, int kNThreads, bool Is_aligned>
 __device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_tile, long long row_stride,
                                            int rows_valid, int cols_valid, bool full, int tid) {
   constexpr int kChunksPerRow = kCols / 8;
-  if constexpr (Is_aligned) {
+  if constexpr (Is_aligned && kNThreads % kChunksPerRow != 0) {
+    static_assert(kCols % 64 == 0, "whole 64-column panels");
+#pragma unroll
+    for (int p = 0; p < kCols / 64; ++p)
+      load_sw128<T, kRows, 64, kNThreads, true>(s_tile + p * kRows * 128, g_tile + p * 64, row_stride, rows_valid,
+                                                cols_valid - p * 64, full, tid);
+  } else if constexpr (Is_aligned) {
     static_assert(kNThreads % kChunksPerRow == 0, "a fixed column chunk per thread");
     constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
     static_assert(kRows % kRowsPerPass == 0, "whole passes");

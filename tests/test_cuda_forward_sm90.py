@@ -265,6 +265,29 @@ def test_wide_key_tiles_rule():
     assert S.tma_tile(t, (), Lk=4096).block_n == 128
 
 
+# (dtype, D, Dv, Lq, Lk, causal, layout): head dims padded to 192 (three 64-column panels; dv the N of the O wgmma:
+# 192, or 128 as in DeepSeek's MLA), lengths off the tiles, causal Lq > Lk, BSHD views.
+D192_CASES = [
+    ("float16", 192, 192, 130, 200, False, "bhsd"),
+    ("bfloat16", 160, 160, 77, 150, True, "bshd"),
+    ("float16", 192, 128, 100, 300, False, "bhsd"),
+    ("bfloat16", 176, 104, 140, 90, True, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout", D192_CASES)
+def test_head_dims_padded_to_192(dtype, D, Dv, Lq, Lk, causal, layout):
+    """Head dims 129..192 pad to 192, not 256 (a quarter less work in Q K^T, and in P V where dv pads to 192): the
+    ws kernel (persistent where not causal) and the cp.async kernel (its copies one 64-column panel at a time: 24
+    chunks per row do not divide 256 threads) against the reference, with ``check()``'s counts."""
+    check(dtype, D, Lq, Lk, causal, Dv=Dv, layout=layout, tma=True)
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, Dv=Dv, layout=layout, seed=0)
+    tile = sm90_plan(q, k, v, causal).tile
+    assert (tile.head_dim, tile.head_dim_v) == (192, S.pad_head_dim(Dv)) and tile.persistent == (not causal)
+    with flag_set(S, "USE_TMA", False):
+        check(dtype, D, Lq, Lk, causal, Dv=Dv, layout=layout, tma=False)
+
+
 @pytest.fixture
 def tma_store(monkeypatch):
     """run(use_tma_store, q, k, v, causal, **opts): the forward with USE_TMA_STORE set, and its plan."""
@@ -650,8 +673,8 @@ def test_null_launches_bind_tensor_maps():
 
 
 def test_tile_table():
-    for d, (hd, bc) in {40: (64, 128), 64: (64, 128), 100: (128, 128), 128: (128, 128), 129: (256, 64),
-                        256: (256, 64)}.items():
+    for d, (hd, bc) in {40: (64, 128), 64: (64, 128), 100: (128, 128), 128: (128, 128), 129: (192, 64),
+                        192: (192, 64), 193: (256, 64), 256: (256, 64)}.items():
         t = S.forward_tile(np.float16, d, d, "sm_90", kernel="wgmma")
         assert (t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.n_threads, t.stages) == (hd, hd, 128, bc, 256, 2)
         assert t.smem == S.smem_bytes(hd, hd, 128, bc) <= tiles.smem_limit(90)

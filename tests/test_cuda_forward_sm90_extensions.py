@@ -272,7 +272,7 @@ STATIC_BITS = (63, 16, 38)  # every feature; dropout alone (the heaviest single 
 SLOW_STATIC_BITS = tuple(range(1, 64))
 
 
-def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 256)):
+def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 192, 256)):
     """Names of what cuda_forward picks with extensions: the ws kernel (TMA store and row stores; overlapped and
     persistent as tma_tile decides) and the cp.async kernel (aligned; element-wise only up to
     ELEMENTWISE_MAX_HEAD_DIM_EXT)."""

@@ -247,6 +247,7 @@ FWD_SHAPES = [
     ("bfloat16", 72, 1, 130, False, "bshd", True, (1, 4)),
     ("float16", 59, 20, 70, True, "bhsd", False, (1, 2)),
     ("float16", 64, 150, 370, False, "bhsd", False, (2, 2)),   # WIDE_KEYS: key tiles of 192, the last of 178
+    ("bfloat16", 160, 130, 200, False, "bshd", False, (1, 2)),  # head dims padded to 192
 ]
 FWD_EMULATOR = [  # (variant, *shape): each variant family once, small
     ("cp_async", "bfloat16", 64, 130, 77, True, "bhsd", False, (1, 2)),

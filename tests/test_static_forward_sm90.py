@@ -266,11 +266,11 @@ def _check(dtypes, head_dims):
 
 
 def test_wgmma_forward_compiles_fp16():
-    _check((np.float16,), (64, 128, 256))
+    _check((np.float16,), (64, 128, 192, 256))
 
 
 def test_wgmma_forward_compiles_bf16():
-    _check((bfloat16,), (64, 128, 256))
+    _check((bfloat16,), (64, 128, 192, 256))
 
 
 def test_sm90_without_a_refused():

@@ -17,10 +17,10 @@ multiples of 16 bytes below 2^40; the plan's ``aligned`` case) the warp-speciali
 writes O by TMA stores through a fourth map (``Is_tma_store``) where :data:`USE_TMA_STORE` and
 :func:`out_tma_legal` allow it (:func:`add_tma_launch` picks the instantiation), else by row stores.
 
-Head dims are padded to 64, 128 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma,
-which the GPU takes as 64, 128 or 256) and zero-filled past D / Dv. Tiles: two consumer warpgroups
+Head dims are padded to 64, 128, 192 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma) and
+zero-filled past D / Dv. Tiles: two consumer warpgroups
 (Br = 128, 256 threads); Bc = 128 for head dims up to 128 (S and O accumulators 64 + 64 registers),
-Bc = 64 at 256 (O takes 128 registers); the ws kernel's dense non-causal calls take wider key tiles, 192 / 176 / 80
+Bc = 64 above 128 (O takes 96 / 128 registers at 192 / 256); the ws kernel's dense non-causal calls take wider key tiles, 192 / 176 / 80
 at padded d = dv 64 / 128 / 256 (:data:`WIDE_KEYS`). Shared memory: Q, two K stages and two V stages, each
 128B-swizzled, plus 1 KB for aligning the dynamic base to the swizzle repeat on the GPU.
 """
@@ -44,8 +44,8 @@ _ALIGN = 1024  # the GPU's dynamic shared memory base rounded up to the 128B swi
 
 
 def pad_head_dim(n):
-    """64, 128 or 256: the smallest that holds ``n`` (1..256)."""
-    return next(p for p in (64, 128, 256) if n <= p)
+    """64, 128, 192 or 256: the smallest that holds ``n`` (1..256)."""
+    return next(p for p in (64, 128, 192, 256) if n <= p)
 
 
 def smem_bytes(d, dv, block_m, block_n):
@@ -305,7 +305,7 @@ WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
 #: whole table tiles (N 1k at d 64: 6 x 192 = 1152 keys for 1024, so it keeps 128; at d 128: 6 x 176 = 1056).
 WIDE_KEY_COST = {64: 454 / 508, 128: 513 / 577, 256: 496 / 574}
 #: Padded head dims whose causal calls take the wide tile too (FlashAttention-3: 128 x 80 at d 256 causal or not; 128
-#: keys at d 64 / 128 causal). Not persistent at d 256, so no work tile lacks a visit where sO would lie over V.
+#: keys at d 64 / 128 causal).
 WIDE_CAUSAL = (256,)
 PRODUCER_WARPGROUPS = 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
