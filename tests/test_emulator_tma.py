@@ -105,7 +105,9 @@ __global__ void store_2d(const __grid_constant__ CUtensorMap dst, int d0, int d1
 
 // Misuse of a load on request: 1 a rank-2 load through a rank-3 map, 2 a box not 128-byte aligned,
 // 3 a box past the end of shared memory, 4 an mbarrier without fence_mbarrier_init, 5 ldmatrix of the
-// box while the load is in flight, 6 inner coordinate 4 (8 bytes: not a multiple of 16).
+// box while the load is in flight, 6 inner coordinate 4 (8 bytes: not a multiple of 16), 7 stmatrix into
+// the box by lanes that have not waited for it (only lane 0 has). 8 (correct): the same after a __syncwarp(),
+// which orders the other lanes after lane 0's wait.
 __global__ void load_misuse(const __grid_constant__ CUtensorMap src, int bug) {
     FA_DYNAMIC_SMEM(smem);
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
@@ -121,6 +123,12 @@ __global__ void load_misuse(const __grid_constant__ CUtensorMap src, int bug) {
     if (bug == 5) {
         uint32_t r[1];
         fa::ldmatrix<1, false>(r, smem + 1024 + 16 * (threadIdx.x % 8));
+    }
+    if (bug == 7 || bug == 8) {
+        if (threadIdx.x == 0) fa::mbarrier_wait_parity(bar, 0);
+        if (bug == 8) __syncwarp();
+        uint32_t r[1] = {0u};
+        fa::stmatrix<1, false>(smem + 1024 + 16 * (threadIdx.x % 8), r);
     }
     fa::mbarrier_wait_parity(bar, 0);
 }
@@ -296,6 +304,10 @@ LOAD_ERRORS = {
        r"by thread 0 that has not completed on its mbarrier at shared offset 0",
     6: r"fa::tma_load: inner coordinate 4 x 2-byte elements = 8 bytes, not a multiple of 16: the GPU raises an "
        r"illegal instruction",
+    # landed or still in flight when the other lanes write, as the schedule has it: a race either way
+    7: r"fa::stmatrix writes shared offset 10[0-9][0-9](, where a bulk copy completing phase 0 of the mbarrier at "
+       r"shared offset 0 landed, unordered: this thread has not waited for that phase| .*the destination of a bulk "
+       r"copy)",
 }
 
 
@@ -304,6 +316,17 @@ def test_load_misuse_is_a_checked_error(mod, bug):
     m = encode_tensor_map(np.zeros((4, 8, 32), np.float16), (32, 8, 4))
     with pytest.raises(emulator.EmulatorError, match=LOAD_ERRORS[bug]):
         mod.launch("load_misuse", 1, 32, (m, np.int32(bug)), shared_mem=4096)
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+def test_overwrite_ordered_by_a_waiting_lane_and_syncwarp(mod, schedule, seed):
+    """Bytes a bulk copy landed may be overwritten by a thread that waited for its phase, or that a barrier
+    (__syncwarp, __syncthreads, a named barrier) orders after one that did; load_misuse's bug 7 (no such order) is
+    reported under every schedule."""
+    m = encode_tensor_map(np.zeros((4, 8, 32), np.float16), (32, 8, 4))
+    mod.launch("load_misuse", 1, 32, (m, np.int32(8)), shared_mem=4096, schedule=schedule, seed=seed)
+    with pytest.raises(emulator.EmulatorError, match=LOAD_ERRORS[7]):
+        mod.launch("load_misuse", 1, 32, (m, np.int32(7)), shared_mem=4096, schedule=schedule, seed=seed)
 
 
 def test_box_bytes_are_the_transaction_count(mod):

@@ -282,6 +282,9 @@ struct Fiber {
     // the mbarrier this fiber waits at (state WAIT_MBAR): its shared offset, the parity awaited
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
+    // per mbarrier (shared offset) the phases this fiber has seen complete through a try_wait: a bulk copy that
+    // completed on phase p of it is ordered before this fiber's accesses once p < seen
+    std::vector<std::pair<uint32_t, uint32_t>> mbar_seen;
     // the counter a group semaphore's leader waits for (state WAIT_SEM: fa::sem_wait_group) and the turn
     const int* sem = nullptr;
     int sem_expected = 0;
@@ -359,6 +362,9 @@ struct Worker {
     unsigned char* smem = nullptr;
     size_t smem_size = 0;
     std::vector<uint16_t> pending;  // per granule: cp.async and bulk copies not yet performed
+    // per granule: the last bulk copy that landed there, as (its mbarrier's shared offset + 1, the phase it
+    // completed on); 0: none since the block began
+    std::vector<uint32_t> landed_bar, landed_phase;
     std::unordered_map<uint32_t, MBar> mbars;  // live mbarriers by shared offset
     std::vector<Bulk> bulks;        // bulk copies in flight, in issue order
     int mbar_waiting = 0;           // fibers in WAIT_MBAR
@@ -658,6 +664,10 @@ int ldmatrix_wavefronts(uint16_t* const* rows) {
     return worst;
 }
 
+bool landed_seen(Worker* w, const Fiber& f, size_t g);
+template <class In>
+void merge_seen(Fiber* fibers, int n, In in);
+
 // The row addresses of an ldmatrix / stmatrix (lanes 8j..8j+7: rows 0..7 of matrix j), checked: 16-byte
 // aligned inside shared memory, not the destination of a copy in flight.
 void matrix_rows(Worker* w, Fiber* lanes, const char* what, uint16_t* (&rows)[4][8]) {
@@ -681,6 +691,13 @@ void matrix_rows(Worker* w, Fiber* lanes, const char* what, uint16_t* (&rows)[4]
                     w->cur = &f;
                     fiber_fail(w, std::string(what) + (f.op == OP_STMATRIX ? " writes " : " reads ") +
                                       pending_desc(w, w->smem + g * kGranule));
+                }
+                if (f.op == OP_STMATRIX && !landed_seen(w, f, g)) {
+                    w->cur = &f;
+                    fiber_fail(w, strf("%s writes shared offset %zu, where a bulk copy completing phase %u of the "
+                                       "mbarrier at shared offset %u landed, unordered: this thread has not waited "
+                                       "for that phase", what, g * kGranule, w->landed_phase[g],
+                                       w->landed_bar[g] - 1));
                 }
             }
             rows[j][r] = static_cast<uint16_t*>(const_cast<void*>(f.addr));
@@ -897,7 +914,10 @@ void warp_arrive(Worker* w, Fiber* f) {
         }
         switch (f->op) {
             case OP_SHFL: eval_shfl(w, lanes, mask); break;
-            case OP_SYNCWARP: ++w->cnt.syncwarps; break;
+            case OP_SYNCWARP:
+                ++w->cnt.syncwarps;
+                merge_seen(lanes, 32, [&](const Fiber& g) { return ((mask >> g.lane) & 1u) != 0; });
+                break;
             case OP_VOTE: {
                 uint32_t ballot = 0;
                 for (int l = 0; l < 32; ++l)
@@ -1052,6 +1072,43 @@ void mbar_expect_tx(Worker* w, const void* bar, int tx_bytes) {
     if (!err.empty()) fiber_fail(w, std::string(what) + ": " + err);
 }
 
+// The fiber has seen `phase` phases of the mbarrier at `off` complete (a try_wait returned).
+void mbar_seen(Fiber* f, uint32_t off, uint32_t phase) {
+    for (auto& s : f->mbar_seen)
+        if (s.first == off) {
+            s.second = std::max(s.second, phase);
+            return;
+        }
+    f->mbar_seen.emplace_back(off, phase);
+}
+
+// A barrier completed among `fibers` (those `in` selects): each has now seen what any of them had seen complete
+// (the barrier orders their accesses after every participant's earlier waits).
+template <class In>
+void merge_seen(Fiber* fibers, int n, In in) {
+    std::vector<std::pair<uint32_t, uint32_t>> all;
+    for (int t = 0; t < n; ++t) {
+        if (!in(fibers[t])) continue;
+        for (const auto& s : fibers[t].mbar_seen) {
+            auto it = std::find_if(all.begin(), all.end(), [&](const auto& a) { return a.first == s.first; });
+            if (it == all.end()) all.push_back(s);
+            else it->second = std::max(it->second, s.second);
+        }
+    }
+    if (all.empty()) return;
+    for (int t = 0; t < n; ++t)
+        if (in(fibers[t])) fibers[t].mbar_seen = all;
+}
+
+// Whether the fiber's writes to granule g are ordered after the last bulk copy that landed there: none did, or
+// the fiber has seen the phase that copy completed on complete (a try_wait on its mbarrier returned since).
+bool landed_seen(Worker* w, const Fiber& f, size_t g) {
+    if (w->landed_bar[g] == 0) return true;
+    for (const auto& s : f.mbar_seen)
+        if (s.first + 1 == w->landed_bar[g]) return s.second > w->landed_phase[g];
+    return false;
+}
+
 // try_wait.parity: true once the phase of parity `parity` has completed, i.e. while the current
 // phase has the other parity. Otherwise the fiber suspends until the phase completes (PTX lets
 // try_wait suspend until then; the emulator never times out, so it always returns true).
@@ -1061,14 +1118,16 @@ int mbar_try_wait(Worker* w, const void* bar, int parity) {
     const MBar& b = mbar_live(w, bar, what, &off);
     if (parity != 0 && parity != 1) fiber_fail(w, strf("%s: phase parity %d is not 0 or 1", what, parity));
     ++w->cnt.mbar_waits;
-    if ((b.phase & 1u) != static_cast<uint32_t>(parity)) return 1;
-    ++w->cnt.mbar_blocked;
     Fiber* f = w->cur;
-    f->state = WAIT_MBAR;
-    f->mbar_off = off;
-    f->mbar_parity = parity;
-    ++w->mbar_waiting;
-    yield(w, f);
+    if ((b.phase & 1u) == static_cast<uint32_t>(parity)) {
+        ++w->cnt.mbar_blocked;
+        f->state = WAIT_MBAR;
+        f->mbar_off = off;
+        f->mbar_parity = parity;
+        ++w->mbar_waiting;
+        yield(w, f);
+    }
+    mbar_seen(f, off, mbar_live(w, bar, what, &off).phase);
     return 1;
 }
 
@@ -1155,8 +1214,12 @@ bool bulk_deliver(Worker* w, size_t k) {
     // written by the async proxy: a TMA store may read these bytes without a fence
     std::memcpy(w->async_img.data() + (c.dst - w->smem), c.dst, static_cast<size_t>(c.bytes));
     const size_t g0 = (c.dst - w->smem) / kGranule;
-    for (size_t g = g0; g < g0 + c.bytes / kGranule; ++g) --w->pending[g];
     auto it = w->mbars.find(c.bar);
+    for (size_t g = g0; g < g0 + c.bytes / kGranule; ++g) {
+        --w->pending[g];
+        w->landed_bar[g] = it == w->mbars.end() ? 0 : c.bar + 1;
+        w->landed_phase[g] = it == w->mbars.end() ? 0 : it->second.phase;
+    }
     const std::string err = it == w->mbars.end() ? strf("its mbarrier at shared offset %u is gone", c.bar)
                                                  : mbar_tx(c.bar, it->second, -int64_t(c.bytes), "complete-tx");
     if (!err.empty()) {
@@ -1892,6 +1955,8 @@ void nbar_complete(Worker* w, int id) {
                                std::strcmp(what, "fa::sem_post_group") ? "polls the counter" : "posts",
                                b.expected));
     }
+    merge_seen(w->fibers.data(), w->nthreads,
+               [&](const Fiber& f) { return f.state == WAIT_NBAR && f.nbar_id == id && f.nbar_counted; });
     for (int t = 0; t < w->nthreads; ++t) {
         Fiber& f = w->fibers[t];
         if (f.state == WAIT_NBAR && f.nbar_id == id && f.nbar_counted) set_runnable(w, t);
@@ -2120,6 +2185,8 @@ void alloc_block_resources(Worker* w) {
     uintptr_t base = reinterpret_cast<uintptr_t>(w->smem_region + kGuard + body - w->smem_size) & ~uintptr_t(15);
     w->smem = reinterpret_cast<unsigned char*>(base);
     w->pending.assign((w->smem_size + kGranule - 1) / kGranule + 1, 0);
+    w->landed_bar.assign(w->pending.size(), 0);
+    w->landed_phase.assign(w->pending.size(), 0);
     w->async_img.assign(w->smem_size, 0xff);
     w->warp_waiting.assign(w->nwarps, 0);
     w->warp_exited.assign(w->nwarps, 0);
@@ -2155,6 +2222,7 @@ bool run_block(Worker* w, unsigned linear) {
     if (w->smem_size) std::memset(w->smem, 0xff, w->smem_size);
     std::fill(w->async_img.begin(), w->async_img.end(), static_cast<unsigned char>(0xff));
     std::fill(w->pending.begin(), w->pending.end(), 0);
+    std::fill(w->landed_bar.begin(), w->landed_bar.end(), 0);
     std::fill(w->warp_waiting.begin(), w->warp_waiting.end(), 0);
     std::fill(w->warp_exited.begin(), w->warp_exited.end(), 0);
     std::fill(w->runnable.begin(), w->runnable.end(), 0);
@@ -2200,6 +2268,7 @@ bool run_block(Worker* w, unsigned linear) {
         f.wg_tracked.clear();
         f.wg_groups = 0;
         f.wg_fenced = false;
+        f.mbar_seen.clear();
         ctx_make(&f.ctx, f.stack_lo, w->stack_size, &fiber_main, w);
         set_runnable(w, t);
     }
@@ -2513,6 +2582,7 @@ int barrier(void* site, int kind, int predicate) {
                                                  : (w->bar_acc > 0);
         w->bar_arrived = 0;
         ++w->cnt.barriers;
+        merge_seen(w->fibers.data(), w->nthreads, [](const Fiber&) { return true; });
         for (int t = 0; t < w->nthreads; ++t) set_runnable(w, t);
     }
     yield(w, f);
