@@ -889,11 +889,12 @@ __device__ __forceinline__ void Sm90WsConsumer<T, kHeadDim, kHeadDimV, kBlockM, 
                                                                         const CUtensorMap* tmap_o,
                                                                         unsigned char* sO_base) const {
   const int rows = rows_in_tile(m0, kBlockM, kExt == 0 ? mask.Lq : Lq);   // extensions: mask.Lq is the entry's
-  // The thread's coordinates, re-read in the persistent kernel (its epilogue runs once per work tile: what ptxas
-  // derives from them would otherwise be hoisted out of the tile loop and held through the key loop).
-  const int tid = Is_persistent ? opaque_int(ctid) : ctid;
-  const int lane = tid % 32, g = lane >> 2, t = lane & 3, cwg = tid / 128, ctid = tid;
-  const int warp_row = cwg * 64 + ((tid % 128) / 32) * 16;
+  // The thread's coordinates (the members' values, shadowed here), derived again in the persistent kernel from an
+  // opaque copy of its consumer index: its epilogue runs once per work tile, and what ptxas derives from the
+  // members would otherwise be hoisted out of the tile loop and held through the key loop (register spills).
+  const int ctid = Is_persistent ? opaque_int(this->ctid) : this->ctid;
+  const int lane = ctid % 32, g = lane >> 2, t = lane & 3, cwg = ctid / 128;
+  const int warp_row = cwg * 64 + ((ctid % 128) / 32) * 16;
   fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
   float inv_l[2], lse_r[2];
   finish_rows_sm90<kExt>(inv_l, lse_r, stat, ext, m0 + warp_row + g, mask.Lq);

@@ -18,10 +18,10 @@ writes O by TMA stores through a fourth map (``Is_tma_store``) where :data:`USE_
 :func:`out_tma_legal` allow it (:func:`add_tma_launch` picks the instantiation), else by row stores.
 
 Head dims are padded to 64, 128, 192 or 256 (whole 128-byte swizzle panels; dv is the N of the O wgmma) and
-zero-filled past D / Dv. Tiles: two consumer warpgroups
-(Br = 128, 256 threads); Bc = 128 for head dims up to 128 (S and O accumulators 64 + 64 registers),
-Bc = 64 above 128 (O takes 96 / 128 registers at 192 / 256); the ws kernel's dense non-causal calls take wider key tiles, 192 / 176 / 80
-at padded d = dv 64 / 128 / 256 (:data:`WIDE_KEYS`). Shared memory: Q, two K stages and two V stages, each
+zero-filled past D / Dv. Tiles: two consumer warpgroups (Br = 128, 256 threads); Bc = 128 for head dims up to 128
+(S and O accumulators 64 + 64 registers), Bc = 64 above 128 (O takes 96 / 128 registers at 192 / 256); the ws
+kernel's dense non-causal calls take wider key tiles, 192 / 176 / 80 at padded d = dv 64 / 128 / 256
+(:data:`WIDE_KEYS`). Shared memory: Q, two K stages and two V stages, each
 128B-swizzled, plus 1 KB for aligning the dynamic base to the swizzle repeat on the GPU.
 """
 import dataclasses
@@ -66,12 +66,17 @@ def ws_smem_bytes(d, dv, block_m, block_n, overlap=True, persistent=False):
         return (body + 7) // 8 * 8 + 8 * bars + _ALIGN
     separate, pad = persistent_layout(d, dv, block_m, block_n, overlap)
     loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
-    over_v = not separate and _o_bytes(dv, block_m) <= STAGES * 2 * block_n * dv   # + empty_o
+    over_v = not separate and _o_over_v_ring(dv, block_m, block_n)   # + empty_o
     return pad + loop + (_o_bytes(dv, block_m) if separate else 0) + 8 * (bars + 1 + over_v) + _ALIGN
 
 
 def _o_bytes(dv, block_m):
     return 2 * block_m * (dv + 8)
+
+
+def _o_over_v_ring(dv, block_m, block_n):
+    """Whether the V ring holds sO (Sm90WsTraits::kOOverV, where sO has no region of its own)."""
+    return _o_bytes(dv, block_m) <= STAGES * 2 * block_n * dv
 
 
 def persistent_layout(d, dv, block_m, block_n, overlap=True):
@@ -81,10 +86,10 @@ def persistent_layout(d, dv, block_m, block_n, overlap=True):
     which moves up by kOPad bytes (a multiple of 1 KB) so that sO covers nothing of the ring (d 256, Bc 64)."""
     bars = 2 + (4 if overlap else 3) * STAGES
     loop = 2 * (block_m * d + STAGES * block_n * (d + dv))
-    o_bytes, q_bytes, v_bytes = _o_bytes(dv, block_m), 2 * block_m * d, 2 * block_n * dv
+    o_bytes, q_bytes = _o_bytes(dv, block_m), 2 * block_m * d
     if loop + o_bytes + 8 * bars + _ALIGN <= 227 * 1024:
         return True, 0
-    if o_bytes <= STAGES * v_bytes:
+    if _o_over_v_ring(dv, block_m, block_n):
         return False, 0
     return False, -(-max(0, o_bytes - q_bytes) // 1024) * 1024
 
@@ -294,10 +299,10 @@ CP_ASYNC_EXT_BLOCK_N = 64
 #: at d 128, 128 x 80 at d 256; at d 64, where FA3 runs 192 x 192 on three consumer warpgroups, 128 x 192 on our
 #: two): Bc = 176 / 192 / 80 instead of 128 / 128 / 64 spreads each key tile's fixed work (the O rescale, the row
 #: max and sum shuffles, the mbarrier waits and ping-pong turns) over 1.25-1.5x the scores: 11-14 % fewer
-#: instructions per key in the SASS (docs/hopper.md, "Wide key tiles"). Causal calls (FA3: the narrow tiles too)
-#: and calls with extensions (their per-tile state) keep the table's Bc; so does the cp.async kernel. False: the table's Bc everywhere (``hopper_variants.py``'s
-#: ``fwd.WIDE_KEYS``: not yet timed on a GPU). Plans are cached: flip it before planning, or clear them
-#: (launch._clear_plans).
+#: instructions per key in the SASS (docs/hopper.md, "Wide key tiles"). Causal calls keep the table's Bc but at
+#: :data:`WIDE_CAUSAL` (as FA3's), calls with extensions too (their per-tile state), and so does the cp.async
+#: kernel. False: the table's Bc everywhere (``hopper_variants.py``'s ``fwd.WIDE_KEYS``: not yet timed on a GPU).
+#: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 WIDE_KEYS = True
 WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
 #: The wide tile's instructions per key over the table tile's (the unmasked loops' SASS, docs/hopper.md): a call
@@ -368,9 +373,8 @@ def ws_flags(name_expr):
 
 def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False, Lk=None):
     """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0) calls at padded d = dv,
-    non-causal (causal at :data:`WIDE_CAUSAL`), where :data:`WIDE_KEYS`, the layout fits the shared memory (d 256
-    persistent does not: its sO lies over sQ) and, for ``Lk`` keys, the wide tiles' padded keys cost less
-    (:data:`WIDE_KEY_COST`); else ``tile.block_n``."""
+    non-causal (causal at :data:`WIDE_CAUSAL`), where :data:`WIDE_KEYS`, the layout fits the shared memory and,
+    for ``Lk`` keys, the wide tiles' padded keys cost less (:data:`WIDE_KEY_COST`); else ``tile.block_n``."""
     if (not WIDE_KEYS or ext or (causal and tile.head_dim not in WIDE_CAUSAL) or tile.head_dim != tile.head_dim_v
             or tile.head_dim not in WIDE_BLOCK_N):
         return tile.block_n
