@@ -24,6 +24,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
   bwd.KV_REGS                  cuda_backward_sm90.KV_REGS: the ws kernel at d = dv = 64 holds K_j, V_j in registers,
                                the A of S^T and dP^T (RS wgmma; off: SS, both operands from shared memory)
+  bwd.QUERY_SPLIT              cuda_backward_sm90.QUERY_SPLIT: the ws kernel's head-dim split (d 256) computes S^T,
+                               dP^T for half of the queries in each warpgroup (off: all of them in both, 40 % more
+                               tensor work)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -135,6 +138,8 @@ SWITCHES = (
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("bwd.KV_REGS", "bwd", B, "KV_REGS", False, "d = 64: K_j, V_j in registers (RS) vs shared memory (SS)"),
+    Switch("bwd.QUERY_SPLIT", "bwd", B, "QUERY_SPLIT", False,
+           "d 256: S^T, dP^T split by queries vs computed in both warpgroups"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

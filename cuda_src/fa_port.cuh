@@ -798,6 +798,7 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 #define FA_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
     "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FA_WG_D32(i) FA_WG_D8(i), FA_WG_D8(i + 8), FA_WG_D8(i + 16), FA_WG_D8(i + 24)
+#define FA_WG_D_32 FA_WG_D8(0), FA_WG_D8(8)
 #define FA_WG_D_64 FA_WG_D32(0)
 #define FA_WG_D_80 FA_WG_D32(0), FA_WG_D8(32)
 #define FA_WG_D_128 FA_WG_D32(0), FA_WG_D32(32)
@@ -806,6 +807,12 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 #define FA_WG_D_256 FA_WG_D32(0), FA_WG_D32(32), FA_WG_D32(64), FA_WG_D32(96)
 // The register list {%0, ..., %(N/2-1)} and the operand numbers after it, per N (the N of the S wgmma: Bc;
 // of the O wgmma: dv).
+#define FA_WG_ACC_32 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+#define FA_WG_SS_32 "%16, %17, p, 1, 1, %19, %20;\n"  // desc-a, desc-b, scale-d (p = %18 != 0), trans-a, trans-b
+#define FA_WG_SS_P_32 "setp.ne.b32 p, %18, 0;\n\t"
+#define FA_WG_RS_32 "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n"  // a0-a3, desc-b, scale-d (p = %21 != 0), trans-b
+#define FA_WG_RS_P_32 "setp.ne.b32 p, %21, 0;\n\t"
 #define FA_WG_ACC_64 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -883,12 +890,14 @@ template <int N, class T> struct Wgmma;
                          : FA_WG_D_##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(sd), "n"(TB)); \
         }                                                                                                       \
     };
+FA_WGMMA_DEFINE(32, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(64, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(80, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(128, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(176, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(192, fa_half, ".f16.f16")
 FA_WGMMA_DEFINE(256, fa_half, ".f16.f16")
+FA_WGMMA_DEFINE(32, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(64, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(80, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(128, fa_bf16, ".bf16.bf16")
@@ -897,8 +906,8 @@ FA_WGMMA_DEFINE(192, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(256, fa_bf16, ".bf16.bf16")
 
 #define FA_WGMMA_CHECK(N)                                                                                     \
-    static_assert(N == 64 || N == 80 || N == 128 || N == 176 || N == 192 || N == 256,                         \
-                  "fa::wgmma on the GPU: N must be 64, 80, 128, 176, 192 or 256");                            \
+    static_assert(N == 32 || N == 64 || N == 80 || N == 128 || N == 176 || N == 192 || N == 256,               \
+                  "fa::wgmma on the GPU: N must be 32, 64, 80, 128, 176, 192 or 256");                        \
     static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)")
 
 // D (+)= A B, m64nNk16: scale_d 0 ignores the accumulator's input (D = A B), 1 accumulates. TransA /
@@ -931,36 +940,42 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
 #undef FA_WGMMA_DEFINE
 #undef FA_WG_D8
 #undef FA_WG_D32
+#undef FA_WG_D_32
 #undef FA_WG_D_64
 #undef FA_WG_D_80
 #undef FA_WG_D_128
 #undef FA_WG_D_176
 #undef FA_WG_D_192
 #undef FA_WG_D_256
+#undef FA_WG_ACC_32
 #undef FA_WG_ACC_64
 #undef FA_WG_ACC_80
 #undef FA_WG_ACC_128
 #undef FA_WG_ACC_176
 #undef FA_WG_ACC_192
 #undef FA_WG_ACC_256
+#undef FA_WG_SS_32
 #undef FA_WG_SS_64
 #undef FA_WG_SS_80
 #undef FA_WG_SS_128
 #undef FA_WG_SS_176
 #undef FA_WG_SS_192
 #undef FA_WG_SS_256
+#undef FA_WG_SS_P_32
 #undef FA_WG_SS_P_64
 #undef FA_WG_SS_P_80
 #undef FA_WG_SS_P_128
 #undef FA_WG_SS_P_176
 #undef FA_WG_SS_P_192
 #undef FA_WG_SS_P_256
+#undef FA_WG_RS_32
 #undef FA_WG_RS_64
 #undef FA_WG_RS_80
 #undef FA_WG_RS_128
 #undef FA_WG_RS_176
 #undef FA_WG_RS_192
 #undef FA_WG_RS_256
+#undef FA_WG_RS_P_32
 #undef FA_WG_RS_P_64
 #undef FA_WG_RS_P_80
 #undef FA_WG_RS_P_128

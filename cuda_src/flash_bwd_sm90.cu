@@ -137,34 +137,64 @@ struct Sm90BwdTraits {
 // visit, measured on the cp.async kernel.)
 
 // One batch, issued and committed (the caller waits): dV_j += P^T dO_i and dK_j += dS^T Q_i (RS; dO_i, Q_i
-// MN-major: queries 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart).
+// MN-major: queries 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart). a_p[ks], a_ds[ks] hold the k16
+// step ks ^ kx (the head-dim split's warpgroup 1: kx = Br/32, its own queries first, the order of the ws kernel's
+// query split, so that the two kernels' dK_j, dV_j stay the same bits).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM>  // (the warpgroup's N: Sm90BwdTraits' kDkN, kDvN)
 __device__ __forceinline__ void issue_dv_dk_sm90(float (&acc_dv)[kHeadDimV / 2], float (&acc_dk)[kHeadDim / 2],
                                                  const uint32_t (&a_p)[kBlockM / 16][4],
                                                  const uint32_t (&a_ds)[kBlockM / 16][4],
-                                                 const unsigned char* sdO_i, const unsigned char* sQ_i) {
+                                                 const unsigned char* sdO_i, const unsigned char* sQ_i, int kx = 0) {
   fa::wgmma_fence_operand(acc_dv);
   fa::wgmma_fence_operand(acc_dk);
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlockM / 16; ++ks)
-    flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + ks * 2048, kBlockM * 128), 1);
+    flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + (ks ^ kx) * 2048, kBlockM * 128), 1);
 #pragma unroll
   for (int ks = 0; ks < kBlockM / 16; ++ks)
-    flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + ks * 2048, kBlockM * 128), 1);
+    flash::wgmma_rs<T, kHeadDim, true>(acc_dk, a_ds[ks], flash::sw128_desc(sQ_i + (ks ^ kx) * 2048, kBlockM * 128), 1);
   fa::wgmma_commit_group();
+}
+
+__device__ __forceinline__ void swap_if(bool c, uint32_t& x, uint32_t& y) {
+  const uint32_t a = c ? y : x, b = c ? x : y;
+  x = a, y = b;
 }
 
 // One RS batch, issued and committed: acc += A B over Br/16 k16 steps (A from registers; B MN-major, queries
 // 16ks.. at 2048·ks bytes, head-dim panels Br·128 bytes apart): dV_j += P^T dO_i or dK_j += dS^T Q_i.
-template <typename T, int N, int kBlockM>
-__device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_t (&a)[kBlockM / 16][4],
+// kSteps: fewer k16 steps than Br/16 (the query split: the warpgroup's own queries; sB then starts at its first).
+template <typename T, int N, int kBlockM, int kSteps = kBlockM / 16>
+__device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_t (&a)[kSteps][4],
                                               const unsigned char* sB) {
   fa::wgmma_fence_operand(acc);
   fa::wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kBlockM / 16; ++ks)
+  for (int ks = 0; ks < kSteps; ++ks)
     flash::wgmma_rs<T, N, true>(acc, a[ks], flash::sw128_desc(sB + ks * 2048, kBlockM * 128), 1);
+  fa::wgmma_commit_group();
+}
+
+// The query split (head-dim split, kQSplit): the k16 steps ks0 .. ks0 + kSteps − 1 of dV_j += P^T dO_i and
+// dK_j += dS^T Q_i that belong to the other warpgroup's queries, A = its P^T / dS^T staged in shared memory (Bc x
+// Br, one 128-byte swizzled panel, read K-major: k16 step k at bytes 32k of each row), B as in issue_rs_sm90.
+// Issued and committed (the caller waits).
+template <typename T, int kDvN, int kDkN, int kBlockM, int kSteps>
+__device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], float (&acc_dk)[kDkN / 2],
+                                                    const unsigned char* sP, const unsigned char* sdS, int ks0,
+                                                    const unsigned char* sdO_i, const unsigned char* sQ_i) {
+  fa::wgmma_fence_operand(acc_dv);
+  fa::wgmma_fence_operand(acc_dk);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+    flash::wgmma_ss<T, kDvN, true>(acc_dv, flash::sw128_desc(sP + 32 * (ks0 + ks), 16),
+                                   flash::sw128_desc(sdO_i + (ks0 + ks) * 2048, kBlockM * 128), 1);
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+    flash::wgmma_ss<T, kDkN, true>(acc_dk, flash::sw128_desc(sdS + 32 * (ks0 + ks), 16),
+                                   flash::sw128_desc(sQ_i + (ks0 + ks) * 2048, kBlockM * 128), 1);
   fa::wgmma_commit_group();
 }
 
@@ -704,8 +734,20 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
         if (!Tr::kSplitD || ks / (kBlockM / 32) == wg)
           *reinterpret_cast<uint32_t*>(sdS + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
       }
-    // -- dV_j += P^T dO_i, dK_j += dS^T Q_i: one batch, waited for after the barrier below.
-    issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel);
+    // -- dV_j += P^T dO_i, dK_j += dS^T Q_i: one batch, waited for after the barrier below (the head-dim split's
+    //    warpgroup 1 from its own queries' k16 steps on: the ws kernel's order).
+    int kx = 0;
+    if constexpr (Tr::kSplitD) {
+      kx = wg == 1 ? kBlockM / 32 : 0;
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 32; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          swap_if(kx != 0, a_p[ks][r], a_p[ks + kBlockM / 32][r]);
+          swap_if(kx != 0, a_ds[ks][r], a_ds[ks + kBlockM / 32][r]);
+        }
+    }
+    issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel, kx);
 
     // dS^T complete and visible to the async proxy before any warpgroup's dQ wgmma reads it (ordered:
     // also our turn for query block i — sem_wait ends in a block barrier).
@@ -793,7 +835,10 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
   static constexpr int kdSBytes = kBlockN * kBlockM * 2;
   static constexpr int kdS = Base::kdS;                                   // [stage] dS^T, Bc x Br
-  static constexpr int kStats = kdS + Base::kStages * kdSBytes;            // per stage: L_i·log2e, D_i
+  // The head-dim split: P^T per stage as well, the query split's operand of the other warpgroup (kQSplitOn;
+  // reserved either way).
+  static constexpr int kP = kdS + Base::kStages * kdSBytes;                // [stage] P^T, Bc x Br
+  static constexpr int kStats = kP + (Base::kSplitD ? Base::kStages * kdSBytes : 0);  // per stage: L_i·log2e, D_i
   // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumLayout, Br x d bytes reserved), two
   // where they fit in the opt-in maximum (the consumers run one visit ahead of the dQ warp), else one.
   static constexpr int kDQAcc = kStats + Base::kStages * 2 * kBlockM * 4;
@@ -819,13 +864,69 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
 };
 
 // The ws kernel's dV batch, issued between the dP^T batch's commit and its wait (gemm_qk_sm90's `issued`).
-template <typename T, int kHeadDimV, int kBlockM>
+template <typename T, int kHeadDimV, int kBlockM, int kSteps = kBlockM / 16>
 struct IssueDvSm90 {
   float (&acc_dv)[kHeadDimV / 2];
-  const uint32_t (&a_p)[kBlockM / 16][4];
+  const uint32_t (&a_p)[kSteps][4];
   const unsigned char* sdO_i;
-  __device__ __forceinline__ void operator()() const { issue_rs_sm90<T, kHeadDimV, kBlockM>(acc_dv, a_p, sdO_i); }
+  __device__ __forceinline__ void operator()() const {
+    issue_rs_sm90<T, kHeadDimV, kBlockM, kSteps>(acc_dv, a_p, sdO_i);
+  }
 };
+
+// The query split (Sm90BwdWsTraits::kQSplit): one visit's scores for the warpgroup's Br/2 queries [q_off, q_off +
+// Br/2) of all Bc keys, up to its own half of dV_j, dK_j. S^T = K_j Q_i^T and dP^T = V_j dO_i^T with N = Br/2 (no
+// wgmma duplicated between the warpgroups), P^T and dS^T staged (sP, sdS: the other warpgroup's A operand, read
+// after the barrier by issue_dv_dk_ss_sm90), the RS batches of dV_j and dK_j over the own k16 steps issued (dV's
+// behind dP^T's, as in the ws kernel's other modes); the caller waits, holding a_p, a_ds (the RS batches' A
+// registers, read until then). acc_s[4j + e]: key key_row + 8((e % 4) >> 1), query q_off + 8j + 2t + (e & 1).
+template <typename T, typename Tr, int kHeadDim, int kHeadDimV, int kBlockM, class M>
+__device__ __forceinline__ void visit_scores_qsplit_sm90(
+    float (&acc_dv)[Tr::kDvN / 2], float (&acc_dk)[Tr::kDkN / 2], uint32_t (&a_p)[kBlockM / 32][4],
+    uint32_t (&a_ds)[kBlockM / 32][4], const unsigned char* sK, const unsigned char* sV,
+    const unsigned char* sQ_i, const unsigned char* sdO_i, unsigned char* sP_s, unsigned char* sdS_s,
+    const float* lse2_s, const float* delta_s, float scale_log2, const M& mask, int r0, int key0, int q_off,
+    int ds_lane, int t, int q_panel, int do_panel) {
+  constexpr int kQ = kBlockM / 2, kSteps = kQ / 16;
+  const int ks0 = q_off / 16;  // the own k16 steps of the Br queries
+  float acc_s[kQ / 2], acc_dp[kQ / 2];
+  flash::gemm_qk_sm90<T, kHeadDim, Tr::kBc, kQ, flash::NoOp, 0, kBlockM>(acc_s, sK, sQ_i + q_off * 128);
+#pragma unroll
+  for (int j = 0; j < kQ / 8; ++j) {
+    const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + q_off + 8 * j + 2 * t);
+#pragma unroll
+    for (int e = 4 * j; e < 4 * j + 4; ++e) {
+      const int col = q_off + 8 * j + 2 * t + (e & 1), key = key0 + 8 * ((e % 4) >> 1);
+      acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+    }
+  }
+  const auto stage = [&](unsigned char* tile, int ks, int r, uint32_t x) {  // (the cp.async kernel's dS^T layout)
+    *reinterpret_cast<uint32_t*>(tile + ((ds_lane ^ ((2 * (ks0 + ks) + r / 2) << 4)) + 1024 * (r % 2))) = x;
+  };
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+      stage(sP_s, ks, r, a_p[ks][r]);
+    }
+  flash::gemm_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>, 1, kBlockM>(
+      acc_dp, sV, sdO_i + q_off * 128, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>{acc_dv, a_p, sdO_i + do_panel + ks0 * 2048});
+#pragma unroll
+  for (int j = 0; j < kQ / 8; ++j) {
+    const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + q_off + 8 * j + 2 * t);
+#pragma unroll
+    for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+  }
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+      stage(sdS_s, ks, r, a_ds[ks][r]);
+    }
+  issue_rs_sm90<T, Tr::kDkN, kBlockM, kSteps>(acc_dk, a_ds, sQ_i + q_panel + ks0 * 2048);
+}
 
 // The dQ warp's turn at query block i (DQOrder::turn), its key block, Tc and the mask's causal offset read from
 // shared memory after the counters' base at the wait (at 24 registers, the three live across the loop spilled
@@ -878,7 +979,8 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
 }  // namespace fa_bwd
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
-          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true>
+          bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
+          bool kQSplitOn = true>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -919,6 +1021,7 @@ flash_bwd_sm90_ws_kernel(
   unsigned char* sQ = smem + Tr::kQ;    // [stage]
   unsigned char* sdO = smem + Tr::kdO;  // [stage]
   unsigned char* sdS = smem + Tr::kdS;  // [stage]
+  unsigned char* sP = smem + Tr::kP;    // [stage] (the query split)
   float* stats = reinterpret_cast<float*>(smem + Tr::kStats);  // [stage][L_i·log2e | D_i][Br]
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);  // K_j, V_j landed
   uint64_t* full = bar_kv + 1;        // [stage]: Q_i, dO_i landed, L_i, D_i stored
@@ -1065,6 +1168,11 @@ flash_bwd_sm90_ws_kernel(
   // wgmma; 32 registers, read once per block): each visit's S^T / dP^T batches then read only Q_i / dO_i from
   // shared memory, where SS read the K_j / V_j panels again per wgmma (32 KB of a visit's ~190 KB).
   constexpr bool kKVRegs = kKVRegsOn && kExt == 0 && !Tr::kSplitD && kHeadDim == 64 && kHeadDimV == 64;
+  // kQSplit (the head-dim split, dense; kQSplitOn): warpgroup w computes S^T, P^T, dP^T, dS^T for the queries
+  // [32w, 32w + 32) of the visit only (visit_scores_qsplit_sm90), where the duplicated mode computes all of them in
+  // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
+  // P^T, dS^T from shared memory after the consumers' barrier (issue_dv_dk_ss_sm90).
+  constexpr bool kQSplit = kQSplitOn && kExt == 0 && Tr::kSplitD;
   uint32_t a_k[kKVRegs ? kHeadDim / 16 : 1][4], a_v[kKVRegs ? kHeadDimV / 16 : 1][4];
   if constexpr (kKVRegs) {
     if (n_visits > 0) {
@@ -1087,76 +1195,83 @@ flash_bwd_sm90_ws_kernel(
     if (kLengths && r0 + kBlockM > mask.Lq)  // queries past Lq_b
       zero_past_sm90<Tr, kBlockM, kHeadDim, kHeadDimV>(sQ + s * Tr::kQBytes, sdO + s * Tr::kdOBytes, mask.Lq - r0,
                                                        tid - 128);
-    // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
-    //    gemm_qk_sm90 with Q and K swapped).
-    uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
-    // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
-    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
-    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
-    float acc_s[kBlockM / 2];
-    if constexpr (kKVRegs)
-      flash::gemm_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
-    else
-      flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
+    uint32_t a_pq[kQSplit ? kBlockM / 32 : 1][4], a_dsq[kQSplit ? kBlockM / 32 : 1][4];  // (the query split's)
+    if constexpr (kQSplit) {
+      visit_scores_qsplit_sm90<T, Tr, kHeadDim, kHeadDimV, kBlockM>(
+          acc_dv, acc_dk, a_pq, a_dsq, sK, sV, sQ_i, sdO_i, sP + s * Tr::kdSBytes, sdS_s, lse2_s, delta_s, scale_log2, mask, r0,
+          c0 + key_row, cwg * (kBlockM / 2), ds_lane, t, q_panel, do_panel);
+    } else {
+      // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
+      //    gemm_qk_sm90 with Q and K swapped).
+      uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
+      // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
+      const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
+      if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
+      float acc_s[kBlockM / 2];
+      if constexpr (kKVRegs)
+        flash::gemm_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
+      else
+        flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
-    // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
-    //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
-    //    (Extensions: P^T and dS^T together once dP^T is complete, ext_pt_dst_sm90; the dV batch then goes with
-    //    the dK one.)
-    if constexpr (kExt == 0) {
+      // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
+      //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
+      //    (Extensions: P^T and dS^T together once dP^T is complete, ext_pt_dst_sm90; the dV batch then goes with
+      //    the dK one.)
+      if constexpr (kExt == 0) {
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
 #pragma unroll
-        for (int e = 4 * j; e < 4 * j + 4; ++e) {
-          const int col = 8 * j + 2 * t + (e & 1);
-          const int key = c0 + key_row + 8 * ((e % 4) >> 1);
-          acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+          for (int e = 4 * j; e < 4 * j + 4; ++e) {
+            const int col = 8 * j + 2 * t + (e & 1);
+            const int key = c0 + key_row + 8 * ((e % 4) >> 1);
+            acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+          }
         }
       }
-    }
-    // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
-    //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
-    //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
-    uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-    float acc_dp[kBlockM / 2];
-    if constexpr (kExt == 0) {
+      // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
+      //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
+      //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
+      uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+      float acc_dp[kBlockM / 2];
+      if constexpr (kExt == 0) {
+#pragma unroll
+        for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        if constexpr (kKVRegs)
+          flash::gemm_qk_rs_sm90<T, kHeadDimV, kBlockM, IssueDv, 1>(acc_dp, a_v, sdO_i,
+                                                                   IssueDv{acc_dv, a_p, sdO_i + do_panel});
+        else
+          flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
+                                                                          IssueDv{acc_dv, a_p, sdO_i + do_panel});
+
+        // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
+        //    staged for dQ (the cp.async kernel's layout), then the dK batch.
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+        }
+      } else {
+        flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
+        ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
+                                    r0, c0 + key_row, lane);
+      }
 #pragma unroll
       for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-      if constexpr (kKVRegs)
-        flash::gemm_qk_rs_sm90<T, kHeadDimV, kBlockM, IssueDv, 1>(acc_dp, a_v, sdO_i,
-                                                                 IssueDv{acc_dv, a_p, sdO_i + do_panel});
+        for (int r = 0; r < 4; ++r) {
+          a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+          if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
+            *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+        }
+      if constexpr (kExt == 0)
+        issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
       else
-        flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, IssueDv, 1>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i,
-                                                                        IssueDv{acc_dv, a_p, sdO_i + do_panel});
-
-      // -- dS^T = P^T ∘ (dP^T − D_i) from the unrounded P^T, rounded to the A fragments of dK += dS^T Q_i and
-      //    staged for dQ (the cp.async kernel's layout), then the dK batch.
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-#pragma unroll
-        for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
-      }
-    } else {
-      flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
-      ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
-                                  r0, c0 + key_row, lane);
+        issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel);
     }
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-        if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
-          *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
-      }
-    if constexpr (kExt == 0)
-      issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
-    else
-      issue_dv_dk_sm90<T, Tr::kDkN, Tr::kDvN, kBlockM>(acc_dv, acc_dk, a_p, a_ds, sdO_i + do_panel, sQ_i + q_panel);
     // dS^T of both warpgroups staged (generic stores made visible to the async proxy) before either's dQ
     // wgmma reads it: the consumers' named barrier (the producer is not in it). Ordered: the same barrier
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
@@ -1167,6 +1282,10 @@ flash_bwd_sm90_ws_kernel(
                          Tr::kConsumerBarrier, Tr::kConsumerThreads);
     else
       fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
+    if constexpr (kQSplit)  // the other warpgroup's queries: its P^T, dS^T staged before the barrier
+      issue_dv_dk_ss_sm90<T, Tr::kDvN, Tr::kDkN, kBlockM, kBlockM / 32>(acc_dv, acc_dk, sP + s * Tr::kdSBytes, sdS_s,
+                                                                      (1 - cwg) * (kBlockM / 32), sdO_i + do_panel,
+                                                                      sQ_i + q_panel);
     fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);

@@ -84,8 +84,10 @@ struct NoOp {
 
 // S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
 // k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
-// kPending: for every batch but the kPending committed by `issued` after it).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0>
+// kPending: for every batch but the kPending committed by `issued` after it). kRowsB: the rows of sK_j's
+// panels where N (kBlockN) is a part of them (the backward's query split: N = 32 of Br = 64 rows).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0,
+          int kRowsB = kBlockN>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                              const unsigned char* sK_j, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
@@ -94,7 +96,7 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     const int k_bytes = (ks % 4) * 32;
     const uint64_t da = sw128_desc(sQ_w + (ks / 4) * kBlockM * 128 + k_bytes, 16);
-    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kBlockN * 128 + k_bytes, 16);
+    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kRowsB * 128 + k_bytes, 16);
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();

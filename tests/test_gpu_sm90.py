@@ -327,6 +327,7 @@ BWD_VARIANTS = {
     "ws_16_byte_store": dict(USE_TMA_STORE=False),
     "cp_async": dict(USE_TMA=False),
     "ws_kv_smem": dict(KV_REGS=False),   # d = dv = 64: K_j, V_j read from shared memory (SS), not registers
+    "ws_dup_scores": dict(QUERY_SPLIT=False),   # head-dim split: S^T, dP^T in both warpgroups, not split by queries
 }
 
 
@@ -350,11 +351,13 @@ def expect_backward_kernel(plan, p, deterministic):
     names = [r.name for r in plan.launches if r.name.startswith((B.KERNEL, B.WS_KERNEL))]
     assert names, [r.name for r in plan.launches]
     for name in names:
-        flags = template_flags(name.replace(", 0, false>", ">"))   # (kKVRegsOn = false: KV_REGS off)
+        # (kKVRegsOn = false: KV_REGS off; kQSplitOn = false: QUERY_SPLIT off)
+        flags = template_flags(name.replace(", 0, false>", ">").replace(", 0, true, false>", ">"))
         if ws:
             assert name.startswith(B.WS_KERNEL) and flags[-3:] == [
                 deterministic, B.USE_TMA_STORE and not plan.partial, B.dq_bulk(*B.pad_head_dims(D, Dv))], name
             assert B.ws_kv_regs(name) == (B.KV_REGS and B.kv_regs(D, Dv)), name
+            assert B.ws_query_split(name) == (B.QUERY_SPLIT and B.is_split(D, Dv)), name
         else:
             assert name.startswith(B.KERNEL) and flags[-1] == deterministic, name
 
@@ -403,9 +406,11 @@ BWD_EMULATOR = [  # (variant, *shape, deterministic)
     ("ws_16_byte_store", "float16", 40, 72, (70, 130), True, "none", "bshd", False),
     ("cp_async", "bfloat16", 256, 256, (65, 127), True, "none", "bhsd", True),   # head-dim split
     ("ws", "float16", 200, 72, (130, 70), True, "none", "bshd", False),          # split: atomics, Lq > Lk
+    ("ws_dup_scores", "bfloat16", 72, 256, (40, 150), False, "none", "bhsd", True),   # split, not by queries
 ]
 BWD_GPU = [(v,) + s + (det,) for v in BWD_VARIANTS for s in BWD_SHAPES for det in (True, False)
-           if s[1] % 8 == 0 or v in ("ws", "cp_async")]  # (D = 59 takes the cp.async kernel whatever the flags)
+           if (s[1] % 8 == 0 or v in ("ws", "cp_async"))   # (D = 59 takes the cp.async kernel whatever the flags)
+           and (v != "ws_dup_scores" or B.is_split(s[1], s[2]))]
 BWD_SLOW = [(v, dt, D, D, lengths, causal, "mqa" if D == 128 else "none", "bshd" if D == 64 else "bhsd", det)
             for v in ("ws", "cp_async") for dt in DTYPES for D in (64, 128, 256)
             for lengths in ((1000, 1500), (2048, 2048)) for causal in (False, True) for det in (True, False)]

@@ -201,6 +201,11 @@ DQ_BULK = True
 #: read from shared memory per wgmma, SS). Twenty-second session; a ``hopper_variants.py`` switch
 #: (``bwd.KV_REGS``), not yet timed on a GPU.
 KV_REGS = True
+#: Whether the warp-specialized kernel's head-dim split (D or Dv above 128, dense calls) splits S^T, dP^T over the
+#: two consumer warpgroups by queries (``kQSplitOn``: each computes them for 32 of the visit's 64 queries and stages
+#: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
+#: work than the visit needs). Twenty-fourth session; a ``hopper_variants.py`` switch (``bwd.QUERY_SPLIT``).
+QUERY_SPLIT = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -216,10 +221,12 @@ def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """Mirror of ``Sm90BwdWsTraits::kSmemBytes``: the cp.async layout with dS^T per stage, then the
     1 + 2 x STAGES mbarriers (8 bytes each), the ordered mode's counter base and turn (a pointer and three ints: DQOrder's
     key block, Tc, Lk - Lq; 24 bytes) and, in the
-    head-dim split (d or dv above 128), the batch offsets of dq_accum, dk and dv (3 x 8 bytes); with the bulk
+    head-dim split (d or dv above 128), P^T per stage (:data:`QUERY_SPLIT`'s; reserved either way) and the batch
+    offsets of dq_accum, dk and dv (3 x 8 bytes); with the bulk
     dQ (``bulk``, default :func:`dq_bulk`) :func:`dq_buffers` fp32 tiles of Br x d and two mbarriers each."""
+    split = max(d, dv) > SPLIT_ABOVE
     base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
-            + TURN_BYTES + (3 * 8 if max(d, dv) > SPLIT_ABOVE else 0))
+            + TURN_BYTES + (3 * 8 + 2 * block_n * block_m * STAGES if split else 0))
     n = dq_buffers(d, dv, block_m, block_n, bulk)
     return base + n * (block_m * d * 4 + 16) + (8 if n else 0)   # (+ dq_accum's batch offset)
 
@@ -262,7 +269,9 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     kv_off = not KV_REGS and kv_regs(pD, pDv, ext)   # kKVRegsOn = false: named only where it changes the code
-    tail = (", %d" % ext if ext or kv_off else "") + (", false" if kv_off else "")
+    qs_off = not QUERY_SPLIT and not ext and is_split(pD, pDv)   # kQSplitOn = false likewise
+    tail = ((", %d" % ext if ext or kv_off or qs_off else "") + (", %s" % b(not kv_off) if kv_off or qs_off else "")
+            + (", false" if qs_off else ""))
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext), tail)
@@ -274,6 +283,14 @@ def ws_kv_regs(name_expr):
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     ext = int(args[11]) if len(args) > 11 else 0
     return kv_regs(int(args[2]), int(args[3]), ext) and (len(args) < 13 or args[12] == "true")
+
+
+def ws_query_split(name_expr):
+    """Whether a ws kernel instantiation (its name) takes the query split (``kQSplit``): the head-dim split, kExt = 0
+    and ``kQSplitOn`` (the fourteenth template argument, true unless named)."""
+    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
+    ext = int(args[11]) if len(args) > 11 else 0
+    return not ext and is_split(int(args[2]), int(args[3])) and (len(args) < 14 or args[13] == "true")
 
 
 def kv_regs(D, Dv, ext=0):
