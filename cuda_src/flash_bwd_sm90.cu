@@ -36,7 +36,9 @@
 // dO_i): d/4 + dv/4 accumulator registers, those of d = dv = 128. Each warpgroup stores half of dS^T's
 // columns. d, dv are 128 or 256 (the host pads the smaller to 128: whole panels per half).
 // FlashAttention-3 (hdim 256) instead splits S / dP over the warpgroups and takes P, dS through shared
-// memory into dK^T, dV^T with M = head dim (dKV_swapAB); no duplicated work, a barrier more per visit.
+// memory into dK^T, dV^T with M = head dim (dKV_swapAB); no duplicated work, a barrier more per visit. The ws
+// kernel's query split (kQSplit, below) splits S^T / dP^T by queries instead: P^T and dS^T go through shared
+// memory into the other warpgroup's k16 steps of dV_j, dK_j, behind the barrier the visit already has.
 //
 // dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
 // the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
@@ -67,7 +69,7 @@
 //
 // Not yet: overlap of one batch's wgmmas with the
 // next step's math (every batch is waited for before its result is used), head dims above 256, the recompute
-// dQ mode, the head-dim split without its duplicated S^T / dP^T, extensions in the head-dim split.
+// dQ mode, the cp.async kernel's head-dim split without its duplicated S^T / dP^T, extensions in the head-dim split.
 //
 // Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
 // tma_sel and four tensor maps), the extension tail FLASH_EXT_PARAMS(float) included.
