@@ -177,12 +177,11 @@ run_step pytest "${GPU_SESSION_PYTEST_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]
     --junitxml="$OUT_DIR/junit.xml" --ignore=tests/test_gpu_sm90.py tests/
 # (4) forward and backward tables against FlashAttention-2 and cuDNN
 run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py --backward "${TABLE_ARGS[@]}"
-# (4b) the switches that wait for a GPU's verdict (the twentieth session: the grid backward's swizzled Q_i, dO_i;
-# the twenty-second: the persistent wgmma forward's causal pairs in L2 groups, the wgmma backward's K_j, V_j in
-# registers at d 64, the mma.sync causal forward's grouped grid order; the twenty-third: the wgmma forward's wide key
-# tiles)
+# (4b) the switches that wait for a GPU's verdict (the twenty-fourth session: the wgmma backward's d 256 query
+# split, timed at N 4k only, and its ordered mode's entries-first block order; the earlier ones were decided on the
+# H200 of 2026-11-28, docs/gpu_h200.md, "Fifth GPU session")
 run_step mma_verdicts "${GPU_SESSION_MMA_S:-110}" "$PY" benchmarks/hopper_variants.py \
-    --only mma.GRID_SWIZZLE,fwd.CAUSAL_PAIRS,fwd.WIDE_KEYS,bwd.KV_REGS,mma.CAUSAL_GROUPS \
+    --only bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST \
     --seqlens 4096,16384 --max-seconds 90 --json "$OUT_DIR/mma_verdicts.json"
 # (5) decoding / GQA shapes against FlashAttention-2
 run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode

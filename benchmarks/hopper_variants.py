@@ -27,6 +27,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.QUERY_SPLIT              cuda_backward_sm90.QUERY_SPLIT: the ws kernel's head-dim split (d 256) computes S^T,
                                dP^T for half of the queries in each warpgroup (off: all of them in both, 40 % more
                                tensor work)
+  bwd.ENTRIES_FIRST            cuda_backward_sm90.ENTRIES_FIRST: the ws kernel's ordered dQ mode takes its blocks
+                               entries first (off: the grid's key blocks first, the running blocks' dQ turns
+                               chained); det only
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -140,6 +143,8 @@ SWITCHES = (
     Switch("bwd.KV_REGS", "bwd", B, "KV_REGS", False, "d = 64: K_j, V_j in registers (RS) vs shared memory (SS)"),
     Switch("bwd.QUERY_SPLIT", "bwd", B, "QUERY_SPLIT", False,
            "d 256: S^T, dP^T split by queries vs computed in both warpgroups"),
+    Switch("bwd.ENTRIES_FIRST", "bwd", B, "ENTRIES_FIRST", False,
+           "ordered dQ: blocks entries first vs the grid's key blocks first", modes=("det",)),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

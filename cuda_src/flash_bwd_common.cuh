@@ -183,8 +183,9 @@ template <bool kDescending>
 struct DQOrder {
     int n;   // the key block this block computes
     int tc;  // key blocks launched
-    __device__ __forceinline__ static DQOrder make() {
-        const int x = static_cast<int>(blockIdx.x), tc = static_cast<int>(gridDim.x);
+    // x: the block's key-block coordinate (blockIdx.x, or the ws kernel's grid_pos).
+    __device__ __forceinline__ static DQOrder make(int x = static_cast<int>(blockIdx.x)) {
+        const int tc = static_cast<int>(gridDim.x);
         return DQOrder{kDescending ? tc - 1 - x : x, tc};
     }
     // causal_offset: the mask's (Lk - Lq: row r sees keys <= r + causal_offset).

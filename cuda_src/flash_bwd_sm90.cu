@@ -449,20 +449,48 @@ __device__ __forceinline__ int tma_coord(long long tma_sel, int m, int d, int gr
   return which == 1 ? grp : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
 }
 
-// The batch entry from the grid read again after the consumers' loop (the TMA-store epilogue): volatile reads
-// of %ctaid, which ptxas does not merge with the prologue's, so that the prologue's batch index is not kept
-// live across the loop (with it, d = 256 causal ordered spilled 4/8 bytes). The emulator reads blockIdx.
-__device__ __forceinline__ BatchIndex batch_index_reread(int nb2) {
+// The block's (key block x, entry y, z) in the grid (Tc, nb1·nb2, nb0). kEntriesFirst (the ws kernel's ordered
+// mode, cuda_backward_sm90.ENTRIES_FIRST): the blocks the hardware starts in increasing L = x + X·(y + Y·z) taken
+// entries first, as (L / (Y·Z), L mod (Y·Z)): the blocks running at once are the first key blocks of many entries,
+// not one entry's first key blocks. Key block n waits for n − 1 (ascending) or n + 1 (the causal descending order)
+// of its entry at each query block; from the grid's x, the waits chain up to every running block (a wave of 132
+// lagging one dQ turn each behind the next), entries first only those of one entry (key blocks L, L − Y·Z, ...:
+// still dispatched earlier, fa::sem_wait's rule). ctaid / nctaid read by volatile asm where `reread` (the
+// TMA-store epilogue: ptxas does not merge them with the prologue's reads, so the prologue's values are not kept
+// live across the loop; with them, d = 256 causal ordered spilled 4/8 bytes). The emulator reads blockIdx.
+struct GridPos {
+  int x, y, z;
+};
+template <bool kEntriesFirst, bool kReread = false>
+__device__ __forceinline__ GridPos grid_pos() {
+  unsigned x, y, z, nx, ny, nz;
 #if defined(__CUDA_ARCH__)
-  unsigned y, z;
-  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
-  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
-  BatchIndex b;
-  b.b0 = static_cast<int>(z), b.b1 = static_cast<int>(y) / nb2, b.b2 = static_cast<int>(y) % nb2;
-  return b;
+  if constexpr (kReread) {
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
+  } else {
+    x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+  }
 #else
-  return BatchIndex::from_grid(nb2);
+  x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
 #endif
+  if constexpr (!kEntriesFirst) return GridPos{static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
+  nx = gridDim.x, ny = gridDim.y, nz = gridDim.z;
+  const unsigned entries = ny * nz, linear = x + nx * (y + ny * z), e = linear % entries;
+  return GridPos{static_cast<int>(linear / entries), static_cast<int>(e % ny), static_cast<int>(e / ny)};
+}
+
+__device__ __forceinline__ BatchIndex batch_index_at(const GridPos& g, int nb2) {
+  BatchIndex b;
+  b.b0 = g.z, b.b1 = g.y / nb2, b.b2 = g.y % nb2;
+  return b;
+}
+
+// The batch entry read again after the consumers' loop (grid_pos's kReread).
+template <bool kEntriesFirst = false>
+__device__ __forceinline__ BatchIndex batch_index_reread(int nb2) {
+  return batch_index_at(grid_pos<kEntriesFirst, true>(), nb2);
 }
 
 // The epilogue: barrier (operand tiles idle, as epilogue_dk_dv_sm90's first), dK_j·scale into the K_j tile
@@ -982,7 +1010,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
-          bool kQSplitOn = true>
+          bool kQSplitOn = true, bool kEntriesFirstOn = true>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1044,11 +1072,13 @@ flash_bwd_sm90_ws_kernel(
   const int tid = static_cast<int>(threadIdx.x);
   // 0: the producer; 1, 2: consumers of keys [64(wg − 1), 64 wg). Warp-uniform (see the cp.async kernel).
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
+  // The key block: the grid's x (ordered: entries first, grid_pos), or in the ordered causal mode Tc - 1 - x (DQOrder).
   using Order = DQOrderOf<Is_causal, kOrderedDQ, kExt>;
-  const Order dq_order = Order::make();
+  constexpr bool kEntriesFirst = kOrderedDQ && kEntriesFirstOn;  // (grid_pos)
+  const GridPos gpos = grid_pos<kEntriesFirst>();
+  const Order dq_order = Order::make(gpos.x);
   const int c0 = dq_order.n * kBlockN;
-  const BatchIndex b = BatchIndex::from_grid(nb2);
+  const BatchIndex b = batch_index_at(gpos, nb2);
   // Extensions (the cp.async kernel's). With lengths the boxes still bring rows up to Lq, Lk: the consumers zero
   // those at or past the entry's Lq_b, Lk_b before any product reads them (zero_rows_sw128).
   const flash::ExtArgs<float> ext = FLASH_EXT_ARGS(float);
@@ -1328,7 +1358,7 @@ flash_bwd_sm90_ws_kernel(
   if constexpr (Is_tma_store) {
     epilogue_dk_dv_tma_sm90<Tr, OutT>(sK, acc_dk, acc_dv, &tmap_dk, &tmap_dv, c0, D, Dv, scale,
                                       tid - 128, consumer_sync, [&](int m) {
-                                        const BatchIndex e = batch_index_reread(nb2);
+                                        const BatchIndex e = batch_index_reread<kEntriesFirst>(nb2);
                                         return BatchCoords{tma_coord(tma_sel, 4 + m, 0, 0, e),
                                                            tma_coord(tma_sel, 4 + m, 1, 0, e),
                                                            tma_coord(tma_sel, 4 + m, 2, 0, e)};
@@ -1337,7 +1367,7 @@ flash_bwd_sm90_ws_kernel(
   }
   // (Is_dq_bulk: the batch index re-read from blockIdx; carried across the loop it spilled 4/8 bytes at d = 128
   // ordered with this epilogue, measured)
-  const BatchIndex be = Is_dq_bulk ? batch_index_reread(nb2) : b;
+  const BatchIndex be = Is_dq_bulk ? batch_index_reread<kEntriesFirst>(nb2) : b;
   OutT* dk_b = dk + (Tr::kSplitD ? batch_off[1] : be.offset({dk_b0, dk_b1, dk_b2, dk_row}));
   OutT* dv_b = dv + (Tr::kSplitD ? batch_off[2] : be.offset({dv_b0, dv_b1, dv_b2, dv_row}));
   if constexpr (sizeof(OutT) == 2)

@@ -382,7 +382,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM",
                    "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "fwd.USE_TMA", "fwd.kernel", "bwd.DQ_BULK",
-                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL",
+                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL",
                    "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE",
                    "mma.CAUSAL_GROUPS")
 
@@ -398,8 +398,9 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     for name, table in zip(HOPPER_SWITCHES, tables):
         rows = [line for line in table.splitlines() if line.startswith("(")]
         modes = {line.split("|")[1].strip() for line in rows}
-        assert modes == ({"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT",
-                                                                                   "mma.GRID_SWIZZLE")
+        assert modes == ({"det"} if name == "bwd.ENTRIES_FIRST"   # (the ordered mode's switch)
+                         else {"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT",
+                                                                                      "mma.GRID_SWIZZLE")
                          else {"fwd"}), \
             (name, table)
         assert all(float(line.split("|")[4]) > 0 for line in rows), table   # flipped / default
@@ -542,11 +543,11 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
     assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py", "benchmarks/hopper_variants.py"] + [
         "benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
-    assert "mma.GRID_SWIZZLE,fwd.CAUSAL_PAIRS,fwd.WIDE_KEYS,bwd.KV_REGS,mma.CAUSAL_GROUPS" in scripts[2] \
+    assert "bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST" in scripts[2] \
         and "ext" in scripts[-2] and "--only" not in scripts[-1]
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[2][2])] == [
-        "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "bwd.KV_REGS", "mma.GRID_SWIZZLE", "mma.CAUSAL_GROUPS"]
+        "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST"]
     helps = {}
     for script, *args in scripts:
         if script not in helps:

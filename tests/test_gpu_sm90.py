@@ -328,6 +328,7 @@ BWD_VARIANTS = {
     "cp_async": dict(USE_TMA=False),
     "ws_kv_smem": dict(KV_REGS=False),   # d = dv = 64: K_j, V_j read from shared memory (SS), not registers
     "ws_dup_scores": dict(QUERY_SPLIT=False),   # head-dim split: S^T, dP^T in both warpgroups, not split by queries
+    "ws_key_blocks_first": dict(ENTRIES_FIRST=False),   # ordered: the grid's key blocks first, not its entries
 }
 
 
@@ -351,13 +352,14 @@ def expect_backward_kernel(plan, p, deterministic):
     names = [r.name for r in plan.launches if r.name.startswith((B.KERNEL, B.WS_KERNEL))]
     assert names, [r.name for r in plan.launches]
     for name in names:
-        # (kKVRegsOn = false: KV_REGS off; kQSplitOn = false: QUERY_SPLIT off)
-        flags = template_flags(name.replace(", 0, false>", ">").replace(", 0, true, false>", ">"))
+        # (the first eleven template arguments: kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn follow where named)
+        flags = template_flags(", ".join(name.split(", ")[:11]) + (">" if name.count(", ") >= 11 else ""))
         if ws:
             assert name.startswith(B.WS_KERNEL) and flags[-3:] == [
                 deterministic, B.USE_TMA_STORE and not plan.partial, B.dq_bulk(*B.pad_head_dims(D, Dv))], name
             assert B.ws_kv_regs(name) == (B.KV_REGS and B.kv_regs(D, Dv)), name
             assert B.ws_query_split(name) == (B.QUERY_SPLIT and B.is_split(D, Dv)), name
+            assert B.ws_entries_first(name) == (B.ENTRIES_FIRST and deterministic), name
         else:
             assert name.startswith(B.KERNEL) and flags[-1] == deterministic, name
 
@@ -410,7 +412,7 @@ BWD_EMULATOR = [  # (variant, *shape, deterministic)
 ]
 BWD_GPU = [(v,) + s + (det,) for v in BWD_VARIANTS for s in BWD_SHAPES for det in (True, False)
            if (s[1] % 8 == 0 or v in ("ws", "cp_async"))   # (D = 59 takes the cp.async kernel whatever the flags)
-           and (v != "ws_dup_scores" or B.is_split(s[1], s[2]))]
+           and (v != "ws_dup_scores" or B.is_split(s[1], s[2])) and (v != "ws_key_blocks_first" or det)]
 BWD_SLOW = [(v, dt, D, D, lengths, causal, "mqa" if D == 128 else "none", "bshd" if D == 64 else "bhsd", det)
             for v in ("ws", "cp_async") for dt in DTYPES for D in (64, 128, 256)
             for lengths in ((1000, 1500), (2048, 2048)) for causal in (False, True) for det in (True, False)]

@@ -206,6 +206,11 @@ KV_REGS = True
 #: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
 #: work than the visit needs). Twenty-fourth session; a ``hopper_variants.py`` switch (``bwd.QUERY_SPLIT``).
 QUERY_SPLIT = True
+#: Whether the warp-specialized kernel's ordered dQ mode takes its blocks entries first (``kEntriesFirstOn``: the
+#: blocks running at once are the first key blocks of many batch entries, so the chains of dQ turns between them
+#: stay within an entry; off: the grid's x first, one entry's key blocks, up to a wave of 132 chained). Twenty-fourth
+#: session; a ``hopper_variants.py`` switch (``bwd.ENTRIES_FIRST``).
+ENTRIES_FIRST = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -268,10 +273,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    kv_off = not KV_REGS and kv_regs(pD, pDv, ext)   # kKVRegsOn = false: named only where it changes the code
-    qs_off = not QUERY_SPLIT and not ext and is_split(pD, pDv)   # kQSplitOn = false likewise
-    tail = ((", %d" % ext if ext or kv_off or qs_off else "") + (", %s" % b(not kv_off) if kv_off or qs_off else "")
-            + (", false" if qs_off else ""))
+    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn), named up to the last one that
+    # differs from its default and changes the code
+    opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
+           b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered)]
+    while opt and opt[-1] == ["0", "true", "true", "true"][len(opt) - 1]:
+        opt.pop()
+    tail = "".join(", " + a for a in opt)
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext), tail)
@@ -291,6 +299,13 @@ def ws_query_split(name_expr):
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     ext = int(args[11]) if len(args) > 11 else 0
     return not ext and is_split(int(args[2]), int(args[3])) and (len(args) < 14 or args[13] == "true")
+
+
+def ws_entries_first(name_expr):
+    """Whether a ws kernel instantiation (its name) takes its blocks entries first (``kEntriesFirst``): the ordered
+    dQ mode (the ninth template argument) and ``kEntriesFirstOn`` (the fifteenth, true unless named)."""
+    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
+    return args[8] == "true" and (len(args) < 15 or args[14] == "true")
 
 
 def kv_regs(D, Dv, ext=0):
