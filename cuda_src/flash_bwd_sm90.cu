@@ -205,8 +205,8 @@ __device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], f
 // row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query block's accumulator + this lane's part of
 // DQAccumLayout::offset (see the kernels): each element adds a constant, one address then immediates.
 template <typename T, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
-                                              const unsigned char* sdS, int p) {
+__device__ __forceinline__ void dq_issue_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
+                                              const unsigned char* sdS, int p) {  // (issued and committed)
   fa::wgmma_fence_operand(acc_dq);
   fa::wgmma_fence();
 #pragma unroll
@@ -214,21 +214,48 @@ __device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kBlockM / 2], cons
     flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + p * kBlockN * 128 + ks * 2048, kBlockN * 128),
                                             flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
   fa::wgmma_commit_group();
+}
+
+template <typename T, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
+                                              const unsigned char* sdS, int p) {
+  dq_issue_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_dq);
 }
 
-template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
-                                                int row, float* dqa_i) {
+template <int kDQDim, int kHeadDim, int kBlockM>
+__device__ __forceinline__ void dq_add_sm90(const float (&acc_dq)[kBlockM / 2], int row, float* dqa_i) {
   using Acc = DQAccumLayout<kDQDim>;
-  float acc_dq[kBlockM / 2];
-  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
 #pragma unroll
   for (int e = 0; e < kBlockM / 2; ++e) {
     if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
       fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
   }
+}
+
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
+                                                int row, float* dqa_i) {
+  float acc_dq[kBlockM / 2];
+  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
+  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc_dq, row, dqa_i);
+}
+
+// The head-dim split's two m64 blocks of dQ^T (panels p, p + 1; rows row, row + 64): both batches issued, the
+// first block's atomics while the second computes (the query split leaves the registers for both accumulators).
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const unsigned char* sdS, int p, int row,
+                                                 float* dqa_i) {
+  float acc0[kBlockM / 2], acc1[kBlockM / 2];
+  dq_issue_sm90<T, kBlockM, kBlockN>(acc0, sK, sdS, p);
+  dq_issue_sm90<T, kBlockM, kBlockN>(acc1, sK, sdS, p + 1);
+  fa::wgmma_wait_group<1>();
+  fa::wgmma_fence_operand(acc0);
+  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc0, row, dqa_i);
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc1);
+  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc1, row + 64, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64));
 }
 
 // Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
@@ -1331,13 +1358,18 @@ flash_bwd_sm90_ws_kernel(
         fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...
         fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
       }
-    } else if (cwg < Tr::kDQWarpgroups)
+    } else if constexpr (kQSplit && Tr::kDQBlocks == 2) {  // (both consumer warpgroups compute dQ^T here)
+      dq_atomics2_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
+          sK, sdS_s, cwg * 2, dq_row,
+          dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim + dq_lane);
+    } else if (cwg < Tr::kDQWarpgroups) {
 #pragma unroll
       for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
         dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
             sK, sdS_s, cwg * Tr::kDQBlocks + pp, dq_row + 64 * pp,
             (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
+    }
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ && !Is_dq_bulk)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
