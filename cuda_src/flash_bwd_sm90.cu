@@ -957,16 +957,17 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
       acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
     }
   }
-  const auto stage = [&](unsigned char* tile, int ks, int r, uint32_t x) {  // (the cp.async kernel's dS^T layout)
-    *reinterpret_cast<uint32_t*>(tile + ((ds_lane ^ ((2 * (ks0 + ks) + r / 2) << 4)) + 1024 * (r % 2))) = x;
+  // acc rounded to the A fragments of the own k16 steps and staged (the cp.async kernel's dS^T layout)
+  const auto round_and_stage = [&](uint32_t (&a)[kSteps][4], const float (&acc)[kQ / 2], unsigned char* tile) {
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a[ks][r] = fa::pack2<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(tile + ((ds_lane ^ ((2 * (ks0 + ks) + r / 2) << 4)) + 1024 * (r % 2))) = a[ks][r];
+      }
   };
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-      stage(sP_s, ks, r, a_p[ks][r]);
-    }
+  round_and_stage(a_p, acc_s, sP_s);
   flash::gemm_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>, 1, kBlockM>(
       acc_dp, sV, sdO_i + q_off * 128, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>{acc_dv, a_p, sdO_i + do_panel + ks0 * 2048});
 #pragma unroll
@@ -975,13 +976,7 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
 #pragma unroll
     for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
   }
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-      stage(sdS_s, ks, r, a_ds[ks][r]);
-    }
+  round_and_stage(a_ds, acc_dp, sdS_s);
   issue_rs_sm90<T, Tr::kDkN, kBlockM, kSteps>(acc_dk, a_ds, sQ_i + q_panel + ks0 * 2048);
 }
 
