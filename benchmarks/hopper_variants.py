@@ -19,7 +19,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel="tensor_core"):
                                ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
   bwd.DQ_BULK                  cuda_backward_sm90.DQ_BULK: dQ by shared memory + one bulk reduce-add from a dQ
-                               warp (off: the consumers' fp32 atomics); padded d, dv <= 128 only
+                               warp (off: the consumers' fp32 atomics); padded d, dv <= 128, and d = dv = 256
+                               (staged over the stage's panels, added by the consumers)
   bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
   bwd.KV_REGS                  cuda_backward_sm90.KV_REGS: the ws kernel at d = dv = 64 holds K_j, V_j in registers,
@@ -137,7 +138,7 @@ SWITCHES = (
     Switch("fwd.WIDE_KEYS", "fwd", F, "WIDE_KEYS", False, "non-causal d 64 / 128: key tiles of 192 / 176 vs 128"),
     Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("fwd.kernel", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward (sm_90 dispatch)"),
-    Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add (dQ warp) vs consumer atomics"),
+    Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add vs consumer atomics"),
     Switch("bwd.USE_TMA_STORE", "bwd", B, "USE_TMA_STORE", False, "dK/dV by TMA store vs 16-byte stores"),
     Switch("bwd.USE_TMA", "bwd", B, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("bwd.KV_REGS", "bwd", B, "KV_REGS", False, "d = 64: K_j, V_j in registers (RS) vs shared memory (SS)"),

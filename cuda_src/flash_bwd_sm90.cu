@@ -258,6 +258,51 @@ __device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const 
   dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc1, row + 64, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64));
 }
 
+// The head-dim split's bulk dQ (the ws kernel's Is_dq_bulk at d = dv = kDQDim = 256; no dQ warp): warpgroup w's
+// two m64 blocks of dQ_i^T (head dims [128w, 128w + 128): dq_atomics2_sm90's batches) stored in DQAccumLayout<128>'s
+// order over its own panels of the stage (sQ_w: Q_i's panels 2w, 2w + 1, row tiles 0, 1; sdO_w: dO_i's, row tiles
+// 2, 3; 16 KB each: after the warpgroup's dV, dK batches nothing reads them), then added by its thread 0 (wtid) with
+// one bulk reduce-add per 16-row tile: that tile's columns [128w, 128w + 128) are 8 KB in a row of DQAccumLayout<256>
+// (dq_i: the query block's accumulator). The thread waits for the adds' reads (ordered: their completion, before the
+// turn passes on) and releases the stage on `empty` (one arrival per warpgroup in this mode). lane_off: this lane's
+// DQAccumLayout<128>::offset(2t, 16·warp + g).
+template <typename T, int kBlockM, int kBlockN, bool kComplete>
+__device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const unsigned char* sdS, int w, int wtid,
+                                               int lane_off, unsigned char* sQ_w, unsigned char* sdO_w, float* dq_i,
+                                               uint64_t* empty, int barrier_id) {
+  using Stage = DQAccumLayout<128>;
+  static_assert(kBlockM == 64, "four 16-row tiles: two per 16 KB half");
+  float acc0[kBlockM / 2], acc1[kBlockM / 2];
+  dq_issue_sm90<T, kBlockM, kBlockN>(acc0, sK, sdS, 2 * w);
+  dq_issue_sm90<T, kBlockM, kBlockN>(acc1, sK, sdS, 2 * w + 1);
+  float* q_half = reinterpret_cast<float*>(sQ_w) + lane_off;
+  float* do_half = reinterpret_cast<float*>(sdO_w) + lane_off - 2 * 4 * Stage::kTileFloats;  // (row tiles 2, 3)
+  const auto store = [&](const float (&acc)[kBlockM / 2], int col) {
+#pragma unroll
+    for (int e = 0; e < kBlockM / 2; ++e)
+      (e / 8 < 2 ? q_half : do_half)[Stage::offset(8 * (e / 4) + (e & 1), col + 8 * ((e % 4) >> 1))] = acc[e];
+  };
+  fa::wgmma_wait_group<1>();
+  fa::wgmma_fence_operand(acc0);
+  store(acc0, 0);
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc1);
+  store(acc1, 64);
+  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...
+  fa::named_barrier_sync(barrier_id, 128);  // ... of every thread of the warpgroup
+  if (wtid == 0) {
+#pragma unroll
+    for (int tm = 0; tm < kBlockM / 16; ++tm)
+      fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
+                              (tm < 2 ? sQ_w : sdO_w) + (tm % 2) * 4 * Stage::kTileFloats * 4,
+                              4 * Stage::kTileFloats * 4);
+    fa::bulk_commit();
+    fa::bulk_wait_read<0>();
+    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on
+    fa::mbarrier_arrive(empty);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
+  }
+}
+
 // Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
 // layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp has
 // released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
@@ -885,7 +930,10 @@ namespace fa_bwd {
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_dq_bulk = false>
 struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-  static_assert(!Is_dq_bulk || !Base::kSplitD, "the bulk dQ: d, dv <= 128 (a 256-column fp32 tile does not fit)");
+  // Is_dq_bulk in the head-dim split (d = dv = 256 only): dQ staged over the stage's own panels and added by the
+  // consumers (dq_staged_sm90), no dQ warp, no buffers
+  static constexpr bool kDQStaged = Is_dq_bulk && Base::kSplitD;
+  static_assert(!kDQStaged || (kHeadDim == 256 && kHeadDimV == 256), "the staged bulk dQ: d = dv = 256");
   static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
@@ -905,7 +953,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kOffsetsBytes = Base::kSplitD ? 3 * 8 : Is_dq_bulk ? 8 : 0;
   static constexpr int kTurnBytes = 24;  // ordered dQ: the counters' base (a pointer), DQOrder's key block, Tc, Lk - Lq
   static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + kTurnBytes + kOffsetsBytes + Base::kAtomBytes;
-  static constexpr int kDQBufs = !Is_dq_bulk ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
+  static constexpr int kDQBufs = !Is_dq_bulk || kDQStaged ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
   static constexpr int kBarOffset = kDQAcc + kDQBufs * kDQTileBytes;
   static constexpr int kBars = 1 + 2 * Base::kStages + 2 * kDQBufs;  // kv, full[stage], empty[stage], dQ full/empty
   static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
@@ -913,6 +961,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kSmemBytes = kOffsetsOffset + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
+  static constexpr int kWgBarrier = 3;        // kDQStaged: + w, consumer warpgroup w's 128 threads
   static constexpr int kDQThreads = 128 * Base::kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -1051,6 +1100,7 @@ flash_bwd_sm90_ws_kernel(
     const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
+  constexpr bool kDQWarp = Is_dq_bulk && !Tr::kDQStaged;  // the bulk dQ by the dQ warp (else staged: dq_staged_sm90)
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
@@ -1115,7 +1165,7 @@ flash_bwd_sm90_ws_kernel(
     fa::mbarrier_init(bar_kv, 1);
     for (int s = 0; s < kStages; ++s) {
       fa::mbarrier_init(full + s, Tr::kProducerLanes);
-      fa::mbarrier_init(empty + s, Tr::kConsumerThreads);
+      fa::mbarrier_init(empty + s, Tr::kDQStaged ? 2 : Tr::kConsumerThreads);  // (staged: one per warpgroup)
     }
     for (int bf = 0; bf < Tr::kDQBufs; ++bf) {
       fa::mbarrier_init(dq_full + bf, Tr::kDQThreads);
@@ -1170,7 +1220,7 @@ flash_bwd_sm90_ws_kernel(
   if (wg == 0) {
     // ---- producer: K_j, V_j once, then the visits one stage ahead of the consumers ----
     fa::setmaxnreg_dec<flash::kWsProducerRegs>();
-    if constexpr (Is_dq_bulk)
+    if constexpr (kDQWarp)
       if (tid / 32 == 1)
         dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order>(
             reinterpret_cast<const unsigned char*>(sdQ), dq_full, dq_empty, dq_accum, batch_off, turn0, dqa_g,
@@ -1331,7 +1381,7 @@ flash_bwd_sm90_ws_kernel(
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
     // the producer runs on).
     fa::fence_proxy_async();
-    if constexpr (kOrderedDQ && !Is_dq_bulk)
+    if constexpr (kOrderedDQ && !kDQWarp)
       fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_order.turn(i, kBlockM, kBlockN, mask),
                          Tr::kConsumerBarrier, Tr::kConsumerThreads);
     else
@@ -1343,8 +1393,14 @@ flash_bwd_sm90_ws_kernel(
     fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
-    fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
-    if constexpr (Is_dq_bulk) {
+    if constexpr (!Tr::kDQStaged) fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
+    if constexpr (Tr::kDQStaged) {  // (the head-dim split: dQ^T over the warpgroup's own panels, bulk adds)
+      dq_staged_sm90<T, kBlockM, kBlockN, kOrderedDQ>(
+          sK, sdS_s, cwg, tid % 128, DQAccumLayout<128>::offset(2 * t, key_row),
+          sQ + s * Tr::kQBytes + cwg * 2 * kBlockM * 128, sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128,
+          dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim, empty + s,
+          Tr::kWgBarrier + cwg);
+    } else if constexpr (kDQWarp) {
       if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup)
         const int bf = visit % Tr::kDQBufs;
         dq_to_smem_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, dq_row,
@@ -1366,7 +1422,7 @@ flash_bwd_sm90_ws_kernel(
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     }
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
-    if constexpr (kOrderedDQ && !Is_dq_bulk)
+    if constexpr (kOrderedDQ && !kDQWarp)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     if constexpr (kExt != 0) {
       i = walk.next(i, n_qblocks);  // one group entry: grp stays 0; block-mask tiles skipped

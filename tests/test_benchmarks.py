@@ -543,11 +543,11 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
     assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py", "benchmarks/hopper_variants.py"] + [
         "benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
-    assert "bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST" in scripts[2] \
+    assert "bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST" in scripts[2] \
         and "ext" in scripts[-2] and "--only" not in scripts[-1]
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[2][2])] == [
-        "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST"]
+        "bwd.DQ_BULK", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST"]
     helps = {}
     for script, *args in scripts:
         if script not in helps:

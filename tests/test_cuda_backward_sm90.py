@@ -78,7 +78,7 @@ def run_wgmma(p, *, deterministic=True, dkv_names=None, **opts):
     D, Dv = p.q.shape[-1], p.v.shape[-1]
     assert c.tma_stores == (c.blocks * (-(-D // 64) + -(-Dv // 64)) if ws and flags[-2] else 0), name
     # Is_dq_bulk: dQ by the dQ warp's bulk reduce-adds, no atomic anywhere
-    assert (ws and flags[-1]) == (ws and S.dq_bulk(*S.pad_head_dims(D, Dv))), name
+    assert (ws and flags[-1]) == (ws and S.dq_bulk(*S.pad_head_dims(D, Dv), -(-D // 16) * 16)), name
     if ws and flags[-1]:
         assert c.atomics == 0, name
     if not deterministic:
@@ -566,11 +566,13 @@ BULK_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", "random", 3),     # 3 key blocks per dQ element
     (bfloat16, 128, 128, (130, 300), True, "none", "bhsd", "reverse", 0),   # causal, tails
     (np.float16, 40, 72, (130, 200), True, "gqa", "bshd", "random", 11),    # kDQDim 48 < d 64, GQA, BSHD
+    (np.float16, 256, 256, (70, 200), False, "none", "bhsd", "random", 5),  # head-dim split: staged, 4 key blocks
 ]
 BULK_SLOW = [
     (bfloat16, 64, 128, (200, 390), False, "mqa", "bhsd", "random", 5),
     (np.float16, 128, 64, (129, 65), True, "none", "bhsd", "forward", 0),   # Lq > Lk: rows that see no key
     (bfloat16, 96, 96, (257, 513), True, "gqa", "bshd", "random", 7),
+    (bfloat16, 256, 256, (130, 150), True, "gqa", "bshd", "reverse", 0),    # staged, causal, GQA, BSHD
 ]
 
 
@@ -620,13 +622,44 @@ def test_ws_bulk_dq_ordered_bits_identical_under_schedules(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-def test_ws_bulk_dq_not_taken_by_the_head_dim_split():
-    """d or dv above 128: a Br x 256 fp32 tile does not fit beside the split's tiles: the atomics stay."""
-    assert not S.dq_bulk(256, 256) and not S.dq_bulk(128, 256) and S.dq_bulk(128, 128) and S.dq_bulk(64, 128)
+def test_ws_bulk_dq_in_the_head_dim_split():
+    """d or dv above 128: a Br x 256 fp32 buffer does not fit beside the split's tiles. At d = dv = 256 (and the
+    accumulator's head dim 256) the consumers stage dQ over their own panels of the stage instead (no buffer, the
+    same shared memory); elsewhere in the split (d != dv, D padded to 16 below 256) the atomics stay."""
+    assert S.dq_bulk(256, 256) and not S.dq_bulk(256, 256, 208) and not S.dq_bulk(128, 256)
+    assert not S.dq_bulk(256, 128) and S.dq_bulk(128, 128) and S.dq_bulk(64, 128)
     assert S.dq_buffers(128, 128) == 2 and S.dq_buffers(64, 64) == 2 and S.dq_buffers(256, 256) == 0
-    for D in (128, 64):
+    for D in (128, 64, 256):
         t = S.ws_tile(S.backward_tile(None, np.float16, D, D, 90), D, D)
         assert t.smem <= 227 * 1024
+    t = S.backward_tile(None, np.float16, 256, 256, 90)
+    assert S.ws_tile(t, 256, 256).smem == S.ws_tile(t, 200, 256).smem   # (200: atomics; the same layout)
+    names = [cb.kernel_plan(np.float16, D, D, causal=False, deterministic=True, arch=90, kernel="wgmma", tma=True,
+                            ordered=True)["dkv"][1] for D in (256, 200)]
+    assert template_flags(names[0])[-1] and not template_flags(names[1])[-1], names
+
+
+@pytest.mark.parametrize("old,new,match,deterministic", [
+    ("  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...\n", "",
+     r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
+    ("    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on\n", "",
+     r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
+     True),
+], ids=["no-fence", "turn-before-completion"])
+def test_ws_staged_dq_mutations_reported(monkeypatch, old, new, match, deterministic):
+    """The head-dim split's staged bulk dQ (dq_staged_sm90): the emulator reports the stores without their
+    fence.proxy.async and the turn passed on before the adds completed. (The warpgroup's barrier before the adds
+    is not checked: plain shared-memory stores bypass the emulator's runtime, docs/emulator.md.)"""
+    from flasharray import emulator
+    p = Problem(np.float16, 256, 130, 200, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    _mutant(monkeypatch, old, new)
+    try:
+        launch._clear_plans()
+        with pytest.raises(emulator.EmulatorError, match=match):
+            run_wgmma(p, deterministic=deterministic)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
 
 
 @pytest.mark.parametrize("old,new,match,deterministic", [

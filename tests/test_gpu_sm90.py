@@ -356,7 +356,8 @@ def expect_backward_kernel(plan, p, deterministic):
         flags = template_flags(", ".join(name.split(", ")[:11]) + (">" if name.count(", ") >= 11 else ""))
         if ws:
             assert name.startswith(B.WS_KERNEL) and flags[-3:] == [
-                deterministic, B.USE_TMA_STORE and not plan.partial, B.dq_bulk(*B.pad_head_dims(D, Dv))], name
+                deterministic, B.USE_TMA_STORE and not plan.partial,
+                B.dq_bulk(*B.pad_head_dims(D, Dv), -(-D // 16) * 16)], name
             assert B.ws_kv_regs(name) == (B.KV_REGS and B.kv_regs(D, Dv)), name
             assert B.ws_query_split(name) == (B.QUERY_SPLIT and B.is_split(D, Dv)), name
             assert B.ws_entries_first(name) == (B.ENTRIES_FIRST and deterministic), name

@@ -75,15 +75,20 @@ def ws_checks(name, t, d, body, loop):
             problems.append("%s: no %s" % (name, op))
     ordered, tma_store, bulk = [f == "true" for f in re.search(r"(true|false), (true|false), (true|false)>$",
                                                                name).groups()]
-    # Is_dq_bulk: the consumers never take the turn (the dQ warp does): one barrier, no semaphore instruction
-    consumer_turn = ordered and not bulk
-    if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1):
+    # Is_dq_bulk: the consumers never take the turn (the dQ warp does): one barrier, no semaphore instruction;
+    # in the head-dim split (d = 256) the bulk dQ is the consumers' own (kDQStaged): they take the turn, and each
+    # warpgroup's barrier before its bulk adds is one more
+    staged = bulk and S.is_split(*_dims(d))
+    consumer_turn = ordered and (not bulk or staged)
+    if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1) + staged:
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
     in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
     sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
     if sem_ops != (consumer_turn, consumer_turn):
         problems.append("%s: acquire load / release add in the query-block loop: %s" % (name, sem_ops))
-    if bulk:
+    if staged:
+        problems += staged_dq_checks(name, t, body, loop)
+    elif bulk:
         problems += dq_warp_checks(name, body, loop, ordered)
     # the dK / dV epilogue: Is_tma_store (the name's second-last flag) one TMA store per 64 columns per tensor and
     # no global store instruction; else the 16-byte stores and no TMA store
@@ -115,6 +120,21 @@ def ws_checks(name, t, d, body, loop):
 
 
 DQ_WARP_FIGURES = {}   # name -> the dQ warp loop's figures (printed by _check)
+
+
+def staged_dq_checks(name, t, body, loop):
+    """kDQStaged (the head-dim split's bulk dQ): no float atomic anywhere; one UBLKRED.G.S.ADD.F32.RN per 16-row
+    tile of dQ (Br / 16, each warpgroup's 8 KB), all in the consumers' query-block loop."""
+    problems = []
+    f32_atomics = [i.opcode for i in body if i.base in ("RED", "REDG", "ATOM", "ATOMG") and ".F32" in i.opcode]
+    blk = [i for i in body if i.base == "UBLKRED"]
+    if f32_atomics:
+        problems.append("%s: float atomics with the staged bulk dQ: %s" % (name, f32_atomics[:4]))
+    if (len(blk) != t.block_m // 16 or any(i.opcode != "UBLKRED.G.S.ADD.F32.RN" for i in blk)
+            or not all(loop.start <= i.address <= loop.end for i in blk)):
+        problems.append("%s: %d UBLKRED (%s), expected %d in the consumers' loop" % (
+            name, len(blk), blk[:1], t.block_m // 16))
+    return problems
 
 
 def dq_warp_checks(name, body, loop, ordered):

@@ -236,15 +236,16 @@ def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     return base + n * (block_m * d * 4 + 16) + (8 if n else 0)   # (+ dq_accum's batch offset)
 
 
-def dq_bulk(d, dv):
-    """Whether the ws kernel for padded head dims d, dv takes the bulk dQ (``Is_dq_bulk``): :data:`DQ_BULK`
-    and no head-dim split."""
-    return DQ_BULK and max(d, dv) <= SPLIT_ABOVE
+def dq_bulk(d, dv, dq_dim=None):
+    """Whether the ws kernel for padded head dims d, dv takes the bulk dQ (``Is_dq_bulk``): :data:`DQ_BULK`, and
+    no head-dim split (the dQ warp) or d = dv = 256 with the accumulator's head dim ``dq_dim`` (D padded to 16;
+    None: d) 256 (the consumers' staged bulk adds, ``kDQStaged``)."""
+    return DQ_BULK and (max(d, dv) <= SPLIT_ABOVE or d == dv == (dq_dim or d) == 256)
 
 
 def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """``Sm90BwdWsTraits::kDQBufs``: two dQ buffers where they fit in the opt-in maximum, else one (0: atomics)."""
-    if not (dq_bulk(d, dv) if bulk is None else bulk):
+    if not (dq_bulk(d, dv) if bulk is None else bulk) or max(d, dv) > SPLIT_ABOVE:   # (split: staged, no buffer)
         return 0
     base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
             + TURN_BYTES + 8)
@@ -262,7 +263,8 @@ def ws_tile(tile, D, Dv, ext=0):
               % (tile.block_m, tile.block_n, PRODUCER_REGS, "half of d, dv" if is_split(D, Dv) else "64 keys",
                  CONSUMER_REGS, d, dv, STAGES))
     return dataclasses.replace(tile, n_threads=tile.n_threads + 128,
-                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv) and not ext),
+                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n,
+                                                  dq_bulk(d, dv, -(-D // 16) * 16) and not ext),
                                reason=reason)
 
 
@@ -282,7 +284,7 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     tail = "".join(", " + a for a in opt)
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv)) and not ext), tail)
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
 def ws_kv_regs(name_expr):
