@@ -153,11 +153,12 @@ fi
 if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
     PYTEST_ARGS+=(--timeout 120 --timeout-method thread)
 fi
-# the forward / backward table: fp16, D 128 then 64, N 4k / 16k, causal and not; flasharray (the default: wgmma
+# the forward / backward table: fp16, D 128, 256 (the twenty-fourth session's backward changes), then 64, N 4k / 16k,
+# causal and not; flasharray (the default: wgmma
 # on sm_90) and its mma.sync kernels (-mma rows) against FlashAttention-2 (PyTorch's flash backend) and cuDNN;
 # N 16k runs the instantiations validated at 4k. D 128 first: on the H200 of 2026-11-27 its rows took ~75 s, and
 # D 64, N 1k first (the old order) used the whole budget before reaching D 128's backward
-TABLE_ARGS=(--dtypes fp16 --head-dims 128,64 --seqlens 4096,16384 --validate-max-n 4096
+TABLE_ARGS=(--dtypes fp16 --head-dims 128,256,64 --seqlens 4096,16384 --validate-max-n 4096
     --impls "flasharray,flasharray-mma,torch-flash,torch-cudnn,flasharray-det,flasharray-atomic,flasharray-mma-det,\
 flasharray-mma-atomic,flasharray-fwdbwd,torch-flash-fwdbwd,torch-cudnn-fwdbwd")
 # (0) CuPy / pytest when missing (a machine without the registry: the step fails, the rest still runs)
@@ -181,9 +182,9 @@ run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py -
 # d 256 too (staged by the consumers), its d 256 query split, timed at N 4k only, and its ordered mode's
 # entries-first block order; the earlier ones were decided on the H200 of 2026-11-28, docs/gpu_h200.md, "Fifth GPU
 # session")
-run_step mma_verdicts "${GPU_SESSION_MMA_S:-110}" "$PY" benchmarks/hopper_variants.py \
+run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_variants.py \
     --only bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST \
-    --seqlens 4096,16384 --max-seconds 90 --json "$OUT_DIR/mma_verdicts.json"
+    --seqlens 4096,16384 --max-seconds 150 --json "$OUT_DIR/mma_verdicts.json"
 # (5) decoding / GQA shapes against FlashAttention-2
 run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode
 # (6) the Hopper kernels against the reference and the emulator
