@@ -10,6 +10,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                block per work tile); padded d <= PERSISTENT_MAX_HEAD_DIM only
   fwd.PERSISTENT_MAX_HEAD_DIM  256 (default: d = 256 persistent, zero spills since the twenty-third session) vs 128
                                (d = 256 one block per work tile)
+  fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM
+                               128 (default: causal d = 256 one block per work tile; its persistent loop is 14 %
+                               longer in the SASS, cause not found) vs 256 (causal d = 256 persistent)
   fwd.CAUSAL_PAIRS             cuda_forward_sm90.CAUSAL_PAIRS: the persistent kernel's causal tiles paired (m and
                                n_m - 1 - m on one block) in L2 groups of entries (off: longest first, every entry
                                of a query tile together); causal rows only
@@ -133,6 +136,8 @@ SWITCHES = (
     Switch("fwd.PERSISTENT", "fwd", F, "PERSISTENT", False, "persistent kernel + static scheduler"),
     Switch("fwd.PERSISTENT_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_MAX_HEAD_DIM", 128,
            "d = 256 persistent vs one block per work tile"),
+    Switch("fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd", F, "PERSISTENT_CAUSAL_MAX_HEAD_DIM", 256,
+           "causal d = 256: one block per work tile vs persistent"),
     Switch("fwd.CAUSAL_PAIRS", "fwd", F, "CAUSAL_PAIRS", False,
            "persistent causal order: paired tiles in L2 groups vs longest first"),
     Switch("fwd.WIDE_KEYS", "fwd", F, "WIDE_KEYS", False, "non-causal d 64 / 128: key tiles of 192 / 176 vs 128"),
@@ -196,7 +201,8 @@ EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False)
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
 EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
                        ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS"),
-                       ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS",)}   # one key tile of 176 (N 128 keeps 128)
+                       ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS",),
+                       ("fp16", 1, 1, 64, 256, True): ("fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM",)}   # one key tile of 176 (N 128 keeps 128)
 #: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,
 #: the causal pairs' condition
 EMULATOR_SM_COUNT = 2
