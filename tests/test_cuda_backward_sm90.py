@@ -639,45 +639,37 @@ def test_ws_bulk_dq_in_the_head_dim_split():
     assert template_flags(names[0])[-1] and not template_flags(names[1])[-1], names
 
 
-@pytest.mark.parametrize("old,new,match,deterministic", [
-    ("  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...\n", "",
-     r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
-    ("    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on\n", "",
-     r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
-     True),
-], ids=["no-fence", "turn-before-completion"])
-def test_ws_staged_dq_mutations_reported(monkeypatch, old, new, match, deterministic):
-    """The head-dim split's staged bulk dQ (dq_staged_sm90): the emulator reports the stores without their
-    fence.proxy.async and the turn passed on before the adds completed. (The warpgroup's barrier before the adds
-    is not checked: plain shared-memory stores bypass the emulator's runtime, docs/emulator.md.)"""
-    from flasharray import emulator
-    p = Problem(np.float16, 256, 130, 200, causal=False, batch_q=(1, 1), batch_k=(1, 1))
-    _mutant(monkeypatch, old, new)
-    try:
-        launch._clear_plans()
-        with pytest.raises(emulator.EmulatorError, match=match):
-            run_wgmma(p, deterministic=deterministic)
-    finally:
-        monkeypatch.undo()
-        launch._clear_plans()
+_STAGED = (256, 130, 200)   # the head-dim split's staged bulk dQ (dq_staged_sm90): D, Lq, Lk
+_DQ_WARP = (64, 200, 300)   # the dQ warp's (dq_bulk_writer_sm90): 4 visits per block
 
 
-@pytest.mark.parametrize("old,new,match,deterministic", [
-    ("        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...\n",
+@pytest.mark.parametrize("shape,old,new,match,deterministic", [
+    (_DQ_WARP,
+     "        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...\n",
      "", r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
-    ("      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
+    (_DQ_WARP,
+     "      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
      r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
      True),
-    ("      fa::bulk_wait_read<0>();\n", "",
+    (_DQ_WARP, "      fa::bulk_wait_read<0>();\n", "",
      r"fa::bulk_wait: the source of a bulk reduce-add .* was overwritten between its issue", False),
-], ids=["no-fence", "turn-before-completion", "buffer-freed-unread"])
-def test_ws_bulk_dq_mutations_reported(monkeypatch, old, new, match, deterministic):
+    (_STAGED, "  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...\n", "",
+     r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
+    (_STAGED, "    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on\n", "",
+     r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
+     True),
+], ids=["no-fence", "turn-before-completion", "buffer-freed-unread", "staged-no-fence",
+        "staged-turn-before-completion"])
+def test_ws_bulk_dq_mutations_reported(monkeypatch, shape, old, new, match, deterministic):
     """The emulator reports the consumers' dQ stores without their fence.proxy.async, the turn passed on after
     the bulk reduce's .read wait only (its adds still in flight: the next key block could add first), and
     (plain mode, 4 visits per block) the buffer freed without waiting for the reduce's read (the consumers'
-    tile two visits later overwrites the source before the final wait)."""
+    tile two visits later overwrites the source before the final wait); the first two also in the head-dim
+    split's staged bulk dQ. (Its warpgroup barrier before the adds is not checked: plain shared-memory stores
+    bypass the emulator's runtime, docs/emulator.md.)"""
     from flasharray import emulator
-    p = Problem(np.float16, 64, 200, 300, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    D, Lq, Lk = shape
+    p = Problem(np.float16, D, Lq, Lk, causal=False, batch_q=(1, 1), batch_k=(1, 1))
     _mutant(monkeypatch, old, new)
     try:
         launch._clear_plans()
