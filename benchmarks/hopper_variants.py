@@ -54,6 +54,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
   mma.GRID_SWIZZLE             tiles_bwd.GRID_SWIZZLE (both sides kernel="tc"): the grid kernel's Q_i, dO_i unpadded
                                and XOR-swizzled (off: padded rows, whose copies an H100 read at 1.5x the sectors)
+  mma.ENTRIES_FIRST            tiles_bwd.ENTRIES_FIRST (both sides kernel="tc"): the dK/dV kernels' ordered dQ mode
+                               takes its blocks entries first (off: the grid's key blocks first); det only
   mma.CAUSAL_GROUPS            tiles.CAUSAL_GROUPS (both sides kernel="tensor_core"): causal dense grids in the grouped
                                longest-first order (off: entry by entry); causal rows only
 
@@ -166,6 +168,8 @@ SWITCHES = (
            "mma.sync backward d 64 / 128: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
     Switch("mma.GRID_SWIZZLE", "bwd", tiles_bwd, "GRID_SWIZZLE", False,
            "mma.sync grid-layout backward: Q_i, dO_i XOR-swizzled vs padded rows", MMA_BWD),
+    Switch("mma.ENTRIES_FIRST", "bwd", tiles_bwd, "ENTRIES_FIRST", False,
+           "mma.sync ordered dQ: blocks entries first vs the grid's key blocks first", MMA_BWD, modes=("det",)),
     Switch("mma.CAUSAL_GROUPS", "fwd", tiles, "CAUSAL_GROUPS", False,
            "mma.sync causal forward: grouped longest-first grid order vs entry by entry", MMA_FWD),
 )

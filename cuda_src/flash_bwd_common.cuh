@@ -183,7 +183,7 @@ template <bool kDescending>
 struct DQOrder {
     int n;   // the key block this block computes
     int tc;  // key blocks launched
-    // x: the block's key-block coordinate (blockIdx.x, or the ws kernel's grid_pos).
+    // x: the block's key-block coordinate (blockIdx.x, or grid_pos's).
     __device__ __forceinline__ static DQOrder make(int x = static_cast<int>(blockIdx.x)) {
         const int tc = static_cast<int>(gridDim.x);
         return DQOrder{kDescending ? tc - 1 - x : x, tc};
@@ -212,6 +212,51 @@ struct DQOrder {
 // The DQOrder of a kernel: descending for the ordered causal mode without per-entry lengths.
 template <bool kIsCausal, bool kOrderedDQ, int kExt>
 using DQOrderOf = DQOrder<kIsCausal && kOrderedDQ && !flash::HasExt<kExt, flash::kExtSeqlens>::value>;
+
+// The block's (key block x, entry y, z) in a dK/dV kernel's grid (Tc, nb1·nb2, nb0). kEntriesFirst (the ordered dQ
+// mode of the wgmma ws kernel and the mma.sync dK/dV kernels: cuda_backward_sm90.ENTRIES_FIRST,
+// tiles_bwd.ENTRIES_FIRST): the blocks the hardware starts in increasing L = x + X·(y + Y·z) taken entries first,
+// as (L / (Y·Z), L mod (Y·Z)): the blocks running at once are the first key blocks of many entries, not one entry's
+// first key blocks. Key block n waits for n − 1 (ascending) or n + 1 (the causal descending order)
+// of its entry at each query block; from the grid's x, the waits chain up to every running block (a wave of 132
+// lagging one dQ turn each behind the next), entries first only those of one entry (key blocks L, L − Y·Z, ...:
+// still dispatched earlier, fa::sem_wait's rule). ctaid / nctaid read by volatile asm where `reread` (the
+// TMA-store epilogue: ptxas does not merge them with the prologue's reads, so the prologue's values are not kept
+// live across the loop; with them, d = 256 causal ordered spilled 4/8 bytes). The emulator reads blockIdx.
+struct GridPos {
+    int x, y, z;
+};
+template <bool kEntriesFirst, bool kReread = false>
+__device__ __forceinline__ GridPos grid_pos() {
+    unsigned x, y, z, nx, ny, nz;
+#if defined(__CUDA_ARCH__)
+    if constexpr (kReread) {
+        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+        asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+        asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
+    } else {
+        x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+    }
+#else
+    x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+#endif
+    if constexpr (!kEntriesFirst) return GridPos{static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
+    nx = gridDim.x, ny = gridDim.y, nz = gridDim.z;
+    const unsigned entries = ny * nz, linear = x + nx * (y + ny * z), e = linear % entries;
+    return GridPos{static_cast<int>(linear / entries), static_cast<int>(e % ny), static_cast<int>(e / ny)};
+}
+
+__device__ __forceinline__ BatchIndex batch_index_at(const GridPos& g, int nb2) {
+    BatchIndex b;
+    b.b0 = g.z, b.b1 = g.y / nb2, b.b2 = g.y % nb2;
+    return b;
+}
+
+// The batch entry read again after the consumers' loop (grid_pos's kReread).
+template <bool kEntriesFirst = false>
+__device__ __forceinline__ BatchIndex batch_index_reread(int nb2) {
+    return batch_index_at(grid_pos<kEntriesFirst, true>(), nb2);
+}
 
 // Round a byte offset up to 16 bytes (cp.async / ldmatrix alignment of every shared tile).
 __host__ __device__ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }

@@ -521,50 +521,6 @@ __device__ __forceinline__ int tma_coord(long long tma_sel, int m, int d, int gr
   return which == 1 ? grp : which == 2 ? b.b2 : which == 3 ? b.b1 : which == 4 ? b.b0 : 0;
 }
 
-// The block's (key block x, entry y, z) in the grid (Tc, nb1·nb2, nb0). kEntriesFirst (the ws kernel's ordered
-// mode, cuda_backward_sm90.ENTRIES_FIRST): the blocks the hardware starts in increasing L = x + X·(y + Y·z) taken
-// entries first, as (L / (Y·Z), L mod (Y·Z)): the blocks running at once are the first key blocks of many entries,
-// not one entry's first key blocks. Key block n waits for n − 1 (ascending) or n + 1 (the causal descending order)
-// of its entry at each query block; from the grid's x, the waits chain up to every running block (a wave of 132
-// lagging one dQ turn each behind the next), entries first only those of one entry (key blocks L, L − Y·Z, ...:
-// still dispatched earlier, fa::sem_wait's rule). ctaid / nctaid read by volatile asm where `reread` (the
-// TMA-store epilogue: ptxas does not merge them with the prologue's reads, so the prologue's values are not kept
-// live across the loop; with them, d = 256 causal ordered spilled 4/8 bytes). The emulator reads blockIdx.
-struct GridPos {
-  int x, y, z;
-};
-template <bool kEntriesFirst, bool kReread = false>
-__device__ __forceinline__ GridPos grid_pos() {
-  unsigned x, y, z, nx, ny, nz;
-#if defined(__CUDA_ARCH__)
-  if constexpr (kReread) {
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
-    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
-    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
-  } else {
-    x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-  }
-#else
-  x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-#endif
-  if constexpr (!kEntriesFirst) return GridPos{static_cast<int>(x), static_cast<int>(y), static_cast<int>(z)};
-  nx = gridDim.x, ny = gridDim.y, nz = gridDim.z;
-  const unsigned entries = ny * nz, linear = x + nx * (y + ny * z), e = linear % entries;
-  return GridPos{static_cast<int>(linear / entries), static_cast<int>(e % ny), static_cast<int>(e / ny)};
-}
-
-__device__ __forceinline__ BatchIndex batch_index_at(const GridPos& g, int nb2) {
-  BatchIndex b;
-  b.b0 = g.z, b.b1 = g.y / nb2, b.b2 = g.y % nb2;
-  return b;
-}
-
-// The batch entry read again after the consumers' loop (grid_pos's kReread).
-template <bool kEntriesFirst = false>
-__device__ __forceinline__ BatchIndex batch_index_reread(int nb2) {
-  return batch_index_at(grid_pos<kEntriesFirst, true>(), nb2);
-}
-
 // The epilogue: barrier (operand tiles idle, as epilogue_dk_dv_sm90's first), dK_j·scale into the K_j tile
 // and dV_j into the V_j tile (sKV: the 1024-aligned K_j, V_j at + kKBytes: the swizzle is taken from the
 // address bits), fence.proxy.async (the stmatrix writes are generic-proxy stores, the TMA store reads through

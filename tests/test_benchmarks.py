@@ -383,7 +383,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM",
                    "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "fwd.USE_TMA", "fwd.kernel", "bwd.DQ_BULK",
                    "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL",
-                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE",
+                   "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE", "mma.ENTRIES_FIRST",
                    "mma.CAUSAL_GROUPS")
 
 
@@ -398,7 +398,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     for name, table in zip(HOPPER_SWITCHES, tables):
         rows = [line for line in table.splitlines() if line.startswith("(")]
         modes = {line.split("|")[1].strip() for line in rows}
-        assert modes == ({"det"} if name == "bwd.ENTRIES_FIRST"   # (the ordered mode's switch)
+        assert modes == ({"det"} if name in ("bwd.ENTRIES_FIRST", "mma.ENTRIES_FIRST")   # (the ordered mode's)
                          else {"det", "atomic"} if name.startswith("bwd") or name in ("mma.WIDE_KEYS", "mma.GRID_LAYOUT",
                                                                                       "mma.GRID_SWIZZLE")
                          else {"fwd"}), \
@@ -543,11 +543,13 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
     assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py", "benchmarks/hopper_variants.py"] + [
         "benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
-    assert "bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM" in scripts[2] \
+    assert "bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST" \
+        in scripts[2] \
         and "ext" in scripts[-2] and "--only" not in scripts[-1]
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[2][2])] == [
-        "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "bwd.DQ_BULK", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST"]
+        "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "bwd.DQ_BULK", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST",
+        "mma.ENTRIES_FIRST"]
     helps = {}
     for script, *args in scripts:
         if script not in helps:

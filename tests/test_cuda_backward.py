@@ -440,7 +440,8 @@ def test_grid_layout_swizzled_query_tiles(D, causal, deterministic, bcast):
         setattr(p, name, _aligned_copy(getattr(p, name)))
     plan = cb.kernel_plan(np.float16, D, D, causal=causal, deterministic=deterministic, arch=90,
                           ordered=deterministic)
-    assert plan["dkv"][1].endswith(", 0, true>") and plan["dkv"][2].swizzle
+    # (kExt, kSwizzle; ordered: kEntriesFirst, tiles_bwd.ENTRIES_FIRST)
+    assert plan["dkv"][1].endswith(", 0, true, true>" if deterministic else ", 0, true>") and plan["dkv"][2].swizzle
     plan_of = functools.partial(cb.kernel_plan, np.float16, D, D, causal=causal, deterministic=True, arch=90,
                                 ordered=True)
     assert plan_of(ext=32)["dkv"][1].endswith(", 32, true>")   # lengths: swizzled too
@@ -485,7 +486,7 @@ def test_ordered_and_recomputed_dq_agree(dt, D, kernels):
     assert ordered[1].tobytes() == recomputed[1].tobytes() and ordered[2].tobytes() == recomputed[2].tobytes()
     names = [name.split("<")[0] for name, _ in counters]
     assert names == kernels
-    assert counters[1][0].endswith(", true, 0, true>")  # kOrderedDQ, kExt, kSwizzle
+    assert counters[1][0].endswith(", true, 0, true, true>")  # kOrderedDQ, kExt, kSwizzle, kEntriesFirst
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp64"])
