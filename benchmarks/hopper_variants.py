@@ -54,7 +54,7 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
   mma.GRID_SWIZZLE             tiles_bwd.GRID_SWIZZLE (both sides kernel="tc"): the grid kernel's Q_i, dO_i unpadded
                                and XOR-swizzled (off: padded rows, whose copies an H100 read at 1.5x the sectors)
-  mma.ENTRIES_FIRST            tiles_bwd.ENTRIES_FIRST (both sides kernel="tc"): the dK/dV kernels' ordered dQ mode
+  mma.ENTRIES_FIRST            tiles_bwd.ENTRIES_FIRST (both sides kernel="tc"): the grid dK/dV kernel's ordered dQ mode
                                takes its blocks entries first (off: the grid's key blocks first); det only
   mma.CAUSAL_GROUPS            tiles.CAUSAL_GROUPS (both sides kernel="tensor_core"): causal dense grids in the grouped
                                longest-first order (off: entry by entry); causal rows only

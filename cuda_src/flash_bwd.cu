@@ -364,9 +364,9 @@ using namespace fa_bwd;
 // turn(i, Br, Bc, mask) — not with a block mask, whose holes skip visits), so counting visits is
 // counting key blocks. A block
 // waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
-// (fa::sem_wait's rule: no deadlock however few blocks are resident). kEntriesFirst (tiles_bwd.ENTRIES_FIRST): the
-// blocks taken entries first (grid_pos, flash_bwd_common.cuh), so that the blocks running at once are not one
-// entry's chain of turns; still waiting only for blocks dispatched before. The counters are the
+// (fa::sem_wait's rule: no deadlock however few blocks are resident). kEntriesFirst (the grid-layout kernel's,
+// tiles_bwd.ENTRIES_FIRST; here for tests): the blocks taken entries first (grid_pos, flash_bwd_common.cuh), so that
+// the blocks running at once are not one entry's chain of turns; still waiting only for blocks dispatched before. The counters are the
 // DQOrderCounters ints after each batch entry's ceil(Lq / Br) * Br x D floats, cleared with them.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages, int kExt = 0,

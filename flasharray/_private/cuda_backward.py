@@ -203,8 +203,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                          "fp16/bf16 mma.sync ones) (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
-    # the fp16 / bf16 dK/dV kernels' kEntriesFirst (their last argument): dense calls (with extensions the remap's
-    # registers spilled: d 80 causal with dropout, 16 bytes)
+    # the fp16 / bf16 grid-layout dK/dV kernel's kEntriesFirst (its last argument): dense calls. (With extensions, and
+    # in the row-tile kernel, the remap's registers spilled: d 80 causal with dropout 16 bytes, d 96 causal 8.)
     ef = ordered and tiles.ENTRIES_FIRST and not ext
     pD, pDv = tiles.pad_head_dim(D), tiles.pad_head_dim(Dv)
     out_kv = A if acc_dkv else T
@@ -224,7 +224,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
         else:
             plan["dkv"] = ("flash_bwd.cu", "flash_bwd_dkv_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %d%s" % (
                 T, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads // 32, _b(causal),
-                _b(atomic), _b(vec), t_kv.stages, x[:-1] + ", true>" if ef else x), t_kv)
+                _b(atomic), _b(vec), t_kv.stages, x), t_kv)
         if not atomic:
             t_q = tiles.tc_tiles("dq", D, Dv, arch, stages)
             plan["dq"] = ("flash_bwd.cu", "flash_bwd_dq_kernel<%s, %s, %d, %d, %d, %d, %d, %s, %s, %d%s" % (

@@ -192,7 +192,8 @@ GRID_LAYOUT = True
 #: padded rows everywhere (``benchmarks/hopper_variants.py``'s ``mma.GRID_SWIZZLE``).
 GRID_SWIZZLE = True
 GRID_SWIZZLE_EXT = GRID_EXT & ~4
-#: The fp16 / bf16 dK/dV kernels' ordered dQ mode (both layouts; dense calls) takes its blocks entries first (``kEntriesFirst``,
+#: The fp16 / bf16 grid-layout dK/dV kernel's ordered dQ mode (dense calls; the row-tile kernel spilled 8 bytes at d 96
+#: causal with it, extension sets 16 at d 80) takes its blocks entries first (``kEntriesFirst``,
 #: flash_bwd_common.cuh's grid_pos): the blocks running at once are the first key blocks of many batch entries, so
 #: the chains of dQ turns between them stay within an entry (from the grid's x: one entry's key blocks, a wave of
 #: them chained). As the wgmma kernel's (cuda_backward_sm90.ENTRIES_FIRST). False: the grid's order
