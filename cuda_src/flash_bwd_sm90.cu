@@ -1377,7 +1377,8 @@ flash_bwd_sm90_ws_kernel(
             (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     }
-    // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
+    // Ordered: both warpgroups' atomics (kDQStaged: bulk adds, waited for complete) done (the barrier), then one
+    // release add passes the turn on.
     if constexpr (kOrderedDQ && !kDQWarp)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     if constexpr (kExt != 0) {
