@@ -364,13 +364,13 @@ using namespace fa_bwd;
 // turn(i, Br, Bc, mask) — not with a block mask, whose holes skip visits), so counting visits is
 // counting key blocks. A block
 // waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
-// (fa::sem_wait's rule: no deadlock however few blocks are resident). kEntriesFirst (the grid-layout kernel's,
-// tiles_bwd.ENTRIES_FIRST; here for tests): the blocks taken entries first (grid_pos, flash_bwd_common.cuh), so that
-// the blocks running at once are not one entry's chain of turns; still waiting only for blocks dispatched before. The counters are the
+// (fa::sem_wait's rule: no deadlock however few blocks are resident). The grid-layout kernel below can take its
+// blocks entries first (kEntriesFirst, tiles_bwd.ENTRIES_FIRST: grid_pos, flash_bwd_common.cuh); this one spilled
+// with it (8 bytes at d 96 causal) and keeps the grid's order. The counters are the
 // DQOrderCounters ints after each batch entry's ceil(Lq / Br) * Br x D floats, cleared with them.
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           int kNWarps, bool kIsCausal, bool kAtomicDQ, bool kVecLoad, int kStages, int kExt = 0,
-          bool kOrderedDQ = false, bool kEntriesFirst = false>
+          bool kOrderedDQ = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -422,16 +422,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     float* lse2_s = reinterpret_cast<float*>(smem + L::kL);  // L_i * log2 e   Br
     float* delta_s = reinterpret_cast<float*>(smem + L::kDelta);  // D_i       Br
 
-    static_assert(!kEntriesFirst || kOrderedDQ, "entries first: the ordered dQ mode's block order (grid_pos)");
-    const GridPos gpos = grid_pos<kEntriesFirst>();
-    const BatchIndex b = batch_index_at(gpos, nb2);
+    const BatchIndex b = BatchIndex::from_grid(nb2);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma C layout: rows g, g + 8; columns 2t, 2t + 1
     const int wm = warp / kSplit, wn = warp % kSplit;  // this warp's dK/dV row tile and slice
     const bool own_dK = wn < kSplitK, own_dV = wn < kSplitV;  // warp-uniform
-    // The key block: the grid's x (kEntriesFirst: grid_pos's), or in the ordered causal mode Tc - 1 - x (DQOrder).
+    // The key block: blockIdx.x, or in the ordered causal mode Tc - 1 - blockIdx.x (DQOrder).
     using Order = DQOrderOf<kIsCausal, kOrderedDQ, kExt>;
-    const Order dq_order = Order::make(gpos.x);
+    const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;               // first key of K_j
     const float scale_log2 = scale * flash::kLog2e;
     // Extensions: the entry's lengths Lq_b, Lk_b (rows / keys past them are zero-filled, never

@@ -287,27 +287,32 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
+def _ws_args(name_expr):
+    """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
+    kEntriesFirstOn) at their defaults."""
+    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
+    return args + ["0", "true", "true", "true"][len(args) - 11:]
+
+
 def ws_kv_regs(name_expr):
     """Whether a ws kernel instantiation (its name) holds K_j, V_j in registers (``kKVRegs``): padded d = dv = 64,
-    kExt = 0 and ``kKVRegsOn`` (the thirteenth template argument, true unless named)."""
-    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
-    ext = int(args[11]) if len(args) > 11 else 0
-    return kv_regs(int(args[2]), int(args[3]), ext) and (len(args) < 13 or args[12] == "true")
+    kExt = 0 and ``kKVRegsOn`` (the thirteenth template argument)."""
+    args = _ws_args(name_expr)
+    return kv_regs(int(args[2]), int(args[3]), int(args[11])) and args[12] == "true"
 
 
 def ws_query_split(name_expr):
     """Whether a ws kernel instantiation (its name) takes the query split (``kQSplit``): the head-dim split, kExt = 0
-    and ``kQSplitOn`` (the fourteenth template argument, true unless named)."""
-    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
-    ext = int(args[11]) if len(args) > 11 else 0
-    return not ext and is_split(int(args[2]), int(args[3])) and (len(args) < 14 or args[13] == "true")
+    and ``kQSplitOn`` (the fourteenth template argument)."""
+    args = _ws_args(name_expr)
+    return args[11] == "0" and is_split(int(args[2]), int(args[3])) and args[13] == "true"
 
 
 def ws_entries_first(name_expr):
     """Whether a ws kernel instantiation (its name) takes its blocks entries first (``kEntriesFirst``): the ordered
-    dQ mode (the ninth template argument) and ``kEntriesFirstOn`` (the fifteenth, true unless named)."""
-    args = name_expr[name_expr.index("<") + 1:-1].split(", ")
-    return args[8] == "true" and (len(args) < 15 or args[14] == "true")
+    dQ mode (the ninth template argument) and ``kEntriesFirstOn`` (the fifteenth)."""
+    args = _ws_args(name_expr)
+    return args[8] == "true" and args[14] == "true"
 
 
 def kv_regs(D, Dv, ext=0):
