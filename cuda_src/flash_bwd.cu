@@ -669,9 +669,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 //               P^T and dS^T go to shared memory (Bc x Br each);
 //   dV_j, dK_j  kWK x kWQ warps, each 32 keys x D / kWQ (Dv / kWQ) columns, A = P^T / dS^T from shared
 //               memory, B = dO_i / Q_i — dK_j, dV_j stay in registers (every visit, as above);
-//   dQ_i        Br / 32 x 8 / (Br / 32) warps, each 32 queries x 32 columns (one DQAccumLayout tile per
-//               16 rows: the warp-wide atomics of the kernel above), computed before the ordered mode's
-//               turn, so that only the atomics wait for it.
+//   dQ_i        Br / 32 x 8 / (Br / 32) warps, each 32 queries x D / (8 / (Br / 32)) columns (d 64 / 128: one
+//               DQAccumLayout tile per 16 rows, d 256: two, one pass each; the warp-wide atomics of the kernel
+//               above), the first pass computed before the ordered mode's turn, so that only the atomics wait for it.
+// Tiles (tiles_bwd.GRID_TILES): Bc x Br = 128 x 128 at d 64, 128 x 64 at d 128, 64 x 64 at d 256 (FlashAttention-2's
+// d 256 tile: 32 x 16 score warp tiles, 32 x 64 dK / dV ones).
 // Same grid, same visits (causal: from m_block_min; GQA: n_group entries), same accumulator and counters,
 // same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel (softcap:
 // dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association).
@@ -696,12 +698,14 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     constexpr int kSQ = kBlockM / kWQ;               // queries per warp's score tile
     constexpr int kCK = kHeadDim / kWQ, kCV = kHeadDimV / kWQ;  // dK_j / dV_j columns per warp
     constexpr int kQW = kBlockM / 32;                // dQ: warps along the queries
+    constexpr int kDQW = kHeadDim / (kNWarps / kQW);  // dQ: columns per warp (kDQW / kDQCols accumulator tiles)
     using A = DQAccumLayout<kHeadDim>;
     static_assert(kBlockN % 32 == 0 && kNWarps % kWK == 0 && kBlockM % (16 * kWQ) == 0 && kSQ % 16 == 0,
                   "grid layout: 32-key warp tiles, score tiles of whole n16 steps");
     static_assert(kCK % 16 == 0 && kCV % 16 == 0, "grid layout: dK / dV column slices of whole n16 steps");
-    static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim / (kNWarps / kQW) == A::kDQCols,
-                  "grid layout: each warp's dQ tile is 32 rows of one DQAccumLayout column tile");
+    static_assert(kBlockM % 32 == 0 && kNWarps % kQW == 0 && kHeadDim % (kNWarps / kQW) == 0 &&
+                  kDQW % A::kDQCols == 0,
+                  "grid layout: each warp's dQ tile is 32 rows of whole DQAccumLayout column tiles");
     static_assert(kStages == 1 && kBlockM <= 128, "grid layout: one buffer of Q_i, dO_i, refilled during dQ");
     static_assert((kExt & (flash::kExtDropout | flash::kExtBlockMask)) == 0 && (kExt == 0 || kVecLoad),
                   "grid layout: no dropout, no block mask; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
@@ -815,20 +819,28 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         if constexpr (kOrderedDQ)
             if (threadIdx.x == 0)
                 fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
-        float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., columns kDQCols wc.. (dS K_j, unscaled)
-        zero_acc(dq[0]); zero_acc(dq[1]);
-        warp_mma_m<T, 2, kBlockN, A::kDQCols, true, true>(dq, dSt_s + 32 * wr, L::kPitchS,
-                                                          K_s + wc * A::kDQCols, L::kPitchD);
         float* dqa_i = dqa_entry(grp) + (long long)r0 * kHeadDim;
-        // Barrier: our turn, for every thread.
-        if constexpr (kOrderedDQ) __syncthreads();
+        // The warp's kDQW columns in passes of one DQAccumLayout column tile (d 256: two; their 64 floats at once
+        // beside dK_j, dV_j spilled 136-188 bytes, two passes unrolled 64-128 in the atomic mode: a rolled loop);
+        // the ordered turn before the first pass's atomics.
+#pragma unroll 1
+        for (int ps = 0; ps < kDQW / A::kDQCols; ++ps) {
+            float dq[2][A::kDQCols / 8][4];  // dQ_i rows 32 wr.., one column tile (dS K_j, unscaled)
+            zero_acc(dq[0]); zero_acc(dq[1]);
+            const int ct = wc * (kDQW / A::kDQCols) + ps;  // its DQAccumLayout column tile
+            warp_mma_m<T, 2, kBlockN, A::kDQCols, true, true>(dq, dSt_s + 32 * wr, L::kPitchS,
+                                                              K_s + ct * A::kDQCols, L::kPitchD);
+            // Barrier: our turn, for every thread.
+            if constexpr (kOrderedDQ)
+                if (ps == 0) __syncthreads();
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            float* dst = dqa_i + ((2 * wr + mt) * A::kColTiles + wc) * A::kTileFloats + lane;
+            for (int mt = 0; mt < 2; ++mt) {
+                float* dst = dqa_i + ((2 * wr + mt) * A::kColTiles + ct) * A::kTileFloats + lane;
 #pragma unroll
-            for (int n = 0; n < A::kDQCols / 8; ++n)
+                for (int n = 0; n < A::kDQCols / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) fa::atomic_add(dst + (n * 4 + e) * 32, dq[mt][n][e]);
+                    for (int e = 0; e < 4; ++e) fa::atomic_add(dst + (n * 4 + e) * 32, dq[mt][n][e]);
+            }
         }
         if constexpr (kOrderedDQ) posted = order.counter(dqa_entry(grp), i);  // released after the next barrier
         i = i_n, grp = grp_n;

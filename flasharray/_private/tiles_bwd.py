@@ -169,7 +169,7 @@ def _wide_keys(D, Dv, limit, stages):
 # once the last product read them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and
 # do not fit sm_80's 163 KB); on the arches whose shared memory fits it (sm_80, sm_90: 138.5-141 KB; not sm_75 /
 # 86 / 89). docs/cuda_backward.md, "The grid layout".
-GRID_TILES = {128: 64, 64: 128}
+GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
 #: with lengths on sm_90): any set of window, ALiBi, softcap and lengths (no dropout: its keep bits beside the
 #: 255-register kernel; no block mask: the ordered turns count visits) — but the sets whose d 128 instantiations
@@ -177,7 +177,6 @@ GRID_TILES = {128: 64, 64: 128}
 #: sm_90: 8-56 bytes, causal mostly) in :data:`GRID_EXT_SPILLED`; at d 64 every set compiled without spills.
 GRID_EXT = 1 | 2 | 4 | 32
 GRID_EXT_SPILLED = {128: (1, 2, 1 | 32, 2 | 32, 1 | 2 | 32)}
-GRID_BLOCK_N = 128
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
@@ -213,7 +212,7 @@ def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
         return None
     if D != Dv or D not in GRID_TILES:
         return None
-    Br, Bc = GRID_TILES[D], GRID_BLOCK_N
+    Br, Bc = GRID_TILES[D]
     smem = tc_smem("dkv", D, Dv, Br, Bc, 1)
     limit = smem_limit(arch)
     if smem > limit:
