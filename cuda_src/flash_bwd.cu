@@ -185,22 +185,29 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
         }
     }
+    // dP^T, then dS^T, kMTdP m tiles at a time: one at d <= 128 (see above); both at d 256, whose 16-query score
+    // tiles leave the registers (16 floats each; 0.75 ldmatrix per MMA of dP^T instead of 1)
+    constexpr int kMTdP = kSQ <= 16 ? 2 : 1;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-        float dp[1][kSQ / 8][4];  // dP^T of m tile mt
-        zero_acc(dp[0]);
-        warp_mma_m<T, 1, kHeadDimV, kSQ, false, false, false, kSwz>(dp, V_s + (k0 + 16 * mt) * L::kPitchDv,
-                                                                    L::kPitchDv, dO_s + q0 * kQDv, kQDv);
+    for (int m0 = 0; m0 < 2; m0 += kMTdP) {
+        float dp[kMTdP][kSQ / 8][4];  // dP^T of m tiles m0 ..
 #pragma unroll
-        for (int nt = 0; nt < kSQ / 8; ++nt) {
-            const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + q0 + nt * 8 + 2 * t);
+        for (int mt = 0; mt < kMTdP; ++mt) zero_acc(dp[mt]);
+        warp_mma_m<T, kMTdP, kHeadDimV, kSQ, false, false, false, kSwz>(dp, V_s + (k0 + 16 * m0) * L::kPitchDv,
+                                                                        L::kPitchDv, dO_s + q0 * kQDv, kQDv);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dp[0][nt][e] = p[mt][nt][e] * (dp[0][nt][e] - (e % 2 ? delta_r.y : delta_r.x));
+        for (int mt = 0; mt < kMTdP; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < kSQ / 8; ++nt) {
+                const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + q0 + nt * 8 + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dp[mt][nt][e] = p[m0 + mt][nt][e] * (dp[mt][nt][e] - (e % 2 ? delta_r.y : delta_r.x));
+            }
+            uint32_t a[kSQ / 16][4];
+            c_to_a<T, kSQ / 16>(a, dp[mt]);
+            store_a<T, kSQ / 16>(dSt_s + (k0 + 16 * (m0 + mt)) * L::kPitchS + q0, L::kPitchS, a);
         }
-        uint32_t a[kSQ / 16][4];
-        c_to_a<T, kSQ / 16>(a, dp[0]);
-        store_a<T, kSQ / 16>(dSt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
     }
 }
 

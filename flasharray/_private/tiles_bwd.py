@@ -163,20 +163,24 @@ def _wide_keys(D, Dv, limit, stages):
 # The grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; FlashAttention-2's warp grid): 8 warps on 32-row
 # warp tiles of every product — 0.5 ldmatrix.x4 per MMA where the row-tile kernel (one warp per 16 keys) needs
 # 0.60-0.65: its products are bound by shared-memory reads (4 cycles per ldmatrix.x4 against about 2 per MMA).
-# Padded head dim d = dv -> Br (Bc = 128): d 128 takes 64 queries (each warp's dQ tile 32 rows x 32 columns),
-# d 64 takes 128. Dense calls (kExt = 0), or window / ALiBi / softcap / lengths (GRID_EXT), in the atomic and ordered dQ
-# modes (the recomputing mode's dK/dV kernel adds no dQ); one buffer of Q_i, dO_i (the next visit's copies start
+# Padded head dim d = dv -> (Br, Bc): d 128 takes 64 queries x 128 keys (each warp's dQ tile 32 rows x 32 columns),
+# d 64 128 x 128, d 256 64 x 64 (FlashAttention-2's d 256 tile: 32-key x 16-query score warp tiles, dQ tiles of
+# 32 x 64 in two passes; 150.5 KB). Dense calls (kExt = 0), or window / ALiBi / softcap / lengths (GRID_EXT), in
+# the atomic and ordered dQ modes (the recomputing mode's dK/dV kernel adds no dQ); one buffer of Q_i, dO_i (the
+# next visit's copies start
 # once the last product read them, overlapping dQ and its atomics: two buffers spilled 12-52 bytes at d 128 and
-# do not fit sm_80's 163 KB); on the arches whose shared memory fits it (sm_80, sm_90: 138.5-141 KB; not sm_75 /
+# do not fit sm_80's 163 KB); on the arches whose shared memory fits it (sm_80, sm_90: 138.5-150.5 KB; not sm_75 /
 # 86 / 89). docs/cuda_backward.md, "The grid layout".
 GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
 #: with lengths on sm_90): any set of window, ALiBi, softcap and lengths (no dropout: its keep bits beside the
 #: 255-register kernel; no block mask: the ordered turns count visits) — but the sets whose d 128 instantiations
 #: spilled in the NVRTC audit of 2026-11-27 (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 /
-#: sm_90: 8-56 bytes, causal mostly) in :data:`GRID_EXT_SPILLED`; at d 64 every set compiled without spills.
+#: sm_90: 8-56 bytes, causal mostly) in :data:`GRID_EXT_SPILLED`, and at d 256 those of the audit of 2026-11-29
+#: (``benchmarks/spill_audit.py --d 256 --roles atomic,ordered``: window or ALiBi, with or without lengths, causal:
+#: 16-32 bytes); at d 64 every set compiled without spills.
 GRID_EXT = 1 | 2 | 4 | 32
-GRID_EXT_SPILLED = {128: (1, 2, 1 | 32, 2 | 32, 1 | 2 | 32)}
+GRID_EXT_SPILLED = {128: (1, 2, 1 | 32, 2 | 32, 1 | 2 | 32), 256: (1, 2, 1 | 32, 2 | 32)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
