@@ -153,7 +153,8 @@ fi
 if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
     PYTEST_ARGS+=(--timeout 120 --timeout-method thread)
 fi
-# the forward / backward table: fp16, D 128, 256 (the twenty-fourth session's backward changes), then 64, N 4k / 16k,
+# the forward / backward table: fp16, D 128, 256 (the twenty-fourth session's backward changes; the -mma rows: the
+# twenty-fifth session's grid-layout mma.sync backward at d 256, against FA2), then 64, N 4k / 16k,
 # causal and not; flasharray (the default: wgmma
 # on sm_90) and its mma.sync kernels (-mma rows) against FlashAttention-2 (PyTorch's flash backend) and cuDNN;
 # N 16k runs the instantiations validated at 4k. D 128 first: on the H200 of 2026-11-27 its rows took ~75 s, and

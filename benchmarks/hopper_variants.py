@@ -51,7 +51,7 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                at d 128, 32 x 64 at d 256)
   mma.GRID_LAYOUT              tiles_bwd.GRID_LAYOUT, the mma.sync backward's (both sides kernel="tc"): the
                                grid-layout dK/dV kernel (FlashAttention-2's warp grid, 0.5 ldmatrix per MMA) at
-                               d 64 / 128 in both dQ modes (off: the row-tile kernel, 0.60-0.65)
+                               d 64 / 128 and 0.55 at d 256 in both dQ modes (off: the row-tile kernel, 0.60-0.78)
   mma.GRID_SWIZZLE             tiles_bwd.GRID_SWIZZLE (both sides kernel="tc"): the grid kernel's Q_i, dO_i unpadded
                                and XOR-swizzled (off: padded rows, whose copies an H100 read at 1.5x the sectors)
   mma.ENTRIES_FIRST            tiles_bwd.ENTRIES_FIRST (both sides kernel="tc"): the grid dK/dV kernel's ordered dQ mode
@@ -165,7 +165,7 @@ SWITCHES = (
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
            "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
     Switch("mma.GRID_LAYOUT", "bwd", tiles_bwd, "GRID_LAYOUT", False,
-           "mma.sync backward d 64 / 128: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
+           "mma.sync backward d 64 / 128 / 256: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
     Switch("mma.GRID_SWIZZLE", "bwd", tiles_bwd, "GRID_SWIZZLE", False,
            "mma.sync grid-layout backward: Q_i, dO_i XOR-swizzled vs padded rows", MMA_BWD),
     Switch("mma.ENTRIES_FIRST", "bwd", tiles_bwd, "ENTRIES_FIRST", False,

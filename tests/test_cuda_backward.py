@@ -389,22 +389,28 @@ def test_row_tile_ordered_dq(monkeypatch, D, per_visit):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, got)), schedule
 
 
-@pytest.mark.parametrize("causal,deterministic", [(True, True), (False, False)])
-def test_grid_layout_kernel(causal, deterministic):
-    """The grid-layout dK/dV kernel (tiles_bwd.grid_tile: FlashAttention-2's warp grid, d 64 / 128, atomic and
+@pytest.mark.parametrize("D,causal,deterministic", [(128, True, True), (128, False, False), (256, False, True),
+                                                    (256, True, False)])
+def test_grid_layout_kernel(D, causal, deterministic):
+    """The grid-layout dK/dV kernel (tiles_bwd.grid_tile: FlashAttention-2's warp grid, d 64 / 128 / 256, atomic and
     ordered dQ) serves dense tensor-core calls on sm_80 / sm_90. Its dK, dV are bitwise those of the row-tile
     kernel (the same P^T, dS^T and the same k16 steps in query order, only more per visit); its dQ meets the rule,
     and in the ordered mode runs bitwise the same under every block schedule (one buffer of Q_i, dO_i refilled
-    while dQ is added: the refill waits for every warp's last read)."""
-    p = Problem(np.float16, 128, 200, 300, causal=causal, bcast="gqa")
+    while dQ is added: the refill waits for every warp's last read). d 256: the 64 x 64 tile, whose warps add
+    their 64 dQ columns in two passes (and compute dP^T on both key m tiles at once)."""
+    p = Problem(np.float16, D, 200, 300, causal=causal, bcast="gqa")
+    tile = {128: "64, 128", 256: "64, 64"}[D]
     for arch, mode in ((80, deterministic), (90, deterministic), (80, not deterministic)):
-        plan = cb.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=mode, arch=arch, ordered=mode)
-        assert plan["dkv"][1].startswith("flash_bwd_dkv_grid_kernel<fa_half, fa_half, 128, 128, 64, 128, ")
+        plan = cb.kernel_plan(np.float16, D, D, causal=causal, deterministic=mode, arch=arch, ordered=mode)
+        assert plan["dkv"][1].startswith("flash_bwd_dkv_grid_kernel<fa_half, fa_half, %d, %d, %s, " % (D, D, tile))
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 86, mode="ordered").layout == "rows"      # 99 KB: no room
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, mode="recompute").layout == "rows"
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=16, mode="ordered").layout == "rows"    # dropout
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=1, mode="ordered").layout == "rows"     # spilled set
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=4, mode="ordered").layout == "grid"     # softcap
+    assert tiles_bwd.tc_tiles("dkv", 256, 256, 86, mode="atomic").layout == "rows"       # 150.5 KB > 99 KB
+    assert tiles_bwd.tc_tiles("dkv", 256, 256, 90, ext=33, mode="atomic").layout == "rows"     # spilled at d 256
+    assert tiles_bwd.tc_tiles("dkv", 256, 256, 90, ext=35, mode="atomic").layout == "grid"
     *grid, counters = run_backward("emulator", p, deterministic=deterministic, return_counters=True)
     assert any(name.startswith("flash_bwd_dkv_grid_kernel") for name, _ in counters)
     check(p, grid)
@@ -617,7 +623,7 @@ def test_backward_gpu_matches_emulator():
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_backward_gpu_grid_layout(D):
     """The grid-layout dK/dV kernel on the device (kernel="tc": sm_90's default is the wgmma backward): the rule
     in both dQ modes, the ordered mode bitwise the same over runs, and dK, dV bitwise the row-tile kernel's."""

@@ -100,20 +100,21 @@ def test_backward_extension(case):
 @pytest.mark.parametrize("D, causal, det", [(128, False, True), (128, True, False), (96, True, True), (256, False, True)])
 def test_seqlens_on_the_wide_key_tiles(D, causal, det):
     """Per-entry lengths alone keep the dK/dV kernel's wide-key tile (tiles_bwd.WIDE_KEYS_EXT: 128 keys x 32
-    queries at d 96, 64 x 32 at d 256, sm_80) and at d 128 the grid layout (tiles_bwd.GRID_EXT: 128 x 64, 16-byte
-    row copies; element-wise ones keep the wide-key tile): the plan takes it, and out / dq / dk / dv meet the rule
-    with entries shorter than the tiles and Lq != Lk; other bits keep the candidates' tiles (dropout: 64 keys)."""
+    queries at d 96, sm_80) and at d 128 / 256 the grid layout (tiles_bwd.GRID_EXT: 128 x 64 / 64 x 64, 16-byte
+    row copies; element-wise ones keep the wide-key tile, 64 x 32 at d 256): the plan takes it, and out / dq / dk /
+    dv meet the rule with entries shorter than the tiles and Lq != Lk; other bits keep the candidates' tiles
+    (dropout: 64 keys)."""
     from flasharray._private import tiles_bwd
     bits = cuda_backward._fwd().EXT_BITS
     plan = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
                                      ext=bits["seqlens"], ordered=det)
     t = plan["dkv"][2]
-    assert (t.block_n, t.block_m) == {256: (64, 32), 128: (128, 64)}.get(D, (128, 32))
-    assert (t.layout == "grid") == (D == 128) and ", %d" % bits["seqlens"] in plan["dkv"][1]
-    if D == 128:
+    assert (t.block_n, t.block_m) == {256: (64, 64), 128: (128, 64)}.get(D, (128, 32))
+    assert (t.layout == "grid") == (D in (128, 256)) and ", %d" % bits["seqlens"] in plan["dkv"][1]
+    if D in (128, 256):
         t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
                                       ext=bits["seqlens"], ordered=det, vec=False)["dkv"][2]
-        assert (t.layout, t.block_n, t.block_m) == ("rows", 128, 32)
+        assert (t.layout, t.block_n, t.block_m) == ("rows", 128 if D == 128 else 64, 32)
     t = cuda_backward.kernel_plan(np.float16, D, D, causal=causal, deterministic=False, arch=80,
                                   ext=bits["dropout"] | bits["seqlens"])
     assert t["dkv"][2].block_n <= 64 and tiles_bwd.WIDE_KEYS_EXT == (0, bits["seqlens"])

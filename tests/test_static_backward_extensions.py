@@ -164,10 +164,11 @@ def test_backward_extension_subsets_that_spilled_slow(arch, dtype):
     _check(arch, spilled_instantiations(arch, dtype=dtype))
 
 
-def grid_ext_instantiations(arch, dtypes=("float16",), dims=(64, 128), causals=(False, True), partial=(False,)):
+def grid_ext_instantiations(arch, dtypes=("float16",), dims=(64, 128, 256), causals=(False, True), partial=(False,)):
     """{source: {name: BwdTiles}} of the grid-layout dK/dV kernels with extensions (tiles_bwd.GRID_EXT, less
     tiles_bwd.GRID_EXT_SPILLED): every allowed set of window / ALiBi / softcap / lengths at ``dims``, both dQ
-    modes; ``partial``: also the float-output (broadcast K/V partial sums) instantiations."""
+    modes (the ordered one where it runs the set: no ALiBi above d 128); ``partial``: also the float-output
+    (broadcast K/V partial sums) instantiations."""
     import itertools
     from flasharray._private import tiles_bwd
     sets = [b for b in range(1, tiles_bwd.GRID_EXT + 1) if not b & ~tiles_bwd.GRID_EXT]
@@ -176,6 +177,8 @@ def grid_ext_instantiations(arch, dtypes=("float16",), dims=(64, 128), causals=(
         for bits in sets:
             if tiles_bwd.grid_tile(d, d, arch, ext=bits, mode="ordered" if ordered else "atomic") is None:
                 continue
+            if ordered and not cuda_backward._family_orders("tc", bits, d):
+                continue
             source, name, t = cuda_backward.kernel_plan(dt, d, d, causal=causal, deterministic=ordered, arch=arch,
                                                         ext=bits, ordered=ordered, acc_dkv=acc)["dkv"]
             assert name.startswith("flash_bwd_dkv_grid_kernel<") and t.layout == "grid", name
@@ -183,10 +186,12 @@ def grid_ext_instantiations(arch, dtypes=("float16",), dims=(64, 128), causals=(
     return found
 
 
-def test_grid_layout_extension_sets_compile_without_spills():
-    # every set the grid layout takes at d 128 (where sets spilled), causal (most of the spills), fp16, sm_80
-    found = grid_ext_instantiations(80, dims=(128,), causals=(True,))
-    assert len(found["flash_bwd.cu"]) == 2 * 10   # both modes x the 15 sets less 5 spilled
+@pytest.mark.parametrize("d, count", [(128, 2 * 10), (256, 11 + 5)])
+def test_grid_layout_extension_sets_compile_without_spills(d, count):
+    # every set the grid layout takes at d 128 / 256 (where sets spilled), causal (most of the spills), fp16, sm_80:
+    # d 128 both modes x the 15 sets less 5 spilled; d 256 the 15 less 4 spilled (atomic), less ALiBi's (ordered)
+    found = grid_ext_instantiations(80, dims=(d,), causals=(True,))
+    assert len(found["flash_bwd.cu"]) == count
     _check(80, found)
 
 
@@ -194,5 +199,5 @@ def test_grid_layout_extension_sets_compile_without_spills():
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_grid_layout_extension_sets_compile_without_spills_slow(arch, dtype):
-    # the whole audit of tiles_bwd.GRID_EXT_SPILLED: d 64 and 128, causal or not, T and float outputs
+    # the whole audit of tiles_bwd.GRID_EXT_SPILLED: d 64, 128 and 256, causal or not, T and float outputs
     _check(arch, grid_ext_instantiations(arch, (dtype,), partial=(False, True)))

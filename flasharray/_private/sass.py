@@ -220,6 +220,7 @@ class Loop:
     nested: int = 0        # loops strictly inside this one
     nested_hmma: int = 0   # HMMA inside those nested loops (a rolled inner loop)
     nested_stats: LoopStats = None   # counts over the instructions inside nested loops holding an FMA
+    nested_ldsm: int = 0   # ldmatrix inside the nested loops
 
     @property
     def per_hmma(self):
@@ -243,8 +244,9 @@ def loops(instructions):
         fma_inner = [(s, e) for s, e in inner
                      if any(s <= i.address <= e and i.base in ("FFMA", "DFMA") for i in body)]
         in_fma = [i for i in body if any(s <= i.address <= e for s, e in fma_inner)]
-        out.append(Loop(start, end, LoopStats.count(body), len(inner), LoopStats.count(in_inner).hmma,
-                        LoopStats.count(in_fma)))
+        nested = LoopStats.count(in_inner)
+        out.append(Loop(start, end, LoopStats.count(body), len(inner), nested.hmma, LoopStats.count(in_fma),
+                        nested.ldsm))
     return out
 
 
