@@ -41,14 +41,18 @@ without a GPU; this script times the kernels with the flag at its default and fl
   mma.WIDE_BC64                tiles.WIDE_BC64, the mma.sync forward's (both sides kernel="tensor_core"): at
                                64 < d <= 128 non-causal FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
                                double-buffered)
+  mma.WIDE_BC64_LARGE          tiles.WIDE_BC64_LARGE (both sides kernel="tensor_core"): at d > 128 FlashAttention-2's
+                               128 x 64 8-warp single-buffered tile (off: 128 x 32 double-buffered; the same shared
+                               memory); non-causal rows (causal ones take it on sm_80 only)
   mma.WIDE_BC64_CAUSAL         tiles.WIDE_BC64_CAUSAL (both sides kernel="tensor_core"): causal calls at 64 < d = dv
                                <= 128 on FlashAttention-2's 128 x 64 single-buffered tile (off: 128 x 32
                                double-buffered)
   mma.WIDE_CAUSAL              tiles.WIDE_CAUSAL_ARCHS without sm_90: causal calls on sm_90 keep the square tile
                                (the default: the wide-row tiles at d <= 128, as non-causal calls; causal rows only)
-  mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the dK/dV
-                               kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
-                               at d 128, 32 x 64 at d 256)
+  mma.WIDE_KEYS                tiles_bwd.WIDE_KEYS, the mma.sync backward's (both sides kernel="tc"): the row-tile
+                               dK/dV kernel's 128-key x 32-query tile at d 80-128 and 64 x 32 at d 256 (off: 64 x 64
+                               at d 128, 32 x 64 at d 256); both sides with the grid layout off (its ``under``), as
+                               the grid kernel serves d 64 / 128 / 256 on sm_80 / sm_90
   mma.GRID_LAYOUT              tiles_bwd.GRID_LAYOUT, the mma.sync backward's (both sides kernel="tc"): the
                                grid-layout dK/dV kernel (FlashAttention-2's warp grid, 0.5 ldmatrix per MMA) at
                                d 64 / 128 and 0.55 at d 256 in both dQ modes (off: the row-tile kernel, 0.60-0.78)
@@ -130,8 +134,9 @@ MMA_FWD, MMA_BWD = "tensor_core", "tc"  # the mma.sync forward and backward, nam
 #: and the ``kernel=`` argument of the calls both sides of a module flag are timed with (the Hopper kernels,
 #: or MMA_FWD: the mma.sync forward's own switch). The ``kernel`` switches' flipped side names the mma.sync
 #: kernels (kernel=None on sm_90 is the wgmma one: cuda_forward_sm90.AUTO_DISPATCH).
-Switch = collections.namedtuple("Switch", "name kind module flag flipped question base ext modes",
-                                defaults=(WGMMA, "", None))
+#: ``under``: (module, flag, value) set on both sides (the row-tile kernel's own switches: the grid layout off)
+Switch = collections.namedtuple("Switch", "name kind module flag flipped question base ext modes under",
+                                defaults=(WGMMA, "", None, None))
 SWITCHES = (
     Switch("fwd.OVERLAP", "fwd", F, "OVERLAP", False, "intra-warpgroup softmax / P V overlap"),
     Switch("fwd.USE_TMA_STORE", "fwd", F, "USE_TMA_STORE", False, "O by TMA store vs row stores"),
@@ -158,12 +163,15 @@ SWITCHES = (
            MMA_FWD),
     Switch("mma.WIDE_BC64", "fwd", tiles, "WIDE_BC64", False,
            "mma.sync d 80-128 non-causal: 128 x 64 single-buffered vs 128 x 32 double-buffered", MMA_FWD),
+    Switch("mma.WIDE_BC64_LARGE", "fwd", tiles, "WIDE_BC64_LARGE", False,
+           "mma.sync d > 128: 128 x 64 8-warp single-buffered vs 128 x 32 double-buffered", MMA_FWD),
     Switch("mma.WIDE_BC64_CAUSAL", "fwd", tiles, "WIDE_BC64_CAUSAL", False,
            "mma.sync d 80-128 causal (d = dv): 128 x 64 single-buffered vs 128 x 32 double-buffered", MMA_FWD),
     Switch("mma.WIDE_CAUSAL", "fwd", tiles, "WIDE_CAUSAL_ARCHS", {80: tiles.MAX_HEAD_DIM},
            "mma.sync causal 64 < d <= 128 on sm_90: the wide-row tiles vs the square one", MMA_FWD),
     Switch("mma.WIDE_KEYS", "bwd", tiles_bwd, "WIDE_KEYS", False,
-           "mma.sync backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD),
+           "mma.sync row-tile backward d 80-128 / 256: 128 x 32 / 64 x 32 dK/dV tiles vs the table's", MMA_BWD,
+           under=((tiles_bwd, "GRID_LAYOUT", False),)),
     Switch("mma.GRID_LAYOUT", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "mma.sync backward d 64 / 128 / 256: the grid-layout dK/dV kernel vs the row-tile kernel", MMA_BWD),
     Switch("mma.GRID_SWIZZLE", "bwd", tiles_bwd, "GRID_SWIZZLE", False,
@@ -206,7 +214,8 @@ EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False)
 EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
                        ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS"),
                        ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS",),
-                       ("fp16", 1, 1, 64, 256, True): ("fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM",)}   # one key tile of 176 (N 128 keeps 128)
+                       ("fp16", 1, 1, 64, 256, True): ("fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM",),   # one key tile of 176 (N 128 keeps 128)
+                       ("fp16", 1, 1, 80, 256, False): ("mma.WIDE_BC64_LARGE",)}   # > 64 rows: the wide tiles
 #: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,
 #: the causal pairs' condition
 EMULATOR_SM_COUNT = 2
@@ -220,23 +229,22 @@ Row = collections.namedtuple("Row", "switch mode dtype B H N D causal ms_default
 # ---- variants ----------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def variant(switch, base=WGMMA):
-    """The switch flipped (None: the defaults, calls with ``kernel=base``) for the body; restored after it, plan
-    caches cleared both sides. Yields the ``kernel=`` argument of the calls."""
-    if switch is None or switch.module is None:
-        launch._clear_plans()
-        try:
-            yield switch.flipped if switch is not None else base
-        finally:
-            launch._clear_plans()
-        return
-    old = getattr(switch.module, switch.flag)
-    setattr(switch.module, switch.flag, switch.flipped)
+def variant(switch, base=WGMMA, under=None):
+    """The switch flipped (None: the defaults, calls with ``kernel=base``) for the body, with its ``under`` flags
+    (``under``, the switch's, for the defaults' side); restored after it, plan caches cleared both sides. Yields the
+    ``kernel=`` argument of the calls."""
+    sets = list((switch.under if switch is not None else under) or ())
+    if switch is not None and switch.module is not None:
+        sets.append((switch.module, switch.flag, switch.flipped))
+    olds = [(module, flag, getattr(module, flag)) for module, flag, _ in sets]
+    for module, flag, value in sets:
+        setattr(module, flag, value)
     launch._clear_plans()
     try:
-        yield switch.base
+        yield base if switch is None else switch.flipped if switch.module is None else switch.base
     finally:
-        setattr(switch.module, switch.flag, old)
+        for module, flag, value in reversed(olds):
+            setattr(module, flag, value)
         launch._clear_plans()
 
 
@@ -302,12 +310,12 @@ class Problem:
                                grads=tuple(first(g) for g in result[:3]), **self.ext_kw)
 
 
-def measure(problem, kind, switch, deterministic, clock, timing, validated, base=WGMMA):
+def measure(problem, kind, switch, deterministic, clock, timing, validated, base=WGMMA, under=None):
     """(ms, validated now) of one variant: plan, validate (once per key in ``validated``), time. ``switch``
-    None: the defaults, called with ``kernel=base``."""
-    with variant(switch, base) as kernel:
+    None: the defaults (with the flags ``under``), called with ``kernel=base``."""
+    with variant(switch, base, under) as kernel:
         fns = problem.calls(kind, kernel, deterministic)
-        key = (switch.name if switch else base, deterministic, tuple(sorted(problem.ext_kw)))
+        key = (switch.name if switch else (base, repr(under)), deterministic, tuple(sorted(problem.ext_kw)))
         checked = False
         if key not in validated:
             report = problem.validate(kind, fns[0]())
@@ -334,11 +342,11 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
             if not mine:
                 continue
             for mode, det in modes.items():
-                bases, default_launches = {}, {}  # by the switch's (base kernel, extension set)
+                bases, default_launches = {}, {}  # by the switch's (base kernel, extension set, under)
                 for sw in mine:
                     if sw.modes is not None and mode not in sw.modes:
                         continue
-                    problem, key = problems[sw.ext], (sw.base, sw.ext)
+                    problem, key = problems[sw.ext], (sw.base, sw.ext, repr(sw.under))
                     factor = 1.0 if kind == "fwd" else gpu_backward.BWD_FACTOR
                     flop = gpu.flops(Bn, H, N, N, D, causal, factor)
 
@@ -351,7 +359,7 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
                     try:
                         try:
                             if key not in default_launches:
-                                with variant(None, sw.base) as kernel:
+                                with variant(None, sw.base, sw.under) as kernel:
                                     default_launches[key] = problem.launches(kind, kernel, det)
                             with variant(sw) as kernel:
                                 flipped_launch = problem.launches(kind, kernel, det)
@@ -363,7 +371,8 @@ def run(shapes, switches, device, arch, clock, timing, make_copies, deadline=Non
                         if flipped_launch == default_launches[key]:
                             continue  # the flag changes nothing for this shape
                         if base is None:
-                            base = bases[key] = measure(problem, kind, None, det, clock, timing, seen, sw.base)
+                            base = bases[key] = measure(problem, kind, None, det, clock, timing, seen, sw.base,
+                                                        sw.under)
                         ms_f, ok = measure(problem, kind, sw, det, clock, timing, seen)
                     except Exception as e:  # a failed validation, a compile error, out of memory, ...
                         log("%-30s | %-28s | %-6s | %s" % (label, sw.name, mode or "fwd", gpu._why(e)))

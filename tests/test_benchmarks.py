@@ -382,7 +382,8 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM",
                    "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "fwd.USE_TMA", "fwd.kernel", "bwd.DQ_BULK",
-                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_CAUSAL",
+                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_LARGE",
+                   "mma.WIDE_BC64_CAUSAL",
                    "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE", "mma.ENTRIES_FIRST",
                    "mma.CAUSAL_GROUPS")
 
@@ -414,6 +415,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
     assert by_name["mma.WIDE_ROWS"]["flag"] == "tiles.WIDE_ROWS" and by_name["mma.WIDE_ROWS"]["default"] is True
     assert by_name["mma.WIDE_BC64"]["flag"] == "tiles.WIDE_BC64" and by_name["mma.WIDE_BC64"]["default"] is True
     assert by_name["mma.WIDE_BC64_CAUSAL"]["default"] is True
+    assert by_name["mma.WIDE_BC64_LARGE"]["flag"] == "tiles.WIDE_BC64_LARGE"
     assert by_name["mma.WIDE_CAUSAL"]["flag"] == "tiles.WIDE_CAUSAL_ARCHS"
     assert by_name["mma.WIDE_KEYS"]["flag"] == "tiles_bwd.WIDE_KEYS" and by_name["mma.WIDE_KEYS"]["default"] is True
     assert by_name["mma.GRID_LAYOUT"]["flag"] == "tiles_bwd.GRID_LAYOUT" and by_name["mma.GRID_LAYOUT"]["default"] is True

@@ -240,11 +240,12 @@ def _plan(q, k, v, causal, **opts):
 def test_forward_wide_row_tile(dt, D, Dv, Lq, Lk, layout, gqa):
     """Non-causal, aligned, > 64 query rows: the plan takes a 128-row tile (64 < d <= 128 on the emulator's sm_80:
     FlashAttention-2's 128 x 64, 4 warps x 2 slabs, single-buffered K/V, where d >= dv, else 128 x 32; 128 < d <=
-    256: 128 x 32, 8 warps x 1 slab) and meets the rule; reverse / random schedules give its bits (no missing
-    barrier)."""
+    256: FlashAttention-2's 128 x 64, 8 warps x 1 slab, single-buffered, tiles.WIDE_BC64_LARGE) and meets the rule;
+    reverse / random schedules give its bits (no missing barrier)."""
     q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv, layout=layout, gqa=gqa)
     t = _plan(q, k, v, False).tile
-    want = (128, 64, 4, 1) if max(D, Dv) <= 128 and D >= Dv else (128, 32, 4 if max(D, Dv) <= 128 else 8, 2)
+    want = ((128, 64, 4, 1) if max(D, Dv) <= 128 and D >= Dv else (128, 32, 4, 2) if max(D, Dv) <= 128
+            else (128, 64, 8, 1))
     assert (t.kernel, t.block_m, t.block_n, t.threads_m, t.stages) == ("tensor_core",) + want
     ref = check_case("emulator", DTYPES[dt], D, Lq, Lk, False, Dv=Dv, layout=layout, gqa=gqa)
     for schedule, seed in (("reverse", 0), ("random", 3)):
@@ -292,9 +293,9 @@ def test_forward_wide_row_tile_causal_sm80(dt, D, Lq, Lk, batch, arch):
     rng = np.random.default_rng(0)
     q = rng.standard_normal(batch + (Lq, D)).astype(DTYPES[dt])
     k, v = (rng.standard_normal(batch[:2] + (1,) * (len(batch) - 2) + (Lk, D)).astype(DTYPES[dt]) for _ in "kv")
-    t = _plan(q, k, v, True, arch=arch).tile  # 128 x 32: sm_86 / 89, d 256, GQA-packed or split (Lq 257, 2 heads)
-    assert (t.block_m, t.block_n, t.threads_m) == (128, 32, 4 if D <= 128 else 8)
-    assert t.stages == (2 if arch == 80 else 1)
+    t = _plan(q, k, v, True, arch=arch).tile  # 128 x 32: sm_86 / 89, GQA-packed or split (Lq 257, 2 heads); d 256: 128 x 64
+    assert (t.block_m, t.block_n, t.threads_m) == ((128, 32, 4) if D <= 128 else (128, 64, 8))
+    assert t.stages == (2 if arch == 80 and D <= 128 else 1)
     out, lse = run_forward("emulator", q, k, v, causal=True, arch=arch)
     assert_attention_close(out, q, k, v, causal=True, lse=lse)
     got = run_forward("emulator", q, k, v, causal=True, arch=arch, schedule="reverse")

@@ -37,19 +37,21 @@ BASELINE = {
     ("bwd_dq", 64, 80): (4.93, 182), ("bwd_dkv_atomic", 64, 80): (3.81, 251),
     ("fwd", 128, 80): (4.06, 255), ("bwd_dkv", 128, 80): (3.52, 245),
     ("bwd_dq", 128, 80): (3.66, 196), ("bwd_dkv_atomic", 128, 80): (3.12, 248),
-    ("fwd", 256, 80): (4.27, 232), ("bwd_dkv", 256, 80): (3.59, 244),
+    ("fwd", 256, 80): (3.45, 244), ("bwd_dkv", 256, 80): (3.59, 244),
     ("bwd_dq", 256, 80): (3.20, 190), ("bwd_dkv_atomic", 256, 80): (3.13, 254),
     ("fwd", 64, 90): (5.88, 221), ("bwd_dkv", 64, 90): (4.19, 236),
     ("bwd_dq", 64, 90): (4.44, 180), ("bwd_dkv_atomic", 64, 90): (3.77, 239),
     ("fwd", 128, 90): (4.00, 255), ("bwd_dkv", 128, 90): (3.52, 246),
     ("bwd_dq", 128, 90): (3.18, 214), ("bwd_dkv_atomic", 128, 90): (3.02, 254),
-    ("fwd", 256, 90): (4.27, 241), ("bwd_dkv", 256, 90): (3.60, 243),
+    ("fwd", 256, 90): (3.45, 242), ("bwd_dkv", 256, 90): (3.60, 243),
     ("bwd_dq", 256, 90): (3.09, 192), ("bwd_dkv_atomic", 256, 90): (3.12, 255),
     # fwd D 128: the wide-row tile (128 x 32, two slabs per warp; was 64 x 64 at 4.80 / 168): +0.04
     # instructions per HMMA and +72 registers for 0.375 ldmatrix per HMMA (was 0.56) and half the K/V loads;
     # then FlashAttention-2's 128 x 64, single-buffered (was 128 x 32 at 4.91 / 239, 4.91 / 241): 0.3125 ldmatrix
     # per HMMA, half the per-tile softmax, at 255 registers (two blocks per SM as before)
-    # fwd D 256: the 8-warp 128 x 32 tile (was 64 x 32 x 4 warps at 4.53 / 4.55): the copies split over 256 threads
+    # fwd D 256: the 8-warp 128 x 32 tile (was 64 x 32 x 4 warps at 4.53 / 4.55): the copies split over 256 threads;
+    # then FlashAttention-2's 128 x 64, 8 warps, single-buffered (tiles.WIDE_BC64_LARGE; was 128 x 32 double-buffered
+    # at 4.27 / 232 and 4.27 / 241): the same shared memory, 0.56 ldmatrix per HMMA instead of 0.625
     # fwd: the static loop holds the rescale's FMULs, skipped at run time when no row max moved (+5-10 for the
     # vote and branch; d 128 wide: 628 instructions, 500 when skipped)
     # the ordered dQ mode (the deterministic default): the atomic kernel + one wait and post per visit; D 256 (the

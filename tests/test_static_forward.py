@@ -157,6 +157,8 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
                 assert (t.block_n, t.stages, t.threads_m) == (64, 1, 4)   # FlashAttention-2's 128 x 64
             elif hd <= 128 and two_fit[32, 1] and not two_fit[32, 2]:
                 assert (t.block_n, t.stages, t.threads_m) == (32, 1, 4)   # sm_86/89: two single-buffered blocks
+            elif hd > 128 and tiles.WIDE_BC64_LARGE:
+                assert (t.block_n, t.stages, t.threads_m) == (64, 1, 8)   # FlashAttention-2's d 192-256 tile
             else:
                 assert (t.block_n, t.stages, t.threads_m) == (32, 2, 4 if hd <= 128 else 8)
             for flags in WIDE_VARIANTS:
@@ -168,7 +170,10 @@ def wide_instantiations(arch, pairs, dtypes=("float16", "bfloat16")):
                     assert (tc.block_n, tc.stages) == (64, 1)
                 else:
                     assert tc == tv
-                assert (tv.block_m, tv.block_n, tv.stages) == (128, 32, 2 if arch in tiles.WIDE_CAUSAL_ARCHS else 1)
+                expect = (128, 32, 2 if arch in tiles.WIDE_CAUSAL_ARCHS else 1)
+                if hd > 128 and tiles.WIDE_BC64_LARGE:
+                    expect = (128, 64, 1)   # every variant (the audit of the twenty-fifth session)
+                assert (tv.block_m, tv.block_n, tv.stages) == expect
                 names[cuda_forward.forward_name_expression(tc, True, True)] = tc
                 for flags in WIDE_VARIANTS[1:] + (dict(packed=True), dict(split=True, packed=True),
                                                   dict(packed=True, seqlens_k=True)):

@@ -217,12 +217,23 @@ _TC_WIDE_CANDIDATES = [
                          "two single-buffered ones do (sm_86/89 at padded d 96-128: 40-50 KB, sQ unpadded and "
                          "XOR-swizzled at d 128): Br=128, Bc=32, 4 warps x 2 slabs, single-buffered K/V as "
                          "FlashAttention-2 on sm_86/89 (2 blocks per SM); ~205-250 regs"),
+    (256, 128, 64, 8, 1, "128 < d <= 256, non-causal (causal on WIDE_CAUSAL_ARCHS), > 64 rows: Br=128, Bc=64, 8 warps "
+                         "x 1 slab, single-buffered K/V: FlashAttention-2's d 192-256 forward tile on A100 / H100 "
+                         "(the shared memory of 128 x 32 double-buffered, 132 KB at d = dv = 256; each Q fragment "
+                         "feeds 8 mma, half the per-tile softmax and barrier work); 213-250 regs"),
     (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows: Br=128, Bc=32, 8 warps x 1 slab as "
                          "FlashAttention-2's 8-warp d 256 tile (K/V re-read half as often, the copies "
                          "split over 256 threads); ~236-250 regs; 132 KB at d = dv = 256 (sm_80, sm_90)"),
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
 WIDE_ROWS = True
+#: Above padded head dim 128 the wide candidate with Bc = 64 (8 warps, single-buffered) comes before the double-buffered
+#: 128 x 32: both take the same shared memory (Q_i, then 64 rows of K_j and of V_j either way) and one 8-warp block per
+#: SM, and the Bc = 64 loop issues 3.45 instructions per HMMA where 128 x 32's issues 4.27 (sm_90, fp16, d 256;
+#: 0.56 ldmatrix per HMMA instead of 0.625). FlashAttention-2 runs it at d 192-256 on A100 and H100. Zero spills in every
+#: variant the wide tiles serve (sm_80 / sm_90, every d, dv pair above 128; docs/performance.md, "Twenty-fifth
+#: session"). Not timed on a GPU: False keeps 128 x 32 (``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64_LARGE``).
+WIDE_BC64_LARGE = True
 #: The wide candidate with Bc = 64 (the single-buffered 128 x 64 tile, 69.6 KB at d 128, 255 registers) is taken only
 #: by non-causal calls with padded d >= dv where two of its blocks fit an SM's shared memory
 #: (:func:`_wide_bc64_applies`): two 4-warp blocks on sm_80 / sm_90; sm_86 / 89 (100 KB) at d 96-128 take 128 x 32
@@ -377,7 +388,9 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
         wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else [])
-                           if c[2] != 64 or _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch, plain)]
+                           if c[2] != 64 or (WIDE_BC64_LARGE and hd > 128 if c[3] == 8 else
+                                             _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch,
+                                                                plain))]
         fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               wide_candidates + _TC_CANDIDATES)
