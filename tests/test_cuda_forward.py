@@ -875,11 +875,13 @@ def test_forward_gpu_matches_emulator():
 #: Lk, causal) -> the tile (Br, Bc, stages) the plan takes on sm_80 / sm_90. d 128 / 96 non-causal: the single-
 #: buffered 128 x 64 tile (its loop copies whole V tiles, the first one in the prologue; Lk 300 / 203 end in a
 #: partial tile), causal too where it runs unsplit (Lk < 256: tiles.WIDE_BC64_CAUSAL; Lq > Lk: rows that see no key),
-#: d < dv and split causal calls: 128 x 32, <= 64 rows: the square tile.
+#: d < dv and split causal calls: 128 x 32, <= 64 rows: the square tile; d > 128: the 8-warp 128 x 64
+#: (tiles.WIDE_BC64_LARGE), d = dv and d < dv.
 MMA_GPU_CASES = [("fp16", 128, 128, 257, 300, False), ("bf16", 96, 96, 200, 203, False),
                  ("fp16", 64, 128, 130, 77, False), ("fp16", 128, 128, 200, 333, True),
                  ("bf16", 128, 128, 40, 200, False), ("fp16", 128, 128, 300, 200, True),
-                 ("bf16", 96, 96, 130, 250, True)]
+                 ("bf16", 96, 96, 130, 250, True), ("fp16", 256, 256, 200, 300, False),
+                 ("bf16", 192, 256, 130, 203, False)]
 
 
 @pytest.mark.gpu
@@ -964,7 +966,8 @@ def test_sm75_ptx_is_what_an_older_arch_launch_loads():
 
 def test_mma_gpu_cases_take_their_tiles():
     """The tiles MMA_GPU_CASES exercise, as the plan takes them on sm_80 and sm_90 (emulator planning, no GPU)."""
-    want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), (128, 32, 2), (64, 64, None), (128, 64, 1), (128, 64, 1)]
+    want = [(128, 64, 1), (128, 64, 1), (128, 32, 2), (128, 32, 2), (64, 64, None), (128, 64, 1), (128, 64, 1),
+            (128, 64, 1), (128, 64, 1)]
     assert len(want) == len(MMA_GPU_CASES)
     for (dt, D, Dv, Lq, Lk, causal), w in zip(MMA_GPU_CASES, want):
         q, k, v = make_inputs(DTYPES[dt], D, Lq, Lk, Dv=Dv)
