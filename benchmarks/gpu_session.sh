@@ -10,7 +10,7 @@
 # the total, and the script goes on past a failed step; it exits 0 when every step ran and passed, else 1.
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
-# GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, DECODE, PYTEST_SM90,
+# GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, MMA256, DECODE, PYTEST_SM90,
 # PRECISION, FP64 (steps 7b and 7c each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
@@ -186,6 +186,12 @@ run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py -
 run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_variants.py \
     --only bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST \
     --seqlens 4096,16384 --max-seconds 150 --json "$OUT_DIR/mma_verdicts.json"
+# (4c) the twenty-fifth session's d 256 mma.sync tiles: the grid-layout backward against the row-tile kernel, the
+# 8-warp 128 x 64 forward against 128 x 32, and the wgmma backward against the mma.sync one at d 256 (if the grid
+# kernel's ordered mode beats the wgmma kernel's there, sm_90's deterministic d 256 dispatch should take it)
+run_step mma_d256 "${GPU_SESSION_MMA256_S:-70}" "$PY" benchmarks/hopper_variants.py \
+    --only mma.GRID_LAYOUT,mma.WIDE_BC64_LARGE,bwd.kernel --head-dims 256 --seqlens 4096 --max-seconds 55 \
+    --json "$OUT_DIR/mma_d256.json"
 # (5) decoding / GQA shapes against FlashAttention-2
 run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode
 # (6) the Hopper kernels against the reference and the emulator

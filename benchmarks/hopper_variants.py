@@ -102,7 +102,8 @@ switch through the CUDA emulator with arch sm_90 (CPU time, not GPU performance:
 variants in CI). ``--json PATH`` writes the rows and the summary. Exit status 1 when a validation failed or a
 variant raised.
 Usage: python benchmarks/hopper_variants.py [--full] [--emulator] [--only fwd.OVERLAP,bwd.DQ_BULK | --only ext]
-                                           [--seqlens 1024,4096] [--max-seconds S] [--json PATH]
+                                           [--seqlens 1024,4096] [--head-dims 256] [--max-seconds S]
+                                           [--json PATH]
 """
 import argparse
 import collections
@@ -457,11 +458,11 @@ def write_json(path, device, rows, summary):
 
 # ---- drivers -----------------------------------------------------------------------------------------------
 
-def gpu_shapes(dtypes, seqlens):
+def gpu_shapes(dtypes, seqlens, head_dims=HEAD_DIMS):
     """N-major: (dtype, B, H, N, D, causal) with gpu.py's tokens and hidden size."""
     for N in seqlens:
         for dt in dtypes:
-            for D in HEAD_DIMS:
+            for D in head_dims:
                 for causal in (False, True):
                     yield dt, max(1, gpu.TOKENS // N), gpu.HIDDEN // D, N, D, causal
 
@@ -483,12 +484,15 @@ def sm90_device():
 
 def select(only):
     """The switches ``--only`` names (names, their prefixes or last parts, fwd / bwd, "ext": every extension
-    switch); default: every switch but the extension ones."""
+    switch; a whole switch name names that switch only, not the extension switches it prefixes); default: every
+    switch but the extension ones."""
     if not only:
         return SWITCHES
+    every = SWITCHES + EXT_SWITCHES
     names = [s.strip() for s in only.split(",") if s.strip()]
-    chosen = [s for s in SWITCHES + EXT_SWITCHES
-              if any(s.name == n or s.name.startswith(n + ".") or s.name.endswith("." + n)
+    exact = {n for n in names if any(s.name == n for s in every)}
+    chosen = [s for s in every
+              if any(s.name == n or (n not in exact and s.name.startswith(n + ".")) or s.name.endswith("." + n)
                      or (n == s.kind and not s.ext) or (n == "ext" and s.ext) for n in names)]
     if not chosen:
         raise SystemExit("--only %r matches none of: ext, %s" % (only, ", ".join(s.name for s in SWITCHES
@@ -502,6 +506,7 @@ def main(argv=None):
     ap.add_argument("--emulator", action="store_true", help="one tiny shape per switch on the CPU emulator (sm_90)")
     ap.add_argument("--only", default=None, help="comma-separated switches (names, flags or fwd / bwd)")
     ap.add_argument("--seqlens", default=None, help="comma-separated N (default: 1024,4096,16384; --full: 5 N)")
+    ap.add_argument("--head-dims", default=None, help="comma-separated D (default: 128,64,256)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new shape after this many seconds (the tables print what was measured)")
     ap.add_argument("--json", default=None, help="write the rows and the summary to this file")
@@ -539,8 +544,9 @@ def main(argv=None):
         timing = {} if args.full else dict(warmup_ms=25.0, rep_ms=100.0)
         print("%-30s | %-28s | %-6s | %9s | %9s | %6s" % ("shape (B,H,N,D) dtype causal", "switch", "mode",
                                                           "ms dflt", "ms flip", "ratio"))
-        rows = run(list(gpu_shapes(dtypes, seqlens)), switches, "cuda", None, gpu_timing.CudaClock(), timing,
-                   make, deadline)
+        head_dims = tuple(int(d) for d in args.head_dims.split(",")) if args.head_dims else HEAD_DIMS
+        rows = run(list(gpu_shapes(dtypes, seqlens, head_dims)), switches, "cuda", None, gpu_timing.CudaClock(),
+                   timing, make, deadline)
         unit, scale = "TFLOP/s", 1.0
     summary = print_tables(rows, switches, unit, scale,
                            "; emulator CPU time: the verdicts mean nothing" if args.emulator else "")

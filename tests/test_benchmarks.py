@@ -506,7 +506,7 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
-SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "mma_verdicts", "gpu_decode",
+SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "mma_verdicts", "mma_d256", "gpu_decode",
                  "pytest_sm90", "gpu_precision", "gpu_fp64", "gpu_fp64_br16", "hopper_ext", "hopper_variants")
 
 
@@ -543,8 +543,8 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
         assert any(line.startswith("step %d %s: end" % (i, step)) and " rc 0 " in line for line in summary), summary
     assert all((tmp_path / "out" / ("%02d_%s.log" % (i, s))).exists() for i, s in enumerate(SESSION_STEPS, 1))
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
-    assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py", "benchmarks/hopper_variants.py"] + [
-        "benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
+    assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py"] + [
+        "benchmarks/hopper_variants.py"] * 2 + ["benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
     assert "bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST" \
         in scripts[2] \
         and "ext" in scripts[-2] and "--only" not in scripts[-1]
@@ -552,6 +552,8 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[2][2])] == [
         "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "bwd.DQ_BULK", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST",
         "mma.ENTRIES_FIRST"]
+    assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[3][2])] == [
+        "bwd.kernel", "mma.WIDE_BC64_LARGE", "mma.GRID_LAYOUT"] and "256" in scripts[3]
     helps = {}
     for script, *args in scripts:
         if script not in helps:
