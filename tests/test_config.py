@@ -47,7 +47,7 @@ def test_kernel_choice_names_the_wide_row_tile():
     assert "(non-causal," in three[1] and "Br=128 Bc=64" in three[1] and "1-stage" in three[1]
     assert "(causal," in three[2] and "Br=128 Bc=32" in three[2]
     two = config.kernel_choice("float16", 256, 80).splitlines()     # d 256: one wide tile, causal or not
-    assert len(two) == 2 and "Br=128 Bc=32" in two[1] and "causal or not" in two[1]
+    assert len(two) == 2 and "Br=128 Bc=64" in two[1] and "1-stage" in two[1] and "causal or not" in two[1]
     assert "causal or not" in config.kernel_choice("float16", 128, 90).splitlines()[-1]  # sm_90: the mma.sync one's
     assert len(config.kernel_choice("float16", 128, 75).splitlines()) == 1   # sm_75: the table's tile only
     assert len(config.kernel_choice("float16", 64, 80).splitlines()) == 1

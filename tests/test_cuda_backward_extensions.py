@@ -124,14 +124,15 @@ def test_seqlens_on_the_wide_key_tiles(D, causal, det):
 
 
 @pytest.mark.parametrize("names, D, causal, mode", [
-    (("softcap",), 128, True, "recompute"), (("softcap",), 96, False, "ordered"), (("softcap",), 256, True, "atomic"),
+    (("softcap",), 128, True, "recompute"), (("softcap",), 96, False, "ordered"), (("softcap",), 256, True, "recompute"),
     (("dropout",), 128, False, "ordered"), (("dropout",), 128, True, "atomic"), (("dropout",), 256, False, "ordered"),
     (("dropout",), 80, True, "atomic")])
 def test_softcap_and_dropout_on_the_wide_key_tiles(names, D, causal, mode):
     """Softcap alone (every dQ mode) and dropout alone (the atomic modes, not d 96) keep the wide-key dK/dV tile
-    (tiles_bwd.WIDE_KEYS_EXT_BY_MODE; sm_80: 128 keys x 32 queries at d 80-128, 64 x 32 at d 256): the plan takes
-    it, and the gradients meet the rule (dropout: the forward's Philox mask) with Lq != Lk off the tiles; dropout
-    in the recomputing mode, at d 96, or with lengths keeps the candidates' tiles."""
+    (tiles_bwd.WIDE_KEYS_EXT_BY_MODE; sm_80: 128 keys x 32 queries at d 80-128, 64 x 32 at d 256) where the grid
+    layout does not take them (softcap at d 128 / 256 in the atomic modes: test_extensions_on_the_grid_layout): the
+    plan takes it, and the gradients meet the rule (dropout: the forward's Philox mask) with Lq != Lk off the tiles;
+    dropout in the recomputing mode, at d 96, or with lengths keeps the candidates' tiles."""
     from flasharray._private import tiles_bwd
     bits = sum(cuda_backward._fwd().EXT_BITS[n] for n in names)
     det = mode != "atomic"
@@ -337,10 +338,10 @@ def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
 
 
 @pytest.mark.parametrize("names, D, causal, det", [
-    (("softcap",), 128, True, True), (("alibi", "window"), 128, False, False), (("window", "seqlens"), 64, True, True),
-    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False)])
+    (("softcap",), 128, True, True), (("alibi", "window"), 256, False, False), (("window", "seqlens"), 64, True, True),
+    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False), (("softcap",), 256, True, True)])
 def test_extensions_on_the_grid_layout(monkeypatch, names, D, causal, det):
-    """Window, ALiBi, softcap and lengths (tiles_bwd.GRID_EXT; not the d-128 sets that spilled) run the grid-layout
+    """Window, ALiBi, softcap and lengths (tiles_bwd.GRID_EXT; not the d 128 / 256 sets that spilled) run the grid-layout
     dK/dV kernel: the rule in both dQ modes; without softcap dK, dV are bitwise the row-tile kernel's (the same P
     and dS = P o (dP - D_i)); with softcap dS = f o (dP - D_i), f = P o (1 - tanh^2) (float association only);
     the ordered mode gives the same bits under a reversed schedule."""
