@@ -231,7 +231,7 @@ WIDE_ROWS = True
 #: 128 x 32: both take the same shared memory (Q_i, then 64 rows of K_j and of V_j either way) and one 8-warp block per
 #: SM, and the Bc = 64 loop issues 3.45 instructions per HMMA where 128 x 32's issues 4.27 (sm_90, fp16, d 256;
 #: 0.56 ldmatrix per HMMA instead of 0.625). FlashAttention-2 runs it at d 192-256 on A100 and H100. Zero spills in every
-#: variant the wide tiles serve (sm_80 / sm_90, every d, dv pair above 128; docs/performance.md, "Twenty-fifth
+#: variant the wide tiles serve (sm_80 / 86 / 89 / 90, every d, dv pair above 128; docs/performance.md, "Twenty-fifth
 #: session"). Not timed on a GPU: False keeps 128 x 32 (``benchmarks/hopper_variants.py``'s ``mma.WIDE_BC64_LARGE``).
 WIDE_BC64_LARGE = True
 #: The wide candidate with Bc = 64 (the single-buffered 128 x 64 tile, 69.6 KB at d 128, 255 registers) is taken only
