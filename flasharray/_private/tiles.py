@@ -221,8 +221,8 @@ _TC_WIDE_CANDIDATES = [
                          "x 1 slab, single-buffered K/V: FlashAttention-2's d 192-256 forward tile on A100 / H100 "
                          "(the shared memory of 128 x 32 double-buffered, 132 KB at d = dv = 256; each Q fragment "
                          "feeds 8 mma, half the per-tile softmax and barrier work); 213-250 regs"),
-    (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows: Br=128, Bc=32, 8 warps x 1 slab as "
-                         "FlashAttention-2's 8-warp d 256 tile (K/V re-read half as often, the copies "
+    (256, 128, 32, 8, 2, "128 < d <= 256, non-causal, > 64 rows, WIDE_BC64_LARGE off: Br=128, Bc=32, 8 warps "
+                         "x 1 slab as FlashAttention-2's 8-warp d 256 tile (K/V re-read half as often, the copies "
                          "split over 256 threads); ~236-250 regs; 132 KB at d = dv = 256 (sm_80, sm_90)"),
 ]
 #: The forward plan takes :data:`_TC_WIDE_CANDIDATES` where they apply (a switch for the GPU's verdict).
@@ -352,6 +352,18 @@ def _wide_bc64_applies(d, dv, causal, smem, arch, plain=True):
     return not causal or (WIDE_BC64_CAUSAL and plain and d == dv)
 
 
+def _wide_candidate_applies(candidate, d, dv, causal, arch, plain):
+    """Whether a :data:`_TC_WIDE_CANDIDATES` entry may serve padded head dims d, dv: the Bc = 64 ones by their rules
+    (4 warps: :func:`_wide_bc64_applies`; 8 warps: :data:`WIDE_BC64_LARGE` above d 128), the others always (the
+    caller checks head dim and shared memory)."""
+    _, br, bc, warps, stages, _ = candidate
+    if bc != 64:
+        return True
+    if warps == 8:
+        return WIDE_BC64_LARGE and max(d, dv) > 128
+    return _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, br, bc, stages), arch, plain)
+
+
 def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=None, block_m=None, ext=False,
                  wide=False, two_blocks=True, causal=False, plain=True):
     """The tile the CUDA forward uses for ``dtype``, head dims (unpadded) and ``arch``.
@@ -388,9 +400,7 @@ def forward_tile(dtype, head_dim, head_dim_v=None, arch=EMULATOR_ARCH, kernel=No
                            reason, stages)
         wide = wide and WIDE_ROWS and not ext and hd > 64 and arch_number(arch) >= 80
         wide_candidates = [c for c in (_TC_WIDE_CANDIDATES if wide else [])
-                           if c[2] != 64 or (WIDE_BC64_LARGE and hd > 128 if c[3] == 8 else
-                                             _wide_bc64_applies(d, dv, causal, tc_smem(d, dv, c[1], c[2], c[4]), arch,
-                                                                plain))]
+                           if _wide_candidate_applies(c, d, dv, causal, arch, plain)]
         fits = [(br, bc, warps, stages, reason, tc_smem(d, dv, br, bc, stages))
                 for max_hd, br, bc, warps, stages, reason in ((_TC_EXT_CANDIDATES if ext else []) +
                                                               wide_candidates + _TC_CANDIDATES)
