@@ -197,17 +197,34 @@ __device__ __forceinline__ void micro_step(AccT (&c)[Lay::TM][Lay::TN], const EA
 }
 
 // c += A B over k = 0 .. kK - 1, ascending k; with kSumSteps > 0 in partial sums of kSumSteps
-// steps (kSumSteps * kVec k's: 16 in fp32 for S, dP) added to c one after the other. S and dP are
+// steps (kSumSteps * kVec k's: 16 in fp32 for S, dP) added to c one after the other. kRolled: the
+// steps of a partial sum in the rolled loop too, the sum added behind a branch every kSumSteps
+// steps (the same additions in the same order, so the same bits): kernels capped at 128 registers
+// (two blocks per SM) spilled with the steps unrolled, whose loads ptxas hoists. S and dP are
 // sums over the whole head dim (up to 256 terms): P = exp(S - L) turns an absolute error of S into
 // a relative error of P, and one running fp32 sum over d = 256 exceeded the test rule at Lk = 1
 // (where the naive softmax gives P = 1 exactly); 256 = 16 partial sums of 16 terms rounds about as
 // the old kernels' 8 lanes of 32 terms combined pairwise. dV, dK, dQ need none: each visit's block product is
 // already a fresh partial sum (accumulate). One rolled loop, its body fully unrolled.
-template <class Lay, int kK, int kVec, int kPA, int kPB, int kSumSteps, typename EA, typename EB, typename AccT>
+template <class Lay, int kK, int kVec, int kPA, int kPB, int kSumSteps, bool kRolled = false, typename EA,
+          typename EB, typename AccT>
 __device__ __forceinline__ void micro_gemm(AccT (&c)[Lay::TM][Lay::TN], const EA* A, const EB* B, int tm, int tn) {
     if constexpr (kSumSteps == 0) {
 #pragma unroll 1
         for (int k0 = 0; k0 < kK; k0 += kVec) micro_step<Lay, kVec, kPA, kPB>(c, A, B, tm, tn, k0);
+    } else if constexpr (kRolled) {
+        constexpr int kSumK = kSumSteps * kVec < kK ? kSumSteps * kVec : kK;
+        static_assert(kK % kSumK == 0, "whole partial sums of whole steps");
+        AccT part[Lay::TM][Lay::TN];
+        zero(part);
+#pragma unroll 1
+        for (int k0 = 0; k0 < kK; k0 += kVec) {
+            micro_step<Lay, kVec, kPA, kPB>(part, A, B, tm, tn, k0);
+            if ((k0 + kVec) % kSumK == 0) {
+                add_into(c, part);
+                zero(part);
+            }
+        }
     } else {
         constexpr int kSumK = kSumSteps * kVec < kK ? kSumSteps * kVec : kK;
         static_assert(kK % kSumK == 0, "whole partial sums of whole steps");
@@ -234,9 +251,9 @@ struct SimtProducts {
 
 // P_ij and dS_ij for one (query block, key block) pair, into shared memory (pitch kPitchS).
 //   S = Q_i K_j^T, P = exp2(S scale log2e - L_i log2e), dP = dO_i V_j^T, dS = P o (dP - D_i).
-// Each thread computes a TM x TN block of S and dP with the micro-GEMM.
+// Each thread computes a TM x TN block of S and dP with the micro-GEMM (kRolled: micro_gemm's).
 template <typename T, typename AccT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
-          int kNThreads, bool kStoreP, class M, class Drop>
+          int kNThreads, bool kStoreP, bool kRolled = false, class M, class Drop>
 __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const T* K_s, const T* V_s,
                                              const AccT* lse2_s, const AccT* delta_s, AccT* P_s,
                                              AccT* dS_s, int r0, int c0,
@@ -254,8 +271,35 @@ __device__ __forceinline__ void compute_p_ds(const T* Q_s, const T* dO_s, const 
     AccT s[Lay::TM][Lay::TN], dp[Lay::TM][Lay::TN];
     zero(s);
     zero(dp);
-    micro_gemm<Lay, kHeadDim, kVec, L::kPitchD, L::kPitchD, kSumStepsD>(s, Q_s, K_s, tm, tn);
-    micro_gemm<Lay, kHeadDimV, kVec, L::kPitchDv, L::kPitchDv, kSumStepsDv>(dp, dO_s, V_s, tm, tn);
+    micro_gemm<Lay, kHeadDim, kVec, L::kPitchD, L::kPitchD, kSumStepsD, kRolled>(s, Q_s, K_s, tm, tn);
+    if constexpr (kRolled && kStoreP && MaskExt<M>::value == 0) {
+        // Two blocks per SM (128 registers): P to shared memory before dP's micro-GEMM, which then
+        // runs without S's registers; each thread reads back only its own P (no barrier).
+#pragma unroll
+        for (int a = 0; a < Lay::TM; ++a) {
+            const int r = Lay::row(tm, a);
+            const AccT lse2 = lse2_s[r];
+#pragma unroll
+            for (int b = 0; b < Lay::TN; ++b) {
+                const int c = Lay::col(tn, b);
+                P_s[r * L::kPitchS + c] = recompute_p(s[a][b], scale_log2, lse2, mask.is_visible(r0 + r, c0 + c));
+            }
+        }
+        micro_gemm<Lay, kHeadDimV, kVec, L::kPitchDv, L::kPitchDv, kSumStepsDv, kRolled>(dp, dO_s, V_s, tm, tn);
+#pragma unroll
+        for (int a = 0; a < Lay::TM; ++a) {
+            const int r = Lay::row(tm, a);
+            const AccT delta = delta_s[r];
+#pragma unroll
+            for (int b = 0; b < Lay::TN; ++b) {
+                const int c = Lay::col(tn, b);
+                dS_s[r * L::kPitchS + c] = P_s[r * L::kPitchS + c] * (dp[a][b] - delta);
+            }
+        }
+        (void)drop;
+        return;
+    }
+    micro_gemm<Lay, kHeadDimV, kVec, L::kPitchDv, L::kPitchDv, kSumStepsDv, kRolled>(dp, dO_s, V_s, tm, tn);
 #pragma unroll
     for (int a = 0; a < Lay::TM; ++a) {
         const int r = Lay::row(tm, a);
@@ -338,8 +382,9 @@ using namespace fa_bwd;
 // query batch entries that share this K_j, V_j (MQA/GQA) are walked inside the block, so dK_j and
 // dV_j are summed over them in registers, in a fixed order.
 template <typename T, typename AccT, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM,
-          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ, int kExt = 0, bool kOrderedDQ = false>
-__global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt_kernel(
+          int kBlockN, int kNThreads, bool kIsCausal, bool kAtomicDQ, int kExt = 0, bool kOrderedDQ = false,
+          int kBlocksPerSm = kMinBlocksPerSm>
+__global__ void __launch_bounds__(kNThreads, kBlocksPerSm) flash_bwd_dkv_simt_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const T* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
     const T* __restrict__ v, long long v_b0, long long v_b1, long long v_b2, long long v_row,
@@ -419,7 +464,7 @@ __global__ void __launch_bounds__(kNThreads, kMinBlocksPerSm) flash_bwd_dkv_simt
             __syncthreads();
 
             // -- P_ij and dS_ij = P_ij o (dO_i V_j^T - D_i)
-            compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, true>(
+            compute_p_ds<T, AccT, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNThreads, true, (kBlocksPerSm > 1)>(
                 Q_s, dO_s, K_s, V_s, lse2_s, delta_s, P_s, dS_s, r0, c0, mask, drop, scale_log2);
             // Barrier: P_ij, dS_ij complete before they are read down their columns.
             __syncthreads();

@@ -274,6 +274,49 @@ def test_backward_sm75_prefetched_tiles(D, lengths, causal, bcast):
                     np.testing.assert_array_equal(a, b)
 
 
+def test_simt_two_blocks_rule():
+    """tiles_bwd.SIMT_TWO_BLOCKS: the float32 SIMT dK/dV kernel of dense calls takes two blocks per SM (its
+    launch bounds, the name's last argument) at padded d = dv 16 / 32 / 64 on sm_90 and 16 on sm_80; extension
+    calls, float64, other head dims, the dQ kernel and sm_86 keep one."""
+    def blocks(dtype=np.float32, D=64, Dv=None, arch=90, ext=0, deterministic=True, ordered=True):
+        plan = cb.kernel_plan(dtype, D, Dv or D, causal=False, arch=arch, kernel="simt", ext=ext,
+                              deterministic=deterministic, ordered=ordered)
+        t = plan["dkv"][2]
+        assert plan["dkv"][1].endswith(", 2>") == (t.blocks_per_sm == 2), plan["dkv"][1]
+        return t.blocks_per_sm
+    assert [blocks(D=d) for d in (16, 32, 40, 48, 64, 80, 128)] == [2, 2, 1, 1, 2, 1, 1]  # 40, 48 pad to 48
+    assert [blocks(D=d, arch=80) for d in (16, 32, 64)] == [2, 1, 1]
+    assert blocks(D=64, Dv=32) == 1 and blocks(arch=86) == 1 and blocks(dtype=np.float64, D=16) == 1
+    assert blocks(ext=1) == 1 and blocks(ext=32) == 1
+    assert blocks(deterministic=False, ordered=False) == 2 and blocks(ordered=False) == 2  # atomic, recompute
+    recompute = cb.kernel_plan(np.float32, 64, 64, causal=False, deterministic=True, arch=90, kernel="simt")
+    assert recompute["dq"][2].blocks_per_sm == 1
+    assert "two blocks per SM" in tiles_bwd.simt_tiles("dkv", np.float32, 64, 64, 90).reason
+
+
+@pytest.mark.parametrize("D,arch,causal,bcast", [(64, "sm_90", True, "gqa"), (64, "sm_90", False, "none"),
+                                                 (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")])
+def test_simt_two_blocks_same_bits(monkeypatch, D, arch, causal, bcast):
+    """The two-block SIMT dK/dV kernel (S / dP partial sums in the rolled loop, P in shared memory before dP) adds
+    the same terms in the same order as the one-block kernel: dq, dk, dv bitwise equal in the ordered (default)
+    and recompute dQ modes (ordered also under a random schedule), dk, dv in the atomic one (whose dq adds in
+    the order the blocks run), and the rule holds."""
+    p = Problem(np.float32, D, 97, 150, causal=causal, bcast=bcast)
+    for opts in ({}, {"deterministic": False}, {"dq": "recompute"}):
+        monkeypatch.setattr(tiles_bwd, "SIMT_TWO_BLOCKS", False)
+        ref = run_backward("emulator", p, arch=arch, **opts)
+        monkeypatch.setattr(tiles_bwd, "SIMT_TWO_BLOCKS", True)
+        got = run_backward("emulator", p, arch=arch, **opts)
+        check(p, got)
+        first = 0 if opts.get("deterministic", True) else 1  # the atomic mode: dk, dv
+        for a, b in zip(got[first:3], ref[first:3]):
+            np.testing.assert_array_equal(a, b)
+    ordered = run_backward("emulator", p, arch=arch)
+    got = run_backward("emulator", p, arch=arch, schedule="random", seed=3)
+    for a, b in zip(got[:3], ordered[:3]):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("D,lengths,causal,bcast", [(64, (150, 200), False, "gqa"), (128, (100, 190), True, "none"),

@@ -246,7 +246,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                                                           **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
                            t_kv)
     else:
-        t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch)
+        t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch, ext)
+        if t_kv.blocks_per_sm > 1:  # kExt, kOrderedDQ, kBlocksPerSm
+            x = ", %d, %s, %d>" % (ext, _b(ordered), t_kv.blocks_per_sm)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
             T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, _b(causal),
             _b(atomic), x), t_kv)
@@ -500,7 +502,7 @@ class BackwardPlan:
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
         else:  # SIMT: row-major (ordered: + the counters' rows)
-            t_kv = tiles.simt_tiles("dkv", self.dtype, D, Dv, arch)
+            t_kv = tiles.simt_tiles("dkv", self.dtype, D, Dv, arch, 0 if self.ext is None else self.ext.bits)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, D, self.ordered), D), acc)
         dims = [i for i in range(nb) if full[i] > 1]
         self.q_bcast = any(t["q"].shape[i] == 1 for i in dims)

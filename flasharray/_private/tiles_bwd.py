@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # Architecture limits, head-dim padding and the emulator's pretend arch are the forward's.
-from .tiles import (ARCHS, DEFAULT_SMEM, EMULATOR_ARCH, MAX_SMEM, _align16,  # noqa: F401
+from .tiles import (ARCHS, DEFAULT_SMEM, EMULATOR_ARCH, MAX_SMEM, _align16, _two_blocks_fit,  # noqa: F401
                     arch_number, pad_head_dim, smem_limit)
 
 
@@ -29,6 +29,7 @@ class BwdTiles:
     smem: int
     reason: str
     stages: int = 1   # buffers of the streamed tiles (tensor-core kernels: 2 = cp.async prefetch)
+    blocks_per_sm: int = 1   # the SIMT dK/dV kernel's __launch_bounds__ minimum (2: registers capped at 128)
     #: the tensor-core dK/dV kernel's warp layout (a class attribute, no field: subclasses keep their positional
     #: fields): "rows" (flash_bwd_dkv_kernel); :class:`GridBwdTiles`: "grid" (flash_bwd_dkv_grid_kernel)
     layout = "rows"
@@ -55,6 +56,23 @@ SIMT_THREADS = 256
 SIMT_ACC_REGS = 64
 # Preferred first: large tiles reuse each loaded K_j/V_j (or Q_i/dO_i) over more rows.
 SIMT_CANDIDATES = ((64, 64), (32, 64), (32, 32), (16, 32), (16, 16), (8, 16), (8, 8), (4, 8))
+#: The SIMT dK/dV kernel (fp32, the default float32 backward) as two blocks per SM where their shared memory fits
+#: and the padded head dims are at most SIMT_TWO_BLOCKS_MAX_HEAD_DIM: its registers capped at 128 (its
+#: S / dP partial sums in the rolled loop: unrolled, their hoisted loads spilled at 128), 16 warps per SM instead
+#: of 8 (fp32 d 64 on sm_90: 204 registers, one 8-warp block). On the H200 the one-block kernel ran at 52 % of
+#: its instruction-issue bound where the 12-warp SIMT forward ran at 71 % (docs/performance.md, *Twenty-sixth
+#: session*).
+#: Per arch, the padded head dims (d = dv) that take it: every float32 instantiation there (causal or not, each
+#: dQ mode) compiles without spills at 128 registers (sm_90 d 48: 336-1,192 bytes; sm_80 d 32: 8 bytes in three
+#: of six; float64 d 16 on sm_90: 296-352). Dense calls only (extensions keep one block).
+SIMT_TWO_BLOCKS = True
+SIMT_TWO_BLOCKS_HEAD_DIMS = {90: (16, 32, 64), 80: (16,)}
+
+
+def simt_two_blocks(dtype, D, Dv, smem, arch, ext=0):
+    """Whether the SIMT dK/dV kernel runs as two blocks per SM (:data:`SIMT_TWO_BLOCKS`) at padded ``D``, ``Dv``."""
+    return (SIMT_TWO_BLOCKS and not ext and np.dtype(dtype) == np.float32 and D == Dv
+            and D in SIMT_TWO_BLOCKS_HEAD_DIMS.get(arch_number(arch), ()) and _two_blocks_fit(smem, arch))
 
 
 def _simt_pitch(itemsize, cols):
@@ -71,11 +89,12 @@ def simt_smem(itemsize, acc_itemsize, D, Dv, Br, Bc, kernel="dkv"):
             + scores + 2 * _align16(Br * acc_itemsize))
 
 
-def simt_tiles(kernel, dtype, D, Dv, arch):
+def simt_tiles(kernel, dtype, D, Dv, arch, ext=0):
     """Tiles of ``flash_bwd_dkv_simt_kernel`` (kernel="dkv") or ``flash_bwd_dq_simt_kernel`` ("dq").
 
     The first candidate (largest tiles) whose register accumulators fit ``SIMT_ACC_REGS`` and
-    whose shared memory fits the architecture's opt-in limit.
+    whose shared memory fits the architecture's opt-in limit; the dK/dV kernel of a dense call (``ext`` 0) as
+    two blocks per SM where :func:`simt_two_blocks` says so.
     """
     dtype = np.dtype(dtype)
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
@@ -88,7 +107,10 @@ def simt_tiles(kernel, dtype, D, Dv, arch):
         if regs <= SIMT_ACC_REGS and smem <= limit:
             why = ("largest (Br, Bc) with <= %d accumulator registers per thread and %d B of "
                    "shared memory <= the sm_%d limit %d B" % (SIMT_ACC_REGS, smem, arch_number(arch), limit))
-            return BwdTiles(Br, Bc, SIMT_THREADS, smem, why)
+            two = kernel == "dkv" and simt_two_blocks(dtype, D, Dv, smem, arch, ext)
+            if two:
+                why += "; two blocks per SM (SIMT_TWO_BLOCKS: registers capped at 128)"
+            return BwdTiles(Br, Bc, SIMT_THREADS, smem, why, blocks_per_sm=2 if two else 1)
     raise NotImplementedError(
         "flasharray: no SIMT backward tile fits D=%d, Dv=%d, %s on sm_%d" % (D, Dv, dtype, arch_number(arch)))
 
