@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, MMA256, DECODE, PYTEST_SM90,
-# PRECISION, FP64 (steps 7b and 7c each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, FP64 (steps 7b and 7c each), FP32 (step 7d), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -211,6 +211,15 @@ from flasharray._private import cuda_backward_f64
 cuda_backward_f64.WIDE_QUERY = False
 import gpu
 sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
+# (7d) the float32 SIMT backward (precision "ieee", float32's default backward) as one 8-warp block per SM
+# (tiles_bwd.SIMT_TWO_BLOCKS off: the twenty-sixth session's two 128-register blocks against the kernel they
+# replaced at D 64; compare its rows with step 7's flasharray-ieee-bwd, measured with two blocks)
+run_step gpu_fp32_one_block "${GPU_SESSION_FP32_S:-25}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
+from flasharray._private import tiles_bwd
+tiles_bwd.SIMT_TWO_BLOCKS = False
+import gpu
+sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp32 --head-dims 64 --seqlens 4096 --causal both \
+    --impls flasharray-ieee-bwd,torch-mem-eff-bwd
 # (8) extension calls: wgmma vs mma.sync with dropout / a window (sm_90's dispatch of them: AUTO_EXT)
 run_step hopper_ext "${GPU_SESSION_EXT_S:-60}" "$PY" benchmarks/hopper_variants.py --only ext --seqlens 1024,4096 \
     --max-seconds "$((${GPU_SESSION_EXT_S:-60} / 2))" --json "$OUT_DIR/hopper_ext.json"

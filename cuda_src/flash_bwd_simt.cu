@@ -198,9 +198,10 @@ __device__ __forceinline__ void micro_step(AccT (&c)[Lay::TM][Lay::TN], const EA
 
 // c += A B over k = 0 .. kK - 1, ascending k; with kSumSteps > 0 in partial sums of kSumSteps
 // steps (kSumSteps * kVec k's: 16 in fp32 for S, dP) added to c one after the other. kRolled: the
-// steps of a partial sum in the rolled loop too, the sum added behind a branch every kSumSteps
-// steps (the same additions in the same order, so the same bits): kernels capped at 128 registers
-// (two blocks per SM) spilled with the steps unrolled, whose loads ptxas hoists. S and dP are
+// partial sums unrolled and each one's steps a rolled loop instead (the same additions in the same
+// order, so the same bits): kernels capped at 128 registers (two blocks per SM) spilled 16-80 bytes
+// with a partial sum's steps unrolled (the later steps' loads hoisted), and a flush behind a branch
+// in one rolled loop hid its cost from the SASS report's static estimate. S and dP are
 // sums over the whole head dim (up to 256 terms): P = exp(S - L) turns an absolute error of S into
 // a relative error of P, and one running fp32 sum over d = 256 exceeded the test rule at Lk = 1
 // (where the naive softmax gives P = 1 exactly); 256 = 16 partial sums of 16 terms rounds about as
@@ -215,15 +216,13 @@ __device__ __forceinline__ void micro_gemm(AccT (&c)[Lay::TM][Lay::TN], const EA
     } else if constexpr (kRolled) {
         constexpr int kSumK = kSumSteps * kVec < kK ? kSumSteps * kVec : kK;
         static_assert(kK % kSumK == 0, "whole partial sums of whole steps");
-        AccT part[Lay::TM][Lay::TN];
-        zero(part);
+#pragma unroll
+        for (int kc = 0; kc < kK; kc += kSumK) {
+            AccT part[Lay::TM][Lay::TN];
+            zero(part);
 #pragma unroll 1
-        for (int k0 = 0; k0 < kK; k0 += kVec) {
-            micro_step<Lay, kVec, kPA, kPB>(part, A, B, tm, tn, k0);
-            if ((k0 + kVec) % kSumK == 0) {
-                add_into(c, part);
-                zero(part);
-            }
+            for (int k0 = 0; k0 < kSumK; k0 += kVec) micro_step<Lay, kVec, kPA, kPB>(part, A, B, tm, tn, kc + k0);
+            add_into(c, part);
         }
     } else {
         constexpr int kSumK = kSumSteps * kVec < kK ? kSumSteps * kVec : kK;

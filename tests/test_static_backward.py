@@ -207,3 +207,25 @@ def test_python_smem_matches_layouts():
         out = np.zeros(1, np.int32)
         mod.launch(expr, (1,), (32,), (out,))
         assert int(out[0]) == smem, expr
+
+
+@requires_nvrtc
+def test_simt_two_blocks_compile_to_two_blocks_per_sm():
+    """Every float32 SIMT dK/dV instantiation tiles_bwd.SIMT_TWO_BLOCKS selects (dense, each padded head dim of
+    SIMT_TWO_BLOCKS_HEAD_DIMS, causal or not, ordered / atomic / recompute mode) compiles with zero spills to at
+    most 128 registers: two blocks, 16 warps, share an SM (sass.occupancy with its shared memory)."""
+    from flasharray._private import sass
+    for arch, dims in sorted(tiles_bwd.SIMT_TWO_BLOCKS_HEAD_DIMS.items()):
+        tiles = {}
+        for d, causal, (det, ordered) in itertools.product(dims, (False, True), ((True, True), (False, False),
+                                                                                  (True, False))):
+            _, name, t = cb.kernel_plan(np.float32, d, d, causal=causal, deterministic=det, arch=arch,
+                                        kernel="simt", ordered=ordered)["dkv"]
+            assert t.blocks_per_sm == 2 and name.endswith(", 2>"), (arch, d, name)
+            tiles[name] = t
+        res = nvrtc.compile_cubin(launch.kernel_source("flash_bwd_simt.cu"), "sm_%d" % arch, sorted(tiles),
+                                  options=["--use_fast_math"])
+        for name, t in sorted(tiles.items()):
+            k = res.kernel(name)
+            occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem + k.static_smem)
+            assert (k.spill_stores, k.spill_loads, k.registers <= 128, occ.blocks) == (0, 0, True, 2), (arch, name, k)

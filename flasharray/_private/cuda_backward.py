@@ -247,11 +247,11 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                            t_kv)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch, ext)
-        if t_kv.blocks_per_sm > 1:  # kExt, kOrderedDQ, kBlocksPerSm
-            x = ", %d, %s, %d>" % (ext, _b(ordered), t_kv.blocks_per_sm)
+        x_kv = (", %d, %s, %d>" % (ext, _b(ordered), t_kv.blocks_per_sm) if t_kv.blocks_per_sm > 1  # kBlocksPerSm
+                else x)
         plan["dkv"] = ("flash_bwd_simt.cu", "flash_bwd_dkv_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s, %s%s" % (
             T, A, out_kv, pD, pDv, t_kv.block_m, t_kv.block_n, t_kv.n_threads, _b(causal),
-            _b(atomic), x), t_kv)
+            _b(atomic), x_kv), t_kv)
         if not atomic:
             t_q = tiles.simt_tiles("dq", dtype, D, Dv, arch)
             plan["dq"] = ("flash_bwd_simt.cu", "flash_bwd_dq_simt_kernel<%s, %s, %s, %d, %d, %d, %d, %d, %s%s" % (

@@ -249,7 +249,7 @@ def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     swizzle = GRID_SWIZZLE and vec and not (int(ext) & ~GRID_SWIZZLE_EXT)
     if swizzle:
         why += "; Q_i, dO_i XOR-swizzled (GRID_SWIZZLE)"
-    return GridBwdTiles(Br, Bc, 256, smem, why, 1, swizzle)
+    return GridBwdTiles(Br, Bc, 256, smem, why, 1, swizzle=swizzle)
 
 
 def tc_smem(kernel, D, Dv, Br, Bc, stages=1, itemsize=2, warps=None):
