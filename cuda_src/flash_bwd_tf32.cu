@@ -37,11 +37,14 @@
 // Conversion once where shared, never per mma: every tile copied to shared memory (K_j, V_j once;
 // Q_i, dO_i per visit) is converted by the thread that copied each chunk, right after its
 // cp.async wait (its own copies are visible to it; the barrier that publishes the tile publishes
-// the converted values): tf32 in place; 3xtf32 with kLoPlanes hi in place + lo in a second plane;
-// 3xtf32 without kLoPlanes (where the lo planes cost too much shared memory) kept raw and split
-// in registers after each load. P^T, dS^T are split / converted in registers once per k8 step (a
-// step's A fragment feeds dv/8 or d/8 n8 tiles); dS^T is stored to shared memory already converted
-// (tf32), as hi/lo planes (3xtf32, kLoPlanes) or raw (3xtf32 otherwise).
+// the converted values): tf32 in place; 3xtf32 with kLoPlanes = 1 hi in place + lo in a second
+// plane; 3xtf32 with kLoPlanes = 0 (where the lo planes cost too much shared memory) kept raw and
+// split in registers after each load; kLoPlanes = 2: Q_i, dO_i with lo planes, K_j, V_j and dS^T raw
+// (LoPlanes: the A operands of S^T, dP^T and dQ, each split fragment feeding several mma; the
+// planes' shared memory kept a second block off the SM). The split is the same cvt.rna pair either
+// way, so the operands and the sums are the same bits. P^T, dS^T are split / converted in
+// registers once per k8 step (a step's A fragment feeds dv/8 or d/8 n8 tiles); dS^T is stored to
+// shared memory already converted (tf32), as hi/lo planes or raw (3xtf32, by LoPlanes).
 //
 // Shapes: d, dv (padded to multiples of 16, zero-filled past D, Dv) <= 256 (above 128 in either, and
 // 3xtf32 at every d: dK_j, dV_j accumulate in shared memory, SmemAcc, not registers); Bc = 16 kNWarps;
@@ -62,27 +65,36 @@
 
 namespace fa_bwd {
 
+// Which tiles keep a lo plane (3xtf32): kLoPlanes 1 every tile, 2 Q_i and dO_i (K_j, V_j, dS^T raw), 0 none.
+template <int kPrec, int kLoPlanes>
+struct LoPlanes {
+    static_assert(kLoPlanes >= 0 && kLoPlanes <= 2, "kLoPlanes: 0, 1 or 2");
+    static constexpr bool kQ = kPrec == 3 && kLoPlanes != 0;   // Q_i, dO_i
+    static constexpr bool kKV = kPrec == 3 && kLoPlanes == 1;  // K_j, V_j, dS^T
+};
+
 // Shared-memory layout in bytes (floats, rows padded by 4): Q_i, dO_i (kStages buffers), K_j, V_j,
-// dS^T (Bc x Br), each 1 or 2 planes (3xtf32 with kLoPlanes: hi, then lo), then L_i log2 e and D_i.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kPrec, bool kLoPlanes, int kStages = 1>
+// dS^T (Bc x Br), each 1 or 2 planes (3xtf32, LoPlanes: hi, then lo), then L_i log2 e and D_i.
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kPrec, int kLoPlanes, int kStages = 1>
 struct Tf32BwdSmem {
     static_assert(kStages == 1 || kStages == 2, "one or two buffers of Q_i, dO_i");
     static constexpr int kPad = 4;
     static constexpr int kPitchD = kHeadDim + kPad, kPitchDv = kHeadDimV + kPad, kPitchS = kBlockM + kPad;
-    static constexpr int kPlanes = (kPrec == 3 && kLoPlanes) ? 2 : 1;
+    static constexpr int kQPlanes = LoPlanes<kPrec, kLoPlanes>::kQ ? 2 : 1;   // Q_i, dO_i
+    static constexpr int kKPlanes = LoPlanes<kPrec, kLoPlanes>::kKV ? 2 : 1;  // K_j, V_j, dS^T
     static constexpr int kQPlane = kBlockM * kPitchD;    // floats from a tile's hi plane to its lo plane
     static constexpr int kdOPlane = kBlockM * kPitchDv;
     static constexpr int kKPlane = kBlockN * kPitchD;
     static constexpr int kVPlane = kBlockN * kPitchDv;
     static constexpr int kSPlane = kBlockN * kPitchS;
-    static constexpr int kQStage = kPlanes * kQPlane;    // floats of one Q_i buffer (hi [, lo])
-    static constexpr int kdOStage = kPlanes * kdOPlane;
+    static constexpr int kQStage = kQPlanes * kQPlane;    // floats of one Q_i buffer (hi [, lo])
+    static constexpr int kdOStage = kQPlanes * kdOPlane;
     static constexpr int kQ = 0;
     static constexpr int kdO = kQ + align16(kStages * kQStage * 4);
     static constexpr int kK = kdO + align16(kStages * kdOStage * 4);
-    static constexpr int kV = kK + align16(kPlanes * kKPlane * 4);
-    static constexpr int kdS = kV + align16(kPlanes * kVPlane * 4);
-    static constexpr int kL = kdS + align16(kPlanes * kSPlane * 4);
+    static constexpr int kV = kK + align16(kKPlanes * kKPlane * 4);
+    static constexpr int kdS = kV + align16(kKPlanes * kVPlane * 4);
+    static constexpr int kL = kdS + align16(kKPlanes * kSPlane * 4);
     static constexpr int kDelta = kL + align16(kBlockM * 4);
     // Wide head dims (max(d, dv) > 128) and 3xtf32: dK_j, dV_j in shared memory (SmemAcc), after D_i.
     static constexpr bool kAccSmem = kHeadDim > 128 || kHeadDimV > 128 || kPrec == 3;
@@ -219,8 +231,9 @@ __device__ __forceinline__ void load_tile_tf32(float* s, int plane, const float*
 // ---- warp products -----------------------------------------------------------------------------
 
 // acc (16 x kN) += A (16 x kK, row-major at A_s) · B^T (B stored kN rows x kK at B_s): ldmatrix
-// for both; per k8 step one A fragment, then the kN/16 pairs of n8 tiles.
-template <int kPrec, bool kLoPlanes, int kK, int kN>
+// for both; per k8 step one A fragment, then the kN/16 pairs of n8 tiles. kALo, kBLo: the operands'
+// tiles have lo planes (3xtf32; else split after the load).
+template <int kPrec, bool kALo, bool kBLo, int kK, int kN>
 __device__ __forceinline__ void mma_nk(float (&acc)[kN / 8][4], const float* A_s, int a_pitch, int a_plane,
                                        const float* B_s, int b_pitch, int b_plane) {
     const int lane = (int)threadIdx.x % 32;
@@ -229,11 +242,11 @@ __device__ __forceinline__ void mma_nk(float (&acc)[kN / 8][4], const float* A_s
 #pragma unroll
     for (int ks = 0; ks < kK / 8; ++ks) {
         uint32_t a_hi[4], a_lo[4] = {};
-        ldm_op<kPrec, kLoPlanes>(A_l + ks * 8, a_plane, a_hi, a_lo);
+        ldm_op<kPrec, kALo>(A_l + ks * 8, a_plane, a_hi, a_lo);
 #pragma unroll
         for (int np = 0; np < kN / 16; ++np) {
             uint32_t b_hi[4], b_lo[4] = {};  // n8 tiles 2np (0, 1) and 2np + 1 (2, 3)
-            ldm_op<kPrec, kLoPlanes>(B_l + np * 16 * b_pitch + ks * 8, b_plane, b_hi, b_lo);
+            ldm_op<kPrec, kBLo>(B_l + np * 16 * b_pitch + ks * 8, b_plane, b_hi, b_lo);
             const uint32_t bh0[2] = {b_hi[0], b_hi[1]}, bh1[2] = {b_hi[2], b_hi[3]};
             const uint32_t bl0[2] = {b_lo[0], b_lo[1]}, bl1[2] = {b_lo[2], b_lo[3]};
             mma_op<kPrec>(acc[2 * np], a_hi, a_lo, bh0, bl0);
@@ -371,7 +384,7 @@ __device__ __forceinline__ void acc_rk(SmemAcc<kN>& acc, const float (&c)[kK / 8
 // The warp's strip: keys 16 w .. 16 w + 15 (rows) x the Br queries (columns) of S^T = K_j Q_i^T and
 // dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2 e − L_i log2 e) into s and dS^T = P^T ∘ (dP^T −
 // D_i) into dp (L_i, D_i per column). Extensions (the Mask's kExt): P^T ∘ Z and dS^T of ext_p_ds.
-template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, class M, class Drop>
+template <class L, int kPrec, int kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, class M, class Drop>
 __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], float (&dp)[kBlockM / 8][4],
                                                 const float* K_w, const float* V_w, const float* Q_s,
                                                 const float* dO_s, const float* lse2_s, const float* delta_s,
@@ -379,8 +392,10 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     zero_acc(s);
     zero_acc(dp);
-    mma_nk<kPrec, kLoPlanes, kHeadDim, kBlockM>(s, K_w, L::kPitchD, L::kKPlane, Q_s, L::kPitchD, L::kQPlane);
-    mma_nk<kPrec, kLoPlanes, kHeadDimV, kBlockM>(dp, V_w, L::kPitchDv, L::kVPlane, dO_s, L::kPitchDv, L::kdOPlane);
+    using Lo = LoPlanes<kPrec, kLoPlanes>;
+    mma_nk<kPrec, Lo::kKV, Lo::kQ, kHeadDim, kBlockM>(s, K_w, L::kPitchD, L::kKPlane, Q_s, L::kPitchD, L::kQPlane);
+    mma_nk<kPrec, Lo::kKV, Lo::kQ, kHeadDimV, kBlockM>(dp, V_w, L::kPitchDv, L::kVPlane, dO_s, L::kPitchDv,
+                                                       L::kdOPlane);
     constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
     uint32_t keep[kBlockM / 8];  // dropout's keep bits per n8 tile (keys c_w.., queries r0..)
     if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, c_w, lane);
@@ -409,8 +424,8 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
 }
 
 // The warp's 16 rows of dS^T into shared memory (Bc x Br, row pitch kPitchS) as dQ's operand:
-// tf32-converted, hi/lo planes (3xtf32, kLoPlanes) or raw (3xtf32 otherwise).
-template <class L, int kPrec, bool kLoPlanes, int kBlockM>
+// tf32-converted, hi/lo planes or raw (3xtf32, LoPlanes::kKV).
+template <class L, int kPrec, int kLoPlanes, int kBlockM>
 __device__ __forceinline__ void store_dst(float* dSt_w, const float (&ds)[kBlockM / 8][4]) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float* s_l = dSt_w + g * L::kPitchS + 2 * t;
@@ -419,7 +434,7 @@ __device__ __forceinline__ void store_dst(float* dSt_w, const float (&ds)[kBlock
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float* p = s_l + (e / 2) * 8 * L::kPitchS + nt * 8 + e % 2;
-            if constexpr (kPrec == 3 && !kLoPlanes) {
+            if constexpr (kPrec == 3 && !LoPlanes<kPrec, kLoPlanes>::kKV) {
                 *p = ds[nt][e];
             } else {
                 uint32_t h, l = 0;
@@ -446,9 +461,10 @@ __device__ __forceinline__ void tf32_warp_tile(int warp, int it, int& tm, int& t
 // dQ_i += dS K_j into query block i's float accumulator (DQAccumLayout: 16 x kDQCols tiles dealt
 // round-robin to the warps, each warp-wide atomic 32 consecutive floats). A = dS read from dS^T
 // (rows 2t, 2t + 1 of each k8 step: the permuted k), B = K_j rows 2t, 2t + 1. Unscaled.
-template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
+template <class L, int kPrec, int kLoPlanes, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s, const float* K_s) {
     using A = DQAccumLayout<kHeadDim>;
+    constexpr bool kLo = LoPlanes<kPrec, kLoPlanes>::kKV;  // dS^T, K_j
     constexpr int kDQCols = A::kDQCols;
     constexpr int kDQTiles = (kBlockM / 16) * A::kColTiles;
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -470,16 +486,16 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
         for (int ks = 0; ks < kBlockN / 8; ++ks) {
             const float* a = a_t + ks * 8 * L::kPitchS;
             uint32_t a_hi[4], a_lo[4] = {};
-            lds_op<kPrec, kLoPlanes>(a, L::kSPlane, a_hi[0], a_lo[0]);                // (g, key 2t)
-            lds_op<kPrec, kLoPlanes>(a + 8, L::kSPlane, a_hi[1], a_lo[1]);            // (g + 8, key 2t)
-            lds_op<kPrec, kLoPlanes>(a + L::kPitchS, L::kSPlane, a_hi[2], a_lo[2]);   // (g, key 2t + 1)
-            lds_op<kPrec, kLoPlanes>(a + L::kPitchS + 8, L::kSPlane, a_hi[3], a_lo[3]);
+            lds_op<kPrec, kLo>(a, L::kSPlane, a_hi[0], a_lo[0]);                // (g, key 2t)
+            lds_op<kPrec, kLo>(a + 8, L::kSPlane, a_hi[1], a_lo[1]);            // (g + 8, key 2t)
+            lds_op<kPrec, kLo>(a + L::kPitchS, L::kSPlane, a_hi[2], a_lo[2]);   // (g, key 2t + 1)
+            lds_op<kPrec, kLo>(a + L::kPitchS + 8, L::kSPlane, a_hi[3], a_lo[3]);
 #pragma unroll
             for (int n = 0; n < kDQCols / 8; ++n) {
                 const float* b = b_t + ks * 8 * L::kPitchD + n * 8;
                 uint32_t b_hi[2], b_lo[2] = {};
-                lds_op<kPrec, kLoPlanes>(b, L::kKPlane, b_hi[0], b_lo[0]);
-                lds_op<kPrec, kLoPlanes>(b + L::kPitchD, L::kKPlane, b_hi[1], b_lo[1]);
+                lds_op<kPrec, kLo>(b, L::kKPlane, b_hi[0], b_lo[0]);
+                lds_op<kPrec, kLo>(b + L::kPitchD, L::kKPlane, b_hi[1], b_lo[1]);
                 mma_op<kPrec>(dq[n], a_hi, a_lo, b_hi, b_lo);
             }
         }
@@ -497,7 +513,7 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
 // reach this block's turn `turn` (DQOrder), posting it after), then dK_j += dS^T Q_i (the scale of
 // dK applied once, at the end). This order keeps every instantiation under 255 registers without spills (measured:
 // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
-template <class L, int kPrec, bool kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
+template <class L, int kPrec, int kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
           bool kOrderedDQ, class M, class Drop, class AccK, class AccV>
 __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
                                           const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
@@ -509,7 +525,8 @@ __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
     tf32_dkv_scores<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM>(
         s, ds, K_s + warp * 16 * L::kPitchD, V_s + warp * 16 * L::kPitchDv, Q_s, dO_s, lse2_s, delta_s,
         scale_log2, mask, drop, r0, c0 + warp * 16);
-    acc_rk<kPrec, kLoPlanes, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
+    constexpr bool kQLo = LoPlanes<kPrec, kLoPlanes>::kQ;
+    acc_rk<kPrec, kQLo, kBlockM, kHeadDimV>(dV_acc, s, dO_s, L::kPitchDv, L::kdOPlane);
     store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
     // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
     if constexpr (kOrderedDQ)
@@ -519,7 +536,7 @@ __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
     tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_i, dSt_s, K_s);
     if constexpr (kOrderedDQ) fa::sem_post(counter);
     else (void)counter;
-    acc_rk<kPrec, kLoPlanes, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
+    acc_rk<kPrec, kQLo, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
 }
 
 }  // namespace fa_bwd
@@ -530,7 +547,7 @@ using namespace fa_bwd;
 // 16 w..); n_group query batch entries share K_j, V_j (group strides on the query-side tensors).
 // The argument list is flash_bwd_dkv_kernel's with T = OutT = float.
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool kIsCausal,
-          bool kVecLoad, bool kOrderedDQ, bool kLoPlanes = true, int kStages = 1, int kExt = 0>
+          bool kVecLoad, bool kOrderedDQ, int kLoPlanes = 1, int kStages = 1, int kExt = 0>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_tf32_kernel(
     const float* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const float* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -552,6 +569,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
                   "ordered dQ: query block i visited by key blocks n_lo(i) .. n(i) − 1 (no block mask)");
     using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
+    using Lo = LoPlanes<kPrec, kLoPlanes>;
     (void)dqa_row;
 
     FA_DYNAMIC_SMEM(smem);
@@ -599,18 +617,18 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     };
 
     // -- prologue: K_j, V_j into shared memory, converted by the copying threads.
-    load_tile_tf32<kPrec, kLoPlanes, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+    load_tile_tf32<kPrec, Lo::kKV, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
         K_s, L::kKPlane, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk_b - c0, D);
-    load_tile_tf32<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+    load_tile_tf32<kPrec, Lo::kKV, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
         V_s, L::kVPlane, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk_b - c0, Dv);
     // Start the copies of query block i of group entry grp into buffer `buf` (cp.async, or loads
     // converted on the way).
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
-        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
+        load_tile_tf32<kPrec, Lo::kQ, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(
             Q_buf + buf * L::kQStage, L::kQPlane,
             q + b.offset({q_b0, q_b1, q_b2, q_row}) + (long long)grp * q_g + (long long)r0 * q_row, q_row, Lq_b - r0, D);
-        load_tile_tf32<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
+        load_tile_tf32<kPrec, Lo::kQ, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(
             dO_buf + buf * L::kdOStage, L::kdOPlane,
             dout + b.offset({do_b0, do_b1, do_b2, do_row}) + (long long)grp * do_g + (long long)r0 * do_row, do_row,
             Lq_b - r0, Dv);
@@ -619,8 +637,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     if (kStages == 2 && n_visits > 0) load_query_block(0, i_begin, 0);  // the first visit's, in flight
     fa::cp_async_commit();
     fa::cp_async_wait<1>();  // K_j, V_j (this thread's copies)
-    convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(K_s, L::kKPlane);
-    convert_tile<kPrec, kLoPlanes, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(V_s, L::kVPlane);
+    convert_tile<kPrec, Lo::kKV, kBlockN, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(K_s, L::kKPlane);
+    convert_tile<kPrec, Lo::kKV, kBlockN, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(V_s, L::kVPlane);
 
     // dK_j rows c_w.., every column, and dV_j: registers, or shared memory (L::kAccSmem).
     typename AccOf<L::kAccSmem, kHeadDim>::type dK_acc;
@@ -653,8 +671,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
             fa::cp_async_wait<1>();
         else
             fa::cp_async_wait<0>();
-        convert_tile<kPrec, kLoPlanes, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(Q_s, L::kQPlane);
-        convert_tile<kPrec, kLoPlanes, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(dO_s, L::kdOPlane);
+        convert_tile<kPrec, Lo::kQ, kBlockM, kHeadDim, L::kPitchD, kNThreads, kVecLoad>(Q_s, L::kQPlane);
+        convert_tile<kPrec, Lo::kQ, kBlockM, kHeadDimV, L::kPitchDv, kNThreads, kVecLoad>(dO_s, L::kdOPlane);
         // Barrier: every thread's copies (converted), L_i and D_i are visible to every warp.
         __syncthreads();
 

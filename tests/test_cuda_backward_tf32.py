@@ -32,6 +32,8 @@ Default run: representative shapes (D 16/32/40/64/72/128, Dv ≠ D, Lq ≠ Lk, l
 causal with fully masked rows, GQA n_group > 1, element-wise loads, both dQ modes); extensions
 alone, in pairs and all six, atomic and ordered dQ. ``-m slow``: the full matrix.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -318,6 +320,40 @@ def test_raw_tiles_split_in_registers(precision):
     assert_gradients(precision, got, q, k, v, do, True, scale, lse, delta)
 
 
+@pytest.mark.parametrize("D,Dv,arch,causal,G", [(64, 64, 90, True, 2), (128, 128, 90, False, 1), (48, 32, 86, True, 1),
+                                                 (256, 256, 90, False, 1)])
+def test_3xtf32_kv_raw_same_bits(monkeypatch, D, Dv, arch, causal, G):
+    """KV_RAW (kLoPlanes = 2: lo planes for Q_i, dO_i only; K_j, V_j, dS^T raw, each fragment split after its load)
+    where it holds more warps per SM: the split is the planes' cvt.rna pair, so dq, dk, dv are bitwise those of the
+    same tile with every plane (or, where those do not fit, with none: kLoPlanes = 0), ordered dQ, also under a
+    reverse schedule, and the rule holds."""
+    t = T.backward_tile("3xtf32", np.float32, D, Dv, arch)
+    assert (t.lo_planes, t.kv_planes, t.planes_mode) == (True, False, 2), t
+    assert "K_j, V_j, dS^T raw" in t.reason and ", 2, %d>" % t.stages in T.dkv_name(t, "3xtf32", t.head_dim,
+                                                                                  t.head_dim_v, causal, True, True)
+    monkeypatch.setattr(T, "KV_RAW", False)
+    planes = T.backward_tile("3xtf32", np.float32, D, Dv, arch)
+    warps = [int(x.reason.split("; ")[-1].split()[0]) for x in (planes, t)]  # "... N resident warps per SM"
+    assert planes.kv_planes and warps[1] > warps[0], warps
+    assert T.backward_tile("3xtf32", np.float32, D, Dv, arch, ext=16) is None or \
+        T.backward_tile("3xtf32", np.float32, D, Dv, arch, ext=16).kv_planes  # dense calls only
+    same = dataclasses.replace(t, kv_planes=True, smem=T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n,
+                                                                     "3xtf32", True, t.stages))
+    if same.smem > tiles.smem_limit(arch):
+        same = dataclasses.replace(t, lo_planes=False, smem=T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m,
+                                                                         t.block_n, "3xtf32", False, t.stages))
+    q, k, v, do = make_inputs(D, 37, 70, Dv=Dv, G=G, seed=3)
+    scale = D ** -0.5
+    ref = run_dkv("3xtf32", q, k, v, do, causal, arch=arch, tile=same, scale=scale)
+    got = run_dkv("3xtf32", q, k, v, do, causal, arch=arch, tile=t, scale=scale)
+    rev = run_dkv("3xtf32", q, k, v, do, causal, arch=arch, tile=t, scale=scale, schedule="reverse")
+    for a, b, c in zip(got, ref, rev):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    lse, delta = kernel_inputs(q, k, v, do, causal, scale)
+    assert_gradients("3xtf32", got, q, k, v, do, causal, scale, lse, delta)
+
+
 @pytest.mark.parametrize("schedule", ["reverse", pytest.param("random", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_ordered_dq_bitwise_under_schedules_wide(schedule, precision):
@@ -415,28 +451,27 @@ def test_tiles_and_fallbacks():
                 t = T.backward_tile(precision, np.float32, d, d, arch)
                 assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
                 assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes,
-                                              t.stages)
+                                              t.stages, kv_planes=t.kv_planes)
     # (the library's head dims end at 256: the SIMT route runs in test_wide_head_dims_with_extensions_run_simt)
 
 
 def test_smem_mirror_matches_the_kernel_layout():
     """smem_bytes (Python) equals Tf32BwdSmem::kBytes (C++) for every tile the table chooses."""
-    chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.lo_planes, t.stages)
+    chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.planes_mode, t.stages)
               for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128, 160, 256)
               for dv in (16, 64, 128, 208, 256)
               for t in [T.backward_tile(p, np.float32, d, dv, a)]}
-    chosen |= {(48, 32, 32, 32, 3, False, 1), (48, 32, 32, 32, 3, False, 2)}
-    assert {c[-1] for c in chosen} == {1, 2}
-    probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, bool Lo, int St>\n__global__ void tf32_bwd_smem_probe("
+    chosen |= {(48, 32, 32, 32, 3, 0, 1), (48, 32, 32, 32, 3, 0, 2), (64, 64, 32, 64, 3, 2, 2)}
+    assert {c[-1] for c in chosen} == {1, 2} and {c[5] for c in chosen if c[4] == 3} == {0, 1, 2}
+    probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, int Lo, int St>\n__global__ void tf32_bwd_smem_probe("
              "int* out) { out[0] = fa_bwd::Tf32BwdSmem<D, Dv, Br, Bc, P, Lo, St>::kBytes; }\n")
-    names = ["tf32_bwd_smem_probe<%d, %d, %d, %d, %d, %s, %d>" % (*c[:5], "true" if c[5] else "false", c[6])
-             for c in sorted(chosen)]
+    names = ["tf32_bwd_smem_probe<%d, %d, %d, %d, %d, %d, %d>" % c for c in sorted(chosen)]
     mod = emulator.Module(launch.kernel_source(T.SOURCE) + probe, names)
     for c, name in zip(sorted(chosen), names):
         out = np.zeros(1, np.int32)
         mod.launch(name, 1, 1, (out,))
         prec = "3xtf32" if c[4] == 3 else "tf32"
-        assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5], c[6]), c
+        assert out[0] == T.smem_bytes(c[0], c[1], c[2], c[3], prec, c[5] != 0, c[6], kv_planes=c[5] != 2), c
 
 
 # ---------------------------------------------------------------------------------------------

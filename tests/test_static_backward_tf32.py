@@ -40,11 +40,13 @@ REGISTER_FILE = 64 * 1024
 #: The smallest head dim pays the per-visit fixed cost (P, dS, masks, copies) over few HMMA.
 #: 3xtf32 (dK_j, dV_j in shared memory at every head dim since 2026-11-27: a zeroed fragment per n8
 #: tile and visit, a 128-bit load, 4 FADD and a store; measured max 8.19 at d 16, 6.38 above, sm_90).
-MAX_PER_HMMA = {"tf32": (12.5, 8.4), "3xtf32": (9.0, 7.0)}  # (max(d, dv) = 16, larger)
+#: "3xtf32 kv raw" (cuda_backward_tf32.KV_RAW: K_j, V_j, dS^T raw, their fragments split after each load; measured
+#: max 11.02 at d 16 on sm_86, 9.34 at (80, 32) on sm_90, 6.2 / 6.8 at d 64 / 128 there).
+MAX_PER_HMMA = {"tf32": (12.5, 8.4), "3xtf32": (9.0, 7.0), "3xtf32 kv raw": (12.0, 10.3)}  # (max(d, dv) = 16, larger)
 #: The same bound at wide head dims (max(d, dv) > 128; dK_j, dV_j in shared memory: a 128-bit load
 #: and store per n8 tile and product): tf32; 3xtf32 with lo planes; 3xtf32 raw tiles (sm_86/89 where
 #: the lo planes do not fit 99 KB; every fragment split after its load).
-MAX_PER_HMMA_WIDE = {"tf32": 9.6, "3xtf32": 5.9, "3xtf32 raw": 10.8}
+MAX_PER_HMMA_WIDE = {"tf32": 9.6, "3xtf32": 5.9, "3xtf32 raw": 10.8, "3xtf32 kv raw": 8.7}  # kv raw: max 7.89 (144, 16)
 #: Wide shapes: the default run's, and the mixed ones of -m slow (dv != d, an odd D 200 -> 208).
 WIDE_DEFAULT_DIMS = [(256, 256), (160, 96)]
 WIDE_MIXED = [(256, 128), (128, 256), (208, 96), (40, 160), (208, 144), (144, 16)]
@@ -91,9 +93,10 @@ def _ext_of(name):
 
 
 def limit(t):
+    kind = t.precision + {0: " raw", 1: "", 2: " kv raw"}[t.planes_mode if t.precision == "3xtf32" else 1]
     if max(t.head_dim, t.head_dim_v) > T.REG_ACC_HEAD_DIM:  # 3xtf32's SmemAcc below: MAX_PER_HMMA
-        return MAX_PER_HMMA_WIDE[t.precision + ("" if t.lo_planes else " raw")]
-    small, large = MAX_PER_HMMA[t.precision]
+        return MAX_PER_HMMA_WIDE[kind]
+    small, large = MAX_PER_HMMA.get(kind, MAX_PER_HMMA[t.precision])
     return small if max(t.head_dim, t.head_dim_v) <= 16 else large
 
 

@@ -76,6 +76,12 @@ _MAX_WARPS_PER_SM = 8
 #: (tests/test_static_backward_tf32.py).
 WIDE_3XTF32_EXT = 1 | 16 | 32
 
+#: 3xtf32 dense calls keep the lo planes of Q_i, dO_i only (K_j, V_j and dS^T raw, each fragment split after its load:
+#: the kernel's kLoPlanes = 2) where that lets more warps share an SM than the tile with every plane: at d 64 on sm_90
+#: two 4-warp blocks (109 KB each) instead of one (155 KB); d 128 on sm_90 two 2-warp blocks. The operands are the same
+#: bits (the same split), so are the gradients; ~25 % more instructions per HMMA (docs/precision.md, *Fewer lo planes*).
+KV_RAW = True
+
 #: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
 #: (every query block's visitors stay one run of key blocks n_lo(i) .. n(i) − 1); not the block mask (8).
 ORDERED_EXT = 1 | 2 | 4 | 16 | 32
@@ -95,25 +101,34 @@ def acc_in_smem(precision, d, dv):
     return max(d, dv) > REG_ACC_HEAD_DIM or precision == "3xtf32"
 
 
-def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1):
-    """Mirror of ``Tf32BwdSmem::kBytes``: planes x (stages x Q_i, stages x dO_i, K_j, V_j, dS^T),
-    then L_i, D_i."""
-    planes = 2 if precision == "3xtf32" and lo_planes else 1
+def smem_bytes(d, dv, block_m, block_n, precision, lo_planes=True, stages=1, kv_planes=True):
+    """Mirror of ``Tf32BwdSmem::kBytes``: planes x (stages x Q_i, stages x dO_i), planes x (K_j, V_j, dS^T),
+    then L_i, D_i. 3xtf32: ``lo_planes`` every tile with a lo plane (False: none), ``kv_planes`` False:
+    K_j, V_j, dS^T without (the kernel's kLoPlanes = 2)."""
+    q_planes = 2 if precision == "3xtf32" and lo_planes else 1
+    kv = 2 if q_planes == 2 and kv_planes else 1
     a16 = tiles._align16
-    tiles_f = (stages * block_m * (d + _PAD), stages * block_m * (dv + _PAD), block_n * (d + _PAD),
-               block_n * (dv + _PAD), block_n * (block_m + _PAD))
+    tiles_f = ((q_planes, stages * block_m * (d + _PAD)), (q_planes, stages * block_m * (dv + _PAD)),
+               (kv, block_n * (d + _PAD)), (kv, block_n * (dv + _PAD)), (kv, block_n * (block_m + _PAD)))
     acc = 4 * block_n * (d + dv) if acc_in_smem(precision, d, dv) else 0  # SmemAcc dK_j, dV_j
-    return sum(a16(planes * n * 4) for n in tiles_f) + 2 * a16(block_m * 4) + acc
+    return sum(a16(planes * n * 4) for planes, n in tiles_f) + 2 * a16(block_m * 4) + acc
 
 
 @dataclass(frozen=True)
 class Tf32BwdTiles(BwdTiles):
     """A :class:`BwdTiles` of the TF32 dK/dV kernel (stages = 1): also the precision, padded head
-    dims and whether 3xtf32 keeps lo planes in shared memory."""
+    dims and whether 3xtf32 keeps lo planes in shared memory (``lo_planes``: Q_i, dO_i, and with
+    ``kv_planes`` K_j, V_j, dS^T too)."""
     precision: str = "tf32"
     head_dim: int = 0
     head_dim_v: int = 0
     lo_planes: bool = True
+    kv_planes: bool = True
+
+    @property
+    def planes_mode(self):
+        """The kernel's kLoPlanes: 1 every tile with a lo plane, 2 Q_i and dO_i only, 0 none."""
+        return 0 if not self.lo_planes else 1 if self.kv_planes else 2
 
 
 #: Above this padded max(d, dv), calls with extensions whose rows take the element-wise copies (``vec`` False) keep
@@ -145,36 +160,44 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
     br = block_m(precision, d, dv)
     if ext and max(d, dv) <= 64:
         br //= 2  # extensions (dropout's keep bits, the mask state) spilled 4-84 bytes at Br 64 / 32 on sm_80
-    best = None
-    for lo in ((True, False) if precision == "3xtf32" else (True,)):  # lo planes whenever they fit
+    def best_tile(lo, kv):
+        best = None
         for bc in (64, 32, 16):
             if precision == "3xtf32" and max(d, dv) > 112 and bc > 32:
                 continue  # 4 warps spill 32-96 bytes on sm_90 (causal, plain atomics); 2 do not
             if (ext and not vec and a == 90 and max(d, dv) > ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 and bc > 32):
                 continue  # element-wise copies with extensions: 4 warps spilled 4-20 bytes at d 128
-            smem = smem_bytes(d, dv, br, bc, precision, lo)
+            smem = smem_bytes(d, dv, br, bc, precision, lo, kv_planes=kv)
             if smem > limit:
                 continue
             warps = min(_MAX_WARPS_PER_SM, bc // 16 * (per_sm // (smem + _RESERVED)))
             if best is None or warps > best[0]:  # ties: the larger Bc
-                best = (warps, bc, lo, smem)
-        if best is not None:
-            break
+                best = (warps, bc, lo, kv, smem)
+        return best
+
+    # lo planes whenever they fit (3xtf32: without K_j, V_j, dS^T's where that holds more warps, KV_RAW)
+    best = best_tile(True, True) if precision == "tf32" else best_tile(True, True) or best_tile(False, True)
+    if precision == "3xtf32" and KV_RAW and not ext and best is not None and best[2]:
+        kv_raw = best_tile(True, False)
+        if kv_raw is not None and kv_raw[0] > best[0]:
+            best = kv_raw
     if best is None:
         return None
-    warps, bc, lo, smem = best
+    warps, bc, lo, kv, smem = best
     # Double-buffered Q_i, dO_i (the next visit's copies overlap this one's products) where the
     # second buffer costs no resident warps.
-    smem2 = smem_bytes(d, dv, br, bc, precision, lo, 2)
+    smem2 = smem_bytes(d, dv, br, bc, precision, lo, 2, kv_planes=kv)
     stages = 2 if smem2 <= limit and min(_MAX_WARPS_PER_SM, bc // 16 * (per_sm // (smem2 + _RESERVED))) >= warps else 1
     smem = smem2 if stages == 2 else smem
     reason = ("%s: Br=%d (registers: max(d, dv)=%d), Bc=%d (%d warps), %s, %d buffer(s) of Q_i/dO_i; "
               "%d resident warps per SM"
               % (precision, br, max(d, dv), bc, bc // 16,
                  "operands as tf32 planes" if precision == "tf32" else
-                 "hi+lo planes" if lo else "raw fp32 tiles split in registers", stages, warps))
+                 "hi+lo planes" if lo and kv else
+                 "hi+lo planes of Q_i, dO_i; K_j, V_j, dS^T raw, split in registers (KV_RAW)" if lo else
+                 "raw fp32 tiles split in registers", stages, warps))
     return Tf32BwdTiles(br, bc, bc // 16 * 32, smem, reason, stages, precision=precision, head_dim=d, head_dim_v=dv,
-                        lo_planes=lo)
+                        lo_planes=lo, kv_planes=kv)
 
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
@@ -183,7 +206,7 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
     if ordered and ext & ~ORDERED_EXT:
         raise ValueError("flasharray: the TF32 ordered dQ mode takes no block mask (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    lo = getattr(tile, "lo_planes", True)
+    mode = getattr(tile, "planes_mode", 1)
     return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d%s>" % (
         KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
-        b(ordered), b(lo), tile.stages, ", %d" % ext if ext else "")
+        b(ordered), "2" if mode == 2 else b(mode), tile.stages, ", %d" % ext if ext else "")

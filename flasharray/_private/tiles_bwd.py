@@ -29,14 +29,22 @@ class BwdTiles:
     smem: int
     reason: str
     stages: int = 1   # buffers of the streamed tiles (tensor-core kernels: 2 = cp.async prefetch)
-    blocks_per_sm: int = 1   # the SIMT dK/dV kernel's __launch_bounds__ minimum (2: registers capped at 128)
     #: the tensor-core dK/dV kernel's warp layout (a class attribute, no field: subclasses keep their positional
     #: fields): "rows" (flash_bwd_dkv_kernel); :class:`GridBwdTiles`: "grid" (flash_bwd_dkv_grid_kernel)
     layout = "rows"
+    #: the kernel's __launch_bounds__ minimum blocks per SM (a class attribute; :class:`SimtBwdTiles` has the field)
+    blocks_per_sm = 1
 
     @property
     def needs_opt_in(self):
         return self.smem > DEFAULT_SMEM
+
+
+@dataclass(frozen=True)
+class SimtBwdTiles(BwdTiles):
+    """A tile of the SIMT kernels (:func:`simt_tiles`); ``blocks_per_sm`` 2: the dK/dV kernel's registers capped at
+    128 (:data:`SIMT_TWO_BLOCKS`)."""
+    blocks_per_sm: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ def simt_tiles(kernel, dtype, D, Dv, arch, ext=0):
             two = kernel == "dkv" and simt_two_blocks(dtype, D, Dv, smem, arch, ext)
             if two:
                 why += "; two blocks per SM (SIMT_TWO_BLOCKS: registers capped at 128)"
-            return BwdTiles(Br, Bc, SIMT_THREADS, smem, why, blocks_per_sm=2 if two else 1)
+            return SimtBwdTiles(Br, Bc, SIMT_THREADS, smem, why, blocks_per_sm=2 if two else 1)
     raise NotImplementedError(
         "flasharray: no SIMT backward tile fits D=%d, Dv=%d, %s on sm_%d" % (D, Dv, dtype, arch_number(arch)))
 
