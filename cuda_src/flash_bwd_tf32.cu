@@ -239,18 +239,38 @@ __device__ __forceinline__ void mma_nk(float (&acc)[kN / 8][4], const float* A_s
     const int lane = (int)threadIdx.x % 32;
     const float* A_l = A_s + (lane % 16) * a_pitch + (lane / 16) * 4;
     const float* B_l = B_s + ((lane / 16) * 8 + lane % 8) * b_pitch + ((lane / 8) % 2) * 4;
+    auto steps = [&](float (&c)[kN / 8][4], int ks0, int ks1) {
 #pragma unroll
-    for (int ks = 0; ks < kK / 8; ++ks) {
-        uint32_t a_hi[4], a_lo[4] = {};
-        ldm_op<kPrec, kALo>(A_l + ks * 8, a_plane, a_hi, a_lo);
+        for (int ks = ks0; ks < ks1; ++ks) {
+            uint32_t a_hi[4], a_lo[4] = {};
+            ldm_op<kPrec, kALo>(A_l + ks * 8, a_plane, a_hi, a_lo);
 #pragma unroll
-        for (int np = 0; np < kN / 16; ++np) {
-            uint32_t b_hi[4], b_lo[4] = {};  // n8 tiles 2np (0, 1) and 2np + 1 (2, 3)
-            ldm_op<kPrec, kBLo>(B_l + np * 16 * b_pitch + ks * 8, b_plane, b_hi, b_lo);
-            const uint32_t bh0[2] = {b_hi[0], b_hi[1]}, bh1[2] = {b_hi[2], b_hi[3]};
-            const uint32_t bl0[2] = {b_lo[0], b_lo[1]}, bl1[2] = {b_lo[2], b_lo[3]};
-            mma_op<kPrec>(acc[2 * np], a_hi, a_lo, bh0, bl0);
-            mma_op<kPrec>(acc[2 * np + 1], a_hi, a_lo, bh1, bl1);
+            for (int np = 0; np < kN / 16; ++np) {
+                uint32_t b_hi[4], b_lo[4] = {};  // n8 tiles 2np (0, 1) and 2np + 1 (2, 3)
+                ldm_op<kPrec, kBLo>(B_l + np * 16 * b_pitch + ks * 8, b_plane, b_hi, b_lo);
+                const uint32_t bh0[2] = {b_hi[0], b_hi[1]}, bh1[2] = {b_hi[2], b_hi[3]};
+                const uint32_t bl0[2] = {b_lo[0], b_lo[1]}, bl1[2] = {b_lo[2], b_lo[3]};
+                mma_op<kPrec>(c[2 * np], a_hi, a_lo, bh0, bl0);
+                mma_op<kPrec>(c[2 * np + 1], a_hi, a_lo, bh1, bl1);
+            }
+        }
+    };
+    // 3xtf32 above k = 128 (Sᵀ, dPᵀ at wide head dims): partial sums of kChunk k8 steps, each in a zeroed fragment
+    // added in fp32 (the tensor cores truncate their sums: over d = 256 inside the mma, the gradients were 2-3x the
+    // float32 rule's bound under the emulator's model of it).
+    constexpr int kSteps = kK / 8, kChunk = kPrec == 3 ? (kK > 128 ? 8 : 4) : kSteps;
+    if constexpr (kChunk == kSteps) {
+        steps(acc, 0, kSteps);
+    } else {
+#pragma unroll
+        for (int kc = 0; kc < kSteps; kc += kChunk) {
+            float part[kN / 8][4];
+            zero_acc(part);
+            steps(part, kc, kc + kChunk < kSteps ? kc + kChunk : kSteps);
+#pragma unroll
+            for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[n][i] += part[n][i];
         }
     }
 }

@@ -65,7 +65,8 @@
 
 namespace flash {
 
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kPrec_, bool kQSplit_ = false>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kPrec_, bool kQSplit_ = false,
+          bool kOSmem_ = false>
 struct FwdTf32Traits {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kPrec = kPrec_;
@@ -81,7 +82,11 @@ struct FwdTf32Traits {
   static constexpr int kSmemQOffset = 0;
   static constexpr int kSmemKOffset = Align16<kQPlanes * kQPlane * 4>::value;
   static constexpr int kSmemVOffset = kSmemKOffset + Align16<kPlanes * kKPlane * 4>::value;
-  static constexpr int kSmemBytes = kSmemVOffset + Align16<kPlanes * kVPlane * 4>::value;
+  // kOSmem (3xtf32, dv > 128): O_i in shared memory after V_j, each lane's float4 of an n8 tile at
+  // (warp · 16 · dv + dt · 128 + lane · 4) floats (only its lane touches it: no barrier).
+  static constexpr bool kOSmem = kOSmem_;
+  static constexpr int kSmemOOffset = kSmemVOffset + Align16<kPlanes * kVPlane * 4>::value;
+  static constexpr int kSmemBytes = kSmemOOffset + (kOSmem ? kBlockM * kHeadDimV * 4 : 0);
   static constexpr int kNTilesS = kBlockN / 8;   // n8 tiles across Bc (= k8 steps of P V)
   static constexpr int kNTilesO = kHeadDimV / 8; // n8 tiles across dv
   static constexpr int kKStepsS = kHeadDim / 8;  // k8 steps of Q Kᵀ
@@ -89,6 +94,7 @@ struct FwdTf32Traits {
 
   static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
   static_assert(!kQSplit || kPrec == 3, "kQSplit: 3xtf32 only (tf32 converts Q in place)");
+  static_assert(!kOSmem || kPrec == 3, "kOSmem: 3xtf32 only (its per-tile sums at dv > 128)");
   static_assert(kBlockM == 16 * kNWarps, "one 16-row slab per warp");
   static_assert(kBlockN % 16 == 0, "Bc: whole n16 pairs (ldmatrix.x4 of K)");
   static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 256 && kHeadDimV <= 256,
@@ -206,7 +212,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a_hi)[4
 
 // ---- the kernel -----------------------------------------------------------------------------------
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kPrec, bool Is_causal,
-          bool Is_aligned, bool kQSplit = false, int kExt = 0>
+          bool Is_aligned, bool kQSplit = false, int kExt = 0, bool kOSmem = false>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                       float* __restrict__ o, float* __restrict__ lse,
@@ -217,7 +223,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
                       long long o_b0, long long o_b1, long long o_b2, long long o_row,
                       long long lse_b0, long long lse_b1, long long lse_b2,
                       float scale_log2, FLASH_EXT_PARAMS(float)) {
-  using Traits = FwdTf32Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kPrec, kQSplit>;
+  using Traits = FwdTf32Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kPrec, kQSplit, kOSmem>;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kNTilesS = Traits::kNTilesS;
   constexpr int kNTilesO = Traits::kNTilesO;
@@ -258,12 +264,21 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
   const KeyTileWalk<Is_causal, kExt, float> walk{mask, m0, kBlockM, kBlockN, kWindow ? mask.n_block_min(m0, kBlockN) : 0};
   const DropoutRng rng = ext.dropout(bidx);
 
-  float acc_o[kNTilesO][4];
+  // O_i: registers, or (kOSmem) this lane's float4 per n8 tile in shared memory, with the online softmax's
+  // correction of rows g, g + 8 kept for gemm_pv, which rescales and adds in one pass.
+  float acc_o[kNTilesO][4];  // (unused with kOSmem)
+  float* const o_lane = reinterpret_cast<float*>(smem + Traits::kSmemOOffset) + warp * 16 * kHeadDimV + lane * 4;
+  float corr_o[2] = {1.0f, 1.0f};
   OnlineSoftmaxRow<float> stat[2];  // rows g and g + 8 of the warp's slab
+  if constexpr (kOSmem) {
+#pragma unroll 1
+    for (int dt = 0; dt < kNTilesO; ++dt) *reinterpret_cast<float4*>(o_lane + dt * 128) = float4{0.f, 0.f, 0.f, 0.f};
+  } else {
 #pragma unroll
-  for (int dt = 0; dt < kNTilesO; ++dt)
+    for (int dt = 0; dt < kNTilesO; ++dt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
+      for (int i = 0; i < 4; ++i) acc_o[dt][i] = 0.0f;
+  }
   stat[0].init();
   stat[1].init();
 
@@ -304,13 +319,13 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 
   using TileS = float[kNTilesS][4];
   // S_ij = Q_i K_jᵀ: per k8 step one A fragment of Q (3xtf32: split here), then the Bc/8 n8 tiles.
-  auto gemm_qk = [&](TileS& acc_s) {
+  // kOSmem with d > 128: partial sums of kSChunk k8 steps, each in a zeroed fragment added to S in fp32 (the
+  // tensor cores truncate their sums: summed inside the mma over d = 256, S's error alone put O over the
+  // float32 rule under the emulator's model of it).
+  constexpr int kSChunk = kOSmem && kHeadDim > 128 ? 8 : Traits::kKStepsS;
+  auto gemm_qk_steps = [&](TileS& acc_s, int ks0) {
 #pragma unroll
-    for (int nt = 0; nt < kNTilesS; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < Traits::kKStepsS; ++ks) {
+    for (int ks = ks0; ks < ks0 + kSChunk && ks < Traits::kKStepsS; ++ks) {  // (the last chunk may be short)
       uint32_t a_hi[4], a_lo[4] = {};
       fa::ldmatrix<4, false>(a_hi, sQ_lane + ks * 8);
       if constexpr (kQSplit) {
@@ -329,6 +344,29 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
         const uint32_t bl0[2] = {b_lo[0], b_lo[1]}, bl1[2] = {b_lo[2], b_lo[3]};
         mma_tf32<kPrec>(acc_s[2 * np], a_hi, a_lo, bh0, bl0);
         mma_tf32<kPrec>(acc_s[2 * np + 1], a_hi, a_lo, bh1, bl1);
+      }
+    }
+  };
+  auto gemm_qk = [&](TileS& acc_s) {
+#pragma unroll
+    for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[nt][i] = 0.0f;
+    if constexpr (kSChunk == Traits::kKStepsS) {
+      gemm_qk_steps(acc_s, 0);
+    } else {
+#pragma unroll
+      for (int kc = 0; kc < Traits::kKStepsS; kc += kSChunk) {
+        TileS part;
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[nt][i] = 0.0f;
+        gemm_qk_steps(part, kc);
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_s[nt][i] += part[nt][i];
       }
     }
   };
@@ -376,7 +414,9 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
       tile_max = group_allreduce_max<kQuad>(tile_max);
       correction[r] = stat[r].update_max(tile_max * scale_log2);
     }
-    if (kExt != 0 || __any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) {
+    if constexpr (kOSmem) {
+      corr_o[0] = correction[0], corr_o[1] = correction[1];  // applied by gemm_pv
+    } else if (kExt != 0 || __any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) {
 #pragma unroll
       for (int dt = 0; dt < kNTilesO; ++dt)
 #pragma unroll
@@ -398,14 +438,15 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 
   // O_i += P_ij V_j, k permuted within each k8 step: mma k = t ↔ key 2t, mma k = t + 4 ↔ key 2t + 1.
   auto gemm_pv = [&](const TileS& acc_s) {
-    if constexpr (kPrec == 3 && kHeadDimV <= 128) {
+    if constexpr (kPrec == 3 && (kHeadDimV <= 128 || kOSmem)) {
       // 3xtf32: the tile's A fragments first, then per n8 tile of O one zeroed fragment summed over the
       // tile's k8 steps inside the mma, added to O in fp32. The tensor cores do not round their sums to
       // nearest (truncation: Fasi et al. 2021, V100 to A100); summed inside the mma over every key, O was
       // up to 6x the float32 rule's bound at N 4096 on an H200 (docs/precision.md). Per key tile, the
       // truncation stays within the tile and the running sum is rounded to nearest (the emulator's model,
-      // FLASHARRAY_EMULATOR_MMA_SUM=truncate, reproduces both). dv > 128 keeps the old sum: the fragment
-      // spilled 44-140 bytes there at 255 registers.
+      // FLASHARRAY_EMULATOR_MMA_SUM=truncate, reproduces both). dv > 128: O in shared memory (kOSmem; in
+      // registers the fragment spilled 44-140 bytes at 255 registers), rescaled and added per n8 tile
+      // (a 128-bit load, 4 FMUL + 4 FADD, a 128-bit store); without kOSmem the old sum (tf32 only).
       uint32_t a_hi[kNTilesS][4], a_lo[kNTilesS][4];
 #pragma unroll
       for (int ks = 0; ks < kNTilesS; ++ks) {
@@ -424,8 +465,15 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
                                     __float_as_uint(b[Traits::kVPlane + Traits::kStrideV])};
           mma_tf32<kPrec>(t, a_hi[ks], a_lo[ks], b_hi, b_lo);
         }
+        if constexpr (kOSmem) {
+          float4* p = reinterpret_cast<float4*>(o_lane + dt * 128);
+          float4 o4 = *p;
+          o4.x = o4.x * corr_o[0], o4.y = o4.y * corr_o[0], o4.z = o4.z * corr_o[1], o4.w = o4.w * corr_o[1];
+          *p = float4{o4.x + t[0], o4.y + t[1], o4.z + t[2], o4.w + t[3]};
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_o[dt][i] += t[i];
+          for (int i = 0; i < 4; ++i) acc_o[dt][i] += t[i];
+        }
       }
       return;
     }
@@ -527,7 +575,14 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
 #pragma unroll
     for (int dt = 0; dt < kNTilesO; ++dt) {
       const int col = 8 * dt + 2 * t;
-      const float lo = acc_o[dt][2 * r] * inv_l, hi = acc_o[dt][2 * r + 1] * inv_l;
+      float o0, o1;
+      if constexpr (kOSmem) {
+        const float2 o2 = *reinterpret_cast<const float2*>(o_lane + dt * 128 + 2 * r);
+        o0 = o2.x, o1 = o2.y;
+      } else {
+        o0 = acc_o[dt][2 * r], o1 = acc_o[dt][2 * r + 1];
+      }
+      const float lo = o0 * inv_l, hi = o1 * inv_l;
       if (pairs) {
         if (col < Dv) fa::gstore(reinterpret_cast<float2*>(dst + col), float2{lo, hi});
       } else {

@@ -71,12 +71,13 @@ NARROW_EXT = 1 | 8
 _NARROW_BLOCK_N = 16
 
 
-def smem_bytes(d, dv, block_m, block_n, precision, q_split=False):
-    """Mirror of FwdTf32Traits::kSmemBytes: Q planes × sQ + planes × (sK + sV), each 16-byte aligned."""
+def smem_bytes(d, dv, block_m, block_n, precision, q_split=False, o_smem=False):
+    """Mirror of FwdTf32Traits::kSmemBytes: Q planes × sQ + planes × (sK + sV), each 16-byte aligned, then
+    (``o_smem``, kOSmem) O_i, Br × dv floats."""
     planes = 2 if precision == "3xtf32" else 1
     a16 = tiles._align16
     return (a16((2 if q_split else 1) * block_m * (d + _PAD) * 4) + a16(planes * block_n * (d + _PAD) * 4)
-            + a16(planes * block_n * (dv + _PAD) * 4))
+            + a16(planes * block_n * (dv + _PAD) * 4) + (block_m * dv * 4 if o_smem else 0))
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Tf32Tile(tiles.FwdTile):
     """A :class:`tiles.FwdTile` of the TF32 kernel (kernel ``"tf32"``; threads_m = warps)."""
     precision: str = "tf32"
     q_split: bool = False   # 3xtf32: Q_i split once into hi/lo planes (kQSplit)
+    o_smem: bool = False    # 3xtf32 at dv > 128: O_i in shared memory, each key tile summed apart (kOSmem)
 
     @property
     def source(self):
@@ -92,7 +94,8 @@ class Tf32Tile(tiles.FwdTile):
     def name_expression(self, causal, aligned, ext=0):
         """The kernel's instantiation; ``ext``: the kExt bits (0: the dense name, kQSplit only when
         set; else kQSplit spelled out and kExt appended)."""
-        tail = (", %s, %d" % ("true" if self.q_split else "false", ext) if ext
+        tail = (", %s, %d, true" % ("true" if self.q_split else "false", ext) if self.o_smem
+                else ", %s, %d" % ("true" if self.q_split else "false", ext) if ext
                 else ", true" if self.q_split else "")
         return "flash::flash_fwd_tf32_kernel<%d, %d, %d, %d, %d, %d, %s, %s%s>" % (
             self.head_dim, self.head_dim_v, self.block_m, self.block_n, self.threads_m, PREC[self.precision],
@@ -100,7 +103,8 @@ class Tf32Tile(tiles.FwdTile):
 
     def describe(self):
         return ("tf32 kernel (%s%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
-            self.precision, ", Q split" if self.q_split else "", self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
+            self.precision, (", Q split" if self.q_split else "") + (", O in shared memory" if self.o_smem else ""),
+            self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
             self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
 
 
@@ -152,7 +156,9 @@ def _pick_tile(precision, d, dv, a, narrow):
     bytes exceed 99 KB, e.g. d = dv >= 208, d 256 with any dv)."""
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
-    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs)) for bc, qs in _candidates(precision, d, dv, narrow, a)]
+    o_smem = precision == "3xtf32" and dv > NARROW_HEAD_DIM  # its per-tile sums need O off the registers
+    fits = [(bc, qs, smem_bytes(d, dv, BLOCK_M, bc, precision, qs, o_smem))
+            for bc, qs in _candidates(precision, d, dv, narrow, a)]
     fits = [f for f in fits if f[2] <= limit]
     if not fits:
         return None
@@ -168,4 +174,6 @@ def _pick_tile(precision, d, dv, a, narrow):
                  " of the wide tiles' Bc %s (d or dv > 128: larger Bc spill)" % (
                      "/".join(map(str, _block_ns(precision, d, dv, False))),) if wide else "",
                  "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
-    return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision, q_split)
+    if o_smem:
+        reason += "; O_i in shared memory (each key tile summed in a zeroed fragment: the float32 rule at dv > 128)"
+    return Tf32Tile("tf32", "float32", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, precision, q_split, o_smem)
