@@ -258,8 +258,9 @@ __device__ __forceinline__ void mma_nk(float (&acc)[kN / 8][4], const float* A_s
     // 3xtf32 above k = 128 (Sᵀ, dPᵀ at wide head dims): partial sums of kChunk k8 steps, each in a zeroed fragment
     // added in fp32 (the tensor cores truncate their sums: over d = 256 inside the mma, the gradients were 2-3x the
     // float32 rule's bound under the emulator's model of it).
-    constexpr int kSteps = kK / 8, kChunk = kPrec == 3 ? (kK > 128 ? 8 : 4) : kSteps;
-    if constexpr (kChunk == kSteps) {
+    constexpr int kSteps = kK / 8, kChunk = kPrec == 3 ? (kK > 128 ? (kSteps % 10 == 0 && kSteps % 8 != 0 ? 10 : kSteps % 6 == 0 && kSteps % 8 != 0 ? 6 : 8) : 4)
+                                                      : kSteps;
+    if constexpr (kChunk >= kSteps) {
         steps(acc, 0, kSteps);
     } else {
 #pragma unroll

@@ -321,7 +321,7 @@ def test_raw_tiles_split_in_registers(precision):
 
 
 @pytest.mark.parametrize("D,Dv,arch,causal,G", [(64, 64, 90, True, 2), (128, 128, 90, False, 1), (48, 32, 86, True, 1),
-                                                 (256, 256, 90, False, 1)])
+                                                 (96, 96, 80, True, 1)])
 def test_3xtf32_kv_raw_same_bits(monkeypatch, D, Dv, arch, causal, G):
     """KV_RAW (kLoPlanes = 2: lo planes for Q_i, dO_i only; K_j, V_j, dS^T raw, each fragment split after its load)
     where it holds more warps per SM: the split is the planes' cvt.rna pair, so dq, dk, dv are bitwise those of the
@@ -668,6 +668,40 @@ grads = cuda_backward.backward(do, q, k, v, out, lse, deterministic=True, **kw)
 r = check_attention(out, q, k, v, causal=False, scale=0.125, dout=do, grads=grads)
 print(" ".join("%s:%d" % (c.name, c.passed) for c in r.checks), r.passed)
 '''
+
+
+_TRUNCATE_WIDE_SCRIPT = r'''
+import numpy as np
+from flasharray._private import cuda_backward, cuda_forward
+from flasharray.testing import check_attention
+rng = np.random.default_rng(0)
+q, k, v, do = (rng.standard_normal((1, 2, 512, 256)).astype(np.float32) for _ in range(4))
+kw = dict(causal=False, scale=256 ** -0.5, batch_shape=(1, 2), device="emulator", precision="3xtf32", arch="sm_90")
+out, lse = cuda_forward.forward(q, k, v, **kw)
+grads = cuda_backward.backward(do, q, k, v, out, lse, deterministic=True, **kw)
+r = check_attention(out, q, k, v, causal=False, scale=256 ** -0.5, dout=do, grads=grads)
+print(" ".join("%s:%d" % (c.name, c.passed) for c in r.checks), r.passed)
+'''
+
+
+def test_3xtf32_wide_head_dims_under_truncated_mma_sums():
+    """3xtf32 at d = dv = 256 on sm_90 meets the float32 rule under the truncated-sum model: the forward keeps O_i
+    in shared memory and sums each key tile in a zeroed fragment (kOSmem), S in partial sums of 8 k8 steps; the
+    backward's Sᵀ, dPᵀ in partial sums (cuda_src/flash_bwd_tf32.cu, mma_nk). Before, O was summed inside the mma
+    over every key and S, Sᵀ, dPᵀ over all 256 head-dim columns: out, dq, dk, dv all failed here (out 5.9e-6
+    against a bound of 1.7e-6 at N 1024, one head), as an H200's out did at N 512 (docs/precision.md)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from flasharray._private import cuda_forward_tf32
+    t = cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 90)
+    assert t.o_smem and "O_i in shared memory" in t.reason
+    root = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", _TRUNCATE_WIDE_SCRIPT], capture_output=True, timeout=900,
+                         env=dict(os.environ, PYTHONPATH=root, FLASHARRAY_EMULATOR_MMA_SUM="truncate"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout.decode().split() == ["out:1", "dq:1", "dk:1", "dv:1", "True"], res.stdout.decode()
 
 
 def test_3xtf32_backward_under_truncated_mma_sums():

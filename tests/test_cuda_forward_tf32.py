@@ -124,11 +124,16 @@ def _wide_id(c):
 
 
 def check_wide(precision, D, Dv, Lq, Lk, causal, layout="bhsd", gqa=False, **opts):
-    """check() after asserting the TF32 kernel (not SIMT) serves the call at the wide tile."""
+    """check() after asserting the TF32 kernel (not SIMT) serves the call at the wide tile: on the emulator's sm_80,
+    or on sm_90 where sm_80's shared memory holds no 3xtf32 tile with O in it (d = dv 256, d 199 / dv 256)."""
     q, k, v = make_inputs(np.float32, D, Lq, Lk, Dv=Dv, batch=(1, 1))
-    t = tf32_plan(q, k, v, causal, precision).tile
+    if tf32_plan(q, k, v, causal, precision, **opts).tile.kernel != "tf32":
+        assert precision == "3xtf32" and tiles.pad_head_dim(Dv) > 128
+        opts = dict(opts, arch="sm_90")
+    t = tf32_plan(q, k, v, causal, precision, **opts).tile
     assert t.kernel == "tf32" and max(t.head_dim, t.head_dim_v) > 128
     assert t.block_n in cuda_forward_tf32.WIDE_BLOCK_NS[precision]
+    assert t.o_smem == (precision == "3xtf32" and t.head_dim_v > 128)
     return check(precision, D, Lq, Lk, causal, Dv=Dv, layout=layout, gqa=gqa, **opts)
 
 
@@ -140,11 +145,13 @@ def test_forward_tf32_wide_head_dims(precision, case):
 
 @pytest.mark.parametrize("schedule", ["reverse", "random"])
 def test_tf32_wide_schedules_identical(schedule):
-    """Wide tiles (rolled conversion loops, Bc 16 / 32) under permuted fiber schedules: bit-identical."""
-    for precision, D, Dv in (("3xtf32", 256, 200), ("tf32", 160, 256)):
+    """Wide tiles (rolled conversion loops, Bc 16 / 32; 3xtf32 on sm_90: O in shared memory) under permuted fiber
+    schedules: bit-identical."""
+    for precision, D, Dv, arch in (("3xtf32", 256, 200, "sm_90"), ("tf32", 160, 256, "sm_80")):
         q, k, v = make_inputs(np.float32, D, 77, 70, Dv=Dv)
-        ref = run_forward("emulator", q, k, v, causal=True, precision=precision)
-        got = run_forward("emulator", q, k, v, causal=True, precision=precision, schedule=schedule, seed=3)
+        assert tf32_plan(q, k, v, True, precision, arch=arch).tile.kernel == "tf32"
+        ref = run_forward("emulator", q, k, v, causal=True, precision=precision, arch=arch)
+        got = run_forward("emulator", q, k, v, causal=True, precision=precision, schedule=schedule, seed=3, arch=arch)
         for a, b in zip(ref, got):
             np.testing.assert_array_equal(a, b)
 
@@ -170,7 +177,8 @@ def test_tf32_kernel_runs_its_mma(precision, D):
     """The TF32 kernel (not SIMT) runs: one mma per product for tf32, three for 3xtf32; every
     element of q, k, v read once per tile load (emulator bytes = the analytic count)."""
     q, k, v = make_inputs(np.float32, D, 64, 128, batch=(1, 1))
-    p = tf32_plan(q, k, v, False, precision)
+    arch = {"arch": "sm_90"} if precision == "3xtf32" and D > 128 else {}  # sm_80: no tile with O in shared memory
+    p = tf32_plan(q, k, v, False, precision, **arch)
     assert p.tile.kernel == "tf32" and p.tile.precision == precision
     counters = []
     p.run(q, k, v, counters)
@@ -230,15 +238,18 @@ def test_sm75_refused(precision):
 
 def test_tile_table():
     """Every d, dv <= 256 has a tile on every sm_80+ arch within its shared memory (wide tiles: Bc
-    <= WIDE_BLOCK_NS), except 3xtf32 where Br 64 does not fit (sm_86/89, here d > 192: SIMT)."""
+    <= WIDE_BLOCK_NS), except 3xtf32 at dv > 128 where its tile with O in shared memory does not fit (SIMT):
+    sm_86/89 at every such dv, sm_80 from d 224 or with d 256."""
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
             for d in range(1, 257, 7):
                 dv = 256 - d // 2 if d > 128 else 128 - d // 2
                 t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
                 if t is None:
-                    assert (arch, precision) in ((86, "3xtf32"), (89, "3xtf32")) and d > 192
+                    pd, pdv = tiles.pad_head_dim(d), tiles.pad_head_dim(dv)
+                    assert precision == "3xtf32" and pdv > 128 and (arch in (86, 89) or max(pd, pdv) >= 224), (arch, d)
                     continue
+                assert t.o_smem == (precision == "3xtf32" and t.head_dim_v > 128)
                 wide = max(t.head_dim, t.head_dim_v) > 128
                 block_ns = cuda_forward_tf32.WIDE_BLOCK_NS[precision] if wide else (16, 32, 64)
                 assert t.smem <= tiles.smem_limit(arch) and t.block_m == 64 and t.block_n in block_ns
@@ -252,21 +263,23 @@ def test_tile_table():
     # wide tiles on sm_80 (docs/precision.md's table)
     wide = {(p, d): cuda_forward_tf32.forward_tile(p, np.float32, d, d, 80) for p in PRECISIONS for d in (160, 224, 256)}
     assert [wide["tf32", d].block_n for d in (160, 224, 256)] == [16, 32, 16]  # Bc 32 up to dv 224
-    assert [(wide["3xtf32", d].block_n, wide["3xtf32", d].q_split) for d in (160, 224, 256)] == [
-        (16, True), (16, False), (16, False)]
+    assert (wide["3xtf32", 160].block_n, wide["3xtf32", 160].q_split) == (16, True)
+    assert wide["3xtf32", 224] is None and wide["3xtf32", 256] is None  # O in shared memory does not fit sm_80
     assert cuda_forward_tf32.forward_tile("tf32", np.float32, 160, 160, 90).block_n == 32
-    # 3xtf32 Q split at dv 256: sm_90 only (WIDE_QSPLIT_MAX_DV_SM90; below, WIDE_QSPLIT_MAX_DV 224)
-    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 90).q_split
+    # 3xtf32 at dv 256: O in shared memory; sm_90's d = dv 256 without the Q split (both do not fit), (64, 256) with it
+    t = cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 90)
+    assert t.o_smem and not t.q_split and t.smem == cuda_forward_tf32.smem_bytes(256, 256, 64, 16, "3xtf32", False, True)
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 256, 90).q_split
     assert not cuda_forward_tf32.forward_tile("3xtf32", np.float32, 64, 256, 80).q_split
     assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 256, 256, 86) is None
-    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 192, 192, 86).block_n == 16
+    assert cuda_forward_tf32.forward_tile("3xtf32", np.float32, 192, 192, 86) is None
 
 
 _PROBE = r"""
 #include "flash_fwd_tf32.cu"
-template <int D, int DV, int BM, int BN, int NW, int P, bool QS>
+template <int D, int DV, int BM, int BN, int NW, int P, bool QS, bool OS>
 __global__ void probe_tf32(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTf32Traits<D, DV, BM, BN, NW, P, QS>::kSmemBytes);
+  if (threadIdx.x == 0) fa::gstore(out, flash::FwdTf32Traits<D, DV, BM, BN, NW, P, QS, OS>::kSmemBytes);
 }
 """
 
@@ -277,12 +290,12 @@ def test_python_smem_matches_traits():
     entries = {}
     for precision in PRECISIONS:
         for d, dv, arch in ((16, 16, 86), (64, 64, 86), (128, 128, 86), (48, 112, 86), (64, 64, 90), (96, 32, 90),
-                            (256, 256, 80), (64, 256, 80), (200, 136, 90)):
+                            (256, 256, 90), (64, 256, 80), (200, 136, 90), (160, 160, 80)):
             t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
-            entries["probe_tf32<%d, %d, %d, %d, %d, %d, %s>" % (
+            entries["probe_tf32<%d, %d, %d, %d, %d, %d, %s, %s>" % (
                 t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.threads_m, cuda_forward_tf32.PREC[precision],
-                "true" if t.q_split else "false")] = t.smem
-    assert {"true" in e for e in entries} == {True, False}  # both Q layouts of 3xtf32
+                "true" if t.q_split else "false", "true" if t.o_smem else "false")] = t.smem
+    assert {e.endswith("true, true>") for e in entries} == {True, False}  # with and without O in shared memory
     mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])
     for expr, smem in entries.items():

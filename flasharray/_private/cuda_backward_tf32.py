@@ -79,7 +79,9 @@ WIDE_3XTF32_EXT = 1 | 16 | 32
 #: 3xtf32 dense calls keep the lo planes of Q_i, dO_i only (K_j, V_j and dS^T raw, each fragment split after its load:
 #: the kernel's kLoPlanes = 2) where that lets more warps share an SM than the tile with every plane: at d 64 on sm_90
 #: two 4-warp blocks (109 KB each) instead of one (155 KB); d 128 on sm_90 two 2-warp blocks. The operands are the same
-#: bits (the same split), so are the gradients; ~25 % more instructions per HMMA (docs/precision.md, *Fewer lo planes*).
+#: bits (the same split), so are the gradients; ~50 % more instructions per HMMA (docs/precision.md, *Fewer lo planes*).
+#: Padded head dims up to 128 only: at the wide ones (dK_j, dV_j in shared memory) some instantiations spilled 4 bytes
+#: once Sᵀ and dPᵀ took partial sums.
 KV_RAW = True
 
 #: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
@@ -177,7 +179,7 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
 
     # lo planes whenever they fit (3xtf32: without K_j, V_j, dS^T's where that holds more warps, KV_RAW)
     best = best_tile(True, True) if precision == "tf32" else best_tile(True, True) or best_tile(False, True)
-    if precision == "3xtf32" and KV_RAW and not ext and best is not None and best[2]:
+    if precision == "3xtf32" and KV_RAW and not ext and max(d, dv) <= REG_ACC_HEAD_DIM and best is not None and best[2]:
         kv_raw = best_tile(True, False)
         if kv_raw is not None and kv_raw[0] > best[0]:
             best = kv_raw
