@@ -255,11 +255,14 @@ __device__ __forceinline__ void mma_nk(float (&acc)[kN / 8][4], const float* A_s
             }
         }
     };
-    // 3xtf32 above k = 128 (Sᵀ, dPᵀ at wide head dims): partial sums of kChunk k8 steps, each in a zeroed fragment
-    // added in fp32 (the tensor cores truncate their sums: over d = 256 inside the mma, the gradients were 2-3x the
-    // float32 rule's bound under the emulator's model of it).
-    constexpr int kSteps = kK / 8, kChunk = kPrec == 3 ? (kK > 128 ? (kSteps % 10 == 0 && kSteps % 8 != 0 ? 10 : kSteps % 6 == 0 && kSteps % 8 != 0 ? 6 : 8) : 4)
-                                                      : kSteps;
+    // 3xtf32: Sᵀ, dPᵀ in partial sums of kChunk k8 steps, each in a zeroed fragment added in fp32 (the tensor cores
+    // truncate their sums: over d = 256 inside the mma the gradients were 2-3x the float32 rule's bound under the
+    // emulator's model of it, at d 64 / 128 up to 1.4x the test file's). 4 steps up to k = 128 (7 at d 112), 8 above
+    // (10 at d 160 and 240, 6 at d 144): the chunk sizes the spill audit left without spills.
+    constexpr int kSteps = kK / 8;
+    constexpr int kChunk = kPrec != 3 ? kSteps
+                           : kK <= 128 ? (kSteps % 4 != 0 && kSteps % 7 == 0 ? 7 : 4)
+                           : kSteps % 8 == 0 ? 8 : kSteps % 10 == 0 ? 10 : kSteps % 6 == 0 ? 6 : 8;
     if constexpr (kChunk >= kSteps) {
         steps(acc, 0, kSteps);
     } else {
