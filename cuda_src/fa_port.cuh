@@ -43,6 +43,7 @@
 //   Hopper (sm_90a)    wgmma (warpgroup-wide, asynchronous): fa::wgmma_desc(smem, lbo, sbo, swizzle),
 //                      fa::wgmma_m64nNk16_f32_{f16,bf16}_ss<N, TransA, TransB>(d, desc_a, desc_b,
 //                      scale_d), fa::wgmma_m64nNk16_f32_{f16,bf16}_rs<N, TransB>(d, a, desc_b, scale_d),
+//                      fa::wgmma_m64nNk8_f32_tf32_{ss,rs}<N>(...) (tf32: K-major operands only),
 //                      fa::wgmma_fence(), fa::wgmma_commit_group(), fa::wgmma_wait_group<N>(),
 //                      fa::wgmma_fence_operand(d); fa::setmaxnreg_inc<N>(), fa::setmaxnreg_dec<N>().
 //                      Needs the arch-specific target sm_90a.
@@ -905,6 +906,27 @@ FA_WGMMA_DEFINE(176, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(192, fa_bf16, ".bf16.bf16")
 FA_WGMMA_DEFINE(256, fa_bf16, ".bf16.bf16")
 
+// tf32 (m64nNk8, K-major operands only: the instruction takes no transpose immediates for .tf32). The same
+// operand numbering as the 16-bit forms without the trans immediates.
+#define FA_WG_SS_TF32(A, B, SD) "%" #A ", %" #B ", p, 1, 1;\n"
+#define FA_WG_RS_TF32(A0, A1, A2, A3, B, SD) "{%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1;\n"
+template <int N> struct WgmmaTf32;
+#define FA_WGMMA_TF32_DEFINE(N, SS, RS)                                                                         \
+    template <> struct WgmmaTf32<N> {                                                                           \
+        static __device__ __forceinline__ void ss(float* d, uint64_t da, uint64_t db, int sd) {                 \
+            asm volatile("{\n\t.reg .pred p;\n\t" FA_WG_SS_P_##N "wgmma.mma_async.sync.aligned.m64n" #N            \
+                         "k8.f32.tf32.tf32 " FA_WG_ACC_##N SS "}\n"                                              \
+                         : FA_WG_D_##N : "l"(da), "l"(db), "r"(sd));                                             \
+        }                                                                                                       \
+        static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t db, int sd) {           \
+            asm volatile("{\n\t.reg .pred p;\n\t" FA_WG_RS_P_##N "wgmma.mma_async.sync.aligned.m64n" #N            \
+                         "k8.f32.tf32.tf32 " FA_WG_ACC_##N RS "}\n"                                              \
+                         : FA_WG_D_##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(sd));         \
+        }                                                                                                       \
+    };
+FA_WGMMA_TF32_DEFINE(64, FA_WG_SS_TF32(32, 33, 34), FA_WG_RS_TF32(32, 33, 34, 35, 36, 37))
+FA_WGMMA_TF32_DEFINE(128, FA_WG_SS_TF32(64, 65, 66), FA_WG_RS_TF32(64, 65, 66, 67, 68, 69))
+
 #define FA_WGMMA_CHECK(N)                                                                                     \
     static_assert(N == 32 || N == 64 || N == 80 || N == 128 || N == 176 || N == 192 || N == 256,               \
                   "fa::wgmma on the GPU: N must be 32, 64, 80, 128, 176, 192 or 256");                        \
@@ -937,6 +959,25 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
     Wgmma<N, fa_bf16>::template rs<TransB>(d, a, desc_b, scale_d);
 }
 #undef FA_WGMMA_CHECK
+// D (+)= A B, m64nNk8 tf32 (N 64 or 128 on the GPU): both operands K-major; rs: A the m16n8k8 tf32 fragment
+// per warp (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]).
+template <int N>
+__device__ __forceinline__ void wgmma_m64nNk8_f32_tf32_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                                          int scale_d) {
+    static_assert(N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 64 or 128");
+    static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)");
+    WgmmaTf32<N>::ss(d, desc_a, desc_b, scale_d);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_m64nNk8_f32_tf32_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                                          int scale_d) {
+    static_assert(N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 64 or 128");
+    static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)");
+    WgmmaTf32<N>::rs(d, a, desc_b, scale_d);
+}
+#undef FA_WGMMA_TF32_DEFINE
+#undef FA_WG_SS_TF32
+#undef FA_WG_RS_TF32
 #undef FA_WGMMA_DEFINE
 #undef FA_WG_D8
 #undef FA_WG_D32

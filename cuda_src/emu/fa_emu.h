@@ -551,6 +551,17 @@ inline void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], const uint32_t (&a)[4]
     FA_EMU_WGMMA_N(N);
     fa_emu_wgmma(FA_EMU_BF16, N, d, a, 0, desc_b, scale_d, 0, TransB);
 }
+// m64nNk8 tf32 (fp32 bit patterns, the low 13 mantissa bits ignored), both operands K-major.
+template <int N>
+inline void wgmma_m64nNk8_f32_tf32_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_TF32, N, d, nullptr, desc_a, desc_b, scale_d, 0, 0);
+}
+template <int N>
+inline void wgmma_m64nNk8_f32_tf32_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    FA_EMU_WGMMA_N(N);
+    fa_emu_wgmma(FA_EMU_TF32, N, d, a, 0, desc_b, scale_d, 0, 0);
+}
 #undef FA_EMU_WGMMA_N
 
 }  // namespace fa

@@ -1295,42 +1295,56 @@ uint32_t wg_swizzle(uint32_t addr, uint32_t mode) {
     return addr ^ ((addr >> 3) & mask);
 }
 
-// Byte address of element (i, k) of a 16-bit operand in the canonical layouts: i indexes M (A) or N
-// (B), k indexes K (0..15). K-major: core matrices of 8 rows (i) x 16 bytes (8 k); MN-major: 8 rows (k)
-// x 16 bytes (8 i). With swizzle width Wb the row pitch is Wb (a row of an atom holds Wb bytes).
-uint32_t wg_addr(const WgDesc& d, bool mn_major, int i, int k) {
+// Byte address of element (i, k) of an operand of `es`-byte elements (2: f16/bf16, k 0..15; 4: tf32, k
+// 0..7) in the canonical layouts: i indexes M (A) or N (B), k indexes K. K-major: core matrices of 8 rows
+// (i) x 16 bytes (16/es k's); MN-major (16-bit only): 8 rows (k) x 16 bytes (8 i). With swizzle width Wb
+// the row pitch is Wb (a row of an atom holds Wb bytes).
+uint32_t wg_addr(const WgDesc& d, bool mn_major, int i, int k, int es) {
     const uint32_t wb = wg_swizzle_bytes(d.swizzle);
+    const int kc = 16 / es;  // k's per 16-byte core-matrix row
     uint32_t off;
-    if (!mn_major && wb == 0) off = (i % 8) * 16 + (i / 8) * d.sbo + (k / 8) * d.lbo + (k % 8) * 2;
-    else if (!mn_major) off = (i % 8) * wb + (i / 8) * d.sbo + k * 2;
+    if (!mn_major && wb == 0) off = (i % 8) * 16 + (i / 8) * d.sbo + (k / kc) * d.lbo + (k % kc) * es;
+    else if (!mn_major) off = (i % 8) * wb + (i / 8) * d.sbo + k * es;
     else if (wb == 0) off = (i % 8) * 2 + (i / 8) * d.sbo + (k % 8) * 16 + (k / 8) * d.lbo;
     else off = (i % (wb / 2)) * 2 + (i / (wb / 2)) * d.lbo + (k % 8) * wb + (k / 8) * d.sbo;
     return wg_swizzle(d.start + off, d.swizzle);
 }
 
+// The K of one wgmma and its element size per type: k16 of 16-bit elements, k8 of tf32 (32 bytes of a
+// K-major row either way).
+int wg_k(int dtype) { return dtype == FA_EMU_TF32 ? 8 : 16; }
+int wg_elem_bytes(int dtype) { return dtype == FA_EMU_TF32 ? 4 : 2; }
+
 const char* wg_name(const Fiber* f) { return f->a ? "fa::wgmma (rs)" : "fa::wgmma (ss)"; }
 
-// Reads a rows x 16 operand (element (i, k) -> out[i * 16 + k]) from shared memory through its
-// descriptor, checking the bytes and recording the 16-byte chunks read.
+// Reads a rows x K operand (element (i, k) -> out[i * 16 + k]; K = wg_k(dtype)) from shared memory through
+// its descriptor, checking the bytes and recording the 16-byte chunks read.
 void wg_read_operand(Worker* w, WgOp& op, uint64_t desc, bool mn_major, int rows, int dtype, const char* which,
                      std::vector<double>& out) {
     const WgDesc d = wg_decode(desc);
     if (d.base != 0)
         fiber_fail(w, strf("fa::wgmma: the %s descriptor has matrix base offset %u; only 0 is emulated (align the "
                            "swizzle pattern)", which, d.base));
-    out.resize(static_cast<size_t>(rows) * 16);
+    const int K = wg_k(dtype), es = wg_elem_bytes(dtype);
+    out.assign(static_cast<size_t>(rows) * 16, 0.0);
     for (int i = 0; i < rows; ++i) {
-        for (int k = 0; k < 16; ++k) {
-            const uint32_t a = wg_addr(d, mn_major, i, k);
-            if (a + 2 > w->smem_size)
+        for (int k = 0; k < K; ++k) {
+            const uint32_t a = wg_addr(d, mn_major, i, k, es);
+            if (a + es > w->smem_size)
                 fiber_fail(w, strf("fa::wgmma: %s element (%d, %d) at shared offset %u is outside dynamic shared "
                                    "memory (%zu bytes); descriptor start %u, LBO %u, SBO %u, swizzle mode %u", which, i,
                                    k, a, w->smem_size, d.start, d.lbo, d.sbo, d.swizzle));
             if (w->pending[a / kGranule])
                 fiber_fail(w, strf("fa::wgmma reads its %s operand at ", which) + pending_desc(w, w->smem + a));
-            uint16_t x;
-            std::memcpy(&x, w->smem + a, 2);
-            out[static_cast<size_t>(i) * 16 + k] = half_val(x, dtype);
+            if (es == 4) {
+                uint32_t x;
+                std::memcpy(&x, w->smem + a, 4);
+                out[static_cast<size_t>(i) * 16 + k] = tf32_val(x);
+            } else {
+                uint16_t x;
+                std::memcpy(&x, w->smem + a, 2);
+                out[static_cast<size_t>(i) * 16 + k] = half_val(x, dtype);
+            }
             op.chunks.push_back(a & ~15u);
         }
     }
@@ -1343,12 +1357,19 @@ void wg_snapshot_chunks(Worker* w, WgOp& op) {
     for (size_t c = 0; c < op.chunks.size(); ++c) std::memcpy(&op.bytes[16 * c], w->smem + op.chunks[c], 16);
 }
 
-// The rs variant's A: per warp q of the warpgroup the mma.m16n8k16 A fragment of rows 16q..16q+15.
+// The rs variant's A: per warp q of the warpgroup the mma.sync A fragment of rows 16q..16q+15: m16n8k16
+// (16-bit pairs) or, tf32, m16n8k8 (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]).
 void wg_read_a_regs(Fiber* wgf, int dtype, std::vector<double>& A) {
     A.assign(64 * 16, 0.0);
     for (int th = 0; th < 128; ++th) {
         const Fiber& f = wgf[th];
-        const int r = 16 * (th / 32) + ((th % 32) >> 2), c = 2 * (th & 3);
+        const int r = 16 * (th / 32) + ((th % 32) >> 2), t = th & 3;
+        if (dtype == FA_EMU_TF32) {
+            const int rows[4] = {r, r + 8, r, r + 8}, cols[4] = {t, t, t + 4, t + 4};
+            for (int v = 0; v < 4; ++v) A[rows[v] * 16 + cols[v]] = tf32_val(f.a[v]);
+            continue;
+        }
+        const int c = 2 * t;
         const int rows[4] = {r, r + 8, r, r + 8}, cols[4] = {c, c, c + 8, c + 8};
         for (int v = 0; v < 4; ++v) {
             A[rows[v] * 16 + cols[v]] = half_val(static_cast<uint16_t>(f.a[v] & 0xffffu), dtype);
@@ -1445,16 +1466,17 @@ void wg_take_acc(Worker* w, Fiber& f, int th, int n, std::vector<double>& C) {
 }
 
 // D = A B (+ C when scale_d): exact products summed in float64 in k order after C, one rounding to fp32
-// per element (as the fp32-accumulating mma.sync).
+// per element (as the fp32-accumulating mma.sync: round_mma_sum, to nearest unless the truncated-sum model
+// is on). K: 16 (f16 / bf16) or 8 (tf32).
 void wg_compute(WgOp& op, const std::vector<double>& A, const std::vector<double>& B, const std::vector<double>& C,
-                bool scale_d) {
+                bool scale_d, int K) {
     const int n = op.n;
     op.D.resize(static_cast<size_t>(64) * n);
     for (int i = 0; i < 64; ++i)
         for (int j = 0; j < n; ++j) {
             double s = scale_d ? C[static_cast<size_t>(i) * n + j] : 0.0;
-            for (int k = 0; k < 16; ++k) s += A[i * 16 + k] * B[static_cast<size_t>(j) * 16 + k];
-            op.D[static_cast<size_t>(i) * n + j] = static_cast<float>(s);
+            for (int k = 0; k < K; ++k) s += A[i * 16 + k] * B[static_cast<size_t>(j) * 16 + k];
+            op.D[static_cast<size_t>(i) * n + j] = round_mma_sum(s);
         }
 }
 
@@ -1493,7 +1515,7 @@ void wg_issue(Worker* w, int wg) {
         }
         wg_take_acc(w, wgf[th], th, f0.n, C);
     }
-    wg_compute(*op, A, B, C, f0.scale_d != 0);
+    wg_compute(*op, A, B, C, f0.scale_d != 0, wg_k(f0.dtype));
     for (int th = 0; th < 128; ++th) {
         Fiber& f = wgf[th];
         WgPart part{op, f.d, f.a, {0, 0, 0, 0}, -1};
@@ -2935,10 +2957,12 @@ void fa_emu_wgmma(int dtype, int n, float* d, const uint32_t* a, uint64_t desc_a
                   int trans_a, int trans_b) {
     Worker* w = W();
     Fiber* f = w->cur;
-    if ((dtype != FA_EMU_F16 && dtype != FA_EMU_BF16) || n < 8 || n > 256 || n % 8)
-        fiber_fail(w, strf("fa::wgmma: unsupported shape m64n%dk16 or element type %d (f16/bf16, n = 8..256 in "
-                           "steps of 8)", n, dtype));
+    if ((dtype != FA_EMU_F16 && dtype != FA_EMU_BF16 && dtype != FA_EMU_TF32) || n < 8 || n > 256 || n % 8)
+        fiber_fail(w, strf("fa::wgmma: unsupported shape m64n%dk%d or element type %d (f16/bf16 k16, tf32 k8, n = "
+                           "8..256 in steps of 8)", n, wg_k(dtype), dtype));
     if (a && trans_a) fiber_fail(w, "fa::wgmma (rs): A from registers has no transpose");
+    if (dtype == FA_EMU_TF32 && (trans_a || trans_b))
+        fiber_fail(w, "fa::wgmma: tf32 operands are K-major only (the instruction has no transpose for .tf32)");
     f->dtype = dtype;
     f->n = n;
     f->d = d;
