@@ -62,6 +62,7 @@
 #include "flash_fwd_copy.cuh"
 #include "flash_fwd_tiles.cuh"
 #include "flash_ext.cuh"
+#include "flash_tf32_split.cuh"  // tf32_operand, convert_chunk
 
 namespace flash {
 
@@ -103,36 +104,6 @@ struct FwdTf32Traits {
 };
 
 // ---- operand conversion -------------------------------------------------------------------------
-
-// x as the mma operands of precision kPrec: hi = cvt.rna(x) and, 3xtf32, lo = cvt.rna(x − hi).
-template <int kPrec>
-__device__ __forceinline__ void tf32_operand(float x, uint32_t& hi, uint32_t& lo) {
-  if constexpr (kPrec == 3) {
-    float h, l;
-    fa::split_tf32(x, h, l);
-    hi = __float_as_uint(h);
-    lo = __float_as_uint(l);
-  } else {
-    hi = __float_as_uint(fa::cvt_tf32(x));
-    (void)lo;
-  }
-}
-
-// In shared memory, one 16-byte chunk: x → hi in place (and lo at chunk + lo_plane, 3xtf32).
-template <int kPrec>
-__device__ __forceinline__ void convert_chunk(float* chunk, int lo_plane) {
-  Vec16<float> x = *reinterpret_cast<Vec16<float>*>(chunk), hi, lo;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    uint32_t h, l = 0;
-    tf32_operand<kPrec>(x.v[e], h, l);
-    hi.v[e] = __uint_as_float(h);
-    lo.v[e] = __uint_as_float(l);
-  }
-  *reinterpret_cast<Vec16<float>*>(chunk) = hi;
-  if constexpr (kPrec == 3) *reinterpret_cast<Vec16<float>*>(chunk + lo_plane) = lo;
-  else (void)lo_plane;
-}
 
 // One element (the element-wise copy path).
 template <int kPrec>

@@ -19,29 +19,32 @@ __device__ __forceinline__ int sw128_offset(int r, int chunk) {
 
 // A kRows × kCols tile (row r of global memory at g_tile + r·row_stride) into its swizzled layout;
 // rows at or past rows_valid and columns at or past cols_valid zero-filled. Aligned (16-byte rows):
-// thread tid copies chunk tid mod (kCols/8) of rows tid / (kCols/8) + p·(rows per pass) by cp.async
-// (the caller commits, waits, fences the proxy and syncs); where kCols/8 chunks do not divide the threads
-// (kCols 192), one 64-column panel after the other. full: every row exists (the row test folds away).
-// Otherwise element-wise, synchronous.
+// thread tid copies chunk tid mod (kCols/kChunk) of rows tid / (kCols/kChunk) + p·(rows per pass) by cp.async
+// (the caller commits, waits, fences the proxy and syncs); where those chunks do not divide the threads
+// (16-bit kCols 192), one 128-byte panel after the other. full: every row exists (the row test folds away).
+// Otherwise element-wise, synchronous. kChunk = 16 / sizeof(T) elements per 16-byte chunk (8 for 16-bit
+// types, 4 for float: a panel row holds 64 or 32 elements).
 template <typename T, int kRows, int kCols, int kNThreads, bool Is_aligned>
 __device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_tile, long long row_stride,
                                            int rows_valid, int cols_valid, bool full, int tid) {
-  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPanelCols = 8 * kChunk;
+  constexpr int kChunksPerRow = kCols / kChunk;
   if constexpr (Is_aligned && kNThreads % kChunksPerRow != 0) {
-    static_assert(kCols % 64 == 0, "whole 64-column panels");
+    static_assert(kCols % kPanelCols == 0, "whole 128-byte panels");
 #pragma unroll
-    for (int p = 0; p < kCols / 64; ++p)
-      load_sw128<T, kRows, 64, kNThreads, true>(s_tile + p * kRows * 128, g_tile + p * 64, row_stride, rows_valid,
-                                                cols_valid - p * 64, full, tid);
+    for (int p = 0; p < kCols / kPanelCols; ++p)
+      load_sw128<T, kRows, kPanelCols, kNThreads, true>(s_tile + p * kRows * 128, g_tile + p * kPanelCols, row_stride,
+                                                        rows_valid, cols_valid - p * kPanelCols, full, tid);
   } else if constexpr (Is_aligned) {
     static_assert(kNThreads % kChunksPerRow == 0, "a fixed column chunk per thread");
     constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
     static_assert(kRows % kRowsPerPass == 0, "whole passes");
     const int chunk = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
-    int elems = cols_valid - chunk * 8;
-    elems = elems < 0 ? 0 : (elems > 8 ? 8 : elems);
-    const int bytes = elems * 2;
-    const T* src = g_tile + r0 * row_stride + (elems > 0 ? chunk * 8 : 0);
+    int elems = cols_valid - chunk * kChunk;
+    elems = elems < 0 ? 0 : (elems > kChunk ? kChunk : elems);
+    const int bytes = elems * static_cast<int>(sizeof(T));
+    const T* src = g_tile + r0 * row_stride + (elems > 0 ? chunk * kChunk : 0);
 #pragma unroll
     for (int p = 0; p < kRows / kRowsPerPass; ++p) {
       const int r = r0 + p * kRowsPerPass;
@@ -54,7 +57,7 @@ __device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_til
     for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
       const int r = idx / kCols, c = idx % kCols;
       const T x = (r < rows_valid && c < cols_valid) ? fa::gload(g_tile + r * row_stride + c) : zero_value<T>();
-      *reinterpret_cast<T*>(s_tile + sw128_offset<kRows>(r, c >> 3) + (c & 7) * 2) = x;
+      *reinterpret_cast<T*>(s_tile + sw128_offset<kRows>(r, c / kChunk) + (c % kChunk) * sizeof(T)) = x;
     }
   }
 }

@@ -153,6 +153,8 @@ class ForwardPlan:
         out = L.stand_in(self.out_shape, self.dtype)
         lse = L.stand_in(self.lse_shape, acc)
         aligned = _is_aligned((q, k, v))
+        if not aligned and getattr(self.tile, "fallback", None) is not None:
+            self.tile = self.tile.fallback  # the wgmma tf32 forward copies 16-byte aligned rows only
         call = (q, k, v, out, lse, causal, pack_gqa, aligned, dict(kernel=kernel, block_m=block_m,
                                                                     num_splits=num_splits))
         layout = self._layout(*call)

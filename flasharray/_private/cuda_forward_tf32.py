@@ -71,6 +71,26 @@ NARROW_EXT = 1 | 8
 _NARROW_BLOCK_N = 16
 
 
+#: The wgmma forward (``cuda_src/flash_fwd_sm90_tf32.cu``) on sm_90 for dense calls with 16-byte aligned rows:
+#: head dims padded to a wgmma d = dv per precision (3xtf32: 64; its Q fragments, hi and lo, stay in registers for
+#: the key loop, 64 at d 64), Br 128 (two warpgroups), Bc :data:`WGMMA_BLOCK_N`. Off: the mma.sync kernel
+#: everywhere (``benchmarks/gpu_session.sh`` compares the two).
+WGMMA = True
+WGMMA_SOURCE = "flash_fwd_sm90_tf32.cu"
+WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64,)}
+WGMMA_BLOCK_M = 128
+WGMMA_BLOCK_N = 64
+
+
+def wgmma_smem_bytes(d, block_n, precision):
+    """Mirror of Sm90Tf32FwdTraits::kSmemBytes: two stages of K_j (raw, then hi) and V_j raw, K_j's lo plane
+    (3xtf32), the Vt planes; Q_i raw over stage 1 onwards in the prologue; + 1024 bytes of alignment slack."""
+    tile = block_n * d * 4
+    planes = 2 if precision == "3xtf32" else 1
+    loop = 4 * tile + (tile if planes == 2 else 0) + planes * tile
+    return max(loop, 2 * tile + WGMMA_BLOCK_M * d * 4) + 1024
+
+
 def smem_bytes(d, dv, block_m, block_n, precision, q_split=False, o_smem=False):
     """Mirror of FwdTf32Traits::kSmemBytes: Q planes × sQ + planes × (sK + sV), each 16-byte aligned, then
     (``o_smem``, kOSmem) O_i, Br × dv floats."""
@@ -108,6 +128,46 @@ class Tf32Tile(tiles.FwdTile):
             self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
 
 
+@dataclass(frozen=True)
+class Tf32WgmmaTile(Tf32Tile):
+    """The wgmma forward's tile (sm_90, dense, 16-byte aligned rows; threads_m = 8 warps). ``fallback``: the
+    mma.sync :class:`Tf32Tile` a call whose rows are not 16-byte aligned runs instead (the plan swaps it in)."""
+    fallback: Tf32Tile = None
+
+    @property
+    def source(self):
+        return WGMMA_SOURCE
+
+    def name_expression(self, causal, aligned, ext=0):
+        if ext or not aligned:
+            raise ValueError("the wgmma tf32 forward takes dense calls with 16-byte aligned rows (ext=%r, aligned=%r)"
+                             % (ext, aligned))
+        return "flash::flash_fwd_sm90_tf32_kernel<%d, %d, %d, %s>" % (
+            self.head_dim, self.block_n, PREC[self.precision], "true" if causal else "false")
+
+    def describe(self):
+        return ("tf32 wgmma kernel (%s), Br=%d Bc=%d, %d threads, d=dv=%d, %.1f KB smem: %s" % (
+            self.precision, self.block_m, self.block_n, self.n_threads, self.head_dim, self.smem / tiles.KB,
+            self.reason))
+
+
+def wgmma_tile(precision, d, dv, a, ext, fallback):
+    """The :class:`Tf32WgmmaTile` for padded head dims ``d``, ``dv`` on arch number ``a``, or None (not sm_90,
+    :data:`WGMMA` off, extensions, or head dims past :data:`WGMMA_HEAD_DIMS`)."""
+    if not WGMMA or a != 90 or ext:
+        return None
+    wd = next((w for w in WGMMA_HEAD_DIMS[precision] if max(d, dv) <= w), None)
+    if wd is None:
+        return None
+    smem = wgmma_smem_bytes(wd, WGMMA_BLOCK_N, precision)
+    reason = ("%s on sm_90: wgmma m64nNk8 (two warpgroups, Br=%d, Bc=%d; Q's %s fragments in registers, K_j and "
+              "V_j transposed as tf32 %s in shared memory), d = dv padded to %d"
+              % (precision, WGMMA_BLOCK_M, WGMMA_BLOCK_N, "hi/lo" if precision == "3xtf32" else "tf32",
+                 "hi+lo planes" if precision == "3xtf32" else "planes", wd))
+    return Tf32WgmmaTile("tf32", "float32", wd, wd, WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_BLOCK_M // 16, 32, smem,
+                         reason, 1, precision, fallback=fallback)
+
+
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
                  num_splits=None, kv=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
@@ -128,7 +188,8 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     if wide and ext and precision == "3xtf32":
         return None  # spilled even at Bc 16 (WIDE_EXT_BLOCK_N's comment): the SIMT kernel
     narrow = int(ext) & NARROW_EXT == NARROW_EXT or (wide and bool(ext))
-    return _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
+    tile = _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
+    return wgmma_tile(precision, d, dv, tiles.arch_number(arch), ext, tile) or tile
 
 
 def _block_ns(precision, d, dv, narrow):

@@ -1,0 +1,322 @@
+// flash_fwd_sm90_tf32.cu — FlashAttention forward for float32 inputs on Hopper warpgroup MMA (wgmma.m64nNk8
+// .tf32, sm_90a): issue 12's precision="tf32" and "3xtf32" (docs/precision.md, "The wgmma forward").
+//
+// The algorithm, products and sums of the mma.sync TF32 forward (flash_fwd_tf32.cu), on the wgmma instruction:
+//   kPrec = 1 ("tf32"):   operands cvt.rna'd to tf32, one wgmma per product;
+//   kPrec = 3 ("3xtf32"): x = hi + lo (hi = cvt.rna(x), lo = cvt.rna(x − hi)), a_lo·b_hi + a_hi·b_lo + a_hi·b_hi
+//                         per k8 step (small terms first), and P V_j of each key tile summed in a zeroed
+//                         accumulator added to O in fp32 (O = O · correction + P V_j: the tensor cores truncate
+//                         their sums, docs/precision.md, "Default").
+// One thread block per (query tile Q_i of Br = 128 rows, batch entry): two warpgroups, warpgroup w owning rows
+// [64w, 64w + 64) of Q_i (one wgmma m64 row block; a row's softmax statistics stay in one quad). Per key tile j:
+//   S_ij = Q_i K_jᵀ   d/8 k8 steps × (1 or 3) wgmma.m64n{Bc}k8 .rs: Q's A fragments (hi, lo) held in registers
+//                     for the whole key loop; K_j's planes K-major in 128B-swizzled shared memory;
+//   online softmax on the accumulator fragments (flash_fwd_sm90_softmax.cuh, as the 16-bit wgmma forward);
+//   O_i += P_ij V_j   Bc/8 k8 steps × (1 or 3) wgmma.m64n{dv}k8 .rs: P's A fragments from the S accumulator,
+//                     V_j transposed (tf32 wgmma reads K-major operands only) into Vtᵀ planes.
+// The tf32 A fragment (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]) is not the accumulator's
+// column pair (2t, 2t+1): P V's k index is permuted instead of exchanging lanes — a0/a1 take P's column 2t, a2/a3
+// column 2t+1 of the n8 tile, so the Vt planes hold key 8kk + 2p at position 8kk + p and key 8kk + 2p + 1 at
+// 8kk + 4 + p (flash_fwd_tf32.cu does the same with its B fragments).
+//
+// Shared memory (byte offsets; 1024-byte aligned pieces, the dynamic base rounded up to 1024 on the GPU):
+//   stage s = 0, 1 at s · 2·Bc·d·4: K_j raw → its hi plane in place, then V_j raw. cp.async into the stage of the
+//       next tile while this one is computed. K in the 128B-swizzled K-major layout (flash_sm90_common.cuh: row r
+//       of a 32-float panel at 128·r, 16-byte chunk c at c ^ (r mod 8)); V raw row-major, chunk c of row r at
+//       c ^ 2(r mod 4) (the transposing reads conflict-free).
+//   K_j lo plane (3xtf32) and the Vt planes (dv rows × Bc keys, 128B-swizzled K-major, permuted keys).
+//   Q_i raw (prologue only, over stage 1 and what follows: idle until the first prefetch).
+// Each thread converts exactly the chunks it copied (its own cp.async results are visible to it after the
+// wait), so per key tile: wait, barrier (every warpgroup done with tile j+1's planes), prefetch tile j−1,
+// convert K_j (hi in place, lo) and transpose V_j into the Vt planes, fence.proxy.async, barrier, the wgmmas.
+//
+// Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, d = dv (64, or 128 for
+// tf32), no extensions. Arguments: flash_fwd_tf32_kernel's, so the host lays out both alike.
+#include "fa_port.cuh"
+#include "flash_kernel_traits.cuh"
+#include "flash_block_info.cuh"
+#include "flash_mask.cuh"
+#include "flash_softmax.cuh"
+#include "flash_fwd_tiles.cuh"
+#include "flash_ext.cuh"
+#include "flash_tf32_split.cuh"         // tf32_operand, convert_chunk
+#include "flash_fwd_sm90_softmax.cuh"   // Sm90KeyTiles, softmax_tile_sm90, finish_rows_sm90
+#include "flash_sm90_common.cuh"        // sw128_offset, load_sw128, sw128_desc
+
+namespace flash {
+
+template <int kHeadDim_, int kBlockN_, int kPrec_>
+struct Sm90Tf32FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_, kBlockN = kBlockN_, kPrec = kPrec_;
+  static constexpr int kBlockM = 128, kNThreads = 256, kNWarps = 8;
+  static constexpr int kPlanes = kPrec == 3 ? 2 : 1;
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 4;      // one plane of K_j, V_j or Vt_j
+  static constexpr int kStageBytes = 2 * kTileBytes;             // K_j raw / hi, V_j raw
+  static constexpr int kVRawOffset = kTileBytes;                 // within a stage
+  static constexpr int kKLoOffset = 2 * kStageBytes;
+  static constexpr int kVtOffset = kKLoOffset + (kPrec == 3 ? kTileBytes : 0);
+  static constexpr int kLoopBytes = kVtOffset + kPlanes * kTileBytes;
+  static constexpr int kQRawOffset = kStageBytes;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kAtomBytes = 1024;
+  // + the alignment slack of the GPU's dynamic shared memory base (cuda_forward_tf32.wgmma_smem_bytes).
+  static constexpr int kSmemBytes =
+      (kLoopBytes > kQRawOffset + kQBytes ? kLoopBytes : kQRawOffset + kQBytes) + kAtomBytes;
+  static constexpr int kKSteps = kHeadDim / 8;   // k8 steps of S = Q Kᵀ
+  static constexpr int kPvSteps = kBlockN / 8;   // k8 steps of P V
+  static constexpr int kVPairs = kHeadDim / 8;   // 32-byte chunk pairs per V row
+  static constexpr int kVPasses = (kBlockN / 16) * kVPairs / kNWarps;
+
+  static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "d = dv: the N of the O wgmma, 64 or 128");
+  static_assert(kBlockN == 64 || kBlockN == 128, "Bc: the N of the S wgmma, 64 or 128");
+  static_assert((kBlockN / 16) * kVPairs % kNWarps == 0, "whole V passes");
+};
+
+// Byte offset of element (n, key) of a Vt plane: dv rows n, Bc keys in 32-key panels, 128B-swizzled K-major,
+// key 8kk + q at position 8kk + (q >> 1) + 4 (q & 1) (the k order of P's A fragments).
+template <int kHeadDimV>
+__device__ __forceinline__ int vt_offset(int n, int key) {
+  const int pos = (key & ~7) | ((key & 7) >> 1) | ((key & 1) << 2);
+  return sw128_offset<kHeadDimV>(n, pos >> 2) + (pos & 3) * 4;
+}
+
+// V_j raw (Bc × dv floats, row r at r·dv·4 bytes, 16-byte chunk c at c ^ 2(r mod 4)) by cp.async: warp w's pass
+// p takes unit u = w + 8p, keys 16 (u mod Bc/16) + l/2 and chunk 2 (u div Bc/16) + l mod 2 for lane l (lane
+// pairs read 32 contiguous bytes; one 16-key group per warp keeps the transposed stores conflict-free). Rows at
+// or past rows_valid and columns at or past cols_valid zero-filled.
+template <class Tr>
+struct VRawChunk {
+  int r, chunk;
+  __device__ __forceinline__ VRawChunk(int warp, int lane, int p) {
+    const int u = warp + Tr::kNWarps * p;
+    r = 16 * (u % (Tr::kBlockN / 16)) + lane / 2;
+    chunk = 2 * (u / (Tr::kBlockN / 16)) + (lane & 1);
+  }
+  __device__ __forceinline__ int offset() const { return r * Tr::kHeadDimV * 4 + ((chunk ^ ((r & 3) << 1)) << 4); }
+};
+
+template <class Tr>
+__device__ __forceinline__ void load_v_raw(unsigned char* sV, const float* g_tile, long long row_stride, int rows_valid,
+                                           int cols_valid, int warp, int lane) {
+#pragma unroll
+  for (int p = 0; p < Tr::kVPasses; ++p) {
+    const VRawChunk<Tr> c(warp, lane, p);
+    int elems = cols_valid - 4 * c.chunk;
+    elems = elems < 0 ? 0 : (elems > 4 ? 4 : elems);
+    const bool ok = c.r < rows_valid && elems > 0;
+    fa::cp_async<kCopyBytes>(sV + c.offset(), ok ? g_tile + c.r * row_stride + 4 * c.chunk : g_tile, ok ? elems * 4 : 0);
+  }
+}
+
+// The chunks this thread copied with load_v_raw, as tf32 (hi, lo) into the Vt planes (lo at lo_bytes past hi).
+template <class Tr>
+__device__ __forceinline__ void transpose_v(unsigned char* sVt, const unsigned char* sV, int warp, int lane) {
+#pragma unroll
+  for (int p = 0; p < Tr::kVPasses; ++p) {
+    const VRawChunk<Tr> c(warp, lane, p);
+    const Vec16<float> x = *reinterpret_cast<const Vec16<float>*>(sV + c.offset());
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      uint32_t hi, lo = 0;
+      tf32_operand<Tr::kPrec>(x.v[e], hi, lo);
+      unsigned char* at = sVt + vt_offset<Tr::kHeadDimV>(4 * c.chunk + e, c.r);
+      *reinterpret_cast<uint32_t*>(at) = hi;
+      if constexpr (Tr::kPrec == 3) *reinterpret_cast<uint32_t*>(at + Tr::kTileBytes) = lo;
+    }
+  }
+}
+
+// The chunks this thread copied with load_sw128<float, kRows, kCols, ...> (aligned): hi in place, lo at
+// lo_bytes past each chunk (3xtf32).
+template <int kPrec, int kRows, int kCols, int kNThreads>
+__device__ __forceinline__ void convert_sw128(unsigned char* s_tile, int lo_bytes, int tid) {
+  constexpr int kChunksPerRow = kCols / 4;
+  constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+  const int chunk = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
+#pragma unroll
+  for (int p = 0; p < kRows / kRowsPerPass; ++p)
+    convert_chunk<kPrec>(reinterpret_cast<float*>(s_tile + sw128_offset<kRows>(r0 + p * kRowsPerPass, chunk)),
+                         lo_bytes / 4);
+}
+
+// Q_i's A fragments of the warp's 16 rows (row0 = its first row in the tile) for every k8 step, from the raw
+// 128B-swizzled tile: hi, and lo for 3xtf32.
+template <class Tr>
+__device__ __forceinline__ void load_q_frags(uint32_t (&q_hi)[Tr::kKSteps][4], uint32_t (&q_lo)[Tr::kKSteps][4],
+                                             const unsigned char* sQ, int row0, int g, int t) {
+#pragma unroll
+  for (int ks = 0; ks < Tr::kKSteps; ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0 + g + 8 * (i & 1), c = 8 * ks + t + 4 * (i >> 1);
+      const float x = *reinterpret_cast<const float*>(sQ + sw128_offset<Tr::kBlockM>(r, c >> 2) + (c & 3) * 4);
+      tf32_operand<Tr::kPrec>(x, q_hi[ks][i], q_lo[ks][i]);
+    }
+}
+
+// acc (+)= A·Bᵀ over k8 steps in precision kPrec, one committed batch, waited for: A the register fragments
+// (hi, lo) of each step, B's planes at b_hi (lo at b_lo_bytes past it; 128B-swizzled K-major, N = kN rows, step
+// ks at panel ks / 4 (kN·128 bytes apart), byte 32 (ks mod 4)). scale_d 0 on the first wgmma: acc starts at 0.
+template <int kPrec, int kN, int kSteps>
+__device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
+                                             const uint32_t (&a_lo)[kSteps][4], const unsigned char* b_hi,
+                                             int b_lo_bytes, bool zero) {
+  fa::wgmma_fence_operand(acc);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const unsigned char* b = b_hi + (ks / 4) * kN * 128 + (ks % 4) * 32;
+    const int first = zero && ks == 0 ? 0 : 1;
+    if constexpr (kPrec == 3) {
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], sw128_desc(b, 16), first);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b + b_lo_bytes, 16), 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b, 16), 1);
+    } else {
+      (void)a_lo; (void)b_lo_bytes;
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b, 16), first);
+    }
+  }
+  fa::wgmma_commit_group();
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc);
+}
+
+// P_ij (in acc_s) as the A fragments of P V: k8 step kk takes n8 tile kk, a0/a1 its column 2t (rows g, g + 8),
+// a2/a3 column 2t + 1 (the Vt planes' key order).
+template <int kPrec, int kBlockN>
+__device__ __forceinline__ void p_frags(uint32_t (&p_hi)[kBlockN / 8][4], uint32_t (&p_lo)[kBlockN / 8][4],
+                                        const float (&acc_s)[kBlockN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 8; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tf32_operand<kPrec>(acc_s[4 * kk + 2 * (i & 1) + (i >> 1)], p_hi[kk][i], p_lo[kk][i]);
+}
+
+template <int kHeadDim, int kBlockN, int kPrec, bool Is_causal>
+__global__ void __launch_bounds__(256, 1)
+flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                           float* __restrict__ o, float* __restrict__ lse,
+                           int Lq, int Lk, int D, int Dv, int nb2,
+                           long long q_b0, long long q_b1, long long q_b2, long long q_row,
+                           long long k_b0, long long k_b1, long long k_b2, long long k_row,
+                           long long v_b0, long long v_b1, long long v_b2, long long v_row,
+                           long long o_b0, long long o_b1, long long o_b2, long long o_row,
+                           long long lse_b0, long long lse_b1, long long lse_b2,
+                           float scale_log2, FLASH_EXT_PARAMS(float)) {
+  using Tr = Sm90Tf32FwdTraits<kHeadDim, kBlockN, kPrec>;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDimV = Tr::kHeadDimV;
+  FA_DYNAMIC_SMEM(smem_raw);
+  // Swizzled tiles start on the pattern's repeat in the shared window (flash_fwd_sm90.cu's rounding).
+  const int misalign = static_cast<int>(fa::wgmma_desc(smem_raw, 0, 0, fa::kWgmmaSwizzleNone) & 0x3f) * 16;
+  unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
+  unsigned char* sKlo = smem + Tr::kKLoOffset;
+  unsigned char* sVt = smem + Tr::kVtOffset;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid / 128, warp = tid / 32, lane = tid % 32;
+  const int warp_row = wg * 64 + (warp % 4) * 16;   // first of the warp's 16 rows in Q_i
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;
+
+  const BatchIndex bidx = BatchIndex::from_grid(nb2);
+  const TensorStrides q_s{q_b0, q_b1, q_b2, q_row}, k_s{k_b0, k_b1, k_b2, k_row};
+  const TensorStrides v_s{v_b0, v_b1, v_b2, v_row}, o_s{o_b0, o_b1, o_b2, o_row};
+  const TensorStrides lse_s{lse_b0, lse_b1, lse_b2, 1};
+  const float* q_i = q + bidx.offset(q_s) + m0 * q_row;
+  const float* k_base = k + bidx.offset(k_s);
+  const float* v_base = v + bidx.offset(v_s);
+  float* o_i = o + bidx.offset(o_s) + m0 * o_row;
+  float* lse_i = lse + bidx.offset(lse_s) + m0;
+  const ExtArgs<float> ext = FLASH_EXT_ARGS(float);  // dense: unused
+  (void)ext;
+
+  const Mask<Is_causal, 0> mask = make_mask<Is_causal, 0>(Lq, Lk, ext, bidx);
+  const int n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+  const int n_block_unmasked = unmasked_key_tiles<Is_causal>(mask, m0, kBlockN, n_block_max);
+  const Sm90KeyTiles<Is_causal, 0> tiles{mask, m0, kBlockM, kBlockN, n_block_max, n_block_unmasked};
+
+  float acc_o[kHeadDimV / 2];   // O_i, unnormalised
+  OnlineSoftmaxRow<float> stat[2];
+#pragma unroll
+  for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = 0.0f;
+  stat[0].init();
+  stat[1].init();
+
+  auto load_kv = [&](bool full, int stage, int n_block) {
+    const int n0 = n_block * kBlockN;
+    const int rows = rows_in_tile(n0, kBlockN, Lk);
+    unsigned char* s = smem + stage * Tr::kStageBytes;
+    load_sw128<float, kBlockN, kHeadDim, 256, true>(s, k_base + n0 * k_row, k_row, rows, D, full, tid);
+    load_v_raw<Tr>(s + Tr::kVRawOffset, v_base + n0 * v_row, v_row, rows, Dv, warp, lane);
+  };
+
+  // Prologue: Q_i raw and the first key tile; Q's fragments (split) into registers for the whole loop.
+  uint32_t q_hi[Tr::kKSteps][4], q_lo[Tr::kKSteps][4];
+  int n_block = tiles.first();
+  if (n_block >= tiles.lo()) {
+    load_sw128<float, kBlockM, kHeadDim, 256, true>(smem + Tr::kQRawOffset, q_i, q_row, rows_in_tile(m0, kBlockM, Lq),
+                                                    D, false, tid);
+    load_kv(false, 0, n_block);
+    fa::cp_async_commit();
+    fa::cp_async_wait<0>();
+    __syncthreads();
+    load_q_frags<Tr>(q_hi, q_lo, smem + Tr::kQRawOffset, warp_row, g, t);
+  }
+  int stage = 0;
+  for (; n_block >= tiles.lo(); n_block = tiles.prev(n_block)) {
+    fa::cp_async_wait<0>();
+    // Every warpgroup is done with tile j+1's planes (its wgmmas were waited for) and, the first time, every
+    // thread has its Q fragments: the planes, the other stage and sQ's bytes may be rewritten.
+    __syncthreads();
+    const int next = tiles.prev(n_block);
+    if (next >= tiles.lo()) load_kv(true, stage ^ 1, next);  // below the top tile every tile is full
+    fa::cp_async_commit();
+    unsigned char* sK = smem + stage * Tr::kStageBytes;
+    convert_sw128<kPrec, kBlockN, kHeadDim, 256>(sK, static_cast<int>(sKlo - sK), tid);
+    transpose_v<Tr>(sVt, sK + Tr::kVRawOffset, warp, lane);
+    fa::fence_proxy_async();  // the planes (generic-proxy stores) → the wgmmas' async-proxy reads
+    __syncthreads();
+
+    float acc_s[kBlockN / 2];
+    gemm_rs_tf32<kPrec, kBlockN, Tr::kKSteps>(acc_s, q_hi, q_lo, sK, static_cast<int>(sKlo - sK), true);
+    const int row0 = m0 + warp_row + g, n0 = n_block * kBlockN;
+    uint32_t p_hi[Tr::kPvSteps][4], p_lo[Tr::kPvSteps][4];
+    if constexpr (kPrec == 3) {
+      float correction[2];
+      softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
+                                                             tiles.masked(n_block), row0, n0, t, scale_log2);
+      p_frags<kPrec, kBlockN>(p_hi, p_lo, acc_s);
+      float acc_pv[kHeadDimV / 2];  // P V_j alone (zeroed by the first wgmma), then added to O in fp32
+      gemm_rs_tf32<kPrec, kHeadDimV, Tr::kPvSteps>(acc_pv, p_hi, p_lo, sVt, Tr::kTileBytes, true);
+#pragma unroll
+      for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = fmaf(acc_o[i], correction[(i % 4) >> 1], acc_pv[i]);
+    } else {
+      softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, tiles.masked(n_block), row0, n0, t,
+                                                  scale_log2);
+      p_frags<kPrec, kBlockN>(p_hi, p_lo, acc_s);
+      gemm_rs_tf32<kPrec, kHeadDimV, Tr::kPvSteps>(acc_o, p_hi, p_lo, sVt, 0, false);
+    }
+    stage ^= 1;
+  }
+
+  // Epilogue: O / l and the LSE straight from the accumulator fragments (rows g, g + 8 of the warp; columns
+  // 8j + 2t, + 1), rows at or past Lq and columns at or past Dv not written.
+  float inv_l[2], lse_r[2];
+  finish_rows_sm90(inv_l, lse_r, stat);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp_row + g + 8 * r;
+    if (m0 + row >= Lq) continue;
+    if (t == 0) fa::gstore(lse_i + row, lse_r[r]);
+#pragma unroll
+    for (int j = 0; j < kHeadDimV / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * t + e;
+        if (col < Dv) fa::gstore(o_i + row * o_row + col, acc_o[4 * j + 2 * r + e] * inv_l[r]);
+      }
+  }
+}
+
+}  // namespace flash
