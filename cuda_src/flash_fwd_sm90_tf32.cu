@@ -9,8 +9,9 @@
 //                         their sums, docs/precision.md, "Default").
 // One thread block per (query tile Q_i of Br = 128 rows, batch entry): two warpgroups, warpgroup w owning rows
 // [64w, 64w + 64) of Q_i (one wgmma m64 row block; a row's softmax statistics stay in one quad). Per key tile j:
-//   S_ij = Q_i K_jᵀ   d/8 k8 steps × (1 or 3) wgmma.m64n{Bc}k8 .rs: Q's A fragments (hi, lo) held in registers
-//                     for the whole key loop; K_j's planes K-major in 128B-swizzled shared memory;
+//   S_ij = Q_i K_jᵀ   d/8 k8 steps × (1 or 3) wgmma.m64n{Bc}k8: Q's hi A fragments held in registers for the
+//                     whole key loop (.rs; tf32 at d 128 .ss from Q's plane), 3xtf32's Q lo read from its plane
+//                     (.ss); K_j's planes K-major in 128B-swizzled shared memory;
 //   online softmax on the accumulator fragments (flash_fwd_sm90_softmax.cuh, as the 16-bit wgmma forward);
 //   O_i += P_ij V_j   Bc/8 k8 steps × (1 or 3) wgmma.m64n{dv}k8 .rs: P's A fragments from the S accumulator,
 //                     V_j transposed (tf32 wgmma reads K-major operands only) into Vtᵀ planes.
@@ -25,7 +26,7 @@
 //       of a 32-float panel at 128·r, 16-byte chunk c at c ^ (r mod 8)); V raw row-major, chunk c of row r at
 //       c ^ 2(r mod 4) (the transposing reads conflict-free).
 //   K_j lo plane (3xtf32) and the Vt planes (dv rows × Bc keys, 128B-swizzled K-major, permuted keys).
-//   Q_i raw (prologue only, over stage 1 and what follows: idle until the first prefetch).
+//   Q_i: raw → hi in place, and its lo plane (3xtf32), 128B-swizzled K-major (Br rows per panel).
 // Each thread converts exactly the chunks it copied (its own cp.async results are visible to it after the
 // wait), so per key tile: wait, barrier (every warpgroup done with tile j+1's planes), prefetch tile j−1,
 // convert K_j (hi in place, lo) and transpose V_j into the Vt planes, fence.proxy.async, barrier, the wgmmas.
@@ -50,18 +51,19 @@ struct Sm90Tf32FwdTraits {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_, kBlockN = kBlockN_, kPrec = kPrec_;
   static constexpr int kBlockM = 128, kNThreads = 256, kNWarps = 8;
   static constexpr int kPlanes = kPrec == 3 ? 2 : 1;
+  // Q_i's (hi) A fragments in registers for the key loop (.rs), except tf32 at d 128 (64 registers: .ss from its
+  // plane); 3xtf32's Q lo is always read through a descriptor (.ss).
+  static constexpr bool kQRegs = !(kPrec == 1 && kHeadDim == 128);
   static constexpr int kTileBytes = kBlockN * kHeadDim * 4;      // one plane of K_j, V_j or Vt_j
   static constexpr int kStageBytes = 2 * kTileBytes;             // K_j raw / hi, V_j raw
   static constexpr int kVRawOffset = kTileBytes;                 // within a stage
   static constexpr int kKLoOffset = 2 * kStageBytes;
   static constexpr int kVtOffset = kKLoOffset + (kPrec == 3 ? kTileBytes : 0);
-  static constexpr int kLoopBytes = kVtOffset + kPlanes * kTileBytes;
-  static constexpr int kQRawOffset = kStageBytes;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kQOffset = kVtOffset + kPlanes * kTileBytes;
+  static constexpr int kQPlaneBytes = kBlockM * kHeadDim * 4;   // Q_i raw → hi in place, then its lo plane
   static constexpr int kAtomBytes = 1024;
   // + the alignment slack of the GPU's dynamic shared memory base (cuda_forward_tf32.wgmma_smem_bytes).
-  static constexpr int kSmemBytes =
-      (kLoopBytes > kQRawOffset + kQBytes ? kLoopBytes : kQRawOffset + kQBytes) + kAtomBytes;
+  static constexpr int kSmemBytes = kQOffset + kPlanes * kQPlaneBytes + kAtomBytes;
   static constexpr int kKSteps = kHeadDim / 8;   // k8 steps of S = Q Kᵀ
   static constexpr int kPvSteps = kBlockN / 8;   // k8 steps of P V
   static constexpr int kVPairs = kHeadDim / 8;   // 32-byte chunk pairs per V row
@@ -71,6 +73,7 @@ struct Sm90Tf32FwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "d = dv: the N of the O wgmma, 64 or 128");
   static_assert(kBlockN == 64 || kBlockN == 128, "Bc: the N of the S wgmma, 64 or 128");
   static_assert((kBlockN / 16) * kVPairs % kNWarps == 0, "whole V passes");
+  static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory");
 };
 
 // Byte offset of element (n, key) of a Vt plane: dv rows n, Bc keys in 32-key panels, 128B-swizzled K-major,
@@ -140,24 +143,58 @@ __device__ __forceinline__ void convert_sw128(unsigned char* s_tile, int lo_byte
                          lo_bytes / 4);
 }
 
-// Q_i's A fragments of the warp's 16 rows (row0 = its first row in the tile) for every k8 step, from the raw
-// 128B-swizzled tile: hi, and lo for 3xtf32.
+// Q_i's (hi) A fragments of the warp's 16 rows (row0 = its first row in the tile) for every k8 step, from the
+// converted 128B-swizzled hi plane.
 template <class Tr>
-__device__ __forceinline__ void load_q_frags(uint32_t (&q_hi)[Tr::kKSteps][4], uint32_t (&q_lo)[Tr::kKSteps][4],
-                                             const unsigned char* sQ, int row0, int g, int t) {
+__device__ __forceinline__ void load_q_frags(uint32_t (&q_hi)[Tr::kKSteps][4], const unsigned char* sQ, int row0,
+                                             int g, int t) {
 #pragma unroll
   for (int ks = 0; ks < Tr::kKSteps; ++ks)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + g + 8 * (i & 1), c = 8 * ks + t + 4 * (i >> 1);
-      const float x = *reinterpret_cast<const float*>(sQ + sw128_offset<Tr::kBlockM>(r, c >> 2) + (c & 3) * 4);
-      tf32_operand<Tr::kPrec>(x, q_hi[ks][i], q_lo[ks][i]);
+      q_hi[ks][i] = *reinterpret_cast<const uint32_t*>(sQ + sw128_offset<Tr::kBlockM>(r, c >> 2) + (c & 3) * 4);
     }
 }
 
-// acc (+)= A·Bᵀ over k8 steps in precision kPrec, one committed batch, waited for: A the register fragments
-// (hi, lo) of each step, B's planes at b_hi (lo at b_lo_bytes past it; 128B-swizzled K-major, N = kN rows, step
-// ks at panel ks / 4 (kN·128 bytes apart), byte 32 (ks mod 4)). scale_d 0 on the first wgmma: acc starts at 0.
+// The descriptor of k8 step ks of a 128B-swizzled K-major operand of kRows rows per panel at `base` (the
+// warpgroup's first row): panel ks / 4 (kRows·128 bytes apart), byte 32 (ks mod 4).
+template <int kRows>
+__device__ __forceinline__ uint64_t k8_desc(const unsigned char* base, int ks) {
+  return sw128_desc(base + (ks / 4) * kRows * 128 + (ks % 4) * 32, 16);
+}
+
+// S = Q_w K_jᵀ for the warpgroup's 64 rows in precision kPrec, one committed batch, waited for. q_hi: Q's (hi)
+// fragments (Tr::kQRegs), sQ_w: its planes at the warpgroup's rows (hi, lo a plane apart); sK: K_j's hi plane,
+// its lo at k_lo_bytes. Per k8 step (3xtf32) Q_lo·K_hi (.ss), Q_hi·K_lo, Q_hi·K_hi (.rs); scale_d 0 first.
+template <class Tr>
+__device__ __forceinline__ void gemm_s_tf32(float (&acc)[Tr::kBlockN / 2], const uint32_t (&q_hi)[Tr::kKSteps][4],
+                                            const unsigned char* sQ_w, const unsigned char* sK, int k_lo_bytes) {
+  constexpr int kN = Tr::kBlockN;
+  fa::wgmma_fence_operand(acc);
+  fa::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+    const uint64_t k_hi = k8_desc<kN>(sK, ks);
+    if constexpr (Tr::kPrec == 3) {
+      fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, k8_desc<Tr::kBlockM>(sQ_w + Tr::kQPlaneBytes, ks), k_hi, ks > 0 ? 1 : 0);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k8_desc<kN>(sK + k_lo_bytes, ks), 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi, 1);
+    } else if constexpr (Tr::kQRegs) {
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi, ks > 0 ? 1 : 0);
+    } else {
+      fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, k8_desc<Tr::kBlockM>(sQ_w, ks), k_hi, ks > 0 ? 1 : 0);
+    }
+  }
+  (void)k_lo_bytes;
+  fa::wgmma_commit_group();
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc);
+}
+
+// acc (+)= A·Bᵀ over k8 steps in precision kPrec (3xtf32: A_lo·B_hi + A_hi·B_lo + A_hi·B_hi per step), one
+// committed batch, waited for: A the register fragments (hi, lo) of each step, B's planes at b_hi (lo at b_lo_bytes
+// past it; 128B-swizzled K-major, N = kN rows). zero: scale_d 0 on the first wgmma (acc starts at 0). P V.
 template <int kPrec, int kN, int kSteps>
 __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
                                              const uint32_t (&a_lo)[kSteps][4], const unsigned char* b_hi,
@@ -166,15 +203,14 @@ __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    const unsigned char* b = b_hi + (ks / 4) * kN * 128 + (ks % 4) * 32;
     const int first = zero && ks == 0 ? 0 : 1;
     if constexpr (kPrec == 3) {
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], sw128_desc(b, 16), first);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b + b_lo_bytes, 16), 1);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b, 16), 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], k8_desc<kN>(b_hi, ks), first);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi + b_lo_bytes, ks), 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi, ks), 1);
     } else {
       (void)a_lo; (void)b_lo_bytes;
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw128_desc(b, 16), first);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi, ks), first);
     }
   }
   fa::wgmma_commit_group();
@@ -183,14 +219,15 @@ __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_
 }
 
 // P_ij (in acc_s) as the A fragments of P V: k8 step kk takes n8 tile kk, a0/a1 its column 2t (rows g, g + 8),
-// a2/a3 column 2t + 1 (the Vt planes' key order).
+// a2/a3 column 2t + 1 (the Vt planes' key order). tf32_operand_finite: cvt.rna's bits for P's finite values.
 template <int kPrec, int kBlockN>
 __device__ __forceinline__ void p_frags(uint32_t (&p_hi)[kBlockN / 8][4], uint32_t (&p_lo)[kBlockN / 8][4],
                                         const float (&acc_s)[kBlockN / 2]) {
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 8; ++kk)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) tf32_operand<kPrec>(acc_s[4 * kk + 2 * (i & 1) + (i >> 1)], p_hi[kk][i], p_lo[kk][i]);
+    for (int i = 0; i < 4; ++i)
+      tf32_operand_finite<kPrec>(acc_s[4 * kk + 2 * (i & 1) + (i >> 1)], p_hi[kk][i], p_lo[kk][i]);
 }
 
 template <int kHeadDim, int kBlockN, int kPrec, bool Is_causal>
@@ -251,23 +288,25 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
     load_v_raw<Tr>(s + Tr::kVRawOffset, v_base + n0 * v_row, v_row, rows, Dv, warp, lane);
   };
 
-  // Prologue: Q_i raw and the first key tile; Q's fragments (split) into registers for the whole loop.
-  uint32_t q_hi[Tr::kKSteps][4], q_lo[Tr::kKSteps][4];
+  // Prologue: Q_i and the first key tile; Q converted (hi in place, lo plane) by the threads that copied it, then
+  // (kQRegs) Q's hi fragments into registers for the whole loop.
+  unsigned char* sQ = smem + Tr::kQOffset;
+  uint32_t q_hi[Tr::kKSteps][4];
   int n_block = tiles.first();
   if (n_block >= tiles.lo()) {
-    load_sw128<float, kBlockM, kHeadDim, 256, true>(smem + Tr::kQRawOffset, q_i, q_row, rows_in_tile(m0, kBlockM, Lq),
-                                                    D, false, tid);
+    load_sw128<float, kBlockM, kHeadDim, 256, true>(sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, false, tid);
     load_kv(false, 0, n_block);
     fa::cp_async_commit();
     fa::cp_async_wait<0>();
+    convert_sw128<kPrec, kBlockM, kHeadDim, 256>(sQ, Tr::kQPlaneBytes, tid);
     __syncthreads();
-    load_q_frags<Tr>(q_hi, q_lo, smem + Tr::kQRawOffset, warp_row, g, t);
+    if constexpr (Tr::kQRegs) load_q_frags<Tr>(q_hi, sQ, warp_row, g, t);
   }
   int stage = 0;
   for (; n_block >= tiles.lo(); n_block = tiles.prev(n_block)) {
     fa::cp_async_wait<0>();
-    // Every warpgroup is done with tile j+1's planes (its wgmmas were waited for) and, the first time, every
-    // thread has its Q fragments: the planes, the other stage and sQ's bytes may be rewritten.
+    // Every warpgroup is done with tile j+1's planes (its wgmmas were waited for): they and the other stage may
+    // be rewritten.
     __syncthreads();
     const int next = tiles.prev(n_block);
     if (next >= tiles.lo()) load_kv(true, stage ^ 1, next);  // below the top tile every tile is full
@@ -275,11 +314,11 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
     unsigned char* sK = smem + stage * Tr::kStageBytes;
     convert_sw128<kPrec, kBlockN, kHeadDim, 256>(sK, static_cast<int>(sKlo - sK), tid);
     transpose_v<Tr>(sVt, sK + Tr::kVRawOffset, warp, lane);
-    fa::fence_proxy_async();  // the planes (generic-proxy stores) → the wgmmas' async-proxy reads
+    fa::fence_proxy_async();  // the planes (and, the first time, Q's) generic-proxy stores → the wgmmas' reads
     __syncthreads();
 
     float acc_s[kBlockN / 2];
-    gemm_rs_tf32<kPrec, kBlockN, Tr::kKSteps>(acc_s, q_hi, q_lo, sK, static_cast<int>(sKlo - sK), true);
+    gemm_s_tf32<Tr>(acc_s, q_hi, sQ + wg * 64 * 128, sK, static_cast<int>(sKlo - sK));
     const int row0 = m0 + warp_row + g, n0 = n_block * kBlockN;
     uint32_t p_hi[Tr::kPvSteps][4], p_lo[Tr::kPvSteps][4];
     if constexpr (kPrec == 3) {

@@ -21,6 +21,19 @@ __device__ __forceinline__ void tf32_operand(float x, uint32_t& hi, uint32_t& lo
   }
 }
 
+// x rounded to tf32 as cvt.rna does for a finite x (ties away from zero): half a tf32 ulp added to the magnitude's
+// bits, the low 13 cleared (2 instructions; cvt.rna.tf32.f32 is 4 on sm_80-90, its guard keeping NaN a NaN).
+__device__ __forceinline__ uint32_t tf32_rna_finite(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// tf32_operand with tf32_rna_finite: the same bits for a finite x. For P_ij (exp2 values in [0, 1]): a NaN P may
+// come out as a number here, but then its row's sum l is NaN, and so is the row's output.
+template <int kPrec>
+__device__ __forceinline__ void tf32_operand_finite(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_rna_finite(x);
+  if constexpr (kPrec == 3) lo = tf32_rna_finite(x - __uint_as_float(hi));
+  else (void)lo;
+}
+
 // In shared memory, one 16-byte chunk: x → hi in place (and lo at chunk + lo_plane, 3xtf32).
 template <int kPrec>
 __device__ __forceinline__ void convert_chunk(float* chunk, int lo_plane) {

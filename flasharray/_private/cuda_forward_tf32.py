@@ -72,8 +72,7 @@ _NARROW_BLOCK_N = 16
 
 
 #: The wgmma forward (``cuda_src/flash_fwd_sm90_tf32.cu``) on sm_90 for dense calls with 16-byte aligned rows:
-#: head dims padded to a wgmma d = dv per precision (3xtf32: 64; its Q fragments, hi and lo, stay in registers for
-#: the key loop, 64 at d 64), Br 128 (two warpgroups), Bc :data:`WGMMA_BLOCK_N`. Off: the mma.sync kernel
+#: head dims padded to a wgmma d = dv per precision (3xtf32: 64), Br 128 (two warpgroups), Bc :data:`WGMMA_BLOCK_N`. Off: the mma.sync kernel
 #: everywhere (``benchmarks/gpu_session.sh`` compares the two).
 WGMMA = True
 WGMMA_SOURCE = "flash_fwd_sm90_tf32.cu"
@@ -84,11 +83,10 @@ WGMMA_BLOCK_N = 64
 
 def wgmma_smem_bytes(d, block_n, precision):
     """Mirror of Sm90Tf32FwdTraits::kSmemBytes: two stages of K_j (raw, then hi) and V_j raw, K_j's lo plane
-    (3xtf32), the Vt planes; Q_i raw over stage 1 onwards in the prologue; + 1024 bytes of alignment slack."""
+    (3xtf32), the Vt planes, Q_i's planes (hi, lo for 3xtf32); + 1024 bytes of alignment slack."""
     tile = block_n * d * 4
     planes = 2 if precision == "3xtf32" else 1
-    loop = 4 * tile + (tile if planes == 2 else 0) + planes * tile
-    return max(loop, 2 * tile + WGMMA_BLOCK_M * d * 4) + 1024
+    return 4 * tile + (planes - 1) * tile + planes * tile + planes * WGMMA_BLOCK_M * d * 4 + 1024
 
 
 def smem_bytes(d, dv, block_m, block_n, precision, q_split=False, o_smem=False):
@@ -160,9 +158,11 @@ def wgmma_tile(precision, d, dv, a, ext, fallback):
     if wd is None:
         return None
     smem = wgmma_smem_bytes(wd, WGMMA_BLOCK_N, precision)
-    reason = ("%s on sm_90: wgmma m64nNk8 (two warpgroups, Br=%d, Bc=%d; Q's %s fragments in registers, K_j and "
-              "V_j transposed as tf32 %s in shared memory), d = dv padded to %d"
-              % (precision, WGMMA_BLOCK_M, WGMMA_BLOCK_N, "hi/lo" if precision == "3xtf32" else "tf32",
+    reason = ("%s on sm_90: wgmma m64nNk8 (two warpgroups, Br=%d, Bc=%d; Q %s, K_j and V_j transposed as tf32 %s "
+              "in shared memory), d = dv padded to %d"
+              % (precision, WGMMA_BLOCK_M, WGMMA_BLOCK_N,
+                 "hi fragments in registers, lo plane in shared memory" if precision == "3xtf32" else
+                 "fragments in registers" if wd == 64 else "in shared memory",
                  "hi+lo planes" if precision == "3xtf32" else "planes", wd))
     return Tf32WgmmaTile("tf32", "float32", wd, wd, WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_BLOCK_M // 16, 32, smem,
                          reason, 1, precision, fallback=fallback)
