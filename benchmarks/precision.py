@@ -261,7 +261,7 @@ def _compiled_loops(source, arch, found):
 
 def _tf32_fwd_found(precisions, arch, head_dims):
     from flasharray._private import cuda_forward_tf32 as T
-    tiles = (T.forward_tile(p, np.float32, d, d, arch) for p in precisions for d in head_dims)
+    tiles = (T.forward_tile(p, np.float32, d, d, arch, wgmma=False) for p in precisions for d in head_dims)
     return {t.name_expression(False, True): t for t in tiles if t is not None}  # None: the call runs SIMT
 
 

@@ -152,3 +152,26 @@ def test_3xtf32_under_truncated_mma_sums():
     truncated, ok_truncated = run("truncate")
     assert nearest != truncated
     assert ok_nearest == ok_truncated == b"PASSED"
+
+
+_PROBE = r"""
+#include "flash_fwd_sm90_tf32.cu"
+template <int D, int BN, int P>
+__global__ void probe(int* out) {
+  if (threadIdx.x == 0) fa::gstore(out, flash::Sm90Tf32FwdTraits<D, BN, P>::kSmemBytes);
+}
+"""
+
+
+def test_python_smem_matches_traits():
+    """cuda_forward_tf32.wgmma_smem_bytes (the launch's dynamic shared memory) equals the kernel's kSmemBytes."""
+    from flasharray import emulator
+    from flasharray._private import launch
+    entries = {"probe<%d, %d, %d>" % (d, T.WGMMA_BLOCK_N, T.PREC[p]): T.wgmma_smem_bytes(d, T.WGMMA_BLOCK_N, p)
+               for p, dims in T.WGMMA_HEAD_DIMS.items() for d in dims}
+    mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
+                          options=["-std=c++17"])
+    out = np.zeros(1, np.int32)
+    for name, smem in entries.items():
+        mod.launch(name, 1, 1, (out,))
+        assert int(out[0]) == smem, name

@@ -244,7 +244,7 @@ def test_tile_table():
         for precision in PRECISIONS:
             for d in range(1, 257, 7):
                 dv = 256 - d // 2 if d > 128 else 128 - d // 2
-                t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
+                t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch, wgmma=False)
                 if t is None:
                     pd, pdv = tiles.pad_head_dim(d), tiles.pad_head_dim(dv)
                     assert precision == "3xtf32" and pdv > 128 and (arch in (86, 89) or max(pd, pdv) >= 224), (arch, d)
@@ -291,7 +291,7 @@ def test_python_smem_matches_traits():
     for precision in PRECISIONS:
         for d, dv, arch in ((16, 16, 86), (64, 64, 86), (128, 128, 86), (48, 112, 86), (64, 64, 90), (96, 32, 90),
                             (256, 256, 90), (64, 256, 80), (200, 136, 90), (160, 160, 80)):
-            t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch)
+            t = cuda_forward_tf32.forward_tile(precision, np.float32, d, dv, arch, wgmma=False)
             entries["probe_tf32<%d, %d, %d, %d, %d, %d, %s, %s>" % (
                 t.head_dim, t.head_dim_v, t.block_m, t.block_n, t.threads_m, cuda_forward_tf32.PREC[precision],
                 "true" if t.q_split else "false", "true" if t.o_smem else "false")] = t.smem

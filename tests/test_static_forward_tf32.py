@@ -59,7 +59,7 @@ def instantiations(arch, head_dims, flags, exts=(0,)):
         for hd in head_dims:
             d, dv = hd if isinstance(hd, tuple) else (hd, hd)
             for e in exts:
-                t = T.forward_tile(precision, np.float32, d, dv, arch, ext=e)
+                t = T.forward_tile(precision, np.float32, d, dv, arch, ext=e, wgmma=False)  # (the wgmma one: its own file)
                 if t is None:
                     continue
                 for causal, aligned in flags:

@@ -169,12 +169,13 @@ def wgmma_tile(precision, d, dv, a, ext, fallback):
 
 
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
-                 num_splits=None, kv=None):
+                 num_splits=None, kv=None, wgmma=True):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
     SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 256, forced kernel, IO tile,
     split-KV or KV cache; 3xtf32 with extensions on a wide tile, or where no tile fits). ``ext``: the
     call's kExt bits (the same tile, but Bc = 16 for a window with a block mask, :data:`NARROW_EXT`,
-    and for any extension on a wide tile).
+    and for any extension on a wide tile). On sm_90 the wgmma kernel's :class:`Tf32WgmmaTile` where it
+    applies (:func:`wgmma_tile`; ``wgmma=False``: the mma.sync tile, its ``fallback``).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -189,7 +190,7 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
         return None  # spilled even at Bc 16 (WIDE_EXT_BLOCK_N's comment): the SIMT kernel
     narrow = int(ext) & NARROW_EXT == NARROW_EXT or (wide and bool(ext))
     tile = _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
-    return wgmma_tile(precision, d, dv, tiles.arch_number(arch), ext, tile) or tile
+    return (wgmma and wgmma_tile(precision, d, dv, tiles.arch_number(arch), ext, tile)) or tile
 
 
 def _block_ns(precision, d, dv, narrow):
