@@ -8,10 +8,11 @@
 //                         accumulator added to O in fp32 (O = O · correction + P V_j: the tensor cores truncate
 //                         their sums, docs/precision.md, "Default").
 // One thread block per (query tile Q_i of Br = 128 rows, batch entry): two warpgroups, warpgroup w owning rows
-// [64w, 64w + 64) of Q_i (one wgmma m64 row block; a row's softmax statistics stay in one quad). Per key tile j:
-//   S_ij = Q_i K_jᵀ   d/8 k8 steps × (1 or 3) wgmma.m64n{Bc}k8: Q's hi A fragments held in registers for the
-//                     whole key loop (.rs; tf32 at d 128 .ss from Q's plane), 3xtf32's Q lo read from its plane
-//                     (.ss); K_j's planes K-major in 128B-swizzled shared memory;
+// [64w, 64w + 64) of Q_i (one wgmma m64 row block; a row's softmax statistics stay in one quad); tf32 at d 64 two
+// blocks per SM (kMinBlocks). Per key tile j:
+//   S_ij = Q_i K_jᵀ   d/8 k8 steps × (1 or 3) wgmma.m64n{Bc}k8: 3xtf32's Q hi A fragments held in registers for
+//                     the whole key loop (.rs), its Q lo (and tf32's Q) read from Q's plane (.ss); K_j's planes
+//                     K-major in 128B-swizzled shared memory;
 //   online softmax on the accumulator fragments (flash_fwd_sm90_softmax.cuh, as the 16-bit wgmma forward);
 //   O_i += P_ij V_j   Bc/8 k8 steps × (1 or 3) wgmma.m64n{dv}k8 .rs: P's A fragments from the S accumulator,
 //                     V_j transposed (tf32 wgmma reads K-major operands only) into Vtᵀ planes.
@@ -23,13 +24,12 @@
 // Shared memory (byte offsets; 1024-byte aligned pieces, the dynamic base rounded up to 1024 on the GPU):
 //   stage s = 0, 1 at s · 2·Bc·d·4: K_j raw → its hi plane in place, then V_j raw. cp.async into the stage of the
 //       next tile while this one is computed. K in the 128B-swizzled K-major layout (flash_sm90_common.cuh: row r
-//       of a 32-float panel at 128·r, 16-byte chunk c at c ^ (r mod 8)); V raw row-major, chunk c of row r at
-//       c ^ 2(r mod 4) (the transposing reads conflict-free).
+//       of a 32-float panel at 128·r, 16-byte chunk c at c ^ (r mod 8)); V raw row-major (dv floats per row).
 //   K_j lo plane (3xtf32) and the Vt planes (dv rows × Bc keys, 128B-swizzled K-major, permuted keys).
 //   Q_i: raw → hi in place, and its lo plane (3xtf32), 128B-swizzled K-major (Br rows per panel).
-// Each thread converts exactly the chunks it copied (its own cp.async results are visible to it after the
-// wait), so per key tile: wait, barrier (every warpgroup done with tile j+1's planes), prefetch tile j−1,
-// convert K_j (hi in place, lo) and transpose V_j into the Vt planes, fence.proxy.async, barrier, the wgmmas.
+// Per key tile: wait for the copies, barrier (every thread's copies visible, every warpgroup done with tile j+1's
+// planes), prefetch tile j−1, convert K_j (each thread the chunks it copied: hi in place, lo) and transpose V_j
+// into the Vt planes (transpose_v), fence.proxy.async, barrier, the wgmmas.
 //
 // Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, d = dv (64, or 128 for
 // tf32), no extensions. Arguments: flash_fwd_tf32_kernel's, so the host lays out both alike.
@@ -39,6 +39,7 @@
 #include "flash_mask.cuh"
 #include "flash_softmax.cuh"
 #include "flash_fwd_tiles.cuh"
+#include "flash_fwd_copy.cuh"           // TileCopy
 #include "flash_ext.cuh"
 #include "flash_tf32_split.cuh"         // tf32_operand, convert_chunk
 #include "flash_fwd_sm90_softmax.cuh"   // Sm90KeyTiles, softmax_tile_sm90, finish_rows_sm90
@@ -51,9 +52,13 @@ struct Sm90Tf32FwdTraits {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_, kBlockN = kBlockN_, kPrec = kPrec_;
   static constexpr int kBlockM = 128, kNThreads = 256, kNWarps = 8;
   static constexpr int kPlanes = kPrec == 3 ? 2 : 1;
-  // Q_i's (hi) A fragments in registers for the key loop (.rs), except tf32 at d 128 (64 registers: .ss from its
-  // plane); 3xtf32's Q lo is always read through a descriptor (.ss).
-  static constexpr bool kQRegs = !(kPrec == 1 && kHeadDim == 128);
+  // Blocks per SM the launch bounds ask for: two where two blocks' shared memory fits an SM (tf32 at d 64: 2 x
+  // 114 KB of 228): 128 registers, and each block's conversion and softmax run beside the other's wgmmas.
+  static constexpr int kMinBlocks = kPrec == 1 && kHeadDim == 64 ? 2 : 1;
+  // Q_i's (hi) A fragments in registers for the key loop (.rs) in 3xtf32 (its Q lo read through a descriptor,
+  // .ss); tf32 reads Q through descriptors (at d 128 its fragments would be 64 registers, at d 64 the two-block
+  // kernel's 128 spilled 36-40 bytes with them).
+  static constexpr bool kQRegs = kPrec == 3;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 4;      // one plane of K_j, V_j or Vt_j
   static constexpr int kStageBytes = 2 * kTileBytes;             // K_j raw / hi, V_j raw
   static constexpr int kVRawOffset = kTileBytes;                 // within a stage
@@ -66,67 +71,40 @@ struct Sm90Tf32FwdTraits {
   static constexpr int kSmemBytes = kQOffset + kPlanes * kQPlaneBytes + kAtomBytes;
   static constexpr int kKSteps = kHeadDim / 8;   // k8 steps of S = Q Kᵀ
   static constexpr int kPvSteps = kBlockN / 8;   // k8 steps of P V
-  static constexpr int kVPairs = kHeadDim / 8;   // 32-byte chunk pairs per V row
-  static constexpr int kVPasses = (kBlockN / 16) * kVPairs / kNWarps;
+  static constexpr int kVPasses = (kHeadDimV / 32) * (kBlockN / 4) / kNWarps;  // transpose_v's passes
 
   static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "d = dv: the N of the O wgmma, 64 or 128");
   static_assert(kBlockN == 64 || kBlockN == 128, "Bc: the N of the S wgmma, 64 or 128");
-  static_assert((kBlockN / 16) * kVPairs % kNWarps == 0, "whole V passes");
+  static_assert((kHeadDimV / 32) * (kBlockN / 4) % kNWarps == 0, "whole V passes");
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory");
 };
 
-// Byte offset of element (n, key) of a Vt plane: dv rows n, Bc keys in 32-key panels, 128B-swizzled K-major,
-// key 8kk + q at position 8kk + (q >> 1) + 4 (q & 1) (the k order of P's A fragments).
-template <int kHeadDimV>
-__device__ __forceinline__ int vt_offset(int n, int key) {
-  const int pos = (key & ~7) | ((key & 7) >> 1) | ((key & 1) << 2);
-  return sw128_offset<kHeadDimV>(n, pos >> 2) + (pos & 3) * 4;
-}
-
-// V_j raw (Bc × dv floats, row r at r·dv·4 bytes, 16-byte chunk c at c ^ 2(r mod 4)) by cp.async: warp w's pass
-// p takes unit u = w + 8p, keys 16 (u mod Bc/16) + l/2 and chunk 2 (u div Bc/16) + l mod 2 for lane l (lane
-// pairs read 32 contiguous bytes; one 16-key group per warp keeps the transposed stores conflict-free). Rows at
-// or past rows_valid and columns at or past cols_valid zero-filled.
+// V_j raw is Bc × dv floats row-major (TileCopy, stride dv). After the barrier that follows the copies' wait (so
+// every thread's copies are visible), the Vt planes' 16-byte chunks are built from it: chunk (n, kk, h) holds the
+// keys at positions 8kk + 4h .. + 3, i.e. keys 8kk + h + 2j (j = 0..3), of dv column n — four 32-bit loads down
+// the column, one 16-byte store per plane. Warp w's pass p takes (kk, h) = u div (dv/32) and columns 32 (u mod dv/32)
+// + lane for u = w + 8p: the loads read 128 contiguous bytes of a row, the stores 32 rows at one chunk (8 rows
+// per phase at 8 distinct swizzled chunks): no bank conflicts either way.
 template <class Tr>
-struct VRawChunk {
-  int r, chunk;
-  __device__ __forceinline__ VRawChunk(int warp, int lane, int p) {
+__device__ __forceinline__ void transpose_v(unsigned char* sVt, const float* sV, int warp, int lane) {
+  constexpr int kColGroups = Tr::kHeadDimV / 32;
+#pragma unroll
+  for (int p = 0; p < Tr::kVPasses; ++p) {
     const int u = warp + Tr::kNWarps * p;
-    r = 16 * (u % (Tr::kBlockN / 16)) + lane / 2;
-    chunk = 2 * (u / (Tr::kBlockN / 16)) + (lane & 1);
-  }
-  __device__ __forceinline__ int offset() const { return r * Tr::kHeadDimV * 4 + ((chunk ^ ((r & 3) << 1)) << 4); }
-};
-
-template <class Tr>
-__device__ __forceinline__ void load_v_raw(unsigned char* sV, const float* g_tile, long long row_stride, int rows_valid,
-                                           int cols_valid, int warp, int lane) {
+    const int n = 32 * (u % kColGroups) + lane, kh = u / kColGroups;  // kh = 2kk + h
+    const float* col = sV + ((kh >> 1) * 8 + (kh & 1)) * Tr::kHeadDimV + n;
+    Vec16<float> hi, lo;
 #pragma unroll
-  for (int p = 0; p < Tr::kVPasses; ++p) {
-    const VRawChunk<Tr> c(warp, lane, p);
-    int elems = cols_valid - 4 * c.chunk;
-    elems = elems < 0 ? 0 : (elems > 4 ? 4 : elems);
-    const bool ok = c.r < rows_valid && elems > 0;
-    fa::cp_async<kCopyBytes>(sV + c.offset(), ok ? g_tile + c.r * row_stride + 4 * c.chunk : g_tile, ok ? elems * 4 : 0);
-  }
-}
-
-// The chunks this thread copied with load_v_raw, as tf32 (hi, lo) into the Vt planes (lo at lo_bytes past hi).
-template <class Tr>
-__device__ __forceinline__ void transpose_v(unsigned char* sVt, const unsigned char* sV, int warp, int lane) {
-#pragma unroll
-  for (int p = 0; p < Tr::kVPasses; ++p) {
-    const VRawChunk<Tr> c(warp, lane, p);
-    const Vec16<float> x = *reinterpret_cast<const Vec16<float>*>(sV + c.offset());
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      uint32_t hi, lo = 0;
-      tf32_operand<Tr::kPrec>(x.v[e], hi, lo);
-      unsigned char* at = sVt + vt_offset<Tr::kHeadDimV>(4 * c.chunk + e, c.r);
-      *reinterpret_cast<uint32_t*>(at) = hi;
-      if constexpr (Tr::kPrec == 3) *reinterpret_cast<uint32_t*>(at + Tr::kTileBytes) = lo;
+    for (int j = 0; j < 4; ++j) {
+      uint32_t h, l = 0;
+      tf32_operand<Tr::kPrec>(col[2 * j * Tr::kHeadDimV], h, l);
+      hi.v[j] = __uint_as_float(h);
+      lo.v[j] = __uint_as_float(l);
     }
+    unsigned char* at = sVt + sw128_offset<Tr::kHeadDimV>(n, kh);
+    *reinterpret_cast<Vec16<float>*>(at) = hi;
+    if constexpr (Tr::kPrec == 3) *reinterpret_cast<Vec16<float>*>(at + Tr::kTileBytes) = lo;
   }
 }
 
@@ -231,7 +209,7 @@ __device__ __forceinline__ void p_frags(uint32_t (&p_hi)[kBlockN / 8][4], uint32
 }
 
 template <int kHeadDim, int kBlockN, int kPrec, bool Is_causal>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(256, (Sm90Tf32FwdTraits<kHeadDim, kBlockN, kPrec>::kMinBlocks))
 flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                            float* __restrict__ o, float* __restrict__ lse,
                            int Lq, int Lk, int D, int Dv, int nb2,
@@ -280,12 +258,13 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
   stat[0].init();
   stat[1].init();
 
+  const TileCopy<float, kBlockN, kHeadDimV, kHeadDimV, 256> copy_v(v_row, Dv, tid);
   auto load_kv = [&](bool full, int stage, int n_block) {
     const int n0 = n_block * kBlockN;
     const int rows = rows_in_tile(n0, kBlockN, Lk);
     unsigned char* s = smem + stage * Tr::kStageBytes;
     load_sw128<float, kBlockN, kHeadDim, 256, true>(s, k_base + n0 * k_row, k_row, rows, D, full, tid);
-    load_v_raw<Tr>(s + Tr::kVRawOffset, v_base + n0 * v_row, v_row, rows, Dv, warp, lane);
+    copy_v.load(full, reinterpret_cast<float*>(s + Tr::kVRawOffset), v_base + n0 * v_row, rows);
   };
 
   // Prologue: Q_i and the first key tile; Q converted (hi in place, lo plane) by the threads that copied it, then
@@ -313,7 +292,7 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
     fa::cp_async_commit();
     unsigned char* sK = smem + stage * Tr::kStageBytes;
     convert_sw128<kPrec, kBlockN, kHeadDim, 256>(sK, static_cast<int>(sKlo - sK), tid);
-    transpose_v<Tr>(sVt, sK + Tr::kVRawOffset, warp, lane);
+    transpose_v<Tr>(sVt, reinterpret_cast<const float*>(sK + Tr::kVRawOffset), warp, lane);
     fa::fence_proxy_async();  // the planes (and, the first time, Q's) generic-proxy stores → the wgmmas' reads
     __syncthreads();
 
@@ -340,21 +319,28 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
   }
 
   // Epilogue: O / l and the LSE straight from the accumulator fragments (rows g, g + 8 of the warp; columns
-  // 8j + 2t, + 1), rows at or past Lq and columns at or past Dv not written.
+  // 8j + 2t, + 1: one 8-byte store per pair where rows and out are 8-byte aligned — a warp's store then fills
+  // its 32-byte sectors), rows at or past Lq and columns at or past Dv not written.
   float inv_l[2], lse_r[2];
   finish_rows_sm90(inv_l, lse_r, stat);
+  const bool pairs = Dv % 2 == 0 && o_row % 2 == 0 && reinterpret_cast<unsigned long long>(o) % 8 == 0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp_row + g + 8 * r;
     if (m0 + row >= Lq) continue;
     if (t == 0) fa::gstore(lse_i + row, lse_r[r]);
+    float* o_row_r = o_i + row * o_row;
 #pragma unroll
-    for (int j = 0; j < kHeadDimV / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * t + e;
-        if (col < Dv) fa::gstore(o_i + row * o_row + col, acc_o[4 * j + 2 * r + e] * inv_l[r]);
+    for (int j = 0; j < kHeadDimV / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      const float x0 = acc_o[4 * j + 2 * r] * inv_l[r], x1 = acc_o[4 * j + 2 * r + 1] * inv_l[r];
+      if (pairs && col < Dv) {
+        fa::gstore(reinterpret_cast<float2*>(o_row_r + col), float2{x0, x1});
+      } else if (!pairs) {
+        if (col < Dv) fa::gstore(o_row_r + col, x0);
+        if (col + 1 < Dv) fa::gstore(o_row_r + col + 1, x1);
       }
+    }
   }
 }
 

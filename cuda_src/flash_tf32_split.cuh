@@ -7,23 +7,19 @@
 
 namespace flash {
 
-// x as the mma operands of precision kPrec: hi = cvt.rna(x) and, 3xtf32, lo = cvt.rna(x − hi).
-template <int kPrec>
-__device__ __forceinline__ void tf32_operand(float x, uint32_t& hi, uint32_t& lo) {
-  if constexpr (kPrec == 3) {
-    float h, l;
-    fa::split_tf32(x, h, l);
-    hi = __float_as_uint(h);
-    lo = __float_as_uint(l);
-  } else {
-    hi = __float_as_uint(fa::cvt_tf32(x));
-    (void)lo;
-  }
-}
-
 // x rounded to tf32 as cvt.rna does for a finite x (ties away from zero): half a tf32 ulp added to the magnitude's
 // bits, the low 13 cleared (2 instructions; cvt.rna.tf32.f32 is 4 on sm_80-90, its guard keeping NaN a NaN).
 __device__ __forceinline__ uint32_t tf32_rna_finite(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// x as the mma operands of precision kPrec: hi = cvt.rna(x) and, 3xtf32, lo = cvt.rna(x − hi), the latter by
+// tf32_rna_finite: the same bits wherever x is finite (x − hi is then finite, or −inf where hi rounded up to inf,
+// which it keeps); a non-finite x keeps its inf / NaN in hi (its lo, −0, is not needed for that).
+template <int kPrec>
+__device__ __forceinline__ void tf32_operand(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(fa::cvt_tf32(x));
+  if constexpr (kPrec == 3) lo = tf32_rna_finite(x - __uint_as_float(hi));
+  else (void)lo;
+}
 
 // tf32_operand with tf32_rna_finite: the same bits for a finite x. For P_ij (exp2 values in [0, 1]): a NaN P may
 // come out as a number here, but then its row's sum l is NaN, and so is the row's output.

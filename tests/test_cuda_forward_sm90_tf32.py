@@ -175,3 +175,23 @@ def test_python_smem_matches_traits():
     for name, smem in entries.items():
         mod.launch(name, 1, 1, (out,))
         assert int(out[0]) == smem, name
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_counters(precision):
+    """Per key tile and warpgroup kPrec x (d/8 + Bc/8) wgmmas; every byte of q, k, v read once per tile load and
+    out, lse written once (the analytic count); every store fills its 32-byte sectors (the output by 8-byte pairs)
+    and the copies' shared-memory writes are conflict-free."""
+    from flasharray._private import cuda_forward
+    D, Lq, Lk = 64, 200, 300
+    q, k, v = make_inputs(np.float32, D, Lq, Lk, batch=(1, 1))
+    p = tf32_plan(q, k, v, True, precision, arch=ARCH)
+    counters = []
+    p.run(q, k, v, counters)
+    (c,) = counters
+    tiles_visited = sum(-(-min(Lk, m0 + min(128, Lq - m0) + Lk - Lq) // 64) for m0 in range(0, Lq, 128))
+    assert c.wgmma == 2 * tiles_visited * T.PREC[precision] * (D // 8 + 64 // 8)
+    assert (c.global_read_bytes, c.global_write_bytes) == cuda_forward.analytic_global_bytes(
+        1, Lq, Lk, D, D, np.float32, p.tile, causal=True)
+    assert c.store_sector_efficiency == 1.0
+    assert c.cp_async_smem_wavefronts == c.cp_async_smem_wavefronts_ideal

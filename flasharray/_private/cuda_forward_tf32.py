@@ -159,11 +159,11 @@ def wgmma_tile(precision, d, dv, a, ext, fallback):
         return None
     smem = wgmma_smem_bytes(wd, WGMMA_BLOCK_N, precision)
     reason = ("%s on sm_90: wgmma m64nNk8 (two warpgroups, Br=%d, Bc=%d; Q %s, K_j and V_j transposed as tf32 %s "
-              "in shared memory), d = dv padded to %d"
+              "in shared memory), d = dv padded to %d%s"
               % (precision, WGMMA_BLOCK_M, WGMMA_BLOCK_N,
                  "hi fragments in registers, lo plane in shared memory" if precision == "3xtf32" else
-                 "fragments in registers" if wd == 64 else "in shared memory",
-                 "hi+lo planes" if precision == "3xtf32" else "planes", wd))
+                 "in shared memory", "hi+lo planes" if precision == "3xtf32" else "planes", wd,
+                 "; two blocks per SM" if (precision, wd) == ("tf32", 64) else ""))
     return Tf32WgmmaTile("tf32", "float32", wd, wd, WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_BLOCK_M // 16, 32, smem,
                          reason, 1, precision, fallback=fallback)
 
