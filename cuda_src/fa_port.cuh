@@ -924,6 +924,7 @@ template <int N> struct WgmmaTf32;
                          : FA_WG_D_##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(sd));         \
         }                                                                                                       \
     };
+FA_WGMMA_TF32_DEFINE(32, FA_WG_SS_TF32(16, 17, 18), FA_WG_RS_TF32(16, 17, 18, 19, 20, 21))
 FA_WGMMA_TF32_DEFINE(64, FA_WG_SS_TF32(32, 33, 34), FA_WG_RS_TF32(32, 33, 34, 35, 36, 37))
 FA_WGMMA_TF32_DEFINE(128, FA_WG_SS_TF32(64, 65, 66), FA_WG_RS_TF32(64, 65, 66, 67, 68, 69))
 
@@ -959,19 +960,19 @@ __device__ __forceinline__ void wgmma_m64nNk16_f32_bf16_rs(float (&d)[N / 2], co
     Wgmma<N, fa_bf16>::template rs<TransB>(d, a, desc_b, scale_d);
 }
 #undef FA_WGMMA_CHECK
-// D (+)= A B, m64nNk8 tf32 (N 64 or 128 on the GPU): both operands K-major; rs: A the m16n8k8 tf32 fragment
+// D (+)= A B, m64nNk8 tf32 (N 32, 64 or 128 on the GPU): both operands K-major; rs: A the m16n8k8 tf32 fragment
 // per warp (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]).
 template <int N>
 __device__ __forceinline__ void wgmma_m64nNk8_f32_tf32_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                                           int scale_d) {
-    static_assert(N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 32, 64 or 128");
     static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)");
     WgmmaTf32<N>::ss(d, desc_a, desc_b, scale_d);
 }
 template <int N>
 __device__ __forceinline__ void wgmma_m64nNk8_f32_tf32_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
                                                           int scale_d) {
-    static_assert(N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 128, "fa::wgmma tf32 on the GPU: N must be 32, 64 or 128");
     static_assert(wgmma_arch_ok<N>::value, "fa::wgmma needs sm_90a (arch sm_90a)");
     WgmmaTf32<N>::rs(d, a, desc_b, scale_d);
 }

@@ -53,7 +53,7 @@ def _name(n, rs):
     return "wg_tf32<%d, %s>" % (n, "true" if rs else "false")
 
 
-CASES = [(n, rs) for n in (64, 128) for rs in (False, True)]
+CASES = [(n, rs) for n in (32, 64, 128) for rs in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_sm90a_ptx_and_sass():
     if not ok:
         pytest.skip(why)
     hg = set(re.findall(r"HGMMA\.64x(\d+)x8\.F32\.TF32", sass.disassemble(r.cubin)))
-    assert hg == {"64", "128"}, hg
+    assert hg == {"32", "64", "128"}, hg
 
 
 @requires_gpu

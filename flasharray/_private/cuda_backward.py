@@ -241,7 +241,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv, ordered, ext),
                            module.ws_tile(t_kv, D, Dv, ext))
         else:
-            plan["dkv"] = (module.SOURCE, module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
+            plan["dkv"] = (getattr(t_kv, "source", module.SOURCE), module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
                                                           **({"ext": ext} if ext else {}),
                                                           **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
                            t_kv)

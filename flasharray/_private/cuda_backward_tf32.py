@@ -84,6 +84,13 @@ WIDE_3XTF32_EXT = 1 | 16 | 32
 #: once Sᵀ and dPᵀ took partial sums.
 KV_RAW = True
 
+#: The wgmma dK/dV kernel (``cuda_src/flash_bwd_sm90_tf32.cu``) on sm_90 for dense calls with 16-byte aligned rows at
+#: padded head dims d = dv = 64: Br = Bc = 64, two warpgroups (:func:`wgmma_tile`). Off: the mma.sync kernel.
+WGMMA = True
+WGMMA_SOURCE = "flash_bwd_sm90_tf32.cu"
+WGMMA_KERNEL = "flash_bwd_dkv_sm90_tf32_kernel"
+WGMMA_HEAD_DIM = 64
+
 #: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
 #: (every query block's visitors stay one run of key blocks n_lo(i) .. n(i) − 1); not the block mask (8).
 ORDERED_EXT = 1 | 2 | 4 | 16 | 32
@@ -133,18 +140,48 @@ class Tf32BwdTiles(BwdTiles):
         return 0 if not self.lo_planes else 1 if self.kv_planes else 2
 
 
+def wgmma_smem_bytes(d, block_m, block_n, precision):
+    """Mirror of Sm90Tf32BwdTraits::kSmemBytes: planes x (Q_i, dO_i), their raw staging planes, planes x K_j^T,
+    (planes + 1) x P^T, planes x dS^T, L_i and D_i; + 1024 bytes of alignment slack."""
+    planes = 2 if precision == "3xtf32" else 1
+    q, s = block_m * d * 4, block_n * block_m * 4
+    return 2 * planes * q + 2 * q + planes * d * block_n * 4 + (2 * planes + 1) * s + 2 * block_m * 4 + 1024
+
+
+@dataclass(frozen=True)
+class Tf32WgmmaBwdTiles(Tf32BwdTiles):
+    """The wgmma dK/dV kernel's tile (sm_90; 256 threads, two warpgroups)."""
+
+    @property
+    def source(self):
+        return WGMMA_SOURCE
+
+
+def wgmma_tile(precision, d, dv, a, ext, vec):
+    """The :class:`Tf32WgmmaBwdTiles` for padded head dims ``d``, ``dv`` on arch number ``a``, or None (not sm_90,
+    :data:`WGMMA` off, extensions, rows not 16-byte aligned, head dims other than :data:`WGMMA_HEAD_DIM`)."""
+    if not WGMMA or a != 90 or ext or not vec or (d, dv) != (WGMMA_HEAD_DIM, WGMMA_HEAD_DIM):
+        return None
+    smem = wgmma_smem_bytes(d, 64, 64, precision)
+    reason = ("%s on sm_90: wgmma m64nNk8, two warpgroups (S^T, P^T, dV^T | dP^T, dS^T, dK^T; dQ split by columns), "
+              "Br=Bc=64, K_j / V_j A fragments in registers, Q_i, dO_i, K_j^T, P^T, dS^T as %s"
+              % (precision, "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
+    return Tf32WgmmaBwdTiles(64, 64, 256, smem, reason, 1, precision=precision, head_dim=d, head_dim_v=dv)
+
+
 #: Above this padded max(d, dv), calls with extensions whose rows take the element-wise copies (``vec`` False) keep
 #: Bc <= 32 on sm_90: the 4-warp tf32 instantiations spilled 4-20 bytes at d 128 there (dropout, causal; window +
 #: ALiBi + softcap + dropout + lengths; atomic dQ; tests/test_static_backward_tf32.py, ``-m slow``); 2 warps do not.
 ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 = 112
 
 
-def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
     (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, 3xtf32 above d 64
     with extensions outside :data:`WIDE_3XTF32_EXT`). ``ext``: the call's kExt bits, or a bool (max(d,
     dv) <= 64 with extensions: half the Br, else the same tile; tests/test_static_backward_tf32.py).
     ``vec``: the rows take the 16-byte copies (False: element-wise, :data:`ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90`).
+    On sm_90 the wgmma kernel's tile where it applies (:func:`wgmma_tile`; ``wgmma=False``: the mma.sync one).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -157,6 +194,9 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True):
         return None  # wide head dims: dense calls only (extensions run the SIMT backward)
     if precision == "3xtf32" and max(d, dv) > 64 and not isinstance(ext, bool) and ext & ~WIDE_3XTF32_EXT:
         return None  # (a bool ``ext``: call sites after the family was chosen by the bits)
+    wg = wgmma_tile(precision, d, dv, a, ext, vec) if wgmma else None
+    if wg is not None:
+        return wg
     limit = tiles.smem_limit(a)
     per_sm = _SM_SMEM_KB.get(a, limit // tiles.KB + 1) * tiles.KB
     br = block_m(precision, d, dv)
@@ -208,6 +248,12 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
     if ordered and ext & ~ORDERED_EXT:
         raise ValueError("flasharray: the TF32 ordered dQ mode takes no block mask (kExt=%d)" % ext)
     b = lambda x: "true" if x else "false"  # noqa: E731
+    if isinstance(tile, Tf32WgmmaBwdTiles):
+        if ext or not vec:
+            raise ValueError("flasharray: the wgmma TF32 backward takes dense calls with 16-byte aligned rows "
+                             "(ext=%d, vec=%r)" % (ext, vec))
+        return "%s<%d, %d, %d, %d, %s, %s>" % (WGMMA_KERNEL, tile.head_dim, tile.block_m, tile.block_n,
+                                               PREC[precision], b(causal), b(ordered))
     mode = getattr(tile, "planes_mode", 1)
     return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d%s>" % (
         KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
