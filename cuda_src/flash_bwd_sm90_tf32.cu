@@ -50,8 +50,14 @@ struct Sm90Tf32BwdTraits {
     static constexpr int kQRaw = kdO + kPlanes * kQPlane;
     static constexpr int kdORaw = kQRaw + kQPlane;
     static constexpr int kKt = kdORaw + kQPlane;
-    static constexpr int kPt = kKt + kPlanes * kKtPlane;       // P^T planes, then its raw fp32 plane
-    static constexpr int kdSt = kPt + (kPlanes + 1) * kSPlane;
+    // 3xtf32: K_j's and V_j's lo planes (the A of the lo · hi products through descriptors: their hi fragments
+    // stay in registers); tf32: P^T's raw fp32 plane after its tf32 one (dS^T from the unrounded P; 3xtf32 takes
+    // hi + lo, within 2^-22 of it).
+    static constexpr int kKVLo = kKt + kPlanes * kKtPlane;
+    static constexpr int kKVLoPlane = kBlockN * kHeadDim * 4;
+    static constexpr int kPt = kKVLo + (kPrec == 3 ? 2 * kKVLoPlane : 0);
+    static constexpr int kPRaw = kPrec == 3 ? 0 : kSPlane;   // from kPt: the raw plane (tf32)
+    static constexpr int kdSt = kPt + 2 * kSPlane;
     static constexpr int kStats = kdSt + kPlanes * kSPlane;   // L_i log2 e, D_i: Br floats each
     static constexpr int kKVRaw = kPt;                          // prologue: K_j, V_j raw (over P^T, dS^T)
     static constexpr int kAtomBytes = 1024;
@@ -63,7 +69,7 @@ struct Sm90Tf32BwdTraits {
 
     static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
     static_assert(kHeadDim == 64 && kBlockM == 64 && kBlockN == 64, "d = dv = Br = Bc = 64: one wgmma M each");
-    static_assert(2 * kBlockN * kHeadDim * 4 <= (kPlanes * 2 + 1) * kSPlane, "K_j, V_j raw fit over P^T, dS^T");
+    static_assert(2 * kBlockN * kHeadDim * 4 <= 2 * kSPlane + kPlanes * kSPlane, "K_j, V_j raw fit over P^T, dS^T");
     static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory");
 };
 
@@ -84,14 +90,14 @@ __device__ __forceinline__ uint64_t sw32_desc(const unsigned char* plane, int ks
 // 32 contiguous bytes of a row, and a quarter warp writes 128 contiguous bytes of the plane.
 template <int kRows, int kCols>
 struct Sw32Chunk {
-    static constexpr int kPasses = (kRows / 16) * (kCols / 8) / 8;
-    static_assert((kRows / 16) * (kCols / 8) % 8 == 0, "whole passes of 8 warps");
-    int r, c;
-    __device__ __forceinline__ Sw32Chunk(int warp, int lane, int p) {
-        const int u = warp + 8 * p;
-        r = 16 * (u % (kRows / 16)) + lane / 2;
-        c = 8 * (u / (kRows / 16)) + 4 * (lane & 1);
-    }
+    static constexpr int kRowGroups = kRows / 16;
+    static_assert(8 % kRowGroups == 0, "a warp's 16-row group is the same in every pass");
+    static constexpr int kPasses = kRowGroups * (kCols / 8) / 8;
+    static_assert(kRowGroups * (kCols / 8) % 8 == 0, "whole passes of 8 warps");
+    int r, c;  // pass p: row r, column c + 8 (8 / kRowGroups) p
+    __device__ __forceinline__ Sw32Chunk(int warp, int lane)
+        : r(16 * (warp % kRowGroups) + lane / 2), c(8 * (warp / kRowGroups) + 4 * (lane & 1)) {}
+    static __host__ __device__ constexpr int col_step(int p) { return 8 * (8 / kRowGroups) * p; }
 };
 
 // A kRows x kCols fp32 tile into its 32-byte-swizzle layout by cp.async (Sw32Chunk's chunks); rows at or past
@@ -99,24 +105,31 @@ struct Sw32Chunk {
 template <int kRows, int kCols>
 __device__ __forceinline__ void load_sw32(unsigned char* s_tile, const float* g_tile, long long row_stride,
                                           int rows_valid, int cols_valid, int warp, int lane) {
+    using Ch = Sw32Chunk<kRows, kCols>;
+    const Ch ch(warp, lane);
+    const bool row_ok = ch.r < rows_valid;
+    const float* src = g_tile + (row_ok ? ch.r * row_stride : 0);
+    unsigned char* dst = s_tile + sw32_offset<kRows>(ch.r, ch.c);
 #pragma unroll
-    for (int p = 0; p < Sw32Chunk<kRows, kCols>::kPasses; ++p) {
-        const Sw32Chunk<kRows, kCols> ch(warp, lane, p);
-        int elems = cols_valid - ch.c;
+    for (int p = 0; p < Ch::kPasses; ++p) {
+        const int c = ch.c + Ch::col_step(p);
+        int elems = cols_valid - c;
         elems = elems < 0 ? 0 : (elems > 4 ? 4 : elems);
-        const bool ok = ch.r < rows_valid && elems > 0;
-        fa::cp_async<16>(s_tile + sw32_offset<kRows>(ch.r, ch.c), ok ? g_tile + ch.r * row_stride + ch.c : g_tile,
-                         ok ? elems * 4 : 0);
+        const bool ok = row_ok && elems > 0;
+        // column c: k8 block c / 8, p (8 / kRowGroups) blocks after the first (32 kRows bytes each)
+        fa::cp_async<16>(dst + Ch::col_step(p) / 8 * 32 * kRows, ok ? src + c : g_tile, ok ? elems * 4 : 0);
     }
 }
 
 // The chunks this thread copied with load_sw32 from `raw` into the planes at `planes` (hi; lo a plane further).
 template <int kPrec, int kRows, int kCols>
 __device__ __forceinline__ void convert_sw32(unsigned char* planes, const unsigned char* raw, int warp, int lane) {
+    using Ch = Sw32Chunk<kRows, kCols>;
+    const Ch ch(warp, lane);
+    const int off0 = sw32_offset<kRows>(ch.r, ch.c);
 #pragma unroll
-    for (int p = 0; p < Sw32Chunk<kRows, kCols>::kPasses; ++p) {
-        const Sw32Chunk<kRows, kCols> ch(warp, lane, p);
-        const int off = sw32_offset<kRows>(ch.r, ch.c);
+    for (int p = 0; p < Ch::kPasses; ++p) {
+        const int off = off0 + Ch::col_step(p) / 8 * 32 * kRows;
         const flash::Vec16<float> x = *reinterpret_cast<const flash::Vec16<float>*>(raw + off);
         flash::Vec16<float> hi, lo;
 #pragma unroll
@@ -135,14 +148,16 @@ __device__ __forceinline__ void convert_sw32(unsigned char* planes, const unsign
 // a3 = A[g+8][t+4]) of k8 step ks of A = Xᵀ, X a kRows-row plane (rows = A's k, columns = A's m): element (m, k)
 // of A is X's (8 ks + k, m0 + m). hi from `plane`, lo lo_bytes further (3xtf32). Each load: 4 rows x 8 columns,
 // 128 contiguous bytes.
+// Row 8 ks + r of a plane is 256 ks bytes after row r, in the same swizzle phase (r < 8): the step's offsets are
+// step 0's plus 256 ks.
 template <int kPrec, int kRows>
 __device__ __forceinline__ void gather_at(uint32_t (&hi)[4], uint32_t (&lo)[4], const unsigned char* plane,
                                           int lo_bytes, int ks, int m0, int g, int t) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int off = sw32_offset<kRows>(8 * ks + t + 4 * (i >> 1), m0 + g + 8 * (i & 1));
-        hi[i] = *reinterpret_cast<const uint32_t*>(plane + off);
-        if constexpr (kPrec == 3) lo[i] = *reinterpret_cast<const uint32_t*>(plane + lo_bytes + off);
+        const unsigned char* p = plane + sw32_offset<kRows>(t + 4 * (i >> 1), m0 + g + 8 * (i & 1)) + 256 * ks;
+        hi[i] = *reinterpret_cast<const uint32_t*>(p);
+        if constexpr (kPrec == 3) lo[i] = *reinterpret_cast<const uint32_t*>(p + lo_bytes);
     }
     (void)lo_bytes;
 }
@@ -162,17 +177,26 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[kN / 2], const uint32_t 
     }
 }
 
-// acc = A·Bᵀ over kSteps k8 steps, A the register fragments of each step (K_j or V_j), B a plane pair (hi, lo
-// lo_bytes further) of kRowsB rows: S^T, dP^T. One committed batch, waited for.
-template <int kPrec, int kN, int kSteps, int kRowsB>
+// acc = A·Bᵀ over kSteps k8 steps: S^T, dP^T. A = K_j or V_j: its hi fragments from registers, (3xtf32) its lo
+// plane a_lo (kRowsA rows) through descriptors; B a plane pair (hi, lo lo_bytes further) of kRowsB rows. Per step
+// A_lo·B_hi (.ss), A_hi·B_lo, A_hi·B_hi (.rs). One committed batch, waited for.
+template <int kPrec, int kN, int kSteps, int kRowsA, int kRowsB>
 __device__ __forceinline__ void gemm_regs(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
-                                          const uint32_t (&a_lo)[kSteps][4], const unsigned char* b, int lo_bytes) {
+                                          const unsigned char* a_lo, const unsigned char* b, int lo_bytes) {
     fa::wgmma_fence_operand(acc);
     fa::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks)
-        wgmma_step<kPrec, kN>(acc, a_hi[ks], a_lo[ks], sw32_desc<kRowsB>(b, ks),
-                              kPrec == 3 ? sw32_desc<kRowsB>(b + lo_bytes, ks) : 0, ks == 0);
+    for (int ks = 0; ks < kSteps; ++ks) {
+        const uint64_t b_hi = sw32_desc<kRowsB>(b, ks);
+        if constexpr (kPrec == 3) {
+            fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, sw32_desc<kRowsA>(a_lo, ks), b_hi, ks > 0 ? 1 : 0);
+            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw32_desc<kRowsB>(b + lo_bytes, ks), 1);
+            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_hi, 1);
+        } else {
+            (void)a_lo; (void)lo_bytes;
+            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_hi, ks > 0 ? 1 : 0);
+        }
+    }
     fa::wgmma_commit_group();
     fa::wgmma_wait_group<0>();
     fa::wgmma_fence_operand(acc);
@@ -203,11 +227,12 @@ __device__ __forceinline__ void gemm_gathered(float (&acc)[kN / 2], const unsign
 template <int kPrec, int kN, int kRows, bool kRaw>
 __device__ __forceinline__ void store_planes(unsigned char* plane, int lo_bytes, int raw_bytes, const float (&acc)[kN / 2],
                                              int row0, int g, int t) {
+    const int base[2] = {sw32_offset<kRows>(row0 + g, 2 * t), sw32_offset<kRows>(row0 + g + 8, 2 * t)};
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int off = sw32_offset<kRows>(row0 + g + 8 * h, 8 * j + 2 * t);
+            const int off = base[h] + j * 32 * kRows;  // column 8j + 2t: k8 block j
             const float x0 = acc[4 * j + 2 * h], x1 = acc[4 * j + 2 * h + 1];
             uint32_t hi[2], lo[2] = {0u, 0u};
             flash::tf32_operand<kPrec>(x0, hi[0], lo[0]);
@@ -219,19 +244,41 @@ __device__ __forceinline__ void store_planes(unsigned char* plane, int lo_bytes,
     (void)lo_bytes; (void)raw_bytes;
 }
 
-// The A fragments of every k8 step of rows 16w.. of a raw 32-byte-swizzle tile (kRows rows, kSteps·8 columns),
-// split (K_j, V_j: the A operands of S^T, dP^T for the whole block).
+// The hi A fragments of every k8 step of rows 16w.. of a raw 32-byte-swizzle tile (kRows rows, kSteps·8
+// columns): K_j, V_j, the A operands of S^T, dP^T for the whole block.
 template <int kPrec, int kRows, int kSteps>
-__device__ __forceinline__ void load_a_rows(uint32_t (&hi)[kSteps][4], uint32_t (&lo)[kSteps][4],
-                                            const unsigned char* raw, int row0, int g, int t) {
+__device__ __forceinline__ void load_a_rows(uint32_t (&hi)[kSteps][4], const unsigned char* raw, int row0, int g,
+                                            int t) {
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const float x = *reinterpret_cast<const float*>(
                 raw + sw32_offset<kRows>(row0 + g + 8 * (i & 1), 8 * ks + t + 4 * (i >> 1)));
-            flash::tf32_operand<kPrec>(x, hi[ks][i], lo[ks][i]);
+            uint32_t lo;
+            flash::tf32_operand<1>(x, hi[ks][i], lo);
         }
+}
+
+// 3xtf32: the lo plane of the chunks this thread copied with load_sw32 (a raw tile kept raw) into `plane`.
+template <int kRows, int kCols>
+__device__ __forceinline__ void lo_plane_sw32(unsigned char* plane, const unsigned char* raw, int warp, int lane) {
+    using Ch = Sw32Chunk<kRows, kCols>;
+    const Ch ch(warp, lane);
+    const int off0 = sw32_offset<kRows>(ch.r, ch.c);
+#pragma unroll
+    for (int p = 0; p < Ch::kPasses; ++p) {
+        const int off = off0 + Ch::col_step(p) / 8 * 32 * kRows;
+        const flash::Vec16<float> x = *reinterpret_cast<const flash::Vec16<float>*>(raw + off);
+        flash::Vec16<float> lo;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            uint32_t h, l;
+            flash::tf32_operand<3>(x.v[e], h, l);
+            lo.v[e] = __uint_as_float(l);
+        }
+        *reinterpret_cast<flash::Vec16<float>*>(plane + off) = lo;
+    }
 }
 
 // K_j^T's planes (kCols rows = dims, kRows columns = keys) from raw K_j (kRows keys x kCols dims, 32-byte
@@ -331,7 +378,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
 
     // -- prologue: K_j, V_j raw (over the P^T / dS^T planes); warpgroup 0 keeps K_j's A fragments, warpgroup 1
     //    V_j's, for the whole block; K_j^T's planes for dQ. The first visit's Q_i, dO_i in flight.
-    uint32_t kv_hi[Tr::kKSteps][4], kv_lo[Tr::kKSteps][4];
+    uint32_t kv_hi[Tr::kKSteps][4];
+    unsigned char* kv_lo = smem + Tr::kKVLo + wg * Tr::kKVLoPlane;  // warpgroup 0: K_j's, 1: V_j's (3xtf32)
     {
         unsigned char* k_raw = smem + Tr::kKVRaw;
         unsigned char* v_raw = k_raw + kBlockN * kHeadDim * 4;
@@ -343,9 +391,13 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
         fa::cp_async_commit();
         fa::cp_async_wait<0>();
         __syncthreads();
-        load_a_rows<kPrec, kBlockN, Tr::kKSteps>(kv_hi, kv_lo, wg == 0 ? k_raw : v_raw, row0, g, t);
+        load_a_rows<kPrec, kBlockN, Tr::kKSteps>(kv_hi, wg == 0 ? k_raw : v_raw, row0, g, t);
+        if constexpr (kPrec == 3) {
+            lo_plane_sw32<kBlockN, kHeadDim>(smem + Tr::kKVLo, k_raw, warp, lane);
+            lo_plane_sw32<kBlockN, kHeadDim>(smem + Tr::kKVLo + Tr::kKVLoPlane, v_raw, warp, lane);
+        }
         transpose_planes<kPrec, kBlockN, kHeadDim>(sKt, k_raw, tid);
-        fa::fence_proxy_async();  // K_j^T's planes → the dQ wgmmas
+        fa::fence_proxy_async();  // K_j^T's planes, the K_j / V_j lo planes → the wgmmas
         __syncthreads();          // every thread is done with the raw K_j, V_j (the P^T / dS^T planes reuse them)
     }
 
@@ -373,15 +425,18 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
 
         float sc[kBlockM / 2];  // warpgroup 0: S^T then P^T; warpgroup 1: dP^T then dS^T (rows = keys)
         if (wg == 0) {
-            gemm_regs<kPrec, kBlockM, Tr::kKSteps, kBlockM>(sc, kv_hi, kv_lo, sQ, Tr::kQPlane);
+            gemm_regs<kPrec, kBlockM, Tr::kKSteps, kBlockN, kBlockM>(sc, kv_hi, kv_lo, sQ, Tr::kQPlane);
 #pragma unroll
-            for (int j = 0; j < kBlockM / 8; ++j)
+            for (int j = 0; j < kBlockM / 8; ++j) {
+                const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int qr = 8 * j + 2 * t + (e & 1), key = c0 + row0 + g + 8 * (e >> 1);
-                    sc[4 * j + e] = p_from_score(sc[4 * j + e], scale_log2, lse2_s[qr], mask.is_visible(r0 + qr, key));
+                    sc[4 * j + e] = p_from_score(sc[4 * j + e], scale_log2, e & 1 ? lse2.y : lse2.x,
+                                                 mask.is_visible(r0 + qr, key));
                 }
-            store_planes<kPrec, kBlockM, kBlockN, true>(sPt, Tr::kSPlane, Tr::kPlanes * Tr::kSPlane, sc, row0, g, t);
+            }
+            store_planes<kPrec, kBlockM, kBlockN, kPrec == 1>(sPt, Tr::kSPlane, Tr::kPRaw, sc, row0, g, t);
             fa::fence_proxy_async();
             fa::named_barrier_arrive(1, 256);  // P^T ready for warpgroup 1
             fa::named_barrier_sync(3, 128);    // ... and for this warpgroup's wgmmas
@@ -392,18 +447,24 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
             for (int x = 0; x < kBlockN / 2; ++x) dkv[x] += tmp[x];
             fa::named_barrier_sync(2, 256);    // dS^T written
         } else {
-            gemm_regs<kPrec, kBlockM, Tr::kKSteps, kBlockM>(sc, kv_hi, kv_lo, sdO, Tr::kQPlane);
+            gemm_regs<kPrec, kBlockM, Tr::kKSteps, kBlockN, kBlockM>(sc, kv_hi, kv_lo, sdO, Tr::kQPlane);
             fa::named_barrier_sync(1, 256);    // P^T written
-            const unsigned char* p_raw = sPt + Tr::kPlanes * Tr::kSPlane;
+            const int base[2] = {sw32_offset<kBlockN>(row0 + g, 2 * t), sw32_offset<kBlockN>(row0 + g + 8, 2 * t)};
 #pragma unroll
-            for (int j = 0; j < kBlockM / 8; ++j)
+            for (int j = 0; j < kBlockM / 8; ++j) {
+                const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int qr = 8 * j + 2 * t;
-                    const float2 p = *reinterpret_cast<const float2*>(p_raw + sw32_offset<kBlockN>(row0 + g + 8 * h, qr));
-                    sc[4 * j + 2 * h] = p.x * (sc[4 * j + 2 * h] - delta_s[qr]);
-                    sc[4 * j + 2 * h + 1] = p.y * (sc[4 * j + 2 * h + 1] - delta_s[qr + 1]);
+                    const unsigned char* at = sPt + base[h] + j * 32 * kBlockN;
+                    float2 p = *reinterpret_cast<const float2*>(at + Tr::kPRaw);  // tf32: the raw plane
+                    if constexpr (kPrec == 3) {  // hi + lo
+                        const float2 lo = *reinterpret_cast<const float2*>(at + Tr::kSPlane);
+                        p.x += lo.x, p.y += lo.y;
+                    }
+                    sc[4 * j + 2 * h] = p.x * (sc[4 * j + 2 * h] - dl.x);
+                    sc[4 * j + 2 * h + 1] = p.y * (sc[4 * j + 2 * h + 1] - dl.y);
                 }
+            }
             store_planes<kPrec, kBlockM, kBlockN, false>(sdSt, Tr::kSPlane, 0, sc, row0, g, t);
             fa::fence_proxy_async();
             fa::named_barrier_arrive(2, 256);  // dS^T ready for warpgroup 0

@@ -142,10 +142,12 @@ class Tf32BwdTiles(BwdTiles):
 
 def wgmma_smem_bytes(d, block_m, block_n, precision):
     """Mirror of Sm90Tf32BwdTraits::kSmemBytes: planes x (Q_i, dO_i), their raw staging planes, planes x K_j^T,
-    (planes + 1) x P^T, planes x dS^T, L_i and D_i; + 1024 bytes of alignment slack."""
+    (3xtf32) K_j's and V_j's lo planes, two planes of P^T (hi, lo; tf32: tf32, raw), planes x dS^T, L_i and D_i;
+    + 1024 bytes of alignment slack."""
     planes = 2 if precision == "3xtf32" else 1
-    q, s = block_m * d * 4, block_n * block_m * 4
-    return 2 * planes * q + 2 * q + planes * d * block_n * 4 + (2 * planes + 1) * s + 2 * block_m * 4 + 1024
+    q, s, kv = block_m * d * 4, block_n * block_m * 4, block_n * d * 4
+    return (2 * planes * q + 2 * q + planes * kv + (2 * kv if planes == 2 else 0) + (2 + planes) * s
+            + 2 * block_m * 4 + 1024)
 
 
 @dataclass(frozen=True)
