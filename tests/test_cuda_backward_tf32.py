@@ -327,12 +327,12 @@ def test_3xtf32_kv_raw_same_bits(monkeypatch, D, Dv, arch, causal, G):
     where it holds more warps per SM: the split is the planes' cvt.rna pair, so dq, dk, dv are bitwise those of the
     same tile with every plane (or, where those do not fit, with none: kLoPlanes = 0), ordered dQ, also under a
     reverse schedule, and the rule holds."""
-    t = T.backward_tile("3xtf32", np.float32, D, Dv, arch)
+    t = T.backward_tile("3xtf32", np.float32, D, Dv, arch, wgmma=False)
     assert (t.lo_planes, t.kv_planes, t.planes_mode) == (True, False, 2), t
     assert "K_j, V_j, dS^T raw" in t.reason and ", 2, %d>" % t.stages in T.dkv_name(t, "3xtf32", t.head_dim,
                                                                                   t.head_dim_v, causal, True, True)
     monkeypatch.setattr(T, "KV_RAW", False)
-    planes = T.backward_tile("3xtf32", np.float32, D, Dv, arch)
+    planes = T.backward_tile("3xtf32", np.float32, D, Dv, arch, wgmma=False)
     warps = [int(x.reason.split("; ")[-1].split()[0]) for x in (planes, t)]  # "... N resident warps per SM"
     assert planes.kv_planes and warps[1] > warps[0], warps
     assert T.backward_tile("3xtf32", np.float32, D, Dv, arch, ext=16) is None or \
@@ -448,7 +448,7 @@ def test_tiles_and_fallbacks():
     for arch in (80, 86, 89, 90):
         for precision in PRECISIONS:
             for d in range(8, 257, 8):
-                t = T.backward_tile(precision, np.float32, d, d, arch)
+                t = T.backward_tile(precision, np.float32, d, d, arch, wgmma=False)  # (the wgmma tile: its own file)
                 assert t.smem <= tiles.smem_limit(arch) and t.n_threads == t.block_n * 2
                 assert t.smem == T.smem_bytes(t.head_dim, t.head_dim_v, t.block_m, t.block_n, precision, t.lo_planes,
                                               t.stages, kv_planes=t.kv_planes)
@@ -460,7 +460,7 @@ def test_smem_mirror_matches_the_kernel_layout():
     chosen = {(t.head_dim, t.head_dim_v, t.block_m, t.block_n, T.PREC[p], t.planes_mode, t.stages)
               for a in (80, 86, 89, 90) for p in PRECISIONS for d in (16, 48, 64, 96, 128, 160, 256)
               for dv in (16, 64, 128, 208, 256)
-              for t in [T.backward_tile(p, np.float32, d, dv, a)]}
+              for t in [T.backward_tile(p, np.float32, d, dv, a, wgmma=False)]}
     chosen |= {(48, 32, 32, 32, 3, 0, 1), (48, 32, 32, 32, 3, 0, 2), (64, 64, 32, 64, 3, 2, 2)}
     assert {c[-1] for c in chosen} == {1, 2} and {c[5] for c in chosen if c[4] == 3} == {0, 1, 2}
     probe = ("\ntemplate <int D, int Dv, int Br, int Bc, int P, int Lo, int St>\n__global__ void tf32_bwd_smem_probe("

@@ -67,7 +67,7 @@ def instantiations(arch, dims, flags, exts=(0,)):
         for D, Dv in dims:
             for e in exts:
                 for causal, vec, ordered in flags:
-                    t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e, vec=vec)
+                    t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e, vec=vec, wgmma=False)
                     if t is None:  # T.WIDE_3XTF32_EXT: those calls run the SIMT backward
                         continue
                     if ordered and e & ~T.ORDERED_EXT:
