@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, MMA256, DECODE, PYTEST_SM90,
-# PRECISION, FP64 (steps 7b and 7c each), FP32 (steps 7d, 7e and 7f each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, FP64 (steps 7b and 7c each), FP32 (steps 7d-7g each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -238,6 +238,15 @@ cuda_forward_tf32.WGMMA = False
 import gpu
 sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp32 --head-dims 64,128 --seqlens 4096 --causal no \
     --impls flasharray-3xtf32,flasharray-tf32
+# (7g) the float32 backward on mma.sync (cuda_backward_tf32.WGMMA off: the twenty-seventh session's wgmma dK/dV kernel,
+# flash_bwd_sm90_tf32.cu, D 64, against the kernel it replaced; compare with step 7's flasharray-3xtf32-bwd and
+# flasharray-tf32-bwd rows)
+run_step gpu_fp32_bwd_mma "${GPU_SESSION_FP32_S:-25}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
+from flasharray._private import cuda_backward_tf32
+cuda_backward_tf32.WGMMA = False
+import gpu
+sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp32 --head-dims 64 --seqlens 4096 --causal no \
+    --impls flasharray-3xtf32-bwd,flasharray-tf32-bwd
 # (8) extension calls: wgmma vs mma.sync with dropout / a window (sm_90's dispatch of them: AUTO_EXT)
 run_step hopper_ext "${GPU_SESSION_EXT_S:-60}" "$PY" benchmarks/hopper_variants.py --only ext --seqlens 1024,4096 \
     --max-seconds "$((${GPU_SESSION_EXT_S:-60} / 2))" --json "$OUT_DIR/hopper_ext.json"

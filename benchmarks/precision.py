@@ -267,7 +267,7 @@ def _tf32_fwd_found(precisions, arch, head_dims):
 
 def _tf32_bwd_found(precisions, arch, head_dims):
     from flasharray._private import cuda_backward_tf32 as T
-    tiles = [(p, T.backward_tile(p, np.float32, d, d, arch)) for p in precisions for d in head_dims]
+    tiles = [(p, T.backward_tile(p, np.float32, d, d, arch, wgmma=False)) for p in precisions for d in head_dims]
     return {T.dkv_name(t, p, t.head_dim, t.head_dim_v, False, True, True): t for p, t in tiles}
 
 
