@@ -19,6 +19,7 @@ from flasharray._private import cuda_backward, launch, nvrtc, sass, tiles
 from flasharray._private import cuda_backward_tf32 as T
 from conftest import requires_nvrtc
 from test_cuda_backward_tf32 import assert_gradients, make_inputs, run_api
+from test_gpu_sm90 import requires_sm90
 
 ARCH = "sm_90"
 
@@ -178,3 +179,30 @@ def test_wgmma_tf32_backward_compiles():
     assert not problems, "\n".join(problems)
     if fns is None:
         pytest.skip(why)
+
+
+# ---- on an sm_90 GPU (-m gpu) ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("causal,deterministic", [(False, True), (True, True), (True, False)])
+def test_gpu_backward(precision, causal, deterministic):
+    """The wgmma backward on an H100 / H200 (``-m gpu``; skipped elsewhere): the gradients within the rule (as on the
+    emulator); the ordered mode's bits repeat."""
+    import cupy
+    from flasharray._private import cuda_forward
+    q, k, v, do = make_inputs(64, 300, 500, G=2, B=2)
+    scale = 0.125
+    kb, vb = k[:, :, None], v[:, :, None]
+    kw = dict(causal=causal, scale=scale, batch_shape=q.shape[:-2], device="cuda", precision=precision)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, kb, vb, do))
+    out, lse = cuda_forward.forward(qd, kd, vd, **kw)
+    runs = [cuda_backward.backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, **kw) for _ in range(3)]
+    got = [g.get() for g in runs[0]]
+    got = (got[0], got[1].reshape(k.shape), got[2].reshape(v.shape))
+    delta = (do.astype(np.float64) * out.get()).sum(-1).astype(np.float32)
+    assert_gradients(precision, got, q, k, v, do, causal, scale, lse.get(), delta)
+    if deterministic:
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                assert (a == b).all()

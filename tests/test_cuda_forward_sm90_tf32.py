@@ -21,6 +21,7 @@ from flasharray.testing import assert_attention_close
 
 from test_cuda_forward import make_inputs, run_forward
 from test_cuda_forward_tf32 import assert_tf32_close, tf32_plan
+from test_gpu_sm90 import requires_sm90
 
 ARCH = "sm_90"
 
@@ -195,3 +196,17 @@ def test_counters(precision):
         1, Lq, Lk, D, D, np.float32, p.tile, causal=True)
     assert c.store_sector_efficiency == 1.0
     assert c.cp_async_smem_wavefronts == c.cp_async_smem_wavefronts_ideal
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("precision,D", [("3xtf32", 64), ("tf32", 64), ("tf32", 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_forward(precision, D, causal):
+    """The wgmma forward on an H100 / H200 (``-m gpu``; skipped elsewhere): the rule, as on the emulator."""
+    q, k, v = make_inputs(np.float32, D, 300, 700, batch=(2, 3))
+    out, lse = (x.get() for x in run_forward("cuda", q, k, v, causal=causal, precision=precision))
+    if precision == "3xtf32":
+        assert_attention_close(out, q, k, v, causal=causal, lse=lse)
+    else:
+        assert_tf32_close(out, lse, q, k, v, causal)
