@@ -121,9 +121,11 @@ __device__ __forceinline__ void load_sw32(unsigned char* s_tile, const float* g_
     }
 }
 
-// The chunks this thread copied with load_sw32 from `raw` into the planes at `planes` (hi; lo a plane further).
-template <int kPrec, int kRows, int kCols>
-__device__ __forceinline__ void convert_sw32(unsigned char* planes, const unsigned char* raw, int warp, int lane) {
+// The chunks this thread copied with load_sw32 from `raw`, split: hi into `hi` (unless kLoOnly) and, 3xtf32, lo into
+// `lo` (the same offsets).
+template <int kPrec, int kRows, int kCols, bool kLoOnly = false>
+__device__ __forceinline__ void split_sw32(unsigned char* hi, unsigned char* lo, const unsigned char* raw, int warp,
+                                           int lane) {
     using Ch = Sw32Chunk<kRows, kCols>;
     const Ch ch(warp, lane);
     const int off0 = sw32_offset<kRows>(ch.r, ch.c);
@@ -131,16 +133,16 @@ __device__ __forceinline__ void convert_sw32(unsigned char* planes, const unsign
     for (int p = 0; p < Ch::kPasses; ++p) {
         const int off = off0 + Ch::col_step(p) / 8 * 32 * kRows;
         const flash::Vec16<float> x = *reinterpret_cast<const flash::Vec16<float>*>(raw + off);
-        flash::Vec16<float> hi, lo;
+        flash::Vec16<float> h4, l4;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             uint32_t h, l = 0;
             flash::tf32_operand<kPrec>(x.v[e], h, l);
-            hi.v[e] = __uint_as_float(h);
-            lo.v[e] = __uint_as_float(l);
+            h4.v[e] = __uint_as_float(h);
+            l4.v[e] = __uint_as_float(l);
         }
-        *reinterpret_cast<flash::Vec16<float>*>(planes + off) = hi;
-        if constexpr (kPrec == 3) *reinterpret_cast<flash::Vec16<float>*>(planes + kRows * kCols * 4 + off) = lo;
+        if constexpr (!kLoOnly) *reinterpret_cast<flash::Vec16<float>*>(hi + off) = h4;
+        if constexpr (kPrec == 3) *reinterpret_cast<flash::Vec16<float>*>(lo + off) = l4;
     }
 }
 
@@ -260,27 +262,6 @@ __device__ __forceinline__ void load_a_rows(uint32_t (&hi)[kSteps][4], const uns
         }
 }
 
-// 3xtf32: the lo plane of the chunks this thread copied with load_sw32 (a raw tile kept raw) into `plane`.
-template <int kRows, int kCols>
-__device__ __forceinline__ void lo_plane_sw32(unsigned char* plane, const unsigned char* raw, int warp, int lane) {
-    using Ch = Sw32Chunk<kRows, kCols>;
-    const Ch ch(warp, lane);
-    const int off0 = sw32_offset<kRows>(ch.r, ch.c);
-#pragma unroll
-    for (int p = 0; p < Ch::kPasses; ++p) {
-        const int off = off0 + Ch::col_step(p) / 8 * 32 * kRows;
-        const flash::Vec16<float> x = *reinterpret_cast<const flash::Vec16<float>*>(raw + off);
-        flash::Vec16<float> lo;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            uint32_t h, l;
-            flash::tf32_operand<3>(x.v[e], h, l);
-            lo.v[e] = __uint_as_float(l);
-        }
-        *reinterpret_cast<flash::Vec16<float>*>(plane + off) = lo;
-    }
-}
-
 // K_j^T's planes (kCols rows = dims, kRows columns = keys) from raw K_j (kRows keys x kCols dims, 32-byte
 // swizzle): chunk (n, keys 4q .. 4q + 3) from four 32-bit loads down column n, one 16-byte store per plane.
 template <int kPrec, int kRows, int kCols>
@@ -393,8 +374,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
         __syncthreads();
         load_a_rows<kPrec, kBlockN, Tr::kKSteps>(kv_hi, wg == 0 ? k_raw : v_raw, row0, g, t);
         if constexpr (kPrec == 3) {
-            lo_plane_sw32<kBlockN, kHeadDim>(smem + Tr::kKVLo, k_raw, warp, lane);
-            lo_plane_sw32<kBlockN, kHeadDim>(smem + Tr::kKVLo + Tr::kKVLoPlane, v_raw, warp, lane);
+            split_sw32<3, kBlockN, kHeadDim, true>(nullptr, smem + Tr::kKVLo, k_raw, warp, lane);
+            split_sw32<3, kBlockN, kHeadDim, true>(nullptr, smem + Tr::kKVLo + Tr::kKVLoPlane, v_raw, warp, lane);
         }
         transpose_planes<kPrec, kBlockN, kHeadDim>(sKt, k_raw, tid);
         fa::fence_proxy_async();  // K_j^T's planes, the K_j / V_j lo planes → the wgmmas
@@ -413,8 +394,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
         fa::cp_async_wait<0>();  // this thread's copies of Q_i, dO_i
         // Barrier: every warpgroup is done with the previous visit (its planes, L_i, D_i).
         __syncthreads();
-        convert_sw32<kPrec, kBlockM, kHeadDim>(sQ, smem + Tr::kQRaw, warp, lane);
-        convert_sw32<kPrec, kBlockM, kHeadDim>(sdO, smem + Tr::kdORaw, warp, lane);
+        split_sw32<kPrec, kBlockM, kHeadDim>(sQ, sQ + Tr::kQPlane, smem + Tr::kQRaw, warp, lane);
+        split_sw32<kPrec, kBlockM, kHeadDim>(sdO, sdO + Tr::kQPlane, smem + Tr::kdORaw, warp, lane);
         load_row_stats_exp<kBlockM, 256>(lse2_s, delta_s, lse + b.offset({l_b0, l_b1, l_b2, 0}) + (long long)grp * l_g,
                                          delta + b.offset({d_b0, d_b1, d_b2, 0}) + (long long)grp * d_g, r0, Lq);
         fa::fence_proxy_async();
