@@ -206,3 +206,23 @@ def test_gpu_backward(precision, causal, deterministic):
         for other in runs[1:]:
             for a, b in zip(runs[0], other):
                 assert (a == b).all()
+
+
+def test_unaligned_rows_take_the_mma_sync_kernel_and_its_accumulator():
+    """Rows not 16-byte aligned (q at a 4-byte offset) run the mma.sync dK/dV kernel (Br 32 for 3xtf32 at d 64),
+    and the dQ accumulator is sized for that kernel's query blocks, not the wgmma tile's Br 64: at Lq 2112 (33
+    blocks of 64, 66 of 32) the ordered mode's counters, after the accumulator's rows, would have run past a buffer
+    sized for 64 (the emulator bounds-checks every access)."""
+    rng = np.random.default_rng(3)
+    Lq, Lk, D = 2112, 64, 64
+    q = np.empty(Lq * D + 1, np.float32)[1:].reshape(1, 1, Lq, D)
+    q[...] = rng.standard_normal(q.shape)
+    k, v, do = (rng.standard_normal(s).astype(np.float32) for s in ((1, 1, Lk, D), (1, 1, Lk, D), (1, 1, Lq, D)))
+    kw = dict(causal=False, scale=0.125, batch_shape=(1, 1), device="emulator", precision="3xtf32", arch=ARCH)
+    from flasharray._private import cuda_forward
+    from flasharray.testing import check_attention
+    out, lse = cuda_forward.forward(q, k, v, **kw)
+    *grads, counters = cuda_backward.backward(do, q, k, v, out, lse, deterministic=True, return_counters=True, **kw)
+    names = [n for n, _ in counters]
+    assert any(n.startswith(T.KERNEL + "<64, 64, 32,") for n in names), names
+    assert check_attention(out, q, k, v, causal=False, scale=0.125, dout=do, grads=grads).passed

@@ -498,6 +498,9 @@ class BackwardPlan:
                     if self.kernel == "tc"
                     else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
                     if self.kernel == "wgmma"
+                    else _family_module(self.kernel).backward_tile(  # kernel_plan's tile (the rows' alignment)
+                        self.precision, self.dtype, D, Dv, arch, ext=self.ext is not None, vec=_vec_rows(t, nb, dtype))
+                    if self.kernel == "tf32"
                     else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)

@@ -52,7 +52,7 @@ Bc 64 up to 192, then 32, 3xtf32 Bc 32 up to 208, then 16, lo planes throughout.
 """
 from dataclasses import dataclass
 
-from . import tiles
+from . import launch, tiles
 from .precision import check_precision_arch
 from .tiles_bwd import BwdTiles
 
@@ -90,6 +90,8 @@ WGMMA = True
 WGMMA_SOURCE = "flash_bwd_sm90_tf32.cu"
 WGMMA_KERNEL = "flash_bwd_dkv_sm90_tf32_kernel"
 WGMMA_HEAD_DIM = 64
+# wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (launch.ARCH_SPECIFIC).
+launch.ARCH_SPECIFIC.setdefault(WGMMA_SOURCE, {90: "sm_90a"})
 
 #: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
 #: (every query block's visitors stay one run of key blocks n_lo(i) .. n(i) − 1); not the block mask (8).

@@ -33,7 +33,7 @@ revise this.
 """
 from dataclasses import dataclass
 
-from . import tiles
+from . import launch, tiles
 from .precision import check_precision_arch
 
 #: Kernel template argument kPrec per precision (mma per product).
@@ -79,6 +79,8 @@ WGMMA_SOURCE = "flash_fwd_sm90_tf32.cu"
 WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64,)}
 WGMMA_BLOCK_M = 128
 WGMMA_BLOCK_N = 64
+# wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (launch.ARCH_SPECIFIC).
+launch.ARCH_SPECIFIC.setdefault(WGMMA_SOURCE, {90: "sm_90a"})
 
 
 def wgmma_smem_bytes(d, block_n, precision):
