@@ -71,6 +71,11 @@ def test_tile_rule(monkeypatch):
     plan = cuda_backward.kernel_plan(f32, 64, 64, causal=True, deterministic=True, arch=90, kernel="tf32",
                                      ordered=True, precision="3xtf32")
     assert plan["dkv"][0] == T.WGMMA_SOURCE and plan["dkv"][1].startswith(T.WGMMA_KERNEL)
+    from flasharray._private import cuda_forward_sm90
+    monkeypatch.setattr(cuda_forward_sm90, "nvrtc_sm90a", lambda: False)  # CUDA without NVRTC's sm_90a: mma.sync
+    assert not isinstance(T.backward_tile("3xtf32", f32, 64, 64, 90, device="cuda"), T.Tf32WgmmaBwdTiles)
+    assert isinstance(T.backward_tile("3xtf32", f32, 64, 64, 90, device="emulator"), T.Tf32WgmmaBwdTiles)
+    assert cuda_backward.family_tile(f32, "3xtf32", 64, 64, 90, device="cuda")[1].source == T.SOURCE
     monkeypatch.setattr(T, "WGMMA", False)
     assert not isinstance(T.backward_tile("3xtf32", f32, 64, 64, 90), T.Tf32WgmmaBwdTiles)
 

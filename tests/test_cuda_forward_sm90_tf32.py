@@ -94,6 +94,10 @@ def test_tile_rule(monkeypatch):
     for args, kw in [(("3xtf32", f32, 64, 64, 80), {}), (("3xtf32", f32, 80, 80, 90), {}),
                      (("tf32", f32, 144, 128, 90), {}), (("3xtf32", f32, 64, 64, 90), {"ext": 4})]:
         assert type(T.forward_tile(*args, **kw)) is T.Tf32Tile, (args, kw)
+    from flasharray._private import cuda_forward_sm90
+    monkeypatch.setattr(cuda_forward_sm90, "nvrtc_sm90a", lambda: False)  # CUDA without NVRTC's sm_90a: mma.sync
+    assert type(T.forward_tile("3xtf32", f32, 64, 64, 90, device="cuda")) is T.Tf32Tile
+    assert isinstance(T.forward_tile("3xtf32", f32, 64, 64, 90, device="emulator"), T.Tf32WgmmaTile)
     monkeypatch.setattr(T, "WGMMA", False)
     assert type(T.forward_tile("tf32", f32, 64, 64, 90)) is T.Tf32Tile
 

@@ -153,9 +153,10 @@ def _family_module(name):
     return importlib.import_module("." + FAMILIES[name], __package__)
 
 
-def family_tile(dtype, precision, D, Dv, arch, ext=False):
+def family_tile(dtype, precision, D, Dv, arch, ext=False, device=None):
     """``(family, dK/dV tile)`` when a float32 / float64 backward runs on tensor cores (the family
-    module says where it applies: dtype, precision, arch, head dims, no extensions), else None."""
+    module says where it applies: dtype, precision, arch, head dims, no extensions), else None.
+    ``device``: the launcher's (the tf32 family's wgmma tile needs NVRTC's sm_90a on "cuda")."""
     name = _FAMILY_OF.get(canonical_dtype(dtype))
     if name is None:
         return None
@@ -163,7 +164,8 @@ def family_tile(dtype, precision, D, Dv, arch, ext=False):
         module = _family_module(name)
     except ImportError:  # the family's module is not built yet (issue 12, in progress)
         return None
-    t = module.backward_tile(precision, canonical_dtype(dtype), D, Dv, arch, ext=ext)
+    t = module.backward_tile(precision, canonical_dtype(dtype), D, Dv, arch, ext=ext,
+                             **({"device": device} if name == "tf32" else {}))
     return None if t is None else (name, t)
 
 
@@ -177,7 +179,7 @@ def default_kernel(dtype, arch):
 
 
 def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_dkv=False,
-                acc_dq=False, vec=True, stages=None, ext=0, ordered=False, precision=None, tma=False):
+                acc_dq=False, vec=True, stages=None, ext=0, ordered=False, precision=None, tma=False, device=None):
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
@@ -233,7 +235,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     elif kernel in FAMILIES:
         module = _family_module(kernel)
         t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=bool(ext),
-                                    **({"vec": vec} if kernel == "tf32" else {}))
+                                    **({"vec": vec, "device": device} if kernel == "tf32" else {}))
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
@@ -381,7 +383,7 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
     "wgmma" on sm_90 where :func:`auto_wgmma` says so (``device``: the launcher's), else
     :func:`default_kernel`."""
     if kernel is None and dq != "recompute":
-        fam = family_tile(dtype, precision, D, Dv, arch, ext)
+        fam = family_tile(dtype, precision, D, Dv, arch, ext, device)
         if fam is not None and (not (ext and deterministic) or _family_orders(fam[0], ext)):
             return fam[0]
         if auto_wgmma(dtype, arch, precision, D, Dv, ext, dq, device, deterministic):
@@ -499,7 +501,8 @@ class BackwardPlan:
                     else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
                     if self.kernel == "wgmma"
                     else _family_module(self.kernel).backward_tile(  # kernel_plan's tile (the rows' alignment)
-                        self.precision, self.dtype, D, Dv, arch, ext=self.ext is not None, vec=_vec_rows(t, nb, dtype))
+                        self.precision, self.dtype, D, Dv, arch, ext=self.ext is not None, vec=_vec_rows(t, nb, dtype),
+                        device=self.launcher.device)
                     if self.kernel == "tf32"
                     else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
             pD = tiles.pad_head_dim(D)
@@ -561,7 +564,7 @@ class BackwardPlan:
             why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
             if why:
                 raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) " + why)
-        ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
+        ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, device=self.launcher.device,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
                          ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,
                          tma=tma)

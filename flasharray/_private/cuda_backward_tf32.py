@@ -137,6 +137,10 @@ class Tf32BwdTiles(BwdTiles):
     kv_planes: bool = True
 
     @property
+    def source(self):
+        return SOURCE
+
+    @property
     def planes_mode(self):
         """The kernel's kLoPlanes: 1 every tile with a lo plane, 2 Q_i and dO_i only, 0 none."""
         return 0 if not self.lo_planes else 1 if self.kv_planes else 2
@@ -161,11 +165,16 @@ class Tf32WgmmaBwdTiles(Tf32BwdTiles):
         return WGMMA_SOURCE
 
 
-def wgmma_tile(precision, d, dv, a, ext, vec):
+def wgmma_tile(precision, d, dv, a, ext, vec, device=None):
     """The :class:`Tf32WgmmaBwdTiles` for padded head dims ``d``, ``dv`` on arch number ``a``, or None (not sm_90,
-    :data:`WGMMA` off, extensions, rows not 16-byte aligned, head dims other than :data:`WGMMA_HEAD_DIM`)."""
+    :data:`WGMMA` off, extensions, rows not 16-byte aligned, head dims other than :data:`WGMMA_HEAD_DIM`, or on
+    ``device`` "cuda" without NVRTC compiling sm_90a: ``cuda_forward_sm90.nvrtc_sm90a``)."""
     if not WGMMA or a != 90 or ext or not vec or (d, dv) != (WGMMA_HEAD_DIM, WGMMA_HEAD_DIM):
         return None
+    if device == "cuda":
+        from . import cuda_forward_sm90
+        if not cuda_forward_sm90.nvrtc_sm90a():
+            return None
     smem = wgmma_smem_bytes(d, 64, 64, precision)
     reason = ("%s on sm_90: wgmma m64nNk8, two warpgroups (S^T, P^T, dV^T | dP^T, dS^T, dK^T; dQ split by columns), "
               "Br=Bc=64, K_j / V_j A fragments in registers, Q_i, dO_i, K_j^T, P^T, dS^T as %s"
@@ -179,13 +188,14 @@ def wgmma_tile(precision, d, dv, a, ext, vec):
 ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 = 112
 
 
-def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True):
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True, device=None):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
     (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, 3xtf32 above d 64
     with extensions outside :data:`WIDE_3XTF32_EXT`). ``ext``: the call's kExt bits, or a bool (max(d,
     dv) <= 64 with extensions: half the Br, else the same tile; tests/test_static_backward_tf32.py).
     ``vec``: the rows take the 16-byte copies (False: element-wise, :data:`ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90`).
-    On sm_90 the wgmma kernel's tile where it applies (:func:`wgmma_tile`; ``wgmma=False``: the mma.sync one).
+    On sm_90 the wgmma kernel's tile where it applies (:func:`wgmma_tile`, ``device`` the launcher's;
+    ``wgmma=False``: the mma.sync one).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -198,7 +208,7 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=T
         return None  # wide head dims: dense calls only (extensions run the SIMT backward)
     if precision == "3xtf32" and max(d, dv) > 64 and not isinstance(ext, bool) and ext & ~WIDE_3XTF32_EXT:
         return None  # (a bool ``ext``: call sites after the family was chosen by the bits)
-    wg = wgmma_tile(precision, d, dv, a, ext, vec) if wgmma else None
+    wg = wgmma_tile(precision, d, dv, a, ext, vec, device) if wgmma else None
     if wg is not None:
         return wg
     limit = tiles.smem_limit(a)

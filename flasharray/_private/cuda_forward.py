@@ -133,7 +133,7 @@ class ForwardPlan:
             self.tile = None  # a short window at d <= 64: the mma.sync forward
         auto = self.tile if kernel is None else None
         if self.tile is None or auto is not None:
-            self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
+            self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, device=launcher.device, **tc) or \
                 f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
                 kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
                            ext=self.ext is not None, two_blocks=not (kv is not None and kv.paged))

@@ -151,11 +151,16 @@ class Tf32WgmmaTile(Tf32Tile):
             self.reason))
 
 
-def wgmma_tile(precision, d, dv, a, ext, fallback):
+def wgmma_tile(precision, d, dv, a, ext, fallback, device=None):
     """The :class:`Tf32WgmmaTile` for padded head dims ``d``, ``dv`` on arch number ``a``, or None (not sm_90,
-    :data:`WGMMA` off, extensions, or head dims past :data:`WGMMA_HEAD_DIMS`)."""
+    :data:`WGMMA` off, extensions, head dims past :data:`WGMMA_HEAD_DIMS`, or on ``device`` "cuda" without NVRTC
+    compiling sm_90a: ``cuda_forward_sm90.nvrtc_sm90a``)."""
     if not WGMMA or a != 90 or ext:
         return None
+    if device == "cuda":
+        from . import cuda_forward_sm90
+        if not cuda_forward_sm90.nvrtc_sm90a():
+            return None
     wd = next((w for w in WGMMA_HEAD_DIMS[precision] if max(d, dv) <= w), None)
     if wd is None:
         return None
@@ -171,13 +176,13 @@ def wgmma_tile(precision, d, dv, a, ext, fallback):
 
 
 def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, block_m=None, ext=False,
-                 num_splits=None, kv=None, wgmma=True):
+                 num_splits=None, kv=None, wgmma=True, device=None):
     """The :class:`Tf32Tile` for a float32 call with ``precision`` "tf32" / "3xtf32", or None (the
     SIMT kernel runs: precision None / "ieee", another dtype, d or dv > 256, forced kernel, IO tile,
     split-KV or KV cache; 3xtf32 with extensions on a wide tile, or where no tile fits). ``ext``: the
     call's kExt bits (the same tile, but Bc = 16 for a window with a block mask, :data:`NARROW_EXT`,
     and for any extension on a wide tile). On sm_90 the wgmma kernel's :class:`Tf32WgmmaTile` where it
-    applies (:func:`wgmma_tile`; ``wgmma=False``: the mma.sync tile, its ``fallback``).
+    applies (:func:`wgmma_tile`, ``device`` the launcher's; ``wgmma=False``: the mma.sync tile, its ``fallback``).
     NotImplementedError naming the arch below sm_80."""
     if precision not in PREC or tiles.dtype_name(dtype) != "float32":
         return None
@@ -192,7 +197,7 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
         return None  # spilled even at Bc 16 (WIDE_EXT_BLOCK_N's comment): the SIMT kernel
     narrow = int(ext) & NARROW_EXT == NARROW_EXT or (wide and bool(ext))
     tile = _pick_tile(precision, d, dv, tiles.arch_number(arch), narrow)
-    return (wgmma and wgmma_tile(precision, d, dv, tiles.arch_number(arch), ext, tile)) or tile
+    return (wgmma and wgmma_tile(precision, d, dv, tiles.arch_number(arch), ext, tile, device)) or tile
 
 
 def _block_ns(precision, d, dv, narrow):
