@@ -180,25 +180,30 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[kN / 2], const uint32_t 
 }
 
 // acc = A·Bᵀ over kSteps k8 steps: S^T, dP^T. A = K_j or V_j: its hi fragments from registers, (3xtf32) its lo
-// plane a_lo (kRowsA rows) through descriptors; B a plane pair (hi, lo lo_bytes further) of kRowsB rows. Per step
-// A_lo·B_hi (.ss), A_hi·B_lo, A_hi·B_hi (.rs). One committed batch, waited for.
+// plane a_lo (kRowsA rows) through descriptors; B a plane pair (hi, lo lo_bytes further) of kRowsB rows. 3xtf32:
+// every step's A_lo·B_hi (.ss) and A_hi·B_lo first, then the A_hi·B_hi: the tensor cores truncate each partial
+// sum, and the small terms summed first are truncated while the sum is small (kSteps truncations of the full-size
+// sum instead of 3 kSteps − 1 with the terms step by step). One committed batch, waited for.
 template <int kPrec, int kN, int kSteps, int kRowsA, int kRowsB>
 __device__ __forceinline__ void gemm_regs(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
                                           const unsigned char* a_lo, const unsigned char* b, int lo_bytes) {
     fa::wgmma_fence_operand(acc);
     fa::wgmma_fence();
+    // k8 step ks: the start address (descriptor bits 0-13, in 16-byte units) 32·kRows·ks bytes further
+    const uint64_t b_hi = sw32_desc<kRowsB>(b, 0);
+    if constexpr (kPrec == 3) {
+        const uint64_t a0 = sw32_desc<kRowsA>(a_lo, 0), b_lo = sw32_desc<kRowsB>(b + lo_bytes, 0);
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-        const uint64_t b_hi = sw32_desc<kRowsB>(b, ks);
-        if constexpr (kPrec == 3) {
-            fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, sw32_desc<kRowsA>(a_lo, ks), b_hi, ks > 0 ? 1 : 0);
-            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], sw32_desc<kRowsB>(b + lo_bytes, ks), 1);
-            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_hi, 1);
-        } else {
-            (void)a_lo; (void)lo_bytes;
-            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_hi, ks > 0 ? 1 : 0);
+        for (int ks = 0; ks < kSteps; ++ks) {
+            fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, a0 + 2 * kRowsA * ks, b_hi + 2 * kRowsB * ks, ks > 0 ? 1 : 0);
+            fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_lo + 2 * kRowsB * ks, 1);
         }
+    } else {
+        (void)a_lo; (void)lo_bytes;
     }
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks)
+        fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], b_hi + 2 * kRowsB * ks, kPrec == 3 || ks > 0 ? 1 : 0);
     fa::wgmma_commit_group();
     fa::wgmma_wait_group<0>();
     fa::wgmma_fence_operand(acc);
@@ -211,13 +216,14 @@ template <int kPrec, int kN, int kSteps, int kRowsA, int kRowsB>
 __device__ __forceinline__ void gemm_gathered(float (&acc)[kN / 2], const unsigned char* x, int x_lo_bytes, int m0,
                                               const unsigned char* b, int b_lo_bytes, int b_row, int g, int t) {
     fa::wgmma_fence_operand(acc);
+    const uint64_t b_hi0 = sw32_desc<kRowsB>(b, 0, b_row);  // step ks: + 32·kRowsB·ks bytes (2·kRowsB units)
+    const uint64_t b_lo0 = kPrec == 3 ? sw32_desc<kRowsB>(b + b_lo_bytes, 0, b_row) : 0;
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
         uint32_t a_hi[4], a_lo[4];
         gather_at<kPrec, kRowsA>(a_hi, a_lo, x, x_lo_bytes, ks, m0, g, t);
         fa::wgmma_fence();
-        wgmma_step<kPrec, kN>(acc, a_hi, a_lo, sw32_desc<kRowsB>(b, ks, b_row),
-                              kPrec == 3 ? sw32_desc<kRowsB>(b + b_lo_bytes, ks, b_row) : 0, ks == 0);
+        wgmma_step<kPrec, kN>(acc, a_hi, a_lo, b_hi0 + 2 * kRowsB * ks, b_lo0 + 2 * kRowsB * ks, ks == 0);
         fa::wgmma_commit_group();
         fa::wgmma_wait_group<0>();
     }
