@@ -135,62 +135,70 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&q_hi)[Tr::kKSteps][4], c
     }
 }
 
-// The descriptor of k8 step ks of a 128B-swizzled K-major operand of kRows rows per panel at `base` (the
-// warpgroup's first row): panel ks / 4 (kRows·128 bytes apart), byte 32 (ks mod 4).
+// The descriptor of k8 step ks of a 128B-swizzled K-major operand of kRows rows per panel: its step-0 descriptor
+// plus k8_step<kRows>(ks), the start address (bits 0-13, 16-byte units) of panel ks / 4 (kRows·128 bytes apart),
+// byte 32 (ks mod 4): one descriptor per operand, the steps' immediate increments.
 template <int kRows>
-__device__ __forceinline__ uint64_t k8_desc(const unsigned char* base, int ks) {
-  return sw128_desc(base + (ks / 4) * kRows * 128 + (ks % 4) * 32, 16);
+__device__ __forceinline__ constexpr uint64_t k8_step(int ks) {
+  return static_cast<uint64_t>(((ks / 4) * kRows * 128 + (ks % 4) * 32) >> 4);
 }
 
 // S = Q_w K_jᵀ for the warpgroup's 64 rows in precision kPrec, one committed batch, waited for. q_hi: Q's (hi)
 // fragments (Tr::kQRegs), sQ_w: its planes at the warpgroup's rows (hi, lo a plane apart); sK: K_j's hi plane,
-// its lo at k_lo_bytes. Per k8 step (3xtf32) Q_lo·K_hi (.ss), Q_hi·K_lo, Q_hi·K_hi (.rs); scale_d 0 first.
+// its lo at k_lo_bytes. 3xtf32: every step's Q_lo·K_hi (.ss) and Q_hi·K_lo (.rs) first, then the Q_hi·K_hi: the
+// tensor cores truncate each partial sum, and the small terms summed first are truncated while the sum is small.
 template <class Tr>
 __device__ __forceinline__ void gemm_s_tf32(float (&acc)[Tr::kBlockN / 2], const uint32_t (&q_hi)[Tr::kKSteps][4],
                                             const unsigned char* sQ_w, const unsigned char* sK, int k_lo_bytes) {
-  constexpr int kN = Tr::kBlockN;
+  constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM;
+  const uint64_t k_hi = sw128_desc(sK, 16);
   fa::wgmma_fence_operand(acc);
   fa::wgmma_fence();
+  if constexpr (Tr::kPrec == 3) {
+    const uint64_t q_lo = sw128_desc(sQ_w + Tr::kQPlaneBytes, 16), k_lo = sw128_desc(sK + k_lo_bytes, 16);
 #pragma unroll
-  for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-    const uint64_t k_hi = k8_desc<kN>(sK, ks);
-    if constexpr (Tr::kPrec == 3) {
-      fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, k8_desc<Tr::kBlockM>(sQ_w + Tr::kQPlaneBytes, ks), k_hi, ks > 0 ? 1 : 0);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k8_desc<kN>(sK + k_lo_bytes, ks), 1);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi, 1);
-    } else if constexpr (Tr::kQRegs) {
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi, ks > 0 ? 1 : 0);
-    } else {
-      fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, k8_desc<Tr::kBlockM>(sQ_w, ks), k_hi, ks > 0 ? 1 : 0);
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, q_lo + k8_step<kM>(ks), k_hi + k8_step<kN>(ks), ks > 0 ? 1 : 0);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_lo + k8_step<kN>(ks), 1);
     }
   }
-  (void)k_lo_bytes;
+  const uint64_t q_d = sw128_desc(sQ_w, 16);
+#pragma unroll
+  for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+    const int scale = Tr::kPrec == 3 || ks > 0 ? 1 : 0;
+    if constexpr (Tr::kQRegs) fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi + k8_step<kN>(ks), scale);
+    else fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, q_d + k8_step<kM>(ks), k_hi + k8_step<kN>(ks), scale);
+  }
+  (void)k_lo_bytes; (void)q_d;
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc);
 }
 
-// acc (+)= A·Bᵀ over k8 steps in precision kPrec (3xtf32: A_lo·B_hi + A_hi·B_lo + A_hi·B_hi per step), one
-// committed batch, waited for: A the register fragments (hi, lo) of each step, B's planes at b_hi (lo at b_lo_bytes
-// past it; 128B-swizzled K-major, N = kN rows). zero: scale_d 0 on the first wgmma (acc starts at 0). P V.
+// acc (+)= A·Bᵀ over k8 steps in precision kPrec (3xtf32: every step's A_lo·B_hi and A_hi·B_lo, then the
+// A_hi·B_hi, as gemm_s_tf32), one committed batch, waited for: A the register fragments (hi, lo) of each step, B's
+// planes at b_hi (lo at b_lo_bytes past it; 128B-swizzled K-major, N = kN rows). zero: scale_d 0 on the first
+// wgmma (acc starts at 0). P V.
 template <int kPrec, int kN, int kSteps>
 __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
                                              const uint32_t (&a_lo)[kSteps][4], const unsigned char* b_hi,
                                              int b_lo_bytes, bool zero) {
+  const uint64_t bh = sw128_desc(b_hi, 16);
   fa::wgmma_fence_operand(acc);
   fa::wgmma_fence();
+  if constexpr (kPrec == 3) {
+    const uint64_t bl = sw128_desc(b_hi + b_lo_bytes, 16);
 #pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks) {
-    const int first = zero && ks == 0 ? 0 : 1;
-    if constexpr (kPrec == 3) {
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], k8_desc<kN>(b_hi, ks), first);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi + b_lo_bytes, ks), 1);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi, ks), 1);
-    } else {
-      (void)a_lo; (void)b_lo_bytes;
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], k8_desc<kN>(b_hi, ks), first);
+    for (int ks = 0; ks < kSteps; ++ks) {
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], bh + k8_step<kN>(ks), zero && ks == 0 ? 0 : 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bl + k8_step<kN>(ks), 1);
     }
+  } else {
+    (void)a_lo; (void)b_lo_bytes;
   }
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+    fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bh + k8_step<kN>(ks), kPrec == 3 || !zero || ks > 0 ? 1 : 0);
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc);
