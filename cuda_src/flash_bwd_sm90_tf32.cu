@@ -309,7 +309,9 @@ using namespace fa_bwd;
 
 // dK_j, dV_j and atomic dQ on wgmma: grid = (Tc, nb1 * nb2, nb0), 256 threads (two warpgroups); the argument
 // list is flash_bwd_dkv_tf32_kernel's.
-template <int kHeadDim, int kBlockM, int kBlockN, int kPrec, bool kIsCausal, bool kOrderedDQ>
+// kDQDim: the dQ accumulator's padded head dim (DQAccumLayout<kDQDim>), the call's padded D <= kHeadDim (the
+// products run at d = 64 with Q_i, K_j zero-filled past D; columns of dQ at or past kDQDim are not added).
+template <int kHeadDim, int kBlockM, int kBlockN, int kPrec, bool kIsCausal, bool kOrderedDQ, int kDQDim = kHeadDim>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
     const float* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const float* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -323,7 +325,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
     float* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float)) {
     using Tr = Sm90Tf32BwdTraits<kHeadDim, kBlockM, kBlockN, kPrec>;
-    using A = DQAccumLayout<kHeadDim>;
+    static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: padded D");
+    using A = DQAccumLayout<kDQDim>;
     constexpr int kHalf = kHeadDim / 2;  // dQ columns per warpgroup
     (void)dqa_row;
 
@@ -350,7 +353,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
     const int i_begin = mask.m_block_min(c0, kBlockM);
     const int Tr_ = (Lq + kBlockM - 1) / kBlockM;
     const int n_visits = (Tr_ > i_begin ? Tr_ - i_begin : 0) * n_group;
-    const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
+    const DQOrderCounters<kBlockM, kDQDim> order{Lq};
     auto dqa_entry = [&](int grp) {
         return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g;
     };
@@ -466,14 +469,16 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkv_sm90_tf32_kernel(
         float dq[kHalf / 2];
         gemm_gathered<kPrec, kHalf, Tr::kNSteps, kBlockN, kHeadDim>(dq, sdSt, Tr::kSPlane, row0, sKt, Tr::kKtPlane,
                                                                     wg * kHalf, g, t);
-        float* dqa_i = dqa_entry(grp) + (long long)r0 * kHeadDim;
+        float* dqa_i = dqa_entry(grp) + (long long)r0 * kDQDim;
         if constexpr (kOrderedDQ) fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
 #pragma unroll
         for (int j = 0; j < kHalf / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                fa::atomic_add(dqa_i + A::offset(row0 + g + 8 * (e >> 1), wg * kHalf + 8 * j + 2 * t + (e & 1)),
-                               dq[4 * j + e]);
+            for (int e = 0; e < 4; ++e) {
+                const int col = wg * kHalf + 8 * j + 2 * t + (e & 1);
+                if (kDQDim == kHeadDim || col < kDQDim)
+                    fa::atomic_add(dqa_i + A::offset(row0 + g + 8 * (e >> 1), col), dq[4 * j + e]);
+            }
         if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
         i = i_n, grp = grp_n;
     }

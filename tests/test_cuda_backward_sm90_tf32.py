@@ -4,7 +4,7 @@ static checks (NVRTC, no GPU).
 Gradients are held as tests/test_cuda_backward_tf32.py holds the mma.sync TF32 kernel's (3xtf32: the float32 rule
 against float64, 3 x naive fp32's error; tf32: the float64 backward of the tf32-rounded operands within the
 rounding flips). Which calls take the kernel (cuda_backward_tf32.wgmma_tile: sm_90, dense, 16-byte aligned rows,
-padded d = dv = 64), the ordered dQ mode bitwise under permuted schedules, and (a subprocess,
+padded head dims up to 64), the ordered dQ mode bitwise under permuted schedules, and (a subprocess,
 ``FLASHARRAY_EMULATOR_MMA_SUM=truncate``) the float32 rule under the model of the tensor cores' truncated sums.
 """
 import os
@@ -32,6 +32,8 @@ CASES = [(p, *c) for p in ("3xtf32", "tf32") for c in [
     (64, 1, 64, True, 3, True),
     (56, 65, 63, False, 2, False),
     (64, 200, 70, True, 1, False),
+    (32, 90, 130, True, 2, True),   # padded D 32: computed at 64, dQ's accumulator at 32
+    (40, 70, 50, False, 1, True),   # padded D 48 (DQAccumLayout's 16-column tiles)
 ]]
 
 
@@ -56,6 +58,14 @@ def test_wgmma_backward(case):
     check(*case)
 
 
+def test_dv_differs():
+    """D 40, Dv 24: K_j, Q_i and V_j, dO_i zero-filled past their own head dims; dQ's accumulator at padded D 48."""
+    q, k, v, do = make_inputs(40, 70, 90, Dv=24, G=2)
+    got, (lse, delta), counters = run_api("3xtf32", q, k, v, do, True, scale=40 ** -0.5, arch=ARCH)
+    assert any(n.startswith(T.WGMMA_KERNEL) for n, _ in counters)
+    assert_gradients("3xtf32", got, q, k, v, do, True, 40 ** -0.5, lse, delta)
+
+
 def test_tile_rule(monkeypatch):
     f32 = np.float32
     t = T.backward_tile("3xtf32", f32, 64, 64, 90)
@@ -65,7 +75,10 @@ def test_tile_rule(monkeypatch):
     assert T.dkv_name(t, "3xtf32", 64, 64, True, True, True) == T.WGMMA_KERNEL + "<64, 64, 64, 3, true, true>"
     with pytest.raises(ValueError, match="dense calls with 16-byte aligned rows"):
         T.dkv_name(t, "3xtf32", 64, 64, True, False, True)
-    for args, kw in [((64, 64, 80), {}), ((48, 48, 90), {}), ((64, 80, 90), {}), ((64, 64, 90), {"ext": 16}),
+    t48 = T.backward_tile("tf32", f32, 40, 24, 90)
+    assert isinstance(t48, T.Tf32WgmmaBwdTiles) and t48.head_dim == 64
+    assert T.dkv_name(t48, "tf32", 48, 32, False, True, False) == T.WGMMA_KERNEL + "<64, 64, 64, 1, false, false, 48>"
+    for args, kw in [((64, 64, 80), {}), ((64, 80, 90), {}), ((72, 64, 90), {}), ((64, 64, 90), {"ext": 16}),
                      ((64, 64, 90), {"vec": False}), ((64, 64, 90), {"wgmma": False})]:
         assert not isinstance(T.backward_tile("3xtf32", f32, *args, **kw), T.Tf32WgmmaBwdTiles), (args, kw)
     plan = cuda_backward.kernel_plan(f32, 64, 64, causal=True, deterministic=True, arch=90, kernel="tf32",
@@ -141,7 +154,8 @@ MAX_PER_HGMMA = {"3xtf32": 19.5, "tf32": 38.0}
 
 @requires_nvrtc
 def test_wgmma_tf32_backward_compiles():
-    """Every instantiation (3xtf32 / tf32, causal or not, ordered or not): zero spills and stack, 256 threads within
+    """Every instantiation (3xtf32 / tf32, causal or not, ordered or not; kDQDim 16 / 32 / 48 too): zero spills and
+    stack, 256 threads within
     the register file, its shared memory within the opt-in maximum; the visit loop holds every HGMMA of the kernel
     (kPrec x (d/8 + d/8 + Br/8 + Br/8 + Bc/8): S^T, dP^T, dV^T, dK^T, dQ's two halves), all .TF32, within
     MAX_PER_HGMMA."""
@@ -151,6 +165,8 @@ def test_wgmma_tf32_backward_compiles():
         for causal in (False, True):
             for ordered in (False, True):
                 found[T.dkv_name(t, prec, 64, 64, causal, True, ordered)] = (prec, t)
+        for pD in (16, 32, 48):  # the dQ accumulator at a smaller padded D (kDQDim)
+            found[T.dkv_name(t, prec, pD, pD, pD == 32, True, pD != 16)] = (prec, t)
     res = nvrtc.compile_cubin(launch.kernel_source(T.WGMMA_SOURCE), "sm_90a", list(found),
                               options=list(launch.CUDA_OPTIONS))
     ok, why = sass.available()

@@ -85,7 +85,8 @@ WIDE_3XTF32_EXT = 1 | 16 | 32
 KV_RAW = True
 
 #: The wgmma dK/dV kernel (``cuda_src/flash_bwd_sm90_tf32.cu``) on sm_90 for dense calls with 16-byte aligned rows at
-#: padded head dims d = dv = 64: Br = Bc = 64, two warpgroups (:func:`wgmma_tile`). Off: the mma.sync kernel.
+#: padded head dims up to 64 (computed at d = dv = 64, the dQ accumulator at the padded D): Br = Bc = 64, two
+#: warpgroups (:func:`wgmma_tile`). Off: the mma.sync kernel.
 WGMMA = True
 WGMMA_SOURCE = "flash_bwd_sm90_tf32.cu"
 WGMMA_KERNEL = "flash_bwd_dkv_sm90_tf32_kernel"
@@ -167,19 +168,20 @@ class Tf32WgmmaBwdTiles(Tf32BwdTiles):
 
 def wgmma_tile(precision, d, dv, a, ext, vec, device=None):
     """The :class:`Tf32WgmmaBwdTiles` for padded head dims ``d``, ``dv`` on arch number ``a``, or None (not sm_90,
-    :data:`WGMMA` off, extensions, rows not 16-byte aligned, head dims other than :data:`WGMMA_HEAD_DIM`, or on
+    :data:`WGMMA` off, extensions, rows not 16-byte aligned, padded head dims above :data:`WGMMA_HEAD_DIM`, or on
     ``device`` "cuda" without NVRTC compiling sm_90a: ``cuda_forward_sm90.nvrtc_sm90a``)."""
-    if not WGMMA or a != 90 or ext or not vec or (d, dv) != (WGMMA_HEAD_DIM, WGMMA_HEAD_DIM):
+    if not WGMMA or a != 90 or ext or not vec or max(d, dv) > WGMMA_HEAD_DIM:
         return None
     if device == "cuda":
         from . import cuda_forward_sm90
         if not cuda_forward_sm90.nvrtc_sm90a():
             return None
-    smem = wgmma_smem_bytes(d, 64, 64, precision)
+    smem = wgmma_smem_bytes(WGMMA_HEAD_DIM, 64, 64, precision)
     reason = ("%s on sm_90: wgmma m64nNk8, two warpgroups (S^T, P^T, dV^T | dP^T, dS^T, dK^T; dQ split by columns), "
               "Br=Bc=64, K_j / V_j A fragments in registers, Q_i, dO_i, K_j^T, P^T, dS^T as %s"
               % (precision, "tf32 hi+lo planes" if precision == "3xtf32" else "tf32 planes"))
-    return Tf32WgmmaBwdTiles(64, 64, 256, smem, reason, 1, precision=precision, head_dim=d, head_dim_v=dv)
+    return Tf32WgmmaBwdTiles(64, 64, 256, smem, reason, 1, precision=precision, head_dim=WGMMA_HEAD_DIM,
+                             head_dim_v=WGMMA_HEAD_DIM)
 
 
 #: Above this padded max(d, dv), calls with extensions whose rows take the element-wise copies (``vec`` False) keep
@@ -266,8 +268,9 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
         if ext or not vec:
             raise ValueError("flasharray: the wgmma TF32 backward takes dense calls with 16-byte aligned rows "
                              "(ext=%d, vec=%r)" % (ext, vec))
-        return "%s<%d, %d, %d, %d, %s, %s>" % (WGMMA_KERNEL, tile.head_dim, tile.block_m, tile.block_n,
-                                               PREC[precision], b(causal), b(ordered))
+        return "%s<%d, %d, %d, %d, %s, %s%s>" % (WGMMA_KERNEL, tile.head_dim, tile.block_m, tile.block_n,
+                                                 PREC[precision], b(causal), b(ordered),
+                                                 "" if pD == tile.head_dim else ", %d" % pD)  # kDQDim
     mode = getattr(tile, "planes_mode", 1)
     return "%s<%d, %d, %d, %d, %d, %d, %s, %s, %s, %s, %d%s>" % (
         KERNEL, pD, pDv, tile.block_m, tile.block_n, tile.block_n // 16, PREC[precision], b(causal), b(vec),
