@@ -247,3 +247,17 @@ def test_unaligned_rows_take_the_mma_sync_kernel_and_its_accumulator():
     names = [n for n, _ in counters]
     assert any(n.startswith(T.KERNEL + "<64, 64, 32,") for n in names), names
     assert check_attention(out, q, k, v, causal=False, scale=0.125, dout=do, grads=grads).passed
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_counters(precision):
+    """Per block and visit kPrec x 48 wgmma (each warpgroup 8 k8 steps of S^T or dP^T, of dV^T or dK^T and of its half
+    of dQ): the visits are the causal mask's (key block j visits query blocks from its diagonal on) times the group."""
+    Lq, Lk, G = 150, 200, 2
+    q, k, v, do = make_inputs(64, Lq, Lk, G=G, Hk=1)
+    got, _, counters = run_api(precision, q, k, v, do, True, scale=0.125, arch=ARCH)
+    (c,) = [c for n, c in counters if n.startswith(T.WGMMA_KERNEL)]
+    Tr = -(-Lq // 64)
+    # bottom-right causal: query row r sees keys up to r + Lk - Lq; key block j's first query block
+    visits = sum(Tr - max(0, (64 * j - (Lk - Lq)) // 64) for j in range(-(-Lk // 64))) * G
+    assert c.wgmma == visits * 48 * T.PREC[precision]
