@@ -210,23 +210,27 @@ __device__ __forceinline__ void gemm_regs(float (&acc)[kN / 2], const uint32_t (
 }
 
 // acc = Xᵀ·Bᵀ over kSteps k8 steps, A = Xᵀ gathered per step from X's planes (kRowsA rows, columns m0..m0 + 63 of
-// it), B a plane pair of kRowsB rows from row b_row: dV^T, dK^T, dQ. One committed batch per step (its A registers
-// are reused), waited for at the end.
+// it), B a plane pair of kRowsB rows from row b_row: dV^T, dK^T, dQ. Per step (3xtf32) A_lo·B_hi, A_hi·B_lo,
+// A_hi·B_hi in one committed batch; two register sets: step ks + 1's A is gathered while step ks's batch runs
+// (wait_group<1> first: step ks − 1's batch, the other set's reader, has completed).
 template <int kPrec, int kN, int kSteps, int kRowsA, int kRowsB>
 __device__ __forceinline__ void gemm_gathered(float (&acc)[kN / 2], const unsigned char* x, int x_lo_bytes, int m0,
                                               const unsigned char* b, int b_lo_bytes, int b_row, int g, int t) {
     fa::wgmma_fence_operand(acc);
     const uint64_t b_hi0 = sw32_desc<kRowsB>(b, 0, b_row);  // step ks: + 32·kRowsB·ks bytes (2·kRowsB units)
     const uint64_t b_lo0 = kPrec == 3 ? sw32_desc<kRowsB>(b + b_lo_bytes, 0, b_row) : 0;
+    uint32_t a_hi[2][4], a_lo[2][4];
+    gather_at<kPrec, kRowsA>(a_hi[0], a_lo[0], x, x_lo_bytes, 0, m0, g, t);
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
-        uint32_t a_hi[4], a_lo[4];
-        gather_at<kPrec, kRowsA>(a_hi, a_lo, x, x_lo_bytes, ks, m0, g, t);
         fa::wgmma_fence();
-        wgmma_step<kPrec, kN>(acc, a_hi, a_lo, b_hi0 + 2 * kRowsB * ks, b_lo0 + 2 * kRowsB * ks, ks == 0);
+        wgmma_step<kPrec, kN>(acc, a_hi[ks % 2], a_lo[ks % 2], b_hi0 + 2 * kRowsB * ks, b_lo0 + 2 * kRowsB * ks,
+                              ks == 0);
         fa::wgmma_commit_group();
-        fa::wgmma_wait_group<0>();
+        fa::wgmma_wait_group<1>();
+        if (ks + 1 < kSteps) gather_at<kPrec, kRowsA>(a_hi[(ks + 1) % 2], a_lo[(ks + 1) % 2], x, x_lo_bytes, ks + 1, m0, g, t);
     }
+    fa::wgmma_wait_group<0>();
     fa::wgmma_fence_operand(acc);
 }
 
