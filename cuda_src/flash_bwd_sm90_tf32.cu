@@ -5,22 +5,25 @@
 // The mma.sync TF32 dK/dV kernel's algorithm and arguments (flash_bwd_tf32.cu: one block per key block j and
 // K/V batch entry, the query blocks i of the n_group query entries visited in turn, P^T and dS^T recomputed from
 // the saved LSE, dQ_i by float atomics into the DQAccumLayout accumulator, in key-block order when kOrderedDQ),
-// its operands (kPrec 1: cvt.rna'd; 3: hi + lo, A_lo·B_hi + A_hi·B_lo + A_hi·B_hi per k8 step) and its
-// accumulation rule for 3xtf32 (each visit's dK_j, dV_j summed in a zeroed accumulator and added in fp32), on
-// the wgmma instruction. tf32 wgmma reads K-major operands only, so every product is arranged with its reduction
+// its operands (kPrec 1: cvt.rna'd; 3: hi + lo, A_lo·B_hi + A_hi·B_lo + A_hi·B_hi; S^T and dP^T take every k8
+// step's small products first, gemm_regs) and its accumulation rule for 3xtf32 (each visit's dK_j, dV_j summed in a
+// zeroed accumulator and added in fp32), on the wgmma instruction. tf32 wgmma reads K-major operands only, so every product is arranged with its reduction
 // dimension contiguous in shared memory, or its A operand gathered into registers:
 //
-//   S^T  = K_j Q_i^T     M = Bc keys,  N = Br,  K = d:   A = K_j (registers, once per block)  B = Q_i plane
-//   dP^T = V_j dO_i^T    M = Bc keys,  N = Br,  K = dv:  A = V_j (registers, once per block)  B = dO_i plane
+//   S^T  = K_j Q_i^T     M = Bc keys,  N = Br,  K = d:   A = K_j (hi in registers, once per block; lo plane)
+//                                                          B = Q_i plane
+//   dP^T = V_j dO_i^T    M = Bc keys,  N = Br,  K = dv:  A = V_j (as K_j)  B = dO_i plane
 //   dV_j^T += dO_i^T P   M = dv,       N = Bc,  K = Br:  A = dO_i^T gathered from dO_i's plane  B = P^T plane
 //   dK_j^T += Q_i^T dS   M = d,        N = Bc,  K = Br:  A = Q_i^T gathered from Q_i's plane    B = dS^T plane
 //   dQ_i  = dS K_j       M = Br,       N = d/2 per warpgroup, K = Bc:  A = dS gathered from dS^T's plane,
 //                                                                      B = K_j^T plane (built once per block)
 //
-// Two warpgroups (Bc = 64 keys, Br = 64 queries, d = dv = 64). Warpgroup 0 computes S^T, writes P^T's planes,
+// Two warpgroups (Bc = 64 keys, Br = 64 queries, d = dv = 64: calls at smaller padded head dims run zero-filled,
+// the dQ accumulator at their padded D, kDQDim). Warpgroup 0 computes S^T, writes P^T's planes,
 // then dV^T; warpgroup 1 computes dP^T, then (P^T written: named barrier 1) dS^T = P^T ∘ (dP^T − D_i) into its
 // planes, then dK^T; both then (dS^T written: named barrier 2) half of dQ_i's columns each, added by atomics.
-// Named barriers 3 / 4 (one warpgroup each) make a warpgroup's own plane writes visible to its wgmmas.
+// Named barriers 3 / 4 (one warpgroup each) make a warpgroup's own plane writes visible to its wgmmas. The gathered
+// products load step ks + 1's A fragments while step ks's wgmmas run (gemm_gathered).
 //
 // Shared-memory planes: the 32-byte-swizzle K-major layout (one 32-byte row = one k8 step of 8 floats: element
 // (r, c) of a kRows-row plane at 32·kRows·(c / 8) + 32 r + 16 ((c mod 8) / 4 ^ (r / 4 mod 2)) + 4 (c mod 4); the
