@@ -4,9 +4,9 @@
 // The algorithm, products and sums of the mma.sync TF32 forward (flash_fwd_tf32.cu), on the wgmma instruction:
 //   kPrec = 1 ("tf32"):   operands cvt.rna'd to tf32, one wgmma per product;
 //   kPrec = 3 ("3xtf32"): x = hi + lo (hi = cvt.rna(x), lo = cvt.rna(x − hi)), a_lo·b_hi + a_hi·b_lo + a_hi·b_hi
-//                         per k8 step (small terms first), and P V_j of each key tile summed in a zeroed
-//                         accumulator added to O in fp32 (O = O · correction + P V_j: the tensor cores truncate
-//                         their sums, docs/precision.md, "Default").
+//                         with every k8 step's small products first (gemm_s_tf32), and P V_j of each key tile
+//                         summed in a zeroed accumulator added to O in fp32 (O = O · correction + P V_j: the tensor
+//                         cores truncate their sums, docs/precision.md, "Default").
 // One thread block per (query tile Q_i of Br = 128 rows, batch entry): two warpgroups, warpgroup w owning rows
 // [64w, 64w + 64) of Q_i (one wgmma m64 row block; a row's softmax statistics stay in one quad); tf32 at d 64 two
 // blocks per SM (kMinBlocks). Per key tile j:
@@ -31,8 +31,9 @@
 // planes), prefetch tile j−1, convert K_j (each thread the chunks it copied: hi in place, lo) and transpose V_j
 // into the Vt planes (transpose_v), fence.proxy.async, barrier, the wgmmas.
 //
-// Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, d = dv (64, or 128 for
-// tf32), no extensions. Arguments: flash_fwd_tf32_kernel's, so the host lays out both alike.
+// Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, padded head dims up to 64
+// (or 128 for tf32) computed at d = dv = 64 (128) with the tiles zero-filled past D, Dv; no extensions. Arguments:
+// flash_fwd_tf32_kernel's, so the host lays out both alike.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
 #include "flash_block_info.cuh"
