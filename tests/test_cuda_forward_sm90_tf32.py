@@ -214,3 +214,16 @@ def test_gpu_forward(precision, D, causal):
         assert_attention_close(out, q, k, v, causal=causal, lse=lse)
     else:
         assert_tf32_close(out, lse, q, k, v, causal)
+
+
+def test_default_precision_keeps_the_mma_sync_kernel_until_validated(monkeypatch):
+    """float32's default forward (precision None: "3xtf32" there) keeps the mma.sync kernel measured on an H200
+    while WGMMA_DEFAULT is off; explicit precisions take the wgmma one; WGMMA_DEFAULT on: the default too."""
+    q, k, v = make_inputs(np.float32, 64, 70, 90)
+    assert type(tf32_plan(q, k, v, False, None, arch=ARCH).tile) is T.Tf32Tile
+    assert isinstance(tf32_plan(q, k, v, False, "3xtf32", arch=ARCH).tile, T.Tf32WgmmaTile)
+    monkeypatch.setattr(T, "WGMMA_DEFAULT", True)
+    p = tf32_plan(q, k, v, False, None, arch=ARCH)
+    assert isinstance(p.tile, T.Tf32WgmmaTile) and p.tile.precision == "3xtf32"
+    out, lse = run_forward("emulator", q, k, v, causal=False, precision=None, arch=ARCH)
+    assert_attention_close(out, q, k, v, causal=False, lse=lse)

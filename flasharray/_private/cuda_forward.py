@@ -107,7 +107,7 @@ class ForwardPlan:
     """
 
     def __init__(self, q, k, v, *, causal, scale, batch_shape, launcher, kernel=None, block_m=None,
-                 num_splits=None, pack_gqa=None, kv=None, ext=None, precision=None):
+                 num_splits=None, pack_gqa=None, kv=None, ext=None, precision=None, tf32_wgmma=True):
         self.launcher = launcher
         self.kv = kv  # KVLayout: per-entry key lengths (and pages) of a KV cache, or None
         # Extensions (docs/extensions.md): the kernels' kExt bits; None for a dense plan.
@@ -133,7 +133,8 @@ class ForwardPlan:
             self.tile = None  # a short window at d <= 64: the mma.sync forward
         auto = self.tile if kernel is None else None
         if self.tile is None or auto is not None:
-            self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, device=launcher.device, **tc) or \
+            self.tile = tf32.forward_tile(precision, self.dtype, D, Dv, launcher.arch, device=launcher.device,
+                                          wgmma=tf32_wgmma, **tc) or \
                 f64.forward_tile(precision, self.dtype, D, Dv, launcher.arch, **tc) or \
                 kernel_for(self.dtype, D, Dv, launcher.arch, kernel=kernel, block_m=block_m,
                            ext=self.ext is not None, two_blocks=not (kv is not None and kv.paged))
@@ -594,15 +595,18 @@ def plan(q, k, v, *, causal, scale, batch_shape, device, kernel=None, arch=None,
     elif kv is not None:
         raise NotImplementedError("flasharray: the KV-cache forward takes no extensions (%s)" % ", ".join(ext.features()))
     launcher = L.make_launcher(device, schedule=schedule, seed=seed, arch=arch)
+    # The wgmma TF32 forward for an explicit precision; for the default one only once tf32.WGMMA_DEFAULT says so.
+    tf32_wgmma = precision is not None or tf32.WGMMA_DEFAULT
     # float32 None: FLOAT32_FWD_DEFAULT (3xtf32) for dense calls at D, Dv <= 128 on sm_80+, else FLOAT32_TC_DEFAULT
     precision = effective_forward_precision(precision, q.dtype, launcher.arch, q.shape[-1], v.shape[-1],
                                             dense=ext is None and kv is None)
     key = signature((q, k, v), (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), kernel, block_m,
-                                num_splits, pack_gqa, kv, None if ext is None else ext.static_key(), precision))
+                                num_splits, pack_gqa, kv, None if ext is None else ext.static_key(), precision,
+                                tf32_wgmma))
     return cached(_PLANS, key, lambda: ForwardPlan(q, k, v, causal=causal, scale=scale, batch_shape=batch_shape,
                                                    launcher=launcher, kernel=kernel, block_m=block_m,
                                                    num_splits=num_splits, pack_gqa=pack_gqa, kv=kv, ext=ext,
-                                                   precision=precision))
+                                                   precision=precision, tf32_wgmma=tf32_wgmma))
 
 
 class KVLayout(tuple):

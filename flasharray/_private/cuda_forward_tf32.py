@@ -75,6 +75,11 @@ _NARROW_BLOCK_N = 16
 #: head dims padded to a wgmma d = dv per precision (3xtf32: 64), Br 128 (two warpgroups), Bc :data:`WGMMA_BLOCK_N`. Off: the mma.sync kernel
 #: everywhere (``benchmarks/gpu_session.sh`` compares the two).
 WGMMA = True
+#: The wgmma kernel for float32's default forward (precision None, which runs "3xtf32" there) too. Off until a GPU
+#: session has run it against the reference (``pytest -m gpu``: tests/test_cuda_forward_sm90_tf32.py's GPU cases,
+#: ``benchmarks/gpu.py --precision``): the default keeps the mma.sync kernel, measured on an H200; explicit
+#: precision="tf32" / "3xtf32" calls take the wgmma one.
+WGMMA_DEFAULT = False
 WGMMA_SOURCE = "flash_fwd_sm90_tf32.cu"
 WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64,)}
 WGMMA_BLOCK_M = 128
