@@ -193,7 +193,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     streamed tiles (default: the tile table's choice); ``ext``: the kernels' ``kExt`` bits
     (``cuda_forward.EXT_BITS``; 0: the dense instantiations, whose names carry no kExt); ``tma``:
     kernel "wgmma" in the atomic modes (plain or ordered), the warp-specialized TMA dK/dV kernel
-    (``cuda_backward_sm90.ws_name``). Also used by the static checks.
+    (``cuda_backward_sm90.ws_name``); ``device``: the launcher's (kernel "tf32": its wgmma tile needs NVRTC's
+    sm_90a on "cuda"). Also used by the static checks.
     """
     dtype = canonical_dtype(dtype)
     acc = accumulation_dtype(dtype)
@@ -243,10 +244,9 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
             plan["dkv"] = (module.SOURCE, module.ws_name(t_kv, pD, pDv, causal, T, out_kv, ordered, ext),
                            module.ws_tile(t_kv, D, Dv, ext))
         else:
-            plan["dkv"] = (getattr(t_kv, "source", module.SOURCE), module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered,
-                                                          **({"ext": ext} if ext else {}),
-                                                          **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {})),
-                           t_kv)
+            name = module.dkv_name(t_kv, precision, pD, pDv, causal, vec, ordered, **({"ext": ext} if ext else {}),
+                                   **({"dtype": T, "out": out_kv} if kernel == "wgmma" else {}))
+            plan["dkv"] = (getattr(t_kv, "source", module.SOURCE), name, t_kv)  # (tf32: the wgmma or mma.sync file)
     else:
         t_kv = tiles.simt_tiles("dkv", dtype, D, Dv, arch, ext)
         x_kv = (", %d, %s, %d>" % (ext, _b(ordered), t_kv.blocks_per_sm) if t_kv.blocks_per_sm > 1  # kBlocksPerSm
@@ -495,16 +495,18 @@ class BackwardPlan:
         if deterministic:
             bufs["dqacc"] = ((1,), acc)
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
-            t_kv = (tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits,
-                                   mode=self.dq_mode, vec=_vec_rows(t, nb, dtype))
-                    if self.kernel == "tc"
-                    else _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
-                    if self.kernel == "wgmma"
-                    else _family_module(self.kernel).backward_tile(  # kernel_plan's tile (the rows' alignment)
-                        self.precision, self.dtype, D, Dv, arch, ext=self.ext is not None, vec=_vec_rows(t, nb, dtype),
-                        device=self.launcher.device)
-                    if self.kernel == "tf32"
-                    else family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1])
+            vec = _vec_rows(t, nb, dtype)
+            if self.kernel == "tc":
+                t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits,
+                                      mode=self.dq_mode, vec=vec)
+            elif self.kernel == "wgmma":
+                t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
+            elif self.kernel == "tf32":  # kernel_plan's tile: the rows' alignment picks it (wgmma: Br 64, else 32)
+                t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch,
+                                                                 ext=self.ext is not None, vec=vec,
+                                                                 device=self.launcher.device)
+            else:
+                t_kv = family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1]
             pD = tiles.pad_head_dim(D)
             bufs["dqacc"] = (full + (dq_accum_rows(Lq, self.kernel, t_kv, pD, self.ordered), pD), acc)
         else:  # SIMT: row-major (ordered: + the counters' rows)
@@ -564,10 +566,10 @@ class BackwardPlan:
             why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
             if why:
                 raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) " + why)
-        ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch, device=self.launcher.device,
+        ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
                          ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,
-                         tma=tma)
+                         tma=tma, device=self.launcher.device)
         ctx = _Passes(runner, t, ks, launch.c_scalar(scale, self.acc), deterministic, self.kernel, self.q_bcast,
                       unused)
         ctx.tail = self._ext_tail(ext_names)
