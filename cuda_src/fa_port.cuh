@@ -7,6 +7,7 @@
 //   tensor cores       fa::mma_m16n8k16<T>(d, a, b, c), T in {fa_half, fa_bf16}
 //                      fa::mma_m16n8k8_tf32(d, a, b, c) (fp32 bit patterns, low 13 bits ignored),
 //                      fa::mma_m8n8k4_f64(d, a, b, c) (DMMA); both sm_80+
+//                      fa::mma_m16n8k16_f64(d, a, b, c) (DMMA.16x8x16: eight m8n8k4's work); sm_90+
 //   tf32               fa::cvt_tf32(x) (cvt.rna: ties away from zero), fa::split_tf32(x, hi, lo)
 //                      (x ~ hi + lo, both tf32: the 3xTF32 operands); sm_80+
 //   shared -> regs     fa::ldmatrix<N, Trans>(r, smem_row_addr), N in {1, 2, 4}
@@ -241,6 +242,24 @@ __device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], const double (&a)
         : "=d"(d[0]), "=d"(d[1]) : "d"(a[0]), "d"(b[0]), "d"(c[0]), "d"(c[1]));
 #else
     static_assert(dependent_false<Sm80>::value, "fa::mma_m8n8k4_f64 needs sm_80+");
+#endif
+}
+
+// D = A * B + C, m16n8k16, fp64 throughout (SASS DMMA.16x8x16; sm_90 and newer). g = lane / 4, t = lane % 4:
+// a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], b[v] = B[t + 4 v][g], c[v0 + 2 v1] = C[g + 8 v1][2t + v0] (the
+// m8n8k4 layouts of two m8 row tiles and four k4 steps: docs/emulator.md).
+template <class Sm90 = void>
+__device__ __forceinline__ void mma_m16n8k16_f64(double (&d)[4], const double (&a)[8], const double (&b)[4],
+                                                 const double (&c)[4]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%16, %17, %18, %19};\n"
+        : "=d"(d[0]), "=d"(d[1]), "=d"(d[2]), "=d"(d[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]),
+          "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]), "d"(c[0]), "d"(c[1]), "d"(c[2]), "d"(c[3]));
+#else
+    static_assert(dependent_false<Sm90>::value, "fa::mma_m16n8k16_f64 needs sm_90+");
 #endif
 }
 

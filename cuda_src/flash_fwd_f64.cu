@@ -1,5 +1,5 @@
 // flash_fwd_f64.cu — FlashAttention forward for float64 inputs on the double-precision tensor cores
-// (DMMA, mma.sync.m8n8k4.f64, sm_80+), issue 12.
+// (DMMA, mma.sync.m8n8k4.f64, sm_80+; m16n8k16.f64 on sm_90), issue 12.
 //
 // Same algorithm, work split and pipeline as the TF32 forward (flash_fwd_tf32.cu): one thread block
 // per (query tile Q_i, batch entry), kNWarps warps each owning one 16-row slab of Q_i, S_ij, P_ij
@@ -28,6 +28,10 @@
 //     element j of tile 2p + h is dv column 16p + 4t + 2j + h — lane (g, t) holds 4 consecutive
 //     columns 16p + 4t .. +3 of O (a quad exchange in the epilogue turns them into stores of whole
 //     64-byte row segments).
+// sm_90 (kDmmaK = 16): the same k4 steps four at a time, two m8 tiles at once, by mma.m16n8k16.f64 (DMMA.16x8x16,
+//   flash_f64_mma.cuh): S's steps of k8 groups 2kp, 2kp + 1, P V's of n8 tiles 2np, 2np + 1, in the order above —
+//   the same bits, one instruction per eight. (The fragments' registers are interleaved by m8 tile; ptxas moves
+//   the 16-byte loads' halves into place.)
 // Row pitches (doubles): Q, K d + 8 (≡ 8 mod 16: the 8 lanes of a 16-byte-load phase, g ∈ {0, 1} ×
 // t, hit 8 distinct 16-byte bank groups: 4·(g mod 2) + t), V dv + 2 (≡ 2 mod 8: groups 2t + g).
 //
@@ -48,6 +52,7 @@
 #include "flash_fwd_tiles.cuh"
 #include "flash_ext.cuh"
 #include "flash_f64_exp.cuh"
+#include "flash_f64_mma.cuh"
 
 namespace flash {
 
@@ -75,16 +80,13 @@ struct FwdF64Traits {
   static_assert(kStrideQ % 16 == 8 && kStrideV % 8 == 2, "pitches: conflict-free 16-byte fragment loads");
 };
 
-// D += A·B on the DMMA (m8n8k4 f64).
-__device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
-  const double av[1] = {a}, bv[1] = {b}, c[2] = {d[0], d[1]};
-  fa::mma_m8n8k4_f64(d, av, bv, c);
-}
-
 // Two doubles from shared memory (one 16-byte load).
 __device__ __forceinline__ Vec16<double> lds2(const double* p) { return *reinterpret_cast<const Vec16<double>*>(p); }
 
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned>
+// kDmmaK: 4 — every product by m8n8k4 (sm_80+); 16 — by m16n8k16 (sm_90+: flash_f64_mma.cuh's dmma16, the same
+// steps in the same order, so the same bits).
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_aligned,
+          int kDmmaK = 4>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm)
 flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k, const double* __restrict__ v,
                      double* __restrict__ o, double* __restrict__ lse,
@@ -101,6 +103,7 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
   constexpr int kNTilesS = Traits::kNTilesS;
   constexpr int kNTilesO = Traits::kNTilesO;
   constexpr int kQuad = 4;
+  static_assert(kDmmaK == 4 || (kDmmaK == 16 && kMT == 2 && kBlockN % 16 == 0), "kDmmaK: 4, or 16 with Bc % 16 == 0");
 
   FA_DYNAMIC_SMEM(smem);
   double* sQ = reinterpret_cast<double*>(smem + Traits::kSmemQOffset);  // Q_i  Br × d
@@ -169,6 +172,28 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < kNTilesS; ++nt) acc_s[mt][nt][0] = acc_s[mt][nt][1] = 0.0;
+    if constexpr (kDmmaK == 16) {
+      // k4 step s = 2h + e of k8 groups 2kp, 2kp + 1: element e of load h (as below, four steps per instruction)
+#pragma unroll
+      for (int kp = 0; kp < Traits::kK8StepsS / 2; ++kp) {
+        Vec16<double> q[kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) q[mt][h] = lds2(sQ_lane + 8 * mt * Traits::kStrideQ + 8 * (2 * kp + h));
+        double a[8];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) a[v] = q[v & 1][v >> 2].v[(v >> 1) & 1];
+#pragma unroll
+        for (int nt = 0; nt < kNTilesS; ++nt) {
+          const Vec16<double> k0 = lds2(sK_lane + 8 * nt * Traits::kStrideK + 16 * kp);
+          const Vec16<double> k1 = lds2(sK_lane + 8 * nt * Traits::kStrideK + 16 * kp + 8);
+          const double b[4] = {k0.v[0], k0.v[1], k1.v[0], k1.v[1]};
+          dmma16(acc_s[0][nt], acc_s[1][nt], a, b);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int kk = 0; kk < Traits::kK8StepsS; ++kk) {
       Vec16<double> a[kMT];
@@ -234,6 +259,28 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
 
   // O_i += P_ij V_j: k4 step (nt, e) is keys 8nt + 2t + e; one V load per n8 tile pair of dv.
   auto gemm_pv = [&](const TileS& acc_s) {
+    if constexpr (kDmmaK == 16) {
+      // k4 step s = 2h + e of n8 tiles 2np, 2np + 1: keys 8(2np + h) + 2t + e; the 16-byte V loads and output
+      // columns as below (each load's element h feeds n8 tile 2p + h).
+#pragma unroll
+      for (int np = 0; np < kNTilesS / 2; ++np) {
+        double a[8];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) a[v] = acc_s[v & 1][2 * np + (v >> 2)][(v >> 1) & 1];
+#pragma unroll
+        for (int p = 0; p < kNTilesO / 2; ++p) {
+          Vec16<double> vb[4];
+#pragma unroll
+          for (int s = 0; s < 4; ++s) vb[s] = lds2(sV_lane + (16 * np + 8 * (s >> 1) + (s & 1)) * Traits::kStrideV + 16 * p);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const double b[4] = {vb[0].v[h], vb[1].v[h], vb[2].v[h], vb[3].v[h]};
+            dmma16(acc_o[0][2 * p + h], acc_o[1][2 * p + h], a, b);
+          }
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int nt = 0; nt < kNTilesS; ++nt)
 #pragma unroll
@@ -312,8 +359,8 @@ flash_fwd_f64_kernel(const double* __restrict__ q, const double* __restrict__ k,
         hi[c] = __shfl_sync(0xffffffffu, x[c], src_hi);
       }
       if (m0 + row >= Lq) continue;
-      const int col = 16 * p + 2 * t;
       const double y[4] = {odd ? lo[2] : lo[0], odd ? lo[3] : lo[1], odd ? hi[2] : hi[0], odd ? hi[3] : hi[1]};
+      const int col = 16 * p + 2 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int c0 = col + 8 * half;

@@ -17,6 +17,7 @@ from flasharray import reference
 from flasharray._private import cuda_forward, cuda_forward_f64, tiles
 from flasharray.testing import assert_attention_close
 
+from conftest import flag_set
 from test_cuda_forward import make_inputs, run_forward
 
 
@@ -222,6 +223,43 @@ def test_bc8_and_sm90_d128_tiles_run():
     assert cuda_forward_f64.forward_tile(None, np.float64, 128, 128, 90).block_n == 16
     check(128, 40, 70, True, arch=90)
     check(120, 65, 33, False, Dv=128, arch=90, layout="bshd")
+
+
+def test_sm90_tiles_take_m16n8k16():
+    """sm_90 runs every product as mma.m16n8k16.f64 (DMMA.16x8x16): the tile says so and names kDmmaK = 16;
+    sm_80/86/89 keep m8n8k4 (the shape does not exist there); DMMA_K16 = False gives m8n8k4 on sm_90 too."""
+    for d, dv in ((16, 16), (64, 64), (128, 128), (96, 32), (40, 24)):
+        t = cuda_forward_f64.forward_tile(None, np.float64, d, dv, 90)
+        assert t.dmma_k == 16 and t.name_expression(True, True).endswith(", true, true, 16>"), t
+        assert t.name_expression(True, False).endswith(", true, false>")   # element-wise copies: m8n8k4 (spills)
+        assert "m16n8k16" in t.reason and "m16n8k16" in t.describe()
+        for arch in (80, 86, 89):
+            t = cuda_forward_f64.forward_tile(None, np.float64, d, dv, arch)
+            assert t.dmma_k == 4 and t.name_expression(False, True).endswith(", false, true>"), t
+
+
+@pytest.mark.parametrize("D,Dv,Lq,Lk,causal,layout", [
+    (64, 64, 77, 130, False, "bhsd"),     # Bc 64
+    (128, 128, 65, 70, True, "bhsd"),     # Bc 16, fully masked rows
+    (40, 24, 33, 70, True, "bshd"),       # d != dv, odd lengths
+    (16, 16, 1, 45, False, "bhsd"),       # Lq 1 (GQA-packed path off: no GQA here), d 16: one k16 step
+])
+def test_sm90_m16n8k16_gives_the_m8n8k4_bits(D, Dv, Lq, Lk, causal, layout):
+    """The m16n8k16 kernel issues the m8n8k4 kernel's k4 steps in the same order (flash_f64_mma.cuh), so
+    under the emulator's model of both (one fp64 FMA chain per element) its outputs are the same bits, with
+    one mma per eight."""
+    q, k, v = make_inputs(np.float64, D, Lq, Lk, Dv=Dv, layout=layout, seed=3)
+    runs = {}
+    for k16 in (True, False):
+        with flag_set(cuda_forward_f64, "DMMA_K16", k16):
+            assert f64_plan(q, k, v, causal, arch=90).tile.dmma_k == (16 if k16 else 4)
+            counters = []
+            out, lse = run_forward("emulator", q, k, v, causal=causal, arch=90, counters=counters)
+        runs[k16] = out, lse, sum(c["mma"] for c in counters)
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    np.testing.assert_array_equal(runs[True][1], runs[False][1])
+    assert runs[True][2] * 8 == runs[False][2] > 0
+    assert_attention_close(runs[True][0], q, k, v, causal=causal, lse=runs[True][1])
 
 
 def test_f64_benchmark_table():

@@ -1,4 +1,4 @@
-"""fa::cvt_tf32 / split_tf32 / mma_m16n8k8_tf32 / mma_m8n8k4_f64 on the emulator, against known
+"""fa::cvt_tf32 / split_tf32 / mma_m16n8k8_tf32 / mma_m8n8k4_f64 / mma_m16n8k16_f64 on the emulator, against known
 answers and NumPy models written from the PTX ISA tables (docs/emulator.md, "tf32 and fp64 tensor
 cores"), not from the emulator's code. Lane l, g = l >> 2, t = l & 3.
 """
@@ -17,7 +17,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 @pytest.fixture(scope="module")
 def mod():
-    names = ["cvt_tf32_test", "mma_tf32_test", "mma_3xtf32_test", "mma_f64_test"]
+    names = ["cvt_tf32_test", "mma_tf32_test", "mma_3xtf32_test", "mma_f64_test", "mma_f64_k16_test<0>"]
     return emulator.Module((KERNELS / "tf32_f64.cu").read_text(), name_expressions=names)
 
 
@@ -281,3 +281,61 @@ def test_mma_f64_fused_multiply_add(mod):
     D = run_f64(mod, A, B, C)
     assert D[3, 5] == -(2.0 ** -60)                           # unfused: (1 - 2^-60 -> 1) - 1 = 0
     assert np.count_nonzero(D) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# mma.m16n8k16.row.col.f64.f64.f64.f64 (sm_90): the PTX ISA's f64 m16n8k16 fragments
+# ---------------------------------------------------------------------------------------------
+def run_f64_k16(mod, A, B, C):
+    """a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], b[v] = B[t + 4 v][g], c[v0 + 2 v1] = C[g + 8 v1][2t + v0]."""
+    lanes = [(l >> 2, l & 3) for l in range(32)]
+    a = np.array([[A[g + 8 * (v & 1), t + 4 * (v >> 1)] for v in range(8)] for g, t in lanes], np.float64)
+    b = np.array([[B[t + 4 * v, g] for v in range(4)] for g, t in lanes], np.float64)
+    c = np.array([[C[g + 8 * (v >> 1), 2 * t + (v & 1)] for v in range(4)] for g, t in lanes], np.float64)
+    d = np.zeros((32, 4), np.float64)
+    mod.launch("mma_f64_k16_test<0>", (1, 1, 1), 32, (d, a, b, c))
+    D = np.zeros((16, 8), np.float64)
+    for (g, t), dl in zip(lanes, d):
+        for v in range(4):
+            D[g + 8 * (v >> 1), 2 * t + (v & 1)] = dl[v]
+    return D
+
+
+def test_mma_f64_k16_small_integers_exact(mod):
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        A = rng.integers(-9, 10, (16, 16)).astype(np.float64)
+        B = rng.integers(-9, 10, (16, 8)).astype(np.float64)
+        C = rng.integers(-99, 100, (16, 8)).astype(np.float64)
+        np.testing.assert_array_equal(run_f64_k16(mod, A, B, C), A @ B + C)
+
+
+def test_mma_f64_k16_c_layout_distinct_values(mod):
+    C = np.arange(128, dtype=np.float64).reshape(16, 8) * 3 + 1
+    np.testing.assert_array_equal(run_f64_k16(mod, np.zeros((16, 16)), np.ones((16, 8)), C), C)
+
+
+@pytest.mark.parametrize("elem", [(0, 0), (9, 1), (2, 7), (15, 12), (8, 15)])
+def test_mma_f64_k16_ab_layout_one_hot(mod, elem):
+    """A single nonzero A[i][k] and distinct B values: D row i = A[i][k] B[k, :], zero elsewhere."""
+    i, k = elem
+    A = np.zeros((16, 16))
+    A[i, k] = 3.0
+    B = np.arange(1, 129, dtype=np.float64).reshape(16, 8)
+    want = np.zeros((16, 8))
+    want[i] = 3.0 * B[k]
+    np.testing.assert_array_equal(run_f64_k16(mod, A, B, np.zeros((16, 8))), want)
+
+
+def test_mma_f64_k16_is_eight_m8n8k4_in_k_order(mod):
+    """The model: each D element one fp64 FMA chain over k = 0..15, i.e. the bits of m8n8k4 on each m8 row
+    tile chained over the four k4 steps in order (what the kernels' sm_90 path relies on)."""
+    rng = np.random.default_rng(9)
+    A, B, C = rng.standard_normal((16, 16)), rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
+    want = C.copy()
+    for m in range(2):
+        for s in range(4):
+            want[8 * m:8 * m + 8] = run_f64(mod, A[8 * m:8 * m + 8, 4 * s:4 * s + 4], B[4 * s:4 * s + 4],
+                                            want[8 * m:8 * m + 8])
+    np.testing.assert_array_equal(run_f64_k16(mod, A, B, C), want)
+    assert not np.array_equal(want, A @ B + C)   # the order is visible in the bits: the test can fail

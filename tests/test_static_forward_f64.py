@@ -3,7 +3,8 @@
 Every instantiation the library uses compiles for sm_80, sm_86, sm_89 and sm_90 with zero spills,
 no local stack, no static shared memory, registers x threads within the register file and dynamic
 shared memory within the arch's opt-in maximum; the key-tile loop (the loop holding the most DMMA)
-holds exactly the DMMA of one key tile and warp — DMMA.884 on sm_80-89, DMMA.8x8x4 on sm_90 — and
+holds exactly the DMMA of one key tile and warp — DMMA.884 on sm_80-89, DMMA.16x8x16 on sm_90 (the tile's
+m16n8k16; DMMA.8x8x4 with ``DMMA_K16`` off) — and
 the instructions per DMMA are printed (docs/precision.md records them), and with the cp.async copies
 (aligned) the key loop holds no inner loop; sm_75 is refused at compile
 time (fa::mma_m8n8k4_f64 needs sm_80+) and by the tile table (the SIMT kernel runs there).
@@ -22,7 +23,11 @@ pytestmark = requires_nvrtc
 SASS_OK, SASS_WHY = sass.available()
 ARCHS = (80, 86, 89, 90)
 REGISTER_FILE = 64 * 1024
-DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}
+DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}   # m8n8k4
+
+
+def expected_op(arch, t, aligned):
+    return "DMMA.16x8x16" if t.kernel_dmma_k(aligned) == 16 else DMMA[arch]
 
 
 def instantiations(arch, head_dims):
@@ -35,9 +40,11 @@ def instantiations(arch, head_dims):
     return found
 
 
-def expected_dmma(t):
-    """DMMA per key tile and warp: S (2 m8 tiles x Bc/8 n8 tiles x d/4 k-steps) + O (2 x dv/8 x Bc/4)."""
-    return 2 * (t.block_n // 8 * t.head_dim // 4 + t.head_dim_v // 8 * t.block_n // 4)
+def expected_dmma(t, aligned):
+    """DMMA per key tile and warp: S (2 m8 tiles x Bc/8 n8 tiles x d/4 k-steps) + O (2 x dv/8 x Bc/4) in
+    m8n8k4; an m16n8k16 does eight of them."""
+    k16 = t.kernel_dmma_k(aligned) == 16
+    return 2 * (t.block_n // 8 * t.head_dim // 4 + t.head_dim_v // 8 * t.block_n // 4) // (8 if k16 else 1)
 
 
 def opcode(i):
@@ -80,9 +87,10 @@ def _check(arch, head_dims):
             total = sum(1 for i in body if i.base == "DMMA")
             # the element-wise copies (aligned = false) are loops inside the key loop; cp.async ones are not
             nested = loop.nested if aligned else 0
-            if ops != {DMMA[arch]} or len(dmma) != expected_dmma(t) or total != len(dmma) or nested:
+            want = expected_op(arch, t, aligned)
+            if ops != {want} or len(dmma) != expected_dmma(t, aligned) or total != len(dmma) or nested:
                 problems.append("%s: key loop DMMA %s x %d (expected %s x %d), %d in the kernel, %d nested loops"
-                                % (name, sorted(ops), len(dmma), DMMA[arch], expected_dmma(t), total, loop.nested))
+                                % (name, sorted(ops), len(dmma), want, expected_dmma(t, aligned), total, loop.nested))
         rows.append(line)
     print("\n".join(rows))
     assert not problems, "\n".join(problems)
@@ -102,6 +110,14 @@ def test_f64_forward_compiles(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f64_forward_compiles_all_head_dims(arch):
     _check(arch, (16, 32, 48, 64, 80, 96, 112, 128))
+
+
+def test_f64_forward_sm90_m8n8k4_still_compiles():
+    """DMMA_K16 = False (the switch benchmarks/gpu_session.sh times) gives the m8n8k4 kernel on sm_90."""
+    from conftest import flag_set
+    with flag_set(F, "DMMA_K16", False):
+        assert F.forward_tile(None, np.float64, 64, 64, 90).dmma_k == 4
+        _check(90, (16, 64, 128))
 
 
 def test_sm75_refused():

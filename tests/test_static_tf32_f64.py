@@ -1,7 +1,7 @@
 """The tf32 / fp64 tensor-core wrappers of fa_port.cuh compile with NVRTC (no GPU needed) to the
 intended SASS: HMMA.1688.F32.TF32 for mma_m16n8k8_tf32, DMMA (DMMA.884 on sm_80, DMMA.8x8x4 on
-sm_90) for mma_m8n8k4_f64, and for cvt_tf32 the integer sequence the emulator reproduces bit for
-bit; no spills. On sm_75 each wrapper is a compile error naming itself."""
+sm_90) for mma_m8n8k4_f64, DMMA.16x8x16 for mma_m16n8k16_f64 (sm_90), and for cvt_tf32 the integer sequence the emulator reproduces bit for
+bit; no spills. On sm_75 each wrapper is a compile error naming itself (mma_m16n8k16_f64: below sm_90)."""
 from pathlib import Path
 
 import pytest
@@ -87,3 +87,23 @@ def test_sm75_use_is_a_compile_error_naming_the_wrapper(what):
     with pytest.raises(nvrtc.NvrtcError, match=r"fa::%s needs sm_80\+" % what) as e:
         nvrtc.compile_cubin(src, "sm_75", name_expressions=["k"])
     assert e.value.log.count("error: static assertion failed") == 1   # only this wrapper
+
+
+@pytest.mark.skipif(not SASS_OK, reason=SASS_WHY)
+def test_sass_f64_m16n8k16_is_one_dmma_16x8x16():
+    r = nvrtc.compile_cubin((KERNELS / "tf32_f64.cu").read_text(), "sm_90", name_expressions=["mma_f64_k16_test<0>"])
+    info = r.kernel("mma_f64_k16_test<0>")
+    assert info.spill_stores == 0 and info.spill_loads == 0
+    assert r.ptx.count("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64") == 1
+    lines = kernel_sass(r, sass.disassemble(r.cubin), "mma_f64_k16_test<0>")
+    assert count(lines, "DMMA.16x8x16") == 1
+    assert not any(x.split()[0].startswith(("DMMA.8x8x4", "HMMA")) for x in lines)
+
+
+def test_f64_m16n8k16_below_sm90_is_a_compile_error_naming_the_wrapper():
+    src = ('#include "fa_port.cuh"\n__global__ void k(float* o) { double a[8] = {}, b[4] = {}, c[4] = {}, d[4]; '
+           'fa::mma_m16n8k16_f64(d, a, b, c); fa::gstore(o, (float)d[0]); }\n')
+    nvrtc.compile_cubin(src, "sm_90", name_expressions=["k"])
+    with pytest.raises(nvrtc.NvrtcError, match=r"fa::mma_m16n8k16_f64 needs sm_90\+") as e:
+        nvrtc.compile_cubin(src, "sm_80", name_expressions=["k"])
+    assert e.value.log.count("error: static assertion failed") == 1

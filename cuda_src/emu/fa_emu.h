@@ -298,6 +298,12 @@ inline void mma_m8n8k4_f64(double (&d)[2], const double (&a)[1], const double (&
                reinterpret_cast<const uint32_t*>(b), reinterpret_cast<const float*>(c));
 }
 
+template <class = void>
+inline void mma_m16n8k16_f64(double (&d)[4], const double (&a)[8], const double (&b)[4], const double (&c)[4]) {
+    fa_emu_mma(FA_EMU_F64_K16, reinterpret_cast<float*>(d), reinterpret_cast<const uint32_t*>(a),
+               reinterpret_cast<const uint32_t*>(b), reinterpret_cast<const float*>(c));
+}
+
 template <int N, bool Trans>
 inline void ldmatrix(uint32_t (&r)[N], const void* smem_row_addr) {
     static_assert(N == 1 || N == 2 || N == 4, "fa::ldmatrix: N must be 1, 2 or 4");

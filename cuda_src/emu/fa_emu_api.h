@@ -21,8 +21,8 @@ enum { FA_EMU_SHFL_IDX = 0, FA_EMU_SHFL_XOR = 1, FA_EMU_SHFL_DOWN = 2, FA_EMU_SH
 // fa_emu_mma's `dtype`. F16, BF16: m16n8k16, a[4]/b[2] hold packed 16-bit pairs, c/d float[4].
 // TF32: m16n8k8, a[4]/b[2] hold fp32 bit patterns (low 13 mantissa bits ignored), c/d float[4].
 // F64: m8n8k4; d, a, b, c point at double[2], double[1], double[1], double[2] (cast to the
-// parameter types; the runtime casts them back).
-enum { FA_EMU_F16 = 0, FA_EMU_BF16 = 1, FA_EMU_TF32 = 2, FA_EMU_F64 = 3 };
+// parameter types; the runtime casts them back). F64_K16: m16n8k16 (sm_90); double[4], [8], [4], [4].
+enum { FA_EMU_F16 = 0, FA_EMU_BF16 = 1, FA_EMU_TF32 = 2, FA_EMU_F64 = 3, FA_EMU_F64_K16 = 4 };
 enum { FA_EMU_VOTE_BALLOT = 0, FA_EMU_VOTE_ANY = 1, FA_EMU_VOTE_ALL = 2 };
 enum { FA_EMU_BAR_PLAIN = 0, FA_EMU_BAR_COUNT = 1, FA_EMU_BAR_AND = 2, FA_EMU_BAR_OR = 3 };
 

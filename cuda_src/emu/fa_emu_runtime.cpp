@@ -175,7 +175,10 @@ const char* op_name(int op, int kind) {
         case OP_VOTE:
             return kind == FA_EMU_VOTE_BALLOT ? "__ballot_sync" : kind == FA_EMU_VOTE_ANY ? "__any_sync" : "__all_sync";
         case OP_MMA:
-            return kind == FA_EMU_TF32 ? "fa::mma_m16n8k8_tf32" : kind == FA_EMU_F64 ? "fa::mma_m8n8k4_f64" : "fa::mma_m16n8k16";
+            return kind == FA_EMU_TF32      ? "fa::mma_m16n8k8_tf32"
+                   : kind == FA_EMU_F64     ? "fa::mma_m8n8k4_f64"
+                   : kind == FA_EMU_F64_K16 ? "fa::mma_m16n8k16_f64"
+                                            : "fa::mma_m16n8k16";
         case OP_LDMATRIX: return "fa::ldmatrix";
         case OP_STMATRIX: return "fa::stmatrix";
         case OP_ELECT: return "fa::elect_one";
@@ -872,6 +875,34 @@ void eval_mma_f64(Fiber* lanes) {
     }
 }
 
+// m16n8k16 f64 (DMMA.16x8x16, sm_90): a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], b[v] = B[t + 4 v][g],
+// c[v0 + 2 v1] = C[g + 8 v1][2t + v0] (double[8], double[4], double[4]). Each D element is m8n8k4's chain
+// continued over the four k4 steps: s = fma(A[i][k], B[k][j], s) for k = 0..15 from s = C[i][j] — so one
+// m16n8k16 gives the bits of the eight m8n8k4 it replaces (two m8 row tiles, k4 steps in k order).
+void eval_mma_f64_k16(Fiber* lanes) {
+    double A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const Fiber& f = lanes[l];
+        const int g = l >> 2, t = l & 3;
+        const double* a = reinterpret_cast<const double*>(f.a);
+        const double* b = reinterpret_cast<const double*>(f.b);
+        const double* c = reinterpret_cast<const double*>(f.c);
+        for (int v = 0; v < 8; ++v) A[g + 8 * (v & 1)][t + 4 * (v >> 1)] = a[v];
+        for (int v = 0; v < 4; ++v) B[t + 4 * v][g] = b[v];
+        for (int v = 0; v < 4; ++v) C[g + 8 * (v >> 1)][2 * t + (v & 1)] = c[v];
+    }
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        double* d = reinterpret_cast<double*>(lanes[l].d);
+        for (int v = 0; v < 4; ++v) {
+            const int i = g + 8 * (v >> 1), j = 2 * t + (v & 1);
+            double s = C[i][j];
+            for (int k = 0; k < 16; ++k) s = std::fma(A[i][k], B[k][j], s);
+            d[v] = s;
+        }
+    }
+}
+
 void eval_mma(Worker* w, Fiber* lanes) {
     const int dtype = lanes[0].dtype;
     for (int l = 0; l < 32; ++l) {
@@ -881,6 +912,7 @@ void eval_mma(Worker* w, Fiber* lanes) {
         }
     }
     if (dtype == FA_EMU_F64) eval_mma_f64(lanes);
+    else if (dtype == FA_EMU_F64_K16) eval_mma_f64_k16(lanes);
     else eval_mma_f32(lanes, dtype);
     ++w->cnt.mma;
 }

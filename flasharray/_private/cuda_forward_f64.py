@@ -19,6 +19,11 @@ spills). E.g. sm_80: d <= 32 Bc 64, d 64 Bc 32, d 128 Bc 16 (one block per SM: 1
 d <= 64 Bc 64, d 128 Bc 16 (two per SM); sm_86/89: d 64 Bc 32, d 128 Bc 8. A GPU measurement may
 revise this. The softmax weights use the kernel's short exp2 (``flash_f64_exp.cuh``, a 256-byte table in
 shared memory).
+
+On sm_90 the products run ``mma.sync.m16n8k16.f64`` (``DMMA.16x8x16``, Hopper's own fp64 shape: one instruction for
+eight m8n8k4, the same steps in the same order; the kernel's ``kDmmaK``, the tile's ``dmma_k``) where
+:data:`DMMA_K16` is on (Bc is a multiple of 16 on every sm_90 tile) and the rows take the cp.async copies
+(``F64Tile.kernel_dmma_k``: the element-wise copies keep m8n8k4).
 """
 from dataclasses import dataclass
 
@@ -32,6 +37,11 @@ BLOCK_M = 16 * WARPS
 #: Shared memory per SM in KB (sass.ARCH_LIMITS; unknown arch: its block limit) and reserved per block.
 _SM_SMEM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}
 _RESERVED = 1024
+#: sm_90: every product by m16n8k16 (DMMA.16x8x16) instead of m8n8k4 (DMMA.8x8x4); False gives the m8n8k4 kernel
+#: (benchmarks/gpu_session.sh times both). Same bits on the emulator (flash_f64_mma.cuh); 8x fewer DMMA instructions.
+DMMA_K16 = True
+#: The first arch with the m16n8k16 f64 shape.
+DMMA_K16_ARCH = 90
 #: flash_f64_exp.cuh's kExp2TableBytes: 2^(j/16) as hi + lo doubles, j = 0..15.
 EXP2_TABLE_BYTES = 256
 
@@ -45,21 +55,30 @@ def smem_bytes(d, dv, block_m, block_n):
 
 @dataclass(frozen=True)
 class F64Tile(tiles.FwdTile):
-    """A :class:`tiles.FwdTile` of the DMMA kernel (kernel ``"f64"``; threads_m = warps)."""
+    """A :class:`tiles.FwdTile` of the DMMA kernel (kernel ``"f64"``; threads_m = warps); ``dmma_k`` 4
+    (m8n8k4) or 16 (m16n8k16, sm_90: calls with the cp.async copies, :meth:`kernel_dmma_k`)."""
+    dmma_k: int = 4
 
     @property
     def source(self):
         return SOURCE
 
+    def kernel_dmma_k(self, aligned):
+        """The kernel's kDmmaK: the element-wise copies (``aligned`` False) keep m8n8k4 — with m16n8k16 their
+        registers spilled 12-88 bytes at 12 of the 128 (d, dv) x causal instantiations on sm_90."""
+        return self.dmma_k if aligned else 4
+
     def name_expression(self, causal, aligned):
-        return "flash::flash_fwd_f64_kernel<%d, %d, %d, %d, %d, %s, %s>" % (
+        return "flash::flash_fwd_f64_kernel<%d, %d, %d, %d, %d, %s, %s%s>" % (
             self.head_dim, self.head_dim_v, self.block_m, self.block_n, self.threads_m,
-            "true" if causal else "false", "true" if aligned else "false")
+            "true" if causal else "false", "true" if aligned else "false",
+            ", 16" if self.kernel_dmma_k(aligned) == 16 else "")
 
     def describe(self):
-        return ("f64 kernel (DMMA), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
-            self.block_m, self.block_n, self.n_threads, self.head_dim, self.head_dim_v,
-            self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "", self.reason))
+        return ("f64 kernel (DMMA m%s), Br=%d Bc=%d, %d threads, d=%d dv=%d, %.1f KB smem%s: %s" % (
+            "16n8k16" if self.dmma_k == 16 else "8n8k4", self.block_m, self.block_n, self.n_threads,
+            self.head_dim, self.head_dim_v, self.smem / tiles.KB, " (opt-in)" if self.needs_opt_in else "",
+            self.reason))
 
 
 def _candidates(dv):
@@ -87,7 +106,8 @@ def forward_tile(precision, dtype, head_dim, head_dim_v, arch, *, kernel=None, b
     fits = [f for f in fits if f[1] <= limit]
     shared = [f for f in fits if 2 * (f[1] + _RESERVED) <= per_sm]
     bc, smem = (shared or fits or [(8, smem_bytes(d, dv, BLOCK_M, 8))])[0]
-    reason = "fp64 DMMA (m8n8k4): Br=64 (4 warps x 16 rows), Bc=%d: %s" % (
-        bc, "the first Bc letting 2 blocks share an SM" if shared else "the first Bc that fits (one block per SM)"
-        if fits else "Bc = 16 does not fit (one block per SM)")
-    return F64Tile("f64", "float64", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1)
+    k = 16 if DMMA_K16 and a >= DMMA_K16_ARCH and bc % 16 == 0 else 4
+    reason = "fp64 DMMA (m%s): Br=64 (4 warps x 16 rows), Bc=%d: %s" % (
+        "16n8k16" if k == 16 else "8n8k4", bc, "the first Bc letting 2 blocks share an SM" if shared else
+        "the first Bc that fits (one block per SM)" if fits else "Bc = 16 does not fit (one block per SM)")
+    return F64Tile("f64", "float64", d, dv, BLOCK_M, bc, WARPS, 32, smem, reason, 1, k)

@@ -60,3 +60,15 @@ __global__ void mma_f64_test(double* d, const double* a, const double* b, const 
     fa::gstore(d + 2 * t, rd[0]);
     fa::gstore(d + 2 * t + 1, rd[1]);
 }
+
+// m16n8k16 f64 (sm_90; a template, instantiated only where named, so that the sm_80 compile of this file
+// never sees it): lane t passes a[8t..8t+7], b[4t..4t+3], c[4t..4t+3]; d likewise.
+template <int kUnused>
+__global__ void mma_f64_k16_test(double* d, const double* a, const double* b, const double* c) {
+    const int t = threadIdx.x;
+    double ra[8], rb[4], rc[4], rd[4];
+    for (int i = 0; i < 8; ++i) ra[i] = fa::gload(a + 8 * t + i);
+    for (int i = 0; i < 4; ++i) rb[i] = fa::gload(b + 4 * t + i), rc[i] = fa::gload(c + 4 * t + i);
+    fa::mma_m16n8k16_f64(rd, ra, rb, rc);
+    for (int i = 0; i < 4; ++i) fa::gstore(d + 4 * t + i, rd[i]);
+}
