@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (default: python, else python3), GPU_SESSION_BUDGET_S (total seconds, default 540),
 # GPU_SESSION_<STEP>_S per-step budgets (STEP: INSTALL, SMI, SMOKE, OVERHEAD, PYTEST, BACKWARD, MMA, MMA256, DECODE, PYTEST_SM90,
-# PRECISION, FP64 (steps 7b and 7c each), FP32 (steps 7d-7g each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
+# PRECISION, FP64 (steps 7b, 7c and 7h each), FP32 (steps 7d-7g each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step).
 set -u
 
@@ -209,6 +209,13 @@ run_step gpu_fp64 "${GPU_SESSION_FP64_S:-30}" "$PY" benchmarks/gpu.py --precisio
 run_step gpu_fp64_br16 "${GPU_SESSION_FP64_S:-30}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
 from flasharray._private import cuda_backward_f64
 cuda_backward_f64.WIDE_QUERY = False
+import gpu
+sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
+# (7h) float64's forward on sm_90 with m8n8k4 (cuda_forward_f64.DMMA_K16 off: the twenty-eighth session's
+# mma.m16n8k16.f64 (DMMA.16x8x16) against the DMMA.8x8x4 kernel it replaced; compare the forward rows with step 7b's)
+run_step gpu_fp64_k4 "${GPU_SESSION_FP64_S:-30}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
+from flasharray._private import cuda_forward_f64
+cuda_forward_f64.DMMA_K16 = False
 import gpu
 sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
 # (7d) the float32 SIMT backward (precision "ieee", float32's default backward) as one 8-warp block per SM

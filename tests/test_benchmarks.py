@@ -507,7 +507,7 @@ def test_hopper_variants_without_gpu_says_so(tmp_path):
 
 SESSION = ROOT / "benchmarks" / "gpu_session.sh"
 SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward", "mma_verdicts", "mma_d256", "gpu_decode",
-                 "pytest_sm90", "gpu_precision", "gpu_fp64", "gpu_fp64_br16", "gpu_fp32_one_block", "gpu_3xtf32_planes",
+                 "pytest_sm90", "gpu_precision", "gpu_fp64", "gpu_fp64_br16", "gpu_fp64_k4", "gpu_fp32_one_block", "gpu_3xtf32_planes",
                  "gpu_fp32_fwd_mma", "gpu_fp32_bwd_mma",
                  "hopper_ext", "hopper_variants")
 
