@@ -60,6 +60,7 @@
 #include "flash_kernel_traits.cuh"  // flash::Vec16
 #include "flash_ext.cuh"            // FLASH_EXT_PARAMS
 #include "flash_f64_exp.cuh"        // flash::exp2_nonpositive
+#include "flash_f64_mma.cuh"        // flash::dmma
 
 namespace fa_bwd {
 
@@ -100,11 +101,7 @@ struct BwdF64Traits {
 
 using Dbl2 = flash::Vec16<double>;
 
-// D += A·B on the DMMA (m8n8k4 f64).
-__device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
-    const double av[1] = {a}, bv[1] = {b}, c[2] = {d[0], d[1]};
-    fa::mma_m8n8k4_f64(d, av, bv, c);
-}
+using flash::dmma;  // flash_f64_mma.cuh: D += A·B, m8n8k4 f64
 
 // Two doubles from shared memory (one 16-byte load).
 __device__ __forceinline__ Dbl2 lds2(const double* p) { return *reinterpret_cast<const Dbl2*>(p); }
