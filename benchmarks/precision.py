@@ -225,7 +225,8 @@ def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 11
     if not ok:
         return "SASS unavailable: %s" % why
     lines = ["| arch | d = dv | Br x Bc (warps), buffers | regs | occupancy (warps / SM) | dQ unit (n8), rounds | "
-             "busiest warp: instr, DMMA per visit | instr / DMMA | other fp64 / DMMA |", "|---|---|---|---|---|---|---|---|---|"]
+             "busiest warp: instr, DMMA per visit | instr / DMMA | other fp64 / DMMA | DMMA |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arch in archs:
         found = {}
         for d in head_dims:
@@ -235,10 +236,11 @@ def f64_bwd_sass_table(archs=(80, 86, 90), head_dims=(16, 32, 48, 64, 80, 96, 11
             warps = t.n_threads // 32
             unit, rounds = B.dq_unit_n8(t.block_m, d, warps), B.dq_rounds(t.block_m, d, warps)
             instr, dmma, fp64 = _busiest_warp(sass, body, rounds)
+            dmma *= 8 if t.dmma_k == 16 else 1  # in m8n8k4-equivalents (an m16n8k16 is eight)
             occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
-            lines.append("| sm_%d | %d | %d x %d (%d), %d | %d | %d | %d, %d | %d, %d | %.2f | %.2f |" % (
+            lines.append("| sm_%d | %d | %d x %d (%d), %d | %d | %d | %d, %d | %d, %d | %.2f | %.2f | %s |" % (
                 arch, d, t.block_m, t.block_n, warps, t.stages, k.registers, occ.warps, unit, rounds, instr, dmma,
-                instr / dmma, fp64 / dmma))
+                instr / dmma, fp64 / dmma, "m16n8k16 (x 8)" if t.dmma_k == 16 else "m8n8k4"))
     return "\n".join(lines)
 
 

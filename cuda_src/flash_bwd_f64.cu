@@ -64,14 +64,24 @@
 
 namespace fa_bwd {
 
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 1>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 1, int kDmmaK_ = 4>
 struct BwdF64Traits {
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
     static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kStages = kStages_;
+    static constexpr int kDmmaK = kDmmaK_;
+    static constexpr bool kK16 = kDmmaK == 16;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kMT = kBlockN / (8 * kNWarps);  // m8 key tiles per warp
     static constexpr int kNT = kBlockM / 8;              // n8 query tiles of the score strip
+    // The warp's part (kK16: the warp pair 2h, 2h + 1 shares keys 16h .. 16h + 15; each computes the scores of
+    // half of the queries and dK_j, dV_j for half of the columns): m8 key tiles, n8 query tiles of its score
+    // strip, dK_j / dV_j columns.
+    static constexpr int kWarpMT = kK16 ? 2 : kMT, kWarpNT = kK16 ? kNT / 2 : kNT;
+    static constexpr int kWarpD = kK16 ? kHeadDim / 2 : kHeadDim, kWarpDv = kK16 ? kHeadDimV / 2 : kHeadDimV;
     static constexpr int kPitchD = kHeadDim + 2, kPitchDv = kHeadDimV + 2, kPitchS = kBlockN + 8;  // doubles
+    // dV_j's pitch in shared memory (kK16: ≡ 8 mod 16 doubles, its natural column layout's 16-byte accesses
+    // conflict-free).
+    static constexpr int kPitchDvAcc = kK16 ? kHeadDimV + 8 : kPitchDv;
     // The streamed tiles, kStages buffers each (doubles per buffer; every buffer 16-byte aligned).
     static constexpr int kQStage = kBlockM * kPitchD, kdOStage = kBlockM * kPitchDv, kRowStage = kBlockM;
     static constexpr int kQ = 0;                                            // Q_i  Br × d   × kStages
@@ -83,9 +93,10 @@ struct BwdF64Traits {
     static constexpr int kDelta = kL + align16(kStages * kRowStage * 8);     // D_i        Br × kStages
     // dV_j in shared memory (Bc × dv, pitch dv + 2; each lane updates its own elements) where dK_j
     // and dV_j together would take more than 128 of the thread's registers: ptxas then spills.
-    static constexpr bool kDVSmem = kMT * (kHeadDim + kHeadDimV) > 128;
+    static constexpr bool kDVSmem = kMT * (kHeadDim + kHeadDimV) > (kK16 ? 96 : 128);
     static constexpr int kdV = kDelta + align16(kStages * kRowStage * 8);    // dV_j       Bc × dv
-    static constexpr int kExpTab = kdV + (kDVSmem ? align16(kBlockN * kPitchDv * 8) : 0);  // 2^(j/16)
+    static constexpr int kP = kdV + (kDVSmem ? align16(kBlockN * kPitchDvAcc * 8) : 0);  // kK16: P  Br × Bc (as dS)
+    static constexpr int kExpTab = kP + (kK16 ? align16(kBlockM * kPitchS * 8) : 0);      // 2^(j/16)
     static constexpr int kBytes = kExpTab + flash::kExp2TableBytes;
 
     static_assert(kBlockN == 8 * kMT * kNWarps && (kMT == 1 || kMT == 2), "Bc = 8·kMT·warps, kMT in {1, 2}");
@@ -97,6 +108,9 @@ struct BwdF64Traits {
     static_assert(kBlockN % 16 == 0, "dS swizzle: column ^ 4·((row / 2) mod 4) stays inside the row");
     static_assert(kStages == 1 || kStages == 2, "one or two buffers of Q_i, dO_i, L_i, D_i");
     static_assert(kBlockM <= kNThreads, "L_i, D_i: one element per thread");
+    static_assert(kDmmaK == 4 || (kDmmaK == 16 && kMT == 1 && kNWarps == 4 && kHeadDim % 32 == 0 &&
+                                  kHeadDimV % 32 == 0),
+                  "kDmmaK: 4, or 16 with one m8 key tile per warp, 4 warps, d and dv multiples of 32");
 };
 
 using Dbl2 = flash::Vec16<double>;
@@ -123,7 +137,9 @@ __device__ __forceinline__ void zero_f64(double (&acc)[kMT][kN][2]) {
 // acc (8·kMT rows × 8·kNT columns) += A B^T over kCols columns, A rows at A_l (the warp's first
 // row, this lane's offset applied), B rows at B_l (0..8 kNT−1): the A' order of the header.
 // A_l = A_s + g·pitch + 4t, B_l = B_s + g·pitch + 4t.
-template <int kMT, int kNT, int kCols, int kPitch>
+// kK16 (kMT = 2): per 16 columns and n8 tile one m16n8k16 — the k4 steps (h, e) in the same order (dmma16's
+// a[mt + 2(2h + e)] = a[mt][h].v[e], b[2h + e] = b_h.v[e]), so the same bits.
+template <int kMT, int kNT, int kCols, int kPitch, bool kK16 = false>
 __device__ __forceinline__ void gemm_abt(double (&acc)[kMT][kNT][2], const double* A_l, const double* B_l) {
 #pragma unroll
     for (int c = 0; c < kCols / 16; ++c) {
@@ -132,16 +148,28 @@ __device__ __forceinline__ void gemm_abt(double (&acc)[kMT][kNT][2], const doubl
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) a[mt][h] = lds2(A_l + 8 * mt * kPitch + 16 * c + 2 * h);
+        if constexpr (kK16) {
+            static_assert(kMT == 2, "m16n8k16: two m8 tiles");
+            const double a16[8] = {a[0][0].v[0], a[1][0].v[0], a[0][0].v[1], a[1][0].v[1],
+                                   a[0][1].v[0], a[1][1].v[0], a[0][1].v[1], a[1][1].v[1]};
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const Dbl2 b = lds2(B_l + 8 * nt * kPitch + 16 * c + 2 * h);
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][nt], a[mt][h].v[e], b.v[e]);
+            for (int nt = 0; nt < kNT; ++nt) {
+                const Dbl2 b0 = lds2(B_l + 8 * nt * kPitch + 16 * c), b1 = lds2(B_l + 8 * nt * kPitch + 16 * c + 2);
+                const double b16[4] = {b0.v[0], b0.v[1], b1.v[0], b1.v[1]};
+                flash::dmma16(acc[0][nt], acc[1][nt], a16, b16);
             }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const Dbl2 b = lds2(B_l + 8 * nt * kPitch + 16 * c + 2 * h);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][nt], a[mt][h].v[e], b.v[e]);
+                }
+        }
     }
 }
 
@@ -205,19 +233,61 @@ __device__ __forceinline__ void gemm_rab_smem(double* C_l, const double (&a)[kMT
     }
 }
 
+// kK16: the A fragments of dV_j += P^T dO_i and dK_j += dS^T Q_i (the warp's 16 keys × Br queries, k = queries),
+// loaded from shared memory for the whole visit: a[s][v0 + 2 v1] = A^T[key g + 8 v0][query 16s + 8(v1 / 2) + 2t +
+// v1 % 2], i.e. gemm_rab's k4 steps (nt, e) = (2s + v1 / 2, v1 % 2) in its order; 8-byte loads straight into the
+// fragment's registers (16-byte ones took a register move per element).
+// From P or dS (query-major, store_ds's swizzle): key column (key0 + g + 8 v0) ^ 4t of rows 16s + 8b + 2t + e (their
+// (row / 2) mod 4 is t), i.e. column key0 + (g ^ 4(t % 2)) + 8(v0 ^ t / 2): dS_l = dS_s + 2t·kPitch + key0 +
+// (g ^ 4(t % 2)), hi = t / 2. Lanes g × t of a 16-lane phase hit 16 distinct 8-byte slots.
+template <int kKSteps, int kPitch>
+__device__ __forceinline__ void load_a_queries(double (&a)[kKSteps][8], const double* dS_l, int hi) {
+    const double* col[2] = {dS_l + 8 * hi, dS_l + 8 * (1 - hi)};
+#pragma unroll
+    for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+        for (int v0 = 0; v0 < 2; ++v0)
+#pragma unroll
+            for (int v1 = 0; v1 < 4; ++v1) a[s][v0 + 2 * v1] = col[v0][(16 * s + 8 * (v1 / 2) + v1 % 2) * kPitch];
+}
+
+// kK16: gemm_rab for the warp's 16 keys (two m8 tiles) × kCols columns by m16n8k16 — the same k4 steps in the same
+// order — A from a (load_a_queries), B (Br × kCols, row-major) by 8-byte loads at B_l = B_s + 2t·kPitch + g + the
+// warp's first column: natural columns (tile n = 2p + h, element j: column 16p + 8h + 2t + j), a 16-lane phase's
+// slots 4t + g distinct (kPitch ≡ 2 mod 16). Per pair p, this visit's Br-term sums from zero are handed to
+// sink(p, part) (part[mt][h][j]; gemm_rab's blocked summation).
+template <int kKSteps, int kCols, int kPitch, class Sink>
+__device__ __forceinline__ void gemm_rab16(const double (&a)[kKSteps][8], const double* B_l, const Sink& sink) {
+#pragma unroll
+    for (int p = 0; p < kCols / 16; ++p) {
+        double part[2][2][2];
+        zero_f64(part);
+#pragma unroll
+        for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                double b[4];
+#pragma unroll
+                for (int v = 0; v < 4; ++v) b[v] = B_l[(16 * s + 8 * (v / 2) + v % 2) * kPitch + 16 * p + 8 * h];
+                flash::dmma16(part[0][h], part[1][h], a[s], b);
+            }
+        sink(p, part);
+    }
+}
+
 // P^T (in s) and dS^T (in dp) from the strip's S^T, dP^T (keys key_w + 8mt + g, queries
 // r0 + 8nt + 2t + e). kMasked: the tile crosses the causal diagonal or the key sequence end (rows
 // past Lq need no test: their L_i·log2e is +inf, so P = 0).
 template <class Tr, bool kMasked, class M>
-__device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
+__device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kWarpMT][Tr::kWarpNT][2], double (&dp)[Tr::kWarpMT][Tr::kWarpNT][2],
                                          const double* lse2_s, const double* delta_s, const double* exp_tab,
                                          double scale_log2, const M& mask, int r0, int key_w) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < Tr::kNT; ++nt) {
+    for (int nt = 0; nt < Tr::kWarpNT; ++nt) {
         const Dbl2 lse2 = lds2(lse2_s + 8 * nt + 2 * t), delta = lds2(delta_s + 8 * nt + 2 * t);
 #pragma unroll
-        for (int mt = 0; mt < Tr::kMT; ++mt)
+        for (int mt = 0; mt < Tr::kWarpMT; ++mt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 double x = s[mt][nt][e];
@@ -229,17 +299,18 @@ __device__ __forceinline__ void p_ds_f64(double (&s)[Tr::kMT][Tr::kNT][2], doubl
     }
 }
 
-// The warp's score strip: S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T (in s), dS^T (in dp).
+// The warp's score strip (Tr::kWarpMT m8 key tiles × Tr::kWarpNT n8 query tiles): S^T = K_j Q_i^T and
+// dP^T = V_j dO_i^T, then P^T (in s), dS^T (in dp).
 template <class Tr, class M>
-__device__ __forceinline__ void scores_f64(double (&s)[Tr::kMT][Tr::kNT][2], double (&dp)[Tr::kMT][Tr::kNT][2],
+__device__ __forceinline__ void scores_f64(double (&s)[Tr::kWarpMT][Tr::kWarpNT][2], double (&dp)[Tr::kWarpMT][Tr::kWarpNT][2],
                                            const double* K_l, const double* V_l, const double* Q_l,
                                            const double* dO_l, const double* lse2_s, const double* delta_s,
                                            const double* exp_tab, double scale_log2, const M& mask, bool masked,
                                            int r0, int key_w) {
     zero_f64(s);
     zero_f64(dp);
-    gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDim, Tr::kPitchD>(s, K_l, Q_l);
-    gemm_abt<Tr::kMT, Tr::kNT, Tr::kHeadDimV, Tr::kPitchDv>(dp, V_l, dO_l);
+    gemm_abt<Tr::kWarpMT, Tr::kWarpNT, Tr::kHeadDim, Tr::kPitchD, Tr::kK16>(s, K_l, Q_l);
+    gemm_abt<Tr::kWarpMT, Tr::kWarpNT, Tr::kHeadDimV, Tr::kPitchDv, Tr::kK16>(dp, V_l, dO_l);
     if (masked)
         p_ds_f64<Tr, true>(s, dp, lse2_s, delta_s, exp_tab, scale_log2, mask, r0, key_w);
     else
@@ -292,19 +363,40 @@ __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s,
         for (int n0 = 0; n0 < kUnitN8; n0 += kNGroup) {
             double acc[2][kNGroup][2];
             zero_f64(acc);
+            if constexpr (Tr::kK16) {  // key chunks kc = 2s, 2s + 1 in one m16n8k16: the same steps, same order
 #pragma unroll
-            for (int kc = 0; kc < Tr::kBlockN / 8; ++kc) {
-                Dbl2 a[2];
+                for (int s = 0; s < Tr::kBlockN / 16; ++s) {
+                    double a16[8];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) a[mt] = lds2((kc % 2 ? A_odd : A_even) + 8 * mt * Tr::kPitchS + 8 * kc);
+                    for (int b = 0; b < 2; ++b)
 #pragma unroll
-                for (int n = 0; n < kNGroup; ++n)
+                        for (int mt = 0; mt < 2; ++mt) {
+                            const Dbl2 x = lds2((b ? A_odd : A_even) + 8 * mt * Tr::kPitchS + 8 * (2 * s + b));
+                            a16[mt + 4 * b] = x.v[0], a16[mt + 4 * b + 2] = x.v[1];
+                        }
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const double b = B_l[(8 * kc + e) * Tr::kPitchD + 8 * (n0 + n)];
+                    for (int n = 0; n < kNGroup; ++n) {
+                        double b16[4];
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) dmma(acc[mt][n], a[mt].v[e], b);
+                        for (int v = 0; v < 4; ++v) b16[v] = B_l[(16 * s + 8 * (v / 2) + v % 2) * Tr::kPitchD + 8 * (n0 + n)];
+                        flash::dmma16(acc[0][n], acc[1][n], a16, b16);
                     }
+                }
+            } else {
+#pragma unroll
+                for (int kc = 0; kc < Tr::kBlockN / 8; ++kc) {
+                    Dbl2 a[2];
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) a[mt] = lds2((kc % 2 ? A_odd : A_even) + 8 * mt * Tr::kPitchS + 8 * kc);
+#pragma unroll
+                    for (int n = 0; n < kNGroup; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const double b = B_l[(8 * kc + e) * Tr::kPitchD + 8 * (n0 + n)];
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt) dmma(acc[mt][n], a[mt].v[e], b);
+                        }
+                }
             }
 #pragma unroll
             for (int n = 0; n < kNGroup; ++n)
@@ -320,14 +412,16 @@ __device__ __forceinline__ void atomic_dq_f64(double* dqa_i, const double* dS_s,
 // column c of row r at column c ^ 4·((r / 2) mod 4) (header). Lane (g, t) writes rows 8nt + 2t + e,
 // so its XOR is 4t for every element: per 16-lane phase (g 0..3 or 4..7, t 0..3) the 8-byte slots
 // (8e + (key ^ 4t)) mod 16 are all distinct — 2 wavefronts per store instead of 4.
+// kK16: the warp's queries start at q0 (a multiple of 8: the XOR stays 4t).
 template <class Tr>
-__device__ __forceinline__ void store_ds(double* dS_s, const double (&ds)[Tr::kMT][Tr::kNT][2], int key_w_local) {
+__device__ __forceinline__ void store_ds(double* dS_s, const double (&ds)[Tr::kWarpMT][Tr::kWarpNT][2], int key_w_local,
+                                         int q0 = 0) {
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int mt = 0; mt < Tr::kMT; ++mt) {
-        double* d_l = dS_s + 2 * t * Tr::kPitchS + ((key_w_local + 8 * mt + g) ^ (4 * t));
+    for (int mt = 0; mt < Tr::kWarpMT; ++mt) {
+        double* d_l = dS_s + (q0 + 2 * t) * Tr::kPitchS + ((key_w_local + 8 * mt + g) ^ (4 * t));
 #pragma unroll
-        for (int nt = 0; nt < Tr::kNT; ++nt)
+        for (int nt = 0; nt < Tr::kWarpNT; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) d_l[(8 * nt + e) * Tr::kPitchS] = ds[mt][nt][e];
     }
@@ -393,19 +487,35 @@ __device__ __forceinline__ int tid_fresh() {
 
 // The epilogue's sources of columns 16p + 4t .. +3 of rows 8mt + g of the warp's dK_j / dV_j rows:
 // register accumulators (acc[mt][2p + h][j] is column 16p + 4t + 2j + h) or dV_j in shared memory.
-template <int kMT, int kN>
+// kNatural (kK16): acc[mt][2p + h][j] is column 16p + 8h + 2t + j, and x = columns 16p + 2t, +1, 16p + 8 + 2t, +1.
+template <int kMT, int kN, bool kNatural = false>
 struct AccFromRegs {
     const double (&acc)[kMT][kN][2];
     __device__ __forceinline__ void operator()(int mt, int p, int, int, int, double (&x)[4]) const {
-        x[0] = acc[mt][2 * p][0], x[1] = acc[mt][2 * p + 1][0], x[2] = acc[mt][2 * p][1], x[3] = acc[mt][2 * p + 1][1];
+        if constexpr (kNatural)
+            x[0] = acc[mt][2 * p][0], x[1] = acc[mt][2 * p][1], x[2] = acc[mt][2 * p + 1][0], x[3] = acc[mt][2 * p + 1][1];
+        else
+            x[0] = acc[mt][2 * p][0], x[1] = acc[mt][2 * p + 1][0], x[2] = acc[mt][2 * p][1], x[3] = acc[mt][2 * p + 1][1];
     }
 };
-template <int kMT, int kPitch>
+// The warp's first dK_j / dV_j row in K_j and first column: kMT m8 tiles, every column; kK16: warps 2h, 2h + 1
+// share keys 16h .. 16h + 15, each kCols (half of the) columns.
+struct RowCol {
+    int row, col;
+};
+template <bool kK16, int kMT, int kCols>
+__device__ __forceinline__ RowCol dkv_origin(int warp) {
+    return kK16 ? RowCol{16 * (warp / 2), warp % 2 * kCols} : RowCol{warp * 8 * kMT, 0};
+}
+
+template <int kMT, int kPitch, bool kK16 = false, int kCols = 0>
 struct AccFromSmem {
     const double* C_s;
     __device__ __forceinline__ void operator()(int mt, int p, int warp, int g, int t, double (&x)[4]) const {
-        const double* r = C_s + (warp * 8 * kMT + 8 * mt + g) * kPitch + 16 * p + 4 * t;
-        const Dbl2 lo = lds2(r), hi = lds2(r + 2);
+        const RowCol o = dkv_origin<kK16, kMT, kCols>(warp);
+        // kK16: natural columns (16p + 2t, +1 and 16p + 8 + 2t, +1), else the permuted 16p + 4t .. +3.
+        const double* r = C_s + (o.row + 8 * mt + g) * kPitch + o.col + 16 * p + (kK16 ? 2 : 4) * t;
+        const Dbl2 lo = lds2(r), hi = lds2(r + (kK16 ? 8 : 2));
         x[0] = lo.v[0], x[1] = lo.v[1], x[2] = hi.v[0], x[3] = hi.v[1];
     }
 };
@@ -416,11 +526,14 @@ struct AccFromSmem {
 // instruction write whole 64-byte row segments: lane t stores columns 16p + 2t, +1 (elements
 // 2(t%2), +1 of quad lane t/2) and 16p + 8 + 2t, +1 (of quad lane 2 + t/2). Rows < Lk, columns <
 // n_cols: 16-byte stores when the rows are 16-byte aligned and n_cols is even, else element stores.
-template <int kMT, int kCols, class Get>
+// kCols: the warp's columns (from dkv_origin's first; kK16: half of them). kK16: the lane holds its columns
+// already (natural layout: x = columns 16p + 2t, +1, 16p + 8 + 2t, +1), no exchange.
+template <int kMT, int kCols, bool kK16 = false, class Get>
 __device__ __forceinline__ void store_dkv(double* dst, long long row_stride, const Get& get, double mult, int c0,
                                           int Lk, int n_cols) {
     const int tid = tid_fresh(), lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int key0 = c0 + tid / 32 * 8 * kMT;  // the warp's first key
+    const RowCol o = dkv_origin<kK16, kMT, kCols>(tid / 32);
+    const int key0 = c0 + o.row;  // the warp's first key
     const bool vec = row_stride % 2 == 0 && reinterpret_cast<unsigned long long>(dst) % 16 == 0 && n_cols % 2 == 0;
     const int src_lo = (lane & ~3) | (t >> 1), src_hi = src_lo + 2;
     const bool odd = (t & 1) != 0;
@@ -430,19 +543,26 @@ __device__ __forceinline__ void store_dkv(double* dst, long long row_stride, con
         double* d_row = dst + (long long)key * row_stride;
 #pragma unroll
         for (int p = 0; p < kCols / 16; ++p) {
-            double x[4], lo[4], hi[4];
+            double x[4], y[4];
             get(mt, p, tid / 32, g, t, x);
+            if constexpr (kK16) {
+                if (key >= Lk) continue;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {  // every lane shuffles (rows past Lk included)
-                lo[q] = __shfl_sync(0xffffffffu, x[q], src_lo);
-                hi[q] = __shfl_sync(0xffffffffu, x[q], src_hi);
+                for (int q = 0; q < 4; ++q) y[q] = x[q] * mult;
+            } else {
+                double lo[4], hi[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // every lane shuffles (rows past Lk included)
+                    lo[q] = __shfl_sync(0xffffffffu, x[q], src_lo);
+                    hi[q] = __shfl_sync(0xffffffffu, x[q], src_hi);
+                }
+                if (key >= Lk) continue;
+                y[0] = (odd ? lo[2] : lo[0]) * mult, y[1] = (odd ? lo[3] : lo[1]) * mult;
+                y[2] = (odd ? hi[2] : hi[0]) * mult, y[3] = (odd ? hi[3] : hi[1]) * mult;
             }
-            if (key >= Lk) continue;
-            const double y[4] = {(odd ? lo[2] : lo[0]) * mult, (odd ? lo[3] : lo[1]) * mult,
-                                 (odd ? hi[2] : hi[0]) * mult, (odd ? hi[3] : hi[1]) * mult};
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int c = 16 * p + 8 * half + 2 * t;
+                const int c = o.col + 16 * p + 8 * half + 2 * t;
                 if (vec) {
                     if (c < n_cols) fa::gstore(reinterpret_cast<Dbl2*>(d_row + c), Dbl2{{y[2 * half], y[2 * half + 1]}});
                 } else {
@@ -454,6 +574,44 @@ __device__ __forceinline__ void store_dkv(double* dst, long long row_stride, con
     }
 }
 
+// kK16: one visit's products after its copies landed. The warp's score strip (keys kw .. kw + 15, queries q0 ..
+// q0 + Br/2 − 1) by gemm_abt's m16n8k16; P and dS to shared memory (store_ds's layout); barrier; dV_j += P^T dO_i
+// and dK_j += dS^T Q_i for the warp's half of the columns, A fragments from shared memory (the warp pair's two
+// strips); add_dq(): dQ_i's atomics between them (ordered: their turn). Every product's k4 steps in the order of
+// the m8n8k4 kernel's (the same bits on the emulator).
+template <class Tr, class DK, class DVSink, class AddDQ, class M>
+__device__ __forceinline__ void visit_k16(DK& dK_acc, const DVSink& dv_sink, const AddDQ& add_dq, double* P_s,
+                                          double* dS_s, const double* K_l, const double* V_l, const double* Q_s,
+                                          const double* dO_s, const double* lse2_s, const double* delta_s,
+                                          const double* exp_tab, double scale_log2, const M& mask, bool masked, int r0,
+                                          int c0, int kw, int q0) {
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4, half = (int)threadIdx.x / 32 % 2;
+    constexpr int kSteps = Tr::kBlockM / 16;
+    {
+        double p[2][Tr::kWarpNT][2], ds[2][Tr::kWarpNT][2];
+        scores_f64<Tr>(p, ds, K_l, V_l, Q_s + (q0 + g) * Tr::kPitchD + 4 * t, dO_s + (q0 + g) * Tr::kPitchDv + 4 * t,
+                       lse2_s + q0, delta_s + q0, exp_tab, scale_log2, mask, masked, r0 + q0, c0 + kw);
+        store_ds<Tr>(P_s, p, kw, q0);
+        store_ds<Tr>(dS_s, ds, kw, q0);
+    }
+    __syncthreads();  // both strips of P and dS written
+    const int a_l = 2 * t * Tr::kPitchS + kw + (g ^ (4 * (t & 1)));  // load_a_queries's lane offset
+    double a[kSteps][8];
+    load_a_queries<kSteps, Tr::kPitchS>(a, P_s + a_l, t >> 1);
+    gemm_rab16<kSteps, Tr::kWarpDv, Tr::kPitchDv>(a, dO_s + 2 * t * Tr::kPitchDv + g + half * Tr::kWarpDv, dv_sink);
+    add_dq();
+    load_a_queries<kSteps, Tr::kPitchS>(a, dS_s + a_l, t >> 1);
+    gemm_rab16<kSteps, Tr::kWarpD, Tr::kPitchD>(a, Q_s + 2 * t * Tr::kPitchD + g + half * Tr::kWarpD,
+                                               [&](int pp, const double (&part)[2][2][2]) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) dK_acc[mt][2 * pp + h][j] += part[mt][h][j];
+    });
+}
+
 }  // namespace fa_bwd
 using namespace fa_bwd;
 
@@ -461,8 +619,9 @@ using namespace fa_bwd;
 // (T = OutT = AccT = double). kVecLoad: q, k, v, dout rows 16-byte aligned, D and Dv even (cp.async
 // 16-byte chunks), else element loads. kOrderedDQ: dQ's atomics in key-block order (see above).
 // kStages: buffers of Q_i, dO_i, L_i, D_i (2: the next visit's copies overlap this visit's products).
+// kDmmaK: 4 — every product by m8n8k4; 16 — by m16n8k16 (sm_90+; visit_k16: warp pairs share 16 keys).
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kVecLoad,
-          bool kOrderedDQ, int kStages = 1>
+          bool kOrderedDQ, int kStages = 1, int kDmmaK = 4>
 __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f64_kernel(
     const double* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
     const double* __restrict__ k, long long k_b0, long long k_b1, long long k_b2, long long k_row,
@@ -476,8 +635,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     double* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     double* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, double scale, FLASH_EXT_PARAMS(double)) {
-    using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages>;
-    constexpr int kNThreads = Tr::kNThreads, kMT = Tr::kMT, kNT = Tr::kNT;
+    using Tr = BwdF64Traits<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kStages, kDmmaK>;
+    constexpr int kNThreads = Tr::kNThreads, kMT = Tr::kMT, kNT = Tr::kNT, kWMT = Tr::kWarpMT;
     // dQ's work units (dq_unit_n8) and n8 tiles per pass: 1 where dK_j, dV_j take 128 registers or more.
     using DQA = DQAccumLayout<kHeadDim>;
     constexpr int kDQUnit = dq_unit_n8<(kBlockM / 16) * DQA::kColTiles, DQA::kDQCols / 8, kNWarps>();
@@ -502,7 +661,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     using Order = DQOrderOf<kIsCausal, kOrderedDQ, 0>;
     const Order dq_order = Order::make();
     const int c0 = dq_order.n * kBlockN;       // first key of K_j
-    const int kw = warp * 8 * kMT;             // the warp's first key in K_j
+    const RowCol o_w = dkv_origin<Tr::kK16, kMT, 0>(warp);
+    const int kw = o_w.row;                     // the warp's first key in K_j
+    const int q0 = Tr::kK16 ? warp % 2 * kBlockM / 2 : 0;  // kK16: the warp's first query of the score strip
     const double scale_log2 = scale * flash::kLog2eD;
     const Mask<kIsCausal, 0, double> mask(Lq, Lk);
 
@@ -543,17 +704,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     const int Q_l = g * Tr::kPitchD + 4 * t, dO_l = g * Tr::kPitchDv + 4 * t;
     const int Qb_l = 2 * t * Tr::kPitchD + 2 * g, dOb_l = 2 * t * Tr::kPitchDv + 2 * g;
 
-    // dK_j, dV_j rows kw + 8mt + g (dV_j in shared memory where Tr::kDVSmem: this lane's elements).
-    double dK_acc[kMT][kHeadDim / 8][2], dV_acc[kMT][Tr::kDVSmem ? 2 : kHeadDimV / 8][2];
-    double* dV_l = reinterpret_cast<double*>(smem + Tr::kdV) + (kw + g) * Tr::kPitchDv + 4 * t;
+    // dK_j, dV_j rows kw + 8mt + g, the warp's columns (kK16: half of them; dV_j in shared memory where
+    // Tr::kDVSmem: this lane's elements).
+    double dK_acc[kWMT][Tr::kWarpD / 8][2], dV_acc[kWMT][Tr::kDVSmem ? 2 : Tr::kWarpDv / 8][2];
+    double* dV_l = reinterpret_cast<double*>(smem + Tr::kdV) + (kw + g) * Tr::kPitchDvAcc +
+                   (Tr::kK16 ? 2 * t + warp % 2 * Tr::kWarpDv : 4 * t);
     zero_f64(dK_acc);
     zero_f64(dV_acc);
     if constexpr (Tr::kDVSmem) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kWMT; ++mt)
 #pragma unroll
-            for (int c = 0; c < kHeadDimV; c += 2) {
-                if (c % 16 < 4) *reinterpret_cast<Dbl2*>(dV_l + 8 * mt * Tr::kPitchDv + c) = Dbl2{{0.0, 0.0}};
+            for (int c = 0; c < Tr::kWarpDv; c += 2) {
+                if (c % 16 == 0 || c % 16 == (Tr::kK16 ? 8 : 2))  // this lane's 16-byte words (kK16: natural)
+                    *reinterpret_cast<Dbl2*>(dV_l + 8 * mt * Tr::kPitchDvAcc + c) = Dbl2{{0.0, 0.0}};
             }
     }
 
@@ -584,38 +748,73 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
         // Barrier: every thread's copies and L_i·log2e are visible to every warp.
         __syncthreads();
 
-        double p[kMT][kNT][2], ds[kMT][kNT][2];
-        scores_f64<Tr>(p, ds, K_l, V_l, Q_s + Q_l, dO_s + dO_l, lse2_s, delta_s, exp_tab, scale_log2, mask,
-                       mask.needs_mask(r0, c0, kBlockM, kBlockN), r0, c0 + kw);
-        // dV_j += P^T dO_i first (P^T dies before dQ's registers are live; the barrier below keeps
-        // ptxas from overlapping the products).
-        if constexpr (Tr::kDVSmem)
-            gemm_rab_smem<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_l, p, dO_s + dOb_l);
-        else
-            gemm_rab<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_acc, p, dO_s + dOb_l);
-        store_ds<Tr>(dS_s, ds, kw);
-        // Barrier: dS complete before warps read its rows for dQ (ordered: and our turn).
-        if constexpr (kOrderedDQ)
-            fa::sem_wait(order.counter(dqa_entry(grp), i),
-                         dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
-        else
-            __syncthreads();
-        atomic_dq_f64<Tr, kDQUnit, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
-        if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
-        // dK_j += dS^T Q_i (scale applied once, at the end).
-        gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Q_s + Qb_l);
+        if constexpr (Tr::kK16) {
+            const auto add_dq = [&] {  // after visit_k16's barrier (ordered: the turn, a second barrier)
+                if constexpr (kOrderedDQ)
+                    fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
+                atomic_dq_f64<Tr, kDQUnit, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
+                if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+            };
+            const auto dv_sink = [&](int pp, const double (&part)[2][2][2]) {  // dV_j += this visit's sums
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    if constexpr (Tr::kDVSmem) {  // natural columns 16pp + 8h + 2t, +1
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            Dbl2* c = reinterpret_cast<Dbl2*>(dV_l + 8 * mt * Tr::kPitchDvAcc + 16 * pp + 8 * h);
+                            const Dbl2 x = *c;
+                            *c = Dbl2{{x.v[0] + part[mt][h][0], x.v[1] + part[mt][h][1]}};
+                        }
+                    } else {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+#pragma unroll
+                            for (int j = 0; j < 2; ++j) dV_acc[mt][2 * pp + h][j] += part[mt][h][j];
+                    }
+                }
+            };
+            visit_k16<Tr>(dK_acc, dv_sink, add_dq, reinterpret_cast<double*>(smem + Tr::kP), dS_s, K_l, V_l, Q_s,
+                          dO_s, lse2_s, delta_s, exp_tab, scale_log2, mask, mask.needs_mask(r0, c0, kBlockM, kBlockN),
+                          r0, c0, kw, q0);
+        } else {
+            double p[kMT][kNT][2], ds[kMT][kNT][2];
+            scores_f64<Tr>(p, ds, K_l, V_l, Q_s + Q_l, dO_s + dO_l, lse2_s, delta_s, exp_tab, scale_log2, mask,
+                           mask.needs_mask(r0, c0, kBlockM, kBlockN), r0, c0 + kw);
+            // dV_j += P^T dO_i first (P^T dies before dQ's registers are live; the barrier below keeps
+            // ptxas from overlapping the products).
+            if constexpr (Tr::kDVSmem)
+                gemm_rab_smem<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_l, p, dO_s + dOb_l);
+            else
+                gemm_rab<kMT, kNT, kHeadDimV, Tr::kPitchDv>(dV_acc, p, dO_s + dOb_l);
+            store_ds<Tr>(dS_s, ds, kw);
+            // Barrier: dS complete before warps read its rows for dQ (ordered: and our turn).
+            if constexpr (kOrderedDQ)
+                fa::sem_wait(order.counter(dqa_entry(grp), i),
+                             dq_order.turn(i, kBlockM, kBlockN, mask.causal_offset));
+            else
+                __syncthreads();
+            atomic_dq_f64<Tr, kDQUnit, kDQGroup>(dqa_entry(grp) + (long long)r0 * kHeadDim, dS_s, K_s);
+            if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+            // dK_j += dS^T Q_i (scale applied once, at the end).
+            gemm_rab<kMT, kNT, kHeadDim, Tr::kPitchD>(dK_acc, ds, Q_s + Qb_l);
+        }
 
         i = i_n, grp = grp_n;
     }
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 
     // -- epilogue: dK_j · scale and dV_j (rows < Lk, columns < D / Dv).
-    store_dkv<kMT, kHeadDim>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row, AccFromRegs<kMT, kHeadDim / 8>{dK_acc}, scale, c0, Lk, D);
+    constexpr bool kK16 = Tr::kK16;
+    store_dkv<kWMT, Tr::kWarpD, kK16>(dk + b.offset({dk_b0, dk_b1, dk_b2, dk_row}), dk_row,
+                                      AccFromRegs<kWMT, Tr::kWarpD / 8, kK16>{dK_acc}, scale, c0, Lk, D);
     if constexpr (Tr::kDVSmem) {
         // This lane's own elements (no barrier: written by this lane only), read afresh.
-        const AccFromSmem<kMT, Tr::kPitchDv> from_smem{reinterpret_cast<const double*>(smem + Tr::kdV)};
-        store_dkv<kMT, kHeadDimV>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, from_smem, 1.0, c0, Lk, Dv);
+        const AccFromSmem<kWMT, Tr::kPitchDvAcc, kK16, Tr::kWarpDv> from_smem{
+            reinterpret_cast<const double*>(smem + Tr::kdV)};
+        store_dkv<kWMT, Tr::kWarpDv, kK16>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, from_smem, 1.0, c0, Lk, Dv);
     } else {
-        store_dkv<kMT, kHeadDimV>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row, AccFromRegs<kMT, Tr::kDVSmem ? 2 : kHeadDimV / 8>{dV_acc}, 1.0, c0, Lk, Dv);
+        store_dkv<kWMT, Tr::kWarpDv, kK16>(dv + b.offset({dv_b0, dv_b1, dv_b2, dv_row}), dv_row,
+                                           AccFromRegs<kWMT, Tr::kDVSmem ? 2 : Tr::kWarpDv / 8, kK16>{dV_acc}, 1.0,
+                                           c0, Lk, Dv);
     }
 }

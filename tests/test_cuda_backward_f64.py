@@ -207,7 +207,9 @@ def test_wide_query_tile(D, Dv, arch, causal):
     Gradients within the rule in both dQ modes (Lq not a multiple of 32, a partial key block), the ordered
     mode bitwise under a reverse schedule."""
     t = F.backward_tile(None, np.float64, D, Dv, arch)
-    assert (t.block_m, t.block_n, t.n_threads, t.stages) == (32, 32, 128, 2 if arch == 90 else 1)
+    # sm_90's m16n8k16 tile (d = dv = 64) adds P and dV_j in shared memory: two buffers would cost the second block.
+    assert (t.block_m, t.block_n, t.n_threads, t.stages) == (32, 32, 128, 2 if arch == 90 and t.dmma_k == 4 else 1)
+    assert t.dmma_k == (16 if arch == 90 and D == 64 else 4)
     p = Inputs(D, 77, 70, Dv=Dv, G=2, causal=causal)
     ref = launch_f64(p, arch=arch)
     p.check(ref)
@@ -455,9 +457,10 @@ def test_tile_table():
                 warps = t.n_threads // 32
                 assert t.smem <= tiles.smem_limit(arch) and t.block_m in (16, 32) and t.stages in (1, 2)
                 assert t.block_n % (8 * warps) == 0 and t.block_n // (8 * warps) in (1, 2)
-                assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages)
+                assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages, t.dmma_k)
+                assert t.dmma_k == F.dmma_k(pd, pdv, t.block_n, warps, arch)
                 # two buffers exactly where they fit without costing resident warps
-                one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s) for s in (1, 2))
+                one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s, t.dmma_k) for s in (1, 2))
                 cap = F.register_warps(t.block_m, t.block_n, warps, pd, pdv)
                 assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps, cap)
                                            >= F.resident_warps(arch, one, warps, cap))
@@ -472,9 +475,15 @@ def test_tile_table():
     assert F.dkv_name(F.backward_tile(None, np.float64, 40, 24, 80), None, 48, 32, True, False, True) == \
         "flash_bwd_dkv_f64_kernel<48, 32, 32, 32, 4, true, false, true, 1>"
     # sm_80: d = dv = 128 keeps one buffer (two would exceed 163 KB), d = dv = 32 and 64 too (two would
-    # cost the second block: 8 -> 4 warps); sm_90 double-buffers them.
+    # cost the second block: 8 -> 4 warps); sm_90 double-buffers them but d = 64's m16n8k16 tile (P and dV_j in
+    # shared memory: 105 KB with one buffer).
     assert [F.backward_tile(None, np.float64, d, d, 80).stages for d in (16, 32, 64, 128)] == [2, 1, 1, 1]
-    assert [F.backward_tile(None, np.float64, d, d, 90).stages for d in (16, 32, 64, 128)] == [2, 2, 2, 2]
+    assert [F.backward_tile(None, np.float64, d, d, 90).stages for d in (16, 32, 64, 128)] == [2, 2, 1, 2]
+    # m16n8k16 on sm_90 where one m8 key tile per warp and 4 warps meet padded d, dv multiples of 32
+    assert [F.backward_tile(None, np.float64, d, dv, 90).dmma_k for d, dv in
+            ((16, 16), (32, 32), (48, 48), (64, 64), (64, 32), (96, 96), (128, 128), (128, 80))] == \
+        [4, 4, 4, 16, 16, 16, 16, 4]
+    assert {F.backward_tile(None, np.float64, d, d, a).dmma_k for a in (80, 86, 89) for d in (64, 128)} == {4}
 
 
 def _wavefronts(lane_addrs, nbytes):

@@ -6,7 +6,8 @@ threads within the register file and dynamic shared memory within the arch's opt
 two buffers of Q_i, dO_i (kStages = 2) only where they cost no resident warps at the measured
 registers (``sass.occupancy`` against the one-buffer shared memory); the
 query-block loop (the loop holding the most DMMA) holds the DMMA of one visit and warp — DMMA.884
-on sm_80-89, DMMA.8x8x4 on sm_90, none outside it — and its instructions per DMMA stay within the
+on sm_80-89, DMMA.8x8x4 on sm_90 (DMMA.16x8x16 for the m16n8k16 tiles: an eighth as many, the ratio per
+m8n8k4-equivalent), none outside it — and its instructions per DMMA stay within the
 measured limits below (printed; the report's SASS table). The conversion of the double
 accumulator compiles (vector and element stores). sm_75 is refused at compile time and by the
 tile table.
@@ -67,10 +68,16 @@ def dmma_key_loop(body):
 def expected_dmma(t, d, dv):
     """DMMA instructions of one visit and warp: S^T, dP^T (kMT m8 x Br/8 n8 tiles x (d + dv)/4 k4
     steps), dV, dK (kMT x (d + dv)/8 x Br/4), and one dQ work unit's code (2 m8 x dq_unit_n8 n8 tiles x
-    Bc/4; a warp's several units run it in a loop)."""
+    Bc/4; a warp's several units run it in a loop). m16n8k16 (``t.dmma_k`` 16): an eighth of them (each one
+    two m8 tiles and four k4 steps; the warp pair's split of keys and columns gives each warp the same work)."""
     mt = t.block_n * 4 // t.n_threads  # kMT = Bc / (8 warps)
     unit = F.dq_unit_n8(t.block_m, d, t.n_threads // 32)
-    return mt * (t.block_m // 8) * (d + dv) // 4 + mt * (d + dv) // 8 * t.block_m // 4 + 2 * unit * t.block_n // 4
+    n = mt * (t.block_m // 8) * (d + dv) // 4 + mt * (d + dv) // 8 * t.block_m // 4 + 2 * unit * t.block_n // 4
+    return n // 8 if t.dmma_k == 16 else n
+
+
+def dmma_opcode(arch, t):
+    return "DMMA.16x8x16" if t.dmma_k == 16 else DMMA[arch]
 
 
 def instantiations(arch, pairs):
@@ -102,21 +109,22 @@ def _check(arch, pairs):
         # Two buffers of Q_i, dO_i only where they cost no resident warps (at the measured registers).
         occ = sass.occupancy(arch, k.registers, t.n_threads, t.smem)
         one = sass.occupancy(arch, k.registers, t.n_threads, F.smem_bytes(d, dv, t.block_m, t.block_n,
-                                                                          t.n_threads // 32))
+                                                                          t.n_threads // 32, 1, t.dmma_k))
         line += " occ %d blocks %d warps (%s)" % (occ.blocks, occ.warps, occ.limiter)
         if occ.warps < one.warps:
             problems.append("%s: %d stages cost occupancy: %d < %d warps" % (name, t.stages, occ.warps, one.warps))
         if fns is not None:
             body = fns[k.lowered_name]
             loop, dmma = dmma_key_loop(body)
-            per = loop.stats.instructions / len(dmma)
-            line += "  loop %d instr, %d DMMA (%.2f/DMMA), %d LDS (%d LDS.128), %d BAR" % (
-                loop.stats.instructions, len(dmma), per, loop.stats.lds, loop.stats.lds128, loop.stats.bar)
+            per = loop.stats.instructions / (len(dmma) * (8 if t.dmma_k == 16 else 1))  # per m8n8k4-equivalent
+            line += "  loop %d instr, %d DMMA (%.2f/DMMA%s), %d LDS (%d LDS.128), %d BAR" % (
+                loop.stats.instructions, len(dmma), per, ".8x8x4" if t.dmma_k == 16 else "", loop.stats.lds,
+                loop.stats.lds128, loop.stats.bar)
             ops = {opcode(i) for i in dmma}
             total = sum(1 for i in body if i.base == "DMMA")
-            if ops != {DMMA[arch]} or len(dmma) != expected_dmma(t, d, dv) or total != len(dmma):
+            if ops != {dmma_opcode(arch, t)} or len(dmma) != expected_dmma(t, d, dv) or total != len(dmma):
                 problems.append("%s: loop DMMA %s x %d (expected %s x %d), %d in the kernel"
-                                % (name, sorted(ops), len(dmma), DMMA[arch], expected_dmma(t, d, dv), total))
+                                % (name, sorted(ops), len(dmma), dmma_opcode(arch, t), expected_dmma(t, d, dv), total))
             limit = LIMIT[(d, dv)][0 if vec else 1]
             if per > limit:
                 problems.append("%s: %.2f instructions per DMMA > %.2f" % (name, per, limit))

@@ -23,28 +23,51 @@ tests/test_static_backward_f64.py for every tile this table can return):
 * larger: kMT = 1, Br = 16, dV_j in shared memory, 4 warps (Bc = 32) where the shared memory
   fits, else 2 (Bc = 16: d = dv = 128 on sm_86/89, 99 KB per block).
 """
+from dataclasses import dataclass
+
 from . import tiles, tiles_bwd
 from .cuda_backward_tf32 import _MAX_WARPS_PER_SM, _RESERVED, _SM_SMEM_KB
-from .cuda_forward_f64 import EXP2_TABLE_BYTES
+from .cuda_forward_f64 import DMMA_K16_ARCH, EXP2_TABLE_BYTES
 
 SOURCE = "flash_bwd_f64.cu"
 MAX_HEAD_DIM = 128
 MIN_ARCH = 80
+#: sm_90: every product by m16n8k16 (DMMA.16x8x16) instead of m8n8k4 where the tile allows it (:func:`dmma_k`);
+#: False gives the m8n8k4 kernel (benchmarks/gpu_session.sh times both). Same bits on the emulator.
+DMMA_K16 = True
 
 
-def dv_in_smem(d, dv, block_n, warps):
-    """BwdF64Traits::kDVSmem: dV_j in shared memory where kMT·(d + dv) > 128 (registers)."""
-    return block_n // (8 * warps) * (d + dv) > 128
+@dataclass(frozen=True)
+class F64BwdTiles(tiles_bwd.BwdTiles):
+    """A :class:`tiles_bwd.BwdTiles` of ``flash_bwd_dkv_f64_kernel``; ``dmma_k`` 4 (m8n8k4) or 16 (m16n8k16: the
+    kernel's kDmmaK, :func:`dmma_k`)."""
+    dmma_k: int = 4
 
 
-def smem_bytes(d, dv, block_m, block_n, warps, stages=1):
+def dmma_k(d, dv, block_n, warps, arch):
+    """The kernel's kDmmaK: 16 on sm_90 (:data:`DMMA_K16`) for one m8 key tile per warp, 4 warps and padded d, dv
+    multiples of 32 (warp pairs share 16 keys, each takes half of dK_j's and dV_j's columns: whole 16-column
+    pairs), else 4."""
+    ok = DMMA_K16 and arch >= DMMA_K16_ARCH and block_n == 8 * warps and warps == 4 and d % 32 == 0 and dv % 32 == 0
+    return 16 if ok else 4
+
+
+def dv_in_smem(d, dv, block_n, warps, k=4):
+    """BwdF64Traits::kDVSmem: dV_j in shared memory where kMT·(d + dv) > 128 (registers); with m16n8k16 (``k`` 16,
+    A fragments of the whole visit in registers) > 64: at d = dv = 64 dV_j in registers spilled 4-96 bytes."""
+    return block_n // (8 * warps) * (d + dv) > (96 if k == 16 else 128)
+
+
+def smem_bytes(d, dv, block_m, block_n, warps, stages=1, k=4):
     """Mirror of BwdF64Traits::kBytes: ``stages`` x (Q_i, dO_i) (rows padded by 2 doubles), K_j, V_j
-    (padded by 2), dS (padded by 8), ``stages`` x (L_i, D_i), and dV_j where :func:`dv_in_smem`; each
-    region 16-byte aligned; then exp2_nonpositive's table (flash_f64_exp.cuh)."""
+    (padded by 2), dS (padded by 8), ``stages`` x (L_i, D_i), dV_j where :func:`dv_in_smem` (padded by 8 where
+    ``k`` is 16), P where ``k`` is 16 (as dS); each region 16-byte aligned; then exp2_nonpositive's table
+    (flash_f64_exp.cuh)."""
     a16 = tiles._align16
     return (a16(stages * block_m * (d + 2) * 8) + a16(stages * block_m * (dv + 2) * 8) + a16(block_n * (d + 2) * 8)
             + a16(block_n * (dv + 2) * 8) + a16(block_m * (block_n + 8) * 8) + 2 * a16(stages * block_m * 8)
-            + (a16(block_n * (dv + 2) * 8) if dv_in_smem(d, dv, block_n, warps) else 0) + EXP2_TABLE_BYTES)
+            + (a16(block_n * (dv + (8 if k == 16 else 2)) * 8) if dv_in_smem(d, dv, block_n, warps, k) else 0)
+            + (a16(block_m * (block_n + 8) * 8) if k == 16 else 0) + EXP2_TABLE_BYTES)
 
 
 def register_warps(block_m, block_n, warps, d, dv):
@@ -63,11 +86,11 @@ def resident_warps(arch, smem, warps, cap=_MAX_WARPS_PER_SM):
     return min(cap, warps * (per_sm // (smem + _RESERVED)))
 
 
-def stages_for(d, dv, block_m, block_n, warps, arch):
+def stages_for(d, dv, block_m, block_n, warps, arch, k=4):
     """2 (Q_i, dO_i, L_i, D_i double-buffered: the next visit's cp.async copies overlap this
     visit's products) where the second buffer fits and costs no resident warps, else 1."""
-    one = smem_bytes(d, dv, block_m, block_n, warps)
-    two = smem_bytes(d, dv, block_m, block_n, warps, 2)
+    one = smem_bytes(d, dv, block_m, block_n, warps, 1, k)
+    two = smem_bytes(d, dv, block_m, block_n, warps, 2, k)
     cap = register_warps(block_m, block_n, warps, d, dv)
     return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps, cap) >= resident_warps(
         arch, one, warps, cap) else 1
@@ -127,17 +150,18 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     limit = tiles.smem_limit(a)
     for br, mt, warps in _candidates(d, dv):
         bc = 8 * mt * warps
-        smem = smem_bytes(d, dv, br, bc, warps)
+        k = dmma_k(d, dv, bc, warps, a)
+        smem = smem_bytes(d, dv, br, bc, warps, 1, k)
         if smem <= limit:
-            stages = stages_for(d, dv, br, bc, warps, a)
-            smem = smem_bytes(d, dv, br, bc, warps, stages)
-            reason = ("fp64 DMMA (m8n8k4): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
+            stages = stages_for(d, dv, br, bc, warps, a, k)
+            smem = smem_bytes(d, dv, br, bc, warps, stages, k)
+            reason = ("fp64 DMMA (m%s): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
                       "the first tile of the register table whose shared memory fits the sm_%d limit %d B; "
                       "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)"
-                      % (warps, 8 * mt, mt, br, bc, ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps)
-                         else "", a, limit, stages, smem, resident_warps(a, smem, warps,
-                                                                         register_warps(br, bc, warps, d, dv))))
-            return tiles_bwd.BwdTiles(br, bc, 32 * warps, smem, reason, stages)
+                      % ("16n8k16" if k == 16 else "8n8k4", warps, 8 * mt, mt, br, bc,
+                         ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps, k) else "", a, limit, stages, smem,
+                         resident_warps(a, smem, warps, register_warps(br, bc, warps, d, dv))))
+            return F64BwdTiles(br, bc, 32 * warps, smem, reason, stages, k)
     return None
 
 
@@ -145,8 +169,9 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered):
     """The name expression of ``flash_bwd_dkv_f64_kernel`` for ``tile`` (padded head dims pD, pDv)."""
     del precision  # IEEE fp64 either way
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return "flash_bwd_dkv_f64_kernel<%d, %d, %d, %d, %d, %s, %s, %s, %d>" % (
-        pD, pDv, tile.block_m, tile.block_n, tile.n_threads // 32, b(causal), b(vec), b(ordered), tile.stages)
+    return "flash_bwd_dkv_f64_kernel<%d, %d, %d, %d, %d, %s, %s, %s, %d%s>" % (
+        pD, pDv, tile.block_m, tile.block_n, tile.n_threads // 32, b(causal), b(vec), b(ordered), tile.stages,
+        ", 16" if getattr(tile, "dmma_k", 4) == 16 else "")
 
 
 def convert_name(tile, pD, D):
