@@ -211,11 +211,13 @@ from flasharray._private import cuda_backward_f64
 cuda_backward_f64.WIDE_QUERY = False
 import gpu
 sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
-# (7h) float64's forward on sm_90 with m8n8k4 (cuda_forward_f64.DMMA_K16 off: the twenty-eighth session's
-# mma.m16n8k16.f64 (DMMA.16x8x16) against the DMMA.8x8x4 kernel it replaced; compare the forward rows with step 7b's)
+# (7h) float64 on sm_90 with m8n8k4 (cuda_forward_f64.DMMA_K16 and cuda_backward_f64.DMMA_K16 off: the
+# twenty-eighth / twenty-ninth sessions' mma.m16n8k16.f64 (DMMA.16x8x16) forward / backward against the DMMA.8x8x4
+# kernels they replaced; compare the forward and backward rows with step 7b's)
 run_step gpu_fp64_k4 "${GPU_SESSION_FP64_S:-30}" "$PY" -c 'import sys; sys.path.insert(0, "benchmarks")
-from flasharray._private import cuda_forward_f64
+from flasharray._private import cuda_backward_f64, cuda_forward_f64
 cuda_forward_f64.DMMA_K16 = False
+cuda_backward_f64.DMMA_K16 = False
 import gpu
 sys.exit(gpu.main(sys.argv[1:]))' --precision --dtypes fp64 --head-dims 64 --seqlens 4096 --causal no
 # (7d) the float32 SIMT backward (precision "ieee", float32's default backward) as one 8-warp block per SM

@@ -22,6 +22,7 @@ import pytest
 from flasharray import emulator, reference, testing
 from flasharray._private import cuda_backward_f64 as F
 from flasharray._private import launch, tiles
+from conftest import flag_set
 
 ARCHS = (80, 86, 89, 90)
 
@@ -227,6 +228,44 @@ def test_wide_query_switch(monkeypatch):
     assert F.backward_tile(None, np.float64, 48, 48, 80).block_m == 32
 
 
+@pytest.mark.parametrize("D,Dv,Lq,Lk,causal,G,layout", [
+    (64, 64, 77, 70, True, 2, "bhsd"),      # Br 32, dV_j in shared memory, partial key and query blocks
+    (128, 128, 70, 150, False, 1, "bhsd"),  # Br 16, two buffers, dV_j in shared memory
+    (64, 32, 40, 33, True, 3, "bshd"),      # d != dv, dV_j in registers, GQA, BSHD strides
+    (96, 64, 47, 100, False, 1, "bhsd"),    # d 96: three 16-column pairs in the warp pair's halves
+    (32, 64, 1, 45, True, 2, "bhsd"),       # Lq 1, causal: query rows without keys
+])
+def test_sm90_m16n8k16_gives_the_m8n8k4_bits(D, Dv, Lq, Lk, causal, G, layout):
+    """sm_90's m16n8k16 kernel (kDmmaK = 16: warp pairs share 16 keys, P and dS through shared memory) issues
+    the m8n8k4 kernel's k4 steps in the same order for every product, so on the emulator (one fp64 FMA chain per
+    element for both shapes) the ordered mode's dq, dk, dv are the same bits, under a random schedule too, with
+    one mma per eight, no shuffles (no epilogue exchange: natural columns) and the same HBM bytes."""
+    p = Inputs(D, Lq, Lk, Dv=Dv, G=G, causal=causal, layout=layout)
+    runs = {}
+    for k16 in (True, False):
+        with flag_set(F, "DMMA_K16", k16):
+            assert F.backward_tile(None, np.float64, D, Dv, 90).dmma_k == (16 if k16 else 4)
+            counters = []
+            grads = launch_f64(p, arch=90, schedule="random" if k16 else "forward", seed=4, counters=counters)
+        runs[k16] = grads, counters[0][1]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert a.tobytes() == b.tobytes()
+    c16, c4 = runs[True][1], runs[False][1]
+    assert c16.mma * 8 == c4.mma > 0 and c16.shuffles == 0
+    assert (c16.global_read_bytes, c16.global_write_bytes) == (c4.global_read_bytes, c4.global_write_bytes)
+    p.check(runs[True][0])
+
+
+def test_sm90_m16n8k16_atomic_mode():
+    """deterministic=False's plain atomics on the m16n8k16 kernel: within the rule (the order of dQ's adds is the
+    schedule's; dK, dV are not atomics: the same bits as the ordered mode)."""
+    p = Inputs(128, 65, 90, G=2, causal=True)
+    ordered = launch_f64(p, arch=90)
+    atomic = launch_f64(p, arch=90, ordered=False, schedule="random", seed=2)
+    p.check(atomic)
+    assert atomic[1].tobytes() == ordered[1].tobytes() and atomic[2].tobytes() == ordered[2].tobytes()
+
+
 SCHEDULES = [("reverse", 0), ("random", 1), ("random", 2)]
 
 
@@ -401,6 +440,23 @@ def test_api_runs_dmma_kernel(deterministic):
     if deterministic:  # bitwise reproducible under another schedule
         for a, b in zip(grads, api_grads(p, schedule="random", seed=5)[:3]):
             assert a.tobytes() == b.tobytes()
+
+
+def test_api_runs_m16n8k16_on_sm90():
+    """float64 gradients with arch=90 run the m16n8k16 kernel (its name's kDmmaK 16, an eighth of the mma), the
+    DMMA_K16 switch the m8n8k4 one: the same bits."""
+    p = Inputs(64, 70, 45, G=2, causal=True)
+    runs = {}
+    for k16 in (True, False):
+        with flag_set(F, "DMMA_K16", k16):
+            *grads, counters = api_grads(p, arch=90)
+        (name, dkv), = [(n, c) for n, c in counters if n.startswith("flash_bwd_dkv_f64_kernel")]
+        assert name.endswith(", 16>") == k16
+        runs[k16] = grads, dkv.mma
+    p.check(runs[True][0])
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert a.tobytes() == b.tobytes()
+    assert runs[True][1] * 8 == runs[False][1]
 
 
 def test_api_flash_attention_backward():
