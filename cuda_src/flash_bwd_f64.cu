@@ -82,6 +82,9 @@ struct BwdF64Traits {
     // dV_j's pitch in shared memory (kK16: ≡ 8 mod 16 doubles, its natural column layout's 16-byte accesses
     // conflict-free).
     static constexpr int kPitchDvAcc = kK16 ? kHeadDimV + 8 : kPitchDv;
+    // kK16: V_j in key pairs (load_tile_f64_pairs), rows of kHeadDimV + 1 16-byte units (odd: conflict-free A loads);
+    // Bc/2 × (dv + 1) × 16 bytes, inside the region of the row-major tile.
+    static constexpr int kPitchVPairs = kHeadDimV + 1;
     // The streamed tiles, kStages buffers each (doubles per buffer; every buffer 16-byte aligned).
     static constexpr int kQStage = kBlockM * kPitchD, kdOStage = kBlockM * kPitchDv, kRowStage = kBlockM;
     static constexpr int kQ = 0;                                            // Q_i  Br × d   × kStages
@@ -169,6 +172,31 @@ __device__ __forceinline__ void gemm_abt(double (&acc)[kMT][kNT][2], const doubl
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) dmma(acc[mt][nt], a[mt][h].v[e], b.v[e]);
                 }
+        }
+    }
+}
+
+// kK16's dP^T = V_j dO_i^T with V_j in key pairs (load_tile_f64_pairs): one 16-byte load gives the A fragment's
+// rows g and g + 8 of one k4 step, adjacent as m16n8k16 takes them (row-major rows needed a register move per
+// element). The same columns in the same order as gemm_abt (k4 step v1 = 2h + e: column 16c + 4t + v1), at unit
+// 16c + 4t + (v1 ^ 2(t / 2)) of the warp's row pair g: A_l = A_s + 2((key0 / 2 + g)·kPitchUnits + 4t).
+template <int kNT, int kCols, int kPitchUnits, int kPitch>
+__device__ __forceinline__ void gemm_abt_pairs(double (&acc)[2][kNT][2], const double* A_l, const double* B_l) {
+    const int sw = (int)threadIdx.x % 4 / 2 * 2;
+    const double* A_v[2] = {A_l + 2 * sw, A_l + 2 * (2 ^ sw)};  // k4 steps 0, 1 and 2, 3
+#pragma unroll
+    for (int c = 0; c < kCols / 16; ++c) {
+        double a16[8];
+#pragma unroll
+        for (int v1 = 0; v1 < 4; ++v1) {
+            const Dbl2 x = lds2(A_v[v1 / 2] + 2 * (16 * c + v1 % 2));
+            a16[2 * v1] = x.v[0], a16[2 * v1 + 1] = x.v[1];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const Dbl2 b0 = lds2(B_l + 8 * nt * kPitch + 16 * c), b1 = lds2(B_l + 8 * nt * kPitch + 16 * c + 2);
+            const double b16[4] = {b0.v[0], b0.v[1], b1.v[0], b1.v[1]};
+            flash::dmma16(acc[0][nt], acc[1][nt], a16, b16);
         }
     }
 }
@@ -310,7 +338,10 @@ __device__ __forceinline__ void scores_f64(double (&s)[Tr::kWarpMT][Tr::kWarpNT]
     zero_f64(s);
     zero_f64(dp);
     gemm_abt<Tr::kWarpMT, Tr::kWarpNT, Tr::kHeadDim, Tr::kPitchD, Tr::kK16>(s, K_l, Q_l);
-    gemm_abt<Tr::kWarpMT, Tr::kWarpNT, Tr::kHeadDimV, Tr::kPitchDv, Tr::kK16>(dp, V_l, dO_l);
+    if constexpr (Tr::kK16)  // V_l: the warp's row pairs (load_tile_f64_pairs)
+        gemm_abt_pairs<Tr::kWarpNT, Tr::kHeadDimV, Tr::kPitchVPairs, Tr::kPitchDv>(dp, V_l, dO_l);
+    else
+        gemm_abt<Tr::kWarpMT, Tr::kWarpNT, Tr::kHeadDimV, Tr::kPitchDv>(dp, V_l, dO_l);
     if (masked)
         p_ds_f64<Tr, true>(s, dp, lse2_s, delta_s, exp_tab, scale_log2, mask, r0, key_w);
     else
@@ -444,6 +475,24 @@ __device__ __forceinline__ void load_tile_f64(double* smem, const double* gmem, 
             const bool in = r < n_rows && c < n_cols;
             fa::cp_async<16>(smem + r * kPitch + c, in ? gmem + (long long)r * row_stride + c : gmem, in ? 16 : 0);
         }
+    }
+}
+
+// kK16: a kRows × kCols tile of doubles in key pairs: rows 16b + r and 16b + 8 + r (r < 8) side by side, element
+// (row, c) at double 2((8b + r)·kPitchUnits + u(c)) + (row / 8) % 2 with u(c) = c ^ 2((c / 8) % 2) (the bank
+// swizzle of gemm_abt_pairs' loads). 8-byte cp.async copies, zero-filled past n_rows, n_cols: lane pairs take
+// the two rows of a pair, so a warp's copies fill 256 contiguous bytes and read two 128-byte row segments.
+template <int kRows, int kCols, int kPitchUnits, int kNThreads>
+__device__ __forceinline__ void load_tile_f64_pairs(double* smem, const double* gmem, long long row_stride,
+                                                    int n_rows, int n_cols) {
+    static_assert(kRows % 16 == 0 && kCols % 16 == 0, "whole row pairs, whole swizzle groups");
+#pragma unroll 4
+    for (int e = (int)threadIdx.x; e < kRows * kCols; e += kNThreads) {
+        const int hh = e % 2, c = e / 2 % kCols, rp = e / 2 / kCols;  // row pair rp = 8b + r
+        const int row = rp / 8 * 16 + hh * 8 + rp % 8;
+        const bool in = row < n_rows && c < n_cols;
+        fa::cp_async<8>(smem + 2 * (rp * kPitchUnits + (c ^ (c >> 3 & 1) * 2)) + hh,
+                        in ? gmem + (long long)row * row_stride + c : gmem, in ? 8 : 0);
     }
 }
 
@@ -677,8 +726,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     // -- prologue: K_j, V_j into shared memory, once.
     load_tile_f64<kBlockN, kHeadDim, Tr::kPitchD, kNThreads, kVecLoad>(
         K_s, k + b.offset({k_b0, k_b1, k_b2, k_row}) + (long long)c0 * k_row, k_row, Lk - c0, D);
-    load_tile_f64<kBlockN, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
-        V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    if constexpr (Tr::kK16)
+        load_tile_f64_pairs<kBlockN, kHeadDimV, Tr::kPitchVPairs, kNThreads>(
+            V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
+    else
+        load_tile_f64<kBlockN, kHeadDimV, Tr::kPitchDv, kNThreads, kVecLoad>(
+            V_s, v + b.offset({v_b0, v_b1, v_b2, v_row}) + (long long)c0 * v_row, v_row, Lk - c0, Dv);
     // Start the copies of query block i of group entry grp (Q_i, dO_i, L_i, D_i) into buffer buf.
     auto load_query_block = [&](int grp, int i, int buf) {
         const int r0 = i * kBlockM;
@@ -700,7 +753,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
     // Per-lane fragment offsets (header; plus the visit's buffer): A' order for S^T, dP^T (Q_l,
     // dO_l), C-layout rows for dV, dK (Qb_l, dOb_l).
     const double* K_l = K_s + (kw + g) * Tr::kPitchD + 4 * t;
-    const double* V_l = V_s + (kw + g) * Tr::kPitchDv + 4 * t;
+    const double* V_l = Tr::kK16 ? V_s + 2 * ((kw / 2 + g) * Tr::kPitchVPairs + 4 * t)  // row pairs (kK16)
+                                 : V_s + (kw + g) * Tr::kPitchDv + 4 * t;
     const int Q_l = g * Tr::kPitchD + 4 * t, dO_l = g * Tr::kPitchDv + 4 * t;
     const int Qb_l = 2 * t * Tr::kPitchD + 2 * g, dOb_l = 2 * t * Tr::kPitchDv + 2 * g;
 
