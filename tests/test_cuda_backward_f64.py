@@ -592,21 +592,23 @@ def test_ds_layout_bank_conflicts(swizzled):
 
 _PROBE = r"""
 #include "flash_bwd_f64.cu"
-template <int D, int DV, int BM, int BN, int NW, int ST>
+template <int D, int DV, int BM, int BN, int NW, int ST, int K>
 __global__ void probe_bwd_f64(int* out) {
-  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::BwdF64Traits<D, DV, BM, BN, NW, ST>::kBytes);
+  if (threadIdx.x == 0) fa::gstore(out, fa_bwd::BwdF64Traits<D, DV, BM, BN, NW, ST, K>::kBytes);
 }
 """
 
 
 def test_python_smem_matches_traits():
+    """smem_bytes mirrors BwdF64Traits::kBytes, the m16n8k16 tiles' P and padded dV_j included (sm_90 rows)."""
     entries = {}
     for d, dv, arch in ((16, 16, 80), (32, 64, 80), (64, 64, 80), (128, 128, 80), (112, 96, 86), (128, 16, 89),
-                        (48, 80, 90)):
+                        (48, 80, 90), (64, 64, 90), (64, 32, 90), (128, 128, 90), (96, 64, 90)):
         t = F.backward_tile(None, np.float64, d, dv, arch)
         for st in (1, 2):
-            entries["probe_bwd_f64<%d, %d, %d, %d, %d, %d>" % (d, dv, t.block_m, t.block_n, t.n_threads // 32, st)] = \
-                F.smem_bytes(d, dv, t.block_m, t.block_n, t.n_threads // 32, st)
+            entries["probe_bwd_f64<%d, %d, %d, %d, %d, %d, %d>" % (
+                d, dv, t.block_m, t.block_n, t.n_threads // 32, st, t.dmma_k)] = \
+                F.smem_bytes(d, dv, t.block_m, t.block_n, t.n_threads // 32, st, t.dmma_k)
     mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])
     for expr, smem in entries.items():
@@ -625,3 +627,21 @@ FULL = list(itertools.product((16, 32, 40, 64, 72, 96, 128), ((1, 1), (17, 63), 
 def test_backward_f64_full(D, lengths, causal, G):
     p = Inputs(D, *lengths, Hk=1, G=G, causal=causal, layout="bshd" if D % 3 == 0 else "bhsd")
     p.check(launch_f64(p, ordered=G == 1))
+
+
+K16_FULL = list(itertools.product(((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (32, 64), (64, 32), (96, 32)),
+                                  ((1, 1), (17, 63), (65, 127), (257, 128)), (False, True)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dims,lengths,causal", K16_FULL)
+def test_sm90_m16n8k16_bits_full(dims, lengths, causal):
+    """Every m16n8k16 head-dim class on sm_90: the ordered mode's bits equal the m8n8k4 kernel's (random schedule)."""
+    p = Inputs(dims[0], *lengths, Dv=dims[1], Hk=1, G=2, causal=causal)
+    k16 = launch_f64(p, arch=90, schedule="random", seed=1)
+    assert F.backward_tile(None, np.float64, *dims, 90).dmma_k == 16
+    with flag_set(F, "DMMA_K16", False):
+        k4 = launch_f64(p, arch=90)
+    for a, b in zip(k16, k4):
+        assert a.tobytes() == b.tobytes()
+    p.check(k16)
