@@ -1,5 +1,5 @@
 // flash_bwd_f64.cu — FlashAttention-2 backward for float64 inputs on the double-precision tensor
-// cores (DMMA, mma.sync.m8n8k4.f64, sm_80+), issue 12: the dK/dV kernel with atomic dQ.
+// cores (DMMA, mma.sync.m8n8k4.f64, sm_80+; m16n8k16 on sm_90, below), issue 12: the dK/dV kernel with atomic dQ.
 //
 // Same algorithm and work split as the fp16/bf16 tensor-core kernel flash_bwd_dkv_kernel
 // (flash_bwd.cu; read the comment above it): one block per (key block j, K/V batch entry); K_j,
@@ -50,6 +50,16 @@
 // grows with Br + Lq / Br terms, not Lq). dV_j lives in shared memory (Tr::kDVSmem, each lane its
 // own elements) where kMT·(d + dv) > 128 — in registers ptxas spilled from d = dv = 96. Epilogue:
 // a quad exchange, then 16-byte stores of whole 64-byte row segments.
+//
+// sm_90, kDmmaK = 16 (mma.sync.m16n8k16.f64, DMMA.16x8x16: two m8 tiles and four k4 steps per instruction; tiles
+// with kMT = 1, 4 warps, d and dv multiples of 32): m16n8k16 needs 16 rows of A per warp, and a warp owns 8 keys.
+// So warps 2h, 2h + 1 share keys 16h .. 16h + 15: each computes the score strip of those keys for half of the Br
+// queries (gemm_abt's m16n8k16 path; V_j stored in key pairs, load_tile_f64_pairs, so dP^T's A fragments load in
+// place), writes P and dS to shared memory (dS's layout), and after the barrier takes dK_j, dV_j for half of the
+// columns, the A fragments (both strips of its 16 keys) read back from P and dS by 8-byte loads
+// (visit_k16). Each product's k4 steps are the m8n8k4 kernel's, in its order, so the emulator gives the same bits
+// (tests/test_cuda_backward_f64.py). dK_j, dV_j use natural columns (no epilogue exchange); dV_j is in shared
+// memory where d + dv > 96, at pitch dv + 8. The ordered mode adds one barrier per visit (dV_j before the turn).
 //
 // Shapes: d, dv (head dims padded to multiples of 16, zero-filled past D, Dv) <= 128; Br a
 // multiple of 16; kMT ∈ {1, 2}; kStages ∈ {1, 2} (the host takes 2 where the second buffer costs

@@ -514,10 +514,10 @@ def test_tile_table():
                 assert t.smem <= tiles.smem_limit(arch) and t.block_m in (16, 32) and t.stages in (1, 2)
                 assert t.block_n % (8 * warps) == 0 and t.block_n // (8 * warps) in (1, 2)
                 assert t.smem == F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, t.stages, t.dmma_k)
-                assert t.dmma_k == F.dmma_k(pd, pdv, t.block_n, warps, arch)
+                assert t.dmma_k in {4, F.dmma_k(pd, pdv, t.block_n, warps, arch)}
                 # two buffers exactly where they fit without costing resident warps
                 one, two = (F.smem_bytes(pd, pdv, t.block_m, t.block_n, warps, s, t.dmma_k) for s in (1, 2))
-                cap = F.register_warps(t.block_m, t.block_n, warps, pd, pdv)
+                cap = F.register_warps(t.block_m, t.block_n, warps, pd, pdv, t.dmma_k)
                 assert (t.stages == 2) == (two <= tiles.smem_limit(arch) and F.resident_warps(arch, two, warps, cap)
                                            >= F.resident_warps(arch, one, warps, cap))
         assert F.backward_tile("ieee", np.float64, 64, 64, arch) == F.backward_tile(None, np.float64, 64, 64, arch)
@@ -540,6 +540,9 @@ def test_tile_table():
             ((16, 16), (32, 32), (48, 48), (64, 64), (64, 32), (96, 96), (128, 128), (128, 80))] == \
         [4, 4, 4, 16, 16, 16, 16, 4]
     assert {F.backward_tile(None, np.float64, d, d, a).dmma_k for a in (80, 86, 89) for d in (64, 128)} == {4}
+    # but not where m16n8k16's P and padded dV_j cost resident warps: d 64, dv 128 (8 -> 4 warps per SM)
+    t = F.backward_tile(None, np.float64, 64, 128, 90)
+    assert t.dmma_k == 4 and "would cost resident warps" in t.reason
 
 
 def _wavefronts(lane_addrs, nbytes):
@@ -629,7 +632,7 @@ def test_backward_f64_full(D, lengths, causal, G):
     p.check(launch_f64(p, ordered=G == 1))
 
 
-K16_FULL = list(itertools.product(((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (32, 64), (64, 32), (96, 32)),
+K16_FULL = list(itertools.product(((64, 64), (96, 96), (128, 128), (96, 128), (128, 64), (32, 64), (64, 32), (96, 32)),
                                   ((1, 1), (17, 63), (65, 127), (257, 128)), (False, True)))
 
 

@@ -22,6 +22,11 @@ tests/test_static_backward_f64.py for every tile this table can return):
   spilled 40 bytes on sm_90 once dK_j, dV_j are summed per visit from zero: blocked summation);
 * larger: kMT = 1, Br = 16, dV_j in shared memory, 4 warps (Bc = 32) where the shared memory
   fits, else 2 (Bc = 16: d = dv = 128 on sm_86/89, 99 KB per block).
+
+On sm_90 the kMT = 1, 4-warp tiles at padded d, dv multiples of 32 run ``mma.sync.m16n8k16.f64`` (DMMA.16x8x16; the
+kernel's kDmmaK, :class:`F64BwdTiles`' ``dmma_k``, :func:`dmma_k`, switch :data:`DMMA_K16`): warp pairs share 16
+keys, P is stored next to dS (Br × (Bc + 8)), and dV_j moves to shared memory from d + dv > 96 (pitch dv + 8), which
+leaves d = dv = 64 one buffer of Q_i, dO_i (two would cost the second block).
 """
 from dataclasses import dataclass
 
@@ -45,9 +50,9 @@ class F64BwdTiles(tiles_bwd.BwdTiles):
 
 
 def dmma_k(d, dv, block_n, warps, arch):
-    """The kernel's kDmmaK: 16 on sm_90 (:data:`DMMA_K16`) for one m8 key tile per warp, 4 warps and padded d, dv
-    multiples of 32 (warp pairs share 16 keys, each takes half of dK_j's and dV_j's columns: whole 16-column
-    pairs), else 4."""
+    """The kernel's kDmmaK where the tile allows it: 16 on sm_90 (:data:`DMMA_K16`) for one m8 key tile per warp, 4
+    warps and padded d, dv multiples of 32 (warp pairs share 16 keys, each takes half of dK_j's and dV_j's columns:
+    whole 16-column pairs), else 4. :func:`backward_tile` takes 16 where it also costs no resident warps."""
     ok = DMMA_K16 and arch >= DMMA_K16_ARCH and block_n == 8 * warps and warps == 4 and d % 32 == 0 and dv % 32 == 0
     return 16 if ok else 4
 
@@ -70,13 +75,14 @@ def smem_bytes(d, dv, block_m, block_n, warps, stages=1, k=4):
             + (a16(block_m * (block_n + 8) * 8) if k == 16 else 0) + EXP2_TABLE_BYTES)
 
 
-def register_warps(block_m, block_n, warps, d, dv):
+def register_warps(block_m, block_n, warps, d, dv, k=4):
     """Warps per SM the register file holds, the cap of :func:`resident_warps`: the TF32 backward's
     8 (169-255 registers per thread), 12 for the Br = 32, kMT = 1 tiles at d + dv <= 96, where
     ptxas fits some instantiations in 156-168 registers (d = dv = 48 with cp.async copies on sm_90:
     12 warps; sm_90's Br = 32 tiles at d + dv <= 128 take 212-255). tests/test_static_backward_f64.py
-    checks the resulting choice against the occupancy at the measured registers."""
-    return 12 if block_m == 32 and block_n == 8 * warps and d + dv <= 96 else _MAX_WARPS_PER_SM
+    checks the resulting choice against the occupancy at the measured registers. The m16n8k16 tiles (``k`` 16) take
+    226-252 at d + dv = 96: 8."""
+    return 12 if k == 4 and block_m == 32 and block_n == 8 * warps and d + dv <= 96 else _MAX_WARPS_PER_SM
 
 
 def resident_warps(arch, smem, warps, cap=_MAX_WARPS_PER_SM):
@@ -91,7 +97,7 @@ def stages_for(d, dv, block_m, block_n, warps, arch, k=4):
     visit's products) where the second buffer fits and costs no resident warps, else 1."""
     one = smem_bytes(d, dv, block_m, block_n, warps, 1, k)
     two = smem_bytes(d, dv, block_m, block_n, warps, 2, k)
-    cap = register_warps(block_m, block_n, warps, d, dv)
+    cap = register_warps(block_m, block_n, warps, d, dv, k)
     return 2 if two <= tiles.smem_limit(arch) and resident_warps(arch, two, warps, cap) >= resident_warps(
         arch, one, warps, cap) else 1
 
@@ -150,18 +156,26 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False):
     limit = tiles.smem_limit(a)
     for br, mt, warps in _candidates(d, dv):
         bc = 8 * mt * warps
-        k = dmma_k(d, dv, bc, warps, a)
-        smem = smem_bytes(d, dv, br, bc, warps, 1, k)
-        if smem <= limit:
-            stages = stages_for(d, dv, br, bc, warps, a, k)
-            smem = smem_bytes(d, dv, br, bc, warps, stages, k)
-            reason = ("fp64 DMMA (m%s): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
-                      "the first tile of the register table whose shared memory fits the sm_%d limit %d B; "
-                      "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)"
-                      % ("16n8k16" if k == 16 else "8n8k4", warps, 8 * mt, mt, br, bc,
-                         ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps, k) else "", a, limit, stages, smem,
-                         resident_warps(a, smem, warps, register_warps(br, bc, warps, d, dv))))
-            return F64BwdTiles(br, bc, 32 * warps, smem, reason, stages, k)
+        options = []  # (dmma_k, stages, smem, resident warps): m16n8k16 first where it applies
+        for k in sorted({dmma_k(d, dv, bc, warps, a), 4}, reverse=True):
+            if smem_bytes(d, dv, br, bc, warps, 1, k) <= limit:
+                stages = stages_for(d, dv, br, bc, warps, a, k)
+                smem = smem_bytes(d, dv, br, bc, warps, stages, k)
+                options.append((k, stages, smem, resident_warps(a, smem, warps)))
+        if not options:
+            continue
+        # m16n8k16's P and padded dV_j (shared memory) only where they cost resident warps at the register file's
+        # 8 (both kernels take 226-255 registers there; d 64, dv 128: 8 -> 4)
+        k, stages, smem, _ = max(options, key=lambda o: o[3])  # the first of the best: m16n8k16 on ties
+        resident = resident_warps(a, smem, warps, register_warps(br, bc, warps, d, dv, k))
+        reason = ("fp64 DMMA (m%s): %d warps x %d key rows (kMT = %d), Br = %d, Bc = %d%s: "
+                  "the first tile of the register table whose shared memory fits the sm_%d limit %d B; "
+                  "%d buffer(s) of Q_i/dO_i (%d B, %d resident warps per SM)%s"
+                  % ("16n8k16" if k == 16 else "8n8k4", warps, 8 * mt, mt, br, bc,
+                     ", dV_j in shared memory" if dv_in_smem(d, dv, bc, warps, k) else "", a, limit, stages, smem,
+                     resident, "; m8n8k4: m16n8k16's shared memory would cost resident warps"
+                     if len(options) == 2 and k == 4 else ""))
+        return F64BwdTiles(br, bc, 32 * warps, smem, reason, stages, k)
     return None
 
 
