@@ -144,6 +144,13 @@ def test_f64_backward_compiles_all_head_dims(arch):
     _check(arch, [k for k in MEASURED if k not in ((16, 16), (48, 48), (64, 64), (128, 128), (128, 16))])
 
 
+def test_f64_backward_sm90_m8n8k4_still_compiles(monkeypatch):
+    """DMMA_K16 off (benchmarks/gpu_session.sh step 7h times it): sm_90's m8n8k4 tiles at the m16n8k16 head dims
+    compile as before, zero spills, DMMA.8x8x4 only."""
+    monkeypatch.setattr(F, "DMMA_K16", False)
+    _check(90, ((64, 64), (128, 128)))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_convert_double_compiles(arch):
     """flash_bwd_convert_dq_tc_kernel<double, ..., double> (the host's name for every tile's Br and
