@@ -211,6 +211,18 @@ __device__ __forceinline__ void gemm_abt_pairs(double (&acc)[2][kNT][2], const d
     }
 }
 
+// acc's 16-column pair p += one visit's sums part[mt][h][j] (n8 tile 2p + h, element j): the blocked summation's
+// second step, for registers (gemm_rab, and gemm_rab16's sinks).
+template <int kMT, int kN>
+__device__ __forceinline__ void add_pair(double (&acc)[kMT][kN][2], int p, const double (&part)[kMT][2][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) acc[mt][2 * p + h][j] += part[mt][h][j];
+}
+
 // acc (8·kMT rows × kCols columns, permuted: tile 2p + h, element j = column 16p + 4t + 2j + h)
 // += A (registers: C layout of 8·kMT × 8·kNT) · B (8·kNT × kCols in shared memory, row-major).
 // B_l = B_s + 2t·pitch + 2g.
@@ -233,12 +245,7 @@ __device__ __forceinline__ void gemm_rab(double (&acc)[kMT][kCols / 8][2], const
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) dmma(part[mt][h], a[mt][nt][e], b.v[h]);
             }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) acc[mt][2 * p + h][j] += part[mt][h][j];
+        add_pair(acc, p, part);
     }
 }
 
@@ -661,14 +668,7 @@ __device__ __forceinline__ void visit_k16(DK& dK_acc, const DVSink& dv_sink, con
     add_dq();
     load_a_queries<kSteps, Tr::kPitchS>(a, dS_s + a_l, t >> 1);
     gemm_rab16<kSteps, Tr::kWarpD, Tr::kPitchD>(a, Q_s + 2 * t * Tr::kPitchD + g + half * Tr::kWarpD,
-                                               [&](int pp, const double (&part)[2][2][2]) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) dK_acc[mt][2 * pp + h][j] += part[mt][h][j];
-    });
+                                               [&](int pp, const double (&part)[2][2][2]) { add_pair(dK_acc, pp, part); });
 }
 
 }  // namespace fa_bwd
@@ -820,21 +820,17 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_f
                 if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
             };
             const auto dv_sink = [&](int pp, const double (&part)[2][2][2]) {  // dV_j += this visit's sums
+                if constexpr (Tr::kDVSmem) {  // natural columns 16pp + 8h + 2t, +1
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    if constexpr (Tr::kDVSmem) {  // natural columns 16pp + 8h + 2t, +1
+                    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             Dbl2* c = reinterpret_cast<Dbl2*>(dV_l + 8 * mt * Tr::kPitchDvAcc + 16 * pp + 8 * h);
                             const Dbl2 x = *c;
                             *c = Dbl2{{x.v[0] + part[mt][h][0], x.v[1] + part[mt][h][1]}};
                         }
-                    } else {
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-#pragma unroll
-                            for (int j = 0; j < 2; ++j) dV_acc[mt][2 * pp + h][j] += part[mt][h][j];
-                    }
+                } else {
+                    add_pair(dV_acc, pp, part);
                 }
             };
             visit_k16<Tr>(dK_acc, dv_sink, add_dq, reinterpret_cast<double*>(smem + Tr::kP), dS_s, K_l, V_l, Q_s,
