@@ -512,7 +512,7 @@ SESSION_STEPS = ("install", "smi", "smoke", "overhead", "pytest", "gpu_backward"
                  "hopper_ext", "hopper_variants")
 
 
-def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub'):
+def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LOG"; echo stub', steps=None):
     """gpu_session.sh with stub ``python`` and ``nvidia-smi`` first on PATH; (rc, summary lines, stub calls)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
@@ -522,6 +522,9 @@ def _session(tmp_path, budget, stub_body='printf "%s\\n" "---" "$@" >> "$STUB_LO
     env = dict(os.environ, PATH="%s:/usr/bin:/bin" % stubs, OUT=str(tmp_path / "out"), STUB_LOG=str(tmp_path / "log"),
                GPU_SESSION_BUDGET_S=str(budget))
     env.pop("PYTHON", None)
+    env.pop("GPU_SESSION_STEPS", None)
+    if steps is not None:
+        env["GPU_SESSION_STEPS"] = steps
     res = subprocess.run(["bash", str(SESSION)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     log = tmp_path / "log"
@@ -574,6 +577,29 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     cfg = (ROOT / "setup.cfg").read_text()
     assert "gpu: " in cfg and "slow: " in cfg
     assert "cuda12 = " in cfg and "test =" in cfg                    # the install step's extras
+
+
+def test_gpu_session_runs_the_selected_steps_only(tmp_path):
+    """GPU_SESSION_STEPS runs the named steps in the script's order; the rest are logged, not run, not failed."""
+    rc, summary, calls = _session(tmp_path, 60, steps="gpu_fp64_k4,smi,pytest_sm90")
+    assert rc == 0, summary
+    ran = [line.split(":")[0] for line in summary if ": start " in line]
+    assert ran == ["step %d %s" % (SESSION_STEPS.index(s) + 1, s) for s in ("smi", "pytest_sm90", "gpu_fp64_k4")]
+    assert len([line for line in summary if "not selected" in line]) == len(SESSION_STEPS) - 3
+    assert [c[-1] for c in calls if c[:2] == ["-m", "pytest"]] == ["tests/test_gpu_sm90.py"]
+
+
+def test_gpu_session_calls_name_every_step_once(tmp_path):
+    """`--calls` prints the two calls of a session: real step names, together every step, none twice in a call."""
+    res = subprocess.run(["bash", str(SESSION), "--calls"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    calls = dict(line.split("=", 1) for line in res.stdout.split())
+    assert sorted(calls) == ["CALL_A", "CALL_B"]
+    a, b = (calls[k].split(",") for k in ("CALL_A", "CALL_B"))
+    assert len(set(a)) == len(a) and len(set(b)) == len(b)
+    assert set(a) | set(b) == set(SESSION_STEPS)
+    assert {"install", "smi", "smoke"} <= set(a) & set(b)
+    assert not (tmp_path / "gpu_session_out").exists()  # --calls runs nothing
 
 
 def test_gpu_session_skips_steps_past_its_budget(tmp_path):
