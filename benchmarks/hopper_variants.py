@@ -34,6 +34,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.ENTRIES_FIRST            cuda_backward_sm90.ENTRIES_FIRST: the ws kernel's ordered dQ mode takes its blocks
                                entries first (off: the grid's key blocks first, the running blocks' dQ turns
                                chained); det only
+  bwd.DQ_SPLIT                 cuda_backward_sm90.DQ_SPLIT: the ws kernel at d = 64 splits dQ^T over both consumer
+                               warpgroups by queries (off: warpgroup 0 computes all of it, 8 wgmmas more per visit)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -159,6 +161,8 @@ SWITCHES = (
            "d 256: S^T, dP^T split by queries vs computed in both warpgroups"),
     Switch("bwd.ENTRIES_FIRST", "bwd", B, "ENTRIES_FIRST", False,
            "ordered dQ: blocks entries first vs the grid's key blocks first", modes=("det",)),
+    Switch("bwd.DQ_SPLIT", "bwd", B, "DQ_SPLIT", False,
+           "d 64: dQ^T split by queries over both warpgroups vs computed by one"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

@@ -26,7 +26,8 @@
 // dQ_swapAB) so that M = the head dim: with Br = 64 queries one m64 block of dQ_i would leave one
 // of two warpgroups idle or split the key sum over warpgroups (two partial sums per element: no fixed
 // order); transposed, every dQ element is produced by one thread in one wgmma chain, which the ordered
-// (deterministic) mode needs. At d = 64 only warpgroup 0 computes dQ.
+// (deterministic) mode needs. At d = 64 only warpgroup 0 computes dQ in the cp.async kernel; the ws kernel splits it
+// by queries (Sm90BwdWsTraits::kDQSplitQ: N = 32 per warpgroup, dS^T in two 64B-swizzled half tiles).
 //
 // Head dims above 128 (Sm90BwdTraits::kSplitD, "the head-dim split"): the layout above would hold dK_j and
 // dV_j of 64 keys x 256 columns in 256 registers per thread. Instead Bc = 64 keys, seen by both warpgroups
@@ -200,46 +201,55 @@ __device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], f
   fa::wgmma_commit_group();
 }
 
-// dQ_i^T += K_j^T dS^T for head-dim rows [64p, 64p + 64) (A = K_j panel p MN-major: keys 16ks.. at 2048·ks
-// bytes; B = dS^T MN-major), then the atomics: acc_dq[4j + e] is dQ_i (query 8j + 2t + (e & 1), head dim
-// row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query block's accumulator + this lane's part of
-// DQAccumLayout::offset (see the kernels): each element adds a constant, one address then immediates.
-template <typename T, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_issue_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
+// dQ_i^T += K_j^T dS^T for head-dim rows [64p, 64p + 64) and kN queries (A = K_j panel p MN-major: keys 16ks.. at
+// 2048·ks bytes; B = dS^T MN-major: kN = Br, the 128B-swizzled Bc x Br tile; kN = 32, the dQ query split's half tile,
+// Bc x 32 64B-swizzled — one swizzle atom wide, keys 16ks.. at 1024·ks bytes), then the atomics: acc_dq[4j + e] is
+// dQ_i (query 8j + 2t + (e & 1) of the kN, head dim row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query
+// block's accumulator + this lane's part of DQAccumLayout::offset (see the kernels): each element adds a constant,
+// one address then immediates.
+template <int kN, int kBlockN>
+__device__ __forceinline__ uint64_t dq_desc_b_sm90(const unsigned char* sdS, int ks) {
+  static_assert(kN == 64 || kN == 32, "dS^T: the 128B-swizzled 64-query tile or a 64B-swizzled 32-query half");
+  if constexpr (kN == 32) return fa::wgmma_desc(sdS + ks * 1024, kBlockN * 64, 512, fa::kWgmmaSwizzle64B);
+  else return flash::sw128_desc(sdS + ks * 2048, kBlockN * 128);
+}
+
+template <typename T, int kN, int kBlockN>
+__device__ __forceinline__ void dq_issue_sm90(float (&acc_dq)[kN / 2], const unsigned char* sK,
                                               const unsigned char* sdS, int p) {  // (issued and committed)
   fa::wgmma_fence_operand(acc_dq);
   fa::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
-    flash::wgmma_ss<T, kBlockM, true, true>(acc_dq, flash::sw128_desc(sK + p * kBlockN * 128 + ks * 2048, kBlockN * 128),
-                                            flash::sw128_desc(sdS + ks * 2048, kBlockN * 128), ks > 0);
+    flash::wgmma_ss<T, kN, true, true>(acc_dq, flash::sw128_desc(sK + p * kBlockN * 128 + ks * 2048, kBlockN * 128),
+                                       dq_desc_b_sm90<kN, kBlockN>(sdS, ks), ks > 0);
   fa::wgmma_commit_group();
 }
 
-template <typename T, int kBlockM, int kBlockN>
-__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kBlockM / 2], const unsigned char* sK,
+template <typename T, int kN, int kBlockN>
+__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kN / 2], const unsigned char* sK,
                                               const unsigned char* sdS, int p) {
-  dq_issue_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
+  dq_issue_sm90<T, kN, kBlockN>(acc_dq, sK, sdS, p);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_dq);
 }
 
-template <int kDQDim, int kHeadDim, int kBlockM>
-__device__ __forceinline__ void dq_add_sm90(const float (&acc_dq)[kBlockM / 2], int row, float* dqa_i) {
+template <int kDQDim, int kHeadDim, int kN>
+__device__ __forceinline__ void dq_add_sm90(const float (&acc_dq)[kN / 2], int row, float* dqa_i) {
   using Acc = DQAccumLayout<kDQDim>;
 #pragma unroll
-  for (int e = 0; e < kBlockM / 2; ++e) {
+  for (int e = 0; e < kN / 2; ++e) {
     if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
       fa::atomic_add(dqa_i + Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1)), acc_dq[e]);
   }
 }
 
-template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+template <typename T, int kDQDim, int kHeadDim, int kN, int kBlockN>
 __device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const unsigned char* sdS, int p,
                                                 int row, float* dqa_i) {
-  float acc_dq[kBlockM / 2];
-  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
-  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc_dq, row, dqa_i);
+  float acc_dq[kN / 2];
+  dq_wgmma_sm90<T, kN, kBlockN>(acc_dq, sK, sdS, p);
+  dq_add_sm90<kDQDim, kHeadDim, kN>(acc_dq, row, dqa_i);
 }
 
 // The head-dim split's two m64 blocks of dQ^T (panels p, p + 1; rows row, row + 64): both batches issued, the
@@ -306,15 +316,15 @@ __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const un
 // Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
 // layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp has
 // released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
-template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+template <typename T, int kDQDim, int kHeadDim, int kN, int kBlockN>
 __device__ __forceinline__ void dq_to_smem_sm90(const unsigned char* sK, const unsigned char* sdS, int p, int row,
                                                 float* sdq_i, uint64_t* dq_empty, int empty_parity) {
   using Acc = DQAccumLayout<kDQDim>;
-  float acc_dq[kBlockM / 2];
-  dq_wgmma_sm90<T, kBlockM, kBlockN>(acc_dq, sK, sdS, p);
+  float acc_dq[kN / 2];
+  dq_wgmma_sm90<T, kN, kBlockN>(acc_dq, sK, sdS, p);
   fa::mbarrier_wait_parity(dq_empty, empty_parity);
 #pragma unroll
-  for (int e = 0; e < kBlockM / 2; ++e) {
+  for (int e = 0; e < kN / 2; ++e) {
     if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
       sdq_i[Acc::offset(8 * (e / 4) + (e & 1), 8 * ((e % 4) >> 1))] = acc_dq[e];
   }
@@ -883,9 +893,18 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 // q and dout maps in their places (unused).
 namespace fa_bwd {
 
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_dq_bulk = false>
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_dq_bulk = false,
+          bool kDQSplitOn = true>
 struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+  // The dQ query split (d = 64, two warpgroups of keys; kDQSplitOn): dQ^T is one m64 block of head-dim rows there,
+  // which left one warpgroup Bc/16 more wgmmas per visit than the other (the cp.async kernel's layout). Instead
+  // warpgroup w computes dQ^T for the queries [32w, 32w + 32) (N = 32) of all 64 head-dim rows, and dS^T is
+  // staged as two Bc x 32 tiles, 64B-swizzled (one swizzle atom wide: each warpgroup's B a whole canonical tile).
+  // Every dQ element is still one thread's one wgmma chain over the keys: the ordered mode's bits are unchanged.
+  static constexpr bool kDQSplitQ = kDQSplitOn && !Base::kSplitD && kHeadDim == 64 && kBlockN == 128;
+  static constexpr int kDQN = kDQSplitQ ? kBlockM / 2 : kBlockM;  // the N of a warpgroup's dQ^T wgmma
+  static constexpr int kDQWarpgroups = kDQSplitQ ? 2 : Base::kDQWarpgroups;  // warpgroups computing dQ^T
   // Is_dq_bulk in the head-dim split (d = dv = 256 only): dQ staged over the stage's own panels and added by the
   // consumers (dq_staged_sm90), no dQ warp, no buffers
   static constexpr bool kDQStaged = Is_dq_bulk && Base::kSplitD;
@@ -918,7 +937,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
   static constexpr int kWgBarrier = 3;        // kDQStaged: + w, consumer warpgroup w's 128 threads
-  static constexpr int kDQThreads = 128 * Base::kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
+  static constexpr int kDQThreads = 128 * kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   static_assert(kDQAcc % 128 == 0 && kDQTileBytes % 128 == 0, "the dQ buffers: 16-byte (bulk copy) aligned");
@@ -1037,7 +1056,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, ui
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
-          bool kQSplitOn = true, bool kEntriesFirstOn = true>
+          bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1054,7 +1073,7 @@ flash_bwd_sm90_ws_kernel(
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
     const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v,
     const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
-  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk>;
+  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk, kDQSplitOn>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr bool kDQWarp = Is_dq_bulk && !Tr::kDQStaged;  // the bulk dQ by the dQ warp (else staged: dq_staged_sm90)
   constexpr int kStages = Tr::kStages;
@@ -1206,10 +1225,16 @@ flash_bwd_sm90_ws_kernel(
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
   const float scale_log2 = scale * flash::kLog2e;
-  // dQ accumulator and dS^T addresses as lane part + constants (the cp.async kernel's).
-  const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row;
-  const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t, dq_row) : 0;
-  const int ds_lane = key_row * 128 + (g << 4) + 4 * t;
+  // dQ accumulator and dS^T addresses as lane part + constants (the cp.async kernel's). The dQ query split: every
+  // warpgroup's rows are head dims 0..63, its queries [32 cwg, 32 cwg + 32) (offset() is linear in whole 16-row
+  // tiles), its B the half tile cwg of dS^T, whose rows are 64 bytes (the 64B swizzle: chunk c of row r at
+  // c ^ ((r >> 1) & 3); key_row + 8 is 512 bytes further).
+  const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row - (Tr::kDQSplitQ ? 64 * cwg : 0);
+  const int dq_q0 = Tr::kDQSplitQ ? Tr::kDQN * cwg : 0;
+  const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
+  const int ds_lane = Tr::kDQSplitQ ? key_row * 64 + (((g >> 1) & 3) << 4) + 4 * t : key_row * 128 + (g << 4) + 4 * t;
+  const int dq_panel = Tr::kDQSplitQ ? 0 : cwg * Tr::kDQBlocks;  // K_j's panel: the head-dim rows of dQ^T
+  const int dq_half = Tr::kDQSplitQ ? cwg * kBlockN * 64 : 0;     // the warpgroup's B in dS^T (bytes)
   // The warpgroup's head-dim columns of dK_j, dV_j (head-dim split: its half; else all) and their panels in
   // Q_i, dO_i (the B of the dK / dV wgmma).
   const int col_k0 = Tr::kSplitD ? cwg * Tr::kDkN : 0, col_v0 = Tr::kSplitD ? cwg * Tr::kDvN : 0;
@@ -1324,7 +1349,10 @@ flash_bwd_sm90_ws_kernel(
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-          if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
+          if constexpr (Tr::kDQSplitQ)  // (queries 32h.. in half tile h = ks / 2, chunk 2(ks mod 2) + r / 2)
+            *reinterpret_cast<uint32_t*>(sdS_s + (ks / 2) * kBlockN * 64 +
+                                         ((ds_lane ^ ((2 * (ks % 2) + r / 2) << 4)) + 512 * (r % 2))) = a_ds[ks][r];
+          else if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
             *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
         }
       if constexpr (kExt == 0)
@@ -1357,9 +1385,9 @@ flash_bwd_sm90_ws_kernel(
           dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim, empty + s,
           Tr::kWgBarrier + cwg);
     } else if constexpr (kDQWarp) {
-      if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup)
+      if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or its half)
         const int bf = visit % Tr::kDQBufs;
-        dq_to_smem_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(sK, sdS_s, cwg, dq_row,
+        dq_to_smem_sm90<T, kDQDim, kHeadDim, Tr::kDQN, kBlockN>(sK, sdS_s + dq_half, dq_panel, dq_row,
                                                                sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
                                                                dq_empty + bf, ((visit / Tr::kDQBufs) & 1) ^ 1);
         fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...
@@ -1372,8 +1400,8 @@ flash_bwd_sm90_ws_kernel(
     } else if (cwg < Tr::kDQWarpgroups) {
 #pragma unroll
       for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
-        dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
-            sK, sdS_s, cwg * Tr::kDQBlocks + pp, dq_row + 64 * pp,
+        dq_atomics_sm90<T, kDQDim, kHeadDim, Tr::kDQN, kBlockN>(
+            sK, sdS_s + dq_half, dq_panel + pp, dq_row + 64 * pp,
             (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     }

@@ -25,17 +25,18 @@ from flasharray.testing import check_attention
 from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
 
 
-def expected_wgmma(p, tile, n_entries_kv, n_group):
+def expected_wgmma(p, tile, n_entries_kv, n_group, dq_split=False):
     """wgmma instructions of one dK/dV launch: per key block, its visited query blocks (causal: from the
     first that sees it) times the query heads of its group; per visit and warpgroup (two: of 64 keys each,
     or in the head-dim split both of the Bc = 64 keys) d/16 (S^T) + dv/16 (dP^T) + 2·Br/16 (dV, dK), plus
-    Bc/16 for each of the d/64 m64 blocks of dQ^T."""
+    Bc/16 for each of the d/64 m64 blocks of dQ^T, or (``dq_split``: the ws kernel's dQ query split at d = 64) for
+    each warpgroup's half of the queries."""
     Lq, D = p.q.shape[-2:]
     Lk, Dv = p.v.shape[-2:]
     d, dv = S.pad_head_dims(D, Dv)
     Br, Bc = tile.block_m, tile.block_n
     assert Bc == (S.BLOCK_N_SPLIT if S.is_split(D, Dv) else S.BLOCK_N)
-    per_visit = 2 * (d // 16 + dv // 16 + 2 * Br // 16) + (d // 64) * (Bc // 16)
+    per_visit = 2 * (d // 16 + dv // 16 + 2 * Br // 16) + (2 if dq_split else d // 64) * (Bc // 16)
     Tr = -(-Lq // Br)
     visits = 0
     for c0 in range(0, Lk, Bc):
@@ -67,8 +68,9 @@ def run_wgmma(p, *, deterministic=True, dkv_names=None, **opts):
     name, c = dkv[0]
     if dkv_names is not None:
         dkv_names.append(name)
-    flags = template_flags(name.replace(", 0, false>", ">"))  # (kKVRegsOn = false: KV_REGS off)
     ws = name.startswith(S.WS_KERNEL)
+    # (ws: the first eleven template arguments; kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn follow)
+    flags = template_flags(", ".join(name.split(", ")[:11]) + ">" if ws and name.count(", ") >= 11 else name)
     assert flags[-3 if ws else -1] == deterministic, name  # ordered or not
     if ws:  # TMA boxes, no copy instruction, registers moved
         assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
@@ -122,7 +124,8 @@ def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, tma
     tile = S.backward_tile(None, p.dtype, D, Dv, 90)
     n_group = plan.group[1]
     n_entries_kv = int(np.prod([p.batch_shape[i] for i in plan.grid_b])) if plan.grid_b else 1
-    assert c.wgmma == expected_wgmma(p, tile, n_entries_kv, n_group) > 0
+    dq_split = plan.tma and S.DQ_SPLIT and S.dq_split(D, Dv)
+    assert c.wgmma == expected_wgmma(p, tile, n_entries_kv, n_group, dq_split) > 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
@@ -421,6 +424,54 @@ def test_ws_kv_regs_bits_match_smem_operands(case):
     for a, b in zip(new, old):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
     check(p, new)
+
+
+DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
+    (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics
+    (np.float16, 64, 40, (129, 65), True, "none", "bhsd", False, True, "random", 7),   # Lq > Lk, tails
+    (bfloat16, 48, 64, (90, 257), False, "mqa", "bhsd", False, False, "forward", 0),   # kDQDim 48 < d
+]
+
+
+@pytest.mark.parametrize("case", DQ_SPLIT_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_dq_split_bits_match_one_warpgroup(case, monkeypatch):
+    """DQ_SPLIT: the ws kernel at padded d = 64 with dQ^T split by queries over both consumer warpgroups (N = 32 each,
+    dS^T in two 64B-swizzled half tiles) gives the bits of dQ^T computed by warpgroup 0 alone (kDQSplitOn = false):
+    dq, dk, dv in the ordered mode; dk, dv and the reference rule in the atomic one (its dq adds in schedule order).
+    Twice the dQ wgmma instructions at half the N; dQ by the bulk reduce-add or by the consumers' atomics."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
+    monkeypatch.setattr(S, "DQ_BULK", bulk)
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    names = []
+    new, old, c_new, c_old = _flag_off("DQ_SPLIT", p, det, schedule=schedule, seed=seed, dkv_names=names)
+    assert [S.ws_dq_split(n) for n in names] == [True, False], names
+    visits = c_old.wgmma // (2 * (4 + S.pad_head_dims(D, Dv)[1] // 16 + 8) + 8)   # per visit: both warpgroups + dQ
+    assert c_new.wgmma - c_old.wgmma == 8 * visits > 0 and c_new.tma_loads == c_old.tma_loads
+    assert c_new.atomics == c_old.atomics   # (0 with the bulk dQ; else every dQ element once per key block)
+    for a, b in list(zip(new, old))[0 if det else 1:]:
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+    check(p, old)
+
+
+def test_dq_split_only_at_64():
+    """dq_split / ws_dq_split: padded d = 64 (dv 64 or 128) outside the head-dim split; kDQSplitOn = false named only
+    where the flag changes the code."""
+    assert S.dq_split(64, 64) and S.dq_split(40, 72) and S.dq_split(1, 128)
+    assert not S.dq_split(128, 64) and not S.dq_split(64, 256) and not S.dq_split(200, 72)
+    t, t128 = S.backward_tile(None, np.float16, 64, 64, 90), S.backward_tile(None, np.float16, 128, 128, 90)
+    name, name128 = S.ws_name(t, 64, 64, True, "fa_half"), S.ws_name(t128, 128, 128, True, "fa_half")
+    assert S.ws_dq_split(name) and not S.ws_dq_split(name128)
+    assert S.ws_dq_split(S.ws_name(t, 64, 64, True, "fa_half", ext=2))   # (extensions take it too)
+    try:
+        S.DQ_SPLIT = False
+        off = S.ws_name(t, 64, 64, True, "fa_half")
+        assert off == name[:-1] + ", 0, true, true, true, false>" and not S.ws_dq_split(off)
+        assert S.ws_name(t128, 128, 128, True, "fa_half") == name128
+    finally:
+        S.DQ_SPLIT = True
 
 
 def test_kv_regs_only_at_64():

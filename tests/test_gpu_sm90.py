@@ -329,6 +329,7 @@ BWD_VARIANTS = {
     "ws_kv_smem": dict(KV_REGS=False),   # d = dv = 64: K_j, V_j read from shared memory (SS), not registers
     "ws_dup_scores": dict(QUERY_SPLIT=False),   # head-dim split: S^T, dP^T in both warpgroups, not split by queries
     "ws_key_blocks_first": dict(ENTRIES_FIRST=False),   # ordered: the grid's key blocks first, not its entries
+    "ws_dq_one_warpgroup": dict(DQ_SPLIT=False),   # d = 64: dQ^T by warpgroup 0 alone, not split by queries
 }
 
 
@@ -361,6 +362,7 @@ def expect_backward_kernel(plan, p, deterministic):
             assert B.ws_kv_regs(name) == (B.KV_REGS and B.kv_regs(D, Dv)), name
             assert B.ws_query_split(name) == (B.QUERY_SPLIT and B.is_split(D, Dv)), name
             assert B.ws_entries_first(name) == (B.ENTRIES_FIRST and deterministic), name
+            assert B.ws_dq_split(name) == (B.DQ_SPLIT and B.dq_split(D, Dv)), name
         else:
             assert name.startswith(B.KERNEL) and flags[-1] == deterministic, name
 
@@ -413,7 +415,8 @@ BWD_EMULATOR = [  # (variant, *shape, deterministic)
 ]
 BWD_GPU = [(v,) + s + (det,) for v in BWD_VARIANTS for s in BWD_SHAPES for det in (True, False)
            if (s[1] % 8 == 0 or v in ("ws", "cp_async"))   # (D = 59 takes the cp.async kernel whatever the flags)
-           and (v != "ws_dup_scores" or B.is_split(s[1], s[2])) and (v != "ws_key_blocks_first" or det)]
+           and (v != "ws_dup_scores" or B.is_split(s[1], s[2])) and (v != "ws_key_blocks_first" or det)
+           and (v != "ws_dq_one_warpgroup" or B.dq_split(s[1], s[2]))]
 BWD_SLOW = [(v, dt, D, D, lengths, causal, "mqa" if D == 128 else "none", "bshd" if D == 64 else "bhsd", det)
             for v in ("ws", "cp_async") for dt in DTYPES for D in (64, 128, 256)
             for lengths in ((1000, 1500), (2048, 2048)) for causal in (False, True) for det in (True, False)]

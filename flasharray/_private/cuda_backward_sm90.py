@@ -211,6 +211,11 @@ QUERY_SPLIT = True
 #: stay within an entry; off: the grid's x first, one entry's key blocks, up to a wave of 132 chained). Twenty-fourth
 #: session; a ``hopper_variants.py`` switch (``bwd.ENTRIES_FIRST``).
 ENTRIES_FIRST = True
+#: Whether the warp-specialized kernel at padded d = 64 (and dv 64 or 128; Bc = 128: two warpgroups of keys) splits
+#: dQ^T = K_j^T dS^T between its consumer warpgroups by queries (``kDQSplitOn``: each N = 32 of the visit's 64, dS^T
+#: staged as two 64B-swizzled half tiles); off: warpgroup 0 computes all of it (one m64 block of head-dim rows), 8
+#: wgmmas per visit more than warpgroup 1. Thirtieth session; a ``hopper_variants.py`` switch (``bwd.DQ_SPLIT``).
+DQ_SPLIT = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
@@ -275,11 +280,12 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn), named up to the last one that
-    # differs from its default and changes the code
+    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn), named up to the last
+    # one that differs from its default and changes the code
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
-           b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered)]
-    while opt and opt[-1] == ["0", "true", "true", "true"][len(opt) - 1]:
+           b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
+           b(DQ_SPLIT or not dq_split(pD, pDv))]
+    while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
@@ -287,11 +293,14 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
+_WS_DEFAULTS = ["0", "true", "true", "true", "true"]   # kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn
+
+
 def _ws_args(name_expr):
     """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
-    kEntriesFirstOn) at their defaults."""
+    kEntriesFirstOn, kDQSplitOn) at their defaults."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
-    return args + ["0", "true", "true", "true"][len(args) - 11:]
+    return args + _WS_DEFAULTS[len(args) - 11:]
 
 
 def ws_kv_regs(name_expr):
@@ -313,6 +322,19 @@ def ws_entries_first(name_expr):
     dQ mode (the ninth template argument) and ``kEntriesFirstOn`` (the fifteenth)."""
     args = _ws_args(name_expr)
     return args[8] == "true" and args[14] == "true"
+
+
+def ws_dq_split(name_expr):
+    """Whether a ws kernel instantiation (its name) splits dQ^T by queries (``kDQSplitQ``): padded d = 64 without the
+    head-dim split (:func:`dq_split`) and ``kDQSplitOn`` (the sixteenth template argument)."""
+    args = _ws_args(name_expr)
+    return dq_split(int(args[2]), int(args[3])) and args[15] == "true"
+
+
+def dq_split(D, Dv):
+    """Whether the ws kernel for head dims D, Dv splits dQ^T by queries where :data:`DQ_SPLIT` (``kDQSplitQ``:
+    padded d = 64, dv 64 or 128 — Bc = 128, two warpgroups of keys)."""
+    return not is_split(D, Dv) and pad_head_dims(D, Dv)[0] == 64
 
 
 def kv_regs(D, Dv, ext=0):
