@@ -245,33 +245,6 @@ def run_f64(mod, A, B, C):
     return D
 
 
-def test_mma_f64_small_integers_exact(mod):
-    rng = np.random.default_rng(7)
-    for _ in range(3):
-        A = rng.integers(-9, 10, (8, 4)).astype(np.float64)
-        B = rng.integers(-9, 10, (4, 8)).astype(np.float64)
-        C = rng.integers(-99, 100, (8, 8)).astype(np.float64)
-        np.testing.assert_array_equal(run_f64(mod, A, B, C), A @ B + C)
-
-
-def test_mma_f64_c_layout_distinct_values(mod):
-    """A = 0: D is C, element by element (distinct values: a misplaced c0/c1 shows)."""
-    C = np.arange(64, dtype=np.float64).reshape(8, 8) * 3 + 1
-    np.testing.assert_array_equal(run_f64(mod, np.zeros((8, 4)), np.ones((4, 8)), C), C)
-
-
-@pytest.mark.parametrize("elem", [(0, 0), (5, 1), (2, 3), (7, 2)])
-def test_mma_f64_ab_layout_one_hot(mod, elem):
-    """A single nonzero A[i][k] and distinct B values: D row i = A[i][k] B[k, :], zero elsewhere."""
-    i, k = elem
-    A = np.zeros((8, 4))
-    A[i, k] = 3.0
-    B = np.arange(1, 33, dtype=np.float64).reshape(4, 8)
-    want = np.zeros((8, 8))
-    want[i] = 3.0 * B[k]
-    np.testing.assert_array_equal(run_f64(mod, A, B, np.zeros((8, 8))), want)
-
-
 def test_mma_f64_fused_multiply_add(mod):
     """The emulator's model: a chain of fp64 FMAs, s = fma(a_k, b_k, s), one rounding per step."""
     A = np.zeros((8, 4))
@@ -301,30 +274,41 @@ def run_f64_k16(mod, A, B, C):
     return D
 
 
-def test_mma_f64_k16_small_integers_exact(mod):
-    rng = np.random.default_rng(8)
+# Both f64 shapes: (runner, M, K); N = 8.
+F64_SHAPES = {"m8n8k4": (run_f64, 8, 4), "m16n8k16": (run_f64_k16, 16, 16)}
+
+
+@pytest.mark.parametrize("shape,seed", [("m8n8k4", 7), ("m16n8k16", 8)])
+def test_mma_f64_small_integers_exact(mod, shape, seed):
+    run, M, K = F64_SHAPES[shape]
+    rng = np.random.default_rng(seed)
     for _ in range(3):
-        A = rng.integers(-9, 10, (16, 16)).astype(np.float64)
-        B = rng.integers(-9, 10, (16, 8)).astype(np.float64)
-        C = rng.integers(-99, 100, (16, 8)).astype(np.float64)
-        np.testing.assert_array_equal(run_f64_k16(mod, A, B, C), A @ B + C)
+        A = rng.integers(-9, 10, (M, K)).astype(np.float64)
+        B = rng.integers(-9, 10, (K, 8)).astype(np.float64)
+        C = rng.integers(-99, 100, (M, 8)).astype(np.float64)
+        np.testing.assert_array_equal(run(mod, A, B, C), A @ B + C)
 
 
-def test_mma_f64_k16_c_layout_distinct_values(mod):
-    C = np.arange(128, dtype=np.float64).reshape(16, 8) * 3 + 1
-    np.testing.assert_array_equal(run_f64_k16(mod, np.zeros((16, 16)), np.ones((16, 8)), C), C)
+@pytest.mark.parametrize("shape", list(F64_SHAPES))
+def test_mma_f64_c_layout_distinct_values(mod, shape):
+    """A = 0: D is C, element by element (distinct values: a misplaced c register shows)."""
+    run, M, K = F64_SHAPES[shape]
+    C = np.arange(8 * M, dtype=np.float64).reshape(M, 8) * 3 + 1
+    np.testing.assert_array_equal(run(mod, np.zeros((M, K)), np.ones((K, 8)), C), C)
 
 
-@pytest.mark.parametrize("elem", [(0, 0), (9, 1), (2, 7), (15, 12), (8, 15)])
-def test_mma_f64_k16_ab_layout_one_hot(mod, elem):
+@pytest.mark.parametrize("shape,elem", [("m8n8k4", e) for e in [(0, 0), (5, 1), (2, 3), (7, 2)]] +
+                         [("m16n8k16", e) for e in [(0, 0), (9, 1), (2, 7), (15, 12), (8, 15)]])
+def test_mma_f64_ab_layout_one_hot(mod, shape, elem):
     """A single nonzero A[i][k] and distinct B values: D row i = A[i][k] B[k, :], zero elsewhere."""
+    run, M, K = F64_SHAPES[shape]
     i, k = elem
-    A = np.zeros((16, 16))
+    A = np.zeros((M, K))
     A[i, k] = 3.0
-    B = np.arange(1, 129, dtype=np.float64).reshape(16, 8)
-    want = np.zeros((16, 8))
+    B = np.arange(1, 8 * K + 1, dtype=np.float64).reshape(K, 8)
+    want = np.zeros((M, 8))
     want[i] = 3.0 * B[k]
-    np.testing.assert_array_equal(run_f64_k16(mod, A, B, np.zeros((16, 8))), want)
+    np.testing.assert_array_equal(run(mod, A, B, np.zeros((M, 8))), want)
 
 
 def test_mma_f64_k16_is_eight_m8n8k4_in_k_order(mod):
