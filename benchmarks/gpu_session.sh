@@ -14,7 +14,7 @@
 # PRECISION, FP64 (steps 7b, 7c and 7h each), FP32 (steps 7d-7g each), EXT, VARIANTS; defaults below), GPU_SESSION_PYTEST_WORKERS (pytest-xdist, default 12),
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step), GPU_SESSION_STEPS (comma-separated step names: run only
 # those, in the script's order, e.g. "smi,smoke,pytest_sm90"; the others are logged "not selected" and do not count
-# as failed; default: every step). A session with ~15 minutes of device time runs two calls, call A then call B
+# as failed; a name that is no step exits 2 before anything runs; default: every step). A session with ~15 minutes of device time runs two calls, call A then call B
 # (docs/hopper.md, "GPU sessions"):
 #     GPU_SESSION_STEPS=$CALL_A bash benchmarks/gpu_session.sh; GPU_SESSION_STEPS=$CALL_B bash benchmarks/gpu_session.sh
 # with the lists printed by `bash benchmarks/gpu_session.sh --calls`.
@@ -30,6 +30,14 @@ if [ "${1:-}" = --calls ]; then
     printf 'CALL_A=%s\nCALL_B=%s\n' "$CALL_A" "$CALL_B"
     exit 0
 fi
+# GPU_SESSION_STEPS: every name a step of this script (a misspelt one would silently run nothing)
+steps=${GPU_SESSION_STEPS:-}
+for name in ${steps//,/ }; do
+    if [[ ",$CALL_A,$CALL_B," != *",$name,"* ]]; then
+        echo "gpu_session: GPU_SESSION_STEPS names no step '$name'; the steps: $CALL_A,$CALL_B" >&2
+        exit 2
+    fi
+done
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT_DIR=${OUT:-./gpu_session_out}

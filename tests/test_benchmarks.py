@@ -589,6 +589,14 @@ def test_gpu_session_runs_the_selected_steps_only(tmp_path):
     assert [c[-1] for c in calls if c[:2] == ["-m", "pytest"]] == ["tests/test_gpu_sm90.py"]
 
 
+def test_gpu_session_refuses_an_unknown_step(tmp_path):
+    """A name in GPU_SESSION_STEPS that is no step: exit 2 naming it, before anything runs or is written."""
+    res = subprocess.run(["bash", str(SESSION)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env=dict(os.environ, GPU_SESSION_STEPS="smi,gpu_fp64_k16", OUT=str(tmp_path / "out")))
+    assert res.returncode == 2 and "'gpu_fp64_k16'" in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_gpu_session_calls_name_every_step_once(tmp_path):
     """`--calls` prints the two calls of a session: real step names, together every step, none twice in a call."""
     res = subprocess.run(["bash", str(SESSION), "--calls"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
