@@ -18,6 +18,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                of a query tile together); causal rows only
   fwd.WIDE_KEYS                cuda_forward_sm90.WIDE_KEYS: the ws kernel's key tiles of 192 / 176 at padded d = dv
                                64 / 128, dense non-causal calls (off: 128); non-causal rows only
+  fwd.THREE_WARPGROUPS         cuda_forward_sm90.THREE_WARPGROUPS (default off): the ws kernel's dense calls at padded
+                               d = dv = 64 on three consumer warpgroups, 192 x 128 (off: two, 128 x 192 / 128 x 128)
   fwd.USE_TMA                  cuda_forward_sm90.USE_TMA: the warp-specialized TMA kernel (off: cp.async kernel)
   fwd.kernel                   the wgmma forward (all defaults) vs the mma.sync forward (kernel="tensor_core"):
                                ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
@@ -151,6 +153,8 @@ SWITCHES = (
     Switch("fwd.CAUSAL_PAIRS", "fwd", F, "CAUSAL_PAIRS", False,
            "persistent causal order: paired tiles in L2 groups vs longest first"),
     Switch("fwd.WIDE_KEYS", "fwd", F, "WIDE_KEYS", False, "non-causal d 64 / 128: key tiles of 192 / 176 vs 128"),
+    Switch("fwd.THREE_WARPGROUPS", "fwd", F, "THREE_WARPGROUPS", True,
+           "d 64: three consumer warpgroups (192 x 128) vs two (128 x 192, causal 128 x 128)"),
     Switch("fwd.USE_TMA", "fwd", F, "USE_TMA", False, "warp-specialized TMA kernel vs cp.async kernel"),
     Switch("fwd.kernel", "fwd", None, "kernel", MMA_FWD, "wgmma vs mma.sync forward (sm_90 dispatch)"),
     Switch("bwd.DQ_BULK", "bwd", B, "DQ_BULK", False, "dQ bulk reduce-add vs consumer atomics"),

@@ -793,6 +793,17 @@ __device__ __forceinline__ uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32
 __device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
     return wgmma_desc_encode(smem_u32(smem), lbo_bytes, sbo_bytes, swizzle);
 }
+// The descriptor of the operand `bytes` (a multiple of 16) further in shared memory: only the start-address field
+// moves. It holds a shared-window address >> 4 in 14 bits (< 256 KB), so inside the block's shared memory the add
+// never carries out of it: one 32-bit add on the low word, where wgmma_desc shifts, masks and merges every field
+// again (the emulator checks both conditions).
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+    uint32_t lo, hi;
+    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(desc));
+    lo += bytes >> 4;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(desc) : "r"(lo), "r"(hi));
+    return desc;
+}
 
 template <class Sm90a = void>
 __device__ __forceinline__ void wgmma_fence() {

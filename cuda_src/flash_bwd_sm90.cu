@@ -151,6 +151,8 @@ __device__ __forceinline__ void issue_dv_dk_sm90(float (&acc_dv)[kHeadDimV / 2],
   fa::wgmma_fence_operand(acc_dv);
   fa::wgmma_fence_operand(acc_dk);
   fa::wgmma_fence();
+  // (descriptors encoded per step: advancing two bases held through the batch spilled the d 128 consumers with
+  // the lengths extension)
 #pragma unroll
   for (int ks = 0; ks < kBlockM / 16; ++ks)
     flash::wgmma_rs<T, kHeadDimV, true>(acc_dv, a_p[ks], flash::sw128_desc(sdO_i + (ks ^ kx) * 2048, kBlockM * 128), 1);
@@ -173,9 +175,10 @@ __device__ __forceinline__ void issue_rs_sm90(float (&acc)[N / 2], const uint32_
                                               const unsigned char* sB) {
   fa::wgmma_fence_operand(acc);
   fa::wgmma_fence();
+  const uint64_t d_b = flash::sw128_desc(sB, kBlockM * 128);
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
-    flash::wgmma_rs<T, N, true>(acc, a[ks], flash::sw128_desc(sB + ks * 2048, kBlockM * 128), 1);
+    flash::wgmma_rs<T, N, true>(acc, a[ks], fa::wgmma_desc_advance(d_b, ks * 2048), 1);
   fa::wgmma_commit_group();
 }
 
@@ -190,14 +193,22 @@ __device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], f
   fa::wgmma_fence_operand(acc_dv);
   fa::wgmma_fence_operand(acc_dk);
   fa::wgmma_fence();
+  // A: k16 step k at 32·k bytes of each row of the staged tile; B: at 2048·k bytes (each batch's bases live only
+  // through its loop: all four at once spilled the d 256 consumers)
+  {
+    const uint64_t d_p = flash::sw128_desc(sP + 32 * ks0, 16);
+    const uint64_t d_do = flash::sw128_desc(sdO_i + ks0 * 2048, kBlockM * 128);
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks)
+      flash::wgmma_ss<T, kDvN, true>(acc_dv, fa::wgmma_desc_advance(d_p, 32 * ks),
+                                     fa::wgmma_desc_advance(d_do, ks * 2048), 1);
+  }
+  const uint64_t d_ds = flash::sw128_desc(sdS + 32 * ks0, 16);
+  const uint64_t d_q = flash::sw128_desc(sQ_i + ks0 * 2048, kBlockM * 128);
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
-    flash::wgmma_ss<T, kDvN, true>(acc_dv, flash::sw128_desc(sP + 32 * (ks0 + ks), 16),
-                                   flash::sw128_desc(sdO_i + (ks0 + ks) * 2048, kBlockM * 128), 1);
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
-    flash::wgmma_ss<T, kDkN, true>(acc_dk, flash::sw128_desc(sdS + 32 * (ks0 + ks), 16),
-                                   flash::sw128_desc(sQ_i + (ks0 + ks) * 2048, kBlockM * 128), 1);
+    flash::wgmma_ss<T, kDkN, true>(acc_dk, fa::wgmma_desc_advance(d_ds, 32 * ks),
+                                   fa::wgmma_desc_advance(d_q, ks * 2048), 1);
   fa::wgmma_commit_group();
 }
 
@@ -207,22 +218,27 @@ __device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], f
 // dQ_i (query 8j + 2t + (e & 1) of the kN, head dim row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query
 // block's accumulator + this lane's part of DQAccumLayout::offset (see the kernels): each element adds a constant,
 // one address then immediates.
+// (dq_desc_b_sm90: the descriptor of k16 step 0; step ks is kDQStepBytes<kN> · ks further.)
 template <int kN, int kBlockN>
-__device__ __forceinline__ uint64_t dq_desc_b_sm90(const unsigned char* sdS, int ks) {
+__device__ __forceinline__ uint64_t dq_desc_b_sm90(const unsigned char* sdS) {
   static_assert(kN == 64 || kN == 32, "dS^T: the 128B-swizzled 64-query tile or a 64B-swizzled 32-query half");
-  if constexpr (kN == 32) return fa::wgmma_desc(sdS + ks * 1024, kBlockN * 64, 512, fa::kWgmmaSwizzle64B);
-  else return flash::sw128_desc(sdS + ks * 2048, kBlockN * 128);
+  if constexpr (kN == 32) return fa::wgmma_desc(sdS, kBlockN * 64, 512, fa::kWgmmaSwizzle64B);
+  else return flash::sw128_desc(sdS, kBlockN * 128);
 }
+template <int kN>
+constexpr int kDQStepBytes = kN == 32 ? 1024 : 2048;
 
 template <typename T, int kN, int kBlockN>
 __device__ __forceinline__ void dq_issue_sm90(float (&acc_dq)[kN / 2], const unsigned char* sK,
                                               const unsigned char* sdS, int p) {  // (issued and committed)
   fa::wgmma_fence_operand(acc_dq);
   fa::wgmma_fence();
+  const uint64_t d_k = flash::sw128_desc(sK + p * kBlockN * 128, kBlockN * 128);
+  const uint64_t d_ds = dq_desc_b_sm90<kN, kBlockN>(sdS);
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
-    flash::wgmma_ss<T, kN, true, true>(acc_dq, flash::sw128_desc(sK + p * kBlockN * 128 + ks * 2048, kBlockN * 128),
-                                       dq_desc_b_sm90<kN, kBlockN>(sdS, ks), ks > 0);
+    flash::wgmma_ss<T, kN, true, true>(acc_dq, fa::wgmma_desc_advance(d_k, ks * 2048),
+                                       fa::wgmma_desc_advance(d_ds, ks * kDQStepBytes<kN>), ks > 0);
   fa::wgmma_commit_group();
 }
 
@@ -1167,9 +1183,10 @@ flash_bwd_sm90_ws_kernel(
   auto coord = [&](int m, int d, int grp_v) { return tma_coord(tma_sel, m, d, grp_v, b); };
   // q, dout: their batch coordinates, fixed per block but for the group entry, which (when a map has that
   // dim) is its first batch dim (the host lists it first): taken per visit.
-  const int q0 = coord(0, 0, 0), q1 = coord(0, 1, 0), q2 = coord(0, 2, 0);
-  const int o0 = coord(1, 0, 0), o1 = coord(1, 1, 0), o2 = coord(1, 2, 0);
-  const bool q_grp = (tma_sel & 7) == 1, o_grp = ((tma_sel >> 9) & 7) == 1;
+  // (q0, o0: −1 where that first dim is the group entry's: one value per map held by the producer, whose 24
+  // registers spilled with a flag beside it)
+  const int q0 = (tma_sel & 7) == 1 ? -1 : coord(0, 0, 0), q1 = coord(0, 1, 0), q2 = coord(0, 2, 0);
+  const int o0 = ((tma_sel >> 9) & 7) == 1 ? -1 : coord(1, 0, 0), o1 = coord(1, 1, 0), o2 = coord(1, 2, 0);
   const float* lse_b = lse + b.offset({l_b0, l_b1, l_b2, 0});
   const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
   // Visit `visit` (query block i_v of group entry grp_v) into stage visit mod kStages, once the consumers
@@ -1183,9 +1200,9 @@ flash_bwd_sm90_ws_kernel(
                                     delta_b + grp_v * d_g, r0, mask.Lq);
     if (leader) {
       fa::mbarrier_arrive_expect_tx(full + s, Tr::kQBytes + Tr::kdOBytes);
-      flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q_grp ? grp_v : q0, q1, q2,
+      flash::tma_load_tile<kBlockM, kHeadDim>(sQ + s * Tr::kQBytes, &tmap_q, r0, q0 < 0 ? grp_v : q0, q1, q2,
                                               full + s);
-      flash::tma_load_tile<kBlockM, kHeadDimV>(sdO + s * Tr::kdOBytes, &tmap_do, r0, o_grp ? grp_v : o0, o1, o2,
+      flash::tma_load_tile<kBlockM, kHeadDimV>(sdO + s * Tr::kdOBytes, &tmap_do, r0, o0 < 0 ? grp_v : o0, o1, o2,
                                                full + s);
     } else {
       fa::mbarrier_arrive(full + s);  // after this lane's L_i, D_i stores (arrive: release, wait: acquire)
@@ -1296,7 +1313,8 @@ flash_bwd_sm90_ws_kernel(
       if constexpr (kKVRegs)
         flash::gemm_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
       else
-        flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
+        flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM, flash::NoOp, 0, kBlockM, kExt == 0>(
+            acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
 
       // -- P^T = exp2(S^T·scale·log2e − L_i·log2e): acc_s[4j + e] is (key key_row + 8(e >> 1), query
       //    8j + 2t + (e & 1)); 0 where the key is not visible to the query (causal, keys past Lk).
@@ -1340,7 +1358,8 @@ flash_bwd_sm90_ws_kernel(
           for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
         }
       } else {
-        flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
+        flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, flash::NoOp, 0, kBlockM, false>(
+            acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
         ext_pt_dst_sm90<T, kBlockM>(acc_s, acc_dp, a_p, keep, lse2_s, delta_s, scale_log2, mask, geometry(mask), drop,
                                     r0, c0 + key_row, lane);
       }

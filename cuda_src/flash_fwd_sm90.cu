@@ -33,14 +33,14 @@
 //    cp.async.wait_group + fence.proxy.async (generic-proxy writes, async-proxy wgmma reads) + one
 //    barrier per key tile.
 //  * flash_fwd_sm90_ws_kernel (below; kernel="wgmma" takes it where the layout is TMA-legal): a producer
-//    warpgroup issues TMA boxes completing on mbarriers, two consumer warpgroups compute; setmaxnreg
-//    moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
+//    warpgroup issues TMA boxes completing on mbarriers, two (Br = 192: three) consumer warpgroups compute;
+//    setmaxnreg moves registers from the producer to the consumers (FlashAttention-3's warp specialization).
 //    The tensor maps are by-value __grid_constant__ CUtensorMap parameters encoded per call by the plan.
 //    Is_tma_store (where the output is TMA-legal): O staged in the 128B-swizzled panels and written by TMA
 //    stores of a fourth map (one thread per consumer warpgroup, after fence.proxy.async and a named barrier);
 //    else the staged row stores. LSE one row per thread from the registers in both.
 //
-// The ws kernel ping-pongs its two consumer warpgroups (named barriers: one's softmax under the other's
+// The ws kernel ping-pongs its consumer warpgroups (named barriers: one's softmax under the others'
 // GEMMs) and, by default (Is_overlap), overlaps each warpgroup's softmax of tile j with its own
 // O += P_{j−1} V_{j−1} wgmmas (FlashAttention-3's intra-warpgroup overlap, wgmma_wait_group<1>); the
 // cp.async kernel and the ws kernel without Is_overlap wait for every batch (wgmma_wait_group<0>).
@@ -65,7 +65,8 @@ namespace flash {
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 struct Sm90FwdTraits {
   static_assert(sizeof(T) == 2, "the wgmma forward takes 16-bit inputs");
-  static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups of 64 rows");
+  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192,
+                "one to three consumer warpgroups of 64 rows (three: the ws kernel only)");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192 ||
                     kBlockN == 256,
                 "Bc is the N of the S wgmma: 64, 80, 128, 176, 192 or 256 (wide key tiles: multiples of 16, the k of P V)");
@@ -108,9 +109,10 @@ __device__ __forceinline__ void issue_pv_sm90(float (&acc_o)[kHeadDimV / 2], con
                                               const unsigned char* sV_j) {
   fa::wgmma_fence_operand(acc_o);
   fa::wgmma_fence();
+  const uint64_t dv0 = sw128_desc(sV_j, kBlockN * 128);
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks)
-    wgmma_rs<T, kHeadDimV, true>(acc_o, a_p[ks], sw128_desc(sV_j + ks * 2048, kBlockN * 128), 1);
+    wgmma_rs<T, kHeadDimV, true>(acc_o, a_p[ks], fa::wgmma_desc_advance(dv0, ks * 2048), 1);
   fa::wgmma_commit_group();
 }
 
@@ -189,7 +191,9 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   unsigned char* sV = smem + Tr::kVOffset;
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128;                 // consumer warpgroup: rows [64 wg, 64 wg + 64) of Q_i
+  // consumer warpgroup: rows [64 wg, 64 wg + 64) of Q_i; broadcast from lane 0 so that the compiler knows it is
+  // warp-uniform (CUTLASS's canonical_warp_group_idx): sQ's descriptors then live in uniform registers
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int warp_row = wg * 64 + ((tid % 128) / 32) * 16;  // first of the warp's 16 rows
   const int lane = tid % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -280,11 +284,11 @@ flash_fwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 namespace flash {
 
 // ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_fwd_sm90_ws_kernel) -----------
-// Three warpgroups. Warpgroup 0 is the producer: after setmaxnreg.dec to kProducerRegs registers, one
-// elected thread of its warp 0 issues every load as TMA boxes (cp.async.bulk.tensor.5d, the 128B swizzle
+// Three warpgroups (four at Br = 192). Warpgroup 0 is the producer: after setmaxnreg.dec to kProducerRegs registers,
+// one elected thread of its warp 0 issues every load as TMA boxes (cp.async.bulk.tensor.5d, the 128B swizzle
 // done by the copy engine, rows past the sequence and columns past D zero-filled by it): Q_i once, then
 // K_j and V_j into a ring of kStages stages, each completing on that stage's full barrier
-// (arrive.expect_tx of the tile's bytes). Warpgroups 1 and 2 are the consumers of the cp.async kernel above
+// (arrive.expect_tx of the tile's bytes). Warpgroups 1, 2 (, 3) are the consumers of the cp.async kernel above
 // (rows [64(w−1), 64w) of Q_i), raised to kConsumerRegs registers: wait on full_k[s] before S = Q K_jᵀ, on
 // full_v[s] before O += P V_j, and arrive on empty_k[s] once their S batch (Is_overlap) or both batches
 // have completed and on empty_v[s] (Is_overlap only; else the same barrier) once their P V_j wgmmas have,
@@ -298,13 +302,16 @@ namespace flash {
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_overlap, bool Is_persistent = false>
 struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-  static_assert(kBlockM == 128, "the producer warpgroup feeds two consumer warpgroups");
+  static_assert(kBlockM == 128 || kBlockM == 192, "the producer warpgroup feeds two or three consumer warpgroups");
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // 24 + 2 × 240 registers per thread-slot of a warpgroup: 64,512 of the SM's 65,536 (FlashAttention-3's split).
-  static constexpr int kProducerRegs = kWsProducerRegs;
-  static constexpr int kConsumerRegs = kWsConsumerRegs;
-  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
+  // Two consumers: 24 + 2 × 240 registers per thread-slot of a warpgroup, 64,512 of the SM's 65,536; three
+  // (Br = 192, cuda_forward_sm90.THREE_WARPGROUPS): 32 + 3 × 160 = all of them (FlashAttention-3's splits).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? kWsProducerRegs : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? kWsConsumerRegs : 160;
+  static_assert((kProducerRegs + kConsumerWarpgroups * kConsumerRegs) * 128 <= 65536,
+                "the register file holds every warpgroup");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
   static constexpr int kBlockM_ = kBlockM, kBlockN_ = kBlockN;
   // mbarriers: Q, then full_k, full_v, empty_k per stage and, overlapped, empty_v per stage (K_j is released
@@ -336,16 +343,19 @@ struct Sm90WsTraits : Sm90FwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + Base::kAtomBytes;
   static_assert(kSmemBytes <= kSmemLimit, "shared memory");
   static_assert(!kOOverQ || kOBytes <= kOPad + Base::kQBytes, "aliased sO covers sQ only");
-  static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 consumer threads (epilogue)
+  static constexpr int kConsumerBarrier = 1;   // named barrier of the 256 / 384 consumer threads (epilogue)
   // Ping-pong (FlashAttention-3 §3.1): consumer warpgroup c issues its S wgmmas (overlapped: its S and
-  // P V wgmmas) only in its turn, named barrier kTurnBarrier + c (its 128 threads sync, the other
-  // warpgroup's 128 arrive), and hands the turn over as soon as they are issued, so one warpgroup's
-  // softmax runs under the other's GEMMs.
+  // P V wgmmas) only in its turn, named barrier kTurnBarrier + c (its 128 threads sync, the 128 of the
+  // warpgroup before it in the round, c − 1 mod kConsumerWarpgroups, arrive), and hands the turn to the next
+  // one as soon as they are issued, so one warpgroup's softmax runs under the others' GEMMs (three warpgroups:
+  // each softmax under two warpgroups' GEMMs, two warps per scheduler in their softmax at a time).
   static constexpr bool kPingPong = true;
-  static constexpr int kTurnBarrier = 2;       // ids 2 (warpgroup 0's turn) and 3 (warpgroup 1's)
+  static constexpr int kTurnBarrier = 2;       // ids 2, 3 (and 4): warpgroup 0's, 1's (and 2's) turn
+  static constexpr int kTurnThreads = 2 * 128;
   // Is_tma_store: consumer warpgroup c's 128 threads sync on named barrier kStoreBarrier + c once its 64 rows
   // of O are staged (the 128B-swizzled panels one TMA box each reads), then one of them stores them.
-  static constexpr int kStoreBarrier = 4;      // ids 4 and 5
+  static constexpr int kStoreBarrier = kTurnBarrier + kConsumerWarpgroups;   // ids 4, 5 (three: 5, 6, 7)
+  static_assert(kStoreBarrier + kConsumerWarpgroups <= 16, "16 named barriers");
   static_assert(kHeadDimV * 2 * kBlockM <= Base::kLseOffset, "the swizzled sO fits the padded one's space");
 };
 
@@ -484,7 +494,7 @@ __device__ __forceinline__ void ws_load_tile(const Sm90WsSmem& sm, const CUtenso
   if (Is_persistent && q_pending) load_q();
 }
 
-// The two consumer warpgroups of the ws kernel: per work tile the key loop (with or without the
+// The consumer warpgroups of the ws kernel: per work tile the key loop (with or without the
 // intra-warpgroup overlap), the ping-pong turns, the epilogue.
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_causal, bool Is_overlap,
           bool Is_persistent, int kExt>
@@ -502,23 +512,27 @@ struct Sm90WsConsumer {
 
   __device__ __forceinline__ Sm90WsConsumer(const Sm90WsSmem& sm_, int Lq_, int Lk_, int tid, float scale_log2_,
                                             const ExtArgs<float>& ext_)
-      : sm(sm_), mask(Lq_, Lk_), ext(ext_), Lq(Lq_), Lk(Lk_), cwg(tid / 128 - 1), ctid(tid - 128),
+      // cwg broadcast from lane 0: warp-uniform to the compiler, so sQ's descriptors live in uniform registers
+      : sm(sm_), mask(Lq_, Lk_), ext(ext_), Lq(Lq_), Lk(Lk_), cwg(__shfl_sync(0xffffffffu, tid / 128 - 1, 0)),
+        ctid(tid - 128),
         warp_row(cwg * 64 + ((ctid % 128) / 32) * 16), lane(tid % 32), g(lane >> 2), t(lane & 3),
         scale_log2(scale_log2_) {}
 
-  // Ping-pong: warpgroup 0 has the first turn of a tile (warpgroup 1's opening arrival); each warpgroup
-  // takes n turns and hands over n times except warpgroup 1's last, so both barriers see n complete phases
-  // per tile (the epilogue's barrier keeps the warpgroups in the same tile).
+  // Ping-pong, round robin: warpgroup 0 has the first turn of a tile (the last warpgroup's opening arrival),
+  // then 1 (, 2), 0, ...; each warpgroup takes n turns and hands over n times except the last warpgroup's last,
+  // so every turn barrier sees n complete phases per tile (the epilogue's barrier keeps the warpgroups in the
+  // same tile).
+  static constexpr int kLastWg = Tr::kConsumerWarpgroups - 1;
   __device__ __forceinline__ void open_turns(const Tiles& tiles) const {
-    if (Tr::kPingPong && cwg == 1 && tiles.any()) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kConsumerThreads);
+    if (Tr::kPingPong && cwg == kLastWg && tiles.any()) fa::named_barrier_arrive(Tr::kTurnBarrier, Tr::kTurnThreads);
   }
   __device__ __forceinline__ void our_turn() const {
-    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kConsumerThreads);
+    if (Tr::kPingPong) fa::named_barrier_sync(Tr::kTurnBarrier + cwg, Tr::kTurnThreads);
   }
   // more: a key tile of this work tile follows the current one (Sm90KeyTiles::more).
   __device__ __forceinline__ void their_turn(bool more) const {
-    if (Tr::kPingPong && (cwg == 0 || more))
-      fa::named_barrier_arrive(Tr::kTurnBarrier + 1 - cwg, Tr::kConsumerThreads);
+    if (Tr::kPingPong && (cwg != kLastWg || more))
+      fa::named_barrier_arrive(Tr::kTurnBarrier + (cwg == kLastWg ? 0 : cwg + 1), Tr::kTurnThreads);
   }
 
   // Key loop without the overlap: every wgmma batch waited for; visit v = visit0 + i in stage v mod kStages.
@@ -764,7 +778,7 @@ flash_fwd_sm90_ws_kernel(T* __restrict__ o, float* __restrict__ lse, int Lq, int
   unsigned char* smem = smem_raw + (Tr::kAtomBytes - misalign) % Tr::kAtomBytes;
   const Sm90WsSmem sm = ws_smem_layout<Tr, Is_overlap>(smem);
   const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128;   // 0: producer; 1, 2: consumers of rows [64(wg−1), 64 wg) of Q_i
+  const int wg = tid / 128;   // 0: producer; 1, 2 (, 3): consumers of rows [64(wg−1), 64 wg) of Q_i
   const Sm90WsScheduler<Is_causal, Is_persistent, kExt == 0> sched{(Lq + kBlockM - 1) / kBlockM, n_bh, nb12, nb2, group};
 
   if (tid == 0) {

@@ -89,17 +89,21 @@ struct NoOp {
 // k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
 // kPending: for every batch but the kPending committed by `issued` after it). kRowsB: the rows of sK_j's
 // panels where N (kBlockN) is a part of them (the backward's query split: N = 32 of Br = 64 rows).
+// kAdvance: each step's descriptors advanced from the first's (fa::wgmma_desc_advance, one add each), else encoded
+// from the address per step (the wgmma backward with extensions: the two bases held through the batch spilled a
+// d 128 instantiation).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0,
-          int kRowsB = kBlockN>
+          int kRowsB = kBlockN, bool kAdvance = true>
 __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                              const unsigned char* sK_j, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
+  const uint64_t da0 = sw128_desc(sQ_w, 16), db0 = sw128_desc(sK_j, 16);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const int k_bytes = (ks % 4) * 32;
-    const uint64_t da = sw128_desc(sQ_w + (ks / 4) * kBlockM * 128 + k_bytes, 16);
-    const uint64_t db = sw128_desc(sK_j + (ks / 4) * kRowsB * 128 + k_bytes, 16);
+    const int k_bytes = (ks % 4) * 32, a_bytes = (ks / 4) * kBlockM * 128 + k_bytes, b_bytes = (ks / 4) * kRowsB * 128 + k_bytes;
+    const uint64_t da = kAdvance ? fa::wgmma_desc_advance(da0, a_bytes) : sw128_desc(sQ_w + a_bytes, 16);
+    const uint64_t db = kAdvance ? fa::wgmma_desc_advance(db0, b_bytes) : sw128_desc(sK_j + b_bytes, 16);
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();
@@ -127,9 +131,10 @@ __device__ __forceinline__ void gemm_qk_rs_sm90(float (&acc_s)[kBlockN / 2], con
                                                 const unsigned char* sB, Issued issued = Issued()) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
+  const uint64_t db0 = sw128_desc(sB, 16);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
-    wgmma_rs<T, kBlockN, false>(acc_s, a[ks], sw128_desc(sB + (ks / 4) * kBlockN * 128 + (ks % 4) * 32, 16),
+    wgmma_rs<T, kBlockN, false>(acc_s, a[ks], fa::wgmma_desc_advance(db0, (ks / 4) * kBlockN * 128 + (ks % 4) * 32),
                                 ks > 0 ? 1 : 0);
   fa::wgmma_commit_group();
   issued();

@@ -13,6 +13,7 @@ output is TMA-legal) giving the bits of its row stores under each schedule, the 
 output TMA cannot write, and the emulator reporting the store without its proxy fence or its wait; the
 opt-in and its errors. ``-m slow``: larger matrices.
 """
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -92,7 +93,8 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
     rows, group = Lq * plan.gqa_group, plan.gqa_group
     n_work = work_tiles(plan.tile, rows, entries // group)
     if plan.tile.tma:  # the producer's TMA boxes only: no copy instruction anywhere, registers moved
-        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == 3 * c.blocks and c.elects == c.blocks
+        wgs = plan.tile.block_m // 64   # consumer warpgroups: 2, or 3 (THREE_WARPGROUPS)
+        assert c.cp_async == 0 and c.tma_loads > 0 and c.setmaxnreg == (1 + wgs) * c.blocks and c.elects == c.blocks
         persistent = S.ws_flags(plan.launches[0].name)[1]
         assert persistent == plan.tile.persistent
         # persistent: min(work tiles, SMs) blocks, each walking several work tiles; else one block per tile
@@ -101,8 +103,8 @@ def check(dtype, D, Lq, Lk, causal, *, Dv=None, layout="bhsd", gqa=False, seed=0
         assert not persistent or plan.launches[0].grid == (c.blocks, 1, 1)
         # ping-pong: per work tile, one phase of each warpgroup's turn barrier per key tile, + the epilogue's
         # barriers: 2 (row stores) or 1 + each warpgroup's before its TMA store (Is_tma_store)
-        tiles_visited = c.wgmma // (2 * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
-        assert c.named_barriers == (3 if stores_by_tma(plan) else 2) * n_work + 2 * tiles_visited
+        tiles_visited = c.wgmma // (wgs * (plan.tile.head_dim // 16 + plan.tile.block_n // 16))
+        assert c.named_barriers == (1 + wgs if stores_by_tma(plan) else 2) * n_work + wgs * tiles_visited
         # TMA loads: per work tile Q (d/64 boxes; persistent: every tile, else those with a visible key),
         # per visited key tile K and V (d/64 + dv/64 boxes)
         q_tiles = n_work if persistent else n_work - _tiles_without_keys(plan.tile, rows, Lk, causal) * (entries // group)
@@ -247,6 +249,62 @@ def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     with flag_set(S, "WIDE_KEYS", False):
         assert sm90_plan(q, k, v, False).tile.block_n == narrow
         check(dtype, D, Lq, Lk, False, layout=layout, gqa=gqa, tma=True)
+
+
+# (dtype, D, Lq, Lk, causal, layout, gqa): one partial query tile of 192; three (the last partial) causal with
+# Lq > Lk (rows that see no key); padded head dims (40, 48 -> 64) with GQA broadcast; BSHD views; two query tiles.
+THREE_WG_CASES = [
+    ("float16", 64, 77, 130, False, "bhsd", False),
+    ("bfloat16", 64, 400, 333, True, "bshd", False),
+    ("float16", 40, 150, 150, True, "bhsd", True),
+    ("bfloat16", 48, 200, 380, False, "bshd", True),
+]
+
+
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", THREE_WG_CASES)
+def test_three_warpgroups(dtype, D, Lq, Lk, causal, layout, gqa):
+    """THREE_WARPGROUPS: dense calls at padded d = dv 64 run the ws kernel with three consumer warpgroups (Br = 192,
+    Bc = 128, 512 threads; ``check``: the reference rule, and the counts of that tile — 4 setmaxnreg per block, three
+    turn-barrier phases per key tile, a TMA store per warpgroup). Every row walks the key tiles of the two-warpgroup
+    kernel on Bc = 128 (WIDE_KEYS off) in the same order, so the bits are that kernel's, under permuted schedules,
+    persistent or not, with row stores or TMA stores, overlapped or not."""
+    q, k, v = make_inputs(DTYPES[dtype], D, Lq, Lk, layout=layout, gqa=gqa, seed=D + Lq)
+
+    def run(**kw):
+        return run_forward("emulator", q, k, v, causal=causal, kernel="wgmma", arch="sm_90", **kw)
+
+    with flag_set(S, "WIDE_KEYS", False):
+        base = run()
+        assert sm90_plan(q, k, v, causal).tile.block_m == 128
+    with flag_set(S, "THREE_WARPGROUPS", True):
+        tile = sm90_plan(q, k, v, causal).tile
+        assert (tile.block_m, tile.block_n, tile.n_threads) == (192, 128, 512) and "THREE_WARPGROUPS" in tile.describe()
+        check(dtype, D, Lq, Lk, causal, layout=layout, gqa=gqa, seed=D + Lq, tma=True)
+        variants = [({}, "reverse", 0), ({"PERSISTENT": False}, "random", 5), ({"USE_TMA_STORE": False}, "forward", 0),
+                    ({"OVERLAP": False, "SM_COUNT": 1}, "random", 2)]
+        for flags, schedule, seed in variants:
+            with contextlib.ExitStack() as stack:
+                for name, value in flags.items():
+                    stack.enter_context(flag_set(S, name, value))
+                assert sm90_plan(q, k, v, causal).tile.block_m == 192
+                got = run(schedule=schedule, seed=seed)
+            for a, b in zip(got, base):
+                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_three_warpgroups_rule():
+    """Three consumer warpgroups only where THREE_WARPGROUPS is set, for padded d = dv = 64 and no extension;
+    the kernel's register split (32 + 3 x 160 per thread-slot) fills the register file."""
+    def tile(d, dv=None, **kw):
+        return S.tma_tile(S.forward_tile(np.float16, d, dv or d, 90, kernel="wgmma"), (), **kw)
+    assert tile(64).block_m == 128
+    with flag_set(S, "THREE_WARPGROUPS", True):
+        assert [(tile(d).block_m, tile(d).block_n) for d in (16, 64, 128, 256)] == [(192, 128), (192, 128),
+                                                                                   (128, 176), (128, 80)]
+        assert tile(64, causal=True).block_m == 192 and tile(64, Lk=512).block_n == 128
+        assert tile(64, 100).block_m == tile(64, ext=1).block_m == tile(64, ext=16).block_m == 128
+    assert S.ws_registers(192) == (32, 160) and S.ws_registers(128) == (24, 240)
+    assert (32 + 3 * 160) * 128 == 65536
 
 
 def test_wide_key_tiles_rule():
@@ -578,7 +636,8 @@ _NO_Q_WAIT = ("    if (Is_persistent && k_tile > 0) fa::mbarrier_wait_parity(sm.
     # (which of the two checks sees it first depends on the interleaving)
     (*_NO_Q_WAIT, 64, "fa::wgmma reads its A operand at .* the destination of a bulk copy|shared memory the wgmma "
                       "of warpgroup . reads .* was written between its issue"),
-    (*_NO_Q_WAIT, 256, "shared memory the wgmma of warpgroup . reads .* was written between its issue"),
+    (*_NO_Q_WAIT, 256, "fa::wgmma reads its A operand at .* the destination of a bulk copy|shared memory the wgmma "
+                       "of warpgroup . reads .* was written between its issue"),
     # the ring's visit count restarted per tile: stages and parities out of step with the mbarriers' phases
     ("    visit += kExt == 0 ? n_block_max : visits;", "    visit = 0;", 64, "deadlock: thread .* waits for the phase"),
     # sQ never handed back (d = 64: separate sO, released after the S batches; d = 256: after the epilogue)

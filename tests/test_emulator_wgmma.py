@@ -108,6 +108,10 @@ __global__ void misuse(const unsigned char* img, float* out, int bug) {
 __global__ void desc_bits(unsigned long long* out, int addr, int lbo, int sbo, int swizzle) {
     fa::gstore(out, (unsigned long long)fa::wgmma_desc_encode(addr, lbo, sbo, swizzle));
 }
+
+__global__ void desc_advance(unsigned long long* out, int addr, int lbo, int sbo, int swizzle, int bytes) {
+    fa::gstore(out, (unsigned long long)fa::wgmma_desc_advance(fa::wgmma_desc_encode(addr, lbo, sbo, swizzle), bytes));
+}
 '''
 
 TYPES = {"fa_half": np.float16, "fa_bf16": ml_dtypes.bfloat16}
@@ -127,7 +131,7 @@ CASES += [(t, 32, True, True, False) for t in TYPES]
 
 @pytest.fixture(scope="module")
 def mod():
-    return emulator.Module(SRC, name_expressions=sorted({_name(*c) for c in CASES}) + ["misuse", "desc_bits"])
+    return emulator.Module(SRC, name_expressions=sorted({_name(*c) for c in CASES}) + ["misuse", "desc_bits", "desc_advance"])
 
 
 def _chunk_xor(r, w):
@@ -279,6 +283,26 @@ def test_descriptor_bit_fields(mod):
     for addr, lbo, sbo, swz in [(0x1230, 0x40, 0x400, 1), (0x3fff0, 0x3fff0, 0x3fff0, 3), (16, 0, 256, 2), (0, 0, 0, 0)]:
         mod.launch("desc_bits", 1, 1, (out, np.int32(addr), np.int32(lbo), np.int32(sbo), np.int32(swz)))
         assert int(out[0]) == (addr >> 4) | (lbo >> 4) << 16 | (sbo >> 4) << 32 | swz << 62
+
+
+def test_descriptor_advance(mod):
+    """fa::wgmma_desc_advance(desc, bytes): the descriptor of the address ``bytes`` further, every other field kept
+    (up to the start field's last value, 0x3fff0 >> 4); an advance that is no multiple of 16 bytes, or that leaves
+    the 14-bit field, is a checked error."""
+    out = np.zeros(1, np.uint64)
+
+    def advance(addr, lbo, sbo, swz, nbytes):
+        mod.launch("desc_advance", 1, 1, (out, np.int32(addr), np.int32(lbo), np.int32(sbo), np.int32(swz),
+                                          np.int32(nbytes)))
+        return int(out[0])
+    for addr, lbo, sbo, swz, nbytes in [(0x1230, 0x40, 0x400, 1, 0x2000), (0, 0x3fff0, 0x3fff0, 3, 0x3fff0),
+                                        (0x8000, 16, 1024, 1, 32), (0x3fff0, 0, 256, 2, 0)]:
+        a = addr + nbytes
+        assert advance(addr, lbo, sbo, swz, nbytes) == (a >> 4) | (lbo >> 4) << 16 | (sbo >> 4) << 32 | swz << 62
+    with pytest.raises(emulator.EmulatorError, match=r"fa::wgmma_desc_advance: the advance is not a multiple of 16"):
+        advance(0x1230, 0x40, 0x400, 1, 40)
+    with pytest.raises(emulator.EmulatorError, match=r"fa::wgmma_desc_advance: the start address leaves its 14-bit"):
+        advance(0x3ff00, 0x40, 0x400, 1, 0x100)
 
 
 MISUSE = {

@@ -26,7 +26,7 @@ import pytest
 from flasharray._private import cuda_forward_sm90 as S
 from flasharray._private import launch, nvrtc, sass, tiles
 from flasharray._private.dtypes import bfloat16
-from conftest import requires_nvrtc
+from conftest import flag_set, requires_nvrtc
 
 pytestmark = requires_nvrtc
 SASS_OK, SASS_WHY = sass.available()
@@ -48,12 +48,24 @@ def instantiations(dtypes, head_dims):
                     # the warp-specialized TMA instantiation (no tensors to refuse it); non-causal: the wide
                     # key tile (WIDE_KEYS) at d 64 / 128
                     ws = S.tma_tile(t, (), causal=causal)
-                    assert ws.tma and ws.n_threads == 384 and ws.overlap == S.OVERLAP
+                    assert ws.tma and ws.n_threads == 128 + 2 * ws.block_m and ws.overlap == S.OVERLAP
                     v = dataclasses.replace(ws, overlap=overlap, persistent=persistent,
                                             smem=S.ws_smem_bytes(ws.head_dim, ws.head_dim_v, ws.block_m, ws.block_n,
                                                                  overlap, persistent))
                     found[v.name_expression(causal, True)] = v
                     if overlap == S.OVERLAP:  # + the TMA store of O (Is_tma_store)
+                        found[v.name_expression(causal, True, tma_store=True)] = v
+                    if S.three_warpgroups(ws, 0) or d != S.THREE_WARPGROUPS_HEAD_DIM:
+                        continue
+                    # three consumer warpgroups (THREE_WARPGROUPS: Br 192, Bc 128, 512 threads, setmaxnreg 32 / 160)
+                    with flag_set(S, "THREE_WARPGROUPS", True):
+                        w3 = S.tma_tile(t, (), causal=causal)
+                    assert (w3.block_m, w3.block_n, w3.n_threads) == (192, S.THREE_WARPGROUPS_BLOCK_N, 512)
+                    v = dataclasses.replace(w3, overlap=overlap, persistent=persistent,
+                                            smem=S.ws_smem_bytes(w3.head_dim, w3.head_dim_v, w3.block_m, w3.block_n,
+                                                                 overlap, persistent))
+                    found[v.name_expression(causal, True)] = v
+                    if overlap == S.OVERLAP:
                         found[v.name_expression(causal, True, tma_store=True)] = v
     return found
 
@@ -184,9 +196,13 @@ def ws_checks(name, t, body, loop):
                                                                              (t.head_dim + t.head_dim_v) // 64))
     regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1
     # Registers used anywhere (the consumers' code after setmaxnreg.inc): within the raised count; at
-    # d = 256 (O alone 128 per thread) above the 168 of the launch, i.e. the .inc is what makes it fit.
-    if regs > S.CONSUMER_REGS or (t.head_dim_v == 256 and regs <= 168):
-        problems.append("%s: registers up to R%d (launch 168, setmaxnreg.inc %d)" % (name, regs - 1, S.CONSUMER_REGS))
+    # d = 256 (O alone 128 per thread) above the 168 of the launch, i.e. the .inc is what makes it fit; with
+    # three consumer warpgroups (512 threads: 128 at launch), overlapped (P_{j-1} held), above 128 too.
+    consumer = S.ws_registers(t.block_m)[1]
+    launch_regs = REGISTER_FILE // t.n_threads // 8 * 8
+    if regs > consumer or ((t.head_dim_v == 256 or (t.block_m == 192 and t.overlap)) and regs <= launch_regs):
+        problems.append("%s: registers up to R%d (launch %d, setmaxnreg.inc %d)" % (name, regs - 1, launch_regs,
+                                                                                  consumer))
     return problems, "  producer loop %d instr (%d UTMALDG), consumer registers up to %d" % (
         producer.stats.instructions, boxes, regs)
 
@@ -220,9 +236,11 @@ def _check(dtypes, head_dims):
         if k.spill_stores or k.spill_loads or k.stack_frame or k.static_smem:
             problems.append("%s: spills %d/%d stack %d static smem %d" % (name, k.spill_stores, k.spill_loads,
                                                                          k.stack_frame, k.static_smem))
-        # the warp-specialized kernel: the launch count fits 384 threads; after setmaxnreg 24 + 2 x 240 per slot
+        # the warp-specialized kernel: the launch count fits its threads; after setmaxnreg 24 + 2 x 240
+        # (three consumers: 32 + 3 x 160) per slot
         if (k.registers * t.n_threads > REGISTER_FILE or t.smem > tiles.smem_limit(90) or occ.blocks < 1 or
-                t.tma and S.PRODUCER_REGS + 2 * S.CONSUMER_REGS > REGISTER_FILE // 128):
+                t.tma and S.ws_registers(t.block_m)[0] + t.block_m // 64 * S.ws_registers(t.block_m)[1]
+                > REGISTER_FILE // 128):
             problems.append("%s: %d regs x %d threads, %d bytes smem" % (name, k.registers, t.n_threads, t.smem))
         if fns is not None and t.tma:
             more, text = store_checks(name, t, fns[k.lowered_name])

@@ -515,6 +515,13 @@ inline uint64_t wgmma_desc_encode(uint32_t smem_addr, uint32_t lbo_bytes, uint32
 inline uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes, int swizzle) {
     return wgmma_desc_encode(fa_emu_smem_addr(smem), lbo_bytes, sbo_bytes, swizzle);
 }
+// fa_port.cuh's: the start-address field advanced by bytes / 16, which must not carry out of its 14 bits.
+inline uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+    if (bytes % 16 != 0) fa_emu_trap("fa::wgmma_desc_advance: the advance is not a multiple of 16 bytes");
+    if ((desc & 0x3fffu) + (bytes >> 4) > 0x3fffu)
+        fa_emu_trap("fa::wgmma_desc_advance: the start address leaves its 14-bit field (past 256 KB)");
+    return desc + (bytes >> 4);
+}
 // setmaxnreg (sm_90a): the warpgroup's per-thread register maximum, checked by the runtime.
 template <int N>
 inline void setmaxnreg_inc() {

@@ -312,8 +312,30 @@ WIDE_KEY_COST = {64: 454 / 508, 128: 513 / 577, 256: 496 / 574}
 #: Padded head dims whose causal calls take the wide tile too (FlashAttention-3: 128 x 80 at d 256 causal or not; 128
 #: keys at d 64 / 128 causal).
 WIDE_CAUSAL = (256,)
+#: Whether the ws kernel's dense calls at padded d = dv = 64 (causal or not) run **three consumer warpgroups**:
+#: Br = 192, Bc = 128, 512 threads, setmaxnreg 32 / 160 (FlashAttention-3's d 64 tile; docs/hopper.md, "Three
+#: consumer warpgroups at d = 64"). At d 64 each score's softmax (one MUFU.EX2, ~7 other instructions) costs as
+#: much MUFU time as its 4·d FLOPs of tensor time; with two warpgroups one warp per scheduler runs its softmax
+#: under the other's GEMMs, with three two do. False (the default until a GPU times it): two warpgroups, the wide
+#: key tile 128 x 192 (``hopper_variants.py``'s ``fwd.THREE_WARPGROUPS``). Plans are cached: flip it before
+#: planning, or clear them (launch._clear_plans).
+THREE_WARPGROUPS = False
+THREE_WARPGROUPS_HEAD_DIM = 64
+THREE_WARPGROUPS_BLOCK_N = 128
 PRODUCER_WARPGROUPS = 1
-PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg)
+PRODUCER_REGS, CONSUMER_REGS = 24, 240   # Sm90WsTraits::kProducerRegs / kConsumerRegs (setmaxnreg), two consumers
+PRODUCER_REGS_3, CONSUMER_REGS_3 = 32, 160   # ... three consumer warpgroups (Br = 192)
+
+
+def ws_registers(block_m):
+    """(producer, consumer) registers per thread after setmaxnreg for the ws kernel with Br = ``block_m``."""
+    return (PRODUCER_REGS, CONSUMER_REGS) if block_m == 2 * WARPGROUP_ROWS else (PRODUCER_REGS_3, CONSUMER_REGS_3)
+
+
+def three_warpgroups(tile, ext=0):
+    """Whether the ws instantiation of ``tile`` runs three consumer warpgroups (:data:`THREE_WARPGROUPS`: dense
+    calls at padded d = dv = :data:`THREE_WARPGROUPS_HEAD_DIM`)."""
+    return (THREE_WARPGROUPS and not ext and tile.head_dim == tile.head_dim_v == THREE_WARPGROUPS_HEAD_DIM)
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
 
@@ -396,22 +418,27 @@ def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     (the keys; None: any) choose the key tile (:func:`wide_block_n`)."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
-    warps = (tile.block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
+    three = three_warpgroups(tile, ext)
+    block_m = 3 * WARPGROUP_ROWS if three else tile.block_m
+    warps = (block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
     d = max(tile.head_dim, tile.head_dim_v)
     heavy = bool(ext & ~GEOMETRY_EXT)
     overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
     limit = PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM
     persistent = PERSISTENT and d <= (min(limit, PERSISTENT_CAUSAL_MAX_HEAD_DIM) if causal else limit)
-    bc = wide_block_n(tile, ext, causal, overlap, persistent, Lk)
-    reason = ("producer warpgroup (TMA, setmaxnreg %d) + 2 consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
+    bc = THREE_WARPGROUPS_BLOCK_N if three else wide_block_n(tile, ext, causal, overlap, persistent, Lk)
+    reason = ("producer warpgroup (TMA, setmaxnreg %d) + %d consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
               "K/V in a %d-stage ring on mbarriers, 128B-swizzled%s" % (
-                  PRODUCER_REGS, CONSUMER_REGS, bc, " (WIDE_KEYS)" if bc != tile.block_n else "", STAGES,
+                  ws_registers(block_m)[0], block_m // WARPGROUP_ROWS, ws_registers(block_m)[1], bc,
+                  " (WIDE_KEYS)" if bc != tile.block_n and not three else "", STAGES,
                   ", softmax overlapped with P V" if overlap else ""))
+    if three:
+        reason += ", THREE_WARPGROUPS"
     if persistent:
         reason += ", persistent (static tile scheduler)"
-    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent)
-    return dataclasses.replace(tile, block_n=bc, tma=True, overlap=overlap, persistent=persistent, threads_m=warps,
-                               smem=smem, reason=reason)
+    smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, block_m, bc, overlap, persistent)
+    return dataclasses.replace(tile, block_m=block_m, block_n=bc, tma=True, overlap=overlap, persistent=persistent,
+                               threads_m=warps, smem=smem, reason=reason)
 
 
 def cp_async_ext_tile(tile, aligned, ext):
