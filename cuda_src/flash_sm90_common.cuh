@@ -101,7 +101,8 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
   const uint64_t da0 = sw128_desc(sQ_w, 16), db0 = sw128_desc(sK_j, 16);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const int k_bytes = (ks % 4) * 32, a_bytes = (ks / 4) * kBlockM * 128 + k_bytes, b_bytes = (ks / 4) * kRowsB * 128 + k_bytes;
+    const int k_bytes = (ks % 4) * 32;
+    const int a_bytes = (ks / 4) * kBlockM * 128 + k_bytes, b_bytes = (ks / 4) * kRowsB * 128 + k_bytes;
     const uint64_t da = kAdvance ? fa::wgmma_desc_advance(da0, a_bytes) : sw128_desc(sQ_w + a_bytes, 16);
     const uint64_t db = kAdvance ? fa::wgmma_desc_advance(db0, b_bytes) : sw128_desc(sK_j + b_bytes, 16);
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
