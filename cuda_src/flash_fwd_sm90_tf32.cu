@@ -15,7 +15,10 @@
 //                     K-major in 128B-swizzled shared memory;
 //   online softmax on the accumulator fragments (flash_fwd_sm90_softmax.cuh, as the 16-bit wgmma forward);
 //   O_i += P_ij V_j   Bc/8 k8 steps × (1 or 3) wgmma.m64n{dv}k8 .rs: P's A fragments from the S accumulator,
-//                     V_j transposed (tf32 wgmma reads K-major operands only) into Vtᵀ planes.
+//                     V_j transposed (tf32 wgmma reads K-major operands only) into Vtᵀ planes; 3xtf32 at d 128
+//                     in two column blocks of N = 64 (kPvN), each summed and added to O apart (registers).
+// 3xtf32 at d 128 runs Bc = 32 (the host's rule): its planes fit 227 KB only with Q's raw / hi plane over the two
+// stages (kQOverStages), read once into the fragments before the first key tile is copied there.
 // The tf32 A fragment (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]) is not the accumulator's
 // column pair (2t, 2t+1): P V's k index is permuted instead of exchanging lanes — a0/a1 take P's column 2t, a2/a3
 // column 2t+1 of the n8 tile, so the Vt planes hold key 8kk + 2p at position 8kk + p and key 8kk + 2p + 1 at
@@ -26,13 +29,14 @@
 //       next tile while this one is computed. K in the 128B-swizzled K-major layout (flash_sm90_common.cuh: row r
 //       of a 32-float panel at 128·r, 16-byte chunk c at c ^ (r mod 8)); V raw row-major (dv floats per row).
 //   K_j lo plane (3xtf32) and the Vt planes (dv rows × Bc keys, 128B-swizzled K-major, permuted keys).
-//   Q_i: raw → hi in place, and its lo plane (3xtf32), 128B-swizzled K-major (Br rows per panel).
+//   Q_i: raw → hi in place, and its lo plane (3xtf32), 128B-swizzled K-major (Br rows per panel); with
+//       kQOverStages the raw / hi plane at offset 0 (over the stages), the lo plane alone at kQOffset.
 // Per key tile: wait for the copies, barrier (every thread's copies visible, every warpgroup done with tile j+1's
 // planes), prefetch tile j−1, convert K_j (each thread the chunks it copied: hi in place, lo) and transpose V_j
 // into the Vt planes (transpose_v), fence.proxy.async, barrier, the wgmmas.
 //
-// Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, padded head dims up to 64
-// (or 128 for tf32) computed at d = dv = 64 (128) with the tiles zero-filled past D, Dv; no extensions. Arguments:
+// Dense calls only (the host's rule: cuda_forward_tf32.wgmma_tile): 16-byte aligned rows, padded head dims up to
+// 128 computed at d = dv = 64 or 128 with the tiles zero-filled past D, Dv; no extensions. Arguments:
 // flash_fwd_tf32_kernel's, so the host lays out both alike.
 #include "fa_port.cuh"
 #include "flash_kernel_traits.cuh"
@@ -67,16 +71,22 @@ struct Sm90Tf32FwdTraits {
   static constexpr int kVtOffset = kKLoOffset + (kPrec == 3 ? kTileBytes : 0);
   static constexpr int kQOffset = kVtOffset + kPlanes * kTileBytes;
   static constexpr int kQPlaneBytes = kBlockM * kHeadDim * 4;   // Q_i raw → hi in place, then its lo plane
+  // Q_i's raw / hi plane over the two stages (3xtf32 at d 128): read once into the hi fragments (kQRegs) before
+  // the first key tile is copied; only Q's lo plane keeps its own room.
+  static constexpr bool kQOverStages = kQRegs && kQPlaneBytes <= 2 * kStageBytes && kHeadDim == 128;
+  static constexpr int kQHiOffset = kQOverStages ? 0 : kQOffset;
+  static constexpr int kQLoOffset = kQOverStages ? kQOffset : kQOffset + kQPlaneBytes;
   static constexpr int kAtomBytes = 1024;
   // + the alignment slack of the GPU's dynamic shared memory base (cuda_forward_tf32.wgmma_smem_bytes).
-  static constexpr int kSmemBytes = kQOffset + kPlanes * kQPlaneBytes + kAtomBytes;
+  static constexpr int kSmemBytes = kQOffset + (kPlanes - (kQOverStages ? 1 : 0)) * kQPlaneBytes + kAtomBytes;
   static constexpr int kKSteps = kHeadDim / 8;   // k8 steps of S = Q Kᵀ
   static constexpr int kPvSteps = kBlockN / 8;   // k8 steps of P V
+  static constexpr int kPvN = kPrec == 3 && kHeadDimV == 128 ? 64 : kHeadDimV;  // 3xtf32's P V_j column block
   static constexpr int kVPasses = (kHeadDimV / 32) * (kBlockN / 4) / kNWarps;  // transpose_v's passes
 
   static_assert(kPrec == 1 || kPrec == 3, "kPrec: 1 (tf32) or 3 (3xtf32)");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "d = dv: the N of the O wgmma, 64 or 128");
-  static_assert(kBlockN == 64 || kBlockN == 128, "Bc: the N of the S wgmma, 64 or 128");
+  static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "Bc: the N of the S wgmma, 32, 64 or 128");
   static_assert((kHeadDimV / 32) * (kBlockN / 4) % kNWarps == 0, "whole V passes");
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory");
 };
@@ -138,25 +148,28 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&q_hi)[Tr::kKSteps][4], c
 
 // The descriptor of k8 step ks of a 128B-swizzled K-major operand of kRows rows per panel: its step-0 descriptor
 // plus k8_step<kRows>(ks), the start address (bits 0-13, 16-byte units) of panel ks / 4 (kRows·128 bytes apart),
-// byte 32 (ks mod 4): one descriptor per operand, the steps' immediate increments.
+// byte 32 (ks mod 4): one descriptor per operand, the steps' immediate increments. (A 64-bit add of a constant:
+// ptxas folds it into the uniform registers better than fa::wgmma_desc_advance's 32-bit add here, which costs a
+// UMOV per HGMMA to re-pair the words: 844 → 906 loop instructions at 3xtf32 d 128.)
 template <int kRows>
 __device__ __forceinline__ constexpr uint64_t k8_step(int ks) {
   return static_cast<uint64_t>(((ks / 4) * kRows * 128 + (ks % 4) * 32) >> 4);
 }
 
 // S = Q_w K_jᵀ for the warpgroup's 64 rows in precision kPrec, one committed batch, waited for. q_hi: Q's (hi)
-// fragments (Tr::kQRegs), sQ_w: its planes at the warpgroup's rows (hi, lo a plane apart); sK: K_j's hi plane,
+// fragments (Tr::kQRegs), sQ_w / sQlo_w: its hi and lo planes at the warpgroup's rows; sK: K_j's hi plane,
 // its lo at k_lo_bytes. 3xtf32: every step's Q_lo·K_hi (.ss) and Q_hi·K_lo (.rs) first, then the Q_hi·K_hi: the
 // tensor cores truncate each partial sum, and the small terms summed first are truncated while the sum is small.
 template <class Tr>
 __device__ __forceinline__ void gemm_s_tf32(float (&acc)[Tr::kBlockN / 2], const uint32_t (&q_hi)[Tr::kKSteps][4],
-                                            const unsigned char* sQ_w, const unsigned char* sK, int k_lo_bytes) {
+                                            const unsigned char* sQ_w, const unsigned char* sQlo_w,
+                                            const unsigned char* sK, int k_lo_bytes) {
   constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM;
   const uint64_t k_hi = sw128_desc(sK, 16);
   fa::wgmma_fence_operand(acc);
   fa::wgmma_fence();
   if constexpr (Tr::kPrec == 3) {
-    const uint64_t q_lo = sw128_desc(sQ_w + Tr::kQPlaneBytes, 16), k_lo = sw128_desc(sK + k_lo_bytes, 16);
+    const uint64_t q_lo = sw128_desc(sQlo_w, 16), k_lo = sw128_desc(sK + k_lo_bytes, 16);
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
       fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, q_lo + k8_step<kM>(ks), k_hi + k8_step<kN>(ks), ks > 0 ? 1 : 0);
@@ -170,7 +183,7 @@ __device__ __forceinline__ void gemm_s_tf32(float (&acc)[Tr::kBlockN / 2], const
     if constexpr (Tr::kQRegs) fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, q_hi[ks], k_hi + k8_step<kN>(ks), scale);
     else fa::wgmma_m64nNk8_f32_tf32_ss<kN>(acc, q_d + k8_step<kM>(ks), k_hi + k8_step<kN>(ks), scale);
   }
-  (void)k_lo_bytes; (void)q_d;
+  (void)k_lo_bytes; (void)q_d; (void)sQlo_w;
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc);
@@ -178,9 +191,9 @@ __device__ __forceinline__ void gemm_s_tf32(float (&acc)[Tr::kBlockN / 2], const
 
 // acc (+)= A·Bᵀ over k8 steps in precision kPrec (3xtf32: every step's A_lo·B_hi and A_hi·B_lo, then the
 // A_hi·B_hi, as gemm_s_tf32), one committed batch, waited for: A the register fragments (hi, lo) of each step, B's
-// planes at b_hi (lo at b_lo_bytes past it; 128B-swizzled K-major, N = kN rows). zero: scale_d 0 on the first
-// wgmma (acc starts at 0). P V.
-template <int kPrec, int kN, int kSteps>
+// planes at b_hi (lo at b_lo_bytes past it; 128B-swizzled K-major, kN rows from b_hi of kPanelRows per 32-float
+// panel). zero: scale_d 0 on the first wgmma (acc starts at 0). P V.
+template <int kPrec, int kN, int kSteps, int kPanelRows = kN>
 __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_t (&a_hi)[kSteps][4],
                                              const uint32_t (&a_lo)[kSteps][4], const unsigned char* b_hi,
                                              int b_lo_bytes, bool zero) {
@@ -191,15 +204,16 @@ __device__ __forceinline__ void gemm_rs_tf32(float (&acc)[kN / 2], const uint32_
     const uint64_t bl = sw128_desc(b_hi + b_lo_bytes, 16);
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], bh + k8_step<kN>(ks), zero && ks == 0 ? 0 : 1);
-      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bl + k8_step<kN>(ks), 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_lo[ks], bh + k8_step<kPanelRows>(ks), zero && ks == 0 ? 0 : 1);
+      fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bl + k8_step<kPanelRows>(ks), 1);
     }
   } else {
     (void)a_lo; (void)b_lo_bytes;
   }
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
-    fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bh + k8_step<kN>(ks), kPrec == 3 || !zero || ks > 0 ? 1 : 0);
+    fa::wgmma_m64nNk8_f32_tf32_rs<kN>(acc, a_hi[ks], bh + k8_step<kPanelRows>(ks),
+                                      kPrec == 3 || !zero || ks > 0 ? 1 : 0);
   fa::wgmma_commit_group();
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc);
@@ -238,7 +252,9 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
   unsigned char* sVt = smem + Tr::kVtOffset;
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128, warp = tid / 32, lane = tid % 32;
+  // the warpgroup index from lane 0 (CUTLASS's canonical_warp_group_idx): ptxas then keeps the descriptors of Q's
+  // planes in uniform registers
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = tid / 32, lane = tid % 32;
   const int warp_row = wg * 64 + (warp % 4) * 16;   // first of the warp's 16 rows in Q_i
   const int g = lane >> 2, t = lane & 3;
   const int m0 = query_tile<Is_causal>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)) * kBlockM;
@@ -277,18 +293,25 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
   };
 
   // Prologue: Q_i and the first key tile; Q converted (hi in place, lo plane) by the threads that copied it, then
-  // (kQRegs) Q's hi fragments into registers for the whole loop.
-  unsigned char* sQ = smem + Tr::kQOffset;
+  // (kQRegs) Q's hi fragments into registers for the whole loop. Q's hi plane over the stages (kQOverStages):
+  // the first key tile is copied after every warp has read its fragments.
+  unsigned char* sQ = smem + Tr::kQHiOffset;
+  unsigned char* sQlo = smem + Tr::kQLoOffset;
   uint32_t q_hi[Tr::kKSteps][4];
   int n_block = tiles.first();
   if (n_block >= tiles.lo()) {
     load_sw128<float, kBlockM, kHeadDim, 256, true>(sQ, q_i, q_row, rows_in_tile(m0, kBlockM, Lq), D, false, tid);
-    load_kv(false, 0, n_block);
+    if constexpr (!Tr::kQOverStages) load_kv(false, 0, n_block);
     fa::cp_async_commit();
     fa::cp_async_wait<0>();
-    convert_sw128<kPrec, kBlockM, kHeadDim, 256>(sQ, Tr::kQPlaneBytes, tid);
+    convert_sw128<kPrec, kBlockM, kHeadDim, 256>(sQ, static_cast<int>(sQlo - sQ), tid);
     __syncthreads();
     if constexpr (Tr::kQRegs) load_q_frags<Tr>(q_hi, sQ, warp_row, g, t);
+    if constexpr (Tr::kQOverStages) {
+      __syncthreads();  // every warp's fragments read: stage 0 may be overwritten
+      load_kv(false, 0, n_block);
+      fa::cp_async_commit();
+    }
   }
   int stage = 0;
   for (; n_block >= tiles.lo(); n_block = tiles.prev(n_block)) {
@@ -306,7 +329,7 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
     __syncthreads();
 
     float acc_s[kBlockN / 2];
-    gemm_s_tf32<Tr>(acc_s, q_hi, sQ + wg * 64 * 128, sK, static_cast<int>(sKlo - sK));
+    gemm_s_tf32<Tr>(acc_s, q_hi, sQ + wg * 64 * 128, sQlo + wg * 64 * 128, sK, static_cast<int>(sKlo - sK));
     const int row0 = m0 + warp_row + g, n0 = n_block * kBlockN;
     uint32_t p_hi[Tr::kPvSteps][4], p_lo[Tr::kPvSteps][4];
     if constexpr (kPrec == 3) {
@@ -314,10 +337,18 @@ flash_fwd_sm90_tf32_kernel(const float* __restrict__ q, const float* __restrict_
       softmax_tile_sm90<Is_causal, kBlockN, kHeadDimV, true>(acc_s, acc_o, stat, correction, mask,
                                                              tiles.masked(n_block), row0, n0, t, scale_log2);
       p_frags<kPrec, kBlockN>(p_hi, p_lo, acc_s);
-      float acc_pv[kHeadDimV / 2];  // P V_j alone (zeroed by the first wgmma), then added to O in fp32
-      gemm_rs_tf32<kPrec, kHeadDimV, Tr::kPvSteps>(acc_pv, p_hi, p_lo, sVt, Tr::kTileBytes, true);
+      // P V_j alone (zeroed by the first wgmma), then added to O in fp32; in column blocks of kPvN (d 128: two
+      // of 64, each its own batch: a 64-register P V_j spilled next to Q's fragments)
+      constexpr int kPvN = Tr::kPvN;
 #pragma unroll
-      for (int i = 0; i < kHeadDimV / 2; ++i) acc_o[i] = fmaf(acc_o[i], correction[(i % 4) >> 1], acc_pv[i]);
+      for (int h = 0; h < kHeadDimV / kPvN; ++h) {
+        float acc_pv[kPvN / 2];
+        gemm_rs_tf32<kPrec, kPvN, Tr::kPvSteps, kHeadDimV>(acc_pv, p_hi, p_lo, sVt + h * kPvN * 128, Tr::kTileBytes,
+                                                          true);
+#pragma unroll
+        for (int i = 0; i < kPvN / 2; ++i)
+          acc_o[h * kPvN / 2 + i] = fmaf(acc_o[h * kPvN / 2 + i], correction[(i % 4) >> 1], acc_pv[i]);
+      }
     } else {
       softmax_sm90<Is_causal, kBlockN, kHeadDimV>(acc_s, acc_o, stat, mask, tiles.masked(n_block), row0, n0, t,
                                                   scale_log2);

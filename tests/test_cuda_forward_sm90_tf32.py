@@ -2,7 +2,7 @@
 
 precision="3xtf32" is held to the DESIGN.md rule for float32 (assert_attention_close), "tf32" to the tf32 bound
 (test_cuda_forward_tf32.assert_tf32_close), as the mma.sync TF32 forward. Which calls take the kernel
-(cuda_forward_tf32.wgmma_tile: sm_90, dense, 16-byte aligned rows, d = dv padded to 64, or 128 for tf32), the
+(cuda_forward_tf32.wgmma_tile: sm_90, dense, 16-byte aligned rows, d = dv padded to 64 or 128), the
 fallback for rows that are not 16-byte aligned, schedules (a missing barrier between the conversion of a tile and
 another thread's or the wgmma's reads of it would change the bits), NaN inputs, and (``FLASHARRAY_EMULATOR_MMA_SUM=
 truncate``, a subprocess) the float32 rule under the model of the tensor cores' truncated sums at N 1024.
@@ -34,7 +34,10 @@ CASES = [(p, *c) for p in ("3xtf32", "tf32") for c in [
     (40, 64, 64, True, "bshd", True),
     (16, 200, 64, True, "bhsd", False),
     (64, 129, 257, False, "bshd", False),
-]] + [("tf32", 128, 65, 63, True, "bhsd", False), ("tf32", 100, 130, 257, False, "bshd", True)]
+]] + [(p, *c) for p in ("3xtf32", "tf32") for c in [
+    (128, 65, 63, True, "bhsd", False),
+    (100, 130, 257, False, "bshd", True),
+]] + [("3xtf32", 128, 150, 200, True, "bhsd", False)]   # 3xtf32 d 128: Bc 32, Q's hi plane over the stages
 
 
 def _id(c):
@@ -88,10 +91,14 @@ def test_tile_rule(monkeypatch):
     assert isinstance(t, T.Tf32WgmmaTile) and t.head_dim == 64 and isinstance(t.fallback, T.Tf32Tile)
     assert t.smem == T.wgmma_smem_bytes(64, 64, "3xtf32") == 181248 and "lo plane in shared memory" in t.reason
     assert T.forward_tile("tf32", f32, 128, 128, 90).smem == 230400
+    t128 = T.forward_tile("3xtf32", f32, 80, 96, 90)   # d 128: Bc 32, Q's hi plane over the two stages
+    assert (t128.head_dim, t128.block_n, t128.smem) == (128, 32, 181248) and "Bc=32" in t128.reason
+    assert t128.name_expression(False, True) == "flash::flash_fwd_sm90_tf32_kernel<128, 32, 3, false>"
+    assert T.wgmma_q_over_stages(128, 32, "3xtf32") and not T.wgmma_q_over_stages(64, 64, "3xtf32")
     assert t.name_expression(True, True) == "flash::flash_fwd_sm90_tf32_kernel<64, 64, 3, true>"
     with pytest.raises(ValueError, match="dense calls with 16-byte aligned rows"):
         t.name_expression(False, False)
-    for args, kw in [(("3xtf32", f32, 64, 64, 80), {}), (("3xtf32", f32, 80, 80, 90), {}),
+    for args, kw in [(("3xtf32", f32, 64, 64, 80), {}), (("3xtf32", f32, 144, 80, 90), {}),
                      (("tf32", f32, 144, 128, 90), {}), (("3xtf32", f32, 64, 64, 90), {"ext": 4})]:
         assert type(T.forward_tile(*args, **kw)) is T.Tf32Tile, (args, kw)
     from flasharray._private import cuda_forward_sm90
@@ -103,8 +110,10 @@ def test_tile_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "random"])
-def test_schedules_identical(schedule):
-    q, k, v = make_inputs(np.float32, 64, 150, 200)
+@pytest.mark.parametrize("D", [64, 128])
+def test_schedules_identical(schedule, D):
+    """d 128 (3xtf32): the first key tile lands where Q's hi plane was, after every warp read its fragments."""
+    q, k, v = make_inputs(np.float32, D, 150, 200)
     ref = run_forward("emulator", q, k, v, causal=True, precision="3xtf32", arch=ARCH)
     got = run_forward("emulator", q, k, v, causal=True, precision="3xtf32", arch=ARCH, schedule=schedule, seed=3)
     for a, b in zip(ref, got):
@@ -130,26 +139,28 @@ import sys
 import numpy as np
 from flasharray._private import cuda_forward
 from flasharray.testing import check_attention
+D = int(sys.argv[1])
 rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((1, 1, 1024, 64)).astype(np.float32) for _ in range(3))
-p = cuda_forward.plan(q, k, v, causal=False, scale=0.125, batch_shape=(1, 1), device="emulator", precision="3xtf32",
-                      arch="sm_90")
-assert type(p.tile).__name__ == "Tf32WgmmaTile"
-out, lse = cuda_forward.forward(q, k, v, causal=False, scale=0.125, batch_shape=(1, 1), device="emulator",
+q, k, v = (rng.standard_normal((1, 1, 1024, D)).astype(np.float32) for _ in range(3))
+p = cuda_forward.plan(q, k, v, causal=False, scale=D ** -0.5, batch_shape=(1, 1), device="emulator",
+                      precision="3xtf32", arch="sm_90")
+assert type(p.tile).__name__ == "Tf32WgmmaTile" and p.tile.head_dim == D
+out, lse = cuda_forward.forward(q, k, v, causal=False, scale=D ** -0.5, batch_shape=(1, 1), device="emulator",
                                 precision="3xtf32", arch="sm_90")
-r = check_attention(out, q, k, v, causal=False, scale=0.125)
+r = check_attention(out, q, k, v, causal=False, scale=D ** -0.5)
 sys.stdout.buffer.write(out.tobytes() + (b"PASSED" if r.passed else b"FAILED"))
 '''
 
 
-def test_3xtf32_under_truncated_mma_sums():
+@pytest.mark.parametrize("D", [64, 128])
+def test_3xtf32_under_truncated_mma_sums(D):
     """Under the emulator's model of the tensor cores' truncated sums (read once per process: subprocesses) the
     bits change and the rule holds at N 1024: P V_j of each key tile is summed in a zeroed accumulator and added to
-    O in fp32, as the mma.sync kernel does (docs/precision.md, *Default*)."""
+    O in fp32, as the mma.sync kernel does (docs/precision.md, *Default*); at d 128 in two column blocks."""
     root = str(Path(__file__).resolve().parents[1])
 
     def run(mode):
-        res = subprocess.run([sys.executable, "-c", _TRUNCATE_SCRIPT], capture_output=True, timeout=600,
+        res = subprocess.run([sys.executable, "-c", _TRUNCATE_SCRIPT, str(D)], capture_output=True, timeout=600,
                              env=dict(os.environ, PYTHONPATH=root, FLASHARRAY_EMULATOR_MMA_SUM=mode))
         assert res.returncode == 0, res.stderr.decode()
         return res.stdout[:-6], res.stdout[-6:]
@@ -172,8 +183,8 @@ def test_python_smem_matches_traits():
     """cuda_forward_tf32.wgmma_smem_bytes (the launch's dynamic shared memory) equals the kernel's kSmemBytes."""
     from flasharray import emulator
     from flasharray._private import launch
-    entries = {"probe<%d, %d, %d>" % (d, T.WGMMA_BLOCK_N, T.PREC[p]): T.wgmma_smem_bytes(d, T.WGMMA_BLOCK_N, p)
-               for p, dims in T.WGMMA_HEAD_DIMS.items() for d in dims}
+    entries = {"probe<%d, %d, %d>" % (d, T.wgmma_block_n(p, d), T.PREC[p]):
+               T.wgmma_smem_bytes(d, T.wgmma_block_n(p, d), p) for p, dims in T.WGMMA_HEAD_DIMS.items() for d in dims}
     mod = emulator.Module(_PROBE, name_expressions=list(entries), include_dirs=[str(launch.cuda_src_dir())],
                           options=["-std=c++17"])
     out = np.zeros(1, np.int32)
@@ -182,20 +193,23 @@ def test_python_smem_matches_traits():
         assert int(out[0]) == smem, name
 
 
-@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
-def test_counters(precision):
-    """Per key tile and warpgroup kPrec x (d/8 + Bc/8) wgmmas; every byte of q, k, v read once per tile load and
-    out, lse written once (the analytic count); every store fills its 32-byte sectors (the output by 8-byte pairs)
-    and the copies' shared-memory writes are conflict-free."""
+@pytest.mark.parametrize("precision,D", [("3xtf32", 64), ("tf32", 64), ("3xtf32", 128)])
+def test_counters(precision, D):
+    """Per key tile and warpgroup kPrec x (d/8 + Bc/8) wgmmas (3xtf32 at d 128: P V_j in two column blocks, twice
+    Bc/8); every byte of q, k, v read once per tile load and out, lse written once (the analytic count); every store
+    fills its 32-byte sectors (the output by 8-byte pairs) and the copies' shared-memory writes are conflict-free."""
     from flasharray._private import cuda_forward
-    D, Lq, Lk = 64, 200, 300
+    Lq, Lk = 200, 300
     q, k, v = make_inputs(np.float32, D, Lq, Lk, batch=(1, 1))
     p = tf32_plan(q, k, v, True, precision, arch=ARCH)
     counters = []
     p.run(q, k, v, counters)
     (c,) = counters
-    tiles_visited = sum(-(-min(Lk, m0 + min(128, Lq - m0) + Lk - Lq) // 64) for m0 in range(0, Lq, 128))
-    assert c.wgmma == 2 * tiles_visited * T.PREC[precision] * (D // 8 + 64 // 8)
+    bc = p.tile.block_n
+    assert bc == T.wgmma_block_n(precision, D)
+    tiles_visited = sum(-(-min(Lk, m0 + min(128, Lq - m0) + Lk - Lq) // bc) for m0 in range(0, Lq, 128))
+    pv_blocks = 2 if (precision, D) == ("3xtf32", 128) else 1
+    assert c.wgmma == 2 * tiles_visited * T.PREC[precision] * (D // 8 + pv_blocks * bc // 8)
     assert (c.global_read_bytes, c.global_write_bytes) == cuda_forward.analytic_global_bytes(
         1, Lq, Lk, D, D, np.float32, p.tile, causal=True)
     assert c.store_sector_efficiency == 1.0
@@ -204,7 +218,7 @@ def test_counters(precision):
 
 @pytest.mark.gpu
 @requires_sm90
-@pytest.mark.parametrize("precision,D", [("3xtf32", 64), ("tf32", 64), ("tf32", 128)])
+@pytest.mark.parametrize("precision,D", [("3xtf32", 64), ("tf32", 64), ("tf32", 128), ("3xtf32", 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_forward(precision, D, causal):
     """The wgmma forward on an H100 / H200 (``-m gpu``; skipped elsewhere): the rule, as on the emulator."""

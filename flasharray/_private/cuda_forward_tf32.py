@@ -72,7 +72,7 @@ _NARROW_BLOCK_N = 16
 
 
 #: The wgmma forward (``cuda_src/flash_fwd_sm90_tf32.cu``) on sm_90 for dense calls with 16-byte aligned rows:
-#: head dims padded to a wgmma d = dv per precision (3xtf32: 64), Br 128 (two warpgroups), Bc :data:`WGMMA_BLOCK_N`. Off: the mma.sync kernel
+#: head dims padded to a wgmma d = dv per precision (64 or 128), Br 128 (two warpgroups), Bc :func:`wgmma_block_n`. Off: the mma.sync kernel
 #: everywhere (``benchmarks/gpu_session.sh`` compares the two).
 WGMMA = True
 #: The wgmma kernel for float32's default forward (precision None, which runs "3xtf32" there) too. Off until a GPU
@@ -81,19 +81,36 @@ WGMMA = True
 #: precision="tf32" / "3xtf32" calls take the wgmma one.
 WGMMA_DEFAULT = False
 WGMMA_SOURCE = "flash_fwd_sm90_tf32.cu"
-WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64,)}
+WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64, 128)}
 WGMMA_BLOCK_M = 128
 WGMMA_BLOCK_N = 64
+#: 3xtf32 at d 128: Bc 32 (K_j, V_j with their lo and Vt planes in two stages, Q's lo plane: 177 KB; Bc 64 would
+#: need 289), Q's raw / hi plane over the stages (Sm90Tf32FwdTraits::kQOverStages).
+WGMMA_BLOCK_N_3XTF32_128 = 32
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (launch.ARCH_SPECIFIC).
 launch.ARCH_SPECIFIC.setdefault(WGMMA_SOURCE, {90: "sm_90a"})
 
 
+def wgmma_block_n(precision, d):
+    """Bc of the wgmma forward at padded d = dv: :data:`WGMMA_BLOCK_N_3XTF32_128` for 3xtf32 at d 128, else
+    :data:`WGMMA_BLOCK_N`."""
+    return WGMMA_BLOCK_N_3XTF32_128 if (precision, d) == ("3xtf32", 128) else WGMMA_BLOCK_N
+
+
+def wgmma_q_over_stages(d, block_n, precision):
+    """Mirror of Sm90Tf32FwdTraits::kQOverStages: Q_i's raw / hi plane (read once into registers by 3xtf32)
+    over the two stages, where it fits there, at d 128."""
+    return precision == "3xtf32" and d == 128 and WGMMA_BLOCK_M * d <= 4 * block_n * d
+
+
 def wgmma_smem_bytes(d, block_n, precision):
     """Mirror of Sm90Tf32FwdTraits::kSmemBytes: two stages of K_j (raw, then hi) and V_j raw, K_j's lo plane
-    (3xtf32), the Vt planes, Q_i's planes (hi, lo for 3xtf32); + 1024 bytes of alignment slack."""
+    (3xtf32), the Vt planes, Q_i's planes (hi, lo for 3xtf32; the hi plane over the stages where
+    :func:`wgmma_q_over_stages`); + 1024 bytes of alignment slack."""
     tile = block_n * d * 4
     planes = 2 if precision == "3xtf32" else 1
-    return 4 * tile + (planes - 1) * tile + planes * tile + planes * WGMMA_BLOCK_M * d * 4 + 1024
+    q_planes = planes - (1 if wgmma_q_over_stages(d, block_n, precision) else 0)
+    return 4 * tile + (planes - 1) * tile + planes * tile + q_planes * WGMMA_BLOCK_M * d * 4 + 1024
 
 
 def smem_bytes(d, dv, block_m, block_n, precision, q_split=False, o_smem=False):
@@ -169,14 +186,15 @@ def wgmma_tile(precision, d, dv, a, ext, fallback, device=None):
     wd = next((w for w in WGMMA_HEAD_DIMS[precision] if max(d, dv) <= w), None)
     if wd is None:
         return None
-    smem = wgmma_smem_bytes(wd, WGMMA_BLOCK_N, precision)
+    block_n = wgmma_block_n(precision, wd)
+    smem = wgmma_smem_bytes(wd, block_n, precision)
     reason = ("%s on sm_90: wgmma m64nNk8 (two warpgroups, Br=%d, Bc=%d; Q %s, K_j and V_j transposed as tf32 %s "
               "in shared memory), d = dv padded to %d%s"
-              % (precision, WGMMA_BLOCK_M, WGMMA_BLOCK_N,
+              % (precision, WGMMA_BLOCK_M, block_n,
                  "hi fragments in registers, lo plane in shared memory" if precision == "3xtf32" else
                  "in shared memory", "hi+lo planes" if precision == "3xtf32" else "planes", wd,
                  "; two blocks per SM" if (precision, wd) == ("tf32", 64) else ""))
-    return Tf32WgmmaTile("tf32", "float32", wd, wd, WGMMA_BLOCK_M, WGMMA_BLOCK_N, WGMMA_BLOCK_M // 16, 32, smem,
+    return Tf32WgmmaTile("tf32", "float32", wd, wd, WGMMA_BLOCK_M, block_n, WGMMA_BLOCK_M // 16, 32, smem,
                          reason, 1, precision, fallback=fallback)
 
 
