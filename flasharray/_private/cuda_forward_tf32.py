@@ -85,7 +85,7 @@ WGMMA_HEAD_DIMS = {"tf32": (64, 128), "3xtf32": (64, 128)}
 WGMMA_BLOCK_M = 128
 WGMMA_BLOCK_N = 64
 #: 3xtf32 at d 128: Bc 32 (K_j, V_j with their lo and Vt planes in two stages, Q's lo plane: 177 KB; Bc 64 would
-#: need 289), Q's raw / hi plane over the stages (Sm90Tf32FwdTraits::kQOverStages).
+#: need 289 even so), Q's raw / hi plane over the stages (Sm90Tf32FwdTraits::kQOverStages).
 WGMMA_BLOCK_N_3XTF32_128 = 32
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (launch.ARCH_SPECIFIC).
 launch.ARCH_SPECIFIC.setdefault(WGMMA_SOURCE, {90: "sm_90a"})
