@@ -124,6 +124,14 @@ __device__ __forceinline__ void load_row_stats_exp(float* lse2_s, float* delta_s
 __device__ __forceinline__ float p_from_score(float s, float scale_log2, float lse2, bool visible) {
     return visible ? flash::exp2_acc(s * scale_log2 - lse2) : 0.0f;
 }
+// The same value with no branch: exp2's argument selected (-inf where not visible: ex2.approx.ftz(-inf) = +0, the
+// same bits). The wgmma backward's visibility is not known at compile time in its loop (keys past Lk), and there
+// ptxas turned p_from_score's select into a branch around each FFMA / MUFU pair (BSSY, BRA, BSYNC and register
+// moves: 112 of the d 128 ws consumer loop's 558 instructions); the mma.sync kernels keep p_from_score, whose
+// loops this form made 0-3 % longer.
+__device__ __forceinline__ float p_from_score_sel(float s, float scale_log2, float lse2, bool visible) {
+    return flash::exp2_acc(visible ? s * scale_log2 - lse2 : flash::neg_inf<float>());
+}
 
 // Atomic dQ mode of the tensor-core kernels: layout of the float dQ accumulator. Every query block
 // of kBlockM rows owns kBlockM x kHeadDim floats (rows padded to a multiple of Br, columns to the

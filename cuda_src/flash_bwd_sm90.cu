@@ -1328,7 +1328,8 @@ flash_bwd_sm90_ws_kernel(
           for (int e = 4 * j; e < 4 * j + 4; ++e) {
             const int col = 8 * j + 2 * t + (e & 1);
             const int key = c0 + key_row + 8 * ((e % 4) >> 1);
-            acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
+            acc_s[e] = p_from_score_sel(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x,
+                                        mask.is_visible(r0 + col, key));
           }
         }
       }
