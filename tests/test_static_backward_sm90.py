@@ -16,7 +16,7 @@ note), registers used within the consumers' 240, the query-block loop free of co
 named barrier (ordered: two, the group semaphore's wait and post, with the leader's acquire spin
 ``LDG.E.STRONG.GPU`` and release add ``RED.E.ADD.S32.STRONG.GPU`` in it), and the producer loop (the
 smallest loop holding ``UTMALDG``) issuing one visit's Q_i and dO_i boxes with registers below the
-producer's 24 and no semaphore instruction.
+producer's 24 and no semaphore instruction. Below the head-dim split, no exp2 of P^T behind a branch.
 """
 import re
 
@@ -66,6 +66,15 @@ def sass_registers(operands):
     return re.findall(r"\bR\d+\b", operands)
 
 
+def branched_exp2(body, loop):
+    """The MUFU.EX2 of the loop that lie inside a BSSY ... BSYNC region (a branch around them): P^T computed with a
+    select of exp2's argument (p_from_score_sel) has none; ptxas put each FFMA / MUFU pair of the select of its
+    result behind a branch (docs/hopper.md, "Descriptors by 64-bit adds, P^T without branches")."""
+    in_loop = [i for i in body if loop.start <= i.address <= loop.end]
+    regions = [(i.address, int(i.operands.split(",")[1], 16)) for i in in_loop if i.base == "BSSY"]
+    return sum(1 for i in in_loop if i.opcode.startswith("MUFU.EX2") and any(a < i.address < e for a, e in regions))
+
+
 def ws_checks(name, t, d, body, loop):
     """Problems of the warp-specialized kernel's SASS and its figures (producer loop, registers)."""
     problems = []
@@ -86,6 +95,9 @@ def ws_checks(name, t, d, body, loop):
     sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
     if sem_ops != (consumer_turn, consumer_turn):
         problems.append("%s: acquire load / release add in the query-block loop: %s" % (name, sem_ops))
+    if not S.is_split(*_dims(d)) and branched_exp2(body, loop):
+        problems.append("%s: %d MUFU.EX2 of P^T behind a branch (BSSY ... BSYNC) in the query-block loop"
+                        % (name, branched_exp2(body, loop)))
     if staged:
         problems += staged_dq_checks(name, t, body, loop)
     elif bulk:
