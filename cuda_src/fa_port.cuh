@@ -17,7 +17,7 @@
 //                      chunks staged now, landed later (cp.async on sm_80+, registers on sm_75);
 //                      fa::ChunkPrefetch<N>: chunks fetched early, put when the destination is free
 //                      (registers on sm_75; sm_80+: the cp.async at put)
-//   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v)
+//   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v), fa::atomic_add_if(pred, p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
 //                      `expected`, another adds 1 after its writes (sm_70+; usage rule below);
@@ -402,6 +402,16 @@ template <class T> __device__ __forceinline__ T gload(const T* p) { return *p; }
 template <class T> __device__ __forceinline__ void gstore(T* p, T v) { *p = v; }
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+// The add only where pred holds, by one predicated red (no branch around it: ptxas otherwise may put the
+// address arithmetic inside a branch per atomic); p need not be valid where pred is false.
+__device__ __forceinline__ void atomic_add_if(bool pred, float* p, float v) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q red.global.add.f32 [%0], %1;\n}\n"
+                 :: "l"(p), "f"(v), "r"(static_cast<int>(pred)) : "memory");
+}
+__device__ __forceinline__ void atomic_add_if(bool pred, double* p, double v) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q red.global.add.f64 [%0], %1;\n}\n"
+                 :: "l"(p), "d"(v), "r"(static_cast<int>(pred)) : "memory");
+}
 
 // ---- inter-block ordering: semaphores in global memory (sm_70+) ------------------------
 // Usage rule: a block may only wait for blocks with a SMALLER linear block index (blockIdx.x

@@ -354,7 +354,7 @@ __device__ __forceinline__ void store_block(OutT* g, long long row_stride, const
 }
 
 // Atomic mode: dQ_i += dS_ij K_j * scale into the AccT accumulator (rows < n_rows, columns < n_cols).
-template <class Lay, int kBlockN, int kPS, int kPD, typename T, typename AccT>
+template <class Lay, int kBlockN, int kPS, int kPD, bool kPredicated, typename T, typename AccT>
 __device__ __forceinline__ void atomic_dq(AccT* g, long long row_stride, const AccT* dS_s, const T* K_s,
                                           AccT scale, int n_rows, int n_cols) {
     const int tid = (int)threadIdx.x;
@@ -374,7 +374,10 @@ __device__ __forceinline__ void atomic_dq(AccT* g, long long row_stride, const A
         const bool row_ok = r0 + Lay::row(0, a) < n_rows;
 #pragma unroll
         for (int b = 0; b < Lay::TN; ++b)
-            if (row_ok && d0 + Lay::col(0, b) < n_cols) fa::atomic_add(ga + Lay::col(0, b), c[a][b] * scale);
+            if constexpr (kPredicated)
+                fa::atomic_add_if(row_ok && d0 + Lay::col(0, b) < n_cols, ga + Lay::col(0, b), c[a][b] * scale);
+            else if (row_ok && d0 + Lay::col(0, b) < n_cols)
+                fa::atomic_add(ga + Lay::col(0, b), c[a][b] * scale);
     }
 }
 
@@ -483,7 +486,7 @@ __global__ void __launch_bounds__(kNThreads, kBlocksPerSm) flash_bwd_dkv_simt_ke
                 AccT* dqa = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)g * dqa_g;
                 int* turn = reinterpret_cast<int*>(dqa + (long long)Lq * dqa_row) + i;  // kOrderedDQ only
                 if constexpr (kOrderedDQ) fa::sem_wait(turn, dq_order.turn(i, kBlockM, kBlockN, mask));
-                atomic_dq<typename Prod::DQ, kBlockN, L::kPitchS, L::kPitchD>(
+                atomic_dq<typename Prod::DQ, kBlockN, L::kPitchS, L::kPitchD, (kBlocksPerSm == 1)>(
                     dqa + (long long)r0 * dqa_row, dqa_row, dS_s, K_s, scale, Lq - r0, D);
                 if constexpr (kOrderedDQ) fa::sem_post(turn);
             }

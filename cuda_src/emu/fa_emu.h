@@ -402,6 +402,9 @@ inline void gstore(T* p, T v) {
 }
 inline void atomic_add(float* p, float v) { fa_emu_atomic_add_f32(p, v); }
 inline void atomic_add(double* p, double v) { fa_emu_atomic_add_f64(p, v); }
+// fa_port.cuh's predicated red: nothing (no access, no check of p) where pred is false.
+inline void atomic_add_if(bool pred, float* p, float v) { if (pred) fa_emu_atomic_add_f32(p, v); }
+inline void atomic_add_if(bool pred, double* p, double v) { if (pred) fa_emu_atomic_add_f64(p, v); }
 
 // Block-wide (every thread calls them): the runtime lets thread 0 wait or post and puts the
 // block's barrier around it, as the GPU branch does.
