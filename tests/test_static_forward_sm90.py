@@ -193,7 +193,7 @@ def ws_checks(name, t, body, loop):
     # persistent: Q's boxes (issued after the tile's first K, on a branch) lie inside the visit loop too, or (as
     # ptxas lays out d 256) in a loop beside it with one tile's K and V boxes, whose back edge is the next work tile's
     kv_boxes, q_boxes = (t.head_dim + t.head_dim_v) // 64, (t.head_dim // 64 if t.persistent else 0)
-    around = [lp for lp in lps if sum(1 for i in tma if lp.start <= i.address <= lp.end) == kv_boxes + q_boxes]
+    around = any(sum(1 for i in tma if lp.start <= i.address <= lp.end) == kv_boxes + q_boxes for lp in lps)
     if boxes != kv_boxes + q_boxes and not (t.persistent and boxes == kv_boxes and around):
         problems.append("%s: %d UTMALDG in the producer loop, expected %d" % (name, boxes, kv_boxes + q_boxes))
     regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1

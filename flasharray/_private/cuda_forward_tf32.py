@@ -99,8 +99,8 @@ def wgmma_block_n(precision, d):
 
 def wgmma_q_over_stages(d, block_n, precision):
     """Mirror of Sm90Tf32FwdTraits::kQOverStages: Q_i's raw / hi plane (read once into registers by 3xtf32)
-    over the two stages, where it fits there, at d 128."""
-    return precision == "3xtf32" and d == 128 and WGMMA_BLOCK_M * d <= 4 * block_n * d
+    over the two stages (4 tiles of Bc x d floats), where it fits there, at d 128."""
+    return precision == "3xtf32" and d == 128 and WGMMA_BLOCK_M <= 4 * block_n
 
 
 def wgmma_smem_bytes(d, block_n, precision):
