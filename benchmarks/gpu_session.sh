@@ -211,7 +211,7 @@ run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py -
 # (4b) the switches that wait for a GPU's verdict (the thirty-first session: the ws forward on three consumer
 # warpgroups at d 64, default off; the thirtieth session: the wgmma backward's dQ split by queries at
 # d 64; the twenty-fourth session: the wgmma backward's bulk dQ, now at
-# d 256 too (staged by the consumers), its d 256 query split, timed at N 4k only, and its ordered mode's
+# d 256 too (staged by the consumers, added by the dQ warp since the thirty-third session), its d 256 query split, timed at N 4k only, and its ordered mode's
 # entries-first block order (and the mma.sync kernels'); the persistent forward at causal d 256, off since the twenty-third session on the SASS
 # alone; the earlier ones were decided on the H200 of 2026-11-28, docs/gpu_h200.md, "Fifth GPU session")
 run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_variants.py \

@@ -25,7 +25,7 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                ratio > 1 means wgmma is faster, i.e. keep sm_90's automatic dispatch
   bwd.DQ_BULK                  cuda_backward_sm90.DQ_BULK: dQ by shared memory + one bulk reduce-add from a dQ
                                warp (off: the consumers' fp32 atomics); padded d, dv <= 128, and d = dv = 256
-                               (staged over the stage's panels, added by the consumers)
+                               (staged over the stage's panels, added by the dQ warp)
   bwd.USE_TMA_STORE            cuda_backward_sm90.USE_TMA_STORE: dK, dV by TMA stores (off: 16-byte stores)
   bwd.USE_TMA                  cuda_backward_sm90.USE_TMA: the warp-specialized TMA dK/dV kernel (off: cp.async)
   bwd.KV_REGS                  cuda_backward_sm90.KV_REGS: the ws kernel at d = dv = 64 holds K_j, V_j in registers,

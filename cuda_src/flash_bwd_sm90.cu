@@ -284,18 +284,15 @@ __device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const 
   dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc1, row + 64, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64));
 }
 
-// The head-dim split's bulk dQ (the ws kernel's Is_dq_bulk at d = dv = kDQDim = 256; no dQ warp): warpgroup w's
-// two m64 blocks of dQ_i^T (head dims [128w, 128w + 128): dq_atomics2_sm90's batches) stored in DQAccumLayout<128>'s
+// The head-dim split's bulk dQ (the ws kernel's Is_dq_bulk at d = dv = kDQDim = 256, kDQStaged): warpgroup w's two
+// m64 blocks of dQ_i^T (head dims [128w, 128w + 128): dq_atomics2_sm90's batches) stored in DQAccumLayout<128>'s
 // order over its own panels of the stage (sQ_w: Q_i's panels 2w, 2w + 1, row tiles 0, 1; sdO_w: dO_i's, row tiles
-// 2, 3; 16 KB each: after the warpgroup's dV, dK batches nothing reads them), then added by its thread 0 (wtid) with
-// one bulk reduce-add per 16-row tile: that tile's columns [128w, 128w + 128) are 8 KB in a row of DQAccumLayout<256>
-// (dq_i: the query block's accumulator). The thread waits for the adds' reads (ordered: their completion, before the
-// turn passes on) and releases the stage on `empty` (one arrival per warpgroup in this mode). lane_off: this lane's
+// 2, 3; 16 KB each: after the warpgroup's dV, dK batches nothing reads them). The dQ warp adds them
+// (dq_bulk_adds_sm90) once every consumer thread has arrived on the stage's dq_full. lane_off: this lane's
 // DQAccumLayout<128>::offset(2t, 16·warp + g).
-template <typename T, int kBlockM, int kBlockN, bool kComplete>
-__device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const unsigned char* sdS, int w, int wtid,
-                                               int lane_off, unsigned char* sQ_w, unsigned char* sdO_w, float* dq_i,
-                                               uint64_t* empty, int barrier_id) {
+template <typename T, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const unsigned char* sdS, int w, int lane_off,
+                                               unsigned char* sQ_w, unsigned char* sdO_w) {
   using Stage = DQAccumLayout<128>;
   static_assert(kBlockM == 64, "four 16-row tiles: two per 16 KB half");
   float acc0[kBlockM / 2], acc1[kBlockM / 2];
@@ -314,19 +311,6 @@ __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const un
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc1);
   store(acc1, 64);
-  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...
-  fa::named_barrier_sync(barrier_id, 128);  // ... of every thread of the warpgroup
-  if (wtid == 0) {
-#pragma unroll
-    for (int tm = 0; tm < kBlockM / 16; ++tm)
-      fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
-                              (tm < 2 ? sQ_w : sdO_w) + (tm % 2) * 4 * Stage::kTileFloats * 4,
-                              4 * Stage::kTileFloats * 4);
-    fa::bulk_commit();
-    fa::bulk_wait_read<0>();
-    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on
-    fa::mbarrier_arrive(empty);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
-  }
 }
 
 // Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
@@ -921,13 +905,19 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr bool kDQSplitQ = kDQSplitOn && !Base::kSplitD && kHeadDim == 64 && kBlockN == 128;
   static constexpr int kDQN = kDQSplitQ ? kBlockM / 2 : kBlockM;  // the N of a warpgroup's dQ^T wgmma
   static constexpr int kDQWarpgroups = kDQSplitQ ? 2 : Base::kDQWarpgroups;  // warpgroups computing dQ^T
-  // Is_dq_bulk in the head-dim split (d = dv = 256 only): dQ staged over the stage's own panels and added by the
-  // consumers (dq_staged_sm90), no dQ warp, no buffers
+  // Is_dq_bulk in the head-dim split (d = dv = 256 only): dQ staged by the consumers over the stage's own panels
+  // (dq_staged_sm90) and added from there by the dQ warp, which then releases the stage: no dQ buffers, the
+  // stage's dq_full barrier (dq_bulk_writer_sm90)
   static constexpr bool kDQStaged = Is_dq_bulk && Base::kSplitD;
   static_assert(!kDQStaged || (kHeadDim == 256 && kHeadDimV == 256), "the staged bulk dQ: d = dv = 256");
   static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
+  // setmaxnreg's counts: FlashAttention-3's 24 / 240, but kDQStaged 32 / 232 (its consumers use 217 registers; at
+  // 24 the producer warpgroup, holding the loader's and the dQ warp's state, spilled 4 bytes, causal ordered)
+  static constexpr int kProducerRegs = kDQStaged ? 32 : flash::kWsProducerRegs;
+  static constexpr int kConsumerRegs = kDQStaged ? 232 : flash::kWsConsumerRegs;
+  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
   static constexpr int kdSBytes = kBlockN * kBlockM * 2;
   static constexpr int kdS = Base::kdS;                                   // [stage] dS^T, Bc x Br
@@ -946,13 +936,13 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + kTurnBytes + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kDQBufs = !Is_dq_bulk || kDQStaged ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
   static constexpr int kBarOffset = kDQAcc + kDQBufs * kDQTileBytes;
-  static constexpr int kBars = 1 + 2 * Base::kStages + 2 * kDQBufs;  // kv, full[stage], empty[stage], dQ full/empty
+  // kv, full[stage], empty[stage], then dQ full/empty[buffer] (kDQStaged: dQ full[stage]; the stage's empty frees it)
+  static constexpr int kBars = 1 + 2 * Base::kStages + (kDQStaged ? Base::kStages : 2 * kDQBufs);
   static constexpr int kTurnOffset = kBarOffset + kBars * 8;               // ordered dQ: the counters' base
   static constexpr int kOffsetsOffset = kTurnOffset + kTurnBytes;  // head-dim split: dq_accum's, dk's, dv's batch offsets
   static constexpr int kSmemBytes = kOffsetsOffset + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
-  static constexpr int kWgBarrier = 3;        // kDQStaged: + w, consumer warpgroup w's 128 threads
   static constexpr int kDQThreads = 128 * kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -1030,40 +1020,67 @@ __device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
   return Order{a[0], a[1]}.turn(i, kBlockM, kBlockN, a[2]);
 }
 
+// The dQ warp's bulk reduce-adds of one query block's tile (dq_i: its accumulator), from buffer bf: the dQ buffer
+// (one add of the whole Br x kDQDim tile), or kDQStaged stage bf (dq_staged_sm90's panels: per warpgroup w and
+// 16-row tile tm, columns [128w, 128w + 128) are 8 KB in a row of DQAccumLayout<256>, 8 KB in the stage).
+template <typename Tr, int kDQDim, int kBlockM>
+__device__ __forceinline__ void dq_bulk_adds_sm90(float* dq_i, const unsigned char* smem, int bf) {
+  if constexpr (Tr::kDQStaged) {
+    constexpr int kTile = 4 * DQAccumLayout<128>::kTileFloats * 4;  // 16 rows x 128 columns, bytes
+    static_assert(Tr::kQBytes == Tr::kdOBytes, "stage bf's dO_i at a constant distance from its Q_i");
+    const unsigned char* sQ_bf = smem + Tr::kQ + bf * Tr::kQBytes;
+#pragma unroll 1  // (rolled: unrolled, the eight addresses spilled 8 bytes at the producer's 24 registers, causal)
+    for (int k = 0; k < 2 * (kBlockM / 16); ++k) {
+      const int w = k / (kBlockM / 16), tm = k % (kBlockM / 16);
+      fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
+                              sQ_bf + (tm < 2 ? 0 : Tr::kdO - Tr::kQ) + w * 2 * kBlockM * 128 + (tm % 2) * kTile,
+                              kTile);
+    }
+  } else {
+    fa::bulk_reduce_add_f32(dq_i, smem + Tr::kDQAcc + bf * Tr::kDQTileBytes, kBlockM * kDQDim * 4);
+  }
+}
+
 // Is_dq_bulk: the dQ warp (warp 1 of the producer warpgroup, at its setmaxnreg count). Per visit (query block i
-// of group entry grp, in the consumers' order): wait until the consumers filled buffer visit mod kDQBufs
-// (dq_full: their generic stores, fenced for the async proxy, then released by the arrival); ordered, take
-// the turn at (grp, i) (the group semaphore over this warp); lane 0 adds the whole tile to the accumulator
-// with one bulk reduce-add, waits for the source's read and frees the buffer (dq_empty). Ordered, it waits
-// for the adds' completion (wait_group 0, not .read) before the post passes the turn on: the next key
-// block's adds must land after them (a post after .read alone would publish adds still in flight).
-// The accumulator of group entry 0 is dq_accum + dqa_off[0] and its counter of query block 0 *turn0 (both
-// 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read from shared
-// memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes, measured).
+// of group entry grp, in the consumers' order): wait until the consumers filled buffer visit mod kBufs (dq_full:
+// their generic stores, fenced for the async proxy, then released by the arrival; kDQStaged: the buffers are the
+// stages); ordered, take the turn at (grp, i) (the group semaphore over this warp); lane 0 adds the tile to the
+// accumulator (dq_bulk_adds_sm90), waits for the source's read and frees the buffer (dq_empty; kDQStaged: the
+// stage's empty, whose one arrival this is). Ordered, it waits for the adds' completion (wait_group 0, not
+// .read) before the post passes the turn on: the next key block's adds must land after them (a post after .read
+// alone would publish adds still in flight). The consumers never wait for the turn: they run up to kBufs
+// visits ahead. The accumulator of group entry 0 is dq_accum + dqa_off[0] and its counter of query block 0
+// *turn0 (both 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read
+// from shared memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes,
+// measured).
 template <typename Tr, int kDQDim, int kBlockM, int kBlockN, bool kOrderedDQ, class Order>
-__device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* sdQ, uint64_t* dq_full, uint64_t* dq_empty,
+__device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, uint64_t* dq_full, uint64_t* dq_empty,
                                                     float* dq_accum, const long long* dqa_off, int* const* turn0,
                                                     long long dqa_g, int n_visits, int i_begin, int n_qblocks) {
+  constexpr int kBufs = Tr::kDQStaged ? Tr::kStages : Tr::kDQBufs;
   const bool issuer = threadIdx.x % 32 == 0;
-  for (int visit = 0, grp = 0, i = i_begin; visit < n_visits; ++visit) {
-    const int bf = visit % Tr::kDQBufs;
-    fa::mbarrier_wait_parity(dq_full + bf, (visit / Tr::kDQBufs) & 1);
+  // (grp_off: the group entry's offset grp·dqa_g, kept as a sum: with the product the causal ordered d = 256 writer
+  // spilled 4 bytes)
+  long long grp_off = 0;
+  for (int visit = 0, i = i_begin; visit < n_visits; ++visit) {
+    const int bf = visit % kBufs;
+    fa::mbarrier_wait_parity(dq_full + bf, (visit / kBufs) & 1);
     if constexpr (kOrderedDQ)
-      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
+      fa::sem_wait_group(*turn0 + grp_off + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
     if (issuer) {
-      fa::bulk_reduce_add_f32(dq_accum + *dqa_off + grp * dqa_g + static_cast<long long>(i) * kBlockM * kDQDim,
-                              sdQ + bf * Tr::kDQTileBytes, kBlockM * kDQDim * 4);
+      dq_bulk_adds_sm90<Tr, kDQDim, kBlockM>(dq_accum + *dqa_off + grp_off + static_cast<long long>(i) * kBlockM * kDQDim,
+                                             smem, bf);
       fa::bulk_commit();
       fa::bulk_wait_read<0>();
       fa::mbarrier_arrive(dq_empty + bf);  // the source read: the consumers may refill the buffer
       if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on
     }
     if constexpr (kOrderedDQ)
-      fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kDQBarrier, 32);
+      fa::sem_post_group(*turn0 + grp_off + i, Tr::kDQBarrier, 32);
     else
       __syncwarp();
     const bool wrap = i + 1 == n_qblocks;
-    i = wrap ? i_begin : i + 1, grp = wrap ? grp + 1 : grp;
+    i = wrap ? i_begin : i + 1, grp_off = wrap ? grp_off + dqa_g : grp_off;
   }
   if (issuer) fa::bulk_wait<0>();
 }
@@ -1091,7 +1108,7 @@ flash_bwd_sm90_ws_kernel(
     const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk, kDQSplitOn>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
-  constexpr bool kDQWarp = Is_dq_bulk && !Tr::kDQStaged;  // the bulk dQ by the dQ warp (else staged: dq_staged_sm90)
+  constexpr bool kDQWarp = Is_dq_bulk;  // the bulk dQ by the dQ warp (from its buffers, or kDQStaged the stages)
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
@@ -1119,7 +1136,7 @@ flash_bwd_sm90_ws_kernel(
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(smem + Tr::kBarOffset);  // K_j, V_j landed
   uint64_t* full = bar_kv + 1;        // [stage]: Q_i, dO_i landed, L_i, D_i stored
   uint64_t* empty = full + kStages;   // [stage]: every consumer thread is done with the stage
-  uint64_t* dq_full = empty + kStages;      // Is_dq_bulk [buffer]: the dQ^T warpgroups stored the tile
+  uint64_t* dq_full = empty + kStages;      // Is_dq_bulk [buffer] (kDQStaged [stage]): the dQ^T warpgroups stored
   uint64_t* dq_empty = dq_full + Tr::kDQBufs;  // [buffer]: the dQ warp's bulk reduce has read it
   float* sdQ = reinterpret_cast<float*>(smem + Tr::kDQAcc);  // [buffer] one query block's dQ (DQAccumLayout)
   // Ordered dQ: the counter of (group entry 0, query block 0); (grp, i) is grp·dqa_g + i further (counters
@@ -1156,7 +1173,8 @@ flash_bwd_sm90_ws_kernel(
     fa::mbarrier_init(bar_kv, 1);
     for (int s = 0; s < kStages; ++s) {
       fa::mbarrier_init(full + s, Tr::kProducerLanes);
-      fa::mbarrier_init(empty + s, Tr::kDQStaged ? 2 : Tr::kConsumerThreads);  // (staged: one per warpgroup)
+      fa::mbarrier_init(empty + s, Tr::kDQStaged ? 1 : Tr::kConsumerThreads);  // (staged: the dQ warp's)
+      if constexpr (Tr::kDQStaged) fa::mbarrier_init(dq_full + s, Tr::kDQThreads);
     }
     for (int bf = 0; bf < Tr::kDQBufs; ++bf) {
       fa::mbarrier_init(dq_full + bf, Tr::kDQThreads);
@@ -1211,13 +1229,15 @@ flash_bwd_sm90_ws_kernel(
 
   if (wg == 0) {
     // ---- producer: K_j, V_j once, then the visits one stage ahead of the consumers ----
-    fa::setmaxnreg_dec<flash::kWsProducerRegs>();
-    if constexpr (kDQWarp)
-      if (tid / 32 == 1)
-        dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order>(
-            reinterpret_cast<const unsigned char*>(sdQ), dq_full, dq_empty, dq_accum, batch_off, turn0, dqa_g,
-            n_visits, i_begin, n_qblocks);
-    if (!loader) return;  // warps 1-3: nothing to do (Is_dq_bulk: warp 1 wrote dQ)
+    fa::setmaxnreg_dec<Tr::kProducerRegs>();
+    if (!loader) {  // warps 1-3: nothing to do but Is_dq_bulk's dQ warp (warp 1)
+      if constexpr (kDQWarp)
+        if (tid / 32 == 1)
+          dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order>(
+              smem, dq_full, Tr::kDQStaged ? empty : dq_empty, dq_accum, batch_off, turn0, dqa_g, n_visits, i_begin,
+              n_qblocks);
+      return;
+    }
     const bool leader = fa::elect_one();
     if (n_visits > 0 && leader) {
       fa::mbarrier_arrive_expect_tx(bar_kv, Tr::kKBytes + Tr::kVBytes);
@@ -1237,7 +1257,7 @@ flash_bwd_sm90_ws_kernel(
   }
 
   // ---- consumers ----
-  fa::setmaxnreg_inc<flash::kWsConsumerRegs>();
+  fa::setmaxnreg_inc<Tr::kConsumerRegs>();
   const int cwg = wg - 1;  // keys [64 cwg, 64 cwg + 64) of K_j (head-dim split: all 64, head-dim half cwg)
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8
@@ -1398,12 +1418,12 @@ flash_bwd_sm90_ws_kernel(
     fa::wgmma_fence_operand(acc_dv);
     fa::wgmma_fence_operand(acc_dk);
     if constexpr (!Tr::kDQStaged) fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
-    if constexpr (Tr::kDQStaged) {  // (the head-dim split: dQ^T over the warpgroup's own panels, bulk adds)
-      dq_staged_sm90<T, kBlockM, kBlockN, kOrderedDQ>(
-          sK, sdS_s, cwg, tid % 128, DQAccumLayout<128>::offset(2 * t, key_row),
-          sQ + s * Tr::kQBytes + cwg * 2 * kBlockM * 128, sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128,
-          dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim, empty + s,
-          Tr::kWgBarrier + cwg);
+    if constexpr (Tr::kDQStaged) {  // (the head-dim split: dQ^T over the warpgroup's own panels of the stage)
+      dq_staged_sm90<T, kBlockM, kBlockN>(sK, sdS_s, cwg, DQAccumLayout<128>::offset(2 * t, key_row),
+                                          sQ + s * Tr::kQBytes + cwg * 2 * kBlockM * 128,
+                                          sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128);
+      fa::fence_proxy_async();           // the generic stores visible to the bulk reduce (async proxy) ...
+      fa::mbarrier_arrive(dq_full + s);  // ... before the dQ warp, acquiring, issues it (and frees the stage)
     } else if constexpr (kDQWarp) {
       if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or its half)
         const int bf = visit % Tr::kDQBufs;
@@ -1425,8 +1445,7 @@ flash_bwd_sm90_ws_kernel(
             (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
                 DQAccumLayout<kDQDim>::offset(0, 64 * pp));
     }
-    // Ordered: both warpgroups' atomics (kDQStaged: bulk adds, waited for complete) done (the barrier), then one
-    // release add passes the turn on.
+    // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ && !kDQWarp)
       fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     if constexpr (kExt != 0) {
@@ -1443,6 +1462,10 @@ flash_bwd_sm90_ws_kernel(
   //    Otherwise as the cp.async kernel's: 16-bit outputs by the 16-byte path (the host takes this kernel only
   //    with 16-byte rows: tma_args), float partial sums from the fragments.
   const auto consumer_sync = [] { fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads); };
+  // kDQStaged: the dQ warp's last adds read the last visit's stage (and, in order, every earlier one) before the
+  // epilogue's staging overwrites the operand tiles: that stage's release (the dQ warp's arrival on empty).
+  if constexpr (Tr::kDQStaged)
+    if (n_visits > 0) fa::mbarrier_wait_parity(empty + (n_visits - 1) % kStages, ((n_visits - 1) / kStages) & 1);
   if constexpr (Is_tma_store) {
     epilogue_dk_dv_tma_sm90<Tr, OutT>(sK, acc_dk, acc_dv, &tmap_dk, &tmap_dv, c0, D, Dv, scale,
                                       tid - 128, consumer_sync, [&](int m) {

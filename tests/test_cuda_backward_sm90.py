@@ -292,8 +292,9 @@ def test_wgmma_backward_tile_head_dim_split():
     # (the cp.async kernel: + dk's and dv's batch offsets for the epilogue, 16 bytes; the ws kernel has its own)
     assert t.smem == S.smem_bytes(256, 256, 64, 64) == 2 * (64 * 512 + 2 * 64 * 512 + 64 * 64) + 2 * 2 * 64 * 4 + 1024 + 16
     w = S.ws_tile(t, 256, 256)
-    # (+ the second dS^T buffer, P^T per stage for the query split, the mbarriers, the turn, the batch offsets)
-    assert w.n_threads == 384 and w.smem == t.smem - 16 + 64 * 64 * 2 * 3 + 40 + S.TURN_BYTES + 24 <= 227 * 1024
+    # (+ the second dS^T buffer, P^T per stage for the query split, the mbarriers (5, and the staged bulk dQ's
+    # dq_full per stage: 2), the turn, the batch offsets)
+    assert w.n_threads == 384 and w.smem == t.smem - 16 + 64 * 64 * 2 * 3 + 56 + S.TURN_BYTES + 24 <= 227 * 1024
     assert S.pad_head_dims(200, 72) == (256, 128) and S.pad_head_dims(40, 130) == (128, 256)
     assert S.pad_head_dims(40, 72) == (64, 128) and not S.is_split(128, 128) and S.is_split(129, 1)
     ks = cb.kernel_plan(np.float16, 200, 72, causal=True, deterministic=False, arch=90, kernel="wgmma", tma=True,
@@ -673,10 +674,31 @@ def test_ws_bulk_dq_ordered_bits_identical_under_schedules(schedule, seed):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+
+def test_ws_staged_dq_read_before_the_epilogue(monkeypatch):
+    """The staged bulk dQ (d = dv = 256): the 16-byte-store epilogue stages dK_j, dV_j over the operand tiles,
+    Q_i's and dO_i's stages included, so the consumers first wait for the dQ warp's release of the last visit's
+    stage. Without that wait the emulator reports the dQ warp's adds reading the epilogue's stores."""
+    from flasharray import emulator
+    p = Problem(bfloat16, 256, 65, 127, causal=True, batch_q=(1, 2), batch_k=(1, 2))
+    _mutant(monkeypatch, "    if (n_visits > 0) fa::mbarrier_wait_parity(empty + (n_visits - 1) % kStages, "
+                         "((n_visits - 1) / kStages) & 1);\n", "")
+    try:
+        S.USE_TMA_STORE = False
+        launch._clear_plans()
+        with pytest.raises(emulator.EmulatorError, match=r"bulk_reduce_add_f32 reads shared offset .*generic-proxy|"
+                                                         r"source of a bulk reduce-add .* was overwritten"):
+            run_wgmma(p, deterministic=True, schedule="reverse")
+    finally:
+        S.USE_TMA_STORE = True
+        monkeypatch.undo()
+        launch._clear_plans()
+
 def test_ws_bulk_dq_in_the_head_dim_split():
     """d or dv above 128: a Br x 256 fp32 buffer does not fit beside the split's tiles. At d = dv = 256 (and the
-    accumulator's head dim 256) the consumers stage dQ over their own panels of the stage instead (no buffer, the
-    same shared memory); elsewhere in the split (d != dv, D padded to 16 below 256) the atomics stay."""
+    accumulator's head dim 256) the consumers stage dQ over their own panels of the stage instead, for the dQ warp
+    (no buffer; one mbarrier per stage more); elsewhere in the split (d != dv, D padded to 16 below 256) the atomics
+    stay."""
     assert S.dq_bulk(256, 256) and not S.dq_bulk(256, 256, 208) and not S.dq_bulk(128, 256)
     assert not S.dq_bulk(256, 128) and S.dq_bulk(128, 128) and S.dq_bulk(64, 128)
     assert S.dq_buffers(128, 128) == 2 and S.dq_buffers(64, 64) == 2 and S.dq_buffers(256, 256) == 0
@@ -684,7 +706,8 @@ def test_ws_bulk_dq_in_the_head_dim_split():
         t = S.ws_tile(S.backward_tile(None, np.float16, D, D, 90), D, D)
         assert t.smem <= 227 * 1024
     t = S.backward_tile(None, np.float16, 256, 256, 90)
-    assert S.ws_tile(t, 256, 256).smem == S.ws_tile(t, 200, 256).smem   # (200: atomics; the same layout)
+    # (200: atomics, the same layout but the staged mode's dq_full barrier per stage)
+    assert S.ws_tile(t, 256, 256).smem == S.ws_tile(t, 200, 256).smem + 8 * S.STAGES
     names = [cb.kernel_plan(np.float16, D, D, causal=False, deterministic=True, arch=90, kernel="wgmma", tma=True,
                             ordered=True)["dkv"][1] for D in (256, 200)]
     assert template_flags(names[0])[-1] and not template_flags(names[1])[-1], names
@@ -704,20 +727,21 @@ _DQ_WARP = (64, 200, 300)   # the dQ warp's (dq_bulk_writer_sm90): 4 visits per 
      True),
     (_DQ_WARP, "      fa::bulk_wait_read<0>();\n", "",
      r"fa::bulk_wait: the source of a bulk reduce-add .* was overwritten between its issue", False),
-    (_STAGED, "  fa::fence_proxy_async();  // the generic stores visible to the bulk reduce (async proxy) ...\n", "",
-     r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
-    (_STAGED, "    if constexpr (kComplete) fa::bulk_wait<0>();  // the adds land before the turn passes on\n", "",
+    (_STAGED, "      fa::fence_proxy_async();           // the generic stores visible to the bulk reduce (async proxy) ...\n",
+     "", r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
+    (_STAGED, "      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
      r"fa::sem_post_group: this thread has a bulk reduce-add \(fa::bulk_reduce_add_f32\) in flight, not complete",
      True),
+    (_STAGED, "      fa::bulk_wait_read<0>();\n", "",
+     r"fa::bulk_wait: the source of a bulk reduce-add .* was overwritten between its issue", False),
 ], ids=["no-fence", "turn-before-completion", "buffer-freed-unread", "staged-no-fence",
-        "staged-turn-before-completion"])
+        "staged-turn-before-completion", "staged-stage-freed-unread"])
 def test_ws_bulk_dq_mutations_reported(monkeypatch, shape, old, new, match, deterministic):
     """The emulator reports the consumers' dQ stores without their fence.proxy.async, the turn passed on after
     the bulk reduce's .read wait only (its adds still in flight: the next key block could add first), and
     (plain mode, 4 visits per block) the buffer freed without waiting for the reduce's read (the consumers'
-    tile two visits later overwrites the source before the final wait); the first two also in the head-dim
-    split's staged bulk dQ. (Its warpgroup barrier before the adds is not checked: plain shared-memory stores
-    bypass the emulator's runtime, docs/emulator.md.)"""
+    tile two visits later overwrites the source before the final wait); all three also in the head-dim split's
+    staged bulk dQ, where the dQ warp frees the stage itself (the producer's next boxes overwrite the source)."""
     from flasharray import emulator
     D, Lq, Lk = shape
     p = Problem(np.float16, D, Lq, Lk, causal=False, batch_q=(1, 1), batch_k=(1, 1))

@@ -84,12 +84,11 @@ def ws_checks(name, t, d, body, loop):
             problems.append("%s: no %s" % (name, op))
     ordered, tma_store, bulk = [f == "true" for f in re.search(r"(true|false), (true|false), (true|false)>$",
                                                                name).groups()]
-    # Is_dq_bulk: the consumers never take the turn (the dQ warp does): one barrier, no semaphore instruction;
-    # in the head-dim split (d = 256) the bulk dQ is the consumers' own (kDQStaged): they take the turn, and each
-    # warpgroup's barrier before its bulk adds is one more
-    staged = bulk and S.is_split(*_dims(d))
-    consumer_turn = ordered and (not bulk or staged)
-    if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1) + staged:
+    # Is_dq_bulk: the consumers never take the turn (the dQ warp does, also in the head-dim split's staged bulk dQ):
+    # one barrier, no semaphore instruction
+    consumer_turn = ordered and not bulk
+    p_limit, c_limit = S.ws_regs(*S.pad_head_dims(*_dims(d)), bulk)
+    if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1):
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
     in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
     sem_ops = ("LDG.E.STRONG.GPU" in in_loop, any(re.fullmatch(r"REDG?\.E\.ADD\.S32\.STRONG\.GPU", o) for o in in_loop))
@@ -98,10 +97,8 @@ def ws_checks(name, t, d, body, loop):
     if not S.is_split(*_dims(d)) and branched_exp2(body, loop):
         problems.append("%s: %d MUFU.EX2 of P^T behind a branch (BSSY ... BSYNC) in the query-block loop"
                         % (name, branched_exp2(body, loop)))
-    if staged:
-        problems += staged_dq_checks(name, t, body, loop)
-    elif bulk:
-        problems += dq_warp_checks(name, body, loop, ordered)
+    if bulk:
+        problems += dq_warp_checks(name, body, loop, ordered, p_limit)
     # the dK / dV epilogue: Is_tma_store (the name's second-last flag) one TMA store per 64 columns per tensor and
     # no global store instruction; else the 16-byte stores and no TMA store
     pd, pdv = S.pad_head_dims(*_dims(d))
@@ -123,9 +120,9 @@ def ws_checks(name, t, d, body, loop):
         problems.append("%s: a semaphore instruction in the producer loop" % name)
     p_regs = max((int(r[1:]) for i in in_producer for r in sass_registers(i.operands)), default=0) + 1
     regs = max((int(r[1:]) for i in body for r in sass_registers(i.operands)), default=0) + 1
-    if regs > S.CONSUMER_REGS or p_regs > S.PRODUCER_REGS:
+    if regs > c_limit or p_regs > p_limit:
         problems.append("%s: registers up to R%d (consumers: %d), producer loop up to R%d (%d)" % (
-            name, regs - 1, S.CONSUMER_REGS, p_regs - 1, S.PRODUCER_REGS))
+            name, regs - 1, c_limit, p_regs - 1, p_limit))
     return problems, "  producer loop %d instr (%d UTMALDG, registers < %d), registers used %d, %d UTMASTG, " \
                      "%d after the loop" % (producer.stats.instructions, boxes, p_regs, regs, stores,
                                             sum(1 for i in body if i.address > loop.end))
@@ -134,25 +131,12 @@ def ws_checks(name, t, d, body, loop):
 DQ_WARP_FIGURES = {}   # name -> the dQ warp loop's figures (printed by _check)
 
 
-def staged_dq_checks(name, t, body, loop):
-    """kDQStaged (the head-dim split's bulk dQ): no float atomic anywhere; one UBLKRED.G.S.ADD.F32.RN per 16-row
-    tile of dQ (Br / 16, each warpgroup's 8 KB), all in the consumers' query-block loop."""
-    problems = []
-    f32_atomics = [i.opcode for i in body if i.base in ("RED", "REDG", "ATOM", "ATOMG") and ".F32" in i.opcode]
-    blk = [i for i in body if i.base == "UBLKRED"]
-    if f32_atomics:
-        problems.append("%s: float atomics with the staged bulk dQ: %s" % (name, f32_atomics[:4]))
-    if (len(blk) != t.block_m // 16 or any(i.opcode != "UBLKRED.G.S.ADD.F32.RN" for i in blk)
-            or not all(loop.start <= i.address <= loop.end for i in blk)):
-        problems.append("%s: %d UBLKRED (%s), expected %d in the consumers' loop" % (
-            name, len(blk), blk[:1], t.block_m // 16))
-    return problems
-
-
-def dq_warp_checks(name, body, loop, ordered):
-    """Is_dq_bulk: no float atomic (RED / ATOM .F32) anywhere; the dQ warp's loop (the loop holding the
-    UBLKRED) issues exactly one UBLKRED.G.S.ADD.F32.RN per visit, within the producer warpgroup's 24 registers,
-    ordered with the semaphore's acquire spin and release add in it (plain: none)."""
+def dq_warp_checks(name, body, loop, ordered, p_limit):
+    """Is_dq_bulk: no float atomic (RED / ATOM .F32) anywhere; one UBLKRED.G.S.ADD.F32.RN instruction, in the dQ
+    warp's loop (the loop holding the UBLKRED and an mbarrier wait), not the consumers': per visit the whole tile
+    from the dQ buffer, or (the head-dim split's staged tile) one per warpgroup and 16-row tile in a rolled loop
+    (the emulator tests count the adds' bits); within the producer warpgroup's ``p_limit`` registers, ordered with
+    the semaphore's acquire spin and release add in it (plain: none)."""
     problems = []
     f32_atomics = [i.opcode for i in body if i.base in ("RED", "REDG", "ATOM", "ATOMG") and ".F32" in i.opcode]
     if f32_atomics:
@@ -176,8 +160,8 @@ def dq_warp_checks(name, body, loop, ordered):
     if sem != (ordered, ordered):
         problems.append("%s: acquire load / release add in the dQ warp's loop: %s" % (name, sem))
     regs = max((int(r[1:]) for i in in_dq for r in sass_registers(i.operands)), default=0) + 1
-    if regs > S.PRODUCER_REGS:
-        problems.append("%s: the dQ warp's loop uses registers up to R%d (%d)" % (name, regs - 1, S.PRODUCER_REGS))
+    if regs > p_limit:
+        problems.append("%s: the dQ warp's loop uses registers up to R%d (%d)" % (name, regs - 1, p_limit))
     DQ_WARP_FIGURES[name] = "  dQ warp loop %d instr (1 UBLKRED, %d DEPBAR, registers < %d)" % (
         dq.stats.instructions, sum(1 for o in ops if o.startswith("DEPBAR")), regs)
     return problems

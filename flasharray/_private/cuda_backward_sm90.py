@@ -218,6 +218,15 @@ ENTRIES_FIRST = True
 DQ_SPLIT = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
+PRODUCER_REGS_STAGED, CONSUMER_REGS_STAGED = 32, 232   # ... with the staged bulk dQ (Sm90BwdWsTraits::kDQStaged)
+
+
+def ws_regs(d, dv, bulk):
+    """``Sm90BwdWsTraits::kProducerRegs, kConsumerRegs`` (setmaxnreg) of the ws kernel for padded head dims d, dv
+    (``bulk``: ``Is_dq_bulk``): 32 / 232 with the head-dim split's staged bulk dQ, whose producer warpgroup holds the
+    dQ warp beside the loader, else 24 / 240."""
+    staged = bulk and is_split(d, dv)
+    return (PRODUCER_REGS_STAGED, CONSUMER_REGS_STAGED) if staged else (PRODUCER_REGS, CONSUMER_REGS)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
 _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
@@ -233,10 +242,12 @@ def ws_smem_bytes(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     key block, Tc, Lk - Lq; 24 bytes) and, in the
     head-dim split (d or dv above 128), P^T per stage (:data:`QUERY_SPLIT`'s; reserved either way) and the batch
     offsets of dq_accum, dk and dv (3 x 8 bytes); with the bulk
-    dQ (``bulk``, default :func:`dq_bulk`) :func:`dq_buffers` fp32 tiles of Br x d and two mbarriers each."""
+    dQ (``bulk``, default :func:`dq_bulk`) :func:`dq_buffers` fp32 tiles of Br x d and two mbarriers each (in the
+    split, staged: one mbarrier per stage, no buffer)."""
     split = max(d, dv) > SPLIT_ABOVE
+    staged = split and (dq_bulk(d, dv) if bulk is None else bulk)
     base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
-            + TURN_BYTES + (3 * 8 + 2 * block_n * block_m * STAGES if split else 0))
+            + TURN_BYTES + (3 * 8 + 2 * block_n * block_m * STAGES if split else 0) + (8 * STAGES if staged else 0))
     n = dq_buffers(d, dv, block_m, block_n, bulk)
     return base + n * (block_m * d * 4 + 16) + (8 if n else 0)   # (+ dq_accum's batch offset)
 
@@ -263,14 +274,14 @@ def ws_tile(tile, D, Dv, ext=0):
     double-buffered, the mbarriers."""
     import dataclasses
     d, dv = pad_head_dims(D, Dv)
+    bulk = dq_bulk(d, dv, -(-D // 16) * 16) and not ext
+    p_regs, c_regs = ws_regs(d, dv, bulk)
     reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
               "%d), d=%d dv=%d, %d-stage Q_i/dO_i ring on mbarriers, 128B-swizzled"
-              % (tile.block_m, tile.block_n, PRODUCER_REGS, "half of d, dv" if is_split(D, Dv) else "64 keys",
-                 CONSUMER_REGS, d, dv, STAGES))
+              % (tile.block_m, tile.block_n, p_regs, "half of d, dv" if is_split(D, Dv) else "64 keys",
+                 c_regs, d, dv, STAGES))
     return dataclasses.replace(tile, n_threads=tile.n_threads + 128,
-                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n,
-                                                  dq_bulk(d, dv, -(-D // 16) * 16) and not ext),
-                               reason=reason)
+                               smem=ws_smem_bytes(d, dv, tile.block_m, tile.block_n, bulk), reason=reason)
 
 
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
