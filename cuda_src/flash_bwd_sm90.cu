@@ -1269,7 +1269,16 @@ flash_bwd_sm90_ws_kernel(
   const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row - (Tr::kDQSplitQ ? 64 * cwg : 0);
   const int dq_q0 = Tr::kDQSplitQ ? Tr::kDQN * cwg : 0;
   const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
-  const int ds_lane = Tr::kDQSplitQ ? key_row * 64 + (((g >> 1) & 3) << 4) + 4 * t : key_row * 128 + (g << 4) + 4 * t;
+  // kDsStmatrix (dense calls below the head-dim split): dS^T goes by stmatrix, lane l addressing row l mod 8 of
+  // matrix l / 8, i.e. key st_key (+8 in matrices 1, 3) and chunk l / 16 of the k16 step, swizzled (64B in the dQ
+  // split's half tiles, else 128B). Else word by word from the fragment's own (key, query) (extensions: with
+  // stmatrix the d 128 kernels with seqlens spilled 8 bytes).
+  constexpr bool kDsStmatrix = !Tr::kSplitD && kExt == 0;
+  const int st_key = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int ds_lane = kDsStmatrix ? (Tr::kDQSplitQ ? st_key * 64 + (((lane >> 4) ^ ((st_key >> 1) & 3)) << 4)
+                                                   : st_key * 128 + (((lane >> 4) ^ (st_key & 7)) << 4))
+                                  : (Tr::kDQSplitQ ? key_row * 64 + (((g >> 1) & 3) << 4) + 4 * t
+                                                   : key_row * 128 + (g << 4) + 4 * t);
   const int dq_panel = Tr::kDQSplitQ ? 0 : cwg * Tr::kDQBlocks;  // K_j's panel: the head-dim rows of dQ^T
   const int dq_half = Tr::kDQSplitQ ? cwg * kBlockN * 64 : 0;     // the warpgroup's B in dS^T (bytes)
   // The warpgroup's head-dim columns of dK_j, dV_j (head-dim split: its half; else all) and their panels in
@@ -1385,16 +1394,26 @@ flash_bwd_sm90_ws_kernel(
                                     r0, c0 + key_row, lane);
       }
 #pragma unroll
-      for (int ks = 0; ks < kBlockM / 16; ++ks)
+      for (int ks = 0; ks < kBlockM / 16; ++ks) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
-          if constexpr (Tr::kDQSplitQ)  // (queries 32h.. in half tile h = ks / 2, chunk 2(ks mod 2) + r / 2)
-            *reinterpret_cast<uint32_t*>(sdS_s + (ks / 2) * kBlockN * 64 +
-                                         ((ds_lane ^ ((2 * (ks % 2) + r / 2) << 4)) + 512 * (r % 2))) = a_ds[ks][r];
-          else if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
-            *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+        for (int r = 0; r < 4; ++r) a_ds[ks][r] = fa::pack2<T>(acc_dp[8 * ks + 2 * r], acc_dp[8 * ks + 2 * r + 1]);
+        // kDsStmatrix: one stmatrix.x4 per k16 step (ds_lane: this lane's row of the four 8 x 8 matrices, the
+        // step's chunks a constant XOR); else word by word. The dQ split's queries 32h.. in half tile h = ks / 2.
+        if constexpr (kDsStmatrix && Tr::kDQSplitQ) {
+          fa::stmatrix<4, false>(sdS_s + (ks / 2) * kBlockN * 64 + (ds_lane ^ ((2 * (ks % 2)) << 4)), a_ds[ks]);
+        } else if constexpr (kDsStmatrix) {
+          fa::stmatrix<4, false>(sdS_s + (ds_lane ^ (ks << 5)), a_ds[ks]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if constexpr (Tr::kDQSplitQ)  // (chunk 2(ks mod 2) + r / 2)
+              *reinterpret_cast<uint32_t*>(sdS_s + (ks / 2) * kBlockN * 64 +
+                                           ((ds_lane ^ ((2 * (ks % 2) + r / 2) << 4)) + 512 * (r % 2))) = a_ds[ks][r];
+            else if (!Tr::kSplitD || ks / (kBlockM / 32) == cwg)  // (head-dim split: each warpgroup stores half)
+              *reinterpret_cast<uint32_t*>(sdS_s + ((ds_lane ^ ((2 * ks + r / 2) << 4)) + 1024 * (r % 2))) = a_ds[ks][r];
+          }
         }
+      }
       if constexpr (kExt == 0)
         issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
       else

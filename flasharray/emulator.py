@@ -122,7 +122,9 @@ class Counters:
     the hardware (32 banks of 4 bytes; each 8×8 matrix's 8 row addresses form one phase, which
     takes as many wavefronts as its most-used bank has distinct words), and
     ``ldmatrix_wavefronts_ideal`` the conflict-free count (one per matrix); their ratio is the
-    average bank-conflict degree (:attr:`ldmatrix_conflict_factor`).
+    average bank-conflict degree (:attr:`ldmatrix_conflict_factor`). ``stmatrix_wavefronts`` /
+    ``stmatrix_wavefronts_ideal`` count the ``fa::stmatrix`` calls' the same way (one phase per 8 x 8 matrix,
+    :attr:`stmatrix_conflict_factor`).
 
     The per-thread ``fa::`` memory calls are regrouped into warp instructions (a thread's k-th call
     from one call site since the block's last barrier) to measure what the hardware would do:
@@ -197,6 +199,8 @@ class Counters:
     cp_async_lines_ideal: int = 0
     cp_async_sectors: int = 0
     cp_async_sectors_ideal: int = 0
+    stmatrix_wavefronts: int = 0
+    stmatrix_wavefronts_ideal: int = 0
 
     @property
     def load_sector_efficiency(self):
@@ -230,6 +234,11 @@ class Counters:
         return self.ldmatrix_wavefronts / self.ldmatrix_wavefronts_ideal if self.ldmatrix_wavefronts_ideal else 1.0
 
     @property
+    def stmatrix_conflict_factor(self):
+        """Shared-memory wavefronts of the stmatrix calls over the conflict-free count (1.0 = none)."""
+        return _ratio(self.stmatrix_wavefronts, self.stmatrix_wavefronts_ideal)
+
+    @property
     def global_bytes(self):
         """Total global traffic, read + written (bytes)."""
         return self.global_read_bytes + self.global_write_bytes
@@ -254,7 +263,7 @@ _COUNTER_FIELDS = ("global_read_bytes", "global_write_bytes", "mma", "ldmatrix",
                    "bulk_copies", "bulk_copy_bytes", "mbar_waits", "mbar_blocked", "wgmma",
                    "tma_loads", "tma_load_bytes", "tma_stores", "tma_store_bytes", "named_barriers",
                    "stmatrix", "elects", "setmaxnreg", "cp_async_lines", "cp_async_lines_ideal", "cp_async_sectors",
-                   "cp_async_sectors_ideal")
+                   "cp_async_sectors_ideal", "stmatrix_wavefronts", "stmatrix_wavefronts_ideal")
 
 
 class _Counters(ctypes.Structure):

@@ -209,7 +209,8 @@ def test_dk_dv_epilogue_coalesced(D, tma):
     """The dK_j / dV_j epilogue through shared memory: each warp stmatrix.x4 per 16 of its columns of dK_j and
     dV_j, then 16-byte stores of whole rows: the global sectors of dk and dv are the ideal count (before:
     2-byte stores straight from the fragments, 4x the sectors). Lk = 63 and 100: a tile's rows past Lk are not
-    stored. (The cp.async kernel at d = 128 keeps the fragment stores: registers, flash_bwd_sm90.cu.)"""
+    stored. (The cp.async kernel at d = 128 keeps the fragment stores: registers, flash_bwd_sm90.cu.) Every
+    stmatrix, the ws kernel's dS^T ones included, is free of bank conflicts."""
     Lk = 100 if D == 256 else 63
     p = Problem(np.float16, D, 70, Lk, causal=False, batch_q=(1, 2), batch_k=(1, 2))
     try:
@@ -225,8 +226,25 @@ def test_dk_dv_epilogue_coalesced(D, tma):
         assert b.write_bytes == 2 * Lk * D * 2 and b.write_sectors == b.write_sectors_ideal == b.write_bytes // 32
     d, dv = S.pad_head_dims(D, D)
     per_warp = (d + dv) // 16 // (2 if S.is_split(D, D) else 1)  # its 16 keys x (its half of) d and dv
-    assert c.stmatrix == c.blocks * 8 * per_warp  # 8 math warps per block
+    # (the ws kernel below the head-dim split also stages dS^T by stmatrix: Br / 16 = 4 per warp and visit, 2
+    # visits per block: the query blocks of Lq = 70)
+    ds = 2 * 8 * 4 if tma and not S.is_split(D, D) else 0
+    assert c.stmatrix == c.blocks * (8 * per_warp + ds)  # 8 math warps per block
+    assert c.stmatrix_wavefronts == c.stmatrix_wavefronts_ideal == 4 * c.stmatrix  # x4, no bank conflict
 
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ws_ds_stmatrix_conflict_free(D):
+    """Below the head-dim split the ws kernel stages dS^T by stmatrix.x4, one per k16 step (d 64: the dQ split's
+    64B-swizzled half tiles; d 128: the 128B-swizzled tile), without bank conflicts; the gradients as the
+    reference's. Lq = 130: 3 visits per block, 8 consumer warps, Br / 16 = 4 steps; plus the epilogue's."""
+    p = Problem(np.float16, D, 130, 200, causal=True, batch_q=(1, 1), batch_k=(1, 1))
+    grads, c = run_wgmma(p, deterministic=True, schedule="random", seed=4)
+    check(p, grads)
+    visits = sum(len([i for i in range(3) if i * 64 + 63 + 200 - 130 >= n * 128]) for n in range(2))  # causal
+    assert c.stmatrix == visits * 8 * 4 + c.blocks * 8 * (2 * D // 16)
+    assert c.stmatrix_wavefronts == c.stmatrix_wavefronts_ideal == 4 * c.stmatrix
 
 def test_ws_ordered_counts_one_wait_per_visit():
     """Per visit one group-semaphore wait (the leader's) and two consumer barriers (the wait's, the post's):

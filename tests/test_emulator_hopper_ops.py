@@ -124,6 +124,33 @@ def test_stmatrix_layout_and_round_trip(mod, n, trans, load_trans, seed):
                     (mat[lane // 4, 2 * (lane % 4)], mat[lane // 4, 2 * (lane % 4) + 1])
                 assert back[lane, j] == lo | hi << 16
     assert c.stmatrix == 1 and c.ldmatrix == 1
+    # bank conflicts: each matrix's 8 rows (16-byte pitch here: 4 banks each) one phase, as ldmatrix's
+    assert c.stmatrix_wavefronts_ideal == n and c.stmatrix_wavefronts == sum(
+        matrix_wavefronts(16 * row_of_lane[8 * j:8 * j + 8]) for j in range(n))
+
+
+def matrix_wavefronts(row_bytes):
+    """Wavefronts of one 8 x 8 matrix's phase: the most distinct 4-byte words any of the 32 banks holds among
+    the 8 rows' 16 bytes (row_bytes: byte offsets)."""
+    banks = {}
+    for b in row_bytes:
+        for k in range(4):
+            w = int(b) // 4 + k
+            banks.setdefault(w % 32, set()).add(w)
+    return max(len(v) for v in banks.values())
+
+
+def test_stmatrix_bank_conflicts_counted(mod):
+    """Rows 0, 8, 16, 24, 32 of the 16-byte-pitch tile share banks 0-3: matrix 0's phase takes 5 wavefronts
+    (x1: ideal 1); rows 0..7 take one."""
+    rows = [0, 8, 16, 24, 32, 1, 9, 17]
+    row_of_lane = np.array(rows + [r for r in range(40) if r not in rows][:24], np.int32)
+    assert matrix_wavefronts(16 * np.array(rows)) == 5
+    for order, want in ((row_of_lane, 5), (np.arange(32, dtype=np.int32), 1)):
+        frag = np.zeros(32, np.uint32)
+        c = mod.launch(_st_name(1, False, False), 1, 32, (frag, order, np.int32(40), np.zeros(40 * 8, np.uint16),
+                                                          np.zeros(32, np.uint32)), shared_mem=40 * 16)
+        assert (c.stmatrix_wavefronts, c.stmatrix_wavefronts_ideal, c.stmatrix_conflict_factor) == (want, 1, want)
 
 
 def test_stmatrix_hand_computed_x1():

@@ -148,6 +148,7 @@ typedef struct fa_emu_counters {
     // cp.async copies (fa_emu_memstats.h's model of an H100's LDGSTS): 128-byte shared lines per phase and
     // (global sector, 32-byte shared slot) pairs, each with the ideal count
     uint64_t cp_async_lines, cp_async_lines_ideal, cp_async_sectors, cp_async_sectors_ideal;
+    uint64_t stmatrix_wavefronts, stmatrix_wavefronts_ideal;  // stmatrix bank conflicts (ldmatrix's rule)
 } fa_emu_counters;
 
 enum { FA_EMU_SCHED_FORWARD = 0, FA_EMU_SCHED_REVERSE = 1, FA_EMU_SCHED_RANDOM = 2 };

@@ -732,6 +732,8 @@ void eval_stmatrix(Worker* w, Fiber* lanes) {
     const int n = lanes[0].n;
     uint16_t* rows[4][8];
     matrix_rows(w, lanes, "fa::stmatrix", rows);
+    for (int j = 0; j < n; ++j) w->cnt.stmatrix_wavefronts += ldmatrix_wavefronts(rows[j]);  // (the same phases)
+    w->cnt.stmatrix_wavefronts_ideal += n;
     for (int l = 0; l < 32; ++l) {
         for (int j = 0; j < n; ++j) {
             const uint32_t v = lanes[l].regs[j];
@@ -3102,6 +3104,8 @@ int fa_emu_launch(fa_emu_launch_params* p) {
         total.cp_async_lines_ideal += w.cnt.cp_async_lines_ideal;
         total.cp_async_sectors += w.cnt.cp_async_sectors;
         total.cp_async_sectors_ideal += w.cnt.cp_async_sectors_ideal;
+        total.stmatrix_wavefronts += w.cnt.stmatrix_wavefronts;
+        total.stmatrix_wavefronts_ideal += w.cnt.stmatrix_wavefronts_ideal;
         for (int b = 0; b < p->num_buffers && b < static_cast<int>(w.buf_read.size()); ++b) {
             p->buffer_read_bytes[b] += w.buf_read[b];
             p->buffer_write_bytes[b] += w.buf_write[b];
