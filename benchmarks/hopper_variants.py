@@ -38,6 +38,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                chained); det only
   bwd.DQ_SPLIT                 cuda_backward_sm90.DQ_SPLIT: the ws kernel at d = 64 splits dQ^T over both consumer
                                warpgroups by queries (off: warpgroup 0 computes all of it, 8 wgmmas more per visit)
+  bwd.KT_REGS                  cuda_backward_sm90.KT_REGS: the ws kernel's dQ split (d = 64) holds K_j^T in registers,
+                               the A of the dQ^T wgmmas (RS; off: K_j's panel from shared memory per wgmma, SS)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -167,6 +169,8 @@ SWITCHES = (
            "ordered dQ: blocks entries first vs the grid's key blocks first", modes=("det",)),
     Switch("bwd.DQ_SPLIT", "bwd", B, "DQ_SPLIT", False,
            "d 64: dQ^T split by queries over both warpgroups vs computed by one"),
+    Switch("bwd.KT_REGS", "bwd", B, "KT_REGS", False,
+           "d 64: K_j^T of the dQ wgmmas in registers (RS) vs shared memory (SS)"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

@@ -242,10 +242,31 @@ __device__ __forceinline__ void dq_issue_sm90(float (&acc_dq)[kN / 2], const uns
   fa::wgmma_commit_group();
 }
 
+// The same batch with A = K_j^T from registers (the ws kernel's kKtRegs: load_at_frags_sm90's fragments of every
+// key), B as above: RS wgmmas, K_j's panel no longer read per visit.
+template <typename T, int kN, int kBlockN>
+__device__ __forceinline__ void dq_issue_rs_sm90(float (&acc_dq)[kN / 2], const uint32_t (&a_kt)[kBlockN / 16][4],
+                                                 const unsigned char* sdS) {  // (issued and committed)
+  fa::wgmma_fence_operand(acc_dq);
+  fa::wgmma_fence();
+  const uint64_t d_ds = dq_desc_b_sm90<kN, kBlockN>(sdS);
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks)
+    flash::wgmma_rs<T, kN, true>(acc_dq, a_kt[ks], fa::wgmma_desc_advance(d_ds, ks * kDQStepBytes<kN>), ks > 0);
+  fa::wgmma_commit_group();
+}
+
 template <typename T, int kN, int kBlockN>
 __device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kN / 2], const unsigned char* sK,
                                               const unsigned char* sdS, int p) {
   dq_issue_sm90<T, kN, kBlockN>(acc_dq, sK, sdS, p);
+  fa::wgmma_wait_group<0>();
+  fa::wgmma_fence_operand(acc_dq);
+}
+template <typename T, int kN, int kBlockN>
+__device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kN / 2], const uint32_t (&a_kt)[kBlockN / 16][4],
+                                              const unsigned char* sdS) {
+  dq_issue_rs_sm90<T, kN, kBlockN>(acc_dq, a_kt, sdS);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc_dq);
 }
@@ -313,15 +334,13 @@ __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const un
   store(acc1, 64);
 }
 
-// Is_dq_bulk (the ws kernel): the same dQ^T tile, stored to the shared dQ buffer in the accumulator's own
-// layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp has
-// released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
-template <typename T, int kDQDim, int kHeadDim, int kN, int kBlockN>
-__device__ __forceinline__ void dq_to_smem_sm90(const unsigned char* sK, const unsigned char* sdS, int p, int row,
-                                                float* sdq_i, uint64_t* dq_empty, int empty_parity) {
+// Is_dq_bulk (the ws kernel): the dQ^T tile (dq_wgmma_sm90's acc_dq), stored to the shared dQ buffer in the
+// accumulator's own layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp
+// has released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
+template <int kDQDim, int kHeadDim, int kN>
+__device__ __forceinline__ void dq_to_smem_sm90(const float (&acc_dq)[kN / 2], int row, float* sdq_i,
+                                                uint64_t* dq_empty, int empty_parity) {
   using Acc = DQAccumLayout<kDQDim>;
-  float acc_dq[kN / 2];
-  dq_wgmma_sm90<T, kN, kBlockN>(acc_dq, sK, sdS, p);
   fa::mbarrier_wait_parity(dq_empty, empty_parity);
 #pragma unroll
   for (int e = 0; e < kN / 2; ++e) {
@@ -1089,7 +1108,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
-          bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true>
+          bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true, bool kKtRegsOn = true>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1312,6 +1331,13 @@ flash_bwd_sm90_ws_kernel(
       flash::load_a_frags_sm90<kBlockN, kHeadDimV>(a_v, sV, row0, lane);
     }
   }
+  // kKtRegs (the dQ query split: d = 64, Bc = 128, dense; kKtRegsOn): K_j^T, all 128 keys x the 64 head dims, as the
+  // register A of dQ^T = K_j^T dS^T (RS; 32 registers, read once per block), where SS read K_j's panel again per
+  // wgmma in both warpgroups (32 KB of a visit's ~176 KB of shared-memory operand and staging traffic).
+  constexpr bool kKtRegs = kKtRegsOn && kExt == 0 && Tr::kDQSplitQ;
+  uint32_t a_kt[kKtRegs ? kBlockN / 16 : 1][4];
+  if constexpr (kKtRegs)
+    if (n_visits > 0) flash::load_at_frags_sm90<kBlockN>(a_kt, sK, (tid % 128) / 32, lane);
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -1446,9 +1472,13 @@ flash_bwd_sm90_ws_kernel(
     } else if constexpr (kDQWarp) {
       if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or its half)
         const int bf = visit % Tr::kDQBufs;
-        dq_to_smem_sm90<T, kDQDim, kHeadDim, Tr::kDQN, kBlockN>(sK, sdS_s + dq_half, dq_panel, dq_row,
-                                                               sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
-                                                               dq_empty + bf, ((visit / Tr::kDQBufs) & 1) ^ 1);
+        float acc_dq[Tr::kDQN / 2];
+        if constexpr (kKtRegs)
+          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_s + dq_half);
+        else
+          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, sK, sdS_s + dq_half, dq_panel);
+        dq_to_smem_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row, sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
+                                                    dq_empty + bf, ((visit / Tr::kDQBufs) & 1) ^ 1);
         fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...
         fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
       }
@@ -1457,12 +1487,17 @@ flash_bwd_sm90_ws_kernel(
           sK, sdS_s, cwg * 2, dq_row,
           dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim + dq_lane);
     } else if (cwg < Tr::kDQWarpgroups) {
+      float* const dqa_i = (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) +
+                           static_cast<long long>(r0) * kDQDim + dq_lane;
 #pragma unroll
-      for (int pp = 0; pp < Tr::kDQBlocks; ++pp)
-        dq_atomics_sm90<T, kDQDim, kHeadDim, Tr::kDQN, kBlockN>(
-            sK, sdS_s + dq_half, dq_panel + pp, dq_row + 64 * pp,
-            (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) + static_cast<long long>(r0) * kDQDim + dq_lane +
-                DQAccumLayout<kDQDim>::offset(0, 64 * pp));
+      for (int pp = 0; pp < Tr::kDQBlocks; ++pp) {
+        float acc_dq[Tr::kDQN / 2];
+        if constexpr (kKtRegs)
+          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_s + dq_half);
+        else
+          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, sK, sdS_s + dq_half, dq_panel + pp);
+        dq_add_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row + 64 * pp, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64 * pp));
+      }
     }
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ && !kDQWarp)

@@ -125,6 +125,18 @@ __device__ __forceinline__ void load_a_frags_sm90(uint32_t (&a)[kCols / 16][4], 
   for (int ks = 0; ks < kCols / 16; ++ks) fa::ldmatrix<4, false>(a[ks], s_tile + sw128_offset<kRows>(r, 2 * ks + (lane >> 4)));
 }
 
+// The transposed tile's register-A fragments: A = Tᵀ for a 128B-swizzled tile T of kRows rows (one 64-column panel;
+// A's k dimension is T's rows), warp w holding A's rows 16w .. 16w + 15 (T's columns), every k16 step of T's kRows
+// rows, by ldmatrix.x4.trans: lane l addresses T's row 16 ks + l % 8 + 8·(l / 16) at chunk 2w + (l / 8) % 2, so
+// a[ks][r] holds (A row g or g + 8, columns 16 ks + 2t or 16 ks + 8 + 2t), as load_a_frags_sm90's.
+template <int kRows>
+__device__ __forceinline__ void load_at_frags_sm90(uint32_t (&a)[kRows / 16][4], const unsigned char* s_tile, int w,
+                                                   int lane) {
+  const int chunk = 2 * w + ((lane >> 3) & 1), r = (lane & 7) + 8 * (lane >> 4);
+#pragma unroll
+  for (int ks = 0; ks < kRows / 16; ++ks) fa::ldmatrix<4, true>(a[ks], s_tile + sw128_offset<kRows>(16 * ks + r, chunk));
+}
+
 // gemm_qk_sm90 with A from registers (RS): acc_s = A · Bᵀ, A the k16 steps' register fragments (load_a_frags_sm90),
 // B the K-major kBlockN-row tile sB.
 template <typename T, int kHeadDim, int kBlockN, typename Issued = NoOp, int kPending = 0>

@@ -383,7 +383,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM",
                    "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "fwd.THREE_WARPGROUPS",
                    "fwd.USE_TMA", "fwd.kernel", "bwd.DQ_BULK",
-                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_LARGE",
+                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_LARGE",
                    "mma.WIDE_BC64_CAUSAL",
                    "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE", "mma.ENTRIES_FIRST",
                    "mma.CAUSAL_GROUPS")

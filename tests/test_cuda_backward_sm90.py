@@ -445,6 +445,32 @@ def test_ws_kv_regs_bits_match_smem_operands(case):
     check(p, new)
 
 
+
+KT_REGS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
+    (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics
+    (np.float16, 64, 40, (129, 65), True, "none", "bhsd", False, True, "random", 7),   # Lq > Lk, tails
+]
+
+
+@pytest.mark.parametrize("case", KT_REGS_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
+    """KT_REGS: the ws kernel's dQ split (padded d = 64) with K_j^T as register A fragments (ldmatrix.trans once per
+    block; dQ^T by RS wgmma) gives the bits of the SS kernel (kKtRegsOn = false: K_j's panel from shared memory)
+    under a permuted schedule, both dQ modes, bulk dQ or the consumers' atomics; the names say which (ws_kt_regs)."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
+    monkeypatch.setattr(S, "DQ_BULK", bulk)
+    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
+                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    names = []
+    new, old, c_new, c_old = _flag_off("KT_REGS", p, det, schedule=schedule, seed=seed, dkv_names=names)
+    assert [S.ws_kt_regs(n) for n in names] == [True, False], names
+    assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
+    assert c_new.ldmatrix == c_old.ldmatrix + c_new.blocks * 8 * 8   # 8 consumer warps x 8 k16 steps, once per block
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+
 DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics

@@ -198,11 +198,14 @@ def _check(found):
             else:
                 rs = [i for i in in_loop if i.operands.split(",")[1].strip().startswith("R")]
                 # dV, dK from register A (P^T, dS^T); the ws kernel at d = dv = 64 also S^T, dP^T (K_j, V_j in
-                # registers: kKVRegs, unless the name turns it off); in the query split only the own queries' k16
-                # steps of dV, dK (the other warpgroup's from shared memory: SS)
+                # registers: kKVRegs, unless the name turns it off), and in the dQ split dQ^T (K_j^T in registers:
+                # kKtRegs); in the query split only the own queries' k16 steps of dV, dK (the other warpgroup's from
+                # shared memory: SS)
                 kv = name.startswith(S.WS_KERNEL) and S.ws_kv_regs(name)
+                kt = name.startswith(S.WS_KERNEL) and S.ws_kt_regs(name)
                 qs = name.startswith(S.WS_KERNEL) and S.ws_query_split(name)
-                want = (1 if qs else 2) * (t.block_m // 16) + (pd // 16 + pdv // 16 if kv else 0)
+                want = ((1 if qs else 2) * (t.block_m // 16) + (pd // 16 + pdv // 16 if kv else 0)
+                        + (t.block_n // 16 if kt else 0))
                 if len(rs) != want:
                     problems.append("%s: %d RS HGMMA, expected %d" % (name, len(rs), want))
                 # m16n8k16-equivalents per warp and visit: an HGMMA 64xNx16 is N/8 of them per warp

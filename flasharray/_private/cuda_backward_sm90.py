@@ -201,6 +201,11 @@ DQ_BULK = True
 #: read from shared memory per wgmma, SS). Twenty-second session; a ``hopper_variants.py`` switch
 #: (``bwd.KV_REGS``), not yet timed on a GPU.
 KV_REGS = True
+#: Whether the warp-specialized kernel's dQ query split (padded d = 64, Bc = 128, dense calls; :func:`dq_split`) keeps
+#: K_j^T, all 128 keys x 64 head dims, in registers as the A operand of dQ^T = K_j^T dS^T (RS wgmma, ``kKtRegsOn``;
+#: 32 registers loaded once per block; off: K_j's panel read from shared memory per wgmma in both warpgroups, SS).
+#: Thirty-third session; a ``hopper_variants.py`` switch (``bwd.KT_REGS``), not yet timed on a GPU.
+KT_REGS = True
 #: Whether the warp-specialized kernel's head-dim split (D or Dv above 128, dense calls) splits S^T, dP^T over the
 #: two consumer warpgroups by queries (``kQSplitOn``: each computes them for 32 of the visit's 64 queries and stages
 #: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
@@ -291,11 +296,11 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn), named up to the last
-    # one that differs from its default and changes the code
+    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn), named up
+    # to the last one that differs from its default and changes the code
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
-           b(DQ_SPLIT or not dq_split(pD, pDv))]
+           b(DQ_SPLIT or not dq_split(pD, pDv)), b(KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
@@ -304,12 +309,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
-_WS_DEFAULTS = ["0", "true", "true", "true", "true"]   # kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn
+# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn
+_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true"]
 
 
 def _ws_args(name_expr):
     """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
-    kEntriesFirstOn, kDQSplitOn) at their defaults."""
+    kEntriesFirstOn, kDQSplitOn, kKtRegsOn) at their defaults."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     return args + _WS_DEFAULTS[len(args) - 11:]
 
@@ -319,6 +325,13 @@ def ws_kv_regs(name_expr):
     kExt = 0 and ``kKVRegsOn`` (the thirteenth template argument)."""
     args = _ws_args(name_expr)
     return kv_regs(int(args[2]), int(args[3]), int(args[11])) and args[12] == "true"
+
+
+def ws_kt_regs(name_expr):
+    """Whether a ws kernel instantiation (its name) holds K_j^T in registers for dQ^T (``kKtRegs``): the dQ query
+    split (:func:`ws_dq_split`), kExt = 0 and ``kKtRegsOn`` (the seventeenth template argument)."""
+    args = _ws_args(name_expr)
+    return ws_dq_split(name_expr) and args[11] == "0" and args[16] == "true"
 
 
 def ws_query_split(name_expr):
