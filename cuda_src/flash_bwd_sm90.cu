@@ -1006,15 +1006,15 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
       acc_s[e] = p_from_score(acc_s[e], scale_log2, e & 1 ? lse2.y : lse2.x, mask.is_visible(r0 + col, key));
     }
   }
-  // acc rounded to the A fragments of the own k16 steps and staged (the cp.async kernel's dS^T layout)
+  // acc rounded to the A fragments of the own k16 steps and staged (the cp.async kernel's dS^T layout) by one
+  // stmatrix.x4 per step (ds_lane: this lane's row address, the kernel's kDsStmatrix form; the step's chunks a XOR)
   const auto round_and_stage = [&](uint32_t (&a)[kSteps][4], const float (&acc)[kQ / 2], unsigned char* tile) {
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks)
+    for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        a[ks][r] = fa::pack2<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(tile + ((ds_lane ^ ((2 * (ks0 + ks) + r / 2) << 4)) + 1024 * (r % 2))) = a[ks][r];
-      }
+      for (int r = 0; r < 4; ++r) a[ks][r] = fa::pack2<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+      fa::stmatrix<4, false>(tile + (ds_lane ^ ((ks0 + ks) << 5)), a[ks]);
+    }
   };
   round_and_stage(a_p, acc_s, sP_s);
   flash::gemm_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>, 1, kBlockM>(
@@ -1288,11 +1288,16 @@ flash_bwd_sm90_ws_kernel(
   const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row - (Tr::kDQSplitQ ? 64 * cwg : 0);
   const int dq_q0 = Tr::kDQSplitQ ? Tr::kDQN * cwg : 0;
   const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
-  // kDsStmatrix (dense calls below the head-dim split): dS^T goes by stmatrix, lane l addressing row l mod 8 of
+  // kDsStmatrix (dense calls): dS^T (the query split: P^T too) goes by stmatrix, lane l addressing row l mod 8 of
   // matrix l / 8, i.e. key st_key (+8 in matrices 1, 3) and chunk l / 16 of the k16 step, swizzled (64B in the dQ
   // split's half tiles, else 128B). Else word by word from the fragment's own (key, query) (extensions: with
   // stmatrix the d 128 kernels with seqlens spilled 8 bytes).
-  constexpr bool kDsStmatrix = !Tr::kSplitD && kExt == 0;
+  // kQSplit (the head-dim split, dense; kQSplitOn): warpgroup w computes S^T, P^T, dP^T, dS^T for the queries
+  // [32w, 32w + 32) of the visit only (visit_scores_qsplit_sm90), where the duplicated mode computes all of them in
+  // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
+  // P^T, dS^T from shared memory after the consumers' barrier (issue_dv_dk_ss_sm90).
+  constexpr bool kQSplit = kQSplitOn && kExt == 0 && Tr::kSplitD;
+  constexpr bool kDsStmatrix = (!Tr::kSplitD && kExt == 0) || kQSplit;  // (the query split's P^T and dS^T too)
   const int st_key = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
   const int ds_lane = kDsStmatrix ? (Tr::kDQSplitQ ? st_key * 64 + (((lane >> 4) ^ ((st_key >> 1) & 3)) << 4)
                                                    : st_key * 128 + (((lane >> 4) ^ (st_key & 7)) << 4))
@@ -1318,11 +1323,6 @@ flash_bwd_sm90_ws_kernel(
   // wgmma; 32 registers, read once per block): each visit's S^T / dP^T batches then read only Q_i / dO_i from
   // shared memory, where SS read the K_j / V_j panels again per wgmma (32 KB of a visit's ~190 KB).
   constexpr bool kKVRegs = kKVRegsOn && kExt == 0 && !Tr::kSplitD && kHeadDim == 64 && kHeadDimV == 64;
-  // kQSplit (the head-dim split, dense; kQSplitOn): warpgroup w computes S^T, P^T, dP^T, dS^T for the queries
-  // [32w, 32w + 32) of the visit only (visit_scores_qsplit_sm90), where the duplicated mode computes all of them in
-  // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
-  // P^T, dS^T from shared memory after the consumers' barrier (issue_dv_dk_ss_sm90).
-  constexpr bool kQSplit = kQSplitOn && kExt == 0 && Tr::kSplitD;
   uint32_t a_k[kKVRegs ? kHeadDim / 16 : 1][4], a_v[kKVRegs ? kHeadDimV / 16 : 1][4];
   if constexpr (kKVRegs) {
     if (n_visits > 0) {

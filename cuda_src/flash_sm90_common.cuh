@@ -54,6 +54,7 @@ __device__ __forceinline__ void load_sw128(unsigned char* s_tile, const T* g_til
     }
   } else {
     (void)full;
+#pragma unroll 1  // (unrolled 4x by ptxas, the wgmma backward's d 128 cp.async kernel spilled 4 bytes around it)
     for (int idx = tid; idx < kRows * kCols; idx += kNThreads) {
       const int r = idx / kCols, c = idx % kCols;
       const T x = (r < rows_valid && c < cols_valid) ? fa::gload(g_tile + r * row_stride + c) : zero_value<T>();

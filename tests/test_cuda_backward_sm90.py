@@ -226,24 +226,26 @@ def test_dk_dv_epilogue_coalesced(D, tma):
         assert b.write_bytes == 2 * Lk * D * 2 and b.write_sectors == b.write_sectors_ideal == b.write_bytes // 32
     d, dv = S.pad_head_dims(D, D)
     per_warp = (d + dv) // 16 // (2 if S.is_split(D, D) else 1)  # its 16 keys x (its half of) d and dv
-    # (the ws kernel below the head-dim split also stages dS^T by stmatrix: Br / 16 = 4 per warp and visit, 2
-    # visits per block: the query blocks of Lq = 70)
-    ds = 2 * 8 * 4 if tma and not S.is_split(D, D) else 0
+    # (the ws kernel also stages dS^T by stmatrix, and in the query split P^T: 4 per warp and visit, 2 visits per
+    # block: the query blocks of Lq = 70)
+    ds = 2 * 8 * 4 if tma else 0
     assert c.stmatrix == c.blocks * (8 * per_warp + ds)  # 8 math warps per block
     assert c.stmatrix_wavefronts == c.stmatrix_wavefronts_ideal == 4 * c.stmatrix  # x4, no bank conflict
 
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_ws_ds_stmatrix_conflict_free(D):
-    """Below the head-dim split the ws kernel stages dS^T by stmatrix.x4, one per k16 step (d 64: the dQ split's
-    64B-swizzled half tiles; d 128: the 128B-swizzled tile), without bank conflicts; the gradients as the
-    reference's. Lq = 130: 3 visits per block, 8 consumer warps, Br / 16 = 4 steps; plus the epilogue's."""
+    """The ws kernel stages dS^T by stmatrix.x4, one per k16 step (d 64: the dQ split's 64B-swizzled half tiles;
+    d 128: the 128B-swizzled tile; d 256, the query split: P^T and dS^T of the warpgroup's two own steps), without
+    bank conflicts; the gradients as the reference's. Lq = 130: 3 query blocks, causal; 8 consumer warps, 4
+    stmatrix each per visit; plus the epilogue's (d 256: each warpgroup half of the head dims)."""
     p = Problem(np.float16, D, 130, 200, causal=True, batch_q=(1, 1), batch_k=(1, 1))
     grads, c = run_wgmma(p, deterministic=True, schedule="random", seed=4)
     check(p, grads)
-    visits = sum(len([i for i in range(3) if i * 64 + 63 + 200 - 130 >= n * 128]) for n in range(2))  # causal
-    assert c.stmatrix == visits * 8 * 4 + c.blocks * 8 * (2 * D // 16)
+    bc = 64 if D == 256 else 128
+    visits = sum(len([i for i in range(3) if i * 64 + 63 + 200 - 130 >= n * bc]) for n in range(-(-200 // bc)))
+    assert c.stmatrix == visits * 8 * 4 + c.blocks * 8 * (2 * D // 16) // (2 if D == 256 else 1)
     assert c.stmatrix_wavefronts == c.stmatrix_wavefronts_ideal == 4 * c.stmatrix
 
 def test_ws_ordered_counts_one_wait_per_visit():
