@@ -882,14 +882,15 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 }
 
 // ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_bwd_sm90_ws_kernel) -----------
-// 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to kWsProducerRegs): its warp 0 fills a ring of
+// 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to Tr::kProducerRegs): its warp 0 fills a ring of
 // kStages stages, per visit one stage: the 32 lanes load L_i·log2e and D_i (load_row_stats_exp: two floats
 // each, the −inf rows turned into +inf) and arrive on full[s]; the lane chosen by elect.sync arrives with
 // expect_tx(Q_i + dO_i bytes) and issues Q_i and dO_i as TMA boxes completing on full[s] (so full[s]
 // expects 32 arrivals and the boxes' bytes). Before the first visit it loads K_j and V_j once, on bar_kv.
 // Warpgroups 1 and 2 are the consumers of the cp.async kernel's math (keys [64(w−1), 64w) of K_j), raised to
-// kWsConsumerRegs: wait on bar_kv once and on full[s] per visit, and arrive on empty[s] (256 arrivals) once
-// the stage's last readers (the dV / dK wgmmas) have completed. No copy instruction and no block-wide barrier
+// Tr::kConsumerRegs: wait on bar_kv once and on full[s] per visit, and arrive on empty[s] (256 arrivals) once
+// the stage's last readers (the dV / dK wgmmas) have completed (the staged bulk dQ: the dQ warp arrives, once its
+// adds have read the stage). No copy instruction and no block-wide barrier
 // in their loop: the barrier between dS^T staged and the dQ wgmma is named barrier 1 over the 256 consumer
 // threads, and dS^T is double-buffered by stage (a warpgroup writing visit v + 1's dS^T while the other still
 // runs visit v's dQ wgmma would overwrite what it reads; with two buffers the barrier of visit v + 1 orders
@@ -932,7 +933,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg's counts: FlashAttention-3's 24 / 240, but kDQStaged 32 / 232 (its consumers use 217 registers; at
+  // setmaxnreg's counts: FlashAttention-3's 24 / 240, but kDQStaged 32 / 232 (its consumers use 216 registers; at
   // 24 the producer warpgroup, holding the loader's and the dQ warp's state, spilled 4 bytes, causal ordered)
   static constexpr int kProducerRegs = kDQStaged ? 32 : flash::kWsProducerRegs;
   static constexpr int kConsumerRegs = kDQStaged ? 232 : flash::kWsConsumerRegs;
