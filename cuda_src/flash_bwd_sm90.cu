@@ -895,7 +895,8 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 // threads, and dS^T is double-buffered by stage (a warpgroup writing visit v + 1's dS^T while the other still
 // runs visit v's dQ wgmma would overwrite what it reads; with two buffers the barrier of visit v + 1 orders
 // the write of visit v + 2 after that read).
-// Both dQ modes. Ordered (kOrderedDQ): the consumers take their turn at query block i with the group
+// Both dQ modes. Ordered (kOrderedDQ) with the consumers' atomics (no Is_dq_bulk; with it the dQ warp takes the
+// turn, dq_bulk_writer_sm90, at every head dim): the consumers take their turn at query block i with the group
 // semaphore fa::sem_wait_group / fa::sem_post_group over named barrier 1 and the 256 consumer threads (the
 // leader, thread 256, polls the counter and posts it). The block-wide fa::sem_wait / fa::sem_post would make
 // the producer meet the consumers' loop at every turn; code reachable from both roles is register-allocated
