@@ -112,9 +112,15 @@ SLOW = [
 ]
 
 
+def _case_problem(dtype, D, Dv, lengths, causal, bcast, layout):
+    """The Problem of a ws-kernel case row: two entries of one head unless K/V are broadcast (GQA / MQA)."""
+    small = None if bcast != "none" else (1, 2)
+    return Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv, batch_q=small, batch_k=small)
+
+
+
 def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, tma=None):
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     grads, c = run_wgmma(p, deterministic=deterministic)
     check(p, grads)
     plan = cb.plan(*p.args("emulator"), causal=p.causal, scale=p.scale, batch_shape=p.batch_shape,
@@ -423,6 +429,7 @@ def _flag_off(flag, p, deterministic, **opts):
     return new, old, c_new, c_old
 
 
+
 KV_REGS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, "random", 3),   # 3 key blocks per dQ element
     (bfloat16, 48, 64, (130, 200), True, "gqa", "bshd", False, "reverse", 0),   # padded 64, GQA, BSHD, tails
@@ -436,8 +443,7 @@ def test_ws_kv_regs_bits_match_smem_operands(case):
     S^T, dP^T by RS wgmma) gives the bits of the SS kernel (kKVRegsOn = false: both operands from shared memory)
     under a permuted schedule, both dQ modes; the names say which (ws_kv_regs)."""
     dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     names = []
     new, old, c_new, c_old = _flag_off("KV_REGS", p, det, schedule=schedule, seed=seed, dkv_names=names)
     assert [S.ws_kv_regs(n) for n in names] == [True, False], names
@@ -462,8 +468,7 @@ def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
     under a permuted schedule, both dQ modes, bulk dQ or the consumers' atomics; the names say which (ws_kt_regs)."""
     dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
     monkeypatch.setattr(S, "DQ_BULK", bulk)
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     names = []
     new, old, c_new, c_old = _flag_off("KT_REGS", p, det, schedule=schedule, seed=seed, dkv_names=names)
     assert [S.ws_kt_regs(n) for n in names] == [True, False], names
@@ -472,6 +477,7 @@ def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
     for a, b in zip(new, old):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
     check(p, new)
+
 
 DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
@@ -489,8 +495,7 @@ def test_ws_dq_split_bits_match_one_warpgroup(case, monkeypatch):
     Twice the dQ wgmma instructions at half the N; dQ by the bulk reduce-add or by the consumers' atomics."""
     dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
     monkeypatch.setattr(S, "DQ_BULK", bulk)
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     names = []
     new, old, c_new, c_old = _flag_off("DQ_SPLIT", p, det, schedule=schedule, seed=seed, dkv_names=names)
     assert [S.ws_dq_split(n) for n in names] == [True, False], names
@@ -562,8 +567,7 @@ STORE_SLOW = [
 
 
 def _check_store_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, schedule, seed):
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     new, old, c_new, c_old = _tma_store_vs_16_byte(p, deterministic, schedule=schedule, seed=seed)
     for a, b in zip(new, old):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
@@ -675,8 +679,7 @@ BULK_SLOW = [
 
 
 def _check_bulk_case(dtype, D, Dv, lengths, causal, bcast, layout, schedule, seed):
-    p = Problem(dtype, D, *lengths, causal=causal, bcast=bcast, layout=layout, Dv=Dv,
-                batch_q=None if bcast != "none" else (1, 2), batch_k=None if bcast != "none" else (1, 2))
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
     # ordered: the same adds in the same (key-block) order, each an fp32 round-to-nearest add: the bits of the
     # atomic ordered mode, whatever the schedule (the atomic run under the forward schedule)
     new, old, c_new, _ = _bulk_vs_atomic(p, True, schedule=schedule, seed=seed)
