@@ -454,6 +454,19 @@ def test_ws_kv_regs_bits_match_smem_operands(case):
 
 
 
+
+def _bulk_case_flag_off(flag, case, monkeypatch):
+    """A case row (dtype, D, Dv, lengths, causal, bcast, layout, deterministic, bulk dQ, schedule, seed) run with
+    cuda_backward_sm90's ``flag`` on and off (_flag_off), DQ_BULK as the row says: the problem, the mode, the two
+    dK/dV names, both runs' gradients and counters."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
+    monkeypatch.setattr(S, "DQ_BULK", bulk)
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
+    names = []
+    new, old, c_new, c_old = _flag_off(flag, p, det, schedule=schedule, seed=seed, dkv_names=names)
+    return p, det, names, new, old, c_new, c_old
+
+
 KT_REGS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics
@@ -466,11 +479,7 @@ def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
     """KT_REGS: the ws kernel's dQ split (padded d = 64) with K_j^T as register A fragments (ldmatrix.trans once per
     block; dQ^T by RS wgmma) gives the bits of the SS kernel (kKtRegsOn = false: K_j's panel from shared memory)
     under a permuted schedule, both dQ modes, bulk dQ or the consumers' atomics; the names say which (ws_kt_regs)."""
-    dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
-    monkeypatch.setattr(S, "DQ_BULK", bulk)
-    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
-    names = []
-    new, old, c_new, c_old = _flag_off("KT_REGS", p, det, schedule=schedule, seed=seed, dkv_names=names)
+    p, det, names, new, old, c_new, c_old = _bulk_case_flag_off("KT_REGS", case, monkeypatch)
     assert [S.ws_kt_regs(n) for n in names] == [True, False], names
     assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
     assert c_new.ldmatrix == c_old.ldmatrix + c_new.blocks * 8 * 8   # 8 consumer warps x 8 k16 steps, once per block
@@ -493,11 +502,8 @@ def test_ws_dq_split_bits_match_one_warpgroup(case, monkeypatch):
     dS^T in two 64B-swizzled half tiles) gives the bits of dQ^T computed by warpgroup 0 alone (kDQSplitOn = false):
     dq, dk, dv in the ordered mode; dk, dv and the reference rule in the atomic one (its dq adds in schedule order).
     Twice the dQ wgmma instructions at half the N; dQ by the bulk reduce-add or by the consumers' atomics."""
-    dtype, D, Dv, lengths, causal, bcast, layout, det, bulk, schedule, seed = case
-    monkeypatch.setattr(S, "DQ_BULK", bulk)
-    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
-    names = []
-    new, old, c_new, c_old = _flag_off("DQ_SPLIT", p, det, schedule=schedule, seed=seed, dkv_names=names)
+    p, det, names, new, old, c_new, c_old = _bulk_case_flag_off("DQ_SPLIT", case, monkeypatch)
+    D, Dv = case[1], case[2]
     assert [S.ws_dq_split(n) for n in names] == [True, False], names
     visits = c_old.wgmma // (2 * (4 + S.pad_head_dims(D, Dv)[1] // 16 + 8) + 8)   # per visit: both warpgroups + dQ
     assert c_new.wgmma - c_old.wgmma == 8 * visits > 0 and c_new.tma_loads == c_old.tma_loads
