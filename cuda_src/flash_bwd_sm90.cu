@@ -1050,13 +1050,13 @@ __device__ __forceinline__ void dq_bulk_adds_sm90(float* dq_i, const unsigned ch
     constexpr int kTile = 4 * DQAccumLayout<128>::kTileFloats * 4;  // 16 rows x 128 columns, bytes
     static_assert(Tr::kQBytes == Tr::kdOBytes, "stage bf's dO_i at a constant distance from its Q_i");
     const unsigned char* sQ_bf = smem + Tr::kQ + bf * Tr::kQBytes;
-#pragma unroll 1  // (rolled: unrolled, the eight addresses spilled 8 bytes at the producer's 24 registers, causal)
-    for (int k = 0; k < 2 * (kBlockM / 16); ++k) {
-      const int w = k / (kBlockM / 16), tm = k % (kBlockM / 16);
-      fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
-                              sQ_bf + (tm < 2 ? 0 : Tr::kdO - Tr::kQ) + w * 2 * kBlockM * 128 + (tm % 2) * kTile,
-                              kTile);
-    }
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int tm = 0; tm < kBlockM / 16; ++tm)
+        fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
+                                sQ_bf + (tm < 2 ? 0 : Tr::kdO - Tr::kQ) + w * 2 * kBlockM * 128 + (tm % 2) * kTile,
+                                kTile);
   } else {
     fa::bulk_reduce_add_f32(dq_i, smem + Tr::kDQAcc + bf * Tr::kDQTileBytes, kBlockM * kDQDim * 4);
   }
@@ -1080,8 +1080,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
                                                     long long dqa_g, int n_visits, int i_begin, int n_qblocks) {
   constexpr int kBufs = Tr::kDQStaged ? Tr::kStages : Tr::kDQBufs;
   const bool issuer = threadIdx.x % 32 == 0;
-  // (grp_off: the group entry's offset grp·dqa_g, kept as a sum: with the product the causal ordered d = 256 writer
-  // spilled 4 bytes)
+  // (grp_off: the group entry's offset grp·dqa_g, kept as a running sum: 3-5 instructions fewer than the product)
   long long grp_off = 0;
   for (int visit = 0, i = i_begin; visit < n_visits; ++visit) {
     const int bf = visit % kBufs;
@@ -1290,15 +1289,15 @@ flash_bwd_sm90_ws_kernel(
   const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row - (Tr::kDQSplitQ ? 64 * cwg : 0);
   const int dq_q0 = Tr::kDQSplitQ ? Tr::kDQN * cwg : 0;
   const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
-  // kDsStmatrix (dense calls): dS^T (the query split: P^T too) goes by stmatrix, lane l addressing row l mod 8 of
-  // matrix l / 8, i.e. key st_key (+8 in matrices 1, 3) and chunk l / 16 of the k16 step, swizzled (64B in the dQ
-  // split's half tiles, else 128B). Else word by word from the fragment's own (key, query) (extensions: with
-  // stmatrix the d 128 kernels with seqlens spilled 8 bytes).
   // kQSplit (the head-dim split, dense; kQSplitOn): warpgroup w computes S^T, P^T, dP^T, dS^T for the queries
   // [32w, 32w + 32) of the visit only (visit_scores_qsplit_sm90), where the duplicated mode computes all of them in
   // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
   // P^T, dS^T from shared memory after the consumers' barrier (issue_dv_dk_ss_sm90).
   constexpr bool kQSplit = kQSplitOn && kExt == 0 && Tr::kSplitD;
+  // kDsStmatrix (dense calls): dS^T (the query split: P^T too) goes by stmatrix, lane l addressing row l mod 8 of
+  // matrix l / 8, i.e. key st_key (+8 in matrices 1, 3) and chunk l / 16 of the k16 step, swizzled (64B in the dQ
+  // split's half tiles, else 128B). Else word by word from the fragment's own (key, query) (extensions: with
+  // stmatrix the d 128 kernels with seqlens spilled 8 bytes).
   constexpr bool kDsStmatrix = (!Tr::kSplitD && kExt == 0) || kQSplit;  // (the query split's P^T and dS^T too)
   const int st_key = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
   const int ds_lane = kDsStmatrix ? (Tr::kDQSplitQ ? st_key * 64 + (((lane >> 4) ^ ((st_key >> 1) & 3)) << 4)

@@ -98,7 +98,8 @@ def ws_checks(name, t, d, body, loop):
         problems.append("%s: %d MUFU.EX2 of P^T behind a branch (BSSY ... BSYNC) in the query-block loop"
                         % (name, branched_exp2(body, loop)))
     if bulk:
-        problems += dq_warp_checks(name, body, loop, ordered, p_limit)
+        staged = S.is_split(*_dims(d))   # (kDQStaged: one add per warpgroup and 16-row tile, Br / 8)
+        problems += dq_warp_checks(name, body, loop, ordered, t.block_m // 8 if staged else 1, p_limit)
     # the dK / dV epilogue: Is_tma_store (the name's second-last flag) one TMA store per 64 columns per tensor and
     # no global store instruction; else the 16-byte stores and no TMA store
     pd, pdv = S.pad_head_dims(*_dims(d))
@@ -131,24 +132,26 @@ def ws_checks(name, t, d, body, loop):
 DQ_WARP_FIGURES = {}   # name -> the dQ warp loop's figures (printed by _check)
 
 
-def dq_warp_checks(name, body, loop, ordered, p_limit):
-    """Is_dq_bulk: no float atomic (RED / ATOM .F32) anywhere; one UBLKRED.G.S.ADD.F32.RN instruction, in the dQ
-    warp's loop (the loop holding the UBLKRED and an mbarrier wait), not the consumers': per visit the whole tile
-    from the dQ buffer, or (the head-dim split's staged tile) one per warpgroup and 16-row tile in a rolled loop
-    (the emulator tests count the adds' bits); within the producer warpgroup's ``p_limit`` registers, ordered with
-    the semaphore's acquire spin and release add in it (plain: none)."""
+def dq_warp_checks(name, body, loop, ordered, n_adds, p_limit):
+    """Is_dq_bulk: no float atomic (RED / ATOM .F32) anywhere; the visit's ``n_adds`` UBLKRED.G.S.ADD.F32.RN (one:
+    the whole tile from the dQ buffer; the head-dim split's staged tile: one per warpgroup and 16-row tile) in the
+    dQ warp's loop (the loop holding them and an mbarrier wait), not the consumers'; within the producer
+    warpgroup's ``p_limit`` registers, ordered with the semaphore's acquire spin and release add in it (plain:
+    none)."""
     problems = []
     f32_atomics = [i.opcode for i in body if i.base in ("RED", "REDG", "ATOM", "ATOMG") and ".F32" in i.opcode]
     if f32_atomics:
         problems.append("%s: float atomics with the bulk dQ: %s" % (name, f32_atomics[:4]))
     blk = [i for i in body if i.base == "UBLKRED"]
     lps = [lp for lp in sass.loops(body) if any(lp.start <= i.address <= lp.end for i in blk)]
-    if len(blk) != 1 or any(i.opcode != "UBLKRED.G.S.ADD.F32.RN" for i in blk) or not lps:
-        return problems + ["%s: %d UBLKRED (%s), %d loops hold them" % (name, len(blk), blk[:1], len(lps))]
-    # the visit loop: the smallest holding the UBLKRED and the dq_full wait (ptxas wraps the UBLKRED alone in an
+    if len(blk) != n_adds or any(i.opcode != "UBLKRED.G.S.ADD.F32.RN" for i in blk) or not lps:
+        return problems + ["%s: %d UBLKRED (%s), %d loops hold them, expected %d adds" % (
+            name, len(blk), blk[:1], len(lps), n_adds)]
+    # the visit loop: the smallest holding every UBLKRED and the dq_full wait (ptxas wraps each UBLKRED alone in an
     # elect loop; the try-wait retries branch back from after the kernel's code, spanning other roles)
     waits = [i.address for i in body if i.opcode.startswith("SYNCS.PHASECHK")]
-    lps = [lp for lp in lps if any(lp.start <= a <= lp.end for a in waits)]
+    lps = [lp for lp in lps if any(lp.start <= a <= lp.end for a in waits)
+           and all(lp.start <= i.address <= lp.end for i in blk)]
     if not lps:
         return problems + ["%s: no loop holds the UBLKRED and an mbarrier wait" % name]
     dq = min(lps, key=lambda lp: lp.stats.instructions)
@@ -162,8 +165,8 @@ def dq_warp_checks(name, body, loop, ordered, p_limit):
     regs = max((int(r[1:]) for i in in_dq for r in sass_registers(i.operands)), default=0) + 1
     if regs > p_limit:
         problems.append("%s: the dQ warp's loop uses registers up to R%d (%d)" % (name, regs - 1, p_limit))
-    DQ_WARP_FIGURES[name] = "  dQ warp loop %d instr (1 UBLKRED, %d DEPBAR, registers < %d)" % (
-        dq.stats.instructions, sum(1 for o in ops if o.startswith("DEPBAR")), regs)
+    DQ_WARP_FIGURES[name] = "  dQ warp loop %d instr (%d UBLKRED, %d DEPBAR, registers < %d)" % (
+        dq.stats.instructions, n_adds, sum(1 for o in ops if o.startswith("DEPBAR")), regs)
     return problems
 
 
