@@ -1109,7 +1109,8 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
 
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
-          bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true, bool kKtRegsOn = true>
+          bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true, bool kKtRegsOn = true,
+          bool kScoresAheadOn = false>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1340,6 +1341,30 @@ flash_bwd_sm90_ws_kernel(
   if constexpr (kKtRegs)
     if (n_visits > 0) flash::load_at_frags_sm90<kBlockN>(a_kt, sK, (tid % 128) / 32, lane);
 
+  // Is_dq_bulk outside the head-dim split: visit v's dQ^T tile for the dQ warp, its batch issued (over the stage's
+  // dS^T) and, once waited for, stored in the dQ buffer and handed over.
+  const auto dq_issue_visit = [&](int v, float (&acc_dq)[Tr::kDQN / 2]) {
+    const unsigned char* sdS_v = sdS + (v % kStages) * Tr::kdSBytes + dq_half;
+    if constexpr (kKtRegs)
+      dq_issue_rs_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_v);
+    else
+      dq_issue_sm90<T, Tr::kDQN, kBlockN>(acc_dq, sK, sdS_v, dq_panel);
+  };
+  const auto dq_hand_over = [&](int v, const float (&acc_dq)[Tr::kDQN / 2]) {
+    const int bf = v % Tr::kDQBufs;
+    dq_to_smem_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row, sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
+                                                dq_empty + bf, ((v / Tr::kDQBufs) & 1) ^ 1);
+    fa::fence_proxy_async();            // the generic stores visible to the bulk reduce (async proxy) ...
+    fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
+  };
+  // kScoresAhead (kScoresAheadOn: the dQ query split at d = 64 with the dQ warp, dense calls, K_j^T not in registers):
+  // a visit starts by issuing the previous visit's dQ^T batch, then its own S^T, and waits for dQ^T alone: the tensor
+  // cores compute S^T while the warpgroup stores dQ^T for the dQ warp (the last visit's dQ^T follows the loop).
+  // Every dQ^T element is the same wgmma chain as before: the same bits, handed over in the same order. With K_j^T in
+  // registers (kKtRegs) the consumers spilled 48-60 bytes and ptxas serialized the wgmmas (C7512), as at d = 128
+  // (128 bytes): the in-flight S^T and dQ^T accumulators need 48 registers more at the visit's start.
+  constexpr bool kScoresAhead = kScoresAheadOn && kDQWarp && kExt == 0 && Tr::kDQSplitQ && !kKtRegs;
+
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
     const int s = visit % kStages, phase = (visit / kStages) & 1;
@@ -1366,7 +1391,19 @@ flash_bwd_sm90_ws_kernel(
       const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
       if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
       float acc_s[kBlockM / 2];
-      if constexpr (kKVRegs)
+      if constexpr (kScoresAhead) {
+        float acc_dq[Tr::kDQN / 2];
+        if (visit > 0) dq_issue_visit(visit - 1, acc_dq);
+        if constexpr (kKVRegs)
+          flash::issue_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
+        else
+          flash::issue_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + cwg * Tr::kWgKeys * 128, sQ_i);
+        fa::wgmma_wait_group<1>();  // the previous visit's dQ^T (visit 0: nothing), S^T runs on
+        fa::wgmma_fence_operand(acc_dq);
+        if (visit > 0) dq_hand_over(visit - 1, acc_dq);
+        fa::wgmma_wait_group<0>();
+        fa::wgmma_fence_operand(acc_s);
+      } else if constexpr (kKVRegs)
         flash::gemm_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
       else
         flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM, flash::NoOp, 0, kBlockM, kExt == 0>(
@@ -1471,17 +1508,13 @@ flash_bwd_sm90_ws_kernel(
       fa::fence_proxy_async();           // the generic stores visible to the bulk reduce (async proxy) ...
       fa::mbarrier_arrive(dq_full + s);  // ... before the dQ warp, acquiring, issues it (and frees the stage)
     } else if constexpr (kDQWarp) {
-      if (cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or its half)
-        const int bf = visit % Tr::kDQBufs;
+      if (!kScoresAhead && cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or
+                                                       // its half; kScoresAhead: at the next visit's start)
         float acc_dq[Tr::kDQN / 2];
-        if constexpr (kKtRegs)
-          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_s + dq_half);
-        else
-          dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, sK, sdS_s + dq_half, dq_panel);
-        dq_to_smem_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row, sdQ + bf * (Tr::kDQTileBytes / 4) + dq_lane,
-                                                    dq_empty + bf, ((visit / Tr::kDQBufs) & 1) ^ 1);
-        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...
-        fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
+        dq_issue_visit(visit, acc_dq);
+        fa::wgmma_wait_group<0>();
+        fa::wgmma_fence_operand(acc_dq);
+        dq_hand_over(visit, acc_dq);
       }
     } else if constexpr (kQSplit && Tr::kDQBlocks == 2) {  // (both consumer warpgroups compute dQ^T here)
       dq_atomics2_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
@@ -1516,6 +1549,15 @@ flash_bwd_sm90_ws_kernel(
   //    maps 4 and 5 of tma_sel): staged in the K_j / V_j tiles' swizzled layout and written by TMA stores.
   //    Otherwise as the cp.async kernel's: 16-bit outputs by the 16-byte path (the host takes this kernel only
   //    with 16-byte rows: tma_args), float partial sums from the fragments.
+  if constexpr (kScoresAhead) {  // the last visit's dQ^T
+    if (n_visits > 0) {
+      float acc_dq[Tr::kDQN / 2];
+      dq_issue_visit(n_visits - 1, acc_dq);
+      fa::wgmma_wait_group<0>();
+      fa::wgmma_fence_operand(acc_dq);
+      dq_hand_over(n_visits - 1, acc_dq);
+    }
+  }
   const auto consumer_sync = [] { fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads); };
   // kDQStaged: the dQ warp's last adds read the last visit's stage (and, in order, every earlier one) before the
   // epilogue's staging overwrites the operand tiles: that stage's release (the dQ warp's arrival on empty).

@@ -93,10 +93,10 @@ struct NoOp {
 // kAdvance: each step's descriptors advanced from the first's (fa::wgmma_desc_advance, one add each), else encoded
 // from the address per step (the wgmma backward with extensions: the two bases held through the batch spilled a
 // d 128 instantiation).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0,
-          int kRowsB = kBlockN, bool kAdvance = true>
-__device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
-                                             const unsigned char* sK_j, Issued issued = Issued()) {
+// gemm_qk_sm90's batch, issued and committed (the caller waits): the ws backward's S^T of the next visit.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kRowsB = kBlockN, bool kAdvance = true>
+__device__ __forceinline__ void issue_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
+                                              const unsigned char* sK_j) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
   const uint64_t da0 = sw128_desc(sQ_w, 16), db0 = sw128_desc(sK_j, 16);
@@ -109,6 +109,20 @@ __device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const 
     wgmma_ss<T, kBlockN, false>(acc_s, da, db, ks > 0 ? 1 : 0);
   }
   fa::wgmma_commit_group();
+}
+
+// S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
+// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
+// kPending: for every batch but the kPending committed by `issued` after it). kRowsB: the rows of sK_j's
+// panels where N (kBlockN) is a part of them (the backward's query split: N = 32 of Br = 64 rows).
+// kAdvance: each step's descriptors advanced from the first's (fa::wgmma_desc_advance, one add each), else encoded
+// from the address per step (the wgmma backward with extensions: the two bases held through the batch spilled a
+// d 128 instantiation).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, typename Issued = NoOp, int kPending = 0,
+          int kRowsB = kBlockN, bool kAdvance = true>
+__device__ __forceinline__ void gemm_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
+                                             const unsigned char* sK_j, Issued issued = Issued()) {
+  issue_qk_sm90<T, kHeadDim, kBlockM, kBlockN, kRowsB, kAdvance>(acc_s, sQ_w, sK_j);
   issued();  // between the issue and the wait (the ws kernel's ping-pong hand-over; the backward's dV batch)
   fa::wgmma_wait_group<kPending>();
   fa::wgmma_fence_operand(acc_s);
@@ -138,11 +152,11 @@ __device__ __forceinline__ void load_at_frags_sm90(uint32_t (&a)[kRows / 16][4],
   for (int ks = 0; ks < kRows / 16; ++ks) fa::ldmatrix<4, true>(a[ks], s_tile + sw128_offset<kRows>(16 * ks + r, chunk));
 }
 
-// gemm_qk_sm90 with A from registers (RS): acc_s = A · Bᵀ, A the k16 steps' register fragments (load_a_frags_sm90),
-// B the K-major kBlockN-row tile sB.
-template <typename T, int kHeadDim, int kBlockN, typename Issued = NoOp, int kPending = 0>
-__device__ __forceinline__ void gemm_qk_rs_sm90(float (&acc_s)[kBlockN / 2], const uint32_t (&a)[kHeadDim / 16][4],
-                                                const unsigned char* sB, Issued issued = Issued()) {
+// issue_qk_sm90 with A from registers (RS): acc_s = A · Bᵀ, A the k16 steps' register fragments (load_a_frags_sm90),
+// B the K-major kBlockN-row tile sB; issued and committed (the caller waits).
+template <typename T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void issue_qk_rs_sm90(float (&acc_s)[kBlockN / 2], const uint32_t (&a)[kHeadDim / 16][4],
+                                                 const unsigned char* sB) {
   fa::wgmma_fence_operand(acc_s);
   fa::wgmma_fence();
   const uint64_t db0 = sw128_desc(sB, 16);
@@ -151,6 +165,13 @@ __device__ __forceinline__ void gemm_qk_rs_sm90(float (&acc_s)[kBlockN / 2], con
     wgmma_rs<T, kBlockN, false>(acc_s, a[ks], fa::wgmma_desc_advance(db0, (ks / 4) * kBlockN * 128 + (ks % 4) * 32),
                                 ks > 0 ? 1 : 0);
   fa::wgmma_commit_group();
+}
+
+// gemm_qk_sm90 with A from registers (RS): issue_qk_rs_sm90, then as gemm_qk_sm90 (issued, the wait).
+template <typename T, int kHeadDim, int kBlockN, typename Issued = NoOp, int kPending = 0>
+__device__ __forceinline__ void gemm_qk_rs_sm90(float (&acc_s)[kBlockN / 2], const uint32_t (&a)[kHeadDim / 16][4],
+                                                const unsigned char* sB, Issued issued = Issued()) {
+  issue_qk_rs_sm90<T, kHeadDim, kBlockN>(acc_s, a, sB);
   issued();
   fa::wgmma_wait_group<kPending>();
   fa::wgmma_fence_operand(acc_s);

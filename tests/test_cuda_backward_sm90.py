@@ -488,6 +488,37 @@ def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
     check(p, new)
 
 
+SCORES_AHEAD_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
+    (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, "random", 3),   # 3 key blocks per element
+    (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, "reverse", 0),   # dv 128, GQA, BSHD
+    (np.float16, 64, 40, (129, 65), True, "none", "bhsd", False, "random", 7),   # Lq > Lk, tails, atomic order
+    (bfloat16, 64, 64, (64, 128), False, "none", "bhsd", True, "forward", 1),   # one visit per block
+]
+
+
+@pytest.mark.parametrize("case", SCORES_AHEAD_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_scores_ahead_bits_match_default(case, monkeypatch):
+    """SCORES_AHEAD: the ws kernel's dQ split (padded d = 64, bulk dQ) issuing each visit's S^T behind the previous
+    visit's dQ^T (the last visit's dQ^T after the loop; K_j^T from shared memory) gives the bits of the default kernel
+    under a permuted schedule, both dQ modes; the names say which (ws_scores_ahead), and the wgmma count is the
+    same (no extra batch)."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
+    names = []
+    old, c_old = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    monkeypatch.setattr(S, "SCORES_AHEAD", True)
+    launch._clear_plans()
+    try:
+        new, c_new = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    finally:
+        launch._clear_plans()
+    assert [S.ws_scores_ahead(n) for n in names] == [False, True], names
+    assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+
+
 DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics

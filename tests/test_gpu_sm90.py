@@ -331,6 +331,7 @@ BWD_VARIANTS = {
     "ws_key_blocks_first": dict(ENTRIES_FIRST=False),   # ordered: the grid's key blocks first, not its entries
     "ws_dq_one_warpgroup": dict(DQ_SPLIT=False),   # d = 64: dQ^T by warpgroup 0 alone, not split by queries
     "ws_kt_smem": dict(KT_REGS=False),   # d = 64: the dQ wgmmas read K_j from shared memory (SS), not registers
+    "ws_scores_ahead": dict(SCORES_AHEAD=True),   # d = 64: S^T issued behind the previous visit's dQ^T (off by default)
 }
 
 
@@ -364,7 +365,9 @@ def expect_backward_kernel(plan, p, deterministic):
             assert B.ws_query_split(name) == (B.QUERY_SPLIT and B.is_split(D, Dv)), name
             assert B.ws_entries_first(name) == (B.ENTRIES_FIRST and deterministic), name
             assert B.ws_dq_split(name) == (B.DQ_SPLIT and B.dq_split(D, Dv)), name
-            assert B.ws_kt_regs(name) == (B.KT_REGS and B.DQ_SPLIT and B.dq_split(D, Dv)), name
+            ahead = B.scores_ahead(D, Dv)
+            assert B.ws_kt_regs(name) == (B.KT_REGS and B.DQ_SPLIT and B.dq_split(D, Dv) and not ahead), name
+            assert B.ws_scores_ahead(name) == ahead, name
         else:
             assert name.startswith(B.KERNEL) and flags[-1] == deterministic, name
 

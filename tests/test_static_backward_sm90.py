@@ -273,3 +273,49 @@ def test_head_dim_split_mixed_dims_compile():
     found = instantiations(np.float16, ((200, 72), (72, 256)))
     found.update(ws_instantiations(np.float16, ((200, 72), (72, 256))))
     _check(found)
+
+
+def scores_ahead_order(body):
+    """The steady-state loop of a SCORES_AHEAD instantiation (the shortest loop holding a whole visit's HGMMA) as
+    (loop instructions, problems): the previous visit's dQ^T batch and this visit's S^T batch issued back to back,
+    then a ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (dQ^T alone), the dQ tile's STS for the dQ warp, then the ``0x0`` wait
+    for S^T: the stores run while S^T computes."""
+    hg = lambda lp: sum(1 for i in body if lp.start <= i.address <= lp.end and i.base == "HGMMA")  # noqa: E731
+    loops = [lp for lp in sass.loops(body) if hg(lp) >= 24]
+    if not loops:
+        return 0, ["no loop holding a visit's HGMMA"]
+    loop = min(loops, key=lambda lp: lp.stats.instructions)
+    ins = [i for i in body if loop.start <= i.address <= loop.end]
+    waits = [k for k, i in enumerate(ins) if i.opcode.startswith("WARPGROUP.DEPBAR")]
+    first = waits[0] if waits else len(ins)
+    issued = sum(1 for i in ins[:first] if i.base == "HGMMA")
+    problems = []
+    if issued != 8 + 4 or not waits or not ins[first].operands.endswith("0x1"):
+        problems.append("%d HGMMA before the loop's first wait (%s), expected dQ^T's 8 and S^T's 4 before a 0x1"
+                        % (issued, ins[first].operands if waits else "none"))
+    elif len(waits) < 2 or not ins[waits[1]].operands.endswith("0x0") or \
+            sum(1 for i in ins[first:waits[1]] if i.base == "STS") < 16:
+        problems.append("the dQ tile's STS not between the 0x1 wait and S^T's 0x0 wait")
+    return loop.stats.instructions, problems
+
+
+def test_ws_scores_ahead_compiles_fp16(monkeypatch):
+    """SCORES_AHEAD (off by default: a switch to time): the ws kernel's dQ split at padded d = 64 (dv 64 and 128)
+    with S^T issued behind the previous visit's dQ^T compiles with zero spills and no wgmma serialization (with K_j^T
+    in registers as well it spilled 48-60 bytes and ptxas serialized the wgmmas: the names keep kKtRegsOn false),
+    and its loop issues the two batches before waiting for dQ^T alone (scores_ahead_order)."""
+    monkeypatch.setattr(S, "SCORES_AHEAD", True)
+    found = ws_instantiations(np.float16, (64, (64, 128)))
+    assert all(S.ws_scores_ahead(n) and not S.ws_kt_regs(n) for n in found), list(found)
+    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
+    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    for name in found:
+        k = res.kernel(name)
+        if k.spill_stores or k.spill_loads or k.stack_frame:
+            problems.append("%s: spills %d/%d stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
+        if fns is not None:
+            n, more = scores_ahead_order(fns[k.lowered_name])
+            problems += ["%s: %s" % (name, p) for p in more]
+            print("%-100s regs %d, steady loop %d instr" % (name, k.registers, n))
+    assert not problems, "\n".join(problems)

@@ -206,6 +206,13 @@ KV_REGS = True
 #: 32 registers loaded once per block; off: K_j's panel read from shared memory per wgmma in both warpgroups, SS).
 #: Thirty-third session; a ``hopper_variants.py`` switch (``bwd.KT_REGS``), not yet timed on a GPU.
 KT_REGS = True
+#: Whether the warp-specialized kernel's dQ query split (padded d = 64, dense calls, bulk dQ; :func:`scores_ahead`)
+#: issues each visit's S^T behind the previous visit's dQ^T batch (``kScoresAheadOn``): the tensor cores compute S^T
+#: while the consumers store dQ^T for the dQ warp, where the default waits for dQ^T, stores it, and only then issues
+#: the next S^T. It needs the registers of K_j^T (:data:`KT_REGS` is off where it is on: with both the consumers
+#: spilled 48-60 bytes and ptxas serialized the wgmmas). Thirty-fourth session, off by default: a
+#: ``hopper_variants.py`` switch (``bwd.SCORES_AHEAD``) to time it against K_j^T in registers.
+SCORES_AHEAD = False
 #: Whether the warp-specialized kernel's head-dim split (D or Dv above 128, dense calls) splits S^T, dP^T over the
 #: two consumer warpgroups by queries (``kQSplitOn``: each computes them for 32 of the visit's 64 queries and stages
 #: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
@@ -296,11 +303,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
-    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn), named up
-    # to the last one that differs from its default and changes the code
+    # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn,
+    # kScoresAheadOn), named up to the last one that differs from its default and changes the code
+    ahead = not ext and scores_ahead(pD, pDv)
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
-           b(DQ_SPLIT or not dq_split(pD, pDv)), b(KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))]
+           b(DQ_SPLIT or not dq_split(pD, pDv)),
+           b(not ahead and (KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))), b(ahead)]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
@@ -309,13 +318,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
-# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn
-_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true"]
+# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn
+_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true", "false"]
 
 
 def _ws_args(name_expr):
     """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
-    kEntriesFirstOn, kDQSplitOn, kKtRegsOn) at their defaults."""
+    kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn) at their defaults."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     return args + _WS_DEFAULTS[len(args) - 11:]
 
@@ -332,6 +341,15 @@ def ws_kt_regs(name_expr):
     split (:func:`ws_dq_split`), kExt = 0 and ``kKtRegsOn`` (the seventeenth template argument)."""
     args = _ws_args(name_expr)
     return ws_dq_split(name_expr) and args[11] == "0" and args[16] == "true"
+
+
+def ws_scores_ahead(name_expr):
+    """Whether a ws kernel instantiation (its name) issues S^T behind the previous visit's dQ^T (``kScoresAhead``):
+    the dQ query split (:func:`ws_dq_split`) with the bulk dQ, kExt = 0, K_j^T not in registers and ``kScoresAheadOn``
+    (the eighteenth template argument)."""
+    args = _ws_args(name_expr)
+    return ws_dq_split(name_expr) and args[10] == "true" and args[11] == "0" and not ws_kt_regs(name_expr) and \
+        args[17] == "true"
 
 
 def ws_query_split(name_expr):
@@ -359,6 +377,13 @@ def dq_split(D, Dv):
     """Whether the ws kernel for head dims D, Dv splits dQ^T by queries where :data:`DQ_SPLIT` (``kDQSplitQ``:
     padded d = 64, dv 64 or 128 — Bc = 128, two warpgroups of keys)."""
     return not is_split(D, Dv) and pad_head_dims(D, Dv)[0] == 64
+
+
+def scores_ahead(D, Dv):
+    """Whether the ws kernel for head dims D, Dv (a dense call) issues S^T behind the previous visit's dQ^T
+    (``kScoresAheadOn``): :data:`SCORES_AHEAD`, the dQ query split (:data:`DQ_SPLIT`, :func:`dq_split`) and the bulk
+    dQ (:func:`dq_bulk`)."""
+    return SCORES_AHEAD and DQ_SPLIT and dq_split(D, Dv) and dq_bulk(*pad_head_dims(D, Dv))
 
 
 def kv_regs(D, Dv, ext=0):
