@@ -15,8 +15,9 @@
 # GPU_SESSION_GO_ON=1 (go on after a failed smoke step), GPU_SESSION_STEPS (comma-separated step names: run only
 # those, in the script's order, e.g. "smi,smoke,pytest_sm90"; the others are logged "not selected" and do not count
 # as failed; a name that is no step exits 2 before anything runs; default: every step). A session with ~15 minutes of device time runs two calls, call A then call B
-# (docs/hopper.md, "GPU sessions"):
-#     GPU_SESSION_STEPS=$CALL_A bash benchmarks/gpu_session.sh; GPU_SESSION_STEPS=$CALL_B bash benchmarks/gpu_session.sh
+# (docs/hopper.md, "GPU sessions": budgets 420 and 330 s, so that both fit the 900 s with the machine's start):
+#     GPU_SESSION_BUDGET_S=420 GPU_SESSION_STEPS=$CALL_A bash benchmarks/gpu_session.sh
+#     GPU_SESSION_BUDGET_S=330 GPU_SESSION_STEPS=$CALL_B bash benchmarks/gpu_session.sh
 # with the lists printed by `bash benchmarks/gpu_session.sh --calls`.
 set -u
 

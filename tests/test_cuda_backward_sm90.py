@@ -805,7 +805,7 @@ _DQ_WARP = (64, 200, 300)   # the dQ warp's (dq_bulk_writer_sm90): 4 visits per 
 
 @pytest.mark.parametrize("shape,old,new,match,deterministic", [
     (_DQ_WARP,
-     "        fa::fence_proxy_async();          // the generic stores visible to the bulk reduce (async proxy) ...\n",
+     "    fa::fence_proxy_async();            // the generic stores visible to the bulk reduce (async proxy) ...\n",
      "", r"fa::bulk_reduce_add_f32 reads shared offset .*written by ordinary \(generic-proxy\) stores", True),
     (_DQ_WARP,
      "      if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on\n", "",
