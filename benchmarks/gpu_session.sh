@@ -216,7 +216,7 @@ run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py -
 # entries-first block order (and the mma.sync kernels'); the persistent forward at causal d 256, off since the twenty-third session on the SASS
 # alone; the earlier ones were decided on the H200 of 2026-11-28, docs/gpu_h200.md, "Fifth GPU session")
 run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_variants.py \
-    --only fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST \
+    --only fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.DQ_BUFFERS,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST \
     --seqlens 4096,16384 --max-seconds 150 --json "$OUT_DIR/mma_verdicts.json"
 # (4c) the twenty-fifth session's d 256 mma.sync tiles: the grid-layout backward against the row-tile kernel, the
 # 8-warp 128 x 64 forward against 128 x 32, and the wgmma backward against the mma.sync one at d 256 (if the grid

@@ -38,6 +38,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                chained); det only
   bwd.DQ_SPLIT                 cuda_backward_sm90.DQ_SPLIT: the ws kernel at d = 64 splits dQ^T over both consumer
                                warpgroups by queries (off: warpgroup 0 computes all of it, 8 wgmmas more per visit)
+  bwd.DQ_BUFFERS               cuda_backward_sm90.DQ_BUFFERS (2 by default; flipped to 4): the ws kernel's bulk dQ at
+                               d = 64 with four dQ buffers, the consumers up to three visits ahead of the dQ warp
   bwd.SCORES_AHEAD             cuda_backward_sm90.SCORES_AHEAD (off by default; flipped on): the ws kernel's dQ split
                                (d = 64) issues each visit's S^T behind the previous visit's dQ^T, K_j^T from shared
                                memory, against the default (K_j^T in registers, S^T after dQ^T is stored)
@@ -174,6 +176,8 @@ SWITCHES = (
            "d 64: dQ^T split by queries over both warpgroups vs computed by one"),
     Switch("bwd.KT_REGS", "bwd", B, "KT_REGS", False,
            "d 64: K_j^T of the dQ wgmmas in registers (RS) vs shared memory (SS)"),
+    Switch("bwd.DQ_BUFFERS", "bwd", B, "DQ_BUFFERS", 4,
+           "d 64: four dQ buffers for the dQ warp (the consumers up to 3 visits ahead) vs two"),
     Switch("bwd.SCORES_AHEAD", "bwd", B, "SCORES_AHEAD", True,
            "d 64: S^T issued behind the previous visit's dQ^T (K_j^T from smem) vs after it (K_j^T in registers)"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),

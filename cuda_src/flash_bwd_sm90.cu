@@ -915,7 +915,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 namespace fa_bwd {
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, bool Is_dq_bulk = false,
-          bool kDQSplitOn = true>
+          bool kDQSplitOn = true, int kDQBufsMax = 2>
 struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN> {
   using Base = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
   // The dQ query split (d = 64, two warpgroups of keys; kDQSplitOn): dQ^T is one m64 block of head-dim rows there,
@@ -946,8 +946,9 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   // reserved either way).
   static constexpr int kP = kdS + Base::kStages * kdSBytes;                // [stage] P^T, Bc x Br
   static constexpr int kStats = kP + (Base::kSplitD ? Base::kStages * kdSBytes : 0);  // per stage: L_i·log2e, D_i
-  // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumLayout, Br x d bytes reserved), two
-  // where they fit in the opt-in maximum (the consumers run one visit ahead of the dQ warp), else one.
+  // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumLayout, Br x d bytes reserved): the most
+  // of kDQBufsMax, 2, 1 that fit in the opt-in maximum (the consumers run up to kDQBufs - 1 visits ahead of the dQ
+  // warp: in the ordered mode, of its turns).
   static constexpr int kDQAcc = kStats + Base::kStages * 2 * kBlockM * 4;
   static constexpr int kDQTileBytes = kBlockM * kHeadDim * 4;
   static constexpr int kSmemLimit = 227 * 1024;
@@ -955,7 +956,9 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kOffsetsBytes = Base::kSplitD ? 3 * 8 : Is_dq_bulk ? 8 : 0;
   static constexpr int kTurnBytes = 24;  // ordered dQ: the counters' base (a pointer), DQOrder's key block, Tc, Lk - Lq
   static constexpr int kRest = 8 * (1 + 2 * Base::kStages) + kTurnBytes + kOffsetsBytes + Base::kAtomBytes;
-  static constexpr int kDQBufs = !Is_dq_bulk || kDQStaged ? 0 : kDQAcc + 2 * (kDQTileBytes + 16) + kRest <= kSmemLimit ? 2 : 1;
+  static constexpr int kDQBufsFit = (kSmemLimit - kRest - kDQAcc) / (kDQTileBytes + 16);  // (how many fit)
+  static constexpr int kDQBufs = !Is_dq_bulk || kDQStaged ? 0 : kDQBufsFit >= kDQBufsMax ? kDQBufsMax
+                                                                  : kDQBufsFit >= 2 ? 2 : 1;
   static constexpr int kBarOffset = kDQAcc + kDQBufs * kDQTileBytes;
   // kv, full[stage], empty[stage], then dQ full/empty[buffer] (kDQStaged: dQ full[stage]; the stage's empty frees it)
   static constexpr int kBars = 1 + 2 * Base::kStages + (kDQStaged ? Base::kStages : 2 * kDQBufs);
@@ -1110,7 +1113,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
           bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true, bool kKtRegsOn = true,
-          bool kScoresAheadOn = false>
+          bool kScoresAheadOn = false, int kDQBufsMax = 2>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1127,7 +1130,7 @@ flash_bwd_sm90_ws_kernel(
     const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_do,
     const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v,
     const __grid_constant__ CUtensorMap tmap_dk, const __grid_constant__ CUtensorMap tmap_dv) {
-  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk, kDQSplitOn>;
+  using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk, kDQSplitOn, kDQBufsMax>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr bool kDQWarp = Is_dq_bulk;  // the bulk dQ by the dQ warp (from its buffers, or kDQStaged the stages)
   constexpr int kStages = Tr::kStages;
@@ -1341,10 +1344,9 @@ flash_bwd_sm90_ws_kernel(
   if constexpr (kKtRegs)
     if (n_visits > 0) flash::load_at_frags_sm90<kBlockN>(a_kt, sK, (tid % 128) / 32, lane);
 
-  // Is_dq_bulk outside the head-dim split: visit v's dQ^T tile for the dQ warp, its batch issued (over the stage's
-  // dS^T) and, once waited for, stored in the dQ buffer and handed over.
-  const auto dq_issue_visit = [&](int v, float (&acc_dq)[Tr::kDQN / 2]) {
-    const unsigned char* sdS_v = sdS + (v % kStages) * Tr::kdSBytes + dq_half;
+  // Is_dq_bulk outside the head-dim split: a visit's dQ^T tile for the dQ warp, its batch issued (over the warpgroup's
+  // part of the stage's dS^T, sdS_v) and, once waited for, stored in the dQ buffer of visit v and handed over.
+  const auto dq_issue_visit = [&](const unsigned char* sdS_v, float (&acc_dq)[Tr::kDQN / 2]) {
     if constexpr (kKtRegs)
       dq_issue_rs_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_v);
     else
@@ -1393,7 +1395,7 @@ flash_bwd_sm90_ws_kernel(
       float acc_s[kBlockM / 2];
       if constexpr (kScoresAhead) {
         float acc_dq[Tr::kDQN / 2];
-        if (visit > 0) dq_issue_visit(visit - 1, acc_dq);
+        if (visit > 0) dq_issue_visit(sdS + ((visit - 1) % kStages) * Tr::kdSBytes + dq_half, acc_dq);
         if constexpr (kKVRegs)
           flash::issue_qk_rs_sm90<T, kHeadDim, kBlockM>(acc_s, a_k, sQ_i);
         else
@@ -1511,7 +1513,7 @@ flash_bwd_sm90_ws_kernel(
       if (!kScoresAhead && cwg < Tr::kDQWarpgroups) {  // (no head-dim split: one m64 block of dQ^T per warpgroup, or
                                                        // its half; kScoresAhead: at the next visit's start)
         float acc_dq[Tr::kDQN / 2];
-        dq_issue_visit(visit, acc_dq);
+        dq_issue_visit(sdS_s + dq_half, acc_dq);
         fa::wgmma_wait_group<0>();
         fa::wgmma_fence_operand(acc_dq);
         dq_hand_over(visit, acc_dq);
@@ -1552,7 +1554,7 @@ flash_bwd_sm90_ws_kernel(
   if constexpr (kScoresAhead) {  // the last visit's dQ^T
     if (n_visits > 0) {
       float acc_dq[Tr::kDQN / 2];
-      dq_issue_visit(n_visits - 1, acc_dq);
+      dq_issue_visit(sdS + ((n_visits - 1) % kStages) * Tr::kdSBytes + dq_half, acc_dq);
       fa::wgmma_wait_group<0>();
       fa::wgmma_fence_operand(acc_dq);
       dq_hand_over(n_visits - 1, acc_dq);

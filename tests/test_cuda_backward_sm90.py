@@ -519,6 +519,38 @@ def test_ws_scores_ahead_bits_match_default(case, monkeypatch):
     check(p, new)
 
 
+DQ_BUFFERS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
+    (np.float16, 64, 64, (330, 300), False, "none", "bhsd", True, "random", 3),   # 6 visits: buffers reused
+    (bfloat16, 40, 72, (400, 200), True, "gqa", "bshd", True, "reverse", 0),   # dv 128, GQA: 2 x 7 visits
+    (np.float16, 64, 64, (300, 129), True, "none", "bhsd", False, "random", 7),   # atomic order, tails
+    (np.float16, 128, 128, (200, 150), False, "none", "bhsd", True, "random", 1),   # d 128: two fit, unchanged
+]
+
+
+@pytest.mark.parametrize("case", DQ_BUFFERS_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_dq_buffers_bits_match_default(case, monkeypatch):
+    """DQ_BUFFERS = 4: the ws kernel's bulk dQ at d = 64 with four dQ buffers (the consumers up to three visits ahead
+    of the dQ warp; each buffer reused, with its parity, past the fourth visit) gives the bits of the two-buffer
+    default under a permuted schedule, both dQ modes; at d = 128 only two fit and the kernel is the default one."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
+    names = []
+    old, c_old = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    monkeypatch.setattr(S, "DQ_BUFFERS", 4)
+    launch._clear_plans()
+    try:
+        new, c_new = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    finally:
+        launch._clear_plans()
+    four = S.pad_head_dims(D, Dv)[0] == 64
+    assert [n.endswith(", 4>") for n in names] == [False, four], names
+    assert S.dq_buffers(*S.pad_head_dims(D, Dv)) == (4 if four else 2)
+    assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+
+
 DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics

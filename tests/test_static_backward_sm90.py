@@ -82,8 +82,7 @@ def ws_checks(name, t, d, body, loop):
     for op in ("USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL", "ELECT", "UTMALDG.5D"):
         if op not in ops:
             problems.append("%s: no %s" % (name, op))
-    ordered, tma_store, bulk = [f == "true" for f in re.search(r"(true|false), (true|false), (true|false)>$",
-                                                               name).groups()]
+    ordered, tma_store, bulk = [f == "true" for f in S._ws_args(name)[8:11]]
     # Is_dq_bulk: the consumers never take the turn (the dQ warp does, also in the head-dim split's staged bulk dQ):
     # one barrier, no semaphore instruction
     consumer_turn = ordered and not bulk
@@ -272,6 +271,17 @@ def test_head_dim_split_mixed_dims_compile():
     """The head-dim split with D != Dv (the smaller padded to 128): (256, 128) and (128, 256), both kernels."""
     found = instantiations(np.float16, ((200, 72), (72, 256)))
     found.update(ws_instantiations(np.float16, ((200, 72), (72, 256))))
+    _check(found)
+
+
+def test_ws_dq_buffers_compiles_fp16(monkeypatch):
+    """DQ_BUFFERS = 4 (a switch to time, 2 by default): the ws kernel at padded d = 64 (dv 64, 128) with four dQ
+    buffers compiles with zero spills and the default's loop checks, its shared memory (166 / 199 KB) within the
+    opt-in maximum; d = 128 keeps two (no room) and its default name."""
+    monkeypatch.setattr(S, "DQ_BUFFERS", 4)
+    found = ws_instantiations(np.float16, (64, (64, 128), 128))
+    assert [n.endswith(", 4>") for n in found] == [S.pad_head_dims(*_dims(d))[0] == 64 for _, d in found.values()]
+    assert sorted({t.smem for t, _ in found.values()}) == [166024, 198792, 231528]
     _check(found)
 
 

@@ -213,6 +213,12 @@ KT_REGS = True
 #: spilled 48-60 bytes and ptxas serialized the wgmmas). Thirty-fourth session, off by default: a
 #: ``hopper_variants.py`` switch (``bwd.SCORES_AHEAD``) to time it against K_j^T in registers.
 SCORES_AHEAD = False
+#: The most dQ buffers of the warp-specialized kernel's bulk dQ (below the head-dim split; ``kDQBufsMax``, as many as
+#: fit in the opt-in maximum: :func:`dq_buffers`). The consumers run up to that many visits minus one ahead of the dQ
+#: warp, which in the ordered mode waits for each query block's turn: 4 (d = 64 only: 32 KB more shared memory, 165 /
+#: 197 KB at dv 64 / 128; d = 128 has room for two) lets them absorb turns late by up to three visits instead of one.
+#: Thirty-fourth session; 2 by default, a ``hopper_variants.py`` switch (``bwd.DQ_BUFFERS``, flipped to 4).
+DQ_BUFFERS = 2
 #: Whether the warp-specialized kernel's head-dim split (D or Dv above 128, dense calls) splits S^T, dP^T over the
 #: two consumer warpgroups by queries (``kQSplitOn``: each computes them for 32 of the visit's 64 queries and stages
 #: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
@@ -271,13 +277,16 @@ def dq_bulk(d, dv, dq_dim=None):
     return DQ_BULK and (max(d, dv) <= SPLIT_ABOVE or d == dv == (dq_dim or d) == 256)
 
 
-def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
-    """``Sm90BwdWsTraits::kDQBufs``: two dQ buffers where they fit in the opt-in maximum, else one (0: atomics)."""
+def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None, most=None):
+    """``Sm90BwdWsTraits::kDQBufs``: the most of ``most`` (default :data:`DQ_BUFFERS`; the kernel's kDQBufsMax), 2,
+    1 dQ buffers that fit in the opt-in maximum (0: atomics, or the head-dim split's staged dQ)."""
     if not (dq_bulk(d, dv) if bulk is None else bulk) or max(d, dv) > SPLIT_ABOVE:   # (split: staged, no buffer)
         return 0
     base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
             + TURN_BYTES + 8)
-    return 2 if base + 2 * (block_m * d * 4 + 16) <= tiles.smem_limit(ARCH) else 1
+    fit = (tiles.smem_limit(ARCH) - base) // (block_m * d * 4 + 16)
+    most = DQ_BUFFERS if most is None else most
+    return most if fit >= most else 2 if fit >= 2 else 1
 
 
 def ws_tile(tile, D, Dv, ext=0):
@@ -304,12 +313,15 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn,
-    # kScoresAheadOn), named up to the last one that differs from its default and changes the code
+    # kScoresAheadOn, kDQBufsMax), named up to the last one that differs from its default and changes the code
     ahead = not ext and scores_ahead(pD, pDv)
+    d, dv = pad_head_dims(pD, pDv)
+    bufs = dq_buffers(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv, pD) and not ext)
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
            b(DQ_SPLIT or not dq_split(pD, pDv)),
-           b(not ahead and (KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))), b(ahead)]
+           b(not ahead and (KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))), b(ahead),
+           str(DQ_BUFFERS if bufs > 2 else 2)]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
@@ -318,13 +330,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
-# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn
-_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true", "false"]
+# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax
+_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true", "false", "2"]
 
 
 def _ws_args(name_expr):
     """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
-    kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn) at their defaults."""
+    kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax) at their defaults."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     return args + _WS_DEFAULTS[len(args) - 11:]
 
