@@ -41,8 +41,8 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.DQ_BUFFERS               cuda_backward_sm90.DQ_BUFFERS (2 by default; flipped to 4): the ws kernel's bulk dQ at
                                d = 64 with four dQ buffers, the consumers up to three visits ahead of the dQ warp
   bwd.SCORES_AHEAD             cuda_backward_sm90.SCORES_AHEAD (off by default; flipped on): the ws kernel's dQ split
-                               (d = 64) issues each visit's S^T behind the previous visit's dQ^T, K_j^T from shared
-                               memory, against the default (K_j^T in registers, S^T after dQ^T is stored)
+                               (d = 64) issues each visit's S^T behind the previous visit's dQ^T (and dV's batch with
+                               dK's), against the default (S^T after dQ^T is stored; dV's batch behind dP^T's)
   bwd.KT_REGS                  cuda_backward_sm90.KT_REGS: the ws kernel's dQ split (d = 64) holds K_j^T in registers,
                                the A of the dQ^T wgmmas (RS; off: K_j's panel from shared memory per wgmma, SS)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
@@ -179,7 +179,7 @@ SWITCHES = (
     Switch("bwd.DQ_BUFFERS", "bwd", B, "DQ_BUFFERS", 4,
            "d 64: four dQ buffers for the dQ warp (the consumers up to 3 visits ahead) vs two"),
     Switch("bwd.SCORES_AHEAD", "bwd", B, "SCORES_AHEAD", True,
-           "d 64: S^T issued behind the previous visit's dQ^T (K_j^T from smem) vs after it (K_j^T in registers)"),
+           "d 64: S^T issued behind the previous visit's dQ^T vs after it"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

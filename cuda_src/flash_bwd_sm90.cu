@@ -1359,13 +1359,14 @@ flash_bwd_sm90_ws_kernel(
     fa::fence_proxy_async();            // the generic stores visible to the bulk reduce (async proxy) ...
     fa::mbarrier_arrive(dq_full + bf);  // ... before the dQ warp, acquiring, issues it
   };
-  // kScoresAhead (kScoresAheadOn: the dQ query split at d = 64 with the dQ warp, dense calls, K_j^T not in registers):
-  // a visit starts by issuing the previous visit's dQ^T batch, then its own S^T, and waits for dQ^T alone: the tensor
-  // cores compute S^T while the warpgroup stores dQ^T for the dQ warp (the last visit's dQ^T follows the loop).
-  // Every dQ^T element is the same wgmma chain as before: the same bits, handed over in the same order. With K_j^T in
-  // registers (kKtRegs) the consumers spilled 48-60 bytes and ptxas serialized the wgmmas (C7512), as at d = 128
-  // (128 bytes): the in-flight S^T and dQ^T accumulators need 48 registers more at the visit's start.
-  constexpr bool kScoresAhead = kScoresAheadOn && kDQWarp && kExt == 0 && Tr::kDQSplitQ && !kKtRegs;
+  // kScoresAhead (kScoresAheadOn: the dQ query split at d = 64 with the dQ warp, dense calls): a visit starts by
+  // issuing the previous visit's dQ^T batch, then its own S^T, and waits for dQ^T alone: the tensor cores compute S^T
+  // while the warpgroup stores dQ^T for the dQ warp (the last visit's dQ^T follows the loop). Every dQ^T element is
+  // the same wgmma chain as before: the same bits, handed over in the same order. The in-flight S^T and dQ^T need
+  // registers at the visit's start: the visit takes FlashAttention-3's order below (P^T rounded after the dS^T math,
+  // dV's batch with dK's), without which the consumers spilled 48-60 bytes and ptxas serialized the wgmmas (C7512).
+  // (d = dv = 128 spilled 52-120 bytes even so.)
+  constexpr bool kScoresAhead = kScoresAheadOn && kDQWarp && kExt == 0 && Tr::kDQSplitQ;
 
   int grp = 0, i = i_begin;
   for (int visit = 0; visit < n_visits; ++visit) {
@@ -1437,8 +1438,15 @@ flash_bwd_sm90_ws_kernel(
 #pragma unroll
         for (int ks = 0; ks < kBlockM / 16; ++ks)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
-        if constexpr (kKVRegs)
+          for (int r = 0; r < 4; ++r)
+            if constexpr (!kScoresAhead) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
+        // (kScoresAhead: FlashAttention-3's order, dP^T alone, P^T rounded after the dS^T math and the dV batch issued
+        // with dK's: P^T's fragments are not live through that math, the registers the in-flight S^T and dQ^T need)
+        if constexpr (kScoresAhead && kKVRegs)
+          flash::gemm_qk_rs_sm90<T, kHeadDimV, kBlockM>(acc_dp, a_v, sdO_i);
+        else if constexpr (kScoresAhead)
+          flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM>(acc_dp, sV + cwg * Tr::kWgKeys * 128, sdO_i);
+        else if constexpr (kKVRegs)
           flash::gemm_qk_rs_sm90<T, kHeadDimV, kBlockM, IssueDv, 1>(acc_dp, a_v, sdO_i,
                                                                    IssueDv{acc_dv, a_p, sdO_i + do_panel});
         else
@@ -1452,6 +1460,12 @@ flash_bwd_sm90_ws_kernel(
           const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
 #pragma unroll
           for (int e = 4 * j; e < 4 * j + 4; ++e) acc_dp[e] = acc_s[e] * (acc_dp[e] - (e & 1 ? delta2.y : delta2.x));
+        }
+        if constexpr (kScoresAhead) {
+#pragma unroll
+          for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a_p[ks][r] = fa::pack2<T>(acc_s[8 * ks + 2 * r], acc_s[8 * ks + 2 * r + 1]);
         }
       } else {
         flash::gemm_qk_sm90<T, kHeadDimV, kBlockN, kBlockM, flash::NoOp, 0, kBlockM, false>(
@@ -1480,6 +1494,8 @@ flash_bwd_sm90_ws_kernel(
           }
         }
       }
+      if constexpr (kScoresAhead)
+        IssueDv{acc_dv, a_p, sdO_i + do_panel}();
       if constexpr (kExt == 0)
         issue_rs_sm90<T, Tr::kDkN, kBlockM>(acc_dk, a_ds, sQ_i + q_panel);
       else

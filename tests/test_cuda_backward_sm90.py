@@ -499,7 +499,7 @@ SCORES_AHEAD_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, determi
 @pytest.mark.parametrize("case", SCORES_AHEAD_CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_scores_ahead_bits_match_default(case, monkeypatch):
     """SCORES_AHEAD: the ws kernel's dQ split (padded d = 64, bulk dQ) issuing each visit's S^T behind the previous
-    visit's dQ^T (the last visit's dQ^T after the loop; K_j^T from shared memory) gives the bits of the default kernel
+    visit's dQ^T (the last visit's dQ^T after the loop; dV's batch issued with dK's) gives the bits of the default kernel
     under a permuted schedule, both dQ modes; the names say which (ws_scores_ahead), and the wgmma count is the
     same (no extra batch)."""
     dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case

@@ -209,9 +209,9 @@ KT_REGS = True
 #: Whether the warp-specialized kernel's dQ query split (padded d = 64, dense calls, bulk dQ; :func:`scores_ahead`)
 #: issues each visit's S^T behind the previous visit's dQ^T batch (``kScoresAheadOn``): the tensor cores compute S^T
 #: while the consumers store dQ^T for the dQ warp, where the default waits for dQ^T, stores it, and only then issues
-#: the next S^T. It needs the registers of K_j^T (:data:`KT_REGS` is off where it is on: with both the consumers
-#: spilled 48-60 bytes and ptxas serialized the wgmmas). Thirty-fourth session, off by default: a
-#: ``hopper_variants.py`` switch (``bwd.SCORES_AHEAD``) to time it against K_j^T in registers.
+#: the next S^T. Its visit takes FlashAttention-3's order (P^T rounded after the dS^T math, dV's batch issued with dK's,
+#: not behind dP^T's), which frees the registers the in-flight S^T and dQ^T need. Thirty-fourth session, off by
+#: default: a ``hopper_variants.py`` switch (``bwd.SCORES_AHEAD``).
 SCORES_AHEAD = False
 #: The most dQ buffers of the warp-specialized kernel's bulk dQ (below the head-dim split; ``kDQBufsMax``, as many as
 #: fit in the opt-in maximum: :func:`dq_buffers`). The consumers run up to that many visits minus one ahead of the dQ
@@ -320,7 +320,7 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
            b(DQ_SPLIT or not dq_split(pD, pDv)),
-           b(not ahead and (KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv)))), b(ahead),
+           b(KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv))), b(ahead),
            str(DQ_BUFFERS if bufs > 2 else 2)]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
@@ -357,11 +357,10 @@ def ws_kt_regs(name_expr):
 
 def ws_scores_ahead(name_expr):
     """Whether a ws kernel instantiation (its name) issues S^T behind the previous visit's dQ^T (``kScoresAhead``):
-    the dQ query split (:func:`ws_dq_split`) with the bulk dQ, kExt = 0, K_j^T not in registers and ``kScoresAheadOn``
-    (the eighteenth template argument)."""
+    the dQ query split (:func:`ws_dq_split`) with the bulk dQ, kExt = 0 and ``kScoresAheadOn`` (the eighteenth template
+    argument)."""
     args = _ws_args(name_expr)
-    return ws_dq_split(name_expr) and args[10] == "true" and args[11] == "0" and not ws_kt_regs(name_expr) and \
-        args[17] == "true"
+    return ws_dq_split(name_expr) and args[10] == "true" and args[11] == "0" and args[17] == "true"
 
 
 def ws_query_split(name_expr):
