@@ -93,7 +93,8 @@ struct NoOp {
 // kAdvance: each step's descriptors advanced from the first's (fa::wgmma_desc_advance, one add each), else encoded
 // from the address per step (the wgmma backward with extensions: the two bases held through the batch spilled a
 // d 128 instantiation).
-// gemm_qk_sm90's batch, issued and committed (the caller waits): the ws backward's S^T of the next visit.
+// gemm_qk_sm90's batch, issued and committed (the caller waits): the ws backward's S^T issued behind the previous
+// visit's dQ^T (kScoresAhead).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kRowsB = kBlockN, bool kAdvance = true>
 __device__ __forceinline__ void issue_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                               const unsigned char* sK_j) {
