@@ -86,15 +86,8 @@ struct NoOp {
   __device__ __forceinline__ void operator()() const {}
 };
 
-// S = Q_w K_jᵀ for the warpgroup's 64 rows (sQ_w: row 64w of panel 0; panels kBlockM rows apart):
-// k16 step ks reads bytes 32·(ks mod 4) of panel ks / 4 of both operands. Waits for the result (with
-// kPending: for every batch but the kPending committed by `issued` after it). kRowsB: the rows of sK_j's
-// panels where N (kBlockN) is a part of them (the backward's query split: N = 32 of Br = 64 rows).
-// kAdvance: each step's descriptors advanced from the first's (fa::wgmma_desc_advance, one add each), else encoded
-// from the address per step (the wgmma backward with extensions: the two bases held through the batch spilled a
-// d 128 instantiation).
-// gemm_qk_sm90's batch, issued and committed (the caller waits): the ws backward's S^T issued behind the previous
-// visit's dQ^T (kScoresAhead).
+// gemm_qk_sm90's batch (below), issued and committed (the caller waits): the ws backward's S^T issued behind the
+// previous visit's dQ^T (kScoresAhead).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kRowsB = kBlockN, bool kAdvance = true>
 __device__ __forceinline__ void issue_qk_sm90(float (&acc_s)[kBlockN / 2], const unsigned char* sQ_w,
                                               const unsigned char* sK_j) {
