@@ -38,13 +38,13 @@ without a GPU; this script times the kernels with the flag at its default and fl
                                chained); det only
   bwd.DQ_SPLIT                 cuda_backward_sm90.DQ_SPLIT: the ws kernel at d = 64 splits dQ^T over both consumer
                                warpgroups by queries (off: warpgroup 0 computes all of it, 8 wgmmas more per visit)
+  bwd.KT_REGS                  cuda_backward_sm90.KT_REGS: the ws kernel's dQ split (d = 64) holds K_j^T in registers,
+                               the A of the dQ^T wgmmas (RS; off: K_j's panel from shared memory per wgmma, SS)
   bwd.DQ_BUFFERS               cuda_backward_sm90.DQ_BUFFERS (2 by default; flipped to 4): the ws kernel's bulk dQ at
                                d = 64 with four dQ buffers, the consumers up to three visits ahead of the dQ warp
   bwd.SCORES_AHEAD             cuda_backward_sm90.SCORES_AHEAD (off by default; flipped on): the ws kernel's dQ split
                                (d = 64) issues each visit's S^T behind the previous visit's dQ^T (and dV's batch with
                                dK's), against the default (S^T after dQ^T is stored; dV's batch behind dP^T's)
-  bwd.KT_REGS                  cuda_backward_sm90.KT_REGS: the ws kernel's dQ split (d = 64) holds K_j^T in registers,
-                               the A of the dQ^T wgmmas (RS; off: K_j's panel from shared memory per wgmma, SS)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
