@@ -488,6 +488,23 @@ def test_ws_kt_regs_bits_match_smem_operand(case, monkeypatch):
     check(p, new)
 
 
+def _case_flag_set(flag, value, case, monkeypatch):
+    """A case row (dtype, D, Dv, lengths, causal, bcast, layout, deterministic, schedule, seed) run with
+    cuda_backward_sm90's ``flag`` at its default, then at ``value`` (a switch off by default), on the same inputs
+    and emulator options: the problem, the two dK/dV names, the flipped and default runs' gradients and counters."""
+    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
+    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
+    names = []
+    old, c_old = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    monkeypatch.setattr(S, flag, value)
+    launch._clear_plans()
+    try:
+        new, c_new = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
+    finally:
+        launch._clear_plans()
+    return p, names, new, old, c_new, c_old
+
+
 SCORES_AHEAD_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, "reverse", 0),   # dv 128, GQA, BSHD
@@ -502,16 +519,7 @@ def test_ws_scores_ahead_bits_match_default(case, monkeypatch):
     visit's dQ^T (the last visit's dQ^T after the loop; dV's batch issued with dK's) gives the bits of the default kernel
     under a permuted schedule, both dQ modes; the names say which (ws_scores_ahead), and the wgmma count is the
     same (no extra batch)."""
-    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
-    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
-    names = []
-    old, c_old = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
-    monkeypatch.setattr(S, "SCORES_AHEAD", True)
-    launch._clear_plans()
-    try:
-        new, c_new = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
-    finally:
-        launch._clear_plans()
+    p, names, new, old, c_new, c_old = _case_flag_set("SCORES_AHEAD", True, case, monkeypatch)
     assert [S.ws_scores_ahead(n) for n in names] == [False, True], names
     assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
     for a, b in zip(new, old):
@@ -532,16 +540,8 @@ def test_ws_dq_buffers_bits_match_default(case, monkeypatch):
     """DQ_BUFFERS = 4: the ws kernel's bulk dQ at d = 64 with four dQ buffers (the consumers up to three visits ahead
     of the dQ warp; each buffer reused, with its parity, past the fourth visit) gives the bits of the two-buffer
     default under a permuted schedule, both dQ modes; at d = 128 only two fit and the kernel is the default one."""
-    dtype, D, Dv, lengths, causal, bcast, layout, det, schedule, seed = case
-    p = _case_problem(dtype, D, Dv, lengths, causal, bcast, layout)
-    names = []
-    old, c_old = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
-    monkeypatch.setattr(S, "DQ_BUFFERS", 4)
-    launch._clear_plans()
-    try:
-        new, c_new = run_wgmma(p, deterministic=det, schedule=schedule, seed=seed, dkv_names=names)
-    finally:
-        launch._clear_plans()
+    p, names, new, old, c_new, c_old = _case_flag_set("DQ_BUFFERS", 4, case, monkeypatch)
+    D, Dv = case[1], case[2]
     four = S.pad_head_dims(D, Dv)[0] == 64
     assert [n.endswith(", 4>") for n in names] == [False, four], names
     assert S.dq_buffers(*S.pad_head_dims(D, Dv)) == (4 if four else 2)

@@ -331,8 +331,8 @@ BWD_VARIANTS = {
     "ws_key_blocks_first": dict(ENTRIES_FIRST=False),   # ordered: the grid's key blocks first, not its entries
     "ws_dq_one_warpgroup": dict(DQ_SPLIT=False),   # d = 64: dQ^T by warpgroup 0 alone, not split by queries
     "ws_kt_smem": dict(KT_REGS=False),   # d = 64: the dQ wgmmas read K_j from shared memory (SS), not registers
-    "ws_scores_ahead": dict(SCORES_AHEAD=True),
-    "ws_dq_buffers": dict(DQ_BUFFERS=4),   # d = 64: four dQ buffers for the dQ warp (two by default)   # d = 64: S^T issued behind the previous visit's dQ^T (off by default)
+    "ws_scores_ahead": dict(SCORES_AHEAD=True),   # d = 64: S^T issued behind the previous visit's dQ^T (off by default)
+    "ws_dq_buffers": dict(DQ_BUFFERS=4),   # d = 64: four dQ buffers for the dQ warp (two by default)
 }
 
 

@@ -277,16 +277,15 @@ def dq_bulk(d, dv, dq_dim=None):
     return DQ_BULK and (max(d, dv) <= SPLIT_ABOVE or d == dv == (dq_dim or d) == 256)
 
 
-def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None, most=None):
-    """``Sm90BwdWsTraits::kDQBufs``: the most of ``most`` (default :data:`DQ_BUFFERS`; the kernel's kDQBufsMax), 2,
-    1 dQ buffers that fit in the opt-in maximum (0: atomics, or the head-dim split's staged dQ)."""
+def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
+    """``Sm90BwdWsTraits::kDQBufs``: the most of :data:`DQ_BUFFERS` (the kernel's kDQBufsMax), 2, 1 dQ buffers that
+    fit in the opt-in maximum (0: atomics, or the head-dim split's staged dQ)."""
     if not (dq_bulk(d, dv) if bulk is None else bulk) or max(d, dv) > SPLIT_ABOVE:   # (split: staged, no buffer)
         return 0
     base = (_tiles_bytes(d, dv, block_m, block_n) + 2 * block_n * block_m * (STAGES - 1) + 8 * (1 + 2 * STAGES)
             + TURN_BYTES + 8)
     fit = (tiles.smem_limit(ARCH) - base) // (block_m * d * 4 + 16)
-    most = DQ_BUFFERS if most is None else most
-    return most if fit >= most else 2 if fit >= 2 else 1
+    return DQ_BUFFERS if fit >= DQ_BUFFERS else 2 if fit >= 2 else 1
 
 
 def ws_tile(tile, D, Dv, ext=0):
@@ -321,7 +320,7 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
            b(DQ_SPLIT or not dq_split(pD, pDv)),
            b(KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv))), b(ahead),
-           str(DQ_BUFFERS if bufs > 2 else 2)]
+           str(max(bufs, 2))]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
