@@ -209,14 +209,16 @@ run_step pytest "${GPU_SESSION_PYTEST_S:-100}" "$PY" -m pytest "${PYTEST_ARGS[@]
     --junitxml="$OUT_DIR/junit.xml" --ignore=tests/test_gpu_sm90.py tests/
 # (4) forward and backward tables against FlashAttention-2 and cuDNN
 run_step gpu_backward "${GPU_SESSION_BACKWARD_S:-130}" "$PY" benchmarks/gpu.py --backward "${TABLE_ARGS[@]}"
-# (4b) the switches that wait for a GPU's verdict (the thirty-first session: the ws forward on three consumer
+# (4b) the switches that wait for a GPU's verdict (the thirty-fifth session: the d 256 backward's query split with dP^T
+# behind S^T and dQ^T before the dV/dK wait, default off; the thirty-fourth: S^T ahead and four dQ buffers at d 64,
+# both off; the thirty-first session: the ws forward on three consumer
 # warpgroups at d 64, default off; the thirtieth session: the wgmma backward's dQ split by queries at
 # d 64; the twenty-fourth session: the wgmma backward's bulk dQ, now at
 # d 256 too (staged by the consumers, added by the dQ warp since the thirty-third session), its d 256 query split, timed at N 4k only, and its ordered mode's
 # entries-first block order (and the mma.sync kernels'); the persistent forward at causal d 256, off since the twenty-third session on the SASS
 # alone; the earlier ones were decided on the H200 of 2026-11-28, docs/gpu_h200.md, "Fifth GPU session")
 run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_variants.py \
-    --only fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.DQ_BUFFERS,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST \
+    --only fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.SPLIT_OVERLAP,bwd.DQ_BUFFERS,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST \
     --seqlens 4096,16384 --max-seconds 150 --json "$OUT_DIR/mma_verdicts.json"
 # (4c) the twenty-fifth session's d 256 mma.sync tiles: the grid-layout backward against the row-tile kernel, the
 # 8-warp 128 x 64 forward against 128 x 32, and the wgmma backward against the mma.sync one at d 256 (if the grid

@@ -45,6 +45,9 @@ without a GPU; this script times the kernels with the flag at its default and fl
   bwd.SCORES_AHEAD             cuda_backward_sm90.SCORES_AHEAD (off by default; flipped on): the ws kernel's dQ split
                                (d = 64) issues each visit's S^T behind the previous visit's dQ^T (and dV's batch with
                                dK's), against the default (S^T after dQ^T is stored; dV's batch behind dP^T's)
+  bwd.SPLIT_OVERLAP            cuda_backward_sm90.SPLIT_OVERLAP (off by default; flipped on): the ws kernel's query
+                               split (d = 256) issues dP^T right behind S^T and its dQ^T batches before the wait for
+                               the dV_j, dK_j batch, against the default (dP^T after P^T is staged, dQ^T after the wait)
   bwd.kernel                   the wgmma backward vs the mma.sync backward (kernel="tc")
   mma.WIDE_ROWS                tiles.WIDE_ROWS, the mma.sync forward's own switch (both sides
                                kernel="tensor_core", sm_90's kernel=None being the wgmma forward): the
@@ -180,6 +183,8 @@ SWITCHES = (
            "d 64: four dQ buffers for the dQ warp (the consumers up to 3 visits ahead) vs two"),
     Switch("bwd.SCORES_AHEAD", "bwd", B, "SCORES_AHEAD", True,
            "d 64: S^T issued behind the previous visit's dQ^T vs after it"),
+    Switch("bwd.SPLIT_OVERLAP", "bwd", B, "SPLIT_OVERLAP", True,
+           "d 256: dP^T behind S^T, dQ^T before the dV/dK wait vs after"),
     Switch("bwd.kernel", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward (sm_90 dispatch)"),
     Switch("mma.WIDE_ROWS", "fwd", tiles, "WIDE_ROWS", False, "mma.sync d > 64: wide-row 128 x 32 tiles vs the table's",
            MMA_FWD),

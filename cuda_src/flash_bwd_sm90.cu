@@ -291,12 +291,15 @@ __device__ __forceinline__ void dq_atomics_sm90(const unsigned char* sK, const u
 
 // The head-dim split's two m64 blocks of dQ^T (panels p, p + 1; rows row, row + 64): both batches issued, the
 // first block's atomics while the second computes (the query split leaves the registers for both accumulators).
-template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN>
+// `issued`: called between the two batches' issue and the first wait (the ws kernel's kSplitOverlap: its wait for the
+// dV_j, dK_j batch, which the dQ^T batches now queue behind).
+template <typename T, int kDQDim, int kHeadDim, int kBlockM, int kBlockN, typename Issued = flash::NoOp>
 __device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const unsigned char* sdS, int p, int row,
-                                                 float* dqa_i) {
+                                                 float* dqa_i, Issued issued = Issued()) {
   float acc0[kBlockM / 2], acc1[kBlockM / 2];
   dq_issue_sm90<T, kBlockM, kBlockN>(acc0, sK, sdS, p);
   dq_issue_sm90<T, kBlockM, kBlockN>(acc1, sK, sdS, p + 1);
+  issued();
   fa::wgmma_wait_group<1>();
   fa::wgmma_fence_operand(acc0);
   dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc0, row, dqa_i);
@@ -310,15 +313,17 @@ __device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const 
 // order over its own panels of the stage (sQ_w: Q_i's panels 2w, 2w + 1, row tiles 0, 1; sdO_w: dO_i's, row tiles
 // 2, 3; 16 KB each: after the warpgroup's dV, dK batches nothing reads them). The dQ warp adds them
 // (dq_bulk_adds_sm90) once every consumer thread has arrived on the stage's dq_full. lane_off: this lane's
-// DQAccumLayout<128>::offset(2t, 16·warp + g).
-template <typename T, int kBlockM, int kBlockN>
+// DQAccumLayout<128>::offset(2t, 16·warp + g). `issued`: as dq_atomics2_sm90's (it must wait for the dV_j, dK_j batch
+// that reads those panels before the stores).
+template <typename T, int kBlockM, int kBlockN, typename Issued = flash::NoOp>
 __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const unsigned char* sdS, int w, int lane_off,
-                                               unsigned char* sQ_w, unsigned char* sdO_w) {
+                                               unsigned char* sQ_w, unsigned char* sdO_w, Issued issued = Issued()) {
   using Stage = DQAccumLayout<128>;
   static_assert(kBlockM == 64, "four 16-row tiles: two per 16 KB half");
   float acc0[kBlockM / 2], acc1[kBlockM / 2];
   dq_issue_sm90<T, kBlockM, kBlockN>(acc0, sK, sdS, 2 * w);
   dq_issue_sm90<T, kBlockM, kBlockN>(acc1, sK, sdS, 2 * w + 1);
+  issued();
   float* q_half = reinterpret_cast<float*>(sQ_w) + lane_off;
   float* do_half = reinterpret_cast<float*>(sdO_w) + lane_off - 2 * 4 * Stage::kTileFloats;  // (row tiles 2, 3)
   const auto store = [&](const float (&acc)[kBlockM / 2], int col) {
@@ -934,10 +939,11 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static_assert(Base::kWarpgroups == 2, "the producer warpgroup feeds two consumer warpgroups");
   static constexpr int kConsumerThreads = Base::kNThreads;
   static constexpr int kNThreads = 128 + kConsumerThreads;
-  // setmaxnreg's counts: FlashAttention-3's 24 / 240, but kDQStaged 32 / 232 (its consumers use 216 registers; at
-  // 24 the producer warpgroup, holding the loader's and the dQ warp's state, spilled 4 bytes, causal ordered)
-  static constexpr int kProducerRegs = kDQStaged ? 32 : flash::kWsProducerRegs;
-  static constexpr int kConsumerRegs = kDQStaged ? 232 : flash::kWsConsumerRegs;
+  // setmaxnreg's counts: FlashAttention-3's 24 / 240, but in the head-dim split 32 / 232 (its consumers use up to 216
+  // registers; at 24 the producer warpgroup spilled 4 bytes in the causal kernels: kDQStaged holding the loader's and
+  // the dQ warp's state, the consumers' atomics (d 256 with DQ_BULK off, D = 200) the loader's alone)
+  static constexpr int kProducerRegs = Base::kSplitD ? 32 : flash::kWsProducerRegs;
+  static constexpr int kConsumerRegs = Base::kSplitD ? 232 : flash::kWsConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
   static constexpr int kdSBytes = kBlockN * kBlockM * 2;
@@ -967,6 +973,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   static constexpr int kSmemBytes = kOffsetsOffset + kOffsetsBytes + Base::kAtomBytes;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
   static constexpr int kDQBarrier = 2;        // Is_dq_bulk, ordered: the dQ warp's group semaphore
+  static constexpr int kWgBarrier = 3;        // ids 3, 4: consumer warpgroup 0's, 1's own (the split overlap)
   static constexpr int kDQThreads = 128 * kDQWarpgroups;  // dq_full's arrivals: the dQ^T warpgroups
   static_assert(kStats % Base::kAtomBytes == 0, "every swizzled tile starts on the pattern's repeat");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
@@ -991,7 +998,9 @@ struct IssueDvSm90 {
 // after the barrier by issue_dv_dk_ss_sm90), the RS batches of dV_j and dK_j over the own k16 steps issued (dV's
 // behind dP^T's, as in the ws kernel's other modes); the caller waits, holding a_p, a_ds (the RS batches' A
 // registers, read until then). acc_s[4j + e]: key key_row + 8((e % 4) >> 1), query q_off + 8j + 2t + (e & 1).
-template <typename T, typename Tr, int kHeadDim, int kHeadDimV, int kBlockM, class M>
+// kOverlap (kSplitOverlapOn): dP^T issued right behind S^T, so that it computes under the softmax of P^T, and the
+// dV batch after P^T's staging (where the default issues dP^T behind that staging, the dV batch with it).
+template <typename T, typename Tr, int kHeadDim, int kHeadDimV, int kBlockM, bool kOverlap, class M>
 __device__ __forceinline__ void visit_scores_qsplit_sm90(
     float (&acc_dv)[Tr::kDvN / 2], float (&acc_dk)[Tr::kDkN / 2], uint32_t (&a_p)[kBlockM / 32][4],
     uint32_t (&a_ds)[kBlockM / 32][4], const unsigned char* sK, const unsigned char* sV,
@@ -1001,7 +1010,14 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
   constexpr int kQ = kBlockM / 2, kSteps = kQ / 16;
   const int ks0 = q_off / 16;  // the own k16 steps of the Br queries
   float acc_s[kQ / 2], acc_dp[kQ / 2];
-  flash::gemm_qk_sm90<T, kHeadDim, Tr::kBc, kQ, flash::NoOp, 0, kBlockM>(acc_s, sK, sQ_i + q_off * 128);
+  if constexpr (kOverlap) {
+    flash::issue_qk_sm90<T, kHeadDim, Tr::kBc, kQ, kBlockM>(acc_s, sK, sQ_i + q_off * 128);
+    flash::issue_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, kBlockM>(acc_dp, sV, sdO_i + q_off * 128);
+    fa::wgmma_wait_group<1>();  // S^T (dP^T runs on)
+    fa::wgmma_fence_operand(acc_s);
+  } else {
+    flash::gemm_qk_sm90<T, kHeadDim, Tr::kBc, kQ, flash::NoOp, 0, kBlockM>(acc_s, sK, sQ_i + q_off * 128);
+  }
 #pragma unroll
   for (int j = 0; j < kQ / 8; ++j) {
     const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + q_off + 8 * j + 2 * t);
@@ -1022,8 +1038,15 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
     }
   };
   round_and_stage(a_p, acc_s, sP_s);
-  flash::gemm_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>, 1, kBlockM>(
-      acc_dp, sV, sdO_i + q_off * 128, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>{acc_dv, a_p, sdO_i + do_panel + ks0 * 2048});
+  const IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps> issue_dv{acc_dv, a_p, sdO_i + do_panel + ks0 * 2048};
+  if constexpr (kOverlap) {
+    issue_dv();
+    fa::wgmma_wait_group<1>();  // dP^T (dV runs on)
+    fa::wgmma_fence_operand(acc_dp);
+  } else {
+    flash::gemm_qk_sm90<T, kHeadDimV, Tr::kBc, kQ, IssueDvSm90<T, Tr::kDvN, kBlockM, kSteps>, 1, kBlockM>(
+        acc_dp, sV, sdO_i + q_off * 128, issue_dv);
+  }
 #pragma unroll
   for (int j = 0; j < kQ / 8; ++j) {
     const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + q_off + 8 * j + 2 * t);
@@ -1113,7 +1136,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kDQDim, int kBlockM, int kBlockN,
           bool Is_causal, bool kOrderedDQ, bool Is_tma_store, bool Is_dq_bulk, int kExt = 0, bool kKVRegsOn = true,
           bool kQSplitOn = true, bool kEntriesFirstOn = true, bool kDQSplitOn = true, bool kKtRegsOn = true,
-          bool kScoresAheadOn = false, int kDQBufsMax = 2>
+          bool kScoresAheadOn = false, int kDQBufsMax = 2, bool kSplitOverlapOn = false>
 __global__ void __launch_bounds__(128 + (kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBlockN / 64) * 128, 1)
 flash_bwd_sm90_ws_kernel(
     const T* __restrict__ q, long long q_b0, long long q_b1, long long q_b2, long long q_g, long long q_row,
@@ -1298,6 +1321,11 @@ flash_bwd_sm90_ws_kernel(
   // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
   // P^T, dS^T from shared memory after the consumers' barrier (issue_dv_dk_ss_sm90).
   constexpr bool kQSplit = kQSplitOn && kExt == 0 && Tr::kSplitD;
+  // kSplitOverlap (the query split at d = 256, kSplitOverlapOn): fewer idle tensor cores in the visit's chain. dP^T is
+  // issued right behind S^T and computes under the softmax (visit_scores_qsplit_sm90's kOverlap), and the two dQ^T
+  // batches are issued behind the SS dV_j, dK_j batch before the wait for it (dkv_done), where the default waits for
+  // that batch first. Same wgmma chains, same bits.
+  constexpr bool kSplitOverlap = kSplitOverlapOn && kQSplit && Tr::kDQBlocks == 2;
   // kDsStmatrix (dense calls): dS^T (the query split: P^T too) goes by stmatrix, lane l addressing row l mod 8 of
   // matrix l / 8, i.e. key st_key (+8 in matrices 1, 3) and chunk l / 16 of the k16 step, swizzled (64B in the dQ
   // split's half tiles, else 128B). Else word by word from the fragment's own (key, query) (extensions: with
@@ -1383,7 +1411,7 @@ flash_bwd_sm90_ws_kernel(
                                                        tid - 128);
     uint32_t a_pq[kQSplit ? kBlockM / 32 : 1][4], a_dsq[kQSplit ? kBlockM / 32 : 1][4];  // (the query split's)
     if constexpr (kQSplit) {
-      visit_scores_qsplit_sm90<T, Tr, kHeadDim, kHeadDimV, kBlockM>(
+      visit_scores_qsplit_sm90<T, Tr, kHeadDim, kHeadDimV, kBlockM, kSplitOverlap>(
           acc_dv, acc_dk, a_pq, a_dsq, sK, sV, sQ_i, sdO_i, sP + s * Tr::kdSBytes, sdS_s, lse2_s, delta_s, scale_log2, mask, r0,
           c0 + key_row, cwg * (kBlockM / 2), ds_lane, t, q_panel, do_panel);
     } else {
@@ -1515,14 +1543,25 @@ flash_bwd_sm90_ws_kernel(
       issue_dv_dk_ss_sm90<T, Tr::kDvN, Tr::kDkN, kBlockM, kBlockM / 32>(acc_dv, acc_dk, sP + s * Tr::kdSBytes, sdS_s,
                                                                       (1 - cwg) * (kBlockM / 32), sdO_i + do_panel,
                                                                       sQ_i + q_panel);
-    fa::wgmma_wait_group<0>();  // dV, dK (they ran during the barrier): Q_i, dO_i no longer read
-    fa::wgmma_fence_operand(acc_dv);
-    fa::wgmma_fence_operand(acc_dk);
-    if constexpr (!Tr::kDQStaged) fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
+    if constexpr (kSplitOverlap) fa::wgmma_wait_group<1>();  // the own RS batches: their A registers free for dQ^T
+    // dV, dK (they ran during the barrier): Q_i, dO_i no longer read (kSplitOverlap: behind the dQ^T batches' issue,
+    // the two of them pending; staged, every warp of the warpgroup past its wait before any overwrites the panels
+    // the batch read: the dQ^T batch's issue, a rendezvous of the four warps, no longer follows the wait)
+    const auto dkv_done = [&] {
+      fa::wgmma_wait_group<kSplitOverlap ? 2 : 0>();
+      fa::wgmma_fence_operand(acc_dv);
+      fa::wgmma_fence_operand(acc_dk);
+      if constexpr (kSplitOverlap && Tr::kDQStaged) fa::named_barrier_sync(Tr::kWgBarrier + cwg, 128);
+      if constexpr (!Tr::kDQStaged) fa::mbarrier_arrive(empty + s);  // the stage (Q_i, dO_i, L_i, D_i) may be refilled
+    };
+    const auto dq_issued = [&] {
+      if constexpr (kSplitOverlap) dkv_done();
+    };
+    if constexpr (!kSplitOverlap) dkv_done();
     if constexpr (Tr::kDQStaged) {  // (the head-dim split: dQ^T over the warpgroup's own panels of the stage)
       dq_staged_sm90<T, kBlockM, kBlockN>(sK, sdS_s, cwg, DQAccumLayout<128>::offset(2 * t, key_row),
                                           sQ + s * Tr::kQBytes + cwg * 2 * kBlockM * 128,
-                                          sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128);
+                                          sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128, dq_issued);
       fa::fence_proxy_async();           // the generic stores visible to the bulk reduce (async proxy) ...
       fa::mbarrier_arrive(dq_full + s);  // ... before the dQ warp, acquiring, issues it (and frees the stage)
     } else if constexpr (kDQWarp) {
@@ -1537,7 +1576,7 @@ flash_bwd_sm90_ws_kernel(
     } else if constexpr (kQSplit && Tr::kDQBlocks == 2) {  // (both consumer warpgroups compute dQ^T here)
       dq_atomics2_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
           sK, sdS_s, cwg * 2, dq_row,
-          dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim + dq_lane);
+          dq_accum + batch_off[0] + grp * dqa_g + static_cast<long long>(r0) * kDQDim + dq_lane, dq_issued);
     } else if (cwg < Tr::kDQWarpgroups) {
       float* const dqa_i = (Tr::kSplitD ? dq_accum + batch_off[0] + grp * dqa_g : dqa_entry(grp)) +
                            static_cast<long long>(r0) * kDQDim + dq_lane;

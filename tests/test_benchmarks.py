@@ -383,7 +383,7 @@ def test_gpu_precision_goals_from_rows(bench, monkeypatch):
 HOPPER_SWITCHES = ("fwd.OVERLAP", "fwd.USE_TMA_STORE", "fwd.PERSISTENT", "fwd.PERSISTENT_MAX_HEAD_DIM",
                    "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.CAUSAL_PAIRS", "fwd.WIDE_KEYS", "fwd.THREE_WARPGROUPS",
                    "fwd.USE_TMA", "fwd.kernel", "bwd.DQ_BULK",
-                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.DQ_BUFFERS", "bwd.SCORES_AHEAD", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_LARGE",
+                   "bwd.USE_TMA_STORE", "bwd.USE_TMA", "bwd.KV_REGS", "bwd.QUERY_SPLIT", "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.DQ_BUFFERS", "bwd.SCORES_AHEAD", "bwd.SPLIT_OVERLAP", "bwd.kernel", "mma.WIDE_ROWS", "mma.WIDE_BC64", "mma.WIDE_BC64_LARGE",
                    "mma.WIDE_BC64_CAUSAL",
                    "mma.WIDE_CAUSAL", "mma.WIDE_KEYS", "mma.GRID_LAYOUT", "mma.GRID_SWIZZLE", "mma.ENTRIES_FIRST",
                    "mma.CAUSAL_GROUPS")
@@ -551,13 +551,13 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
     scripts = [c for c in calls if c[0].startswith("benchmarks/")]
     assert [c[0] for c in scripts] == ["benchmarks/overhead.py", "benchmarks/gpu.py"] + [
         "benchmarks/hopper_variants.py"] * 2 + ["benchmarks/gpu.py"] * 3 + ["benchmarks/hopper_variants.py"] * 2
-    assert "fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.DQ_BUFFERS,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST" \
+    assert "fwd.THREE_WARPGROUPS,bwd.DQ_SPLIT,bwd.KT_REGS,bwd.SCORES_AHEAD,bwd.SPLIT_OVERLAP,bwd.DQ_BUFFERS,bwd.DQ_BULK,bwd.QUERY_SPLIT,bwd.ENTRIES_FIRST,fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM,mma.ENTRIES_FIRST" \
         in scripts[2] \
         and "ext" in scripts[-2] and "--only" not in scripts[-1]
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[2][2])] == [
         "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.THREE_WARPGROUPS", "bwd.DQ_BULK", "bwd.QUERY_SPLIT",
-        "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.DQ_BUFFERS", "bwd.SCORES_AHEAD", "mma.ENTRIES_FIRST"]
+        "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.DQ_BUFFERS", "bwd.SCORES_AHEAD", "bwd.SPLIT_OVERLAP", "mma.ENTRIES_FIRST"]
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[3][2])] == [
         "bwd.kernel", "mma.WIDE_BC64_LARGE", "mma.GRID_LAYOUT"] and "256" in scripts[3]
     helps = {}

@@ -551,6 +551,48 @@ def test_ws_dq_buffers_bits_match_default(case, monkeypatch):
     check(p, new)
 
 
+SPLIT_OVERLAP_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
+    (np.float16, 256, 256, (70, 200), False, "none", "bhsd", True, True, "random", 5),   # staged dQ, 4 key blocks
+    (bfloat16, 256, 256, (130, 150), True, "gqa", "bshd", False, True, "reverse", 0),    # staged, causal, GQA, BSHD
+    (np.float16, 256, 256, (65, 127), True, "none", "bhsd", True, False, "random", 2),   # the consumers' atomics
+    (bfloat16, 200, 72, (40, 130), False, "none", "bhsd", True, True, "forward", 1),     # 256 / 128: atomics
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_OVERLAP_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_ws_split_overlap_bits_match_default(case, monkeypatch):
+    """SPLIT_OVERLAP: the ws kernel's query split at padded d = 256 with dP^T issued right behind S^T and the dQ^T
+    batches issued before the wait for the dV_j, dK_j batch gives the bits of the default order under a permuted
+    schedule, in both dQ modes, with the staged bulk dQ and with the consumers' atomics (DQ_BULK off, and d 256 with
+    dv 128, which has no staged mode); the names say which (ws_split_overlap), and the wgmma count is the same."""
+    *row, bulk, schedule, seed = case
+    monkeypatch.setattr(S, "DQ_BULK", bulk)
+    p, names, new, old, c_new, c_old = _case_flag_set("SPLIT_OVERLAP", True, (*row, schedule, seed), monkeypatch)
+    assert [S.ws_split_overlap(n) for n in names] == [False, True], names
+    assert [S._ws_args(n)[10] for n in names] == [str(bulk and case[2] == 256).lower()] * 2, names  # Is_dq_bulk
+    assert (c_new.wgmma, c_new.tma_loads) == (c_old.wgmma, c_old.tma_loads)
+    for a, b in zip(new, old):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(p, new)
+
+
+def test_ws_split_overlap_needs_the_warpgroup_barrier(monkeypatch):
+    """SPLIT_OVERLAP with the staged dQ: without the warpgroup's named barrier after the wait for the dV_j, dK_j
+    batch, one warp's dQ^T stores overwrite its panels of the stage while another warp of the warpgroup has not yet
+    waited for the batch that reads them; the emulator reports it."""
+    from flasharray import emulator
+    monkeypatch.setattr(S, "SPLIT_OVERLAP", True)
+    p = Problem(np.float16, 256, 70, 200, causal=False, batch_q=(1, 1), batch_k=(1, 1))
+    _mutant(monkeypatch, "      if constexpr (kSplitOverlap && Tr::kDQStaged) fa::named_barrier_sync(Tr::kWgBarrier + cwg, 128);\n", "")
+    try:
+        launch._clear_plans()
+        with pytest.raises(emulator.EmulatorError, match=r"wgmma of warpgroup \d reads .* was written between its issue"):
+            run_wgmma(p, deterministic=True, schedule="random", seed=5)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
+
+
 DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 64, 64, (70, 300), False, "none", "bhsd", True, True, "random", 3),   # 3 key blocks per element
     (bfloat16, 40, 72, (130, 200), True, "gqa", "bshd", True, False, "reverse", 0),   # dv 128, GQA, atomics

@@ -333,6 +333,7 @@ BWD_VARIANTS = {
     "ws_kt_smem": dict(KT_REGS=False),   # d = 64: the dQ wgmmas read K_j from shared memory (SS), not registers
     "ws_scores_ahead": dict(SCORES_AHEAD=True),   # d = 64: S^T issued behind the previous visit's dQ^T (off by default)
     "ws_dq_buffers": dict(DQ_BUFFERS=4),   # d = 64: four dQ buffers for the dQ warp (two by default)
+    "ws_split_overlap": dict(SPLIT_OVERLAP=True),   # d 256: dP^T behind S^T, dQ^T before the dV/dK wait (off)
 }
 
 
@@ -368,6 +369,7 @@ def expect_backward_kernel(plan, p, deterministic):
             assert B.ws_dq_split(name) == (B.DQ_SPLIT and B.dq_split(D, Dv)), name
             assert B.ws_kt_regs(name) == (B.KT_REGS and B.DQ_SPLIT and B.dq_split(D, Dv)), name
             assert B.ws_scores_ahead(name) == B.scores_ahead(D, Dv), name
+            assert B.ws_split_overlap(name) == B.split_overlap(D, Dv), name
             pd, pdv = B.pad_head_dims(D, Dv)
             assert name.endswith(", 4>") == (B.dq_buffers(pd, pdv) == 4), name
         else:
@@ -421,11 +423,13 @@ BWD_EMULATOR = [  # (variant, *shape, deterministic)
     ("ws_dup_scores", "bfloat16", 72, 256, (40, 150), False, "none", "bhsd", True),   # split, not by queries
     ("ws_scores_ahead", "float16", 64, 64, (200, 127), True, "none", "bhsd", True),   # d 64: S^T ahead, 4 visits
     ("ws_dq_buffers", "bfloat16", 40, 72, (330, 130), False, "gqa", "bshd", True),   # d 64: 4 dQ buffers reused
+    ("ws_split_overlap", "bfloat16", 256, 256, (65, 127), True, "none", "bhsd", True),   # d 256: staged dQ
 ]
 BWD_GPU = [(v,) + s + (det,) for v in BWD_VARIANTS for s in BWD_SHAPES for det in (True, False)
            if (s[1] % 8 == 0 or v in ("ws", "cp_async"))   # (D = 59 takes the cp.async kernel whatever the flags)
            and (v != "ws_dup_scores" or B.is_split(s[1], s[2])) and (v != "ws_key_blocks_first" or det)
-           and (v not in ("ws_dq_one_warpgroup", "ws_scores_ahead", "ws_dq_buffers") or B.dq_split(s[1], s[2]))]
+           and (v not in ("ws_dq_one_warpgroup", "ws_scores_ahead", "ws_dq_buffers") or B.dq_split(s[1], s[2]))
+           and (v != "ws_split_overlap" or B.pad_head_dims(s[1], s[2])[0] == 256)]
 BWD_SLOW = [(v, dt, D, D, lengths, causal, "mqa" if D == 128 else "none", "bshd" if D == 64 else "bhsd", det)
             for v in ("ws", "cp_async") for dt in DTYPES for D in (64, 128, 256)
             for lengths in ((1000, 1500), (2048, 2048)) for causal in (False, True) for det in (True, False)]

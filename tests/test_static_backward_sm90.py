@@ -86,7 +86,7 @@ def ws_checks(name, t, d, body, loop):
     # Is_dq_bulk: the consumers never take the turn (the dQ warp does, also in the head-dim split's staged bulk dQ):
     # one barrier, no semaphore instruction
     consumer_turn = ordered and not bulk
-    p_limit, c_limit = S.ws_regs(*S.pad_head_dims(*_dims(d)), bulk)
+    p_limit, c_limit = S.ws_regs(*S.pad_head_dims(*_dims(d)))
     if loop.stats.ldgsts or loop.stats.bar != (2 if consumer_turn else 1):
         problems.append("%s: %d LDGSTS, %d BAR in the query-block loop" % (name, loop.stats.ldgsts, loop.stats.bar))
     in_loop = [i.opcode for i in body if loop.start <= i.address <= loop.end]
@@ -231,15 +231,17 @@ def test_wgmma_backward_compiles_fp16():
 
 
 def test_ws_backward_compiles_fp16():
-    _check(ws_instantiations(np.float16, (64, 128, 256)))
+    """The ws kernel's default instantiations, D = 200 among them (padded 256, the accumulator's head dim 208: the
+    head-dim split with the consumers' atomics, whose causal producer spilled 4 bytes at 24 registers)."""
+    _check(ws_instantiations(np.float16, (64, 128, 256, 200)))
 
 
 def test_ws_backward_atomic_dq_compiles_fp16():
     """The ws kernel with the consumers' dQ atomics (DQ_BULK off: Is_dq_bulk false), the before of the bulk dQ
-    figures (d = 64, 128; d = 256 never takes the bulk dQ)."""
+    figures (d = 64, 128, and 256, whose staged bulk dQ it replaces)."""
     try:
         S.DQ_BULK = False
-        found = ws_instantiations(np.float16, (64, 128))
+        found = ws_instantiations(np.float16, (64, 128, 256))
     finally:
         S.DQ_BULK = True
     assert all(name.endswith("false>") for name in found)
@@ -283,6 +285,53 @@ def test_ws_dq_buffers_compiles_fp16(monkeypatch):
     assert [n.endswith(", 4>") for n in found] == [S.pad_head_dims(*_dims(d))[0] == 64 for _, d in found.values()]
     assert sorted({t.smem for t, _ in found.values()}) == [166024, 198792, 231528]
     _check(found)
+
+
+def split_overlap_order(body):
+    """The steady-state loop of a SPLIT_OVERLAP instantiation (the loop holding a visit's HGMMA) as (loop
+    instructions, problems): S^T's and dP^T's 16 + 16 HGMMA issued before the loop's first wait, a ``0x1`` (S^T
+    alone), and the two dQ^T blocks' 2 x 4 HGMMA issued after the previous wait and before a ``0x2`` one (the wait for
+    the dV_j, dK_j batch behind them)."""
+    hg = lambda lp: sum(1 for i in body if lp.start <= i.address <= lp.end and i.base == "HGMMA")  # noqa: E731
+    loops = [lp for lp in sass.loops(body) if hg(lp) >= 48]
+    if not loops:
+        return 0, ["no loop holding a visit's HGMMA"]
+    loop = min(loops, key=lambda lp: lp.stats.instructions)
+    ins = [i for i in body if loop.start <= i.address <= loop.end]
+    waits = [k for k, i in enumerate(ins) if i.opcode.startswith("WARPGROUP.DEPBAR")]
+    problems = []
+    first = waits[0] if waits else len(ins)
+    if sum(1 for i in ins[:first] if i.base == "HGMMA") != 32 or not waits or not ins[first].operands.endswith("0x1"):
+        problems.append("S^T's and dP^T's 32 HGMMA not all issued before a first 0x1 wait")
+    dq = [k for a, k in zip(waits, waits[1:]) if ins[k].operands.endswith("0x2")
+          and sum(1 for i in ins[a:k] if i.base == "HGMMA" and "64x64x16" in i.opcode + i.operands) == 8]
+    if len(dq) != 1:
+        problems.append("the dQ^T blocks' 8 HGMMA not issued right before a 0x2 wait")
+    return loop.stats.instructions, problems
+
+
+def test_ws_split_overlap_compiles_fp16(monkeypatch):
+    """SPLIT_OVERLAP (off by default: a switch to time): the ws kernel's query split at padded d = 256 (the staged bulk
+    dQ and, DQ_BULK off or D = 200, the consumers' atomics) with dP^T issued behind S^T and the dQ^T batches before the
+    wait for the dV_j, dK_j batch compiles with zero spills and no wgmma serialization (issued before the wait for the
+    own RS batches it serialized: C7512), and its loop has that order (split_overlap_order)."""
+    monkeypatch.setattr(S, "SPLIT_OVERLAP", True)
+    found = ws_instantiations(np.float16, (256, 200))
+    monkeypatch.setattr(S, "DQ_BULK", False)
+    found.update(ws_instantiations(np.float16, (256,)))
+    assert len(found) == 12 and all(S.ws_split_overlap(n) for n in found), list(found)
+    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
+    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    for name in found:
+        k = res.kernel(name)
+        if k.spill_stores or k.spill_loads or k.stack_frame:
+            problems.append("%s: spills %d/%d stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
+        if fns is not None:
+            n, more = split_overlap_order(fns[k.lowered_name])
+            problems += ["%s: %s" % (name, p) for p in more]
+            print("%-100s steady loop %d instr" % (name, n))
+    assert not problems, "\n".join(problems)
 
 
 def scores_ahead_order(body):

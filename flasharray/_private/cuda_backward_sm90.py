@@ -219,6 +219,12 @@ SCORES_AHEAD = False
 #: 197 KB at dv 64 / 128; d = 128 has room for two) lets them absorb turns late by up to three visits instead of one.
 #: Thirty-fourth session; 2 by default, a ``hopper_variants.py`` switch (``bwd.DQ_BUFFERS``, flipped to 4).
 DQ_BUFFERS = 2
+#: Whether the warp-specialized kernel's query split at padded d = 256 (dense calls; :func:`split_overlap`) overlaps
+#: more of its visit (``kSplitOverlapOn``): dP^T issued right behind S^T, computing under the softmax of P^T, and the
+#: two dQ^T batches issued behind the dV_j, dK_j batch before the wait for it; off: dP^T issued after P^T is staged,
+#: and the dQ^T batches after that wait. Same bits. Thirty-fifth session, off by default: a ``hopper_variants.py``
+#: switch (``bwd.SPLIT_OVERLAP``).
+SPLIT_OVERLAP = False
 #: Whether the warp-specialized kernel's head-dim split (D or Dv above 128, dense calls) splits S^T, dP^T over the
 #: two consumer warpgroups by queries (``kQSplitOn``: each computes them for 32 of the visit's 64 queries and stages
 #: P^T and dS^T for the other's k16 steps of dV_j, dK_j) instead of computing all of them in both (40 % more tensor
@@ -236,15 +242,14 @@ ENTRIES_FIRST = True
 DQ_SPLIT = True
 WS_KERNEL = "flash_bwd_sm90_ws_kernel"
 PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerRegs (flash_sm90_common.cuh)
-PRODUCER_REGS_STAGED, CONSUMER_REGS_STAGED = 32, 232   # ... with the staged bulk dQ (Sm90BwdWsTraits::kDQStaged)
+PRODUCER_REGS_SPLIT, CONSUMER_REGS_SPLIT = 32, 232   # ... in the head-dim split (Sm90BwdWsTraits)
 
 
-def ws_regs(d, dv, bulk):
-    """``Sm90BwdWsTraits::kProducerRegs, kConsumerRegs`` (setmaxnreg) of the ws kernel for padded head dims d, dv
-    (``bulk``: ``Is_dq_bulk``): 32 / 232 with the head-dim split's staged bulk dQ, whose producer warpgroup holds the
-    dQ warp beside the loader, else 24 / 240."""
-    staged = bulk and is_split(d, dv)
-    return (PRODUCER_REGS_STAGED, CONSUMER_REGS_STAGED) if staged else (PRODUCER_REGS, CONSUMER_REGS)
+def ws_regs(d, dv):
+    """``Sm90BwdWsTraits::kProducerRegs, kConsumerRegs`` (setmaxnreg) of the ws kernel for padded head dims d, dv:
+    32 / 232 in the head-dim split (the staged bulk dQ's producer warpgroup holds the dQ warp beside the loader; with
+    the atomics the loader alone spilled 4 bytes at 24 in the causal kernels), else 24 / 240."""
+    return (PRODUCER_REGS_SPLIT, CONSUMER_REGS_SPLIT) if is_split(d, dv) else (PRODUCER_REGS, CONSUMER_REGS)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
 _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
@@ -295,7 +300,7 @@ def ws_tile(tile, D, Dv, ext=0):
     import dataclasses
     d, dv = pad_head_dims(D, Dv)
     bulk = dq_bulk(d, dv, -(-D // 16) * 16) and not ext
-    p_regs, c_regs = ws_regs(d, dv, bulk)
+    p_regs, c_regs = ws_regs(d, dv)
     reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
               "%d), d=%d dv=%d, %d-stage Q_i/dO_i ring on mbarriers, 128B-swizzled"
               % (tile.block_m, tile.block_n, p_regs, "half of d, dv" if is_split(D, Dv) else "64 keys",
@@ -312,7 +317,8 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn,
-    # kScoresAheadOn, kDQBufsMax), named up to the last one that differs from its default and changes the code
+    # kScoresAheadOn, kDQBufsMax, kSplitOverlapOn), named up to the last one that differs from its default and
+    # changes the code
     ahead = not ext and scores_ahead(pD, pDv)
     d, dv = pad_head_dims(pD, pDv)
     bufs = dq_buffers(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv, pD) and not ext)
@@ -320,7 +326,7 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
            b(DQ_SPLIT or not dq_split(pD, pDv)),
            b(KT_REGS or not (DQ_SPLIT and not ext and dq_split(pD, pDv))), b(ahead),
-           str(max(bufs, 2))]
+           str(max(bufs, 2)), b(not ext and split_overlap(pD, pDv))]
     while opt and opt[-1] == _WS_DEFAULTS[len(opt) - 1]:
         opt.pop()
     tail = "".join(", " + a for a in opt)
@@ -329,13 +335,13 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
         b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
 
 
-# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax
-_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true", "false", "2"]
+# kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax, kSplitOverlapOn
+_WS_DEFAULTS = ["0", "true", "true", "true", "true", "true", "false", "2", "false"]
 
 
 def _ws_args(name_expr):
     """A ws kernel name's template arguments, the unnamed trailing ones (kExt, kKVRegsOn, kQSplitOn,
-    kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax) at their defaults."""
+    kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax, kSplitOverlapOn) at their defaults."""
     args = name_expr[name_expr.index("<") + 1:-1].split(", ")
     return args + _WS_DEFAULTS[len(args) - 11:]
 
@@ -369,6 +375,13 @@ def ws_query_split(name_expr):
     return args[11] == "0" and is_split(int(args[2]), int(args[3])) and args[13] == "true"
 
 
+def ws_split_overlap(name_expr):
+    """Whether a ws kernel instantiation (its name) overlaps the query split's visit (``kSplitOverlap``): the query
+    split (:func:`ws_query_split`) at padded d = 256 and ``kSplitOverlapOn`` (the twentieth template argument)."""
+    args = _ws_args(name_expr)
+    return ws_query_split(name_expr) and int(args[2]) == 256 and args[19] == "true"
+
+
 def ws_entries_first(name_expr):
     """Whether a ws kernel instantiation (its name) takes its blocks entries first (``kEntriesFirst``): the ordered
     dQ mode (the ninth template argument) and ``kEntriesFirstOn`` (the fifteenth)."""
@@ -394,6 +407,13 @@ def scores_ahead(D, Dv):
     (``kScoresAheadOn``): :data:`SCORES_AHEAD`, the dQ query split (:data:`DQ_SPLIT`, :func:`dq_split`) and the bulk
     dQ (:func:`dq_bulk`)."""
     return SCORES_AHEAD and DQ_SPLIT and dq_split(D, Dv) and dq_bulk(*pad_head_dims(D, Dv))
+
+
+def split_overlap(D, Dv):
+    """Whether the ws kernel for head dims D, Dv (a dense call) overlaps the query split's visit
+    (``kSplitOverlapOn``): :data:`SPLIT_OVERLAP`, the query split (:data:`QUERY_SPLIT`, the head-dim split) and padded
+    d = 256 (two m64 blocks of dQ^T per warpgroup)."""
+    return SPLIT_OVERLAP and QUERY_SPLIT and is_split(D, Dv) and pad_head_dims(D, Dv)[0] == 256
 
 
 def kv_regs(D, Dv, ext=0):
