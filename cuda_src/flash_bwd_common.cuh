@@ -141,7 +141,12 @@ __device__ __forceinline__ float p_from_score_sel(float s, float scale_log2, flo
 // l = 4 g + t (row g + 8 (e / 2), column 8 n + 2 t + e % 2) is at (n * 4 + e) * 32 + l. The dK/dV
 // kernel's warp-wide atomics thus each cover 32 consecutive floats (four whole 32-byte sectors)
 // and need no bounds test (padding receives exact zeros); flash_bwd_convert.cu reads it back.
-template <int kHeadDim>
+// kRowsInner (the wgmma kernels, flash_bwd_sm90.cu: DQAccumWg): the same tiles, each 32-float group (c % kDQCols / 8,
+// r % 16 / 8, and the row's parity r % 2 where the mma.sync layout has the column's) holding 4 rows x 8 columns
+// row-major, (r % 8 / 2) * 8 + c % 8. Their dQ^T fragment is the transpose of mma.sync's C (lane 4g + t: head dim g,
+// queries 2t, 2t + 1), and per element its 32 lanes then cover 32 consecutive floats (8t + g): conflict-free shared
+// stores, 128-byte REDs (the mma.sync layout gave them 2-way bank conflicts and 8 sectors per 128 bytes).
+template <int kHeadDim, bool kRowsInner = false>
 struct DQAccumLayout {
     static_assert(kHeadDim % 16 == 0, "the accumulator's columns are the padded head dim");
     static constexpr int kDQCols = kHeadDim % 32 == 0 ? 32 : 16;  // tile width
@@ -150,9 +155,12 @@ struct DQAccumLayout {
     // Offset of (row r, column c) inside a query block's kBlockM x kHeadDim floats.
     static __host__ __device__ constexpr int offset(int r, int c) {
         return ((r / 16) * kColTiles + c / kDQCols) * kTileFloats +
-               (((c % kDQCols) / 8) * 4 + ((r % 16) / 8) * 2 + c % 2) * 32 + (r % 8) * 4 + (c % 8) / 2;
+               (((c % kDQCols) / 8) * 4 + ((r % 16) / 8) * 2 + (kRowsInner ? r % 2 : c % 2)) * 32 +
+               (kRowsInner ? ((r % 8) / 2) * 8 + c % 8 : (r % 8) * 4 + (c % 8) / 2);
     }
 };
+template <int kHeadDim>
+using DQAccumWg = DQAccumLayout<kHeadDim, true>;
 
 // The ordered dQ mode's counters (flash_bwd_dkv_kernel, kOrderedDQ): one int per query block,
 // stored after a batch entry's ceil(Lq / Br) query blocks of Br x D accumulator elements (float or

@@ -4,7 +4,8 @@
 //   flash_bwd_convert_dq_kernel     (SIMT dK/dV kernel) row-major Lq x D accumulator, already
 //                                   times scale; grid = (ceil(Lq / kRowsPerBlock), nb1 * nb2, nb0).
 //   flash_bwd_convert_dq_tc_kernel  (tensor-core dK/dV kernel) the padded, fragment-ordered
-//                                   accumulator of flash_bwd_common.cuh's DQAccumLayout, unscaled;
+//                                   accumulator of flash_bwd_common.cuh's DQAccumLayout (kRowsInner: the
+//                                   wgmma kernels' DQAccumWg), unscaled;
 //                                   grid = (ceil(Lq / kBlockM), nb1 * nb2, nb0), one query block each.
 #include "flash_bwd_common.cuh"
 #include "flash_kernel_traits.cuh"  // flash::Vec16 (two doubles)
@@ -87,6 +88,53 @@ __device__ __forceinline__ void convert_dq_tc_f64(const double* __restrict__ dq_
     }
 }
 
+// The wgmma kernels' accumulator (DQAccumWg: each 32-float group holds 4 rows x 8 columns row-major, the group
+// (c % kDQCols / 8, r % 16 / 8, r % 2)), float only. A warp converts 1 KB at a time: the 8 groups of column blocks
+// cq0, cq0 + 1 of one 16 x kDQCols tile (16 rows x 16 columns), by two float4 loads per lane of 512 contiguous bytes
+// each. Lane l then holds row 8 (l / 16) + 2 ((l % 8) / 2) + (l / 8) % 2 of the tile at columns 8 cq0 + 4 (l % 2) .. +3
+// (first load) and 8 further (second). A pair exchange (lane ^ 1) gives lane s = l % 2 the row's columns 8 (cq0 + s)
+// .. +7: one 16-byte store (OutT 16-bit; float: two), 32 contiguous bytes of fp16 per pair. kVec: D % 8 == 0 and
+// 16-byte aligned rows, else element stores.
+template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec>
+__device__ __forceinline__ void convert_dq_tc_wg(const float* __restrict__ src, OutT* __restrict__ dst, long long dq_row,
+                                                 int rows, int D, float scale) {
+    using A = DQAccumWg<kHeadDim>;
+    static_assert(kNThreads % 32 == 0, "convert: block must be whole warps");
+    constexpr int kUnits = kBlockM * kHeadDim / 256;  // 1 KB units of the query block
+    const int lane = static_cast<int>(threadIdx.x) % 32, s = lane % 2;
+    const int r_in = 8 * (lane / 16) + 2 * ((lane % 8) / 2) + (lane / 8) % 2;  // the lane's row in the 16-row tile
+#pragma unroll 1
+    for (int u = static_cast<int>(threadIdx.x) / 32; u < kUnits; u += kNThreads / 32) {  // (warp-uniform)
+        const float4* p = reinterpret_cast<const float4*>(src + 256 * u) + lane;
+        const float4 a = fa::gload(p), b = fa::gload(p + 32);
+        const float4 x = s ? a : b;  // the partner's half: s = 0 needs its a (columns 4..7), s = 1 its b (8..11)
+        const float4 y = {__shfl_xor_sync(0xffffffffu, x.x, 1), __shfl_xor_sync(0xffffffffu, x.y, 1),
+                          __shfl_xor_sync(0xffffffffu, x.z, 1), __shfl_xor_sync(0xffffffffu, x.w, 1)};
+        const float4 lo = s ? y : a, hi = s ? b : y;  // columns 8 (cq0 + s) .. +3, +4 .. +7
+        const int tile = 256 * u / A::kTileFloats, cq0 = (256 * u % A::kTileFloats) / 128;
+        const int r = (tile / A::kColTiles) * 16 + r_in, c = (tile % A::kColTiles) * A::kDQCols + 8 * (cq0 + s);
+        if (r >= rows || c >= D) continue;
+        const float v[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
+                            hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
+        OutT* d = dst + static_cast<long long>(r) * dq_row + c;
+        if (kVec) {
+            if constexpr (sizeof(OutT) == 2) {
+                const uint4 w = {fa::pack2<OutT>(v[0], v[1]), fa::pack2<OutT>(v[2], v[3]), fa::pack2<OutT>(v[4], v[5]),
+                                 fa::pack2<OutT>(v[6], v[7])};
+                fa::gstore(reinterpret_cast<uint4*>(d), w);
+            } else {
+                static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
+                fa::gstore(reinterpret_cast<float4*>(d), float4{v[0], v[1], v[2], v[3]});
+                fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4], v[5], v[6], v[7]});
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i]));
+        }
+    }
+}
+
 // One query block: each thread converts 16-byte-of-fp16 chunks, 8 consecutive columns of one row
 // (8 n + 0..7 of row g + 8 h of a 16 x kDQCols tile). In DQAccumLayout those 8 floats are two
 // float4 of 4 consecutive lanes' elements (n, 2 h + 0) and (n, 2 h + 1): columns 0, 2, 4, 6 and
@@ -96,13 +144,21 @@ __device__ __forceinline__ void convert_dq_tc_f64(const double* __restrict__ dq_
 // chunk (OutT = T: 8 x 2 bytes; OutT = float: two) — the caller guarantees 16-byte aligned rows,
 // D % 8 == 0; otherwise element stores.
 // AccT: the accumulator's type, float (the fp16/bf16 dK/dV kernel) or double (flash_bwd_f64.cu:
-// convert_dq_tc_f64 above).
-template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec, typename AccT = float>
+// convert_dq_tc_f64 above). kRowsInner: the wgmma kernels' DQAccumWg (convert_dq_tc_wg above; float).
+template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec, typename AccT = float,
+          bool kRowsInner = false>
 __global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_tc_kernel(
     const AccT* __restrict__ dq_accum, long long a_b0, long long a_b1, long long a_b2,
     OutT* __restrict__ dq, long long dq_b0, long long dq_b1, long long dq_b2, long long dq_row,
     int Lq, int D, int nb2, AccT scale) {
-    if constexpr (sizeof(AccT) == 8) {
+    static_assert(!kRowsInner || sizeof(AccT) == 4, "DQAccumWg: the float accumulator of the wgmma kernels");
+    if constexpr (kRowsInner) {
+        const BatchIndex b = BatchIndex::from_grid(nb2);
+        const int r0 = (int)blockIdx.x * kBlockM;
+        convert_dq_tc_wg<OutT, kNThreads, kBlockM, kHeadDim, kVec>(
+            dq_accum + b.offset({a_b0, a_b1, a_b2, 0}) + (long long)r0 * kHeadDim,
+            dq + b.offset({dq_b0, dq_b1, dq_b2, dq_row}) + (long long)r0 * dq_row, dq_row, Lq - r0, D, scale);
+    } else if constexpr (sizeof(AccT) == 8) {
         convert_dq_tc_f64<OutT, kNThreads, kBlockM, kHeadDim, kVec>(dq_accum, a_b0, a_b1, a_b2, dq, dq_b0, dq_b1,
                                                                      dq_b2, dq_row, Lq, D, nb2, scale);
     } else {

@@ -41,8 +41,9 @@
 // kernel's query split (kQSplit, below) splits S^T / dP^T by queries instead: P^T and dS^T go through shared
 // memory into the other warpgroup's k16 steps of dV_j, dK_j, behind the barrier the visit already has.
 //
-// dQ accumulator: DQAccumLayout<kDQDim> (flash_bwd_common.cuh; kDQDim = the head dim padded to 16, as
-// the host allocates it and flash_bwd_convert_dq_tc_kernel reads it), query blocks of Br = 64 rows.
+// dQ accumulator: DQAccumWg<kDQDim> (flash_bwd_common.cuh's DQAccumLayout with rows inner: the transposed dQ^T
+// fragment stores 128 contiguous bytes per element and warp; kDQDim = the head dim padded to 16, as the host allocates
+// it and flash_bwd_convert_dq_tc_kernel<..., kRowsInner = true> reads it), query blocks of Br = 64 rows.
 // Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
 // so are those dQ columns). kOrderedDQ: key block n adds only after key blocks n_lo(i) .. n − 1 have
 // (n_lo(i) = 0, or with a window its left edge's key block: DQOrder::turn with the mask; a block mask is
@@ -74,7 +75,7 @@
 //
 // Arguments: exactly flash_bwd_dkv_kernel's (cuda_backward._Passes.dkv lays them out; the ws kernel adds
 // tma_sel and four tensor maps), the extension tail FLASH_EXT_PARAMS(float) included.
-#include "flash_bwd_common.cuh"   // DQAccumLayout, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
+#include "flash_bwd_common.cuh"   // DQAccumWg, DQOrderCounters, load_row_stats_exp, FromAcc, Mask
 #include "flash_bwd_ext.cuh"      // kExt != 0: ext_p_ds, BwdDropout, dropout_bits_t, QueryTileWalk
 #include "flash_ext.cuh"          // FLASH_EXT_PARAMS
 #include "flash_fwd_copy.cuh"     // flash::store_tile: the epilogue's coalesced 16-byte stores
@@ -216,7 +217,7 @@ __device__ __forceinline__ void issue_dv_dk_ss_sm90(float (&acc_dv)[kDvN / 2], f
 // 2048·ks bytes; B = dS^T MN-major: kN = Br, the 128B-swizzled Bc x Br tile; kN = 32, the dQ query split's half tile,
 // Bc x 32 64B-swizzled — one swizzle atom wide, keys 16ks.. at 1024·ks bytes), then the atomics: acc_dq[4j + e] is
 // dQ_i (query 8j + 2t + (e & 1) of the kN, head dim row + 8(e >> 1); row = 64p + 16·warp + g). dqa_i: the query
-// block's accumulator + this lane's part of DQAccumLayout::offset (see the kernels): each element adds a constant,
+// block's accumulator + this lane's part of DQAccumWg::offset (see the kernels): each element adds a constant,
 // one address then immediates.
 // (dq_desc_b_sm90: the descriptor of k16 step 0; step ks is kDQStepBytes<kN> · ks further.)
 template <int kN, int kBlockN>
@@ -273,7 +274,7 @@ __device__ __forceinline__ void dq_wgmma_sm90(float (&acc_dq)[kN / 2], const uin
 
 template <int kDQDim, int kHeadDim, int kN>
 __device__ __forceinline__ void dq_add_sm90(const float (&acc_dq)[kN / 2], int row, float* dqa_i) {
-  using Acc = DQAccumLayout<kDQDim>;
+  using Acc = DQAccumWg<kDQDim>;
 #pragma unroll
   for (int e = 0; e < kN / 2; ++e) {
     if (kDQDim == kHeadDim || row + 8 * ((e % 4) >> 1) < kDQDim)
@@ -305,20 +306,20 @@ __device__ __forceinline__ void dq_atomics2_sm90(const unsigned char* sK, const 
   dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc0, row, dqa_i);
   fa::wgmma_wait_group<0>();
   fa::wgmma_fence_operand(acc1);
-  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc1, row + 64, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64));
+  dq_add_sm90<kDQDim, kHeadDim, kBlockM>(acc1, row + 64, dqa_i + DQAccumWg<kDQDim>::offset(0, 64));
 }
 
 // The head-dim split's bulk dQ (the ws kernel's Is_dq_bulk at d = dv = kDQDim = 256, kDQStaged): warpgroup w's two
-// m64 blocks of dQ_i^T (head dims [128w, 128w + 128): dq_atomics2_sm90's batches) stored in DQAccumLayout<128>'s
+// m64 blocks of dQ_i^T (head dims [128w, 128w + 128): dq_atomics2_sm90's batches) stored in DQAccumWg<128>'s
 // order over its own panels of the stage (sQ_w: Q_i's panels 2w, 2w + 1, row tiles 0, 1; sdO_w: dO_i's, row tiles
 // 2, 3; 16 KB each: after the warpgroup's dV, dK batches nothing reads them). The dQ warp adds them
 // (dq_bulk_adds_sm90) once every consumer thread has arrived on the stage's dq_full. lane_off: this lane's
-// DQAccumLayout<128>::offset(2t, 16·warp + g). `issued`: as dq_atomics2_sm90's (it must wait for the dV_j, dK_j batch
+// DQAccumWg<128>::offset(2t, 16·warp + g). `issued`: as dq_atomics2_sm90's (it must wait for the dV_j, dK_j batch
 // that reads those panels before the stores).
 template <typename T, int kBlockM, int kBlockN, typename Issued = flash::NoOp>
 __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const unsigned char* sdS, int w, int lane_off,
                                                unsigned char* sQ_w, unsigned char* sdO_w, Issued issued = Issued()) {
-  using Stage = DQAccumLayout<128>;
+  using Stage = DQAccumWg<128>;
   static_assert(kBlockM == 64, "four 16-row tiles: two per 16 KB half");
   float acc0[kBlockM / 2], acc1[kBlockM / 2];
   dq_issue_sm90<T, kBlockM, kBlockN>(acc0, sK, sdS, 2 * w);
@@ -340,12 +341,12 @@ __device__ __forceinline__ void dq_staged_sm90(const unsigned char* sK, const un
 }
 
 // Is_dq_bulk (the ws kernel): the dQ^T tile (dq_wgmma_sm90's acc_dq), stored to the shared dQ buffer in the
-// accumulator's own layout (sdq_i: the buffer + this lane's part of DQAccumLayout::offset, as dqa_i) once the dQ warp
+// accumulator's own layout (sdq_i: the buffer + this lane's part of DQAccumWg::offset, as dqa_i) once the dQ warp
 // has released it (dq_empty, parity `empty_parity`); the bulk reduce-add of the dQ warp moves the whole tile.
 template <int kDQDim, int kHeadDim, int kN>
 __device__ __forceinline__ void dq_to_smem_sm90(const float (&acc_dq)[kN / 2], int row, float* sdq_i,
                                                 uint64_t* dq_empty, int empty_parity) {
-  using Acc = DQAccumLayout<kDQDim>;
+  using Acc = DQAccumWg<kDQDim>;
   fa::mbarrier_wait_parity(dq_empty, empty_parity);
 #pragma unroll
   for (int e = 0; e < kN / 2; ++e) {
@@ -644,12 +645,12 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
     const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
     float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
-    long long dqa_row /* = kDQDim (DQAccumLayout); unused */,
+    long long dqa_row /* = kDQDim (DQAccumWg); unused */,
     OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float)) {
   using Tr = Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-  using Acc = DQAccumLayout<kDQDim>;
+  using Acc = DQAccumWg<kDQDim>;
   constexpr int kNThreads = Tr::kNThreads;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   (void)dqa_row;
@@ -699,7 +700,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   const float* delta_b = delta + b.offset({d_b0, d_b1, d_b2, 0});
   auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + grp * dqa_g; };
   const DQOrderCounters<kBlockM, kDQDim> order{Lq};
-  // This lane's part of DQAccumLayout::offset(query 8j + 2t + (e & 1), head dim key_row + 8(e >> 1)) (the
+  // This lane's part of DQAccumWg::offset(query 8j + 2t + (e & 1), head dim key_row + 8(e >> 1)) (the
   // dQ^T accumulator's rows are head dims laid out as the key rows): the query's 2t and the head dim's
   // key_row occupy bits the element's constants (8j + (e & 1), 8(e >> 1)) leave untouched, so the offset
   // of element e is dq_lane + offset(8j + (e & 1), 8(e >> 1)). Head-dim split: this thread's dQ^T row in
@@ -952,7 +953,7 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   // reserved either way).
   static constexpr int kP = kdS + Base::kStages * kdSBytes;                // [stage] P^T, Bc x Br
   static constexpr int kStats = kP + (Base::kSplitD ? Base::kStages * kdSBytes : 0);  // per stage: L_i·log2e, D_i
-  // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumLayout, Br x d bytes reserved): the most
+  // Is_dq_bulk: kDQBufs buffers of one query block's dQ tile (fp32, DQAccumWg, Br x d bytes reserved): the most
   // of kDQBufsMax, 2, 1 that fit in the opt-in maximum (the consumers run up to kDQBufs - 1 visits ahead of the dQ
   // warp: in the ordered mode, of its turns).
   static constexpr int kDQAcc = kStats + Base::kStages * 2 * kBlockM * 4;
@@ -1069,18 +1070,18 @@ __device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
 
 // The dQ warp's bulk reduce-adds of one query block's tile (dq_i: its accumulator), from buffer bf: the dQ buffer
 // (one add of the whole Br x kDQDim tile), or kDQStaged stage bf (dq_staged_sm90's panels: per warpgroup w and
-// 16-row tile tm, columns [128w, 128w + 128) are 8 KB in a row of DQAccumLayout<256>, 8 KB in the stage).
+// 16-row tile tm, columns [128w, 128w + 128) are 8 KB in a row of DQAccumWg<256>, 8 KB in the stage).
 template <typename Tr, int kDQDim, int kBlockM>
 __device__ __forceinline__ void dq_bulk_adds_sm90(float* dq_i, const unsigned char* smem, int bf) {
   if constexpr (Tr::kDQStaged) {
-    constexpr int kTile = 4 * DQAccumLayout<128>::kTileFloats * 4;  // 16 rows x 128 columns, bytes
+    constexpr int kTile = 4 * DQAccumWg<128>::kTileFloats * 4;  // 16 rows x 128 columns, bytes
     static_assert(Tr::kQBytes == Tr::kdOBytes, "stage bf's dO_i at a constant distance from its Q_i");
     const unsigned char* sQ_bf = smem + Tr::kQ + bf * Tr::kQBytes;
 #pragma unroll
     for (int w = 0; w < 2; ++w)
 #pragma unroll
       for (int tm = 0; tm < kBlockM / 16; ++tm)
-        fa::bulk_reduce_add_f32(dq_i + DQAccumLayout<256>::offset(16 * tm, 128 * w),
+        fa::bulk_reduce_add_f32(dq_i + DQAccumWg<256>::offset(16 * tm, 128 * w),
                                 sQ_bf + (tm < 2 ? 0 : Tr::kdO - Tr::kQ) + w * 2 * kBlockM * 128 + (tm % 2) * kTile,
                                 kTile);
   } else {
@@ -1146,7 +1147,7 @@ flash_bwd_sm90_ws_kernel(
     const float* __restrict__ lse, long long l_b0, long long l_b1, long long l_b2, long long l_g,
     const float* __restrict__ delta, long long d_b0, long long d_b1, long long d_b2, long long d_g,
     float* __restrict__ dq_accum, long long dqa_b0, long long dqa_b1, long long dqa_b2, long long dqa_g,
-    long long dqa_row /* = kDQDim (DQAccumLayout); unused */,
+    long long dqa_row /* = kDQDim (DQAccumWg); unused */,
     OutT* __restrict__ dk, long long dk_b0, long long dk_b1, long long dk_b2, long long dk_row,
     OutT* __restrict__ dv, long long dv_b0, long long dv_b1, long long dv_b2, long long dv_row,
     int Lq, int Lk, int D, int Dv, int nb2, int n_group, float scale, FLASH_EXT_PARAMS(float), long long tma_sel,
@@ -1185,7 +1186,7 @@ flash_bwd_sm90_ws_kernel(
   uint64_t* empty = full + kStages;   // [stage]: every consumer thread is done with the stage
   uint64_t* dq_full = empty + kStages;      // Is_dq_bulk [buffer] (kDQStaged [stage]): the dQ^T warpgroups stored
   uint64_t* dq_empty = dq_full + Tr::kDQBufs;  // [buffer]: the dQ warp's bulk reduce has read it
-  float* sdQ = reinterpret_cast<float*>(smem + Tr::kDQAcc);  // [buffer] one query block's dQ (DQAccumLayout)
+  float* sdQ = reinterpret_cast<float*>(smem + Tr::kDQAcc);  // [buffer] one query block's dQ (DQAccumWg)
   // Ordered dQ: the counter of (group entry 0, query block 0); (grp, i) is grp·dqa_g + i further (counters
   // and accumulator elements are both 4 bytes). Kept in shared memory, read where the leader needs it: a
   // pointer live across the consumers' loop costs the registers its peak does not have (spills at d = 128).
@@ -1315,7 +1316,7 @@ flash_bwd_sm90_ws_kernel(
   // c ^ ((r >> 1) & 3); key_row + 8 is 512 bytes further).
   const int dq_row = (Tr::kSplitD ? cwg * Tr::kDQBlocks * 64 : 0) + key_row - (Tr::kDQSplitQ ? 64 * cwg : 0);
   const int dq_q0 = Tr::kDQSplitQ ? Tr::kDQN * cwg : 0;
-  const int dq_lane = dq_row < kDQDim ? DQAccumLayout<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
+  const int dq_lane = dq_row < kDQDim ? DQAccumWg<kDQDim>::offset(2 * t + dq_q0, dq_row) : 0;
   // kQSplit (the head-dim split, dense; kQSplitOn): warpgroup w computes S^T, P^T, dP^T, dS^T for the queries
   // [32w, 32w + 32) of the visit only (visit_scores_qsplit_sm90), where the duplicated mode computes all of them in
   // both (40 % more tensor work than the visit needs); the other warpgroup's k16 steps of dV_j, dK_j read its
@@ -1559,7 +1560,7 @@ flash_bwd_sm90_ws_kernel(
     };
     if constexpr (!kSplitOverlap) dkv_done();
     if constexpr (Tr::kDQStaged) {  // (the head-dim split: dQ^T over the warpgroup's own panels of the stage)
-      dq_staged_sm90<T, kBlockM, kBlockN>(sK, sdS_s, cwg, DQAccumLayout<128>::offset(2 * t, key_row),
+      dq_staged_sm90<T, kBlockM, kBlockN>(sK, sdS_s, cwg, DQAccumWg<128>::offset(2 * t, key_row),
                                           sQ + s * Tr::kQBytes + cwg * 2 * kBlockM * 128,
                                           sdO + s * Tr::kdOBytes + cwg * 2 * kBlockM * 128, dq_issued);
       fa::fence_proxy_async();           // the generic stores visible to the bulk reduce (async proxy) ...
@@ -1587,7 +1588,7 @@ flash_bwd_sm90_ws_kernel(
           dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, a_kt, sdS_s + dq_half);
         else
           dq_wgmma_sm90<T, Tr::kDQN, kBlockN>(acc_dq, sK, sdS_s + dq_half, dq_panel + pp);
-        dq_add_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row + 64 * pp, dqa_i + DQAccumLayout<kDQDim>::offset(0, 64 * pp));
+        dq_add_sm90<kDQDim, kHeadDim, Tr::kDQN>(acc_dq, dq_row + 64 * pp, dqa_i + DQAccumWg<kDQDim>::offset(0, 64 * pp));
       }
     }
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.

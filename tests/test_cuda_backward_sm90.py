@@ -551,6 +551,79 @@ def test_ws_dq_buffers_bits_match_default(case, monkeypatch):
     check(p, new)
 
 
+LAYOUT_SRC = r'''
+#include "flash_bwd_common.cuh"
+// offs: DQAccumLayout<kD, kRowsInner>::offset(r, c) of a 64 x kD query block; frag[w][e][lane] and one atomic add
+// each: the offsets of the wgmma dQ^T fragment (flash_bwd_sm90.cu: lane 4g + t of warp w holds head dim 16w + g + 8h,
+// queries 8j + 2t, +1; element e = 4j + 2h + (query & 1)), 64 queries.
+template <int kD, bool kRowsInner>
+__global__ void dq_layout(int* offs, int* frag, float* acc) {
+  using A = fa_bwd::DQAccumLayout<kD, kRowsInner>;
+  for (int i = threadIdx.x; i < 64 * kD; i += blockDim.x) fa::gstore(offs + i, A::offset(i / kD, i % kD));
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 32; ++e) {
+    const int off = A::offset(8 * (e / 4) + 2 * t + (e & 1), 16 * w + g + 8 * ((e % 4) >> 1));
+    fa::gstore(frag + (w * 32 + e) * 32 + lane, off);
+    fa::atomic_add(acc + off, 1.0f);
+  }
+}
+'''
+
+
+@pytest.mark.parametrize("d", [64, 80, 128, 208, 256])
+def test_dq_accum_wg_layout(d):
+    """DQAccumWg (the wgmma kernels' dQ accumulator, rows inner) is a permutation of each query block with the
+    mma.sync layout's 16 x kDQCols tiles, and per element of the wgmma dQ^T fragment a warp's 32 lanes cover 32
+    consecutive floats: one shared-memory wavefront (32 distinct banks) and 4 sectors per RED instruction. The mma.sync
+    layout gave that fragment 2-way bank conflicts and 8 sectors (the emulator's RED sector efficiency 0.5)."""
+    from flasharray import emulator
+    names = ["dq_layout<%d, true>" % d, "dq_layout<%d, false>" % d]
+    mod = emulator.Module(LAYOUT_SRC, name_expressions=names, include_dirs=[str(launch.cuda_src_dir())])
+    res = {}
+    for name in names:
+        offs, frag, acc = np.full(64 * d, -1, np.int32), np.zeros(4 * 32 * 32, np.int32), np.zeros(64 * d, np.float32)
+        c = mod.launch(name, 1, 128, (offs, frag, acc))
+        res[name] = (offs, frag.reshape(4, 32, 32), c)
+    offs, frag, c = res[names[0]]
+    assert sorted(offs) == list(range(64 * d))
+    cols = 32 if d % 32 == 0 else 16
+    tile_of = lambda o: o // (16 * cols)  # noqa: E731
+    r, cc = np.divmod(np.arange(64 * d), d)
+    np.testing.assert_array_equal(tile_of(offs), (r // 16) * (d // cols) + cc // cols)  # the same tiles
+    np.testing.assert_array_equal(tile_of(offs), tile_of(res[names[1]][0]))
+    wavefronts = lambda lanes: max(len(set(lanes[lanes % 32 == b])) for b in range(32))  # noqa: E731
+    for name, want_waves, want_eff in ((names[0], 1, 1.0), (names[1], 2, 0.5)):
+        _, frag, c = res[name]
+        for lanes in frag.reshape(-1, 32):
+            assert wavefronts(lanes) == want_waves, (name, lanes)
+            if want_waves == 1:
+                assert lanes.min() % 32 == 0 and sorted(lanes - lanes.min()) == list(range(32)), (name, lanes)
+        assert c.buffers[2].write_sector_efficiency == want_eff, name  # acc: the REDs
+
+
+@pytest.mark.parametrize("tma,D", [(True, 64), (True, 256), (False, 128)])
+def test_wgmma_dq_atomics_and_convert_coalesced(tma, D, monkeypatch):
+    """The wgmma backward's dQ REDs (DQ_BULK off; D = 256 is the head-dim split) write whole 32-byte sectors of the
+    accumulator (DQAccumWg: 0.5 with the mma.sync layout), and the convert kernel reads it and writes dQ at full
+    sector efficiency (loads of 512 contiguous bytes, 32-byte row segments per lane pair)."""
+    monkeypatch.setattr(S, "DQ_BULK", False)
+    monkeypatch.setattr(S, "USE_TMA", tma)
+    launch._clear_plans()
+    p = Problem(np.float16, D, 130, 150, causal=True, batch_q=(1, 1), batch_k=(1, 1))
+    try:
+        res = run_backward("emulator", p, deterministic=False, kernel="wgmma", arch="sm_90", return_counters=True)
+    finally:
+        launch._clear_plans()
+    check(p, res[:3])
+    counters = dict(res[3])
+    (dkv,) = [c for n, c in counters.items() if n.startswith((S.KERNEL, S.WS_KERNEL))]
+    (conv,) = [c for n, c in counters.items() if "convert_dq_tc" in n and n.endswith(", float, true>")]
+    assert dkv.atomics > 0
+    (acc,) = [b for b in dkv.buffers.values() if b.write_sectors and b.read_bytes]   # (atomics read and write)
+    assert acc.write_sector_efficiency == 1.0
+    assert conv.load_sector_efficiency == 1.0 and conv.store_sector_efficiency == 1.0
+
+
 SPLIT_OVERLAP_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, deterministic, bulk dQ, schedule, seed
     (np.float16, 256, 256, (70, 200), False, "none", "bhsd", True, True, "random", 5),   # staged dQ, 4 key blocks
     (bfloat16, 256, 256, (130, 150), True, "gqa", "bshd", False, True, "reverse", 0),    # staged, causal, GQA, BSHD

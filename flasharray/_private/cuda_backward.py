@@ -261,9 +261,10 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     if atomic and kernel in TC_FAMILIES:
         # The padded, fragment-ordered accumulator (DQAccumLayout, AccT) -> dQ (or AccT partial sums
         # when q is broadcast); 16-byte stores when D % 8 == 0 (dq is ours: contiguous, aligned).
+        # (the wgmma kernels' accumulator has rows inner, DQAccumWg: kRowsInner)
+        acc_arg = ", double" if A == "double" else ", float, true" if kernel == "wgmma" else ""
         plan["convert"] = ("flash_bwd_convert.cu", "flash_bwd_convert_dq_tc_kernel<%s, %d, %d, %d, %s%s>" % (
-            out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0), ", double" if A == "double" else ""),
-            None)
+            out_q, tiles.ROW_THREADS, t_kv.block_m, pD, _b(D % 8 == 0), acc_arg), None)
     elif atomic and (not acc_dq or ordered):
         # (ordered: the accumulator holds the counters after its Lq rows, so a broadcast q's dQ is
         # converted to its own AccT buffer before the sums over broadcast dims)
