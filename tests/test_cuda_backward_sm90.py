@@ -23,6 +23,7 @@ from flasharray._private import cuda_forward, launch
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import check_attention
 from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
+from test_emulator_memstats import aligned_array
 
 
 def expected_wgmma(p, tile, n_entries_kv, n_group, dq_split=False):
@@ -581,7 +582,8 @@ def test_dq_accum_wg_layout(d):
     mod = emulator.Module(LAYOUT_SRC, name_expressions=names, include_dirs=[str(launch.cuda_src_dir())])
     res = {}
     for name in names:
-        offs, frag, acc = np.full(64 * d, -1, np.int32), np.zeros(4 * 32 * 32, np.int32), np.zeros(64 * d, np.float32)
+        # (acc 256-byte aligned, as CuPy's arrays are: the sector counts depend on it)
+        offs, frag, acc = np.full(64 * d, -1, np.int32), np.zeros(4 * 32 * 32, np.int32), aligned_array(np.zeros(64 * d, np.float32))
         c = mod.launch(name, 1, 128, (offs, frag, acc))
         res[name] = (offs, frag.reshape(4, 32, 32), c)
     offs, frag, c = res[names[0]]
