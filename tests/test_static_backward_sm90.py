@@ -287,18 +287,43 @@ def test_ws_dq_buffers_compiles_fp16(monkeypatch):
     _check(found)
 
 
+def _visit_loop(body, n_hgmma):
+    """The shortest loop holding at least ``n_hgmma`` HGMMA (a whole visit's), its instructions and the indices of
+    its ``WARPGROUP.DEPBAR`` waits among them; (None, [], []) if there is none."""
+    hg = lambda lp: sum(1 for i in body if lp.start <= i.address <= lp.end and i.base == "HGMMA")  # noqa: E731
+    loops = [lp for lp in sass.loops(body) if hg(lp) >= n_hgmma]
+    if not loops:
+        return None, [], []
+    loop = min(loops, key=lambda lp: lp.stats.instructions)
+    ins = [i for i in body if loop.start <= i.address <= loop.end]
+    return loop, ins, [k for k, i in enumerate(ins) if i.opcode.startswith("WARPGROUP.DEPBAR")]
+
+
+def _check_order(found, order):
+    """Compile the ws instantiations ``found`` (sm_90a): zero spills, no wgmma serialization, and no problem
+    ``order(body)`` (a visit order check returning (loop instructions, problems)) reports in their SASS."""
+    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
+    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
+    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
+    for name in found:
+        k = res.kernel(name)
+        if k.spill_stores or k.spill_loads or k.stack_frame:
+            problems.append("%s: spills %d/%d stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
+        if fns is not None:
+            n, more = order(fns[k.lowered_name])
+            problems += ["%s: %s" % (name, p) for p in more]
+            print("%-100s regs %d, steady loop %d instr" % (name, k.registers, n))
+    assert not problems, "\n".join(problems)
+
+
 def split_overlap_order(body):
     """The steady-state loop of a SPLIT_OVERLAP instantiation (the loop holding a visit's HGMMA) as (loop
     instructions, problems): S^T's and dP^T's 16 + 16 HGMMA issued before the loop's first wait, a ``0x1`` (S^T
     alone), and the two dQ^T blocks' 2 x 4 HGMMA issued after the previous wait and before a ``0x2`` one (the wait for
     the dV_j, dK_j batch behind them)."""
-    hg = lambda lp: sum(1 for i in body if lp.start <= i.address <= lp.end and i.base == "HGMMA")  # noqa: E731
-    loops = [lp for lp in sass.loops(body) if hg(lp) >= 48]
-    if not loops:
+    loop, ins, waits = _visit_loop(body, 48)
+    if loop is None:
         return 0, ["no loop holding a visit's HGMMA"]
-    loop = min(loops, key=lambda lp: lp.stats.instructions)
-    ins = [i for i in body if loop.start <= i.address <= loop.end]
-    waits = [k for k, i in enumerate(ins) if i.opcode.startswith("WARPGROUP.DEPBAR")]
     problems = []
     first = waits[0] if waits else len(ins)
     if sum(1 for i in ins[:first] if i.base == "HGMMA") != 32 or not waits or not ins[first].operands.endswith("0x1"):
@@ -320,18 +345,7 @@ def test_ws_split_overlap_compiles_fp16(monkeypatch):
     monkeypatch.setattr(S, "DQ_BULK", False)
     found.update(ws_instantiations(np.float16, (256,)))
     assert len(found) == 12 and all(S.ws_split_overlap(n) for n in found), list(found)
-    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
-    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
-    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
-    for name in found:
-        k = res.kernel(name)
-        if k.spill_stores or k.spill_loads or k.stack_frame:
-            problems.append("%s: spills %d/%d stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
-        if fns is not None:
-            n, more = split_overlap_order(fns[k.lowered_name])
-            problems += ["%s: %s" % (name, p) for p in more]
-            print("%-100s steady loop %d instr" % (name, n))
-    assert not problems, "\n".join(problems)
+    _check_order(found, split_overlap_order)
 
 
 def scores_ahead_order(body):
@@ -339,13 +353,9 @@ def scores_ahead_order(body):
     (loop instructions, problems): the previous visit's dQ^T batch and this visit's S^T batch issued back to back,
     then a ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (dQ^T alone), the dQ tile's STS for the dQ warp, then the ``0x0`` wait
     for S^T: the stores run while S^T computes."""
-    hg = lambda lp: sum(1 for i in body if lp.start <= i.address <= lp.end and i.base == "HGMMA")  # noqa: E731
-    loops = [lp for lp in sass.loops(body) if hg(lp) >= 24]
-    if not loops:
+    loop, ins, waits = _visit_loop(body, 24)
+    if loop is None:
         return 0, ["no loop holding a visit's HGMMA"]
-    loop = min(loops, key=lambda lp: lp.stats.instructions)
-    ins = [i for i in body if loop.start <= i.address <= loop.end]
-    waits = [k for k, i in enumerate(ins) if i.opcode.startswith("WARPGROUP.DEPBAR")]
     first = waits[0] if waits else len(ins)
     issued = sum(1 for i in ins[:first] if i.base == "HGMMA")
     problems = []
@@ -366,15 +376,4 @@ def test_ws_scores_ahead_compiles_fp16(monkeypatch):
     monkeypatch.setattr(S, "SCORES_AHEAD", True)
     found = ws_instantiations(np.float16, (64, (64, 128)))
     assert all(S.ws_scores_ahead(n) and S.ws_kt_regs(n) for n in found), list(found)
-    res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", list(found), options=["--use_fast_math"])
-    problems = [line for line in res.log.splitlines() if "serializ" in line.lower() or "C7508" in line]
-    fns = sass.parse(sass.disassemble(res.cubin)) if SASS_OK else None
-    for name in found:
-        k = res.kernel(name)
-        if k.spill_stores or k.spill_loads or k.stack_frame:
-            problems.append("%s: spills %d/%d stack %d" % (name, k.spill_stores, k.spill_loads, k.stack_frame))
-        if fns is not None:
-            n, more = scores_ahead_order(fns[k.lowered_name])
-            problems += ["%s: %s" % (name, p) for p in more]
-            print("%-100s regs %d, steady loop %d instr" % (name, k.registers, n))
-    assert not problems, "\n".join(problems)
+    _check_order(found, scores_ahead_order)
