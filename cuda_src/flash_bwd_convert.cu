@@ -88,13 +88,33 @@ __device__ __forceinline__ void convert_dq_tc_f64(const double* __restrict__ dq_
     }
 }
 
+// Eight consecutive dQ columns c .. c + 7 of one row (v: already times scale) at d: one 16-byte store (OutT 16-bit;
+// float: two) where kVec (D % 8 == 0, 16-byte aligned rows), else the columns below D one by one.
+template <typename OutT, bool kVec>
+__device__ __forceinline__ void store_dq8(OutT* d, const float (&v)[8], int c, int D) {
+    if (kVec) {
+        if constexpr (sizeof(OutT) == 2) {
+            const uint4 w = {fa::pack2<OutT>(v[0], v[1]), fa::pack2<OutT>(v[2], v[3]), fa::pack2<OutT>(v[4], v[5]),
+                             fa::pack2<OutT>(v[6], v[7])};
+            fa::gstore(reinterpret_cast<uint4*>(d), w);
+        } else {
+            static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
+            fa::gstore(reinterpret_cast<float4*>(d), float4{v[0], v[1], v[2], v[3]});
+            fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4], v[5], v[6], v[7]});
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i]));
+    }
+}
+
 // The wgmma kernels' accumulator (DQAccumWg: each 32-float group holds 4 rows x 8 columns row-major, the group
 // (c % kDQCols / 8, r % 16 / 8, r % 2)), float only. A warp converts 1 KB at a time: the 8 groups of column blocks
 // cq0, cq0 + 1 of one 16 x kDQCols tile (16 rows x 16 columns), by two float4 loads per lane of 512 contiguous bytes
 // each. Lane l then holds row 8 (l / 16) + 2 ((l % 8) / 2) + (l / 8) % 2 of the tile at columns 8 cq0 + 4 (l % 2) .. +3
 // (first load) and 8 further (second). A pair exchange (lane ^ 1) gives lane s = l % 2 the row's columns 8 (cq0 + s)
-// .. +7: one 16-byte store (OutT 16-bit; float: two), 32 contiguous bytes of fp16 per pair. kVec: D % 8 == 0 and
-// 16-byte aligned rows, else element stores.
+// .. +7 (store_dq8): 32 contiguous bytes of fp16 per pair.
 template <typename OutT, int kNThreads, int kBlockM, int kHeadDim, bool kVec>
 __device__ __forceinline__ void convert_dq_tc_wg(const float* __restrict__ src, OutT* __restrict__ dst, long long dq_row,
                                                  int rows, int D, float scale) {
@@ -116,22 +136,7 @@ __device__ __forceinline__ void convert_dq_tc_wg(const float* __restrict__ src, 
         if (r >= rows || c >= D) continue;
         const float v[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
                             hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-        OutT* d = dst + static_cast<long long>(r) * dq_row + c;
-        if (kVec) {
-            if constexpr (sizeof(OutT) == 2) {
-                const uint4 w = {fa::pack2<OutT>(v[0], v[1]), fa::pack2<OutT>(v[2], v[3]), fa::pack2<OutT>(v[4], v[5]),
-                                 fa::pack2<OutT>(v[6], v[7])};
-                fa::gstore(reinterpret_cast<uint4*>(d), w);
-            } else {
-                static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
-                fa::gstore(reinterpret_cast<float4*>(d), float4{v[0], v[1], v[2], v[3]});
-                fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4], v[5], v[6], v[7]});
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i]));
-        }
+        store_dq8<OutT, kVec>(dst + static_cast<long long>(r) * dq_row + c, v, c, D);
     }
 }
 
@@ -181,23 +186,9 @@ __global__ void __launch_bounds__(kNThreads) flash_bwd_convert_dq_tc_kernel(
             const float* s = src + A::offset(r, c);  // column c (even: e % 2 = 0) of row r, lane 4 g
             const float4 even = fa::gload(reinterpret_cast<const float4*>(s));       // columns c, c+2, c+4, c+6
             const float4 odd = fa::gload(reinterpret_cast<const float4*>(s + 32));   // columns c+1, c+3, ...
-            const float v[8] = {even.x, odd.x, even.y, odd.y, even.z, odd.z, even.w, odd.w};
-            OutT* d = dst + (long long)r * dq_row + c;
-            if (kVec) {
-                if constexpr (sizeof(OutT) == 2) {
-                    const uint4 w = {fa::pack2<OutT>(v[0] * scale, v[1] * scale), fa::pack2<OutT>(v[2] * scale, v[3] * scale),
-                                     fa::pack2<OutT>(v[4] * scale, v[5] * scale), fa::pack2<OutT>(v[6] * scale, v[7] * scale)};
-                    fa::gstore(reinterpret_cast<uint4*>(d), w);
-                } else {
-                    static_assert(sizeof(OutT) == 4, "convert: 16-bit or float output");
-                    fa::gstore(reinterpret_cast<float4*>(d), float4{v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale});
-                    fa::gstore(reinterpret_cast<float4*>(d) + 1, float4{v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale});
-                }
-            } else {
-    #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (c + i < D) fa::gstore(d + i, FromAcc<OutT>::convert(v[i] * scale));
-            }
+            const float v[8] = {even.x * scale, odd.x * scale, even.y * scale, odd.y * scale,
+                                even.z * scale, odd.z * scale, even.w * scale, odd.w * scale};
+            store_dq8<OutT, kVec>(dst + (long long)r * dq_row + c, v, c, D);
         }
     }
 }
