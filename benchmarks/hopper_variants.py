@@ -86,6 +86,9 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
                                             since the fifteenth session)
   fwd.kernel.window1k                       window (1023, 0): where a longer window leaves the mma.sync forward
                                             that sm_90 keeps for windows of <= 384 keys at d <= 64
+  bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
+                                            kernel's bulk dQ for extension calls (the dQ warp walking the consumers'
+                                            visits) vs the consumers' atomics, window (255, 0) / dropout_p 0.1
 
 A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
 
@@ -225,6 +228,10 @@ EXT_SWITCHES = (
            ext="dropout"),
     Switch("bwd.kernel.window", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, window (255, 0)",
            ext="window"),
+    Switch("bwd.DQ_BULK_EXT.window", "bwd", B, "DQ_BULK_EXT", False,
+           "window (255, 0): dQ bulk reduce-add vs consumer atomics", ext="window"),
+    Switch("bwd.DQ_BULK_EXT.dropout", "bwd", B, "DQ_BULK_EXT", False,
+           "dropout p 0.1: dQ bulk reduce-add vs consumer atomics", ext="dropout"),
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),

@@ -777,7 +777,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
     // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
     const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
-    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
+    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, (c0 + key_row) & ~7);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * Tr::kWgKeys * 128, sQ_i);
 
@@ -1058,10 +1058,10 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
   issue_rs_sm90<T, Tr::kDkN, kBlockM, kSteps>(acc_dk, a_ds, sQ_i + q_panel + ks0 * 2048);
 }
 
-// The dQ warp's turn at query block i (DQOrder::turn), its key block, Tc and the mask's causal offset read from
-// shared memory after the counters' base at the wait (at 24 registers, the three live across the loop spilled
-// 8 bytes; read from blockIdx / gridDim there, 12). No window: the bulk dQ runs dense calls only (the host's
-// rule, cuda_backward_sm90.ws_name; the kernel's static_assert).
+// The dQ warp's turn at query block i (DQOrder::turn) in dense calls, its key block, Tc and the mask's causal offset
+// read from shared memory after the counters' base at the wait (at 24 registers, the three live across the loop
+// spilled 8 bytes; read from blockIdx / gridDim there, 12). Extensions: the caller's turn with the mask (a window
+// moves query block i's first visitor to its left edge), dq_bulk_writer_sm90's `ext_turn`.
 template <class Order, int kBlockM, int kBlockN>
 __device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
   const int* a = reinterpret_cast<const int*>(turn0 + 1);
@@ -1100,11 +1100,14 @@ __device__ __forceinline__ void dq_bulk_adds_sm90(float* dq_i, const unsigned ch
 // visits ahead. The accumulator of group entry 0 is dq_accum + dqa_off[0] and its counter of query block 0
 // *turn0 (both 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read
 // from shared memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes,
-// measured).
-template <typename Tr, int kDQDim, int kBlockM, int kBlockN, bool kOrderedDQ, class Order>
+// measured). Extensions (kExt != 0: one group entry, n_group = 1): the query blocks of the consumers' walk
+// (`walk.next`: block-mask tiles skipped) and the turn `ext_turn(i)` (DQOrder::turn with the mask).
+template <typename Tr, int kDQDim, int kBlockM, int kBlockN, bool kOrderedDQ, class Order, int kExt = 0,
+          class Walk = flash::NoOp, class ExtTurn = flash::NoOp>
 __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, uint64_t* dq_full, uint64_t* dq_empty,
                                                     float* dq_accum, const long long* dqa_off, int* const* turn0,
-                                                    long long dqa_g, int n_visits, int i_begin, int n_qblocks) {
+                                                    long long dqa_g, int n_visits, int i_begin, int n_qblocks,
+                                                    const Walk& walk = Walk(), const ExtTurn& ext_turn = ExtTurn()) {
   constexpr int kBufs = Tr::kDQStaged ? Tr::kStages : Tr::kDQBufs;
   const bool issuer = threadIdx.x % 32 == 0;
   // (grp_off: the group entry's offset grp·dqa_g, kept as a running sum: 3-5 instructions fewer than the product)
@@ -1112,7 +1115,9 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
   for (int visit = 0, i = i_begin; visit < n_visits; ++visit) {
     const int bf = visit % kBufs;
     fa::mbarrier_wait_parity(dq_full + bf, (visit / kBufs) & 1);
-    if constexpr (kOrderedDQ)
+    if constexpr (kOrderedDQ && kExt != 0)
+      fa::sem_wait_group(*turn0 + i, ext_turn(i), Tr::kDQBarrier, 32);
+    else if constexpr (kOrderedDQ)
       fa::sem_wait_group(*turn0 + grp_off + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
     if (issuer) {
       dq_bulk_adds_sm90<Tr, kDQDim, kBlockM>(dq_accum + *dqa_off + grp_off + static_cast<long long>(i) * kBlockM * kDQDim,
@@ -1126,8 +1131,12 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
       fa::sem_post_group(*turn0 + grp_off + i, Tr::kDQBarrier, 32);
     else
       __syncwarp();
-    const bool wrap = i + 1 == n_qblocks;
-    i = wrap ? i_begin : i + 1, grp_off = wrap ? grp_off + dqa_g : grp_off;
+    if constexpr (kExt != 0) {
+      i = walk.next(i, n_qblocks);
+    } else {
+      const bool wrap = i + 1 == n_qblocks;
+      i = wrap ? i_begin : i + 1, grp_off = wrap ? grp_off + dqa_g : grp_off;
+    }
   }
   if (issuer) fa::bulk_wait<0>();
 }
@@ -1160,7 +1169,7 @@ flash_bwd_sm90_ws_kernel(
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
-  static_assert(kExt == 0 || !Is_dq_bulk, "extensions: the consumers' dQ atomics (the dQ warp walks dense visits)");
+  static_assert(kExt == 0 || !Is_dq_bulk || !Tr::kSplitD, "extensions with the bulk dQ: no head-dim split");
   // q, k, v, dout are read through the maps; their pointers and strides stay in the argument list so that
   // the host lays out the cp.async kernel's arguments for both.
   (void)q; (void)q_b0; (void)q_b1; (void)q_b2; (void)q_g; (void)q_row; (void)k; (void)k_b0; (void)k_b1;
@@ -1281,9 +1290,9 @@ flash_bwd_sm90_ws_kernel(
     if (!loader) {  // warps 1-3: nothing to do but Is_dq_bulk's dQ warp (warp 1)
       if constexpr (kDQWarp)
         if (tid / 32 == 1)
-          dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order>(
+          dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order, kExt>(
               smem, dq_full, Tr::kDQStaged ? empty : dq_empty, dq_accum, batch_off, turn0, dqa_g, n_visits, i_begin,
-              n_qblocks);
+              n_qblocks, walk, [&](int i) { return dq_order.turn(i, kBlockM, kBlockN, mask); });
       return;
     }
     const bool leader = fa::elect_one();
@@ -1421,7 +1430,7 @@ flash_bwd_sm90_ws_kernel(
       uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
       // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
       const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
-      if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, c0 + key_row - g);
+      if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, (c0 + key_row) & ~7);
       float acc_s[kBlockM / 2];
       if constexpr (kScoresAhead) {
         float acc_dq[Tr::kDQN / 2];

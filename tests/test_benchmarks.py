@@ -425,7 +425,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
 
 
 def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
-    """``--only ext``: the five extension switches (not in the default run), each with validated rows where both
+    """``--only ext``: the seven extension switches (not in the default run), each with validated rows where both
     sides plan the call (both dQ modes) and a line naming the refusal where the wgmma backward does not take it
     (dropout at d 128, the head-dim split)."""
     import json
@@ -434,13 +434,15 @@ def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
     assert "FAILED" not in out
     tables = out.split("\n== ")[1:]
     names = ["fwd.kernel.dropout", "fwd.kernel.window", "fwd.kernel.window1k", "bwd.kernel.dropout",
-             "bwd.kernel.window"]
+             "bwd.kernel.window", "bwd.DQ_BULK_EXT.window", "bwd.DQ_BULK_EXT.dropout"]
     assert [t.split(":")[0] for t in tables] == names
     rows = json.loads((tmp_path / "hx.json").read_text())["rows"]
     assert {r["switch"] for r in rows} == set(names) and all(r["ratio"] and r["validated"] for r in rows)
     assert {r["mode"] for r in rows if r["switch"] == "bwd.kernel.window"} == {"det", "atomic"}
     assert {r["mode"] for r in rows if r["switch"] == "bwd.kernel.dropout"} == {"det", "atomic"}
     assert "bwd.kernel.dropout           | det    | not run: NotImplementedError" in out
+    for ext in ("window", "dropout"):   # the wgmma backward on both sides, bulk dQ vs atomics
+        assert {r["mode"] for r in rows if r["switch"] == "bwd.DQ_BULK_EXT." + ext} == {"det", "atomic"}
 
 
 def test_hopper_variants_flags_restored_and_plans_cleared(monkeypatch):

@@ -381,8 +381,10 @@ def test_extensions_dispatched_with_auto_ext():
         assert _auto_kernel(np.float16, 64, ext=drop) == "wgmma"
         assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
         assert _auto_kernel(np.float16, 64, ext=Extensions(window=(2, 2))) == "wgmma"  # ordered, window's turn
-        assert _auto_kernel(np.float16, 64, ext=Extensions(softcap=3.0, dropout_p=0.2)) == "tc"  # cp.async spills
-        assert _auto_kernel(np.float16, 128, ext=drop) == "tc"  # refused at d 128
+        # softcap + dropout: the ws kernel takes them (the cp.async one spills: rows it takes fall back, below)
+        assert _auto_kernel(np.float16, 64, ext=Extensions(softcap=3.0, dropout_p=0.2)) == "wgmma"
+        assert _auto_kernel(np.float16, 128, ext=drop) == "wgmma"  # the ws kernel's bulk dQ at d 128
+        assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2), dropout_p=0.2)) == "tc"  # refused at 128
         assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none
         assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
         q, k, v, dout = (np.random.default_rng(i).standard_normal((1, 2, 70, 64)).astype(np.float16)
@@ -394,6 +396,29 @@ def test_extensions_dispatched_with_auto_ext():
         grads = cb.backward(dout, q, k, v, out, lse, **common)
         report = check_attention(out, q, k, v, causal=True, dout=dout, grads=grads, **kw)
         assert report.passed, str(report)
+
+
+def test_auto_dispatch_falls_back_where_the_layout_takes_the_cp_async_kernel():
+    """kernel=None with softcap + dropout at d 64: the wgmma backward where its ws kernel runs (16-byte rows, TMA
+    maps); rows of 136 bytes take its cp.async kernel, which refuses the set (EXT_SPILLS: it spills), so the plan is
+    the mma.sync backward's ("tc"), and its gradients meet the rule. Forced (kernel="wgmma"), the refusal is raised."""
+    from flasharray._private.extensions import Extensions
+    ext = Extensions(softcap=3.0, dropout_p=0.2, seed=5, offset=1)
+    kw = dict(softcap=3.0, dropout_p=0.2, seed=5, offset=1)
+    rng = np.random.default_rng(0)
+    wide = [rng.standard_normal((1, 2, 70, 68)).astype(np.float16) for _ in range(4)]
+    dense = [np.ascontiguousarray(a[..., :64]) for a in wide]
+    sliced = [a[..., :64] for a in wide]   # rows 136 bytes apart: no 16-byte rows, no tensor maps
+    common = dict(causal=False, scale=0.125, batch_shape=(1, 2), device="emulator", arch="sm_90", ext=ext)
+    for arrays, kernel in ((dense, "wgmma"), (sliced, "tc")):
+        q, k, v, dout = arrays
+        out, lse = cuda_forward.forward(q, k, v, **common)
+        assert cb.plan(dout, q, k, v, out, lse, **common).kernel == kernel
+        grads = cb.backward(dout, q, k, v, out, lse, **common)
+        report = check_attention(out, q, k, v, causal=False, dout=dout, grads=grads, **kw)
+        assert report.passed, str(report)
+    with pytest.raises(NotImplementedError, match="softcap\\+dropout together at head dim 64 on its cp.async"):
+        cb.plan(dout, q, k, v, out, lse, kernel="wgmma", **common)
 
 
 def test_dispatched_backward_runs_on_the_emulator():

@@ -82,18 +82,21 @@ def dkv_launch(counters):
 
 
 def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, Hk=2, tma=True, check=True,
-             inputs=None, device="emulator", **opts):
+             inputs=None, device="emulator", kw=None, **opts):
     """Forward (emulator, sm_80) + the wgmma backward on ``device`` (the emulator, or an sm_90 GPU through
-    CuPy); checked against the reference. Returns the grads."""
+    CuPy); checked against the reference. ``kw``: the keywords (default :func:`kw_of` ``names``). Returns the
+    grads."""
     q, k, v, dout = problem(dtype, D, Lq, Lk, H=H, Hk=Hk) if inputs is None else inputs
-    kw = kw_of(names, 2, H, Lq, Lk)
+    kw = kw_of(names, 2, H, Lq, Lk) if kw is None else kw
     out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", **kw)
     res = backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=deterministic, kernel="wgmma",
                    arch="sm_90", device=device, **opts)
     grads, (name, c) = res[:3], dkv_launch(res[3])
     assert name.endswith(", %d>" % bits_of(names)), name
     assert name.startswith(S.WS_KERNEL if tma else S.KERNEL + "<"), name
-    assert c is None or c.atomics > 0 or c.blocks == 0, name  # dQ by the consumers' atomics (no bulk dQ here)
+    # dQ: the ws kernel's bulk reduce-adds (DQ_BULK_EXT: no atomic anywhere), else the consumers' atomics
+    bulk = tma and S.ws_dq_bulk(D, D, bits_of(names))
+    assert c is None or c.blocks == 0 or (c.atomics == 0 if bulk else c.atomics > 0), name
     if check:
         report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
         assert report.passed, str(report)
@@ -145,7 +148,17 @@ D128 = [  # the head dim 128 cases (sets EXT_SPILLS leaves to each kernel)
 ]
 
 
-@pytest.mark.parametrize("case", D128, ids=_id)
+# The ws kernel's bulk dQ (DQ_BULK_EXT) runs these at head dim 128, which it refuses with the consumers' atomics.
+D128_BULK = [
+    (("softcap",), np.float16, True, True, "ws"),
+    (("alibi", "seqlens", "block_mask"), bfloat16, False, False, "ws"),
+    (("softcap", "window", "alibi", "seqlens"), np.float16, False, True, "ws"),
+    (("dropout",), np.float16, False, True, "ws"),
+    (("softcap", "dropout", "block_mask"), bfloat16, True, False, "ws"),
+]
+
+
+@pytest.mark.parametrize("case", D128 + D128_BULK, ids=_id)
 def test_extension_head_dim_128(case, monkeypatch):
     names, dt, causal, det, kind = case
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
@@ -200,6 +213,78 @@ def test_ordered_window(kind, names, causal, D, monkeypatch):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
 
 
+BULK_EXT = [  # names, dtype, causal, D, (Lq, Lk), schedule, seed: the ordered mode where the set allows it
+    (("window",), np.float16, False, 64, (70, 300), "random", 3),          # the turn with the window's left edge
+    (("seqlens", "alibi"), bfloat16, True, 64, (100, 150), "reverse", 0),  # lengths: ascending turns, NaN-free tails
+    (("softcap", "dropout"), np.float16, False, 64, (70, 200), "random", 7),
+    (("window", "seqlens"), np.float16, True, 128, (70, 140), "random", 5),
+    (("block_mask", "alibi"), np.float16, False, 64, (256, 300), "random", 2),  # atomic mode only: tiles skipped
+]
+
+
+def skipping_block_mask(Lq, Lk, B=2, H=2, block_size=(16, 32)):
+    """The block_mask keywords of kw_of with whole visit tiles (64 queries x 128 keys, the ws kernel's at d 64) all
+    False in the middle of a key block's walk: query block 2 of key block 0, query block 1 of key block 1, so that
+    QueryTileWalk::next skips them (kw_of's random mask leaves no tile empty)."""
+    bm = kw_of(("block_mask",), B, H, Lq, Lk)["block_mask"].copy()
+    bm[..., 8:12, 0:4] = False
+    bm[..., 4:8, 4:8] = False
+    return dict(block_mask=bm, block_size=block_size)
+
+
+@pytest.mark.parametrize("case", BULK_EXT, ids=lambda c: "+".join(c[0]) + "-%s%s-d%d" % (
+    np.dtype(c[1]).name, "-causal" if c[2] else "", c[3]))
+def test_bulk_dq_with_extensions_matches_atomics(case):
+    """The ws kernel's bulk dQ with extensions (DQ_BULK_EXT: the dQ warp walks the consumers' visits and takes the
+    turn with the mask) against the consumers' atomics on the same inputs. Ordered: the same adds in the same key-block
+    order, so the same dq, dk, dv bits under a permuted schedule. Atomic (every set, the block mask's skipped tiles
+    too): dk, dv bit for bit, dq within the test rule and 2 ulps of the atomic run's."""
+    names, dt, causal, D, (Lq, Lk), schedule, seed = case
+    inputs = problem(dt, D, Lq, Lk)
+    kw = kw_of(names, 2, 2, Lq, Lk)
+    if "block_mask" in names:
+        kw.update(skipping_block_mask(Lq, Lk))
+    for det in (True, False) if not bits_of(names) & ~S.ORDERED_EXT else (False,):
+        run = lambda **o: run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=Lq, Lk=Lk,  # noqa: E731
+                                   inputs=inputs, kw=kw, **o)
+        new = run(schedule=schedule, seed=seed)
+        with flag_set(S, "DQ_BULK_EXT", False):
+            old = run(check=False)
+        for a, b in zip(new if det else new[1:], old if det else old[1:]):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (names, det)
+        if not det:
+            a, b = new[0].astype(np.float64), old[0].astype(np.float64)
+            eps = 2.0 ** -10 if np.dtype(dt) == np.float16 else 2.0 ** -7
+            assert np.all(np.abs(a - b) <= 2 * eps * np.maximum(np.abs(b), 2.0 ** -6 * np.abs(b).max())), names
+
+
+@pytest.mark.parametrize("old,new,names,det", [
+    ("      fa::sem_wait_group(*turn0 + i, ext_turn(i), Tr::kDQBarrier, 32);\n",
+     "      fa::sem_wait_group(*turn0 + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);\n",
+     ("window",), True),
+    ("      i = walk.next(i, n_qblocks);\n    } else {\n      const bool wrap = i + 1 == n_qblocks;\n"
+     "      i = wrap ? i_begin : i + 1, grp_off",
+     "      ++i;\n    } else {\n      const bool wrap = i + 1 == n_qblocks;\n      i = wrap ? i_begin : i + 1, grp_off",
+     ("block_mask",), False),
+], ids=["dense-turn", "dense-walk"])
+def test_bulk_dq_with_extensions_mutations_caught(monkeypatch, old, new, names, det):
+    """The dQ warp with the dense visit's turn (no window edge: query blocks whose first visitor is past key block 0
+    wait for a turn that never comes, a deadlock the emulator reports) or the dense walk (block-mask tiles not
+    skipped: the buffers added to the wrong query blocks, gradients off the reference)."""
+    from flasharray import emulator
+    from test_cuda_backward_sm90 import _mutant
+    _mutant(monkeypatch, old, new)
+    try:
+        launch._clear_plans()
+        Lq = 70 if det else 256
+        kw = dict(kw_of(names, 2, 2, Lq, 300), **(skipping_block_mask(Lq, 300) if "block_mask" in names else {}))
+        with pytest.raises((emulator.EmulatorError, AssertionError), match="deadlock|FAIL|dq"):
+            run_case(np.float16, names, causal=False, deterministic=det, Lq=Lq, Lk=300, kw=kw)
+    finally:
+        monkeypatch.undo()
+        launch._clear_plans()
+
+
 def test_dropout_bits_as_the_mma_sync_backward():
     """The same dropout (Philox counters of docs/extensions.md) as the mma.sync backward: gradients close to
     kernel "tc" on sm_80 for the same seed / offset, and far from another seed's."""
@@ -249,10 +334,26 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
     (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
     (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
     (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
-    (("softcap",), 128, 128, False, "softcap together at head dim 128 on its cp.async kernel.*spills"),
-    (("alibi", "seqlens", "block_mask"), 128, 128, False, "spills"),
+    # the ws kernel refuses dropout with lengths at 128 (EXT_SPILLS_BULK), the cp.async kernel dropout
+    (("dropout", "seqlens"), 128, 128, False, "dropout together at head dim 128 on its cp.async kernel.*spills"),
 ])
 def test_refused(names, D, Dv, det, match):
+    _check_refused(names, D, Dv, det, match)
+
+
+@pytest.mark.parametrize("names,det,match", [
+    (("softcap",), False, "softcap together at head dim 128 on its cp.async kernel.*spills"),
+    (("dropout",), True, "dropout together at head dim 128 on its cp.async kernel.*spills"),
+    (("alibi", "seqlens", "block_mask"), False, "spills"),
+])
+def test_refused_with_atomics(names, det, match):
+    """With the consumers' atomics (DQ_BULK_EXT off) the ws kernel refuses sets at head dim 128 (EXT_SPILLS):
+    softcap, dropout, and ALiBi + block mask + lengths, which its bulk dQ runs (D128_BULK)."""
+    with flag_set(S, "DQ_BULK_EXT", False):
+        _check_refused(names, 128, 128, det, match)
+
+
+def _check_refused(names, D, Dv, det, match):
     q, k, v, dout = problem(np.float16, D, 40, 60, B=2)
     if Dv != D:
         v = np.random.default_rng(1).standard_normal(k.shape[:-1] + (Dv,)).astype(np.float16)
@@ -263,13 +364,18 @@ def test_refused(names, D, Dv, det, match):
         backward(q, k, v, dout, out, lse, kw, causal=False, deterministic=det, kernel="wgmma", arch="sm_90")
 
 
-def test_spilling_sets_refused():
-    """Every (kernel, head dim) subset EXT_SPILLS lists is refused by name, its subsets that are not listed run."""
-    for (kind, d), subsets in S.EXT_SPILLS.items():
-        for m in subsets:
-            why = S.ext_refusal(m, d, d, kind == "ws")
-            assert why is not None and "spills" in why, (kind, d, m)
-            assert S.ext_refusal(m | BITS["alibi"], d, d, kind == "ws") is not None
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "atomics"])
+def test_spilling_sets_refused(bulk):
+    """Every (kernel, head dim) subset the refusal table lists is refused by name, and its supersets (EXT_SPILLS;
+    the ws kernel with the bulk dQ, EXT_SPILLS_BULK)."""
+    with flag_set(S, "DQ_BULK_EXT", bulk):
+        for (kind, d), subsets in S.EXT_SPILLS.items():
+            for m in (S.EXT_SPILLS_BULK if kind == "ws" and bulk else S.EXT_SPILLS)[(kind, d)]:
+                why = S.ext_refusal(m, d, d, kind == "ws")
+                assert why is not None and "spills" in why, (kind, d, m)
+                assert S.ext_refusal(m | BITS["alibi"], d, d, kind == "ws") is not None
+    assert S.ext_refusal(BITS["softcap"], 128, 128, True) is None   # (the bulk dQ's registers)
+    assert S.ext_refusal(BITS["dropout"], 128, 128, True) is None
 
 
 def test_dense_names_unchanged():
@@ -280,8 +386,10 @@ def test_dense_names_unchanged():
         "flash_bwd_sm90_dkv_kernel<fa_half, fa_half, 64, 64, 64, 64, 128, true, true, false>"
     assert S.dkv_name(tile, None, 64, 64, True, True, False, ext=63, dtype="fa_half").endswith(", false, 63>")
     assert S.ws_name(tile, 64, 64, False, "fa_half").endswith("false, false, true, true>")
-    assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, false, 2>")  # no bulk dQ
-    assert S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1).endswith("false, true, true, false, 1>")
+    assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, true, 2>")  # bulk dQ
+    assert S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1).endswith("false, true, true, true, 1>")
+    with flag_set(S, "DQ_BULK_EXT", False):  # the consumers' atomics
+        assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, false, 2>")
     with pytest.raises(ValueError, match="ordered"):
         S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=8)
 
@@ -318,8 +426,9 @@ def check_no_spills(found):
 
 @requires_nvrtc
 def test_extension_instantiations_do_not_spill():
-    """A sample of the sets EXT_SPILLS leaves to the kernels (fp16, each feature alone, head dims 64 and 128,
-    both kernels, both dQ modes, causal and not) compiles for sm_90a without spills."""
+    """A sample of the sets the refusal tables leave to the kernels (fp16, each feature alone, head dims 64 and 128,
+    both kernels — the ws kernel with its bulk dQ, EXT_SPILLS_BULK —, both dQ modes, causal and not) compiles for
+    sm_90a without spills."""
     singles = [b for b in BITS.values()]
     check_no_spills(instantiations((np.float16,), (64, 128), singles))
 
@@ -328,8 +437,11 @@ def test_extension_instantiations_do_not_spill():
 @pytest.mark.slow
 def test_every_extension_instantiation_does_not_spill():
     """Every subset of the six, fp16 and bf16, head dims 64 and 128, both kernels, both dQ modes, causal and not:
-    those EXT_SPILLS does not refuse compile without spills (the audit behind the table; ~10 min)."""
+    those the refusal tables leave compile without spills (the audit behind the tables; ~30 min): the ws kernel with
+    its bulk dQ (EXT_SPILLS_BULK) and with the consumers' atomics (DQ_BULK_EXT off, EXT_SPILLS)."""
     check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64)))
+    with flag_set(S, "DQ_BULK_EXT", False):
+        check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64), kinds=("ws",)))
 
 
 # ---- -m slow: more shapes --------------------------------------------------------------------------------------
@@ -358,7 +470,7 @@ def test_extension_matrix(case, monkeypatch):
 # emulator: the hardware's own wgmma / TMA / mbarrier behaviour with the extensions' instructions in the loop.
 GPU_CASES = ([c + (64, "ws") for c in SINGLE + COMBOS] + [c + ("cp.async",) for c in
              [c + (64,) for c in (SINGLE[0], SINGLE[3], SINGLE[5], COMBOS[0], ALL_BUT_SOFTCAP)]]
-             + [c[:4] + (128, c[4]) for c in D128])
+             + [c[:4] + (128, c[4]) for c in D128 + D128_BULK])
 
 
 @pytest.mark.gpu

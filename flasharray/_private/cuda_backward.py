@@ -428,6 +428,7 @@ class BackwardPlan:
         self.precision = precision
         self.kernel = _kernel_choice(dtype, arch, kernel, precision, q.shape[-1], v.shape[-1],
                                      _fwd().ext_bits(ext), dq, deterministic, launcher.device)
+        self.auto = kernel is None   # the family chosen, not forced
         self.batch_shape = tuple(int(b) for b in batch_shape)
         # Extensions (docs/extensions.md): the forward's _ExtPlan (kExt bits, stand-ins walked with
         # the batch, the argument tail, per-call arrays and seed/offset); None for a dense plan.
@@ -565,8 +566,9 @@ class BackwardPlan:
         self.tma = tma
         if self.kernel == "wgmma" and self.ext is not None:  # extension sets a kernel spills with: refused
             why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
-            if why:
-                raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) " + why)
+            if why:  # (chosen by kernel=None: plan() makes the mma.sync backward's plan instead)
+                raise (_AutoRefused if self.auto else NotImplementedError)(
+                    "flasharray: kernel='wgmma' (the Hopper backward) " + why)
         ks = kernel_plan(self.dtype, D, Dv, causal=causal, deterministic=deterministic, arch=arch,
                          kernel=self.kernel, acc_dkv=self.partial, acc_dq=self.q_bcast, vec=vec, stages=stages,
                          ext=0 if self.ext is None else self.ext.bits, ordered=self.ordered, precision=self.precision,
@@ -800,9 +802,22 @@ def plan(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, determi
                     (launcher.plan_key, bool(causal), float(scale), tuple(batch_shape), bool(deterministic),
                      arch, kernel, stages, dq, launch.MAX_GRID_YZ, None if ext is None else ext.static_key(),
                      precision))
-    return cached(_PLANS, key, lambda: BackwardPlan(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape, launcher=launcher,
-        deterministic=deterministic, arch=arch, kernel=kernel, stages=stages, ext=ext, dq=dq, precision=precision))
+    def make(kernel):
+        return BackwardPlan(dout, q, k, v, out, lse, causal=causal, scale=scale, batch_shape=batch_shape,
+                            launcher=launcher, deterministic=deterministic, arch=arch, kernel=kernel, stages=stages,
+                            ext=ext, dq=dq, precision=precision)
+
+    def make_or_fall_back():
+        try:
+            return make(kernel)
+        except _AutoRefused:  # kernel=None took the wgmma backward, whose kernel for this layout refuses the extensions
+            return make("tc")
+    return cached(_PLANS, key, make_or_fall_back)
+
+
+class _AutoRefused(NotImplementedError):
+    """The wgmma backward chosen by ``kernel=None`` (``auto_wgmma``: its warp-specialized kernel takes the extension
+    set) refusing a call whose layout takes its cp.async kernel: :func:`plan` plans the mma.sync backward instead."""
 
 
 def backward(dout, q, k, v, out, lse, *, causal, scale, batch_shape, device, deterministic=True, ext=None,

@@ -52,7 +52,8 @@ MAX_HEAD_DIM = 256
 #: Above this padded head dim (D or Dv) the kernels take the head-dim split (``Sm90BwdTraits::kSplitD``).
 SPLIT_ABOVE = 128
 #: Whether ``kernel=None`` on sm_90 (``cuda_backward.auto_wgmma``) takes this backward for calls with extensions too,
-#: where both of its kernels run the call's bits (:func:`auto_ext`). On since 2026-11-27 (fifteenth session): on an
+#: where its warp-specialized kernel runs the call's bits (:func:`auto_ext`; a plan whose layout then takes the cp.async
+#: kernel, which refuses them, is made with the mma.sync backward instead). On since 2026-11-27 (fifteenth session): on an
 #: H200 ``tests/test_cuda_backward_sm90_extensions.py::test_extension_gpu`` passed (18 cases) and the wgmma backward
 #: ran 1.5-2.0x the mma.sync one with dropout, 1.3-1.4x with a window (``hopper_variants.py --only ext``,
 #: docs/gpu_h200.md); the other extension calls keep the mma.sync backward (kernel "tc").
@@ -150,6 +151,11 @@ def check_ext(ext, ordered):
 #: ALiBi, block mask, lengths but ALiBi + block mask + lengths, the cp.async kernel the window alone.
 EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
               ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
+#: The ws kernel's refused subsets with the bulk dQ (:func:`ws_dq_bulk`: the consumers store dQ^T to shared memory
+#: instead of holding the atomics' addresses): at head dim 128 dropout with a window, with ALiBi or with lengths
+#: (thirty-sixth session's audit; softcap, dropout and ALiBi + block mask + lengths, refused with the atomics, compile
+#: clean).
+EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): (16 | 1, 16 | 2, 16 | 32)}
 
 
 def _bit_names(bits):
@@ -159,10 +165,10 @@ def _bit_names(bits):
 
 def auto_ext(ext, D, Dv, deterministic):
     """Whether ``kernel=None`` may take this backward for a call with the kExt bits ``ext``: :data:`AUTO_EXT`, the
-    dQ mode takes them (:data:`ORDERED_EXT` when deterministic) and neither kernel refuses them
-    (:func:`ext_refusal`: which kernel runs depends on the layout, known only while planning)."""
-    return (AUTO_EXT and not (deterministic and ext & ~ORDERED_EXT)
-            and ext_refusal(ext, D, Dv, True) is None and ext_refusal(ext, D, Dv, False) is None)
+    dQ mode takes them (:data:`ORDERED_EXT` when deterministic) and the warp-specialized kernel does not refuse them
+    (:func:`ext_refusal`; which kernel runs depends on the layout, known only while planning: where the cp.async kernel
+    runs instead and refuses them, ``cuda_backward.plan`` falls back to the mma.sync backward)."""
+    return AUTO_EXT and not (deterministic and ext & ~ORDERED_EXT) and ext_refusal(ext, D, Dv, USE_TMA) is None
 
 
 def ext_refusal(ext, D, Dv, ws):
@@ -175,7 +181,7 @@ def ext_refusal(ext, D, Dv, ws):
         return ("runs extensions with D and Dv both padded to 64 or both to 128 only (got D=%d, Dv=%d: the "
                 "head-dim split and mixed tiles are not audited for them)" % (D, Dv))
     kind = "ws" if ws else "cp.async"
-    for m in EXT_SPILLS[(kind, d)]:
+    for m in (EXT_SPILLS_BULK if ws and ws_dq_bulk(D, Dv, ext) else EXT_SPILLS)[(kind, d)]:
         if ext & m == m:
             return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
                     "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
@@ -196,6 +202,11 @@ USE_TMA_STORE = True
 #: accumulator with one bulk reduce-add (``cp.reduce.async.bulk ... add.f32``), taking the ordered mode's turn
 #: itself; off: the consumers' per-thread atomics (tests turn it off to compare, a GPU run to time both).
 DQ_BULK = True
+#: Whether calls with extensions (window, ALiBi, softcap, block mask, dropout, lengths; d and dv <= 128) take the bulk
+#: dQ too (:data:`DQ_BULK` on): the dQ warp then walks the consumers' visited query blocks (block-mask tiles skipped)
+#: and takes the ordered mode's turn with the mask (a window's first visitor); off: the consumers' atomics, as before
+#: the thirty-sixth session. A ``hopper_variants.py`` switch (``bwd.DQ_BULK_EXT``), not yet timed on a GPU.
+DQ_BULK_EXT = True
 #: Whether the warp-specialized kernel at padded d = dv = 64 (dense calls) keeps its warpgroup's rows of K_j and V_j
 #: in registers as the A operand of S^T = K_j Q_i^T and dP^T = V_j dO_i^T (RS wgmma, ``kKVRegsOn``; off: both
 #: read from shared memory per wgmma, SS). Twenty-second session; a ``hopper_variants.py`` switch
@@ -282,6 +293,14 @@ def dq_bulk(d, dv, dq_dim=None):
     return DQ_BULK and (max(d, dv) <= SPLIT_ABOVE or d == dv == (dq_dim or d) == 256)
 
 
+def ws_dq_bulk(D, Dv, ext=0):
+    """Whether the ws kernel for head dims D, Dv (unpadded; D padded to 16 is the accumulator's) and the kExt bits
+    ``ext`` takes the bulk dQ (``Is_dq_bulk``): :func:`dq_bulk`, and with extensions :data:`DQ_BULK_EXT` (their
+    head dims are never split: :func:`ext_refusal`)."""
+    d, dv = pad_head_dims(D, Dv)
+    return dq_bulk(d, dv, -(-D // 16) * 16) and (not ext or DQ_BULK_EXT)
+
+
 def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
     """``Sm90BwdWsTraits::kDQBufs``: the most of :data:`DQ_BUFFERS` (the kernel's kDQBufsMax), 2, 1 dQ buffers that
     fit in the opt-in maximum (0: atomics, or the head-dim split's staged dQ)."""
@@ -295,11 +314,11 @@ def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
 
 def ws_tile(tile, D, Dv, ext=0):
     """The :class:`BwdTiles` of ``flash_bwd_sm90_ws_kernel`` for the cp.async kernel's ``tile`` (head dims
-    D, Dv; ``ext`` the kExt bits: no bulk dQ buffers with extensions): one more (producer) warpgroup, dS^T
-    double-buffered, the mbarriers."""
+    D, Dv; ``ext`` the kExt bits: :func:`ws_dq_bulk`): one more (producer) warpgroup, dS^T double-buffered, the
+    mbarriers, the bulk dQ's buffers."""
     import dataclasses
     d, dv = pad_head_dims(D, Dv)
-    bulk = dq_bulk(d, dv, -(-D // 16) * 16) and not ext
+    bulk = ws_dq_bulk(D, Dv, ext)
     p_regs, c_regs = ws_regs(d, dv)
     reason = ("Br=%d, Bc=%d (producer warpgroup: TMA, setmaxnreg %d; 2 consumer warpgroups x %s, setmaxnreg "
               "%d), d=%d dv=%d, %d-stage Q_i/dO_i ring on mbarriers, 128B-swizzled"
@@ -312,8 +331,7 @@ def ws_tile(tile, D, Dv, ext=0):
 def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
     flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
-    ``Is_dq_bulk``: :func:`dq_bulk`, never with extensions; ``ext``: the kExt bits, appended only when
-    not 0)."""
+    ``Is_dq_bulk``: :func:`ws_dq_bulk`; ``ext``: the kExt bits, appended only when not 0)."""
     check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn,
@@ -321,7 +339,8 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     # changes the code
     ahead = not ext and scores_ahead(pD, pDv)
     d, dv = pad_head_dims(pD, pDv)
-    bufs = dq_buffers(d, dv, tile.block_m, tile.block_n, dq_bulk(d, dv, pD) and not ext)
+    bulk = ws_dq_bulk(pD, pDv, ext)
+    bufs = dq_buffers(d, dv, tile.block_m, tile.block_n, bulk)
     opt = [str(ext), b(not (not KV_REGS and kv_regs(pD, pDv, ext))),
            b(not (not QUERY_SPLIT and not ext and is_split(pD, pDv))), b(ENTRIES_FIRST or not ordered),
            b(DQ_SPLIT or not dq_split(pD, pDv)),
@@ -332,7 +351,7 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     tail = "".join(", " + a for a in opt)
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s, %s%s>" % (
         WS_KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
-        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(dq_bulk(*pad_head_dims(pD, pDv), pD) and not ext), tail)
+        b(causal), b(ordered), b(_stores_by_tma(dtype, out)), b(bulk), tail)
 
 
 # kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn, kScoresAheadOn, kDQBufsMax, kSplitOverlapOn
