@@ -437,7 +437,7 @@ def test_extension_instantiations_do_not_spill():
 @pytest.mark.slow
 def test_every_extension_instantiation_does_not_spill():
     """Every subset of the six, fp16 and bf16, head dims 64 and 128, both kernels, both dQ modes, causal and not:
-    those the refusal tables leave compile without spills (the audit behind the tables; ~30 min): the ws kernel with
+    those the refusal tables leave compile without spills (the audit behind the tables; ~20 min): the ws kernel with
     its bulk dQ (EXT_SPILLS_BULK) and with the consumers' atomics (DQ_BULK_EXT off, EXT_SPILLS)."""
     check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64)))
     with flag_set(S, "DQ_BULK_EXT", False):
