@@ -903,9 +903,13 @@ def _check_bulk_case(dtype, D, Dv, lengths, causal, bcast, layout, schedule, see
     for a, b in zip(new[1:], old[1:]):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
     check(p, new)
-    # dq: the same fp32 addends in another order, then one rounding: within 2 ulps of the dtype at the element's
-    # magnitude (tests/test_gpu_sm90.py's bound)
-    a, b = new[0].astype(np.float64), old[0].astype(np.float64)
+    assert_dq_reordered_close(new[0], old[0], dtype)
+
+
+def assert_dq_reordered_close(new, old, dtype):
+    """dq from the same fp32 addends in another order, then one rounding: within 2 ulps of the dtype at the element's
+    magnitude (tests/test_gpu_sm90.py's bound)."""
+    a, b = new.astype(np.float64), old.astype(np.float64)
     eps = 2.0 ** -10 if np.dtype(dtype) == np.float16 else 2.0 ** -7
     assert np.all(np.abs(a - b) <= 2 * eps * np.maximum(np.abs(b), 2.0 ** -6 * np.abs(b).max()))
 

@@ -27,6 +27,7 @@ from flasharray._private import cuda_forward, extensions, launch, nvrtc
 from flasharray._private.dtypes import bfloat16
 from conftest import flag_set, requires_nvrtc
 from test_gpu_sm90 import requires_sm90
+from test_cuda_backward_sm90 import _mutant, assert_dq_reordered_close
 from test_cuda_backward_extensions import features
 
 BITS = cuda_forward.EXT_BITS
@@ -253,9 +254,7 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
         for a, b in zip(new if det else new[1:], old if det else old[1:]):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (names, det)
         if not det:
-            a, b = new[0].astype(np.float64), old[0].astype(np.float64)
-            eps = 2.0 ** -10 if np.dtype(dt) == np.float16 else 2.0 ** -7
-            assert np.all(np.abs(a - b) <= 2 * eps * np.maximum(np.abs(b), 2.0 ** -6 * np.abs(b).max())), names
+            assert_dq_reordered_close(new[0], old[0], dt)
 
 
 @pytest.mark.parametrize("old,new,names,det", [
@@ -272,7 +271,6 @@ def test_bulk_dq_with_extensions_mutations_caught(monkeypatch, old, new, names, 
     wait for a turn that never comes, a deadlock the emulator reports) or the dense walk (block-mask tiles not
     skipped: the buffers added to the wrong query blocks, gradients off the reference)."""
     from flasharray import emulator
-    from test_cuda_backward_sm90 import _mutant
     _mutant(monkeypatch, old, new)
     try:
         launch._clear_plans()
