@@ -89,6 +89,10 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
                                             kernel's bulk dQ for extension calls (the dQ warp walking the consumers'
                                             visits) vs the consumers' atomics, window (255, 0) / dropout_p 0.1
+  fwd.SCORE_EXT_OVERLAP_MAX_HEAD_DIM.softcap  softcap 30 on the wgmma forward: the overlap at d 256 (since the
+                                            thirty-seventh session) vs every batch waited for (the old limit, 128)
+  fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap  softcap 30: persistent at d 128 / 256 (since the thirty-seventh
+                                            session) vs one block per work tile (the old limit, 64)
 
 A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
 
@@ -232,10 +236,14 @@ EXT_SWITCHES = (
            "window (255, 0): dQ bulk reduce-add vs consumer atomics", ext="window"),
     Switch("bwd.DQ_BULK_EXT.dropout", "bwd", B, "DQ_BULK_EXT", False,
            "dropout p 0.1: dQ bulk reduce-add vs consumer atomics", ext="dropout"),
+    Switch("fwd.SCORE_EXT_OVERLAP_MAX_HEAD_DIM.softcap", "fwd", F, "SCORE_EXT_OVERLAP_MAX_HEAD_DIM", 128,
+           "softcap 30, d 256: softmax overlapped with P V vs every batch waited for", ext="softcap"),
+    Switch("fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap", "fwd", F, "PERSISTENT_MAX_HEAD_DIM_SCORE_EXT", 64,
+           "softcap 30, d 128 / 256: persistent vs one block per work tile", ext="softcap"),
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),
-            "window1k": dict(window=(1023, 0))}
+            "window1k": dict(window=(1023, 0)), "softcap": dict(softcap=30.0)}
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
 DTYPES = gpu.DTYPES

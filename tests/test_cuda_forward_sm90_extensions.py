@@ -5,8 +5,8 @@ Each case is held to the DESIGN.md rule against the brute-force specification of
 tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dropout from
 ``philox.keep_mask``); ``test_plan_takes_the_ws_kernel_with_the_bits`` checks the instantiation the plan
 launches. Default run: every feature alone and in combinations (all six at once) on the warp-specialized TMA
-kernel (overlapped and persistent to d 128 with window / seqlens alone; with the other features every wgmma
-batch waited for, persistent to d 64), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk
+kernel (overlapped and persistent as dense calls with window, seqlens, ALiBi, softcap alone; with the block
+mask or dropout every wgmma batch waited for, persistent to d 64), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk
 off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on the ws kernel
 without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA store,
 and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
@@ -47,6 +47,7 @@ CASES = [c for c in MMA_CASES if c[0] in ("fp16", "bf16") and not {"num_splits",
     ("fp16", 128, 70, 290, True, ("window", "seqlens", "dropout"), {}),
     ("bf16", 200, 70, 150, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
     ("fp16", 128, 150, 290, False, ("window", "seqlens"), {"layout": "bshd"}),
+    ("fp16", 200, 70, 150, False, ("softcap", "seqlens"), {}),   # d 256 overlapped and persistent
 ]
 
 
@@ -96,7 +97,7 @@ BITS_CASES = [
     ("fp16", 64, 200, 290, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens")),
     ("bf16", 128, 150, 290, False, ("window", "block_mask", "dropout")),
     ("fp16", 128, 200, 290, True, ("window", "seqlens")),   # overlapped, persistent
-    ("bf16", 128, 150, 290, True, ("alibi", "softcap")),   # overlapped, not persistent
+    ("bf16", 128, 150, 290, True, ("alibi", "softcap")),   # overlapped, persistent
 ]
 
 
@@ -252,22 +253,36 @@ def test_cp_async_tile_with_extensions_at_128():
     assert _plan(q, k, v, True, {}).tile.block_n == 128
 
 
-def test_persistent_only_at_64_with_extensions_beyond_the_geometry():
-    """ALiBi, softcap, block mask, dropout: persistent at d <= 64 only; window / seqlens like dense calls; ALiBi
-    and softcap keep the overlap to d 128, the block mask and dropout never."""
-    q, k, v = make_inputs(np.float16, 128, 70, 133, batch=(2, 3))
-    alibi = _plan(q, k, v, False, ext_kw(("alibi",), (2, 3), 70, 133, np.float16)).tile
-    assert alibi.overlap and not alibi.persistent
-    assert not _plan(q, k, v, False, ext_kw(("dropout",), (2, 3), 70, 133, np.float16)).tile.overlap
-    q2, k2, v2 = make_inputs(np.float16, 200, 70, 133, batch=(2, 3))
-    assert not _plan(q2, k2, v2, False, ext_kw(("softcap",), (2, 3), 70, 133, np.float16)).tile.overlap
-    assert _plan(q, k, v, False, ext_kw(("window",), (2, 3), 70, 133, np.float16)).tile.persistent
-    assert _plan(q, k, v, False, {}).tile.persistent
+def test_routes_with_extensions(monkeypatch, fresh_plans):
+    """Window, seqlens, ALiBi, softcap: the dense route at every head dim (overlapped, persistent as dense calls:
+    causal to d 128); the block mask and dropout: every wgmma batch waited for, persistent at d <= 64 only. The
+    old limits for ALiBi / softcap (the hopper_variants switches' flipped side): overlapped to d 128, persistent
+    to d 64."""
+    def tile(D, causal, features):
+        q, k, v = make_inputs(np.float16, D, 70, 133, batch=(2, 3))
+        return _plan(q, k, v, causal, ext_kw(features, (2, 3), 70, 133, np.float16)).tile
+
+    for D in (128, 200):
+        for features in (("alibi",), ("softcap", "seqlens"), ("window",), ()):
+            t = tile(D, False, features)
+            assert t.overlap and t.persistent, (D, features)
+        t = tile(D, True, ("softcap",))
+        assert t.overlap and t.persistent == (D <= S.PERSISTENT_CAUSAL_MAX_HEAD_DIM)
+        t = tile(D, False, ("dropout", "alibi"))
+        assert not t.overlap and not t.persistent
+    assert tile(64, False, ("block_mask",)).persistent and not tile(64, False, ("block_mask",)).overlap
+    monkeypatch.setattr(S, "SCORE_EXT_OVERLAP_MAX_HEAD_DIM", 128)
+    monkeypatch.setattr(S, "PERSISTENT_MAX_HEAD_DIM_SCORE_EXT", 64)
+    launch._clear_plans()
+    old128, old200 = tile(128, False, ("alibi",)), tile(200, False, ("softcap",))
+    assert old128.overlap and not old128.persistent
+    assert not old200.overlap and not old200.persistent
+    assert tile(200, False, ("window",)).overlap and tile(200, False, ("window",)).persistent
 
 
 # ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------
 STATIC_BITS = (63, 16, 38)  # every feature; dropout alone (the heaviest single one); ALiBi + softcap + seqlens
-                            # (overlapped to d 128, persistent to d 64). -m slow: every subset (the block mask alone,
+                            # (overlapped and persistent at every head dim). -m slow: every subset (the block mask alone,
                             # window + seqlens among them)
 SLOW_STATIC_BITS = tuple(range(1, 64))
 
@@ -282,8 +297,7 @@ def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 192,
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma", ext=1)
             for bits in bits_list:
                 ws = S.tma_tile(t, (), bits)
-                assert ws.overlap == (bits & ~S.GEOMETRY_EXT == 0 or
-                                      (bits & ~(S.GEOMETRY_EXT | S.SCORE_EXT) == 0 and d <= 128))
+                assert ws.overlap == (bits & ~(S.GEOMETRY_EXT | S.SCORE_EXT) == 0)
                 for causal in (False, True):
                     found.add(ws.name_expression(causal, True, ext=bits))
                     found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))

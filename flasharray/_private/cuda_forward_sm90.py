@@ -280,14 +280,19 @@ PERSISTENT_CAUSAL_MAX_HEAD_DIM = 128
 #: calls do (zero spills in every such instantiation).
 GEOMETRY_EXT = 1 | 32
 #: kExt bits that transform each score (ALiBi, softcap: a slope or a cap per tile, an FMA or a tanh per score): with
-#: these (and geometry bits) the overlap is kept up to padded d :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, the kernel
-#: persistent up to PERSISTENT_MAX_HEAD_DIM_EXT (zero spills; persistent at d 128 they spilled 8-12 bytes, at
-#: d 256 softcap + seqlens causal 4).
+#: only these and geometry bits the ws kernel keeps the overlap up to padded d :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`
+#: and is persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_SCORE_EXT` (causal: PERSISTENT_CAUSAL_MAX_HEAD_DIM), i.e.
+#: at every head dim the dense route: zero spills at every padded head dim, d = dv or not, fp16 and bf16, causal or
+#: not, TMA or row stores (thirty-seventh session). Until then 128 and 64: the overlapped loop spilled 4 bytes at
+#: d 256, the persistent one 8-12 at d 128, since gone from the consumers' loop. ``hopper_variants.py --only ext``
+#: times the old limits (``fwd.SCORE_EXT_OVERLAP_MAX_HEAD_DIM.softcap``,
+#: ``fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap``).
 SCORE_EXT = 2 | 4
-SCORE_EXT_OVERLAP_MAX_HEAD_DIM = 128
-#: With any other extension (ALiBi, softcap, block mask, dropout): the largest padded head dim taking the persistent
-#: kernel. Their per-tile state on top of the persistent loop's spills the d = 128 consumers (up to 56 bytes with
-#: every feature).
+SCORE_EXT_OVERLAP_MAX_HEAD_DIM = 256
+PERSISTENT_MAX_HEAD_DIM_SCORE_EXT = 256
+#: With the block mask or dropout (their per-tile state: block-mask pointer and strides, the Philox key): the
+#: largest padded head dim taking the persistent kernel. Their state on top of the persistent loop's spills the
+#: d = 128 consumers (up to 56 bytes with every feature).
 PERSISTENT_MAX_HEAD_DIM_EXT = 64
 #: The largest padded head dim at which the cp.async kernel takes extensions on rows that are not 16-byte
 #: aligned (the element-wise copy): at 256 the copy's registers and the extensions' spill (8-32 bytes).
@@ -410,11 +415,12 @@ def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False, Lk=N
 def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
-    call's kExt bits; with the block mask or dropout (and with ALiBi or softcap above
-    :data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`) the consumers wait for every wgmma batch (no intra-warpgroup overlap:
-    P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240 registers together, the
-    overlapped instantiations spill up to 204 bytes); with any extension beyond :data:`GEOMETRY_EXT` the kernel is
-    persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only (docs/hopper.md, "Extensions"). ``causal`` and ``Lk``
+    call's kExt bits; with the block mask or dropout the consumers wait for every wgmma batch (no intra-warpgroup
+    overlap: P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240 registers together,
+    the overlapped instantiations spill up to 204 bytes) and the kernel is persistent up to
+    :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only; with window, seqlens, ALiBi and softcap alone it is the dense route
+    (:data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, :data:`PERSISTENT_MAX_HEAD_DIM_SCORE_EXT`; docs/hopper.md, "Extensions").
+    ``causal`` and ``Lk``
     (the keys; None: any) choose the key tile (:func:`wide_block_n`)."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
@@ -422,9 +428,10 @@ def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     block_m = 3 * WARPGROUP_ROWS if three else tile.block_m
     warps = (block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
     d = max(tile.head_dim, tile.head_dim_v)
-    heavy = bool(ext & ~GEOMETRY_EXT)
-    overlap = OVERLAP and (not heavy or (not ext & ~(GEOMETRY_EXT | SCORE_EXT) and d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
-    limit = PERSISTENT_MAX_HEAD_DIM_EXT if heavy else PERSISTENT_MAX_HEAD_DIM
+    heavy, score = bool(ext & ~(GEOMETRY_EXT | SCORE_EXT)), bool(ext & SCORE_EXT)
+    overlap = OVERLAP and not heavy and (not score or d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM)
+    limit = (PERSISTENT_MAX_HEAD_DIM_EXT if heavy or (score and not overlap) else
+             min(PERSISTENT_MAX_HEAD_DIM_SCORE_EXT, PERSISTENT_MAX_HEAD_DIM) if score else PERSISTENT_MAX_HEAD_DIM)
     persistent = PERSISTENT and d <= (min(limit, PERSISTENT_CAUSAL_MAX_HEAD_DIM) if causal else limit)
     bc = THREE_WARPGROUPS_BLOCK_N if three else wide_block_n(tile, ext, causal, overlap, persistent, Lk)
     reason = ("producer warpgroup (TMA, setmaxnreg %d) + %d consumer warpgroups (setmaxnreg %d) x 64 rows, Bc=%d%s, "
