@@ -93,6 +93,8 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
                                             thirty-seventh session) vs every batch waited for (the old limit, 128)
   fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap  softcap 30: persistent at d 128 / 256 (since the thirty-seventh
                                             session) vs one block per work tile (the old limit, 64)
+  fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout  dropout_p 0.1: the overlap at d 64 (since the thirty-seventh session)
+                                            vs every batch waited for (the old route, 0)
 
 A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
 
@@ -240,6 +242,8 @@ EXT_SWITCHES = (
            "softcap 30, d 256: softmax overlapped with P V vs every batch waited for", ext="softcap"),
     Switch("fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap", "fwd", F, "PERSISTENT_MAX_HEAD_DIM_SCORE_EXT", 64,
            "softcap 30, d 128 / 256: persistent vs one block per work tile", ext="softcap"),
+    Switch("fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout", "fwd", F, "HEAVY_EXT_OVERLAP_MAX_HEAD_DIM", 0,
+           "dropout p 0.1, d 64: softmax overlapped with P V vs every batch waited for", ext="dropout"),
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),

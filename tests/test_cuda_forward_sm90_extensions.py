@@ -6,7 +6,7 @@ tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dro
 ``philox.keep_mask``); ``test_plan_takes_the_ws_kernel_with_the_bits`` checks the instantiation the plan
 launches. Default run: every feature alone and in combinations (all six at once) on the warp-specialized TMA
 kernel (overlapped and persistent as dense calls with window, seqlens, ALiBi, softcap alone; with the block
-mask or dropout every wgmma batch waited for, persistent to d 64), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk
+mask or dropout overlapped and persistent at d 64, above it every wgmma batch waited for), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk
 off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on the ws kernel
 without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA store,
 and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
@@ -65,15 +65,15 @@ def test_wgmma_extensions(case):
 
 def test_plan_takes_the_ws_kernel_with_the_bits():
     """The call runs the warp-specialized kernel with kExt = the features' bits as its last template
-    argument (persistent at d 64; every wgmma batch waited for with dropout: no intra-warpgroup overlap);
-    window and seqlens alone keep the overlap; a dense call keeps the dense name (no kExt, overlapped)."""
+    argument (overlapped and persistent at d 64, dropout too); a dense call keeps the dense name (no kExt,
+    overlapped)."""
     q, k, v = make_inputs(np.float16, 64, 70, 133, batch=(2, 3))
     kw = ext_kw(("window", "dropout"), (2, 3), 70, 133, np.float16)
     p = _plan(q, k, v, True, kw)
     bits = cuda_forward.EXT_BITS["window"] + cuda_forward.EXT_BITS["dropout"]
     names = [launch.name for launch in p.launches]
-    assert p.tile.tma and p.tile.persistent and not p.tile.overlap
-    assert names == ["flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, false, true, true, %d>" % bits]
+    assert p.tile.tma and p.tile.persistent and p.tile.overlap
+    assert names == ["flash::flash_fwd_sm90_ws_kernel<fa_half, 64, 64, 128, 128, true, true, true, true, %d>" % bits]
     light = _plan(q, k, v, True, ext_kw(("window", "seqlens"), (2, 3), 70, 133, np.float16))
     assert light.tile.overlap and light.tile.persistent
     score = _plan(q, k, v, True, ext_kw(("alibi", "softcap"), (2, 3), 70, 133, np.float16))
@@ -87,7 +87,7 @@ def test_plan_takes_the_ws_kernel_with_the_bits():
 
 # ---- the variants give the same bits ----------------------------------------------------------------------
 VARIANTS = {
-    "no-overlap": {"OVERLAP": False},   # the geometry case's; the others run without the overlap anyway
+    "no-overlap": {"OVERLAP": False},   # where the route overlaps (d 64, or no block mask and no dropout)
     "not-persistent": {"PERSISTENT": False},
     "persistent-2-sms": {"SM_COUNT": 2},
     "row-stores": {"USE_TMA_STORE": False},
@@ -255,9 +255,9 @@ def test_cp_async_tile_with_extensions_at_128():
 
 def test_routes_with_extensions(monkeypatch, fresh_plans):
     """Window, seqlens, ALiBi, softcap: the dense route at every head dim (overlapped, persistent as dense calls:
-    causal to d 128); the block mask and dropout: every wgmma batch waited for, persistent at d <= 64 only. The
-    old limits for ALiBi / softcap (the hopper_variants switches' flipped side): overlapped to d 128, persistent
-    to d 64."""
+    causal to d 128); the block mask and dropout: overlapped and persistent at d 64, above it every wgmma batch
+    waited for and not persistent. The old limits (the hopper_variants switches' flipped side): ALiBi / softcap
+    overlapped to d 128, persistent to d 64; the block mask and dropout never overlapped."""
     def tile(D, causal, features):
         q, k, v = make_inputs(np.float16, D, 70, 133, batch=(2, 3))
         return _plan(q, k, v, causal, ext_kw(features, (2, 3), 70, 133, np.float16)).tile
@@ -270,7 +270,10 @@ def test_routes_with_extensions(monkeypatch, fresh_plans):
         assert t.overlap and t.persistent == (D <= S.PERSISTENT_CAUSAL_MAX_HEAD_DIM)
         t = tile(D, False, ("dropout", "alibi"))
         assert not t.overlap and not t.persistent
-    assert tile(64, False, ("block_mask",)).persistent and not tile(64, False, ("block_mask",)).overlap
+    for features in (("block_mask",), ("dropout", "softcap"), ("window", "block_mask", "dropout", "seqlens")):
+        t = tile(64, True, features)
+        assert t.overlap and t.persistent, features
+    monkeypatch.setattr(S, "HEAVY_EXT_OVERLAP_MAX_HEAD_DIM", 0)
     monkeypatch.setattr(S, "SCORE_EXT_OVERLAP_MAX_HEAD_DIM", 128)
     monkeypatch.setattr(S, "PERSISTENT_MAX_HEAD_DIM_SCORE_EXT", 64)
     launch._clear_plans()
@@ -278,6 +281,8 @@ def test_routes_with_extensions(monkeypatch, fresh_plans):
     assert old128.overlap and not old128.persistent
     assert not old200.overlap and not old200.persistent
     assert tile(200, False, ("window",)).overlap and tile(200, False, ("window",)).persistent
+    old64 = tile(64, True, ("block_mask",))
+    assert old64.persistent and not old64.overlap
 
 
 # ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------
@@ -297,7 +302,7 @@ def ext_instantiations(bits_list, dtypes=(np.float16,), head_dims=(64, 128, 192,
             t = S.forward_tile(dtype, d, d, 90, kernel="wgmma", ext=1)
             for bits in bits_list:
                 ws = S.tma_tile(t, (), bits)
-                assert ws.overlap == (bits & ~(S.GEOMETRY_EXT | S.SCORE_EXT) == 0)
+                assert ws.overlap == (bits & ~(S.GEOMETRY_EXT | S.SCORE_EXT) == 0 or d <= 64)
                 for causal in (False, True):
                     found.add(ws.name_expression(causal, True, ext=bits))
                     found.add(ws.name_expression(causal, True, tma_store=True, ext=bits))

@@ -294,6 +294,11 @@ PERSISTENT_MAX_HEAD_DIM_SCORE_EXT = 256
 #: largest padded head dim taking the persistent kernel. Their state on top of the persistent loop's spills the
 #: d = 128 consumers (up to 56 bytes with every feature).
 PERSISTENT_MAX_HEAD_DIM_EXT = 64
+#: ... and the largest taking the intra-warpgroup overlap: 64 (thirty-seventh session; before, none). At d 64 every
+#: subset with the block mask or dropout compiles clean overlapped and persistent (fp16 and bf16, causal or not, TMA
+#: or row stores); at d 128 overlapped, 4-112 bytes of spills (window + dropout, block mask + dropout, ...). 0: the
+#: old route (``hopper_variants.py``'s ``fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout``).
+HEAVY_EXT_OVERLAP_MAX_HEAD_DIM = 64
 #: The largest padded head dim at which the cp.async kernel takes extensions on rows that are not 16-byte
 #: aligned (the element-wise copy): at 256 the copy's registers and the extensions' spill (8-32 bytes).
 ELEMENTWISE_MAX_HEAD_DIM_EXT = 128
@@ -415,10 +420,10 @@ def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False, Lk=N
 def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     """``tile`` turned into the warp-specialized TMA instantiation when the tensors allow it (and
     :data:`USE_TMA`); else ``tile`` itself (the cp.async kernel: the fallback for other layouts). ``ext``: the
-    call's kExt bits; with the block mask or dropout the consumers wait for every wgmma batch (no intra-warpgroup
-    overlap: P_{j−1}'s A fragments in flight and those extensions' per-tile state do not fit 240 registers together,
-    the overlapped instantiations spill up to 204 bytes) and the kernel is persistent up to
-    :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only; with window, seqlens, ALiBi and softcap alone it is the dense route
+    call's kExt bits; with the block mask or dropout above :data:`HEAVY_EXT_OVERLAP_MAX_HEAD_DIM` the consumers wait
+    for every wgmma batch (no intra-warpgroup overlap: P_{j−1}'s A fragments in flight and those extensions'
+    per-tile state do not fit 240 registers together, the overlapped instantiations spill up to 204 bytes) and the
+    kernel is persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only; with window, seqlens, ALiBi and softcap alone it is the dense route
     (:data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, :data:`PERSISTENT_MAX_HEAD_DIM_SCORE_EXT`; docs/hopper.md, "Extensions").
     ``causal`` and ``Lk``
     (the keys; None: any) choose the key tile (:func:`wide_block_n`)."""
@@ -429,7 +434,8 @@ def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     warps = (block_m // WARPGROUP_ROWS + PRODUCER_WARPGROUPS) * 4
     d = max(tile.head_dim, tile.head_dim_v)
     heavy, score = bool(ext & ~(GEOMETRY_EXT | SCORE_EXT)), bool(ext & SCORE_EXT)
-    overlap = OVERLAP and not heavy and (not score or d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM)
+    overlap = (OVERLAP and (not heavy or d <= HEAVY_EXT_OVERLAP_MAX_HEAD_DIM)
+               and (not score or d <= SCORE_EXT_OVERLAP_MAX_HEAD_DIM))
     limit = (PERSISTENT_MAX_HEAD_DIM_EXT if heavy or (score and not overlap) else
              min(PERSISTENT_MAX_HEAD_DIM_SCORE_EXT, PERSISTENT_MAX_HEAD_DIM) if score else PERSISTENT_MAX_HEAD_DIM)
     persistent = PERSISTENT and d <= (min(limit, PERSISTENT_CAUSAL_MAX_HEAD_DIM) if causal else limit)
