@@ -423,10 +423,10 @@ def tma_tile(tile, arrays, ext=0, causal=False, Lk=None):
     call's kExt bits; with the block mask or dropout above :data:`HEAVY_EXT_OVERLAP_MAX_HEAD_DIM` the consumers wait
     for every wgmma batch (no intra-warpgroup overlap: P_{j−1}'s A fragments in flight and those extensions'
     per-tile state do not fit 240 registers together, the overlapped instantiations spill up to 204 bytes) and the
-    kernel is persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only; with window, seqlens, ALiBi and softcap alone it is the dense route
-    (:data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, :data:`PERSISTENT_MAX_HEAD_DIM_SCORE_EXT`; docs/hopper.md, "Extensions").
-    ``causal`` and ``Lk``
-    (the keys; None: any) choose the key tile (:func:`wide_block_n`)."""
+    kernel is persistent up to :data:`PERSISTENT_MAX_HEAD_DIM_EXT` only; with window, seqlens, ALiBi and softcap
+    alone it is the dense route (:data:`SCORE_EXT_OVERLAP_MAX_HEAD_DIM`, :data:`PERSISTENT_MAX_HEAD_DIM_SCORE_EXT`;
+    docs/hopper.md, "Extensions"). ``causal`` and ``Lk`` (the keys; None: any) choose the key tile
+    (:func:`wide_block_n`)."""
     if not USE_TMA or not isinstance(tile, Sm90Tile) or tile.tma or tma_legal(arrays) is not None:
         return tile
     three = three_warpgroups(tile, ext)
