@@ -7,7 +7,8 @@ tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dro
 launches. Default run: every feature alone and in combinations (all six at once) on the warp-specialized TMA
 kernel (overlapped and persistent as dense calls with window, seqlens, ALiBi, softcap alone; with the block
 mask or dropout overlapped and persistent at d 64, above it every wgmma batch waited for), fp16 and bf16,
-d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on the ws kernel
+d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk off the tiles, GQA broadcast, BSHD strides, four batch
+dims; the same calls give the same bits on the ws kernel
 without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA store,
 and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
 Philox's bit for bit; fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma
