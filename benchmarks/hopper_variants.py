@@ -95,6 +95,8 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
                                             session) vs one block per work tile (the old limit, 64)
   fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout  dropout_p 0.1: the overlap at d 64 (since the thirty-seventh session)
                                             vs every batch waited for (the old route, 0)
+  fwd.WIDE_EXT.softcap                      softcap 30: the wide key tiles (192 / 176 / 80 keys, since the
+                                            thirty-eighth session) vs the table's (the old route: WIDE_EXT empty)
 
 A shape one side refuses (the wgmma backward's spilling sets at d 128, docs/hopper.md) is left out with a line.
 
@@ -244,6 +246,8 @@ EXT_SWITCHES = (
            "softcap 30, d 128 / 256: persistent vs one block per work tile", ext="softcap"),
     Switch("fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout", "fwd", F, "HEAVY_EXT_OVERLAP_MAX_HEAD_DIM", 0,
            "dropout p 0.1, d 64: softmax overlapped with P V vs every batch waited for", ext="dropout"),
+    Switch("fwd.WIDE_EXT.softcap", "fwd", F, "WIDE_EXT", {},
+           "softcap 30, non-causal (d 256: causal too): key tiles of 192 / 176 / 80 vs 128 / 128 / 64", ext="softcap"),
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),
@@ -259,7 +263,7 @@ EMULATOR_SHAPES = (("fp16", 1, 2, 128, 64, True), ("fp16", 1, 1, 64, 256, False)
 #: emulator shapes run for these switches only (the others would compile their variants once more there)
 EMULATOR_SHAPES_FOR = {("fp16", 1, 1, 80, 80, True): ("mma.WIDE_BC64_CAUSAL", "mma.WIDE_CAUSAL"),
                        ("fp16", 1, 2, 256, 64, True): ("fwd.CAUSAL_PAIRS", "mma.CAUSAL_GROUPS"),
-                       ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS",),
+                       ("fp16", 1, 1, 176, 128, False): ("fwd.WIDE_KEYS", "fwd.WIDE_EXT.softcap"),
                        ("fp16", 1, 1, 64, 256, True): ("fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM",),   # one key tile of 176 (N 128 keeps 128)
                        ("fp16", 1, 1, 80, 256, False): ("mma.WIDE_BC64_LARGE",)}   # > 64 rows: the wide tiles
 #: SMs of the emulator's persistent grids (cuda_forward_sm90.SM_COUNT): 4 work tiles then give each block two,

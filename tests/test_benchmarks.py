@@ -425,7 +425,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
 
 
 def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
-    """``--only ext``: the ten extension switches (not in the default run), each with validated rows where both
+    """``--only ext``: the eleven extension switches (not in the default run), each with validated rows where both
     sides plan the call (both dQ modes) and a line naming the refusal where the wgmma backward does not take it
     (dropout at d 128, the head-dim split)."""
     import json
@@ -436,7 +436,7 @@ def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
     names = ["fwd.kernel.dropout", "fwd.kernel.window", "fwd.kernel.window1k", "bwd.kernel.dropout",
              "bwd.kernel.window", "bwd.DQ_BULK_EXT.window", "bwd.DQ_BULK_EXT.dropout",
              "fwd.SCORE_EXT_OVERLAP_MAX_HEAD_DIM.softcap", "fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap",
-             "fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout"]
+             "fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout", "fwd.WIDE_EXT.softcap"]
     assert [t.split(":")[0] for t in tables] == names
     rows = json.loads((tmp_path / "hx.json").read_text())["rows"]
     assert {r["switch"] for r in rows} == set(names) and all(r["ratio"] and r["validated"] for r in rows)

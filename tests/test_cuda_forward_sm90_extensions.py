@@ -6,9 +6,9 @@ tests/test_cuda_forward_extensions.py (``check_case``: materialized S and P, dro
 ``philox.keep_mask``); ``test_plan_takes_the_ws_kernel_with_the_bits`` checks the instantiation the plan
 launches. Default run: every feature alone and in combinations (all six at once) on the warp-specialized TMA
 kernel (overlapped and persistent as dense calls with window, seqlens, ALiBi, softcap alone; with the block
-mask or dropout overlapped and persistent at d 64, above it every wgmma batch waited for), fp16 and bf16,
-d 32 / 59 / 64 / 128 / 200, causal and not, Lq != Lk off the tiles, GQA broadcast, BSHD strides, four batch
-dims; the same calls give the same bits on the ws kernel
+mask or dropout overlapped and persistent at d 64, above it every wgmma batch waited for; the wide key tiles
+with lengths, ALiBi, softcap and at d 256 the window), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and
+not, Lq != Lk off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on the ws kernel
 without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA store,
 and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
 Philox's bit for bit; fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma
@@ -49,6 +49,11 @@ CASES = [c for c in MMA_CASES if c[0] in ("fp16", "bf16") and not {"num_splits",
     ("bf16", 200, 70, 150, True, ("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), {}),
     ("fp16", 128, 150, 290, False, ("window", "seqlens"), {"layout": "bshd"}),
     ("fp16", 200, 70, 150, False, ("softcap", "seqlens"), {}),   # d 256 overlapped and persistent
+    # the wide key tiles (WIDE_EXT): two of 192 (d 64), three of 176 (d 128, the last one 48 keys), three of 80
+    # (d 256 causal with a window)
+    ("fp16", 64, 150, 380, False, ("alibi", "softcap", "seqlens"), {}),
+    ("bf16", 128, 133, 400, False, ("softcap", "seqlens"), {"layout": "bshd"}),
+    ("bf16", 200, 150, 230, True, ("window", "alibi", "softcap"), {}),
 ]
 
 
@@ -99,6 +104,7 @@ BITS_CASES = [
     ("bf16", 128, 150, 290, False, ("window", "block_mask", "dropout")),
     ("fp16", 128, 200, 290, True, ("window", "seqlens")),   # overlapped, persistent
     ("bf16", 128, 150, 290, True, ("alibi", "softcap")),   # overlapped, persistent
+    ("fp16", 64, 150, 380, False, ("alibi", "softcap", "seqlens")),   # the wide key tile (192), persistent
 ]
 
 
@@ -284,6 +290,29 @@ def test_routes_with_extensions(monkeypatch, fresh_plans):
     assert tile(200, False, ("window",)).overlap and tile(200, False, ("window",)).persistent
     old64 = tile(64, True, ("block_mask",))
     assert old64.persistent and not old64.overlap
+
+
+def test_wide_key_tiles_with_extensions(monkeypatch, fresh_plans):
+    """WIDE_EXT: lengths, ALiBi and softcap take the wide key tile (192 / 176 / 80) where dense calls do, but not
+    ALiBi with softcap at d 128; at d 256 the window too, causal or not; windows at d 64 / 128, the block mask and
+    dropout keep the table's Bc; WIDE_EXT empty (the old route): every extension call on the table's Bc."""
+    def bc(D, causal, features):
+        q, k, v = make_inputs(np.float16, D, 70, 133, batch=(2, 3))
+        return _plan(q, k, v, causal, ext_kw(features, (2, 3), 70, 133, np.float16)).tile.block_n
+
+    wide = {64: 192, 128: 176, 200: 80}
+    for D in (64, 128, 200):
+        for features in (("alibi",), ("softcap", "seqlens"), ("seqlens",)):
+            assert bc(D, False, features) == wide[D], (D, features)
+        assert bc(D, True, ("softcap",)) == (80 if D == 200 else 128)   # causal: wide at d 256 only
+        assert bc(D, False, ("window",)) == (80 if D == 200 else 128)
+        assert bc(D, False, ("dropout",)) == bc(D, False, ("block_mask",)) == (64 if D == 200 else 128)
+    assert bc(64, False, ("alibi", "softcap")) == 192 and bc(128, False, ("alibi", "softcap")) == 128
+    assert bc(200, True, ("window", "alibi", "softcap", "seqlens")) == 80
+    monkeypatch.setattr(S, "WIDE_EXT", {})
+    launch._clear_plans()
+    assert [bc(D, False, ("softcap",)) for D in (64, 128, 200)] == [128, 128, 64]
+    assert bc(128, False, ()) == 176   # dense calls unchanged
 
 
 # ---- static: the instantiations the tile table picks compile for sm_90a without spills -------------------------

@@ -310,8 +310,8 @@ CP_ASYNC_EXT_BLOCK_N = 64
 #: two): Bc = 176 / 192 / 80 instead of 128 / 128 / 64 spreads each key tile's fixed work (the O rescale, the row
 #: max and sum shuffles, the mbarrier waits and ping-pong turns) over 1.25-1.5x the scores: 11-14 % fewer
 #: instructions per key in the SASS (docs/hopper.md, "Wide key tiles"). Causal calls keep the table's Bc but at
-#: :data:`WIDE_CAUSAL` (as FA3's), calls with extensions too (their per-tile state), and so does the cp.async
-#: kernel. False: the table's Bc everywhere (``hopper_variants.py``'s ``fwd.WIDE_KEYS``: not yet timed on a GPU).
+#: :data:`WIDE_CAUSAL` (as FA3's), calls with extensions outside :data:`WIDE_EXT` too, and so does the cp.async
+#: kernel. False: the table's Bc everywhere (``hopper_variants.py``'s ``fwd.WIDE_KEYS``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 WIDE_KEYS = True
 WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
@@ -319,6 +319,15 @@ WIDE_BLOCK_N = {64: 192, 128: 176, 256: 80}
 #: takes the wide tile where its keys rounded up to whole wide tiles, at this cost, come cheaper than rounded up to
 #: whole table tiles (N 1k at d 64: 6 x 192 = 1152 keys for 1024, so it keeps 128; at d 128: 6 x 176 = 1056).
 WIDE_KEY_COST = {64: 454 / 508, 128: 513 / 577, 256: 496 / 574}
+#: Extension calls on the wide key tile, per padded head dim: the kExt sets that take it (a call takes it where its
+#: bits are a subset of one of them), from the thirty-eighth session's spill audit (zero spills, no stack, fp16 and
+#: bf16, TMA and row stores, the overlap and persistence :func:`tma_tile` gives them; docs/hopper.md, "Wide key tiles
+#: with extensions"): lengths, ALiBi and softcap, but at d 128 not ALiBi with softcap (the TMA-store instantiation
+#: spilled 204 bytes); at d 256, where causal calls take the wide tile too, the window as well (FlashAttention-3 runs
+#: 128 x 80 there, local or not). Windows at d 64 / 128 keep the table's Bc as causal calls do (a band of tiles masked
+#: at both edges: FlashAttention-3's local tiles are its causal ones), and so do the block mask and dropout. Empty:
+#: every extension call on the table's Bc (the old route, ``hopper_variants.py``'s ``fwd.WIDE_EXT.softcap``).
+WIDE_EXT = {64: (2 | 4 | 32,), 128: (2 | 32, 4 | 32), 256: (1 | 2 | 4 | 32,)}
 #: Padded head dims whose causal calls take the wide tile too (FlashAttention-3: 128 x 80 at d 256 causal or not; 128
 #: keys at d 64 / 128 causal).
 WIDE_CAUSAL = (256,)
@@ -404,11 +413,13 @@ def ws_flags(name_expr):
 
 
 def wide_block_n(tile, ext=0, causal=False, overlap=True, persistent=False, Lk=None):
-    """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for dense (``ext`` 0) calls at padded d = dv,
-    non-causal (causal at :data:`WIDE_CAUSAL`), where :data:`WIDE_KEYS`, the layout fits the shared memory and,
-    for ``Lk`` keys, the wide tiles' padded keys cost less (:data:`WIDE_KEY_COST`); else ``tile.block_n``."""
-    if (not WIDE_KEYS or ext or (causal and tile.head_dim not in WIDE_CAUSAL) or tile.head_dim != tile.head_dim_v
-            or tile.head_dim not in WIDE_BLOCK_N):
+    """Bc of the ws instantiation of ``tile``: :data:`WIDE_BLOCK_N` for calls at padded d = dv, dense or with
+    the extensions of :data:`WIDE_EXT` (``ext``: kExt bits), non-causal (causal at :data:`WIDE_CAUSAL`), where
+    :data:`WIDE_KEYS`, the layout fits the shared memory and, for ``Lk`` keys, the wide tiles' padded keys cost
+    less (:data:`WIDE_KEY_COST`); else ``tile.block_n``."""
+    if (not WIDE_KEYS or (causal and tile.head_dim not in WIDE_CAUSAL) or tile.head_dim != tile.head_dim_v
+            or tile.head_dim not in WIDE_BLOCK_N
+            or (ext and not any(ext & ~bits == 0 for bits in WIDE_EXT.get(tile.head_dim, ())))):
         return tile.block_n
     bc, nb = WIDE_BLOCK_N[tile.head_dim], tile.block_n
     smem = ws_smem_bytes(tile.head_dim, tile.head_dim_v, tile.block_m, bc, overlap, persistent)
