@@ -380,16 +380,16 @@ __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim 
 // straight to its rounded fragments a_p (k16 step by k16 step, so that the float P^T dies as it is made: the
 // consumers' registers are within a few of their ceiling at d = 128). The warp's fragment is flash_bwd.cu's S^T
 // strip (16 keys x Br queries, m16n8 layout: acc[4j + e] is key key0 + 8((e % 4) >> 1), query r0 + 8j + 2t +
-// (e & 1)), so dropout_bits_t gives its keep bits as it stands (bit e of keep[j]; ext_keep_sm90, drawn before
-// the visit's products: the Philox calls' registers are then not live with S^T and dP^T). key0 = c0 + key_row.
+// (e & 1)), so dropout_bits_t gives its keep bits as it stands (bit e of its word j: KeepBits, ext_keep_sm90, drawn
+// before the visit's products: the Philox calls' registers are then not live with S^T and dP^T). key0 = c0 + key_row.
 // The block mask is looked up once per n8 tile (16 keys from a multiple of 16 by 8 queries from a multiple of 8 lie
 // in one block: block sizes are multiples of 16), not per element: ext_p_ds gets `geo`, the mask without
 // kExtBlockMask (the same state otherwise), and a tile outside the mask gets P = dS = 0 (selects: a score the
 // row's lse never saw may overflow exp2). Per element the 32 lookups of a visit were in flight together and
 // their addresses cost ~40 registers.
-template <typename T, int kBlockM, class M, class G, class Drop>
+template <typename T, int kBlockM, class M, class G, class Drop, class Keep>
 __device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], float (&acc_dp)[kBlockM / 2],
-                                                uint32_t (&a_p)[kBlockM / 16][4], const uint32_t (&keep)[kBlockM / 8],
+                                                uint32_t (&a_p)[kBlockM / 16][4], const Keep& keep,
                                                 const float* lse2_s, const float* delta_s, float scale_log2,
                                                 const M& mask, const G& geo, const Drop& drop, int r0, int key0,
                                                 int lane) {
@@ -404,7 +404,7 @@ __device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], flo
 #pragma unroll
     for (int e = 4 * j; e < 4 * j + 4; ++e) {
       float z = 1.0f;  // Z = keep / (1 − p)
-      if constexpr (kDropout) z = (keep[j] >> (e % 4)) & 1u ? drop.scale : 0.0f;
+      if constexpr (kDropout) z = keep.bit(j, e % 4) ? drop.scale : 0.0f;
       ext_p_ds(acc_s[e], acc_dp[e], e & 1 ? lse2.y : lse2.x, e & 1 ? delta2.y : delta2.x, z, scale_log2, geo,
                r0 + 8 * j + 2 * t + (e & 1), key0 + 8 * ((e % 4) >> 1));
       if constexpr (M::kBlockMask) acc_s[e] = in_block ? acc_s[e] : 0.0f, acc_dp[e] = in_block ? acc_dp[e] : 0.0f;
@@ -451,12 +451,34 @@ __device__ __forceinline__ int lane_reread() {
 #endif
 }
 
-// Dropout's keep bits of the warp's S^T strip for query block r0 (dropout_bits_t: keys k16 .. + 15, k16 = the
-// warp's first key, a multiple of 16, by the Br queries); nothing without kExtDropout.
-template <int kBlockM, bool kDropout>
-__device__ __forceinline__ void ext_keep_sm90(uint32_t (&keep)[kBlockM / 8], const BwdDropout<kDropout, float>& drop,
-                                              int r0, int k16) {
-  if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, k16, lane_reread());
+// Dropout's keep bits of a visit: bit e of n8 tile j (dropout_bits_t's word j), kept as Br / 8 words or, kPacked,
+// packed into one word at bit 4j + e. The ws kernel packs them with a window: at d = 128 its consumers spilled
+// 8 bytes with window + dropout in the words, and the packed word spilled block mask + dropout without a window
+// (ptxas's allocation; thirty-eighth session's audit, docs/hopper.md, "Backward with extensions").
+template <int kBlockM, bool kPacked>
+struct KeepBits {
+  static_assert(!kPacked || kBlockM / 8 * 4 <= 32, "the packed keep bits of a visit: four per n8 tile, one word");
+  uint32_t w[kPacked ? 1 : kBlockM / 8];
+  __device__ __forceinline__ bool bit(int j, int e) const {
+    return ((kPacked ? w[0] >> (4 * j + e) : w[j] >> e) & 1u) != 0;
+  }
+};
+
+// The keep bits of the warp's S^T strip for query block r0 (dropout_bits_t: keys k16 .. + 15, k16 = the warp's
+// first key, a multiple of 16, by the Br queries); nothing without kExtDropout.
+template <int kBlockM, bool kDropout, bool kPacked>
+__device__ __forceinline__ void ext_keep_sm90(KeepBits<kBlockM, kPacked>& keep,
+                                              const BwdDropout<kDropout, float>& drop, int r0, int k16) {
+  if constexpr (kDropout) {
+    uint32_t words[kBlockM / 8];
+    dropout_bits_t<kBlockM>(words, drop.rng, r0, k16, lane_reread());
+    keep.w[0] = 0;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      if constexpr (kPacked) keep.w[0] |= words[j] << (4 * j);
+      else keep.w[j] = words[j];
+    }
+  }
   (void)keep; (void)drop; (void)r0; (void)k16;
 }
 
@@ -774,10 +796,10 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
     //    gemm_qk_sm90 with Q and K swapped).
     const int r0 = i * kBlockM;
-    uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
+    KeepBits<kBlockM, false> keep;  // extensions: dropout's keep bits (ext_keep_sm90)
     // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
     const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
-    if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, (c0 + key_row) & ~7);
+    if constexpr (kExt != 0) ext_keep_sm90(keep, drop, r0, (c0 + key_row) & ~7);
     float acc_s[kBlockM / 2];
     flash::gemm_qk_sm90<T, kHeadDim, kBlockN, kBlockM>(acc_s, sK + wg * Tr::kWgKeys * 128, sQ_i);
 
@@ -1418,7 +1440,7 @@ flash_bwd_sm90_ws_kernel(
     fa::mbarrier_wait_parity(full + s, phase);  // Q_i, dO_i landed (async proxy, as wgmma reads), L_i, D_i stored
     if (kLengths && r0 + kBlockM > mask.Lq)  // queries past Lq_b
       zero_past_sm90<Tr, kBlockM, kHeadDim, kHeadDimV>(sQ + s * Tr::kQBytes, sdO + s * Tr::kdOBytes, mask.Lq - r0,
-                                                       tid - 128);
+                                                       flash::opaque_int(tid - 128));
     uint32_t a_pq[kQSplit ? kBlockM / 32 : 1][4], a_dsq[kQSplit ? kBlockM / 32 : 1][4];  // (the query split's)
     if constexpr (kQSplit) {
       visit_scores_qsplit_sm90<T, Tr, kHeadDim, kHeadDimV, kBlockM, kSplitOverlap>(
@@ -1427,10 +1449,10 @@ flash_bwd_sm90_ws_kernel(
     } else {
       // -- S^T = K_j Q_i^T (SS; A = the warpgroup's 64 keys, B = Q_i, both K-major: the forward's
       //    gemm_qk_sm90 with Q and K swapped).
-      uint32_t keep[kBlockM / 8];  // extensions: dropout's keep bits (ext_keep_sm90)
+      KeepBits<kBlockM, flash::HasExt<kExt, flash::kExtWindow>::value> keep;  // extensions: dropout's keep bits
       // (dropout's generator made per visit from the arguments: kept across the loop it spilled at d = 128)
       const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
-      if constexpr (kExt != 0) ext_keep_sm90<kBlockM>(keep, drop, r0, (c0 + key_row) & ~7);
+      if constexpr (kExt != 0) ext_keep_sm90(keep, drop, r0, (c0 + key_row) & ~7);
       float acc_s[kBlockM / 2];
       if constexpr (kScoresAhead) {
         float acc_dq[Tr::kDQN / 2];

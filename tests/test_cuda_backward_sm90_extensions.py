@@ -156,6 +156,12 @@ D128_BULK = [
     (("softcap", "window", "alibi", "seqlens"), np.float16, False, True, "ws"),
     (("dropout",), np.float16, False, True, "ws"),
     (("softcap", "dropout", "block_mask"), bfloat16, True, False, "ws"),
+    # since the thirty-eighth session: dropout with lengths (queries past Lq_b zeroed per visit) and with a window
+    # (the keep bits packed into one word)
+    (("dropout", "seqlens"), np.float16, True, True, "ws"),
+    (("dropout", "seqlens", "softcap"), bfloat16, False, False, "ws"),
+    (("dropout", "window"), bfloat16, True, True, "ws"),
+    (("dropout", "window", "seqlens", "block_mask"), np.float16, False, False, "ws"),
 ]
 
 
@@ -332,8 +338,8 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
     (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
     (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
     (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
-    # the ws kernel refuses dropout with lengths at 128 (EXT_SPILLS_BULK), the cp.async kernel dropout
-    (("dropout", "seqlens"), 128, 128, False, "dropout together at head dim 128 on its cp.async kernel.*spills"),
+    # the ws kernel refuses dropout with ALiBi at 128 (EXT_SPILLS_BULK), the cp.async kernel ALiBi
+    (("dropout", "alibi"), 128, 128, False, "alibi together at head dim 128 on its cp.async kernel.*spills"),
 ])
 def test_refused(names, D, Dv, det, match):
     _check_refused(names, D, Dv, det, match)

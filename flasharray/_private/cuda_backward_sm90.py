@@ -152,10 +152,12 @@ def check_ext(ext, ordered):
 EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
               ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
 #: The ws kernel's refused subsets with the bulk dQ (:func:`ws_dq_bulk`: the consumers store dQ^T to shared memory
-#: instead of holding the atomics' addresses): at head dim 128 dropout with a window, with ALiBi or with lengths
-#: (thirty-sixth session's audit; softcap, dropout and ALiBi + block mask + lengths, refused with the atomics, compile
-#: clean).
-EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): (16 | 1, 16 | 2, 16 | 32)}
+#: instead of holding the atomics' addresses): at head dim 128 dropout with ALiBi (its causal instantiation without
+#: the ordered dQ spilled 48 bytes). Softcap, dropout and ALiBi + block mask + lengths, refused with the atomics,
+#: compile clean (thirty-sixth session's audit); dropout with a window or with lengths since the thirty-eighth
+#: (the consumers' zeroing of queries past the entry's length derives its addresses per visit, and with a window the
+#: keep bits of a visit are packed into one word: ``KeepBits``).
+EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): (16 | 2,)}
 
 
 def _bit_names(bits):
