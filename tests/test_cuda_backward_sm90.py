@@ -384,7 +384,9 @@ def test_extensions_dispatched_with_auto_ext():
         # softcap + dropout: the ws kernel takes them (the cp.async one spills: rows it takes fall back, below)
         assert _auto_kernel(np.float16, 64, ext=Extensions(softcap=3.0, dropout_p=0.2)) == "wgmma"
         assert _auto_kernel(np.float16, 128, ext=drop) == "wgmma"  # the ws kernel's bulk dQ at d 128
-        assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2), dropout_p=0.2)) == "tc"  # refused at 128
+        assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2), dropout_p=0.2)) == "wgmma"  # (38th)
+        slopes = np.full((1, 1), 0.5, np.float32)
+        assert _auto_kernel(np.float16, 128, ext=Extensions(alibi_slopes=slopes, dropout_p=0.2)) == "tc"  # refused
         assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none
         assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
         q, k, v, dout = (np.random.default_rng(i).standard_normal((1, 2, 70, 64)).astype(np.float16)
