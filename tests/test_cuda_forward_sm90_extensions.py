@@ -10,8 +10,7 @@ mask or dropout overlapped and persistent at d 64, above it every wgmma batch wa
 with lengths, ALiBi, softcap and at d 256 the window), fp16 and bf16, d 32 / 59 / 64 / 128 / 200, causal and
 not, Lq != Lk off the tiles, GQA broadcast, BSHD strides, four batch dims; the same calls give the same bits on
 the ws kernel without the overlap, without the persistent scheduler or on 2 SMs, with row stores instead of the TMA
-store,
-and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
+store, and on the cp.async kernel (``USE_TMA`` off); permuted schedules give the same bits; the dropout mask is
 Philox's bit for bit; fully masked rows; block-mask and window tiles are never loaded (TMA and wgmma
 counters); the refusals; zero spills in the instantiations the tile table picks. ``-m slow``: every pair of
 features x dtype x causal, every kExt subset compiled.
