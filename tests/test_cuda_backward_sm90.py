@@ -331,9 +331,9 @@ def test_wgmma_backward_tile_head_dim_split():
     assert name == "flash_bwd_sm90_dkv_kernel<fa_bf16, fa_bf16, 128, 256, 48, 64, 64, false, true, false>"
 
 
-def _auto_kernel(dtype=np.float16, D=64, arch="sm_90", ext=None, **kw):
-    p = Problem(dtype, D, 16, 16, causal=False, batch_q=(1, 1), batch_k=(1, 1))
-    return cb.plan(*p.args("emulator"), causal=False, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
+def _auto_kernel(dtype=np.float16, D=64, arch="sm_90", ext=None, causal=False, **kw):
+    p = Problem(dtype, D, 16, 16, causal=causal, batch_q=(1, 1), batch_k=(1, 1))
+    return cb.plan(*p.args("emulator"), causal=causal, scale=p.scale, batch_shape=p.batch_shape, device="emulator",
                    arch=arch, ext=ext, **kw).kernel
 
 
@@ -386,7 +386,12 @@ def test_extensions_dispatched_with_auto_ext():
         assert _auto_kernel(np.float16, 128, ext=drop) == "wgmma"  # the ws kernel's bulk dQ at d 128
         assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2), dropout_p=0.2)) == "wgmma"  # (38th)
         slopes = np.full((1, 1), 0.5, np.float32)
-        assert _auto_kernel(np.float16, 128, ext=Extensions(alibi_slopes=slopes, dropout_p=0.2)) == "tc"  # refused
+        alibi_drop = Extensions(alibi_slopes=slopes, dropout_p=0.2)
+        assert _auto_kernel(np.float16, 128, ext=alibi_drop) == "wgmma"  # (39th: ordered, causal or not)
+        assert _auto_kernel(np.float16, 128, ext=alibi_drop, causal=True) == "wgmma"
+        assert _auto_kernel(np.float16, 128, ext=alibi_drop, deterministic=False) == "wgmma"
+        # the one instantiation refused (EXT_SPILLS_BULK_ONE): causal, plain atomics
+        assert _auto_kernel(np.float16, 128, ext=alibi_drop, causal=True, deterministic=False) == "tc"
         assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none
         assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
         q, k, v, dout = (np.random.default_rng(i).standard_normal((1, 2, 70, 64)).astype(np.float16)

@@ -162,6 +162,9 @@ D128_BULK = [
     (("dropout", "seqlens", "softcap"), bfloat16, False, False, "ws"),
     (("dropout", "window"), bfloat16, True, True, "ws"),
     (("dropout", "window", "seqlens", "block_mask"), np.float16, False, False, "ws"),
+    # since the thirty-ninth: dropout with ALiBi but causal with plain atomics (EXT_SPILLS_BULK_ONE)
+    (("dropout", "alibi"), np.float16, True, True, "ws"),
+    (("dropout", "alibi"), bfloat16, False, False, "ws"),
 ]
 
 
@@ -338,11 +341,27 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
     (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
     (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
     (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
-    # the ws kernel refuses dropout with ALiBi at 128 (EXT_SPILLS_BULK), the cp.async kernel ALiBi
+    # the cp.async kernel refuses ALiBi at 128 (EXT_SPILLS; the ws kernel is off: rows not 16-byte aligned)
     (("dropout", "alibi"), 128, 128, False, "alibi together at head dim 128 on its cp.async kernel.*spills"),
 ])
-def test_refused(names, D, Dv, det, match):
+def test_refused(names, D, Dv, det, match, monkeypatch):
+    monkeypatch.setattr(S, "USE_TMA", "cp.async" not in match)
     _check_refused(names, D, Dv, det, match)
+
+
+def test_one_instantiation_refused():
+    """EXT_SPILLS_BULK_ONE: dropout + ALiBi at head dim 128, causal with plain atomics, is refused by name (the ws
+    kernel's instantiation spills; the cp.async kernel refuses ALiBi), in that mode only: not causal, ordered, or
+    with one more feature the ws kernel takes it."""
+    _check_refused(("dropout", "alibi"), 128, 128, False, "alibi together at head dim 128 on its cp.async kernel.*; "
+                   "its warp-specialized TMA kernel does not run alibi\\+dropout alone, causal,", causal=True)
+    m = BITS["dropout"] | BITS["alibi"]
+    why = S.ext_refusal(m, 128, 128, True, True, False)
+    assert why is not None and "alone, causal, with deterministic=False" in why and "spills" in why
+    for bits, causal, ordered in [(m, False, False), (m, True, True), (m, False, True), (m | BITS["window"], True,
+                                                                                          False), (m, None, None)]:
+        assert S.ext_refusal(bits, 128, 128, True, causal, ordered) is None, (bits, causal, ordered)
+    assert S.ext_refusal(m, 64, 64, True, True, False) is None
 
 
 @pytest.mark.parametrize("names,det,match", [
@@ -357,7 +376,7 @@ def test_refused_with_atomics(names, det, match):
         _check_refused(names, 128, 128, det, match)
 
 
-def _check_refused(names, D, Dv, det, match):
+def _check_refused(names, D, Dv, det, match, causal=False):
     q, k, v, dout = problem(np.float16, D, 40, 60, B=2)
     if Dv != D:
         v = np.random.default_rng(1).standard_normal(k.shape[:-1] + (Dv,)).astype(np.float16)
@@ -365,7 +384,7 @@ def _check_refused(names, D, Dv, det, match):
     kw = kw_of(names, 2, 2, 40, 60)
     out, lse = fa.flash_attention_forward(q, k, v, backend="emulator", **kw)
     with pytest.raises(NotImplementedError, match="kernel='wgmma'.*" + match):
-        backward(q, k, v, dout, out, lse, kw, causal=False, deterministic=det, kernel="wgmma", arch="sm_90")
+        backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=det, kernel="wgmma", arch="sm_90")
 
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "atomics"])
@@ -406,7 +425,7 @@ def instantiations(dtypes, dims, subsets, kinds=("ws", "cp.async")):
     found = {}
     for dt, d, bits, causal, ordered, kind in itertools.product(dtypes, dims, subsets, (False, True),
                                                                  (False, True), kinds):
-        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, d, d, kind == "ws"):
+        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, d, d, kind == "ws", causal, ordered):
             continue
         ks = cb.kernel_plan(dt, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma", ordered=ordered,
                             ext=bits, tma=kind == "ws")
@@ -461,7 +480,7 @@ SLOW = [(names, dt, causal, det, D, kind)
 @pytest.mark.parametrize("case", SLOW, ids=_id)
 def test_extension_matrix(case, monkeypatch):
     names, dt, causal, det, D, kind = case
-    if S.ext_refusal(bits_of(names), D, D, kind == "ws"):
+    if S.ext_refusal(bits_of(names), D, D, kind == "ws", causal, det):
         pytest.skip("refused (EXT_SPILLS)")
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()

@@ -561,11 +561,15 @@ class BackwardPlan:
             sm90 = _family_module("wgmma")
             tile = sm90.backward_tile(self.precision, self.dtype, D, Dv, arch)
             bits = 0 if self.ext is None else self.ext.bits
-            tma = (sm90.USE_TMA and sm90.ext_refusal(bits, D, Dv, True) is None
+            tma = (sm90.USE_TMA and sm90.ext_refusal(bits, D, Dv, True, causal, self.ordered) is None
                    and all(sm90.tma_args(t, part, self.group, tile, self.dtype) is not None for part in plans_b))
         self.tma = tma
         if self.kernel == "wgmma" and self.ext is not None:  # extension sets a kernel spills with: refused
-            why = _family_module("wgmma").ext_refusal(self.ext.bits, D, Dv, tma)
+            sm90 = _family_module("wgmma")
+            why = sm90.ext_refusal(self.ext.bits, D, Dv, tma, causal, self.ordered)
+            ws_why = None if tma else sm90.ext_refusal(self.ext.bits, D, Dv, True, causal, self.ordered)
+            if why and ws_why and ws_why != why and sm90.USE_TMA:
+                why += "; its warp-specialized TMA kernel " + ws_why
             if why:  # (chosen by kernel=None: plan() makes the mma.sync backward's plan instead)
                 raise (_AutoRefused if self.auto else NotImplementedError)(
                     "flasharray: kernel='wgmma' (the Hopper backward) " + why)

@@ -152,12 +152,16 @@ def check_ext(ext, ordered):
 EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
               ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
 #: The ws kernel's refused subsets with the bulk dQ (:func:`ws_dq_bulk`: the consumers store dQ^T to shared memory
-#: instead of holding the atomics' addresses): at head dim 128 dropout with ALiBi (its causal instantiation without
-#: the ordered dQ spilled 48 bytes). Softcap, dropout and ALiBi + block mask + lengths, refused with the atomics,
-#: compile clean (thirty-sixth session's audit); dropout with a window or with lengths since the thirty-eighth
-#: (the consumers' zeroing of queries past the entry's length derives its addresses per visit, and with a window the
-#: keep bits of a visit are packed into one word: ``KeepBits``).
-EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): (16 | 2,)}
+#: instead of holding the atomics' addresses): none. Softcap, dropout and ALiBi + block mask + lengths, refused with
+#: the atomics, compile clean (thirty-sixth session's audit); dropout with a window or with lengths since the
+#: thirty-eighth (the consumers' zeroing of queries past the entry's length derives its addresses per visit, and with
+#: a window the keep bits of a visit are packed into one word: ``KeepBits``).
+EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): ()}
+#: Single instantiations of the ws kernel with the bulk dQ that spill, refused by exact kExt bits, causal flag and dQ
+#: mode (``ordered``): at head dim 128 dropout + ALiBi alone, causal, plain atomics (48 bytes: ptxas computes the
+#: Philox bits while S^T is in flight). Its ordered (deterministic) and non-causal instantiations and every superset
+#: (the other 15 sets with dropout and ALiBi, either mode) compile clean (thirty-ninth session's audit, fp16 and bf16).
+EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),)}
 
 
 def _bit_names(bits):
@@ -173,9 +177,11 @@ def auto_ext(ext, D, Dv, deterministic):
     return AUTO_EXT and not (deterministic and ext & ~ORDERED_EXT) and ext_refusal(ext, D, Dv, USE_TMA) is None
 
 
-def ext_refusal(ext, D, Dv, ws):
+def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
     """None where the wgmma kernel (``ws``: the warp-specialized one, else the cp.async one) runs the kExt bits
-    ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError)."""
+    ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError). ``causal`` and
+    ``ordered`` (the dQ mode) name the instantiation where known (:data:`EXT_SPILLS_BULK_ONE`); None (kernel=None's
+    choice, before the plan knows them) refuses only what every instantiation of the set refuses."""
     if not ext:
         return None
     d, dv = pad_head_dims(D, Dv)
@@ -183,11 +189,16 @@ def ext_refusal(ext, D, Dv, ws):
         return ("runs extensions with D and Dv both padded to 64 or both to 128 only (got D=%d, Dv=%d: the "
                 "head-dim split and mixed tiles are not audited for them)" % (D, Dv))
     kind = "ws" if ws else "cp.async"
-    for m in (EXT_SPILLS_BULK if ws and ws_dq_bulk(D, Dv, ext) else EXT_SPILLS)[(kind, d)]:
+    bulk = ws and ws_dq_bulk(D, Dv, ext)
+    for m in (EXT_SPILLS_BULK if bulk else EXT_SPILLS)[(kind, d)]:
         if ext & m == m:
             return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
                     "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
                                          _bit_names(ext)))
+    for m, c, o in EXT_SPILLS_BULK_ONE.get((kind, d), ()) if bulk else ():
+        if (ext, causal, ordered) == (m, c, o):
+            return ("does not run %s alone%s with deterministic=%s at head dim %d on its warp-specialized TMA kernel "
+                    "(the instantiation spills registers)" % (_bit_names(m), ", causal," if c else "", o, d))
     return None
 
 
