@@ -532,7 +532,7 @@ class Module:
             gen.append('extern "C" const char* fa_emu_sig_%d(void) { auto fn = &%s; return ::fa_emu::signature(fn); }'
                        % (i, expr))
         main = "\n".join(gen) + "\n"
-        cmd_flags = [std, *cc.flags, *flags, *host_options, *("-I" + d for d in inc)]
+        cmd_flags = [std, *cc.module_flags, *flags, *host_options, *("-I" + d for d in inc)]
         pch = _precompiled_port(cc, cmd_flags)
         if pch is not None:   # searched first: its fa_port.cuh.gch stands for the header (keyed by the header texts)
             cmd_flags = ["-I" + str(pch)] + cmd_flags

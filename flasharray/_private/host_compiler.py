@@ -17,6 +17,12 @@ SUPPORTED = "g++ 12-14 and clang++ >= 14 (libstdc++ or libc++)"
 
 # Flags every emulator build uses.
 COMMON_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing")
+# ... and the kernels' modules after them (the last -O wins): -O1. The runtime library, built once per compiler, does
+# the emulator's per-instruction work (warp schedules, memory checks, counters) at -O2; a module holds the kernel's
+# own arithmetic, which runs as fast at -O1 on the test shapes while the test suite's ~1,300 module builds take 28 %
+# less compiler time (docs/emulator.md, *Settings*). Neither level changes a result: no -ffast-math, and x86-64's
+# baseline has no FMA to contract into.
+MODULE_FLAGS = ("-O1",)
 # GCC: jump threading, and basic-block reordering's copying of small blocks (a `call
 # fa_emu_syncthreads; cmp` block copied into both arms of a preceding `if (threadIdx.x == k)`), can
 # duplicate a __syncthreads() call into two branches taken by different threads, which the
@@ -43,6 +49,11 @@ class Compiler:
     @property
     def flags(self):
         return COMMON_FLAGS + FAMILY_FLAGS[self.family]
+
+    @property
+    def module_flags(self):
+        """The flags of a kernel's module (:data:`MODULE_FLAGS` after :attr:`flags`)."""
+        return self.flags + MODULE_FLAGS
 
     def describe(self):
         """``'clang++ (clang 14.0.6, libstdc++)'``: the command, the compiler and its library."""
