@@ -19,7 +19,7 @@ SUPPORTED = "g++ 12-14 and clang++ >= 14 (libstdc++ or libc++)"
 COMMON_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing")
 # ... and the kernels' modules after them (the last -O wins): -O1. The runtime library, built once per compiler, does
 # the emulator's per-instruction work (warp schedules, memory checks, counters) at -O2; a module holds the kernel's
-# own arithmetic, which runs as fast at -O1 on the test shapes while the test suite's ~1,300 module builds take 28 %
+# own arithmetic, which runs as fast at -O1 on the test shapes while the test suite's ~1,300 module builds take 18-28 %
 # less compiler time (docs/emulator.md, *Settings*). Neither level changes a result: no -ffast-math, and x86-64's
 # baseline has no FMA to contract into.
 MODULE_FLAGS = ("-O1",)
