@@ -195,10 +195,9 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
             return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
                     "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
                                          _bit_names(ext)))
-    for m, c, o in EXT_SPILLS_BULK_ONE.get((kind, d), ()) if bulk else ():
-        if (ext, causal, ordered) == (m, c, o):
-            return ("does not run %s alone%s with deterministic=%s at head dim %d on its warp-specialized TMA kernel "
-                    "(the instantiation spills registers)" % (_bit_names(m), ", causal," if c else "", o, d))
+    if bulk and (ext, causal, ordered) in EXT_SPILLS_BULK_ONE.get((kind, d), ()):
+        return ("does not run %s alone%s with deterministic=%s at head dim %d on its warp-specialized TMA kernel "
+                "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered, d))
     return None
 
 
