@@ -575,7 +575,7 @@ class Module:
             Path(tmpdir, "kernel.cu").write_text(source)
             Path(tmpdir, "main.cpp").write_text(main)
             out = os.path.join(tmpdir, "module.so")
-            args = [*cmd_flags, "-I" + tmpdir, "-shared", "-pthread", "-MMD", "-MF",
+            args = [*cmd_flags, *_hc.module_link_flags(cc), "-I" + tmpdir, "-shared", "-pthread", "-MMD", "-MF",
                     os.path.join(tmpdir, "deps.d"), "-x", "c++", os.path.join(tmpdir, "main.cpp"), "-x", "none",
                     "-o", out, str(rt_path), "-Wl,-rpath," + str(rt_path.parent), "-Wl,--no-undefined"]
             _run_compiler(cc, args, "the kernel source")

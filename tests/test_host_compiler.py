@@ -203,3 +203,24 @@ def test_first_error_keeps_include_chain_and_notes_but_not_later_errors():
     assert clang.startswith("kernel.cu:2:50: error: use of undeclared identifier 'nope'")
     assert "warning" not in clang and "1 error generated" in clang
     assert host_compiler.first_error("all good\n") == ""
+
+
+def test_modules_link_with_gold_where_it_links(monkeypatch, tmp_path):
+    """Kernel modules link with GNU gold where the compiler can use it (the library carries gold's version note);
+    ``$FLASHARRAY_EMULATOR_GOLD=0`` keeps the default linker; an unusable linker is probed as such, not used."""
+    cc = host_compiler.current()
+    gold = host_compiler._links_shared(cc.argv, host_compiler.GOLD_FLAGS)
+    assert host_compiler.module_link_flags(cc) == (host_compiler.GOLD_FLAGS if gold else ())
+    assert not host_compiler._links_shared(cc.argv, ("-fuse-ld=no-such-linker-xyz",))
+    for setting, value in (("0", 11), ("1", 12)):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_GOLD", setting)
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_CACHE", str(tmp_path / setting))
+        src = '#include "fa_port.cuh"\n__global__ void k(int* p) { fa::gstore(p, %d); }\n' % value
+        out = np.zeros(1, np.int32)
+        emulator.Module(src, name_expressions=["k"]).launch("k", 1, 1, (out,))
+        assert out[0] == value
+        libs = list((tmp_path / setting).glob("mod-*/module-*.so"))
+        assert len(libs) == 1
+        assert (b"gold " in libs[0].read_bytes()) == (setting == "1" and gold), setting
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_GOLD", "0")
+    assert host_compiler.module_link_flags(cc) == ()
