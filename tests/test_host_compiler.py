@@ -224,3 +224,6 @@ def test_modules_link_with_gold_where_it_links(monkeypatch, tmp_path):
         assert (b"gold " in libs[0].read_bytes()) == (setting == "1" and gold), setting
     monkeypatch.setenv("FLASHARRAY_EMULATOR_GOLD", "0")
     assert host_compiler.module_link_flags(cc) == ()
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_GOLD", "1")
+    chosen = host_compiler.Compiler(cc.argv + ("-fuse-ld=bfd",), cc.family, cc.version, cc.stdlib)
+    assert host_compiler.module_link_flags(chosen) == ()     # $CXX's own linker choice stands

@@ -103,8 +103,10 @@ def current():
 
 def module_link_flags(compiler):
     """The linker flags of a kernel's module: :data:`GOLD_FLAGS` where gold links a shared library with
-    ``compiler`` (and ``$FLASHARRAY_EMULATOR_GOLD`` is not ``0``), else none."""
-    if os.environ.get("FLASHARRAY_EMULATOR_GOLD", "1") == "0":
+    ``compiler`` (and ``$FLASHARRAY_EMULATOR_GOLD`` is not ``0``), else none. A linker chosen in ``$CXX``
+    (``-fuse-ld=...``) is kept."""
+    if (os.environ.get("FLASHARRAY_EMULATOR_GOLD", "1") == "0"
+            or any(w.startswith("-fuse-ld") for w in compiler.argv)):
         return ()
     return GOLD_FLAGS if _links_shared(compiler.argv, GOLD_FLAGS) else ()
 
