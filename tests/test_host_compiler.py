@@ -208,6 +208,7 @@ def test_first_error_keeps_include_chain_and_notes_but_not_later_errors():
 def test_modules_link_with_gold_where_it_links(monkeypatch, tmp_path):
     """Kernel modules link with GNU gold where the compiler can use it (the library carries gold's version note);
     ``$FLASHARRAY_EMULATOR_GOLD=0`` keeps the default linker; an unusable linker is probed as such, not used."""
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_GOLD", "1")     # whatever the caller's environment says
     cc = host_compiler.current()
     gold = host_compiler._links_shared(cc.argv, host_compiler.GOLD_FLAGS)
     assert host_compiler.module_link_flags(cc) == (host_compiler.GOLD_FLAGS if gold else ())
