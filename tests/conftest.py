@@ -75,7 +75,27 @@ NVRTC_OK, NVRTC_WHY = _nvrtc_status()
 requires_nvrtc = pytest.mark.skipif(not NVRTC_OK, reason="NVRTC unavailable: %s" % NVRTC_WHY)
 
 
-def archs_sm89_slow(archs):
-    """The static tests' default archs: sm_89 compiles as sm_86 (same ISA, shared memory and tiles),
-    so the CI time budget leaves it to ``-m slow``."""
-    return [pytest.param(a, marks=pytest.mark.slow) if a == 89 else a for a in archs]
+#: The archs every static check compiles for in the default run: sm_80 (the mma.sync ISA of Ampere and Ada, and of
+#: the calls Hopper leaves to the mma.sync kernels) and sm_90 (Hopper). Others join where a test checks their own
+#: code or tiles (``own``); every arch runs under ``-m slow`` (README: the CI time budget).
+DEFAULT_STATIC_ARCHS = (80, 90)
+
+
+def static_archs(archs, own=(), default=DEFAULT_STATIC_ARCHS):
+    """``archs`` as parameters: those in ``default`` or ``own`` plain, the rest marked slow."""
+    return [a if a in default or a in own else pytest.param(a, marks=pytest.mark.slow) for a in archs]
+
+
+def thin(cases, every=2, unpack=False):
+    """The default run's share of a case matrix: every ``every``-th case from the first; the others run under
+    ``-m slow`` (README: the CI time budget). ``cases`` are one parameter's values, or with ``unpack``
+    tuples of several parameters' values; ``pytest.param`` entries keep their id and marks."""
+    out = []
+    for i, c in enumerate(cases):
+        if i % every == 0:
+            out.append(c)
+        elif isinstance(c, type(pytest.param(None))):
+            out.append(pytest.param(*c.values, marks=(*c.marks, pytest.mark.slow), id=c.id))
+        else:
+            out.append(pytest.param(*(c if unpack else (c,)), marks=pytest.mark.slow))
+    return out

@@ -18,7 +18,7 @@ from flasharray._private import cuda_forward
 from flasharray._private import tiles_bwd
 from flasharray._private.dtypes import accumulation_dtype, bfloat16, canonical_dtype
 
-from conftest import flag_set, make_qkv, older_arch_ptx, requires_gpu
+from conftest import flag_set, make_qkv, older_arch_ptx, requires_gpu, thin
 
 DIMS = (16, 32, 59, 64, 96, 128, 256)
 LENGTHS = ((1, 1), (17, 63), (64, 64), (65, 127), (128, 257), (257, 128), (113, 203))
@@ -126,7 +126,7 @@ def _run_case(device, c):
     check_case(device, DTYPE_NAMES[dt], D, lengths, causal, bcast, layout, det)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", thin(CASES), ids=_id)
 def test_backward_emulator(case):
     _run_case("emulator", case)
 
@@ -294,8 +294,8 @@ def test_simt_two_blocks_rule():
     assert "two blocks per SM" in tiles_bwd.simt_tiles("dkv", np.float32, 64, 64, 90).reason
 
 
-@pytest.mark.parametrize("D,arch,causal,bcast", [(64, "sm_90", True, "gqa"), (64, "sm_90", False, "none"),
-                                                 (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")])
+@pytest.mark.parametrize("D,arch,causal,bcast", thin([(64, "sm_90", True, "gqa"), (64, "sm_90", False, "none"),
+                                                 (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")], unpack=True))
 def test_simt_two_blocks_same_bits(monkeypatch, D, arch, causal, bcast):
     """The two-block SIMT dK/dV kernel (S / dP partial sums in the rolled loop, P in shared memory before dP) adds
     the same terms in the same order as the one-block kernel: dq, dk, dv bitwise equal in the ordered (default)
@@ -379,7 +379,7 @@ def _dkv_counters(counters):
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
-@pytest.mark.parametrize("causal,lengths", [(False, (300, 200)), (True, (300, 200)), (True, (100, 260))])
+@pytest.mark.parametrize("causal,lengths", thin([(False, (300, 200)), (True, (300, 200)), (True, (100, 260))], unpack=True))
 def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, dt):
     """The ordered mode (the default of the tensor-core kernels and of the SIMT kernel: fp32): one
     wait and one post per visited (key block, query block) pair. On one worker in block order no
@@ -432,8 +432,8 @@ def test_row_tile_ordered_dq(monkeypatch, D, per_visit):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(ref, got)), schedule
 
 
-@pytest.mark.parametrize("D,causal,deterministic", [(128, True, True), (128, False, False), (256, False, True),
-                                                    (256, True, False)])
+@pytest.mark.parametrize("D,causal,deterministic", thin([(128, True, True), (128, False, False), (256, False, True),
+                                                    (256, True, False)], unpack=True))
 def test_grid_layout_kernel(D, causal, deterministic):
     """The grid-layout dK/dV kernel (tiles_bwd.grid_tile: FlashAttention-2's warp grid, d 64 / 128 / 256, atomic and
     ordered dQ) serves dense tensor-core calls on sm_80 / sm_90. Its dK, dV are bitwise those of the row-tile

@@ -24,7 +24,7 @@ from flasharray._private import cuda_backward, extensions
 from flasharray._private.dtypes import bfloat16
 from flasharray._private.extensions import Extensions
 
-from conftest import gpu_available
+from conftest import gpu_available, thin
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA device visible to CuPy")
 DTYPES = {"fp16": np.float16, "bf16": bfloat16, "fp32": np.float32, "fp64": np.float64}
@@ -90,14 +90,14 @@ def _id(case):
     return "%s-%s%s-%s" % ("+".join(names), dt, "-causal" if causal else "", "det" if det else "atomic")
 
 
-@pytest.mark.parametrize("case", SINGLE + PAIRS, ids=_id)
+@pytest.mark.parametrize("case", thin(SINGLE + PAIRS), ids=_id)
 def test_backward_extension(case):
     names, dt, causal, det = case
     names = (names,) if isinstance(names, str) else names
     run_case(np, DTYPES[dt], kw_of(names), causal=causal, deterministic=det)
 
 
-@pytest.mark.parametrize("D, causal, det", [(128, False, True), (128, True, False), (96, True, True), (256, False, True)])
+@pytest.mark.parametrize("D, causal, det", thin([(128, False, True), (128, True, False), (96, True, True), (256, False, True)], unpack=True))
 def test_seqlens_on_the_wide_key_tiles(D, causal, det):
     """Per-entry lengths alone keep the dK/dV kernel's wide-key tile (tiles_bwd.WIDE_KEYS_EXT: 128 keys x 32
     queries at d 96, sm_80) and at d 128 / 256 the grid layout (tiles_bwd.GRID_EXT: 128 x 64 / 64 x 64, 16-byte
@@ -123,10 +123,10 @@ def test_seqlens_on_the_wide_key_tiles(D, causal, det):
              D=D, H=1, Hk=1)
 
 
-@pytest.mark.parametrize("names, D, causal, mode", [
+@pytest.mark.parametrize("names, D, causal, mode", thin([
     (("softcap",), 128, True, "recompute"), (("softcap",), 96, False, "ordered"), (("softcap",), 256, True, "recompute"),
     (("dropout",), 128, False, "ordered"), (("dropout",), 128, True, "atomic"), (("dropout",), 256, False, "ordered"),
-    (("dropout",), 80, True, "atomic")])
+    (("dropout",), 80, True, "atomic")], unpack=True))
 def test_softcap_and_dropout_on_the_wide_key_tiles(names, D, causal, mode):
     """Softcap alone (every dQ mode) and dropout alone (the atomic modes, not d 96) keep the wide-key dK/dV tile
     (tiles_bwd.WIDE_KEYS_EXT_BY_MODE; sm_80: 128 keys x 32 queries at d 80-128, 64 x 32 at d 256) where the grid
@@ -267,9 +267,9 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, deterministic):
     assert log and cupy.driver_launches == [name for name, _, _ in log]
 
 
-@pytest.mark.parametrize("names, D, mode", [
+@pytest.mark.parametrize("names, D, mode", thin([
     (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
-    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")],
+    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")], unpack=True),
     ids=["ordered-exts", "ordered-d256", "alibi-d256", "window", "block_mask"])
 def test_deterministic_ext_dq_mode(names, D, mode):
     """deterministic=True with extensions on the fp16 tensor cores: the ordered dQ mode (the atomic
@@ -337,9 +337,9 @@ def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("names, D, causal, det", [
+@pytest.mark.parametrize("names, D, causal, det", thin([
     (("softcap",), 128, True, True), (("alibi", "window"), 256, False, False), (("window", "seqlens"), 64, True, True),
-    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False), (("softcap",), 256, True, True)])
+    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False), (("softcap",), 256, True, True)], unpack=True))
 def test_extensions_on_the_grid_layout(monkeypatch, names, D, causal, det):
     """Window, ALiBi, softcap and lengths (tiles_bwd.GRID_EXT; not the d 128 / 256 sets that spilled) run the grid-layout
     dK/dV kernel: the rule in both dQ modes; without softcap dK, dV are bitwise the row-tile kernel's (the same P
@@ -385,7 +385,7 @@ def _window_kw(case):
     return out
 
 
-@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "-".join(
+@pytest.mark.parametrize("case", thin(WINDOWS), ids=lambda c: "-".join(
     [("w%s,%s" % c[0]["window"])] + [n for n in c[0] if n != "window"] + ["causal" if c[1] else "full", "d%d" % c[6]]
     + [np.dtype(c[7]).name if len(c) > 7 else "float16"]))
 def test_ordered_dq_with_a_window(monkeypatch, case):

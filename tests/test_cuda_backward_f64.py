@@ -22,7 +22,7 @@ import pytest
 from flasharray import emulator, reference, testing
 from flasharray._private import cuda_backward_f64 as F
 from flasharray._private import launch, tiles
-from conftest import flag_set
+from conftest import flag_set, thin
 
 ARCHS = (80, 86, 89, 90)
 
@@ -161,7 +161,7 @@ def _id(c):
                                                 "ordered" if ordered else "atomic")
 
 
-@pytest.mark.parametrize("case", SUBSET, ids=_id)
+@pytest.mark.parametrize("case", thin(SUBSET), ids=_id)
 def test_backward_f64(case):
     D, Dv, Lq, Lk, causal, Hk, G, layout, ordered = case
     p = Inputs(D, Lq, Lk, Dv=Dv, Hk=Hk, G=G, causal=causal, layout=layout)
@@ -200,7 +200,7 @@ def test_other_arch_tiles(arch):
     p.check(launch_f64(p, arch=arch))
 
 
-@pytest.mark.parametrize("D, Dv, arch", [(64, 64, 90), (40, 64, 90), (64, 48, 80), (64, 64, 86)])
+@pytest.mark.parametrize("D, Dv, arch", thin([(64, 64, 90), (40, 64, 90), (64, 48, 80), (64, 64, 86)], unpack=True))
 @pytest.mark.parametrize("causal", [False, True])
 def test_wide_query_tile(D, Dv, arch, causal):
     """96 < d + dv <= 128 (cuda_backward_f64.WIDE_QUERY): Br = 32, so that the dQ product's four 16 x 32 tiles
@@ -228,13 +228,13 @@ def test_wide_query_switch(monkeypatch):
     assert F.backward_tile(None, np.float64, 48, 48, 80).block_m == 32
 
 
-@pytest.mark.parametrize("D,Dv,Lq,Lk,causal,G,layout", [
+@pytest.mark.parametrize("D,Dv,Lq,Lk,causal,G,layout", thin([
     (64, 64, 77, 70, True, 2, "bhsd"),      # Br 32, dV_j in shared memory, partial key and query blocks
     (128, 128, 70, 150, False, 1, "bhsd"),  # Br 16, two buffers, dV_j in shared memory
     (64, 32, 40, 33, True, 3, "bshd"),      # d != dv, dV_j in registers, GQA, BSHD strides
     (96, 64, 47, 100, False, 1, "bhsd"),    # d 96: three 16-column pairs in the warp pair's halves
     (32, 64, 1, 45, True, 2, "bhsd"),       # Lq 1, causal: query rows without keys
-])
+], unpack=True))
 def test_sm90_m16n8k16_gives_the_m8n8k4_bits(D, Dv, Lq, Lk, causal, G, layout):
     """sm_90's m16n8k16 kernel (kDmmaK = 16: warp pairs share 16 keys, P and dS through shared memory) issues
     the m8n8k4 kernel's k4 steps in the same order for every product, so on the emulator (one fp64 FMA chain per

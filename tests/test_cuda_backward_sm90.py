@@ -22,6 +22,7 @@ from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import cuda_forward, launch
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import check_attention
+from conftest import thin
 from test_cuda_backward import FULL, DTYPE_NAMES, Problem, check, check_case, run_backward
 from test_emulator_memstats import aligned_array
 
@@ -135,7 +136,7 @@ def _check_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministic, tma
     assert c.wgmma == expected_wgmma(p, tile, n_entries_kv, n_group, dq_split) > 0
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(CASES), ids=lambda c: "-".join(str(x) for x in c))
 def test_wgmma_backward_matches_reference(case):
     _check_case(*case)
 
@@ -546,7 +547,7 @@ SCORES_AHEAD_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, determi
 ]
 
 
-@pytest.mark.parametrize("case", SCORES_AHEAD_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(SCORES_AHEAD_CASES, every=4), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_scores_ahead_bits_match_default(case, monkeypatch):
     """SCORES_AHEAD: the ws kernel's dQ split (padded d = 64, bulk dQ) issuing each visit's S^T behind the previous
     visit's dQ^T (the last visit's dQ^T after the loop; dV's batch issued with dK's) gives the bits of the default kernel
@@ -568,7 +569,7 @@ DQ_BUFFERS_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, determini
 ]
 
 
-@pytest.mark.parametrize("case", DQ_BUFFERS_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(DQ_BUFFERS_CASES, every=4), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_dq_buffers_bits_match_default(case, monkeypatch):
     """DQ_BUFFERS = 4: the ws kernel's bulk dQ at d = 64 with four dQ buffers (the consumers up to three visits ahead
     of the dQ warp; each buffer reused, with its parity, past the fourth visit) gives the bits of the two-buffer
@@ -666,7 +667,7 @@ SPLIT_OVERLAP_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, determ
 ]
 
 
-@pytest.mark.parametrize("case", SPLIT_OVERLAP_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(SPLIT_OVERLAP_CASES, every=4), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_split_overlap_bits_match_default(case, monkeypatch):
     """SPLIT_OVERLAP: the ws kernel's query split at padded d = 256 with dP^T issued right behind S^T and the dQ^T
     batches issued before the wait for the dV_j, dK_j batch gives the bits of the default order under a permuted
@@ -708,7 +709,7 @@ DQ_SPLIT_CASES = [  # dtype, D, Dv, (Lq, Lk), causal, bcast, layout, determinist
 ]
 
 
-@pytest.mark.parametrize("case", DQ_SPLIT_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(DQ_SPLIT_CASES), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_dq_split_bits_match_one_warpgroup(case, monkeypatch):
     """DQ_SPLIT: the ws kernel at padded d = 64 with dQ^T split by queries over both consumer warpgroups (N = 32 each,
     dS^T in two 64B-swizzled half tiles) gives the bits of dQ^T computed by warpgroup 0 alone (kDQSplitOn = false):
@@ -794,7 +795,7 @@ def _check_store_case(dtype, D, Dv, lengths, causal, bcast, layout, deterministi
     assert c_new.stmatrix == c_old.stmatrix > 0
 
 
-@pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(STORE_CASES), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_tma_store_bits_match_16_byte_stores(case):
     """dK / dV by TMA stores (swizzled staging, one elected thread's d/64 + dv/64 stores, rows past Lk clipped
     by the TMA unit) carry the bits of the 16-byte-store epilogue, for dq too, under permuted schedules (the
@@ -921,7 +922,7 @@ def assert_dq_reordered_close(new, old, dtype):
     assert np.all(np.abs(a - b) <= 2 * eps * np.maximum(np.abs(b), 2.0 ** -6 * np.abs(b).max()))
 
 
-@pytest.mark.parametrize("case", BULK_CASES, ids=lambda c: "-".join(str(x) for x in c))
+@pytest.mark.parametrize("case", thin(BULK_CASES), ids=lambda c: "-".join(str(x) for x in c))
 def test_ws_bulk_dq_matches_atomics(case):
     """Bulk dQ against the consumers' atomics: ordered, bit-identical dq, dk, dv (same addition order) under a
     permuted schedule; plain, the gradients against the float64 reference and dq close to the atomic run's."""

@@ -25,7 +25,7 @@ from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
 from flasharray._private import cuda_forward, extensions, launch, nvrtc
 from flasharray._private.dtypes import bfloat16
-from conftest import flag_set, requires_nvrtc
+from conftest import flag_set, requires_nvrtc, thin
 from test_gpu_sm90 import requires_sm90
 from test_cuda_backward_sm90 import _mutant, assert_dq_reordered_close
 from test_cuda_backward_extensions import features
@@ -129,7 +129,7 @@ def _id(case):
                              "ordered" if det else "atomic", "".join("-%s" % x for x in case[4:]))
 
 
-@pytest.mark.parametrize("case", SINGLE + COMBOS, ids=_id)
+@pytest.mark.parametrize("case", thin(SINGLE + COMBOS), ids=_id)
 def test_extension_ws_kernel(case):
     names, dt, causal, det = case
     run_case(dt, names, causal=causal, deterministic=det)
@@ -168,7 +168,7 @@ D128_BULK = [
 ]
 
 
-@pytest.mark.parametrize("case", D128 + D128_BULK, ids=_id)
+@pytest.mark.parametrize("case", thin(D128 + D128_BULK), ids=_id)
 def test_extension_head_dim_128(case, monkeypatch):
     names, dt, causal, det, kind = case
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
@@ -201,9 +201,9 @@ def test_ordered_bits_identical_under_schedules(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["ws", "cp.async"])
-@pytest.mark.parametrize("names,causal,D", [
+@pytest.mark.parametrize("names,causal,D", thin([
     (("window",), False, 64), (("window",), True, 64), (("window", "seqlens"), True, 64),
-    (("window", "alibi", "dropout"), False, 64), (("window",), False, 128)],
+    (("window", "alibi", "dropout"), False, 64), (("window",), False, 128)], unpack=True),
     ids=["window", "window-causal", "window+seqlens-causal", "window+alibi+dropout", "window-d128"])
 def test_ordered_window(kind, names, causal, D, monkeypatch):
     """The ordered dQ with a window (DQOrder::turn with the mask: query block i's first visitor is the window's
@@ -242,7 +242,7 @@ def skipping_block_mask(Lq, Lk, B=2, H=2, block_size=(16, 32)):
     return dict(block_mask=bm, block_size=block_size)
 
 
-@pytest.mark.parametrize("case", BULK_EXT, ids=lambda c: "+".join(c[0]) + "-%s%s-d%d" % (
+@pytest.mark.parametrize("case", thin(BULK_EXT), ids=lambda c: "+".join(c[0]) + "-%s%s-d%d" % (
     np.dtype(c[1]).name, "-causal" if c[2] else "", c[3]))
 def test_bulk_dq_with_extensions_matches_atomics(case):
     """The ws kernel's bulk dQ with extensions (DQ_BULK_EXT: the dQ warp walks the consumers' visits and takes the

@@ -17,7 +17,7 @@ import pytest
 
 from flasharray._private import cuda_backward, launch, nvrtc, sass, tiles
 from flasharray._private import cuda_backward_tf32 as T
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, thin
 from test_cuda_backward_tf32 import assert_gradients, make_inputs, run_api
 from test_gpu_sm90 import requires_sm90
 
@@ -53,7 +53,7 @@ def check(precision, D, Lq, Lk, causal, G, deterministic, **opts):
     return got
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", thin(CASES), ids=[_id(c) for c in CASES])
 def test_wgmma_backward(case):
     check(*case)
 

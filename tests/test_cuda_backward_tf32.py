@@ -37,6 +37,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import thin
+
 import flasharray as fa
 from flasharray import emulator, reference, testing
 from flasharray._private import cuda_backward, cuda_backward_tf32 as T
@@ -208,7 +210,7 @@ def _id(c):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("case", SUBSET, ids=[_id(c) for c in SUBSET])
+@pytest.mark.parametrize("case", thin(SUBSET), ids=[_id(c) for c in SUBSET])
 def test_backward_tf32(precision, case):
     D, Dv, Lq, Lk, causal, G = case
     check(precision, D, Lq, Lk, causal, Dv=Dv, G=G)
@@ -615,7 +617,7 @@ def _check_ext(precision, case, D=16):
                              rounded=not (det and not ordered_ok))
 
 
-@pytest.mark.parametrize("case", EXT_CASES, ids=[_ext_id(c) for c in EXT_CASES])
+@pytest.mark.parametrize("case", thin(EXT_CASES), ids=[_ext_id(c) for c in EXT_CASES])
 def test_backward_3xtf32_extensions(case):
     _check_ext("3xtf32", case)
 

@@ -23,7 +23,7 @@ from flasharray._private import cuda_forward, cuda_forward_sm90 as S, tiles
 from flasharray._private.dtypes import bfloat16
 from flasharray.testing import assert_attention_close
 
-from conftest import flag_set
+from conftest import flag_set, thin
 from test_cuda_forward import make_inputs, run_forward
 
 DTYPES = {"float16": np.float16, "bfloat16": bfloat16}
@@ -188,7 +188,7 @@ OVERLAP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa", OVERLAP_CASES)
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa", thin(OVERLAP_CASES, unpack=True))
 @pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 5)])
 def test_overlap_matches_unoverlapped_bits(monkeypatch, dtype, D, Lq, Lk, causal, gqa, schedule, seed):
     """The ws kernel's intra-warpgroup overlap (OVERLAP, the default: softmax of S_j while P_{j-1} V_{j-1}
@@ -223,7 +223,7 @@ WIDE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,D,Lq,Lk,layout,gqa", WIDE_CASES)
+@pytest.mark.parametrize("dtype,D,Lq,Lk,layout,gqa", thin(WIDE_CASES, unpack=True))
 def test_wide_key_tiles(dtype, D, Lq, Lk, layout, gqa):
     """WIDE_KEYS: dense non-causal calls at padded d = dv 64 / 128 / 256 run the ws kernel on key tiles of 192 / 176
     / 80 (``check``: the reference rule, and the wgmma, TMA-box and named-barrier counts of that tile); causal
@@ -261,7 +261,7 @@ THREE_WG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", THREE_WG_CASES)
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,layout,gqa", thin(THREE_WG_CASES, every=4, unpack=True))
 def test_three_warpgroups(dtype, D, Lq, Lk, causal, layout, gqa):
     """THREE_WARPGROUPS: dense calls at padded d = dv 64 run the ws kernel with three consumer warpgroups (Br = 192,
     Bc = 128, 512 threads; ``check``: the reference rule, and the counts of that tile — 4 setmaxnreg per block, three
@@ -333,7 +333,7 @@ D192_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout", D192_CASES)
+@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout", thin(D192_CASES, unpack=True))
 def test_head_dims_padded_to_192(dtype, D, Dv, Lq, Lk, causal, layout):
     """Head dims 129..192 pad to 192, not 256 (a quarter less work in Q K^T, and in P V where dv pads to 192): the
     ws kernel (persistent where not causal) and the cp.async kernel (its copies one 64-column panel at a time: 24
@@ -374,7 +374,7 @@ STORE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout,gqa", STORE_CASES)
+@pytest.mark.parametrize("dtype,D,Dv,Lq,Lk,causal,layout,gqa", thin(STORE_CASES, unpack=True))
 @pytest.mark.parametrize("schedule,seed", [("forward", 0), ("reverse", 0), ("random", 3)])
 def test_tma_store_matches_row_store_bits(tma_store, dtype, D, Dv, Lq, Lk, causal, layout, gqa, schedule, seed):
     """The ws kernel writing O by TMA stores (Is_tma_store: swizzled staging, fence.proxy.async, one thread
@@ -500,7 +500,7 @@ PERSIST_RUNS = [(1, "random", 11), (2, "reverse", 0), (3, "forward", 0), (None, 
 
 
 @pytest.mark.parametrize("store", [True, False], ids=["tma_store", "row_store"])
-@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa,layout,batch", PERSIST_CASES)
+@pytest.mark.parametrize("dtype,D,Lq,Lk,causal,gqa,layout,batch", thin(PERSIST_CASES, unpack=True))
 def test_persistent_matches_non_persistent_bits(persistent, dtype, D, Lq, Lk, causal, gqa, layout, batch, store):
     """The persistent ws kernel (Is_persistent: min(work tiles, SMs) blocks walking the static scheduler's
     tiles, the K / V ring's stages and parities running across tiles, sQ handed back per tile) gives the bits

@@ -25,7 +25,7 @@ from flasharray._private.extensions import Extensions
 
 from flasharray._private.dtypes import bfloat16
 
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, thin
 from test_gpu_sm90 import requires_sm90
 from test_cuda_forward_extensions import CASES as MMA_CASES, DTYPES, check_case, check_close, ext_kw, make_inputs, run
 from test_cuda_forward_extensions import check_dropout_is_philox
@@ -63,7 +63,7 @@ def _id(case):
     return "%s-d%d-%dx%d%s-%s%s" % (dt, D, Lq, Lk, "-causal" if causal else "", "+".join(features), extra)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", thin(CASES), ids=[_id(c) for c in CASES])
 def test_wgmma_extensions(case):
     dt, D, Lq, Lk, causal, features, opts = case
     check_case("emulator", dt, D, Lq, Lk, causal, features, **opts, **WGMMA)
@@ -123,7 +123,7 @@ def _launches(q, k, v, causal, kw):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "%s-d%d-%s" % (c[0], c[1], "+".join(c[5])))
+@pytest.mark.parametrize("case", thin(BITS_CASES), ids=lambda c: "%s-d%d-%s" % (c[0], c[1], "+".join(c[5])))
 def test_variants_bit_identical(monkeypatch, fresh_plans, case, variant):
     """The default instantiation and each variant compute every row with the same fp32 operations in the same
     order where their key tiles are equal: identical out and lse bits (the cp.async kernel at d 128 takes Bc 64

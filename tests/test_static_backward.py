@@ -7,8 +7,8 @@ shared memory (dynamic only), registers x threads within one SM's register file,
 memory within the arch's opt-in maximum. The register / shared-memory table is printed (``-s``).
 The Python shared-memory formulas are checked against the C++ layouts on the emulator.
 
-Default: the matrix tests' instantiations on every arch but sm_89 (it compiles as sm_86; ``-m
-slow``), the other tests' on the arch they run with (sm_80 tiles, and sm_75 for the sm_75 test). ``-m slow``: the full matrix, everything on
+Default: the matrix tests' instantiations on sm_75 (Turing's own copies), sm_80 and sm_90 (sm_86 and sm_89:
+``-m slow``, the CI time budget; conftest.static_archs), the other tests' on the arch they run with (sm_80 tiles, and sm_75 for the sm_75 test). ``-m slow``: the full matrix, everything on
 every arch.
 """
 import itertools
@@ -21,7 +21,7 @@ from flasharray._private import launch, nvrtc, tiles_bwd
 from flasharray._private.dtypes import canonical_dtype
 
 import test_cuda_backward as tb
-from conftest import archs_sm89_slow, requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 REGISTER_FILE = 64 * 1024
 
@@ -118,7 +118,7 @@ def _check_arch(arch, full=False):
 
 
 @requires_nvrtc
-@pytest.mark.parametrize("arch", archs_sm89_slow(tiles_bwd.ARCHS))
+@pytest.mark.parametrize("arch", static_archs(tiles_bwd.ARCHS, own=(75,)))
 def test_backward_compiles_without_spills(arch):
     rows = _check_arch(arch)
     assert any("flash_bwd_dkv_kernel<fa_half" in r for r in rows)

@@ -16,7 +16,7 @@ import pytest
 
 from flasharray._private import launch, tiles
 from flasharray._private import nvrtc
-from conftest import archs_sm89_slow, requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 REGISTER_FILE = 64 * 1024
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -73,7 +73,7 @@ def _check_arch(arch, head_dims):
     return rows
 
 
-@pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
+@pytest.mark.parametrize("arch", static_archs(tiles.ARCHS, own=(75,)))   # Turing: its own copies, no bf16 mma
 def test_forward_compiles_without_spills(arch):
     _check_arch(arch, (64, 256))
 
@@ -200,7 +200,7 @@ def _check_wide(arch, pairs, dtypes=("float16", "bfloat16"), bf16_pairs=None):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
+@pytest.mark.parametrize("arch", static_archs(tiles.ARCHS, own=(75, 86)))   # sm_86: two single-buffered blocks
 def test_wide_row_tile_compiles_without_spills(arch):
     # bf16 (the same code with another mma type) at the two pairs of the default tiles; -m slow: every pair
     _check_wide(arch, [(128, 128), (96, 96), (128, 64), (32, 128), (256, 256), (192, 64), (144, 16)],

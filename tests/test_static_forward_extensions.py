@@ -4,7 +4,7 @@ Every dtype x head dim {64, 256} x causal, with all six extension bits (window, 
 block mask, dropout, lengths: the heaviest variant), dropout alone and the score-only bits
 (window | ALiBi | softcap), plus the split-KV tensor-core variant with all bits, compiles with
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers x threads within the
-register file. Default: sm_75 and sm_80; ``-m slow``: sm_86, sm_89, sm_90 too.
+register file. Default: sm_80; ``-m slow``: sm_75, sm_86, sm_89, sm_90 too (the CI time budget).
 """
 import numpy as np
 import pytest
@@ -56,13 +56,13 @@ def _check_arch(arch, **which):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("arch", [75, 80])
+@pytest.mark.parametrize("arch", [80])
 def test_extension_variants_compile_without_spills(arch):
     _check_arch(arch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [86, 89, 90])
+@pytest.mark.parametrize("arch", [75, 86, 89, 90])
 def test_extension_variants_compile_without_spills_slow(arch):
     _check_arch(arch)
     _check_arch(arch, head_dims=(96, 128))

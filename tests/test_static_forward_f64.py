@@ -10,7 +10,7 @@ the instructions per DMMA are printed (docs/precision.md records them), and with
 time (fa::mma_m8n8k4_f64 needs sm_80+) and by the tile table (the SIMT kernel runs there).
 
 Default: d = dv in {16, 64, 128} and 40 (padded 48), causal x aligned; ``-m slow``: every padded
-head dim 16..128.
+head dim 16..128, and sm_90's m8n8k4 kernels (DMMA_K16 off: sm_80's code, checked on sm_80 by default).
 """
 import numpy as np
 import pytest
@@ -112,6 +112,7 @@ def test_f64_forward_compiles_all_head_dims(arch):
     _check(arch, (16, 32, 48, 64, 80, 96, 112, 128))
 
 
+@pytest.mark.slow   # sm_80's m8n8k4 code (its own check runs by default); the CI time budget
 def test_f64_forward_sm90_m8n8k4_still_compiles():
     """DMMA_K16 = False (the switch benchmarks/gpu_session.sh times) gives the m8n8k4 kernel on sm_90."""
     from conftest import flag_set

@@ -15,7 +15,8 @@ the one without it (OVERLAP = False) is checked as above. The ws kernel writing 
 the row-store instantiations have no ``UTMASTG``; every ws instantiation prefetches its maps
 (``UTMACCTL.PF``: 3, 4 with the TMA store) (store_checks). Compiling for plain sm_90 is refused at
 compile time (``fa::wgmma needs sm_90a``). The registers per thread and the key loop's instructions are
-printed (``-s``; docs/hopper.md quotes them).
+printed (``-s``; docs/hopper.md quotes them). The default run compiles the float16 half; ``-m slow`` the bfloat16 one
+too (the same template with the bf16 mma; the CI time budget).
 """
 import dataclasses
 import re
@@ -289,6 +290,7 @@ def test_wgmma_forward_compiles_fp16():
     _check((np.float16,), (64, 128, 192, 256))
 
 
+@pytest.mark.slow   # the fp16 kernels' template with the bf16 mma (fp16: default run); the CI time budget
 def test_wgmma_forward_compiles_bf16():
     _check((bfloat16,), (64, 128, 192, 256))
 

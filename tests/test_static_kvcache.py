@@ -11,7 +11,7 @@ is what ``tests/test_sass.py`` and ``benchmarks/sass.py`` show (docs/performance
 import pytest
 
 from flasharray._private import cuda_forward, launch, nvrtc, sass, tiles
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 from test_static_splitkv import _check
 
 pytestmark = requires_nvrtc
@@ -34,9 +34,9 @@ def kvcache_names(arch):
     return threads
 
 
-# sm_80 (Ampere's tile table) and sm_75 (the smallest register/shared budget) run by default;
-# the other archs with -m slow (each arch compiles ~70 instantiations: about a minute on 2 cores).
-ARCH_PARAMS = [a if a in (75, 80) else pytest.param(a, marks=pytest.mark.slow) for a in tiles.ARCHS]
+# sm_80 (Ampere's tile table) runs by default; the other archs with -m slow (each arch compiles ~70 instantiations:
+# about a minute on 2 cores; sm_75, the smallest register/shared budget, left the default run for the CI time budget).
+ARCH_PARAMS = static_archs(tiles.ARCHS, default=(80,))
 
 
 @pytest.mark.parametrize("arch", ARCH_PARAMS)

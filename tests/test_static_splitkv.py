@@ -5,14 +5,14 @@ causal GQA-packed variants (``Is_packed = true``, whole and split) and the combi
 ``-Xptxas=-v``: zero spills, no local stack, no static shared memory, registers × threads within
 the register file — for the head dims the dense static test covers (64, 256, and D = 40 / Dv = 24),
 fp16 and bf16 where the arch has their tensor-core instruction, causal or not, aligned or not.
-sm_89 (it compiles as sm_86) runs under ``-m slow`` only.
+sm_80 and sm_90 run by default; sm_75, sm_86 and sm_89 under ``-m slow`` (the CI time budget; conftest.static_archs).
 (That the dense instantiations' SASS is untouched by the flag is what ``tests/test_sass.py``'s
 limits and ``benchmarks/sass.py`` show.)
 """
 import pytest
 
 from flasharray._private import cuda_forward, launch, nvrtc, tiles
-from conftest import archs_sm89_slow, requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 pytestmark = requires_nvrtc
 
@@ -41,7 +41,7 @@ def _check(arch, source, names, threads):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("arch", archs_sm89_slow(tiles.ARCHS))
+@pytest.mark.parametrize("arch", static_archs(tiles.ARCHS))
 def test_split_kernels_compile_without_spills(arch):
     threads = {}
     for dt in ("float16", "bfloat16"):
