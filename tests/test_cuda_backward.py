@@ -295,7 +295,8 @@ def test_simt_two_blocks_rule():
 
 
 @pytest.mark.parametrize("D,arch,causal,bcast", thin([(64, "sm_90", True, "gqa"), (64, "sm_90", False, "none"),
-                                                 (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")], unpack=True))
+                                                 (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")],
+                                                unpack=True))
 def test_simt_two_blocks_same_bits(monkeypatch, D, arch, causal, bcast):
     """The two-block SIMT dK/dV kernel (S / dP partial sums in the rolled loop, P in shared memory before dP) adds
     the same terms in the same order as the one-block kernel: dq, dk, dv bitwise equal in the ordered (default)
@@ -379,7 +380,8 @@ def _dkv_counters(counters):
 
 
 @pytest.mark.parametrize("dt", ["fp16", "fp32"])
-@pytest.mark.parametrize("causal,lengths", thin([(False, (300, 200)), (True, (300, 200)), (True, (100, 260))], unpack=True))
+@pytest.mark.parametrize("causal,lengths", thin([(False, (300, 200)), (True, (300, 200)), (True, (100, 260))],
+                                                unpack=True))
 def test_ordered_dq_waits_only_for_earlier_blocks(monkeypatch, causal, lengths, dt):
     """The ordered mode (the default of the tensor-core kernels and of the SIMT kernel: fp32): one
     wait and one post per visited (key block, query block) pair. On one worker in block order no

@@ -97,7 +97,8 @@ def test_backward_extension(case):
     run_case(np, DTYPES[dt], kw_of(names), causal=causal, deterministic=det)
 
 
-@pytest.mark.parametrize("D, causal, det", thin([(128, False, True), (128, True, False), (96, True, True), (256, False, True)], unpack=True))
+@pytest.mark.parametrize("D, causal, det", thin([(128, False, True), (128, True, False), (96, True, True),
+                                                 (256, False, True)], unpack=True))
 def test_seqlens_on_the_wide_key_tiles(D, causal, det):
     """Per-entry lengths alone keep the dK/dV kernel's wide-key tile (tiles_bwd.WIDE_KEYS_EXT: 128 keys x 32
     queries at d 96, sm_80) and at d 128 / 256 the grid layout (tiles_bwd.GRID_EXT: 128 x 64 / 64 x 64, 16-byte
@@ -269,7 +270,8 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, deterministic):
 
 @pytest.mark.parametrize("names, D, mode", thin([
     (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
-    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")], unpack=True),
+    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")],
+    unpack=True),
     ids=["ordered-exts", "ordered-d256", "alibi-d256", "window", "block_mask"])
 def test_deterministic_ext_dq_mode(names, D, mode):
     """deterministic=True with extensions on the fp16 tensor cores: the ordered dQ mode (the atomic
@@ -339,7 +341,8 @@ def test_ordered_dq_with_lengths_on_the_grid_layout(monkeypatch, causal):
 
 @pytest.mark.parametrize("names, D, causal, det", thin([
     (("softcap",), 128, True, True), (("alibi", "window"), 256, False, False), (("window", "seqlens"), 64, True, True),
-    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False), (("softcap",), 256, True, True)], unpack=True))
+    (("softcap", "alibi", "seqlens"), 64, False, False), (("window",), 64, True, False), (("softcap",), 256, True, True)],
+    unpack=True))
 def test_extensions_on_the_grid_layout(monkeypatch, names, D, causal, det):
     """Window, ALiBi, softcap and lengths (tiles_bwd.GRID_EXT; not the d 128 / 256 sets that spilled) run the grid-layout
     dK/dV kernel: the rule in both dQ modes; without softcap dK, dV are bitwise the row-tile kernel's (the same P

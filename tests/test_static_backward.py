@@ -8,7 +8,8 @@ memory within the arch's opt-in maximum. The register / shared-memory table is p
 The Python shared-memory formulas are checked against the C++ layouts on the emulator.
 
 Default: the matrix tests' instantiations on sm_75 (Turing's own copies), sm_80 and sm_90 (sm_86 and sm_89:
-``-m slow``, the CI time budget; conftest.static_archs), the other tests' on the arch they run with (sm_80 tiles, and sm_75 for the sm_75 test). ``-m slow``: the full matrix, everything on
+``-m slow``, the CI time budget; conftest.static_archs), the other tests' on the arch they run with (sm_80 tiles,
+and sm_75 for the sm_75 test). ``-m slow``: the full matrix, everything on
 every arch.
 """
 import itertools
