@@ -86,6 +86,9 @@ def static_archs(archs, own=(), default=DEFAULT_STATIC_ARCHS):
     return [a if a in default or a in own else pytest.param(a, marks=pytest.mark.slow) for a in archs]
 
 
+_ParameterSet = type(pytest.param(None))
+
+
 def thin(cases, every=2, unpack=False):
     """The default run's share of a case matrix: every ``every``-th case from the first; the others run under
     ``-m slow`` (README: the CI time budget). ``cases`` are one parameter's values, or with ``unpack``
@@ -94,7 +97,7 @@ def thin(cases, every=2, unpack=False):
     for i, c in enumerate(cases):
         if i % every == 0:
             out.append(c)
-        elif isinstance(c, type(pytest.param(None))):
+        elif isinstance(c, _ParameterSet):
             out.append(pytest.param(*c.values, marks=(*c.marks, pytest.mark.slow), id=c.id))
         else:
             out.append(pytest.param(*(c if unpack else (c,)), marks=pytest.mark.slow))

@@ -13,7 +13,7 @@ checks all 63 subsets): fp16 on sm_80 and sm_90 by default, the other archs and 
 import pytest
 
 from flasharray._private import cuda_backward, cuda_forward, launch, nvrtc
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 REGISTER_FILE = 64 * 1024
 ALL = sum(cuda_forward.EXT_BITS.values())
@@ -103,8 +103,7 @@ def test_backward_extension_variants_compile_without_spills(arch):
     _check_arch(arch, (ALL,), causals=(True,))
 
 
-@pytest.mark.parametrize("arch", [80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow),
-                                  pytest.param(90, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", static_archs((80, 86, 89, 90), default=(80,)))
 def test_backward_lengths_compile_without_spills(arch):
     # per-entry lengths alone: the fp16 / bf16 dK/dV kernel's wide-key tiles (tiles_bwd.WIDE_KEYS_EXT), every mode
     lengths = cuda_forward.EXT_BITS["seqlens"]
@@ -134,8 +133,7 @@ def wide_key_ext_instantiations(arch, dtypes=("float16",)):
     return found
 
 
-@pytest.mark.parametrize("arch", [80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow),
-                                  pytest.param(90, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", static_archs((80, 86, 89, 90), default=(80,)))
 def test_backward_wide_key_extension_sets_compile_without_spills(arch):
     # softcap alone (every mode) and dropout alone (atomic modes) on the fp16 / bf16 wide-key tiles
     _check(arch, wide_key_ext_instantiations(arch, ("float16",) if arch == 80 else ("float16", "bfloat16")))

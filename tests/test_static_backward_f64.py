@@ -21,14 +21,14 @@ import pytest
 
 from flasharray._private import cuda_backward_f64 as F
 from flasharray._private import launch, nvrtc, sass, tiles
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 pytestmark = requires_nvrtc
 SASS_OK, SASS_WHY = sass.available()
 ARCHS = (80, 86, 89, 90)
 #: The default run's archs: sm_89 compiles as sm_86 (same ISA, shared memory and tiles), and sm_86's fp64 (a GPU with
 #: 1/64-rate fp64; 32 of its 40 instantiations are its own tiles) is left to ``-m slow`` by the CI time budget.
-DEFAULT_ARCHS = (80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow), 90)
+DEFAULT_ARCHS = static_archs(ARCHS)
 REGISTER_FILE = 64 * 1024
 DMMA = {80: "DMMA.884", 86: "DMMA.884", 89: "DMMA.884", 90: "DMMA.8x8x4"}
 

@@ -33,7 +33,7 @@ DEFAULT_ARCHS = static_archs(ARCHS)
 BASE_ARCHS = static_archs(ARCHS, own=(86,))
 #: The extension variants' archs: sm_86's (the opt-in tf32 backward with extensions on a GPU whose float32 default
 #: is ieee there too) are left to ``-m slow`` as well.
-EXT_ARCHS = (80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow), 90)
+EXT_ARCHS = DEFAULT_ARCHS
 REGISTER_FILE = 64 * 1024
 #: Instructions per HMMA of the query-block loop (static count: the rolled copy / conversion / dQ
 #: rounds loops nested in it count once), measured on sm_80/86/89/90 over every padded d = dv and

@@ -17,7 +17,7 @@ import pytest
 
 from flasharray._private import cuda_forward_f64 as F
 from flasharray._private import launch, nvrtc, sass, tiles
-from conftest import requires_nvrtc
+from conftest import requires_nvrtc, static_archs
 
 pytestmark = requires_nvrtc
 SASS_OK, SASS_WHY = sass.available()
@@ -98,7 +98,7 @@ def _check(arch, head_dims):
 
 #: The default run's archs: sm_89 compiles as sm_86 and sm_86's fp64 (a GPU with 1/64-rate fp64) is left to
 #: ``-m slow`` by the CI time budget; sm_80 and sm_90 are where float64 runs on DMMA in practice.
-DEFAULT_ARCHS = (80, pytest.param(86, marks=pytest.mark.slow), pytest.param(89, marks=pytest.mark.slow), 90)
+DEFAULT_ARCHS = static_archs(ARCHS)
 
 
 @pytest.mark.parametrize("arch", DEFAULT_ARCHS)
