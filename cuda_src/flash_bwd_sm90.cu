@@ -1442,6 +1442,10 @@ flash_bwd_sm90_ws_kernel(
       zero_past_sm90<Tr, kBlockM, kHeadDim, kHeadDimV>(sQ + s * Tr::kQBytes, sdO + s * Tr::kdOBytes, mask.Lq - r0,
                                                        flash::opaque_int(tid - 128));
     uint32_t a_pq[kQSplit ? kBlockM / 32 : 1][4], a_dsq[kQSplit ? kBlockM / 32 : 1][4];  // (the query split's)
+    // (P^T's and dS^T's A fragments otherwise: declared at this level, not in the branch, as the dV / dK batches the
+    // branch issues read them until dkv_done's wait below. A C++ array ends with its block: on the emulator, a
+    // fragment that has ended may share its stack slot with a later variable, which the in-flight check reports.)
+    uint32_t a_p[kQSplit ? 1 : kBlockM / 16][4], a_ds[kQSplit ? 1 : kBlockM / 16][4];
     if constexpr (kQSplit) {
       visit_scores_qsplit_sm90<T, Tr, kHeadDim, kHeadDimV, kBlockM, kSplitOverlap>(
           acc_dv, acc_dk, a_pq, a_dsq, sK, sV, sQ_i, sdO_i, sP + s * Tr::kdSBytes, sdS_s, lse2_s, delta_s, scale_log2, mask, r0,
@@ -1492,7 +1496,6 @@ flash_bwd_sm90_ws_kernel(
       // -- P^T rounded to the A fragments of dV += P^T dO_i; dP^T = V_j dO_i^T (SS, both K-major), and the dV
       //    batch issued behind it (the consumers' registers allow P^T's float and rounded copies to live with
       //    dP^T in flight): waiting for dP^T leaves dV running under the dS^T math.
-      uint32_t a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
       float acc_dp[kBlockM / 2];
       if constexpr (kExt == 0) {
 #pragma unroll

@@ -36,7 +36,10 @@
 #define __global__
 #define __device__
 #define __host__
-#define __forceinline__ inline
+// __forceinline__ inlines at every optimization level, as nvcc does: the runtime identifies barriers and groups a warp's
+// memory accesses by call site (the return address into the module), so a helper left out of line would give all its
+// callers one identity (at -Og, the modules' level, GCC inlines no more than it must).
+#define __forceinline__ inline __attribute__((always_inline))
 #define FA_NOINLINE __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))

@@ -18,12 +18,16 @@ SUPPORTED = "g++ 12-14 and clang++ >= 14 (libstdc++ or libc++)"
 
 # Flags every emulator build uses.
 COMMON_FLAGS = ("-O2", "-fPIC", "-fno-strict-aliasing")
-# ... and the kernels' modules after them (the last -O wins): -O1. The runtime library, built once per compiler, does
+# ... and the kernels' modules after them (the last -O wins): -Og. The runtime library, built once per compiler, does
 # the emulator's per-instruction work (warp schedules, memory checks, counters) at -O2; a module holds the kernel's
-# own arithmetic, which runs as fast at -O1 on the test shapes while the test suite's ~1,300 module builds take 18-28 %
-# less compiler time (docs/emulator.md, *Settings*). Neither level changes a result: no -ffast-math, and x86-64's
-# baseline has no FMA to contract into.
-MODULE_FLAGS = ("-O1",)
+# own arithmetic. The test suite builds ~1,300 modules: -Og builds them in ~25-30 % less compiler time than -O1
+# (itself 18-28 % less than -O2) and runs them ~10 % slower; -O0 runs them 3x slower (docs/emulator.md, *Settings*).
+# Clang reads -Og as -O1. What the emulator's checks read must not depend on the level: the kernels' __forceinline__
+# helpers are inlined at any level (fa_emu.h: call sites are the runtime's identities of barriers and warp
+# instructions), and an rs wgmma's A fragment lives (is in scope) until the wait that covers it, as its registers
+# would on the GPU (a dead array's stack slot may be reused at -Og). No level changes a result: no -ffast-math, and
+# x86-64's baseline has no FMA to contract into.
+MODULE_FLAGS = ("-Og",)
 # GCC: jump threading, and basic-block reordering's copying of small blocks (a `call
 # fa_emu_syncthreads; cmp` block copied into both arms of a preceding `if (threadIdx.x == k)`), can
 # duplicate a __syncthreads() call into two branches taken by different threads, which the
