@@ -69,7 +69,8 @@ __global__ void wg_gemm(const unsigned char* img, int img_vecs, const uint32_t* 
 // written between issue and wait, 4 read after issue then wait (only NaN, no error), 5 the operand is
 // the destination of a cp.async in flight, 6 no wait_group before exit, 7 a write after the wait and
 // a second wgmma without a fence, 8 shared memory operand overwritten in flight, 9 divergent
-// descriptors, 10 rs A registers written after the fence, 11 half the warpgroup waits at a barrier.
+// descriptors, 10 rs A registers written after the fence, 11 half the warpgroup waits at a barrier, 12 rs A
+// registers written while the wgmma is in flight.
 __global__ void misuse(const unsigned char* img, float* out, int bug) {
     FA_DYNAMIC_SMEM(smem);
     for (int i = threadIdx.x; i < 1024; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = fa::gload(reinterpret_cast<const uint4*>(img) + i);
@@ -88,10 +89,11 @@ __global__ void misuse(const unsigned char* img, float* out, int bug) {
     const uint64_t da = fa::wgmma_desc(smem, 128, 256, fa::kWgmmaSwizzleNone);
     const uint64_t db = fa::wgmma_desc(smem + 8192 + (bug == 9 && threadIdx.x == 77 ? 16 : 0), 128, 256,
                                        fa::kWgmmaSwizzleNone);
-    if (bug == 10) fa::wgmma_m64nNk16_f32_f16_rs<64>(d, a, db, 1);
+    if (bug == 10 || bug == 12) fa::wgmma_m64nNk16_f32_f16_rs<64>(d, a, db, 1);
     else fa::wgmma_m64nNk16_f32_f16_ss<64>(d, da, db, 1);
     fa::wgmma_commit_group();
     if (bug == 3) d[5] = 1.0f;
+    if (bug == 12) a[2] = 0;
     float early = bug == 4 ? d[3] : 0.0f;
     if (bug == 8 && threadIdx.x == 3) smem[8192 + 64] = 0x55;
     if (bug == 6) return;
@@ -317,6 +319,8 @@ MISUSE = {
        r"its completion",
     9: r"thread \(77,0,0\) .*warpgroup 0: thread 77 issued a different wgmma than thread 0",
     10: r"A-fragment register 1 was written by ordinary code since the thread's last fa::wgmma_fence\(\)",
+    12: r"the A-fragment registers of an in-flight wgmma \(rs\) were written between its issue and its covering "
+        r"wgmma_wait_group \(or the array holding them ended before that wait",
 }
 
 

@@ -1596,7 +1596,8 @@ void wg_complete(Worker* w, Fiber* f, const WgPart& p, bool last_for_acc) {
                                smem_desc(w, w->smem + op.chunks[c]).c_str()));
     if (p.a && std::memcmp(p.a_snap, p.a, 16) != 0)
         fiber_fail(w, "fa::wgmma_wait_group: the A-fragment registers of an in-flight wgmma (rs) were written "
-                      "between its issue and its covering wgmma_wait_group");
+                      "between its issue and its covering wgmma_wait_group (or the array holding them ended before "
+                      "that wait: its storage may then hold a later variable; declare it where it lives until the wait)");
     for (int v = 0; v < op.n / 2; ++v) {
         uint32_t x;
         std::memcpy(&x, p.d + v, 4);
