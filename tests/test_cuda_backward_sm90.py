@@ -393,7 +393,9 @@ def test_extensions_dispatched_with_auto_ext():
         assert _auto_kernel(np.float16, 128, ext=alibi_drop, deterministic=False) == "wgmma"
         # the one instantiation refused (EXT_SPILLS_BULK_ONE): causal, plain atomics
         assert _auto_kernel(np.float16, 128, ext=alibi_drop, causal=True, deterministic=False) == "tc"
-        assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split takes none
+        assert _auto_kernel(np.float16, 256, ext=drop) == "tc"  # the head-dim split: dropout spills (EXT_SPILLS)
+        assert _auto_kernel(np.float16, 256, ext=Extensions(softcap=3.0, window=(2, 2))) == "wgmma"   # (42nd)
+        assert _auto_kernel(np.float16, 200, ext=Extensions(alibi_slopes=slopes), deterministic=False) == "wgmma"
         assert _auto_kernel(np.float16, 128, ext=Extensions(window=(2, 2)), deterministic=False) == "wgmma"
         q, k, v, dout = (np.random.default_rng(i).standard_normal((1, 2, 70, 64)).astype(np.float16)
                          for i in range(4))

@@ -176,6 +176,38 @@ def test_extension_head_dim_128(case, monkeypatch):
     run_case(dt, names, causal=causal, deterministic=det, D=128, Lq=70, Lk=140, tma=kind == "ws")
 
 
+# Head dim 256 (the ws kernel's head-dim split: S^T, dP^T in both consumer warpgroups, dQ by their atomics; since
+# the forty-second session): every set without dropout (EXT_SPILLS). D 200: padded to 256, the accumulator's 208.
+D256 = [
+    (("softcap", "window"), bfloat16, True, True, 256),   # Gemma 2's
+    (("window",), np.float16, True, False, 256),
+    (("alibi", "seqlens"), np.float16, False, True, 256),
+    (("block_mask",), bfloat16, False, False, 256),
+    (("window", "alibi", "softcap", "seqlens", "block_mask"), np.float16, True, False, 256),
+    (("softcap", "window"), np.float16, False, True, 200),
+]
+
+
+@pytest.mark.parametrize("case", thin(D256), ids=_id)
+def test_extension_head_dim_256(case):
+    names, dt, causal, det, D = case
+    run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=70, Lk=140)
+
+
+def test_head_dim_256_ordered_bits_identical_under_schedules():
+    """The head-dim split's ordered dQ with a window and softcap: the reference's gradients, and the same bits under
+    the reverse and random schedules (Lk 300: five key blocks of 64 add to most dQ elements, query blocks whose
+    first visitor is past key block 0)."""
+    names = ("window", "softcap")
+    inputs = problem(np.float16, 256, 70, 300)
+    base = run_case(np.float16, names, causal=False, deterministic=True, D=256, Lq=70, Lk=300, inputs=inputs)
+    for schedule, seed in (("reverse", 0), ("random", 5)):
+        again = run_case(np.float16, names, causal=False, deterministic=True, D=256, Lq=70, Lk=300, inputs=inputs,
+                         check=False, schedule=schedule, seed=seed)
+        for a, b in zip(base, again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
+
+
 @pytest.mark.parametrize("det", [True, False], ids=["ordered", "atomic"])
 def test_gqa_lq_above_lk(det):
     """K/V broadcast over 4 query heads (partial sums reduced), Lq > Lk off the tiles (rows without keys)."""
@@ -339,8 +371,12 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
 
 @pytest.mark.parametrize("names,D,Dv,det,match", [
     (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
-    (("alibi",), 256, 256, False, "both padded to 64 or both to 128"),
-    (("alibi",), 64, 128, True, "both padded to 64 or both to 128"),
+    (("alibi",), 64, 128, True, "padded alike only"),
+    (("alibi",), 256, 128, False, "padded alike only"),
+    (("dropout",), 256, 256, False, "dropout together at head dim 256 on its warp-specialized TMA kernel.*spills"),
+    (("window", "dropout"), 200, 200, True, "dropout together at head dim 256 .*spills"),
+    # the cp.async kernel (the ws kernel is off) takes no extension in the head-dim split
+    (("alibi",), 256, 256, False, "above 128 on its warp-specialized TMA kernel only.*cp.async"),
     # the cp.async kernel refuses ALiBi at 128 (EXT_SPILLS; the ws kernel is off: rows not 16-byte aligned)
     (("dropout", "alibi"), 128, 128, False, "alibi together at head dim 128 on its cp.async kernel.*spills"),
 ])
@@ -392,13 +428,15 @@ def test_spilling_sets_refused(bulk):
     """Every (kernel, head dim) subset the refusal table lists is refused by name, and its supersets (EXT_SPILLS;
     the ws kernel with the bulk dQ, EXT_SPILLS_BULK)."""
     with flag_set(S, "DQ_BULK_EXT", bulk):
-        for (kind, d), subsets in S.EXT_SPILLS.items():
-            for m in (S.EXT_SPILLS_BULK if kind == "ws" and bulk else S.EXT_SPILLS)[(kind, d)]:
+        for (kind, d), subsets in S.EXT_SPILLS.items():   # (the head-dim split takes no bulk dQ with extensions)
+            for m in (S.EXT_SPILLS_BULK if kind == "ws" and bulk and d <= S.SPLIT_ABOVE else S.EXT_SPILLS)[(kind, d)]:
                 why = S.ext_refusal(m, d, d, kind == "ws")
                 assert why is not None and "spills" in why, (kind, d, m)
                 assert S.ext_refusal(m | BITS["alibi"], d, d, kind == "ws") is not None
     assert S.ext_refusal(BITS["softcap"], 128, 128, True) is None   # (the bulk dQ's registers)
     assert S.ext_refusal(BITS["dropout"], 128, 128, True) is None
+    assert S.ext_refusal(63 & ~BITS["dropout"], 256, 256, True) is None
+    assert not S.ws_dq_bulk(256, 256, BITS["window"]) and S.ws_dq_bulk(256, 256) and S.ws_dq_bulk(128, 128, 1)
 
 
 def test_dense_names_unchanged():
@@ -449,20 +487,20 @@ def check_no_spills(found):
 
 @requires_nvrtc
 def test_extension_instantiations_do_not_spill():
-    """A sample of the sets the refusal tables leave to the kernels (fp16, each feature alone, head dims 64 and 128,
-    both kernels — the ws kernel with its bulk dQ, EXT_SPILLS_BULK —, both dQ modes, causal and not) compiles for
-    sm_90a without spills."""
+    """A sample of the sets the refusal tables leave to the kernels (fp16, each feature alone, head dims 64, 128 and
+    256 — the ws kernel with its bulk dQ, EXT_SPILLS_BULK, below the split —, both dQ modes, causal and not)
+    compiles for sm_90a without spills."""
     singles = [b for b in BITS.values()]
-    check_no_spills(instantiations((np.float16,), (64, 128), singles))
+    check_no_spills(instantiations((np.float16,), (64, 128, 256), singles))
 
 
 @requires_nvrtc
 @pytest.mark.slow
 def test_every_extension_instantiation_does_not_spill():
-    """Every subset of the six, fp16 and bf16, head dims 64 and 128, both kernels, both dQ modes, causal and not:
-    those the refusal tables leave compile without spills (the audit behind the tables; ~20 min): the ws kernel with
+    """Every subset of the six, fp16 and bf16, head dims 64, 128 and 256, both kernels, both dQ modes, causal and not:
+    those the refusal tables leave compile without spills (the audit behind the tables; ~25 min): the ws kernel with
     its bulk dQ (EXT_SPILLS_BULK) and with the consumers' atomics (DQ_BULK_EXT off, EXT_SPILLS)."""
-    check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64)))
+    check_no_spills(instantiations((np.float16, bfloat16), (64, 128, 256), range(1, 64)))
     with flag_set(S, "DQ_BULK_EXT", False):
         check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64), kinds=("ws",)))
 
@@ -472,7 +510,7 @@ def test_every_extension_instantiation_does_not_spill():
 SLOW = [(names, dt, causal, det, D, kind)
         for names in (("window",), ("alibi", "dropout"), ("block_mask", "seqlens"), ("softcap", "window"), ALL)
         for dt in (np.float16, bfloat16) for causal in (False, True) for det in (False, True)
-        for D in (64, 128) for kind in ("ws", "cp.async")
+        for D in (64, 128, 256) for kind in ("ws", "cp.async")
         if not (det and bits_of(names) & ~S.ORDERED_EXT)]
 
 
@@ -493,7 +531,7 @@ def test_extension_matrix(case, monkeypatch):
 # emulator: the hardware's own wgmma / TMA / mbarrier behaviour with the extensions' instructions in the loop.
 GPU_CASES = ([c + (64, "ws") for c in SINGLE + COMBOS] + [c + ("cp.async",) for c in
              [c + (64,) for c in (SINGLE[0], SINGLE[3], SINGLE[5], COMBOS[0], ALL_BUT_SOFTCAP)]]
-             + [c[:4] + (128, c[4]) for c in D128 + D128_BULK])
+             + [c[:4] + (128, c[4]) for c in D128 + D128_BULK] + [c + ("ws",) for c in D256])
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
 head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the deterministic mode
 with a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs it), the sets whose
-instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims above 128 or padded differently.
+instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims padded differently (D and Dv) or (the
+cp.async kernel) above 128.
 Extensions (docs/hopper.md, "Backward with extensions"): both kernels, their ``kExt`` appended last to the names.
 
 Both atomic dQ modes (plain, ``deterministic=False``, and ordered, the deterministic default) take the
@@ -148,8 +149,11 @@ def check_ext(ext, ordered):
 #: with extensions").
 #: Head dim 64: the ws kernel runs all 63 sets, the cp.async kernel all without softcap + dropout together. Head
 #: dim 128 (the dense loops already at 235 of 240 / 251 of 255 registers): the ws kernel takes subsets of window,
-#: ALiBi, block mask, lengths but ALiBi + block mask + lengths, the cp.async kernel the window alone.
-EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32),
+#: ALiBi, block mask, lengths but ALiBi + block mask + lengths, the cp.async kernel the window alone. Head dim 256
+#: (the ws kernel only: the head-dim split, S^T and dP^T in both consumer warpgroups, dQ by the consumers' atomics):
+#: every set without dropout; of the 192 instantiations with dropout 116 spill (4-88 bytes, no pattern in the other
+#: bits: 16 alone spills, 16 + window does not), so dropout is refused (forty-second session's audit, fp16 and bf16).
+EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32), ("ws", 256): (16,),
               ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
 #: The ws kernel's refused subsets with the bulk dQ (:func:`ws_dq_bulk`: the consumers store dQ^T to shared memory
 #: instead of holding the atomics' addresses): none. Softcap, dropout and ALiBi + block mask + lengths, refused with
@@ -185,9 +189,12 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
     if not ext:
         return None
     d, dv = pad_head_dims(D, Dv)
-    if d != dv or d > SPLIT_ABOVE:
-        return ("runs extensions with D and Dv both padded to 64 or both to 128 only (got D=%d, Dv=%d: the "
-                "head-dim split and mixed tiles are not audited for them)" % (D, Dv))
+    if d != dv:
+        return ("runs extensions with D and Dv padded alike only (got D=%d, Dv=%d: mixed tiles are not audited for "
+                "them)" % (D, Dv))
+    if d > SPLIT_ABOVE and not ws:
+        return ("runs extensions at head dims above %d on its warp-specialized TMA kernel only (got D=%d; the "
+                "cp.async kernel's head-dim split is not audited for them)" % (SPLIT_ABOVE, D))
     kind = "ws" if ws else "cp.async"
     bulk = ws and ws_dq_bulk(D, Dv, ext)
     for m in (EXT_SPILLS_BULK if bulk else EXT_SPILLS)[(kind, d)]:
@@ -307,10 +314,11 @@ def dq_bulk(d, dv, dq_dim=None):
 
 def ws_dq_bulk(D, Dv, ext=0):
     """Whether the ws kernel for head dims D, Dv (unpadded; D padded to 16 is the accumulator's) and the kExt bits
-    ``ext`` takes the bulk dQ (``Is_dq_bulk``): :func:`dq_bulk`, and with extensions :data:`DQ_BULK_EXT` (their
-    head dims are never split: :func:`ext_refusal`)."""
+    ``ext`` takes the bulk dQ (``Is_dq_bulk``): :func:`dq_bulk`, and with extensions :data:`DQ_BULK_EXT` below the
+    head-dim split (in it, extension calls take the consumers' atomics: the staged dQ rides the query split, which
+    they do not take)."""
     d, dv = pad_head_dims(D, Dv)
-    return dq_bulk(d, dv, -(-D // 16) * 16) and (not ext or DQ_BULK_EXT)
+    return dq_bulk(d, dv, -(-D // 16) * 16) and (not ext or (DQ_BULK_EXT and not is_split(D, Dv)))
 
 
 def dq_buffers(d, dv, block_m=BLOCK_M, block_n=BLOCK_N, bulk=None):
