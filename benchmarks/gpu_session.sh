@@ -222,9 +222,10 @@ run_step mma_verdicts "${GPU_SESSION_MMA_S:-170}" "$PY" benchmarks/hopper_varian
     --seqlens 4096,16384 --max-seconds 150 --json "$OUT_DIR/mma_verdicts.json"
 # (4c) the twenty-fifth session's d 256 mma.sync tiles: the grid-layout backward against the row-tile kernel, the
 # 8-warp 128 x 64 forward against 128 x 32, and the wgmma backward against the mma.sync one at d 256 (if the grid
-# kernel's ordered mode beats the wgmma kernel's there, sm_90's deterministic d 256 dispatch should take it)
+# kernel's ordered mode beats the wgmma kernel's there, sm_90's deterministic d 256 dispatch should take it); and
+# with a window, the forty-second session's d 256 extension calls on the wgmma backward against the mma.sync one
 run_step mma_d256 "${GPU_SESSION_MMA256_S:-70}" "$PY" benchmarks/hopper_variants.py \
-    --only mma.GRID_LAYOUT,mma.WIDE_BC64_LARGE,bwd.kernel --head-dims 256 --seqlens 4096 --max-seconds 55 \
+    --only mma.GRID_LAYOUT,mma.WIDE_BC64_LARGE,bwd.kernel,bwd.kernel.window --head-dims 256 --seqlens 4096 --max-seconds 55 \
     --json "$OUT_DIR/mma_d256.json"
 # (5) decoding / GQA shapes against FlashAttention-2
 run_step gpu_decode "${GPU_SESSION_DECODE_S:-30}" "$PY" benchmarks/gpu.py --decode
