@@ -563,7 +563,7 @@ def test_gpu_session_runs_every_step_and_names_real_commands(tmp_path, monkeypat
         "fwd.PERSISTENT_CAUSAL_MAX_HEAD_DIM", "fwd.THREE_WARPGROUPS", "bwd.DQ_BULK", "bwd.QUERY_SPLIT",
         "bwd.ENTRIES_FIRST", "bwd.DQ_SPLIT", "bwd.KT_REGS", "bwd.DQ_BUFFERS", "bwd.SCORES_AHEAD", "bwd.SPLIT_OVERLAP", "mma.ENTRIES_FIRST"]
     assert [s.name for s in importlib.import_module("hopper_variants").select(scripts[3][2])] == [
-        "bwd.kernel", "mma.WIDE_BC64_LARGE", "mma.GRID_LAYOUT"] and "256" in scripts[3]
+        "bwd.kernel", "mma.WIDE_BC64_LARGE", "mma.GRID_LAYOUT", "bwd.kernel.window"] and "256" in scripts[3]
     helps = {}
     for script, *args in scripts:
         if script not in helps:
