@@ -50,10 +50,11 @@ def kw_of(names, B, H, Lq, Lk, seed=1):
     return out
 
 
-def problem(dtype, D, Lq, Lk, B=2, H=2, Hk=2, seed=0):
+def problem(dtype, D, Lq, Lk, B=2, H=2, Hk=2, seed=0, Dv=None):
     rng = np.random.default_rng(seed)
+    Dv = D if Dv is None else Dv
     return tuple(rng.standard_normal(s).astype(dtype)
-                 for s in ((B, H, Lq, D), (B, Hk, Lk, D), (B, Hk, Lk, D), (B, H, Lq, D)))
+                 for s in ((B, H, Lq, D), (B, Hk, Lk, D), (B, Hk, Lk, Dv), (B, H, Lq, Dv)))
 
 
 def backward(q, k, v, dout, out, lse, kw, *, causal, deterministic, device="emulator", **opts):
@@ -83,11 +84,12 @@ def dkv_launch(counters):
 
 
 def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, Hk=2, tma=True, check=True,
-             inputs=None, device="emulator", kw=None, **opts):
+             inputs=None, device="emulator", kw=None, Dv=None, **opts):
     """Forward (emulator, sm_80) + the wgmma backward on ``device`` (the emulator, or an sm_90 GPU through
-    CuPy); checked against the reference. ``kw``: the keywords (default :func:`kw_of` ``names``). Returns the
-    grads."""
-    q, k, v, dout = problem(dtype, D, Lq, Lk, H=H, Hk=Hk) if inputs is None else inputs
+    CuPy); checked against the reference. ``kw``: the keywords (default :func:`kw_of` ``names``); ``Dv``: V's head
+    dim (default D). Returns the grads."""
+    Dv = D if Dv is None else Dv
+    q, k, v, dout = problem(dtype, D, Lq, Lk, H=H, Hk=Hk, Dv=Dv) if inputs is None else inputs
     kw = kw_of(names, 2, H, Lq, Lk) if kw is None else kw
     out, lse = fa.flash_attention_forward(q, k, v, causal=causal, backend="emulator", **kw)
     res = backward(q, k, v, dout, out, lse, kw, causal=causal, deterministic=deterministic, kernel="wgmma",
@@ -96,7 +98,7 @@ def run_case(dtype, names, *, causal, deterministic, D=64, Lq=100, Lk=150, H=2, 
     assert name.endswith(", %d>" % bits_of(names)), name
     assert name.startswith(S.WS_KERNEL if tma else S.KERNEL + "<"), name
     # dQ: the ws kernel's bulk reduce-adds (DQ_BULK_EXT: no atomic anywhere), else the consumers' atomics
-    bulk = tma and S.ws_dq_bulk(D, D, bits_of(names))
+    bulk = tma and S.ws_dq_bulk(D, Dv, bits_of(names))
     assert c is None or c.blocks == 0 or (c.atomics == 0 if bulk else c.atomics > 0), name
     if check:
         report = fa_testing.check_attention(out, q, k, v, causal=causal, dout=dout, grads=grads, **kw)
@@ -192,6 +194,24 @@ D256 = [
 def test_extension_head_dim_256(case):
     names, dt, causal, det, D = case
     run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=70, Lk=140)
+
+
+# D != Dv in the head-dim split (padded 256 / 128 or 128 / 256; since the forty-second session): every set without
+# dropout (EXT_SPILLS). Rows of 16-byte multiples (the ws kernel's tensor maps).
+MIXED = [
+    (("seqlens",), np.float16, True, True, 192, 128),    # DeepSeek's MLA (d_qk 192, d_v 128), packed sequences
+    (("window",), np.float16, True, False, 128, 256),
+    (("window", "alibi", "softcap", "seqlens", "block_mask"), bfloat16, False, False, 192, 128),
+    (("alibi", "softcap"), np.float16, False, True, 96, 200),
+    (("dropout", "seqlens"), np.float16, True, True, 192, 128),
+    (("dropout", "alibi"), bfloat16, True, False, 128, 256),   # (not causal, this mode refuses it: EXT_SPILLS_ONE)
+]
+
+
+@pytest.mark.parametrize("case", thin(MIXED), ids=_id)
+def test_extension_mixed_head_dims(case):
+    names, dt, causal, det, D, Dv = case
+    run_case(dt, names, causal=causal, deterministic=det, D=D, Dv=Dv, Lq=70, Lk=140)
 
 
 def test_head_dim_256_ordered_bits_identical_under_schedules():
@@ -371,8 +391,10 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
 
 @pytest.mark.parametrize("names,D,Dv,det,match", [
     (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
-    (("alibi",), 64, 128, True, "padded alike only"),
-    (("alibi",), 256, 128, False, "padded alike only"),
+    (("alibi",), 64, 128, True, "padded alike, or in the head-dim split, only"),
+    (("alibi",), 128, 64, False, "padded alike, or in the head-dim split, only"),
+    (("dropout", "alibi"), 192, 128, False, "does not run alibi\\+dropout alone with deterministic=False at head dim "
+     "256 / 128 on its warp-specialized TMA kernel.*spills"),
     (("dropout",), 256, 256, False, "dropout together at head dim 256 on its warp-specialized TMA kernel.*spills"),
     (("window", "dropout"), 200, 200, True, "dropout together at head dim 256 .*spills"),
     # the cp.async kernel (the ws kernel is off) takes no extension in the head-dim split
@@ -398,6 +420,11 @@ def test_one_instantiation_refused():
                                                                                           False), (m, None, None)]:
         assert S.ext_refusal(bits, 128, 128, True, causal, ordered) is None, (bits, causal, ordered)
     assert S.ext_refusal(m, 64, 64, True, True, False) is None
+    for D, Dv in ((256, 128), (192, 128), (128, 256)):   # EXT_SPILLS_ONE: the split's mixed dims, not causal, atomics
+        why = S.ext_refusal(m, D, Dv, True, False, False)
+        assert why is not None and "alone with deterministic=False at head dim" in why and "spills" in why
+        for causal, ordered in ((True, False), (False, True), (True, True), (None, None)):
+            assert S.ext_refusal(m, D, Dv, True, causal, ordered) is None, (D, Dv, causal, ordered)
 
 
 @pytest.mark.parametrize("names,det,match", [
@@ -428,14 +455,16 @@ def test_spilling_sets_refused(bulk):
     """Every (kernel, head dim) subset the refusal table lists is refused by name, and its supersets (EXT_SPILLS;
     the ws kernel with the bulk dQ, EXT_SPILLS_BULK)."""
     with flag_set(S, "DQ_BULK_EXT", bulk):
-        for (kind, d), subsets in S.EXT_SPILLS.items():   # (the head-dim split takes no bulk dQ with extensions)
-            for m in (S.EXT_SPILLS_BULK if kind == "ws" and bulk and d <= S.SPLIT_ABOVE else S.EXT_SPILLS)[(kind, d)]:
-                why = S.ext_refusal(m, d, d, kind == "ws")
-                assert why is not None and "spills" in why, (kind, d, m)
-                assert S.ext_refusal(m | BITS["alibi"], d, d, kind == "ws") is not None
+        for key, subsets in S.EXT_SPILLS.items():   # (the head-dim split takes no bulk dQ with extensions)
+            kind, d, dv = key if len(key) == 3 else key + key[1:]
+            for m in (S.EXT_SPILLS_BULK if kind == "ws" and bulk and max(d, dv) <= S.SPLIT_ABOVE else S.EXT_SPILLS)[key]:
+                why = S.ext_refusal(m, d, dv, kind == "ws")
+                assert why is not None and "spills" in why, (key, m)
+                assert S.ext_refusal(m | BITS["alibi"], d, dv, kind == "ws") is not None
     assert S.ext_refusal(BITS["softcap"], 128, 128, True) is None   # (the bulk dQ's registers)
     assert S.ext_refusal(BITS["dropout"], 128, 128, True) is None
-    assert S.ext_refusal(63 & ~BITS["dropout"], 256, 256, True) is None
+    for D, Dv in ((256, 256), (192, 128), (128, 256)):
+        assert S.ext_refusal(63 & ~BITS["dropout"], D, Dv, True) is None, (D, Dv)
     assert not S.ws_dq_bulk(256, 256, BITS["window"]) and S.ws_dq_bulk(256, 256) and S.ws_dq_bulk(128, 128, 1)
 
 
@@ -459,13 +488,14 @@ def test_dense_names_unchanged():
 
 def instantiations(dtypes, dims, subsets, kinds=("ws", "cp.async")):
     """{name: (kind, d, bits)} of every extension instantiation a call can launch for these sets (both dQ modes,
-    causal and not), those EXT_SPILLS refuses left out."""
+    causal and not; ``dims``: head dims, or (D, Dv) pairs), those the refusal tables refuse left out."""
     found = {}
     for dt, d, bits, causal, ordered, kind in itertools.product(dtypes, dims, subsets, (False, True),
                                                                  (False, True), kinds):
-        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, d, d, kind == "ws", causal, ordered):
+        D, Dv = d if isinstance(d, tuple) else (d, d)
+        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, D, Dv, kind == "ws", causal, ordered):
             continue
-        ks = cb.kernel_plan(dt, d, d, causal=causal, deterministic=False, arch=90, kernel="wgmma", ordered=ordered,
+        ks = cb.kernel_plan(dt, D, Dv, causal=causal, deterministic=False, arch=90, kernel="wgmma", ordered=ordered,
                             ext=bits, tma=kind == "ws")
         found[ks["dkv"][1]] = (kind, d, bits)
     return found
@@ -497,10 +527,11 @@ def test_extension_instantiations_do_not_spill():
 @requires_nvrtc
 @pytest.mark.slow
 def test_every_extension_instantiation_does_not_spill():
-    """Every subset of the six, fp16 and bf16, head dims 64, 128 and 256, both kernels, both dQ modes, causal and not:
-    those the refusal tables leave compile without spills (the audit behind the tables; ~25 min): the ws kernel with
-    its bulk dQ (EXT_SPILLS_BULK) and with the consumers' atomics (DQ_BULK_EXT off, EXT_SPILLS)."""
-    check_no_spills(instantiations((np.float16, bfloat16), (64, 128, 256), range(1, 64)))
+    """Every subset of the six, fp16 and bf16, head dims 64, 128 and 256 and the split's mixed 256 / 128, 128 / 256,
+    both kernels, both dQ modes, causal and not: those the refusal tables leave compile without spills (the audit
+    behind the tables; ~30 min): the ws kernel with its bulk dQ (EXT_SPILLS_BULK) and with the consumers' atomics
+    (DQ_BULK_EXT off, EXT_SPILLS)."""
+    check_no_spills(instantiations((np.float16, bfloat16), (64, 128, 256, (256, 128), (128, 256)), range(1, 64)))
     with flag_set(S, "DQ_BULK_EXT", False):
         check_no_spills(instantiations((np.float16, bfloat16), (64, 128), range(1, 64), kinds=("ws",)))
 
@@ -543,6 +574,14 @@ def test_extension_gpu(case, monkeypatch):
     launch._clear_plans()
     run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=100 if D == 64 else 70, Lk=150 if D == 64 else 140,
              tma=kind == "ws", device="cuda")
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("case", MIXED, ids=_id)
+def test_extension_gpu_mixed_head_dims(case):
+    names, dt, causal, det, D, Dv = case
+    run_case(dt, names, causal=causal, deterministic=det, D=D, Dv=Dv, Lq=70, Lk=140, device="cuda")
 
 
 @pytest.mark.gpu

@@ -153,7 +153,10 @@ def check_ext(ext, ordered):
 #: (the ws kernel only: the head-dim split, S^T and dP^T in both consumer warpgroups, dQ by the consumers' atomics):
 #: every set without dropout; of the 192 instantiations with dropout 116 spill (4-88 bytes, no pattern in the other
 #: bits: 16 alone spills, 16 + window does not), so dropout is refused (forty-second session's audit, fp16 and bf16).
+#: Mixed head dims (padded 256 / 128 and 128 / 256; keyed (kind, d, dv)), the head-dim split too: every set, but one
+#: instantiation each (:data:`EXT_SPILLS_ONE`). Below the split, mixed 64 / 128 tiles are not audited (refused).
 EXT_SPILLS = {("ws", 64): (), ("ws", 128): (4, 16, 2 | 8 | 32), ("ws", 256): (16,),
+              ("ws", 256, 128): (), ("ws", 128, 256): (),
               ("cp.async", 64): (4 | 16,), ("cp.async", 128): (2, 4, 8, 16, 32)}
 #: The ws kernel's refused subsets with the bulk dQ (:func:`ws_dq_bulk`: the consumers store dQ^T to shared memory
 #: instead of holding the atomics' addresses): none. Softcap, dropout and ALiBi + block mask + lengths, refused with
@@ -166,6 +169,11 @@ EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): ()}
 #: Philox bits while S^T is in flight). Its ordered (deterministic) and non-causal instantiations and every superset
 #: (the other 15 sets with dropout and ALiBi, either mode) compile clean (thirty-ninth session's audit, fp16 and bf16).
 EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),)}
+#: ... and of the ws kernel with the consumers' atomics (the head-dim split's extension calls): at padded head dims
+#: 256 / 128 and 128 / 256, dropout + ALiBi alone, not causal, plain atomics (4 bytes; fp16 and bf16, D 256 / 128
+#: and 128 / 256; the other 374 instantiations of each pair compile clean, and D 192 / 128's 188 fp16 ones all do:
+#: forty-second session's audit).
+EXT_SPILLS_ONE = {("ws", 256, 128): ((16 | 2, False, False),), ("ws", 128, 256): ((16 | 2, False, False),)}
 
 
 def _bit_names(bits):
@@ -184,27 +192,31 @@ def auto_ext(ext, D, Dv, deterministic):
 def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
     """None where the wgmma kernel (``ws``: the warp-specialized one, else the cp.async one) runs the kExt bits
     ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError). ``causal`` and
-    ``ordered`` (the dQ mode) name the instantiation where known (:data:`EXT_SPILLS_BULK_ONE`); None (kernel=None's
+    ``ordered`` (the dQ mode) name the instantiation where known (:data:`EXT_SPILLS_BULK_ONE`, :data:`EXT_SPILLS_ONE`);
+    None (kernel=None's
     choice, before the plan knows them) refuses only what every instantiation of the set refuses."""
     if not ext:
         return None
     d, dv = pad_head_dims(D, Dv)
-    if d != dv:
-        return ("runs extensions with D and Dv padded alike only (got D=%d, Dv=%d: mixed tiles are not audited for "
-                "them)" % (D, Dv))
-    if d > SPLIT_ABOVE and not ws:
-        return ("runs extensions at head dims above %d on its warp-specialized TMA kernel only (got D=%d; the "
-                "cp.async kernel's head-dim split is not audited for them)" % (SPLIT_ABOVE, D))
+    split = max(d, dv) > SPLIT_ABOVE
+    if split and not ws:
+        return ("runs extensions at head dims above %d on its warp-specialized TMA kernel only (got D=%d, Dv=%d; the "
+                "cp.async kernel's head-dim split is not audited for them)" % (SPLIT_ABOVE, D, Dv))
+    if d != dv and not split:
+        return ("runs extensions with D and Dv padded alike, or in the head-dim split, only (got D=%d, Dv=%d: mixed "
+                "64 / 128 tiles are not audited for them)" % (D, Dv))
     kind = "ws" if ws else "cp.async"
+    key = (kind, d) if d == dv else (kind, d, dv)
     bulk = ws and ws_dq_bulk(D, Dv, ext)
-    for m in (EXT_SPILLS_BULK if bulk else EXT_SPILLS)[(kind, d)]:
+    for m in (EXT_SPILLS_BULK if bulk else EXT_SPILLS)[key]:
         if ext & m == m:
-            return ("does not run %s together at head dim %d on its %s kernel (the instantiation spills registers; "
-                    "this call: %s)" % (_bit_names(m), d, "warp-specialized TMA" if ws else "cp.async",
-                                         _bit_names(ext)))
-    if bulk and (ext, causal, ordered) in EXT_SPILLS_BULK_ONE.get((kind, d), ()):
-        return ("does not run %s alone%s with deterministic=%s at head dim %d on its warp-specialized TMA kernel "
-                "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered, d))
+            return ("does not run %s together at head dim %s on its %s kernel (the instantiation spills registers; "
+                    "this call: %s)" % (_bit_names(m), d if d == dv else "%d / %d" % (d, dv),
+                                         "warp-specialized TMA" if ws else "cp.async", _bit_names(ext)))
+    if (ext, causal, ordered) in (EXT_SPILLS_BULK_ONE if bulk else EXT_SPILLS_ONE).get(key, ()):
+        return ("does not run %s alone%s with deterministic=%s at head dim %s on its warp-specialized TMA kernel "
+                "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered,
+                                                          d if d == dv else "%d / %d" % (d, dv)))
     return None
 
 
