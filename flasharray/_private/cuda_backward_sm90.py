@@ -193,8 +193,8 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
     """None where the wgmma kernel (``ws``: the warp-specialized one, else the cp.async one) runs the kExt bits
     ``ext`` for head dims D, Dv without spilling; else why not (the text of the NotImplementedError). ``causal`` and
     ``ordered`` (the dQ mode) name the instantiation where known (:data:`EXT_SPILLS_BULK_ONE`, :data:`EXT_SPILLS_ONE`);
-    None (kernel=None's
-    choice, before the plan knows them) refuses only what every instantiation of the set refuses."""
+    None (kernel=None's choice, before the plan knows them) refuses only what every instantiation of the set
+    refuses."""
     if not ext:
         return None
     d, dv = pad_head_dims(D, Dv)
@@ -206,17 +206,16 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
         return ("runs extensions with D and Dv padded alike, or in the head-dim split, only (got D=%d, Dv=%d: mixed "
                 "64 / 128 tiles are not audited for them)" % (D, Dv))
     kind = "ws" if ws else "cp.async"
-    key = (kind, d) if d == dv else (kind, d, dv)
+    key, dims = ((kind, d), "%d" % d) if d == dv else ((kind, d, dv), "%d / %d" % (d, dv))
     bulk = ws and ws_dq_bulk(D, Dv, ext)
     for m in (EXT_SPILLS_BULK if bulk else EXT_SPILLS)[key]:
         if ext & m == m:
             return ("does not run %s together at head dim %s on its %s kernel (the instantiation spills registers; "
-                    "this call: %s)" % (_bit_names(m), d if d == dv else "%d / %d" % (d, dv),
-                                         "warp-specialized TMA" if ws else "cp.async", _bit_names(ext)))
+                    "this call: %s)" % (_bit_names(m), dims, "warp-specialized TMA" if ws else "cp.async",
+                                         _bit_names(ext)))
     if (ext, causal, ordered) in (EXT_SPILLS_BULK_ONE if bulk else EXT_SPILLS_ONE).get(key, ()):
         return ("does not run %s alone%s with deterministic=%s at head dim %s on its warp-specialized TMA kernel "
-                "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered,
-                                                          d if d == dv else "%d / %d" % (d, dv)))
+                "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered, dims))
     return None
 
 
