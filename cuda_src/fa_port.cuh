@@ -20,10 +20,11 @@
 //   global memory      fa::gload(p), fa::gstore(p, v), fa::atomic_add(p, v), fa::atomic_add_if(pred, p, v)
 //   inter-block order  fa::sem_wait(sem, expected), fa::sem_post(sem): block-wide (every thread
 //                      calls them); a block waits until an int counter in global memory equals
-//                      `expected`, another adds 1 after its writes (sm_70+; usage rule below);
+//                      `expected`, another adds 1 (or `add`: fa::sem_post(sem, add)) after its writes
+//                      (sm_70+; usage rule below);
 //                      fa::sem_acquire(sem, expected), fa::sem_release(sem): their halves by one thread,
 //                      paired with the caller's own __syncthreads() (work in between)
-//                      fa::sem_wait_group(sem, expected, id, nthreads), fa::sem_post_group(sem, id, nthreads):
+//                      fa::sem_wait_group(sem, expected, id, nthreads), fa::sem_post_group(sem, id, nthreads[, add]):
 //                      the same for the nthreads consecutive threads of named barrier `id` only
 //                      (warp-specialized kernels: the consumers order themselves, the producer never joins)
 //   named barriers     fa::named_barrier_sync(id, nthreads), fa::named_barrier_arrive(id, nthreads)
@@ -452,13 +453,15 @@ __device__ __forceinline__ void sem_wait(const int* sem, int expected) {
 // __threadfence() + atomicAdd: __threadfence() is fence.sc.gpu, a sequentially consistent fence
 // the pattern does not need, while a release add orders exactly the earlier writes; `red` (no
 // return value) also lets the waiter's spin be the only round trip.
-__device__ __forceinline__ void sem_release(int* sem) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
+// `add`: the count posted (1; the ordered dQ mode with a block mask posts the distance between two visitors'
+// ranks, flash_bwd_ext.cuh's dq_turn).
+__device__ __forceinline__ void sem_release(int* sem, int add = 1) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(add) : "memory");
 }
 
-__device__ __forceinline__ void sem_post(int* sem) {
+__device__ __forceinline__ void sem_post(int* sem, int add = 1) {
     __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) sem_release(sem);
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) sem_release(sem, add);
 }
 
 // Group-wide variants: the same wait and post for a group of `nthreads` consecutive threads (linear thread
@@ -483,10 +486,10 @@ __device__ __forceinline__ void sem_wait_group(const int* sem, int expected, int
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
 }
 
-__device__ __forceinline__ void sem_post_group(int* sem, int id, int nthreads) {
+__device__ __forceinline__ void sem_post_group(int* sem, int id, int nthreads, int add = 1) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(nthreads) : "memory");
     if (sem_group_leader(nthreads)) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(1) : "memory");
+        asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(sem), "r"(add) : "memory");
     }
 }
 

@@ -414,9 +414,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                   "P^T, dS^T in registers need the warp's strip to span all of Br and its dK_j, dV_j rows");
     static_assert(kColsK % 16 == 0 && kColsV % 16 == 0 && kColsK * kSplitK == kHeadDim &&
                   kColsV * kSplitV == kHeadDimV, "each warp's dK/dV column slice must be whole n16 steps");
-    static_assert(!kOrderedDQ || (kAtomicDQ && (kExt & flash::kExtBlockMask) == 0),
-                  "ordered dQ: the atomic mode's accumulator, query block i visited by key blocks n_lo(i) .. n_max(i) "
-                  "(no block mask)");
+    static_assert(!kOrderedDQ || kAtomicDQ, "ordered dQ: the atomic mode's accumulator (turns: dq_turn)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, kScoresInRegs>;
 
     FA_DYNAMIC_SMEM(smem);
@@ -525,6 +523,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     // Visit (grp, i) and the next one (grp_n, i_n), stepped without divisions.
     int grp = 0, i = i_begin;
     int* posted = nullptr;  // ordered: the counter of the previous visit, posted after the next barrier
+    int posted_add = 1;     // ... and thread 0's count to post (dq_turn: 1 without a block mask)
+    // Ordered: thread 0 polls for its turn at query block i of entry grp (fa::sem_wait's first half).
+    auto acquire_turn = [&](int grp, int i) {
+        const DQTurn turn = dq_turn(dq_order, i, walk);
+        fa::sem_acquire(order.counter(dqa_entry(grp), i), turn.expected);
+        posted_add = turn.add;
+    };
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
@@ -543,7 +548,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
         // Ordered: thread 0 posts the previous visit's turn (fa::sem_post's second half: this barrier followed
         // every thread's atomics), its release fence overlapping the other warps' copies instead of a barrier.
         if constexpr (kOrderedDQ)
-            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
+            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted, posted_add);
         const bool prefetch = kStages == 2 && visit + 1 < n_visits;
         if (kPrefetchQ)
             prefetch_query_block(true, grp, i);
@@ -578,8 +583,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
                     // the products, for other warps to overlap it, took 12-112 bytes of spills.)
                     warp_mma_rA<T, kBlockM, kColsV, true>(dV_acc, P_a, dO_s, L::kPitchDv);
                     warp_mma_rA<T, kBlockM, kColsK, true>(dK_acc, dS_a, Q_s, L::kPitchD);
-                    if (threadIdx.x == 0)
-                        fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+                    if (threadIdx.x == 0) acquire_turn(grp, i);
                 }
                 // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
                 __syncthreads();
@@ -620,8 +624,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
             // -- atomic mode: dQ_i += dS K_j into the float accumulator (ordered: in turn, fa::sem_wait's halves:
             //    thread 0's poll, then the barrier extending it to the block).
             if constexpr (kOrderedDQ) {
-                if (threadIdx.x == 0)
-                    fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+                if (threadIdx.x == 0) acquire_turn(grp, i);
                 __syncthreads();
             }
             if (kAtomicDQ)
@@ -633,7 +636,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
     }
     // Ordered: the last visit's post (fa::sem_post).
     if constexpr (kOrderedDQ)
-        if (n_visits > 0) fa::sem_post(posted);
+        if (n_visits > 0) fa::sem_post(posted, posted_add);
 
     fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
 

@@ -204,6 +204,8 @@ struct DQOrder {
         const int tc = static_cast<int>(gridDim.x);
         return DQOrder{kDescending ? tc - 1 - x : x, tc};
     }
+    // The rank of key block m in the order (the grid's x of the block computing it; rank(rank(m)) = m).
+    __device__ __forceinline__ int rank(int m) const { return kDescending ? tc - 1 - m : m; }
     // causal_offset: the mask's (Lk - Lq: row r sees keys <= r + causal_offset).
     __device__ __forceinline__ int turn(int i, int Br, int Bc, int causal_offset) const {
         if constexpr (!kDescending) {

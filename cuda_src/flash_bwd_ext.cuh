@@ -172,6 +172,10 @@ struct QueryTileWalk {
         if (n0 >= mask.Lk) return 0;
         return mask.m_block_max(flash::imin(n0 + Bc, mask.Lk), Br);
     }
+    // Whether query tile i lies in the tiles' range [the first reached, end()) (next() may still skip it).
+    __device__ __forceinline__ bool reaches(int i) const {
+        return i >= mask.m_block_min(n0, Br) && i < end();
+    }
     __device__ __forceinline__ int next(int i, int hi) const {
         ++i;
         if constexpr (M::kBlockMask)
@@ -188,5 +192,36 @@ struct QueryTileWalk {
         return hi > lo ? hi - lo : 0;
     }
 };
+
+// The ordered dQ mode's turn at query tile i (kOrderedDQ): wait until the counter equals `expected`, then
+// post `add` (fa::sem_post(counter, add)). Without a block mask: DQOrder::turn with the mask and posts of 1
+// (the counter counts the visitors before this one). With one (kExtBlockMask) the visitors of i are the run of
+// key blocks reaching it (DQOrder's comment: one contiguous run holding this block) less the tiles whose
+// blocks are all False, which visit nothing and post nothing; the counter then holds 1 + the rank
+// (DQOrder::rank: the grid's x) of the last visitor that posted, 0 before the first. The block walks back in
+// rank from its own to its previous visitor prev — past the tiles the mask skips, stopping at the run's end —,
+// waits for rank(prev) + 1 (0: none) and posts rank(n) − rank(prev), leaving rank(n) + 1. Without holes the
+// walk is one step; no block waits on a tile it skips (a counted turn would read the whole run's tiles).
+struct DQTurn {
+    int expected, add;
+};
+template <bool kDescending, class M>
+__device__ __forceinline__ DQTurn dq_turn(const DQOrder<kDescending>& order, int i, const QueryTileWalk<M>& walk) {
+    if constexpr (!M::kBlockMask) {
+        return DQTurn{order.turn(i, walk.Br, walk.Bc, walk.mask), 1};
+    } else {
+        const int x = order.rank(order.n);
+        int prev = -1;
+        for (int y = x - 1; y >= 0; --y) {
+            const QueryTileWalk<M> w{walk.mask, order.rank(y) * walk.Bc, walk.Br, walk.Bc};
+            if (!w.reaches(i)) break;  // past the run's end
+            if (walk.mask.block_cover(i * walk.Br, w.n0, walk.Br, walk.Bc) != flash::kCoverNone) {
+                prev = y;
+                break;
+            }
+        }
+        return DQTurn{prev + 1, x - prev};
+    }
+}
 
 }  // namespace fa_bwd

@@ -485,10 +485,11 @@ __global__ void __launch_bounds__(kNThreads, kBlocksPerSm) flash_bwd_dkv_simt_ke
             if constexpr (kAtomicDQ) {
                 AccT* dqa = dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)g * dqa_g;
                 int* turn = reinterpret_cast<int*>(dqa + (long long)Lq * dqa_row) + i;  // kOrderedDQ only
-                if constexpr (kOrderedDQ) fa::sem_wait(turn, dq_order.turn(i, kBlockM, kBlockN, mask));
+                const DQTurn t = kOrderedDQ ? dq_turn(dq_order, i, walk) : DQTurn{0, 1};
+                if constexpr (kOrderedDQ) fa::sem_wait(turn, t.expected);
                 atomic_dq<typename Prod::DQ, kBlockN, L::kPitchS, L::kPitchD, (kBlocksPerSm == 1)>(
                     dqa + (long long)r0 * dqa_row, dqa_row, dS_s, K_s, scale, Lq - r0, D);
-                if constexpr (kOrderedDQ) fa::sem_post(turn);
+                if constexpr (kOrderedDQ) fa::sem_post(turn, t.add);
             }
         }
     }

@@ -676,8 +676,6 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
   constexpr int kNThreads = Tr::kNThreads;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   (void)dqa_row;
-  static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
-                "ordered dQ: query block i visited by key blocks n_lo(i) .. n_max(i) in turn (no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // Swizzled tiles start on the pattern's repeat in the shared window (flash_fwd_sm90.cu's rule).
@@ -867,8 +865,9 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
     // dS^T complete and visible to the async proxy before any warpgroup's dQ wgmma reads it (ordered:
     // also our turn for query block i — sem_wait ends in a block barrier).
     fa::fence_proxy_async();
+    const DQTurn turn = kOrderedDQ ? dq_turn(dq_order, i, walk) : DQTurn{0, 1};
     if constexpr (kOrderedDQ)
-      fa::sem_wait(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+      fa::sem_wait(order.counter(dqa_entry(grp), i), turn.expected);
     else
       __syncthreads();
     // dV, dK complete (they ran during the barrier) before the dQ batch: the A fragments of P^T and dS^T
@@ -885,7 +884,7 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
         dq_atomics_sm90<T, kDQDim, kHeadDim, kBlockM, kBlockN>(
             sK, sdS, wg * Tr::kDQBlocks + pp, dq_row + 64 * pp,
             dqa_entry(grp) + static_cast<long long>(r0) * kDQDim + dq_lane + Acc::offset(0, 64 * pp));
-    if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i));
+    if constexpr (kOrderedDQ) fa::sem_post(order.counter(dqa_entry(grp), i), turn.add);
     i = i_n, grp = grp_n;
   }
   fa::cp_async_wait<0>();  // no copy outlives the kernel when no query block was visited
@@ -1085,7 +1084,7 @@ __device__ __forceinline__ void visit_scores_qsplit_sm90(
 // spilled 8 bytes; read from blockIdx / gridDim there, 12). Extensions: the caller's turn with the mask (a window
 // moves query block i's first visitor to its left edge), dq_bulk_writer_sm90's `ext_turn`.
 template <class Order, int kBlockM, int kBlockN>
-__device__ __forceinline__ int dq_turn(int* const* turn0, int i) {
+__device__ __forceinline__ int dq_warp_turn(int* const* turn0, int i) {
   const int* a = reinterpret_cast<const int*>(turn0 + 1);
   return Order{a[0], a[1]}.turn(i, kBlockM, kBlockN, a[2]);
 }
@@ -1123,7 +1122,7 @@ __device__ __forceinline__ void dq_bulk_adds_sm90(float* dq_i, const unsigned ch
 // *turn0 (both 4-byte elements: (grp, i) is grp·dqa_g + i counters further, the consumers' rule); both read
 // from shared memory where used (at 24 registers, values live from the kernel's prologue spilled: 8 bytes,
 // measured). Extensions (kExt != 0: one group entry, n_group = 1): the query blocks of the consumers' walk
-// (`walk.next`: block-mask tiles skipped) and the turn `ext_turn(i)` (DQOrder::turn with the mask).
+// (`walk.next`: block-mask tiles skipped) and the turn `ext_turn(i)` (dq_turn: the wait's count and the post's).
 template <typename Tr, int kDQDim, int kBlockM, int kBlockN, bool kOrderedDQ, class Order, int kExt = 0,
           class Walk = flash::NoOp, class ExtTurn = flash::NoOp>
 __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, uint64_t* dq_full, uint64_t* dq_empty,
@@ -1137,10 +1136,12 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
   for (int visit = 0, i = i_begin; visit < n_visits; ++visit) {
     const int bf = visit % kBufs;
     fa::mbarrier_wait_parity(dq_full + bf, (visit / kBufs) & 1);
+    DQTurn turn{0, 1};  // (ext_turn's with a block mask, else posts of 1)
+    if constexpr (kOrderedDQ && kExt != 0) turn = ext_turn(i);
     if constexpr (kOrderedDQ && kExt != 0)
-      fa::sem_wait_group(*turn0 + i, ext_turn(i), Tr::kDQBarrier, 32);
+      fa::sem_wait_group(*turn0 + i, turn.expected, Tr::kDQBarrier, 32);
     else if constexpr (kOrderedDQ)
-      fa::sem_wait_group(*turn0 + grp_off + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
+      fa::sem_wait_group(*turn0 + grp_off + i, dq_warp_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
     if (issuer) {
       dq_bulk_adds_sm90<Tr, kDQDim, kBlockM>(dq_accum + *dqa_off + grp_off + static_cast<long long>(i) * kBlockM * kDQDim,
                                              smem, bf);
@@ -1150,7 +1151,7 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
       if constexpr (kOrderedDQ) fa::bulk_wait<0>();  // the adds complete before the turn passes on
     }
     if constexpr (kOrderedDQ)
-      fa::sem_post_group(*turn0 + grp_off + i, Tr::kDQBarrier, 32);
+      fa::sem_post_group(*turn0 + grp_off + i, Tr::kDQBarrier, 32, turn.add);
     else
       __syncwarp();
     if constexpr (kExt != 0) {
@@ -1198,8 +1199,6 @@ flash_bwd_sm90_ws_kernel(
   (void)k_b2; (void)k_row; (void)v; (void)v_b0; (void)v_b1; (void)v_b2; (void)v_row; (void)dout; (void)do_b0;
   (void)do_b1; (void)do_b2; (void)do_g; (void)do_row;
   (void)dqa_row;
-  static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
-                "ordered dQ: query block i visited by key blocks n_lo(i) .. n_max(i) in turn (no block mask)");
 
   FA_DYNAMIC_SMEM(smem_raw);
   // The swizzled boxes start on the pattern's repeat in the shared window (as in the cp.async kernel).
@@ -1262,7 +1261,7 @@ flash_bwd_sm90_ws_kernel(
     fa::fence_mbarrier_init();  // the inits visible to the TMA unit before any box completes on them
     if constexpr (kOrderedDQ) {
       *const_cast<int**>(turn0) = order.counter(dqa_entry(0), 0);
-      int* turn_args = const_cast<int*>(reinterpret_cast<const int*>(turn0 + 1));  // dq_turn's
+      int* turn_args = const_cast<int*>(reinterpret_cast<const int*>(turn0 + 1));  // dq_warp_turn's
       turn_args[0] = dq_order.n, turn_args[1] = dq_order.tc, turn_args[2] = mask.causal_offset;
     }
     if constexpr (Is_dq_bulk) const_cast<long long*>(batch_off)[0] = b.offset({dqa_b0, dqa_b1, dqa_b2, 0});
@@ -1314,7 +1313,7 @@ flash_bwd_sm90_ws_kernel(
         if (tid / 32 == 1)
           dq_bulk_writer_sm90<Tr, kDQDim, kBlockM, kBlockN, kOrderedDQ, Order, kExt>(
               smem, dq_full, Tr::kDQStaged ? empty : dq_empty, dq_accum, batch_off, turn0, dqa_g, n_visits, i_begin,
-              n_qblocks, walk, [&](int i) { return dq_order.turn(i, kBlockM, kBlockN, mask); });
+              n_qblocks, walk, [&](int i) { return dq_turn(dq_order, i, walk); });
       return;
     }
     const bool leader = fa::elect_one();
@@ -1569,9 +1568,9 @@ flash_bwd_sm90_ws_kernel(
     // ends the consumers' wait for their turn at query block i (the group semaphore: thread 256 polls,
     // the producer runs on).
     fa::fence_proxy_async();
+    const DQTurn turn = kOrderedDQ && !kDQWarp ? dq_turn(dq_order, i, walk) : DQTurn{0, 1};
     if constexpr (kOrderedDQ && !kDQWarp)
-      fa::sem_wait_group(*turn0 + grp * dqa_g + i, dq_order.turn(i, kBlockM, kBlockN, mask),
-                         Tr::kConsumerBarrier, Tr::kConsumerThreads);
+      fa::sem_wait_group(*turn0 + grp * dqa_g + i, turn.expected, Tr::kConsumerBarrier, Tr::kConsumerThreads);
     else
       fa::named_barrier_sync(Tr::kConsumerBarrier, Tr::kConsumerThreads);
     if constexpr (kQSplit)  // the other warpgroup's queries: its P^T, dS^T staged before the barrier
@@ -1627,7 +1626,7 @@ flash_bwd_sm90_ws_kernel(
     }
     // Ordered: both warpgroups' atomics done (the barrier), then one release add passes the turn on.
     if constexpr (kOrderedDQ && !kDQWarp)
-      fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads);
+      fa::sem_post_group(*turn0 + grp * dqa_g + i, Tr::kConsumerBarrier, Tr::kConsumerThreads, turn.add);
     if constexpr (kExt != 0) {
       i = walk.next(i, n_qblocks);  // one group entry: grp stays 0; block-mask tiles skipped
     } else {

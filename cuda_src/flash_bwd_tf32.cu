@@ -534,7 +534,7 @@ __device__ __forceinline__ void tf32_atomic_dq(float* dqa_i, const float* dSt_s,
 // One block pair (query block i, key block j) for the calling warp (keys 16 w..), Q_i, dO_i, L_i,
 // D_i in shared memory and visible to every warp: the scores, then dV_j += P^T dO_i (P^T dies),
 // dS^T to shared memory, dQ_i += dS K_j by atomics into dqa_i (ordered: waiting for `counter` to
-// reach this block's turn `turn` (DQOrder), posting it after), then dK_j += dS^T Q_i (the scale of
+// reach this block's turn `turn.expected` (dq_turn), posting turn.add after), then dK_j += dS^T Q_i (the scale of
 // dK applied once, at the end). This order keeps every instantiation under 255 registers without spills (measured:
 // dK before dQ spilled 8-24 bytes in two 3xtf32 cp.async + plain-atomic variants).
 template <class L, int kPrec, int kLoPlanes, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps,
@@ -542,7 +542,7 @@ template <class L, int kPrec, int kLoPlanes, int kHeadDim, int kHeadDimV, int kB
 __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
                                           const float* K_s, const float* V_s, const float* Q_s, const float* dO_s,
                                           float* dSt_s, const float* lse2_s, const float* delta_s, float* dqa_i,
-                                          int* counter, int turn, float scale_log2, const M& mask, const Drop& drop,
+                                          int* counter, DQTurn turn, float scale_log2, const M& mask, const Drop& drop,
                                           int r0, int c0) {
     const int warp = (int)threadIdx.x / 32;
     float s[kBlockM / 8][4], ds[kBlockM / 8][4];  // P^T, dS^T of the warp's 16 keys (C layout)
@@ -554,11 +554,11 @@ __device__ __forceinline__ void dkv_visit(AccK& dK_acc, AccV& dV_acc,
     store_dst<L, kPrec, kLoPlanes, kBlockM>(dSt_s + warp * 16 * L::kPitchS, ds);
     // Barrier: dS^T complete before warps read its columns for dQ (ordered: and our turn).
     if constexpr (kOrderedDQ)
-        fa::sem_wait(counter, turn);
+        fa::sem_wait(counter, turn.expected);
     else
         __syncthreads();
     tf32_atomic_dq<L, kPrec, kLoPlanes, kHeadDim, kBlockM, kBlockN, kNWarps>(dqa_i, dSt_s, K_s);
-    if constexpr (kOrderedDQ) fa::sem_post(counter);
+    if constexpr (kOrderedDQ) fa::sem_post(counter, turn.add);
     else (void)counter;
     acc_rk<kPrec, kQLo, kBlockM, kHeadDim>(dK_acc, ds, Q_s, L::kPitchD, L::kQPlane);
 }
@@ -590,8 +590,6 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
     static_assert(kBlockM % 16 == 0, "Br: whole n16 pairs (ldmatrix.x4 of Q_i, dO_i)");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kHeadDim <= 256 && kHeadDimV <= 256,
                   "d, dv: multiples of 16, at most 256 (above 128: dK_j, dV_j in shared memory)");
-    static_assert(!kOrderedDQ || (kExt & flash::kExtBlockMask) == 0,
-                  "ordered dQ: query block i visited by key blocks n_lo(i) .. n(i) − 1 (no block mask)");
     using L = Tf32BwdSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, kPrec, kLoPlanes, kStages>;
     using Lo = LoPlanes<kPrec, kLoPlanes>;
     (void)dqa_row;
@@ -703,7 +701,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_t
         dkv_visit<L, kPrec, kLoPlanes, kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kOrderedDQ>(
             dK_acc, dV_acc, K_s, V_s, Q_s, dO_s, dSt_s, lse2_s, delta_s, dqa_entry(grp) + (long long)r0 * kHeadDim,
             kOrderedDQ ? order.counter(dqa_entry(grp), i) : nullptr,
-            dq_order.turn(i, kBlockM, kBlockN, mask), scale_log2, mask, drop, r0, c0);
+            kOrderedDQ ? dq_turn(dq_order, i, walk) : DQTurn{0, 1}, scale_log2, mask, drop, r0, c0);
 
         i = i_n, grp = grp_n;
     }

@@ -348,9 +348,13 @@ def test_backward_bad_options():
     from flasharray._private.cuda_forward import EXT_BITS as extensions_bits
     window = types.SimpleNamespace(bits=extensions_bits["window"])  # a plan's extensions (_ExtPlan): their kExt bits
     block_mask = types.SimpleNamespace(bits=extensions_bits["block_mask"])
-    with pytest.raises(ValueError, match=r"option dq='ordered' needs no block mask \(nor ALiBi above head dim 128"):
-        cb.dq_mode(True, "simt", block_mask, "ordered")
-    assert cb.dq_mode(True, "tc", window) == cb.dq_mode(True, "simt", window) == "ordered"
+    alibi = types.SimpleNamespace(bits=extensions_bits["alibi"])
+    with pytest.raises(ValueError, match=r"option dq='ordered' takes no ALiBi above head dim 128 on the fp16/bf16 "
+                                         r"mma.sync kernel \(this call: kernel 'tc', head dim 256, extensions alibi\)"):
+        cb.dq_mode(True, "tc", alibi, "ordered", head_dim=256)
+    assert cb.dq_mode(True, "tc", alibi, head_dim=256) == "recompute"
+    for ext in (window, block_mask):
+        assert cb.dq_mode(True, "tc", ext) == cb.dq_mode(True, "simt", ext) == "ordered"
     with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):
         run_backward("emulator", Problem(np.float16, 16, 4, 4, causal=False), deterministic=False, dq="recompute")
 

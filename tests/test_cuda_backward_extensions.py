@@ -200,7 +200,7 @@ def test_one_plan_many_calls():
 
 def test_block_mask_tiles_never_loaded():
     """The dK/dV kernel reads Q_i, dO_i only for the query tiles whose blocks are not all False, and
-    the dQ kernel K_j, V_j only for such key tiles (emulator byte counters)."""
+    the dQ kernel (dq="recompute") K_j, V_j only for such key tiles (emulator byte counters)."""
     rng = np.random.default_rng(4)
     B, H, L, D = 1, 1, 256, 64
     q, k, v, dout = (rng.standard_normal((B, H, L, D)).astype(np.float16) for _ in range(4))
@@ -211,7 +211,7 @@ def test_block_mask_tiles_never_loaded():
     for name, mask in (("full", np.ones((1, 1, 2, 2), bool)), ("diag", np.eye(2, dtype=bool)[None, None])):
         ext = Extensions(block_mask=mask, block_size=(128, 128))
         *_, counters = cuda_backward.backward(dout, q, k, v, out, lse, causal=False, scale=D ** -0.5,
-                                              batch_shape=(B, H), device="emulator", ext=ext,
+                                              batch_shape=(B, H), device="emulator", ext=ext, dq="recompute",
                                               return_counters=True)
         c = {n.split("<")[0]: c for n, c in counters}
         # Q (argument 0) in the dK/dV kernel, K (argument 5) in the dQ kernel: the streamed tiles
@@ -270,20 +270,20 @@ def test_cupy_launch_path_with_fake_cupy(monkeypatch, deterministic):
 
 @pytest.mark.parametrize("names, D, mode", thin([
     (("alibi", "softcap", "dropout", "seqlens"), 32, "ordered"), (("softcap", "dropout", "seqlens"), 256, "ordered"),
-    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "recompute")],
+    (("alibi",), 256, "recompute"), (("window",), 32, "ordered"), (("block_mask", "dropout"), 32, "ordered")],
     unpack=True),
     ids=["ordered-exts", "ordered-d256", "alibi-d256", "window", "block_mask"])
 def test_deterministic_ext_dq_mode(names, D, mode):
     """deterministic=True with extensions on the fp16 tensor cores: the ordered dQ mode (the atomic
-    mode's 5 products, adding in key-block order) with lengths, ALiBi, softcap, dropout (above head
-    dim 128 without ALiBi: those instantiations spill) and a window (its first visitor of each query block
-    known to the kernel); the recomputing dQ kernel with a block mask (whose holes break the order's
-    counting). Checked against the reference."""
+    mode's 5 products, adding in key-block order) with every extension — lengths, ALiBi, softcap, dropout,
+    a window (its first visitor of each query block known to the kernel), a block mask (its holes take no
+    turn: dq_turn) — but ALiBi above head dim 128 (those instantiations spill): the recomputing dQ kernel.
+    Checked against the reference."""
     kw = kw_of(names, Lq=40, Lk=60)
     _, plan = _ext_backward(kw, Lq=40, Lk=60, D=D)
     assert plan.dq_mode == mode
     if mode == "recompute":
-        with pytest.raises(ValueError, match="dq='ordered' needs no block mask "
+        with pytest.raises(ValueError, match="dq='ordered' takes no ALiBi above head dim 128 "
                                              ".*this call: kernel 'tc', head dim %d, extensions %s"
                                              % (D, ", ".join(names))):
             _ext_backward(kw, Lq=40, Lk=60, D=D, dq="ordered")
@@ -292,7 +292,7 @@ def test_deterministic_ext_dq_mode(names, D, mode):
 def _dkv_counters(grads_and_counters):
     *grads, counters = grads_and_counters
     (c,) = [c for name, c in counters
-            if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_dkv_simt_kernel"))]
+            if name.startswith(("flash_bwd_dkv_kernel", "flash_bwd_dkv_grid_kernel", "flash_bwd_dkv_simt_kernel", "flash_bwd_dkv_tf32"))]
     return grads, c
 
 
@@ -364,6 +364,55 @@ def test_extensions_on_the_grid_layout(monkeypatch, names, D, causal, det):
         monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "2")
         got, c = _dkv_counters(_ext_backward(kw, schedule="reverse", **shape)[0])
         for a, b in zip(grid, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def holed_block_mask(B, H, Lq, Lk, block_size=(32, 64), seed=4):
+    """block_mask keywords whose holes are whole visit tiles of every kernel (tiles of 16-128 queries x 64 or 128
+    keys): a random mask of density 1/2 on (32, 64) blocks, and in entry (1, 1) keys 128..255 all False (a key block
+    that visits nothing: it never posts), in entry (0, 1) queries 64..127 (a query block some key blocks skip)."""
+    bm = np.random.default_rng(seed).random((B, H, -(-Lq // block_size[0]), -(-Lk // block_size[1]))) < 0.5
+    bm[1, 1, :, 128 // block_size[1]:256 // block_size[1]] = False
+    bm[0, 1, 64 // block_size[0]:128 // block_size[0], :] = False
+    return dict(block_mask=bm, block_size=block_size)
+
+
+BLOCK_MASKS = [  # (other features, causal, D, dtype[, precision]): the ordered dQ mode with a block mask
+    ((), False, 64, np.float16),                           # tensor cores, ascending
+    ((), True, 64, np.float16),                            # causal: descending ranks
+    (("window", "seqlens", "alibi"), True, 96, np.float16),  # lengths: ascending under causal; the window's run
+    ((), True, 64, np.float32),                            # the SIMT kernel (float32 ieee)
+    (("dropout", "seqlens"), False, 40, np.float64),       # SIMT fp64
+    (("window",), True, 32, np.float32, "3xtf32"),         # the TF32 tensor cores
+]
+
+
+@pytest.mark.parametrize("case", thin(BLOCK_MASKS), ids=lambda c: "-".join(
+    ["block_mask", *c[0], "causal" if c[1] else "full", "d%d" % c[2], np.dtype(c[3]).name, *c[4:]]))
+def test_ordered_dq_with_a_block_mask(monkeypatch, case):
+    """A block mask in the deterministic default: the ordered dQ mode (5 products; it ran the recomputing dQ kernel's
+    7 before the forty-third session), key block n waiting at query block i for its previous visitor past the
+    mask's holes (dq_turn's ranks; a key block whose tiles are all holes never posts): the reference's rule, no
+    block waiting when the blocks run in order, and the same bits under reverse and random schedules on one and
+    two workers (a wrong turn deadlocks, which the emulator reports)."""
+    others, causal, D, dtype = case[:4]
+    H, Lq, Lk = 2, 150, 330
+    kw = kw_of(others, H=H, Lq=Lq, Lk=Lk) if others else {}
+    kw.update(holed_block_mask(2, H, Lq, Lk))
+    shape = dict(H=H, Hk=2, Lq=Lq, Lk=Lk, D=D, causal=causal, dtype=dtype, return_counters=True,
+                 **({"precision": case[4]} if len(case) > 4 else {}))
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    result, plan = _ext_backward(kw, **shape)
+    base, c = _dkv_counters(result)
+    (name,) = [n for n, _ in result[3] if n.startswith("flash_bwd_dkv_")]
+    assert ("tf32" in name) == (len(case) > 4), name
+    assert c.sem_waits > 0 and c.sem_blocked == 0  # (waits: the ordered mode)
+    for workers, schedule, seed in (("1", "reverse", 0), ("2", "random", 3), ("2", "random", 11)):
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", workers)
+        got, c = _dkv_counters(_ext_backward(kw, schedule=schedule, seed=seed, **shape)[0])
+        if schedule == "reverse":
+            assert c.sem_blocked > 0
+        for a, b in zip(base, got):
             np.testing.assert_array_equal(a, b)
 
 

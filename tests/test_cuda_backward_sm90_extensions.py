@@ -275,12 +275,37 @@ def test_ordered_window(kind, names, causal, D, monkeypatch):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
 
 
+@pytest.mark.parametrize("kind,D,names,causal", thin([
+    ("ws", 64, (), False), ("ws", 64, (), True), ("cp.async", 64, ("seqlens",), True), ("ws", 128, ("window",), False),
+    ("ws", 256, ("alibi",), True), ("ws", 64, ("dropout", "softcap"), False)], unpack=True),
+    ids=["ws-d64", "ws-d64-causal", "cp.async-d64-lengths-causal", "ws-d128-window", "ws-d256-alibi-causal",
+         "ws-d64-dropout-softcap"])
+def test_ordered_block_mask(kind, D, names, causal, monkeypatch):
+    """The ordered dQ with a block mask (dq_turn: a key block waits at query block i for its previous visitor past
+    the mask's holes; a key block of holes only never posts; at d 64 the ws kernel's dQ warp takes the turns, at
+    d 128 / 256 its consumers): the reference's gradients and the same bits under the reverse and random schedules
+    (a wrong turn is a deadlock the emulator reports). The mask: holed_block_mask's whole-tile holes."""
+    from test_cuda_backward_extensions import holed_block_mask
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    Lq, Lk = 200, 520
+    inputs = problem(np.float16, D, Lq, Lk)
+    kw = dict(kw_of(names, 2, 2, Lq, Lk), **holed_block_mask(2, 2, Lq, Lk))
+    run = lambda **o: run_case(np.float16, ("block_mask",) + names, causal=causal, deterministic=True, D=D,  # noqa: E731
+                               Lq=Lq, Lk=Lk, tma=kind == "ws", inputs=inputs, kw=kw, **o)
+    base = run()
+    for schedule, seed in (("reverse", 0), ("random", 3), ("random", 11)):
+        again = run(check=False, schedule=schedule, seed=seed)
+        for a, b in zip(base, again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (schedule, seed)
+
+
 BULK_EXT = [  # names, dtype, causal, D, (Lq, Lk), schedule, seed: the ordered mode where the set allows it
     (("window",), np.float16, False, 64, (70, 300), "random", 3),          # the turn with the window's left edge
     (("seqlens", "alibi"), bfloat16, True, 64, (100, 150), "reverse", 0),  # lengths: ascending turns, NaN-free tails
     (("softcap", "dropout"), np.float16, False, 64, (70, 200), "random", 7),
     (("window", "seqlens"), np.float16, True, 128, (70, 140), "random", 5),
-    (("block_mask", "alibi"), np.float16, False, 64, (256, 300), "random", 2),  # atomic mode only: tiles skipped
+    (("block_mask", "alibi"), np.float16, False, 64, (256, 300), "random", 2),  # tiles skipped (both modes)
 ]
 
 
@@ -306,7 +331,7 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
     kw = kw_of(names, 2, 2, Lq, Lk)
     if "block_mask" in names:
         kw.update(skipping_block_mask(Lq, Lk))
-    for det in (True, False) if not bits_of(names) & ~S.ORDERED_EXT else (False,):
+    for det in (True, False):
         run = lambda **o: run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=Lq, Lk=Lk,  # noqa: E731
                                    inputs=inputs, kw=kw, **o)
         new = run(schedule=schedule, seed=seed)
@@ -319,8 +344,8 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
 
 
 @pytest.mark.parametrize("old,new,names,det", [
-    ("      fa::sem_wait_group(*turn0 + i, ext_turn(i), Tr::kDQBarrier, 32);\n",
-     "      fa::sem_wait_group(*turn0 + i, dq_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);\n",
+    ("      fa::sem_wait_group(*turn0 + i, turn.expected, Tr::kDQBarrier, 32);\n",
+     "      fa::sem_wait_group(*turn0 + i, dq_warp_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);\n",
      ("window",), True),
     ("      i = walk.next(i, n_qblocks);\n    } else {\n      const bool wrap = i + 1 == n_qblocks;\n"
      "      i = wrap ? i_begin : i + 1, grp_off",
@@ -480,8 +505,7 @@ def test_dense_names_unchanged():
     assert S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=1).endswith("false, true, true, true, 1>")
     with flag_set(S, "DQ_BULK_EXT", False):  # the consumers' atomics
         assert S.ws_name(tile, 64, 64, False, "fa_half", ext=2).endswith("false, false, true, false, 2>")
-    with pytest.raises(ValueError, match="ordered"):
-        S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=8)
+    assert S.ws_name(tile, 64, 64, False, "fa_half", ordered=True, ext=8).endswith("false, true, true, true, 8>")
 
 
 # ---- static: the refusal table against ptxas -------------------------------------------------------------------
@@ -493,7 +517,7 @@ def instantiations(dtypes, dims, subsets, kinds=("ws", "cp.async")):
     for dt, d, bits, causal, ordered, kind in itertools.product(dtypes, dims, subsets, (False, True),
                                                                  (False, True), kinds):
         D, Dv = d if isinstance(d, tuple) else (d, d)
-        if (ordered and bits & ~S.ORDERED_EXT) or S.ext_refusal(bits, D, Dv, kind == "ws", causal, ordered):
+        if S.ext_refusal(bits, D, Dv, kind == "ws", causal, ordered):
             continue
         ks = cb.kernel_plan(dt, D, Dv, causal=causal, deterministic=False, arch=90, kernel="wgmma", ordered=ordered,
                             ext=bits, tma=kind == "ws")
@@ -541,8 +565,7 @@ def test_every_extension_instantiation_does_not_spill():
 SLOW = [(names, dt, causal, det, D, kind)
         for names in (("window",), ("alibi", "dropout"), ("block_mask", "seqlens"), ("softcap", "window"), ALL)
         for dt in (np.float16, bfloat16) for causal in (False, True) for det in (False, True)
-        for D in (64, 128, 256) for kind in ("ws", "cp.async")
-        if not (det and bits_of(names) & ~S.ORDERED_EXT)]
+        for D in (64, 128, 256) for kind in ("ws", "cp.async")]
 
 
 @pytest.mark.slow

@@ -521,15 +521,12 @@ def ext_visibility(q, k, causal, kw):
     return vis, z
 
 
-def backward64_ext(q, k, v, do, lse, delta, scale, vis, z, rounded=True):
+def backward64_ext(q, k, v, do, lse, delta, scale, vis, z):
     """precision.tf32_backward_reference (tf32-rounded operands; G = 1, k and v per head) with a
     visibility mask and dropout's Z: P = exp(S·scale − L) where visible, dV = (P∘Z)ᵀ dO,
     dS = P ∘ (dP∘Z − D_i), P∘Z and dS rounded to tf32 before their products; also P and dS for the
-    flip bound. ``rounded=False``: nothing rounded (the IEEE kernels' computation)."""
-    if rounded:
-        r = lambda x: tf32_round(np.asarray(x, np.float32)).astype(np.float64)  # noqa: E731
-    else:
-        r = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    flip bound."""
+    r = lambda x: tf32_round(np.asarray(x, np.float32)).astype(np.float64)  # noqa: E731
     q64, k64, v64, do64 = (r(x) for x in (q, k, v, do))
     s = q64 @ np.swapaxes(k64, -1, -2) * scale
     lse64 = lse.astype(np.float64)[..., None]
@@ -540,21 +537,20 @@ def backward64_ext(q, k, v, do, lse, delta, scale, vis, z, rounded=True):
     return dsr @ k64 * scale, np.swapaxes(dsr, -1, -2) @ q64 * scale, np.swapaxes(pz, -1, -2) @ do64, p, ds
 
 
-def assert_gradients_ext(got, q, k, v, do, causal, scale, kw, lse, delta, rounded=True):
+def assert_gradients_ext(got, q, k, v, do, causal, scale, kw, lse, delta):
     """tf32 with extensions: vs backward64_ext (given the L, D_i the kernel saw) within
     tf32_gradient_bound's flips + the float32 rule's term per gradient (reference.attention_backward
     with the same keywords, float64 vs naive float32). tf32_gradient_bound on the G = 1 axis layout it
     expects: dS's flips from P with dP's magnitudes times max Z (dS = P ∘ (dP∘Z − D_i), dropped
-    elements included), dV's from P∘Z (its operand). ``rounded=False`` (a backward that ran on the
-    IEEE SIMT kernels, given the tf32 forward's L): the unrounded reference, no flips."""
+    elements included), dV's from P∘Z (its operand)."""
     vis, z = ext_visibility(q, k, causal, kw)
-    *ref_t, p, ds = backward64_ext(q, k, v, do, lse, delta, scale, vis, z, rounded)
+    *ref_t, p, ds = backward64_ext(q, k, v, do, lse, delta, scale, vis, z)
     zmax = float(z.max())
     g = lambda x: x[:, :, None]  # noqa: E731  (B, H, 1, L, ·): tf32_gradient_bound's q / dO layout
     b_dq, b_dk, _ = tf32_gradient_bound(g(q), k, v, g(do) * np.float32(zmax), g(lse), g(delta), g(p), g(ds),
                                         scale=scale)
     _, _, b_dv = tf32_gradient_bound(g(q), k, v, g(do), g(lse), g(delta), g(p * z), g(ds), scale=scale)
-    flips = (b_dq[:, :, 0], b_dk, b_dv) if rounded else (0.0, 0.0, 0.0)
+    flips = (b_dq[:, :, 0], b_dk, b_dv)
     ref = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, **kw)
     naive = reference.attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=np.float32, **kw)
     atol = ATOL[np.dtype(np.float32)]
@@ -573,8 +569,8 @@ def _ext_kw(names, Lq=37, Lk=53):
     return kw_of(names, Lq=Lq, Lk=Lk)
 
 
-# (features, causal, deterministic): every feature; all six (atomic); the ordered dQ mode with the
-# features it takes (window, lengths, ALiBi, softcap, dropout), a block mask deterministic → SIMT.
+# (features, causal, deterministic): every feature; all six (atomic); the ordered dQ mode with every feature
+# (a block mask: its holes take no turn, dq_turn).
 EXT_CASES = [
     (("window", "alibi", "softcap", "block_mask", "dropout", "seqlens"), True, False),
     (("alibi", "softcap", "dropout", "seqlens"), True, True),
@@ -601,20 +597,14 @@ def _check_ext(precision, case, D=16):
     names, causal, det = case
     kw = _ext_kw(names)
     q, k, v, do, out, lse, grads, plans = run_ext(precision, kw, causal=causal, deterministic=det, D=D)
-    ordered_ok = "block_mask" not in names
-    if det and not ordered_ok:
-        assert plans == {("simt", "recompute")}, plans
-    else:
-        assert plans == {("tf32", "ordered" if det else "atomic")}, plans
+    assert plans == {("tf32", "ordered" if det else "atomic")}, plans
     scale = D ** -0.5
     if precision == "3xtf32":
         report = testing.check_attention(out, q, k, v, causal=causal, dout=do, grads=grads, **kw)
         assert report.passed, str(report)
     else:
         delta = (do.astype(np.float64) * out).sum(-1).astype(np.float32)
-        # a block mask with the deterministic mode ran the IEEE SIMT backward: no tf32 rounding there
-        assert_gradients_ext(grads, q, k, v, do, causal, scale, kw, np.asarray(lse, np.float32), delta,
-                             rounded=not (det and not ordered_ok))
+        assert_gradients_ext(grads, q, k, v, do, causal, scale, kw, np.asarray(lse, np.float32), delta)
 
 
 @pytest.mark.parametrize("case", thin(EXT_CASES), ids=[_ext_id(c) for c in EXT_CASES])

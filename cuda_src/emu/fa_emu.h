@@ -412,15 +412,17 @@ inline void atomic_add_if(bool pred, double* p, double v) { if (pred) fa_emu_ato
 // Block-wide (every thread calls them): the runtime lets thread 0 wait or post and puts the
 // block's barrier around it, as the GPU branch does.
 inline void sem_wait(const int* sem, int expected) { fa_emu_sem_wait(sem, expected); }
-inline void sem_post(int* sem) { fa_emu_sem_post(sem); }
+inline void sem_post(int* sem, int add = 1) { fa_emu_sem_post(sem, add); }
 // The calling thread's halves (the kernel's own barriers around them, as on the GPU).
 inline void sem_acquire(const int* sem, int expected) { fa_emu_sem_acquire(sem, expected); }
-inline void sem_release(int* sem) { fa_emu_sem_release(sem); }
+inline void sem_release(int* sem, int add = 1) { fa_emu_sem_release(sem, add); }
 // Group-wide (the nthreads threads of named barrier id): the runtime picks the leader as the GPU branch does.
 inline void sem_wait_group(const int* sem, int expected, int id, int nthreads) {
     fa_emu_sem_wait_group(sem, expected, id, nthreads);
 }
-inline void sem_post_group(int* sem, int id, int nthreads) { fa_emu_sem_post_group(sem, id, nthreads); }
+inline void sem_post_group(int* sem, int id, int nthreads, int add = 1) {
+    fa_emu_sem_post_group(sem, id, nthreads, add);
+}
 
 // ---- Hopper (sm_90): mbarriers and bulk copies (the runtime keeps the mbarrier state) -------
 inline void mbarrier_init(uint64_t* bar, int count) { fa_emu_mbarrier_init(bar, count); }

@@ -59,20 +59,20 @@ void fa_emu_atomic_add_f64(double* p, double v);
 // calls them, at one call site: it is the barrier's identity). sem_wait: thread 0 waits until
 // *sem == expected (acquire), then the block's barrier; if the counter is short, the worker's OS
 // thread blocks with the whole block suspended and another worker starts the blocks not yet
-// dispatched. sem_post: the block's barrier, then thread 0 adds 1 (release) and wakes waiters.
+// dispatched. sem_post: the block's barrier, then thread 0 adds `add` (> 0; release) and wakes waiters.
 FA_EMU_CONVERGENT void fa_emu_sem_wait(const int* sem, int expected);
-FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem);
+FA_EMU_CONVERGENT void fa_emu_sem_post(int* sem, int add);
 // Their halves by the calling thread (fa::sem_acquire / fa::sem_release; the kernel puts its own barriers
-// around them): the wait suspends the block as sem_wait's does; the post adds 1 (release) and wakes waiters.
+// around them): the wait suspends the block as sem_wait's does; the post adds `add` (release) and wakes waiters.
 void fa_emu_sem_acquire(const int* sem, int expected);
-void fa_emu_sem_release(int* sem);
+void fa_emu_sem_release(int* sem, int add);
 // Group semaphores (fa::sem_wait_group / fa::sem_post_group): the same over the nthreads threads of named
 // barrier `id` (bar.sync id, nthreads) instead of the block; the leader is the participant whose linear
 // thread index is a multiple of nthreads. A short wait suspends only the leader's fiber (the group waits at
 // the barrier, other threads run on); the block blocks its worker only when nothing else in it can run.
 // Each phase is checked: every participant at the same operation, exactly one leader.
 void fa_emu_sem_wait_group(const int* sem, int expected, int id, int nthreads);
-void fa_emu_sem_post_group(int* sem, int id, int nthreads);
+void fa_emu_sem_post_group(int* sem, int id, int nthreads, int add);
 // mbarriers in dynamic shared memory and bulk copies completing on them (sm_90; fa_port.cuh's
 // "Hopper" section, docs/emulator.md). arrive: tx_bytes is expected first when expect_tx != 0;
 // returns the phase arrived on. try_wait_parity suspends the fiber until the phase of that parity

@@ -2659,14 +2659,21 @@ void sem_wait_thread0(Worker* w, const int* sem, int expected) {
     }
 }
 
-void sem_post_thread0(Worker* w, int* sem) {
+// add: the count posted; a post of less than 1 is a kernel's error (a counter that does not grow can strand
+// its waiters; one that shrinks breaks the "past the expected" check).
+void sem_post_add_check(Worker* w, const char* what, int add) {
+    if (add < 1) fiber_fail(w, strf("%s: posts %d; a post adds at least 1", what, add));
+}
+
+void sem_post_thread0(Worker* w, int* sem, int add) {
     gcheck(w, sem, sizeof(int), 2, "fa::sem_post");
+    sem_post_add_check(w, "fa::sem_post", add);
     Launch* L = w->L;
     bool waiters;
     {
         // Under sem_mu: a waiter between its test and its wait cannot miss this increment.
         std::lock_guard<std::mutex> lock(L->sem_mu);
-        __atomic_fetch_add(sem, 1, __ATOMIC_RELEASE);
+        __atomic_fetch_add(sem, add, __ATOMIC_RELEASE);
         waiters = L->blocked > 0;
     }
     if (waiters) L->sem_cv.notify_all();
@@ -2868,18 +2875,18 @@ __attribute__((noinline)) void fa_emu_sem_wait(const int* sem, int expected) {
     barrier(site, FA_EMU_BAR_PLAIN, 0);
 }
 
-__attribute__((noinline)) void fa_emu_sem_post(int* sem) {
+__attribute__((noinline)) void fa_emu_sem_post(int* sem, int add) {
     bulk_check_published(W(), "fa::sem_post");
     barrier(__builtin_return_address(0), FA_EMU_BAR_PLAIN, 0);
     Worker* w = W();
-    if (w->cur->tid == 0) sem_post_thread0(w, sem);
+    if (w->cur->tid == 0) sem_post_thread0(w, sem, add);
 }
 
 void fa_emu_sem_acquire(const int* sem, int expected) { sem_wait_thread0(W(), sem, expected); }
 
-void fa_emu_sem_release(int* sem) {
+void fa_emu_sem_release(int* sem, int add) {
     bulk_check_published(W(), "fa::sem_release");
-    sem_post_thread0(W(), sem);
+    sem_post_thread0(W(), sem, add);
 }
 
 // Group semaphores: the leader (the participant whose linear thread index is a multiple of nthreads) polls or
@@ -2927,7 +2934,7 @@ void fa_emu_sem_wait_group(const int* sem, int expected, int id, int nthreads) {
     named_barrier(w, id, nthreads, true);
 }
 
-void fa_emu_sem_post_group(int* sem, int id, int nthreads) {
+void fa_emu_sem_post_group(int* sem, int id, int nthreads, int add) {
     static const char* const what = "fa::sem_post_group";
     Worker* w = W();
     nbar_check_args(w, what, id, nthreads);
@@ -2937,11 +2944,12 @@ void fa_emu_sem_post_group(int* sem, int id, int nthreads) {
     named_barrier(w, id, nthreads, true);
     if (leader) {
         gcheck(w, sem, sizeof(int), 2, what);
+        sem_post_add_check(w, what, add);
         Launch* L = w->L;
         bool waiters;
         {
             std::lock_guard<std::mutex> lock(L->sem_mu);  // as sem_post_thread0: no waiter misses it
-            __atomic_fetch_add(sem, 1, __ATOMIC_RELEASE);
+            __atomic_fetch_add(sem, add, __ATOMIC_RELEASE);
             waiters = L->blocked > 0;
         }
         if (waiters) L->sem_cv.notify_all();

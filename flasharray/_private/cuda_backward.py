@@ -183,7 +183,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     """The kernels one backward launches: ``{role: (source file, name expression, BwdTiles)}``.
 
     Roles: ``preprocess``, ``dkv``, and ``dq`` (deterministic, recomputing) or ``convert`` (atomic
-    modes). ``ordered``: the deterministic mode by ordered atomics (no block mask: :func:`dq_mode`): the
+    modes). ``ordered``: the deterministic mode by ordered atomics (where it runs the bits: :func:`dq_mode`): the
     atomic mode's kernels with ``kOrderedDQ`` (``deterministic`` is then irrelevant).
     ``kernel``: "tc", "simt", or a float32 / float64 tensor-core family of :data:`FAMILIES` ("tf32"
     with ``precision`` "tf32" / "3xtf32", "f64"), which runs the atomic modes only (default:
@@ -202,8 +202,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     kernel = kernel or default_kernel(dtype, arch)
     wide = tiles.pad_head_dim(max(D, Dv))
     if ordered and (kernel not in ORDERED_KERNELS or (ext and not _family_orders(kernel, ext, wide))):
-        raise ValueError("flasharray: the ordered dQ mode needs no block mask (nor ALiBi above head dim 128 on the "
-                         "fp16/bf16 mma.sync ones) (kernel %r, kExt %d)" % (kernel, ext))
+        raise ValueError("flasharray: the ordered dQ mode takes no ALiBi above head dim 128 on the fp16/bf16 "
+                         "mma.sync kernel (kernel %r, kExt %d)" % (kernel, ext))
     atomic = not deterministic or ordered
     x = ", %d, true>" % ext if ordered else ", %d>" % ext if ext else ">"
     # the fp16 / bf16 grid-layout dK/dV kernel's kEntriesFirst (its last argument): dense calls. (With extensions, and
@@ -303,9 +303,8 @@ def dq_mode(deterministic, kernel, ext, requested=None, head_dim=0):
     can_order = kernel in ORDERED_KERNELS and (ext is None or _family_orders(kernel, ext.bits, head_dim))
     if requested == "ordered" and not can_order:
         names = [] if ext is None else [n for n, b in _fwd().EXT_BITS.items() if ext.bits & b]
-        raise ValueError("flasharray: option dq='ordered' needs no block mask (nor ALiBi above head dim 128 on the "
-                         "fp16/bf16 mma.sync ones) (this call: kernel %r, head dim "
-                         "%d, extensions %s)"
+        raise ValueError("flasharray: option dq='ordered' takes no ALiBi above head dim 128 on the fp16/bf16 "
+                         "mma.sync kernel (this call: kernel %r, head dim %d, extensions %s)"
                          % (kernel, head_dim, ", ".join(names) or "none"))
     return requested or ("ordered" if can_order else "recompute")
 
@@ -331,16 +330,18 @@ def _dkv_stages(stages, atomic, causal, ext, wide):
     return stages
 
 
-#: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: window, ALiBi, softcap,
-#: dropout, lengths — those that keep query block i's visitors one contiguous run of key blocks whose first
-#: one the kernel knows: 0, or with a window the window's left edge (``DQOrder::turn(i, Br, Bc, mask)``,
-#: cuda_src/flash_bwd_common.cuh); not a block mask, whose holes skip visits. Above padded head dim 128
+#: kExt bits the fp16 / bf16 tensor-core kernel ("tc") takes in the ordered dQ mode: every one. Query block i's
+#: visitors are one contiguous run of key blocks whose first one the kernel knows (0, or with a window the window's
+#: left edge: ``DQOrder::turn(i, Br, Bc, mask)``, cuda_src/flash_bwd_common.cuh); a block mask's holes (tiles whose
+#: blocks are all False, never visited) take no turn: ``dq_turn`` (cuda_src/flash_bwd_ext.cuh) then counts ranks,
+#: each block waiting for its previous visitor found past the holes (since the forty-third session; before, a
+#: block mask ran the recomputing dQ kernel: 7 products instead of 5). Above padded head dim 128
 #: without ALiBi (:data:`TC_ORDERED_EXT_WIDE`): its ordered d 256 instantiations spill 36-88 bytes at the
 #: register cap on sm_75 / sm_86 / sm_90 (causal; its atomic and dQ-kernel ones do not).
-TC_ORDERED_EXT = 1 | 2 | 4 | 16 | 32
+TC_ORDERED_EXT = 1 | 2 | 4 | 8 | 16 | 32
 TC_ORDERED_EXT_WIDE = TC_ORDERED_EXT & ~2
 #: kExt bits the SIMT kernel takes in the ordered dQ mode: the same set (its key blocks walk the query blocks by
-#: the same ``QueryTileWalk`` and take their turns by the same ``DQOrder::turn(i, Br, Bc, mask)``).
+#: the same ``QueryTileWalk`` and take their turns by the same ``dq_turn``).
 SIMT_ORDERED_EXT = TC_ORDERED_EXT
 #: Kernels with an ordered dQ mode (the atomic mode's dK/dV kernel adding dQ in key-block order).
 ORDERED_KERNELS = TC_FAMILIES + ("simt",)
@@ -393,11 +394,6 @@ def _kernel_choice(dtype, arch, kernel, precision=None, D=0, Dv=0, ext=False, dq
         if dq == "recompute":
             raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs the atomic and "
                                       "ordered dQ modes only, not dq='recompute'")
-        sm90 = _family_module(kernel)
-        if ext and deterministic and ext & ~sm90.ORDERED_EXT:
-            raise NotImplementedError("flasharray: kernel='wgmma' (the Hopper backward) runs a block mask with "
-                                      "deterministic=False only (its ordered dQ mode counts key blocks "
-                                      "n_lo(i) .. n_max(i) per query block; no recomputing dQ kernel on wgmma)")
         _family_module(kernel).backward_tile(precision, dtype, D, Dv, arch, ext=ext)
     kernel = kernel or default_kernel(dtype, arch)
     if kernel == "tc" and dtype.itemsize != 2:

@@ -7,8 +7,7 @@ The dK/dV kernel ``flash_bwd_sm90_dkv_kernel`` (always atomic dQ into the fragme
 ``kernel=None`` on sm_90 takes it where it serves the call (``cuda_backward.auto_wgmma``, :func:`auto_ext`);
 ``kernel="wgmma"`` asks for it (the emulator: ``arch="sm_90"``). Where it cannot run,
 :func:`backward_tile` raises NotImplementedError naming the reason: another arch, another dtype,
-head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the deterministic mode
-with a block mask (:data:`ORDERED_EXT`; ``deterministic=False`` runs it), the sets whose
+head dims above 256, ``dq="recompute"``; and the plan where the extensions cannot run: the sets whose
 instantiations spill (:data:`EXT_SPILLS`, :func:`ext_refusal`), head dims padded differently (D and Dv) or (the
 cp.async kernel) above 128.
 Extensions (docs/hopper.md, "Backward with extensions"): both kernels, their ``kExt`` appended last to the names.
@@ -60,10 +59,11 @@ SPLIT_ABOVE = 128
 #: docs/gpu_h200.md); the other extension calls keep the mma.sync backward (kernel "tc").
 AUTO_EXT = True
 #: kExt bits (``cuda_forward.EXT_BITS``: window 1, ALiBi 2, softcap 4, block mask 8, dropout 16, lengths 32) the
-#: ordered dQ mode takes: window, ALiBi, softcap, dropout, lengths (the "tc" kernel's set) — those that keep
-#: query block i's visitors one run of key blocks n_lo(i) .. n_max(i), whose turns the ordered counters count (a
-#: window's n_lo(i) is its left edge's key block: ``DQOrder::turn`` with the mask; a block mask skips some).
-ORDERED_EXT = 1 | 2 | 4 | 16 | 32
+#: ordered dQ mode takes: every one (the "tc" kernel's set). Query block i's visitors are one run of key blocks
+#: n_lo(i) .. n_max(i), whose turns the ordered counters count (a window's n_lo(i) is its left edge's key block:
+#: ``DQOrder::turn`` with the mask); a block mask's holes take no turn (``dq_turn``: the counters then hold ranks,
+#: each block waiting for its previous visitor; the forty-third session).
+ORDERED_EXT = 1 | 2 | 4 | 8 | 16 | 32
 _ALIGN = 1024
 
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (as the forward).
@@ -128,18 +128,10 @@ def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0, dtype=None, 
     """Name expression of the wgmma dK/dV kernel: ``dtype`` / ``out`` the element and output C types
     (``out`` AccT for partial sums), ``pD`` the head dim padded to 16 (the accumulator's, kDQDim), ``ext`` the
     kExt bits (a trailing template argument only when not 0: the dense names are unchanged)."""
-    check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     return "%s<%s, %s, %d, %d, %d, %d, %d, %s, %s, %s%s>" % (
         KERNEL, dtype, out or dtype, *pad_head_dims(pD, pDv), pD, tile.block_m, tile.block_n,
         b(causal), b(vec), b(ordered), ", %d" % ext if ext else "")
-
-
-def check_ext(ext, ordered):
-    """ValueError where the kernels' static_asserts would refuse the kExt bits ``ext``: the ordered mode only
-    with :data:`ORDERED_EXT` (the host runs the others with ``deterministic=False`` only: ``_kernel_choice``)."""
-    if ordered and ext & ~ORDERED_EXT:
-        raise ValueError("flasharray: the wgmma backward's ordered dQ takes no block mask (kExt=%d)" % ext)
 
 
 #: Extension subsets whose instantiations spill on sm_90a (registers at the ceiling: the consumers' 240 in the ws
@@ -363,7 +355,6 @@ def ws_name(tile, pD, pDv, causal, dtype, out=None, ordered=False, ext=0):
     """Name expression of the warp-specialized dK/dV kernel (``ordered``: key-block-ordered dQ atomics; its last
     flags, ``Is_tma_store``: dK, dV written by TMA stores — :data:`USE_TMA_STORE` and 16-bit outputs — and
     ``Is_dq_bulk``: :func:`ws_dq_bulk`; ``ext``: the kExt bits, appended only when not 0)."""
-    check_ext(ext, ordered)
     b = lambda x: "true" if x else "false"  # noqa: E731
     # the trailing template arguments (kExt, kKVRegsOn, kQSplitOn, kEntriesFirstOn, kDQSplitOn, kKtRegsOn,
     # kScoresAheadOn, kDQBufsMax, kSplitOverlapOn), named up to the last one that differs from its default and

@@ -7,11 +7,10 @@ does not apply (another precision or dtype, padded head dims above 256, extensio
 dims).
 
 Extensions (docs/extensions.md) run on the same tiles with the kernel's ``kExt`` bits
-(:func:`dkv_name`'s ``ext``): in the atomic dQ mode all of them; in the ordered (deterministic) mode
-those in :data:`ORDERED_EXT` — the ordered counters need the key blocks visiting query block i to be one
-contiguous run whose first one the kernel knows (0, or a window's left edge: ``DQOrder::turn(i, Br, Bc,
-mask)``), which a block mask (holes) breaks; a deterministic call with one runs the SIMT kernels
-(cuda_backward.dq_mode).
+(:func:`dkv_name`'s ``ext``): all of them, in both dQ modes (:data:`ORDERED_EXT`) — the ordered counters
+follow the key blocks visiting query block i, one contiguous run whose first one the kernel knows (0, or a
+window's left edge: ``DQOrder::turn(i, Br, Bc, mask)``), a block mask's holes skipped (``dq_turn``,
+cuda_src/flash_bwd_ext.cuh).
 
 Work split: kNWarps = Bc / 16 warps, warp w owning keys 16 w.. of dK_j, dV_j in registers (every
 column) and the 16 x Br strips of S^T, dP^T (P^T, dS^T as float C fragments). Registers bound Br:
@@ -94,9 +93,9 @@ WGMMA_HEAD_DIM = 64
 # wgmma needs the arch-specific target: the CuPy path compiles this source for sm_90a (launch.ARCH_SPECIFIC).
 launch.ARCH_SPECIFIC.setdefault(WGMMA_SOURCE, {90: "sm_90a"})
 
-#: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: window, alibi, softcap, dropout, seqlens
-#: (every query block's visitors stay one run of key blocks n_lo(i) .. n(i) − 1); not the block mask (8).
-ORDERED_EXT = 1 | 2 | 4 | 16 | 32
+#: kExt bits (cuda_forward.EXT_BITS) the ordered dQ mode takes: every one (every query block's visitors stay one
+#: run of key blocks n_lo(i) .. n(i) − 1; a block mask's holes take no turn: ``dq_turn``, the forty-third session).
+ORDERED_EXT = 1 | 2 | 4 | 8 | 16 | 32
 
 
 def block_m(precision, d, dv):
@@ -260,9 +259,7 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=T
 
 def dkv_name(tile, precision, pD, pDv, causal, vec, ordered, ext=0):
     """Name expression of the TF32 dK/dV kernel for ``tile`` (from :func:`backward_tile`); ``ext``:
-    the kExt bits (0: the dense name; ordered only with bits of :data:`ORDERED_EXT`)."""
-    if ordered and ext & ~ORDERED_EXT:
-        raise ValueError("flasharray: the TF32 ordered dQ mode takes no block mask (kExt=%d)" % ext)
+    the kExt bits (0: the dense name)."""
     b = lambda x: "true" if x else "false"  # noqa: E731
     if isinstance(tile, Tf32WgmmaBwdTiles):
         if ext or not vec:

@@ -204,7 +204,7 @@ def _wide_keys(D, Dv, limit, stages):
 GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
 #: with lengths on sm_90): any set of window, ALiBi, softcap and lengths (no dropout: its keep bits beside the
-#: 255-register kernel; no block mask: the ordered turns count visits) — but the sets whose d 128 instantiations
+#: 255-register kernel; no block mask: the kernel walks every query tile) — but the sets whose d 128 instantiations
 #: spilled in the NVRTC audit of 2026-11-27 (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 /
 #: sm_90: 8-56 bytes, causal mostly; window with ALiBi 4-12 bytes in the float-output instantiations, found by the slow
 #: test of 2026-11-29) in :data:`GRID_EXT_SPILLED`, and at d 256 those of the audit of 2026-11-29
