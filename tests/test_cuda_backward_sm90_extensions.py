@@ -415,7 +415,6 @@ def test_lengths_never_read_past_the_entry(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("names,D,Dv,det,match", [
-    (("block_mask",), 64, 64, True, "block mask with deterministic=False"),
     (("alibi",), 64, 128, True, "padded alike, or in the head-dim split, only"),
     (("alibi",), 128, 64, False, "padded alike, or in the head-dim split, only"),
     (("dropout", "alibi"), 192, 128, False, "does not run alibi\\+dropout alone with deterministic=False at head dim "
