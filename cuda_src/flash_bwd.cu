@@ -368,8 +368,9 @@ using namespace fa_bwd;
 // blocks n_lo(i) .. n_max(i) (dense and causal: n_lo = 0, key block n starts at m_block_min,
 // nondecreasing in n, and visits every query block from there; so with the extensions that keep the
 // visits — lengths, ALiBi, softcap, dropout; a window: n_lo(i) its left edge's key block, DQOrder's
-// turn(i, Br, Bc, mask) — not with a block mask, whose holes skip visits), so counting visits is
-// counting key blocks. A block
+// turn(i, Br, Bc, mask)), so counting visits is counting key blocks. A block mask's holes (tiles
+// never visited) break the count: its instantiations wait for the previous visitor's rank instead
+// (flash_bwd_ext.cuh's dq_turn: posts of rank(n) − rank(prev), the turn found past the holes). A block
 // waits only for blocks of its batch entry with a smaller blockIdx.x, dispatched before it
 // (fa::sem_wait's rule: no deadlock however few blocks are resident). The grid-layout kernel below can take its
 // blocks entries first (kEntriesFirst, tiles_bwd.ENTRIES_FIRST: grid_pos, flash_bwd_common.cuh); this one spilled

@@ -46,8 +46,9 @@
 // it and flash_bwd_convert_dq_tc_kernel<..., kRowsInner = true> reads it), query blocks of Br = 64 rows.
 // Each accumulator element goes to its offset (head dims past kDQDim are skipped: K_j is zero there,
 // so are those dQ columns). kOrderedDQ: key block n adds only after key blocks n_lo(i) .. n − 1 have
-// (n_lo(i) = 0, or with a window its left edge's key block: DQOrder::turn with the mask; a block mask is
-// refused; fa::sem_wait / fa::sem_post on DQOrderCounters, the rule of flash_bwd.cu's flash_bwd_dkv_kernel):
+// (n_lo(i) = 0, or with a window its left edge's key block: DQOrder::turn with the mask; with a block mask the
+// visitors past its holes: flash_bwd_ext.cuh's dq_turn; fa::sem_wait / fa::sem_post on DQOrderCounters, the rule
+// of flash_bwd.cu's flash_bwd_dkv_kernel):
 // bitwise reproducible.
 //
 // Shared memory (1024-byte aligned pieces; the dynamic base rounded up to 1024 bytes on the GPU as in
@@ -67,7 +68,7 @@
 // lengths, window and block mask narrow the visited query blocks (QueryTileWalk; the host launches one query
 // batch entry per block); P^T and dS^T come from flash_bwd_ext.cuh's ext_p_ds once dP^T is complete
 // (ext_pt_dst_sm90), with the dropout bits of flash_bwd.cu's S^T strips (dropout_bits_t: the accumulator's
-// layout is that strip's). Atomic dQ only (no bulk dQ), ordered with ALiBi / softcap / dropout / lengths.
+// layout is that strip's). Both atomic dQ modes, the ordered one with every bit (dq_turn).
 //
 // Not yet: overlap of one batch's wgmmas with the
 // next step's math (every batch is waited for before its result is used), head dims above 256, the recompute

@@ -55,8 +55,8 @@
 // one element's P and dS by ext_p_ds (softcap with the precise tanh, as flash_fwd_tf32.cu's
 // forward that made L_i), dropout's keep bits by dropout_bits_t (S^T here is the fp16 kernel's
 // C layout: m16n8k8's accumulator fragment is m16n8k16's, so the same Philox counter per element).
-// The ordered dQ mode takes kExt without window and block mask (its counters need key blocks
-// 0 .. n(i) − 1 to visit query block i: lengths, ALiBi, softcap and dropout keep that).
+// The ordered dQ mode takes every kExt: its turns are dq_turn's (a window's first visitor of query block i is
+// its left edge's key block; a block mask's holes take no turn).
 // flasharray/_private/cuda_backward_tf32.py mirrors the shared-memory layout (Tf32BwdSmem) and
 // chooses the tiles.
 #include "flash_bwd_mma.cuh"  // load_tile_tc, zero_acc, store_acc, DQAccumLayout, DQOrderCounters, ...
