@@ -516,6 +516,19 @@ def test_backward_extension_pairs_slow(case):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("dt,causal", [("fp16", False), ("fp16", True), ("bf16", True), ("fp32", False)])
+def test_ordered_dq_with_a_block_mask_gpu(dt, causal):
+    """The deterministic default with a block mask whose holes are whole tiles (the ordered dQ's dq_turn; on sm_90
+    the wgmma backward, else mma.sync; fp32 SIMT): the reference's rule, the same bits in a second run."""
+    import cupy
+    kw = holed_block_mask(2, 2, 150, 330)
+    runs = [run_case(cupy, DTYPES[dt], kw, causal=causal, Lq=150, Lk=330, D=64) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8))
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("case", SINGLE + PAIRS, ids=_id)
 def test_backward_extension_gpu(case):
     import cupy

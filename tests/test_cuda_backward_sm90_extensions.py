@@ -643,6 +643,25 @@ def test_extension_gpu_ordered_window(kind, D, monkeypatch):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("kind,D,causal", [("ws", 64, False), ("ws", 64, True), ("cp.async", 64, True),
+                                           ("ws", 128, False), ("ws", 256, True)])
+def test_extension_gpu_ordered_block_mask(kind, D, causal, monkeypatch):
+    """The ordered dQ with a block mask (dq_turn: the previous visitor's rank past the holes) on the GPU: the
+    reference's gradients, and the same bits in two more runs."""
+    from test_cuda_backward_extensions import holed_block_mask
+    monkeypatch.setattr(S, "USE_TMA", kind == "ws")
+    launch._clear_plans()
+    inputs = problem(np.float16, D, 200, 520)
+    kw = holed_block_mask(2, 2, 200, 520)
+    runs = [run_case(np.float16, ("block_mask",), causal=causal, deterministic=True, D=D, Lq=200, Lk=520,
+                     inputs=inputs, kw=kw, tma=kind == "ws", device="cuda", check=i == 0) for i in range(3)]
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
 @pytest.mark.parametrize("names,causal,det", [(ALL, True, False), (("alibi", "dropout", "seqlens"), False, True)],
                          ids=["all-causal-atomic", "alibi+dropout+seqlens-ordered"])
 def test_wgmma_forward_then_wgmma_backward(names, causal, det):

@@ -369,10 +369,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         **must match the forward call** (the same seed and offset reproduce the dropout mask).
         Padded rows/keys and rows that see no key get zero gradients.
     deterministic : bool, default True
-        CUDA backend: ``True`` gives bitwise-identical gradients run to run (fp16/bf16 without
-        extensions: dQ by float32 atomics added in a fixed key-block order; otherwise a separate
-        dQ kernel); ``False`` accumulates dQ with float32 atomics in any order (not bitwise
-        reproducible). The cpu backend is always deterministic.
+        CUDA backend: ``True`` gives bitwise-identical gradients run to run (dQ by atomics added in
+        a fixed key-block order, with every extension; a separate dQ kernel for ALiBi above head dim
+        128 on the fp16/bf16 mma.sync kernel); ``False`` accumulates dQ with atomics in any order
+        (not bitwise reproducible). The cpu backend is always deterministic.
     precision : {None, "ieee", "tf32", "3xtf32"}
         Validated as for :func:`flash_attention_forward`. CUDA backend: float32 with "tf32" /
         "3xtf32" runs the TF32 tensor-core backward (sm_80+, head dims <= 128, no extensions;
