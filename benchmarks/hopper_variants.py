@@ -86,6 +86,9 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
                                             since the fifteenth session)
   fwd.kernel.window1k                       window (1023, 0): where a longer window leaves the mma.sync forward
                                             that sm_90 keeps for windows of <= 384 keys at d <= 64
+  bwd.ORDERED_BLOCK_MASK                    cuda_backward.ORDERED_BLOCK_MASK, deterministic, a block mask of half the
+                                            128 x 128 blocks: the wgmma backward's ordered dQ (kernel=None's since the
+                                            forty-third session) vs the mma.sync recomputing dQ kernel (before)
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
                                             kernel's bulk dQ for extension calls (the dQ warp walking the consumers'
                                             visits) vs the consumers' atomics, window (255, 0) / dropout_p 0.1
@@ -236,6 +239,9 @@ EXT_SWITCHES = (
            ext="dropout"),
     Switch("bwd.kernel.window", "bwd", None, "kernel", MMA_BWD, "wgmma vs mma.sync backward, window (255, 0)",
            ext="window"),
+    Switch("bwd.ORDERED_BLOCK_MASK", "bwd", cuda_backward, "ORDERED_BLOCK_MASK", False,
+           "block mask (half of the 128 x 128 blocks): wgmma ordered dQ vs mma.sync recomputing dQ kernel",
+           base=MMA_BWD, ext="block_mask", modes=("det",)),
     Switch("bwd.DQ_BULK_EXT.window", "bwd", B, "DQ_BULK_EXT", False,
            "window (255, 0): dQ bulk reduce-add vs consumer atomics", ext="window"),
     Switch("bwd.DQ_BULK_EXT.dropout", "bwd", B, "DQ_BULK_EXT", False,
@@ -251,7 +257,8 @@ EXT_SWITCHES = (
 )
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),
-            "window1k": dict(window=(1023, 0)), "softcap": dict(softcap=30.0)}
+            "window1k": dict(window=(1023, 0)), "softcap": dict(softcap=30.0),
+            "block_mask": dict(block_mask=0.5, block_size=(128, 128))}  # (the density: Problem makes the mask)
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
 DTYPES = gpu.DTYPES
@@ -298,6 +305,20 @@ def variant(switch, base=WGMMA, under=None):
         launch._clear_plans()
 
 
+def ext_keywords(kw, q, k):
+    """``kw`` with a block mask made for the shape where it gives a density (EXT_SETS' "block_mask": that share of
+    the blocks True, the diagonal kept, one mask for every batch entry, on q's array module), else ``kw``."""
+    density = kw.get("block_mask")
+    if not isinstance(density, float):
+        return kw
+    bq, bk = kw["block_size"]
+    shape = (-(-q.shape[-2] // bq), -(-k.shape[-2] // bk))
+    mask = np.random.default_rng(0).random(shape) < density
+    mask[np.arange(min(shape)), np.arange(min(shape))] = True
+    xp = sys.modules[type(q).__module__.split(".")[0]]
+    return dict(kw, block_mask=xp.asarray(mask))
+
+
 class Problem:
     """One shape's inputs (on the device: ``copies`` of q, k, v, dout for L2) and its calls."""
 
@@ -305,7 +326,7 @@ class Problem:
         self.copies, self.causal, self.device, self.arch = copies, causal, device, arch
         q = copies[0][0]
         self.scale, self.batch = 1.0 / math.sqrt(q.shape[-1]), q.shape[:-2]
-        self.ext_kw = EXT_SETS[ext]  # the calls' extension keywords (EXT_SWITCHES)
+        self.ext_kw = ext_keywords(EXT_SETS[ext], q, copies[0][1])  # the calls' extension keywords (EXT_SWITCHES)
         self.ext = gpu_backward._ext(q, copies[0][1], self.ext_kw)
         self.state = None  # [(out, lse) per copy]: the wgmma forward with its defaults
 

@@ -355,6 +355,12 @@ def test_backward_bad_options():
     assert cb.dq_mode(True, "tc", alibi, head_dim=256) == "recompute"
     for ext in (window, block_mask):
         assert cb.dq_mode(True, "tc", ext) == cb.dq_mode(True, "simt", ext) == "ordered"
+    # ORDERED_BLOCK_MASK off (hopper_variants' bwd.ORDERED_BLOCK_MASK): the recomputing dQ kernel, not the wgmma one
+    assert cb.auto_wgmma(np.float16, 90, D=64, Dv=64, ext=block_mask.bits, deterministic=True)
+    with flag_set(cb, "ORDERED_BLOCK_MASK", False):
+        assert cb.dq_mode(True, "tc", block_mask) == cb.dq_mode(True, "simt", block_mask) == "recompute"
+        assert cb.dq_mode(True, "tc", window) == "ordered"
+        assert not cb.auto_wgmma(np.float16, 90, D=64, Dv=64, ext=block_mask.bits, deterministic=True)
     with pytest.raises(ValueError, match=r"option 'dq'='recompute' needs deterministic=True"):
         run_backward("emulator", Problem(np.float16, 16, 4, 4, causal=False), deterministic=False, dq="recompute")
 

@@ -343,6 +343,12 @@ TC_ORDERED_EXT_WIDE = TC_ORDERED_EXT & ~2
 #: kExt bits the SIMT kernel takes in the ordered dQ mode: the same set (its key blocks walk the query blocks by
 #: the same ``QueryTileWalk`` and take their turns by the same ``dq_turn``).
 SIMT_ORDERED_EXT = TC_ORDERED_EXT
+#: Whether the ordered dQ mode takes a block mask (``dq_turn``'s ranks, since the forty-third session). False: as
+#: before, deterministic calls with one run the recomputing dQ kernel (7 products; kernel "tc" or "simt", and on sm_90
+#: ``kernel=None`` keeps the mma.sync backward) — ``benchmarks/hopper_variants.py``'s ``bwd.ORDERED_BLOCK_MASK``
+#: times both on a GPU (not yet run). Plans are cached: flip it before planning, or clear them (launch._clear_plans).
+ORDERED_BLOCK_MASK = True
+BLOCK_MASK_BIT = 8
 #: Kernels with an ordered dQ mode (the atomic mode's dK/dV kernel adding dQ in key-block order).
 ORDERED_KERNELS = TC_FAMILIES + ("simt",)
 
@@ -351,7 +357,9 @@ def _family_orders(kernel, bits, head_dim=0):
     """Whether a tensor-core family runs the ordered dQ mode with the kExt ``bits``
     (:data:`TC_ORDERED_EXT` for "tc", :data:`TC_ORDERED_EXT_WIDE` above padded ``head_dim`` 128 —
     the larger of D and Dv —; a float32 / float64 family's module's ``ORDERED_EXT``, none without
-    one)."""
+    one); none with a block mask where :data:`ORDERED_BLOCK_MASK` is off."""
+    if bits & BLOCK_MASK_BIT and not ORDERED_BLOCK_MASK:
+        return False
     if kernel == "tc":
         return not bits & ~(TC_ORDERED_EXT if head_dim <= 128 else TC_ORDERED_EXT_WIDE)
     if kernel == "simt":
@@ -369,6 +377,8 @@ def auto_wgmma(dtype, arch, precision=None, D=0, Dv=0, ext=False, dq=None, devic
     if dq == "recompute" or not _fwd().sm90.auto_dispatch(arch, device):
         return False
     if ext and not sm90.auto_ext(int(ext), D, Dv, deterministic):
+        return False
+    if ext and deterministic and not _family_orders("wgmma", int(ext)):
         return False
     try:
         sm90.backward_tile(precision, dtype, D, Dv, arch)
