@@ -353,13 +353,17 @@ def test_dispatched_on_sm90_by_default(dtype, D):
 
 
 def test_not_dispatched_where_it_does_not_serve(monkeypatch):
-    """float32, extensions, dq="recompute", AUTO_DISPATCH off and CUDA without NVRTC's sm_90a keep the choice."""
+    """float32, extensions (AUTO_EXT off; a deterministic block mask with ORDERED_BLOCK_MASK off), dq="recompute",
+    AUTO_DISPATCH off and CUDA without NVRTC's sm_90a keep the choice."""
     from conftest import flag_set
     from flasharray._private import cuda_forward_sm90 as F
     from flasharray._private.extensions import Extensions
     assert _auto_kernel(np.float32) == "simt"  # float32's default precision: ieee
     assert _auto_kernel(np.float32, precision="3xtf32") == "tf32"
-    assert S.AUTO_EXT and _auto_kernel(ext=Extensions(block_mask=np.ones((1, 1), bool), block_size=(16, 16))) == "tc"
+    block_mask = Extensions(block_mask=np.ones((1, 1), bool), block_size=(16, 16))
+    assert S.AUTO_EXT and _auto_kernel(ext=block_mask) == "wgmma"  # deterministic: the ordered dQ takes it (dq_turn)
+    with flag_set(cb, "ORDERED_BLOCK_MASK", False):  # as before the forty-third session: the recomputing dQ kernel
+        assert _auto_kernel(ext=block_mask) == "tc"
     with flag_set(S, "AUTO_EXT", False):
         assert _auto_kernel(ext=Extensions(dropout_p=0.2, seed=5, offset=1)) == "tc"
     assert _auto_kernel(dq="recompute") == "tc"
