@@ -1138,10 +1138,10 @@ __device__ __forceinline__ void dq_bulk_writer_sm90(const unsigned char* smem, u
     const int bf = visit % kBufs;
     fa::mbarrier_wait_parity(dq_full + bf, (visit / kBufs) & 1);
     DQTurn turn{0, 1};  // (ext_turn's with a block mask, else posts of 1)
-    if constexpr (kOrderedDQ && kExt != 0) turn = ext_turn(i);
-    if constexpr (kOrderedDQ && kExt != 0)
+    if constexpr (kOrderedDQ && kExt != 0) {
+      turn = ext_turn(i);
       fa::sem_wait_group(*turn0 + i, turn.expected, Tr::kDQBarrier, 32);
-    else if constexpr (kOrderedDQ)
+    } else if constexpr (kOrderedDQ)
       fa::sem_wait_group(*turn0 + grp_off + i, dq_warp_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);
     if (issuer) {
       dq_bulk_adds_sm90<Tr, kDQDim, kBlockM>(dq_accum + *dqa_off + grp_off + static_cast<long long>(i) * kBlockM * kDQDim,

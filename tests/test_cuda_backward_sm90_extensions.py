@@ -344,8 +344,8 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
 
 
 @pytest.mark.parametrize("old,new,names,det", [
-    ("      fa::sem_wait_group(*turn0 + i, turn.expected, Tr::kDQBarrier, 32);\n",
-     "      fa::sem_wait_group(*turn0 + i, dq_warp_turn<Order, kBlockM, kBlockN>(turn0, i), Tr::kDQBarrier, 32);\n",
+    ("      turn = ext_turn(i);\n",
+     "      turn = DQTurn{dq_warp_turn<Order, kBlockM, kBlockN>(turn0, i), 1};\n",
      ("window",), True),
     ("      i = walk.next(i, n_qblocks);\n    } else {\n      const bool wrap = i + 1 == n_qblocks;\n"
      "      i = wrap ? i_begin : i + 1, grp_off",
