@@ -120,10 +120,23 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     c_to_a<T, kW / 16>(dS_a, dp);
 }
 
-// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap): the warp's 32 keys (32 wk..) by kSQ
-// queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly as dkv_scores computes
-// them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch L::kPitchS). lse_s
-// holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
+// The mask less its block mask (geometry), or the mask itself without one (the same code as before it existed).
+template <class M>
+__device__ __forceinline__ auto geometry_of(const M& mask) {
+    if constexpr (M::kBlockMask)
+        return geometry(mask);
+    else
+        return mask;
+}
+// x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
+__device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
+// Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap / block mask): the
+// warp's 32 keys (32 wk..) by kSQ queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly
+// as dkv_scores computes them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch
+// L::kPitchS). lse_s holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
+// A block mask is looked up once per n8 tile of each 16-key m tile (16 keys from a multiple of 16 by 8 queries from
+// a multiple of 8 lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does: P = 0 outside it (dS = P o ... = 0 follows), the per-element checks on the geometry (rows
+// past Lq get P from a zero L_i and zero Q_i, dO_i rows: nothing in dK_j, dV_j, dQ_i, as without a block mask).
 // S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
 // that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
 // spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
@@ -135,6 +148,7 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int k0 = 32 * wk, q0 = kSQ * wq;
     constexpr int kQD = kSwz ? kHeadDim : L::kPitchD, kQDv = kSwz ? kHeadDimV : L::kPitchDv;  // Q_i / dO_i pitches
+    const auto geo = geometry_of(mask);  // the mask less its block mask (the mask itself without one)
     float p[2][kSQ / 8][4];  // S^T, then P^T (C layout; two 16-key m tiles)
     zero_acc(p[0]); zero_acc(p[1]);
     warp_mma_m<T, 2, kHeadDim, kSQ, false, false, false, kSwz>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * kQD,
@@ -147,16 +161,19 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
             const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < 2; ++mt) {
+                const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + k0 + 16 * mt);  // true without one
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = r0 + r + e % 2, col = c0 + k0 + 16 * mt + g + (e / 2) * 8;
-                    if constexpr (!M::kScoreMod)  // dense, lengths, window: visibility only
+                    if constexpr (!M::kScoreMod)  // dense, lengths, window, block mask: visibility only
                         p[mt][nt][e] = p_from_score(p[mt][nt][e], scale_log2, e % 2 ? lse2.y : lse2.x,
-                                                    mask.is_visible(row, col));
+                                                    geo.is_visible(row, col) && in_block);
                     else
-                        p[mt][nt][e] = ext_ds_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2, mask, row, col);
+                        p[mt][nt][e] = sel_block(in_block, ext_ds_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x,
+                                                                         scale_log2, geo, row, col));
                 }
+            }
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -175,10 +192,13 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
                 const int r = q0 + nt * 8 + 2 * t;
                 const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
                 const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
+                const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + k0 + 16 * mt);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    pm[nt][e] = ext_p_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2, mask, r0 + r + e % 2,
-                                             c0 + k0 + 16 * mt + g + (e / 2) * 8);
+                for (int e = 0; e < 4; ++e) {
+                    pm[nt][e] = sel_block(in_block, ext_p_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2,
+                                                                 geo, r0 + r + e % 2, c0 + k0 + 16 * mt + g + (e / 2) * 8));
+                    p[mt][nt][e] = sel_block(in_block, p[mt][nt][e]);
+                }
             }
             uint32_t a[kSQ / 16][4];
             c_to_a<T, kSQ / 16>(a, pm);
@@ -672,7 +692,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 
 // ---------------------------------------------------------------------------------------------
 // dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, or with window,
-// ALiBi, softcap and per-entry lengths: tiles_bwd.GRID_EXT; no dropout, no block mask):
+// ALiBi, softcap, block mask and per-entry lengths: tiles_bwd.GRID_EXT; no dropout):
 // Bc = 32 kWK keys, 8 warps. Each product runs on 32-row warp tiles, so each ldmatrix feeds more MMAs
 // than the row-tile kernel above (one warp per 16 keys: 16 x Br strips), whose products are bound by
 // shared-memory reads (0.65 ldmatrix.x4 per MMA at d 128, 4 cycles each against ~2 per MMA):
@@ -685,7 +705,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 //               above), the first pass computed before the ordered mode's turn, so that only the atomics wait for it.
 // Tiles (tiles_bwd.GRID_TILES): Bc x Br = 128 x 128 at d 64, 128 x 64 at d 128, 64 x 64 at d 256 (FlashAttention-2's
 // d 256 tile: 32 x 16 score warp tiles, 32 x 64 dK / dV ones).
-// Same grid, same visits (causal: from m_block_min; GQA: n_group entries), same accumulator and counters,
+// Same grid, same visits (causal: from m_block_min; GQA: n_group entries; a block mask: QueryTileWalk's tiles, the
+// ordered turns of dq_turn), same accumulator and counters,
 // same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel (softcap:
 // dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
@@ -718,8 +739,8 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
                   kDQW % A::kDQCols == 0,
                   "grid layout: each warp's dQ tile is 32 rows of whole DQAccumLayout column tiles");
     static_assert(kStages == 1 && kBlockM <= 128, "grid layout: one buffer of Q_i, dO_i, refilled during dQ");
-    static_assert((kExt & (flash::kExtDropout | flash::kExtBlockMask)) == 0 && (kExt == 0 || kVecLoad),
-                  "grid layout: no dropout, no block mask; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
+    static_assert((kExt & flash::kExtDropout) == 0 && (kExt == 0 || kVecLoad),
+                  "grid layout: no dropout; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
     // kSwizzle: Q_i and dO_i, the tiles copied every visit, unpadded and XOR-swizzled (swz_chunk_offset) in their
     // padded buffers; K_j, V_j (copied once per block) keep the padded rows
@@ -752,10 +773,12 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     // written as zeros; the host launches such calls with n_group = 1.
     const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
     const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
-    const int i_begin = mask.m_block_min(c0, kBlockM);
-    const int Tr = kExt != 0 ? QueryTileWalk<decltype(mask)>{mask, c0, kBlockM, kBlockN}.end()
-                             : (Lq + kBlockM - 1) / kBlockM;
-    const int n_visits = (Tr > i_begin ? Tr - i_begin : 0) * n_group;
+    const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
+    constexpr bool kBlockMask = flash::HasExt<kExt, flash::kExtBlockMask>::value;
+    const int Tr = kExt != 0 ? walk.end() : (Lq + kBlockM - 1) / kBlockM;
+    // A block mask: the query tiles whose blocks are all False are skipped (QueryTileWalk::next), the first too.
+    const int i_begin = kBlockMask ? walk.next(mask.m_block_min(c0, kBlockM) - 1, Tr) : mask.m_block_min(c0, kBlockM);
+    const int n_visits = kBlockMask ? walk.count(i_begin, Tr) : (Tr > i_begin ? Tr - i_begin : 0) * n_group;
     auto dqa_entry = [&](int grp) { return dq_accum + b.offset({dqa_b0, dqa_b1, dqa_b2, 0}) + (long long)grp * dqa_g; };
     const DQOrderCounters<kBlockM, kHeadDim> order{Lq};
     // Q_i, dO_i and the raw L_i, D_i of query block i of group entry grp (cp.async; L_i, D_i as 4-byte copies by
@@ -792,10 +815,12 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
 
     int grp = 0, i = i_begin;
     int* posted = nullptr;  // ordered: the counter of the previous visit, posted after the next barrier
+    int posted_add = 1;     // ... and thread 0's count to post (dq_turn: 1 without a block mask)
     for (int visit = 0; visit < n_visits; ++visit) {
         const int r0 = i * kBlockM;
         const bool wrap = i + 1 == Tr;
-        const int i_n = wrap ? i_begin : i + 1, grp_n = kExt != 0 ? 0 : wrap ? grp + 1 : grp;
+        const int i_n = kBlockMask ? walk.next(i, Tr) : wrap ? i_begin : i + 1;
+        const int grp_n = kExt != 0 ? 0 : wrap ? grp + 1 : grp;
         const T* Q_s = Q_buf;
         const T* dO_s = dO_buf;
         // This visit's Q_i, dO_i, L_i, D_i: copies started in the prologue or in the previous visit, once its
@@ -807,7 +832,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // Ordered: thread 0 posts the previous visit's turn (fa::sem_post's two halves: this barrier followed every
         // thread's atomics), its release overlapping the other warps' work instead of holding a barrier.
         if constexpr (kOrderedDQ)
-            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted);
+            if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted, posted_add);
         grid_scores<T, L, kSQ, kHeadDim, kHeadDimV, decltype(mask), kSwizzle>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s,
                                                                               delta_s, wk, wq, scale_log2, mask, r0, c0);
         // Barrier: P^T and dS^T complete before warps read them across score tiles.
@@ -828,8 +853,11 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // Ordered: fa::sem_wait in its two halves — thread 0 polls for the turn now, while the other warps run
         // their dQ products; the barrier after them extends what it acquired to the block.
         if constexpr (kOrderedDQ)
-            if (threadIdx.x == 0)
-                fa::sem_acquire(order.counter(dqa_entry(grp), i), dq_order.turn(i, kBlockM, kBlockN, mask));
+            if (threadIdx.x == 0) {
+                const DQTurn turn = dq_turn(dq_order, i, walk);
+                fa::sem_acquire(order.counter(dqa_entry(grp), i), turn.expected);
+                posted_add = turn.add;
+            }
         float* dqa_i = dqa_entry(grp) + (long long)r0 * kHeadDim;
         // The warp's kDQW columns in passes of one DQAccumLayout column tile (d 256: two; their 64 floats at once
         // beside dK_j, dV_j spilled 136-188 bytes, two passes unrolled 64-128 in the atomic mode: a rolled loop);
@@ -858,7 +886,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     }
     // Ordered: the last visit's post (fa::sem_post).
     if constexpr (kOrderedDQ)
-        if (n_visits > 0) fa::sem_post(posted);
+        if (n_visits > 0) fa::sem_post(posted, posted_add);
 
     fa::cp_async_wait<0>();
     // -- epilogue: dK_j * scale and dV_j (rows < Lk, columns < D / Dv).

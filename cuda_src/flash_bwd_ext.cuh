@@ -78,6 +78,16 @@ __device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2
     return f;
 }
 
+// The mask without its block mask (the per-element one of kernels that look the block mask up once per fragment:
+// ext_pt_dst_sm90, grid_scores): the same members but bm .. block_k.
+template <bool C, int E>
+__device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
+    flash::Mask<C, E & ~flash::kExtBlockMask, float> out(m.Lq, m.Lk);
+    out.window_left = m.window_left, out.window_right = m.window_right;
+    out.softcap = m.softcap, out.inv_softcap = m.inv_softcap, out.slope = m.slope;
+    return out;
+}
+
 // Dropout's state of one block: nothing without kExtDropout.
 template <bool kOn, typename AccT = float>
 struct BwdDropout {

@@ -429,15 +429,6 @@ __device__ __forceinline__ flash::Mask<Is_causal, kExt, float> entry_mask_sm90(c
     return flash::make_mask<Is_causal, kExt, float>(Lq, Lk, ext, b);
 }
 
-// The mask without its block mask (ext_pt_dst_sm90's per-element one): the same members but bm .. block_k.
-template <bool C, int E>
-__device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
-  flash::Mask<C, E & ~flash::kExtBlockMask, float> out(m.Lq, m.Lk);
-  out.window_left = m.window_left, out.window_right = m.window_right;
-  out.softcap = m.softcap, out.inv_softcap = m.inv_softcap, out.slope = m.slope;
-  return out;
-}
-
 // The lane index read again where it is used (a volatile read of %laneid): the loop-invariant values derived
 // from it (dropout_bits_t's shuffle sources and counters) are then recomputed per visit rather than kept live
 // across the query-block loop, which at the consumers' register ceiling spilled them. The emulator reads

@@ -417,6 +417,47 @@ def test_ordered_dq_with_a_block_mask(monkeypatch, case):
     _same_bits_under_schedules(monkeypatch, kw, shape, base, (("1", "reverse", 0), ("2", "random", 3), ("2", "random", 11)))
 
 
+GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): a block mask on the grid layout
+    ((), 64, True, True, (32, 64)),                     # causal: descending ranks past the holes
+    (("softcap", "window"), 256, False, True, (16, 32)),  # n8 tiles of 16-query blocks; softcap's P and f selected
+    (("seqlens",), 256, True, False, (32, 64)),         # atomic, short entries
+    (("alibi",), 64, False, True, (48, 16)),            # ascending; 16-key blocks, 48-query ones across n8 tiles
+]
+
+
+@pytest.mark.parametrize("names, D, causal, det, block", thin(GRID_BLOCK_MASKS, unpack=True))
+def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block):
+    """A block mask (tiles_bwd.GRID_EXT; at d 64 and 256 — every set at d 128 spilled, those keep the row-tile
+    kernel) runs the grid-layout dK/dV kernel: query tiles whose blocks are all False skipped (QueryTileWalk), the
+    mask looked up once per n8 tile (grid_scores): the rule in both dQ modes; without softcap dK, dV bitwise the
+    row-tile kernel's; the ordered mode (dq_turn's ranks past the holes) the same bits under reverse and random
+    schedules."""
+    from conftest import flag_set
+    from flasharray._private import tiles_bwd
+    bits = cuda_backward._fwd().EXT_BITS
+    t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
+                                  ext=bits["block_mask"], ordered=det)["dkv"][2]
+    assert t.layout == "rows"  # d 128: tiles_bwd.GRID_EXT_SPILLED
+    H, Lq, Lk = 2, 150, 330
+    kw = kw_of(names, H=H, Lq=Lq, Lk=Lk) if names else {}
+    kw.update(holed_block_mask(2, H, Lq, Lk, block_size=block))
+    shape = dict(H=H, Hk=2, Lq=Lq, Lk=Lk, D=D, causal=causal, return_counters=True, deterministic=det)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
+    assert plan.dq_mode == ("ordered" if det else "atomic")
+    if det:
+        assert c.sem_waits > 0 and c.sem_blocked == 0
+        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
+    if "softcap" not in names:
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+        with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+            (rows, _), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+        assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
+        np.testing.assert_array_equal(grid[1], rows[1])
+        np.testing.assert_array_equal(grid[2], rows[2])
+
+
 WINDOWS = [  # (keywords, causal, H, Hk, Lq, Lk, D): the ordered dQ mode's window cases
     (dict(window=(20, 5)), False, 2, 2, 150, 290, 64),          # ascending, first visitor > 0, both edges
     (dict(window=(70, 0)), True, 2, 2, 290, 290, 64),           # causal: descending, unchanged turns

@@ -203,15 +203,23 @@ def _wide_keys(D, Dv, limit, stages):
 # 86 / 89). docs/cuda_backward.md, "The grid layout".
 GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
-#: with lengths on sm_90): any set of window, ALiBi, softcap and lengths (no dropout: its keep bits beside the
-#: 255-register kernel; no block mask: the kernel walks every query tile) — but the sets whose d 128 instantiations
-#: spilled in the NVRTC audit of 2026-11-27 (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 /
-#: sm_90: 8-56 bytes, causal mostly; window with ALiBi 4-12 bytes in the float-output instantiations, found by the slow
-#: test of 2026-11-29) in :data:`GRID_EXT_SPILLED`, and at d 256 those of the audit of 2026-11-29
-#: (``benchmarks/spill_audit.py --d 256 --roles atomic,ordered``: window or ALiBi, with or without lengths, causal:
-#: 16-32 bytes); at d 64 every set compiled without spills.
-GRID_EXT = 1 | 2 | 4 | 32
-GRID_EXT_SPILLED = {128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32), 256: (1, 2, 1 | 32, 2 | 32)}
+#: with lengths on sm_90): any set of window, ALiBi, softcap, block mask (forty-fourth session) and lengths (no
+#: dropout: its keep bits beside the 255-register kernel) — but the sets whose instantiations spilled in the NVRTC
+#: audits (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 / sm_90), in :data:`GRID_EXT_SPILLED`:
+#: at d 128 those of 2026-11-27 (8-56 bytes, causal mostly; window with ALiBi 4-12 bytes in the float-output
+#: instantiations, found by the slow test of 2026-11-29) and every set with a block mask (8-152 bytes in 23 of 64
+#: fp16 sm_80 instantiations, with no pattern by set: the kernel runs at 255 registers); at d 256 those of
+#: 2026-11-29 (``benchmarks/spill_audit.py --d 256 --roles atomic,ordered``: window or ALiBi, with or without
+#: lengths, causal: 16-32 bytes) and with a block mask window or ALiBi, lengths, and all five (16-188 bytes); at d 64
+#: a block mask with window and ALiBi, window and softcap, or lengths (20-48 bytes). docs/cuda_backward.md, "The
+#: grid layout".
+GRID_EXT = 1 | 2 | 4 | 8 | 32
+_BM = 8
+GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32),
+                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32) + tuple(b | _BM for b in range(GRID_EXT + 1)
+                                                                          if not b & ~GRID_EXT & ~_BM and not b & _BM),
+                    256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
+                          _BM | 1 | 2 | 4 | 32)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
