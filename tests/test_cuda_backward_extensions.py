@@ -420,7 +420,7 @@ def test_ordered_dq_with_a_block_mask(monkeypatch, case):
 GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): a block mask on the grid layout
     ((), 64, True, True, (32, 64)),                     # causal: descending ranks past the holes
     (("softcap", "window"), 256, False, True, (16, 32)),  # n8 tiles of 16-query blocks; softcap's P and f selected
-    (("seqlens",), 256, True, False, (32, 64)),         # atomic, short entries
+    (("softcap", "seqlens"), 256, True, False, (32, 64)),  # atomic, short entries (lengths alone spilled at d 256)
     (("alibi",), 64, False, True, (48, 16)),            # ascending; 16-key blocks, 48-query ones across n8 tiles
 ]
 
