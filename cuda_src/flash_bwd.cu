@@ -130,13 +130,15 @@ __device__ __forceinline__ auto geometry_of(const M& mask) {
 }
 // x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
 __device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
+
 // Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap / block mask): the
 // warp's 32 keys (32 wk..) by kSQ queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly
 // as dkv_scores computes them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch
 // L::kPitchS). lse_s holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
 // A block mask is looked up once per n8 tile of each 16-key m tile (16 keys from a multiple of 16 by 8 queries from
-// a multiple of 8 lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does: P = 0 outside it (dS = P o ... = 0 follows), the per-element checks on the geometry (rows
-// past Lq get P from a zero L_i and zero Q_i, dO_i rows: nothing in dK_j, dV_j, dQ_i, as without a block mask).
+// a multiple of 8 lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does:
+// P = 0 outside it (dS = P o ... = 0 follows), the per-element checks on the geometry (rows past Lq get P from a
+// zero L_i and zero Q_i, dO_i rows: nothing in dK_j, dV_j, dQ_i, as without a block mask).
 // S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
 // that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
 // spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
