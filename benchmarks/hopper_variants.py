@@ -89,6 +89,9 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
   bwd.ORDERED_BLOCK_MASK                    cuda_backward.ORDERED_BLOCK_MASK, deterministic, a block mask of half the
                                             128 x 128 blocks: the wgmma backward's ordered dQ (kernel=None's since the
                                             forty-third session) vs the mma.sync recomputing dQ kernel (before)
+  mma.GRID_LAYOUT.block_mask                tiles_bwd.GRID_LAYOUT (both sides kernel="tc"), a block mask of half the
+                                            128 x 128 blocks: the grid-layout dK/dV kernel (forty-fourth session; d 64
+                                            and 256) vs the row-tile kernel, both dQ modes
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
                                             kernel's bulk dQ for extension calls (the dQ warp walking the consumers'
                                             visits) vs the consumers' atomics, window (255, 0) / dropout_p 0.1
@@ -242,6 +245,9 @@ EXT_SWITCHES = (
     Switch("bwd.ORDERED_BLOCK_MASK", "bwd", cuda_backward, "ORDERED_BLOCK_MASK", False,
            "block mask (half of the 128 x 128 blocks): wgmma ordered dQ vs mma.sync recomputing dQ kernel",
            base=MMA_BWD, ext="block_mask", modes=("det",)),
+    Switch("mma.GRID_LAYOUT.block_mask", "bwd", tiles_bwd, "GRID_LAYOUT", False,
+           "block mask (half of the 128 x 128 blocks), mma.sync backward: grid-layout vs row-tile dK/dV kernel "
+           "(d 64 / 256; d 128 keeps the row tile)", MMA_BWD, ext="block_mask"),
     Switch("bwd.DQ_BULK_EXT.window", "bwd", B, "DQ_BULK_EXT", False,
            "window (255, 0): dQ bulk reduce-add vs consumer atomics", ext="window"),
     Switch("bwd.DQ_BULK_EXT.dropout", "bwd", B, "DQ_BULK_EXT", False,
