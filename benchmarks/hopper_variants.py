@@ -92,6 +92,8 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
   mma.GRID_LAYOUT.block_mask                tiles_bwd.GRID_LAYOUT (both sides kernel="tc"), a block mask of half the
                                             128 x 128 blocks: the grid-layout dK/dV kernel (forty-fourth session; d 64
                                             and 256) vs the row-tile kernel, both dQ modes
+  mma.GRID_LAYOUT.dropout                   the same with dropout_p 0.1 (forty-fifth session; at d 256, where sm_90's
+                                            dropout calls run the mma.sync backward: the wgmma one refuses them)
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
                                             kernel's bulk dQ for extension calls (the dQ warp walking the consumers'
                                             visits) vs the consumers' atomics, window (255, 0) / dropout_p 0.1
@@ -248,6 +250,9 @@ EXT_SWITCHES = (
     Switch("mma.GRID_LAYOUT.block_mask", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "block mask (half of the 128 x 128 blocks), mma.sync backward: grid-layout vs row-tile dK/dV kernel "
            "(d 64 / 256; d 128 keeps the row tile)", MMA_BWD, ext="block_mask"),
+    Switch("mma.GRID_LAYOUT.dropout", "bwd", tiles_bwd, "GRID_LAYOUT", False,
+           "dropout p 0.1, mma.sync backward: grid-layout vs row-tile dK/dV kernel (d 256; d 64 / 128 keep the row "
+           "tile)", MMA_BWD, ext="dropout"),
     Switch("bwd.DQ_BULK_EXT.window", "bwd", B, "DQ_BULK_EXT", False,
            "window (255, 0): dQ bulk reduce-add vs consumer atomics", ext="window"),
     Switch("bwd.DQ_BULK_EXT.dropout", "bwd", B, "DQ_BULK_EXT", False,

@@ -130,6 +130,8 @@ __device__ __forceinline__ auto geometry_of(const M& mask) {
 }
 // x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
 __device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
+// Dropout's Z of an element whose dS factor f >= 0 grid_scores negated where it is dropped (-0 for a dropped zero).
+__device__ __forceinline__ float dropout_z(float f, float scale) { return __float_as_uint(f) >> 31 ? 0.0f : scale; }
 
 // Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap / block mask): the
 // warp's 32 keys (32 wk..) by kSQ queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly
@@ -143,10 +145,12 @@ __device__ __forceinline__ float sel_block(bool in_block, float x) { return in_b
 // that only 16 of its accumulators are live beside P^T's 32 floats and dK_j, dV_j (both m tiles at once
 // spilled 4-52 bytes at the 255-register cap; this reloads the dO_i fragments once: 160 ldmatrix per
 // 320 MMA instead of 144).
-template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M, bool kSwz = false>
+template <typename T, class L, int kSQ, int kHeadDim, int kHeadDimV, class M, class Drop, bool kSwz = false>
 __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, const T* V_s, const T* Q_s,
                                             const T* dO_s, const float* lse_s, const float* delta_s, int wk,
-                                            int wq, float scale_log2, const M& mask, int r0, int c0) {
+                                            int wq, float scale_log2, const M& mask, const Drop& drop, int r0,
+                                            int c0) {
+    constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
     const int lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int k0 = 32 * wk, q0 = kSQ * wq;
     constexpr int kQD = kSwz ? kHeadDim : L::kPitchD, kQDv = kSwz ? kHeadDimV : L::kPitchDv;  // Q_i / dO_i pitches
@@ -155,7 +159,7 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
     zero_acc(p[0]); zero_acc(p[1]);
     warp_mma_m<T, 2, kHeadDim, kSQ, false, false, false, kSwz>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * kQD,
                                                                kQD);
-    if constexpr (!M::kSoftcap) {
+    if constexpr (!M::kSoftcap && !kDropout) {
         // P^T in place (with extensions: the forward's score — ALiBi — and visibility — lengths, window).
 #pragma unroll
         for (int nt = 0; nt < kSQ / 8; ++nt) {
@@ -184,10 +188,15 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
         }
     } else {
-        // Softcap: P^T stored one m tile at a time, its factor of dS, f = P o (1 - tanh^2), kept in place
-        // (ext_p_factor: ext_ds_factor's P and f).
+        // Softcap or dropout: P^T (dropout: P o Z) stored one m tile at a time, and dS's factor f = P o (1 - tanh^2)
+        // (P without softcap; ext_p_factor: ext_ds_factor's P and f) kept in place — with dropout, negated where the
+        // element is dropped (f >= 0: its sign bit carries Z to the dS pass, dropout_z, and no keep bits stay live
+        // across dP^T's product). The keep bits of each m tile are dkv_scores's (dropout_bits_t: 16 keys by kSQ
+        // queries), so P o Z and dS are the row-tile kernel's bits.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
+            uint32_t keep[kSQ / 8];  // dropout's keep bits per n8 tile
+            if constexpr (kDropout) dropout_bits_t<kSQ>(keep, drop.rng, r0 + q0, c0 + k0 + 16 * mt, lane);
             float pm[kSQ / 8][4];
 #pragma unroll
             for (int nt = 0; nt < kSQ / 8; ++nt) {
@@ -200,6 +209,11 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
                     pm[nt][e] = sel_block(in_block, ext_p_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2,
                                                                  geo, r0 + r + e % 2, c0 + k0 + 16 * mt + g + (e / 2) * 8));
                     p[mt][nt][e] = sel_block(in_block, p[mt][nt][e]);
+                    if constexpr (kDropout) {
+                        const bool kept = (keep[nt] >> e) & 1u;
+                        pm[nt][e] *= kept ? drop.scale : 0.0f;
+                        p[mt][nt][e] = kept ? p[mt][nt][e] : -p[mt][nt][e];
+                    }
                 }
             }
             uint32_t a[kSQ / 16][4];
@@ -223,8 +237,13 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             for (int nt = 0; nt < kSQ / 8; ++nt) {
                 const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + q0 + nt * 8 + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dp[mt][nt][e] = p[m0 + mt][nt][e] * (dp[mt][nt][e] - (e % 2 ? delta_r.y : delta_r.x));
+                for (int e = 0; e < 4; ++e) {
+                    const float f = p[m0 + mt][nt][e], delta = e % 2 ? delta_r.y : delta_r.x;
+                    if constexpr (kDropout)  // ext_p_ds's P o (dP Z - D_i), Z from f's sign (above)
+                        dp[mt][nt][e] = fabsf(f) * (dp[mt][nt][e] * dropout_z(f, drop.scale) - delta);
+                    else
+                        dp[mt][nt][e] = f * (dp[mt][nt][e] - delta);
+                }
             }
             uint32_t a[kSQ / 16][4];
             c_to_a<T, kSQ / 16>(a, dp[mt]);
@@ -741,8 +760,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
                   kDQW % A::kDQCols == 0,
                   "grid layout: each warp's dQ tile is 32 rows of whole DQAccumLayout column tiles");
     static_assert(kStages == 1 && kBlockM <= 128, "grid layout: one buffer of Q_i, dO_i, refilled during dQ");
-    static_assert((kExt & flash::kExtDropout) == 0 && (kExt == 0 || kVecLoad),
-                  "grid layout: no dropout; extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
+    static_assert(kExt == 0 || kVecLoad, "grid layout: extensions with 16-byte row copies (tiles_bwd.GRID_EXT)");
     using L = TcSmem<kHeadDim, kHeadDimV, kBlockM, kBlockN, true, kStages, false>;
     // kSwizzle: Q_i and dO_i, the tiles copied every visit, unpadded and XOR-swizzled (swz_chunk_offset) in their
     // padded buffers; K_j, V_j (copied once per block) keep the padded rows
@@ -775,6 +793,7 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
     // written as zeros; the host launches such calls with n_group = 1.
     const int Lq_b = ext.template seqlen_q<kExt>(b, Lq), Lk_b = ext.template seqlen_k<kExt>(b, Lk);
     const auto mask = flash::make_mask<kIsCausal, kExt, float>(Lq_b, Lk_b, ext, b);
+    const auto drop = BwdDropout<flash::HasExt<kExt, flash::kExtDropout>::value, float>::make(ext, b);
     const QueryTileWalk<decltype(mask)> walk{mask, c0, kBlockM, kBlockN};
     constexpr bool kBlockMask = flash::HasExt<kExt, flash::kExtBlockMask>::value;
     const int Tr = kExt != 0 ? walk.end() : (Lq + kBlockM - 1) / kBlockM;
@@ -835,8 +854,8 @@ __global__ void __launch_bounds__(256, kMinBlocksPerSm) flash_bwd_dkv_grid_kerne
         // thread's atomics), its release overlapping the other warps' work instead of holding a barrier.
         if constexpr (kOrderedDQ)
             if (visit > 0 && threadIdx.x == 0) fa::sem_release(posted, posted_add);
-        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV, decltype(mask), kSwizzle>(Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s,
-                                                                              delta_s, wk, wq, scale_log2, mask, r0, c0);
+        grid_scores<T, L, kSQ, kHeadDim, kHeadDimV, decltype(mask), decltype(drop), kSwizzle>(
+            Pt_s, dSt_s, K_s, V_s, Q_s, dO_s, lse_s, delta_s, wk, wq, scale_log2, mask, drop, r0, c0);
         // Barrier: P^T and dS^T complete before warps read them across score tiles.
         __syncthreads();
         // (swizzled: the column origin apart from the tile, LaneCols)

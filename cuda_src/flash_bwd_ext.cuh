@@ -29,6 +29,7 @@ using flash::ExtArgs;  // FLASH_EXT_ARGS names it unqualified
 // The kExt of a Mask type.
 template <class M> struct MaskExt;
 template <bool C, int E, typename A> struct MaskExt<flash::Mask<C, E, A>> { static constexpr int value = E; };
+template <class M> struct MaskExt<const M> : MaskExt<M> {};
 
 // One element (query row, key col) of the backward with extensions: s is the unscaled score q·k and
 // dp = dO_i · v_j on entry; on return s = P·Z (the factor of dV_j += (P∘Z)^T dO_i) and dp = dS =

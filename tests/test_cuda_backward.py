@@ -460,7 +460,8 @@ def test_grid_layout_kernel(D, causal, deterministic):
         assert plan["dkv"][1].startswith("flash_bwd_dkv_grid_kernel<fa_half, fa_half, %d, %d, %s, " % (D, D, tile))
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 86, mode="ordered").layout == "rows"      # 99 KB: no room
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, mode="recompute").layout == "rows"
-    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=16, mode="ordered").layout == "rows"    # dropout
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=16, mode="ordered").layout == "rows"    # dropout: spilled
+    assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=20, mode="ordered").layout == "grid"    # softcap, dropout
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=1, mode="ordered").layout == "rows"     # spilled set
     assert tiles_bwd.tc_tiles("dkv", 128, 128, 80, ext=4, mode="ordered").layout == "grid"     # softcap
     assert tiles_bwd.tc_tiles("dkv", 256, 256, 86, mode="atomic").layout == "rows"       # 150.5 KB > 99 KB

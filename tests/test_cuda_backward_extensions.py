@@ -458,6 +458,50 @@ def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block
         np.testing.assert_array_equal(grid[2], rows[2])
 
 
+GRID_DROPOUT = [  # (other features, D, causal, deterministic): dropout on the grid layout (tiles_bwd.GRID_EXT)
+    ((), 256, True, True),                          # dropout alone (at d 64 / 128 it spilled: the row-tile kernel)
+    (("softcap",), 128, False, False),              # atomic (at d 128 only the sets with softcap compiled clean)
+    (("block_mask", "softcap", "alibi"), 256, True, False),  # the tiles a block mask skips
+    (("softcap", "seqlens"), 128, False, True),     # softcap's f with Z's sign; short entries
+    (("window", "softcap"), 256, True, False),
+]
+
+
+@pytest.mark.parametrize("names, D, causal, det", thin(GRID_DROPOUT, unpack=True))
+def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
+    """Dropout (tiles_bwd.GRID_EXT, less GRID_EXT_SPILLED: not at d 64) runs the grid-layout dK/dV kernel with the
+    row-tile kernel's keep bits (dropout_bits_t per 16-key m tile; P o Z to P^T_s, Z back from the sign of the kept
+    factor in the dS pass): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the
+    ordered mode the same bits under reverse and random schedules."""
+    from conftest import flag_set
+    from flasharray._private import tiles_bwd
+    bits = cuda_backward._fwd().EXT_BITS
+    # dropout alone: spilled at d 64 / 128, and at d 256 in the float-output (K/V broadcast) instantiations
+    for d, acc, layout in ((64, False, "rows"), (128, False, "rows"), (256, False, "grid"), (256, True, "rows")):
+        t = cuda_backward.kernel_plan(np.float16, d, d, causal=True, deterministic=True, arch=80, acc_dkv=acc,
+                                      ext=bits["dropout"], ordered=True)["dkv"][2]
+        assert t.layout == layout, (d, acc)
+    H, Lq, Lk = 2, 150, 330
+    kw = kw_of(("dropout",) + names, H=H, Lq=Lq, Lk=Lk)
+    if "block_mask" in names:
+        kw.update(holed_block_mask(2, H, Lq, Lk))
+    shape = dict(H=H, Hk=2, Lq=Lq, Lk=Lk, D=D, causal=causal, return_counters=True, deterministic=det)
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
+    assert plan.dq_mode == ("ordered" if det else "atomic")
+    if det:
+        assert c.sem_waits > 0 and c.sem_blocked == 0
+        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
+    if "softcap" not in names:
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+        with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+            (rows, _), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+        assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
+        np.testing.assert_array_equal(grid[1], rows[1])
+        np.testing.assert_array_equal(grid[2], rows[2])
+
+
 WINDOWS = [  # (keywords, causal, H, Hk, Lq, Lk, D): the ordered dQ mode's window cases
     (dict(window=(20, 5)), False, 2, 2, 150, 290, 64),          # ascending, first visitor > 0, both edges
     (dict(window=(70, 0)), True, 2, 2, 290, 290, 64),           # causal: descending, unchanged turns

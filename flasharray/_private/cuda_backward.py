@@ -217,7 +217,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     if kernel == "tc":
         mode = "ordered" if ordered else "atomic" if atomic else "recompute"
         t_kv = tiles.tc_tiles("dkv", D, Dv, arch, _dkv_stages(stages, atomic, causal, ext, wide), ext=ext, mode=mode,
-                              vec=vec)
+                              vec=vec, partial=acc_dkv)
         if t_kv.layout == "grid":  # dense or lengths, atomic or ordered (tiles_bwd.grid_tile)
             tail = (", %d, %s, true" % (ext, _b(t_kv.swizzle)) if ef        # kExt, kSwizzle, kEntriesFirst
                     else ", %d, true" % ext if t_kv.swizzle else ", %d" % ext if ext else "")
@@ -505,8 +505,11 @@ class BackwardPlan:
         elif self.kernel in TC_FAMILIES:  # padded rows and head dim (DQAccumLayout)
             vec = _vec_rows(t, nb, dtype)
             if self.kernel == "tc":
+                # (with extensions dK, dV are float partial sums where K or V is broadcast: self.partial, below)
+                partial = self.ext is not None and any(t["k"].shape[i] == 1 or t["v"].shape[i] == 1
+                                                       for i in range(nb) if full[i] > 1)
                 t_kv = tiles.tc_tiles("dkv", D, Dv, arch, stages, ext=0 if self.ext is None else self.ext.bits,
-                                      mode=self.dq_mode, vec=vec)
+                                      mode=self.dq_mode, vec=vec, partial=partial)
             elif self.kernel == "wgmma":
                 t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
             elif self.kernel == "tf32":  # kernel_plan's tile: the rows' alignment picks it (wgmma: Br 64, else 32)

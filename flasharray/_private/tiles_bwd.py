@@ -213,13 +213,20 @@ GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: lengths, causal: 16-32 bytes) and with a block mask window or ALiBi, lengths, and all five (16-188 bytes); at d 64
 #: a block mask with window and ALiBi, window and softcap, or lengths (20-48 bytes). docs/cuda_backward.md, "The
 #: grid layout".
-GRID_EXT = 1 | 2 | 4 | 8 | 32
-_BM = 8
-GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32),
-                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32) + tuple(b | _BM for b in range(GRID_EXT + 1)
-                                                                          if not b & ~GRID_EXT & ~_BM and not b & _BM),
+GRID_EXT = 1 | 2 | 4 | 8 | 16 | 32
+_BM, _DROP = 8, 16
+_GRID_SETS = tuple(b for b in range(1, GRID_EXT + 1) if not b & ~GRID_EXT)
+GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP),
+                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32) + tuple(b for b in _GRID_SETS if b & _BM)
+                    + tuple(_DROP | b for b in (0, 1, 2, 1 | 2, 1 | 2 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 2 | 4 | 32)),
                     256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
-                          _BM | 1 | 2 | 4 | 32)}
+                          _BM | 1 | 2 | 4 | 32)
+                    + tuple(_DROP | _BM | b for b in (0, 1, 2, 1 | 2, 4, 1 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 4 | 32))
+                    + (_DROP | 32,)}
+#: ... and the sets whose float-output instantiations alone spilled (dK, dV as float partial sums: K/V broadcast over
+#: the query heads with extensions; ``grid_tile(partial=True)``): with dropout, d 128 window + softcap (24 bytes, sm_90
+#: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic).
+GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,), 256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
@@ -243,15 +250,16 @@ GRID_SWIZZLE_EXT = GRID_EXT & ~4
 ENTRIES_FIRST = True
 
 
-def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
+def grid_tile(D, Dv, arch, stages=None, ext=False, mode=None, vec=True, partial=False):
     """The grid-layout dK/dV tile for padded head dims D, Dv, or None where it does not apply (head dims
     other than d = dv in :data:`GRID_TILES`, extensions but :data:`GRID_EXT` with 16-byte row copies (``vec``),
     the recomputing or an unknown dQ ``mode``, two buffers forced, shared memory over the arch's limit,
-    :data:`GRID_LAYOUT` off)."""
+    :data:`GRID_LAYOUT` off). ``partial``: dK, dV written as float partial sums (K/V broadcast with extensions),
+    whose instantiations also refuse :data:`GRID_EXT_SPILLED_PARTIAL`."""
     if not GRID_LAYOUT or mode not in ("atomic", "ordered") or stages not in (None, 1):
         return None
     if ext and (isinstance(ext, bool) or int(ext) & ~GRID_EXT or int(ext) in GRID_EXT_SPILLED.get(D, ())
-                or not vec):
+                or (partial and int(ext) in GRID_EXT_SPILLED_PARTIAL.get(D, ())) or not vec):
         return None
     if D != Dv or D not in GRID_TILES:
         return None
@@ -304,13 +312,14 @@ def tc_split(kernel, D, Dv, Br, Bc, warps):
     return tuple(splits)
 
 
-def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
+def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None, vec=True, partial=False):
     """Tiles of ``flash_bwd_dkv_kernel`` (kernel="dkv") or ``flash_bwd_dq_kernel`` ("dq").
 
     Per candidate, double-buffered streamed tiles (``stages=2``: the next block's cp.async
     copies overlap this block's math) when shared memory allows, else one buffer; ``stages``
     forces one of them. The dK/dV kernel of a dense call in the atomic or ordered dQ ``mode`` takes the
-    grid layout where :func:`grid_tile` gives one (``vec``: the rows take 16-byte copies). ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
+    grid layout where :func:`grid_tile` gives one (``vec``: the rows take 16-byte copies; ``partial``: dK, dV as float
+    partial sums). ``ext``: the kernels' extension bits (kExt; True: some); with any the dK/dV
     kernel takes no Bc = 128 candidate (with all six bits, d = 64's 128 x 64 tile, one warp per 16 keys
     holding its whole score strip in registers, spilled 4-16 bytes on sm_80), and the wide-key tiles only
     where :func:`wide_keys_take` allows the bits in the dQ ``mode`` (:data:`WIDE_KEYS_EXT`,
@@ -318,7 +327,7 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None, vec=True):
     """
     D, Dv = pad_head_dim(D), pad_head_dim(Dv)
     limit = smem_limit(arch)
-    grid = grid_tile(D, Dv, arch, stages, ext, mode, vec) if kernel == "dkv" else None
+    grid = grid_tile(D, Dv, arch, stages, ext, mode, vec, partial) if kernel == "dkv" else None
     if grid is not None:
         return grid
     wide = (_wide_keys(D, Dv, limit, stages) if kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode)
