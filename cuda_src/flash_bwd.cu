@@ -137,6 +137,7 @@ __device__ __forceinline__ float dropout_z(float f, float scale) { return __floa
 // warp's 32 keys (32 wk..) by kSQ queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly
 // as dkv_scores computes them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch
 // L::kPitchS). lse_s holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
+// Dropout: the keep bits of each 16-key m tile (dropout_bits_t, the row-tile kernel's) in the softcap pass below.
 // A block mask is looked up once per n8 tile of each 16-key m tile (16 keys from a multiple of 16 by 8 queries from
 // a multiple of 8 lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does:
 // P = 0 outside it (dS = P o ... = 0 follows), the per-element checks on the geometry (rows past Lq get P from a
@@ -713,7 +714,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 
 // ---------------------------------------------------------------------------------------------
 // dK_j, dV_j with atomic dQ (plain or ordered) in FlashAttention-2's warp grid (dense calls, or with window,
-// ALiBi, softcap, block mask and per-entry lengths: tiles_bwd.GRID_EXT; no dropout):
+// ALiBi, softcap, block mask, dropout and per-entry lengths: tiles_bwd.GRID_EXT, less the sets that spilled):
 // Bc = 32 kWK keys, 8 warps. Each product runs on 32-row warp tiles, so each ldmatrix feeds more MMAs
 // than the row-tile kernel above (one warp per 16 keys: 16 x Br strips), whose products are bound by
 // shared-memory reads (0.65 ldmatrix.x4 per MMA at d 128, 4 cycles each against ~2 per MMA):
@@ -729,7 +730,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocksPerSm) flash_bwd_dkv_k
 // Same grid, same visits (causal: from m_block_min; GQA: n_group entries; a block mask: QueryTileWalk's tiles, the
 // ordered turns of dq_turn), same accumulator and counters,
 // same rounding (P^T, dS^T rounded once to T; dS from the unrounded P) as flash_bwd_dkv_kernel (softcap:
-// dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association).
+// dS = f o (dP - D_i) with f = P o (1 - tanh^2) from the score's pass, ext_p_factor: another float association),
+// same dropout bits (dropout_bits_t per 16-key m tile; P o Z and dS = P o (dP Z - D_i) as ext_p_ds computes them).
 template <typename T, typename OutT, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN,
           bool kIsCausal, bool kVecLoad, int kStages, bool kOrderedDQ, int kExt = 0, bool kSwizzle = false,
           bool kEntriesFirst = false>

@@ -203,16 +203,20 @@ def _wide_keys(D, Dv, limit, stages):
 # 86 / 89). docs/cuda_backward.md, "The grid layout".
 GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: kExt bits the grid layout takes besides dense calls (with 16-byte row copies: element-wise ones spilled 32 bytes
-#: with lengths on sm_90): any set of window, ALiBi, softcap, block mask (forty-fourth session) and lengths (no
-#: dropout: its keep bits beside the 255-register kernel) — but the sets whose instantiations spilled in the NVRTC
+#: with lengths on sm_90): any set of window, ALiBi, softcap, block mask (forty-fourth session), dropout (forty-fifth)
+#: and lengths — but the sets whose instantiations spilled in the NVRTC
 #: audits (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 / sm_90), in :data:`GRID_EXT_SPILLED`:
 #: at d 128 those of 2026-11-27 (8-56 bytes, causal mostly; window with ALiBi 4-12 bytes in the float-output
 #: instantiations, found by the slow test of 2026-11-29) and every set with a block mask (8-152 bytes in 23 of 64
 #: fp16 sm_80 instantiations, with no pattern by set: the kernel runs at 255 registers); at d 256 those of
 #: 2026-11-29 (``benchmarks/spill_audit.py --d 256 --roles atomic,ordered``: window or ALiBi, with or without
 #: lengths, causal: 16-32 bytes) and with a block mask window or ALiBi, lengths, and all five (16-188 bytes); at d 64
-#: a block mask with window and ALiBi, window and softcap, or lengths (20-48 bytes). docs/cuda_backward.md, "The
-#: grid layout".
+#: a block mask with window and ALiBi, window and softcap, or lengths (20-48 bytes). With dropout
+#: (``benchmarks/spill_audit.py --d 64,128,256 --roles atomic,ordered``, 2026-12-01): every set at d 64 (20 of the 32
+#: spilled on sm_80 fp16 alone, 8-220 bytes, dropout alone 88-120 causal; the others not audited further); at d 128
+#: all but the six with softcap (dropout alone 8-80 bytes, a window without softcap 32-88 on sm_90, every block-mask
+#: set as above); at d 256 twelve (with a block mask eleven of the sixteen sets, 8-136 bytes; with lengths alone 8 on
+#: sm_90). docs/cuda_backward.md, "The grid layout", *Dropout on the grid layout*.
 GRID_EXT = 1 | 2 | 4 | 8 | 16 | 32
 _BM, _DROP = 8, 16
 _GRID_SETS = tuple(b for b in range(1, GRID_EXT + 1) if not b & ~GRID_EXT)
