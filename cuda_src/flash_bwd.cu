@@ -160,7 +160,10 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
     zero_acc(p[0]); zero_acc(p[1]);
     warp_mma_m<T, 2, kHeadDim, kSQ, false, false, false, kSwz>(p, K_s + k0 * L::kPitchD, L::kPitchD, Q_s + q0 * kQD,
                                                                kQD);
-    if constexpr (!M::kSoftcap && !kDropout) {
+    // The per-m-tile pass (below): softcap, dropout, and at d 128 (kSQ 32) a block mask, whose both-tiles pass
+    // spilled in every set there (with this one ten of the 32 sets compile clean: tiles_bwd._BM128).
+    constexpr bool kPerMTile = M::kSoftcap || kDropout || (M::kBlockMask && kSQ == 32);
+    if constexpr (!kPerMTile) {
         // P^T in place (with extensions: the forward's score — ALiBi — and visibility — lengths, window).
 #pragma unroll
         for (int nt = 0; nt < kSQ / 8; ++nt) {
@@ -189,11 +192,11 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             store_a<T, kSQ / 16>(Pt_s + (k0 + 16 * mt) * L::kPitchS + q0, L::kPitchS, a);
         }
     } else {
-        // Softcap or dropout: P^T (dropout: P o Z) stored one m tile at a time, and dS's factor f = P o (1 - tanh^2)
-        // (P without softcap; ext_p_factor: ext_ds_factor's P and f) kept in place — with dropout, negated where the
-        // element is dropped (f >= 0: its sign bit carries Z to the dS pass, dropout_z, and no keep bits stay live
-        // across dP^T's product). The keep bits of each m tile are dkv_scores's (dropout_bits_t: 16 keys by kSQ
-        // queries), so P o Z and dS are the row-tile kernel's bits.
+        // Softcap, dropout (or a block mask at d 128): P^T (dropout: P o Z) stored one m tile at a time, and dS's
+        // factor f = P o (1 - tanh^2) (P without softcap; ext_p_factor: ext_ds_factor's P and f) kept in place —
+        // with dropout, negated where the element is dropped (f >= 0: its sign bit carries Z to the dS pass,
+        // dropout_z, and no keep bits stay live across dP^T's product). The keep bits of each m tile are
+        // dkv_scores's (dropout_bits_t: 16 keys by kSQ queries), so P o Z and dS are the row-tile kernel's bits.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             uint32_t keep[kSQ / 8];  // dropout's keep bits per n8 tile

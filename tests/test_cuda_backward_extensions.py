@@ -422,22 +422,27 @@ GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): 
     (("softcap", "window"), 256, False, True, (16, 32)),  # n8 tiles of 16-query blocks; softcap's P and f selected
     (("softcap", "seqlens"), 256, True, False, (32, 64)),  # atomic, short entries (lengths alone spilled at d 256)
     (("alibi",), 64, False, True, (48, 16)),            # ascending; 16-key blocks, 48-query ones across n8 tiles
+    (("window",), 128, True, True, (32, 64)),           # d 128: the per-m-tile pass (forty-sixth session)
+    (("softcap", "dropout"), 128, False, False, (16, 32)),  # ... with dropout's keep bits beside the lookups
 ]
 
 
 @pytest.mark.parametrize("names, D, causal, det, block", thin(GRID_BLOCK_MASKS, unpack=True))
 def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block):
-    """A block mask (tiles_bwd.GRID_EXT; at d 64 and 256 — every set at d 128 spilled, those keep the row-tile
-    kernel) runs the grid-layout dK/dV kernel: query tiles whose blocks are all False skipped (QueryTileWalk), the
-    mask looked up once per n8 tile (grid_scores): the rule in both dQ modes; without softcap dK, dV bitwise the
-    row-tile kernel's; the ordered mode (dq_turn's ranks past the holes) the same bits under reverse and random
-    schedules."""
+    """A block mask (tiles_bwd.GRID_EXT; at d 64 and 256 most sets, at d 128 the ten that compiled clean in the
+    per-m-tile pass — not the block mask alone, which keeps the row-tile kernel) runs the grid-layout dK/dV kernel:
+    query tiles whose blocks are all False skipped (QueryTileWalk), the mask looked up once per n8 tile
+    (grid_scores): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the ordered mode
+    (dq_turn's ranks past the holes) the same bits under reverse and random schedules."""
     from conftest import flag_set
     from flasharray._private import tiles_bwd
     bits = cuda_backward._fwd().EXT_BITS
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
                                   ext=bits["block_mask"], ordered=det)["dkv"][2]
-    assert t.layout == "rows"  # d 128: tiles_bwd.GRID_EXT_SPILLED
+    assert t.layout == "rows"  # d 128, the block mask alone: tiles_bwd.GRID_EXT_SPILLED
+    t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
+                                  ext=bits["block_mask"] | bits["window"], ordered=det)["dkv"][2]
+    assert t.layout == "grid"  # ... with a window: the per-m-tile pass
     H, Lq, Lk = 2, 150, 330
     kw = kw_of(names, H=H, Lq=Lq, Lk=Lk) if names else {}
     kw.update(holed_block_mask(2, H, Lq, Lk, block_size=block))

@@ -207,8 +207,10 @@ GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 #: and lengths — but the sets whose instantiations spilled in the NVRTC
 #: audits (fp16 / bf16, T / float output, causal or not, both dQ modes, sm_80 / sm_90), in :data:`GRID_EXT_SPILLED`:
 #: at d 128 those of 2026-11-27 (8-56 bytes, causal mostly; window with ALiBi 4-12 bytes in the float-output
-#: instantiations, found by the slow test of 2026-11-29) and every set with a block mask (8-152 bytes in 23 of 64
-#: fp16 sm_80 instantiations, with no pattern by set: the kernel runs at 255 registers); at d 256 those of
+#: instantiations, found by the slow test of 2026-11-29) and the block-mask sets but :data:`_BM128` (the both-tiles
+#: pass spilled 8-152 bytes in 23 of 64 fp16 sm_80 instantiations; the per-m-tile pass, 2026-12-01, leaves ten sets
+#: clean — the block mask alone spilled 8-40 bytes there too, softcap + dropout + lengths (with or without a window)
+#: 24-40 on sm_90 ordered); at d 256 those of
 #: 2026-11-29 (``benchmarks/spill_audit.py --d 256 --roles atomic,ordered``: window or ALiBi, with or without
 #: lengths, causal: 16-32 bytes) and with a block mask window or ALiBi, lengths, and all five (16-188 bytes); at d 64
 #: a block mask with window and ALiBi, window and softcap, or lengths (20-48 bytes). With dropout
@@ -220,8 +222,14 @@ GRID_TILES = {128: (64, 128), 64: (128, 128), 256: (64, 64)}
 GRID_EXT = 1 | 2 | 4 | 8 | 16 | 32
 _BM, _DROP = 8, 16
 _GRID_SETS = tuple(b for b in range(1, GRID_EXT + 1) if not b & ~GRID_EXT)
+#: d 128's block-mask sets that compile clean (the per-m-tile pass of grid_scores, forty-sixth session): with a window,
+#: softcap or both (ALiBi beside them; lengths only with all three), and softcap + dropout (alone, with a window,
+#: with ALiBi, with ALiBi and lengths).
+_BM128 = (_BM | 1, _BM | 1 | 2, _BM | 4, _BM | 2 | 4, _BM | 1 | 2 | 4, _BM | 1 | 2 | 4 | 32,
+          _BM | _DROP | 4, _BM | _DROP | 1 | 4, _BM | _DROP | 2 | 4, _BM | _DROP | 2 | 4 | 32)
 GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP),
-                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32) + tuple(b for b in _GRID_SETS if b & _BM)
+                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32)
+                    + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128)
                     + tuple(_DROP | b for b in (0, 1, 2, 1 | 2, 1 | 2 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 2 | 4 | 32)),
                     256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
                           _BM | 1 | 2 | 4 | 32)
@@ -229,8 +237,12 @@ GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in 
                     + (_DROP | 32,)}
 #: ... and the sets whose float-output instantiations alone spilled (dK, dV as float partial sums: K/V broadcast over
 #: the query heads with extensions; ``grid_tile(partial=True)``): with dropout, d 128 window + softcap (24 bytes, sm_90
-#: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic).
-GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,), 256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
+#: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic);
+#: at d 128 every block-mask set of :data:`_BM128` but softcap + dropout alone or with a window (8-116 bytes;
+#: forty-sixth session, window + block mask 108 on sm_80 atomic).
+GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,) + tuple(b for b in _BM128
+                                                          if b not in (_BM | _DROP | 4, _BM | _DROP | 1 | 4)),
+                            256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
