@@ -92,6 +92,8 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
   mma.GRID_LAYOUT.block_mask                tiles_bwd.GRID_LAYOUT (both sides kernel="tc"), a block mask of half the
                                             128 x 128 blocks: the grid-layout dK/dV kernel (forty-fourth session; d 64
                                             and 256) vs the row-tile kernel, both dQ modes
+  mma.GRID_LAYOUT.block_mask_window         the same with a window (255, 0) too (forty-sixth session: at d 128,
+                                            where the block mask alone keeps the row tile; and at d 64)
   mma.GRID_LAYOUT.dropout                   the same with dropout_p 0.1 (forty-fifth session; at d 256, where sm_90's
                                             dropout calls run the mma.sync backward: the wgmma one refuses them)
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
@@ -250,6 +252,9 @@ EXT_SWITCHES = (
     Switch("mma.GRID_LAYOUT.block_mask", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "block mask (half of the 128 x 128 blocks), mma.sync backward: grid-layout vs row-tile dK/dV kernel "
            "(d 64 / 256; d 128 keeps the row tile)", MMA_BWD, ext="block_mask"),
+    Switch("mma.GRID_LAYOUT.block_mask_window", "bwd", tiles_bwd, "GRID_LAYOUT", False,
+           "block mask (half of the 128 x 128 blocks) and window (255, 0), mma.sync backward: grid-layout vs "
+           "row-tile dK/dV kernel (d 64 / 128; d 256 keeps the row tile)", MMA_BWD, ext="block_mask_window"),
     Switch("mma.GRID_LAYOUT.dropout", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "dropout p 0.1, mma.sync backward: grid-layout vs row-tile dK/dV kernel (d 256; d 64 / 128 keep the row "
            "tile)", MMA_BWD, ext="dropout"),
@@ -269,7 +274,8 @@ EXT_SWITCHES = (
 #: extension keywords (docs/extensions.md) of the EXT_SWITCHES, by name
 EXT_SETS = {"": {}, "dropout": dict(dropout_p=0.1, seed=1234, offset=0), "window": dict(window=(255, 0)),
             "window1k": dict(window=(1023, 0)), "softcap": dict(softcap=30.0),
-            "block_mask": dict(block_mask=0.5, block_size=(128, 128))}  # (the density: Problem makes the mask)
+            "block_mask": dict(block_mask=0.5, block_size=(128, 128)),  # (the density: Problem makes the mask)
+            "block_mask_window": dict(block_mask=0.5, block_size=(128, 128), window=(255, 0))}
 #: the backward's dQ modes: label -> deterministic
 MODES = {"det": True, "atomic": False}
 DTYPES = gpu.DTYPES

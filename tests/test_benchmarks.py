@@ -425,7 +425,7 @@ def test_hopper_variants_on_the_emulator(tmp_path):
 
 
 def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
-    """``--only ext``: the fourteen extension switches (not in the default run), each with validated rows where both
+    """``--only ext``: the fifteen extension switches (not in the default run), each with validated rows where both
     sides plan the call (both dQ modes) and a line naming the refusal where the wgmma backward does not take it
     (dropout at d 128, the head-dim split)."""
     import json
@@ -434,7 +434,8 @@ def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
     assert "FAILED" not in out
     tables = out.split("\n== ")[1:]
     names = ["fwd.kernel.dropout", "fwd.kernel.window", "fwd.kernel.window1k", "bwd.kernel.dropout",
-             "bwd.kernel.window", "bwd.ORDERED_BLOCK_MASK", "mma.GRID_LAYOUT.block_mask", "mma.GRID_LAYOUT.dropout",
+             "bwd.kernel.window", "bwd.ORDERED_BLOCK_MASK", "mma.GRID_LAYOUT.block_mask",
+             "mma.GRID_LAYOUT.block_mask_window", "mma.GRID_LAYOUT.dropout",
              "bwd.DQ_BULK_EXT.window", "bwd.DQ_BULK_EXT.dropout",
              "fwd.SCORE_EXT_OVERLAP_MAX_HEAD_DIM.softcap", "fwd.PERSISTENT_MAX_HEAD_DIM_SCORE_EXT.softcap",
              "fwd.HEAVY_EXT_OVERLAP_MAX_HEAD_DIM.dropout", "fwd.WIDE_EXT.softcap"]
@@ -448,6 +449,8 @@ def test_hopper_variants_extension_switches_on_the_emulator(tmp_path):
     assert {r["mode"] for r in rows if r["switch"] == "bwd.ORDERED_BLOCK_MASK"} == {"det"}
     # the mma.sync backward with a block mask: the grid-layout dK/dV kernel against the row-tile one, both modes
     assert {r["mode"] for r in rows if r["switch"] == "mma.GRID_LAYOUT.block_mask"} == {"det", "atomic"}
+    # ... with a window too (d 128: the emulator's 128 x 128 shape, where the block mask alone keeps the row tile)
+    assert {r["mode"] for r in rows if r["switch"] == "mma.GRID_LAYOUT.block_mask_window"} == {"det", "atomic"}
     # ... and with dropout (d 256: the emulator's 64 x 256 shape)
     assert {r["mode"] for r in rows if r["switch"] == "mma.GRID_LAYOUT.dropout"} == {"det", "atomic"}
     for ext in ("window", "dropout"):   # the wgmma backward on both sides, bulk dQ vs atomics
