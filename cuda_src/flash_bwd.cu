@@ -74,9 +74,25 @@ struct TcSmem {
 // one A fragment for kW / 8 MMAs, and the strip's P and dS come back as A fragments (kW / 16 k16
 // steps), ready for the next product from registers or for one store to shared memory.
 
+// The mask less its block mask (geometry), or the mask itself without one (the same code as before it existed).
+// (decltype(auto): without one a reference, so `const auto& geo = geometry_of(mask)` leaves the code unchanged.)
+template <class M>
+__device__ __forceinline__ decltype(auto) geometry_of(const M& mask) {
+    if constexpr (M::kBlockMask)
+        return geometry(mask);
+    else
+        return (mask);
+}
+// x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
+__device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
+// Dropout's Z of an element whose dS factor f >= 0 grid_scores negated where it is dropped (-0 for a dropped zero).
+__device__ __forceinline__ float dropout_z(float f, float scale) { return __float_as_uint(f) >> 31 ? 0.0f : scale; }
+
 // dK/dV kernel: keys kt*16 .. +15 (rows) by queries q0 .. q0 + kW - 1 (columns) of
 // S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2e - L_i log2e) and
-// dS^T = P^T o (dP^T - D_i) (L_i, D_i per column).
+// dS^T = P^T o (dP^T - D_i) (L_i, D_i per column). A block mask is looked up once per n8 tile (16 keys from a
+// multiple of 16 by 8 queries from a multiple of 8 lie in one block), P and dS selected to 0 outside it, the
+// per-element checks on the geometry (as grid_scores and the forward do).
 template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, class M, class Drop>
 __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t (&dS_a)[kW / 16][4],
                                            const T* K_s, const T* V_s, const T* Q_s, const T* dO_s,
@@ -94,12 +110,15 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
     uint32_t keep[kW / 8];  // dropout's keep bits per n8 tile (dropout_bits_t)
     if constexpr (kDropout) dropout_bits_t<kW>(keep, drop.rng, r0 + q0, c0 + kt * 16, lane);
     (void)drop; (void)keep;
+    const auto& geo = geometry_of(mask);  // the mask less its block mask (the mask itself without one)
 #pragma unroll
     for (int nt = 0; nt < kW / 8; ++nt) {
         // This lane's two query columns r, r + 1: L_i and D_i of both in one 8-byte load each (r is even).
         const int r = q0 + nt * 8 + 2 * t;
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
         const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
+        const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + kt * 16);  // true without a block mask
+        (void)in_block;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = kt * 16 + g + (e / 2) * 8;  // key within K_j (row of S^T)
@@ -112,26 +131,17 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
                 float z = 1.0f;  // dropout's Z = keep / (1 − p)
                 if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
                 ext_p_ds(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
-                         scale_log2, mask, r0 + r + e % 2, c0 + c);
+                         scale_log2, geo, r0 + r + e % 2, c0 + c);
+                if constexpr (M::kBlockMask) {
+                    s[nt][e] = sel_block(in_block, s[nt][e]);
+                    dp[nt][e] = sel_block(in_block, dp[nt][e]);
+                }
             }
         }
     }
     c_to_a<T, kW / 16>(P_a, s);
     c_to_a<T, kW / 16>(dS_a, dp);
 }
-
-// The mask less its block mask (geometry), or the mask itself without one (the same code as before it existed).
-template <class M>
-__device__ __forceinline__ auto geometry_of(const M& mask) {
-    if constexpr (M::kBlockMask)
-        return geometry(mask);
-    else
-        return mask;
-}
-// x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
-__device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
-// Dropout's Z of an element whose dS factor f >= 0 grid_scores negated where it is dropped (-0 for a dropped zero).
-__device__ __forceinline__ float dropout_z(float f, float scale) { return __float_as_uint(f) >> 31 ? 0.0f : scale; }
 
 // Grid-layout dK/dV kernel (flash_bwd_dkv_grid_kernel; dense, or lengths / window / ALiBi / softcap / block mask): the
 // warp's 32 keys (32 wk..) by kSQ queries (kSQ wq..) of S^T and dP^T, then P^T and dS^T = P^T o (dP^T - D_i) exactly
@@ -303,16 +313,22 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
             flash::dropout_mma<1, kW / 8>(z, drop.rng, r0 + qt * 16, c0 + k0, lane);
         }
         (void)drop; (void)z;
+        const auto& geo = geometry_of(mask);  // a block mask: looked up once per n8 tile (dkv_scores)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = qt * 16 + g + 8 * h;  // query within Q_i (rows g and g + 8)
             const float lse2 = lse2_s[r], delta_r = delta_s[r];
 #pragma unroll
-            for (int nt = 0; nt < kW / 8; ++nt)
+            for (int nt = 0; nt < kW / 8; ++nt) {
+                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
+                (void)in_block;
 #pragma unroll
-                for (int e = 2 * h; e < 2 * h + 2; ++e)
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
                     ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
-                             scale_log2, mask, r0 + r, c0 + k0 + nt * 8 + 2 * t + (e % 2));
+                             scale_log2, geo, r0 + r, c0 + k0 + nt * 8 + 2 * t + (e % 2));
+                    if constexpr (M::kBlockMask) dp[nt][e] = sel_block(in_block, dp[nt][e]);
+                }
+            }
         }
     } else {
         // Extensions, wide strips (kW >= 64: one warp per 16-query row tile holding every key of
@@ -324,16 +340,20 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
         constexpr bool kDropout = flash::HasExt<MaskExt<M>::value, flash::kExtDropout>::value;
         warp_mma<T, kHeadDim, kW, false, false>(s, Q_s + qt * 16 * L::kPitchD, L::kPitchD,
                                                  K_s + k0 * L::kPitchD, L::kPitchD);
+        const auto& geo = geometry_of(mask);  // a block mask: looked up once per n8 tile (dkv_scores)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = qt * 16 + g + 8 * h;
             const float lse2 = lse2_s[r];
 #pragma unroll
-            for (int nt = 0; nt < kW / 8; ++nt)
+            for (int nt = 0; nt < kW / 8; ++nt) {
+                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
+                (void)in_block;
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e)
-                    s[nt][e] = ext_ds_factor(s[nt][e], lse2, scale_log2, mask, r0 + r,
-                                             c0 + k0 + nt * 8 + 2 * t + e % 2);
+                    s[nt][e] = sel_block(in_block, ext_ds_factor(s[nt][e], lse2, scale_log2, geo, r0 + r,
+                                                                 c0 + k0 + nt * 8 + 2 * t + e % 2));
+            }
         }
         // Dropout's keep bits in the C layout (rows are queries: the forward's draw), as bits.
         uint32_t keep[kDropout ? kW / 16 : 1];
