@@ -118,7 +118,6 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
         const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
         const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + kt * 16);  // true without a block mask
-        (void)in_block;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = kt * 16 + g + (e / 2) * 8;  // key within K_j (row of S^T)
@@ -131,11 +130,7 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
                 float z = 1.0f;  // dropout's Z = keep / (1 − p)
                 if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
                 ext_p_ds(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
-                         scale_log2, geo, r0 + r + e % 2, c0 + c);
-                if constexpr (M::kBlockMask) {
-                    s[nt][e] = sel_block(in_block, s[nt][e]);
-                    dp[nt][e] = sel_block(in_block, dp[nt][e]);
-                }
+                         scale_log2, geo, r0 + r + e % 2, c0 + c, in_block);
             }
         }
     }
@@ -321,12 +316,10 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
 #pragma unroll
             for (int nt = 0; nt < kW / 8; ++nt) {
                 const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
-                (void)in_block;
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
                     ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
-                             scale_log2, geo, r0 + r, c0 + k0 + nt * 8 + 2 * t + (e % 2));
-                    if constexpr (M::kBlockMask) dp[nt][e] = sel_block(in_block, dp[nt][e]);
+                             scale_log2, geo, r0 + r, c0 + k0 + nt * 8 + 2 * t + (e % 2), in_block);
                 }
             }
         }
@@ -348,7 +341,6 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
 #pragma unroll
             for (int nt = 0; nt < kW / 8; ++nt) {
                 const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
-                (void)in_block;
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e)
                     s[nt][e] = sel_block(in_block, ext_ds_factor(s[nt][e], lse2, scale_log2, geo, r0 + r,

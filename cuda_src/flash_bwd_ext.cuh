@@ -37,11 +37,12 @@ template <class M> struct MaskExt<const M> : MaskExt<M> {};
 // ALiBi): lse2 = L_i·log2 e (tensor cores: +inf for rows that see no key or lie past Lq_b, so P = 0;
 // SIMT: −inf there, tested). z = Z (1 without dropout: folded away).
 // The softcap's tanh is Mask::cap's, the forward's (every kernel takes the same precise one), so P
-// is recomputed from the very same score on a GPU.
+// is recomputed from the very same score on a GPU. in_block: the block mask's entry where the caller looked it up
+// once per fragment (mask then its geometry: geometry_of).
 template <class M, typename AccT>
 __device__ __forceinline__ void ext_p_ds(AccT& s, AccT& dp, AccT lse2, AccT delta, AccT z, AccT scale_log2,
-                                         const M& mask, int row, int col) {
-    const bool on = mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
+                                         const M& mask, int row, int col, bool in_block = true) {
+    const bool on = in_block && mask.is_visible(row, col) && lse2 != flash::neg_inf<AccT>();
     const AccT p = on ? flash::exp2_acc(mask.score(s, row, col) * scale_log2 - lse2) : AccT(0);
     AccT ds = p * (dp * z - delta);
     if constexpr (M::kSoftcap) {
