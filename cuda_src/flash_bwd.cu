@@ -74,17 +74,6 @@ struct TcSmem {
 // one A fragment for kW / 8 MMAs, and the strip's P and dS come back as A fragments (kW / 16 k16
 // steps), ready for the next product from registers or for one store to shared memory.
 
-// The mask less its block mask (geometry), or the mask itself without one (the same code as before it existed).
-// (decltype(auto): without one a reference, so `const auto& geo = geometry_of(mask)` leaves the code unchanged.)
-template <class M>
-__device__ __forceinline__ decltype(auto) geometry_of(const M& mask) {
-    if constexpr (M::kBlockMask)
-        return geometry(mask);
-    else
-        return (mask);
-}
-// x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
-__device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
 // Dropout's Z of an element whose dS factor f >= 0 grid_scores negated where it is dropped (-0 for a dropped zero).
 __device__ __forceinline__ float dropout_z(float f, float scale) { return __float_as_uint(f) >> 31 ? 0.0f : scale; }
 

@@ -90,6 +90,18 @@ __device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geom
     return out;
 }
 
+// The mask less its block mask (geometry), or the mask itself without one (the same code as before it existed).
+// (decltype(auto): without one a reference, so `const auto& geo = geometry_of(mask)` leaves the code unchanged.)
+template <class M>
+__device__ __forceinline__ decltype(auto) geometry_of(const M& mask) {
+    if constexpr (M::kBlockMask)
+        return geometry(mask);
+    else
+        return (mask);
+}
+// x inside the block mask's True blocks, else 0 (a select: a score the row's lse never saw may overflow exp2).
+__device__ __forceinline__ float sel_block(bool in_block, float x) { return in_block ? x : 0.0f; }
+
 // Dropout's state of one block: nothing without kExtDropout.
 template <bool kOn, typename AccT = float>
 struct BwdDropout {

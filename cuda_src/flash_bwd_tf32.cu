@@ -424,11 +424,13 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
     uint32_t keep[kBlockM / 8];  // dropout's keep bits per n8 tile (keys c_w.., queries r0..)
     if constexpr (kDropout) dropout_bits_t<kBlockM>(keep, drop.rng, r0, c_w, lane);
     (void)drop; (void)keep;
+    const auto& geo = geometry_of(mask);  // a block mask: looked up once per n8 tile (flash_bwd.cu's dkv_scores)
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
         const int r = nt * 8 + 2 * t;  // this lane's query columns r, r + 1 (r even: 8-byte loads)
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
         const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
+        const bool in_block = mask.block_visible(r0 + nt * 8, c_w);  // 16 keys by 8 queries: one block
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = c_w + g + (e / 2) * 8;  // key (row of S^T)
@@ -441,7 +443,7 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
                 float z = 1.0f;  // dropout's Z = keep / (1 − p)
                 if constexpr (kDropout) z = (keep[nt] >> e) & 1u ? drop.scale : 0.0f;
                 ext_p_ds(s[nt][e], dp[nt][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta_r.y : delta_r.x, z,
-                               scale_log2, mask, r0 + r + e % 2, c);
+                         scale_log2, geo, r0 + r + e % 2, c, in_block);
             }
         }
     }
