@@ -417,6 +417,28 @@ def test_ordered_dq_with_a_block_mask(monkeypatch, case):
     _same_bits_under_schedules(monkeypatch, kw, shape, base, (("1", "reverse", 0), ("2", "random", 3), ("2", "random", 11)))
 
 
+def _grid_against_rows(monkeypatch, kw, shape, det, bitwise):
+    """The backward with ``kw`` on the grid-layout dK/dV kernel (the rule: _ext_backward) in the dQ mode ``det``
+    says; ordered: no block in fa::sem_wait with one worker, the same bits under reverse and random schedules;
+    ``bitwise``: dK, dV equal to the row-tile kernel's (tiles_bwd.GRID_LAYOUT off)."""
+    from conftest import flag_set
+    from flasharray._private import tiles_bwd
+    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
+    assert plan.dq_mode == ("ordered" if det else "atomic")
+    if det:
+        assert c.sem_waits > 0 and c.sem_blocked == 0
+        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
+    if bitwise:
+        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
+        with flag_set(tiles_bwd, "GRID_LAYOUT", False):
+            (rows, _), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
+        assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
+        np.testing.assert_array_equal(grid[1], rows[1])
+        np.testing.assert_array_equal(grid[2], rows[2])
+
+
 GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): a block mask on the grid layout
     ((), 64, True, True, (32, 64)),                     # causal: descending ranks past the holes
     (("softcap", "window"), 256, False, True, (16, 32)),  # n8 tiles of 16-query blocks; softcap's P and f selected
@@ -434,8 +456,6 @@ def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block
     query tiles whose blocks are all False skipped (QueryTileWalk), the mask looked up once per n8 tile
     (grid_scores): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the ordered mode
     (dq_turn's ranks past the holes) the same bits under reverse and random schedules."""
-    from conftest import flag_set
-    from flasharray._private import tiles_bwd
     bits = cuda_backward._fwd().EXT_BITS
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
                                   ext=bits["block_mask"], ordered=det)["dkv"][2]
@@ -447,20 +467,7 @@ def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block
     kw = kw_of(names, H=H, Lq=Lq, Lk=Lk) if names else {}
     kw.update(holed_block_mask(2, H, Lq, Lk, block_size=block))
     shape = dict(H=H, Hk=2, Lq=Lq, Lk=Lk, D=D, causal=causal, return_counters=True, deterministic=det)
-    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
-    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
-    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
-    assert plan.dq_mode == ("ordered" if det else "atomic")
-    if det:
-        assert c.sem_waits > 0 and c.sem_blocked == 0
-        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
-    if "softcap" not in names:
-        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
-        with flag_set(tiles_bwd, "GRID_LAYOUT", False):
-            (rows, _), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
-        assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
-        np.testing.assert_array_equal(grid[1], rows[1])
-        np.testing.assert_array_equal(grid[2], rows[2])
+    _grid_against_rows(monkeypatch, kw, shape, det, bitwise="softcap" not in names)
 
 
 GRID_DROPOUT = [  # (other features, D, causal, deterministic): dropout on the grid layout (tiles_bwd.GRID_EXT)
@@ -478,8 +485,6 @@ def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
     row-tile kernel's keep bits (dropout_bits_t per 16-key m tile; P o Z to P^T_s, Z back from the sign of the kept
     factor in the dS pass): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the
     ordered mode the same bits under reverse and random schedules."""
-    from conftest import flag_set
-    from flasharray._private import tiles_bwd
     bits = cuda_backward._fwd().EXT_BITS
     # dropout alone: spilled at d 64 / 128, and at d 256 in the float-output (K/V broadcast) instantiations
     for d, acc, layout in ((64, False, "rows"), (128, False, "rows"), (256, False, "grid"), (256, True, "rows")):
@@ -491,20 +496,7 @@ def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
     if "block_mask" in names:
         kw.update(holed_block_mask(2, H, Lq, Lk))
     shape = dict(H=H, Hk=2, Lq=Lq, Lk=Lk, D=D, causal=causal, return_counters=True, deterministic=det)
-    monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
-    (grid, c), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
-    assert any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names), plan.replay.names
-    assert plan.dq_mode == ("ordered" if det else "atomic")
-    if det:
-        assert c.sem_waits > 0 and c.sem_blocked == 0
-        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
-    if "softcap" not in names:
-        monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
-        with flag_set(tiles_bwd, "GRID_LAYOUT", False):
-            (rows, _), plan = (lambda r: (_dkv_counters(r[0]), r[1]))(_ext_backward(kw, **shape))
-        assert not any(n.startswith("flash_bwd_dkv_grid_kernel") for n in plan.replay.names)
-        np.testing.assert_array_equal(grid[1], rows[1])
-        np.testing.assert_array_equal(grid[2], rows[2])
+    _grid_against_rows(monkeypatch, kw, shape, det, bitwise="softcap" not in names)
 
 
 WINDOWS = [  # (keywords, causal, H, Hk, Lq, Lk, D): the ordered dQ mode's window cases
