@@ -419,7 +419,9 @@ def test_ordered_dq_with_a_block_mask(monkeypatch, case):
 
 def _grid_against_rows(monkeypatch, kw, shape, det, bitwise):
     """The backward with ``kw`` on the grid-layout dK/dV kernel (the rule: _ext_backward) in the dQ mode ``det``
-    says; ordered: no block in fa::sem_wait with one worker, the same bits under reverse and random schedules;
+    says; ordered: no block in fa::sem_wait with one worker, the same bits under a reverse schedule (one worker:
+    with two, whether a block finds its turn not yet come depends on the threads' timing, and a narrow window leaves
+    few shared query tiles — d 128's window case blocked 0-2 times in 11 waits) and a random one (two workers);
     ``bitwise``: dK, dV equal to the row-tile kernel's (tiles_bwd.GRID_LAYOUT off)."""
     from conftest import flag_set
     from flasharray._private import tiles_bwd
@@ -429,7 +431,7 @@ def _grid_against_rows(monkeypatch, kw, shape, det, bitwise):
     assert plan.dq_mode == ("ordered" if det else "atomic")
     if det:
         assert c.sem_waits > 0 and c.sem_blocked == 0
-        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("2", "reverse", 0), ("2", "random", 3)))
+        _same_bits_under_schedules(monkeypatch, kw, shape, grid, (("1", "reverse", 0), ("2", "random", 3)))
     if bitwise:
         monkeypatch.setenv("FLASHARRAY_EMULATOR_THREADS", "1")
         with flag_set(tiles_bwd, "GRID_LAYOUT", False):
