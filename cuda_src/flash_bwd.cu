@@ -80,8 +80,8 @@ __device__ __forceinline__ float dropout_z(float f, float scale) { return __floa
 // dK/dV kernel: keys kt*16 .. +15 (rows) by queries q0 .. q0 + kW - 1 (columns) of
 // S^T = K_j Q_i^T and dP^T = V_j dO_i^T, then P^T = exp2(S^T scale log2e - L_i log2e) and
 // dS^T = P^T o (dP^T - D_i) (L_i, D_i per column). A block mask is looked up once per n8 tile (16 keys from a
-// multiple of 16 by 8 queries from a multiple of 8 lie in one block), P and dS selected to 0 outside it, the
-// per-element checks on the geometry (as grid_scores and the forward do).
+// multiple of 16 by 8 queries from a multiple of 8 lie in one block) and passed to ext_p_ds (P = 0, so dS = 0, outside
+// it), whose per-element checks are the geometry's (as grid_scores and the forward do).
 template <typename T, class L, int kW, int kHeadDim, int kHeadDimV, class M, class Drop>
 __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t (&dS_a)[kW / 16][4],
                                            const T* K_s, const T* V_s, const T* Q_s, const T* dO_s,

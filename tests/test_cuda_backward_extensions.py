@@ -465,6 +465,9 @@ def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
                                   ext=bits["block_mask"] | bits["window"], ordered=det)["dkv"][2]
     assert t.layout == "grid"  # ... with a window: the per-m-tile pass
+    t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80, acc_dkv=True,
+                                  ext=bits["block_mask"] | bits["window"], ordered=det)["dkv"][2]
+    assert t.layout == "rows"  # ... but not in float output (K/V broadcast): tiles_bwd.GRID_EXT_SPILLED_PARTIAL
     H, Lq, Lk = 2, 150, 330
     kw = kw_of(names, H=H, Lq=Lq, Lk=Lk) if names else {}
     kw.update(holed_block_mask(2, H, Lq, Lk, block_size=block))
