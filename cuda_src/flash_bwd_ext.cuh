@@ -81,7 +81,7 @@ __device__ __forceinline__ AccT ext_ds_factor(AccT s, AccT lse2, AccT scale_log2
 }
 
 // The mask without its block mask (the per-element one of kernels that look the block mask up once per fragment:
-// ext_pt_dst_sm90, grid_scores): the same members but bm .. block_k.
+// ext_pt_dst_sm90, grid_scores): the same members but bm .. div_k.
 template <bool C, int E>
 __device__ __forceinline__ flash::Mask<C, E & ~flash::kExtBlockMask, float> geometry(const flash::Mask<C, E, float>& m) {
     flash::Mask<C, E & ~flash::kExtBlockMask, float> out(m.Lq, m.Lk);
@@ -203,7 +203,7 @@ struct QueryTileWalk {
     __device__ __forceinline__ int next(int i, int hi) const {
         ++i;
         if constexpr (M::kBlockMask)
-            while (i < hi && mask.block_cover(i * Br, n0, Br, Bc) == flash::kCoverNone) ++i;
+            while (i < hi && !mask.block_any(i * Br, n0, Br, Bc)) ++i;
         return i;
     }
     // Tiles next() visits in [lo, hi) (lo itself visited).
@@ -220,30 +220,29 @@ struct QueryTileWalk {
 // The ordered dQ mode's turn at query tile i (kOrderedDQ): wait until the counter equals `expected`, then
 // post `add` (fa::sem_post(counter, add)). Without a block mask: DQOrder::turn with the mask and posts of 1
 // (the counter counts the visitors before this one). With one (kExtBlockMask) the visitors of i are the run of
-// key blocks reaching it (DQOrder's comment: one contiguous run holding this block) less the tiles whose
-// blocks are all False, which visit nothing and post nothing; the counter then holds 1 + the rank
-// (DQOrder::rank: the grid's x) of the last visitor that posted, 0 before the first. The block walks back in
-// rank from its own to its previous visitor prev — past the tiles the mask skips, stopping at the run's end —,
-// waits for rank(prev) + 1 (0: none) and posts rank(n) − rank(prev), leaving rank(n) + 1. Without holes the
-// walk is one step; no block waits on a tile it skips (a counted turn would read the whole run's tiles).
+// key blocks reaching it (DQOrder's comment: one contiguous run holding this block, the DQOrder::turn(i) blocks
+// of ranks x − turn .. x − 1 before this one, x = DQOrder::rank: the grid's x) less the tiles whose blocks are all
+// False, which visit nothing and post nothing; the counter then holds 1 + the rank of the last visitor that
+// posted, 0 before the first. The block walks back in rank from its own to its previous visitor prev — past the
+// tiles the mask skips, stopping at the run's start —, waits for rank(prev) + 1 (0: none) and posts
+// rank(n) − rank(prev), leaving rank(n) + 1. Without holes the walk is one step; no block waits on a tile it
+// skips (a counted turn would read the whole run's tiles).
 struct DQTurn {
     int expected, add;
 };
 template <bool kDescending, class M>
 __device__ __forceinline__ DQTurn dq_turn(const DQOrder<kDescending>& order, int i, const QueryTileWalk<M>& walk) {
+    const int before = order.turn(i, walk.Br, walk.Bc, walk.mask);
     if constexpr (!M::kBlockMask) {
-        return DQTurn{order.turn(i, walk.Br, walk.Bc, walk.mask), 1};
+        return DQTurn{before, 1};
     } else {
         const int x = order.rank(order.n);
         int prev = -1;
-        for (int y = x - 1; y >= 0; --y) {
-            const QueryTileWalk<M> w{walk.mask, order.rank(y) * walk.Bc, walk.Br, walk.Bc};
-            if (!w.reaches(i)) break;  // past the run's end
-            if (walk.mask.block_cover(i * walk.Br, w.n0, walk.Br, walk.Bc) != flash::kCoverNone) {
+        for (int y = x - 1; y >= x - before; --y)
+            if (walk.mask.block_any(i * walk.Br, order.rank(y) * walk.Bc, walk.Br, walk.Bc)) {
                 prev = y;
                 break;
             }
-        }
         return DQTurn{prev + 1, x - prev};
     }
 }

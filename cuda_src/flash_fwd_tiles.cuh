@@ -92,14 +92,14 @@ struct KeyTileWalk {
   __device__ __forceinline__ int prev(int n) const {
     --n;
     if constexpr (HasExt<kExt, kExtBlockMask>::value)
-      while (n >= lo && mask.block_cover(m0, n * Bc, Br, Bc) == kCoverNone) --n;
+      while (n >= lo && !mask.block_any(m0, n * Bc, Br, Bc)) --n;
     return n;
   }
   // Ascending walk (SIMT forward): the next tile to visit above n, or hi when none is left.
   __device__ __forceinline__ int next(int n, int hi) const {
     ++n;
     if constexpr (HasExt<kExt, kExtBlockMask>::value)
-      while (n < hi && mask.block_cover(m0, n * Bc, Br, Bc) == kCoverNone) ++n;
+      while (n < hi && !mask.block_any(m0, n * Bc, Br, Bc)) ++n;
     return n;
   }
   __device__ __forceinline__ bool masked(int n) const {

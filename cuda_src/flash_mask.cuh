@@ -36,6 +36,28 @@ enum BlockCover : int { kCoverNone = 0, kCoverSome = 1, kCoverAll = 2 };
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
+// x / d for a divisor fixed at run time (the block mask's block sizes, d >= 2) as a multiply-high and a shift
+// (Granlund & Montgomery, rounding the multiplier up): s = ceil(log2 d), m = ceil(2^(31+s) / d) < 2^32, and for
+// 0 <= x < 2^31, x / d = ((x m) >> 32) >> (s − 1). Exact: m d − 2^(31+s) = e < d <= 2^s, so x m / 2^(31+s) =
+// x / d + x e / (d 2^(31+s)) exceeds x / d by less than 1/d. The compiler's signed division by a run-time int is
+// ~20 instructions (I2F, MUFU.RCP, F2I and fix-ups); this is two. Negative x are not allowed (the emulator's
+// checked memory catches the lookup such an x would make).
+struct FastDiv {
+  uint32_t m;
+  int s1;  // s − 1
+  FastDiv() = default;
+  __device__ __forceinline__ explicit FastDiv(int d) {
+    int s = 1;
+    while ((1u << s) < static_cast<unsigned>(d)) ++s;
+    m = static_cast<uint32_t>(((1ull << (31 + s)) + static_cast<unsigned>(d) - 1) / static_cast<unsigned>(d));
+    s1 = s - 1;
+  }
+  __device__ __forceinline__ int operator()(int x) const {
+    const uint64_t p = static_cast<uint64_t>(static_cast<uint32_t>(x)) * m;
+    return static_cast<int>(static_cast<uint32_t>(p >> 32) >> s1);
+  }
+};
+
 template <bool Is_causal, int kExt = 0, typename AccT = float>
 struct Mask {
   static constexpr bool kWindow = HasExt<kExt, kExtWindow>::value;
@@ -55,7 +77,7 @@ struct Mask {
   AccT slope;                     // ALiBi slope, unscaled units
   const bool* bm;                 // the entry's block mask
   long long bm_row, bm_col;
-  int block_q, block_k;
+  FastDiv div_q, div_k;           // by the block sizes block_q, block_k
 
   __device__ __forceinline__ Mask(int Lq_, int Lk_) : Lq(Lq_), Lk(Lk_), causal_offset(Lk_ - Lq_) {}
 
@@ -75,8 +97,8 @@ struct Mask {
       bm = a.block_mask_of(b);
       bm_row = a.bm_s.row;
       bm_col = a.bm_col;
-      block_q = a.block_q;
-      block_k = a.block_k;
+      div_q = FastDiv(a.block_q);
+      div_k = FastDiv(a.block_k);
     }
   }
 
@@ -159,8 +181,8 @@ struct Mask {
       const int r_last = imin(m0 + Br, Lq) - 1, c_last = imin(n0 + Bc, Lk) - 1;
       if (r_last < m0 || c_last < n0) return kCoverNone;
       bool any = false, all = true;
-      for (int qb = m0 / block_q; qb <= r_last / block_q; ++qb)
-        for (int kb = n0 / block_k; kb <= c_last / block_k; ++kb) {
+      for (int qb = div_q(m0); qb <= div_q(r_last); ++qb)
+        for (int kb = div_k(n0); kb <= div_k(c_last); ++kb) {
           const bool x = fa::gload(bm + qb * bm_row + kb * bm_col);
           any = any || x;
           all = all && x;
@@ -169,6 +191,21 @@ struct Mask {
     }
     (void)m0; (void)n0; (void)Br; (void)Bc;
     return kCoverAll;
+  }
+
+  // Block mask: whether any block under the tile (block_cover's ranges) is True — block_cover(...) != kCoverNone,
+  // stopping at the first True (the backward's walks and ordered-dQ turns need no more).
+  __device__ __forceinline__ bool block_any(int m0, int n0, int Br, int Bc) const {
+    if constexpr (kBlockMask) {
+      const int r_last = imin(m0 + Br, Lq) - 1, c_last = imin(n0 + Bc, Lk) - 1;
+      if (r_last < m0 || c_last < n0) return false;
+      for (int qb = div_q(m0); qb <= div_q(r_last); ++qb)
+        for (int kb = div_k(n0); kb <= div_k(c_last); ++kb)
+          if (fa::gload(bm + qb * bm_row + kb * bm_col)) return true;
+      return false;
+    }
+    (void)m0; (void)n0; (void)Br; (void)Bc;
+    return true;
   }
 
   __device__ __forceinline__ bool is_visible(int row, int col) const {
@@ -192,7 +229,7 @@ struct Mask {
   // are multiples of 16) look it up once per fragment. Rows past Lq (never stored) and columns
   // past Lk are not looked up: outside the mask.
   __device__ __forceinline__ bool block_visible(int row, int col) const {
-    if constexpr (kBlockMask) return row < Lq && col < Lk && fa::gload(bm + (row / block_q) * bm_row + (col / block_k) * bm_col);
+    if constexpr (kBlockMask) return row < Lq && col < Lk && fa::gload(bm + div_q(row) * bm_row + div_k(col) * bm_col);
     (void)row; (void)col;
     return true;
   }
