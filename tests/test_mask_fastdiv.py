@@ -88,3 +88,30 @@ def test_known_answers_on_the_gpu():
                                                      (cupy.asarray(d), cupy.asarray(x), np.int32(len(x)), dev))
         out[...] = cupy.asnumpy(dev)
     _check(run)
+
+
+@requires_nvrtc
+def test_block_mask_key_loops_have_no_integer_division():
+    """The block-mask lookups of the fp16 forward (d 64) and of the row-tile dK/dV kernel (d 128, ordered dQ) divide
+    by FastDiv: their key-tile loops hold no I2F / F2I (each integer division by a run-time int brought one of each;
+    the forward's loop had 20 before, docs/performance.md, forty-eighth session)."""
+    from flasharray._private import cuda_backward, cuda_forward, nvrtc, tiles, tiles_bwd
+    if not sass.available()[0]:
+        pytest.skip("SASS report unavailable: %s" % sass.available()[1])
+    bm = cuda_forward.EXT_BITS["block_mask"]
+    t = tiles.forward_tile("float16", 64, 64, 80, ext=True)
+    kernels = [(t.source, cuda_forward.forward_name_expression(t, False, True, ext=bm))]
+    grid = tiles_bwd.GRID_LAYOUT
+    try:
+        tiles_bwd.GRID_LAYOUT = False
+        plan = cuda_backward.kernel_plan("float16", 128, 128, causal=False, deterministic=True, arch=80, ext=bm,
+                                         ordered=True)
+    finally:
+        tiles_bwd.GRID_LAYOUT = grid
+    kernels.append(plan["dkv"][:2])
+    for source, name in kernels:
+        res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_80", [name], options=["--use_fast_math"])
+        body = sass.parse(sass.disassemble(res.cubin))[res.kernel(name).lowered_name]
+        loop = sass.key_loop(body)
+        ops = [i.base for i in body if loop.start <= i.address <= loop.end]
+        assert ops.count("HMMA") > 0 and not {"I2F", "F2I"} & set(ops), (name, sorted(set(ops)))
