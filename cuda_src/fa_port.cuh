@@ -2,6 +2,7 @@
 //
 // Kernels include this header and use only what it provides beyond plain C++:
 //   element types      fa_half (= __half), fa_bf16 (= __nv_bfloat16)
+//   integers           fa::umulhi(a, b): the high 32 bits of a 32 x 32-bit unsigned product
 //   conversions        fa::to_float(x), fa::from_float<T>(f) (round to nearest even),
 //                      fa::pack2<T>(lo, hi) -> uint32_t (lo in bits 0-15), fa::unpack2<T>(w) -> float2
 //   tensor cores       fa::mma_m16n8k16<T>(d, a, b, c), T in {fa_half, fa_bf16}
@@ -111,6 +112,11 @@ typedef struct CUtensorMap_st {
 namespace fa {
 
 template <class T> struct dependent_false { static constexpr bool value = false; };
+
+// ---- integers -----------------------------------------------------------------------
+// The high 32 bits of a 32 x 32-bit unsigned product (__umulhi: one IMAD.HI; unlike a 64-bit product, the
+// compiler does not split (x + c)·m into x·m + c·m with c·m held in registers across loops).
+__device__ __forceinline__ uint32_t umulhi(uint32_t a, uint32_t b) { return __umulhi(a, b); }
 
 // ---- conversions --------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -106,7 +106,7 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
         const int r = q0 + nt * 8 + 2 * t;
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
         const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
-        const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + kt * 16);  // true without a block mask
+        const bool in_block = mask.block_visible(r0 + q0 + 16 * (nt / 2), c0 + kt * 16);  // per pair of n8 tiles (block_visible)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = kt * 16 + g + (e / 2) * 8;  // key within K_j (row of S^T)
@@ -132,8 +132,8 @@ __device__ __forceinline__ void dkv_scores(uint32_t (&P_a)[kW / 16][4], uint32_t
 // as dkv_scores computes them (dS from the unrounded P), rounded to T and stored to P^T_s, dS^T_s (Bc x Br, pitch
 // L::kPitchS). lse_s holds the raw L_i (the kernel's cp.async copies; lse2_of here), delta_s D_i.
 // Dropout: the keep bits of each 16-key m tile (dropout_bits_t, the row-tile kernel's) in the softcap pass below.
-// A block mask is looked up once per n8 tile of each 16-key m tile (16 keys from a multiple of 16 by 8 queries from
-// a multiple of 8 lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does:
+// A block mask is looked up once per pair of n8 tiles of each 16-key m tile (16 keys by 16 queries, each from a
+// multiple of 16, lie in one block: block sizes are multiples of 16), not per element, as ext_pt_dst_sm90 does:
 // P = 0 outside it (dS = P o ... = 0 follows), the per-element checks on the geometry (rows past Lq get P from a
 // zero L_i and zero Q_i, dO_i rows: nothing in dK_j, dV_j, dQ_i, as without a block mask).
 // S^T runs on both 16-key m tiles at once (each Q_i fragment feeds 4 MMAs); dP^T one m tile at a time, so
@@ -166,7 +166,7 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
             const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + k0 + 16 * mt);  // true without one
+                const bool in_block = mask.block_visible_guarded(r0 + q0 + 16 * (nt / 2), c0 + k0 + 16 * mt);  // true without one
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = r0 + r + e % 2, col = c0 + k0 + 16 * mt + g + (e / 2) * 8;
@@ -201,7 +201,7 @@ __device__ __forceinline__ void grid_scores(T* Pt_s, T* dSt_s, const T* K_s, con
                 const int r = q0 + nt * 8 + 2 * t;
                 const float2 lse_r = *reinterpret_cast<const float2*>(lse_s + r);
                 const float2 lse2 = {lse2_of(lse_r.x), lse2_of(lse_r.y)};
-                const bool in_block = mask.block_visible(r0 + q0 + nt * 8, c0 + k0 + 16 * mt);
+                const bool in_block = mask.block_visible_guarded(r0 + q0 + 16 * (nt / 2), c0 + k0 + 16 * mt);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     pm[nt][e] = sel_block(in_block, ext_p_factor(p[mt][nt][e], e % 2 ? lse2.y : lse2.x, scale_log2,
@@ -304,7 +304,7 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
             const float lse2 = lse2_s[r], delta_r = delta_s[r];
 #pragma unroll
             for (int nt = 0; nt < kW / 8; ++nt) {
-                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
+                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + 16 * (nt / 2));
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
                     ext_p_ds(s[nt][e], dp[nt][e], lse2, delta_r, kDropout ? z[0][kDropout ? nt : 0][e] : 1.0f,
@@ -329,7 +329,7 @@ __device__ __forceinline__ void dq_scores(uint32_t (&dS_a)[kW / 16][4], const T*
             const float lse2 = lse2_s[r];
 #pragma unroll
             for (int nt = 0; nt < kW / 8; ++nt) {
-                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + nt * 8);
+                const bool in_block = mask.block_visible(r0 + qt * 16, c0 + k0 + 16 * (nt / 2));
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e)
                     s[nt][e] = sel_block(in_block, ext_ds_factor(s[nt][e], lse2, scale_log2, geo, r0 + r,

@@ -383,8 +383,8 @@ __device__ __forceinline__ void store_dk_dv_sm90(const float (&acc_dk)[kHeadDim 
 // strip (16 keys x Br queries, m16n8 layout: acc[4j + e] is key key0 + 8((e % 4) >> 1), query r0 + 8j + 2t +
 // (e & 1)), so dropout_bits_t gives its keep bits as it stands (bit e of its word j: KeepBits, ext_keep_sm90, drawn
 // before the visit's products: the Philox calls' registers are then not live with S^T and dP^T). key0 = c0 + key_row.
-// The block mask is looked up once per n8 tile (16 keys from a multiple of 16 by 8 queries from a multiple of 8 lie
-// in one block: block sizes are multiples of 16), not per element: ext_p_ds gets `geo`, the mask without
+// The block mask is looked up once per pair of n8 tiles (16 keys by 16 queries, each from a multiple of 16, lie in
+// one block: block sizes are multiples of 16; Mask::block_visible), not per element: ext_p_ds gets `geo`, the mask without
 // kExtBlockMask (the same state otherwise), and a tile outside the mask gets P = dS = 0 (selects: a score the
 // row's lse never saw may overflow exp2). Per element the 32 lookups of a visit were in flight together and
 // their addresses cost ~40 registers.
@@ -401,7 +401,7 @@ __device__ __forceinline__ void ext_pt_dst_sm90(float (&acc_s)[kBlockM / 2], flo
   for (int j = 0; j < kBlockM / 8; ++j) {
     const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + 8 * j + 2 * t);  // queries 8j + 2t, +1
     const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * t);
-    const bool in_block = mask.block_visible(r0 + 8 * j, key0 - g);  // (true without a block mask)
+    const bool in_block = mask.block_visible(r0 + 16 * (j / 2), key0 - g);  // (true without a block mask)
 #pragma unroll
     for (int e = 4 * j; e < 4 * j + 4; ++e) {
       float z = 1.0f;  // Z = keep / (1 − p)

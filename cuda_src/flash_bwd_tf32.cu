@@ -430,7 +430,7 @@ __device__ __forceinline__ void tf32_dkv_scores(float (&s)[kBlockM / 8][4], floa
         const int r = nt * 8 + 2 * t;  // this lane's query columns r, r + 1 (r even: 8-byte loads)
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + r);
         const float2 delta_r = *reinterpret_cast<const float2*>(delta_s + r);
-        const bool in_block = mask.block_visible(r0 + nt * 8, c_w);  // 16 keys by 8 queries: one block
+        const bool in_block = mask.block_visible(r0 + 16 * (nt / 2), c_w);  // 16 keys by 16 queries: one block
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = c_w + g + (e / 2) * 8;  // key (row of S^T)

@@ -364,7 +364,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
           for (int nt = 0; nt < kNTilesS; ++nt) {
             const int row0 = m0 + warp_row0 + sl * Traits::kMmaM;
-            const bool block = mask.block_visible(row0, n0 + 8 * nt);
+            const bool block = mask.block_visible(row0, n0 + 16 * (nt / 2));
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const bool ok = block && mask.is_visible_geometry(row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));

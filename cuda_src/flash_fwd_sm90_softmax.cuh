@@ -101,7 +101,7 @@ __device__ __forceinline__ void softmax_tile_sm90(float (&acc_s)[kBlockN / 2], f
     if constexpr (Mask<Is_causal, kExt>::kBlockMask) {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
-        const bool block = mask.block_visible(row0 & ~15, n0 + 8 * j);
+        const bool block = mask.block_visible(row0 & ~15, n0 + 16 * (j / 2));
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = 4 * j + e;

@@ -359,7 +359,7 @@ flash_fwd_tf32_kernel(const float* __restrict__ q, const float* __restrict__ k, 
         const int row0 = m0 + warp_row0;
 #pragma unroll
         for (int nt = 0; nt < kNTilesS; ++nt) {
-          const bool block = mask.block_visible(row0, n0 + 8 * nt);
+          const bool block = mask.block_visible(row0, n0 + 16 * (nt / 2));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const bool ok = block && mask.is_visible_geometry(row0 + g + 8 * (i / 2), n0 + 8 * nt + 2 * t + (i % 2));

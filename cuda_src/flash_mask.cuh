@@ -36,7 +36,7 @@ enum BlockCover : int { kCoverNone = 0, kCoverSome = 1, kCoverAll = 2 };
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
-// x / d for a divisor fixed at run time (the block mask's block sizes, d >= 2) as a multiply-high and a shift
+// x / d for a divisor fixed at run time (the block mask's block sizes, d >= 2) as a multiply-high (fa::umulhi) and a shift
 // (Granlund & Montgomery, rounding the multiplier up): s = ceil(log2 d), m = ceil(2^(31+s) / d) < 2^32, and for
 // 0 <= x < 2^31, x / d = ((x m) >> 32) >> (s − 1). Exact: m d − 2^(31+s) = e < d <= 2^s, so x m / 2^(31+s) =
 // x / d + x e / (d 2^(31+s)) exceeds x / d by less than 1/d. The compiler's signed division by a run-time int is
@@ -53,8 +53,7 @@ struct FastDiv {
     s1 = s - 1;
   }
   __device__ __forceinline__ int operator()(int x) const {
-    const uint64_t p = static_cast<uint64_t>(static_cast<uint32_t>(x)) * m;
-    return static_cast<int>(static_cast<uint32_t>(p >> 32) >> s1);
+    return static_cast<int>(fa::umulhi(static_cast<uint32_t>(x), m) >> s1);
   }
 };
 
@@ -226,9 +225,26 @@ struct Mask {
 
   // The block-mask entry of (row, col) (true without kExtBlockMask). Kernels whose fragments lie
   // inside one block (16 rows from a multiple of 16, 8 columns from a multiple of 8: block sizes
-  // are multiples of 16) look it up once per fragment. Rows past Lq (never stored) and columns
-  // past Lk are not looked up: outside the mask.
+  // are multiples of 16) look it up once per fragment, and n8 tiles 2p, 2p + 1 (16 rows or columns
+  // from a multiple of 16) once per pair: they pass the pair's first row / column, 16 (nt / 2), so
+  // the two lookups are one expression (the compiler cannot see that div_k(c + 8) == div_k(c)). Rows
+  // past Lq and columns past Lk are outside the mask (the load reads the clamped entry: no branch per
+  // lookup; the last row / column of an empty entry: row 0, always in the array). (A pair's second tile past them
+  // takes the first's entry: the geometry hides columns past Lk, and rows past Lq are never stored,
+  // their Q_i, dO_i, L_i zero in the backward: nothing reaches dK, dV, dQ, as without a block mask.)
   __device__ __forceinline__ bool block_visible(int row, int col) const {
+    if constexpr (kBlockMask) {
+      const int r = imax(imin(row, Lq - 1), 0), c = imax(imin(col, Lk - 1), 0);
+      const bool v = fa::gload(bm + div_q(r) * bm_row + div_k(c) * bm_col);
+      return (row < Lq) & (col < Lk) & v;
+    }
+    (void)row; (void)col;
+    return true;
+  }
+  // block_visible with the load behind the bounds test (a branch per lookup instead of the clamps): the grid-layout
+  // dK/dV kernel's, at the 255-register cap, where the clamped form spilled in more extension sets (docs/performance.md,
+  // forty-eighth session).
+  __device__ __forceinline__ bool block_visible_guarded(int row, int col) const {
     if constexpr (kBlockMask) return row < Lq && col < Lk && fa::gload(bm + div_q(row) * bm_row + div_k(col) * bm_col);
     (void)row; (void)col;
     return true;

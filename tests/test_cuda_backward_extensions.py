@@ -442,11 +442,11 @@ def _grid_against_rows(monkeypatch, kw, shape, det, bitwise):
 
 
 GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): a block mask on the grid layout
-    ((), 64, True, True, (32, 64)),                     # causal: descending ranks past the holes
+    (("window",), 64, True, True, (32, 64)),            # causal: descending ranks past the holes
     (("softcap", "window"), 256, False, True, (16, 32)),  # n8 tiles of 16-query blocks; softcap's P and f selected
     (("softcap", "seqlens"), 256, True, False, (32, 64)),  # atomic, short entries (lengths alone spilled at d 256)
     (("alibi",), 64, False, True, (48, 16)),            # ascending; 16-key blocks, 48-query ones across n8 tiles
-    (("window",), 128, True, True, (32, 64)),           # d 128: the per-m-tile pass (forty-sixth session)
+    (("window", "alibi", "softcap"), 128, True, True, (32, 64)),  # d 128: the per-m-tile pass (forty-sixth session)
     (("softcap", "dropout"), 128, False, False, (16, 32)),  # ... with dropout's keep bits beside the lookups
 ]
 
@@ -462,11 +462,12 @@ def test_block_mask_on_the_grid_layout(monkeypatch, names, D, causal, det, block
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
                                   ext=bits["block_mask"], ordered=det)["dkv"][2]
     assert t.layout == "rows"  # d 128, the block mask alone: tiles_bwd.GRID_EXT_SPILLED
+    with_sc = bits["block_mask"] | bits["alibi"] | bits["softcap"]
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80,
-                                  ext=bits["block_mask"] | bits["window"], ordered=det)["dkv"][2]
-    assert t.layout == "grid"  # ... with a window: the per-m-tile pass
+                                  ext=with_sc, ordered=det)["dkv"][2]
+    assert t.layout == "grid"  # ... with ALiBi + softcap: the per-m-tile pass
     t = cuda_backward.kernel_plan(np.float16, 128, 128, causal=causal, deterministic=det, arch=80, acc_dkv=True,
-                                  ext=bits["block_mask"] | bits["window"], ordered=det)["dkv"][2]
+                                  ext=with_sc, ordered=det)["dkv"][2]
     assert t.layout == "rows"  # ... but not in float output (K/V broadcast): tiles_bwd.GRID_EXT_SPILLED_PARTIAL
     H, Lq, Lk = 2, 150, 330
     kw = kw_of(names, H=H, Lq=Lq, Lk=Lk) if names else {}

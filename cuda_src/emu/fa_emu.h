@@ -234,6 +234,8 @@ namespace fa {
 
 template <class T> struct dependent_false { static constexpr bool value = false; };
 
+inline uint32_t umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32); }
+
 inline float to_float(float x) { return x; }
 inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(fa_half x) { return fa_emu::f16_bits_to_f32(x.x); }

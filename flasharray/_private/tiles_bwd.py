@@ -227,21 +227,30 @@ _GRID_SETS = tuple(b for b in range(1, GRID_EXT + 1) if not b & ~GRID_EXT)
 #: with ALiBi, with ALiBi and lengths).
 _BM128 = (_BM | 1, _BM | 1 | 2, _BM | 4, _BM | 2 | 4, _BM | 1 | 2 | 4, _BM | 1 | 2 | 4 | 32,
           _BM | _DROP | 4, _BM | _DROP | 1 | 4, _BM | _DROP | 2 | 4, _BM | _DROP | 2 | 4 | 32)
-GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP),
+#: The block-mask sets that compiled clean before the block mask's lookups divided by FastDiv (flash_mask.cuh, forty-eighth
+#: session) and spilled after it, 8-64 bytes at the 255-register cap (fp16 sm_80, one dQ mode or causal flag each):
+#: at d 64 the block mask alone (ordered), with window + ALiBi + lengths, with window + softcap + lengths; at d 128 with a
+#: window, with window + ALiBi, with softcap, with ALiBi + softcap + dropout + lengths; at d 256 with softcap +
+#: dropout + lengths. They take the row-tile kernel, whose block-mask loops the change made 1.4-2.4x shorter.
+_GRID_FASTDIV_SPILLED = {64: (_BM, _BM | 1 | 2 | 32, _BM | 1 | 4 | 32), 128: (_BM | 1, _BM | 1 | 2, _BM | 4,
+                                                                     _BM | 2 | 4 | _DROP | 32),
+                         256: (_BM | 4 | _DROP | 32,)}
+GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP)
+                    + _GRID_FASTDIV_SPILLED[64],
                     128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32)
-                    + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128)
+                    + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128) + _GRID_FASTDIV_SPILLED[128]
                     + tuple(_DROP | b for b in (0, 1, 2, 1 | 2, 1 | 2 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 2 | 4 | 32)),
                     256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
                           _BM | 1 | 2 | 4 | 32)
                     + tuple(_DROP | _BM | b for b in (0, 1, 2, 1 | 2, 4, 1 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 4 | 32))
-                    + (_DROP | 32,)}
+                    + (_DROP | 32,) + _GRID_FASTDIV_SPILLED[256]}
 #: ... and the sets whose float-output instantiations alone spilled (dK, dV as float partial sums: K/V broadcast over
 #: the query heads with extensions; ``grid_tile(partial=True)``): with dropout, d 128 window + softcap (24 bytes, sm_90
 #: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic);
 #: at d 128 every block-mask set of :data:`_BM128` but softcap + dropout alone or with a window (8-116 bytes;
-#: forty-sixth session, window + block mask 108 on sm_80 atomic).
-GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,) + tuple(b for b in _BM128
-                                                          if b not in (_BM | _DROP | 4, _BM | _DROP | 1 | 4)),
+#: forty-sixth session, window + block mask 108 on sm_80 atomic); since FastDiv (forty-eighth session) also softcap +
+#: dropout + window + block mask (16 bytes, sm_90 ordered causal).
+GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,) + tuple(b for b in _BM128 if b != _BM | _DROP | 4),
                             256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).

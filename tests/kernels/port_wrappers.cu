@@ -43,6 +43,7 @@ port_wrappers(float* __restrict__ out, double* __restrict__ out64, const T* __re
     double w = __shfl_xor_sync(0xffffffffu, static_cast<double>(v), 4);
     int k = __shfl_sync(0xffffffffu, lane, 31);
     unsigned u = __shfl_down_sync(0xffffffffu, static_cast<unsigned>(lane), 1);
+    u += fa::umulhi(u, 0x9E3779B9u);
     __syncwarp();
     v = fmaxf(v, fminf(exp2f(v), expf(v))) + logf(fabsf(v) + 1.f) + log2f(2.f) + static_cast<float>(k + u);
     if (v == INFINITY) v = 0.f;
