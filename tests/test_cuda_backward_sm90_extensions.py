@@ -276,15 +276,16 @@ def test_ordered_window(kind, names, causal, D, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,D,names,causal", thin([
-    ("ws", 64, (), False), ("ws", 64, (), True), ("cp.async", 64, ("seqlens",), True), ("ws", 128, ("window",), False),
-    ("ws", 256, ("alibi",), True), ("ws", 64, ("dropout", "softcap"), False)], unpack=True),
-    ids=["ws-d64", "ws-d64-causal", "cp.async-d64-lengths-causal", "ws-d128-window", "ws-d256-alibi-causal",
-         "ws-d64-dropout-softcap"])
+    ("cp.async", 64, (), False), ("cp.async", 64, (), True), ("cp.async", 64, ("seqlens",), True),
+    ("cp.async", 64, ("window",), False), ("cp.async", 64, ("alibi",), True)], unpack=True),
+    ids=["cp.async-d64", "cp.async-d64-causal", "cp.async-d64-lengths-causal", "cp.async-d64-window",
+         "cp.async-d64-alibi-causal"])
 def test_ordered_block_mask(kind, D, names, causal, monkeypatch):
     """The ordered dQ with a block mask (dq_turn: a key block waits at query block i for its previous visitor past
     the mask's holes; a key block of holes only never posts; at d 64 the ws kernel's dQ warp takes the turns, at
     d 128 / 256 its consumers): the reference's gradients and the same bits under the reverse and random schedules
-    (a wrong turn is a deadlock the emulator reports). The mask: holed_block_mask's whole-tile holes."""
+    (a wrong turn is a deadlock the emulator reports). The mask: holed_block_mask's whole-tile holes. (The ws kernel
+    refuses a block mask in the ordered mode since the forty-eighth session: cuda_backward_sm90.BLOCK_MASK_BIT.)"""
     from test_cuda_backward_extensions import holed_block_mask
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()
@@ -331,7 +332,8 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
     kw = kw_of(names, 2, 2, Lq, Lk)
     if "block_mask" in names:
         kw.update(skipping_block_mask(Lq, Lk))
-    for det in (True, False):
+    # (a block mask in the ordered mode: refused by the ws kernel since the forty-eighth session, BLOCK_MASK_BIT)
+    for det in (False,) if "block_mask" in names else (True, False):
         run = lambda **o: run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=Lq, Lk=Lk,  # noqa: E731
                                    inputs=inputs, kw=kw, **o)
         new = run(schedule=schedule, seed=seed)

@@ -161,6 +161,11 @@ EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): ()}
 #: Philox bits while S^T is in flight). Its ordered (deterministic) and non-causal instantiations and every superset
 #: (the other 15 sets with dropout and ALiBi, either mode) compile clean (thirty-ninth session's audit, fp16 and bf16).
 EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),)}
+#: A block mask in the ordered dQ mode on the ws kernel: since the block mask's lookups divide by FastDiv and the
+#: turns walk past the holes with block_any (flash_mask.cuh, flash_bwd_ext.cuh; forty-eighth session) every such
+#: instantiation spilled 4 bytes (d 64 and 128, fp16 and bf16, causal or not; its atomic ones compile clean). Refused
+#: (ext_refusal): those calls take the cp.async wgmma kernel where it runs the set, else the mma.sync backward.
+BLOCK_MASK_BIT = 8
 #: ... and of the ws kernel with the consumers' atomics (the head-dim split's extension calls): at padded head dims
 #: 256 / 128 and 128 / 256, dropout + ALiBi alone, not causal, plain atomics (4 bytes; fp16 and bf16, D 256 / 128
 #: and 128 / 256; the other 374 instantiations of each pair compile clean, and D 192 / 128's 188 fp16 ones all do:
@@ -205,6 +210,9 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
             return ("does not run %s together at head dim %s on its %s kernel (the instantiation spills registers; "
                     "this call: %s)" % (_bit_names(m), dims, "warp-specialized TMA" if ws else "cp.async",
                                          _bit_names(ext)))
+    if ws and ordered and ext & BLOCK_MASK_BIT:
+        return ("does not run a block mask with deterministic=True on its warp-specialized TMA kernel (the ordered "
+                "turns' instantiations spill registers since the forty-eighth session; this call: %s)" % _bit_names(ext))
     if (ext, causal, ordered) in (EXT_SPILLS_BULK_ONE if bulk else EXT_SPILLS_ONE).get(key, ()):
         return ("does not run %s alone%s with deterministic=%s at head dim %s on its warp-specialized TMA kernel "
                 "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered, dims))
