@@ -196,10 +196,6 @@ struct QueryTileWalk {
         if (n0 >= mask.Lk) return 0;
         return mask.m_block_max(flash::imin(n0 + Bc, mask.Lk), Br);
     }
-    // Whether query tile i lies in the tiles' range [the first reached, end()) (next() may still skip it).
-    __device__ __forceinline__ bool reaches(int i) const {
-        return i >= mask.m_block_min(n0, Br) && i < end();
-    }
     __device__ __forceinline__ int next(int i, int hi) const {
         ++i;
         if constexpr (M::kBlockMask)
