@@ -901,13 +901,13 @@ __global__ void __launch_bounds__((kHeadDim > 128 || kHeadDimV > 128 ? 2 : kBloc
 }
 
 // ---- The warp-specialized variant: TMA loads completing on mbarriers (flash_bwd_sm90_ws_kernel) -----------
-// 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to Tr::kProducerRegs): its warp 0 fills a ring of
+// 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to kProducerRegs): its warp 0 fills a ring of
 // kStages stages, per visit one stage: the 32 lanes load L_i·log2e and D_i (load_row_stats_exp: two floats
 // each, the −inf rows turned into +inf) and arrive on full[s]; the lane chosen by elect.sync arrives with
 // expect_tx(Q_i + dO_i bytes) and issues Q_i and dO_i as TMA boxes completing on full[s] (so full[s]
 // expects 32 arrivals and the boxes' bytes). Before the first visit it loads K_j and V_j once, on bar_kv.
 // Warpgroups 1 and 2 are the consumers of the cp.async kernel's math (keys [64(w−1), 64w) of K_j), raised to
-// Tr::kConsumerRegs: wait on bar_kv once and on full[s] per visit, and arrive on empty[s] (256 arrivals) once
+// kConsumerRegs: wait on bar_kv once and on full[s] per visit, and arrive on empty[s] (256 arrivals) once
 // the stage's last readers (the dV / dK wgmmas) have completed (the staged bulk dQ: the dQ warp arrives, once its
 // adds have read the stage). No copy instruction and no block-wide barrier
 // in their loop: the barrier between dS^T staged and the dQ wgmma is named barrier 1 over the 256 consumer
@@ -1181,6 +1181,13 @@ flash_bwd_sm90_ws_kernel(
   using Tr = Sm90BwdWsTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN, Is_dq_bulk, kDQSplitOn, kDQBufsMax>;
   using IssueDv = IssueDvSm90<T, Tr::kDvN, kBlockM>;
   constexpr bool kDQWarp = Is_dq_bulk;  // the bulk dQ by the dQ warp (from its buffers, or kDQStaged the stages)
+  // kMaskTurns: the dQ warp takes the ordered mode's turns past a block mask's holes (dq_turn: block_any's lookups,
+  // the Mask's FastDiv members). At the producer's 24 registers that warp spilled 4 bytes (forty-eighth session);
+  // it gets the head-dim split's 32 / 232 (cuda_backward_sm90.ws_regs(mask_turns=True)).
+  constexpr bool kMaskTurns = kDQWarp && kOrderedDQ && flash::HasExt<kExt, flash::kExtBlockMask>::value;
+  constexpr int kProducerRegs = kMaskTurns ? 32 : Tr::kProducerRegs;
+  constexpr int kConsumerRegs = kMaskTurns ? 232 : Tr::kConsumerRegs;
+  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
   static_assert(!Is_tma_store || sizeof(OutT) == 2, "TMA stores of dK_j, dV_j: 16-bit outputs");
@@ -1299,7 +1306,7 @@ flash_bwd_sm90_ws_kernel(
 
   if (wg == 0) {
     // ---- producer: K_j, V_j once, then the visits one stage ahead of the consumers ----
-    fa::setmaxnreg_dec<Tr::kProducerRegs>();
+    fa::setmaxnreg_dec<kProducerRegs>();
     if (!loader) {  // warps 1-3: nothing to do but Is_dq_bulk's dQ warp (warp 1)
       if constexpr (kDQWarp)
         if (tid / 32 == 1)
@@ -1327,7 +1334,7 @@ flash_bwd_sm90_ws_kernel(
   }
 
   // ---- consumers ----
-  fa::setmaxnreg_inc<Tr::kConsumerRegs>();
+  fa::setmaxnreg_inc<kConsumerRegs>();
   const int cwg = wg - 1;  // keys [64 cwg, 64 cwg + 64) of K_j (head-dim split: all 64, head-dim half cwg)
   const int lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int key_row = cwg * Tr::kWgKeys + ((tid % 128) / 32) * 16 + g;  // this thread's keys: key_row, key_row + 8

@@ -15,6 +15,7 @@ static: the dense names unchanged, and the refusal table (``EXT_SPILLS``) agains
 every subset). ``-m slow``: a larger matrix.
 """
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ import flasharray as fa
 from flasharray import testing as fa_testing
 from flasharray._private import cuda_backward as cb
 from flasharray._private import cuda_backward_sm90 as S
-from flasharray._private import cuda_forward, extensions, launch, nvrtc
+from flasharray._private import cuda_forward, extensions, launch, nvrtc, sass
 from flasharray._private.dtypes import bfloat16
 from conftest import flag_set, requires_nvrtc, thin
 from test_gpu_sm90 import requires_sm90
@@ -276,16 +277,15 @@ def test_ordered_window(kind, names, causal, D, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,D,names,causal", thin([
-    ("cp.async", 64, (), False), ("cp.async", 64, (), True), ("cp.async", 64, ("seqlens",), True),
-    ("cp.async", 64, ("window",), False), ("cp.async", 64, ("alibi",), True)], unpack=True),
-    ids=["cp.async-d64", "cp.async-d64-causal", "cp.async-d64-lengths-causal", "cp.async-d64-window",
-         "cp.async-d64-alibi-causal"])
+    ("ws", 64, (), False), ("ws", 64, (), True), ("cp.async", 64, ("seqlens",), True), ("ws", 128, ("window",), False),
+    ("ws", 256, ("alibi",), True), ("ws", 64, ("dropout", "softcap"), False)], unpack=True),
+    ids=["ws-d64", "ws-d64-causal", "cp.async-d64-lengths-causal", "ws-d128-window", "ws-d256-alibi-causal",
+         "ws-d64-dropout-softcap"])
 def test_ordered_block_mask(kind, D, names, causal, monkeypatch):
     """The ordered dQ with a block mask (dq_turn: a key block waits at query block i for its previous visitor past
     the mask's holes; a key block of holes only never posts; at d 64 the ws kernel's dQ warp takes the turns, at
     d 128 / 256 its consumers): the reference's gradients and the same bits under the reverse and random schedules
-    (a wrong turn is a deadlock the emulator reports). The mask: holed_block_mask's whole-tile holes. (The ws kernel
-    refuses a block mask in the ordered mode since the forty-eighth session: cuda_backward_sm90.BLOCK_MASK_BIT.)"""
+    (a wrong turn is a deadlock the emulator reports). The mask: holed_block_mask's whole-tile holes."""
     from test_cuda_backward_extensions import holed_block_mask
     monkeypatch.setattr(S, "USE_TMA", kind == "ws")
     launch._clear_plans()
@@ -332,8 +332,7 @@ def test_bulk_dq_with_extensions_matches_atomics(case):
     kw = kw_of(names, 2, 2, Lq, Lk)
     if "block_mask" in names:
         kw.update(skipping_block_mask(Lq, Lk))
-    # (a block mask in the ordered mode: refused by the ws kernel since the forty-eighth session, BLOCK_MASK_BIT)
-    for det in (False,) if "block_mask" in names else (True, False):
+    for det in (True, False):
         run = lambda **o: run_case(dt, names, causal=causal, deterministic=det, D=D, Lq=Lq, Lk=Lk,  # noqa: E731
                                    inputs=inputs, kw=kw, **o)
         new = run(schedule=schedule, seed=seed)
@@ -451,6 +450,15 @@ def test_one_instantiation_refused():
         assert why is not None and "alone with deterministic=False at head dim" in why and "spills" in why
         for causal, ordered in ((True, False), (False, True), (True, True), (None, None)):
             assert S.ext_refusal(m, D, Dv, True, causal, ordered) is None, (D, Dv, causal, ordered)
+    # since FastDiv (forty-ninth session's audit): a block mask with dropout at 128 by exact set and mode; the block
+    # mask alone in the ordered mode runs at every head dim (kMaskTurns), the cp.async kernel's table unchanged
+    bm, drop = BITS["block_mask"], BITS["dropout"]
+    assert "spills" in S.ext_refusal(bm | drop, 128, 128, True, True, True)
+    for bits, causal, ordered in ((bm | drop, False, False), (bm | drop, True, False), (bm | drop, None, None)):
+        assert S.ext_refusal(bits, 128, 128, True, causal, ordered) is None, (bits, causal, ordered)
+    for D in (64, 128, 256):
+        for causal in (False, True):
+            assert S.ext_refusal(bm, D, D, True, causal, True) is None, (D, causal)
 
 
 @pytest.mark.parametrize("names,det,match", [
@@ -547,6 +555,28 @@ def test_extension_instantiations_do_not_spill():
     compiles for sm_90a without spills."""
     singles = [b for b in BITS.values()]
     check_no_spills(instantiations((np.float16,), (64, 128, 256), singles))
+
+
+@requires_nvrtc
+@pytest.mark.skipif(not sass.available()[0], reason="SASS tools unavailable: %s" % (sass.available()[1],))
+def test_dq_warp_block_mask_turns_registers():
+    """kMaskTurns (flash_bwd_sm90.cu): where the dQ warp takes the ordered mode's turns past a block mask's holes (bulk
+    dQ, ordered, a block mask) the producer warpgroup runs at 32 registers and the consumers at 232 (ws_regs with
+    mask_turns; at 24 the dQ warp spilled 4 bytes, forty-eighth session), without spills; the atomic twin keeps
+    24 / 240. The setmaxnreg counts read from the SASS."""
+    for ordered in (True, False):
+        ks = cb.kernel_plan(np.float16, 64, 64, causal=False, deterministic=False, arch=90, kernel="wgmma",
+                            ordered=ordered, ext=BITS["block_mask"], tma=True)
+        name = ks["dkv"][1]
+        res = nvrtc.compile_cubin(launch.kernel_source(S.SOURCE), "sm_90a", [name], options=["--use_fast_math"])
+        k = res.kernel(name)
+        assert not (k.spill_stores or k.spill_loads or k.stack_frame), (name, k.spill_stores, k.spill_loads)
+        text = sass.disassemble(res.cubin)
+        dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", text)]
+        inc = [int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, (0x[0-9a-f]+)", text)]
+        want = S.ws_regs(64, 64, mask_turns=ordered)
+        assert (dec, inc) == ([want[0]], [want[1]]), (name, dec, inc)
+    assert S.ws_regs(64, 64, mask_turns=True) == (32, 232) and S.ws_regs(128, 128) == (24, 240)
 
 
 @requires_nvrtc

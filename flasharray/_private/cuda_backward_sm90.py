@@ -160,17 +160,28 @@ EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): ()}
 #: mode (``ordered``): at head dim 128 dropout + ALiBi alone, causal, plain atomics (48 bytes: ptxas computes the
 #: Philox bits while S^T is in flight). Its ordered (deterministic) and non-causal instantiations and every superset
 #: (the other 15 sets with dropout and ALiBi, either mode) compile clean (thirty-ninth session's audit, fp16 and bf16).
-EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),)}
-#: A block mask in the ordered dQ mode on the ws kernel: since the block mask's lookups divide by FastDiv and the
-#: turns walk past the holes with block_any (flash_mask.cuh, flash_bwd_ext.cuh; forty-eighth session) every such
-#: instantiation spilled 4 bytes (d 64 and 128, fp16 and bf16, causal or not; its atomic ones compile clean). Refused
-#: (ext_refusal): those calls take the cp.async wgmma kernel where it runs the set, else the mma.sync backward.
-BLOCK_MASK_BIT = 8
+#: Since the block mask's lookups divide by FastDiv (flash_mask.cuh, forty-eighth session: two registers more in the
+#: Mask) four sets of a block mask with dropout spill 8-52 bytes with the atomics, and with the ordered dQ (the dQ
+#: warp's turns past the mask's holes, producer warpgroup at 32 registers and consumers at 232: ``kMaskTurns``,
+#: :func:`ws_regs`) nine sets of a block mask with dropout or ALiBi spill 8-20 bytes (forty-ninth session's audit of
+#: every block-mask instantiation, fp16 and bf16; the other 119 of 128 ordered ones at d 128 and all 128 at d 64 clean).
+EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),
+                                     (2 | 8 | 16, False, False), (2 | 8 | 16 | 32, False, False),
+                                     (8 | 16 | 32, True, False), (1 | 2 | 8 | 16 | 32, True, False),
+                                     (2 | 8, False, True), (8 | 16, False, True), (2 | 8 | 16, False, True),
+                                     (8 | 16 | 32, False, True), (2 | 8 | 16 | 32, False, True),
+                                     (8 | 16, True, True), (2 | 8 | 16, True, True),
+                                     (8 | 16 | 32, True, True), (2 | 8 | 16 | 32, True, True))}
 #: ... and of the ws kernel with the consumers' atomics (the head-dim split's extension calls): at padded head dims
 #: 256 / 128 and 128 / 256, dropout + ALiBi alone, not causal, plain atomics (4 bytes; fp16 and bf16, D 256 / 128
 #: and 128 / 256; the other 374 instantiations of each pair compile clean, and D 192 / 128's 188 fp16 ones all do:
-#: forty-second session's audit).
-EXT_SPILLS_ONE = {("ws", 256, 128): ((16 | 2, False, False),), ("ws", 128, 256): ((16 | 2, False, False),)}
+#: forty-second session's audit). Since FastDiv (forty-ninth session's audit of every block-mask instantiation, fp16
+#: and bf16): at head dim 256 ALiBi + block mask, causal, plain atomics, and block mask + lengths with or without
+#: ALiBi in the ordered mode (4-8 bytes); at 128 / 256 ALiBi + block mask + dropout, not causal, ordered.
+EXT_SPILLS_ONE = {("ws", 256, 128): ((16 | 2, False, False),),
+                  ("ws", 128, 256): ((16 | 2, False, False), (2 | 8 | 16, False, True)),
+                  ("ws", 256): ((2 | 8, True, False), (8 | 32, False, True), (2 | 8 | 32, False, True),
+                                (8 | 32, True, True), (2 | 8 | 32, True, True))}
 
 
 def _bit_names(bits):
@@ -210,9 +221,6 @@ def ext_refusal(ext, D, Dv, ws, causal=None, ordered=None):
             return ("does not run %s together at head dim %s on its %s kernel (the instantiation spills registers; "
                     "this call: %s)" % (_bit_names(m), dims, "warp-specialized TMA" if ws else "cp.async",
                                          _bit_names(ext)))
-    if ws and ordered and ext & BLOCK_MASK_BIT:
-        return ("does not run a block mask with deterministic=True on its warp-specialized TMA kernel (the ordered "
-                "turns' instantiations spill registers since the forty-eighth session; this call: %s)" % _bit_names(ext))
     if (ext, causal, ordered) in (EXT_SPILLS_BULK_ONE if bulk else EXT_SPILLS_ONE).get(key, ()):
         return ("does not run %s alone%s with deterministic=%s at head dim %s on its warp-specialized TMA kernel "
                 "(the instantiation spills registers)" % (_bit_names(ext), ", causal," if causal else "", ordered, dims))
@@ -286,11 +294,14 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240   # flash::kWsProducerRegs / kWsConsumerR
 PRODUCER_REGS_SPLIT, CONSUMER_REGS_SPLIT = 32, 232   # ... in the head-dim split (Sm90BwdWsTraits)
 
 
-def ws_regs(d, dv):
-    """``Sm90BwdWsTraits::kProducerRegs, kConsumerRegs`` (setmaxnreg) of the ws kernel for padded head dims d, dv:
-    32 / 232 in the head-dim split (the staged bulk dQ's producer warpgroup holds the dQ warp beside the loader; with
-    the atomics the loader alone spilled 4 bytes at 24 in the causal kernels), else 24 / 240."""
-    return (PRODUCER_REGS_SPLIT, CONSUMER_REGS_SPLIT) if is_split(d, dv) else (PRODUCER_REGS, CONSUMER_REGS)
+def ws_regs(d, dv, mask_turns=False):
+    """``kProducerRegs, kConsumerRegs`` (setmaxnreg) of the ws kernel for padded head dims d, dv: 32 / 232 in the
+    head-dim split (``Sm90BwdWsTraits``: the staged bulk dQ's producer warpgroup holds the dQ warp beside the loader;
+    with the atomics the loader alone spilled 4 bytes at 24 in the causal kernels) and where the dQ warp takes the
+    ordered mode's turns past a block mask's holes (``mask_turns``: the kernel's ``kMaskTurns``, bulk dQ, ordered,
+    kExt with the block mask; at 24 it spilled 4 bytes, forty-eighth session), else 24 / 240."""
+    split = is_split(d, dv) or mask_turns
+    return (PRODUCER_REGS_SPLIT, CONSUMER_REGS_SPLIT) if split else (PRODUCER_REGS, CONSUMER_REGS)
 _PANEL = 64             # elements of one 128-byte swizzle panel: the inner box
 _MAX_STRIDE = 2 ** 40   # bytes: cuTensorMapEncodeTiled's bound on a global stride
 _SEL_NONE, _SEL_GROUP, _SEL_B2, _SEL_B1, _SEL_B0 = range(5)  # the kernel's tma_sel codes
