@@ -124,6 +124,19 @@ def test_seqlens_on_the_wide_key_tiles(D, causal, det):
              D=D, H=1, Hk=1)
 
 
+def test_wide_key_dropout_refused_where_it_spills():
+    """tiles_bwd.WIDE_KEYS_EXT_SPILLED: dropout in the ordered mode at d 80 keeps the candidates' tiles on sm_86 /
+    sm_89 (the wide-key instantiation spilled there, causal), the wide-key tile on sm_80 / sm_90 and in the atomic
+    mode everywhere; the arch is read as a number or a name."""
+    from flasharray._private import tiles_bwd
+    drop = cuda_backward._fwd().EXT_BITS["dropout"]
+    for arch, mode, wide in ((86, "ordered", False), ("sm_89", "ordered", False), (80, "ordered", True),
+                             ("sm_90", "ordered", True), (86, "atomic", True), (89, "atomic", True)):
+        t = tiles_bwd.tc_tiles("dkv", 80, 80, arch, ext=drop, mode=mode)
+        assert (t.block_n == 128) == wide and tiles_bwd.wide_keys_take(drop, 80, 80, mode, arch) == wide, (arch, mode)
+    assert tiles_bwd.wide_keys_take(drop, 128, 128, "ordered", 86)
+
+
 @pytest.mark.parametrize("names, D, causal, mode", thin([
     (("softcap",), 128, True, "recompute"), (("softcap",), 96, False, "ordered"), (("softcap",), 256, True, "recompute"),
     (("dropout",), 128, False, "ordered"), (("dropout",), 128, True, "atomic"), (("dropout",), 256, False, "ordered"),

@@ -114,7 +114,7 @@ def wide_key_ext_instantiations(arch, dtypes=("float16",)):
     """{source: {name: BwdTiles}} of the dK/dV kernels tiles_bwd.WIDE_KEYS_EXT_BY_MODE puts on the wide-key tiles:
     each set in each of its dQ modes at each of its head dims (d = dv), causal and not; asserts each is the
     wide-key tile, or the grid layout where that takes the set (tiles_bwd.grid_tile: softcap at d 128 in the
-    atomic modes)."""
+    atomic modes), or where the arch refuses it (tiles_bwd.WIDE_KEYS_EXT_SPILLED) a candidate tile of <= 64 keys."""
     from flasharray._private import tiles_bwd
     found = {}
     for bits, (modes, dims) in tiles_bwd.WIDE_KEYS_EXT_BY_MODE.items():
@@ -127,6 +127,8 @@ def wide_key_ext_instantiations(arch, dtypes=("float16",)):
                         source, name, t = plan["dkv"]
                         if t.layout == "grid":
                             assert tiles_bwd.grid_tile(d, d, arch, ext=bits, mode=mode) == t, (name, t)
+                        elif not tiles_bwd.wide_keys_take(bits, d, d, mode, arch):  # WIDE_KEYS_EXT_SPILLED
+                            assert t.block_n <= 64, (name, t)
                         else:
                             assert t.block_m == 32 and t.block_n >= 32 * (1 + (d < 256)), (name, t)
                         found.setdefault(source, {})[name] = t

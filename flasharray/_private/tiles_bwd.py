@@ -163,16 +163,22 @@ WIDE_KEYS_EXT = (0, 32)
 #: window (12, sm_90 d 128 atomic) spilled and keep the candidates' tiles.
 WIDE_KEYS_EXT_BY_MODE = {4: (("atomic", "ordered", "recompute"), (80, 96, 128, 256)),
                          16: (("atomic", "ordered"), (80, 128, 256))}
+#: (bits, mode, padded d) of :data:`WIDE_KEYS_EXT_BY_MODE` that spill on some archs since that audit, with those
+#: archs: dropout in the ordered mode at d 80 on sm_86 / sm_89 (the causal instantiation, 128 keys x 32 queries,
+#: spilled 28 / 56 bytes, fp16 and bf16; sm_80 / sm_90 and the non-causal one clean: forty-ninth session).
+WIDE_KEYS_EXT_SPILLED = {(16, "ordered", 80): (86, 89)}
 
 
-def wide_keys_take(ext, D, Dv, mode=None):
+def wide_keys_take(ext, D, Dv, mode=None, arch=None):
     """Whether the dK/dV kernel with the kExt bits ``ext`` may take the wide-key tiles at padded head dims D, Dv
-    in the dQ ``mode`` ("atomic", "ordered", "recompute"; None: a mode not known, only :data:`WIDE_KEYS_EXT`)."""
+    in the dQ ``mode`` ("atomic", "ordered", "recompute"; None: a mode not known, only :data:`WIDE_KEYS_EXT`) on
+    ``arch`` (:data:`WIDE_KEYS_EXT_SPILLED`)."""
     ext = int(ext)
     if ext in WIDE_KEYS_EXT:
         return True
     modes, dims = WIDE_KEYS_EXT_BY_MODE.get(ext, ((), ()))
-    return mode in modes and D == Dv and D in dims
+    return (mode in modes and D == Dv and D in dims
+            and (arch is None or arch_number(arch) not in WIDE_KEYS_EXT_SPILLED.get((ext, mode, D), ())))
 
 
 def _wide_keys(D, Dv, limit, stages):
@@ -355,8 +361,8 @@ def tc_tiles(kernel, D, Dv, arch, stages=None, ext=False, mode=None, vec=True, p
     grid = grid_tile(D, Dv, arch, stages, ext, mode, vec, partial) if kernel == "dkv" else None
     if grid is not None:
         return grid
-    wide = (_wide_keys(D, Dv, limit, stages) if kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode)
-            else None)
+    take = kernel == "dkv" and WIDE_KEYS and wide_keys_take(ext, D, Dv, mode, arch)
+    wide = _wide_keys(D, Dv, limit, stages) if take else None
     if wide is not None:
         return wide
     # Later passes: head dims that split unevenly over the warps (e.g. D = 16 with Dv = 192, or
