@@ -294,6 +294,21 @@ def test_simt_two_blocks_rule():
     assert "two blocks per SM" in tiles_bwd.simt_tiles("dkv", np.float32, 64, 64, 90).reason
 
 
+def test_simt_float64_extensions_take_32_query_rows():
+    """tiles_bwd.SIMT_F64_EXT_MAX_BR: the float64 dK/dV kernel with extensions visits at most 32 query rows (its
+    64 x 64 tile spilled at d 64 on sm_90 in 44 of 504 extension instantiations); dense float64, float32 with
+    extensions and the dQ kernel keep their tiles."""
+    def tile(dtype, ext, kernel="dkv", D=64, arch=90):
+        t = tiles_bwd.simt_tiles(kernel, dtype, D, D, arch, ext=ext)
+        return t.block_m, t.block_n
+    assert tile(np.float64, 63) == (32, 64) and tile(np.float64, 1, arch=80) == (32, 64)
+    assert tile(np.float64, 0) == (64, 64) and tile(np.float32, 63) == (64, 64)
+    assert tile(np.float64, 63, "dq") == tile(np.float64, 0, "dq")
+    plan = cb.kernel_plan(np.float64, 64, 64, causal=True, arch=90, kernel="simt", ext=63, deterministic=True,
+                          ordered=True)
+    assert plan["dkv"][2].block_m == 32, plan["dkv"][1]
+
+
 @pytest.mark.parametrize("D,arch,causal,bcast", thin([(64, "sm_90", True, "gqa"), (64, "sm_90", False, "none"),
                                                  (32, "sm_90", True, "none"), (16, "sm_80", False, "mqa")],
                                                 unpack=True))

@@ -75,6 +75,11 @@ SIMT_CANDIDATES = ((64, 64), (32, 64), (32, 32), (16, 32), (16, 16), (8, 16), (8
 #: of six; float64 d 16 on sm_90: 296-352). Dense calls only (extensions keep one block).
 SIMT_TWO_BLOCKS = True
 SIMT_TWO_BLOCKS_HEAD_DIMS = {90: (16, 32, 64), 80: (16,)}
+#: The float64 dK/dV kernel with extensions takes at most this many query rows per visit: at d 64 its 64 x 64 tile
+#: (64 accumulator registers of dK_j, dV_j, at 255) spilled 4-32 bytes in 44 of the 504 extension instantiations on
+#: sm_90 (38 before the block mask's FastDiv; window, ALiBi, softcap, lengths as well as the block mask, every dQ
+#: mode); 32 x 64 leaves the S / dP partial sums half the registers (forty-ninth session's audit).
+SIMT_F64_EXT_MAX_BR = 32
 
 
 def simt_two_blocks(dtype, D, Dv, smem, arch, ext=0):
@@ -109,6 +114,8 @@ def simt_tiles(kernel, dtype, D, Dv, arch, ext=0):
     acc = 8 if dtype == np.float64 else 4
     limit = smem_limit(arch)
     for Br, Bc in SIMT_CANDIDATES:
+        if kernel == "dkv" and ext and dtype == np.float64 and Br > SIMT_F64_EXT_MAX_BR:
+            continue
         kept = Bc * (D + Dv) if kernel == "dkv" else Br * D
         regs = -(-kept // SIMT_THREADS) * acc // 4
         smem = simt_smem(dtype.itemsize, acc, D, Dv, Br, Bc, kernel)
