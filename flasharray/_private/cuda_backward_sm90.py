@@ -164,7 +164,7 @@ EXT_SPILLS_BULK = {("ws", 64): (), ("ws", 128): ()}
 #: Mask) four sets of a block mask with dropout spill 8-52 bytes with the atomics, and with the ordered dQ (the dQ
 #: warp's turns past the mask's holes, producer warpgroup at 32 registers and consumers at 232: ``kMaskTurns``,
 #: :func:`ws_regs`) nine sets of a block mask with dropout or ALiBi spill 8-20 bytes (forty-ninth session's audit of
-#: every block-mask instantiation, fp16 and bf16; the other 119 of 128 ordered ones at d 128 and all 128 at d 64 clean).
+#: every block-mask instantiation, fp16 and bf16; the other 110 of 128 ordered ones at d 128 and all 128 at d 64 clean).
 EXT_SPILLS_BULK_ONE = {("ws", 128): ((16 | 2, True, False),
                                      (2 | 8 | 16, False, False), (2 | 8 | 16 | 32, False, False),
                                      (8 | 16 | 32, True, False), (1 | 2 | 8 | 16 | 32, True, False),
