@@ -461,6 +461,8 @@ GRID_BLOCK_MASKS = [  # (other features, D, causal, deterministic, block size): 
     (("alibi",), 64, False, True, (48, 16)),            # ascending; 16-key blocks, 48-query ones across n8 tiles
     (("window", "alibi", "softcap"), 128, True, True, (32, 64)),  # d 128: the per-m-tile pass (forty-sixth session)
     (("softcap", "dropout"), 128, False, False, (16, 32)),  # ... with dropout's keep bits beside the lookups
+    (("seqlens",), 128, True, True, (32, 64)),          # lengths (tiles_bwd._GRID_LET_BACK, fiftieth session)
+    (("window",), 256, True, True, (16, 32)),           # d 256 with a window (_GRID_LET_BACK)
 ]
 
 
@@ -495,12 +497,14 @@ GRID_DROPOUT = [  # (other features, D, causal, deterministic): dropout on the g
     (("block_mask", "softcap", "alibi"), 256, True, False),  # the tiles a block mask skips
     (("softcap", "seqlens"), 128, False, True),     # softcap's f with Z's sign; short entries
     (("window", "softcap"), 256, True, False),
+    (("block_mask",), 128, False, True),            # d 128 dropout + block mask (tiles_bwd._GRID_LET_BACK)
+    (("softcap", "seqlens"), 64, True, True),       # d 64 (_GRID_LET_BACK): 13 of the 32 sets with dropout
 ]
 
 
 @pytest.mark.parametrize("names, D, causal, det", thin(GRID_DROPOUT, unpack=True))
 def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
-    """Dropout (tiles_bwd.GRID_EXT, less GRID_EXT_SPILLED: not at d 64) runs the grid-layout dK/dV kernel with the
+    """Dropout (tiles_bwd.GRID_EXT, less GRID_EXT_SPILLED: at d 64 13 of the 32 sets, fiftieth session) runs the grid-layout dK/dV kernel with the
     row-tile kernel's keep bits (dropout_bits_t per 16-key m tile; P o Z to P^T_s, Z back from the sign of the kept
     factor in the dS pass): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the
     ordered mode the same bits under reverse and random schedules."""
@@ -510,6 +514,11 @@ def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
         t = cuda_backward.kernel_plan(np.float16, d, d, causal=True, deterministic=True, arch=80, acc_dkv=acc,
                                       ext=bits["dropout"], ordered=True)["dkv"][2]
         assert t.layout == layout, (d, acc)
+    # d 64 softcap + dropout + lengths: the grid (_GRID_LET_BACK) but in float output (GRID_EXT_SPILLED_PARTIAL)
+    for acc, layout in ((False, "grid"), (True, "rows")):
+        t = cuda_backward.kernel_plan(np.float16, 64, 64, causal=True, deterministic=True, arch=90, acc_dkv=acc,
+                                      ext=bits["dropout"] | bits["softcap"] | bits["seqlens"], ordered=True)["dkv"][2]
+        assert t.layout == layout, acc
     H, Lq, Lk = 2, 150, 330
     kw = kw_of(("dropout",) + names, H=H, Lq=Lq, Lk=Lk)
     if "block_mask" in names:

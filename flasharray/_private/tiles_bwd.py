@@ -248,7 +248,7 @@ _BM128 = (_BM | 1, _BM | 1 | 2, _BM | 4, _BM | 2 | 4, _BM | 1 | 2 | 4, _BM | 1 |
 _GRID_FASTDIV_SPILLED = {64: (_BM, _BM | 1 | 2 | 32, _BM | 1 | 4 | 32), 128: (_BM | 1, _BM | 1 | 2, _BM | 4,
                                                                      _BM | 2 | 4 | _DROP | 32),
                          256: (_BM | 4 | _DROP | 32,)}
-GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP)
+_GRID_REFUSED_BEFORE_AUDIT = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP)
                     + _GRID_FASTDIV_SPILLED[64],
                     128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32)
                     + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128) + _GRID_FASTDIV_SPILLED[128]
@@ -257,13 +257,30 @@ GRID_EXT_SPILLED = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in 
                           _BM | 1 | 2 | 4 | 32)
                     + tuple(_DROP | _BM | b for b in (0, 1, 2, 1 | 2, 4, 1 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 4 | 32))
                     + (_DROP | 32,) + _GRID_FASTDIV_SPILLED[256]}
+#: The refused sets that compiled clean in the fiftieth session's audit of every one of them (script in
+#: docs/performance.md, "Fiftieth session": fp16 and bf16, T and float outputs, sm_80 and sm_90, causal or not, both
+#: dQ modes; 1,376 instantiations): ptxas's allocation at the 255-register cap moved with the kernels since (FastDiv,
+#: the per-m-tile pass). At d 64 a block mask with window + ALiBi or lengths, and 13 of the 32 dropout sets; at d 128
+#: window + ALiBi, a block mask with dropout, with lengths (alone, with softcap, ALiBi + softcap, softcap + dropout);
+#: at d 256 ten block-mask sets (with a window, dropout, or all five). The grid kernel ran the dense backward 1.27x
+#: (atomic) and 1.40-1.43x (ordered) the row-tile kernel on an H200. The sets that still spilled stay refused.
+_GRID_LET_BACK = {64: (_BM | 1 | 2, _DROP | 1 | 2, _DROP | 4, _DROP | 2 | 4, _BM | _DROP | 1, _BM | _DROP | 1 | 2,
+                       _BM | _DROP | 4, _BM | 32, _DROP | 1 | 32, _DROP | 1 | 2 | 32, _DROP | 4 | 32,
+                       _DROP | 1 | 4 | 32, _DROP | 2 | 4 | 32, _BM | _DROP | 1 | 32, _BM | _DROP | 1 | 2 | 32),
+                  128: (1 | 2, _BM | _DROP, _BM | 32, _BM | 4 | 32, _BM | 2 | 4 | 32, _BM | _DROP | 4 | 32),
+                  256: (_BM | 1, _BM | 1 | 2, _BM | _DROP, _BM | _DROP | 2, _BM | _DROP | 1 | 2, _BM | _DROP | 4,
+                        _BM | _DROP | 1 | 4, _BM | 1 | 2 | 4 | 32, _BM | _DROP | 32, _BM | _DROP | 1 | 2 | 32)}
+GRID_EXT_SPILLED = {d: tuple(b for b in sets if b not in _GRID_LET_BACK[d]) for d, sets in _GRID_REFUSED_BEFORE_AUDIT.items()}
 #: ... and the sets whose float-output instantiations alone spilled (dK, dV as float partial sums: K/V broadcast over
 #: the query heads with extensions; ``grid_tile(partial=True)``): with dropout, d 128 window + softcap (24 bytes, sm_90
 #: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic);
 #: at d 128 every block-mask set of :data:`_BM128` but softcap + dropout alone or with a window (8-116 bytes;
 #: forty-sixth session, window + block mask 108 on sm_80 atomic); since FastDiv (forty-eighth session) also softcap +
-#: dropout + window + block mask (16 bytes, sm_90 ordered causal).
-GRID_EXT_SPILLED_PARTIAL = {128: (_DROP | 1 | 4,) + tuple(b for b in _BM128 if b != _BM | _DROP | 4),
+#: dropout + window + block mask (16 bytes, sm_90 ordered causal); of the sets let back (fiftieth session), at d 64
+#: window + ALiBi + block mask, softcap + dropout + block mask, softcap + dropout + lengths (with or without a window),
+#: at d 128 window + ALiBi and dropout + block mask.
+GRID_EXT_SPILLED_PARTIAL = {64: (_BM | 1 | 2, _BM | _DROP | 4, _DROP | 4 | 32, _DROP | 1 | 4 | 32),
+                            128: (_DROP | 1 | 4, 1 | 2, _BM | _DROP) + tuple(b for b in _BM128 if b != _BM | _DROP | 4),
                             256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
