@@ -93,7 +93,8 @@ extension on both sides (both ``kernel=`` named), to decide sm_90's dispatch of 
                                             128 x 128 blocks: the grid-layout dK/dV kernel (forty-fourth session; d 64
                                             and 256) vs the row-tile kernel, both dQ modes
   mma.GRID_LAYOUT.block_mask_window         the same with a window (255, 0) too (forty-sixth session: at d 128,
-                                            where the block mask alone keeps the row tile; and at d 64)
+                                            where the block mask alone keeps the row tile; and at d 64; d 256 since
+                                            the fiftieth session)
   mma.GRID_LAYOUT.dropout                   the same with dropout_p 0.1 (forty-fifth session; at d 256, where sm_90's
                                             dropout calls run the mma.sync backward: the wgmma one refuses them)
   bwd.DQ_BULK_EXT.window / .dropout         cuda_backward_sm90.DQ_BULK_EXT (both sides the wgmma backward): the ws
@@ -254,7 +255,7 @@ EXT_SWITCHES = (
            "(d 64 / 256; d 128 keeps the row tile)", MMA_BWD, ext="block_mask"),
     Switch("mma.GRID_LAYOUT.block_mask_window", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "block mask (half of the 128 x 128 blocks) and window (255, 0), mma.sync backward: grid-layout vs "
-           "row-tile dK/dV kernel (d 64 / 128; d 256 keeps the row tile)", MMA_BWD, ext="block_mask_window"),
+           "row-tile dK/dV kernel (d 64 / 128 / 256)", MMA_BWD, ext="block_mask_window"),
     Switch("mma.GRID_LAYOUT.dropout", "bwd", tiles_bwd, "GRID_LAYOUT", False,
            "dropout p 0.1, mma.sync backward: grid-layout vs row-tile dK/dV kernel (d 256; d 64 / 128 keep the row "
            "tile)", MMA_BWD, ext="dropout"),
