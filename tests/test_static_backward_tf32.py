@@ -205,3 +205,12 @@ def test_sm75_refused():
     for precision in T.PREC:
         with pytest.raises(NotImplementedError, match="sm_75"):
             T.backward_tile(precision, np.float32, 64, 64, 75)
+
+
+def test_alibi_sets_that_spilled_at_d64_compile_clean():
+    """T.EXT_SPILLED_SMALL_D: tf32 ALiBi alone and with lengths at d 64 on sm_80 (causal, ordered: 32 / 44 bytes on
+    32 query rows) compile without spills on their 16-row tile, in both dQ modes, causal or not."""
+    for e in T.EXT_SPILLED_SMALL_D[("tf32", 80)]:
+        assert T.backward_tile("tf32", np.float32, 64, 64, 80, ext=e, wgmma=False).block_m == 16
+    _check(80, [(64, 64)], [(c, True, o) for c in (False, True) for o in (False, True)],
+           exts=T.EXT_SPILLED_SMALL_D[("tf32", 80)])

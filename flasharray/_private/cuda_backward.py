@@ -235,7 +235,7 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                 t_q.stages, x), t_q)
     elif kernel in FAMILIES:
         module = _family_module(kernel)
-        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=bool(ext),
+        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=ext if kernel == "tf32" else bool(ext),
                                     **({"vec": vec, "device": device} if kernel == "tf32" else {}))
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
@@ -514,7 +514,7 @@ class BackwardPlan:
                 t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch)
             elif self.kernel == "tf32":  # kernel_plan's tile: the rows' alignment picks it (wgmma: Br 64, else 32)
                 t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch,
-                                                                 ext=self.ext is not None, vec=vec,
+                                                                 ext=0 if self.ext is None else self.ext.bits, vec=vec,
                                                                  device=self.launcher.device)
             else:
                 t_kv = family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1]

@@ -188,6 +188,14 @@ def wgmma_tile(precision, d, dv, a, ext, vec, device=None):
 #: ALiBi + softcap + dropout + lengths; atomic dQ; tests/test_static_backward_tf32.py, ``-m slow``); 2 warps do not.
 ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 = 112
 
+#: (precision, arch number) -> kExt sets whose instantiations at padded max(d, dv) <= 64 spilled on the extensions'
+#: Br (half of :func:`block_m`'s) and take half that again: tf32 on sm_80, ALiBi alone and with lengths (causal,
+#: ordered dQ: 32 and 44 bytes at 255 registers). 16 query rows compile every ALiBi set clean there (164-222
+#: registers); 32 x 32 still spilled. Clean on the extensions' tile (fiftieth session's audit of all 63 sets, causal
+#: or not, both dQ modes): the other sets on sm_80, every set on sm_86 / sm_90 at d 64 and on sm_80 at d 16-48,
+#: 3xtf32 at d 64 on sm_80.
+EXT_SPILLED_SMALL_D = {("tf32", 80): (2, 2 | 32)}
+
 
 def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True, device=None):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
@@ -217,6 +225,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=T
     br = block_m(precision, d, dv)
     if ext and max(d, dv) <= 64:
         br //= 2  # extensions (dropout's keep bits, the mask state) spilled 4-84 bytes at Br 64 / 32 on sm_80
+        if not isinstance(ext, bool) and int(ext) in EXT_SPILLED_SMALL_D.get((precision, a), ()):
+            br //= 2
     def best_tile(lo, kv):
         best = None
         for bc in (64, 32, 16):
