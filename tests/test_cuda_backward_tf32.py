@@ -714,31 +714,33 @@ def test_3xtf32_backward_under_truncated_mma_sums():
 
 
 def test_alibi_at_d64_on_sm80_takes_16_query_rows():
-    """tf32 at padded d <= 64 on sm_80 with ALiBi alone or with lengths (T.EXT_SPILLED_SMALL_D: their causal ordered
-    instantiations spilled on the extensions' 32 query rows) takes 16 rows per visit; other sets, archs and 3xtf32
-    keep 32. The 16-row kernel issues the same MMA sequence into the same accumulators (dV_j, dK_j over the visits'
-    k steps in query order; dQ's rows split, each row's sum unchanged): on the emulator its gradients are bitwise
-    those of the 32-row kernel (the table emptied), ordered, causal, with the lengths."""
+    """tf32 at padded d <= 64 on sm_80 with ALiBi alone or with lengths, causal, ordered dQ (T.EXT_SPILLED_SMALL_D:
+    those instantiations spilled on the extensions' 32 query rows) takes 16 rows per visit; other sets, modes, archs
+    and 3xtf32 keep theirs. The 16-row kernel issues the same MMA sequence into the same accumulators (dV_j, dK_j
+    over the visits' k steps in query order; dQ's rows split, each row's sum unchanged): on the emulator its
+    gradients are bitwise those of the 32-row kernel (the table emptied)."""
     from conftest import flag_set
     bits = cuda_backward._fwd().EXT_BITS
     alibi, lengths = bits["alibi"], bits["seqlens"]
-    for e, arch, precision, rows in ((alibi, 80, "tf32", 16), (alibi | lengths, 80, "tf32", 16),
-                                     (alibi | bits["softcap"], 80, "tf32", 32), (alibi, 86, "tf32", 32),
-                                     (alibi, 80, "3xtf32", 16), (alibi, 90, "tf32", 32)):
-        t = T.backward_tile(precision, np.float32, 64, 64, arch, ext=e, wgmma=False)
-        assert t.block_m == (rows if precision == "tf32" else 16), (e, arch, precision, t)
-        assert T.backward_tile(precision, np.float32, 64, 64, arch, ext=True, wgmma=False).block_m == \
-            (32 if precision == "tf32" else 16)  # a bool: no set known
+    for e, arch, precision, causal, ordered, rows in (
+            (alibi, 80, "tf32", True, True, 16), (alibi | lengths, 80, "tf32", True, True, 16),
+            (alibi, 80, "tf32", False, True, 32), (alibi, 80, "tf32", True, False, 32),
+            (alibi | bits["softcap"], 80, "tf32", True, True, 32), (alibi, 86, "tf32", True, True, 32),
+            (alibi, 90, "tf32", True, True, 32), (alibi, 80, "3xtf32", True, True, 16)):
+        t = T.backward_tile(precision, np.float32, 64, 64, arch, ext=e, wgmma=False, causal=causal, ordered=ordered)
+        assert t.block_m == rows, (e, arch, precision, causal, ordered, t)
     kw = _ext_kw(("alibi", "seqlens"), Lq=70, Lk=90)
-    run = lambda: run_ext("tf32", kw, causal=True, deterministic=True, Lq=70, Lk=90, D=64)  # noqa: E731
-    *_, new, plans = run()
+    run = lambda det: run_ext("tf32", kw, causal=True, deterministic=det, Lq=70, Lk=90, D=64)  # noqa: E731
+    *_, new, plans = run(True)
     assert plans == {("tf32", "ordered")}, plans
     assert _tf32_tiles() == [(16, 64)]
     with flag_set(T, "EXT_SPILLED_SMALL_D", {}):
-        *_, old, _ = run()
+        *_, old, _ = run(True)
         assert _tf32_tiles() == [(32, 64)]
     for a, b in zip(new, old):
         np.testing.assert_array_equal(a, b)
+    run(False)
+    assert _tf32_tiles() == [(32, 64)]  # the atomic mode keeps 32 rows
 
 
 def _tf32_tiles():

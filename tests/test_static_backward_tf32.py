@@ -68,7 +68,8 @@ def instantiations(arch, dims, flags, exts=(0,)):
         for D, Dv in dims:
             for e in exts:
                 for causal, vec, ordered in flags:
-                    t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e, vec=vec, wgmma=False)
+                    t = T.backward_tile(precision, np.float32, D, Dv, arch, ext=e, vec=vec, wgmma=False,
+                                        causal=causal, ordered=ordered)
                     if t is None:  # T.WIDE_3XTF32_EXT: those calls run the SIMT backward
                         continue
                     if ordered and e & ~T.ORDERED_EXT:
@@ -209,8 +210,10 @@ def test_sm75_refused():
 
 def test_alibi_sets_that_spilled_at_d64_compile_clean():
     """T.EXT_SPILLED_SMALL_D: tf32 ALiBi alone and with lengths at d 64 on sm_80 (causal, ordered: 32 / 44 bytes on
-    32 query rows) compile without spills on their 16-row tile, in both dQ modes, causal or not."""
+    32 query rows) compile without spills on their 16-row tile; their other modes, on 32 rows, too."""
     for e in T.EXT_SPILLED_SMALL_D[("tf32", 80)]:
-        assert T.backward_tile("tf32", np.float32, 64, 64, 80, ext=e, wgmma=False).block_m == 16
+        for causal, ordered in itertools.product((False, True), repeat=2):
+            t = T.backward_tile("tf32", np.float32, 64, 64, 80, ext=e, wgmma=False, causal=causal, ordered=ordered)
+            assert t.block_m == (16 if causal and ordered else 32), (e, causal, ordered)
     _check(80, [(64, 64)], [(c, True, o) for c in (False, True) for o in (False, True)],
            exts=T.EXT_SPILLED_SMALL_D[("tf32", 80)])

@@ -236,7 +236,8 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
     elif kernel in FAMILIES:
         module = _family_module(kernel)
         t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=ext if kernel == "tf32" else bool(ext),
-                                    **({"vec": vec, "device": device} if kernel == "tf32" else {}))
+                                    **({"vec": vec, "device": device, "causal": causal, "ordered": ordered}
+                                       if kernel == "tf32" else {}))
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
@@ -431,6 +432,7 @@ class BackwardPlan:
         self.dtype = dtype = canonical_dtype(q.dtype)
         self.acc = acc = accumulation_dtype(dtype)
         arch = tiles.arch_number(arch) if arch is not None else launcher.arch
+        self.causal = causal
         self.precision = precision
         self.kernel = _kernel_choice(dtype, arch, kernel, precision, q.shape[-1], v.shape[-1],
                                      _fwd().ext_bits(ext), dq, deterministic, launcher.device)
@@ -515,6 +517,7 @@ class BackwardPlan:
             elif self.kernel == "tf32":  # kernel_plan's tile: the rows' alignment picks it (wgmma: Br 64, else 32)
                 t_kv = _family_module(self.kernel).backward_tile(self.precision, self.dtype, D, Dv, arch,
                                                                  ext=0 if self.ext is None else self.ext.bits, vec=vec,
+                                                                 causal=self.causal, ordered=self.ordered,
                                                                  device=self.launcher.device)
             else:
                 t_kv = family_tile(self.dtype, self.precision, D, Dv, arch, self.ext is not None)[1]

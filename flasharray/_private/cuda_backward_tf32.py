@@ -188,21 +188,24 @@ def wgmma_tile(precision, d, dv, a, ext, vec, device=None):
 #: ALiBi + softcap + dropout + lengths; atomic dQ; tests/test_static_backward_tf32.py, ``-m slow``); 2 warps do not.
 ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90 = 112
 
-#: (precision, arch number) -> kExt sets whose instantiations at padded max(d, dv) <= 64 spilled on the extensions'
-#: Br (half of :func:`block_m`'s) and take half that again: tf32 on sm_80, ALiBi alone and with lengths (causal,
-#: ordered dQ: 32 and 44 bytes at 255 registers). 16 query rows compile every ALiBi set clean there (164-222
-#: registers); 32 x 32 still spilled. Clean on the extensions' tile (fiftieth session's audit of all 63 sets, causal
-#: or not, both dQ modes): the other sets on sm_80, every set on sm_86 / sm_90 at d 64 and on sm_80 at d 16-48,
-#: 3xtf32 at d 64 on sm_80.
+#: (precision, arch number) -> kExt sets whose causal ordered-dQ instantiations at padded max(d, dv) <= 64 spilled on
+#: the extensions' Br (half of :func:`block_m`'s) and take half that again: tf32 on sm_80, ALiBi alone and with
+#: lengths (32 and 44 bytes at 255 registers). 16 query rows compile every ALiBi set clean there (164-222 registers);
+#: 32 x 32 still spilled. Only that mode: 16 rows cost 17-21 % more instructions per HMMA of the loop (7.3-7.9
+#: against 6.1-6.6), so the atomic and non-causal instantiations, clean at 32 rows, keep them. Clean on the
+#: extensions' tile (fiftieth session's audit of all 63 sets, causal or not, both dQ modes): the other sets on sm_80,
+#: every set on sm_86 / sm_90 at d 64 and on sm_80 at d 16-48, 3xtf32 at d 64 on sm_80.
 EXT_SPILLED_SMALL_D = {("tf32", 80): (2, 2 | 32)}
 
 
-def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True, device=None):
+def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=True, device=None, causal=False,
+                  ordered=False):
     """The tile of the TF32 dK/dV kernel for a float32 call, or None where it does not apply
     (precision not "tf32"/"3xtf32", dtype not float32, padded head dims above 128, 3xtf32 above d 64
     with extensions outside :data:`WIDE_3XTF32_EXT`). ``ext``: the call's kExt bits, or a bool (max(d,
     dv) <= 64 with extensions: half the Br, else the same tile; tests/test_static_backward_tf32.py).
     ``vec``: the rows take the 16-byte copies (False: element-wise, :data:`ELEMENTWISE_EXT_MAX_HEAD_DIM_SM90`).
+    ``causal`` and ``ordered`` (the dQ mode): :data:`EXT_SPILLED_SMALL_D`'s sets take 16 query rows in that mode.
     On sm_90 the wgmma kernel's tile where it applies (:func:`wgmma_tile`, ``device`` the launcher's;
     ``wgmma=False``: the mma.sync one).
     NotImplementedError naming the arch below sm_80."""
@@ -225,7 +228,8 @@ def backward_tile(precision, dtype, D, Dv, arch, *, ext=False, vec=True, wgmma=T
     br = block_m(precision, d, dv)
     if ext and max(d, dv) <= 64:
         br //= 2  # extensions (dropout's keep bits, the mask state) spilled 4-84 bytes at Br 64 / 32 on sm_80
-        if not isinstance(ext, bool) and int(ext) in EXT_SPILLED_SMALL_D.get((precision, a), ()):
+        spilled = EXT_SPILLED_SMALL_D.get((precision, a), ())
+        if causal and ordered and not isinstance(ext, bool) and int(ext) in spilled:
             br //= 2
     def best_tile(lo, kv):
         best = None

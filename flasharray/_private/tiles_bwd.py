@@ -270,7 +270,8 @@ _GRID_LET_BACK = {64: (_BM | 1 | 2, _DROP | 1 | 2, _DROP | 4, _DROP | 2 | 4, _BM
                   128: (1 | 2, _BM | _DROP, _BM | 32, _BM | 4 | 32, _BM | 2 | 4 | 32, _BM | _DROP | 4 | 32),
                   256: (_BM | 1, _BM | 1 | 2, _BM | _DROP, _BM | _DROP | 2, _BM | _DROP | 1 | 2, _BM | _DROP | 4,
                         _BM | _DROP | 1 | 4, _BM | 1 | 2 | 4 | 32, _BM | _DROP | 32, _BM | _DROP | 1 | 2 | 32)}
-GRID_EXT_SPILLED = {d: tuple(b for b in sets if b not in _GRID_LET_BACK[d]) for d, sets in _GRID_REFUSED_BEFORE_AUDIT.items()}
+GRID_EXT_SPILLED = {d: tuple(b for b in sets if b not in _GRID_LET_BACK[d])
+                    for d, sets in _GRID_REFUSED_BEFORE_AUDIT.items()}
 #: ... and the sets whose float-output instantiations alone spilled (dK, dV as float partial sums: K/V broadcast over
 #: the query heads with extensions; ``grid_tile(partial=True)``): with dropout, d 128 window + softcap (24 bytes, sm_90
 #: ordered), d 256 alone and with ALiBi (96, sm_90 causal atomic), ALiBi + softcap + block mask (32, sm_80 atomic);
