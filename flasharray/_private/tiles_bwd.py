@@ -248,15 +248,15 @@ _BM128 = (_BM | 1, _BM | 1 | 2, _BM | 4, _BM | 2 | 4, _BM | 1 | 2 | 4, _BM | 1 |
 _GRID_FASTDIV_SPILLED = {64: (_BM, _BM | 1 | 2 | 32, _BM | 1 | 4 | 32), 128: (_BM | 1, _BM | 1 | 2, _BM | 4,
                                                                      _BM | 2 | 4 | _DROP | 32),
                          256: (_BM | 4 | _DROP | 32,)}
-_GRID_REFUSED_BEFORE_AUDIT = {64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP)
-                    + _GRID_FASTDIV_SPILLED[64],
-                    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32)
-                    + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128) + _GRID_FASTDIV_SPILLED[128]
-                    + tuple(_DROP | b for b in (0, 1, 2, 1 | 2, 1 | 2 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 2 | 4 | 32)),
-                    256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
-                          _BM | 1 | 2 | 4 | 32)
-                    + tuple(_DROP | _BM | b for b in (0, 1, 2, 1 | 2, 4, 1 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 4 | 32))
-                    + (_DROP | 32,) + _GRID_FASTDIV_SPILLED[256]}
+_GRID_REFUSED_BEFORE_AUDIT = {
+    64: (_BM | 1 | 2, _BM | 1 | 4, _BM | 32) + tuple(b for b in _GRID_SETS if b & _DROP) + _GRID_FASTDIV_SPILLED[64],
+    128: (1, 2, 1 | 2, 1 | 32, 2 | 32, 1 | 2 | 32)
+    + tuple(b for b in _GRID_SETS if b & _BM and b not in _BM128) + _GRID_FASTDIV_SPILLED[128]
+    + tuple(_DROP | b for b in (0, 1, 2, 1 | 2, 1 | 2 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 2 | 4 | 32)),
+    256: (1, 2, 1 | 32, 2 | 32, _BM | 1, _BM | 2, _BM | 1 | 2, _BM | 32, _BM | 1 | 32, _BM | 2 | 32,
+          _BM | 1 | 2 | 4 | 32)
+    + tuple(_DROP | _BM | b for b in (0, 1, 2, 1 | 2, 4, 1 | 4, 32, 1 | 32, 2 | 32, 1 | 2 | 32, 1 | 4 | 32))
+    + (_DROP | 32,) + _GRID_FASTDIV_SPILLED[256]}
 #: The refused sets that compiled clean in the fiftieth session's audit of every one of them (script in
 #: docs/performance.md, "Fiftieth session": fp16 and bf16, T and float outputs, sm_80 and sm_90, causal or not, both
 #: dQ modes; 1,376 instantiations): ptxas's allocation at the 255-register cap moved with the kernels since (FastDiv,
