@@ -78,13 +78,22 @@ def _check_arch(arch, variants, causals=(False, True), ordered_variants=(ORDERED
     _check(arch, instantiations(arch, variants, causals, ordered_variants))
 
 
+#: Names per NVRTC program in :func:`_check`: one program of the slow grid test's ~1,000 instantiations grew to 14 GB
+#: (its worker was killed for memory on a 23 GB machine, fiftieth session); chunks keep each program small.
+CHUNK = 96
+
+
 def _check(arch, found):
     rows, problems = [], []
     for source, items in found.items():
-        res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, list(items),
-                                  options=["--use_fast_math"])
+        names = sorted(items)
+        kernels = {}
+        for i in range(0, len(names), CHUNK):
+            res = nvrtc.compile_cubin(launch.kernel_source(source), "sm_%d" % arch, names[i:i + CHUNK],
+                                      options=["--use_fast_math"])
+            kernels.update((n, res.kernel(n)) for n in names[i:i + CHUNK])
         for name, t in sorted(items.items()):
-            k = res.kernel(name)
+            k = kernels[name]
             rows.append("sm_%d %-100s regs %3d  spill %d/%d  stack %d" % (
                 arch, name, k.registers, k.spill_stores, k.spill_loads, k.stack_frame))
             if k.spill_stores or k.spill_loads or k.stack_frame:
