@@ -504,9 +504,9 @@ GRID_DROPOUT = [  # (other features, D, causal, deterministic): dropout on the g
 
 @pytest.mark.parametrize("names, D, causal, det", thin(GRID_DROPOUT, unpack=True))
 def test_dropout_on_the_grid_layout(monkeypatch, names, D, causal, det):
-    """Dropout (tiles_bwd.GRID_EXT, less GRID_EXT_SPILLED: at d 64 13 of the 32 sets, fiftieth session) runs the grid-layout dK/dV kernel with the
-    row-tile kernel's keep bits (dropout_bits_t per 16-key m tile; P o Z to P^T_s, Z back from the sign of the kept
-    factor in the dS pass): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the
+    """Dropout (tiles_bwd.GRID_EXT, less GRID_EXT_SPILLED: at d 64 13 of the 32 sets, fiftieth session) runs the
+    grid-layout dK/dV kernel with the row-tile kernel's keep bits (dropout_bits_t per 16-key m tile; P o Z to P^T_s,
+    Z back from the sign of the kept factor in the dS pass): the rule in both dQ modes; without softcap dK, dV bitwise the row-tile kernel's; the
     ordered mode the same bits under reverse and random schedules."""
     bits = cuda_backward._fwd().EXT_BITS
     # dropout alone: spilled at d 64 / 128, and at d 256 in the float-output (K/V broadcast) instantiations

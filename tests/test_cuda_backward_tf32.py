@@ -744,6 +744,7 @@ def test_alibi_at_d64_on_sm80_takes_16_query_rows():
 
 
 def _tf32_tiles():
-    """(Br, Bc) of the TF32 dK/dV kernels the backward plans made since cuda_backward._PLANS was cleared launch."""
+    """(Br, Bc) of the TF32 dK/dV kernels that the backward plans made since cuda_backward._PLANS was cleared
+    launch."""
     names = [n for p in cuda_backward._PLANS.values() for n in p.replay.names if n.startswith(T.KERNEL + "<")]
     return [tuple(int(x) for x in n[len(T.KERNEL) + 1:].split(",")[2:4]) for n in names]

@@ -235,9 +235,10 @@ def kernel_plan(dtype, D, Dv, *, causal, deterministic, arch, kernel=None, acc_d
                 t_q.stages, x), t_q)
     elif kernel in FAMILIES:
         module = _family_module(kernel)
-        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, ext=ext if kernel == "tf32" else bool(ext),
-                                    **({"vec": vec, "device": device, "causal": causal, "ordered": ordered}
-                                       if kernel == "tf32" else {}))
+        # (the tf32 tile takes the bits, the rows' alignment and the mode: EXT_SPILLED_SMALL_D)
+        options = (dict(ext=ext, vec=vec, device=device, causal=causal, ordered=ordered) if kernel == "tf32"
+                   else dict(ext=bool(ext)))
+        t_kv = module.backward_tile(precision, dtype, D, Dv, arch, **options)
         if t_kv is None or not atomic:
             raise ValueError("flasharray: the %s backward kernel does not apply to %s, D=%d, Dv=%d, precision=%r%s"
                              % (kernel, dtype, D, Dv, precision, "" if atomic else " in the recompute dQ mode"))
