@@ -956,8 +956,9 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>
   // setmaxnreg's counts: FlashAttention-3's 24 / 240, but in the head-dim split 32 / 232 (its consumers use up to 216
   // registers; at 24 the producer warpgroup spilled 4 bytes in the causal kernels: kDQStaged holding the loader's and
   // the dQ warp's state, the consumers' atomics (d 256 with DQ_BULK off, D = 200) the loader's alone)
-  static constexpr int kProducerRegs = Base::kSplitD ? 32 : flash::kWsProducerRegs;
-  static constexpr int kConsumerRegs = Base::kSplitD ? 232 : flash::kWsConsumerRegs;
+  static constexpr int kSplitProducerRegs = 32, kSplitConsumerRegs = 232;
+  static constexpr int kProducerRegs = Base::kSplitD ? kSplitProducerRegs : flash::kWsProducerRegs;
+  static constexpr int kConsumerRegs = Base::kSplitD ? kSplitConsumerRegs : flash::kWsConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   static constexpr int kProducerLanes = 32;  // full[s]'s arrivals: warp 0 of the producer
   static constexpr int kdSBytes = kBlockN * kBlockM * 2;
@@ -1185,8 +1186,8 @@ flash_bwd_sm90_ws_kernel(
   // the Mask's FastDiv members). At the producer's 24 registers that warp spilled 4 bytes (forty-eighth session);
   // it gets the head-dim split's 32 / 232 (cuda_backward_sm90.ws_regs(mask_turns=True)).
   constexpr bool kMaskTurns = kDQWarp && kOrderedDQ && flash::HasExt<kExt, flash::kExtBlockMask>::value;
-  constexpr int kProducerRegs = kMaskTurns ? 32 : Tr::kProducerRegs;
-  constexpr int kConsumerRegs = kMaskTurns ? 232 : Tr::kConsumerRegs;
+  constexpr int kProducerRegs = kMaskTurns ? Tr::kSplitProducerRegs : Tr::kProducerRegs;
+  constexpr int kConsumerRegs = kMaskTurns ? Tr::kSplitConsumerRegs : Tr::kConsumerRegs;
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536, "the register file holds all three warpgroups");
   constexpr int kStages = Tr::kStages;
   static_assert(kDQDim % 16 == 0 && kDQDim <= kHeadDim, "the accumulator's head dim: D padded to 16");
