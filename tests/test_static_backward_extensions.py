@@ -208,6 +208,24 @@ def test_grid_layout_extension_sets_compile_without_spills(d, count):
     _check(80, found)
 
 
+def test_d256_dropout_alibi_lengths_float_output_takes_the_row_tile():
+    """d 256 dropout + ALiBi + lengths in float output (K/V broadcast): the grid kernel spilled 32 bytes on sm_90
+    (causal, atomic; found by the slow test below, fifty-first session), so tiles_bwd.GRID_EXT_SPILLED_PARTIAL refuses
+    it there and the row-tile kernel runs it, without spills; the T output keeps the grid."""
+    from flasharray._private import tiles_bwd
+    bits = 16 | 2 | 32
+    assert bits in tiles_bwd.GRID_EXT_SPILLED_PARTIAL[256]
+    assert tiles_bwd.grid_tile(256, 256, 90, ext=bits, mode="atomic", partial=True) is None
+    assert tiles_bwd.grid_tile(256, 256, 90, ext=bits, mode="atomic") is not None
+    found = {}
+    for acc in (False, True):
+        source, name, t = cuda_backward.kernel_plan("float16", 256, 256, causal=True, deterministic=False, arch=90,
+                                                    ext=bits, ordered=False, acc_dkv=acc)["dkv"]
+        assert t.layout == ("rows" if acc else "grid"), name
+        found.setdefault(source, {})[name] = t
+    _check(90, found)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

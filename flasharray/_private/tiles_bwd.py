@@ -279,10 +279,11 @@ GRID_EXT_SPILLED = {d: tuple(b for b in sets if b not in _GRID_LET_BACK[d])
 #: forty-sixth session, window + block mask 108 on sm_80 atomic); since FastDiv (forty-eighth session) also softcap +
 #: dropout + window + block mask (16 bytes, sm_90 ordered causal); of the sets let back (fiftieth session), at d 64
 #: window + ALiBi + block mask, softcap + dropout + block mask, softcap + dropout + lengths (with or without a window),
-#: at d 128 window + ALiBi and dropout + block mask.
+#: at d 128 window + ALiBi and dropout + block mask; at d 256 dropout + ALiBi + lengths (32 bytes, sm_90 causal atomic:
+#: the slow test's first complete run, fifty-first session).
 GRID_EXT_SPILLED_PARTIAL = {64: (_BM | 1 | 2, _BM | _DROP | 4, _DROP | 4 | 32, _DROP | 1 | 4 | 32),
                             128: (_DROP | 1 | 4, 1 | 2, _BM | _DROP) + tuple(b for b in _BM128 if b != _BM | _DROP | 4),
-                            256: (_DROP, _DROP | 2, _DROP | _BM | 2 | 4)}
+                            256: (_DROP, _DROP | 2, _DROP | 2 | 32, _DROP | _BM | 2 | 4)}
 #: False: the row-tile kernel everywhere (benchmarks/hopper_variants.py times both as ``mma.GRID_LAYOUT``).
 #: Plans are cached: flip it before planning, or clear them (launch._clear_plans).
 GRID_LAYOUT = True
